@@ -1,0 +1,51 @@
+"""Shared fixtures: a private Valkey server for the session and brokers of every kind."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from tests.servers import running_server
+from tokenyard.broker.base import Broker
+from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.memory import MemoryBroker
+from tokenyard.broker.redis import RedisBroker
+from tokenyard.config import BrokerSettings
+
+BrokerFactory = Callable[..., Broker]
+
+
+@pytest.fixture(scope="session")
+def valkey() -> Iterator[EmbeddedServer]:
+    with running_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_broker(
+    request: pytest.FixtureRequest, valkey: EmbeddedServer
+) -> AsyncIterator[BrokerFactory]:
+    """Build brokers with settings overrides; each test gets its own key prefix."""
+    made: list[Broker] = []
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    memory_shared: dict[str, MemoryBroker] = {}
+
+    def factory(**overrides: object) -> Broker:
+        if request.param == "memory":
+            # one in-process store per test, as several clients of one Redis would share it
+            base = memory_shared.get("store")
+            settings = BrokerSettings(url="memory://", prefix=prefix, **overrides)  # type: ignore[arg-type]
+            broker = MemoryBroker(settings, store=base.store if base else None)
+            memory_shared.setdefault("store", broker)
+        else:
+            settings = BrokerSettings(url=valkey.url, prefix=prefix, **overrides)  # type: ignore[arg-type]
+            broker = RedisBroker(settings)
+        made.append(broker)
+        return broker
+
+    factory.kind = request.param  # type: ignore[attr-defined]
+    yield factory
+    for broker in made:
+        await broker.close()

@@ -1,0 +1,410 @@
+"""One behaviour suite, run against the memory broker and the Redis broker on a real Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.conftest import BrokerFactory
+from tokenyard.broker.base import CancelOutcome, Lease
+from tokenyard.broker.keys import new_job_id
+from tokenyard.errors import QueueFull
+from tokenyard.messages import (
+    Finished,
+    FinishReason,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    TokenChunk,
+)
+
+MODEL = "tiny"
+
+
+def job(
+    priority: Priority = Priority.NORMAL,
+    key: str | None = None,
+    deadline: float | None = None,
+    tenant: str = "acme",
+    prompt: str = "hello",
+) -> JobSpec:
+    return JobSpec(
+        id=new_job_id(MODEL),
+        model=MODEL,
+        tenant=tenant,
+        priority=priority,
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=4, temperature=0.0, stop=("\n",)),
+        deadline=deadline,
+        idempotency_key=key,
+        trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
+
+
+def ok(lease: Lease, text: str = "done") -> JobResult:
+    return JobResult(
+        status=JobStatus.SUCCEEDED,
+        finish_reason=FinishReason.STOP,
+        text=text,
+        token_ids=[1, 2],
+        completion_tokens=2,
+        worker=lease.consumer,
+    )
+
+
+async def test_enqueue_claim_complete_round_trip(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    spec = job()
+    created = await broker.enqueue(spec)
+    assert created.created and created.job_id == spec.id
+
+    record = await broker.record(spec.id)
+    assert record is not None and record.status is JobStatus.QUEUED
+    assert record.spec.trace_context == spec.trace_context
+    assert record.spec.sampling.stop == ("\n",)
+
+    [lease] = await broker.claim(MODEL, "w1", slots=4)
+    assert lease.spec.id == spec.id and lease.spec.attempt == 0
+    assert lease.spec.prompt == "hello"
+    running = await broker.record(spec.id)
+    assert running is not None and running.status is JobStatus.RUNNING
+    assert running.worker == "w1" and running.started_at is not None
+
+    assert await broker.complete(lease, ok(lease))
+    done = await broker.record(spec.id)
+    assert done is not None and done.status is JobStatus.SUCCEEDED
+    assert done.result is not None and done.result.text == "done"
+    assert done.finished_at is not None
+
+    events = await broker.read_events(spec.id)
+    assert isinstance(events[-1][1], Finished)
+    assert events[-1][1].result.text == "done"
+
+    assert await broker.claim(MODEL, "w1", slots=4) == []
+    stats = await broker.stats(MODEL)
+    assert sum(lane.waiting + lane.in_flight for lane in stats.lanes) == 0
+    assert MODEL in await broker.models()
+
+
+async def test_second_completion_is_rejected(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    await broker.enqueue(job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.complete(lease, ok(lease, "first"))
+    assert not await broker.complete(lease, ok(lease, "second"))
+    record = await broker.record(lease.spec.id)
+    assert record is not None and record.result is not None
+    assert record.result.text == "first"
+
+
+async def test_idempotency_key_returns_the_same_job(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    first = await broker.enqueue(job(key="req-1"))
+    again = await broker.enqueue(job(key="req-1"))
+    other_tenant = await broker.enqueue(job(key="req-1", tenant="other"))
+    assert first.created and not again.created
+    assert again.job_id == first.job_id
+    assert other_tenant.created and other_tenant.job_id != first.job_id
+    leases = await broker.claim(MODEL, "w1", slots=10)
+    assert sorted(lease.spec.id for lease in leases) == sorted([first.job_id, other_tenant.job_id])
+
+
+async def test_claim_takes_no_more_than_free_slots(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    await broker.enqueue_many([job() for _ in range(10)])
+    assert len(await broker.claim(MODEL, "w1", slots=3)) == 3
+    assert len(await broker.claim(MODEL, "w1", slots=0)) == 0
+    assert len(await broker.claim(MODEL, "w2", slots=100)) == 7
+    stats = await broker.stats(MODEL)
+    assert sum(lane.in_flight for lane in stats.lanes) == 10
+
+
+async def test_higher_priority_first(make_broker: BrokerFactory) -> None:
+    broker = make_broker(starvation_every=0)
+    low = await broker.enqueue(job(Priority.LOW))
+    normal = await broker.enqueue(job(Priority.NORMAL))
+    high = await broker.enqueue(job(Priority.HIGH))
+    order = [(await broker.claim(MODEL, "w", slots=1))[0].spec.id for _ in range(3)]
+    assert order == [high.job_id, normal.job_id, low.job_id]
+
+
+async def test_low_priority_progresses_under_sustained_high_load(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(starvation_every=4)
+    await broker.enqueue_many([job(Priority.LOW) for _ in range(5)])
+    await broker.enqueue_many([job(Priority.NORMAL) for _ in range(5)])
+    served: list[Priority] = []
+    for _ in range(40):
+        await broker.enqueue(job(Priority.HIGH))  # high-priority work never runs out
+        [lease] = await broker.claim(MODEL, "w", slots=1)
+        served.append(lease.spec.priority)
+        await broker.complete(lease, ok(lease))
+    assert served.count(Priority.LOW) >= 3
+    assert served.count(Priority.NORMAL) >= 3
+    assert served.count(Priority.HIGH) >= 30
+
+
+async def test_blocking_claim_wakes_on_enqueue(make_broker: BrokerFactory) -> None:
+    consumer = make_broker()
+    producer = make_broker()
+    await consumer.claim(MODEL, "w", slots=1)  # lanes exist before the waiter blocks
+
+    async def enqueue_later() -> str:
+        await asyncio.sleep(0.2)
+        return (await producer.enqueue(job(Priority.LOW))).job_id
+
+    started = time.monotonic()
+    task = asyncio.create_task(enqueue_later())
+    leases = await consumer.claim(MODEL, "w", slots=1, block_s=5.0)
+    waited = time.monotonic() - started
+    assert [lease.spec.id for lease in leases] == [await task]
+    assert waited < 2.0
+
+    started = time.monotonic()
+    assert await consumer.claim(MODEL, "w", slots=1, block_s=0.3) == []
+    assert time.monotonic() - started >= 0.25
+
+
+async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(lease_s=0.2)
+    spec = job()
+    await broker.enqueue(spec)
+    [zombie] = await broker.claim(MODEL, "w1", slots=1)
+    await asyncio.sleep(0.35)
+    report = await broker.reap(MODEL)
+    assert report.requeued == [spec.id] and report.dead == []
+
+    [fresh] = await broker.claim(MODEL, "w2", slots=1)
+    assert fresh.spec.id == spec.id and fresh.spec.attempt == 1
+
+    assert await broker.append_events([(zombie, TokenChunk(token_ids=[9], text="z"))]) == [False]
+    assert await broker.renew([zombie]) == [False]
+    assert not await broker.complete(zombie, ok(zombie, "zombie"))
+    assert await broker.complete(fresh, ok(fresh, "fresh"))
+    record = await broker.record(spec.id)
+    assert record is not None and record.result is not None
+    assert record.result.text == "fresh" and record.deliveries == 2
+    assert (await broker.stats(MODEL)).fenced_completions == 1
+    tokens = [e for _, e in await broker.read_events(spec.id) if isinstance(e, TokenChunk)]
+    assert tokens == []
+
+
+async def test_renewed_lease_is_not_reclaimed(make_broker: BrokerFactory) -> None:
+    broker = make_broker(lease_s=0.3)
+    await broker.enqueue(job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    for _ in range(4):
+        await asyncio.sleep(0.15)
+        assert await broker.renew([lease]) == [True]
+    assert (await broker.reap(MODEL)).requeued == []
+    assert await broker.complete(lease, ok(lease))
+
+
+async def test_lease_expiring_past_delivery_limit_goes_to_dead_letters(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(lease_s=0.1, max_deliveries=2)
+    spec = job()
+    bystander = job()
+    await broker.enqueue_many([spec, bystander])
+    [first] = await broker.claim(MODEL, "w1", slots=1)
+    assert first.spec.id == spec.id
+    await asyncio.sleep(0.2)
+    assert (await broker.reap(MODEL)).requeued == [spec.id]
+    [other] = await broker.claim(MODEL, "w2", slots=1)
+    assert other.spec.id == bystander.id
+    assert await broker.complete(other, ok(other))
+    [second] = await broker.claim(MODEL, "w2", slots=1)
+    assert second.spec.id == spec.id and second.spec.attempt == 1
+    await asyncio.sleep(0.2)
+    report = await broker.reap(MODEL)
+    assert report.dead == [spec.id]
+
+    [letter] = await broker.dead_letters(MODEL)
+    assert letter.job_id == spec.id and letter.reason == "lease_expired"
+    assert letter.deliveries == 2
+    record = await broker.record(spec.id)
+    assert record is not None and record.status is JobStatus.DEAD
+    events = await broker.read_events(spec.id)
+    assert isinstance(events[-1][1], Finished) and events[-1][1].result.status is JobStatus.DEAD
+    done = await broker.record(bystander.id)
+    assert done is not None and done.status is JobStatus.SUCCEEDED
+
+
+async def test_retry_backs_off_then_dead_letters_with_last_error(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(max_deliveries=3, backoff_base_s=0.05, backoff_max_s=0.1)
+    spec = job()
+    await broker.enqueue(spec)
+    attempts = []
+    for expected in range(3):
+        leases = await broker.claim(MODEL, "w", slots=1, block_s=2.0)
+        assert [lease.spec.id for lease in leases] == [spec.id]
+        attempts.append(leases[0].spec.attempt)
+        retrying = await broker.retry(leases[0], f"boom {expected}")
+        assert retrying == (expected < 2)
+    assert attempts == [0, 1, 2]
+    assert await broker.claim(MODEL, "w", slots=1, block_s=0.3) == []
+
+    [letter] = await broker.dead_letters(MODEL)
+    assert letter.reason == "failed" and letter.error == "boom 2" and letter.deliveries == 3
+    record = await broker.record(spec.id)
+    assert record is not None and record.status is JobStatus.DEAD
+    assert record.last_error == "boom 2"
+    assert record.result is not None and "boom 2" in (record.result.error or "")
+    stats = await broker.stats(MODEL)
+    assert stats.dead_letters == 1 and stats.delayed == 0
+
+
+async def test_retry_is_delayed_by_backoff(make_broker: BrokerFactory) -> None:
+    broker = make_broker(backoff_base_s=0.4, backoff_max_s=0.4)
+    spec = job()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    # attempt 0: delay is uniform in [0, 0.4]; the delayed set holds it meanwhile
+    assert await broker.retry(lease, "transient")
+    record = await broker.record(spec.id)
+    assert record is not None and record.status is JobStatus.QUEUED
+    assert record.last_error == "transient"
+    leases = await broker.claim(MODEL, "w", slots=1, block_s=2.0)
+    assert [x.spec.id for x in leases] == [spec.id] and leases[0].spec.attempt == 1
+
+
+async def test_forced_dead_letter(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    spec = job()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    assert await broker.dead_letter(lease, "bad_input", "prompt cannot be tokenized")
+    [letter] = await broker.dead_letters(MODEL)
+    assert letter.reason == "bad_input" and letter.error == "prompt cannot be tokenized"
+    assert not await broker.complete(lease, ok(lease))
+
+
+async def test_events_are_appended_and_read_from_an_id(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    reader = make_broker()
+    spec = job()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+
+    async def read_blocking() -> list[str]:
+        got = await reader.read_events(spec.id, after="0", block_s=5.0)
+        return [e.text for _, e in got if isinstance(e, TokenChunk)]
+
+    waiter = asyncio.create_task(read_blocking())
+    await asyncio.sleep(0.1)
+    assert await broker.append_events([(lease, TokenChunk(token_ids=[1], text="Hel"))]) == [True]
+    assert await asyncio.wait_for(waiter, 5) == ["Hel"]
+
+    await broker.append_events([(lease, TokenChunk(token_ids=[2, 3], text="lo"))])
+    await broker.complete(lease, ok(lease, "Hello"))
+    events = await reader.read_events(spec.id)
+    assert [type(e) for _, e in events] == [TokenChunk, TokenChunk, Finished]
+    ids = [eid for eid, _ in events]
+    assert ids == sorted(ids, key=lambda i: tuple(int(p) for p in i.split("-")))
+    resumed = await reader.read_events(spec.id, after=ids[0])
+    assert [eid for eid, _ in resumed] == ids[1:]
+    assert await reader.read_events(spec.id, after=ids[-1], block_s=0.1) == []
+
+
+async def test_cancel_waiting_job_ends_it_at_once(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    spec = job()
+    keep = job()
+    await broker.enqueue_many([spec, keep])
+    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    record = await broker.record(spec.id)
+    assert record is not None and record.status is JobStatus.CANCELLED
+    events = await broker.read_events(spec.id)
+    assert isinstance(events[-1][1], Finished)
+    leases = await broker.claim(MODEL, "w", slots=5)
+    assert [lease.spec.id for lease in leases] == [keep.id]
+    assert await broker.cancel(spec.id) is CancelOutcome.ALREADY_FINISHED
+    assert await broker.cancel(new_job_id(MODEL)) is CancelOutcome.NOT_FOUND
+
+
+async def test_cancel_running_job_signals_its_worker(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    a, b = job(), job()
+    await broker.enqueue_many([a, b])
+    leases = await broker.claim(MODEL, "w", slots=2)
+    assert await broker.cancel(a.id) is CancelOutcome.SIGNALLED
+    assert await broker.cancelled(MODEL, [a.id, b.id]) == {a.id}
+    record = await broker.record(a.id)
+    assert record is not None and record.cancel_requested
+    lease_a = next(lease for lease in leases if lease.spec.id == a.id)
+    stopped = JobResult(status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
+    assert await broker.complete(lease_a, stopped)
+    assert await broker.cancelled(MODEL, [a.id, b.id]) == set()
+
+
+async def test_cancel_during_retry_backoff(make_broker: BrokerFactory) -> None:
+    broker = make_broker(backoff_base_s=5.0, backoff_max_s=5.0)
+    spec = job()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.retry(lease, "transient")
+    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    assert (await broker.stats(MODEL)).delayed == 0
+
+
+async def test_deadline_passed_before_start_expires_without_delivery(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    late = job(deadline=time.time() - 1)
+    fine = job(deadline=time.time() + 60)
+    await broker.enqueue_many([late, fine])
+    leases = await broker.claim(MODEL, "w", slots=5)
+    assert [lease.spec.id for lease in leases] == [fine.id]
+    record = await broker.record(late.id)
+    assert record is not None and record.status is JobStatus.EXPIRED
+    assert record.result is not None and record.result.finish_reason is FinishReason.EXPIRED
+    assert record.deliveries == 0
+    assert (await broker.stats(MODEL)).expired == 1
+
+
+async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    await broker.enqueue_many([job(Priority.HIGH) for _ in range(3)] + [job(Priority.LOW)])
+    await asyncio.sleep(0.05)
+    await broker.claim(MODEL, "w", slots=1)
+    stats = await broker.stats(MODEL)
+    by_lane = {lane.lane.rsplit(":", 1)[-1]: lane for lane in stats.lanes}
+    assert by_lane["high"].waiting == 2 and by_lane["high"].in_flight == 1
+    assert by_lane["low"].waiting == 1 and by_lane["low"].in_flight == 0
+    assert by_lane["normal"].waiting == 0 and by_lane["normal"].oldest_waiting_age_s is None
+    age = by_lane["low"].oldest_waiting_age_s
+    assert age is not None and 0.03 <= age < 5
+
+
+async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:
+    broker = make_broker(max_queue_depth=3)
+    await broker.enqueue_many([job() for _ in range(3)])
+    with pytest.raises(QueueFull) as raised:
+        await broker.enqueue(job())
+    assert raised.value.limit == 3
+    await broker.enqueue(job(Priority.HIGH))  # other lanes have their own bound
+    assert len(await broker.claim(MODEL, "w", slots=10)) == 4
+
+
+async def test_release_hands_jobs_back_without_charging_a_delivery(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    spec = job()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.release([lease]) == 1
+    assert not await broker.complete(lease, ok(lease))
+    [again] = await broker.claim(MODEL, "w2", slots=1)
+    assert again.spec.id == spec.id and again.spec.attempt == 0

@@ -1,0 +1,17 @@
+"""Brokers: durable lanes of jobs, leases, results and per-job event streams."""
+
+from __future__ import annotations
+
+from tokenyard.broker.base import Broker
+from tokenyard.config import BrokerSettings
+
+
+def connect(settings: BrokerSettings) -> Broker:
+    """Open the broker named by `settings.url`: memory:// or redis:// / rediss:// / unix://."""
+    if settings.url.startswith("memory://"):
+        from tokenyard.broker.memory import MemoryBroker
+
+        return MemoryBroker(settings)
+    from tokenyard.broker.redis import RedisBroker
+
+    return RedisBroker(settings)

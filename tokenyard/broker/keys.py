@@ -1,0 +1,88 @@
+"""Every Redis key name, in one place.
+
+All keys of one model share a `{hash tag}` so a model's scripts run on one Redis Cluster slot.
+Job ids start with that tag, so any key of a job is derived from its id alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+from tokenyard.messages import Priority
+
+GROUP = "workers"
+
+
+def model_tag(model: str) -> str:
+    return hashlib.blake2s(model.encode(), digest_size=4).hexdigest()
+
+
+def new_job_id(model: str) -> str:
+    return f"{model_tag(model)}-{uuid.uuid4().hex}"
+
+
+def tag_of_job(job_id: str) -> str:
+    tag, sep, _ = job_id.partition("-")
+    if not sep or len(tag) != 8:
+        raise ValueError(f"malformed job id {job_id!r}")
+    return tag
+
+
+def lane_name(model: str, priority: Priority) -> str:
+    return f"{model}:{priority.name.lower()}"
+
+
+class Keys:
+    """Key builder for one prefix."""
+
+    def __init__(self, prefix: str = "ty") -> None:
+        self.prefix = prefix
+
+    def _model(self, tag: str) -> str:
+        return f"{self.prefix}:{{{tag}}}"
+
+    def lane(self, model: str, priority: Priority) -> str:
+        return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}"
+
+    def lanes(self, model: str) -> list[str]:
+        """Lane streams of a model, highest priority first."""
+        return [self.lane(model, p) for p in Priority]
+
+    def job_prefix(self, model: str) -> str:
+        """Prefix of the job records of a model; Lua scripts append job ids to it."""
+        return f"{self._model(model_tag(model))}:job:"
+
+    def events_prefix(self, model: str) -> str:
+        return f"{self._model(model_tag(model))}:ev:"
+
+    def job(self, job_id: str) -> str:
+        return f"{self._model(tag_of_job(job_id))}:job:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        return f"{self._model(tag_of_job(job_id))}:ev:{job_id}"
+
+    def cancels_of_job(self, job_id: str) -> str:
+        return f"{self._model(tag_of_job(job_id))}:cancels"
+
+    def delayed_of_job(self, job_id: str) -> str:
+        return f"{self._model(tag_of_job(job_id))}:delayed"
+
+    def idempotency(self, model: str, tenant: str, key: str) -> str:
+        return f"{self._model(model_tag(model))}:idem:{tenant}:{key}"
+
+    def delayed(self, model: str) -> str:
+        return f"{self._model(model_tag(model))}:delayed"
+
+    def cancels(self, model: str) -> str:
+        return f"{self._model(model_tag(model))}:cancels"
+
+    def dead_letters(self, model: str) -> str:
+        return f"{self._model(model_tag(model))}:dlq"
+
+    def counters(self, model: str) -> str:
+        return f"{self._model(model_tag(model))}:counters"
+
+    def models(self) -> str:
+        """Set of models that ever had a job; lets `status` list lanes without SCAN."""
+        return f"{self.prefix}:models"

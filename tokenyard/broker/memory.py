@@ -1,0 +1,479 @@
+"""In-process broker with the Redis broker's semantics, for the library and unit tests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenyard.broker.base import (
+    Broker,
+    BrokerStats,
+    CancelOutcome,
+    Clock,
+    EnqueueResult,
+    LaneStats,
+    Lease,
+    ReapReport,
+)
+from tokenyard.broker.keys import Keys, tag_of_job
+from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
+from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import QueueFull
+from tokenyard.messages import (
+    DeadLetter,
+    Finished,
+    JobEvent,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    decode,
+    decode_event,
+    encode,
+)
+
+
+@dataclass
+class _Entry:
+    entry_id: str
+    job_id: str
+    owner: str | None = None
+    touched: float = 0.0
+
+
+@dataclass
+class _Lane:
+    entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)  # not yet acked
+    last_delivered: int = -1  # index into the id sequence, like a group's last-delivered-id
+    undelivered: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    spec: bytes
+    lane: str
+    model: str
+    status: JobStatus = JobStatus.QUEUED
+    deliveries: int = 0
+    enqueued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    last_error: str | None = None
+    cancel: bool = False
+    result: bytes | None = None
+    deadline: float | None = None
+    expires_at: float | None = None
+
+
+class MemoryStore:
+    """The shared state; several MemoryBroker handles on one store act like clients of one Redis."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, _Lane] = defaultdict(_Lane)
+        self.jobs: dict[str, _Job] = {}
+        self.idempotency: dict[str, tuple[str, float]] = {}
+        self.delayed: dict[str, dict[str, float]] = defaultdict(dict)
+        self.cancels: dict[str, set[str]] = defaultdict(set)
+        self.dead_letters: dict[str, list[DeadLetter]] = defaultdict(list)
+        self.counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.events: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
+        self.models: set[str] = set()
+        self._last_ms = 0
+        self._seq = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def next_id(self, now: float) -> str:
+        ms = max(int(now * 1000), self._last_ms)
+        self._seq = self._seq + 1 if ms == self._last_ms else 0
+        self._last_ms = ms
+        return f"{ms}-{self._seq}"
+
+    def notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class MemoryBroker(Broker):
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        clock: Clock = time.time,
+        store: MemoryStore | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(settings, clock)
+        self.store = store or MemoryStore()
+        self.keys = Keys(settings.prefix)
+        self._rounds: dict[str, int] = defaultdict(int)
+        self._rng = rng or random.Random()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _job(self, job_id: str) -> _Job | None:
+        job = self.store.jobs.get(job_id)
+        if job is not None and job.expires_at is not None and job.expires_at <= self.clock():
+            del self.store.jobs[job_id]
+            self.store.events.pop(job_id, None)
+            return None
+        return job
+
+    def _owned(self, lease: Lease) -> _Entry | None:
+        entry = self.store.lanes[lease.lane].entries.get(lease.entry_id)
+        if entry is None or entry.owner != lease.consumer:
+            return None
+        return entry
+
+    def _add_entry(self, lane: str, job_id: str, now: float) -> None:
+        entry_id = self.store.next_id(now)
+        state = self.store.lanes[lane]
+        state.entries[entry_id] = _Entry(entry_id, job_id)
+        state.undelivered.append(entry_id)
+
+    def _remove_entry(self, lane: str, entry_id: str) -> None:
+        self.store.lanes[lane].entries.pop(entry_id, None)
+
+    def _emit(self, job_id: str, payload: bytes) -> None:
+        self.store.events[job_id].append((self.store.next_id(self.clock()), payload))
+
+    def _finish(self, job: _Job, job_id: str, result: JobResult, now: float) -> None:
+        job.status = result.status
+        job.result = encode(result)
+        job.finished_at = now
+        job.expires_at = now + self.settings.record_ttl_s
+        self._emit(job_id, encode(Finished(result=result)))
+        self.store.cancels[job.model].discard(job_id)
+
+    def _to_dead_letters(
+        self, job: _Job, job_id: str, reason: str, error: str, now: float
+    ) -> None:
+        job.last_error = error
+        self._finish(job, job_id, dead_result(f"{reason}: {error}"), now)
+        self.store.dead_letters[job.model].append(
+            DeadLetter(
+                job_id=job_id,
+                lane=job.lane,
+                reason=reason,
+                error=error,
+                deliveries=job.deliveries,
+                at=now,
+            )
+        )
+
+    # -- producing -------------------------------------------------------------------------
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        now = self.clock()
+        store = self.store
+        results: list[EnqueueResult] = []
+        for spec in specs:
+            if not spec.created_at:
+                spec.created_at = now
+            idem = (
+                self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+                if spec.idempotency_key
+                else None
+            )
+            if idem is not None:
+                existing = store.idempotency.get(idem)
+                if existing is not None and existing[1] > now:
+                    results.append(EnqueueResult(job_id=existing[0], created=False))
+                    continue
+            lane = self.keys.lane(spec.model, spec.priority)
+            depth = len(store.lanes[lane].entries)
+            if depth >= self.settings.max_queue_depth:
+                raise QueueFull(lane, depth, self.settings.max_queue_depth)
+            store.jobs[spec.id] = _Job(
+                spec=encode(spec),
+                lane=lane,
+                model=spec.model,
+                enqueued_at=now,
+                deadline=spec.deadline,
+            )
+            self._add_entry(lane, spec.id, now)
+            if idem is not None:
+                store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
+            store.models.add(spec.model)
+            results.append(EnqueueResult(job_id=spec.id, created=True))
+        store.notify()
+        return results
+
+    # -- consuming -------------------------------------------------------------------------
+    async def claim(
+        self, model: str, consumer: str, slots: int, block_s: float = 0.0
+    ) -> list[Lease]:
+        if slots <= 0:
+            return []
+        give_up_at = time.monotonic() + block_s
+        while True:
+            leases = self._claim_now(model, consumer, slots)
+            wait = give_up_at - time.monotonic()
+            if leases or wait <= 0:
+                return leases
+            due = self.store.delayed[model].values()
+            if due:
+                wait = min(wait, max(0.001, min(due) - self.clock()))
+            await self.store.wait(wait)
+
+    def _claim_now(self, model: str, consumer: str, slots: int) -> list[Lease]:
+        now = self.clock()
+        store = self.store
+        delayed = store.delayed[model]
+        for job_id, due_at in sorted(delayed.items(), key=lambda kv: kv[1]):
+            if due_at > now:
+                break
+            del delayed[job_id]
+            job = self._job(job_id)
+            if job is not None and not job.status.terminal:
+                self._add_entry(job.lane, job_id, now)
+
+        lanes = self.keys.lanes(model)
+        order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
+        self._rounds[model] += 1
+        leases: list[Lease] = []
+        for lane in (lanes[i] for i in order):
+            state = store.lanes[lane]
+            while len(leases) < slots and state.undelivered:
+                entry = state.entries.get(state.undelivered.pop(0))
+                if entry is None:
+                    continue
+                job = self._job(entry.job_id)
+                if job is None or job.status.terminal:
+                    self._remove_entry(lane, entry.entry_id)
+                elif job.deadline is not None and job.deadline < now:
+                    self._remove_entry(lane, entry.entry_id)
+                    self._finish(job, entry.job_id, expired_result(), now)
+                    store.counters[model]["expired"] += 1
+                else:
+                    entry.owner, entry.touched = consumer, now
+                    job.deliveries += 1
+                    job.status, job.started_at, job.worker = JobStatus.RUNNING, now, consumer
+                    spec = decode(job.spec, JobSpec)
+                    spec.attempt = job.deliveries - 1
+                    leases.append(
+                        Lease(spec=spec, lane=lane, entry_id=entry.entry_id, consumer=consumer)
+                    )
+        if leases:
+            store.notify()  # other waiters may have lanes of their own to look at
+        return leases
+
+    async def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        now = self.clock()
+        renewed = []
+        for lease in leases:
+            entry = self._owned(lease)
+            if entry is not None:
+                entry.touched = now
+            renewed.append(entry is not None)
+        return renewed
+
+    def _fence(self, lease: Lease) -> _Entry | None:
+        entry = self._owned(lease)
+        if entry is None:
+            self.store.counters[lease.spec.model]["fenced"] += 1
+        return entry
+
+    async def complete_many(self, items: Sequence[tuple[Lease, JobResult]]) -> list[bool]:
+        now = self.clock()
+        accepted = []
+        for lease, result in items:
+            if self._fence(lease) is None:
+                accepted.append(False)
+                continue
+            job = self._job(lease.spec.id)
+            if job is not None and not job.status.terminal:
+                self._finish(job, lease.spec.id, result, now)
+            self._remove_entry(lease.lane, lease.entry_id)
+            self.store.cancels[lease.spec.model].discard(lease.spec.id)
+            accepted.append(True)
+        self.store.notify()
+        return accepted
+
+    async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
+        if self._fence(lease) is None:
+            return -1
+        now = self.clock()
+        self._remove_entry(lease.lane, lease.entry_id)
+        job = self._job(lease.spec.id)
+        if job is None:
+            return 0
+        if not force_dead and job.deliveries < self.settings.max_deliveries:
+            job.status, job.last_error = JobStatus.QUEUED, error
+            delay = backoff_delay(
+                lease.spec.attempt,
+                self.settings.backoff_base_s,
+                self.settings.backoff_max_s,
+                self._rng,
+            )
+            self.store.delayed[job.model][lease.spec.id] = now + delay
+            self.store.notify()
+            return 1
+        self._to_dead_letters(job, lease.spec.id, reason, error, now)
+        self.store.counters[job.model]["dead"] += 1
+        self.store.notify()
+        return 0
+
+    async def retry(self, lease: Lease, error: str) -> bool:
+        return await self._fail(lease, error, "failed", force_dead=False) == 1
+
+    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
+        return await self._fail(lease, error or reason, reason, force_dead=True) == 0
+
+    async def release(self, leases: Sequence[Lease]) -> int:
+        now = self.clock()
+        released = 0
+        for lease in leases:
+            if self._owned(lease) is None:
+                continue
+            self._remove_entry(lease.lane, lease.entry_id)
+            job = self._job(lease.spec.id)
+            if job is not None:
+                job.status = JobStatus.QUEUED
+                job.deliveries -= 1
+                self._add_entry(lease.lane, lease.spec.id, now)
+            released += 1
+        self.store.notify()
+        return released
+
+    async def reap(self, model: str) -> ReapReport:
+        now = self.clock()
+        requeued: list[str] = []
+        dead: list[str] = []
+        for lane in self.keys.lanes(model):
+            for entry in list(self.store.lanes[lane].entries.values()):
+                if entry.owner is None or now - entry.touched < self.settings.lease_s:
+                    continue
+                self._remove_entry(lane, entry.entry_id)
+                job = self._job(entry.job_id)
+                if job is None or job.status.terminal:
+                    continue
+                if job.deliveries >= self.settings.max_deliveries:
+                    error = f"lease expired on each of {job.deliveries} deliveries"
+                    self._to_dead_letters(job, entry.job_id, "lease_expired", error, now)
+                    self.store.counters[model]["dead"] += 1
+                    dead.append(entry.job_id)
+                else:
+                    job.status = JobStatus.QUEUED
+                    self._add_entry(lane, entry.job_id, now)
+                    requeued.append(entry.job_id)
+        self.store.notify()
+        return ReapReport(requeued=requeued, dead=dead)
+
+    # -- cancellation ----------------------------------------------------------------------
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        tag_of_job(job_id)
+        job = self._job(job_id)
+        if job is None:
+            return CancelOutcome.NOT_FOUND
+        if job.status is JobStatus.RUNNING:
+            job.cancel = True
+            self.store.cancels[job.model].add(job_id)
+            return CancelOutcome.SIGNALLED
+        if job.status.terminal:
+            return CancelOutcome.ALREADY_FINISHED
+        job.cancel = True
+        self.store.delayed[job.model].pop(job_id, None)
+        self._finish(job, job_id, cancelled_result(), self.clock())
+        self.store.notify()
+        return CancelOutcome.CANCELLED
+
+    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
+        return set(job_ids) & self.store.cancels[model]
+
+    # -- events and records ----------------------------------------------------------------
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        appended = []
+        for lease, event in events:
+            ours = self._owned(lease) is not None
+            if ours:
+                self._emit(lease.spec.id, encode(event))
+            appended.append(ours)
+        self.store.notify()
+        return appended
+
+    async def read_events(
+        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
+    ) -> list[tuple[str, JobEvent]]:
+        give_up_at = time.monotonic() + block_s
+        floor = _id_key(after or "0")
+        while True:
+            self._job(job_id)  # drops an expired stream
+            found = [
+                (eid, decode_event(payload))
+                for eid, payload in self.store.events.get(job_id, [])
+                if _id_key(eid) > floor
+            ][:count]
+            wait = give_up_at - time.monotonic()
+            if found or wait <= 0:
+                return found
+            await self.store.wait(wait)
+
+    async def record(self, job_id: str) -> JobRecord | None:
+        job = self._job(job_id)
+        if job is None:
+            return None
+        spec = decode(job.spec, JobSpec)
+        spec.attempt = max(0, job.deliveries - 1)
+        return JobRecord(
+            spec=spec,
+            status=job.status,
+            lane=job.lane,
+            deliveries=job.deliveries,
+            enqueued_at=job.enqueued_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            worker=job.worker,
+            last_error=job.last_error,
+            cancel_requested=job.cancel,
+            result=decode(job.result, JobResult) if job.result is not None else None,
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+    async def stats(self, model: str) -> BrokerStats:
+        now = self.clock()
+        lanes = []
+        for lane in self.keys.lanes(model):
+            state = self.store.lanes[lane]
+            waiting = [state.entries[e] for e in state.undelivered if e in state.entries]
+            in_flight = sum(1 for e in state.entries.values() if e.owner is not None)
+            age = None
+            if waiting:
+                age = max(0.0, now - _id_key(waiting[0].entry_id)[0] / 1000)
+            lanes.append(
+                LaneStats(
+                    lane=lane, waiting=len(waiting), in_flight=in_flight, oldest_waiting_age_s=age
+                )
+            )
+        counters = self.store.counters[model]
+        return BrokerStats(
+            model=model,
+            lanes=lanes,
+            delayed=len(self.store.delayed[model]),
+            dead_letters=len(self.store.dead_letters[model]),
+            fenced_completions=counters["fenced"],
+            expired=counters["expired"],
+        )
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
+        return self.store.dead_letters[model][:count]
+
+    async def models(self) -> list[str]:
+        return sorted(self.store.models)

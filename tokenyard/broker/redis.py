@@ -1,0 +1,462 @@
+"""Redis Streams broker: one stream per lane, one consumer group, Lua for every state change."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tokenyard.broker.base import (
+    Broker,
+    BrokerStats,
+    CancelOutcome,
+    Clock,
+    EnqueueResult,
+    LaneStats,
+    Lease,
+    ReapReport,
+)
+from tokenyard.broker.keys import GROUP, Keys
+from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
+from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import BrokerUnavailable, QueueFull
+from tokenyard.messages import (
+    DeadLetter,
+    Finished,
+    JobEvent,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    decode,
+    decode_event,
+    encode,
+)
+
+_SCRIPTS = ("enqueue", "claim", "renew", "complete", "fail", "release", "reap", "cancel", "emit")
+
+
+def _load_script(name: str) -> str:
+    return resources.files("tokenyard.broker").joinpath(f"lua/{name}.lua").read_text()
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RedisBroker(Broker):
+    """Works on Redis >= 6.2 and Valkey >= 7.2."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        clock: Clock = time.time,
+        client: aioredis.Redis | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(settings, clock)
+        self.redis: aioredis.Redis = client or aioredis.Redis.from_url(
+            settings.url, decode_responses=False, health_check_interval=30
+        )
+        self.keys = Keys(settings.prefix)
+        self._scripts: dict[str, AsyncScript] = {
+            name: self.redis.register_script(_load_script(name)) for name in _SCRIPTS
+        }
+        self._rounds: dict[str, int] = defaultdict(int)
+        self._rng = rng or random.Random()
+        self._known_models: set[str] = set()
+
+    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self._scripts[name](keys=keys, args=args)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise BrokerUnavailable(str(exc)) from exc
+
+    @property
+    def _ttl_ms(self) -> int:
+        return _ms(self.settings.record_ttl_s)
+
+    # -- producing -------------------------------------------------------------------------
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        now = self.clock()
+        pipe = self.redis.pipeline(transaction=False)
+        for spec in specs:
+            if not spec.created_at:
+                spec.created_at = now
+            lane = self.keys.lane(spec.model, spec.priority)
+            job = self.keys.job(spec.id)
+            idem = (
+                self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+                if spec.idempotency_key
+                else job
+            )
+            args = [
+                GROUP,
+                spec.id,
+                encode(spec),
+                repr(now),
+                "" if spec.deadline is None else repr(spec.deadline),
+                self.settings.max_queue_depth,
+                _ms(self.settings.idempotency_ttl_s),
+                "1" if spec.idempotency_key else "0",
+            ]
+            await self._scripts["enqueue"](keys=[lane, job, idem], args=args, client=pipe)
+        new_models = {s.model for s in specs} - self._known_models
+        if new_models:
+            pipe.sadd(self.keys.models(), *new_models)
+        try:
+            replies = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise BrokerUnavailable(str(exc)) from exc
+        self._known_models |= new_models
+        results: list[EnqueueResult] = []
+        for spec, (code, value) in zip(specs, replies[: len(specs)], strict=True):
+            if code == -1:
+                lane_name = self.keys.lane(spec.model, spec.priority)
+                raise QueueFull(lane_name, int(value), self.settings.max_queue_depth)
+            results.append(EnqueueResult(job_id=_s(value), created=code == 1))
+        return results
+
+    # -- consuming -------------------------------------------------------------------------
+    async def claim(
+        self, model: str, consumer: str, slots: int, block_s: float = 0.0
+    ) -> list[Lease]:
+        if slots <= 0:
+            return []
+        lanes = self.keys.lanes(model)
+        give_up_at = time.monotonic() + block_s
+        while True:
+            order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
+            self._rounds[model] += 1
+            ordered = [lanes[i] for i in order]
+            now = self.clock()
+            claimed, last_ids, next_due = await self._run(
+                "claim",
+                [*ordered, self.keys.delayed(model), self.keys.counters(model)],
+                [
+                    GROUP,
+                    consumer,
+                    slots,
+                    repr(now),
+                    self.keys.job_prefix(model),
+                    self.keys.events_prefix(model),
+                    encode(expired_result()),
+                    encode(Finished(result=expired_result())),
+                    self._ttl_ms,
+                    len(ordered),
+                ],
+            )
+            if claimed:
+                return [self._lease(model, consumer, row) for row in claimed]
+            wait = give_up_at - time.monotonic()
+            if wait <= 0:
+                return []
+            if next_due:
+                wait = min(wait, max(0.001, float(next_due) - now))
+            streams = {lane: _s(i) for lane, i in zip(ordered, last_ids, strict=True)}
+            try:
+                await self.redis.xread(streams, count=1, block=_ms(wait))  # type: ignore[arg-type]
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                raise BrokerUnavailable(str(exc)) from exc
+
+    def _lease(self, model: str, consumer: str, row: list[Any]) -> Lease:
+        lane, entry_id, spec_bytes, attempt = row
+        spec = decode(spec_bytes, JobSpec)
+        spec.attempt = int(attempt)
+        return Lease(spec=spec, lane=_s(lane), entry_id=_s(entry_id), consumer=consumer)
+
+    async def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        if not leases:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for lease in leases:
+            await self._scripts["renew"](
+                keys=[lease.lane], args=[GROUP, lease.consumer, lease.entry_id], client=pipe
+            )
+        return [bool(r) for r in await self._execute(pipe)]
+
+    async def _execute(self, pipe: Any) -> list[Any]:
+        try:
+            result: list[Any] = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise BrokerUnavailable(str(exc)) from exc
+        return result
+
+    async def complete_many(self, items: Sequence[tuple[Lease, JobResult]]) -> list[bool]:
+        if not items:
+            return []
+        now = repr(self.clock())
+        pipe = self.redis.pipeline(transaction=False)
+        for lease, result in items:
+            model = lease.spec.model
+            await self._scripts["complete"](
+                keys=[
+                    lease.lane,
+                    self.keys.job(lease.spec.id),
+                    self.keys.events(lease.spec.id),
+                    self.keys.cancels(model),
+                    self.keys.counters(model),
+                ],
+                args=[
+                    GROUP,
+                    lease.consumer,
+                    lease.entry_id,
+                    lease.spec.id,
+                    result.status.value,
+                    encode(result),
+                    encode(Finished(result=result)),
+                    now,
+                    self._ttl_ms,
+                ],
+                client=pipe,
+            )
+        return [bool(r) for r in await self._execute(pipe)]
+
+    async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
+        now = self.clock()
+        model = lease.spec.model
+        delay = backoff_delay(
+            lease.spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
+        )
+        dead = dead_result(f"{reason}: {error}")
+        code: int = await self._run(
+            "fail",
+            [
+                lease.lane,
+                self.keys.job(lease.spec.id),
+                self.keys.events(lease.spec.id),
+                self.keys.cancels(model),
+                self.keys.counters(model),
+                self.keys.delayed(model),
+                self.keys.dead_letters(model),
+            ],
+            [
+                GROUP,
+                lease.consumer,
+                lease.entry_id,
+                lease.spec.id,
+                error,
+                repr(now),
+                repr(now + delay),
+                self.settings.max_deliveries,
+                encode(dead),
+                encode(Finished(result=dead)),
+                self._ttl_ms,
+                reason,
+                "1" if force_dead else "0",
+            ],
+        )
+        return int(code)
+
+    async def retry(self, lease: Lease, error: str) -> bool:
+        return await self._fail(lease, error, "failed", force_dead=False) == 1
+
+    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
+        return await self._fail(lease, error or reason, reason, force_dead=True) == 0
+
+    async def release(self, leases: Sequence[Lease]) -> int:
+        if not leases:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for lease in leases:
+            await self._scripts["release"](
+                keys=[lease.lane, self.keys.job(lease.spec.id)],
+                args=[GROUP, lease.consumer, lease.entry_id, lease.spec.id],
+                client=pipe,
+            )
+        return sum(int(r) for r in await self._execute(pipe))
+
+    async def reap(self, model: str) -> ReapReport:
+        requeued: list[str] = []
+        dead: list[str] = []
+        result = dead_result(
+            f"lease expired on each of {self.settings.max_deliveries} deliveries"
+        )
+        for lane in self.keys.lanes(model):
+            if not await self.redis.exists(lane):
+                continue
+            again, gone = await self._run(
+                "reap",
+                [lane, self.keys.dead_letters(model), self.keys.counters(model)],
+                [
+                    GROUP,
+                    "reaper",
+                    _ms(self.settings.lease_s),
+                    1000,
+                    self.settings.max_deliveries,
+                    repr(self.clock()),
+                    self.keys.job_prefix(model),
+                    self.keys.events_prefix(model),
+                    encode(result),
+                    encode(Finished(result=result)),
+                    self._ttl_ms,
+                ],
+            )
+            requeued += [_s(j) for j in again]
+            dead += [_s(j) for j in gone]
+        return ReapReport(requeued=requeued, dead=dead)
+
+    # -- cancellation ----------------------------------------------------------------------
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        result = cancelled_result()
+        keys = self.keys
+        outcome = await self._run(
+            "cancel",
+            [
+                keys.job(job_id),
+                keys.events(job_id),
+                keys.cancels_of_job(job_id),
+                keys.delayed_of_job(job_id),
+            ],
+            [job_id, repr(self.clock()), encode(result), encode(Finished(result=result)),
+             self._ttl_ms],
+        )
+        return CancelOutcome(_s(outcome))
+
+    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        flags = await self.redis.smismember(self.keys.cancels(model), list(job_ids))  # type: ignore[misc]
+        return {j for j, f in zip(job_ids, flags, strict=True) if f}
+
+    # -- events and records ----------------------------------------------------------------
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        if not events:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for lease, event in events:
+            await self._scripts["emit"](
+                keys=[lease.lane, self.keys.events(lease.spec.id)],
+                args=[GROUP, lease.consumer, lease.entry_id, encode(event)],
+                client=pipe,
+            )
+        return [bool(r) for r in await self._execute(pipe)]
+
+    async def read_events(
+        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
+    ) -> list[tuple[str, JobEvent]]:
+        key = self.keys.events(job_id)
+        try:
+            reply = await self.redis.xread(
+                {key: after or "0"}, count=count, block=_ms(block_s) if block_s > 0 else None
+            )
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise BrokerUnavailable(str(exc)) from exc
+        if not reply:
+            return []
+        return [(_s(eid), decode_event(fields[b"e"])) for eid, fields in reply[0][1]]
+
+    async def record(self, job_id: str) -> JobRecord | None:
+        h: dict[bytes, bytes] = await self.redis.hgetall(self.keys.job(job_id))  # type: ignore[misc]
+        if not h or b"spec" not in h:
+            return None
+        spec = decode(h[b"spec"], JobSpec)
+        deliveries = int(h.get(b"deliveries", b"0"))
+        spec.attempt = max(0, deliveries - 1)
+
+        def opt_float(field: bytes) -> float | None:
+            raw = h.get(field)
+            return float(raw) if raw else None
+
+        return JobRecord(
+            spec=spec,
+            status=JobStatus(_s(h[b"status"])),
+            lane=_s(h[b"lane"]),
+            deliveries=deliveries,
+            enqueued_at=float(h.get(b"enq_at", b"0")),
+            started_at=opt_float(b"start_at"),
+            finished_at=opt_float(b"end_at"),
+            worker=_s(h[b"worker"]) if b"worker" in h else None,
+            last_error=_s(h[b"last_error"]) if b"last_error" in h else None,
+            cancel_requested=h.get(b"cancel") == b"1",
+            result=decode(h[b"result"], JobResult) if b"result" in h else None,
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+    async def stats(self, model: str) -> BrokerStats:
+        lanes: list[LaneStats] = []
+        now = self.clock()
+        for lane in self.keys.lanes(model):
+            lanes.append(await self._lane_stats(lane, now))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zcard(self.keys.delayed(model))
+        pipe.xlen(self.keys.dead_letters(model))
+        pipe.hgetall(self.keys.counters(model))
+        delayed, dead, counters = await self._execute(pipe)
+        return BrokerStats(
+            model=model,
+            lanes=lanes,
+            delayed=int(delayed),
+            dead_letters=int(dead),
+            fenced_completions=int(counters.get(b"fenced", 0)),
+            expired=int(counters.get(b"expired", 0)),
+        )
+
+    async def _lane_stats(self, lane: str, now: float) -> LaneStats:
+        if not await self.redis.exists(lane):
+            return LaneStats(lane=lane, waiting=0, in_flight=0, oldest_waiting_age_s=None)
+        groups = await self.redis.xinfo_groups(lane)
+        group = next((g for g in groups if _s(g["name"]) == GROUP), None)
+        total = int(await self.redis.xlen(lane))
+        if group is None:
+            return LaneStats(lane=lane, waiting=total, in_flight=0, oldest_waiting_age_s=None)
+        pending = int(group["pending"])
+        last = _s(group["last-delivered-id"])
+        oldest = await self.redis.xrange(lane, min=f"({last}", max="+", count=1)
+        age = None
+        if oldest:
+            age = max(0.0, now - int(_s(oldest[0][0]).split("-")[0]) / 1000)
+        return LaneStats(
+            lane=lane, waiting=max(0, total - pending), in_flight=pending, oldest_waiting_age_s=age
+        )
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
+        rows = await self.redis.xrange(self.keys.dead_letters(model), count=count)
+        out = []
+        for _, f in rows:
+            out.append(
+                DeadLetter(
+                    job_id=_s(f[b"job"]),
+                    lane=_s(f[b"lane"]),
+                    reason=_s(f[b"reason"]),
+                    error=_s(f[b"error"]) if f.get(b"error") else None,
+                    deliveries=int(f[b"deliveries"]),
+                    at=float(f[b"at"]),
+                )
+            )
+        return out
+
+    async def models(self) -> list[str]:
+        return sorted(_s(m) for m in await self.redis.smembers(self.keys.models()))  # type: ignore[misc]
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())  # type: ignore[misc]
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+async def wait_until_ready(broker: RedisBroker, timeout_s: float = 10.0) -> None:
+    """Poll PING until the server answers, for processes started alongside their Redis."""
+    give_up = time.monotonic() + timeout_s
+    while not await broker.ping():
+        if time.monotonic() > give_up:
+            raise BrokerUnavailable(f"no answer from {broker.settings.url}")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,48 @@
+"""Typed settings; each can be overridden by a TOKENYARD_<SECTION>_<FIELD> environment variable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from tokenyard.errors import FatalError
+
+
+class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Delivery semantics shared by every broker implementation."""
+
+    url: str = "memory://"
+    prefix: str = "ty"
+    lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed
+    max_deliveries: int = 5  # deliveries (crashes + retries) before the dead-letter stream
+    max_queue_depth: int = 100_000  # per lane; enqueue past it raises QueueFull
+    record_ttl_s: float = 24 * 3600.0  # terminal records and event streams
+    idempotency_ttl_s: float = 24 * 3600.0
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 60.0
+    starvation_every: int = 8  # every Nth claim round serves lower lanes first
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+def from_env(
+    kind: type[_S], section: str, environ: Mapping[str, str] | None = None, **overrides: Any
+) -> _S:
+    """Build settings from defaults, then environment, then explicit overrides; fail fast."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    prefix = f"TOKENYARD_{section.upper()}_"
+    for field in msgspec.structs.fields(kind):
+        raw = environ.get(prefix + field.name.upper())
+        if raw is not None:
+            values[field.name] = raw
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(values, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise FatalError(f"invalid {section} settings: {exc}") from exc

@@ -1,0 +1,157 @@
+"""Wire types: every Struct that crosses a process boundary, encoded as versioned msgpack."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class Priority(enum.IntEnum):
+    """Lane priority class; a lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    DEAD = "dead"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    ERROR = "error"
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to decode; top_k == 0 and top_p == 1.0 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class JobSpec(msgspec.Struct, kw_only=True):
+    """A unit of work as enqueued; `attempt` counts earlier deliveries of this job."""
+
+    v: int = WIRE_VERSION
+    id: str
+    model: str
+    tenant: str = "default"
+    priority: Priority = Priority.NORMAL
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    deadline: float | None = None  # unix seconds; past it the job ends `expired`
+    idempotency_key: str | None = None
+    trace_context: dict[str, str] = msgspec.field(default_factory=dict)
+    created_at: float = 0.0
+    attempt: int = 0
+
+
+class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):
+    """Tokens produced by one engine step for one job."""
+
+    token_ids: list[int]
+    text: str
+
+
+class JobResult(msgspec.Struct, kw_only=True):
+    """The terminal outcome of a job, written once."""
+
+    v: int = WIRE_VERSION
+    status: JobStatus
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    worker: str | None = None
+
+
+class Finished(msgspec.Struct, tag="finish", kw_only=True):
+    """Last event of a job's stream; carries the terminal result."""
+
+    result: JobResult
+
+
+JobEvent = TokenChunk | Finished
+
+
+class JobRecord(msgspec.Struct, kw_only=True):
+    """What the broker knows about a job: its spec, state and, once terminal, its result."""
+
+    spec: JobSpec
+    status: JobStatus
+    lane: str
+    deliveries: int = 0
+    enqueued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    last_error: str | None = None
+    cancel_requested: bool = False
+    result: JobResult | None = None
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    """An entry of the dead-letter stream."""
+
+    job_id: str
+    lane: str
+    reason: str
+    error: str | None
+    deliveries: int
+    at: float
+
+
+_encoder = msgspec.msgpack.Encoder()
+_T = TypeVar("_T")
+
+
+def encode(value: Any) -> bytes:
+    return _encoder.encode(value)
+
+
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def decode(data: bytes, kind: type[_T]) -> _T:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    result: _T = decoder.decode(data)
+    return result
+
+
+_event_decoder: msgspec.msgpack.Decoder[JobEvent] = msgspec.msgpack.Decoder(JobEvent)  # type: ignore[arg-type]
+
+
+def decode_event(data: bytes) -> JobEvent:
+    return _event_decoder.decode(data)
