@@ -1,0 +1,20 @@
+"""Helpers for tests that need a real valkey/redis server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tokenyard.broker.embedded import EmbeddedServer
+
+
+@contextmanager
+def running_server(**kwargs: Any) -> Iterator[EmbeddedServer]:
+    """Yield a started ``EmbeddedServer(**kwargs)``; stop it (and drop its temp dir) on exit."""
+    server = EmbeddedServer(**kwargs)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
