@@ -150,7 +150,7 @@ def decode(data: bytes, kind: type[_T]) -> _T:
     return result
 
 
-_event_decoder: msgspec.msgpack.Decoder[JobEvent] = msgspec.msgpack.Decoder(JobEvent)  # type: ignore[arg-type]
+_event_decoder: msgspec.msgpack.Decoder[JobEvent] = msgspec.msgpack.Decoder(JobEvent)
 
 
 def decode_event(data: bytes) -> JobEvent:

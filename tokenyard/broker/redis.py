@@ -80,7 +80,7 @@ class RedisBroker(Broker):
         self._rng = rng or random.Random()
         self._known_models: set[str] = set()
 
-    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def _run(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
         try:
             return await self._scripts[name](keys=keys, args=args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -104,7 +104,7 @@ class RedisBroker(Broker):
                 if spec.idempotency_key
                 else job
             )
-            args = [
+            args: list[Any] = [
                 GROUP,
                 spec.id,
                 encode(spec),
@@ -330,7 +330,7 @@ class RedisBroker(Broker):
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
         if not job_ids:
             return set()
-        flags = await self.redis.smismember(self.keys.cancels(model), list(job_ids))  # type: ignore[misc]
+        flags: Any = await self.redis.smismember(self.keys.cancels(model), list(job_ids))
         return {j for j, f in zip(job_ids, flags, strict=True) if f}
 
     # -- events and records ----------------------------------------------------------------
@@ -351,7 +351,7 @@ class RedisBroker(Broker):
     ) -> list[tuple[str, JobEvent]]:
         key = self.keys.events(job_id)
         try:
-            reply = await self.redis.xread(
+            reply: Any = await self.redis.xread(
                 {key: after or "0"}, count=count, block=_ms(block_s) if block_s > 0 else None
             )
         except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -361,7 +361,7 @@ class RedisBroker(Broker):
         return [(_s(eid), decode_event(fields[b"e"])) for eid, fields in reply[0][1]]
 
     async def record(self, job_id: str) -> JobRecord | None:
-        h: dict[bytes, bytes] = await self.redis.hgetall(self.keys.job(job_id))  # type: ignore[misc]
+        h: Any = await self.redis.hgetall(self.keys.job(job_id))
         if not h or b"spec" not in h:
             return None
         spec = decode(h[b"spec"], JobSpec)
@@ -409,14 +409,14 @@ class RedisBroker(Broker):
     async def _lane_stats(self, lane: str, now: float) -> LaneStats:
         if not await self.redis.exists(lane):
             return LaneStats(lane=lane, waiting=0, in_flight=0, oldest_waiting_age_s=None)
-        groups = await self.redis.xinfo_groups(lane)
+        groups: Any = await self.redis.xinfo_groups(lane)
         group = next((g for g in groups if _s(g["name"]) == GROUP), None)
         total = int(await self.redis.xlen(lane))
         if group is None:
             return LaneStats(lane=lane, waiting=total, in_flight=0, oldest_waiting_age_s=None)
         pending = int(group["pending"])
         last = _s(group["last-delivered-id"])
-        oldest = await self.redis.xrange(lane, min=f"({last}", max="+", count=1)
+        oldest: Any = await self.redis.xrange(lane, min=f"({last}", max="+", count=1)
         age = None
         if oldest:
             age = max(0.0, now - int(_s(oldest[0][0]).split("-")[0]) / 1000)
@@ -425,7 +425,7 @@ class RedisBroker(Broker):
         )
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
-        rows = await self.redis.xrange(self.keys.dead_letters(model), count=count)
+        rows: Any = await self.redis.xrange(self.keys.dead_letters(model), count=count)
         out = []
         for _, f in rows:
             out.append(
@@ -441,11 +441,12 @@ class RedisBroker(Broker):
         return out
 
     async def models(self) -> list[str]:
-        return sorted(_s(m) for m in await self.redis.smembers(self.keys.models()))  # type: ignore[misc]
+        members: Any = await self.redis.smembers(self.keys.models())
+        return sorted(_s(m) for m in members)
 
     async def ping(self) -> bool:
         try:
-            return bool(await self.redis.ping())  # type: ignore[misc]
+            return bool(await self.redis.ping())
         except (RedisConnectionError, RedisTimeoutError, OSError):
             return False
 
