@@ -131,6 +131,25 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     at: float
 
 
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """A worker's heartbeat: who it is and how busy it is."""
+
+    v: int = WIRE_VERSION
+    consumer: str
+    model: str
+    engine: str
+    host: str
+    pid: int
+    started_at: float
+    state: str = "running"  # running | draining
+    slots_total: int = 0
+    slots_used: int = 0
+    tokens_per_s: float = 0.0
+    mean_batch: float = 0.0
+    jobs_done: int = 0
+    at: float = 0.0
+
+
 _encoder = msgspec.msgpack.Encoder()
 _T = TypeVar("_T")
 

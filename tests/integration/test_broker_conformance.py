@@ -20,6 +20,7 @@ from tokenyard.messages import (
     Priority,
     SamplingParams,
     TokenChunk,
+    WorkerInfo,
 )
 
 MODEL = "tiny"
@@ -408,3 +409,17 @@ async def test_release_hands_jobs_back_without_charging_a_delivery(
     assert not await broker.complete(lease, ok(lease))
     [again] = await broker.claim(MODEL, "w2", slots=1)
     assert again.spec.id == spec.id and again.spec.attempt == 0
+
+
+async def test_worker_heartbeats_lapse(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    info = WorkerInfo(
+        consumer="h:1:0", model=MODEL, engine="sim", host="h", pid=1, started_at=time.time()
+    )
+    await broker.heartbeat(info, ttl_s=0.3)
+    assert [w.consumer for w in await broker.workers(MODEL)] == ["h:1:0"]
+    await asyncio.sleep(0.4)
+    assert await broker.workers(MODEL) == []
+    await broker.heartbeat(info, ttl_s=5)
+    await broker.deregister(MODEL, "h:1:0")
+    assert await broker.workers(MODEL) == []

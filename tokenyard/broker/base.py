@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from tokenyard.config import BrokerSettings
-from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobResult, JobSpec
+from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobResult, JobSpec, WorkerInfo
 
 Clock = Callable[[], float]
 
@@ -137,6 +137,18 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def models(self) -> list[str]: ...
+
+    # -- workers ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Register or refresh a worker; it counts as live for `ttl_s` seconds."""
+
+    @abc.abstractmethod
+    async def deregister(self, model: str, consumer: str) -> None: ...
+
+    @abc.abstractmethod
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        """Workers of a model whose heartbeat has not lapsed."""
 
     async def ping(self) -> bool:
         return True

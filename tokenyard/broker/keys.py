@@ -83,6 +83,13 @@ class Keys:
     def counters(self, model: str) -> str:
         return f"{self._model(model_tag(model))}:counters"
 
+    def workers(self, model: str) -> str:
+        """Sorted set of a model's workers, scored by when their heartbeat lapses."""
+        return f"{self._model(model_tag(model))}:workers"
+
+    def worker(self, model: str, consumer: str) -> str:
+        return f"{self._model(model_tag(model))}:worker:{consumer}"
+
     def models(self) -> str:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"

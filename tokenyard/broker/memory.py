@@ -32,6 +32,7 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    WorkerInfo,
     decode,
     decode_event,
     encode,
@@ -84,6 +85,7 @@ class MemoryStore:
         self.counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.events: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         self.models: set[str] = set()
+        self.workers: dict[str, dict[str, tuple[WorkerInfo, float]]] = defaultdict(dict)
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -477,3 +479,15 @@ class MemoryBroker(Broker):
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    # -- workers ---------------------------------------------------------------------------
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        self.store.workers[info.model][info.consumer] = (info, self.clock() + ttl_s)
+        self.store.models.add(info.model)
+
+    async def deregister(self, model: str, consumer: str) -> None:
+        self.store.workers[model].pop(consumer, None)
+
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        now = self.clock()
+        return [info for info, until in self.store.workers[model].values() if until > now]

@@ -38,6 +38,7 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    WorkerInfo,
     decode,
     decode_event,
     encode,
@@ -443,6 +444,28 @@ class RedisBroker(Broker):
     async def models(self) -> list[str]:
         members: Any = await self.redis.smembers(self.keys.models())
         return sorted(_s(m) for m in members)
+
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        now = self.clock()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.worker(info.model, info.consumer), encode(info), px=_ms(ttl_s))
+        pipe.zadd(self.keys.workers(info.model), {info.consumer: now + ttl_s})
+        pipe.zremrangebyscore(self.keys.workers(info.model), "-inf", now)
+        pipe.sadd(self.keys.models(), info.model)
+        await self._execute(pipe)
+
+    async def deregister(self, model: str, consumer: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.worker(model, consumer))
+        pipe.zrem(self.keys.workers(model), consumer)
+        await self._execute(pipe)
+
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        live: Any = await self.redis.zrangebyscore(self.keys.workers(model), self.clock(), "+inf")
+        if not live:
+            return []
+        blobs: Any = await self.redis.mget([self.keys.worker(model, _s(c)) for c in live])
+        return [decode(b, WorkerInfo) for b in blobs if b]
 
     async def ping(self) -> bool:
         try:
