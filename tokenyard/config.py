@@ -46,3 +46,17 @@ def from_env(
         return msgspec.convert(values, kind, strict=False)
     except msgspec.ValidationError as exc:
         raise FatalError(f"invalid {section} settings: {exc}") from exc
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How a worker claims, batches and drains."""
+
+    model: str = "tiny"
+    engine: str = "hf"  # hf | hf-static | sim
+    max_seqs: int = 32  # overrides the engine's own limit when lower
+    token_budget: int = 16_384  # prompt + max_tokens over running sequences
+    claim_block_s: float = 0.5
+    heartbeat_s: float = 2.0
+    drain_timeout_s: float = 30.0
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -102,13 +103,12 @@ class MemoryStore:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, seconds: float) -> None:
+        """Sleep until something changes or `seconds` pass."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        try:
-            await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter, seconds)
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

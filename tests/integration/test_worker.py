@@ -1,0 +1,251 @@
+"""The worker against both brokers, with the simulated engine (model speed is not the point)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from tests.conftest import BrokerFactory
+from tokenyard.broker.base import Broker
+from tokenyard.broker.keys import new_job_id
+from tokenyard.config import WorkerSettings
+from tokenyard.engines.sim import SimEngine
+from tokenyard.messages import (
+    Finished,
+    FinishReason,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    SamplingParams,
+    TokenChunk,
+)
+from tokenyard.worker.worker import Worker
+
+MODEL = "sim-model"
+
+
+def spec(prompt: str = "hello", max_tokens: int = 8, **extra: object) -> JobSpec:
+    return JobSpec(
+        id=new_job_id(MODEL),
+        model=MODEL,
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra),  # type: ignore[arg-type]
+    )
+
+
+async def wait_all(
+    broker: Broker, job_ids: list[str], timeout: float = 30.0
+) -> dict[str, JobRecord]:
+    async def one(job_id: str) -> JobRecord:
+        after = "0"
+        while True:
+            for event_id, event in await broker.read_events(job_id, after=after, block_s=1.0):
+                after = event_id
+                if isinstance(event, Finished):
+                    record = await broker.record(job_id)
+                    assert record is not None
+                    return record
+
+    records = await asyncio.wait_for(asyncio.gather(*(one(j) for j in job_ids)), timeout)
+    return dict(zip(job_ids, records, strict=True))
+
+
+RunWorker = Callable[..., Worker]
+
+
+@pytest.fixture
+async def run_worker(make_broker: BrokerFactory) -> AsyncIterator[RunWorker]:
+    """Start workers in the background; drain and join them at teardown."""
+    started: list[tuple[Worker, asyncio.Task[None]]] = []
+
+    def start(
+        engine: SimEngine | None = None, broker: Broker | None = None, **settings: object
+    ) -> Worker:
+        engine = engine or SimEngine(decode_base=0.002, decode_per_seq=1e-4, prefill_base=0.001)
+        options: dict[str, object] = {"model": MODEL, "engine": "sim", "heartbeat_s": 0.2}
+        options.update(settings)
+        worker = Worker(broker or make_broker(lease_s=2.0), engine, WorkerSettings(**options))  # type: ignore[arg-type]
+        started.append((worker, asyncio.create_task(worker.run())))
+        return worker
+
+    yield start
+    for worker, _ in started:
+        worker.drain()
+    for _, task in started:
+        done, _ = await asyncio.wait([task], timeout=10)
+        if not done:
+            for pending in asyncio.all_tasks():
+                pending.print_stack(limit=4)
+            pytest.fail("worker did not drain within 10 s")
+        task.result()
+
+
+async def test_many_concurrent_jobs_complete_in_shared_steps(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    broker = make_broker()
+    engine = SimEngine(decode_base=0.003, decode_per_seq=1e-4)
+    worker = run_worker(engine=engine, max_seqs=32)
+    lengths = [4 + (i % 13) for i in range(64)]
+    specs = [spec(f"prompt {i}", n) for i, n in enumerate(lengths)]
+    await broker.enqueue_many(specs)
+    records = await wait_all(broker, [s.id for s in specs])
+    for s, n in zip(specs, lengths, strict=True):
+        record = records[s.id]
+        assert record.status is JobStatus.SUCCEEDED, record
+        assert record.result is not None
+        assert record.result.completion_tokens == n == len(record.result.token_ids)
+        assert record.result.finish_reason is FinishReason.LENGTH
+        tokens = [e for _, e in await broker.read_events(s.id) if isinstance(e, TokenChunk)]
+        assert "".join(t.text for t in tokens) == record.result.text
+    assert engine.stats().mean_batch > 4
+    assert worker.busy == 0
+    [info] = await broker.workers(MODEL)
+    assert info.consumer == worker.consumer and info.slots_total == 32
+
+
+async def test_events_are_coalesced_per_engine_step(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    """One broker round trip per engine step carries every job's new tokens."""
+    broker = make_broker()
+    worker_broker = make_broker()
+    calls: list[int] = []
+    append = worker_broker.append_events
+
+    async def counting_append(events):  # type: ignore[no-untyped-def]
+        calls.append(len(events))
+        return await append(events)
+
+    worker_broker.append_events = counting_append  # type: ignore[method-assign]
+    engine = SimEngine(decode_base=0.002)
+    run_worker(engine=engine, broker=worker_broker)
+    specs = [spec(f"p{i}", 20) for i in range(8)]
+    await broker.enqueue_many(specs)
+    await wait_all(broker, [s.id for s in specs])
+    assert sum(calls) == 8 * 20  # every token published exactly once
+    assert len(calls) <= engine.stats().steps
+    assert sum(calls) / len(calls) > 2  # most round trips carry several jobs
+
+
+async def test_cancel_mid_generation_frees_the_slot(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    broker = make_broker()
+    run_worker(engine=SimEngine(decode_base=0.01), max_seqs=1)
+    long, queued = spec("long", 2000), spec("short", 5)
+    await broker.enqueue(long)
+    first_tokens = await broker.read_events(long.id, block_s=10.0)
+    assert first_tokens and isinstance(first_tokens[0][1], TokenChunk)
+    await broker.enqueue(queued)
+    await asyncio.sleep(0.1)
+    assert (await broker.record(queued.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+    await broker.cancel(long.id)
+    records = await wait_all(broker, [long.id, queued.id], timeout=10)
+    assert records[long.id].status is JobStatus.CANCELLED
+    assert records[long.id].result is not None
+    assert records[long.id].result.completion_tokens < 2000
+    assert records[queued.id].status is JobStatus.SUCCEEDED
+
+
+async def test_failing_engine_retries_then_dead_letters(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    broker = make_broker(max_deliveries=2, backoff_base_s=0.01, backoff_max_s=0.02)
+    run_worker(broker=broker)
+    bad, good = spec("please [[fail]] now"), spec("fine")
+    await broker.enqueue_many([bad, good])
+    records = await wait_all(broker, [bad.id, good.id])
+    assert records[good.id].status is JobStatus.SUCCEEDED
+    assert records[bad.id].status is JobStatus.DEAD and records[bad.id].deliveries == 2
+    [letter] = await broker.dead_letters(MODEL)
+    assert letter.job_id == bad.id and letter.reason == "failed"
+
+
+async def test_prompt_too_long_fails_without_retry(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    broker = make_broker()
+    run_worker(engine=SimEngine(max_model_len=64))
+    job = spec("x" * 60, max_tokens=10)
+    await broker.enqueue(job)
+    record = (await wait_all(broker, [job.id]))[job.id]
+    assert record.status is JobStatus.FAILED and record.deliveries == 1
+    assert record.result is not None and "exceeds the context" in (record.result.error or "")
+
+
+async def test_resumed_job_continues_after_streamed_tokens(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    """A redelivered job picks up the tokens its dead predecessor streamed; none repeat."""
+    broker = make_broker(lease_s=0.3)
+    direct = SimEngine(decode_base=0.0)
+    await direct.start()
+    prompt_ids = direct.tokenizer.encode("resume me")
+    direct.add("ref", prompt_ids, SamplingParams(max_tokens=30, temperature=0.0))
+    expected_ids: list[int] = []
+    while len(expected_ids) < 30:
+        expected_ids += [t for out in await direct.outputs() for t in out.token_ids]
+    await direct.stop()
+    expected_text = direct.tokenizer.decode(expected_ids)
+
+    job = spec("resume me", 30)
+    await broker.enqueue(job)
+    [lease] = await broker.claim(MODEL, "crashed-worker", slots=1)
+    half = expected_ids[:11]
+    await broker.append_events(
+        [(lease, TokenChunk(token_ids=half, text=direct.tokenizer.decode(half)))]
+    )
+    # the crashed worker never renews; the live worker's reaper requeues the job
+    run_worker(broker=broker)
+    record = (await wait_all(broker, [job.id], timeout=20))[job.id]
+    assert record.deliveries == 2 and record.result is not None
+    assert record.result.token_ids == expected_ids
+    assert record.result.text == expected_text
+    texts = [e.text for _, e in await broker.read_events(job.id) if isinstance(e, TokenChunk)]
+    assert "".join(texts) == expected_text
+
+
+async def test_drain_finishes_in_flight_work_and_stops_claiming(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    broker = make_broker()
+    first = run_worker(engine=SimEngine(decode_base=0.005), max_seqs=4)
+    specs = [spec(f"d{i}", 30) for i in range(12)]
+    await broker.enqueue_many(specs)
+    while first.busy < 4:
+        await asyncio.sleep(0.01)
+    first.drain()
+    await asyncio.sleep(0.5)
+    assert first.busy == 0  # in-flight finished; nothing new claimed while draining
+    done = [s.id for s in specs if (await broker.record(s.id)).status.terminal]  # type: ignore[union-attr]
+    assert len(done) == 4
+    run_worker(max_seqs=8)
+    records = await wait_all(broker, [s.id for s in specs])
+    assert all(r.status is JobStatus.SUCCEEDED for r in records.values())
+    assert all(r.deliveries == 1 for r in records.values())
+
+
+async def test_drain_timeout_hands_unfinished_jobs_back(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    broker = make_broker()
+    first = run_worker(engine=SimEngine(decode_base=0.01), max_seqs=2, drain_timeout_s=0.2)
+    specs = [spec(f"slow{i}", 400) for i in range(2)]
+    await broker.enqueue_many(specs)
+    while first.busy < 2:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    first.drain()
+    while (await broker.record(specs[0].id)).status is JobStatus.RUNNING:  # type: ignore[union-attr]
+        await asyncio.sleep(0.05)
+    run_worker(max_seqs=2)
+    records = await wait_all(broker, [s.id for s in specs])
+    for s in specs:
+        result = records[s.id].result
+        assert result is not None and result.completion_tokens == 400
+        texts = [e.text for _, e in await broker.read_events(s.id) if isinstance(e, TokenChunk)]
+        assert "".join(texts) == result.text
+        assert records[s.id].deliveries == 1  # a release is not charged as a delivery

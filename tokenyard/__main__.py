@@ -1,0 +1,3 @@
+from tokenyard.cli import main
+
+main()

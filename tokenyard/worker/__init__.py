@@ -1,0 +1,1 @@
+"""Workers: claim jobs, run them through an engine, publish tokens, complete."""

@@ -1,0 +1,61 @@
+"""`python -m tokenyard.worker`: one worker process; SIGTERM drains it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from tokenyard.broker import connect
+from tokenyard.config import BrokerSettings, WorkerSettings, from_env
+from tokenyard.engines import make_engine
+from tokenyard.worker.worker import Worker
+
+
+async def serve_worker(
+    broker_settings: BrokerSettings, settings: WorkerSettings, consumer: str | None = None
+) -> None:
+    """Run a worker until SIGTERM/SIGINT, then drain."""
+    broker = connect(broker_settings)
+    engine = make_engine(
+        settings.engine, model=settings.model, device=settings.device, dtype=settings.dtype
+    )
+    worker = Worker(broker, engine, settings, consumer=consumer)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.drain)
+    try:
+        await worker.run()
+    finally:
+        await broker.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tokenyard.worker")
+    parser.add_argument("--broker", help="redis://… URL")
+    parser.add_argument("--prefix")
+    parser.add_argument("--lease-s", type=float)
+    parser.add_argument("--model")
+    parser.add_argument("--engine")
+    parser.add_argument("--max-seqs", type=int)
+    parser.add_argument("--drain-timeout-s", type=float)
+    parser.add_argument("--consumer")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    broker_settings = from_env(
+        BrokerSettings, "broker", url=args.broker, prefix=args.prefix, lease_s=args.lease_s
+    )
+    settings = from_env(
+        WorkerSettings,
+        "worker",
+        model=args.model,
+        engine=args.engine,
+        max_seqs=args.max_seqs,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    asyncio.run(serve_worker(broker_settings, settings, consumer=args.consumer))
+
+
+if __name__ == "__main__":
+    main()
