@@ -13,14 +13,24 @@ from tokenyard.engines import make_engine
 from tokenyard.worker.worker import Worker
 
 
+def engine_options(settings: WorkerSettings) -> dict[str, object]:
+    """The engine's constructor arguments; the simulated engine has no weights to place."""
+    if settings.engine == "sim":
+        return {"max_seqs": settings.max_seqs}
+    return {
+        "model": settings.model,
+        "device": settings.device,
+        "dtype": settings.dtype,
+        "max_seqs": settings.max_seqs,
+    }
+
+
 async def serve_worker(
     broker_settings: BrokerSettings, settings: WorkerSettings, consumer: str | None = None
 ) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain."""
     broker = connect(broker_settings)
-    engine = make_engine(
-        settings.engine, model=settings.model, device=settings.device, dtype=settings.dtype
-    )
+    engine = make_engine(settings.engine, **engine_options(settings))
     worker = Worker(broker, engine, settings, consumer=consumer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

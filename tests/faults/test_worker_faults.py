@@ -1,0 +1,188 @@
+"""Worker processes killed and drained for real, serving the tiny model through a real Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.redis import RedisBroker
+from tokenyard.config import BrokerSettings
+from tokenyard.messages import (
+    Finished,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    SamplingParams,
+    TokenChunk,
+)
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+
+MODEL = "tiny"
+LEASE_S = 2.0
+
+
+class Workers:
+    """Spawns `python -m tokenyard.worker` processes and kills them all at the end."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *extra: str) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "tokenyard.worker",
+            "--broker", self.url, "--prefix", self.prefix, "--model", MODEL,
+            "--engine", "hf", "--max-seqs", "16", "--lease-s", str(LEASE_S), *extra,
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def workers(valkey: EmbeddedServer) -> Iterator[Workers]:
+    pool = Workers(valkey.url, f"f{uuid.uuid4().hex[:8]}")
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture
+async def broker(workers: Workers) -> AsyncIterator[RedisBroker]:
+    client = RedisBroker(BrokerSettings(url=workers.url, prefix=workers.prefix, lease_s=LEASE_S))
+    yield client
+    await client.close()
+
+
+def greedy_jobs(n: int, max_tokens: int = 24) -> list[JobSpec]:
+    return [
+        JobSpec(
+            id=new_job_id(MODEL),
+            model=MODEL,
+            prompt=f"The yard sorts car number {i} onto lane {i % 3}",
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
+
+
+async def results(broker: RedisBroker, ids: list[str], timeout: float) -> dict[str, JobResult]:
+    give_up = time.monotonic() + timeout
+    done: dict[str, JobResult] = {}
+    while len(done) < len(ids):
+        assert time.monotonic() < give_up, f"{len(ids) - len(done)} jobs never finished"
+        for job_id in ids:
+            if job_id not in done:
+                record = await broker.record(job_id)
+                if record is not None and record.result is not None:
+                    done[job_id] = record.result
+        await asyncio.sleep(0.2)
+    return done
+
+
+async def streamed_text(broker: RedisBroker, job_id: str) -> tuple[str, int]:
+    """The text a reader of the event stream saw, and how many Finished events it got."""
+    events = [e for _, e in await broker.read_events(job_id, count=100_000)]
+    text = "".join(e.text for e in events if isinstance(e, TokenChunk))
+    return text, sum(isinstance(e, Finished) for e in events)
+
+
+async def wait_for_tokens(broker: RedisBroker, ids: list[str], at_least: int) -> None:
+    give_up = time.monotonic() + 120
+    while time.monotonic() < give_up:
+        started = 0
+        for job_id in ids:
+            if await broker.read_events(job_id, count=1):
+                started += 1
+        if started >= at_least:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("workers never started streaming")
+
+
+async def test_sigkill_mid_generation_resumes_to_identical_text(
+    workers: Workers, broker: RedisBroker
+) -> None:
+    reference_jobs = greedy_jobs(50)
+    first = workers.start()
+    await broker.enqueue_many(reference_jobs)
+    reference = await results(broker, [j.id for j in reference_jobs], timeout=240)
+
+    jobs = greedy_jobs(50)
+    await broker.enqueue_many(jobs)
+    ids = [j.id for j in jobs]
+    await wait_for_tokens(broker, ids, at_least=8)
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    mid_flight = [
+        r for r in [await broker.record(i) for i in ids] if r and r.status is JobStatus.RUNNING
+    ]
+    assert mid_flight, "the kill should catch jobs in flight"
+
+    workers.start()
+    done = await results(broker, ids, timeout=240)
+    for ref_job, job in zip(reference_jobs, jobs, strict=True):
+        result = done[job.id]
+        assert result.status is JobStatus.SUCCEEDED
+        assert result.text == reference[ref_job.id].text
+        assert result.token_ids == reference[ref_job.id].token_ids
+        text, finishes = await streamed_text(broker, job.id)
+        assert text == result.text and finishes == 1  # the reader saw one unbroken answer
+    resumed = [r for r in [await broker.record(i) for i in ids] if r and r.deliveries > 1]
+    assert len(resumed) >= len(mid_flight)
+
+
+async def test_sigterm_under_load_drains_without_loss_or_duplicates(
+    workers: Workers, broker: RedisBroker
+) -> None:
+    first = workers.start("--drain-timeout-s", "1")
+    jobs = greedy_jobs(60, max_tokens=48)
+    await broker.enqueue_many(jobs)
+    ids = [j.id for j in jobs]
+    await wait_for_tokens(broker, ids, at_least=8)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 0, first.stderr.read().decode() if first.stderr else ""
+    assert not await broker.workers(MODEL)  # it deregistered
+
+    workers.start()
+    done = await results(broker, ids, timeout=240)
+    assert all(r.status is JobStatus.SUCCEEDED for r in done.values())
+    for job_id in ids:
+        text, finishes = await streamed_text(broker, job_id)
+        assert finishes == 1 and text == done[job_id].text
+        assert done[job_id].completion_tokens == 48
+    stats = await broker.stats(MODEL)
+    assert stats.dead_letters == 0
+    assert sum(lane.waiting + lane.in_flight for lane in stats.lanes) == 0
+
+
+async def test_worker_process_exits_cleanly_on_sigterm_when_idle(
+    workers: Workers, broker: RedisBroker
+) -> None:
+    proc = workers.start()
+    give_up = time.monotonic() + 120
+    while not await broker.workers(MODEL):
+        assert time.monotonic() < give_up and proc.poll() is None, "worker never registered"
+        await asyncio.sleep(0.1)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert not await broker.workers(MODEL)
