@@ -1,0 +1,202 @@
+"""Incremental detokenizer, stop-string matcher and per-sequence decoder (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenyard.engines.detok import (
+    REPLACEMENT,
+    IncrementalDetokenizer,
+    SequenceDecoder,
+    StopMatcher,
+)
+from tokenyard.engines.sim import SimTokenizer
+from tokenyard.messages import FinishReason, SamplingParams
+
+TOK = SimTokenizer()  # byte-level: every UTF-8 byte is its own token
+EOS = SimTokenizer.EOS
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+def stream(detok: IncrementalDetokenizer, tokens: list[int]) -> list[str]:
+    return [detok.push([t]) for t in tokens]
+
+
+def test_multibyte_character_split_across_tokens_is_held_back() -> None:
+    detok = IncrementalDetokenizer(TOK.decode)
+    pieces = stream(detok, ids("aé🚀b"))
+    # "é" is 2 bytes and "🚀" 4: nothing is emitted until the last byte of each arrives.
+    assert pieces == ["a", "", "é", "", "", "", "🚀", "b"]
+    assert all(REPLACEMENT not in p for p in pieces)
+
+
+def test_several_tokens_per_push_and_flush_of_truncated_character() -> None:
+    detok = IncrementalDetokenizer(TOK.decode)
+    data = ids("日本")
+    assert detok.push(data[:4]) == "日"  # second character still incomplete
+    assert detok.push(data[4:5]) == ""
+    # The sequence ends mid-character: flush releases what there is, as a replacement char.
+    assert detok.flush() == REPLACEMENT
+
+
+def test_invalid_bytes_are_emitted_once_followed_by_valid_text() -> None:
+    detok = IncrementalDetokenizer(TOK.decode)
+    lone = 0x80 + SimTokenizer.OFFSET  # a stray continuation byte can never complete
+    assert detok.push([lone]) == ""
+    assert detok.push(ids("x")) == REPLACEMENT + "x"
+
+
+def test_random_splits_reassemble_exactly() -> None:
+    rng = random.Random(0)
+    text = "naïve café — 你好, мир! 🚀🎉 ok"
+    data = ids(text)
+    for _ in range(200):
+        detok = IncrementalDetokenizer(TOK.decode, prompt_ids=ids("prompt "))
+        out, i = [], 0
+        while i < len(data):
+            n = rng.randint(1, 4)
+            piece = detok.push(data[i : i + n])
+            assert not piece.endswith(REPLACEMENT)
+            out.append(piece)
+            i += n
+        out.append(detok.flush())
+        assert "".join(out) == text
+
+
+def test_stop_string_split_across_steps() -> None:
+    m = StopMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", False)
+    assert m.held == "ST"
+    assert m.feed("O") == ("", False)
+    assert m.feed("P tail") == ("", True)
+
+
+def test_held_prefix_released_when_it_does_not_match() -> None:
+    m = StopMatcher(["STOP"])
+    assert m.feed("x S") == ("x ", False)
+    assert m.feed("Tx") == ("STx", False)
+    assert m.held == ""
+    assert m.feed("ST") == ("", False)
+    assert m.flush() == "ST"
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    m = StopMatcher(["world", "lo w", "\n\n"])
+    assert m.feed("hello world") == ("hel", True)
+
+
+def test_overlapping_prefix_is_held() -> None:
+    m = StopMatcher(["aab"])
+    assert m.feed("xaa") == ("x", False)
+    assert m.feed("a") == ("a", False)  # "aaa": only the last "aa" can still start "aab"
+    assert m.feed("b") == ("", True)
+
+
+def test_no_stops_passes_text_through() -> None:
+    m = StopMatcher([])
+    assert m.feed("anything") == ("anything", False)
+
+
+def decoder(
+    params: SamplingParams, resume: list[int] | None = None, **kw: object
+) -> SequenceDecoder:
+    return SequenceDecoder(
+        TOK.decode,
+        params,
+        prompt_ids=ids("hi "),
+        eos_token_ids=(EOS,),
+        resume_ids=resume or [],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def run(dec: SequenceDecoder, tokens: list[int]) -> tuple[str, list[int], FinishReason | None]:
+    text, taken = "", []
+    for t in tokens:
+        d = dec.feed([t])
+        text += d.text
+        taken += d.token_ids
+        if d.finish_reason is not None:
+            return text, taken, d.finish_reason
+    return text, taken, None
+
+
+def test_decoder_stop_string_across_tokens_is_not_emitted() -> None:
+    dec = decoder(SamplingParams(max_tokens=50, stop=("END",)))
+    text, taken, reason = run(dec, ids("one two EN") + ids("D three"))
+    assert (text, reason) == ("one two ", FinishReason.STOP)
+    assert len(taken) == len("one two END") and dec.completion_tokens == len(taken)
+
+
+def test_decoder_eos_and_ignore_eos() -> None:
+    tokens = [*ids("ab"), EOS, *ids("cd")]
+    assert run(decoder(SamplingParams(max_tokens=10)), tokens) == (
+        "ab",
+        tokens[:3],
+        FinishReason.STOP,
+    )
+    dec = decoder(SamplingParams(max_tokens=4, ignore_eos=True))
+    text, taken, reason = run(dec, tokens)
+    assert (text, taken, reason) == ("abc", tokens[:4], FinishReason.LENGTH)
+
+
+def test_decoder_length_flushes_held_text() -> None:
+    dec = decoder(SamplingParams(max_tokens=3, stop=("xyz",)))
+    # "x" is held as a possible stop start, then released when the length limit ends the sequence.
+    assert run(dec, ids("abx")) == ("abx", ids("abx"), FinishReason.LENGTH)
+
+
+def test_decoder_limit_caps_max_tokens() -> None:
+    dec = decoder(SamplingParams(max_tokens=100), limit=2)
+    assert dec.limit == 2
+    assert run(dec, ids("abc"))[2] is FinishReason.LENGTH
+
+
+def test_decoder_close_releases_held_text() -> None:
+    dec = decoder(SamplingParams(max_tokens=100, stop=("!!",)))
+    assert dec.feed(ids("hey!")).text == "hey"
+    d = dec.close(FinishReason.LENGTH)
+    assert (d.text, d.finish_reason) == ("!", FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_resume_continues_text_exactly(seed: int) -> None:
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=60, stop=("<<STOP>>", "é!"))
+    body = "ab é日本 🚀 x <<ST y <<STOP>> z"
+    tokens = ids(body)
+    full_text, full_taken, full_reason = run(decoder(params), tokens)
+    k = rng.randint(1, len(full_taken) - 1)
+    # What the first attempt had emitted after k tokens (the held-back tail is not included).
+    first = decoder(params)
+    emitted_k = "".join(first.feed([t]).text for t in tokens[:k])
+    resumed = decoder(params, resume=tokens[:k])
+    assert resumed.completion_tokens == k
+    rest_text, rest_taken, rest_reason = run(resumed, tokens[k:])
+    assert emitted_k + rest_text == full_text
+    assert tokens[:k] + rest_taken == full_taken
+    assert rest_reason == full_reason == FinishReason.STOP
+    assert resumed.completion_tokens == len(full_taken)
+
+
+def test_resume_that_already_finished() -> None:
+    params = SamplingParams(max_tokens=3)
+    assert decoder(params, resume=ids("abc")).finish_reason is FinishReason.LENGTH
+    assert decoder(SamplingParams(), resume=[*ids("a"), EOS]).finish_reason is FinishReason.STOP
+    stop = SamplingParams(max_tokens=10, stop=("bc",))
+    assert decoder(stop, resume=ids("abc")).finish_reason is FinishReason.STOP
+
+
+def test_resume_mid_character_emits_the_character_once() -> None:
+    e_acute = ids("é")
+    resumed = IncrementalDetokenizer(
+        TOK.decode, prompt_ids=ids("p"), resume_ids=[*ids("a"), e_acute[0]]
+    )
+    assert resumed.resumed_text == "a"
+    assert resumed.push(e_acute[1:]) == "é"
+    assert resumed.push(ids("z")) == "z"

@@ -1,0 +1,328 @@
+"""HF engines on the tiny model: real forward passes, continuous and static batching."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+
+from tokenyard.engines import Engine, EngineClosed, StepOutput, make_engine
+from tokenyard.engines.hf import (
+    HFEngine,
+    HFStaticEngine,
+    add_gumbel_noise,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+)
+from tokenyard.messages import FinishReason, SamplingParams
+
+PROMPTS = [
+    "The queue holds",
+    "Once upon a time there was",
+    "def add(a, b):",
+    "Le café",
+    "Привет",
+    "0 1 2 3 4 5 6 7",
+]
+
+
+class Result:
+    def __init__(self) -> None:
+        self.outputs: list[StepOutput] = []
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish: StepOutput | None = None
+
+
+async def collect(engine: Engine, n: int, timeout: float = 60.0) -> dict[str, Result]:
+    """Read outputs until n sequences finished."""
+    results: dict[str, Result] = {}
+    finished = 0
+    async with asyncio.timeout(timeout):
+        while finished < n:
+            for out in await engine.outputs():
+                r = results.setdefault(out.seq_id, Result())
+                assert r.finish is None, "output after finish"
+                r.outputs.append(out)
+                r.token_ids += out.token_ids
+                r.text += out.text
+                if out.finish_reason is not None:
+                    r.finish = out
+                    finished += 1
+    return results
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def reference(engine: HFEngine | HFStaticEngine, prompt: list[int], n: int) -> list[int]:
+    """Plain model.generate greedy continuation, EOS ignored."""
+    assert engine.model is not None
+    with torch.inference_mode():
+        out = engine.model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
+
+
+@pytest.fixture
+async def engine(tiny_model_path: Path) -> AsyncIterator[HFEngine]:
+    eng = HFEngine(str(tiny_model_path), max_seqs=32, max_tokens=16384, threads=1)
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def test_greedy_matches_model_generate(engine: HFEngine) -> None:
+    tok = engine.tokenizer
+    for i, p in enumerate(PROMPTS):
+        engine.add(f"s{i}", tok.encode(p), greedy(24))
+    res = await collect(engine, len(PROMPTS))
+    for i, p in enumerate(PROMPTS):
+        r = res[f"s{i}"]
+        ref = reference(engine, tok.encode(p), 24)
+        assert r.token_ids == ref
+        assert r.text == tok.decode(ref)
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+        assert r.finish.completion_tokens == 24
+        assert r.finish.prompt_tokens == len(tok.encode(p))
+
+
+async def test_many_concurrent_sequences_are_batched(engine: HFEngine) -> None:
+    tok = engine.tokenizer
+    n = 24
+    for i in range(n):
+        engine.add(f"c{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(8 + i))
+    res = await collect(engine, n)
+    for i in range(n):
+        r = res[f"c{i}"]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+        assert len(r.token_ids) == r.finish.completion_tokens == 8 + i
+        # Streaming is per step, one token each; counts only ever grow.
+        counts = [o.completion_tokens for o in r.outputs]
+        assert counts == sorted(counts)
+    stats = engine.stats()
+    assert stats.tokens_generated == sum(8 + i for i in range(n))
+    assert stats.mean_batch > 4
+    assert stats.running == 0
+
+
+async def test_abort_frees_a_slot(tiny_model_path: Path) -> None:
+    eng = HFEngine(str(tiny_model_path), max_seqs=2, max_tokens=8192, threads=1)
+    await eng.start()
+    tok = eng.tokenizer
+    prompt = tok.encode("long story")
+    eng.add("a", prompt, greedy(1500))
+    eng.add("b", prompt, greedy(1500))
+    eng.add("c", prompt, greedy(5))
+    first = await eng.outputs()
+    assert {o.seq_id for o in first} <= {"a", "b"}
+    assert eng.stats().running == 2  # "c" waits for a slot
+    eng.abort("a")
+    res: dict[str, list[StepOutput]] = {}
+    async with asyncio.timeout(30):
+        while not any(o.finish_reason for o in res.get("c", [])):
+            for out in await eng.outputs():
+                res.setdefault(out.seq_id, []).append(out)
+    assert res["a"][-1].finish_reason is FinishReason.CANCELLED
+    assert all(o.finish_reason is None for o in res["b"])  # still running when "c" is done
+    assert sum(len(o.token_ids) for o in res["c"]) == 5
+    eng.abort("b")
+    async with asyncio.timeout(30):
+        while True:
+            outs = await eng.outputs()
+            if any(o.seq_id == "b" and o.finish_reason for o in outs):
+                break
+    assert eng.stats().running == 0
+    await eng.stop()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [greedy(30), SamplingParams(max_tokens=30, temperature=0.8, top_k=40, top_p=0.9, seed=5)],
+    ids=["greedy", "seeded-sampling"],
+)
+async def test_resume_continues_exactly(engine: HFEngine, params: SamplingParams) -> None:
+    tok = engine.tokenizer
+    prompt = tok.encode("Once upon a time")
+    engine.add("full", prompt, params)
+    full = (await collect(engine, 1))["full"]
+    assert len(full.token_ids) == 30
+    for k in (1, 11, 29):
+        # Text the first attempt had streamed after k tokens (one token per step here).
+        streamed = "".join(o.text for o in full.outputs[:k])
+        assert sum(len(o.token_ids) for o in full.outputs[:k]) == k
+        engine.add(f"r{k}", prompt, params, resume_token_ids=full.token_ids[:k])
+        r = (await collect(engine, 1))[f"r{k}"]
+        assert full.token_ids[:k] + r.token_ids == full.token_ids
+        assert streamed + r.text == full.text
+        assert r.finish is not None and r.finish.completion_tokens == 30
+
+
+async def test_seeded_sampling_is_reproducible_and_varies(engine: HFEngine) -> None:
+    prompt = engine.tokenizer.encode("The queue holds")
+    for i, seed in enumerate([1, 1, 2]):
+        engine.add(f"x{i}", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=seed))
+    res = await collect(engine, 3)
+    assert res["x0"].token_ids == res["x1"].token_ids
+    assert res["x0"].token_ids != res["x2"].token_ids
+
+
+async def test_stop_string_is_not_emitted(engine: HFEngine) -> None:
+    tok = engine.tokenizer
+    prompt = tok.encode("def add(a, b):")
+    engine.add("full", prompt, greedy(40))
+    text = (await collect(engine, 1))["full"].text
+    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]
+    engine.add("stopped", prompt, greedy(40, stop=(stop, "never-appears")))
+    r = (await collect(engine, 1))["stopped"]
+    assert r.finish is not None and r.finish.finish_reason is FinishReason.STOP
+    assert r.text == text[: text.find(stop)]
+    assert r.finish.completion_tokens < 40
+    assert engine.stats().running == 0
+
+
+async def test_eos_stops_unless_ignored(engine: HFEngine) -> None:
+    tok = engine.tokenizer
+    prompt = tok.encode("Le café")
+    ref = reference(engine, prompt, 12)
+    pos = next(i for i in range(3, 12) if ref[i] not in ref[:i])
+    # Make the token greedy emits at `pos` the EOS, for both the manager and the decoder.
+    tok.eos_token_ids = frozenset({ref[pos]})
+    engine.add("eos", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    engine.add("ignore", prompt, greedy(12))
+    res = await collect(engine, 2)
+    assert res["eos"].token_ids == ref[: pos + 1]
+    assert res["eos"].finish is not None and res["eos"].finish.finish_reason is FinishReason.STOP
+    assert res["ignore"].token_ids == ref
+
+
+async def test_add_before_start_and_stop_closes(tiny_model_path: Path) -> None:
+    eng = make_engine("hf", model=str(tiny_model_path), max_seqs=4, max_tokens=4096, threads=1)
+    assert isinstance(eng, HFEngine)
+    prompt = eng.tokenizer.encode("hello")
+    eng.add("early", prompt, greedy(3))
+    eng.add("forever", prompt, greedy(2000))
+    await eng.start()
+    res = await collect(eng, 1)
+    assert res["early"].finish is not None
+    await eng.stop()
+    finals: dict[str, StepOutput] = {}
+    with pytest.raises(EngineClosed):
+        while True:
+            for out in await eng.outputs():
+                if out.finish_reason is not None:
+                    finals[out.seq_id] = out
+    assert finals["forever"].finish_reason is FinishReason.ERROR
+    with pytest.raises(RuntimeError):
+        eng.add("late", prompt, greedy(3))
+
+
+async def test_static_micro_batches(tiny_model_path: Path) -> None:
+    eng = make_engine(
+        "hf-static", model=str(tiny_model_path), batch_size=4, batch_timeout_ms=50, threads=1
+    )
+    assert isinstance(eng, HFStaticEngine) and eng.capacity.max_seqs == 8
+    await eng.start()
+    tok = eng.tokenizer
+    for i in range(10):
+        eng.add(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
+    res = await collect(eng, 10)
+    for i in range(10):
+        r = res[f"s{i}"]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+        assert len(r.token_ids) == r.finish.completion_tokens == 6 + i
+    # Left padding must not change greedy results.
+    for i in range(len(PROMPTS)):
+        ids = tok.encode(PROMPTS[i])
+        assert res[f"s{i}"].token_ids == reference(eng, ids, 6 + i)
+    stats = eng.stats()
+    assert stats.mean_batch > 1
+    # A lone request runs once the window expires, as a batch of one.
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    eng.add("alone", tok.encode("hi"), greedy(2, stop=("zzz",)))
+    eng.add("gone", tok.encode("hi"), greedy(2))
+    eng.abort("gone")
+    res = await collect(eng, 2)
+    assert loop.time() - t0 >= 0.04
+    assert res["gone"].finish is not None
+    assert res["gone"].finish.finish_reason is FinishReason.CANCELLED
+    assert res["alone"].finish is not None and len(res["alone"].token_ids) == 2
+    await eng.stop()
+
+
+async def test_static_and_continuous_sample_the_same(
+    engine: HFEngine, tiny_model_path: Path
+) -> None:
+    static = HFStaticEngine(str(tiny_model_path), batch_size=2, batch_timeout_ms=5, threads=1)
+    await static.start()
+    prompt = engine.tokenizer.encode("Pack my box")
+    params = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.95, seed=42, ignore_eos=True)
+    engine.add("x", prompt, params)
+    static.add("x", prompt, params)
+    a = (await collect(engine, 1))["x"]
+    b = (await collect(static, 1))["x"]
+    assert a.token_ids == b.token_ids
+    await static.stop()
+
+
+def test_sampling_ops() -> None:
+    scores = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.1, 0.2, 0.3]])
+    greedy_rows = apply_temperature(scores, torch.tensor([0.0, 2.0]))
+    assert greedy_rows[0].argmax() == 1 and torch.isinf(greedy_rows[0]).sum() == 3
+    assert torch.allclose(greedy_rows[1], scores[1] / 2)
+    top2 = apply_top_k(scores, torch.tensor([2, 0]))
+    assert torch.isinf(top2[0]).tolist() == [True, False, False, True]
+    assert not torch.isinf(top2[1]).any()
+    nucleus = apply_top_p(torch.tensor([[10.0, 0.0, -10.0]]), torch.tensor([0.5]))
+    assert torch.isinf(nucleus).tolist() == [[False, True, True]]
+    # Gumbel-max sampling follows softmax: frequencies over many keys match probabilities.
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(20000, 3)
+    picks = add_gumbel_noise(logits, torch.arange(20000)).argmax(-1)
+    freq = torch.bincount(picks, minlength=3).float() / 20000
+    assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.02)
+    # Negative keys mean greedy: no noise.
+    assert torch.equal(add_gumbel_noise(scores, torch.tensor([-1, -1])), scores)
+
+
+async def test_static_stop_ends_running_batch(tiny_model_path: Path) -> None:
+    eng = HFStaticEngine(str(tiny_model_path), batch_size=2, batch_timeout_ms=1, threads=1)
+    await eng.start()
+    eng.add("long", eng.tokenizer.encode("hello"), greedy(2000))
+    first = await eng.outputs()
+    assert first[0].seq_id == "long" and first[0].finish_reason is None
+    await asyncio.wait_for(eng.stop(), timeout=10)
+    finals = []
+    with pytest.raises(EngineClosed):
+        while True:
+            finals += [o for o in await eng.outputs() if o.finish_reason is not None]
+    assert [(o.seq_id, o.finish_reason, o.error) for o in finals] == [
+        ("long", FinishReason.ERROR, "engine stopped")
+    ]
+
+
+async def test_bf16_runs(tiny_model_path: Path) -> None:
+    eng = HFEngine(str(tiny_model_path), dtype="bf16", max_seqs=4, max_tokens=2048, threads=1)
+    await eng.start()
+    for i in range(3):
+        eng.add(f"b{i}", eng.tokenizer.encode(PROMPTS[i]), greedy(10))
+    res = await collect(eng, 3)
+    assert all(len(r.token_ids) == 10 for r in res.values())
+    await eng.stop()
+    with pytest.raises(ValueError, match="dtype"):
+        HFEngine(str(tiny_model_path), dtype="int3")

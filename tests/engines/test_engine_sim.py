@@ -1,0 +1,262 @@
+"""SimEngine: cost model on an injected clock, continuous batching, failures, resume."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tokenyard.engines import EngineClosed, StepOutput, make_engine
+from tokenyard.engines.sim import SimEngine, SimTokenizer, VirtualClock
+from tokenyard.messages import FinishReason, SamplingParams
+
+A, B, C, D = 0.5, 0.01, 0.1, 0.02  # prefill a + b·tokens, decode c + d·batch
+
+
+class Result:
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish: StepOutput | None = None
+
+
+async def collect(engine: SimEngine, n: int, timeout: float = 10.0) -> dict[str, Result]:
+    """Read outputs until n sequences finished."""
+    results: dict[str, Result] = {}
+    finished = 0
+    async with asyncio.timeout(timeout):
+        while finished < n:
+            for out in await engine.outputs():
+                r = results.setdefault(out.seq_id, Result())
+                assert r.finish is None, "output after finish"
+                r.token_ids += out.token_ids
+                r.text += out.text
+                assert out.completion_tokens >= len(r.token_ids)
+                if out.finish_reason is not None:
+                    r.finish = out
+                    finished += 1
+    return results
+
+
+@pytest.fixture
+async def clock_engine() -> AsyncIterator[tuple[SimEngine, VirtualClock]]:
+    clock = VirtualClock()
+    engine = SimEngine(
+        prefill_base=A,
+        prefill_per_token=B,
+        decode_base=C,
+        decode_per_seq=D,
+        max_seqs=4,
+        sleep=clock.sleep,
+    )
+    yield engine, clock
+    await engine.stop()
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+
+
+async def test_cost_model_on_virtual_clock(clock_engine: tuple[SimEngine, VirtualClock]) -> None:
+    engine, clock = clock_engine
+    # Added before start, so both are admitted together in the first step.
+    engine.add("a", [5] * 10, SamplingParams(max_tokens=3, temperature=0.0))
+    engine.add("b", [6] * 20, SamplingParams(max_tokens=5, temperature=0.0))
+    await engine.start()
+    res = await collect(engine, 2)
+    assert [len(res[k].token_ids) for k in "ab"] == [3, 5]
+    expected = [A + B * 30, C + 2 * D, C + 2 * D, C + 2 * D, C + D, C + D]
+    assert clock.sleeps == pytest.approx(expected)
+    assert clock.time() == pytest.approx(sum(expected))
+    stats = engine.stats()
+    assert (stats.steps, stats.sequences_stepped, stats.tokens_generated) == (5, 8, 8)
+    assert stats.mean_batch == pytest.approx(1.6)
+    assert stats.running == 0
+
+
+async def test_continuous_batching_respects_max_seqs(
+    clock_engine: tuple[SimEngine, VirtualClock],
+) -> None:
+    engine, _ = clock_engine
+    await engine.start()
+    for i in range(10):
+        engine.add(f"s{i}", [7, 8, 9], SamplingParams(max_tokens=3 + i, temperature=0.0))
+    res = await collect(engine, 10)
+    for i in range(10):
+        r = res[f"s{i}"]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+        assert len(r.token_ids) == r.finish.completion_tokens == 3 + i
+        assert r.finish.prompt_tokens == 3
+    stats = engine.stats()
+    assert 1 < stats.mean_batch <= 4
+
+
+async def test_token_budget_limits_admission() -> None:
+    clock = VirtualClock()
+    engine = SimEngine(max_seqs=8, max_tokens=30, sleep=clock.sleep)
+    for i in range(3):
+        engine.add(f"s{i}", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))  # 15 each
+    await engine.start()
+    await collect(engine, 3)
+    assert engine.stats().mean_batch <= 2  # only two 15-token sequences fit in 30
+    with pytest.raises(ValueError, match="budget"):
+        engine.add("big", [4] * 25, SamplingParams(max_tokens=10))
+    await engine.stop()
+
+
+async def test_deterministic_tokens_and_exact_resume(
+    clock_engine: tuple[SimEngine, VirtualClock],
+) -> None:
+    engine, _ = clock_engine
+    await engine.start()
+    prompt = engine.tokenizer.encode("resume me")
+    sampled = SamplingParams(max_tokens=20, temperature=0.9, seed=11)
+    engine.add("g", prompt, GREEDY)
+    engine.add("s", prompt, sampled)
+    full = await collect(engine, 2)
+    assert full["g"].token_ids != full["s"].token_ids
+    for k in (1, 7, 19):
+        engine.add(f"g{k}", prompt, GREEDY, resume_token_ids=full["g"].token_ids[:k])
+        engine.add(f"s{k}", prompt, sampled, resume_token_ids=full["s"].token_ids[:k])
+        part = await collect(engine, 2)
+        for name in ("g", "s"):
+            r = part[f"{name}{k}"]
+            assert full[name].token_ids[:k] + r.token_ids == full[name].token_ids
+            assert full[name].text.endswith(r.text)
+            assert r.finish is not None and r.finish.completion_tokens == 20
+
+
+async def test_failure_marker_and_fail_rate() -> None:
+    clock = VirtualClock()
+    engine = SimEngine(sleep=clock.sleep, fail_marker="BOOM")
+    await engine.start()
+    tok = engine.tokenizer
+    engine.add("bad", tok.encode("please BOOM now"), GREEDY)
+    engine.add("good", tok.encode("fine"), GREEDY)
+    res = await collect(engine, 2)
+    bad = res["bad"].finish
+    assert bad is not None and bad.finish_reason is FinishReason.ERROR
+    assert bad.error is not None and "BOOM" in bad.error
+    assert res["good"].finish is not None
+    assert res["good"].finish.finish_reason is FinishReason.LENGTH
+    await engine.stop()
+
+    outcomes = []
+    for _ in range(2):  # a seeded RNG: the same failures twice
+        engine = SimEngine(sleep=VirtualClock().sleep, fail_rate=0.05, seed=3)
+        for i in range(8):
+            engine.add(f"s{i}", [9, 9], GREEDY)
+        await engine.start()
+        res = await collect(engine, 8)
+        outcomes.append({k: r.finish.finish_reason for k, r in res.items() if r.finish})
+        await engine.stop()
+    assert outcomes[0] == outcomes[1]
+    assert FinishReason.ERROR in outcomes[0].values()
+    assert FinishReason.LENGTH in outcomes[0].values()
+
+
+async def test_abort_frees_slot() -> None:
+    clock = VirtualClock()
+    engine = SimEngine(max_seqs=1, sleep=clock.sleep)
+    await engine.start()
+    engine.add("long", [5], SamplingParams(max_tokens=3000, temperature=0.0))
+    engine.add("short", [6], SamplingParams(max_tokens=2, temperature=0.0))
+    first = await engine.outputs()
+    assert [o.seq_id for o in first] == ["long"]
+    assert engine.stats().running == 1
+    engine.abort("long")
+    engine.abort("nobody")  # unknown ids are ignored
+    res = await collect(engine, 2)
+    assert res["long"].finish is not None
+    assert res["long"].finish.finish_reason is FinishReason.CANCELLED
+    assert res["short"].finish is not None
+    assert res["short"].finish.finish_reason is FinishReason.LENGTH
+    await engine.stop()
+
+
+async def test_stop_strings_and_eos() -> None:
+    clock = VirtualClock()
+    engine = SimEngine(sleep=clock.sleep)
+    await engine.start()
+    prompt = engine.tokenizer.encode("tell me")
+    engine.add("full", prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    text = (await collect(engine, 1))["full"].text
+    stop = text[12:15]
+    engine.add("stopped", prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=(stop,)))
+    r = (await collect(engine, 1))["stopped"]
+    assert r.finish is not None and r.finish.finish_reason is FinishReason.STOP
+    assert r.text == text[: text.find(stop)]
+    await engine.stop()
+
+    engine = SimEngine(sleep=VirtualClock().sleep, eos_rate=0.3)
+    await engine.start()
+    engine.add("eos", prompt, SamplingParams(max_tokens=200, temperature=0.0))
+    engine.add("no-eos", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    res = await collect(engine, 2)
+    eos = res["eos"]
+    assert eos.finish is not None and eos.finish.finish_reason is FinishReason.STOP
+    assert eos.token_ids[-1] == SimTokenizer.EOS
+    assert res["no-eos"].finish is not None
+    assert res["no-eos"].finish.completion_tokens == 50
+    await engine.stop()
+
+
+async def test_real_time_default_sleep() -> None:
+    engine = make_engine("sim", decode_base=0.002, decode_per_seq=0.0, prefill_base=0.0)
+    assert isinstance(engine, SimEngine)
+    await engine.start()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    engine.add("x", [4, 5], SamplingParams(max_tokens=10))
+    await collect(engine, 1)
+    assert loop.time() - t0 >= 0.018
+    await engine.stop()
+
+
+async def test_stop_fails_running_and_closes() -> None:
+    # Real (short) sleeps: "a" needs thousands of steps, so it is surely running at stop().
+    engine = SimEngine(max_seqs=1, decode_base=0.002, prefill_base=0.0)
+    await engine.start()
+    engine.add("a", [5], SamplingParams(max_tokens=4000, temperature=0.0))
+    engine.add("b", [5], GREEDY)
+    await engine.outputs()
+    await engine.stop()
+    seen: dict[str, StepOutput] = {}
+    with pytest.raises(EngineClosed):
+        while True:
+            for out in await engine.outputs():
+                if out.finish_reason is not None:
+                    seen[out.seq_id] = out
+    assert {k: v.error for k, v in seen.items()} == {"a": "engine stopped", "b": "engine stopped"}
+    with pytest.raises(EngineClosed):
+        await engine.outputs()
+
+
+async def test_request_validation_and_already_complete_resume() -> None:
+    engine = SimEngine(sleep=VirtualClock().sleep, max_model_len=64)
+    with pytest.raises(ValueError):
+        engine.add("empty", [], GREEDY)
+    with pytest.raises(ValueError):
+        engine.add("long", [4] * 64, GREEDY)
+    engine.add("dup", [4], GREEDY)
+    with pytest.raises(ValueError, match="already"):
+        engine.add("dup", [4], GREEDY)
+    # Resumed tokens that already reach max_tokens finish at once, even before start.
+    engine.add("done", [4], SamplingParams(max_tokens=2), resume_token_ids=[70, 71])
+    await engine.start()
+    res = await collect(engine, 2)
+    assert res["done"].finish is not None
+    assert res["done"].finish.finish_reason is FinishReason.LENGTH
+    assert res["done"].finish.completion_tokens == 2 and res["done"].token_ids == []
+    await engine.stop()
+
+
+def test_sim_tokenizer_roundtrip_and_factory() -> None:
+    tok = SimTokenizer()
+    text = "héllo 🚀"
+    assert tok.decode(tok.encode(text)) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.endswith("<assistant>") and "hi" in chat
+    assert tok.eos_token_id == SimTokenizer.EOS
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("nope")

@@ -1,0 +1,203 @@
+"""Pure text helpers for engines: incremental detokenization, stop strings, per-sequence limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+import msgspec
+
+from tokenyard.messages import FinishReason, SamplingParams
+
+Decode = Callable[[Sequence[int]], str]
+
+REPLACEMENT = "\ufffd"
+# Prompt tokens kept as decode context so tokenizers that drop a leading space on the first
+# token of a decode call (SentencePiece) still produce the right text for the first token.
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas that never end in a broken character.
+
+    Text is decoded over a small window (`prefix` .. end) and diffed against the window's
+    already-emitted part, so the cost per token is constant and tokenizers whose decode
+    depends on neighbours still produce the same text as a full decode. A trailing run of
+    U+FFFD (bytes of a character still being generated) is held back until it resolves.
+    """
+
+    def __init__(
+        self,
+        decode: Decode,
+        prompt_ids: Sequence[int] = (),
+        resume_ids: Sequence[int] = (),
+    ) -> None:
+        self._decode = decode
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._ids = [*context, *resume_ids]
+        self._prefix = 0
+        self._read = len(context)  # tokens before this are fully emitted
+        self._partial = ""  # text after `_read` already emitted (whole characters only)
+        # An earlier attempt emitted its tokens' text except a trailing incomplete character.
+        self.resumed_text = self._unread_text().rstrip(REPLACEMENT)
+        self._partial = self.resumed_text
+
+    def _unread_text(self) -> str:
+        base = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        return text[len(base) :] if len(text) > len(base) else ""
+
+    def _mark_emitted(self) -> None:
+        self._read = len(self._ids)
+        self._prefix = max(0, self._read - _CONTEXT_TOKENS)
+        self._partial = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return newly completed text (possibly empty)."""
+        self._ids.extend(token_ids)
+        text = self._unread_text()
+        if not text.endswith(REPLACEMENT):
+            out = text[len(self._partial) :]
+            self._mark_emitted()
+            return out
+        # Emit the whole characters before the incomplete tail; earlier text never changes.
+        safe = text.rstrip(REPLACEMENT)
+        if len(safe) <= len(self._partial):
+            return ""
+        out, self._partial = safe[len(self._partial) :], safe
+        return out
+
+    def flush(self) -> str:
+        """Return whatever is held back (at the end of a sequence), replacement chars included."""
+        out = self._unread_text()[len(self._partial) :]
+        self._mark_emitted()
+        return out
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back any tail that could start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+
+    @property
+    def held(self) -> str:
+        return self._held
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string matched); a stop is never emitted."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        # Any occurrence lies inside `buf`: a stop starting in already-emitted text would have
+        # made that text a held prefix instead.
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for k in range(min(len(buf), self._longest - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                keep = k
+                break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """Release the held tail (the sequence ended without completing a stop string)."""
+        held, self._held = self._held, ""
+        return held
+
+
+class Delta(msgspec.Struct):
+    """What one engine step adds to a sequence after limits, EOS and stop strings are applied."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+
+
+class SequenceDecoder:
+    """Applies SamplingParams to one sequence's token stream: text, EOS, stop strings, max_tokens.
+
+    `limit` is the total completion budget (resumed tokens included); engines pass
+    min(max_tokens, context length - prompt length).
+    """
+
+    def __init__(
+        self,
+        decode: Decode,
+        params: SamplingParams,
+        *,
+        prompt_ids: Sequence[int],
+        eos_token_ids: Collection[int] = (),
+        resume_ids: Sequence[int] = (),
+        limit: int | None = None,
+    ) -> None:
+        self.params = params
+        self.limit = params.max_tokens if limit is None else min(limit, params.max_tokens)
+        self._eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._detok = IncrementalDetokenizer(decode, prompt_ids, resume_ids)
+        self._stops = StopMatcher(params.stop)
+        self.completion_tokens = len(resume_ids)
+        self.finish_reason: FinishReason | None = None
+        if resume_ids:
+            self._replay_resume(resume_ids)
+        if self.finish_reason is None and self.completion_tokens >= self.limit:
+            self.finish_reason = FinishReason.LENGTH
+
+    def _replay_resume(self, resume_ids: Sequence[int]) -> None:
+        if resume_ids[-1] in self._eos:
+            self.finish_reason = FinishReason.STOP
+            return
+        # Rebuild the stop matcher's held tail, which the earlier attempt had not emitted.
+        _, stopped = self._stops.feed(self._detok.resumed_text)
+        if stopped:
+            self.finish_reason = FinishReason.STOP
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed before LENGTH."""
+        return max(0, self.limit - self.completion_tokens)
+
+    def feed(self, token_ids: Sequence[int]) -> Delta:
+        """Consume newly generated tokens; tokens after a finish are dropped."""
+        if self.finish_reason is not None:
+            return Delta([], "", self.finish_reason)
+        taken: list[int] = []
+        pieces: list[str] = []
+        for tok in token_ids:
+            taken.append(tok)
+            self.completion_tokens += 1
+            if tok in self._eos:
+                pieces.append(self._close_text())
+                self.finish_reason = FinishReason.STOP
+                break
+            out, stopped = self._stops.feed(self._detok.push([tok]))
+            pieces.append(out)
+            if stopped:
+                self.finish_reason = FinishReason.STOP
+                break
+            if self.completion_tokens >= self.limit:
+                pieces.append(self._close_text())
+                # The flushed tail can itself complete a stop string.
+                self.finish_reason = self.finish_reason or FinishReason.LENGTH
+                break
+        return Delta(taken, "".join(pieces), self.finish_reason)
+
+    def _close_text(self) -> str:
+        out, stopped = self._stops.feed(self._detok.flush())
+        if stopped:
+            self.finish_reason = FinishReason.STOP
+            return out
+        return out + self._stops.flush()
+
+    def close(self, reason: FinishReason) -> Delta:
+        """End the sequence for an engine-side reason, releasing held-back text."""
+        if self.finish_reason is not None:
+            return Delta([], "", self.finish_reason)
+        text = self._close_text()
+        self.finish_reason = self.finish_reason or reason
+        return Delta([], text, self.finish_reason)

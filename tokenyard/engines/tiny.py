@@ -1,0 +1,184 @@
+"""Builds a small random-weight Llama-style model and a locally trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+TINY_MODEL_NAME = "tiny-llama"
+# Bump when the recipe changes so stale caches are rebuilt instead of silently reused.
+TINY_RECIPE_VERSION = 1
+_STAMP = "tokenyard-tiny.json"
+_SEED = 1234
+VOCAB_SIZE = 1024
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+_ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# A small fixed corpus: English prose, code, numbers and some multi-byte UTF-8 so that
+# byte-level tokens split characters (which the incremental detokenizer must handle).
+_CORPUS = """
+The queue holds every request until a worker has a free slot. A worker claims a job, runs
+it through the engine, streams the tokens back and then acknowledges the job. If the worker
+dies, the lease expires and another worker picks the job up again, continuing from the
+tokens that were already streamed, so the client sees one uninterrupted answer.
+Continuous batching lets new sequences join the running batch as soon as others finish.
+Static batching waits until the batch is full or a timer fires, and then runs the whole
+batch to the end. Long prompts use more of the token budget than short ones.
+Once upon a time there was a small model that wanted to write poems about the sea, the
+mountains, the rivers and the stars. It wrote one line every day and read it every night.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, i * i, add(i, 1))
+
+class Queue:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+{"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 0.0}
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 32 64 128 256 512 1024 2048 4096
+Monday Tuesday Wednesday Thursday Friday Saturday Sunday January February March April
+Le café est très chaud. Où est la bibliothèque? Ça va très bien, merci beaucoup.
+Der Bär läuft über die Straße. Schöne Grüße aus München. Größe, Übung, Äpfel.
+El niño comió una manzana. ¿Dónde está la estación? Mañana será otro día.
+Привет, как дела? Я люблю читать книги. Москва, Санкт-Петербург, Новосибирск.
+你好，世界。今天天气很好。我们一起去吃饭吧。机器学习和人工智能。
+こんにちは世界。ありがとうございます。東京と大阪と京都。
+안녕하세요. 감사합니다. 서울은 아름다운 도시입니다.
+Emoji: 🚀 🎉 😀 👍 🔥 ✨ — “quotes” and ‘apostrophes’ … €100, £50, ¥1000, ±3°C, π ≈ 3.14159.
+"""  # noqa: RUF001
+
+
+def default_cache_dir() -> Path:
+    """Directory under which tiny models are cached (`TOKENYARD_CACHE_DIR` overrides)."""
+    env = os.environ.get("TOKENYARD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "tokenyard"
+
+
+def _stamp() -> dict[str, object]:
+    return {"name": TINY_MODEL_NAME, "recipe": TINY_RECIPE_VERSION, "seed": _SEED}
+
+
+def _is_built(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / _STAMP).read_text()) == _stamp())
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
+    """Return the tiny model directory, building it once (atomically) if it is missing."""
+    target = Path(path).expanduser() if path is not None else default_cache_dir() / TINY_MODEL_NAME
+    if _is_built(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _build(tmp)
+        if target.exists() and not _is_built(target):
+            # A stale or half-written directory from an older recipe: replace it.
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process won the race; its build is identical (same seed and corpus).
+            if not _is_built(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [PAD, BOS, EOS, *_ROLE_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.splitlines() if line.strip()]
+    tok.train_from_iterator(lines, trainer=trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(_ROLE_TOKENS),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _build(out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _build_tokenizer()
+    vocab = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        # A larger init spread makes the random model's logits peaky, so greedy decoding
+        # is far from numerical ties and identical across attention implementations.
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+        max_new_tokens=32,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # The stamp is written last: a directory without it is never considered built.
+    (out / _STAMP).write_text(json.dumps(_stamp()))
