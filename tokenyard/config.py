@@ -60,3 +60,4 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 30.0
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int | None = None  # torch CPU threads; None keeps torch's default

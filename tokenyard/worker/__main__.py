@@ -22,6 +22,7 @@ def engine_options(settings: WorkerSettings) -> dict[str, object]:
         "device": settings.device,
         "dtype": settings.dtype,
         "max_seqs": settings.max_seqs,
+        "threads": settings.threads,
     }
 
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine")
     parser.add_argument("--max-seqs", type=int)
     parser.add_argument("--drain-timeout-s", type=float)
+    parser.add_argument("--threads", type=int)
     parser.add_argument("--consumer")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         engine=args.engine,
         max_seqs=args.max_seqs,
         drain_timeout_s=args.drain_timeout_s,
+        threads=args.threads,
     )
     asyncio.run(serve_worker(broker_settings, settings, consumer=args.consumer))
 
