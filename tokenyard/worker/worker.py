@@ -128,8 +128,8 @@ class Worker:
             leases = await self.broker.claim(
                 self.model, self.consumer, want, block_s=self.settings.claim_block_s
             )
-            for lease in leases:
-                await self._admit(lease)
+            # admitted concurrently: each may read its event stream to resume a predecessor
+            await asyncio.gather(*(self._admit(lease) for lease in leases))
 
     async def _finish_in_flight(self) -> None:
         give_up = time.monotonic() + self.settings.drain_timeout_s
