@@ -423,3 +423,31 @@ async def test_worker_heartbeats_lapse(make_broker: BrokerFactory) -> None:
     await broker.heartbeat(info, ttl_s=5)
     await broker.deregister(MODEL, "h:1:0")
     assert await broker.workers(MODEL) == []
+
+
+async def test_resent_enqueue_of_a_known_job_adds_nothing(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    spec = job()
+    assert (await broker.enqueue(spec)).created
+    again = await broker.enqueue(spec)  # e.g. resent after a timeout; the first one landed
+    assert not again.created and again.job_id == spec.id
+    [lease] = await broker.claim(MODEL, "w", slots=10)
+    assert await broker.complete(lease, ok(lease, "once"))
+    assert not (await broker.enqueue(spec)).created  # a finished job is not run again
+    assert await broker.claim(MODEL, "w", slots=10) == []
+    record = await broker.record(spec.id)
+    assert record is not None and record.result is not None and record.result.text == "once"
+
+
+async def test_batch_is_all_or_nothing_when_a_lane_would_overflow(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(max_queue_depth=3)
+    with pytest.raises(QueueFull):
+        await broker.enqueue_many([job() for _ in range(5)])
+    assert await broker.claim(MODEL, "w", slots=10) == []
+    batch = [job(key="same"), job(key="same"), job()]
+    results = await broker.enqueue_many(batch)
+    assert [r.created for r in results] == [True, False, True]
+    assert results[1].job_id == batch[0].id
+    assert len(await broker.claim(MODEL, "w", slots=10)) == 2

@@ -183,9 +183,14 @@ class MemoryBroker(Broker):
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """All or nothing: a batch that would overflow a lane adds no job."""
         now = self.clock()
         store = self.store
         results: list[EnqueueResult] = []
+        fresh: list[tuple[JobSpec, str | None]] = []
+        taken_ids: set[str] = set()
+        taken_keys: dict[str, str] = {}
+        adding: dict[str, int] = defaultdict(int)
         for spec in specs:
             if not spec.created_at:
                 spec.created_at = now
@@ -194,15 +199,27 @@ class MemoryBroker(Broker):
                 if spec.idempotency_key
                 else None
             )
+            existing = None
             if idem is not None:
-                existing = store.idempotency.get(idem)
-                if existing is not None and existing[1] > now:
-                    results.append(EnqueueResult(job_id=existing[0], created=False))
-                    continue
-            lane = self.keys.lane(spec.model, spec.priority)
+                known = store.idempotency.get(idem)
+                existing = taken_keys.get(idem) or (known[0] if known and known[1] > now else None)
+            if existing is None and (spec.id in taken_ids or self._job(spec.id) is not None):
+                existing = spec.id  # a resent enqueue whose first attempt did land
+            if existing is not None:
+                results.append(EnqueueResult(job_id=existing, created=False))
+                continue
+            results.append(EnqueueResult(job_id=spec.id, created=True))
+            fresh.append((spec, idem))
+            taken_ids.add(spec.id)
+            if idem is not None:
+                taken_keys[idem] = spec.id
+            adding[self.keys.lane(spec.model, spec.priority)] += 1
+        for lane, count in adding.items():
             depth = len(store.lanes[lane].entries)
-            if depth >= self.settings.max_queue_depth:
+            if depth + count > self.settings.max_queue_depth:
                 raise QueueFull(lane, depth, self.settings.max_queue_depth)
+        for spec, idem in fresh:
+            lane = self.keys.lane(spec.model, spec.priority)
             store.jobs[spec.id] = _Job(
                 spec=encode(spec),
                 lane=lane,
@@ -214,7 +231,6 @@ class MemoryBroker(Broker):
             if idem is not None:
                 store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
             store.models.add(spec.model)
-            results.append(EnqueueResult(job_id=spec.id, created=True))
         store.notify()
         return results
 

@@ -93,44 +93,59 @@ class RedisBroker(Broker):
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """All-or-nothing per model: one script call admits a model's whole batch."""
         now = self.clock()
-        pipe = self.redis.pipeline(transaction=False)
-        for spec in specs:
+        by_model: dict[str, list[int]] = defaultdict(list)
+        for index, spec in enumerate(specs):
             if not spec.created_at:
                 spec.created_at = now
-            lane = self.keys.lane(spec.model, spec.priority)
-            job = self.keys.job(spec.id)
-            idem = (
-                self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
-                if spec.idempotency_key
-                else job
-            )
-            args: list[Any] = [
-                GROUP,
-                spec.id,
-                encode(spec),
-                repr(now),
-                "" if spec.deadline is None else repr(spec.deadline),
-                self.settings.max_queue_depth,
-                _ms(self.settings.idempotency_ttl_s),
-                "1" if spec.idempotency_key else "0",
-            ]
-            await self._scripts["enqueue"](keys=[lane, job, idem], args=args, client=pipe)
-        new_models = {s.model for s in specs} - self._known_models
+            by_model[spec.model].append(index)
+        pipe = self.redis.pipeline(transaction=False)
+        for model, indexes in by_model.items():
+            keys, args = self._enqueue_call(model, [specs[i] for i in indexes], now)
+            await self._scripts["enqueue"](keys=keys, args=args, client=pipe)
+        new_models = set(by_model) - self._known_models
         if new_models:
             pipe.sadd(self.keys.models(), *new_models)
-        try:
-            replies = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise BrokerUnavailable(str(exc)) from exc
+        replies = await self._execute(pipe)
         self._known_models |= new_models
-        results: list[EnqueueResult] = []
-        for spec, (code, value) in zip(specs, replies[: len(specs)], strict=True):
+        results: list[EnqueueResult | None] = [None] * len(specs)
+        for (model, indexes), (code, payload) in zip(by_model.items(), replies, strict=False):
             if code == -1:
-                lane_name = self.keys.lane(spec.model, spec.priority)
-                raise QueueFull(lane_name, int(value), self.settings.max_queue_depth)
-            results.append(EnqueueResult(job_id=_s(value), created=code == 1))
-        return results
+                lane_index, depth = payload
+                lane = self.keys.lanes(model)[int(lane_index) - 1]
+                raise QueueFull(lane, int(depth), self.settings.max_queue_depth)
+            for i, (created, job_id) in zip(indexes, payload, strict=True):
+                results[i] = EnqueueResult(job_id=_s(job_id), created=created == 1)
+        return [r for r in results if r is not None]
+
+    def _enqueue_call(
+        self, model: str, specs: Sequence[JobSpec], now: float
+    ) -> tuple[list[str], list[Any]]:
+        lanes = self.keys.lanes(model)
+        keys: list[str] = list(lanes)
+        args: list[Any] = [
+            GROUP,
+            repr(now),
+            self.settings.max_queue_depth,
+            _ms(self.settings.idempotency_ttl_s),
+            len(specs),
+            len(lanes),
+        ]
+        for spec in specs:
+            job = self.keys.job(spec.id)
+            idem = job
+            if spec.idempotency_key:
+                idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+            keys += [job, idem]
+            args += [
+                int(spec.priority) + 1,  # Lua arrays count from 1
+                spec.id,
+                encode(spec),
+                "" if spec.deadline is None else repr(spec.deadline),
+                "1" if spec.idempotency_key else "0",
+            ]
+        return keys, args
 
     # -- consuming -------------------------------------------------------------------------
     async def claim(
@@ -201,31 +216,32 @@ class RedisBroker(Broker):
         if not items:
             return []
         now = repr(self.clock())
+        by_model: dict[str, list[int]] = defaultdict(list)
+        for index, (lease, _) in enumerate(items):
+            by_model[lease.spec.model].append(index)
         pipe = self.redis.pipeline(transaction=False)
-        for lease, result in items:
-            model = lease.spec.model
-            await self._scripts["complete"](
-                keys=[
-                    lease.lane,
-                    self.keys.job(lease.spec.id),
-                    self.keys.events(lease.spec.id),
-                    self.keys.cancels(model),
-                    self.keys.counters(model),
-                ],
-                args=[
-                    GROUP,
+        for model, indexes in by_model.items():
+            keys: list[str] = []
+            args: list[Any] = [GROUP, now, self._ttl_ms, len(indexes)]
+            for i in indexes:
+                lease, result = items[i]
+                job_id = lease.spec.id
+                keys += [lease.lane, self.keys.job(job_id), self.keys.events(job_id)]
+                args += [
                     lease.consumer,
                     lease.entry_id,
-                    lease.spec.id,
+                    job_id,
                     result.status.value,
                     encode(result),
                     encode(Finished(result=result)),
-                    now,
-                    self._ttl_ms,
-                ],
-                client=pipe,
-            )
-        return [bool(r) for r in await self._execute(pipe)]
+                ]
+            keys += [self.keys.cancels(model), self.keys.counters(model)]
+            await self._scripts["complete"](keys=keys, args=args, client=pipe)
+        accepted = [False] * len(items)
+        for indexes, flags in zip(by_model.values(), await self._execute(pipe), strict=True):
+            for i, flag in zip(indexes, flags, strict=True):
+                accepted[i] = bool(flag)
+        return accepted
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         now = self.clock()

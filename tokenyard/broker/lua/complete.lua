@@ -1,20 +1,31 @@
--- Fenced completion: the entry must still be ours; the first terminal record wins.
--- KEYS: lane, job, events, cancels, counters
--- ARGV: group, consumer, entry_id, job_id, status, result, event, now, ttl_ms
--- Returns 1 accepted, 0 fenced off (the lease was lost).
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 0 or p[1][2] ~= ARGV[2] then
-  redis.call('HINCRBY', KEYS[5], 'fenced', 1)
-  return 0
+-- Fenced completion of a batch: each entry must still be its consumer's; the first terminal
+-- record wins; then XACK + XDEL.
+-- KEYS: per item: lane, job, events; then cancels, counters
+-- ARGV: group, now, ttl_ms, n, then per item: consumer, entry_id, job_id, status, result, event
+-- Returns one flag per item: 1 accepted, 0 fenced off (the lease was lost).
+local group, now, ttl, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local cancels, counters = KEYS[3 * n + 1], KEYS[3 * n + 2]
+local accepted = {}
+for i = 1, n do
+  local lane, job, events = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local a = 4 + (i - 1) * 6
+  local consumer, entry_id = ARGV[a + 1], ARGV[a + 2]
+  local p = redis.call('XPENDING', lane, group, entry_id, entry_id, 1)
+  if #p == 0 or p[1][2] ~= consumer then
+    redis.call('HINCRBY', counters, 'fenced', 1)
+    accepted[i] = 0
+  else
+    local status = redis.call('HGET', job, 'status')
+    if status == 'queued' or status == 'running' then
+      redis.call('HSET', job, 'status', ARGV[a + 4], 'result', ARGV[a + 5], 'end_at', now)
+      redis.call('XADD', events, '*', 'e', ARGV[a + 6])
+      redis.call('PEXPIRE', job, ttl)
+      redis.call('PEXPIRE', events, ttl)
+    end
+    redis.call('XACK', lane, group, entry_id)
+    redis.call('XDEL', lane, entry_id)
+    redis.call('SREM', cancels, ARGV[a + 3])
+    accepted[i] = 1
+  end
 end
-local status = redis.call('HGET', KEYS[2], 'status')
-if status == 'queued' or status == 'running' then
-  redis.call('HSET', KEYS[2], 'status', ARGV[5], 'result', ARGV[6], 'end_at', ARGV[8])
-  redis.call('XADD', KEYS[3], '*', 'e', ARGV[7])
-  redis.call('PEXPIRE', KEYS[2], ARGV[9])
-  redis.call('PEXPIRE', KEYS[3], ARGV[9])
-end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-redis.call('SREM', KEYS[4], ARGV[4])
-return 1
+return accepted

@@ -1,0 +1,448 @@
+"""Fault tests on real processes: consumers and servers are killed, stopped and restarted.
+
+Each test counts lost jobs (no terminal record at the end) and duplicated ones (a completion
+the broker accepted more than once, counted by the consumers in a hash of their own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import pytest
+from redis.exceptions import RedisError
+
+from tests.faults.consumer import accepted_key, result_text
+from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.redis import RedisBroker
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import BrokerUnavailable
+from tokenyard.messages import (
+    Finished,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    SamplingParams,
+)
+
+pytestmark = pytest.mark.fault
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "faulty"
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+class ConsumerProcess:
+    """`python -m tests.faults.consumer` in a child process; a thread collects its output."""
+
+    def __init__(self, url: str, prefix: str, name: str, **options: object) -> None:
+        argv = [sys.executable, "-m", "tests.faults.consumer", "--url", url, "--prefix", prefix]
+        argv += ["--model", MODEL, "--name", name]
+        for key, value in options.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": path},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def _last(self, word: str) -> list[str] | None:
+        for line in reversed(self.lines):
+            parts = line.split()
+            if parts and parts[0] == word:
+                return parts
+        return None
+
+    @property
+    def ready(self) -> bool:
+        return self._last("ready") is not None
+
+    @property
+    def claimed(self) -> int:
+        last = self._last("claimed")
+        return int(last[2]) if last else 0
+
+    @property
+    def accepted(self) -> int:
+        last = self._last("completed")
+        return int(last[3]) if last else 0
+
+    @property
+    def fenced(self) -> int:
+        last = self._last("completed")
+        return int(last[4]) if last else 0
+
+    def tail(self, n: int = 15) -> str:
+        return f"--- {self.name} (exit {self.proc.poll()}) ---\n" + "\n".join(self.lines[-n:])
+
+    def send(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        """Kill the process for good (SIGCONT first, in case a test left it stopped)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(5)
+
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]],
+    what: str,
+    within_s: float = 15.0,
+    procs: Sequence[ConsumerProcess] = (),
+) -> None:
+    """Poll `check` until true; fail with the consumers' output if it never is."""
+    give_up = time.monotonic() + within_s
+    while True:
+        outcome = check()
+        if not isinstance(outcome, bool):
+            outcome = await outcome
+        if outcome:
+            return
+        if time.monotonic() > give_up:
+            pytest.fail(
+                f"timed out after {within_s}s waiting for: {what}\n"
+                + "\n".join(p.tail() for p in procs)
+            )
+        # a consumer that died (not one we stopped on purpose) will never get there
+        for p in procs:
+            if p.proc.poll() not in (None, -signal.SIGKILL):
+                pytest.fail(f"consumer died while waiting for: {what}\n{p.tail()}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Audit:
+    """Every job's fate: lost (no terminal record) or duplicated (accepted more than once)."""
+
+    records: dict[str, JobRecord] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    duplicated: dict[str, int] = field(default_factory=dict)
+    accepted: Counter[str] = field(default_factory=Counter)
+    finished_events: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def statuses(self) -> Counter[JobStatus]:
+        return Counter(r.status for r in self.records.values())
+
+
+async def audit(broker: RedisBroker, ids: Sequence[str]) -> Audit:
+    result = Audit()
+    key = accepted_key(broker.settings.prefix)
+    raw = cast(dict[bytes, bytes], await broker.redis.hgetall(key))
+    result.accepted = Counter({k.decode(): int(v) for k, v in raw.items()})
+    result.duplicated = {j: n for j, n in result.accepted.items() if n > 1}
+    for job_id in ids:
+        record = await broker.record(job_id)
+        if record is None or not record.status.terminal:
+            result.lost.append(job_id)
+            continue
+        result.records[job_id] = record
+        events = await broker.read_events(job_id)
+        result.finished_events[job_id] = sum(isinstance(e, Finished) for _, e in events)
+    return result
+
+
+def spec(i: int, prompt: str | None = None, key: str | None = None) -> JobSpec:
+    return JobSpec(
+        id=new_job_id(MODEL),
+        model=MODEL,
+        prompt=prompt or f"prompt {i}",
+        idempotency_key=key,
+        sampling=SamplingParams(max_tokens=4, temperature=0.0),
+    )
+
+
+def batched(items: Sequence[JobSpec], n: int) -> Iterator[Sequence[JobSpec]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def new_prefix() -> str:
+    return f"f{uuid.uuid4().hex[:10]}"
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
+    valkey: EmbeddedServer,
+) -> None:
+    n = 2000
+    prefix = new_prefix()
+    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    specs = [spec(i) for i in range(n)]
+    for chunk in batched(specs, 500):
+        await broker.enqueue_many(chunk)
+    procs: list[ConsumerProcess] = []
+    try:
+        # holds everything it claims for far longer than the test runs
+        holder = ConsumerProcess(
+            valkey.url, prefix, "holder", slots=n, hold_s=300, lease_s=30, reap_every_s=300
+        )
+        procs.append(holder)
+        await eventually(lambda: holder.claimed >= n, f"holder claims {n}", procs=procs)
+        [normal] = [lane for lane in (await broker.stats(MODEL)).lanes if lane.in_flight]
+        assert normal.in_flight == n and normal.waiting == 0
+
+        holder.send(signal.SIGKILL)
+        holder.proc.wait(5)
+        rescuer = ConsumerProcess(
+            valkey.url, prefix, "rescuer", slots=256, lease_s=1.0, reap_every_s=0.25
+        )
+        procs.append(rescuer)
+        await eventually(lambda: rescuer.accepted >= n, f"rescuer completes {n}", 25, procs)
+
+        found = await audit(broker, [s.id for s in specs])
+        assert found.lost == [] and found.duplicated == {}
+        assert found.statuses == {JobStatus.SUCCEEDED: n}
+        assert sum(found.accepted.values()) == n
+        assert set(found.finished_events.values()) == {1}
+        for s in specs:
+            record = found.records[s.id]
+            assert record.result is not None
+            assert record.result.text == result_text("rescuer", s.prompt)
+            assert record.deliveries == 2  # the holder's, then the rescuer's
+        stats = await broker.stats(MODEL)
+        assert all(lane.in_flight == lane.waiting == 0 for lane in stats.lanes)
+        assert stats.fenced_completions == 0 and stats.dead_letters == 0
+    finally:
+        for p in procs:
+            p.stop()
+        await broker.close()
+
+
+@pytest.mark.timeout(60)
+async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
+    valkey: EmbeddedServer,
+) -> None:
+    lease_s, hold_s = 1.0, 1.5
+    prefix = new_prefix()
+    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    job = spec(0, "the one job")
+    await broker.enqueue(job)
+    procs: list[ConsumerProcess] = []
+    try:
+        # renews while it works; once stopped, its lease runs out
+        zombie = ConsumerProcess(
+            valkey.url,
+            prefix,
+            "zombie",
+            slots=4,
+            lease_s=lease_s,
+            hold_s=hold_s,
+            renew_every_s=0.2,
+            reap_every_s=0.25,
+        )
+        procs.append(zombie)
+        await eventually(lambda: zombie.claimed >= 1, "zombie claims the job", procs=procs)
+        claimed_at = time.monotonic()
+        zombie.send(signal.SIGSTOP)
+
+        survivor = ConsumerProcess(
+            valkey.url, prefix, "survivor", slots=4, lease_s=lease_s, reap_every_s=0.1
+        )
+        procs.append(survivor)
+        await eventually(lambda: survivor.accepted >= 1, "survivor completes", procs=procs)
+        record = await broker.record(job.id)
+        assert record is not None and record.status is JobStatus.SUCCEEDED
+
+        # resume only once the zombie's hold is over, so it completes without renewing first
+        await asyncio.sleep(max(0.0, claimed_at + hold_s + 0.2 - time.monotonic()))
+        zombie.send(signal.SIGCONT)
+        await eventually(lambda: zombie.fenced >= 1, "zombie's completion is fenced", procs=procs)
+
+        assert zombie.accepted == 0
+        assert (await broker.stats(MODEL)).fenced_completions >= 1
+        found = await audit(broker, [job.id])
+        assert found.lost == [] and found.duplicated == {}
+        assert found.accepted == {job.id: 1}
+        assert found.finished_events[job.id] == 1
+        result = found.records[job.id].result
+        assert result is not None and result.text == result_text("survivor", job.prompt)
+        assert result.worker == "survivor" and found.records[job.id].deliveries == 2
+    finally:
+        for p in procs:
+            p.stop()
+        await broker.close()
+
+
+@pytest.mark.timeout(90)
+async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
+    server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
+    server.start()
+    prefix = new_prefix()
+    broker = RedisBroker(BrokerSettings(url=server.url, prefix=prefix))
+    acknowledged: list[str] = []
+    before_crash: list[str] = []
+    errors: Counter[str] = Counter()
+    already_there = 0  # a resubmitted batch whose first try had landed before the crash
+    stop = asyncio.Event()
+
+    async def produce() -> None:
+        nonlocal already_there
+        i = 0
+        unanswered: list[list[JobSpec]] = []
+        while unanswered or not stop.is_set():
+            if unanswered:
+                batch = unanswered[0]
+            else:
+                # idempotency keys make resubmitting a batch whose fate is unknown safe
+                batch = [spec(i + k, key=f"k{i + k}") for k in range(10)]
+                i += len(batch)
+            try:
+                results = await broker.enqueue_many(batch)
+            except (BrokerUnavailable, RedisError, OSError) as exc:
+                if not unanswered:
+                    unanswered.append(batch)
+                errors[type(exc).__name__] += 1
+                await asyncio.sleep(0.02)
+                continue
+            if unanswered:
+                unanswered.pop(0)
+            assert [r.job_id for r in results] == [s.id for s in batch]
+            already_there += sum(not r.created for r in results)
+            acknowledged.extend(r.job_id for r in results)
+
+    producer = asyncio.create_task(produce())
+    procs: list[ConsumerProcess] = []
+    try:
+        await eventually(lambda: len(acknowledged) >= 500, "500 enqueues before the crash")
+        # off the event loop, so the producer keeps going while the server dies and comes back
+        await asyncio.to_thread(server.kill)
+        before_crash = list(acknowledged)
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(server.start)
+        await eventually(
+            lambda: len(acknowledged) >= len(before_crash) + 300, "enqueues after the restart"
+        )
+        stop.set()
+        await producer
+        assert errors, "the crash never reached the producer"
+        assert len(set(acknowledged)) == len(acknowledged)
+
+        consumer = ConsumerProcess(server.url, prefix, "after", slots=256, lease_s=5)
+        procs.append(consumer)
+        await eventually(
+            lambda: consumer.accepted >= len(acknowledged), "every acknowledged job", 30, procs
+        )
+        found = await audit(broker, acknowledged)
+        assert found.lost == [], (
+            f"{len(found.lost)} acknowledged jobs lost "
+            f"({len(set(found.lost) & set(before_crash))} acknowledged before the crash)"
+        )
+        assert found.duplicated == {}
+        assert found.statuses == {JobStatus.SUCCEEDED: len(acknowledged)}
+        assert sum(found.accepted.values()) == len(acknowledged)
+        assert set(found.finished_events.values()) == {1}
+    finally:
+        stop.set()
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        for p in procs:
+            p.stop()
+        await broker.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
+    valkey: EmbeddedServer,
+) -> None:
+    n, max_deliveries = 200, 3
+    prefix = new_prefix()
+    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    bad = spec(-1, "this one will FAIL every time")
+    good = [spec(i) for i in range(n)]
+    await broker.enqueue_many([bad, *good[:100]])
+    await broker.enqueue_many(good[100:])
+    options: dict[str, object] = dict(
+        slots=32,
+        lease_s=5,
+        fail_marker="FAIL",
+        max_deliveries=max_deliveries,
+        backoff_base_s=0.05,
+        backoff_max_s=0.2,
+    )
+    procs = [ConsumerProcess(valkey.url, prefix, f"c{i}", **options) for i in range(2)]
+    try:
+
+        async def settled() -> bool:
+            stats = await broker.stats(MODEL)
+            return stats.dead_letters >= 1 and sum(p.accepted for p in procs) >= n
+
+        await eventually(settled, "the bad job dead, the good ones done", 20, procs)
+
+        [letter] = await broker.dead_letters(MODEL)
+        assert letter.job_id == bad.id and letter.reason == "failed"
+        assert letter.error == f"boom attempt {max_deliveries - 1}"
+        assert letter.deliveries == max_deliveries
+
+        found = await audit(broker, [bad.id, *(s.id for s in good)])
+        assert found.lost == [] and found.duplicated == {}
+        assert found.statuses == {JobStatus.SUCCEEDED: n, JobStatus.DEAD: 1}
+        assert bad.id not in found.accepted and sum(found.accepted.values()) == n
+        assert set(found.finished_events.values()) == {1}
+        dead = found.records[bad.id]
+        assert dead.last_error == letter.error and dead.deliveries == max_deliveries
+        assert dead.result is not None and letter.error in (dead.result.error or "")
+        stats = await broker.stats(MODEL)
+        assert stats.delayed == 0 and stats.fenced_completions == 0
+    finally:
+        for p in procs:
+            p.stop()
+        await broker.close()
+
+
+@pytest.mark.timeout(30)
+async def test_resubmitting_an_unanswered_enqueue_without_a_key_runs_the_job_once(
+    valkey: EmbeddedServer,
+) -> None:
+    # What a producer does after BrokerUnavailable when its first try had in fact landed.
+    prefix = new_prefix()
+    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    try:
+        job = spec(0)
+        await broker.enqueue(job)
+        await broker.enqueue(job)
+        leases = await broker.claim(MODEL, "w", slots=10)
+        accepted = [
+            await broker.complete(x, JobResult(status=JobStatus.SUCCEEDED, text=f"run {i}"))
+            for i, x in enumerate(leases)
+        ]
+        assert accepted.count(True) == 1, f"{len(leases)} leases, accepted {accepted}"
+    finally:
+        await broker.close()
