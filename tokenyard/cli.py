@@ -1,14 +1,17 @@
-"""`tokenyard serve | gateway | worker | submit | status`."""
+"""`tokenyard serve | gateway | worker | submit | status | bench`."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
 
@@ -25,6 +28,93 @@ def _broker_settings(
     broker: str | None, prefix: str | None, lease_s: float | None = None
 ) -> BrokerSettings:
     return from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+
+
+@app.command()
+def serve(
+    broker: BrokerOpt = None,
+    prefix: PrefixOpt = None,
+    model: Annotated[str, typer.Option(help="model path, or `tiny`")] = "tiny",
+    engine: Annotated[str, typer.Option(help="hf | hf-static | sim")] = "hf",
+    host: Annotated[str, typer.Option(help="gateway address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gateway port")] = 8000,
+    workers: Annotated[int, typer.Option(help="worker processes")] = 1,
+    max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
+    data_dir: Annotated[
+        Path, typer.Option(help="embedded Valkey's data (AOF) directory")
+    ] = Path(".tokenyard/valkey"),
+) -> None:
+    """Everything on one machine: a private Valkey (unless --broker), workers and the gateway."""
+    from tokenyard.serve import Stack
+
+    settings = _broker_settings(broker, prefix)
+    stack = Stack(
+        broker=settings if broker or _env_broker() else None,
+        prefix=settings.prefix,
+        model=model,
+        engine=engine,
+        workers=workers,
+        max_seqs=max_seqs,
+        data_dir=data_dir,
+        appendfsync=settings.appendfsync,
+    )
+    with stack:
+        console.print(f"[bold]tokenyard[/] broker {stack.broker_url} · model {model} ({engine})")
+        console.print(f"OpenAI API on http://{host}:{port}/v1 — Ctrl-C stops")
+        _run_gateway(stack.broker_settings, model, engine, host, port)
+
+
+def _env_broker() -> bool:
+    return bool(os.environ.get("TOKENYARD_BROKER_URL"))
+
+
+def _run_gateway(
+    broker_settings: BrokerSettings, model: str, engine: str, host: str, port: int
+) -> None:
+    import uvicorn
+
+    from tokenyard.gateway.app import create_app
+    from tokenyard.gateway.settings import gateway_settings
+
+    settings = gateway_settings(
+        models=model, host=host, port=port, tokenizer="sim" if engine == "sim" else "hf"
+    )
+    gateway_app = create_app(settings, broker_settings=broker_settings)
+    uvicorn.run(gateway_app, host=host, port=port, log_level="warning")
+
+
+@app.command()
+def gateway(
+    broker: BrokerOpt = None,
+    prefix: PrefixOpt = None,
+    model: Annotated[str, typer.Option(help="model served; its tokenizer is loaded")] = "tiny",
+    engine: Annotated[str, typer.Option(help="the workers' engine: hf | sim")] = "hf",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+) -> None:
+    """Run one gateway (OpenAI API) against a shared broker; start as many as you like."""
+    _run_gateway(_broker_settings(broker, prefix), model, engine, host, port)
+
+
+@app.command()
+def submit(
+    prompt: Annotated[str, typer.Argument(help="the prompt")],
+    url: Annotated[str, typer.Option(help="gateway base URL")] = "http://127.0.0.1:8000",
+    model: Annotated[str, typer.Option()] = "tiny",
+    max_tokens: Annotated[int, typer.Option()] = 64,
+    temperature: Annotated[float, typer.Option()] = 0.0,
+    chat: Annotated[bool, typer.Option(help="use /v1/chat/completions")] = False,
+    api_key: Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY")] = None,
+) -> None:
+    """Send a prompt and stream the answer to the terminal."""
+    from tokenyard.submit import stream_completion
+
+    code = asyncio.run(
+        stream_completion(
+            url, model, prompt, max_tokens, temperature, chat, api_key, console.print
+        )
+    )
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -93,6 +183,9 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
             console.print(workers)
     finally:
         await broker.close()
+
+
+app.command("bench")(bench)
 
 
 def main() -> None:

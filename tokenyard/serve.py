@@ -1,0 +1,112 @@
+"""`tokenyard serve`: a private Valkey, worker processes and the gateway on one machine."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self
+
+from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.config import BrokerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Stack:
+    """Starts what `serve` needs in order and stops it in reverse; workers drain on the way out."""
+
+    def __init__(
+        self,
+        *,
+        broker: BrokerSettings | None,
+        prefix: str,
+        model: str,
+        engine: str,
+        workers: int,
+        max_seqs: int | None,
+        data_dir: Path,
+        appendfsync: Literal["always", "everysec", "no"],
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self._external = broker
+        self.prefix = prefix
+        self.model = model
+        self.engine = engine
+        self.n_workers = workers
+        self.max_seqs = max_seqs
+        self.data_dir = data_dir
+        self.appendfsync = appendfsync
+        self.drain_timeout_s = drain_timeout_s
+        self.server: EmbeddedServer | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def broker_url(self) -> str:
+        if self._external is not None:
+            return self._external.url
+        assert self.server is not None, "stack not started"
+        return self.server.url
+
+    @property
+    def broker_settings(self) -> BrokerSettings:
+        base = self._external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
+        return BrokerSettings(
+            **{**{f: getattr(base, f) for f in base.__struct_fields__}, "url": self.broker_url}
+        )
+
+    def start(self) -> None:
+        if self._external is None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # the data dir is kept: jobs accepted before a restart are still there after it
+            self.server = EmbeddedServer(
+                self.data_dir, keep_data=True, appendfsync=self.appendfsync
+            ).start()
+        for _ in range(self.n_workers):
+            self.workers.append(subprocess.Popen(self._worker_command()))
+
+    def _worker_command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "tokenyard.worker",
+            "--broker", self.broker_url, "--prefix", self.prefix,
+            "--model", self.model, "--engine", self.engine,
+            "--drain-timeout-s", str(self.drain_timeout_s),
+        ]  # fmt: skip
+        if self.max_seqs:
+            cmd += ["--max-seqs", str(self.max_seqs)]
+        return cmd
+
+    def stop(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers:
+            try:
+                proc.wait(self.drain_timeout_s + 15)
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d did not drain in time; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+        self.workers.clear()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
