@@ -47,6 +47,10 @@ from tokenyard.messages import (
 _SCRIPTS = ("enqueue", "claim", "renew", "complete", "fail", "release", "reap", "cancel", "emit")
 
 
+_SOCKET_TIMEOUT_S = 60.0
+MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
+
+
 def _load_script(name: str) -> str:
     return resources.files("tokenyard.broker").joinpath(f"lua/{name}.lua").read_text()
 
@@ -71,7 +75,13 @@ class RedisBroker(Broker):
     ) -> None:
         super().__init__(settings, clock)
         self.redis: aioredis.Redis = client or aioredis.Redis.from_url(
-            settings.url, decode_responses=False, health_check_interval=30
+            settings.url,
+            decode_responses=False,
+            health_check_interval=30,
+            # blocking reads wait up to several seconds server-side; redis-py's 5 s default
+            # read timeout would cut them off under load
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=5,
         )
         self.keys = Keys(settings.prefix)
         self._scripts: dict[str, AsyncScript] = {
@@ -185,7 +195,7 @@ class RedisBroker(Broker):
                 wait = min(wait, max(0.001, float(next_due) - now))
             streams = {lane: _s(i) for lane, i in zip(ordered, last_ids, strict=True)}
             try:
-                await self.redis.xread(streams, count=1, block=_ms(wait))  # type: ignore[arg-type]
+                await self.redis.xread(streams, count=1, block=_ms(min(wait, MAX_BLOCK_S)))  # type: ignore[arg-type]
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 raise BrokerUnavailable(str(exc)) from exc
 
@@ -369,7 +379,9 @@ class RedisBroker(Broker):
         key = self.keys.events(job_id)
         try:
             reply: Any = await self.redis.xread(
-                {key: after or "0"}, count=count, block=_ms(block_s) if block_s > 0 else None
+                {key: after or "0"},
+                count=count,
+                block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
             )
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise BrokerUnavailable(str(exc)) from exc

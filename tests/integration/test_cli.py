@@ -1,0 +1,128 @@
+"""The command line, end to end: `serve` on one machine, `gateway` + `worker`s against one Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tokenyard.broker.embedded import EmbeddedServer
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tokenyard(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tokenyard", *args]
+
+
+def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        assert proc.poll() is None, "process exited before it was ready"
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{base} never became ready")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def test_serve_starts_everything_and_stops_cleanly(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
+    serve = subprocess.Popen(
+        tokenyard("serve", "--engine", "sim", "--model", "tiny", "--port", str(port),
+                  "--data-dir", str(tmp_path / "valkey")),
+        env=env,
+    )  # fmt: skip
+    procs.append(serve)
+    wait_ready(base, serve)
+
+    submitted = subprocess.run(
+        tokenyard("submit", "hello yard", "--url", base, "--max-tokens", "12"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    assert submitted.stdout.strip()
+
+    assert (tmp_path / "valkey" / "appendonlydir").exists()  # the AOF is on
+    serve.send_signal(signal.SIGINT)
+    assert serve.wait(90) == 0
+
+
+def test_distributed_gateway_and_two_workers_survive_a_killed_worker(
+    valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    prefix = f"d{uuid.uuid4().hex[:8]}"
+    shared = ["--broker", valkey.url, "--prefix", prefix]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "TOKENYARD_BROKER_LEASE_S": "2"}
+    gateway = subprocess.Popen(
+        tokenyard("gateway", *shared, "--engine", "sim", "--port", str(port)), env=env
+    )
+    workers = [
+        subprocess.Popen(
+            tokenyard("worker", *shared, "--engine", "sim", "--max-seqs", "8", "--lease-s", "2"),
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    procs += [gateway, *workers]
+    wait_ready(base, gateway)
+
+    async def ask(client: httpx.AsyncClient, i: int) -> str:
+        reply = await client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": f"car {i}", "max_tokens": 40, "temperature": 0},
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 40
+        return str(body["choices"][0]["text"])
+
+    async def load() -> list[str]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            tasks = [asyncio.create_task(ask(client, i)) for i in range(100)]
+            await asyncio.sleep(1.0)
+            workers[0].send_signal(signal.SIGKILL)  # midway: its jobs must be redelivered
+            return await asyncio.gather(*tasks)
+
+    answers = asyncio.run(load())
+    assert len(answers) == 100 and all(answers)
+    status = subprocess.run(
+        tokenyard("status", *shared), capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0, status.stderr
+    assert "live workers of tiny" in status.stdout
