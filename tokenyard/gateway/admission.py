@@ -1,0 +1,108 @@
+"""Admit a request: check the model and parameters, render and count the prompt, build the job."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from tokenyard.broker.keys import new_job_id
+from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.auth import Tenant
+from tokenyard.gateway.errors import ApiError, bad_request
+from tokenyard.gateway.limits import resolve_max_tokens
+from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest, Kind
+from tokenyard.gateway.state import GatewayState
+from tokenyard.messages import JobSpec, SamplingParams
+
+# Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
+_INLINE_CHARS = 4096
+# OpenAI's default for /v1/completions; chat falls back to the configured default.
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def tokenizer_for(state: GatewayState, model: str) -> EngineTokenizer:
+    """The model's tokenizer; an unknown model is 404 model_not_found, as OpenAI answers."""
+    tokenizer = state.tokenizers.get(model) if model in state.settings.models else None
+    if tokenizer is None:
+        raise ApiError(404, f"The model '{model}' does not exist", param="model",
+                       code="model_not_found", type_="invalid_request_error")
+    return tokenizer
+
+
+async def _count(tokenizer: EngineTokenizer, text: str) -> int:
+    if len(text) <= _INLINE_CHARS:
+        return len(tokenizer.encode(text))
+    return len(await anyio.to_thread.run_sync(tokenizer.encode, text))
+
+
+async def admit(
+    state: GatewayState,
+    kind: Kind,
+    body: CompletionRequest | ChatCompletionRequest,
+    tenant: Tenant,
+    *,
+    live: bool,
+    idempotency_key: str | None = None,
+) -> JobSpec:
+    """A JobSpec for a validated request; `live` calls get the request timeout as deadline."""
+    body.refuse_unsupported()
+    tokenizer = tokenizer_for(state, body.model)
+    settings = state.settings
+    prompt: str | None
+    token_ids: list[int] | None = None
+    if isinstance(body, ChatCompletionRequest):
+        messages = body.template_messages()
+        try:
+            prompt = tokenizer.apply_chat_template(messages)
+        except Exception as exc:  # a template may reject e.g. the order of roles
+            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+        requested, default = body.requested_max_tokens, settings.default_max_tokens
+        param = "messages"
+    else:
+        single = body.single_prompt()
+        if isinstance(single, str):
+            prompt = single
+        else:
+            prompt, token_ids = None, single
+        requested, default = body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS
+        param = "prompt"
+    if token_ids is not None:
+        prompt_tokens = len(token_ids)
+        if any(t < 0 for t in token_ids):
+            raise bad_request("token ids must not be negative", param="prompt")
+    else:
+        assert prompt is not None
+        prompt_tokens = await _count(tokenizer, prompt)
+    if prompt_tokens == 0:
+        raise bad_request("The prompt is empty", param=param)
+    max_tokens = resolve_max_tokens(
+        requested, default, settings.max_tokens_cap, prompt_tokens, tokenizer.max_model_len, param
+    )
+    now = time.time()
+    deadline = body.deadline
+    if deadline is not None and deadline <= now:
+        raise bad_request("'deadline' is in the past (unix seconds expected)", param="deadline")
+    if deadline is None and live:
+        deadline = now + settings.request_timeout_s
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=body.stop_strings,
+        ignore_eos=body.ignore_eos,
+    )
+    return JobSpec(
+        id=new_job_id(body.model),
+        model=body.model,
+        tenant=tenant.name,
+        priority=tenant.lane_priority(body.priority_class),
+        prompt=prompt,
+        prompt_token_ids=token_ids,
+        sampling=sampling,
+        deadline=deadline,
+        idempotency_key=idempotency_key,
+        created_at=now,
+    )

@@ -1,0 +1,79 @@
+"""The gateway app factory; everything it holds lives on app.state.gateway."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from tokenyard.broker import connect
+from tokenyard.broker.base import Broker
+from tokenyard.config import BrokerSettings, from_env
+from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.auth import KeyRing
+from tokenyard.gateway.dispatch import Abandonment, EventReader
+from tokenyard.gateway.errors import install_error_handlers
+from tokenyard.gateway.instrument import RequestMetricsMiddleware
+from tokenyard.gateway.limits import BodyLimitMiddleware
+from tokenyard.gateway.routes import ROUTERS
+from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.state import GatewayState
+from tokenyard.gateway.tokenizers import load_tokenizers
+from tokenyard.metrics import GatewayMetrics
+
+
+def create_app(
+    settings: GatewaySettings,
+    broker: Broker | None = None,
+    *,
+    broker_settings: BrokerSettings | None = None,
+    tokenizers: Mapping[str, EngineTokenizer] | None = None,
+    keyring: KeyRing | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """Build the gateway. A broker passed in stays the caller's; otherwise one is opened from
+    `broker_settings` (default: TOKENYARD_BROKER_* environment) and closed at shutdown.
+    Tokenizers default to loading each served model's; keys default to `api_keys_file`."""
+    metrics = GatewayMetrics(registry)
+    keys = keyring if keyring is not None else KeyRing.from_file(settings.api_keys_file)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = broker is None
+        active = broker or connect(broker_settings or from_env(BrokerSettings, "broker"))
+        try:
+            loaded = (
+                dict(tokenizers) if tokenizers is not None
+                else await anyio.to_thread.run_sync(load_tokenizers, settings)
+            )
+            state = GatewayState(
+                settings=settings,
+                broker=active,
+                tokenizers=loaded,
+                keyring=keys,
+                metrics=metrics,
+                abandonment=Abandonment(active, settings.stream_resume_grace_s),
+                reader=EventReader(active, settings.event_block_s, settings.max_blocking_reads),
+                started_at=time.time(),
+            )
+            app.state.gateway = state
+            try:
+                yield
+            finally:
+                await state.abandonment.close()
+        finally:
+            if owned:
+                await active.close()
+
+    app = FastAPI(title="tokenyard gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    # added last = outermost: the metrics middleware also counts 413s from the body limit
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    return app

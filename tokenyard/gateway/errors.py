@@ -1,0 +1,173 @@
+"""Every error leaves the gateway as OpenAI's shape: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from tokenyard.errors import BrokerUnavailable, InvalidRequest, NotFound, QueueFull
+
+log = logging.getLogger(__name__)
+
+_TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An error answer with its HTTP status; raised anywhere below a route."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPE_OF_STATUS.get(status, "server_error")
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, detail: str = "") -> ApiError:
+    what = f"'{param}'{' ' + detail if detail else ''}"
+    return ApiError(400, f"{what} is not supported by this server", param=param,
+                    code="unsupported_parameter")
+
+
+def validation_error(errors: list[Any]) -> ApiError:
+    """A pydantic error list as one OpenAI error; malformed JSON is 400, a wrong shape 422."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ApiError(400, f"The request body is not valid JSON{': ' + detail if detail else ''}",
+                        code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    where = f"Invalid value for '{param}': " if param else "Invalid request body: "
+    extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return ApiError(422, f"{where}{msg}{extra}", param=param, code="invalid_value")
+
+
+def _retry_after(request: Request) -> int:
+    state = getattr(request.app.state, "gateway", None)
+    return int(getattr(getattr(state, "settings", None), "retry_after_s", 1))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        err = ApiError(404, f"No route for {request.method} {request.url.path}", code="not_found")
+    elif exc.status_code == 405:
+        err = ApiError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                       code="method_not_allowed")
+    elif exc.status_code == 413:
+        err = ApiError(413, str(exc.detail), code="request_too_large")
+    else:
+        err = ApiError(exc.status_code, str(exc.detail))
+    err.headers.update(headers)
+    return error_response(err)
+
+
+async def _request_validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(list(exc.errors())))
+
+
+async def _queue_full(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, QueueFull)
+    return error_response(ApiError(
+        429, "The queue for this model is full; retry later", code="queue_full",
+        headers={"Retry-After": str(_retry_after(request))},
+    ))
+
+
+async def _broker_down(request: Request, exc: Exception) -> Response:
+    log.warning("broker unavailable: %s", exc)
+    return error_response(ApiError(503, "The job queue is unavailable; retry later",
+                                   code="broker_unavailable",
+                                   headers={"Retry-After": str(_retry_after(request))}))
+
+
+async def _user_error(request: Request, exc: Exception) -> Response:
+    status = 404 if isinstance(exc, NotFound) else 400
+    return error_response(ApiError(status, str(exc)))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    # The traceback goes to the log, never to the client.
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(ApiError(500, "Internal server error", type_="server_error"))
+
+
+def _redis_errors() -> tuple[type[Exception], ...]:
+    # Some broker reads let the client library's connection errors through unwrapped.
+    try:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+    except ImportError:  # pragma: no cover - redis is a core dependency
+        return ()
+    return (RedisConnectionError, RedisTimeoutError)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers; the catch-all turns any other exception into a bare 500."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(QueueFull, _queue_full)
+    app.add_exception_handler(BrokerUnavailable, _broker_down)
+    for kind in _redis_errors():
+        app.add_exception_handler(kind, _broker_down)
+    app.add_exception_handler(InvalidRequest, _user_error)
+    app.add_exception_handler(NotFound, _user_error)
+    app.add_exception_handler(Exception, _unexpected)

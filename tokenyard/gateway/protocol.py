@@ -1,0 +1,334 @@
+"""OpenAI-compatible request models and response builders (HTTP edge only).
+
+Requests are pydantic models that accept unknown fields so the gateway can refuse them by
+name; fields OpenAI defines but tokenyard does not implement are declared and refused unless
+they hold their neutral value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenyard.gateway.errors import (
+    ApiError,
+    bad_request,
+    error_body,
+    unsupported,
+    validation_error,
+)
+from tokenyard.messages import FinishReason, JobResult, JobStatus, Priority
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Common(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: NonEmptyStr
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions vLLM also accepts
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool = False
+    # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
+    priority: Literal["high", "normal", "low"] | None = None
+    deadline: float | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise 400 naming the first field this server does not implement."""
+        if self.model_extra:
+            name = sorted(self.model_extra)[0]
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                           code="unknown_parameter")
+        if self.n != 1:
+            raise unsupported("n", "other than 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise unsupported(name)
+        if self.logit_bias:
+            raise unsupported("logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true",
+                              param="stream_options")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def priority_class(self) -> Priority | None:
+        return None if self.priority is None else Priority[self.priority.upper()]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise unsupported("echo")
+        if self.logprobs is not None:
+            raise unsupported("logprobs")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", "other than 1")
+        if self.suffix:
+            raise unsupported("suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids; several prompts in one call are refused."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [x for x in p if isinstance(x, int)]
+        if len(p) != 1:
+            raise unsupported("prompt", "with more than one prompt per request")
+        only = p[0]
+        return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The message as plain text; only text content parts are accepted."""
+        param = f"messages.{index}.content"
+        if self.model_extra:
+            name = sorted(self.model_extra)[0]
+            raise unsupported(f"messages.{index}.{name}")
+        if self.role == "tool":
+            raise unsupported(f"messages.{index}.role", "'tool' (tool calling)")
+        if self.content is None:
+            raise bad_request("message content must not be null", param=param)
+        if isinstance(self.content, str):
+            return self.content
+        texts: list[str] = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text":
+                raise unsupported(f"{param}.{j}", f"of type {part.get('type')!r}")
+            try:
+                texts.append(TextPart.model_validate(part).text)
+            except ValidationError as exc:
+                raise validation_error(exc.errors()) from exc
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise unsupported("logprobs")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise unsupported(name, "(tool calling)")
+        for name in ("tool_choice", "function_call", "audio", "prediction", "reasoning_effort"):
+            if getattr(self, name) not in (None, "none"):
+                raise unsupported(name)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise unsupported("response_format", "other than {'type': 'text'}")
+        if self.modalities not in (None, ["text"]):
+            raise unsupported("modalities", "other than ['text']")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them; 'developer' is the newer 'system'."""
+        out = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text(i)})
+        return out
+
+
+def parse(kind: type[_Request], body: bytes) -> Any:
+    """Validate a JSON body into `kind`; malformed JSON is 400, a wrong shape 422."""
+    if not body.strip():
+        raise bad_request("The request body is empty; a JSON object is required",
+                          code="invalid_json")
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+# -- responses --------------------------------------------------------------------------------
+Kind = Literal["completion", "chat"]
+ID_PREFIX: Mapping[Kind, str] = {"completion": "cmpl-", "chat": "chatcmpl-"}
+
+
+def response_id(kind: Kind, job_id: str) -> str:
+    return ID_PREFIX[kind] + job_id
+
+
+def openai_finish_reason(reason: FinishReason | None) -> str | None:
+    """OpenAI knows stop and length; anything else surfaces as an error, not a reason."""
+    if reason is FinishReason.LENGTH:
+        return "length"
+    if reason is None:
+        return None
+    return "stop"
+
+
+def usage(result: JobResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+def completion_body(
+    kind: Kind, job_id: str, model: str, created: int, result: JobResult
+) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                              "finish_reason": openai_finish_reason(result.finish_reason)}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": result.text}
+        obj = "chat.completion"
+    else:
+        choice["text"] = result.text
+        obj = "text_completion"
+    return {
+        "id": response_id(kind, job_id),
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [choice],
+        "usage": usage(result),
+    }
+
+
+def chunk_body(
+    kind: Kind,
+    job_id: str,
+    model: str,
+    created: int,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    usage_of: JobResult | None = None,
+    no_choices: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk; `no_choices` is the trailing usage-only chunk."""
+    choices: list[dict[str, Any]] = []
+    if not no_choices:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choices.append(choice)
+    return {
+        "id": response_id(kind, job_id),
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": None if usage_of is None else usage(usage_of),
+    }
+
+
+def result_error(result: JobResult) -> tuple[int, dict[str, Any]] | None:
+    """The HTTP status and OpenAI error of a result that is not a success, else None."""
+    status = result.status
+    if status is JobStatus.SUCCEEDED:
+        return None
+    if status is JobStatus.FAILED:
+        return 400, error_body(result.error or "the request failed", "invalid_request_error",
+                               None, "job_failed")
+    if status is JobStatus.CANCELLED:
+        return 409, error_body("the job was cancelled", "conflict_error", None, "job_cancelled")
+    if status is JobStatus.EXPIRED:
+        return 503, error_body("the job waited in the queue past its deadline",
+                               "service_unavailable", None, "queue_timeout")
+    detail = (result.error or "")[:300]
+    return 500, error_body(f"the job failed on every attempt{': ' + detail if detail else ''}",
+                           "server_error", None, "job_dead")
+
+
+def result_json(result: JobResult) -> dict[str, Any]:
+    """A job result as the jobs API shows it."""
+    failed = result_error(result)
+    return {
+        "status": result.status.value,
+        "text": result.text,
+        "finish_reason": None if result.finish_reason is None else result.finish_reason.value,
+        "usage": usage(result),
+        "error": None if failed is None else failed[1]["error"],
+    }
+
+
+def model_card(model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created or int(time.time()),
+            "owned_by": "tokenyard"}

@@ -1,0 +1,7 @@
+"""HTTP routes of the gateway, one module per API surface."""
+
+from __future__ import annotations
+
+from tokenyard.gateway.routes import health, jobs, openai
+
+ROUTERS = (openai.router, jobs.router, health.router)

@@ -1,0 +1,61 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.state import GatewayState, gateway
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> JSONResponse:
+    """The process serves HTTP; says nothing about the broker or workers."""
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """Ready when the broker answers and every served model has a live worker."""
+    state = gateway(request)
+    if not await state.broker.ping():
+        raise ApiError(503, "not ready: the broker does not answer", code="broker_unavailable")
+    live: dict[str, int] = {}
+    for model in state.settings.models:
+        live[model] = len(await state.broker.workers(model))
+        if state.settings.require_workers and not live[model]:
+            raise ApiError(503, f"not ready: no live worker for model '{model}'",
+                           code="no_live_worker")
+    return JSONResponse({"status": "ready", "workers": live})
+
+
+async def _sample_queues(state: GatewayState) -> None:
+    m, broker = state.metrics, state.broker
+    for model in state.settings.models:
+        stats = await broker.stats(model)
+        for lane in stats.lanes:
+            priority = lane.lane.rsplit(":", 1)[-1]
+            m.queue_depth.labels(model, priority).set(lane.waiting)
+            m.queue_in_flight.labels(model, priority).set(lane.in_flight)
+            m.queue_oldest_age.labels(model, priority).set(lane.oldest_waiting_age_s or 0.0)
+        m.dead_letters.labels(model).set(stats.dead_letters)
+        m.live_workers.labels(model).set(len(await broker.workers(model)))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format; queue gauges are sampled from the broker on each scrape."""
+    state = gateway(request)
+    up = 0
+    with contextlib.suppress(Exception):  # a scrape must answer even when the broker is down
+        await _sample_queues(state)
+        up = 1
+    state.metrics.broker_up.set(up)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

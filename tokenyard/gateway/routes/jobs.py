@@ -1,0 +1,171 @@
+"""The async jobs API: submit, inspect, follow (resumable SSE) and cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from tokenyard.broker.base import CancelOutcome
+from tokenyard.broker.keys import tag_of_job
+from tokenyard.gateway import protocol
+from tokenyard.gateway.admission import admit
+from tokenyard.gateway.auth import Tenant, authenticate
+from tokenyard.gateway.dispatch import submit
+from tokenyard.gateway.errors import ApiError, bad_request
+from tokenyard.gateway.state import GatewayState, gateway
+from tokenyard.gateway.streaming import (
+    EventStreamResponse,
+    JobRenderer,
+    OpenAIRenderer,
+    Renderer,
+    event_stream,
+    last_event_id,
+    primed,
+)
+from tokenyard.messages import JobRecord, JobSpec
+
+router = APIRouter()
+TenantDep = Annotated[Tenant, Depends(authenticate)]
+
+
+def split_id(raw: str) -> tuple[str, protocol.Kind | None]:
+    """A job id, bare or as a completion id (cmpl-…, chatcmpl-…), and the kind it names."""
+    for kind, prefix in protocol.ID_PREFIX.items():
+        if raw.startswith(prefix):
+            return raw[len(prefix):], kind
+    return raw, None
+
+
+async def _record_of(state: GatewayState, raw_id: str, tenant: Tenant) -> tuple[JobRecord, str]:
+    """The tenant's job; another tenant's job is as invisible as a missing one."""
+    job_id, _ = split_id(raw_id)
+    try:
+        tag_of_job(job_id)
+    except ValueError:
+        raise _no_job(raw_id) from None
+    record = await state.broker.record(job_id)
+    if record is None or record.spec.tenant != tenant.name:
+        raise _no_job(raw_id)
+    return record, job_id
+
+
+def _no_job(raw_id: str) -> ApiError:
+    return ApiError(404, f"No job with id '{raw_id}'", code="job_not_found")
+
+
+def _same_request(a: JobSpec, b: JobSpec) -> bool:
+    return (a.model, a.prompt, a.prompt_token_ids, a.sampling, a.priority) == (
+        b.model, b.prompt, b.prompt_token_ids, b.sampling, b.priority)
+
+
+def job_view(job_id: str, record: JobRecord) -> dict[str, Any]:
+    """A job as GET /v1/jobs/{id} shows it: status, result and timings."""
+    spec = record.spec
+    enq, start, end = record.enqueued_at or None, record.started_at, record.finished_at
+    return {
+        "id": job_id,
+        "object": "job",
+        "model": spec.model,
+        "tenant": spec.tenant,
+        "priority": spec.priority.name.lower(),
+        "status": record.status.value,
+        "created_at": spec.created_at,
+        "deadline": spec.deadline,
+        "deliveries": record.deliveries,
+        "cancel_requested": record.cancel_requested,
+        "result": None if record.result is None else protocol.result_json(record.result),
+        "timings": {
+            "enqueued_at": enq,
+            "started_at": start,
+            "finished_at": end,
+            "queue_time": None if enq is None or start is None else max(0.0, start - enq),
+            "e2e": None if enq is None or end is None else max(0.0, end - enq),
+        },
+        "events_url": f"/v1/jobs/{job_id}/events",
+    }
+
+
+@router.post("/v1/jobs")
+async def create_job(
+    request: Request,
+    tenant: TenantDep,
+    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+) -> Response:
+    """Enqueue a completions or chat body (chosen by `messages`); answers 202 at once."""
+    state = gateway(request)
+    raw = await request.body()
+    try:
+        decoded = msgspec.json.decode(raw) if raw.strip() else None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}",
+                       code="invalid_json") from exc
+    is_chat = isinstance(decoded, dict) and "messages" in decoded
+    kind: protocol.Kind = "chat" if is_chat else "completion"
+    model = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
+    body = protocol.parse(model, raw)
+    if body.stream:
+        raise bad_request("'stream' is not allowed here; follow GET /v1/jobs/{id}/events",
+                          param="stream")
+    spec = await admit(state, kind, body, tenant, live=False, idempotency_key=idempotency_key)
+    outcome = await submit(state.broker, state.metrics, spec)
+    headers = {"Location": f"/v1/jobs/{outcome.job_id}"}
+    if outcome.created:
+        record = await state.broker.record(outcome.job_id)
+        view = job_view(outcome.job_id, record) if record else {"id": outcome.job_id}
+        return JSONResponse(view, status_code=202, headers=headers)
+    existing = await state.broker.record(outcome.job_id)
+    if existing is not None and not _same_request(existing.spec, spec):
+        raise ApiError(409, "This Idempotency-Key was already used with a different request",
+                       param="Idempotency-Key", code="idempotency_key_reused")
+    view = job_view(outcome.job_id, existing) if existing else {"id": outcome.job_id}
+    return JSONResponse(view, status_code=200,
+                        headers={**headers, "Idempotent-Replayed": "true"})
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
+    record, bare = await _record_of(gateway(request), job_id, tenant)
+    return JSONResponse(job_view(bare, record))
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(
+    request: Request,
+    job_id: str,
+    tenant: TenantDep,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+    include_usage: bool = False,
+) -> Response:
+    """SSE of the job's events; resumes after Last-Event-ID. A cmpl-/chatcmpl- id streams
+    OpenAI chunks, a bare job id the job's own `tokens`/`finish` events."""
+    state = gateway(request)
+    record, bare = await _record_of(state, job_id, tenant)
+    start = last_event_id(request, after)
+    _, kind = split_id(job_id)
+    renderer: Renderer
+    if kind is None:
+        renderer = JobRenderer()
+    else:
+        renderer = OpenAIRenderer(kind, bare, record.spec.model, int(record.spec.created_at),
+                                  include_usage=include_usage, resumed=start != "0")
+    frames = await primed(event_stream(state, bare, renderer, after=start))
+    return EventStreamResponse(frames, {"X-Job-Id": bare})
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
+    state = gateway(request)
+    _, bare = await _record_of(state, job_id, tenant)
+    outcome = await state.broker.cancel(bare)
+    if outcome is CancelOutcome.NOT_FOUND:
+        raise _no_job(job_id)
+    if outcome is CancelOutcome.ALREADY_FINISHED:
+        raise ApiError(409, "The job already finished",
+                       code="job_finished")
+    status = "cancelled" if outcome is CancelOutcome.CANCELLED else "cancelling"
+    return JSONResponse({"id": bare, "object": "job", "status": status},
+                        status_code=200 if status == "cancelled" else 202)

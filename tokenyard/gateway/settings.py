@@ -1,0 +1,44 @@
+"""Gateway settings: where it listens, which models it serves, and the limits it enforces."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from tokenyard.config import from_env
+
+
+class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Each field can be set by TOKENYARD_GATEWAY_<FIELD>; lists are comma-separated there."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models: tuple[str, ...] = ("tiny",)
+    tokenizer: Literal["hf", "sim"] = "hf"  # which tokenizer family the workers' engines use
+    max_body_bytes: int = 1 << 20
+    max_tokens_cap: int = 4096  # a request asking for more is refused, not clamped
+    default_max_tokens: int = 256  # chat requests without max_tokens (completions default 16)
+    request_timeout_s: float = 600.0  # sync and streaming calls: queue wait + generation
+    stream_resume_grace_s: float = 0.0  # how long a dropped stream's job waits for a reconnect
+    # longest single wait on a job's events (also the keep-alive period); it must stay below the
+    # Redis client's socket timeout (redis-py 8 defaults to 5 s) or an idle wait reads as an error
+    event_block_s: float = 2.0
+    # a blocking read holds a broker connection; past this many, readers poll instead so
+    # enqueue and cancel still find a free connection
+    max_blocking_reads: int = 64
+    retry_after_s: int = 1  # Retry-After on 429
+    api_keys_file: str = ""  # JSON {key: {"tenant": ..., "priority": ...}}; empty: auth off
+    require_workers: bool = True  # /readyz needs a live worker for every served model
+
+
+def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:
+    """Settings from defaults, environment and overrides; a comma list names several models."""
+    environ = os.environ if environ is None else environ
+    env = dict(environ)
+    raw_models = overrides.pop("models", None) or env.pop("TOKENYARD_GATEWAY_MODELS", None)
+    if isinstance(raw_models, str):
+        raw_models = tuple(m.strip() for m in raw_models.split(",") if m.strip())
+    return from_env(GatewaySettings, "gateway", env, models=raw_models, **overrides)

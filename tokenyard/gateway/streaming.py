@@ -1,0 +1,230 @@
+"""Server-sent events from a job's event stream; the SSE id of a frame is the broker event id."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenyard.errors import BrokerUnavailable
+from tokenyard.gateway import protocol
+from tokenyard.gateway.dispatch import CallTimer, JobGone, finish_metrics
+from tokenyard.gateway.errors import bad_request, error_body
+from tokenyard.gateway.state import GatewayState
+from tokenyard.messages import Finished, JobResult, TokenChunk
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+KEEPALIVE_FRAME = b": keep-alive\n\n"
+DONE_FRAME = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def frame(data: Any, event_id: str | None = None, event: str | None = None) -> bytes:
+    """One SSE frame; `data` is JSON-encoded unless it is already bytes."""
+    head = b""
+    if event_id is not None:
+        head += b"id: " + event_id.encode() + b"\n"
+    if event is not None:
+        head += b"event: " + event.encode() + b"\n"
+    body = data if isinstance(data, bytes) else _json.encode(data)
+    return head + b"data: " + body + b"\n\n"
+
+
+class Renderer(Protocol):
+    """Turns job events into SSE frames for one wire format."""
+
+    def start(self) -> list[bytes]: ...
+
+    def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]: ...
+
+    def finish(self, event_id: str, result: JobResult) -> list[bytes]: ...
+
+    def ended(self) -> list[bytes]:
+        """The stream ended without a Finished event (it was seen before the resume point)."""
+        ...
+
+    def failure(self, message: str, code: str, status: int) -> list[bytes]: ...
+
+
+class OpenAIRenderer:
+    """OpenAI completion or chat chunks, then `data: [DONE]`."""
+
+    def __init__(
+        self, kind: protocol.Kind, job_id: str, model: str, created: int, *,
+        include_usage: bool, resumed: bool,
+    ) -> None:
+        self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
+        self.include_usage = include_usage
+        self.resumed = resumed
+
+    def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
+        body = protocol.chunk_body(self.kind, self.job_id, self.model, self.created, **fields)
+        return frame(body, event_id)
+
+    def start(self) -> list[bytes]:
+        # the role chunk precedes every event, so a resumed stream has already had it
+        if self.kind == "chat" and not self.resumed:
+            return [self._chunk(None, role=True)]
+        return []
+
+    def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
+        if not chunk.text:
+            return []  # an incomplete UTF-8 character; its text arrives with a later event
+        return [self._chunk(event_id, text=chunk.text)]
+
+    def finish(self, event_id: str, result: JobResult) -> list[bytes]:
+        failed = protocol.result_error(result)
+        if failed is not None:
+            return [frame(failed[1], event_id), DONE_FRAME]
+        reason = protocol.openai_finish_reason(result.finish_reason)
+        frames = [self._chunk(event_id, finish_reason=reason)]
+        if self.include_usage:
+            frames.append(self._chunk(None, usage_of=result, no_choices=True))
+        return [*frames, DONE_FRAME]
+
+    def ended(self) -> list[bytes]:
+        return [DONE_FRAME]
+
+    def failure(self, message: str, code: str, status: int) -> list[bytes]:
+        type_ = "timeout_error" if status == 504 else "server_error"
+        return [frame(error_body(message, type_, None, code)), DONE_FRAME]
+
+
+class JobRenderer:
+    """The job's own events: `event: tokens` and a final `event: finish` with the result."""
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
+        return [frame({"text": chunk.text, "token_ids": chunk.token_ids}, event_id, "tokens")]
+
+    def finish(self, event_id: str, result: JobResult) -> list[bytes]:
+        return [frame(protocol.result_json(result), event_id, "finish")]
+
+    def ended(self) -> list[bytes]:
+        return []
+
+    def failure(self, message: str, code: str, status: int) -> list[bytes]:
+        return [frame(error_body(message, "server_error", None, code), event="error")]
+
+
+async def event_stream(
+    state: GatewayState,
+    job_id: str,
+    renderer: Renderer,
+    *,
+    after: str = "0",
+    timer: CallTimer | None = None,
+    timeout_s: float | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """SSE frames of a job from `after` on; leaving early detaches (and may cancel) the job.
+
+    The first item is an empty priming frame: see `primed`.
+    """
+    abandonment = state.abandonment
+    abandonment.attach(job_id)
+    finished = False
+    give_up = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        yield b""
+        for f in renderer.start():
+            yield f
+        events = state.reader.follow(job_id, after)
+        async with contextlib.aclosing(events):
+            async for item in events:
+                if give_up is not None and time.monotonic() > give_up:
+                    await abandonment.cancel_now(job_id)
+                    for f in renderer.failure("the request timed out", "timeout", 504):
+                        yield f
+                    return
+                if item is None:
+                    yield KEEPALIVE_FRAME
+                    continue
+                event_id, event = item
+                if isinstance(event, Finished):
+                    finished = True
+                    if timer is not None:
+                        await finish_metrics(state.broker, timer, job_id, event.result)
+                    for f in renderer.finish(event_id, event.result):
+                        yield f
+                    return
+                if timer is not None:
+                    timer.tokens(len(event.token_ids))
+                for f in renderer.tokens(event_id, event):
+                    yield f
+        finished = True
+        for f in renderer.ended():
+            yield f
+    except JobGone:
+        finished = True
+        for f in renderer.failure("the job no longer exists", "job_gone", 404):
+            yield f
+    except BrokerUnavailable:
+        # the headers are out, so the error can only travel in the stream
+        for f in renderer.failure("the job queue is unavailable; reconnect to resume",
+                                  "broker_unavailable", 503):
+            yield f
+    except Exception:
+        log.exception("event stream of job %s failed", job_id)
+        for f in renderer.failure("internal server error", "internal_error", 500):
+            yield f
+    finally:
+        with anyio.CancelScope(shield=True):
+            await abandonment.detach(job_id, finished=finished)
+
+
+async def primed(frames: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """Run a stream up to its priming frame, so its cleanup runs even if the client leaves
+    before the first real frame (closing a generator that never started skips its finally)."""
+    await frames.__anext__()
+    return frames
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that always watches for the client leaving, whatever the ASGI version.
+
+    On a disconnect the body generator is closed at once, so its cleanup (cancelling an
+    abandoned job) runs now rather than when the generator is garbage-collected.
+    """
+
+    def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**SSE_HEADERS, **headers})
+        self._generator = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    # OSError: the client left mid-write; the watcher sees it too
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._generator.aclose()
+
+
+def last_event_id(request: Request, after: str | None) -> str:
+    """Resume point: the Last-Event-ID header, else an `after` query value, else the start."""
+    value = request.headers.get("last-event-id") or after or "0"
+    value = value.strip()
+    ms, dash, seq = value.partition("-")
+    if value == "0" or (ms.isdigit() and (not dash or seq.isdigit())):
+        return value
+    raise bad_request(f"malformed Last-Event-ID {value!r}", param="Last-Event-ID")

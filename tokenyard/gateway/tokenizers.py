@@ -1,0 +1,28 @@
+"""Loads the tokenizer of each served model, the same way the workers' engines do."""
+
+from __future__ import annotations
+
+from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.settings import GatewaySettings
+
+
+def load_tokenizer(family: str, model: str) -> EngineTokenizer:
+    """"sim": the simulator's byte tokenizer; "hf": the model's own (a local path or `tiny`)."""
+    if family == "sim":
+        from tokenyard.engines.sim import SimTokenizer
+
+        return SimTokenizer()
+    if family == "hf":
+        from transformers import AutoConfig, AutoTokenizer
+
+        from tokenyard.engines.hf import HFTokenizer, resolve_model_path
+
+        path = resolve_model_path(model)
+        config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+        max_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), max_len)
+    raise ValueError(f"unknown tokenizer family {family!r}; expected 'hf' or 'sim'")
+
+
+def load_tokenizers(settings: GatewaySettings) -> dict[str, EngineTokenizer]:
+    return {model: load_tokenizer(settings.tokenizer, model) for model in settings.models}
