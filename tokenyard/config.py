@@ -25,6 +25,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     backoff_max_s: float = 60.0
     starvation_every: int = 8  # every Nth claim round serves lower lanes first
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    max_connections: int = 512  # per process; blocking reads each hold one while they wait
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)

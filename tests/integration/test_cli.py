@@ -1,4 +1,4 @@
-"""The command line, end to end: `serve` on one machine, `gateway` + `worker`s against one Valkey."""
+"""The command line end to end: `serve` on one machine; `gateway` + `worker`s on one Valkey."""
 
 from __future__ import annotations
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -51,6 +52,25 @@ _SOCKET_TIMEOUT_S = 60.0
 MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _unavailable_on_errors(
+    method: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """Surface connection trouble as BrokerUnavailable (HTTP 503), never a redis-py error."""
+
+    @functools.wraps(method)
+    async def guarded(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise BrokerUnavailable(str(exc) or type(exc).__name__) from exc
+
+    return guarded
+
+
 def _load_script(name: str) -> str:
     return resources.files("tokenyard.broker").joinpath(f"lua/{name}.lua").read_text()
 
@@ -74,8 +94,11 @@ class RedisBroker(Broker):
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(settings, clock)
-        self.redis: aioredis.Redis = client or aioredis.Redis.from_url(
+        # callers past max_connections wait for a free connection rather than fail
+        pool = aioredis.BlockingConnectionPool.from_url(
             settings.url,
+            max_connections=settings.max_connections,
+            timeout=_SOCKET_TIMEOUT_S,
             decode_responses=False,
             health_check_interval=30,
             # blocking reads wait up to several seconds server-side; redis-py's 5 s default
@@ -83,6 +106,7 @@ class RedisBroker(Broker):
             socket_timeout=_SOCKET_TIMEOUT_S,
             socket_connect_timeout=5,
         )
+        self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
         self.keys = Keys(settings.prefix)
         self._scripts: dict[str, AsyncScript] = {
             name: self.redis.register_script(_load_script(name)) for name in _SCRIPTS
@@ -92,16 +116,14 @@ class RedisBroker(Broker):
         self._known_models: set[str] = set()
 
     async def _run(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
-        try:
-            return await self._scripts[name](keys=keys, args=args)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise BrokerUnavailable(str(exc)) from exc
+        return await self._scripts[name](keys=keys, args=args)
 
     @property
     def _ttl_ms(self) -> int:
         return _ms(self.settings.record_ttl_s)
 
     # -- producing -------------------------------------------------------------------------
+    @_unavailable_on_errors
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """All-or-nothing per model: one script call admits a model's whole batch."""
         now = self.clock()
@@ -158,6 +180,7 @@ class RedisBroker(Broker):
         return keys, args
 
     # -- consuming -------------------------------------------------------------------------
+    @_unavailable_on_errors
     async def claim(
         self, model: str, consumer: str, slots: int, block_s: float = 0.0
     ) -> list[Lease]:
@@ -194,10 +217,7 @@ class RedisBroker(Broker):
             if next_due:
                 wait = min(wait, max(0.001, float(next_due) - now))
             streams = {lane: _s(i) for lane, i in zip(ordered, last_ids, strict=True)}
-            try:
-                await self.redis.xread(streams, count=1, block=_ms(min(wait, MAX_BLOCK_S)))  # type: ignore[arg-type]
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                raise BrokerUnavailable(str(exc)) from exc
+            await self.redis.xread(streams, count=1, block=_ms(min(wait, MAX_BLOCK_S)))  # type: ignore[arg-type]
 
     def _lease(self, model: str, consumer: str, row: list[Any]) -> Lease:
         lane, entry_id, spec_bytes, attempt = row
@@ -205,6 +225,7 @@ class RedisBroker(Broker):
         spec.attempt = int(attempt)
         return Lease(spec=spec, lane=_s(lane), entry_id=_s(entry_id), consumer=consumer)
 
+    @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         if not leases:
             return []
@@ -216,12 +237,10 @@ class RedisBroker(Broker):
         return [bool(r) for r in await self._execute(pipe)]
 
     async def _execute(self, pipe: Any) -> list[Any]:
-        try:
-            result: list[Any] = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise BrokerUnavailable(str(exc)) from exc
+        result: list[Any] = await pipe.execute()
         return result
 
+    @_unavailable_on_errors
     async def complete_many(self, items: Sequence[tuple[Lease, JobResult]]) -> list[bool]:
         if not items:
             return []
@@ -289,12 +308,15 @@ class RedisBroker(Broker):
         )
         return int(code)
 
+    @_unavailable_on_errors
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1
 
+    @_unavailable_on_errors
     async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
         return await self._fail(lease, error or reason, reason, force_dead=True) == 0
 
+    @_unavailable_on_errors
     async def release(self, leases: Sequence[Lease]) -> int:
         if not leases:
             return 0
@@ -307,12 +329,11 @@ class RedisBroker(Broker):
             )
         return sum(int(r) for r in await self._execute(pipe))
 
+    @_unavailable_on_errors
     async def reap(self, model: str) -> ReapReport:
         requeued: list[str] = []
         dead: list[str] = []
-        result = dead_result(
-            f"lease expired on each of {self.settings.max_deliveries} deliveries"
-        )
+        result = dead_result(f"lease expired on each of {self.settings.max_deliveries} deliveries")
         for lane in self.keys.lanes(model):
             if not await self.redis.exists(lane):
                 continue
@@ -338,6 +359,7 @@ class RedisBroker(Broker):
         return ReapReport(requeued=requeued, dead=dead)
 
     # -- cancellation ----------------------------------------------------------------------
+    @_unavailable_on_errors
     async def cancel(self, job_id: str) -> CancelOutcome:
         result = cancelled_result()
         keys = self.keys
@@ -349,11 +371,17 @@ class RedisBroker(Broker):
                 keys.cancels_of_job(job_id),
                 keys.delayed_of_job(job_id),
             ],
-            [job_id, repr(self.clock()), encode(result), encode(Finished(result=result)),
-             self._ttl_ms],
+            [
+                job_id,
+                repr(self.clock()),
+                encode(result),
+                encode(Finished(result=result)),
+                self._ttl_ms,
+            ],
         )
         return CancelOutcome(_s(outcome))
 
+    @_unavailable_on_errors
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
         if not job_ids:
             return set()
@@ -361,6 +389,7 @@ class RedisBroker(Broker):
         return {j for j, f in zip(job_ids, flags, strict=True) if f}
 
     # -- events and records ----------------------------------------------------------------
+    @_unavailable_on_errors
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
         if not events:
             return []
@@ -373,22 +402,21 @@ class RedisBroker(Broker):
             )
         return [bool(r) for r in await self._execute(pipe)]
 
+    @_unavailable_on_errors
     async def read_events(
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
         key = self.keys.events(job_id)
-        try:
-            reply: Any = await self.redis.xread(
-                {key: after or "0"},
-                count=count,
-                block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
-            )
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise BrokerUnavailable(str(exc)) from exc
+        reply: Any = await self.redis.xread(
+            {key: after or "0"},
+            count=count,
+            block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
+        )
         if not reply:
             return []
         return [(_s(eid), decode_event(fields[b"e"])) for eid, fields in reply[0][1]]
 
+    @_unavailable_on_errors
     async def record(self, job_id: str) -> JobRecord | None:
         h: Any = await self.redis.hgetall(self.keys.job(job_id))
         if not h or b"spec" not in h:
@@ -416,6 +444,7 @@ class RedisBroker(Broker):
         )
 
     # -- introspection ---------------------------------------------------------------------
+    @_unavailable_on_errors
     async def stats(self, model: str) -> BrokerStats:
         lanes: list[LaneStats] = []
         now = self.clock()
@@ -453,6 +482,7 @@ class RedisBroker(Broker):
             lane=lane, waiting=max(0, total - pending), in_flight=pending, oldest_waiting_age_s=age
         )
 
+    @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         rows: Any = await self.redis.xrange(self.keys.dead_letters(model), count=count)
         out = []
@@ -469,10 +499,12 @@ class RedisBroker(Broker):
             )
         return out
 
+    @_unavailable_on_errors
     async def models(self) -> list[str]:
         members: Any = await self.redis.smembers(self.keys.models())
         return sorted(_s(m) for m in members)
 
+    @_unavailable_on_errors
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         now = self.clock()
         pipe = self.redis.pipeline(transaction=False)
@@ -482,12 +514,14 @@ class RedisBroker(Broker):
         pipe.sadd(self.keys.models(), info.model)
         await self._execute(pipe)
 
+    @_unavailable_on_errors
     async def deregister(self, model: str, consumer: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(model, consumer))
         pipe.zrem(self.keys.workers(model), consumer)
         await self._execute(pipe)
 
+    @_unavailable_on_errors
     async def workers(self, model: str) -> list[WorkerInfo]:
         live: Any = await self.redis.zrangebyscore(self.keys.workers(model), self.clock(), "+inf")
         if not live:

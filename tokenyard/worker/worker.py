@@ -72,6 +72,7 @@ class Worker:
         self._tokens_in_use = 0
         self._expected_footprint = 0.0
         self._draining = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._jobs_done = 0
         self._tokens_seen = 0
@@ -98,16 +99,14 @@ class Worker:
             await self._finish_in_flight()
         finally:
             await self._release_leftovers()
-            upkeep.cancel()
-            # stopping the engine ends the output loop (EngineClosed) after its last publish,
-            # rather than cancelling it halfway through a broker write
-            await self.engine.stop()
-            try:
-                await asyncio.wait_for(outputs, 10.0)
-            except TimeoutError:
-                log.error("output loop did not end after the engine stopped")
-            with contextlib.suppress(asyncio.CancelledError):
-                await upkeep
+            # both loops end on their own: a cancel landing inside a redis-py call can be
+            # swallowed, so neither is cancelled halfway through a broker write
+            self._stopping.set()
+            await self.engine.stop()  # the output loop ends with EngineClosed
+            _, pending = await asyncio.wait({outputs, upkeep}, timeout=30.0)
+            for task in pending:
+                log.error("%s did not stop; cancelling it", task.get_name())
+                task.cancel()
             with contextlib.suppress(Exception):
                 await self.broker.deregister(self.model, self.consumer)
 
@@ -297,8 +296,11 @@ class Worker:
         lease_s = self.broker.settings.lease_s
         period = max(0.05, min(lease_s / 3, self.settings.heartbeat_s))
         next_reap = 0.0
-        while True:
-            await asyncio.sleep(period)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), period)
+            if self._stopping.is_set():
+                return
             try:
                 await self._renew()
                 if time.monotonic() >= next_reap:
