@@ -23,8 +23,8 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     default_max_tokens: int = 256  # chat requests without max_tokens (completions default 16)
     request_timeout_s: float = 600.0  # sync and streaming calls: queue wait + generation
     stream_resume_grace_s: float = 0.0  # how long a dropped stream's job waits for a reconnect
-    # longest single wait on a job's events (also the keep-alive period); it must stay below the
-    # Redis client's socket timeout (redis-py 8 defaults to 5 s) or an idle wait reads as an error
+    # longest single wait on a job's events, and so the SSE keep-alive period; the broker caps
+    # blocking reads well below its client's read timeout
     event_block_s: float = 2.0
     # a blocking read holds a broker connection; past this many, readers poll instead so
     # enqueue and cancel still find a free connection
