@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import BrokerFactory
 from tokenyard.broker.base import CancelOutcome, Lease
 from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.redis import RedisBroker
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
     Finished,
@@ -451,3 +452,39 @@ async def test_batch_is_all_or_nothing_when_a_lane_would_overflow(
     assert [r.created for r in results] == [True, False, True]
     assert results[1].job_id == batch[0].id
     assert len(await broker.claim(MODEL, "w", slots=10)) == 2
+
+
+async def test_completion_can_carry_the_last_tokens(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    spec = job()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.append_events([(lease, TokenChunk(token_ids=[1], text="a"))])
+    assert await broker.complete(lease, ok(lease, "ab"), tail=TokenChunk(token_ids=[2], text="b"))
+    events = [e for _, e in await broker.read_events(spec.id)]
+    assert [type(e) for e in events] == [TokenChunk, TokenChunk, Finished]
+    assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == "ab"
+
+
+async def test_lease_says_whether_earlier_tokens_exist(make_broker: BrokerFactory) -> None:
+    broker = make_broker(lease_s=0.1)
+    spec = job()
+    await broker.enqueue(spec)
+    [first] = await broker.claim(MODEL, "w1", slots=1)
+    assert not first.resumable
+    await broker.append_events([(first, TokenChunk(token_ids=[1], text="a"))])
+    await asyncio.sleep(0.2)
+    await broker.reap(MODEL)
+    [second] = await broker.claim(MODEL, "w2", slots=1)
+    assert second.resumable and second.spec.attempt == 1
+
+
+async def test_scripts_survive_a_flushed_script_cache(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    if not isinstance(broker, RedisBroker):
+        pytest.skip("a Redis server's script cache")
+    await broker.enqueue(job())
+    await broker.redis.script_flush()  # what a server restart does to loaded scripts
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.redis.script_flush()
+    assert await broker.complete(lease, ok(lease))

@@ -10,7 +10,15 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from tokenyard.config import BrokerSettings
-from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobResult, JobSpec, WorkerInfo
+from tokenyard.messages import (
+    DeadLetter,
+    JobEvent,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    TokenChunk,
+    WorkerInfo,
+)
 
 Clock = Callable[[], float]
 
@@ -27,6 +35,7 @@ class Lease(msgspec.Struct, frozen=True):
     lane: str
     entry_id: str
     consumer: str
+    resumable: bool = False  # an earlier delivery already streamed events for this job
 
 
 class ReapReport(msgspec.Struct, frozen=True):
@@ -84,11 +93,20 @@ class Broker(abc.ABC):
         """Extend leases still ours; False marks one that was lost (stop working on it)."""
 
     @abc.abstractmethod
-    async def complete_many(self, items: Sequence[tuple[Lease, JobResult]]) -> list[bool]:
-        """Write terminal results, fenced by the lease; False means rejected (lease lost)."""
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
+        """Write terminal results, fenced by the lease; False means rejected (lease lost).
 
-    async def complete(self, lease: Lease, result: JobResult) -> bool:
-        return (await self.complete_many([(lease, result)]))[0]
+        `tails[i]`, when given, is job i's last chunk of tokens, appended just before its end.
+        """
+
+    async def complete(
+        self, lease: Lease, result: JobResult, tail: TokenChunk | None = None
+    ) -> bool:
+        return (await self.complete_many([(lease, result)], [tail]))[0]
 
     @abc.abstractmethod
     async def retry(self, lease: Lease, error: str) -> bool:

@@ -33,6 +33,7 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    TokenChunk,
     WorkerInfo,
     decode,
     decode_event,
@@ -165,9 +166,7 @@ class MemoryBroker(Broker):
         self._emit(job_id, encode(Finished(result=result)))
         self.store.cancels[job.model].discard(job_id)
 
-    def _to_dead_letters(
-        self, job: _Job, job_id: str, reason: str, error: str, now: float
-    ) -> None:
+    def _to_dead_letters(self, job: _Job, job_id: str, reason: str, error: str, now: float) -> None:
         job.last_error = error
         self._finish(job, job_id, dead_result(f"{reason}: {error}"), now)
         self.store.dead_letters[job.model].append(
@@ -287,7 +286,13 @@ class MemoryBroker(Broker):
                     spec = decode(job.spec, JobSpec)
                     spec.attempt = job.deliveries - 1
                     leases.append(
-                        Lease(spec=spec, lane=lane, entry_id=entry.entry_id, consumer=consumer)
+                        Lease(
+                            spec=spec,
+                            lane=lane,
+                            entry_id=entry.entry_id,
+                            consumer=consumer,
+                            resumable=bool(store.events.get(entry.job_id)),
+                        )
                     )
         if leases:
             store.notify()  # other waiters may have lanes of their own to look at
@@ -309,15 +314,22 @@ class MemoryBroker(Broker):
             self.store.counters[lease.spec.model]["fenced"] += 1
         return entry
 
-    async def complete_many(self, items: Sequence[tuple[Lease, JobResult]]) -> list[bool]:
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
         now = self.clock()
         accepted = []
-        for lease, result in items:
+        for index, (lease, result) in enumerate(items):
             if self._fence(lease) is None:
                 accepted.append(False)
                 continue
             job = self._job(lease.spec.id)
             if job is not None and not job.status.terminal:
+                tail = tails[index] if tails is not None else None
+                if tail is not None:
+                    self._emit(lease.spec.id, encode(tail))
                 self._finish(job, lease.spec.id, result, now)
             self._remove_entry(lease.lane, lease.entry_id)
             self.store.cancels[lease.spec.model].discard(lease.spec.id)

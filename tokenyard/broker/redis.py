@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import random
 import time
 from collections import defaultdict
@@ -12,8 +13,8 @@ from importlib import resources
 from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenyard.broker.base import (
@@ -39,6 +40,7 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    TokenChunk,
     WorkerInfo,
     decode,
     decode_event,
@@ -52,6 +54,7 @@ _SOCKET_TIMEOUT_S = 60.0
 MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
 
 
+_Call = tuple[str, list[str], list[Any]]  # script name, keys, arguments
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -108,15 +111,40 @@ class RedisBroker(Broker):
         )
         self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
         self.keys = Keys(settings.prefix)
-        self._scripts: dict[str, AsyncScript] = {
-            name: self.redis.register_script(_load_script(name)) for name in _SCRIPTS
+        self._sources = {name: _load_script(name) for name in _SCRIPTS}
+        self._shas = {
+            name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }
         self._rounds: dict[str, int] = defaultdict(int)
         self._rng = rng or random.Random()
         self._known_models: set[str] = set()
 
-    async def _run(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
-        return await self._scripts[name](keys=keys, args=args)
+    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return (await self._eval_many([(name, keys, args)]))[0]
+
+    async def _eval_many(self, calls: Sequence[_Call]) -> list[Any]:
+        """Run scripts by SHA in one round trip; any the server lacks (it restarted) are loaded
+        and only those calls run again, so nothing runs twice."""
+        results = await self._evalsha_pipeline(calls)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            for name in {calls[i][0] for i in missing}:
+                await self.redis.script_load(self._sources[name])
+            again = await self._evalsha_pipeline([calls[i] for i in missing])
+            for i, result in zip(missing, again, strict=True):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    async def _evalsha_pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline
+        pipe = self.redis.pipeline(transaction=False)
+        for name, keys, args in calls:
+            pipe.evalsha(self._shas[name], len(keys), *keys, *args)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
 
     @property
     def _ttl_ms(self) -> int:
@@ -132,15 +160,15 @@ class RedisBroker(Broker):
             if not spec.created_at:
                 spec.created_at = now
             by_model[spec.model].append(index)
-        pipe = self.redis.pipeline(transaction=False)
-        for model, indexes in by_model.items():
-            keys, args = self._enqueue_call(model, [specs[i] for i in indexes], now)
-            await self._scripts["enqueue"](keys=keys, args=args, client=pipe)
+        calls = [
+            self._enqueue_call(model, [specs[i] for i in indexes], now)
+            for model, indexes in by_model.items()
+        ]
+        replies = await self._eval_many(calls)
         new_models = set(by_model) - self._known_models
         if new_models:
-            pipe.sadd(self.keys.models(), *new_models)
-        replies = await self._execute(pipe)
-        self._known_models |= new_models
+            await self.redis.sadd(self.keys.models(), *new_models)
+            self._known_models |= new_models
         results: list[EnqueueResult | None] = [None] * len(specs)
         for (model, indexes), (code, payload) in zip(by_model.items(), replies, strict=False):
             if code == -1:
@@ -151,9 +179,7 @@ class RedisBroker(Broker):
                 results[i] = EnqueueResult(job_id=_s(job_id), created=created == 1)
         return [r for r in results if r is not None]
 
-    def _enqueue_call(
-        self, model: str, specs: Sequence[JobSpec], now: float
-    ) -> tuple[list[str], list[Any]]:
+    def _enqueue_call(self, model: str, specs: Sequence[JobSpec], now: float) -> _Call:
         lanes = self.keys.lanes(model)
         keys: list[str] = list(lanes)
         args: list[Any] = [
@@ -177,7 +203,7 @@ class RedisBroker(Broker):
                 "" if spec.deadline is None else repr(spec.deadline),
                 "1" if spec.idempotency_key else "0",
             ]
-        return keys, args
+        return "enqueue", keys, args
 
     # -- consuming -------------------------------------------------------------------------
     @_unavailable_on_errors
@@ -220,35 +246,43 @@ class RedisBroker(Broker):
             await self.redis.xread(streams, count=1, block=_ms(min(wait, MAX_BLOCK_S)))  # type: ignore[arg-type]
 
     def _lease(self, model: str, consumer: str, row: list[Any]) -> Lease:
-        lane, entry_id, spec_bytes, attempt = row
+        lane, entry_id, spec_bytes, attempt, resumable = row
         spec = decode(spec_bytes, JobSpec)
         spec.attempt = int(attempt)
-        return Lease(spec=spec, lane=_s(lane), entry_id=_s(entry_id), consumer=consumer)
+        return Lease(
+            spec=spec,
+            lane=_s(lane),
+            entry_id=_s(entry_id),
+            consumer=consumer,
+            resumable=resumable == 1,
+        )
 
     @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         if not leases:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for lease in leases:
-            await self._scripts["renew"](
-                keys=[lease.lane], args=[GROUP, lease.consumer, lease.entry_id], client=pipe
-            )
-        return [bool(r) for r in await self._execute(pipe)]
+        calls = [
+            ("renew", [lease.lane], [GROUP, lease.consumer, lease.entry_id]) for lease in leases
+        ]
+        return [bool(r) for r in await self._eval_many(calls)]
 
     async def _execute(self, pipe: Any) -> list[Any]:
         result: list[Any] = await pipe.execute()
         return result
 
     @_unavailable_on_errors
-    async def complete_many(self, items: Sequence[tuple[Lease, JobResult]]) -> list[bool]:
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
         if not items:
             return []
         now = repr(self.clock())
         by_model: dict[str, list[int]] = defaultdict(list)
         for index, (lease, _) in enumerate(items):
             by_model[lease.spec.model].append(index)
-        pipe = self.redis.pipeline(transaction=False)
+        calls: list[_Call] = []
         for model, indexes in by_model.items():
             keys: list[str] = []
             args: list[Any] = [GROUP, now, self._ttl_ms, len(indexes)]
@@ -263,11 +297,12 @@ class RedisBroker(Broker):
                     result.status.value,
                     encode(result),
                     encode(Finished(result=result)),
+                    b"" if tails is None or tails[i] is None else encode(tails[i]),
                 ]
             keys += [self.keys.cancels(model), self.keys.counters(model)]
-            await self._scripts["complete"](keys=keys, args=args, client=pipe)
+            calls.append(("complete", keys, args))
         accepted = [False] * len(items)
-        for indexes, flags in zip(by_model.values(), await self._execute(pipe), strict=True):
+        for indexes, flags in zip(by_model.values(), await self._eval_many(calls), strict=True):
             for i, flag in zip(indexes, flags, strict=True):
                 accepted[i] = bool(flag)
         return accepted
@@ -320,14 +355,15 @@ class RedisBroker(Broker):
     async def release(self, leases: Sequence[Lease]) -> int:
         if not leases:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
-        for lease in leases:
-            await self._scripts["release"](
-                keys=[lease.lane, self.keys.job(lease.spec.id)],
-                args=[GROUP, lease.consumer, lease.entry_id, lease.spec.id],
-                client=pipe,
+        calls: list[_Call] = [
+            (
+                "release",
+                [lease.lane, self.keys.job(lease.spec.id)],
+                [GROUP, lease.consumer, lease.entry_id, lease.spec.id],
             )
-        return sum(int(r) for r in await self._execute(pipe))
+            for lease in leases
+        ]
+        return sum(int(r) for r in await self._eval_many(calls))
 
     @_unavailable_on_errors
     async def reap(self, model: str) -> ReapReport:
@@ -385,22 +421,25 @@ class RedisBroker(Broker):
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
         if not job_ids:
             return set()
-        flags: Any = await self.redis.smismember(self.keys.cancels(model), list(job_ids))
-        return {j for j, f in zip(job_ids, flags, strict=True) if f}
+        # the set holds only jobs someone asked to cancel, so it is small; fetching it costs less
+        # than sending every running id
+        members: Any = await self.redis.smembers(self.keys.cancels(model))
+        return {_s(m) for m in members} & set(job_ids)
 
     # -- events and records ----------------------------------------------------------------
     @_unavailable_on_errors
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
         if not events:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for lease, event in events:
-            await self._scripts["emit"](
-                keys=[lease.lane, self.keys.events(lease.spec.id)],
-                args=[GROUP, lease.consumer, lease.entry_id, encode(event)],
-                client=pipe,
+        calls: list[_Call] = [
+            (
+                "emit",
+                [lease.lane, self.keys.events(lease.spec.id)],
+                [GROUP, lease.consumer, lease.entry_id, encode(event)],
             )
-        return [bool(r) for r in await self._execute(pipe)]
+            for lease, event in events
+        ]
+        return [bool(r) for r in await self._eval_many(calls)]
 
     @_unavailable_on_errors
     async def read_events(

@@ -98,7 +98,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def outputs(self) -> list[StepOutput]:
-        """Wait for the next step's outputs; raises EngineClosed after stop()."""
+        """Wait for the outputs of the next step(s), in order; raises EngineClosed after stop().
+
+        When several steps finished since the last call, their outputs come back together and
+        one sequence may appear more than once.
+        """
 
     @abc.abstractmethod
     def stats(self) -> EngineStats:
@@ -156,6 +160,14 @@ class OutputChannel:
         if item is None:
             self._queue.put_nowait(None)  # keep the sentinel for other waiters
             raise EngineClosed("engine stopped")
+        # Steps that queued up while the consumer was busy go out together, so a slow consumer
+        # catches up in one round trip instead of one per step.
+        while not self._queue.empty():
+            more = self._queue.get_nowait()
+            if more is None:
+                self._queue.put_nowait(None)
+                break
+            item = item + more
         return item
 
 

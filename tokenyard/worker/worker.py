@@ -35,6 +35,35 @@ _STATUS_OF = {
 }
 
 
+# Cancellation is polled once per engine step, but no more often than this: a tiny model steps
+# every few milliseconds, and a round trip per step would cost as much as the step.
+CANCEL_POLL_S = 0.02
+
+
+def _merge_per_sequence(outputs: Sequence[StepOutput]) -> list[StepOutput]:
+    """Fold the outputs of several engine steps into one per sequence, keeping their order."""
+    merged: dict[str, StepOutput] = {}
+    for out in outputs:
+        seen = merged.get(out.seq_id)
+        if seen is None:
+            merged[out.seq_id] = StepOutput(
+                seq_id=out.seq_id,
+                token_ids=list(out.token_ids),
+                text=out.text,
+                finish_reason=out.finish_reason,
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                error=out.error,
+            )
+        elif seen.finish_reason is None:  # nothing follows a finish
+            seen.token_ids.extend(out.token_ids)
+            seen.text += out.text
+            seen.finish_reason = out.finish_reason
+            seen.completion_tokens = out.completion_tokens
+            seen.error = out.error
+    return list(merged.values())
+
+
 def consumer_name(started_at: float) -> str:
     """host:pid:start — unique per process start, so a restarted worker is a new consumer."""
     return f"{socket.gethostname()}:{os.getpid()}:{int(started_at * 1000)}"
@@ -78,6 +107,7 @@ class Worker:
         self._tokens_seen = 0
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
+        self._cancel_checked_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self) -> None:
@@ -175,10 +205,12 @@ class Worker:
             return
         run = _Running(lease, prompt_ids, job_footprint(len(prompt_ids), spec.sampling))
         self._expected_footprint = moving_average(self._expected_footprint, run.footprint)
-        # a redelivered or released job may have streamed tokens already; continue after them
-        await self._load_resumed_tokens(run)
+        if lease.resumable:  # an earlier delivery streamed tokens: continue after them
+            await self._load_resumed_tokens(run)
         if len(run.token_ids) >= spec.sampling.max_tokens:
-            await self._complete(run, FinishReason.LENGTH)
+            self._running[spec.id] = run  # finished before it started: complete it as it is
+            self._tokens_in_use += run.footprint
+            await self._complete_many([(run, FinishReason.LENGTH, None)])
             return
         self._waiting.append(run)
         self._start_waiting()
@@ -220,54 +252,68 @@ class Worker:
                 await asyncio.sleep(0.1)
 
     async def _publish(self, outputs: Sequence[StepOutput]) -> None:
+        """One round trip carries every running job's new tokens, one every finished job."""
         events: list[tuple[Lease, JobEvent]] = []
-        finished: list[tuple[_Running, StepOutput]] = []
-        for out in outputs:
+        errors: list[tuple[_Running, str]] = []
+        finishing: list[tuple[_Running, FinishReason, TokenChunk | None]] = []
+        for out in _merge_per_sequence(outputs):
             run = self._running.get(out.seq_id)
             if run is None:
                 continue  # released, lost or aborted by us: nobody is waiting for it here
+            chunk = None
             if out.token_ids or out.text:
                 run.token_ids.extend(out.token_ids)
                 run.text += out.text
                 self._tokens_seen += len(out.token_ids)
-                events.append((run.lease, TokenChunk(token_ids=out.token_ids, text=out.text)))
-            if out.finish_reason is not None:
-                finished.append((run, out))
+                chunk = TokenChunk(token_ids=out.token_ids, text=out.text)
+            if out.finish_reason is None or out.finish_reason is FinishReason.ERROR:
+                if chunk is not None:
+                    events.append((run.lease, chunk))
+                if out.finish_reason is FinishReason.ERROR:
+                    errors.append((run, out.error or "engine error"))
+            else:
+                # the last tokens travel with the completion: one script instead of two
+                finishing.append((run, out.finish_reason, chunk))
         if events:
             kept = await self.broker.append_events(events)
             for (lease, _), ours in zip(events, kept, strict=True):
                 if not ours:
                     self._drop(lease.spec.id, "lease lost")
         await self._check_cancellations()
-        for run, out in finished:
-            if run.lease.spec.id not in self._running:
-                continue
-            if out.finish_reason is FinishReason.ERROR:
-                self._forget(run.lease.spec.id)
-                await self.broker.retry(run.lease, out.error or "engine error")
-            else:
-                await self._complete(run, out.finish_reason or FinishReason.STOP)
+        for run, error in errors:
+            if self._forget(run.lease.spec.id):
+                await self.broker.retry(run.lease, error)
+        await self._complete_many([f for f in finishing if f[0].lease.spec.id in self._running])
 
     async def _check_cancellations(self) -> None:
-        if not self._running:
+        now = time.monotonic()
+        if not self._running or now - self._cancel_checked_at < CANCEL_POLL_S:
             return
+        self._cancel_checked_at = now
         for job_id in await self.broker.cancelled(self.model, list(self._running)):
             # the engine answers with a CANCELLED output, which completes the job
             self.engine.abort(job_id)
 
-    async def _complete(self, run: _Running, reason: FinishReason) -> None:
-        self._forget(run.lease.spec.id)
-        result = JobResult(
-            status=_STATUS_OF.get(reason, JobStatus.FAILED),
-            finish_reason=reason,
-            text=run.text,
-            token_ids=run.token_ids,
-            prompt_tokens=len(run.prompt_ids),
-            completion_tokens=len(run.token_ids),
-            worker=self.consumer,
-        )
-        if await self.broker.complete(run.lease, result):
-            self._jobs_done += 1
+    async def _complete_many(
+        self, finishing: Sequence[tuple[_Running, FinishReason, TokenChunk | None]]
+    ) -> None:
+        if not finishing:
+            return
+        items = []
+        for run, reason, _ in finishing:
+            self._forget(run.lease.spec.id)
+            result = JobResult(
+                status=_STATUS_OF.get(reason, JobStatus.FAILED),
+                finish_reason=reason,
+                text=run.text,
+                token_ids=run.token_ids,
+                prompt_tokens=len(run.prompt_ids),
+                completion_tokens=len(run.token_ids),
+                worker=self.consumer,
+            )
+            items.append((run.lease, result))
+        accepted = await self.broker.complete_many(items, [tail for _, _, tail in finishing])
+        self._jobs_done += sum(accepted)
 
     async def _fail_now(self, lease: Lease, error: str) -> None:
         result = JobResult(
@@ -279,12 +325,14 @@ class Worker:
         await self.broker.complete(lease, result)
         self._slot_freed.set()
 
-    def _forget(self, job_id: str) -> None:
+    def _forget(self, job_id: str) -> bool:
+        """Free a running job's slot; False if it was not running here."""
         run = self._running.pop(job_id, None)
         if run is not None:
             self._tokens_in_use -= run.footprint
         self._start_waiting()
         self._slot_freed.set()
+        return run is not None
 
     def _drop(self, job_id: str, why: str) -> None:
         log.warning("dropping %s: %s", job_id, why)
@@ -317,9 +365,16 @@ class Worker:
     async def _renew(self) -> None:
         held = [r.lease for r in (*self._running.values(), *self._waiting)]
         for lease, ours in zip(held, await self.broker.renew(held), strict=True):
-            if not ours:
-                self._waiting = deque(r for r in self._waiting if r.lease is not lease)
-                self._drop(lease.spec.id, "lease lost")
+            if ours or not self._holds(lease):
+                continue  # renewed, or completed while the renewal was on its way
+            self._waiting = deque(r for r in self._waiting if r.lease is not lease)
+            self._drop(lease.spec.id, "lease lost")
+
+    def _holds(self, lease: Lease) -> bool:
+        run = self._running.get(lease.spec.id)
+        return (run is not None and run.lease is lease) or any(
+            r.lease is lease for r in self._waiting
+        )
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -2,7 +2,7 @@
 -- KEYS: lane_1 .. lane_n (claim order), delayed, counters
 -- ARGV: group, consumer, slots, now, job_prefix, event_prefix, expired_result, expired_event,
 --       ttl_ms, n_lanes
--- Returns {claimed, last_ids, next_due}: claimed = {{lane, entry_id, spec, attempt}, ...};
+-- Returns {claimed, last_ids, next_due}: claimed = {{lane, entry_id, spec, attempt, resumable}};
 -- when nothing was claimed, last_ids holds each lane's last id so the caller can block on XREAD.
 local group, consumer = ARGV[1], ARGV[2]
 local remaining = tonumber(ARGV[3])
@@ -58,7 +58,8 @@ for i = 1, n do
       else
         local deliveries = redis.call('HINCRBY', jk, 'deliveries', 1)
         redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer)
-        claimed[#claimed + 1] = {lane, eid, h[2], deliveries - 1}
+        local resumable = redis.call('EXISTS', event_prefix .. jid)
+        claimed[#claimed + 1] = {lane, eid, h[2], deliveries - 1, resumable}
         remaining = remaining - 1
       end
     end
