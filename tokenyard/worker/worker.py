@@ -279,11 +279,11 @@ class Worker:
             for (lease, _), ours in zip(events, kept, strict=True):
                 if not ours:
                     self._drop(lease.spec.id, "lease lost")
-        await self._check_cancellations()
         for run, error in errors:
             if self._forget(run.lease.spec.id):
                 await self.broker.retry(run.lease, error)
         await self._complete_many([f for f in finishing if f[0].lease.spec.id in self._running])
+        await self._check_cancellations()  # after completing: finished jobs need no check
 
     async def _check_cancellations(self) -> None:
         now = time.monotonic()
