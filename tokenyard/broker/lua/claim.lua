@@ -41,7 +41,7 @@ for i = 1, n do
     for _, entry in ipairs(entries) do
       local eid, jid = entry[1], entry[2][2]
       local jk = job_prefix .. jid
-      local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline')
+      local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries')
       if (not h[1]) or terminal[h[1]] then
         -- cancelled while waiting, or its record is gone: nothing to run
         redis.call('XACK', lane, group, eid)
@@ -56,8 +56,9 @@ for i = 1, n do
         redis.call('PEXPIRE', ek, ttl)
         redis.call('HINCRBY', counters, 'expired', 1)
       else
-        local deliveries = redis.call('HINCRBY', jk, 'deliveries', 1)
-        redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer)
+        local deliveries = tonumber(h[4] or '0') + 1
+        redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer,
+          'deliveries', deliveries)
         local resumable = redis.call('EXISTS', event_prefix .. jid)
         claimed[#claimed + 1] = {lane, eid, h[2], deliveries - 1, resumable}
         remaining = remaining - 1

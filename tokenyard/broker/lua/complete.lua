@@ -16,7 +16,8 @@ for i = 1, n do
     redis.call('HINCRBY', counters, 'fenced', 1)
     accepted[i] = 0
   else
-    local status = redis.call('HGET', job, 'status')
+    local h = redis.call('HMGET', job, 'status', 'cancel')
+    local status = h[1]
     if status == 'queued' or status == 'running' then
       redis.call('HSET', job, 'status', ARGV[a + 4], 'result', ARGV[a + 5], 'end_at', now)
       if ARGV[a + 7] ~= '' then redis.call('XADD', events, '*', 'e', ARGV[a + 7]) end
@@ -26,7 +27,7 @@ for i = 1, n do
     end
     redis.call('XACK', lane, group, entry_id)
     redis.call('XDEL', lane, entry_id)
-    redis.call('SREM', cancels, ARGV[a + 3])
+    if h[2] == '1' then redis.call('SREM', cancels, ARGV[a + 3]) end
     accepted[i] = 1
   end
 end
