@@ -62,3 +62,4 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int | None = None  # torch CPU threads; None keeps torch's default
+    engine_process: bool = False  # run the engine in its own process, off the worker's GIL

@@ -10,6 +10,7 @@ import signal
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
 from tokenyard.engines import make_engine
+from tokenyard.engines.process import make_engine_in_process
 from tokenyard.worker.worker import Worker
 
 
@@ -31,7 +32,8 @@ async def serve_worker(
 ) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain."""
     broker = connect(broker_settings)
-    engine = make_engine(settings.engine, **engine_options(settings))
+    build = make_engine_in_process if settings.engine_process else make_engine
+    engine = build(settings.engine, **engine_options(settings))
     worker = Worker(broker, engine, settings, consumer=consumer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
