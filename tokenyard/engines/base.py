@@ -192,3 +192,19 @@ def validate_request(
         raise ValueError("max_tokens must be at least 1")
     if params.temperature < 0 or not 0.0 < params.top_p <= 1.0 or params.top_k < 0:
         raise ValueError("invalid sampling parameters")
+
+
+def size_request(
+    seq_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    max_model_len: int,
+    token_budget: int,
+) -> tuple[int, int]:
+    """Validate a request and size it: (tokens it may generate, tokens it reserves)."""
+    validate_request(seq_id, prompt_token_ids, params, max_model_len)
+    limit = min(params.max_tokens, max_model_len - len(prompt_token_ids))
+    reserved = len(prompt_token_ids) + limit
+    if reserved > token_budget:
+        raise ValueError(f"sequence needs {reserved} tokens; engine budget is {token_budget}")
+    return limit, reserved

@@ -50,7 +50,7 @@ from tokenyard.engines.base import (
     OutputChannel,
     StepOutput,
     default_seed,
-    validate_request,
+    size_request,
 )
 from tokenyard.engines.detok import Delta, SequenceDecoder
 from tokenyard.engines.tiny import ensure_tiny_model
@@ -444,12 +444,9 @@ class _HFEngineBase(Engine):
         resume_token_ids: Sequence[int],
     ) -> _Seq:
         tok = self.tokenizer
-        validate_request(seq_id, prompt_token_ids, params, tok.max_model_len)
-        limit = min(params.max_tokens, tok.max_model_len - len(prompt_token_ids))
-        reserved = len(prompt_token_ids) + limit
-        if reserved > self.capacity.max_tokens:
-            budget = self.capacity.max_tokens
-            raise ValueError(f"sequence needs {reserved} tokens; engine budget is {budget}")
+        limit, reserved = size_request(
+            seq_id, prompt_token_ids, params, tok.max_model_len, self.capacity.max_tokens
+        )
         decoder = SequenceDecoder(
             tok.decode,
             params,

@@ -31,7 +31,7 @@ from tokenyard.engines.base import (
     EngineTokenizer,
     OutputChannel,
     StepOutput,
-    validate_request,
+    size_request,
 )
 from tokenyard.messages import FinishReason, SamplingParams
 
@@ -235,12 +235,13 @@ class ProcessEngine(Engine):
         resume_token_ids: Sequence[int] = (),
     ) -> None:
         # User errors are raised here, synchronously, as the in-thread engines do.
-        max_len = self.tokenizer.max_model_len
-        validate_request(seq_id, prompt_token_ids, params, max_len)
-        reserved = len(prompt_token_ids) + min(params.max_tokens, max_len - len(prompt_token_ids))
-        if reserved > self.capacity.max_tokens:
-            budget = self.capacity.max_tokens
-            raise ValueError(f"sequence needs {reserved} tokens; engine budget is {budget}")
+        size_request(
+            seq_id,
+            prompt_token_ids,
+            params,
+            self.tokenizer.max_model_len,
+            self.capacity.max_tokens,
+        )
         data = _encoder.encode(_Add(seq_id, list(prompt_token_ids), params, list(resume_token_ids)))
         with self._lock:
             if self._stopping:

@@ -18,7 +18,7 @@ from tokenyard.engines.base import (
     OutputChannel,
     StepOutput,
     default_seed,
-    validate_request,
+    size_request,
 )
 from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.messages import FinishReason, SamplingParams
@@ -168,12 +168,9 @@ class SimEngine(Engine):
         resume_token_ids: Sequence[int] = (),
     ) -> None:
         tok = self.tokenizer
-        validate_request(seq_id, prompt_token_ids, params, tok.max_model_len)
-        limit = min(params.max_tokens, tok.max_model_len - len(prompt_token_ids))
-        reserved = len(prompt_token_ids) + limit
-        if reserved > self.capacity.max_tokens:
-            budget = self.capacity.max_tokens
-            raise ValueError(f"sequence needs {reserved} tokens; engine budget is {budget}")
+        limit, reserved = size_request(
+            seq_id, prompt_token_ids, params, tok.max_model_len, self.capacity.max_tokens
+        )
         decoder = SequenceDecoder(
             tok.decode,
             params,
