@@ -93,6 +93,7 @@ class JobResult(msgspec.Struct, kw_only=True):
     completion_tokens: int = 0
     error: str | None = None
     worker: str | None = None
+    queued_s: float | None = None  # enqueue to the start of the delivery that finished it
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):

@@ -91,25 +91,36 @@ def test_prompt_lines() -> None:
 
 def test_prompt_file(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
-    lines = [json.dumps("plain prompt"), "",
-             json.dumps({"prompt": "with its own length", "max_tokens": 3}),
-             json.dumps({"messages": [{"role": "system", "content": "be brief"},
-                                      {"role": "user", "content": "chat prompt"}]})]
+    lines = [
+        json.dumps("plain prompt"),
+        "",
+        json.dumps({"prompt": "with its own length", "max_tokens": 3}),
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "chat prompt"},
+                ]
+            }
+        ),
+    ]
     path.write_text("\n".join(lines) + "\n")
     items = load_prompts(path)
     assert len(items) == 3
     workload = Workload(LengthDist(1, 1), LengthDist(50, 50), prompts=items, cache_bust="t")
     specs = _take(workload, seed=1, n=200)
     assert {s.prompt.split("] ", 1)[1] for s in specs} == {
-        "plain prompt", "with its own length", "be brief\nchat prompt"}
+        "plain prompt",
+        "with its own length",
+        "be brief\nchat prompt",
+    }
     for spec in specs:
         assert spec.max_tokens == (3 if "own length" in spec.prompt else 50)
         if spec.messages is not None:
             # the tag goes on the last user turn; the system turn is kept as it was
             assert spec.chat_messages()[0] == {"role": "system", "content": "be brief"}
             assert spec.chat_messages()[1]["content"].endswith("chat prompt")
-    assert workload.describe() == {"output_len": "50", "prompts_from_file": 3,
-                                   "cache_bust": True}
+    assert workload.describe() == {"output_len": "50", "prompts_from_file": 3, "cache_bust": True}
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"ok"\n{"nope": 1}\n')
@@ -120,21 +131,51 @@ def test_prompt_file(tmp_path: Path) -> None:
 def test_request_bodies() -> None:
     spec = RequestSpec(0, "a b c", None, 16, 3)
     plain = build_body(spec, RequestOptions(Endpoint.completions, "m"))
-    assert plain == {"model": "m", "max_tokens": 16, "stream": True, "prompt": "a b c",
-                     "stream_options": {"include_usage": True}}
-    chat = build_body(spec, RequestOptions(
-        Endpoint.chat, "m", include_usage=False, ignore_eos=True, min_tokens=True,
-        temperature=0.0, extra_body={"top_k": 1}))
-    assert chat == {"model": "m", "max_tokens": 16, "stream": True,
-                    "messages": [{"role": "user", "content": "a b c"}], "temperature": 0.0,
-                    "ignore_eos": True, "min_tokens": 16, "top_k": 1}
+    assert plain == {
+        "model": "m",
+        "max_tokens": 16,
+        "stream": True,
+        "prompt": "a b c",
+        "stream_options": {"include_usage": True},
+    }
+    chat = build_body(
+        spec,
+        RequestOptions(
+            Endpoint.chat,
+            "m",
+            include_usage=False,
+            ignore_eos=True,
+            min_tokens=True,
+            temperature=0.0,
+            extra_body={"top_k": 1},
+        ),
+    )
+    assert chat == {
+        "model": "m",
+        "max_tokens": 16,
+        "stream": True,
+        "messages": [{"role": "user", "content": "a b c"}],
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "min_tokens": 16,
+        "top_k": 1,
+    }
     assert Endpoint.chat.path == "chat/completions" and Endpoint.completions.path == "completions"
 
 
 def test_sse_decoder() -> None:
     decoder = SSEDecoder()
-    lines = [": keep-alive", "", "id: 1", "data: {\"a\":", "data: 1}", "", "event: x",
-             "data:[DONE]", ""]
+    lines = [
+        ": keep-alive",
+        "",
+        "id: 1",
+        'data: {"a":',
+        "data: 1}",
+        "",
+        "event: x",
+        "data:[DONE]",
+        "",
+    ]
     assert [d for d in map(decoder.feed, lines) if d is not None] == ['{"a":\n1}', "[DONE]"]
     decoder.feed("data: tail")
     assert decoder.flush() == "tail" and decoder.flush() is None
@@ -149,3 +190,23 @@ def test_chunk_fields() -> None:
     assert chunk_finish_reason({"choices": [{"text": "x", "finish_reason": None}]}) is None
     assert error_message(b'{"error": {"message": "slow down"}}') == "slow down"
     assert error_message("plain text") == "plain text"
+
+
+async def test_sse_lines_split_only_at_cr_and_lf() -> None:
+    """U+2028 inside a JSON string is text, not a line break (httpx's aiter_lines splits it)."""
+    from collections.abc import AsyncIterator
+
+    import httpx
+
+    from tokenyard.bench.client import sse_lines
+
+    body = 'data: {"text": "a\u2028b\u0085c"}\r\n\r\ndata: [DONE]\n\n'.encode()
+    pieces = [body[:9], body[9:23], body[23:24], body[24:]]  # split inside the CRLF too
+
+    async def stream() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    response = httpx.Response(200, content=stream())
+    lines = [line async for line in sse_lines(response)]
+    assert lines == ['data: {"text": "a\u2028b\u0085c"}', "", "data: [DONE]", ""]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -201,6 +202,30 @@ async def send_request(
     return result
 
 
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """Lines split only at CR, LF or CRLF, as SSE defines them.
+
+    httpx's aiter_lines also splits at U+0085, U+2028 and U+2029, which JSON leaves unescaped
+    inside strings, so a token containing one would break its chunk apart.
+    """
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        # a CR at the very end may be the first half of a CRLF: keep it for the next piece
+        cut = len(buffer) - 1 if buffer.endswith("\r") else len(buffer)
+        lines = _EOL.split(buffer[:cut])
+        buffer = lines.pop() + buffer[cut:]
+        for line in lines:
+            yield line
+    if buffer:
+        for line in _EOL.split(buffer):
+            if line:
+                yield line
+
+
 async def _read_stream(
     response: httpx.Response,
     result: RequestResult,
@@ -209,7 +234,7 @@ async def _read_stream(
 ) -> None:
     reader = _ChunkReader(result, on_chunk, clock)
     decoder = SSEDecoder()
-    async for line in response.aiter_lines():
+    async for line in sse_lines(response):
         data = decoder.feed(line)
         if data is not None and reader.event(data):
             break

@@ -13,7 +13,7 @@ import anyio
 
 from tokenyard.broker.base import Broker, CancelOutcome, EnqueueResult
 from tokenyard.errors import QueueFull
-from tokenyard.messages import Finished, JobEvent, JobRecord, JobResult, JobSpec
+from tokenyard.messages import Finished, JobEvent, JobResult, JobSpec
 from tokenyard.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class EventReader:
             return await self.broker.read_events(job_id, after=after, block_s=self.block_s)
 
     async def follow(
-        self, job_id: str, after: str = "0"
+        self, job_id: str, after: str = "0", fresh: bool = False
     ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
         """Events of a job after `after`, ending with its Finished event; None while idle
         (at most once per `block_s`).
@@ -75,7 +75,9 @@ class EventReader:
         end (a resume after the last event), so the iteration just stops.
         """
         broker = self.broker
-        first = True  # the first read does not wait, so a finished job is noticed at once
+        # the first read does not wait, so a finished job is noticed at once; a job the caller
+        # has just enqueued cannot have finished, so its first read can wait right away
+        first = not fresh
         checked = time.monotonic()
         while True:
             if first:
@@ -126,36 +128,30 @@ class CallTimer:
                 histogram.observe(gap)
         self._last = now
 
-    def finished(self, result: JobResult, record: JobRecord | None) -> None:
+    def finished(self, result: JobResult) -> None:
+        """End-of-call metrics; the result carries its queue time, so no record is read."""
         m, model = self.metrics, self.model
         m.e2e_request_latency.labels(model).observe(time.monotonic() - self.started)
         m.jobs_finished.labels(model, result.status.value).inc()
         m.prompt_tokens.labels(model).inc(result.prompt_tokens)
         m.generation_tokens.labels(model).inc(result.completion_tokens)
-        if record is not None and record.started_at is not None and record.enqueued_at:
-            queued = max(0.0, record.started_at - record.enqueued_at)
-            m.request_queue_time.labels(model).observe(queued)
+        if result.queued_s is not None:
+            m.request_queue_time.labels(model).observe(result.queued_s)
 
 
-async def finish_metrics(broker: Broker, timer: CallTimer, job_id: str, result: JobResult) -> None:
-    """Observe end-of-call metrics; the queue time needs the record, fetched best-effort."""
-    record = None
-    with contextlib.suppress(Exception):
-        record = await broker.record(job_id)
-    timer.finished(result, record)
-
-
-async def collect(reader: EventReader, job_id: str, timer: CallTimer) -> JobResult:
+async def collect(
+    reader: EventReader, job_id: str, timer: CallTimer, fresh: bool = False
+) -> JobResult:
     """Wait for a job's terminal result, timing its tokens on the way (a sync call)."""
     broker = reader.broker
-    events = reader.follow(job_id)
+    events = reader.follow(job_id, fresh=fresh)
     async with contextlib.aclosing(events):
         async for item in events:
             if item is None:
                 continue
             _, event = item
             if isinstance(event, Finished):
-                await finish_metrics(broker, timer, job_id, event.result)
+                timer.finished(event.result)
                 return event.result
             timer.tokens(len(event.token_ids))
     record = await broker.record(job_id)

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.gateway import protocol
-from tokenyard.gateway.dispatch import CallTimer, JobGone, finish_metrics
+from tokenyard.gateway.dispatch import CallTimer, JobGone
 from tokenyard.gateway.errors import bad_request, error_body
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import Finished, JobResult, TokenChunk
@@ -126,6 +126,7 @@ async def event_stream(
     after: str = "0",
     timer: CallTimer | None = None,
     timeout_s: float | None = None,
+    fresh: bool = False,
 ) -> AsyncGenerator[bytes, None]:
     """SSE frames of a job from `after` on; leaving early detaches (and may cancel) the job.
 
@@ -139,7 +140,7 @@ async def event_stream(
         yield b""
         for f in renderer.start():
             yield f
-        events = state.reader.follow(job_id, after)
+        events = state.reader.follow(job_id, after, fresh=fresh)
         async with contextlib.aclosing(events):
             async for item in events:
                 if give_up is not None and time.monotonic() > give_up:
@@ -154,7 +155,7 @@ async def event_stream(
                 if isinstance(event, Finished):
                     finished = True
                     if timer is not None:
-                        await finish_metrics(state.broker, timer, job_id, event.result)
+                        timer.finished(event.result)
                     for f in renderer.finish(event_id, event.result):
                         yield f
                     return

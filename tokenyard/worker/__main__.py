@@ -18,13 +18,18 @@ def engine_options(settings: WorkerSettings) -> dict[str, object]:
     """The engine's constructor arguments; the simulated engine has no weights to place."""
     if settings.engine == "sim":
         return {"max_seqs": settings.max_seqs}
-    return {
+    options: dict[str, object] = {
         "model": settings.model,
         "device": settings.device,
         "dtype": settings.dtype,
-        "max_seqs": settings.max_seqs,
         "threads": settings.threads,
     }
+    if settings.engine == "hf-static":
+        # a batch as large as the worker may hold; the engine queues one more behind it
+        options["batch_size"] = settings.max_seqs
+    else:
+        options["max_seqs"] = settings.max_seqs
+    return options
 
 
 async def serve_worker(

@@ -74,6 +74,7 @@ class _Running:
     lease: Lease
     prompt_ids: list[int]
     footprint: int
+    claimed_at: float = field(default_factory=time.time)
     token_ids: list[int] = field(default_factory=list)  # includes tokens resumed from a crash
     text: str = ""
 
@@ -310,6 +311,7 @@ class Worker:
                 prompt_tokens=len(run.prompt_ids),
                 completion_tokens=len(run.token_ids),
                 worker=self.consumer,
+                queued_s=max(0.0, run.claimed_at - run.lease.spec.created_at),
             )
             items.append((run.lease, result))
         accepted = await self.broker.complete_many(items, [tail for _, _, tail in finishing])

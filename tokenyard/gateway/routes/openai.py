@@ -70,7 +70,8 @@ async def _serve(
         renderer = OpenAIRenderer(kind, spec.id, spec.model, created,
                                   include_usage=body.include_usage, resumed=False)
         frames = await primed(event_stream(state, spec.id, renderer, timer=timer,
-                                           timeout_s=state.settings.request_timeout_s))
+                                           timeout_s=state.settings.request_timeout_s,
+                                           fresh=True))
         return EventStreamResponse(frames, headers)
     result = await wait_or_cancel(state, request, spec.id, timer)
     failed = protocol.result_error(result)
@@ -93,7 +94,7 @@ async def wait_or_cancel(
     abandonment = state.abandonment
     abandonment.attach(job_id)
     finished = False
-    result = asyncio.ensure_future(collect(state.reader, job_id, timer))
+    result = asyncio.ensure_future(collect(state.reader, job_id, timer, fresh=True))
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         done, _ = await asyncio.wait(

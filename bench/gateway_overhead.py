@@ -1,0 +1,747 @@
+"""Gateway overhead: the latency a request gains going through gateway + queue + worker.
+
+The same simulated engine (fixed costs, no per-token or per-sequence terms) is called two
+ways, one request at a time (light load):
+
+  direct  the engine API in this process: add(), then outputs() until the sequence finishes.
+  queue   HTTP to a gateway *subprocess* (`python -m tokenyard gateway`: uvicorn on a free
+          port), a private Valkey over TCP loopback (AOF everysec), and a worker subprocess
+          running tokenyard's Worker on a SimEngine built with the same costs.
+
+Queue requests go sync (`stream: false`) and streamed (SSE, timed by tokenyard.bench's
+client); the three kinds are interleaved in a shuffled order per round, so drift on a shared
+host hits them alike. Overhead = each queue request's E2E minus the median direct E2E (TTFT
+likewise for streams). Job records (enqueue, claim and completion times) split the overhead
+into stages. Prints one JSON document.
+
+--what-if NAMES adds a second run with suspected costs patched out of the gateway and worker
+subprocesses (see PATCHES), to price a fix before making it; the baseline is the product as
+is. --profile DIR runs py-spy on both subprocesses during the measured phase.
+
+    python bench/gateway_overhead.py [--requests 300] [--warmup 30] [--quick]
+        [--what-if all|NAME,...] [--profile DIR [--profile-native]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from tokenyard.bench.client import Endpoint, RequestOptions, send_request
+from tokenyard.bench.stats import summarize
+from tokenyard.bench.workload import LengthDist, RequestSpec, Workload
+from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.engines.base import StepOutput
+from tokenyard.engines.sim import SimEngine
+from tokenyard.messages import FinishReason, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+SELF = Path(__file__).resolve()
+MODEL = "sim"
+GOAL_P50_MS = 2.0
+GOAL_P99_MS = 10.0
+MS = 1000.0
+KINDS = ("direct", "sync", "stream")
+# Commands the broker clients send themselves (one round trip each here, with one job at a
+# time, except where a pipeline holds several); the rest of INFO commandstats runs inside Lua
+# scripts or is a periodic heartbeat. SCRIPT EXISTS and SMISMEMBER were per-step round trips
+# of earlier versions; they stay listed so a regression shows.
+CLIENT_COMMANDS = ("evalsha", "script|exists", "xread", "hgetall", "smembers", "smismember")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The simulated engine's fixed costs; both paths build their engine from these."""
+
+    prefill_ms: float
+    decode_ms: float
+
+    def engine_options(self) -> dict[str, Any]:
+        return {
+            "prefill_base": self.prefill_ms / MS,
+            "prefill_per_token": 0.0,
+            "decode_base": self.decode_ms / MS,
+            "decode_per_seq": 0.0,
+        }
+
+    def engine(self) -> SimEngine:
+        return SimEngine(**self.engine_options())
+
+
+@dataclass
+class Timing:
+    """One request: E2E and TTFT in seconds; for queue requests also the job's wall times."""
+
+    kind: str
+    e2e_s: float
+    ttft_s: float | None
+    ok: bool
+    error: str | None = None
+    job_id: str | None = None
+    sent_at: float | None = None  # time.time(), comparable with the job record's stamps
+    done_at: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+# -- what-if patches: suspected costs, removed in the benchmark's subprocesses only ---------
+
+PATCHES = {
+    "gil_switch_interval": "the worker's engine thread wakes from each step's sleep and needs "
+    "the GIL while the event loop thread publishes; Python hands it over only every 5 ms "
+    "unless the holder blocks. Patched: sys.setswitchinterval(0.5 ms) in the worker",
+}
+WORKER_PATCHES = ("gil_switch_interval",)
+GATEWAY_PATCHES: tuple[str, ...] = ()
+
+
+def apply_patches(names: Sequence[str]) -> None:
+    """Monkeypatch this process (a benchmark subprocess) for the what-if run."""
+    if "gil_switch_interval" in names:
+        sys.setswitchinterval(0.0005)
+
+
+# -- the subprocesses' entry points ----------------------------------------------------------
+
+
+class StampedSimEngine(SimEngine):
+    """A SimEngine that notes wall times per sequence: added, finish produced (engine thread)
+    and finish seen by the worker's event loop; a few dict writes per request."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stamps: dict[str, dict[str, float]] = {}
+
+    def add(self, seq_id: str, *args: Any, **kwargs: Any) -> None:
+        self.stamps[seq_id] = {"added": time.time()}
+        super().add(seq_id, *args, **kwargs)
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            if out.finish_reason is not None and out.seq_id in self.stamps:
+                self.stamps[out.seq_id]["finish_made"] = now
+        super()._publish(outputs)
+
+    async def outputs(self) -> list[StepOutput]:
+        outputs = await super().outputs()
+        now = time.time()
+        for out in outputs:
+            if out.finish_reason is not None and out.seq_id in self.stamps:
+                self.stamps[out.seq_id]["finish_seen"] = now
+        return outputs
+
+
+def worker_main(
+    url: str, prefix: str, costs: Costs, patches: Sequence[str], stamps: Path | None
+) -> None:
+    """A worker process on a SimEngine with the benchmark's costs; SIGTERM drains it, then
+    the engine's per-sequence stamps are written to `stamps`."""
+    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.worker.worker import Worker
+
+    apply_patches([p for p in patches if p in WORKER_PATCHES])
+    engine = StampedSimEngine(**costs.engine_options())
+
+    async def serve() -> None:
+        broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+        worker = Worker(broker, engine, WorkerSettings(model=MODEL, engine="sim"))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.drain)
+        try:
+            await worker.run()
+        finally:
+            await broker.close()
+
+    asyncio.run(serve())
+    if stamps is not None:
+        stamps.write_text(json.dumps(engine.stamps))
+
+
+def gateway_main(url: str, prefix: str, port: int, patches: Sequence[str]) -> None:
+    """What `tokenyard gateway --engine sim` runs, with the what-if patches applied first."""
+    import uvicorn
+
+    from tokenyard.gateway.app import create_app
+    from tokenyard.gateway.settings import gateway_settings
+
+    apply_patches([p for p in patches if p in GATEWAY_PATCHES])
+    settings = gateway_settings(models=MODEL, port=port, tokenizer="sim")
+    app = create_app(settings, broker_settings=BrokerSettings(url=url, prefix=prefix))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+# -- the stack -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Processes:
+    """Gateway and worker subprocesses; stopped with SIGTERM (workers drain), then killed."""
+
+    def __init__(self, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def wait_ready(base: str, procs: Processes, timeout_s: float = 60.0) -> None:
+    """Poll /readyz: the gateway answers and sees a live worker."""
+    give_up = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+        while True:
+            procs.check()
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/readyz")).status_code == 200:
+                    return
+            if time.monotonic() > give_up:
+                raise TimeoutError("the gateway did not become ready")
+            await asyncio.sleep(0.1)
+
+
+# -- the three kinds of request --------------------------------------------------------------
+
+
+class Direct:
+    """Sequential requests through the engine API in this process."""
+
+    def __init__(self, engine: SimEngine, max_tokens: int) -> None:
+        self.engine = engine
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(self, spec: RequestSpec) -> Timing:
+        engine = self.engine
+        seq_id = f"direct-{spec.index}-{uuid.uuid4().hex[:6]}"
+        prompt = engine.tokenizer.encode(spec.prompt)
+        started = time.perf_counter()
+        engine.add(seq_id, prompt, self.params)
+        first: float | None = None
+        tokens = 0
+        while True:
+            outputs = await engine.outputs()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.seq_id != seq_id:
+                    continue
+                if out.token_ids and first is None:
+                    first = now
+                tokens += len(out.token_ids)
+                if out.finish_reason is not None:
+                    ok = out.finish_reason is FinishReason.LENGTH and tokens == spec.max_tokens
+                    return Timing("direct", now - started, _minus(first, started), ok)
+
+
+def _minus(a: float | None, b: float) -> float | None:
+    return None if a is None else a - b
+
+
+class Queue:
+    """Sequential requests over HTTP: sync JSON, and SSE through tokenyard.bench's client."""
+
+    def __init__(self, client: httpx.AsyncClient, job_ids: list[str]) -> None:
+        self.client = client
+        self.job_ids = job_ids  # filled by the client's response hook, so streams have theirs too
+        self.options = RequestOptions(
+            endpoint=Endpoint.completions,
+            model=MODEL,
+            ignore_eos=True,
+            temperature=0.0,
+        )
+
+    async def sync(self, spec: RequestSpec) -> Timing:
+        body = {
+            "model": MODEL,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        sent = time.time()
+        try:
+            response = await self.client.post("completions", json=body)
+            done = time.time()
+            ok = response.status_code == 200
+            error = None if ok else str(response.status_code)
+            if ok and response.json()["usage"]["completion_tokens"] != spec.max_tokens:
+                ok, error = False, "short_output"
+            job_id = response.headers.get("x-job-id")
+        except httpx.HTTPError as exc:
+            done, ok, error, job_id = time.time(), False, type(exc).__name__, None
+        return Timing("sync", done - sent, None, ok, error, job_id, sent, done)
+
+    async def stream(self, spec: RequestSpec) -> Timing:
+        self.job_ids.clear()
+        result = await send_request(self.client, spec, self.options, clock=time.time)
+        ok = result.ok and result.output_tokens == spec.max_tokens
+        error = result.error or (None if ok else "short_output")
+        job_id = self.job_ids[-1] if self.job_ids else None
+        return Timing(
+            "stream", result.e2e_s, result.ttft_s, ok, error, job_id, result.send_s, result.end_s
+        )
+
+
+class Ping:
+    """A Valkey PING from this process: the cost of one round trip (two wake-ups) right now."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.Redis.from_url(url)
+
+    async def one(self, spec: RequestSpec) -> Timing:
+        started = time.perf_counter()
+        await self.redis.ping()
+        return Timing("ping", time.perf_counter() - started, None, True)
+
+
+def proc_cpu_s(pid: int | None) -> float:
+    """utime + stime of a process from /proc (0.0 where unavailable)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def command_counts(url: str) -> dict[str, int]:
+    """INFO commandstats as {command: calls}."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        stats: dict[str, dict[str, Any]] = client.info("commandstats")
+    finally:
+        client.close()
+    return {key.removeprefix("cmdstat_"): int(row["calls"]) for key, row in stats.items()}
+
+
+def per_request(before: dict[str, int], after: dict[str, int], requests: int) -> dict[str, Any]:
+    """Valkey commands per queue request during the measured phase (PINGs and INFO excluded)."""
+    calls = {
+        name: round((n - before.get(name, 0)) / requests, 2)
+        for name, n in sorted(after.items(), key=lambda kv: -kv[1] + before.get(kv[0], 0))
+        if name not in ("ping", "info") and n > before.get(name, 0)
+    }
+    return {
+        "round_trips": round(sum(calls.get(c, 0.0) for c in CLIENT_COMMANDS), 2),
+        "client_commands": {c: calls.get(c, 0.0) for c in CLIENT_COMMANDS},
+        "all_commands": calls,
+    }
+
+
+async def attach_stages(
+    timings: Sequence[Timing], url: str, prefix: str, engine_stamps: dict[str, dict[str, float]]
+) -> None:
+    """Split each queue request's time by its job record's enqueue / claim / completion stamps
+    and the worker engine's own (all wall clock, one host)."""
+    from tokenyard.broker.redis import RedisBroker
+
+    broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+    try:
+        for t in timings:
+            if t.job_id is None or t.sent_at is None or t.done_at is None:
+                continue
+            record = await broker.record(t.job_id)
+            if record is None or record.started_at is None or record.finished_at is None:
+                continue
+            # enq_at is taken by the gateway before its enqueue script runs; start_at by the
+            # worker before its claim script; end_at before its complete script
+            t.stages = {
+                "to_enqueue": record.enqueued_at - t.sent_at,
+                "to_claim": record.started_at - record.enqueued_at,
+                "in_worker": record.finished_at - record.started_at,
+                "to_client": t.done_at - record.finished_at,
+            }
+            e = engine_stamps.get(t.job_id, {})
+            if {"added", "finish_made", "finish_seen"} <= set(e):
+                t.stages.update(
+                    admit=e["added"] - record.started_at,
+                    engine=e["finish_made"] - e["added"],
+                    handoff=e["finish_seen"] - e["finish_made"],
+                    publish=record.finished_at - e["finish_seen"],
+                )
+    finally:
+        await broker.close()
+
+
+# -- profiling -------------------------------------------------------------------------------
+
+
+def start_profilers(
+    procs: Processes, out: Path, seconds: float, native: bool
+) -> list[subprocess.Popen[bytes]]:
+    """py-spy record (if installed) on the gateway and the worker for the measured phase;
+    folded stacks in DIR/{gateway,worker}.txt (samples of threads on CPU only)."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        print("--profile: py-spy not found (pip install py-spy); skipping", file=sys.stderr)
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name in ("gateway", "worker"):
+        cmd = [
+            py_spy, "record", "--pid", str(procs.procs[name].pid), "--rate", "500",
+            "--duration", str(int(seconds) + 1), "--format", "raw",
+            # native unwinding must pause the process; Python-only sampling need not
+            *(["--native"] if native else ["--nonblocking"]),
+            "--output", str(out / f"{name}.txt"),
+        ]  # fmt: skip
+        spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    return spies
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def ms_summary(values: Sequence[float]) -> dict[str, Any]:
+    return summarize(values, (50.0, 90.0, 99.0)).as_dict(MS)
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+async def measure(
+    opts: argparse.Namespace, url: str, port: int, procs: Processes, server_pid: int | None
+) -> tuple[dict[str, list[Timing]], dict[str, Any]]:
+    """Warm-up rounds, then measured rounds; returns every kind's timings and Valkey calls."""
+    costs = Costs(opts.prefill_ms, opts.decode_ms)
+    workload = Workload(LengthDist(opts.prompt_words, opts.prompt_words),
+                        LengthDist(opts.max_tokens, opts.max_tokens))
+    specs = workload.requests(opts.seed)
+    rng = random.Random(opts.seed)
+    engine = costs.engine()
+    await engine.start()
+    job_ids: list[str] = []
+
+    async def remember(response: httpx.Response) -> None:
+        job_ids.append(response.headers.get("x-job-id", ""))
+
+    client = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        timeout=30.0,
+        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+        event_hooks={"response": [remember]},
+    )
+    direct, queue, ping = Direct(engine, opts.max_tokens), Queue(client, job_ids), Ping(url)
+    runners = {"direct": direct.one, "sync": queue.sync, "stream": queue.stream, "ping": ping.one}
+    timings: dict[str, list[Timing]] = {k: [] for k in runners}
+    counts: dict[str, int] = {}
+    pids = {"gateway": procs.procs["gateway"].pid, "worker": procs.procs["worker"].pid,
+            "valkey": server_pid}  # fmt: skip
+    cpu: dict[str, float] = {}
+    profilers: list[subprocess.Popen[bytes]] = []
+    try:
+        for phase, rounds in (("warmup", opts.warmup), ("measure", opts.requests)):
+            if phase == "measure":
+                counts = command_counts(url)
+                cpu = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+                if opts.profile is not None:
+                    profilers = start_profilers(
+                        procs, opts.profile, opts.profile_s, opts.profile_native
+                    )
+            for _ in range(rounds):
+                spec = next(specs)
+                order = list(runners)
+                rng.shuffle(order)  # no kind always follows another's tail work
+                for kind in order:
+                    t = await runners[kind](spec)
+                    if phase == "measure":
+                        timings[kind].append(t)
+        commands = per_request(counts, command_counts(url), 2 * opts.requests)
+        # whole process CPU over the measured phase, per queue request (the worker's includes
+        # its engine thread, a few sleeps; Valkey's includes this process's PINGs)
+        commands["cpu_ms"] = {
+            name: round((proc_cpu_s(pid) - cpu[name]) * MS / (2 * opts.requests), 3)
+            for name, pid in pids.items()
+        }
+        for spy in profilers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(opts.profile_s + 30)
+    finally:
+        await client.aclose()
+        await ping.redis.aclose()
+        await engine.stop()
+    return timings, commands
+
+
+def report(timings: dict[str, list[Timing]]) -> dict[str, Any]:
+    ok = {k: [t for t in ts if t.ok] for k, ts in timings.items()}
+    errors = {k: sum(1 for t in ts if not t.ok) for k, ts in timings.items() if k in KINDS}
+    rtt = statistics.median(t.e2e_s for t in ok["ping"])
+    direct_e2e = statistics.median(t.e2e_s for t in ok["direct"])
+    direct_ttft = statistics.median(t.ttft_s for t in ok["direct"] if t.ttft_s is not None)
+    out: dict[str, Any] = {
+        "direct": {
+            "e2e_ms": ms_summary([t.e2e_s for t in ok["direct"]]),
+            "ttft_ms": ms_summary([t.ttft_s for t in ok["direct"] if t.ttft_s is not None]),
+        }
+    }
+    out["valkey_ping_rtt_ms"] = ms_summary([t.e2e_s for t in ok["ping"]])
+    goal_met: dict[str, Any] = {}
+    for kind in ("sync", "stream"):
+        rows = ok[kind]
+        overhead = [t.e2e_s - direct_e2e for t in rows]
+        # The direct request of the same round: same moment, so less drift, more jitter.
+        paired = [
+            q.e2e_s - d.e2e_s
+            for q, d in zip(timings[kind], timings["direct"], strict=True)
+            if q.ok and d.ok
+        ]
+        cell: dict[str, Any] = {
+            "e2e_ms": ms_summary([t.e2e_s for t in rows]),
+            "overhead_ms": ms_summary(overhead),
+            "paired_overhead_ms": ms_summary(paired),
+        }
+        if kind == "stream":
+            ttft = [t.ttft_s for t in rows if t.ttft_s is not None]
+            cell["ttft_ms"] = ms_summary(ttft)
+            cell["ttft_overhead_ms"] = ms_summary([v - direct_ttft for v in ttft])
+        staged = [t for t in rows if t.stages]
+        stages: dict[str, Any] = {}
+        for name in ("to_enqueue", "to_claim", "in_worker", "admit", "engine", "handoff",
+                     "publish", "to_client"):  # fmt: skip
+            stages[name] = ms_summary([t.stages[name] for t in staged if name in t.stages])
+        # the worker's share beyond the engine's own time (taken as the direct median)
+        stages["in_worker_minus_engine"] = ms_summary(
+            [t.stages["in_worker"] - direct_e2e for t in staged]
+        )
+        cell["stages_ms"] = stages
+        # host-independent-ish: how many Valkey round trips' worth of time the path adds
+        cell["overhead_in_ping_rtts_p50"] = round(statistics.median(overhead) / rtt, 1)
+        out[kind] = cell
+        p50, p99 = cell["overhead_ms"]["p50"], cell["overhead_ms"]["p99"]
+        goal_met[kind] = {
+            "p50": p50 is not None and p50 <= GOAL_P50_MS,
+            "p99": p99 is not None and p99 <= GOAL_P99_MS,
+        }
+        if kind == "stream":
+            t50, t99 = cell["ttft_overhead_ms"]["p50"], cell["ttft_overhead_ms"]["p99"]
+            goal_met["stream_ttft"] = {
+                "p50": t50 is not None and t50 <= GOAL_P50_MS,
+                "p99": t99 is not None and t99 <= GOAL_P99_MS,
+            }
+    goal_met["all"] = all(v for g in goal_met.values() for v in g.values())
+    out["errors"] = errors
+    out["goal_ms"] = {"p50": GOAL_P50_MS, "p99": GOAL_P99_MS}
+    out["goal_met"] = goal_met
+    return out
+
+
+async def run_stack(
+    opts: argparse.Namespace, url: str, server_pid: int | None, tmp: Path, patches: Sequence[str]
+) -> dict[str, Any]:
+    """One gateway + worker pair on the shared Valkey (own key prefix), measured, stopped."""
+    prefix = f"go{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    common = ["--broker", url, "--prefix", prefix]
+    costs = ["--prefill-ms", str(opts.prefill_ms), "--decode-ms", str(opts.decode_ms)]
+    patched = ["--patches", ",".join(patches)] if patches else []
+    gateway = (
+        [sys.executable, str(SELF), "--run-gateway", "--port", str(port), *common, *patched]
+        if patches
+        # the product's own entry point for the baseline
+        else [sys.executable, "-m", "tokenyard", "gateway", *common,
+              "--model", MODEL, "--engine", "sim", "--port", str(port)]
+    )  # fmt: skip
+    procs = Processes(tmp / ("what-if" if patches else "baseline"))
+    stamps = procs.log_dir / "engine-stamps.json"
+    try:
+        procs.start("worker", [sys.executable, str(SELF), "--run-worker", *common, *costs,
+                               *patched, "--stamps", str(stamps)])  # fmt: skip
+        procs.start("gateway", gateway)
+        await wait_ready(f"http://127.0.0.1:{port}", procs)
+        timings, commands = await measure(opts, url, port, procs, server_pid)
+    finally:
+        procs.stop()  # the worker writes its engine stamps as it exits
+    engine_stamps = json.loads(stamps.read_text()) if stamps.exists() else {}
+    await attach_stages([*timings["sync"], *timings["stream"]], url, prefix, engine_stamps)
+    return {**report(timings), "valkey_per_queue_request": commands}
+
+
+def what_if_summary(result: dict[str, Any], patches: Sequence[str]) -> dict[str, Any]:
+    """The what-if run's headline numbers."""
+    out: dict[str, Any] = {"patches": {p: PATCHES[p] for p in patches}}
+    for kind in ("sync", "stream"):
+        cell = result[kind]
+        out[kind] = {
+            "e2e_ms": cell["e2e_ms"],
+            "overhead_ms": cell["overhead_ms"],
+            "stages_ms": {k: {"p50": v["p50"], "p99": v["p99"]}
+                          for k, v in cell["stages_ms"].items()},
+        }
+    out["stream"]["ttft_overhead_ms"] = result["stream"]["ttft_overhead_ms"]
+    out["direct_e2e_ms"] = result["direct"]["e2e_ms"]
+    out["valkey_ping_rtt_ms"] = result["valkey_ping_rtt_ms"]
+    out["valkey_per_queue_request"] = result["valkey_per_queue_request"]
+    out["errors"] = result["errors"]
+    out["goal_met"] = result["goal_met"]
+    return out
+
+
+async def run(opts: argparse.Namespace) -> dict[str, Any]:
+    from tokenyard.broker.embedded import EmbeddedServer
+
+    started = time.perf_counter()
+    load_before = loadavg()
+    with tempfile.TemporaryDirectory(prefix="ty-go-") as tmp, EmbeddedServer() as server:
+        results = await run_stack(opts, server.url, server.pid, Path(tmp), ())
+        what_if = None
+        if opts.what_if:
+            what_if = what_if_summary(
+                await run_stack(opts, server.url, server.pid, Path(tmp), opts.what_if),
+                opts.what_if,
+            )
+    return {
+        "benchmark": "gateway_overhead",
+        "config": {
+            "requests_per_kind": opts.requests,
+            "warmup_rounds": opts.warmup,
+            "max_tokens": opts.max_tokens,
+            "prompt_words": opts.prompt_words,
+            "engine": f"SimEngine prefill {opts.prefill_ms} ms + decode step {opts.decode_ms} ms "
+            "(no per-token or per-sequence cost), greedy, ignore_eos",
+            "direct": "engine API in this process, one request at a time",
+            "queue": "gateway subprocess (python -m tokenyard gateway: uvicorn, real HTTP on "
+            "127.0.0.1) + private Valkey over TCP (AOF everysec) + worker subprocess "
+            "(tokenyard Worker on a SimEngine with the same costs)",
+            "client": "httpx.AsyncClient in this process, one keep-alive connection; streams via "
+            "tokenyard.bench.client.send_request",
+            "order": "rounds of (direct, sync, stream, Valkey PING) in a seeded shuffled order",
+            "overhead": "queue E2E (or TTFT) minus the median direct E2E (or TTFT); paired: "
+            "minus the direct request of the same round",
+            "stages": "wall-clock stamps on one host. Job record: to_enqueue = gateway enqueue "
+            "stamp - client send; to_claim = worker claim stamp - enqueue stamp; in_worker = "
+            "completion stamp - claim stamp (in_worker_minus_engine subtracts the direct "
+            "median); to_client = client done - completion stamp. in_worker splits by the worker "
+            "engine's stamps: admit = engine.add - claim stamp; engine = add -> finishing "
+            "output made (engine thread); handoff = that output seen by the worker's loop; "
+            "publish = seen -> completion stamp (last append, cancel check)",
+        },
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": loadavg(),
+        },
+        **results,
+        "what_if": what_if,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, help="measured requests per kind (default 300)")
+    p.add_argument("--warmup", type=int, help="unmeasured rounds first (default 30)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--prefill-ms", type=float, default=1.0)
+    p.add_argument("--decode-ms", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: 20 requests, 5 warmup")
+    p.add_argument(
+        "--what-if",
+        default="none",
+        help="after the baseline, rerun with these costs patched out of the subprocesses: "
+        f"none, all, or a comma list of {', '.join(PATCHES)}",
+    )
+    p.add_argument("--profile", type=Path, help="py-spy the gateway and worker into DIR")
+    p.add_argument("--profile-s", type=float, default=20.0, help="seconds py-spy records")
+    p.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames)")
+    # the worker subprocess's own entry point
+    p.add_argument("--run-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run-gateway", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--patches", default="", help=argparse.SUPPRESS)
+    p.add_argument("--stamps", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--broker", help=argparse.SUPPRESS)
+    p.add_argument("--prefix", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.requests is None:
+        a.requests = 20 if a.quick else 300
+    if a.warmup is None:
+        a.warmup = 5 if a.quick else 30
+    if a.requests < 1 or a.max_tokens < 1:
+        p.error("--requests and --max-tokens must be at least 1")
+    names = {"all": ",".join(PATCHES), "none": ""}.get(a.what_if, a.what_if)
+    a.what_if = tuple(n for n in names.split(",") if n)
+    a.patches = tuple(n for n in a.patches.split(",") if n)
+    for name in (*a.what_if, *a.patches):
+        if name not in PATCHES:
+            p.error(f"unknown patch {name!r}; known: {', '.join(PATCHES)}")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    if opts.run_worker:
+        costs = Costs(opts.prefill_ms, opts.decode_ms)
+        worker_main(opts.broker, opts.prefix, costs, opts.patches, opts.stamps)
+        return 0
+    if opts.run_gateway:
+        gateway_main(opts.broker, opts.prefix, opts.port, opts.patches)
+        return 0
+    result = asyncio.run(run(opts))
+    print(json.dumps(result, indent=2))
+    failed = any(result["errors"].values()) or (
+        result["what_if"] is not None and any(result["what_if"]["errors"].values())
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

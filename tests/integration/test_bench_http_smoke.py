@@ -1,0 +1,127 @@
+"""The HTTP benchmarks run end to end in their smoke modes and report every field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+
+
+def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
+    run = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report: dict[str, Any] = json.loads(run.stdout)
+    return report
+
+
+def assert_summary(summary: dict[str, Any], count: int, where: str) -> None:
+    assert summary["count"] == count, where
+    assert summary["p50"] is not None and summary["p99"] is not None, where
+    assert summary["p50"] <= summary["p99"], where
+
+
+@pytest.mark.timeout(90)
+def test_gateway_overhead_quick_reports_overhead_stages_and_goals() -> None:
+    requests = 10
+    report = run_bench(
+        "gateway_overhead.py", "--quick", "--requests", str(requests), "--warmup", "3",
+        "--what-if", "all", timeout=80,
+    )  # fmt: skip
+
+    assert report["benchmark"] == "gateway_overhead"
+    assert report["config"]["requests_per_kind"] == requests
+    assert len(report["host"]["loadavg_before"]) == 3
+    assert report["errors"] == {"direct": 0, "sync": 0, "stream": 0}
+    direct = report["direct"]
+    assert_summary(direct["e2e_ms"], requests, "direct e2e")
+    # 1 ms prefill + 8 decode steps of 1 ms: the engine alone takes at least 9 ms
+    assert direct["e2e_ms"]["min"] >= 9.0
+    assert direct["ttft_ms"]["p50"] < direct["e2e_ms"]["p50"]
+    assert_summary(report["valkey_ping_rtt_ms"], requests, "ping")
+    for kind in ("sync", "stream"):
+        cell = report[kind]
+        for name in ("e2e_ms", "overhead_ms", "paired_overhead_ms"):
+            assert_summary(cell[name], requests, f"{kind} {name}")
+        # the queue path runs the same engine, plus everything around it
+        assert cell["e2e_ms"]["p50"] > direct["e2e_ms"]["min"], kind
+        stages = cell["stages_ms"]
+        for name in ("to_enqueue", "to_claim", "in_worker", "admit", "engine", "handoff",
+                     "publish", "to_client"):  # fmt: skip
+            assert stages[name]["count"] == requests, (kind, name)
+            assert stages[name]["min"] > -1.0, (kind, name)  # wall clocks of one host agree
+        assert stages["engine"]["p50"] >= 9.0, kind
+        assert cell["overhead_in_ping_rtts_p50"] > 0, kind
+    assert_summary(report["stream"]["ttft_ms"], requests, "stream ttft")
+    assert_summary(report["stream"]["ttft_overhead_ms"], requests, "stream ttft overhead")
+
+    calls = report["valkey_per_queue_request"]
+    # at least an enqueue, a claim and a completion script per request
+    assert calls["client_commands"]["evalsha"] >= 3
+    assert calls["round_trips"] >= calls["client_commands"]["evalsha"]
+    assert set(calls["cpu_ms"]) == {"gateway", "worker", "valkey"}
+
+    assert report["goal_ms"] == {"p50": 2.0, "p99": 10.0}
+    goals = report["goal_met"]
+    assert set(goals) == {"sync", "stream", "stream_ttft", "all"}
+    for kind in ("sync", "stream", "stream_ttft"):
+        assert set(goals[kind]) == {"p50", "p99"}
+        assert all(isinstance(v, bool) for v in goals[kind].values())
+    assert isinstance(goals["all"], bool)
+
+    what_if = report["what_if"]
+    assert set(what_if["patches"]) == {"gil_switch_interval"}
+    assert what_if["errors"] == {"direct": 0, "sync": 0, "stream": 0}
+    for kind in ("sync", "stream"):
+        assert_summary(what_if[kind]["overhead_ms"], requests, f"what-if {kind}")
+        assert what_if[kind]["stages_ms"]["to_client"]["p50"] is not None, kind
+    assert isinstance(what_if["goal_met"]["all"], bool)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_http_batching_quick_two_modes_complete_every_request() -> None:
+    pytest.importorskip("transformers")
+    report = run_bench(
+        "http_batching.py", "--quick", "--modes", "continuous,one-at-a-time", "--no-offline",
+        "--saturation-s", "2", "--open-s", "2", "--min-open-requests", "6",
+        timeout=140,
+    )  # fmt: skip
+
+    assert report["benchmark"] == "http_batching"
+    assert report["all_completed"] is True
+    assert report["config"]["modes"] == ["continuous", "one-at-a-time"]
+    assert report["offline_ceiling"] is None
+    max_tokens = report["config"]["max_tokens"]
+    for mode in ("continuous", "one-at-a-time"):
+        cell = report["results"][mode]
+        sat = cell["saturation"]
+        assert sat["load"] == {"mode": "closed", "concurrency": report["config"]["concurrency"]}
+        assert sat["requests"]["completed"] == sat["requests"]["sent"] > 0, mode
+        assert sat["output_tokens"] == sat["requests"]["completed"] * max_tokens, mode
+        assert sat["throughput"]["output_tokens_per_s"] > 0, mode
+        assert set(sat["cpu_s_per_1k_tokens"]) == {"gateway", "worker", "valkey", "client"}
+        own = cell["own_rate"]
+        assert own["load"]["mode"] == "open" and own["requests"]["failed"] == 0, mode
+        assert own["ttft_ms"]["p99"] >= own["ttft_ms"]["p50"] > 0, mode
+        assert isinstance(cell["common_rate"]["overloaded"], bool), mode
+    # the first mode's saturation sets the common rate for every mode
+    common = report["results"]["continuous"]["common_rate"]["rate"]
+    assert report["results"]["one-at-a-time"]["common_rate"]["rate"] == common
+    ratios = report["ratios"]
+    assert ratios["tokens_per_s"]["continuous_over_one_at_a_time"] > 0
+    assert ratios["tokens_per_s"]["continuous_over_static"] is None
+    assert ratios["p99_ttft"]["own_rate"]["one_at_a_time_over_continuous"] > 0
