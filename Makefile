@@ -17,6 +17,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(PY) -m ruff check tokenyard tests bench
+	$(PY) -m ruff format --check tokenyard tests bench
 	$(PY) -m mypy tokenyard
 
 test: lint

@@ -459,8 +459,10 @@ async def measure(
 ) -> tuple[dict[str, list[Timing]], dict[str, Any]]:
     """Warm-up rounds, then measured rounds; returns every kind's timings and Valkey calls."""
     costs = Costs(opts.prefill_ms, opts.decode_ms)
-    workload = Workload(LengthDist(opts.prompt_words, opts.prompt_words),
-                        LengthDist(opts.max_tokens, opts.max_tokens))
+    workload = Workload(
+        LengthDist(opts.prompt_words, opts.prompt_words),
+        LengthDist(opts.max_tokens, opts.max_tokens),
+    )
     specs = workload.requests(opts.seed)
     rng = random.Random(opts.seed)
     engine = costs.engine()
@@ -620,8 +622,9 @@ def what_if_summary(result: dict[str, Any], patches: Sequence[str]) -> dict[str,
         out[kind] = {
             "e2e_ms": cell["e2e_ms"],
             "overhead_ms": cell["overhead_ms"],
-            "stages_ms": {k: {"p50": v["p50"], "p99": v["p99"]}
-                          for k, v in cell["stages_ms"].items()},
+            "stages_ms": {
+                k: {"p50": v["p50"], "p99": v["p99"]} for k, v in cell["stages_ms"].items()
+            },
         }
     out["stream"]["ttft_overhead_ms"] = result["stream"]["ttft_overhead_ms"]
     out["direct_e2e_ms"] = result["direct"]["e2e_ms"]

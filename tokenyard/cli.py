@@ -40,9 +40,9 @@ def serve(
     port: Annotated[int, typer.Option(help="gateway port")] = 8000,
     workers: Annotated[int, typer.Option(help="worker processes")] = 1,
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
-    data_dir: Annotated[
-        Path, typer.Option(help="embedded Valkey's data (AOF) directory")
-    ] = Path(".tokenyard/valkey"),
+    data_dir: Annotated[Path, typer.Option(help="embedded Valkey's data (AOF) directory")] = Path(
+        ".tokenyard/valkey"
+    ),
 ) -> None:
     """Everything on one machine: a private Valkey (unless --broker), workers and the gateway."""
     from tokenyard.serve import Stack
@@ -110,9 +110,7 @@ def submit(
     from tokenyard.submit import stream_completion
 
     code = asyncio.run(
-        stream_completion(
-            url, model, prompt, max_tokens, temperature, chat, api_key, console.print
-        )
+        stream_completion(url, model, prompt, max_tokens, temperature, chat, api_key, console.print)
     )
     raise typer.Exit(code)
 

@@ -64,10 +64,17 @@ def make_app(state: FakeState) -> Starlette:
         state.bodies.append(body)
         state.authorization.append(request.headers.get("authorization"))
         if state.reject_every and state.calls % state.reject_every == 0:
-            return JSONResponse({"error": {"message": "rate limited", "type": "rate_limit",
-                                           "code": "rate_limit_exceeded"}}, status_code=429)
-        prompt = (body.get("prompt") if kind == "completions"
-                  else json.dumps(body.get("messages")))
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "rate limited",
+                        "type": "rate_limit",
+                        "code": "rate_limit_exceeded",
+                    }
+                },
+                status_code=429,
+            )
+        prompt = body.get("prompt") if kind == "completions" else json.dumps(body.get("messages"))
         tokens = int(body["max_tokens"])
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -88,9 +95,18 @@ def make_app(state: FakeState) -> Starlette:
                     yield _sse(_chunk(kind, f" t{i}"))
                 yield _sse(_chunk(kind, None, "length"))
                 if usage:
-                    yield _sse({"id": "cmpl-1", "object": "x", "choices": [], "usage": {
-                        "prompt_tokens": len(str(prompt).split()), "completion_tokens": tokens,
-                        "total_tokens": tokens + len(str(prompt).split())}})
+                    yield _sse(
+                        {
+                            "id": "cmpl-1",
+                            "object": "x",
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": len(str(prompt).split()),
+                                "completion_tokens": tokens,
+                                "total_tokens": tokens + len(str(prompt).split()),
+                            },
+                        }
+                    )
                 yield b"data: [DONE]\n\n"
             finally:
                 state.in_flight -= 1
@@ -103,8 +119,12 @@ def make_app(state: FakeState) -> Starlette:
     async def chat(request: Request) -> Response:
         return await handle(request, "chat")
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/chat/completions", chat, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
 
 
 @dataclass
@@ -121,8 +141,7 @@ def running_fake_server() -> Iterator[FakeServer]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off",
-                            access_log=False)
+    config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off", access_log=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

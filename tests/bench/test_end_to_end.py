@@ -33,9 +33,15 @@ def server(fake: FakeServer) -> FakeServer:
     return fake
 
 
-def _settings(server: FakeServer, *, requests: int | None = 20, output: int = 8,
-              endpoint: Endpoint = Endpoint.completions, usage: bool = True,
-              duration_s: float | None = None) -> BenchSettings:
+def _settings(
+    server: FakeServer,
+    *,
+    requests: int | None = 20,
+    output: int = 8,
+    endpoint: Endpoint = Endpoint.completions,
+    usage: bool = True,
+    duration_s: float | None = None,
+) -> BenchSettings:
     return BenchSettings(
         base_url=server.url,
         api_key="sk-test",
@@ -72,7 +78,8 @@ async def test_open_loop_report(server: FakeServer) -> None:
     throughput = level["throughput"]
     assert throughput["requests_per_s"] > 0
     assert throughput["output_tokens_per_s"] == pytest.approx(
-        throughput["requests_per_s"] * 8, rel=0.01)
+        throughput["requests_per_s"] * 8, rel=0.01
+    )
 
     body = server.state.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -124,8 +131,10 @@ async def test_broken_streams_and_unreachable_servers(server: FakeServer, tmp_pa
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps(f"please {BREAK_STREAM}") + "\n")
     settings = _settings(server, requests=3)
-    broken = replace(settings, workload=Workload(
-        LengthDist(1, 1), LengthDist(5, 5), prompts=load_prompts(prompts)))
+    broken = replace(
+        settings,
+        workload=Workload(LengthDist(1, 1), LengthDist(5, 5), prompts=load_prompts(prompts)),
+    )
     level = build_report(broken, [await run_level(broken, Load("open", 100.0))])["levels"][0]
     assert level["errors"] == {"stream_error": 3}
     assert level["error_examples"]["stream_error"] == "engine died"
@@ -141,8 +150,7 @@ async def test_broken_streams_and_unreachable_servers(server: FakeServer, tmp_pa
 async def test_sweep_with_progress(server: FakeServer) -> None:
     settings = _settings(server, requests=10, output=4)
     progress = make_progress(disable=True)
-    runs = await run_sweep(settings, [Load("open", 50.0), Load("open", 200.0)],
-                           progress=progress)
+    runs = await run_sweep(settings, [Load("open", 50.0), Load("open", 200.0)], progress=progress)
     report = build_report(settings, runs)
     assert [lv["load"]["rate"] for lv in report["levels"]] == [50.0, 200.0]
     assert all(lv["requests"]["completed"] == 10 for lv in report["levels"])
@@ -171,15 +179,36 @@ def _invoke(args: list[str]) -> Any:
 
 def test_cli_sweep_writes_report_and_plot(server: FakeServer, tmp_path: Path) -> None:
     out, png = tmp_path / "report.json", tmp_path / "curve.png"
-    result = _invoke(["--base-url", server.url, "--model", "fake", "--endpoint", "chat",
-                      "--sweep", "40,80,160", "-n", "8", "--output-len", "3:5",
-                      "--ignore-eos", "--api-key", "k", "-o", str(out), "--plot", str(png)])
+    result = _invoke(
+        [
+            "--base-url",
+            server.url,
+            "--model",
+            "fake",
+            "--endpoint",
+            "chat",
+            "--sweep",
+            "40,80,160",
+            "-n",
+            "8",
+            "--output-len",
+            "3:5",
+            "--ignore-eos",
+            "--api-key",
+            "k",
+            "-o",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["config"]["endpoint"] == "chat" and report["config"]["ignore_eos"] is True
     assert "api_key" not in json.dumps(report["config"])
     assert [lv["load"] for lv in report["levels"]] == [
-        {"mode": "open", "rate": r} for r in (40.0, 80.0, 160.0)]
+        {"mode": "open", "rate": r} for r in (40.0, 80.0, 160.0)
+    ]
     assert all(lv["requests"]["completed"] == 8 for lv in report["levels"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert all(b["ignore_eos"] is True and "min_tokens" not in b for b in server.state.bodies)
@@ -187,29 +216,47 @@ def test_cli_sweep_writes_report_and_plot(server: FakeServer, tmp_path: Path) ->
 
 
 def test_cli_prints_json_and_fails_when_nothing_succeeds(server: FakeServer) -> None:
-    result = _invoke(["--base-url", server.url, "--model", "fake", "--concurrency", "2",
-                      "-n", "4", "--output-len", "2", "--quiet", "--min-tokens"])
+    result = _invoke(
+        [
+            "--base-url",
+            server.url,
+            "--model",
+            "fake",
+            "--concurrency",
+            "2",
+            "-n",
+            "4",
+            "--output-len",
+            "2",
+            "--quiet",
+            "--min-tokens",
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["levels"][0]["load"] == {"mode": "closed", "concurrency": 2}
     assert server.state.bodies[0]["min_tokens"] == 2
 
     server.state.reject_every = 1
-    refused = _invoke(["--base-url", server.url, "--model", "fake", "--rate", "100", "-n", "3",
-                       "--quiet"])
+    refused = _invoke(
+        ["--base-url", server.url, "--model", "fake", "--rate", "100", "-n", "3", "--quiet"]
+    )
     assert refused.exit_code == 1
     assert json.loads(refused.stdout)["levels"][0]["errors"] == {"429": 3}
 
 
-@pytest.mark.parametrize("args", [
-    ["--rate", "1", "--concurrency", "2"],
-    [],
-    ["--sweep", "1,x"],
-    ["--sweep-concurrency", "1.5"],
-    ["--rate", "1", "--prompt-len", "0"],
-    ["--rate", "1", "--extra-body", "[1]"],
-    ["--rate", "inf", "--duration", "2"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--rate", "1", "--concurrency", "2"],
+        [],
+        ["--sweep", "1,x"],
+        ["--sweep-concurrency", "1.5"],
+        ["--rate", "1", "--prompt-len", "0"],
+        ["--rate", "1", "--extra-body", "[1]"],
+        ["--rate", "inf", "--duration", "2"],
+    ],
+)
 def test_cli_rejects_bad_options(args: list[str]) -> None:
     result = _invoke(["--model", "m", *args])
     assert result.exit_code == 2, result.output

@@ -39,8 +39,9 @@ def test_percentile_matches_numpy_default_method() -> None:
     for n in (1, 2, 3, 10, 101, 1000):
         values = [rng.lognormvariate(0, 1) for _ in range(n)]
         for q in (0, 1, 25, 50, 90, 99, 99.9, 100):
-            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)),
-                                                          rel=1e-12)
+            assert percentile(values, q) == pytest.approx(
+                float(np.percentile(values, q)), rel=1e-12
+            )
 
 
 def test_percentile_is_monotone_in_q() -> None:
@@ -67,22 +68,42 @@ def test_summarize() -> None:
     assert (summary.min, summary.max) == (0.1, 0.4)
     assert summary.percentiles[50] == pytest.approx(0.25)
     fields = summary.as_dict(scale=1000.0)
-    assert fields == {"count": 4, "mean": 250.0, "min": 100.0, "max": 400.0,
-                      "p50": 250.0, "p90": 370.0, "p99": 397.0}
+    assert fields == {
+        "count": 4,
+        "mean": 250.0,
+        "min": 100.0,
+        "max": 400.0,
+        "p50": 250.0,
+        "p90": 370.0,
+        "p99": 397.0,
+    }
 
 
 def test_summarize_empty_and_nan() -> None:
     empty = summarize([]).as_dict()
-    assert empty == {"count": 0, "mean": None, "min": None, "max": None,
-                     "p50": None, "p90": None, "p99": None}
+    assert empty == {
+        "count": 0,
+        "mean": None,
+        "min": None,
+        "max": None,
+        "p50": None,
+        "p90": None,
+        "p99": None,
+    }
     assert summarize([math.nan, 1.0, math.nan]).count == 1
     assert summarize([math.nan]).count == 0
 
 
 def test_summarize_accepts_a_generator_and_custom_percentiles() -> None:
     summary = summarize((x for x in range(101)), percentiles=(50, 99.9))
-    assert summary.as_dict() == {"count": 101, "mean": 50.0, "min": 0.0, "max": 100.0,
-                                 "p50": 50.0, "p99.9": 99.9}
+    assert summary.as_dict() == {
+        "count": 101,
+        "mean": 50.0,
+        "min": 0.0,
+        "max": 100.0,
+        "p50": 50.0,
+        "p99.9": 99.9,
+    }
 
 
 def test_helpers() -> None:

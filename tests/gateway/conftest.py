@@ -32,13 +32,15 @@ MODEL = "sim-model"
 
 
 def fast_engine() -> Engine:
-    return SimEngine(prefill_base=0.001, prefill_per_token=0.0, decode_base=0.002,
-                     decode_per_seq=0.0)
+    return SimEngine(
+        prefill_base=0.001, prefill_per_token=0.0, decode_base=0.002, decode_per_seq=0.0
+    )
 
 
 def slow_engine(step_s: float = 0.05) -> Callable[[], Engine]:
-    return lambda: SimEngine(prefill_base=0.001, prefill_per_token=0.0, decode_base=step_s,
-                             decode_per_seq=0.0)
+    return lambda: SimEngine(
+        prefill_base=0.001, prefill_per_token=0.0, decode_base=step_s, decode_per_seq=0.0
+    )
 
 
 @dataclass
@@ -63,8 +65,13 @@ class Stack:
 
     async def _start_worker(self, engine: Engine) -> Worker:
         broker = RedisBroker(self.broker_settings)
-        options: dict[str, Any] = {"model": self.model, "engine": "sim", "heartbeat_s": 0.2,
-                                   "claim_block_s": 0.2, **self.worker_options}
+        options: dict[str, Any] = {
+            "model": self.model,
+            "engine": "sim",
+            "heartbeat_s": 0.2,
+            "claim_block_s": 0.2,
+            **self.worker_options,
+        }
         name = f"w{len(self.workers)}-{self.prefix}"
         worker = Worker(broker, engine, WorkerSettings(**options), consumer=name)
         self.workers.append((worker, asyncio.create_task(worker.run()), broker))
@@ -137,8 +144,9 @@ def run_stack(
 ) -> Iterator[Stack]:
     """Start the gateway and one worker per engine factory; stop everything on exit."""
     prefix = f"gw{uuid.uuid4().hex[:10]}"
-    broker_settings = BrokerSettings(url=broker_url or valkey.url, prefix=prefix,
-                                     **(broker_options or {}))
+    broker_settings = BrokerSettings(
+        url=broker_url or valkey.url, prefix=prefix, **(broker_options or {})
+    )
     gw_settings = GatewaySettings(models=(model,), tokenizer="sim", **settings)
     sock = _free_socket()
     port = sock.getsockname()[1]
@@ -148,12 +156,22 @@ def run_stack(
 
     async def main() -> None:
         gateway_broker = RedisBroker(broker_settings)
-        app = create_app(gw_settings, gateway_broker,
-                         tokenizers={model: tokenizer or SimTokenizer()}, keyring=keyring)
+        app = create_app(
+            gw_settings,
+            gateway_broker,
+            tokenizers={model: tokenizer or SimTokenizer()},
+            keyring=keyring,
+        )
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        stack = Stack(url=f"http://127.0.0.1:{port}", prefix=prefix, model=model,
-                      broker_settings=broker_settings, loop=asyncio.get_running_loop(),
-                      gateway_broker=gateway_broker, worker_options=worker_options or {})
+        stack = Stack(
+            url=f"http://127.0.0.1:{port}",
+            prefix=prefix,
+            model=model,
+            broker_settings=broker_settings,
+            loop=asyncio.get_running_loop(),
+            gateway_broker=gateway_broker,
+            worker_options=worker_options or {},
+        )
         for make in engines if engines is not None else [fast_engine]:
             await stack._start_worker(make())
         serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -42,8 +42,7 @@ def test_dropped_sync_request_cancels_its_job_and_frees_the_slot(one_slot: Stack
 
     started = time.monotonic()
     with stack.client() as http:
-        short = http.post("/v1/completions", json={**long_body, "prompt": "short",
-                                                    "max_tokens": 5})
+        short = http.post("/v1/completions", json={**long_body, "prompt": "short", "max_tokens": 5})
     assert short.status_code == 200, short.text
     assert short.json()["choices"][0]["finish_reason"] == "length"
     assert time.monotonic() - started < 5.0  # the slot was reused, not held for 10 s

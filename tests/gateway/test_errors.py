@@ -42,24 +42,58 @@ OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
         ("/v1/completions", {**OK, "temperature": 3.5}, 422, "invalid_value", "temperature"),
         ("/v1/completions", {"model": MODEL}, 422, "invalid_value", "prompt"),
         ("/v1/completions", [1, 2, 3], 422, "invalid_value", None),
-        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 422, "invalid_value",
-         "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": "hi"},
+            422,
+            "invalid_value",
+            "messages",
+        ),
         ("/v1/completions", {**OK, "model": "gpt-9"}, 404, "model_not_found", "model"),
-        ("/v1/completions", {**OK, "prompt": "x" * 4095, "max_tokens": 2}, 400,
-         "context_length_exceeded", "prompt"),
-        ("/v1/completions", {**OK, "max_tokens": 100_000}, 400, "max_tokens_exceeded",
-         "max_tokens"),
+        (
+            "/v1/completions",
+            {**OK, "prompt": "x" * 4095, "max_tokens": 2},
+            400,
+            "context_length_exceeded",
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            {**OK, "max_tokens": 100_000},
+            400,
+            "max_tokens_exceeded",
+            "max_tokens",
+        ),
         ("/v1/completions", {**OK, "n": 3}, 400, "unsupported_parameter", "n"),
         ("/v1/completions", {**OK, "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
-        ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "unsupported_parameter",
-         "prompt"),
+        ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
         ("/v1/completions", {**OK, "frobnicate": True}, 400, "unknown_parameter", "frobnicate"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                  "tools": [{"type": "function"}]}, 400,
-         "unsupported_parameter", "tools"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
-         "unsupported_parameter", "messages.0.content.0"),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function"}],
+            },
+            400,
+            "unsupported_parameter",
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                    }
+                ],
+            },
+            400,
+            "unsupported_parameter",
+            "messages.0.content.0",
+        ),
     ],
 )
 def test_bad_input(
@@ -79,7 +113,7 @@ def test_oversized_body_is_413_with_and_without_content_length(valkey: EmbeddedS
 
         def chunked() -> Any:  # no Content-Length: the limit applies while reading
             for i in range(0, len(big), 512):
-                yield big[i:i + 512]
+                yield big[i : i + 512]
 
         assert_error(http.post("/v1/completions", content=chunked()), 413, "request_too_large")
         # small bodies still work
@@ -97,13 +131,16 @@ def test_unknown_route_method_and_job(stack: Stack) -> None:
 
 
 def test_api_keys_map_to_tenants(valkey: EmbeddedServer) -> None:
-    keyring = KeyRing({"sk-gold": Tenant("gold", Priority.HIGH),
-                       "sk-free": Tenant("free", Priority.LOW)})
+    keyring = KeyRing(
+        {"sk-gold": Tenant("gold", Priority.HIGH), "sk-free": Tenant("free", Priority.LOW)}
+    )
     with run_stack(valkey, keyring=keyring) as stack, stack.client() as http:
         assert_error(http.get("/v1/models"), 401, "missing_api_key")
-        assert_error(http.post("/v1/completions", json=OK,
-                               headers={"Authorization": "Bearer sk-nope"}), 401,
-                     "invalid_api_key")
+        assert_error(
+            http.post("/v1/completions", json=OK, headers={"Authorization": "Bearer sk-nope"}),
+            401,
+            "invalid_api_key",
+        )
         gold = {"Authorization": "Bearer sk-gold"}
         free = {"Authorization": "Bearer sk-free"}
         assert http.get("/v1/models", headers=gold).status_code == 200

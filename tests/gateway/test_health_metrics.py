@@ -47,11 +47,11 @@ def test_metrics_count_requests_and_time_tokens(stack: Stack) -> None:
 
     ok = sample(text, "tokenyard_http_requests_total", route="/v1/completions", status="200")
     assert ok == 2
-    assert sample(text, "tokenyard_http_requests_total", route="/v1/completions",
-                  status="404") == 1
+    assert sample(text, "tokenyard_http_requests_total", route="/v1/completions", status="404") == 1
     # job ids never become label values
-    assert sample(text, "tokenyard_http_requests_total", route="/v1/jobs/{job_id}",
-                  status="404") == 1
+    assert (
+        sample(text, "tokenyard_http_requests_total", route="/v1/jobs/{job_id}", status="404") == 1
+    )
     for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         assert sample(text, f"tokenyard_{name}_seconds_count", model=MODEL) == 2
     assert sample(text, "tokenyard_inter_token_latency_seconds_count", model=MODEL) == 10

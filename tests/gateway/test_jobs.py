@@ -42,8 +42,10 @@ def test_submit_then_inspect_result_and_timings(stack: Stack) -> None:
         assert t["enqueued_at"] <= t["started_at"] <= t["finished_at"]
         assert 0 <= t["queue_time"] <= t["e2e"] < 10
 
-        chat = http.post("/v1/jobs", json={"model": MODEL, "max_tokens": 3,
-                                           "messages": [{"role": "user", "content": "hi"}]})
+        chat = http.post(
+            "/v1/jobs",
+            json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert chat.status_code == 202
         assert wait_done(http, chat.json()["id"])["result"]["usage"]["completion_tokens"] == 3
         # the events of a finished job replay from the start
@@ -60,8 +62,11 @@ def test_idempotency_key_returns_the_same_job_or_409(stack: Stack) -> None:
         assert first.status_code == 202 and again.status_code == 200
         assert again.headers["idempotent-replayed"] == "true"
         assert again.json()["id"] == first.json()["id"]
-        assert_error(http.post("/v1/jobs", json={**BODY, "prompt": "other"}, headers=key), 409,
-                     "idempotency_key_reused")
+        assert_error(
+            http.post("/v1/jobs", json={**BODY, "prompt": "other"}, headers=key),
+            409,
+            "idempotency_key_reused",
+        )
         assert http.post("/v1/jobs", json=BODY).json()["id"] != first.json()["id"]
 
 

@@ -14,8 +14,9 @@ def client(stack: Stack) -> openai.OpenAI:
 
 def test_completion_sync_and_stream_agree(stack: Stack) -> None:
     c = client(stack)
-    whole = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
-                                 temperature=0.0)
+    whole = c.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.0
+    )
     assert whole.id.startswith("cmpl-")
     assert whole.object == "text_completion"
     choice = whole.choices[0]
@@ -25,9 +26,16 @@ def test_completion_sync_and_stream_agree(stack: Stack) -> None:
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (16, 12)
     assert whole.usage.total_tokens == 28
 
-    chunks = list(c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
-                                       temperature=0.0, stream=True,
-                                       stream_options={"include_usage": True}))
+    chunks = list(
+        c.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == choice.text
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
@@ -39,8 +47,13 @@ def test_completion_sync_and_stream_agree(stack: Stack) -> None:
 def test_chat_sync_stream_and_stop(stack: Stack) -> None:
     c = client(stack)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    whole = c.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
-                                      max_tokens=10, temperature=0.0, seed=7)
+    whole = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0.0,
+        seed=7,
+    )
     assert whole.object == "chat.completion"
     message = whole.choices[0].message
     assert message.role == "assistant" and message.content and len(message.content) == 10
@@ -48,16 +61,28 @@ def test_chat_sync_stream_and_stop(stack: Stack) -> None:
     assert whole.usage is not None
     assert whole.usage.prompt_tokens == len("<system>be brief\n<user>hi\n<assistant>")
 
-    stream = c.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
-                                       max_tokens=10, temperature=0.0, seed=7, stream=True)
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0.0,
+        seed=7,
+        stream=True,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == message.content
     assert chunks[-1].choices[0].finish_reason == "length"
 
     stop_at = message.content[3:5]
-    stopped = c.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
-                                        max_tokens=10, temperature=0.0, seed=7, stop=[stop_at])
+    stopped = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=10,
+        temperature=0.0,
+        seed=7,
+        stop=[stop_at],
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == message.content.split(stop_at)[0]
 
@@ -67,10 +92,12 @@ async def test_async_client_concurrent_calls(stack: Stack) -> None:
 
     c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
     prompts = [f"prompt number {i}" for i in range(8)]
-    results = await asyncio.gather(*(
-        c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0.0)
-        for p in prompts
-    ))
+    results = await asyncio.gather(
+        *(
+            c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0.0)
+            for p in prompts
+        )
+    )
     assert all(r.choices[0].finish_reason == "length" for r in results)
     assert len({r.id for r in results}) == 8
     stream = await c.chat.completions.create(

@@ -11,12 +11,20 @@ PROMPT = "The queue holds every request"
 
 def test_job_events_resume_equals_uninterrupted_run(valkey: EmbeddedServer) -> None:
     with run_stack(valkey, engines=[slow_engine(0.01)]) as stack, stack.client() as http:
-        reference = http.post("/v1/completions", json={
-            "model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0.0,
-        }).json()["choices"][0]["text"]
+        reference = http.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": 40,
+                "temperature": 0.0,
+            },
+        ).json()["choices"][0]["text"]
 
-        job = http.post("/v1/jobs", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 40,
-                                          "temperature": 0.0})
+        job = http.post(
+            "/v1/jobs",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0.0},
+        )
         assert job.status_code == 202, job.text
         job_id = job.json()["id"]
 
@@ -33,8 +41,9 @@ def test_job_events_resume_equals_uninterrupted_run(valkey: EmbeddedServer) -> N
         assert last_id is not None
 
         finish = None
-        with http.stream("GET", f"/v1/jobs/{job_id}/events",
-                         headers={"Last-Event-ID": last_id}) as second:
+        with http.stream(
+            "GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last_id}
+        ) as second:
             for ev in events(second):
                 assert ev.id is not None and ev.id > last_id
                 if ev.event == "finish":
@@ -45,8 +54,9 @@ def test_job_events_resume_equals_uninterrupted_run(valkey: EmbeddedServer) -> N
         assert "".join(seen) == reference == finish["text"]
 
         # a reconnect after the last event ends at once instead of hanging
-        with http.stream("GET", f"/v1/jobs/{job_id}/events",
-                         headers={"Last-Event-ID": "99999999999999-0"}) as done:
+        with http.stream(
+            "GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "99999999999999-0"}
+        ) as done:
             assert list(events(done)) == []
 
 
@@ -72,8 +82,9 @@ def test_openai_stream_reconnects_through_the_job_events(valkey: EmbeddedServer)
         assert completion_id is not None and completion_id.startswith("cmpl-")
         assert last_id is not None
 
-        with http.stream("GET", f"/v1/jobs/{completion_id}/events",
-                         headers={"Last-Event-ID": last_id}) as second:
+        with http.stream(
+            "GET", f"/v1/jobs/{completion_id}/events", headers={"Last-Event-ID": last_id}
+        ) as second:
             tail = list(events(second))
         assert tail[-1].data == "[DONE]"
         chunks = [ev.json() for ev in tail[:-1]]

@@ -27,7 +27,10 @@ def test_tiny_model_chat_and_completion(valkey: EmbeddedServer) -> None:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Once upon a time"}]
         whole = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=12, temperature=0.0  # type: ignore[arg-type]
+            model="tiny",
+            messages=messages,
+            max_tokens=12,
+            temperature=0.0,  # type: ignore[arg-type]
         )
         text = whole.choices[0].message.content
         assert whole.usage is not None and 1 <= whole.usage.completion_tokens <= 12
@@ -35,13 +38,17 @@ def test_tiny_model_chat_and_completion(valkey: EmbeddedServer) -> None:
         assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered))
 
         stream = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=12, temperature=0.0,  # type: ignore[arg-type]
+            model="tiny",
+            messages=messages,
+            max_tokens=12,
+            temperature=0.0,  # type: ignore[arg-type]
             stream=True,
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
-        completion = client.completions.create(model="tiny", prompt="The queue holds",
-                                               max_tokens=8, temperature=0.0)
+        completion = client.completions.create(
+            model="tiny", prompt="The queue holds", max_tokens=8, temperature=0.0
+        )
         assert completion.choices[0].finish_reason in ("stop", "length")
         with pytest.raises(openai.BadRequestError) as too_long:
             client.completions.create(model="tiny", prompt="the " * 3000, max_tokens=8)

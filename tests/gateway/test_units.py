@@ -29,8 +29,9 @@ def test_settings_from_environment() -> None:
 
 def test_key_file(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
-    path.write_text(json.dumps({"sk-a": {"tenant": "acme", "priority": "high"},
-                                "sk-b": {"tenant": "bob"}}))
+    path.write_text(
+        json.dumps({"sk-a": {"tenant": "acme", "priority": "high"}, "sk-b": {"tenant": "bob"}})
+    )
     ring = KeyRing.from_file(str(path))
     assert ring.tenant_for("Bearer sk-a") == Tenant("acme", Priority.HIGH)
     assert ring.tenant_for("bearer  sk-b ") == Tenant("bob", Priority.NORMAL)

@@ -46,13 +46,21 @@ def choose_loads(
     sweep_concurrency: str | None,
 ) -> list[Load]:
     """The load levels from exactly one of the four load options."""
-    given = [name for name, value in (("--rate", rate), ("--concurrency", concurrency),
-                                      ("--sweep", sweep),
-                                      ("--sweep-concurrency", sweep_concurrency))
-             if value is not None]
+    given = [
+        name
+        for name, value in (
+            ("--rate", rate),
+            ("--concurrency", concurrency),
+            ("--sweep", sweep),
+            ("--sweep-concurrency", sweep_concurrency),
+        )
+        if value is not None
+    ]
     if len(given) != 1:
-        raise ValueError("give exactly one of --rate, --concurrency, --sweep, "
-                         f"--sweep-concurrency (got {', '.join(given) or 'none'})")
+        raise ValueError(
+            "give exactly one of --rate, --concurrency, --sweep, "
+            f"--sweep-concurrency (got {', '.join(given) or 'none'})"
+        )
     if rate is not None:
         return [Load("open", rate)]
     if concurrency is not None:
@@ -99,8 +107,11 @@ def bench(
     ] = None,
     requests: Annotated[
         int | None,
-        typer.Option("--requests", "-n", help=f"Requests per level (default {DEFAULT_REQUESTS} "
-                                              "unless --duration is given)."),
+        typer.Option(
+            "--requests",
+            "-n",
+            help=f"Requests per level (default {DEFAULT_REQUESTS} unless --duration is given).",
+        ),
     ] = None,
     duration: Annotated[
         float | None, typer.Option(help="Seconds per level to keep starting requests.")
@@ -111,8 +122,11 @@ def bench(
     output_len: Annotated[str, typer.Option(help="max_tokens: N or LOW:HIGH.")] = "128",
     prompts: Annotated[
         Path | None,
-        typer.Option(exists=True, dir_okay=False,
-                     help="JSONL of prompts: strings, or {prompt|messages, max_tokens?}."),
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="JSONL of prompts: strings, or {prompt|messages, max_tokens?}.",
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of prompts, lengths and arrivals.")] = 0,
     ignore_eos: Annotated[

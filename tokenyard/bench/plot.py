@@ -8,8 +8,11 @@ from typing import Any
 
 from tokenyard.bench.stats import DEFAULT_PERCENTILES, percentile_key
 
-PANELS = (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency"),
-          ("e2e_ms", "end-to-end latency"))
+PANELS = (
+    ("ttft_ms", "time to first token"),
+    ("itl_ms", "inter-token latency"),
+    ("e2e_ms", "end-to-end latency"),
+)
 
 
 def _load_label(load: dict[str, Any]) -> str:
@@ -48,8 +51,13 @@ def plot_sweep(
         for level, at in zip(points, xs, strict=True):
             top = level[key].get(percentile_key(DEFAULT_PERCENTILES[-1]))
             if top is not None:
-                ax.annotate(_load_label(level["load"]), (at, top), textcoords="offset points",
-                            xytext=(4, 4), fontsize=8)
+                ax.annotate(
+                    _load_label(level["load"]),
+                    (at, top),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=8,
+                )
         ax.set_title(name)
         ax.set_xlabel("achieved " + ("requests/s" if x == "requests_per_s" else "output tokens/s"))
         ax.set_ylabel("ms")

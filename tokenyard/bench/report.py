@@ -100,8 +100,9 @@ def _ms(summary: dict[str, Any], q: float) -> str:
 def render_table(report: dict[str, Any]) -> Table:
     """One row per level: load, outcome, throughput, and p50/p99 latencies in ms."""
     low, high = DEFAULT_PERCENTILES[0], DEFAULT_PERCENTILES[-1]
-    table = Table(title=f"tokenyard bench · {report['config']['model']} · "
-                        f"/{report['config']['endpoint']}")
+    table = Table(
+        title=f"tokenyard bench · {report['config']['model']} · /{report['config']['endpoint']}"
+    )
     for name in ("load", "ok/sent", "errors", "req/s", "out tok/s"):
         table.add_column(name, justify="left" if name in ("load", "errors") else "right")
     for metric in ("TTFT", "ITL", "E2E"):

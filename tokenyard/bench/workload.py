@@ -46,8 +46,9 @@ class LengthDist:
                 return cls(int(low), int(high))
             return cls(int(text), int(text))
         except ValueError as exc:
-            raise ValueError(f"length must be N or LOW:HIGH (positive integers), got {spec!r}: "
-                             f"{exc}") from None
+            raise ValueError(
+                f"length must be N or LOW:HIGH (positive integers), got {spec!r}: {exc}"
+            ) from None
 
     def sample(self, rng: random.Random) -> int:
         """One length; a fixed distribution consumes no randomness."""
@@ -178,9 +179,7 @@ class Workload:
         return out
 
 
-def _tag_last_user(
-    messages: tuple[dict[str, Any], ...], tag: str
-) -> tuple[dict[str, Any], ...]:
+def _tag_last_user(messages: tuple[dict[str, Any], ...], tag: str) -> tuple[dict[str, Any], ...]:
     out = [dict(m) for m in messages]
     for message in reversed(out):
         if message.get("role") == "user" and isinstance(message.get("content"), str):

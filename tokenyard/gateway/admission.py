@@ -25,8 +25,13 @@ def tokenizer_for(state: GatewayState, model: str) -> EngineTokenizer:
     """The model's tokenizer; an unknown model is 404 model_not_found, as OpenAI answers."""
     tokenizer = state.tokenizers.get(model) if model in state.settings.models else None
     if tokenizer is None:
-        raise ApiError(404, f"The model '{model}' does not exist", param="model",
-                       code="model_not_found", type_="invalid_request_error")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist",
+            param="model",
+            code="model_not_found",
+            type_="invalid_request_error",
+        )
     return tokenizer
 
 

@@ -47,7 +47,8 @@ def create_app(
         active = broker or connect(broker_settings or from_env(BrokerSettings, "broker"))
         try:
             loaded = (
-                dict(tokenizers) if tokenizers is not None
+                dict(tokenizers)
+                if tokenizers is not None
                 else await anyio.to_thread.run_sync(load_tokenizers, settings)
             )
             state = GatewayState(

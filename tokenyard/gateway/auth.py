@@ -75,12 +75,20 @@ class KeyRing:
             return DEFAULT_TENANT
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'",
-                           code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "Missing API key: send 'Authorization: Bearer <key>'",
+                code="missing_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         tenant = self._tenants.get(_digest(key.strip()))
         if tenant is None:
-            raise ApiError(401, "Incorrect API key provided", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "Incorrect API key provided",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return tenant
 
 

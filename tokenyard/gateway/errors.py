@@ -73,8 +73,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unsupported(param: str, detail: str = "") -> ApiError:
     what = f"'{param}'{' ' + detail if detail else ''}"
-    return ApiError(400, f"{what} is not supported by this server", param=param,
-                    code="unsupported_parameter")
+    return ApiError(
+        400, f"{what} is not supported by this server", param=param, code="unsupported_parameter"
+    )
 
 
 def validation_error(errors: list[Any]) -> ApiError:
@@ -82,8 +83,11 @@ def validation_error(errors: list[Any]) -> ApiError:
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return ApiError(400, f"The request body is not valid JSON{': ' + detail if detail else ''}",
-                        code="invalid_json")
+        return ApiError(
+            400,
+            f"The request body is not valid JSON{': ' + detail if detail else ''}",
+            code="invalid_json",
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
@@ -108,8 +112,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         err = ApiError(404, f"No route for {request.method} {request.url.path}", code="not_found")
     elif exc.status_code == 405:
-        err = ApiError(405, f"Method {request.method} is not allowed on {request.url.path}",
-                       code="method_not_allowed")
+        err = ApiError(
+            405,
+            f"Method {request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed",
+        )
     elif exc.status_code == 413:
         err = ApiError(413, str(exc.detail), code="request_too_large")
     else:
@@ -125,17 +132,26 @@ async def _request_validation(request: Request, exc: Exception) -> Response:
 
 async def _queue_full(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, QueueFull)
-    return error_response(ApiError(
-        429, "The queue for this model is full; retry later", code="queue_full",
-        headers={"Retry-After": str(_retry_after(request))},
-    ))
+    return error_response(
+        ApiError(
+            429,
+            "The queue for this model is full; retry later",
+            code="queue_full",
+            headers={"Retry-After": str(_retry_after(request))},
+        )
+    )
 
 
 async def _broker_down(request: Request, exc: Exception) -> Response:
     log.warning("broker unavailable: %s", exc)
-    return error_response(ApiError(503, "The job queue is unavailable; retry later",
-                                   code="broker_unavailable",
-                                   headers={"Retry-After": str(_retry_after(request))}))
+    return error_response(
+        ApiError(
+            503,
+            "The job queue is unavailable; retry later",
+            code="broker_unavailable",
+            headers={"Retry-After": str(_retry_after(request))},
+        )
+    )
 
 
 async def _user_error(request: Request, exc: Exception) -> Response:

@@ -47,13 +47,25 @@ class BodyLimitMiddleware:
 
 
 async def _send_413(send: Send, limit: int) -> None:
-    body = json.dumps(error_body(f"Request body exceeds {limit} bytes",
-                                 "invalid_request_error", None, "request_too_large")).encode()
-    await send({"type": "http.response.start", "status": 413, "headers": [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-    ]})
+    body = json.dumps(
+        error_body(
+            f"Request body exceeds {limit} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -67,8 +79,12 @@ def resolve_max_tokens(
 ) -> int:
     """The max_tokens a job gets; refuses a request over the cap or over the context."""
     if requested is not None and requested > cap:
-        raise ApiError(400, f"max_tokens is {requested}, above this server's limit of {cap}",
-                       param="max_tokens", code="max_tokens_exceeded")
+        raise ApiError(
+            400,
+            f"max_tokens is {requested}, above this server's limit of {cap}",
+            param="max_tokens",
+            code="max_tokens_exceeded",
+        )
     room = max_model_len - prompt_tokens
     if requested is None:
         if room < 1:

@@ -60,8 +60,12 @@ class _Common(_Request):
         """Raise 400 naming the first field this server does not implement."""
         if self.model_extra:
             name = sorted(self.model_extra)[0]
-            raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name,
-                           code="unknown_parameter")
+            raise ApiError(
+                400,
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
+            )
         if self.n != 1:
             raise unsupported("n", "other than 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -70,8 +74,9 @@ class _Common(_Request):
         if self.logit_bias:
             raise unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true",
-                              param="stream_options")
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -204,8 +209,9 @@ class ChatCompletionRequest(_Common):
 def parse(kind: type[_Request], body: bytes) -> Any:
     """Validate a JSON body into `kind`; malformed JSON is 400, a wrong shape 422."""
     if not body.strip():
-        raise bad_request("The request body is empty; a JSON object is required",
-                          code="invalid_json")
+        raise bad_request(
+            "The request body is empty; a JSON object is required", code="invalid_json"
+        )
     try:
         return kind.model_validate_json(body)
     except ValidationError as exc:
@@ -242,8 +248,11 @@ def completion_body(
     kind: Kind, job_id: str, model: str, created: int, result: JobResult
 ) -> dict[str, Any]:
     """A whole (non-streamed) completion or chat completion."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                              "finish_reason": openai_finish_reason(result.finish_reason)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": openai_finish_reason(result.finish_reason),
+    }
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
         obj = "chat.completion"
@@ -305,16 +314,25 @@ def result_error(result: JobResult) -> tuple[int, dict[str, Any]] | None:
     if status is JobStatus.SUCCEEDED:
         return None
     if status is JobStatus.FAILED:
-        return 400, error_body(result.error or "the request failed", "invalid_request_error",
-                               None, "job_failed")
+        return 400, error_body(
+            result.error or "the request failed", "invalid_request_error", None, "job_failed"
+        )
     if status is JobStatus.CANCELLED:
         return 409, error_body("the job was cancelled", "conflict_error", None, "job_cancelled")
     if status is JobStatus.EXPIRED:
-        return 503, error_body("the job waited in the queue past its deadline",
-                               "service_unavailable", None, "queue_timeout")
+        return 503, error_body(
+            "the job waited in the queue past its deadline",
+            "service_unavailable",
+            None,
+            "queue_timeout",
+        )
     detail = (result.error or "")[:300]
-    return 500, error_body(f"the job failed on every attempt{': ' + detail if detail else ''}",
-                           "server_error", None, "job_dead")
+    return 500, error_body(
+        f"the job failed on every attempt{': ' + detail if detail else ''}",
+        "server_error",
+        None,
+        "job_dead",
+    )
 
 
 def result_json(result: JobResult) -> dict[str, Any]:
@@ -330,5 +348,9 @@ def result_json(result: JobResult) -> dict[str, Any]:
 
 
 def model_card(model: str, created: int | None = None) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": created or int(time.time()),
-            "owned_by": "tokenyard"}
+    return {
+        "id": model,
+        "object": "model",
+        "created": created or int(time.time()),
+        "owned_by": "tokenyard",
+    }

@@ -59,8 +59,14 @@ class OpenAIRenderer:
     """OpenAI completion or chat chunks, then `data: [DONE]`."""
 
     def __init__(
-        self, kind: protocol.Kind, job_id: str, model: str, created: int, *,
-        include_usage: bool, resumed: bool,
+        self,
+        kind: protocol.Kind,
+        job_id: str,
+        model: str,
+        created: int,
+        *,
+        include_usage: bool,
+        resumed: bool,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.include_usage = include_usage
@@ -172,8 +178,9 @@ async def event_stream(
             yield f
     except BrokerUnavailable:
         # the headers are out, so the error can only travel in the stream
-        for f in renderer.failure("the job queue is unavailable; reconnect to resume",
-                                  "broker_unavailable", 503):
+        for f in renderer.failure(
+            "the job queue is unavailable; reconnect to resume", "broker_unavailable", 503
+        ):
             yield f
     except Exception:
         log.exception("event stream of job %s failed", job_id)
@@ -199,8 +206,9 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={**SSE_HEADERS, **headers})
+        super().__init__(
+            content, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+        )
         self._generator = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

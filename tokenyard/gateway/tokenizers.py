@@ -7,7 +7,7 @@ from tokenyard.gateway.settings import GatewaySettings
 
 
 def load_tokenizer(family: str, model: str) -> EngineTokenizer:
-    """"sim": the simulator's byte tokenizer; "hf": the model's own (a local path or `tiny`)."""
+    """ "sim": the simulator's byte tokenizer; "hf": the model's own (a local path or `tiny`)."""
     if family == "sim":
         from tokenyard.engines.sim import SimTokenizer
 

@@ -31,8 +31,9 @@ async def readyz(request: Request) -> JSONResponse:
     for model in state.settings.models:
         live[model] = len(await state.broker.workers(model))
         if state.settings.require_workers and not live[model]:
-            raise ApiError(503, f"not ready: no live worker for model '{model}'",
-                           code="no_live_worker")
+            raise ApiError(
+                503, f"not ready: no live worker for model '{model}'", code="no_live_worker"
+            )
     return JSONResponse({"status": "ready", "workers": live})
 
 

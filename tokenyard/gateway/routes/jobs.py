@@ -36,7 +36,7 @@ def split_id(raw: str) -> tuple[str, protocol.Kind | None]:
     """A job id, bare or as a completion id (cmpl-…, chatcmpl-…), and the kind it names."""
     for kind, prefix in protocol.ID_PREFIX.items():
         if raw.startswith(prefix):
-            return raw[len(prefix):], kind
+            return raw[len(prefix) :], kind
     return raw, None
 
 
@@ -59,7 +59,12 @@ def _no_job(raw_id: str) -> ApiError:
 
 def _same_request(a: JobSpec, b: JobSpec) -> bool:
     return (a.model, a.prompt, a.prompt_token_ids, a.sampling, a.priority) == (
-        b.model, b.prompt, b.prompt_token_ids, b.sampling, b.priority)
+        b.model,
+        b.prompt,
+        b.prompt_token_ids,
+        b.sampling,
+        b.priority,
+    )
 
 
 def job_view(job_id: str, record: JobRecord) -> dict[str, Any]:
@@ -101,15 +106,17 @@ async def create_job(
     try:
         decoded = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"The request body is not valid JSON: {exc}",
-                       code="invalid_json") from exc
+        raise ApiError(
+            400, f"The request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
     is_chat = isinstance(decoded, dict) and "messages" in decoded
     kind: protocol.Kind = "chat" if is_chat else "completion"
     model = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
     body = protocol.parse(model, raw)
     if body.stream:
-        raise bad_request("'stream' is not allowed here; follow GET /v1/jobs/{id}/events",
-                          param="stream")
+        raise bad_request(
+            "'stream' is not allowed here; follow GET /v1/jobs/{id}/events", param="stream"
+        )
     spec = await admit(state, kind, body, tenant, live=False, idempotency_key=idempotency_key)
     outcome = await submit(state.broker, state.metrics, spec)
     headers = {"Location": f"/v1/jobs/{outcome.job_id}"}
@@ -119,11 +126,14 @@ async def create_job(
         return JSONResponse(view, status_code=202, headers=headers)
     existing = await state.broker.record(outcome.job_id)
     if existing is not None and not _same_request(existing.spec, spec):
-        raise ApiError(409, "This Idempotency-Key was already used with a different request",
-                       param="Idempotency-Key", code="idempotency_key_reused")
+        raise ApiError(
+            409,
+            "This Idempotency-Key was already used with a different request",
+            param="Idempotency-Key",
+            code="idempotency_key_reused",
+        )
     view = job_view(outcome.job_id, existing) if existing else {"id": outcome.job_id}
-    return JSONResponse(view, status_code=200,
-                        headers={**headers, "Idempotent-Replayed": "true"})
+    return JSONResponse(view, status_code=200, headers={**headers, "Idempotent-Replayed": "true"})
 
 
 @router.get("/v1/jobs/{job_id}")
@@ -150,8 +160,14 @@ async def job_events(
     if kind is None:
         renderer = JobRenderer()
     else:
-        renderer = OpenAIRenderer(kind, bare, record.spec.model, int(record.spec.created_at),
-                                  include_usage=include_usage, resumed=start != "0")
+        renderer = OpenAIRenderer(
+            kind,
+            bare,
+            record.spec.model,
+            int(record.spec.created_at),
+            include_usage=include_usage,
+            resumed=start != "0",
+        )
     frames = await primed(event_stream(state, bare, renderer, after=start))
     return EventStreamResponse(frames, {"X-Job-Id": bare})
 
@@ -164,8 +180,9 @@ async def cancel_job(request: Request, job_id: str, tenant: TenantDep) -> JSONRe
     if outcome is CancelOutcome.NOT_FOUND:
         raise _no_job(job_id)
     if outcome is CancelOutcome.ALREADY_FINISHED:
-        raise ApiError(409, "The job already finished",
-                       code="job_finished")
+        raise ApiError(409, "The job already finished", code="job_finished")
     status = "cancelled" if outcome is CancelOutcome.CANCELLED else "cancelling"
-    return JSONResponse({"id": bare, "object": "job", "status": status},
-                        status_code=200 if status == "cancelled" else 202)
+    return JSONResponse(
+        {"id": bare, "object": "job", "status": status},
+        status_code=200 if status == "cancelled" else 202,
+    )

@@ -67,18 +67,27 @@ async def _serve(
     created = int(spec.created_at)
     headers = {"X-Job-Id": spec.id}
     if body.stream:
-        renderer = OpenAIRenderer(kind, spec.id, spec.model, created,
-                                  include_usage=body.include_usage, resumed=False)
-        frames = await primed(event_stream(state, spec.id, renderer, timer=timer,
-                                           timeout_s=state.settings.request_timeout_s,
-                                           fresh=True))
+        renderer = OpenAIRenderer(
+            kind, spec.id, spec.model, created, include_usage=body.include_usage, resumed=False
+        )
+        frames = await primed(
+            event_stream(
+                state,
+                spec.id,
+                renderer,
+                timer=timer,
+                timeout_s=state.settings.request_timeout_s,
+                fresh=True,
+            )
+        )
         return EventStreamResponse(frames, headers)
     result = await wait_or_cancel(state, request, spec.id, timer)
     failed = protocol.result_error(result)
     if failed is not None:
         return JSONResponse(failed[1], status_code=failed[0], headers=headers)
-    return JSONResponse(protocol.completion_body(kind, spec.id, spec.model, created, result),
-                        headers=headers)
+    return JSONResponse(
+        protocol.completion_body(kind, spec.id, spec.model, created, result), headers=headers
+    )
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -98,7 +107,8 @@ async def wait_or_cancel(
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         done, _ = await asyncio.wait(
-            {result, gone}, timeout=state.settings.request_timeout_s,
+            {result, gone},
+            timeout=state.settings.request_timeout_s,
             return_when=asyncio.FIRST_COMPLETED,
         )
         if result in done:
