@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -81,7 +82,7 @@ def test_serve_starts_everything_and_stops_cleanly(
 
 
 def test_distributed_gateway_and_two_workers_survive_a_killed_worker(
-    valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]]
+    valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     prefix = f"d{uuid.uuid4().hex[:8]}"
     shared = ["--broker", valkey.url, "--prefix", prefix]
@@ -126,3 +127,17 @@ def test_distributed_gateway_and_two_workers_survive_a_killed_worker(
     )
     assert status.returncode == 0, status.stderr
     assert "live workers of tiny" in status.stdout
+
+    # the load generator against tokenyard itself, streaming through the same stack
+    report_path = tmp_path / "report.json"
+    bench = subprocess.run(
+        tokenyard("bench", "--base-url", f"{base}/v1", "--model", "tiny", "--concurrency", "4",
+                  "--requests", "12", "--output-len", "8", "--prompt-len", "4", "--ignore-eos",
+                  "--quiet", "--output", str(report_path)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    [level] = json.loads(report_path.read_text())["levels"]
+    assert level["requests"] == {"sent": 12, "completed": 12, "failed": 0}
+    assert level["tokens"]["output"] == 12 * 8
+    assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
