@@ -160,21 +160,14 @@ def worker_main(
     """A worker process on a SimEngine with the benchmark's costs; SIGTERM drains it, then
     the engine's per-sequence stamps are written to `stamps`."""
     from tokenyard.broker.redis import RedisBroker
-    from tokenyard.worker.worker import Worker
+    from tokenyard.worker.__main__ import run_worker
 
     apply_patches([p for p in patches if p in WORKER_PATCHES])
     engine = StampedSimEngine(**costs.engine_options())
 
     async def serve() -> None:
         broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
-        worker = Worker(broker, engine, WorkerSettings(model=MODEL, engine="sim"))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.drain)
-        try:
-            await worker.run()
-        finally:
-            await broker.close()
+        await run_worker(broker, engine, WorkerSettings(model=MODEL, engine="sim"))
 
     asyncio.run(serve())
     if stamps is not None:

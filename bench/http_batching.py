@@ -103,7 +103,7 @@ def describe_engine(mode: str, concurrency: int) -> str:
 def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int) -> None:
     """One worker on the mode's engine; SIGTERM drains it."""
     from tokenyard.broker.redis import RedisBroker
-    from tokenyard.worker.worker import Worker
+    from tokenyard.worker.__main__ import run_worker
 
     async def serve() -> None:
         engine = make_engine(mode, concurrency, threads)
@@ -111,14 +111,7 @@ def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int
             model=MODEL, engine=engine.name, max_seqs=engine.capacity.max_seqs, threads=threads
         )
         broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
-        worker = Worker(broker, engine, settings)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.drain)
-        try:
-            await worker.run()
-        finally:
-            await broker.close()
+        await run_worker(broker, engine, settings)
 
     asyncio.run(serve())
 

@@ -59,7 +59,7 @@ from tokenyard.messages import (
     Priority,
     SamplingParams,
 )
-from tokenyard.worker.worker import Worker
+from tokenyard.worker.__main__ import run_worker
 
 PEERS = ("arq", "taskiq", "rq", "celery", "dramatiq")
 TOKENYARD = ("tokenyard", "tokenyard-broker")
@@ -442,23 +442,13 @@ def serve_tokenyard(url: str, profile: str | None) -> None:
             decode_base=0.0,
             decode_per_seq=0.0,
         )
-        worker = Worker(
-            broker,
-            engine,
-            WorkerSettings(
-                model=MODEL,
-                engine="sim",
-                max_seqs=settings["max_seqs"],
-                claim_block_s=settings["claim_block_s"],
-            ),
+        worker_settings = WorkerSettings(
+            model=MODEL,
+            engine="sim",
+            max_seqs=settings["max_seqs"],
+            claim_block_s=settings["claim_block_s"],
         )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.drain)
-        try:
-            await worker.run()
-        finally:
-            await broker.close()
+        await run_worker(broker, engine, worker_settings)
 
     _profiled(main, profile)
 

@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 import torch
 
-from tokenyard.engines import Engine, EngineClosed, StepOutput, make_engine
+from tests.engines.outputs import collect
+from tokenyard.engines import EngineClosed, StepOutput, make_engine
 from tokenyard.engines.hf import (
     HFEngine,
     HFStaticEngine,
@@ -31,32 +32,6 @@ PROMPTS = [
     "Привет",
     "0 1 2 3 4 5 6 7",
 ]
-
-
-class Result:
-    def __init__(self) -> None:
-        self.outputs: list[StepOutput] = []
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish: StepOutput | None = None
-
-
-async def collect(engine: Engine, n: int, timeout: float = 60.0) -> dict[str, Result]:
-    """Read outputs until n sequences finished."""
-    results: dict[str, Result] = {}
-    finished = 0
-    async with asyncio.timeout(timeout):
-        while finished < n:
-            for out in await engine.outputs():
-                r = results.setdefault(out.seq_id, Result())
-                assert r.finish is None, "output after finish"
-                r.outputs.append(out)
-                r.token_ids += out.token_ids
-                r.text += out.text
-                if out.finish_reason is not None:
-                    r.finish = out
-                    finished += 1
-    return results
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

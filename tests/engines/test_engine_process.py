@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tokenyard.engines import Engine, EngineClosed, StepOutput, make_engine
+from tests.engines.outputs import collect
+from tokenyard.engines import EngineClosed, StepOutput, make_engine
 from tokenyard.engines.process import ProcessEngine, make_engine_in_process
 from tokenyard.messages import FinishReason, SamplingParams
 
@@ -25,32 +26,6 @@ SIM = {"max_seqs": 16, "decode_base": 0.002, "decode_per_seq": 1e-4}
 
 def hf_options(path: Path) -> dict[str, Any]:
     return {"model": str(path), "max_seqs": 16, "max_tokens": 8192, "threads": 1}
-
-
-class Result:
-    def __init__(self) -> None:
-        self.outputs: list[StepOutput] = []
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish: StepOutput | None = None
-
-
-async def collect(engine: Engine, n: int, timeout: float = 30.0) -> dict[str, Result]:
-    """Read outputs until n sequences finished."""
-    results: dict[str, Result] = {}
-    finished = 0
-    async with asyncio.timeout(timeout):
-        while finished < n:
-            for out in await engine.outputs():
-                r = results.setdefault(out.seq_id, Result())
-                assert r.finish is None, "output after finish"
-                r.outputs.append(out)
-                r.token_ids += out.token_ids
-                r.text += out.text
-                if out.finish_reason is not None:
-                    r.finish = out
-                    finished += 1
-    return results
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -7,36 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tests.engines.outputs import collect
 from tokenyard.engines import EngineClosed, StepOutput, make_engine
 from tokenyard.engines.sim import SimEngine, SimTokenizer, VirtualClock
 from tokenyard.messages import FinishReason, SamplingParams
 
 A, B, C, D = 0.5, 0.01, 0.1, 0.02  # prefill a + b·tokens, decode c + d·batch
-
-
-class Result:
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish: StepOutput | None = None
-
-
-async def collect(engine: SimEngine, n: int, timeout: float = 10.0) -> dict[str, Result]:
-    """Read outputs until n sequences finished."""
-    results: dict[str, Result] = {}
-    finished = 0
-    async with asyncio.timeout(timeout):
-        while finished < n:
-            for out in await engine.outputs():
-                r = results.setdefault(out.seq_id, Result())
-                assert r.finish is None, "output after finish"
-                r.token_ids += out.token_ids
-                r.text += out.text
-                assert out.completion_tokens >= len(r.token_ids)
-                if out.finish_reason is not None:
-                    r.finish = out
-                    finished += 1
-    return results
 
 
 @pytest.fixture

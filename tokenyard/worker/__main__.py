@@ -8,8 +8,9 @@ import logging
 import signal
 
 from tokenyard.broker import connect
+from tokenyard.broker.base import Broker
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
-from tokenyard.engines import make_engine
+from tokenyard.engines import Engine, make_engine
 from tokenyard.engines.process import make_engine_in_process
 from tokenyard.worker.worker import Worker
 
@@ -32,13 +33,10 @@ def engine_options(settings: WorkerSettings) -> dict[str, object]:
     return options
 
 
-async def serve_worker(
-    broker_settings: BrokerSettings, settings: WorkerSettings, consumer: str | None = None
+async def run_worker(
+    broker: Broker, engine: Engine, settings: WorkerSettings, consumer: str | None = None
 ) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain."""
-    broker = connect(broker_settings)
-    build = make_engine_in_process if settings.engine_process else make_engine
-    engine = build(settings.engine, **engine_options(settings))
+    """Run a worker until SIGTERM/SIGINT, then drain; the broker is closed at the end."""
     worker = Worker(broker, engine, settings, consumer=consumer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -47,6 +45,15 @@ async def serve_worker(
         await worker.run()
     finally:
         await broker.close()
+
+
+async def serve_worker(
+    broker_settings: BrokerSettings, settings: WorkerSettings, consumer: str | None = None
+) -> None:
+    """A worker as configured: its broker and engine built from settings."""
+    build = make_engine_in_process if settings.engine_process else make_engine
+    engine = build(settings.engine, **engine_options(settings))
+    await run_worker(connect(broker_settings), engine, settings, consumer)
 
 
 def main(argv: list[str] | None = None) -> None:
