@@ -586,7 +586,7 @@ def build_prompts(model: str, count: int, length: int) -> list[list[int]]:
     """`count` distinct prompts of exactly `length` tokens (windows over a fixed text)."""
     from transformers import AutoTokenizer
 
-    from tokenyard.engines.hf import resolve_model_path
+    from tokenyard.engines.hf_tokenizer import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model), local_files_only=True)
     ids: list[int] = tok.encode(_TEXT, add_special_tokens=False)

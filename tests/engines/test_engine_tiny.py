@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tokenyard.engines.detok import REPLACEMENT, IncrementalDetokenizer
-from tokenyard.engines.hf import HFTokenizer
+from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.engines.tiny import ensure_tiny_model
 
 

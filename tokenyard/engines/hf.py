@@ -15,20 +15,17 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     ContinuousBatchingConfig,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    PreTrainedTokenizerBase,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -53,7 +50,7 @@ from tokenyard.engines.base import (
     size_request,
 )
 from tokenyard.engines.detok import Delta, SequenceDecoder
-from tokenyard.engines.tiny import ensure_tiny_model
+from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.messages import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -276,82 +273,8 @@ class _StepRouter(OutputRouter):
 
 
 # --------------------------------------------------------------------------------------------
-# Tokenizer and shared engine plumbing
+# Shared engine plumbing
 # --------------------------------------------------------------------------------------------
-
-
-class HFTokenizer:
-    """Adapts a transformers tokenizer to the EngineTokenizer protocol; safe across threads."""
-
-    def __init__(
-        self, tok: PreTrainedTokenizerBase, max_model_len: int, eos_ids: Sequence[int] = ()
-    ) -> None:
-        self.hf = tok
-        # The Rust tokenizer is mutably borrowed by encode (truncation/padding settings), so
-        # concurrent calls from the engine thread and the event loop can fail: serialise them.
-        self._lock = threading.Lock()
-        self._max_model_len = max_model_len
-        ids = {int(i) for i in eos_ids}
-        if tok.eos_token_id is not None:
-            ids.add(int(tok.eos_token_id))
-        self.eos_token_ids = frozenset(ids)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = self.hf.eos_token_id
-        return None if eos is None else int(eos)
-
-    @property
-    def pad_token_id(self) -> int:
-        pad = self.hf.pad_token_id
-        return int(pad) if pad is not None else min(self.eos_token_ids, default=0)
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt; BOS is added unless the text (a chat template) starts with it."""
-        bos = self.hf.bos_token
-        add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
-        with self._lock:
-            return list(self.hf.encode(text, add_special_tokens=add_special))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        with self._lock:
-            out = self.hf.decode(
-                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-        assert isinstance(out, str)
-        return out
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        with self._lock:
-            out = self.hf.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-            )
-        assert isinstance(out, str)
-        return out
-
-
-def resolve_model_path(model: str | os.PathLike[str]) -> Path:
-    """'tiny' builds the local tiny model; anything else must be a local directory."""
-    if str(model) == "tiny":
-        return ensure_tiny_model()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (nothing is downloaded)")
-    return path
-
-
-def _model_len(path: Path) -> tuple[int, list[int]]:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
-    length = int(getattr(config, "max_position_embeddings", 0) or 2048)
-    eos = getattr(config, "eos_token_id", None)
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return length, eos_ids
 
 
 @dataclass
@@ -406,9 +329,7 @@ class _HFEngineBase(Engine):
         self.seed = seed
         self.threads = threads
         self.capacity = EngineCapacity(max_seqs=max_seqs, max_tokens=max_tokens)
-        max_len, eos_ids = _model_len(self.model_path)
-        hf_tok = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        self.tokenizer: HFTokenizer = HFTokenizer(hf_tok, max_len, eos_ids)
+        self.tokenizer: HFTokenizer = load_hf_tokenizer(self.model_path)
         self.model: CausalLM | None = None
         self._lock = threading.RLock()
         self._channel = OutputChannel()

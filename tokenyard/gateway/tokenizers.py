@@ -13,14 +13,9 @@ def load_tokenizer(family: str, model: str) -> EngineTokenizer:
 
         return SimTokenizer()
     if family == "hf":
-        from transformers import AutoConfig, AutoTokenizer
+        from tokenyard.engines.hf_tokenizer import load_hf_tokenizer, resolve_model_path
 
-        from tokenyard.engines.hf import HFTokenizer, resolve_model_path
-
-        path = resolve_model_path(model)
-        config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
-        max_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
-        return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), max_len)
+        return load_hf_tokenizer(resolve_model_path(model))
     raise ValueError(f"unknown tokenizer family {family!r}; expected 'hf' or 'sim'")
 
 
