@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import proc_cpu_s
 from tokenyard.broker.base import Broker
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
@@ -167,17 +168,6 @@ def cpu_per_token(cell: dict[str, Any]) -> float | None:
     """CPU of every process involved per output token: robust to a shared host's noise."""
     tokens = cell["output_tokens"]
     return round(sum(cell["cpu_s"].values()) * 1000.0 / tokens, 4) if tokens else None
-
-
-def proc_cpu_s(pid: int | None) -> float:
-    """utime + stime of another process from /proc (0.0 where unavailable)."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def sampling(max_tokens: int) -> SamplingParams:

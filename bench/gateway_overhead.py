@@ -33,7 +33,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
+from bench.common import free_port, proc_cpu_s
 from tokenyard.bench.client import Endpoint, RequestOptions, send_request
 from tokenyard.bench.stats import summarize
 from tokenyard.bench.workload import LengthDist, RequestSpec, Workload
@@ -188,13 +188,6 @@ def gateway_main(url: str, prefix: str, port: int, patches: Sequence[str]) -> No
 
 
 # -- the stack -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Processes:
@@ -336,17 +329,6 @@ class Ping:
         started = time.perf_counter()
         await self.redis.ping()
         return Timing("ping", time.perf_counter() - started, None, True)
-
-
-def proc_cpu_s(pid: int | None) -> float:
-    """utime + stime of a process from /proc (0.0 where unavailable)."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def command_counts(url: str) -> dict[str, int]:

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
+from bench.common import free_port, proc_cpu_s
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
@@ -117,24 +117,6 @@ def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int
 
 
 # -- one mode's stack ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def proc_cpu_s(pid: int | None) -> float:
-    """utime + stime of a process from /proc (0.0 where unavailable)."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 class Stack:

@@ -1,0 +1,1 @@
+"""Benchmarks: each script starts what it needs and prints JSON."""
