@@ -10,6 +10,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
+import msgspec
+
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
@@ -54,9 +56,7 @@ class Stack:
     @property
     def broker_settings(self) -> BrokerSettings:
         base = self._external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
-        return BrokerSettings(
-            **{**{f: getattr(base, f) for f in base.__struct_fields__}, "url": self.broker_url}
-        )
+        return msgspec.structs.replace(base, url=self.broker_url)
 
     def start(self) -> None:
         if self._external is None:
