@@ -115,6 +115,9 @@ class RedisBroker(Broker):
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }
+        # every claim passes the expired outcome along; encode it once, not per claim
+        expired = expired_result()
+        self._expired = (encode(expired), encode(Finished(result=expired)))
         self._rounds: dict[str, int] = defaultdict(int)
         self._rng = rng or random.Random()
         self._known_models: set[str] = set()
@@ -229,8 +232,7 @@ class RedisBroker(Broker):
                     repr(now),
                     self.keys.job_prefix(model),
                     self.keys.events_prefix(model),
-                    encode(expired_result()),
-                    encode(Finished(result=expired_result())),
+                    *self._expired,
                     self._ttl_ms,
                     len(ordered),
                 ],
