@@ -1,4 +1,9 @@
-"""Exception taxonomy: user errors (the caller must change the request) vs system errors."""
+"""Exception taxonomy: user errors (the caller must change the request) vs system errors.
+
+Raised where the problem is found; the HTTP edge (`gateway/errors.py`) maps each class to one
+OpenAI-shaped answer, and the worker turns `UserError` into a failed job, `EngineError` into a
+retry. Nothing else decides what an error means.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +17,19 @@ class TokenyardError(Exception):
 class UserError(TokenyardError):
     """The request is wrong; retrying it unchanged will fail again."""
 
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
 
 class InvalidRequest(UserError):
-    pass
+    """A request no engine of its model can serve as given (HTTP 400)."""
 
 
 class NotFound(UserError):
-    pass
+    """A job, model or file that does not exist (HTTP 404)."""
 
 
 class QueueFull(TokenyardError):
@@ -44,7 +55,7 @@ class BrokerUnavailable(SystemError_):
 
 
 class EngineError(SystemError_):
-    pass
+    """The engine failed a sequence it had accepted; the job is retried, then dead-lettered."""
 
 
 class FatalError(TokenyardError):

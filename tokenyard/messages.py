@@ -132,6 +132,19 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     at: float
 
 
+class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one worker's engine can take; published in its heartbeat (see `tokenyard.limits`)."""
+
+    max_model_len: int  # context: prompt + generated tokens of one sequence
+    max_seqs: int  # sequences running at once
+    token_budget: int  # prompt + max_tokens reserved over all running sequences
+
+    @property
+    def context(self) -> int:
+        """The longest single sequence: the context, or the whole budget when that is smaller."""
+        return min(self.max_model_len, self.token_budget)
+
+
 class WorkerInfo(msgspec.Struct, kw_only=True):
     """A worker's heartbeat: who it is and how busy it is."""
 
@@ -148,6 +161,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     tokens_per_s: float = 0.0
     mean_batch: float = 0.0
     jobs_done: int = 0
+    limits: ModelLimits | None = None
     at: float = 0.0
 
 

@@ -1,0 +1,67 @@
+"""The one rule for what a model can take, applied alike by the gateway, the worker and engines.
+
+Workers publish their `ModelLimits` in their heartbeat; the gateway checks each request against
+the loosest live worker of its model (a request that fits one worker must be accepted), the
+worker's scheduler against its own engine, and engines against themselves. All three answer
+with the same `InvalidRequest`, so a client sees one message whichever place refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenyard.errors import InvalidRequest
+from tokenyard.messages import ModelLimits, SamplingParams
+
+
+def context_length_exceeded(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt"
+) -> InvalidRequest:
+    """OpenAI's wording and code for a request longer than the model's context."""
+    return InvalidRequest(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+        f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def refusal(
+    prompt_tokens: int, params: SamplingParams, limits: ModelLimits, param: str = "prompt"
+) -> InvalidRequest | None:
+    """Why a request cannot run on a model with these limits, or None when it can."""
+    if prompt_tokens < 1:
+        return InvalidRequest("The prompt is empty", param=param)
+    if params.max_tokens < 1:
+        return InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if params.temperature < 0:
+        return InvalidRequest("temperature must not be negative", param="temperature")
+    if not 0.0 < params.top_p <= 1.0:
+        return InvalidRequest("top_p must be in (0, 1]", param="top_p")
+    if params.top_k < 0:
+        return InvalidRequest("top_k must not be negative", param="top_k")
+    if prompt_tokens + params.max_tokens > limits.context:
+        return context_length_exceeded(prompt_tokens, params.max_tokens, limits.context, param)
+    return None
+
+
+def check(
+    prompt_tokens: int, params: SamplingParams, limits: ModelLimits, param: str = "prompt"
+) -> None:
+    """Raise the refusal, if any."""
+    error = refusal(prompt_tokens, params, limits, param)
+    if error is not None:
+        raise error
+
+
+def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
+    """What the most capable of several workers can take (None when there are none)."""
+    every = list(published)
+    if not every:
+        return None
+    return ModelLimits(
+        max_model_len=max(x.max_model_len for x in every),
+        max_seqs=max(x.max_seqs for x in every),
+        token_budget=max(x.token_budget for x in every),
+    )
