@@ -160,7 +160,7 @@ def worker_main(
     """A worker process on a SimEngine with the benchmark's costs; SIGTERM drains it, then
     the engine's per-sequence stamps are written to `stamps`."""
     from tokenyard.broker.redis import RedisBroker
-    from tokenyard.worker.__main__ import run_worker
+    from tokenyard.worker.run import run_worker
 
     apply_patches([p for p in patches if p in WORKER_PATCHES])
     engine = StampedSimEngine(**costs.engine_options())

@@ -103,7 +103,7 @@ def describe_engine(mode: str, concurrency: int) -> str:
 def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int) -> None:
     """One worker on the mode's engine; SIGTERM drains it."""
     from tokenyard.broker.redis import RedisBroker
-    from tokenyard.worker.__main__ import run_worker
+    from tokenyard.worker.run import run_worker
 
     async def serve() -> None:
         engine = make_engine(mode, concurrency, threads)

@@ -59,7 +59,7 @@ from tokenyard.messages import (
     Priority,
     SamplingParams,
 )
-from tokenyard.worker.__main__ import run_worker
+from tokenyard.worker.run import run_worker
 
 PEERS = ("arq", "taskiq", "rq", "celery", "dramatiq")
 TOKENYARD = ("tokenyard", "tokenyard-broker")

@@ -119,19 +119,37 @@ def submit(
 def worker(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str, typer.Option(help="model path, or `tiny`")] = "tiny",
-    engine: Annotated[str, typer.Option(help="hf | hf-static | sim")] = "hf",
+    model: Annotated[str | None, typer.Option(help="model path, or `tiny`")] = None,
+    engine: Annotated[str | None, typer.Option(help="hf | hf-static | sim")] = None,
     max_seqs: Annotated[int | None, typer.Option(help="sequences run at once")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     lease_s: Annotated[float | None, typer.Option(help="visibility timeout")] = None,
+    drain_timeout_s: Annotated[float | None, typer.Option(help="SIGTERM grace")] = None,
+    consumer: Annotated[str | None, typer.Option(help="consumer name")] = None,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
 ) -> None:
-    """Run one worker: claim jobs for MODEL and run them; SIGTERM drains."""
-    from tokenyard.worker.__main__ import serve_worker
+    """Run one worker: claim jobs for MODEL and run them; SIGTERM drains.
 
+    Options left out come from TOKENYARD_WORKER_* / TOKENYARD_BROKER_* variables.
+    """
+    import logging
+
+    from tokenyard.worker.run import serve_worker
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     settings = from_env(
-        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs, device=device
+        WorkerSettings,
+        "worker",
+        model=model,
+        engine=engine,
+        max_seqs=max_seqs,
+        device=device,
+        threads=threads,
+        drain_timeout_s=drain_timeout_s,
     )
-    asyncio.run(serve_worker(_broker_settings(broker, prefix, lease_s=lease_s), settings))
+    broker_settings = _broker_settings(broker, prefix, lease_s=lease_s)
+    asyncio.run(serve_worker(broker_settings, settings, consumer=consumer))
 
 
 @app.command()

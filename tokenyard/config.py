@@ -56,6 +56,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     engine: str = "hf"  # hf | hf-static | sim
     max_seqs: int = 32  # overrides the engine's own limit when lower
     token_budget: int = 16_384  # prompt + max_tokens over running sequences
+    claim_ahead: int | None = None  # jobs claimed beyond free slots; None: max_seqs // 8, >= 1
     claim_block_s: float = 0.5
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0

@@ -72,7 +72,9 @@ def test_idempotency_key_returns_the_same_job_or_409(stack: Stack) -> None:
 
 def test_cancel_queued_running_and_finished_jobs(valkey: EmbeddedServer) -> None:
     with (
-        run_stack(valkey, engines=[slow_engine(0.05)], worker_options={"max_seqs": 1}) as stack,
+        run_stack(
+            valkey, engines=[slow_engine(0.05)], worker_options={"max_seqs": 1, "claim_ahead": 0}
+        ) as stack,
         stack.client() as http,
     ):
         long = {**BODY, "max_tokens": 200}

@@ -40,7 +40,8 @@ async def start_worker(
     broker: RedisBroker, max_seqs: int
 ) -> tuple[Worker, HFEngine, asyncio.Task[None]]:
     engine = HFEngine("tiny", max_seqs=max_seqs, threads=1)
-    worker = Worker(broker, engine, WorkerSettings(model=MODEL, max_seqs=max_seqs, heartbeat_s=0.2))
+    settings = WorkerSettings(model=MODEL, max_seqs=max_seqs, heartbeat_s=0.2, claim_ahead=0)
+    worker = Worker(broker, engine, settings)
     return worker, engine, asyncio.create_task(worker.run())
 
 

@@ -1,4 +1,8 @@
-"""The worker: claim → admit → engine → publish → complete, with leases, cancel and drain."""
+"""The worker's I/O: claim → schedule → engine → publish → complete, with leases, cancel, drain.
+
+Every decision about what runs lives in `worker/scheduler.py`; this file only carries out
+its plans against the broker and the engine.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +12,22 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tokenyard.broker.base import Broker, Lease
 from tokenyard.config import WorkerSettings
-from tokenyard.engines.base import Engine, EngineClosed, StepOutput, validate_request
+from tokenyard.engines.base import Engine, EngineClosed
+from tokenyard.errors import UserError
 from tokenyard.messages import (
     FinishReason,
     JobEvent,
     JobResult,
     JobStatus,
+    ModelLimits,
     TokenChunk,
     WorkerInfo,
 )
-from tokenyard.worker.batching import claimable, fits, job_footprint, moving_average
+from tokenyard.worker.scheduler import Job, Plan, Scheduler, Update
 
 log = logging.getLogger(__name__)
 
@@ -34,34 +38,13 @@ _STATUS_OF = {
     FinishReason.EXPIRED: JobStatus.EXPIRED,
 }
 
-
 # Cancellation is polled once per engine step, but no more often than this: a tiny model steps
 # every few milliseconds, and a round trip per step would cost as much as the step.
 CANCEL_POLL_S = 0.02
+# Tokenizing a long text prompt (from a producer that sent no token ids) would stall the loop.
+_INLINE_CHARS = 4096
 
-
-def _merge_per_sequence(outputs: Sequence[StepOutput]) -> list[StepOutput]:
-    """Fold the outputs of several engine steps into one per sequence, keeping their order."""
-    merged: dict[str, StepOutput] = {}
-    for out in outputs:
-        seen = merged.get(out.seq_id)
-        if seen is None:
-            merged[out.seq_id] = StepOutput(
-                seq_id=out.seq_id,
-                token_ids=list(out.token_ids),
-                text=out.text,
-                finish_reason=out.finish_reason,
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens,
-                error=out.error,
-            )
-        elif seen.finish_reason is None:  # nothing follows a finish
-            seen.token_ids.extend(out.token_ids)
-            seen.text += out.text
-            seen.finish_reason = out.finish_reason
-            seen.completion_tokens = out.completion_tokens
-            seen.error = out.error
-    return list(merged.values())
+Finishing = tuple[Job[Lease], FinishReason, TokenChunk | None]
 
 
 def consumer_name(started_at: float) -> str:
@@ -69,18 +52,22 @@ def consumer_name(started_at: float) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{int(started_at * 1000)}"
 
 
-@dataclass
-class _Running:
-    lease: Lease
-    prompt_ids: list[int]
-    footprint: int
-    claimed_at: float = field(default_factory=time.time)
-    token_ids: list[int] = field(default_factory=list)  # includes tokens resumed from a crash
-    text: str = ""
+def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
+    """The engine's real capacity, narrowed by the settings where they ask for less."""
+    capacity = engine.capacity
+    return ModelLimits(
+        max_model_len=engine.tokenizer.max_model_len,
+        max_seqs=min(n for n in (settings.max_seqs, capacity.max_seqs) if n),
+        token_budget=min(n for n in (settings.token_budget, capacity.max_tokens) if n),
+    )
+
+
+def _moving_average(previous: float, sample: float, weight: float) -> float:
+    return sample if previous <= 0 else previous + weight * (sample - previous)
 
 
 class Worker:
-    """Serves one model; every decision about how much to take lives in worker/batching.py."""
+    """Serves one model from its lanes through one engine."""
 
     def __init__(
         self,
@@ -95,15 +82,14 @@ class Worker:
         self.model = settings.model
         self.started_at = time.time()
         self.consumer = consumer or consumer_name(self.started_at)
-        self.max_seqs = min(settings.max_seqs, engine.capacity.max_seqs)
-        self.token_budget = min(settings.token_budget, engine.capacity.max_tokens)
-        self._running: dict[str, _Running] = {}
-        self._waiting: deque[_Running] = deque()  # claimed, but over the token budget for now
-        self._tokens_in_use = 0
-        self._expected_footprint = 0.0
+        self.limits = worker_limits(engine, settings)
+        claim_ahead = settings.claim_ahead
+        if claim_ahead is None:
+            claim_ahead = max(1, self.limits.max_seqs // 8)
+        self.scheduler: Scheduler[Lease] = Scheduler(self.limits, claim_ahead)
         self._draining = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._slot_freed = asyncio.Event()
+        self._capacity_freed = asyncio.Event()
         self._jobs_done = 0
         self._tokens_seen = 0
         self._rate_mark = (time.monotonic(), 0)
@@ -117,7 +103,7 @@ class Worker:
 
     @property
     def busy(self) -> int:
-        return len(self._running) + len(self._waiting)
+        return self.scheduler.running + self.scheduler.waiting
 
     async def run(self) -> None:
         """Serve until drain() is called, then finish or release in-flight work and return."""
@@ -143,100 +129,147 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         while not self._draining.is_set():
-            want = claimable(
-                self.max_seqs,
-                self.token_budget,
-                self.busy,
-                self._tokens_in_use + sum(r.footprint for r in self._waiting),
-                max(1, round(self._expected_footprint)),
-            )
+            await self._settle(self._start_fitting())  # room a dropped job left
+            want = self.scheduler.want()
             if want == 0:
-                self._slot_freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._slot_freed.wait(), self.settings.claim_block_s)
+                await self._wait_for_capacity(self.settings.claim_block_s)
                 continue
-            leases = await self.broker.claim(
-                self.model, self.consumer, want, block_s=self.settings.claim_block_s
-            )
-            # admitted concurrently: each may read its event stream to resume a predecessor
-            await asyncio.gather(*(self._admit(lease) for lease in leases))
+            try:
+                leases = await self.broker.claim(
+                    self.model, self.consumer, want, block_s=self.settings.claim_block_s
+                )
+            except Exception:
+                log.exception("claim failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
+            if not leases:
+                continue
+            # prepared concurrently: each may read its event stream to resume a predecessor
+            jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
+            for job in jobs:
+                if job is not None:
+                    self.scheduler.offer(job)
+            await self._settle(self._start_fitting())
+
+    async def _wait_for_capacity(self, wait_s: float) -> None:
+        self._capacity_freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._capacity_freed.wait(), wait_s)
 
     async def _finish_in_flight(self) -> None:
+        reserve = self.scheduler.take_waiting()
+        if reserve:  # not started: another worker can begin them now, not after our drain
+            await self.broker.release([job.handle for job in reserve])
         give_up = time.monotonic() + self.settings.drain_timeout_s
         while self.busy and time.monotonic() < give_up:
-            self._slot_freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), 0.1)
+            await self._wait_for_capacity(0.1)
 
     async def _release_leftovers(self) -> None:
-        leftovers = [*self._running.values(), *self._waiting]
-        self._running.clear()
-        self._waiting.clear()
-        for run in leftovers:
-            self.engine.abort(run.lease.spec.id)
+        leftovers = self.scheduler.drain()
+        for job in leftovers:
+            self.engine.abort(job.job_id)
         if leftovers:
             # tokens already streamed stay in the event stream; the next worker resumes there
-            released = await self.broker.release([r.lease for r in leftovers])
+            released = await self.broker.release([job.handle for job in leftovers])
             log.info("released %d of %d unfinished jobs", released, len(leftovers))
 
-    # -- admission -------------------------------------------------------------------------
-    async def _admit(self, lease: Lease) -> None:
+    # -- preparing claimed jobs ------------------------------------------------------------
+    async def _prepare(self, lease: Lease) -> Job[Lease] | None:
+        """A claimed job with its prompt ids and any tokens an earlier delivery streamed."""
         spec = lease.spec
-        tokenizer = self.engine.tokenizer
-        try:
-            prompt_ids = (
-                list(spec.prompt_token_ids)
-                if spec.prompt_token_ids is not None
-                else tokenizer.encode(spec.prompt or "")
-            )
-        except Exception as exc:  # a prompt the tokenizer rejects is the caller's error
-            await self._fail_now(lease, f"cannot tokenize prompt: {exc}")
-            return
-        try:
-            validate_request(spec.id, prompt_ids, spec.sampling, tokenizer.max_model_len)
-        except ValueError as exc:
-            await self._fail_now(lease, str(exc))
-            return
-        if len(prompt_ids) + spec.sampling.max_tokens > tokenizer.max_model_len:
-            await self._fail_now(
-                lease,
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens "
-                f"({spec.sampling.max_tokens}) exceeds the context of {tokenizer.max_model_len}",
-            )
-            return
-        run = _Running(lease, prompt_ids, job_footprint(len(prompt_ids), spec.sampling))
-        self._expected_footprint = moving_average(self._expected_footprint, run.footprint)
-        if lease.resumable:  # an earlier delivery streamed tokens: continue after them
-            await self._load_resumed_tokens(run)
-        if len(run.token_ids) >= spec.sampling.max_tokens:
-            self._running[spec.id] = run  # finished before it started: complete it as it is
-            self._tokens_in_use += run.footprint
-            await self._complete_many([(run, FinishReason.LENGTH, None)])
-            return
-        self._waiting.append(run)
-        self._start_waiting()
+        prompt_ids = spec.prompt_token_ids
+        if prompt_ids is None:  # a producer that sent text (the gateway always sends ids)
+            text = spec.prompt or ""
+            encode = self.engine.tokenizer.encode
+            try:
+                if len(text) <= _INLINE_CHARS:
+                    prompt_ids = encode(text)
+                else:
+                    prompt_ids = await asyncio.to_thread(encode, text)
+            except Exception as exc:  # a prompt the tokenizer rejects is the caller's error
+                await self._complete([(lease, _failure(f"cannot tokenize the prompt: {exc}"))])
+                return None
+        job: Job[Lease] = Job(spec.id, lease, list(prompt_ids), spec.sampling, time.time())
+        if lease.resumable:
+            try:
+                await self._load_resumed_tokens(job)
+            except Exception:
+                # the lease runs out and the job is redelivered; this worker goes on
+                log.exception("reading %s's earlier tokens failed", spec.id)
+                return None
+        return job
 
-    async def _load_resumed_tokens(self, run: _Running) -> None:
+    async def _load_resumed_tokens(self, job: Job[Lease]) -> None:
         after = "0"
         while True:
-            events = await self.broker.read_events(run.lease.spec.id, after=after)
+            events = await self.broker.read_events(job.job_id, after=after)
             if not events:
                 return
             for event_id, event in events:
                 after = event_id
                 if isinstance(event, TokenChunk):
-                    run.token_ids.extend(event.token_ids)
-                    run.text += event.text
+                    job.token_ids.extend(event.token_ids)
+                    job.text += event.text
 
-    def _start_waiting(self) -> None:
-        while self._waiting and fits(
-            self.token_budget, self._tokens_in_use, self._waiting[0].footprint, len(self._running)
-        ):
-            run = self._waiting.popleft()
-            spec = run.lease.spec
-            self._running[spec.id] = run
-            self._tokens_in_use += run.footprint
-            self.engine.add(spec.id, run.prompt_ids, spec.sampling, tuple(run.token_ids))
+    # -- scheduling ------------------------------------------------------------------------
+    def _start_fitting(self) -> _Outcome:
+        """Start what the scheduler says fits, at once; the broker writes come after."""
+        outcome = _Outcome()
+        if self._draining.is_set():
+            return outcome  # nothing new starts; the reserve is handed back
+        while plan := self.scheduler.schedule():
+            self._carry_out(plan, outcome)
+            if not outcome.freed:
+                break
+            outcome.freed = False  # a job that could not start left room: schedule again
+        return outcome
+
+    def _carry_out(self, plan: Plan[Lease], outcome: _Outcome) -> None:
+        for job, error in plan.refused:
+            outcome.results.append((job.handle, _refused(error)))
+        for job in plan.done:
+            outcome.finishing.append((job, FinishReason.LENGTH, None))
+        for job in plan.start:
+            try:
+                self.engine.add(job.job_id, job.prompt_ids, job.params, tuple(job.token_ids))
+            except UserError as exc:  # the engine's own check refused it: the job's outcome
+                self.scheduler.remove(job.job_id)
+                outcome.results.append((job.handle, _refused(exc)))
+                outcome.freed = True
+            except Exception as exc:  # an engine fault on one job must not stop the worker
+                log.exception("the engine could not take %s", job.job_id)
+                self.scheduler.remove(job.job_id)
+                outcome.failed.append((job, f"{type(exc).__name__}: {exc}"))
+                outcome.freed = True
+
+    async def _settle(self, outcome: _Outcome, update: Update[Lease] | None = None) -> None:
+        """Carry out the broker side of a step and of a scheduling pass, fewest round trips."""
+        finishing = list(outcome.finishing)
+        failed = list(outcome.failed)
+        if update is not None:
+            self._tokens_seen += update.tokens
+            if update.events:
+                await self._append([(job.handle, chunk) for job, chunk in update.events])
+            finishing += update.finished
+            failed += update.failed
+        results = [
+            *outcome.results,
+            *((job.handle, self._result(job, reason)) for job, reason, _ in finishing),
+        ]
+        tails = [None] * len(outcome.results) + [tail for _, _, tail in finishing]
+        if results:
+            accepted = await self.broker.complete_many(results, tails)
+            self._jobs_done += sum(accepted)
+        for job, error in failed:
+            await self.broker.retry(job.handle, error)
+        if results or failed:
+            self._capacity_freed.set()
+
+    async def _append(self, events: list[tuple[Lease, JobEvent]]) -> None:
+        kept = await self.broker.append_events(events)
+        for (lease, _), ours in zip(events, kept, strict=True):
+            if not ours:
+                self._drop(lease.spec.id, "lease lost")
 
     # -- outputs ---------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -245,101 +278,57 @@ class Worker:
                 outputs = await self.engine.outputs()
             except EngineClosed:
                 return
+            update = self.scheduler.update(outputs)
+            # refill the engine before any broker write, so it never idles on a round trip
+            outcome = self._start_fitting() if (update.finished or update.failed) else _Outcome()
             try:
-                await self._publish(outputs)
+                await self._settle(outcome, update)
+                await self._check_cancellations()
             except Exception:
                 # a broker hiccup must not kill the loop; leases expire and jobs are redelivered
                 log.exception("publishing a step failed")
                 await asyncio.sleep(0.1)
 
-    async def _publish(self, outputs: Sequence[StepOutput]) -> None:
-        """One round trip carries every running job's new tokens, one every finished job."""
-        events: list[tuple[Lease, JobEvent]] = []
-        errors: list[tuple[_Running, str]] = []
-        finishing: list[tuple[_Running, FinishReason, TokenChunk | None]] = []
-        for out in _merge_per_sequence(outputs):
-            run = self._running.get(out.seq_id)
-            if run is None:
-                continue  # released, lost or aborted by us: nobody is waiting for it here
-            chunk = None
-            if out.token_ids or out.text:
-                run.token_ids.extend(out.token_ids)
-                run.text += out.text
-                self._tokens_seen += len(out.token_ids)
-                chunk = TokenChunk(token_ids=out.token_ids, text=out.text)
-            if out.finish_reason is None or out.finish_reason is FinishReason.ERROR:
-                if chunk is not None:
-                    events.append((run.lease, chunk))
-                if out.finish_reason is FinishReason.ERROR:
-                    errors.append((run, out.error or "engine error"))
-            else:
-                # the last tokens travel with the completion: one script instead of two
-                finishing.append((run, out.finish_reason, chunk))
-        if events:
-            kept = await self.broker.append_events(events)
-            for (lease, _), ours in zip(events, kept, strict=True):
-                if not ours:
-                    self._drop(lease.spec.id, "lease lost")
-        for run, error in errors:
-            if self._forget(run.lease.spec.id):
-                await self.broker.retry(run.lease, error)
-        await self._complete_many([f for f in finishing if f[0].lease.spec.id in self._running])
-        await self._check_cancellations()  # after completing: finished jobs need no check
-
     async def _check_cancellations(self) -> None:
         now = time.monotonic()
-        if not self._running or now - self._cancel_checked_at < CANCEL_POLL_S:
+        held = [job.job_id for job in self.scheduler.jobs()]
+        if not held or now - self._cancel_checked_at < CANCEL_POLL_S:
             return
         self._cancel_checked_at = now
-        for job_id in await self.broker.cancelled(self.model, list(self._running)):
-            # the engine answers with a CANCELLED output, which completes the job
-            self.engine.abort(job_id)
+        not_started: list[Finishing] = []
+        for job_id in await self.broker.cancelled(self.model, held):
+            if self.scheduler.get(job_id) is not None:
+                # the engine answers with a CANCELLED output, which completes the job
+                self.engine.abort(job_id)
+            elif (job := self.scheduler.remove(job_id)) is not None:
+                not_started.append((job, FinishReason.CANCELLED, None))
+        if not_started:
+            outcome = _Outcome()
+            outcome.finishing = not_started
+            await self._settle(outcome)
 
-    async def _complete_many(
-        self, finishing: Sequence[tuple[_Running, FinishReason, TokenChunk | None]]
-    ) -> None:
-        if not finishing:
-            return
-        items = []
-        for run, reason, _ in finishing:
-            self._forget(run.lease.spec.id)
-            result = JobResult(
-                status=_STATUS_OF.get(reason, JobStatus.FAILED),
-                finish_reason=reason,
-                text=run.text,
-                token_ids=run.token_ids,
-                prompt_tokens=len(run.prompt_ids),
-                completion_tokens=len(run.token_ids),
-                worker=self.consumer,
-                queued_s=max(0.0, run.claimed_at - run.lease.spec.created_at),
-            )
-            items.append((run.lease, result))
-        accepted = await self.broker.complete_many(items, [tail for _, _, tail in finishing])
-        self._jobs_done += sum(accepted)
-
-    async def _fail_now(self, lease: Lease, error: str) -> None:
-        result = JobResult(
-            status=JobStatus.FAILED,
-            finish_reason=FinishReason.ERROR,
-            error=error,
+    def _result(self, job: Job[Lease], reason: FinishReason) -> JobResult:
+        return JobResult(
+            status=_STATUS_OF.get(reason, JobStatus.FAILED),
+            finish_reason=reason,
+            text=job.text,
+            token_ids=job.token_ids,
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=len(job.token_ids),
             worker=self.consumer,
+            queued_s=max(0.0, job.claimed_at - job.handle.spec.created_at),
         )
-        await self.broker.complete(lease, result)
-        self._slot_freed.set()
 
-    def _forget(self, job_id: str) -> bool:
-        """Free a running job's slot; False if it was not running here."""
-        run = self._running.pop(job_id, None)
-        if run is not None:
-            self._tokens_in_use -= run.footprint
-        self._start_waiting()
-        self._slot_freed.set()
-        return run is not None
+    async def _complete(self, results: Sequence[tuple[Lease, JobResult]]) -> None:
+        await self.broker.complete_many(results)
+        self._capacity_freed.set()
 
     def _drop(self, job_id: str, why: str) -> None:
+        if self.scheduler.remove(job_id) is None:
+            return
         log.warning("dropping %s: %s", job_id, why)
-        self.engine.abort(job_id)
-        self._forget(job_id)
+        self.engine.abort(job_id)  # its CANCELLED output finds no job and is ignored
+        self._capacity_freed.set()
 
     # -- upkeep ----------------------------------------------------------------------------
     async def _upkeep_loop(self) -> None:
@@ -365,25 +354,18 @@ class Worker:
                 log.exception("upkeep failed; retrying")
 
     async def _renew(self) -> None:
-        held = [r.lease for r in (*self._running.values(), *self._waiting)]
+        held = [job.handle for job in self.scheduler.jobs()]
         for lease, ours in zip(held, await self.broker.renew(held), strict=True):
-            if ours or not self._holds(lease):
-                continue  # renewed, or completed while the renewal was on its way
-            self._waiting = deque(r for r in self._waiting if r.lease is not lease)
-            self._drop(lease.spec.id, "lease lost")
-
-    def _holds(self, lease: Lease) -> bool:
-        run = self._running.get(lease.spec.id)
-        return (run is not None and run.lease is lease) or any(
-            r.lease is lease for r in self._waiting
-        )
+            if not ours:
+                # lost, or completed while the renewal was on its way (then it is gone already)
+                self._drop(lease.spec.id, "lease lost")
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()
         mark_t, mark_n = self._rate_mark
         if now - mark_t >= 1.0:
             rate = (self._tokens_seen - mark_n) / (now - mark_t)
-            self._tokens_per_s = moving_average(self._tokens_per_s, rate, 0.5)
+            self._tokens_per_s = _moving_average(self._tokens_per_s, rate, 0.5)
             self._rate_mark = (now, self._tokens_seen)
         info = WorkerInfo(
             consumer=self.consumer,
@@ -393,11 +375,31 @@ class Worker:
             pid=os.getpid(),
             started_at=self.started_at,
             state="draining" if self._draining.is_set() else "running",
-            slots_total=self.max_seqs,
-            slots_used=self.busy,
+            slots_total=self.limits.max_seqs,
+            slots_used=self.scheduler.running,
             tokens_per_s=round(self._tokens_per_s, 2),
             mean_batch=round(self.engine.stats().mean_batch, 3),
             jobs_done=self._jobs_done,
+            limits=self.limits,
             at=time.time(),
         )
         await self.broker.heartbeat(info, ttl_s=max(3 * self.settings.heartbeat_s, 1.0))
+
+
+class _Outcome:
+    """Broker writes a scheduling pass left to do."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[Lease, JobResult]] = []  # refused: failed at once
+        self.finishing: list[Finishing] = []
+        self.failed: list[tuple[Job[Lease], str]] = []  # engine faults: retried
+        self.freed = False
+
+
+def _failure(error: str) -> JobResult:
+    return JobResult(status=JobStatus.FAILED, finish_reason=FinishReason.ERROR, error=error)
+
+
+def _refused(error: UserError) -> JobResult:
+    code = f"{error.code}: " if error.code else ""
+    return _failure(f"{code}{error.message}")

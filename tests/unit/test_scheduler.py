@@ -1,0 +1,147 @@
+"""The worker's scheduler driven with fake step outputs: no model, no broker, no clock."""
+
+from __future__ import annotations
+
+from tokenyard.engines.base import StepOutput
+from tokenyard.messages import FinishReason, ModelLimits, SamplingParams
+from tokenyard.worker.scheduler import Job, Scheduler
+
+LIMITS = ModelLimits(max_model_len=1000, max_seqs=4, token_budget=1000)
+
+
+def job(name: str, prompt: int = 10, max_tokens: int = 90, resumed: int = 0) -> Job[str]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Job(name, f"lease-{name}", list(range(1, prompt + 1)), params, 0.0, [7] * resumed)
+
+
+def out(
+    name: str,
+    tokens: list[int],
+    finish: FinishReason | None = None,
+    error: str | None = None,
+) -> StepOutput:
+    text = "".join(f"<{t}>" for t in tokens)
+    return StepOutput(name, tokens, text, finish, 10, len(tokens), error)
+
+
+def names(jobs: list[Job[str]]) -> list[str]:
+    return [j.job_id for j in jobs]
+
+
+def test_an_idle_scheduler_claims_its_slots_plus_the_reserve() -> None:
+    assert Scheduler[str](LIMITS, claim_ahead=2).want() == 6
+    assert Scheduler[str](LIMITS).want() == 4
+
+
+def test_starts_up_to_max_seqs_and_keeps_the_rest_waiting() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=2)
+    for i in range(6):
+        s.offer(job(f"j{i}"))
+    plan = s.schedule()
+    assert names(plan.start) == ["j0", "j1", "j2", "j3"]
+    assert (s.running, s.waiting, s.want()) == (4, 2, 0)
+    assert not s.schedule()  # nothing changed, nothing to do
+
+
+def test_a_finished_job_frees_its_slot_for_the_next_in_claim_order() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=1)
+    for i in range(5):
+        s.offer(job(f"j{i}"))
+    s.schedule()
+    update = s.update([out("j1", [5, 6], FinishReason.STOP)])
+    [(finished, reason, tail)] = update.finished
+    assert (finished.job_id, reason) == ("j1", FinishReason.STOP)
+    assert tail is not None and tail.token_ids == [5, 6] and finished.text == "<5><6>"
+    assert names(s.schedule().start) == ["j4"]
+    assert s.want() == 1  # the reserve refills
+
+
+def test_the_token_budget_bounds_what_runs_in_strict_order() -> None:
+    s = Scheduler[str](ModelLimits(max_model_len=1000, max_seqs=8, token_budget=500))
+    s.offer(job("a", prompt=100, max_tokens=100))  # 200
+    s.offer(job("b", prompt=100, max_tokens=150))  # 250
+    s.offer(job("long", prompt=100, max_tokens=300))  # 400: does not fit beside a and b
+    s.offer(job("short", prompt=5, max_tokens=5))  # fits, but must not overtake "long"
+    assert names(s.schedule().start) == ["a", "b"]
+    assert s.tokens_in_use == 450
+    s.update([out("a", [1], FinishReason.LENGTH)])
+    assert names(s.schedule().start) == []  # 250 + 400 > 500: long still waits at the head
+    s.update([out("b", [1], FinishReason.LENGTH)])
+    assert names(s.schedule().start) == ["long", "short"]
+
+
+def test_claims_are_bounded_by_the_tokens_left() -> None:
+    s = Scheduler[str](ModelLimits(max_model_len=1000, max_seqs=64, token_budget=1000))
+    for i in range(2):
+        s.offer(job(f"j{i}", prompt=100, max_tokens=100))
+    s.schedule()
+    # 600 tokens left at ~200 per job: 3 more could run, plus the default reserve of 0
+    assert s.want() == 3
+
+
+def test_requests_over_the_limits_are_refused_with_the_one_rule() -> None:
+    s = Scheduler[str](ModelLimits(max_model_len=100, max_seqs=4, token_budget=1000))
+    s.offer(job("too-long", prompt=60, max_tokens=50))
+    s.offer(job("empty", prompt=0))
+    s.offer(job("ok", prompt=10, max_tokens=20))
+    plan = s.schedule()
+    refused = {j.job_id: e for j, e in plan.refused}
+    assert refused["too-long"].code == "context_length_exceeded"
+    assert "maximum context length is 100" in refused["too-long"].message
+    assert refused["empty"].message == "The prompt is empty"
+    assert names(plan.start) == ["ok"]
+
+
+def test_the_budget_is_a_limit_too_when_smaller_than_the_context() -> None:
+    s = Scheduler[str](ModelLimits(max_model_len=4096, max_seqs=4, token_budget=256))
+    s.offer(job("big", prompt=200, max_tokens=100))
+    [(_, error)] = s.schedule().refused
+    assert error.code == "context_length_exceeded" and "256" in error.message
+
+
+def test_a_job_resumed_to_its_last_token_is_done_without_the_engine() -> None:
+    s = Scheduler[str](LIMITS)
+    s.offer(job("whole", max_tokens=5, resumed=5))
+    s.offer(job("half", max_tokens=5, resumed=2))
+    plan = s.schedule()
+    assert names(plan.done) == ["whole"] and names(plan.start) == ["half"]
+
+
+def test_several_steps_fold_into_one_event_per_job() -> None:
+    s = Scheduler[str](LIMITS)
+    for name in ("a", "b"):
+        s.offer(job(name))
+    s.schedule()
+    update = s.update([out("a", [1]), out("b", [2]), out("a", [3]), out("ghost", [9])])
+    assert [(j.job_id, c.token_ids, c.text) for j, c in update.events] == [
+        ("a", [1, 3], "<1><3>"),
+        ("b", [2], "<2>"),
+    ]
+    assert update.tokens == 3 and not update.finished
+    # nothing follows a finish: a stray output after it is ignored
+    update = s.update([out("a", [4], FinishReason.STOP), out("a", [5])])
+    assert [(j.job_id, t.token_ids if t else None) for j, _, t in update.finished] == [("a", [4])]
+    assert s.get("a") is None and s.running == 1
+
+
+def test_an_engine_error_fails_the_job_and_keeps_its_tokens() -> None:
+    s = Scheduler[str](LIMITS)
+    s.offer(job("bad"))
+    s.schedule()
+    update = s.update([out("bad", [1, 2], FinishReason.ERROR, "boom")])
+    assert [(j.job_id, e) for j, e in update.failed] == [("bad", "boom")]
+    assert [c.token_ids for _, c in update.events] == [[1, 2]]
+    assert s.running == 0 and s.tokens_in_use == 0
+
+
+def test_remove_and_take_waiting_free_what_they_held() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=2)
+    for i in range(6):
+        s.offer(job(f"j{i}"))
+    s.schedule()
+    removed = s.remove("j0")
+    assert removed is not None and removed.handle == "lease-j0"
+    assert s.remove("j0") is None
+    assert names(s.take_waiting()) == ["j4", "j5"]
+    assert (s.running, s.waiting) == (3, 0)
+    assert names(s.drain()) == ["j1", "j2", "j3"] and s.tokens_in_use == 0

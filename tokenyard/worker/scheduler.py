@@ -1,0 +1,228 @@
+"""The worker's one scheduler: a pure state machine, in the style of vLLM's and TGI's.
+
+It owns the slot count and the token budget. Claimed jobs are *offered*; `schedule()` says
+which start now, which are refused (and why) and which were already finished by an earlier
+delivery; `update()` turns engine step outputs into token events, completions and failures
+and frees their capacity; `want()` says how many more jobs to claim, keeping a small
+claimed-but-not-started reserve so a freed slot never waits on a Redis round trip.
+The worker does all I/O; nothing here awaits, sleeps or reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from tokenyard.engines.base import StepOutput
+from tokenyard.errors import InvalidRequest
+from tokenyard.limits import refusal
+from tokenyard.messages import FinishReason, ModelLimits, SamplingParams, TokenChunk
+
+H = TypeVar("H")  # the worker's handle on a job (its lease); opaque here
+
+
+@dataclass(eq=False)
+class Job(Generic[H]):
+    """A claimed job as the scheduler sees it; `token_ids` include tokens resumed from a crash."""
+
+    job_id: str
+    handle: H
+    prompt_ids: list[int]
+    params: SamplingParams
+    claimed_at: float
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def footprint(self) -> int:
+        """Tokens the job may hold at its longest: prompt plus everything it may generate."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclass
+class Plan(Generic[H]):
+    """What to do after a scheduling pass."""
+
+    start: list[Job[H]] = field(default_factory=list)  # add to the engine now, in this order
+    refused: list[tuple[Job[H], InvalidRequest]] = field(default_factory=list)  # fail at once
+    done: list[Job[H]] = field(default_factory=list)  # an earlier delivery already finished it
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.refused or self.done)
+
+
+@dataclass
+class Update(Generic[H]):
+    """What one or more engine steps mean for the jobs: publish, complete, retry."""
+
+    events: list[tuple[Job[H], TokenChunk]] = field(default_factory=list)
+    finished: list[tuple[Job[H], FinishReason, TokenChunk | None]] = field(default_factory=list)
+    failed: list[tuple[Job[H], str]] = field(default_factory=list)
+    tokens: int = 0
+
+
+def _moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
+    return sample if previous <= 0 else previous + weight * (sample - previous)
+
+
+class Scheduler(Generic[H]):
+    """Decides what runs on one engine; see the module docstring for the protocol."""
+
+    def __init__(self, limits: ModelLimits, claim_ahead: int = 0) -> None:
+        if limits.max_seqs < 1 or limits.token_budget < 1 or limits.max_model_len < 2:
+            raise ValueError(f"unusable limits {limits}")
+        self.limits = limits
+        self.claim_ahead = max(0, claim_ahead)
+        self._waiting: deque[Job[H]] = deque()
+        self._fresh: deque[Job[H]] = deque()  # offered, not yet checked against the rule
+        self._running: dict[str, Job[H]] = {}
+        self._tokens_running = 0
+        self._expected_footprint = 0.0
+
+    # -- views -----------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) + len(self._fresh)
+
+    @property
+    def tokens_in_use(self) -> int:
+        """Tokens reserved by running jobs."""
+        return self._tokens_running
+
+    def jobs(self) -> Iterator[Job[H]]:
+        """Every job held: running first, then waiting."""
+        yield from self._running.values()
+        yield from self._waiting
+        yield from self._fresh
+
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def get(self, job_id: str) -> Job[H] | None:
+        return self._running.get(job_id)
+
+    # -- claiming --------------------------------------------------------------------------
+    def want(self) -> int:
+        """How many jobs to claim now: what could run at once, plus the reserve, minus held.
+
+        Prompt lengths are unknown before the claim, so free tokens are divided by the mean
+        footprint seen so far; an idle scheduler always asks for at least one job.
+        """
+        could_run = self.limits.max_seqs
+        if self._expected_footprint > 0:
+            spare = max(0, self.limits.token_budget - self._tokens_running)
+            by_tokens = self.running + int(spare // self._expected_footprint)
+            could_run = min(could_run, by_tokens)
+        held = self.running + self.waiting
+        want = could_run + self.claim_ahead - held
+        return max(1 if held == 0 else 0, want)
+
+    def offer(self, job: Job[H]) -> None:
+        """A claimed job joins the queue; the next `schedule()` starts, keeps or refuses it."""
+        self._fresh.append(job)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> Plan[H]:
+        """Move what fits from waiting to running, strictly in claim order."""
+        plan: Plan[H] = Plan()
+        while self._fresh:
+            job = self._fresh.popleft()
+            error = refusal(len(job.prompt_ids), job.params, self.limits)
+            if error is not None:
+                plan.refused.append((job, error))
+            elif len(job.token_ids) >= job.params.max_tokens:
+                plan.done.append(job)
+            else:
+                self._expected_footprint = _moving_average(self._expected_footprint, job.footprint)
+                self._waiting.append(job)
+        # Strict order: a long job at the head is not overtaken forever by short ones. Every
+        # accepted job fits an empty engine (the rule checked it against the whole budget).
+        while self._waiting and len(self._running) < self.limits.max_seqs:
+            head = self._waiting[0]
+            if self._tokens_running + head.footprint > self.limits.token_budget:
+                break
+            self._waiting.popleft()
+            self._running[head.job_id] = head
+            self._tokens_running += head.footprint
+            plan.start.append(head)
+        return plan
+
+    def remove(self, job_id: str) -> Job[H] | None:
+        """Forget a job (lease lost, released, failed to start); frees its capacity."""
+        job = self._running.pop(job_id, None)
+        if job is not None:
+            self._tokens_running -= job.footprint
+            return job
+        for queue in (self._waiting, self._fresh):
+            for held in queue:
+                if held.job_id == job_id:
+                    queue.remove(held)
+                    return held
+        return None
+
+    def take_waiting(self) -> list[Job[H]]:
+        """Take out the jobs that have not started (a draining worker hands them back)."""
+        waiting = [*self._waiting, *self._fresh]
+        self._waiting.clear()
+        self._fresh.clear()
+        return waiting
+
+    def drain(self) -> list[Job[H]]:
+        """Take every job out (shutdown); returns them, running first."""
+        every = list(self.jobs())
+        self._running.clear()
+        self._waiting.clear()
+        self._fresh.clear()
+        self._tokens_running = 0
+        return every
+
+    # -- engine outputs --------------------------------------------------------------------
+    def update(self, outputs: Sequence[StepOutput]) -> Update[H]:
+        """Fold step outputs into jobs; finished and failed jobs leave the running set.
+
+        Several steps may arrive together: each job yields at most one event, so the worker
+        makes one broker write per job per call, however far the engine ran ahead.
+        """
+        update: Update[H] = Update()
+        pending: dict[str, tuple[Job[H], list[int], list[str]]] = {}
+        ended: dict[str, tuple[FinishReason, str | None]] = {}
+        for out in outputs:
+            job = self._running.get(out.seq_id)
+            if job is None or out.seq_id in ended:
+                continue  # released, removed or already finished: nobody waits for it here
+            entry = pending.get(out.seq_id)
+            if entry is None:
+                entry = pending[out.seq_id] = (job, [], [])
+            entry[1].extend(out.token_ids)
+            entry[2].append(out.text)
+            if out.finish_reason is not None:
+                ended[out.seq_id] = (out.finish_reason, out.error)
+        for job_id, (job, token_ids, texts) in pending.items():
+            text = "".join(texts)
+            chunk = None
+            if token_ids or text:
+                job.token_ids.extend(token_ids)
+                job.text += text
+                update.tokens += len(token_ids)
+                chunk = TokenChunk(token_ids=token_ids, text=text)
+            end = ended.get(job_id)
+            if end is None:
+                if chunk is not None:
+                    update.events.append((job, chunk))
+                continue
+            self.remove(job_id)
+            reason, error = end
+            if reason is FinishReason.ERROR:
+                if chunk is not None:  # keep what was produced: the retry resumes after it
+                    update.events.append((job, chunk))
+                update.failed.append((job, error or "engine error"))
+            else:
+                # the last tokens ride with the completion: one write instead of two
+                update.finished.append((job, reason, chunk))
+        return update
