@@ -8,7 +8,7 @@ with the same `InvalidRequest`, so a client sees one message whichever place ref
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import ModelLimits, SamplingParams
@@ -28,11 +28,26 @@ def context_length_exceeded(
 
 
 def refusal(
-    prompt_tokens: int, params: SamplingParams, limits: ModelLimits, param: str = "prompt"
+    prompt_tokens: int,
+    params: SamplingParams,
+    limits: ModelLimits,
+    param: str = "prompt",
+    *,
+    token_ids: Sequence[int] = (),
 ) -> InvalidRequest | None:
-    """Why a request cannot run on a model with these limits, or None when it can."""
+    """Why a request cannot run on a model with these limits, or None when it can.
+
+    `token_ids`, when given, are the prompt's ids: one the model's embedding does not have
+    would fail every sequence batched with it, so it is refused here.
+    """
     if prompt_tokens < 1:
         return InvalidRequest("The prompt is empty", param=param)
+    if token_ids and (
+        min(token_ids) < 0 or (limits.vocab_size and max(token_ids) >= limits.vocab_size)
+    ):
+        return InvalidRequest(
+            f"token ids must be in [0, {limits.vocab_size or 'vocab size'})", param=param
+        )
     if params.max_tokens < 1:
         return InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if params.temperature < 0:
@@ -47,10 +62,15 @@ def refusal(
 
 
 def check(
-    prompt_tokens: int, params: SamplingParams, limits: ModelLimits, param: str = "prompt"
+    prompt_tokens: int,
+    params: SamplingParams,
+    limits: ModelLimits,
+    param: str = "prompt",
+    *,
+    token_ids: Sequence[int] = (),
 ) -> None:
     """Raise the refusal, if any."""
-    error = refusal(prompt_tokens, params, limits, param)
+    error = refusal(prompt_tokens, params, limits, param, token_ids=token_ids)
     if error is not None:
         raise error
 
@@ -64,4 +84,5 @@ def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
         max_model_len=max(x.max_model_len for x in every),
         max_seqs=max(x.max_seqs for x in every),
         token_budget=max(x.token_budget for x in every),
+        vocab_size=min(x.vocab_size for x in every),
     )

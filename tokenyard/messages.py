@@ -138,6 +138,7 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int  # context: prompt + generated tokens of one sequence
     max_seqs: int  # sequences running at once
     token_budget: int  # prompt + max_tokens reserved over all running sequences
+    vocab_size: int = 0  # token ids must be below it; 0: not known
 
     @property
     def context(self) -> int:

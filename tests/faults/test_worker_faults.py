@@ -40,13 +40,20 @@ class Workers:
         self.prefix = prefix
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *extra: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, *extra: str, engine: str = "hf", env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         cmd = [
             sys.executable, "-m", "tokenyard.worker",
             "--broker", self.url, "--prefix", self.prefix, "--model", MODEL,
-            "--engine", "hf", "--max-seqs", "16", "--lease-s", str(LEASE_S), *extra,
+            "--engine", engine, "--max-seqs", "16", "--lease-s", str(LEASE_S), *extra,
         ]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+        )
         self.procs.append(proc)
         return proc
 
@@ -186,3 +193,51 @@ async def test_worker_process_exits_cleanly_on_sigterm_when_idle(
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(60) == 0
     assert not await broker.workers(MODEL)
+
+
+async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
+    workers: Workers, broker: RedisBroker
+) -> None:
+    """Jobs no engine can take, batched among 100 good ones: each poison ends with its reason."""
+    env = {"TOKENYARD_BROKER_MAX_DELIVERIES": "2", "TOKENYARD_BROKER_BACKOFF_BASE_S": "0.05"}
+    procs = [workers.start(engine="sim", env=env) for _ in range(2)]
+    give_up = time.monotonic() + 60
+    while len(await broker.workers(MODEL)) < 2:
+        assert time.monotonic() < give_up, "workers never registered"
+        await asyncio.sleep(0.1)
+    consumers = {w.consumer for w in await broker.workers(MODEL)}
+    [limits] = {w.limits for w in await broker.workers(MODEL)}
+    assert limits is not None and limits.vocab_size > 0
+
+    def poison(name: str, prompt: str | None, ids: list[int] | None) -> JobSpec:
+        sampling = SamplingParams(max_tokens=16, temperature=0.0)
+        return JobSpec(
+            id=new_job_id(MODEL), model=MODEL, prompt=prompt, prompt_token_ids=ids,
+            sampling=sampling, tenant=name,
+        )  # fmt: skip
+
+    too_long = poison("too-long", None, [5] * (limits.max_model_len + 1))
+    unknown_token = poison("unknown-token", None, [5, limits.vocab_size + 7])
+    engine_fault = poison("engine-fault", "this one makes the engine [[fail]]", None)
+    good = greedy_jobs(100, max_tokens=32)
+    jobs = [*good[:50], too_long, unknown_token, engine_fault, *good[50:]]
+    await broker.enqueue_many(jobs)
+    done = await results(broker, [j.id for j in jobs], timeout=120)
+
+    assert all(done[j.id].status is JobStatus.SUCCEEDED for j in good)
+    assert all(done[j.id].completion_tokens == 32 for j in good)
+    assert done[too_long.id].status is JobStatus.FAILED
+    assert "maximum context length" in (done[too_long.id].error or "")
+    assert done[unknown_token.id].status is JobStatus.FAILED
+    assert "token ids must be in" in (done[unknown_token.id].error or "")
+    fault = await broker.record(engine_fault.id)
+    assert fault is not None and fault.status is JobStatus.DEAD and fault.deliveries == 2
+    assert "injected" in (fault.last_error or "")
+    [letter] = await broker.dead_letters(MODEL)
+    assert letter.job_id == engine_fault.id and "injected" in (letter.error or "")
+    # the refused ones were never retried, and no worker died on the way
+    for refused in (too_long, unknown_token):
+        record = await broker.record(refused.id)
+        assert record is not None and record.deliveries == 1
+    assert all(proc.poll() is None for proc in procs)
+    assert {w.consumer for w in await broker.workers(MODEL)} == consumers

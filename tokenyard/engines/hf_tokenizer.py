@@ -16,9 +16,15 @@ class HFTokenizer:
     """Adapts a transformers tokenizer to the EngineTokenizer protocol; safe across threads."""
 
     def __init__(
-        self, tok: PreTrainedTokenizerBase, max_model_len: int, eos_ids: Sequence[int] = ()
+        self,
+        tok: PreTrainedTokenizerBase,
+        max_model_len: int,
+        eos_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
     ) -> None:
         self.hf = tok
+        # the model's embedding may have fewer rows than the tokenizer has entries, or more
+        self._vocab_size = min(len(tok), vocab_size) if vocab_size else len(tok)
         # The Rust tokenizer is mutably borrowed by encode (truncation/padding settings), so
         # concurrent calls from the engine thread and the event loop can fail: serialise them.
         self._lock = threading.Lock()
@@ -41,6 +47,10 @@ class HFTokenizer:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt; BOS is added unless the text (a chat template) starts with it."""
@@ -76,16 +86,17 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
     return path
 
 
-def model_context(path: Path) -> tuple[int, list[int]]:
-    """The model's context length and end-of-sequence ids, from its config."""
+def model_context(path: Path) -> tuple[int, list[int], int]:
+    """The model's context length, end-of-sequence ids and vocabulary size, from its config."""
     config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     length = int(getattr(config, "max_position_embeddings", 0) or 2048)
     eos = getattr(config, "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return length, eos_ids
+    return length, eos_ids, int(getattr(config, "vocab_size", 0) or 0)
 
 
 def load_hf_tokenizer(path: Path) -> HFTokenizer:
-    """The tokenizer of a local model directory, with its context length and EOS ids."""
-    max_len, eos_ids = model_context(path)
-    return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), max_len, eos_ids)
+    """The tokenizer of a local model directory, with its context, EOS ids and vocabulary."""
+    max_len, eos_ids, vocab = model_context(path)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return HFTokenizer(tok, max_len, eos_ids, vocab)

@@ -133,7 +133,7 @@ class Scheduler(Generic[H]):
         plan: Plan[H] = Plan()
         while self._fresh:
             job = self._fresh.popleft()
-            error = refusal(len(job.prompt_ids), job.params, self.limits)
+            error = refusal(len(job.prompt_ids), job.params, self.limits, token_ids=job.prompt_ids)
             if error is not None:
                 plan.refused.append((job, error))
             elif len(job.token_ids) >= job.params.max_tokens:

@@ -59,6 +59,7 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
         max_model_len=engine.tokenizer.max_model_len,
         max_seqs=min(n for n in (settings.max_seqs, capacity.max_seqs) if n),
         token_budget=min(n for n in (settings.token_budget, capacity.max_tokens) if n),
+        vocab_size=engine.tokenizer.vocab_size,
     )
 
 
