@@ -252,3 +252,21 @@ async def test_drain_timeout_hands_unfinished_jobs_back(
         texts = [e.text for _, e in await broker.read_events(s.id) if isinstance(e, TokenChunk)]
         assert "".join(texts) == result.text
         assert records[s.id].deliveries == 1  # a release is not charged as a delivery
+
+
+async def test_the_engine_fills_to_capacity_within_a_few_steps(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    """With more jobs waiting than slots, the running batch reaches max_seqs almost at once."""
+    broker = make_broker()
+    await broker.enqueue_many([spec(f"fill{i}", 40) for i in range(40)])
+    engine = SimEngine(decode_base=0.005)
+    worker = run_worker(engine=engine, max_seqs=16)
+    steps_to_full = None
+    while steps_to_full is None:
+        stats = engine.stats()
+        if stats.running == 16:
+            steps_to_full = stats.steps
+        await asyncio.sleep(0.001)
+    assert steps_to_full <= 3
+    assert worker.scheduler.waiting >= 1  # the claim-ahead reserve is held beside the batch

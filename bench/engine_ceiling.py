@@ -1,0 +1,343 @@
+"""How much of its engine's own offline maximum tokenyard's HTTP path delivers.
+
+For each concurrency C, with the same model, engine settings, prompts and output length
+(greedy, fixed length via ignore_eos), one run measures side by side:
+
+  transformers   the engine alone: `model.generate_batch` (transformers' own continuous
+                 batching) with every request submitted at once, `max_requests_per_batch=C`.
+  engine         tokenyard's HF engine called in this process, C sequences kept in flight
+                 (no queue, no HTTP): what the engine wrapper costs.
+  http           the product path: a private Valkey, `tokenyard gateway` and `tokenyard
+                 worker --max-seqs C` subprocesses, C closed-loop clients streaming
+                 /v1/completions. Its mean running batch comes from the worker's heartbeat.
+
+The ratio that matters is http / max(transformers, engine) (goal >= 0.9).
+
+    python bench/engine_ceiling.py [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from bench.common import free_port, proc_cpu_s
+from tokenyard.bench.client import Endpoint, RequestOptions
+from tokenyard.bench.report import level_report
+from tokenyard.bench.runner import BenchSettings, Load, run_level
+from tokenyard.bench.workload import LengthDist, Workload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def workload(opts: argparse.Namespace) -> Workload:
+    return Workload(
+        prompt_len=LengthDist(opts.prompt_words, opts.prompt_words),
+        output_len=LengthDist(opts.max_tokens, opts.max_tokens),
+    )
+
+
+def prompts(opts: argparse.Namespace, n: int, encode: Any) -> list[list[int]]:
+    """The same prompts the HTTP clients send, as token ids."""
+    specs = workload(opts).requests(f"{opts.seed}:0")
+    ids: list[list[int]] = []
+    for spec in specs:
+        ids.append(list(encode(spec.prompt)))
+        if len(ids) == n:
+            break
+    while len(ids) < n:  # a workload yields as many as asked for; repeat if it stops early
+        ids.append(ids[len(ids) % max(1, len(ids))])
+    return ids
+
+
+# -- the engine alone ------------------------------------------------------------------------
+
+
+def offline_transformers(opts: argparse.Namespace, c: int, n: int) -> dict[str, Any]:
+    """transformers' own `generate_batch`: all requests at once, C per batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    from tokenyard.engines.hf_tokenizer import load_hf_tokenizer, resolve_model_path
+
+    path = resolve_model_path(opts.model)
+    tok = load_hf_tokenizer(path)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[opts.dtype]
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+    ).to(opts.device)
+    model.eval()
+    inputs = prompts(opts, n, tok.encode)
+    longest = max(len(p) for p in inputs) + opts.max_tokens
+    page = 64
+    config = GenerationConfig(
+        max_new_tokens=opts.max_tokens,
+        do_sample=False,
+        eos_token_id=-1,  # fixed length, as the HTTP clients' ignore_eos
+        pad_token_id=tok.pad_token_id,
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=c * (-(-longest // page) + 1),
+        max_batch_tokens=opts.max_batch_tokens or max(512, c),
+        max_requests_per_batch=c,
+        use_cuda_graph=opts.device.startswith("cuda"),
+    )
+    model.generate_batch(inputs[: min(8, n)], config, cb, progress_bar=False)  # warm-up
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs, config, cb, progress_bar=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    del model
+    return {
+        "requests": n,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 1),
+    }
+
+
+async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, Any]:
+    """tokenyard's HF engine in this process, C sequences kept in flight."""
+    from tokenyard.engines import make_engine
+    from tokenyard.messages import SamplingParams
+
+    engine = make_engine("hf", model=opts.model, device=opts.device, dtype=opts.dtype, max_seqs=c)
+    await engine.start()
+    params = SamplingParams(max_tokens=opts.max_tokens, temperature=0.0, ignore_eos=True)
+    inputs = prompts(opts, n, engine.tokenizer.encode)
+
+    async def run(batch: list[list[int]], tag: str) -> tuple[int, float]:
+        todo = list(enumerate(batch))
+        live = 0
+        tokens = 0
+        while todo and live < c:
+            i, ids = todo.pop(0)
+            engine.add(f"{tag}{i}", ids, params)
+            live += 1
+        start = time.perf_counter()
+        while live:
+            for out in await engine.outputs():
+                tokens += len(out.token_ids)
+                if out.finish_reason is not None:
+                    live -= 1
+                    if todo:
+                        i, ids = todo.pop(0)
+                        engine.add(f"{tag}{i}", ids, params)
+                        live += 1
+        return tokens, time.perf_counter() - start
+
+    try:
+        await run(inputs[: min(8, n)], "warm")
+        before = engine.stats()
+        tokens, wall = await run(inputs, "run")
+        after = engine.stats()
+    finally:
+        await engine.stop()
+    steps = after.steps - before.steps
+    mean_batch = (after.sequences_stepped - before.sequences_stepped) / steps if steps else 0.0
+    return {
+        "requests": n,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 1),
+        "mean_batch": round(mean_batch, 2),
+    }
+
+
+# -- the HTTP path ---------------------------------------------------------------------------
+
+
+class Stack:
+    """A private Valkey, one gateway and one worker, from the product's own CLI."""
+
+    def __init__(self, opts: argparse.Namespace, c: int, log_dir: Path) -> None:
+        from tokenyard.broker.embedded import EmbeddedServer
+
+        self.opts = opts
+        self.c = c
+        self.log_dir = log_dir
+        self.server = EmbeddedServer(log_dir / "valkey").start()
+        self.prefix = f"ec{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        common = ["--broker", self.server.url, "--prefix", self.prefix, "--model", opts.model]
+        env = {
+            **os.environ,
+            "TOKENYARD_WORKER_DEVICE": opts.device,
+            "TOKENYARD_WORKER_DTYPE": opts.dtype,
+            "TOKENYARD_WORKER_TOKEN_BUDGET": str(c * (4 * opts.prompt_words + opts.max_tokens)),
+            "TOKENYARD_WORKER_ENGINE_PROCESS": "1" if opts.engine_process else "0",
+        }
+        self.procs = {
+            "worker": self._spawn("worker", [*common, "--engine", "hf", "--max-seqs", str(c)], env),
+            "gateway": self._spawn(
+                "gateway", [*common, "--engine", "hf", "--port", str(self.port)], env
+            ),
+        }
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        cmd = [sys.executable, "-m", "tokenyard", name, *args]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    async def wait_ready(self, timeout_s: float = 180.0) -> None:
+        give_up = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(base_url=self.base, timeout=5.0) as client:
+            while True:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get("/readyz")).status_code == 200:
+                        return
+                if time.monotonic() > give_up:
+                    raise TimeoutError("the stack did not become ready")
+                await asyncio.sleep(0.2)
+
+    async def worker_mean_batch(self) -> float | None:
+        from tokenyard.broker.redis import RedisBroker
+        from tokenyard.config import BrokerSettings
+
+        broker = RedisBroker(BrokerSettings(url=self.server.url, prefix=self.prefix))
+        try:
+            await asyncio.sleep(2.5)  # one heartbeat after the load
+            infos = await broker.workers(self.opts.model)
+        finally:
+            await broker.close()
+        return infos[0].mean_batch if infos else None
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.server.stop()
+
+
+async def http_path(opts: argparse.Namespace, c: int, n: int, tmp: Path) -> dict[str, Any]:
+    log_dir = tmp / f"c{c}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(opts, c, log_dir)
+    try:
+        await stack.wait_ready()
+
+        def settings(requests: int, seed: int) -> BenchSettings:
+            return BenchSettings(
+                base_url=f"{stack.base}/v1",
+                options=RequestOptions(
+                    endpoint=Endpoint.completions,
+                    model=opts.model,
+                    ignore_eos=True,
+                    temperature=0.0,
+                ),
+                workload=workload(opts),
+                requests=requests,
+                seed=seed,
+                timeout_s=600.0,
+            )
+
+        await run_level(settings(min(8, n), opts.seed + 1), Load("closed", min(8, c)))  # warm-up
+        pids = {name: proc.pid for name, proc in stack.procs.items()}
+        pids["valkey"] = stack.server.pid or 0
+        cpu0 = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+        client0 = time.process_time()
+        report = level_report(await run_level(settings(n, opts.seed), Load("closed", c)))
+        cpu = {name: proc_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+        cpu["client"] = time.process_time() - client0
+        mean_batch = await stack.worker_mean_batch()
+    finally:
+        stack.stop()
+    return {
+        "requests": report["requests"],
+        "tokens": report["tokens"]["output"],
+        "wall_s": report["duration_s"],
+        "tok_s": report["throughput"]["output_tokens_per_s"],
+        "mean_batch": mean_batch,
+        "ttft_ms": {k: report["ttft_ms"].get(k) for k in ("p50", "p99")},
+        # where a small host spends itself: CPU seconds per process over the measured run
+        "cpu_s": {name: round(seconds, 2) for name, seconds in cpu.items()},
+        "errors": report["errors"],
+    }
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
+        for c in opts.concurrency:
+            n = max(c, opts.requests_per_slot * c)
+            cell: dict[str, Any] = {}
+            cell["transformers"] = await asyncio.to_thread(offline_transformers, opts, c, n)
+            cell["engine"] = await offline_engine(opts, c, n)
+            cell["http"] = await http_path(opts, c, n, Path(tmp))
+            ceiling = max(cell["transformers"]["tok_s"], cell["engine"]["tok_s"])
+            cell["http_over_offline_max"] = round(cell["http"]["tok_s"] / ceiling, 3)
+            cell["engine_over_transformers"] = round(
+                cell["engine"]["tok_s"] / cell["transformers"]["tok_s"], 3
+            )
+            results[str(c)] = cell
+    return {
+        "benchmark": "engine_ceiling",
+        "model": opts.model,
+        "device": opts.device,
+        "dtype": opts.dtype,
+        "prompt_words": opts.prompt_words,
+        "max_tokens": opts.max_tokens,
+        "cores": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "goal": {"http_over_offline_max": 0.9},
+        "results": results,
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", default="64,256")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--requests-per-slot", type=int, default=2)
+    parser.add_argument("--max-batch-tokens", type=int, default=None)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--engine-process", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: C=4, 8 tokens")
+    opts = parser.parse_args(argv)
+    opts.concurrency = [int(x) for x in str(opts.concurrency).split(",")]
+    if opts.quick:
+        opts.concurrency, opts.max_tokens, opts.prompt_words = [4], 8, 8
+    return opts
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(asyncio.run(main_async(parse(argv))), indent=2))
+
+
+if __name__ == "__main__":
+    main()
