@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-
 from transformers import AutoConfig
 
 from tests.engines.outputs import collect

@@ -343,6 +343,10 @@ class LocalEngine(Engine, Generic[S]):
                 self._stats, running=len(self._seqs), reserved_tokens=self._ledger.reserved
             )
 
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Every output of this engine passes here, in order (a hook for instrumentation)."""
+        self._channel.deliver(outputs)
+
     def _hold_locked(self, seq: S) -> bool:
         """Take a new sequence in; False when its resumed tokens already finished it."""
         if self._closed:
@@ -350,7 +354,7 @@ class LocalEngine(Engine, Generic[S]):
         if seq.decoder.finish_reason is not None:
             if seq.seq_id in self._seqs:
                 raise EngineError(f"sequence {seq.seq_id!r} is already in the engine")
-            self._channel.deliver([seq.finish(seq.decoder.finish_reason)])
+            self._deliver([seq.finish(seq.decoder.finish_reason)])
             return False
         self._ledger.take(seq.seq_id, seq.reserved, self.capacity)
         self._seqs[seq.seq_id] = seq

@@ -489,7 +489,7 @@ class HFEngine(HFEngineBase):
             left = self._close_locked()
             self._by_internal.clear()
             self._backlog.clear()
-        self._channel.deliver(left)
+        self._deliver(left)
         if manager is not None:
             await asyncio.to_thread(manager.stop, block=True, timeout=60, hard_stop=True)
             await asyncio.to_thread(manager.destroy)
@@ -518,7 +518,7 @@ class HFEngine(HFEngineBase):
                 return
             seq.aborted = True
             self._finish_locked(seq, engine_done=False)
-            self._channel.deliver([seq.finish(FinishReason.CANCELLED)])
+            self._deliver([seq.finish(FinishReason.CANCELLED)])
 
     def stats(self) -> EngineStats:
         stats = super().stats()
@@ -548,7 +548,7 @@ class HFEngine(HFEngineBase):
         if accepted is None:
             self._finish_locked(seq, engine_done=True)
             refused = seq.finish(FinishReason.ERROR, "engine is not accepting requests")
-            self._channel.deliver([refused])
+            self._deliver([refused])
 
     def _finish_locked(self, seq: HFSeq, *, engine_done: bool) -> None:
         """Forget a sequence; unless the manager finished it itself, cancel it there."""
@@ -594,7 +594,7 @@ class HFEngine(HFEngineBase):
             if stepped:
                 self._stats.steps += 1
                 self._stats.sequences_stepped += stepped
-            self._channel.deliver(step)
+            self._deliver(step)
 
     def _handle_stray_locked(self, out: GenerationOutput) -> None:
         if out.request_id == _WARMUP_ID:

@@ -136,7 +136,7 @@ class HFStaticEngine(HFEngineBase):
             self._cond.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._channel.deliver(left)
+        self._deliver(left)
         self._channel.close()
 
     def add(
@@ -164,7 +164,7 @@ class HFStaticEngine(HFEngineBase):
             if seq in self._queue:
                 self._queue.remove(seq)
             self._arrival.pop(seq_id, None)
-            self._channel.deliver([seq.finish(FinishReason.CANCELLED)])
+            self._deliver([seq.finish(FinishReason.CANCELLED)])
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -197,7 +197,7 @@ class HFStaticEngine(HFEngineBase):
                 with self._lock:
                     failed = [s for s in batch if self._release_locked(s)]
                     error = f"{type(exc).__name__}: {exc}"
-                    self._channel.deliver([s.finish(FinishReason.ERROR, error) for s in failed])
+                    self._deliver([s.finish(FinishReason.ERROR, error) for s in failed])
 
     @torch.inference_mode()
     def _run_batch(self, batch: list[HFSeq]) -> None:
@@ -227,7 +227,7 @@ class HFStaticEngine(HFEngineBase):
             for i, seq in enumerate(batch):
                 if not stopper.done[i] and self._release_locked(seq):
                     outs.append(seq.output(seq.decoder.close(FinishReason.LENGTH)))
-            self._channel.deliver(outs)
+            self._deliver(outs)
 
     def _on_static_step(self, rows: list[HFSeq], done: list[bool], last: list[int]) -> None:
         outs: list[StepOutput] = []
@@ -249,4 +249,4 @@ class HFStaticEngine(HFEngineBase):
             if stepped:
                 self._stats.steps += 1
                 self._stats.sequences_stepped += stepped
-            self._channel.deliver(outs)
+            self._deliver(outs)

@@ -115,7 +115,7 @@ class SimEngine(LocalEngine[_SimSeq]):
             self._cond.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._channel.deliver(left)
+        self._deliver(left)
         self._channel.close()
 
     def add(
@@ -153,7 +153,7 @@ class SimEngine(LocalEngine[_SimSeq]):
             seq = self._seqs.get(seq_id)
             if seq is None or not self._release_locked(seq):
                 return
-            self._channel.deliver([seq.finish(FinishReason.CANCELLED)])
+            self._deliver([seq.finish(FinishReason.CANCELLED)])
 
     def _loop(self) -> None:
         while True:
@@ -199,7 +199,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         if stepped:
             self._stats.steps += 1
             self._stats.sequences_stepped += stepped
-        self._channel.deliver(outputs)
+        self._deliver(outputs)
 
     def _token(self, seq: _SimSeq) -> int:
         h = hashlib.blake2b(seq.key + seq.position.to_bytes(4, "little"), digest_size=16).digest()
