@@ -99,6 +99,7 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Stop the loop; sequences still running finish with ERROR ("engine stopped")."""
 
+    # Every engine repeats this signature (`duplicates` pairs them): it is the interface.
     @abc.abstractmethod
     def add(
         self,
@@ -322,17 +323,15 @@ class Ledger:
         self.reserved = 0
 
 
-class LocalEngine(Engine, Generic[S]):
-    """What the in-process engines share: their sequences by id, capacity, outputs and stats."""
+class ChannelEngine(Engine):
+    """What every engine here keeps: an output channel, step counters and a capacity ledger."""
 
     def __init__(self, capacity: EngineCapacity) -> None:
         self.capacity = capacity
         self._lock = threading.RLock()
         self._channel = OutputChannel()
         self._stats = EngineStats()
-        self._seqs: dict[str, S] = {}
         self._ledger = Ledger()
-        self._closed = False
 
     async def outputs(self) -> list[StepOutput]:
         return await self._channel.get()
@@ -340,8 +339,31 @@ class LocalEngine(Engine, Generic[S]):
     def stats(self) -> EngineStats:
         with self._lock:
             return msgspec.structs.replace(
-                self._stats, running=len(self._seqs), reserved_tokens=self._ledger.reserved
+                self._stats, running=len(self._ledger), reserved_tokens=self._ledger.reserved
             )
+
+
+class LocalEngine(ChannelEngine, Generic[S]):
+    """An engine in this process: its sequences by id and a busy-loop thread (`_thread`) that
+    waits on `_cond` and ends once `_closed` is set."""
+
+    def __init__(self, capacity: EngineCapacity) -> None:
+        super().__init__(capacity)
+        self._cond = threading.Condition(self._lock)
+        self._seqs: dict[str, S] = {}
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    async def stop(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            left = self._close_locked()
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._deliver(left)
+        self._channel.close()
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Every output of this engine passes here, in order (a hook for instrumentation)."""

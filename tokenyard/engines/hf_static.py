@@ -109,10 +109,8 @@ class HFStaticEngine(HFEngineBase):
         self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=budget)
         self.batch_size = batch_size
         self.batch_timeout = batch_timeout_ms / 1000.0
-        self._cond = threading.Condition(self._lock)
         self._queue: deque[HFSeq] = deque()
         self._arrival: dict[str, float] = {}
-        self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
         if self._started:
@@ -127,17 +125,9 @@ class HFStaticEngine(HFEngineBase):
         self._thread = threading.Thread(target=self._loop, name="tokenyard-hf-static", daemon=True)
         self._thread.start()
 
-    async def stop(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            left = self._close_locked()
-            self._queue.clear()
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._deliver(left)
-        self._channel.close()
+    def _close_locked(self) -> list[StepOutput]:
+        self._queue.clear()
+        return super()._close_locked()
 
     def add(
         self,

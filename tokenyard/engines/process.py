@@ -30,13 +30,12 @@ import msgspec
 
 from tokenyard import limits
 from tokenyard.engines.base import (
+    ChannelEngine,
     Engine,
     EngineCapacity,
     EngineClosed,
     EngineStats,
     EngineTokenizer,
-    Ledger,
-    OutputChannel,
     StepOutput,
     footprint,
 )
@@ -120,7 +119,7 @@ def engine_frontend(
     return shell.name, shell.tokenizer, shell.capacity
 
 
-class ProcessEngine(Engine):
+class ProcessEngine(ChannelEngine):
     """Runs `make_engine(name, **options)` in a spawned child process behind the Engine API."""
 
     def __init__(
@@ -137,16 +136,15 @@ class ProcessEngine(Engine):
         except (TypeError, NotImplementedError) as exc:
             # Fail here, not in the child: options must be plain data to cross the pipe.
             raise TypeError(f"engine options cannot be sent to a process: {exc}") from exc
-        self.name, self.tokenizer, self.capacity = engine_frontend(name, opts)
+        self.name, self.tokenizer, capacity = engine_frontend(name, opts)
+        # The ledger is the child's capacity as the parent accounts for it; the stats are the
+        # child's, as attached to its last step.
+        super().__init__(capacity)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self._lock = threading.Lock()  # _running, _stats, _dead, _stopping
         self._send_lock = threading.Lock()  # one writer at a time on the pipe
-        self._channel = OutputChannel()
         # seq_id -> [prompt_tokens, completion_tokens]: what an ERROR needs if the child dies.
         self._running: dict[str, list[int]] = {}
-        self._ledger = Ledger()  # the child's capacity, as the parent accounts for it
-        self._stats = EngineStats()
         self._backlog: list[bytes] = []  # commands sent before start()
         self._conn: Connection | None = None
         self._proc: BaseProcess | None = None
@@ -268,16 +266,6 @@ class ProcessEngine(Engine):
             # add, since commands cross the pipe in order.
             self._ledger.give_back(seq_id)
         self._send(_encoder.encode(_Abort(seq_id)))
-
-    async def outputs(self) -> list[StepOutput]:
-        return await self._channel.get()
-
-    def stats(self) -> EngineStats:
-        """The child's counters as of its last step; what runs as the parent accounts for it."""
-        with self._lock:
-            return msgspec.structs.replace(
-                self._stats, running=len(self._running), reserved_tokens=self._ledger.reserved
-            )
 
     def _send(self, data: bytes) -> None:
         with self._send_lock:

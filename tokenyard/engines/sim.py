@@ -97,8 +97,6 @@ class SimEngine(LocalEngine[_SimSeq]):
         self.fail_marker = fail_marker
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
-        self._cond = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -106,17 +104,6 @@ class SimEngine(LocalEngine[_SimSeq]):
         self._channel.bind(asyncio.get_running_loop())
         self._thread = threading.Thread(target=self._loop, name="tokenyard-sim-engine", daemon=True)
         self._thread.start()
-
-    async def stop(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            left = self._close_locked()
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._deliver(left)
-        self._channel.close()
 
     def add(
         self,
