@@ -106,7 +106,9 @@ async def test_runs_max_seqs_in_one_step_and_refuses_more(tiny_model_path: Path)
     stats = eng.stats()
     # Every sequence decodes in every step once started (adds race the first step or two).
     assert stats.mean_batch >= 7.5
-    assert stats.running == 0 and stats.reserved_tokens == 0
+    assert stats.running == 0 and stats.reserved_tokens == 0 and stats.waiting == 0
+    assert 0 <= stats.kv_cache_usage < 0.05
+    assert eng._warm.is_set()  # the warm-up request ran before start() returned
     await eng.stop()
 
 

@@ -525,8 +525,9 @@ class HFEngine(HFEngineBase):
         manager = self._manager
         processor = manager.batch_processor if manager is not None else None
         if processor is not None:
-            # Plain reads of the manager's free lists: a moment's snapshot is all a gauge needs.
+            # Plain reads of the manager's lists: a moment's snapshot is all a gauge needs.
             stats.kv_cache_usage = round(1.0 - float(processor.cache.compute_free_capacity()), 4)
+            stats.waiting = len(processor.scheduler.waiting_requests)  # prefill not yet begun
         return stats
 
     def _submit_locked(self, seq: HFSeq) -> None:
