@@ -408,22 +408,26 @@ class HFEngine(HFEngineBase):
     def _cb_config(self) -> ContinuousBatchingConfig:
         cuda = self.device.type == "cuda"
         total = 0
+        share = 0  # CUDA: the bytes the KV cache may take
         if cuda:
             free, total = torch.cuda.mem_get_info(self.device)
-            self.capacity = self._plan(int(free * self.kv_fraction) // self._kv_bytes)
+            share = int(free * self.kv_fraction)
+            self.capacity = self._plan(share // self._kv_bytes)
         cap = self.capacity
         batch_tokens = self.max_batch_tokens
         if batch_tokens is None:
             # CPU: a modest prefill chunk; every running sequence decodes in one pass.
             cpu_tokens = max(512, cap.max_seqs)
             batch_tokens = cuda_batch_tokens(total, cap.max_seqs) if cuda else cpu_tokens
-        num_blocks = None
-        if not cuda or self._wanted[1] is not None:
-            # A page per sequence beside the budget: each may waste one partly filled page.
-            num_blocks = math.ceil(cap.max_tokens / self.page_size) + cap.max_seqs
+        # The budget, plus a page per sequence: each may leave its last page partly empty.
+        blocks: int | None = math.ceil(cap.max_tokens / self.page_size) + cap.max_seqs
+        if cuda and blocks is not None and blocks * self.page_size * self._kv_bytes > share // 2:
+            # Memory, not the context, bounds the cache: transformers fills the share itself,
+            # paying first for its activations and attention masks (measured after warmup()).
+            blocks = None
         return ContinuousBatchingConfig(
             page_size=self.page_size,
-            num_blocks=num_blocks,  # None on CUDA: transformers fills the free memory share
+            num_blocks=blocks,
             max_batch_tokens=batch_tokens,
             max_memory_percent=self.kv_fraction if cuda else 0.9,
             max_requests_per_batch=cap.max_seqs,
