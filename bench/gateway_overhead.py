@@ -138,12 +138,12 @@ class StampedSimEngine(SimEngine):
         self.stamps[seq_id] = {"added": time.time()}
         super().add(seq_id, *args, **kwargs)
 
-    def _publish(self, outputs: list[StepOutput]) -> None:
+    def _deliver(self, outputs: list[StepOutput]) -> None:
         now = time.time()
         for out in outputs:
             if out.finish_reason is not None and out.seq_id in self.stamps:
                 self.stamps[out.seq_id]["finish_made"] = now
-        super()._publish(outputs)
+        super()._deliver(outputs)
 
     async def outputs(self) -> list[StepOutput]:
         outputs = await super().outputs()

@@ -69,7 +69,8 @@ STATIC_TIMEOUT_MS = 20.0
 
 def make_engine(mode: str, concurrency: int, threads: int) -> Engine:
     """The engine of one mode (see the module docstring)."""
-    from tokenyard.engines.hf import HFEngine, HFStaticEngine
+    from tokenyard.engines.hf import HFEngine
+    from tokenyard.engines.hf_static import HFStaticEngine
 
     if mode == "one-at-a-time":
         return HFStaticEngine(

@@ -50,17 +50,22 @@ def from_env(
 
 
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """How a worker claims, batches and drains."""
+    """How a worker claims, batches and drains, and the engine it runs (`engines.build_engine`)."""
 
     model: str = "tiny"
     engine: str = "hf"  # hf | hf-static | sim
-    max_seqs: int = 32  # overrides the engine's own limit when lower
-    token_budget: int = 16_384  # prompt + max_tokens over running sequences
+    # Capacity: None takes the engine's own, sized from the device (KV cache memory on CUDA).
+    max_seqs: int | None = None  # sequences running at once
+    token_budget: int | None = None  # prompt + max_tokens over running sequences
     claim_ahead: int | None = None  # jobs claimed beyond free slots; None: max_seqs // 8, >= 1
     claim_block_s: float = 0.5
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # auto (cuda when there is one) | cpu | cuda | cuda:N
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 CUDA, fp32 CPU
     threads: int | None = None  # torch CPU threads; None keeps torch's default
     engine_process: bool = False  # run the engine in its own process, off the worker's GIL
+    max_batch_tokens: int | None = None  # hf: tokens per forward pass; None: from the device
+    kv_cache_memory_fraction: float | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
+    cuda_graphs: bool = True  # hf on CUDA: capture the forward passes as CUDA graphs
+    warmup: bool = True  # hf: capture graphs and run one request before serving

@@ -11,17 +11,14 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
+from transformers import AutoConfig
 
 from tests.engines.outputs import collect
-from tokenyard.engines import EngineClosed, StepOutput, make_engine
-from tokenyard.engines.hf import (
-    HFEngine,
-    HFStaticEngine,
-    add_gumbel_noise,
-    apply_temperature,
-    apply_top_k,
-    apply_top_p,
-)
+from tokenyard.engines import EngineCapacity, EngineClosed, StepOutput, make_engine
+from tokenyard.engines.hf import HFEngine, kv_bytes_per_token, plan_capacity
+from tokenyard.engines.hf_static import HFStaticEngine
+from tokenyard.engines.sampling import add_gumbel_noise, apply_temperature, apply_top_k_top_p
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
 PROMPTS = [
@@ -95,6 +92,45 @@ async def test_many_concurrent_sequences_are_batched(engine: HFEngine) -> None:
     assert stats.running == 0
 
 
+async def test_runs_max_seqs_in_one_step_and_refuses_more(tiny_model_path: Path) -> None:
+    eng = HFEngine(str(tiny_model_path), max_seqs=8, max_tokens=4096, threads=1)
+    await eng.start()
+    tok = eng.tokenizer
+    for i in range(8):
+        eng.add(f"m{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(32))
+    with pytest.raises(EngineError, match="full"):
+        eng.add("m8", tok.encode("one too many"), greedy(4))
+    assert eng.stats().running == 8
+    res = await collect(eng, 8)
+    assert all(len(r.token_ids) == 32 for r in res.values())
+    stats = eng.stats()
+    # Every sequence decodes in every step once started (adds race the first step or two).
+    assert stats.mean_batch >= 7.5
+    assert stats.running == 0 and stats.reserved_tokens == 0 and stats.waiting == 0
+    assert 0 <= stats.kv_cache_usage < 0.05
+    assert eng._warm.is_set()  # the warm-up request ran before start() returned
+    await eng.stop()
+
+
+async def test_refusals(engine: HFEngine) -> None:
+    tok = engine.tokenizer
+    prompt = tok.encode("hello")
+    context = engine.tokenizer.max_model_len
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add("long", prompt, greedy(context - len(prompt) + 1))
+    assert refused.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequest):
+        engine.add("empty", [], greedy(4))
+    # The whole context fits; the same seq_id twice is the caller's bug.
+    engine.add("a", prompt, greedy(context - len(prompt)))
+    with pytest.raises(EngineError, match="already"):
+        engine.add("a", prompt, greedy(3))
+    assert engine.stats().reserved_tokens == context
+    engine.abort("a")
+    assert engine.stats().reserved_tokens == 0
+    await collect(engine, 1)
+
+
 async def test_abort_frees_a_slot(tiny_model_path: Path) -> None:
     eng = HFEngine(str(tiny_model_path), max_seqs=2, max_tokens=8192, threads=1)
     await eng.start()
@@ -102,11 +138,14 @@ async def test_abort_frees_a_slot(tiny_model_path: Path) -> None:
     prompt = tok.encode("long story")
     eng.add("a", prompt, greedy(1500))
     eng.add("b", prompt, greedy(1500))
-    eng.add("c", prompt, greedy(5))
+    with pytest.raises(EngineError):
+        eng.add("c", prompt, greedy(5))  # no slot: the scheduler must not have asked
     first = await eng.outputs()
     assert {o.seq_id for o in first} <= {"a", "b"}
-    assert eng.stats().running == 2  # "c" waits for a slot
+    assert eng.stats().running == 2
     eng.abort("a")
+    assert eng.stats().running == 1
+    eng.add("c", prompt, greedy(5))  # the slot is free at once
     res: dict[str, list[StepOutput]] = {}
     async with asyncio.timeout(30):
         while not any(o.finish_reason for o in res.get("c", [])):
@@ -203,7 +242,7 @@ async def test_add_before_start_and_stop_closes(tiny_model_path: Path) -> None:
                 if out.finish_reason is not None:
                     finals[out.seq_id] = out
     assert finals["forever"].finish_reason is FinishReason.ERROR
-    with pytest.raises(RuntimeError):
+    with pytest.raises(EngineError, match="stopped"):
         eng.add("late", prompt, greedy(3))
 
 
@@ -214,9 +253,14 @@ async def test_static_micro_batches(tiny_model_path: Path) -> None:
     assert isinstance(eng, HFStaticEngine) and eng.capacity.max_seqs == 8
     await eng.start()
     tok = eng.tokenizer
-    for i in range(10):
+    for i in range(8):  # two batches' worth: its capacity
         eng.add(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
-    res = await collect(eng, 10)
+    with pytest.raises(EngineError):
+        eng.add("s8", tok.encode(PROMPTS[0]), greedy(6))
+    res = await collect(eng, 8)
+    for i in (8, 9):
+        eng.add(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
+    res |= await collect(eng, 2)
     for i in range(10):
         r = res[f"s{i}"]
         assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
@@ -261,11 +305,15 @@ def test_sampling_ops() -> None:
     greedy_rows = apply_temperature(scores, torch.tensor([0.0, 2.0]))
     assert greedy_rows[0].argmax() == 1 and torch.isinf(greedy_rows[0]).sum() == 3
     assert torch.allclose(greedy_rows[1], scores[1] / 2)
-    top2 = apply_top_k(scores, torch.tensor([2, 0]))
+    top2 = apply_top_k_top_p(scores, torch.tensor([2, 0]), torch.tensor([1.0, 1.0]))
     assert torch.isinf(top2[0]).tolist() == [True, False, False, True]
     assert not torch.isinf(top2[1]).any()
-    nucleus = apply_top_p(torch.tensor([[10.0, 0.0, -10.0]]), torch.tensor([0.5]))
+    none = torch.tensor([0])
+    nucleus = apply_top_k_top_p(torch.tensor([[10.0, 0.0, -10.0]]), none, torch.tensor([0.5]))
     assert torch.isinf(nucleus).tolist() == [[False, True, True]]
+    # top-k first, then the nucleus of what is left: [3, 2] keep 0.73 and 0.27 of the mass.
+    both = apply_top_k_top_p(scores[:1], torch.tensor([2]), torch.tensor([0.6]))
+    assert torch.isinf(both).tolist() == [[True, False, True, True]]
     # Gumbel-max sampling follows softmax: frequencies over many keys match probabilities.
     logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(20000, 3)
     picks = add_gumbel_noise(logits, torch.arange(20000)).argmax(-1)
@@ -301,3 +349,24 @@ async def test_bf16_runs(tiny_model_path: Path) -> None:
     await eng.stop()
     with pytest.raises(ValueError, match="dtype"):
         HFEngine(str(tiny_model_path), dtype="int3")
+
+
+def test_capacity_from_the_kv_cache(tiny_model_path: Path) -> None:
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    # 2 layers x (K, V) x 2 kv heads x head_dim 16 x 4 bytes
+    assert kv_bytes_per_token(config, torch.float32) == 512
+    assert kv_bytes_per_token(config, torch.bfloat16) == 256
+    plan = {"page_size": 64, "max_model_len": 2048, "default_seqs": 64}
+    # A roomy cache: the defaults, every sequence allowed the whole context.
+    roomy = plan_capacity(kv_tokens=1 << 24, max_seqs=None, max_tokens=None, **plan)  # type: ignore[arg-type]
+    assert roomy == EngineCapacity(64, 64 * 2048)
+    # A small cache bounds both: a page per sequence is set aside for its partial page.
+    small = plan_capacity(kv_tokens=64 * 100, max_seqs=None, max_tokens=None, **plan)  # type: ignore[arg-type]
+    assert small == EngineCapacity(50, (100 - 50) * 64)
+    asked = plan_capacity(kv_tokens=1 << 24, max_seqs=8, max_tokens=5000, **plan)  # type: ignore[arg-type]
+    assert asked == EngineCapacity(8, 5000)
+    # The tiny CPU model's defaults: 64 sequences, each may use the whole 2048-token context.
+    eng = HFEngine(str(tiny_model_path))
+    assert eng.capacity == EngineCapacity(64, 64 * 2048)
+    assert eng.dtype == torch.float32 and eng.device.type == "cpu"
+    assert eng.limits().max_model_len == 2048

@@ -15,6 +15,7 @@ import pytest_asyncio
 from tests.engines.outputs import collect
 from tokenyard.engines import EngineClosed, StepOutput, make_engine
 from tokenyard.engines.process import ProcessEngine, make_engine_in_process
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
 # One child per engine kind for the module: spawning one costs seconds (torch import).
@@ -92,19 +93,31 @@ async def test_sixteen_concurrent_sequences(proc_engine: ProcessEngine) -> None:
     assert stats.mean_batch > 1
 
 
-async def test_user_errors_are_raised_in_the_parent(proc_engine: ProcessEngine) -> None:
+async def test_refusals_are_raised_in_the_parent(proc_engine: ProcessEngine) -> None:
     tok = proc_engine.tokenizer
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(InvalidRequest, match="empty"):
         proc_engine.add("e0", [], greedy(4))
+    with pytest.raises(InvalidRequest) as refused:
+        proc_engine.add("e0", tok.encode("hi"), greedy(proc_engine.tokenizer.max_model_len))
+    assert refused.value.code == "context_length_exceeded"
     proc_engine.add("e1", tok.encode("hello"), greedy(3))
-    with pytest.raises(ValueError, match="already in the engine"):
+    with pytest.raises(EngineError, match="already in the engine"):
         proc_engine.add("e1", tok.encode("hello"), greedy(3))
+    assert proc_engine.stats().reserved_tokens == len(tok.encode("hello")) + 3
     assert (await collect(proc_engine, 1))["e1"].finish is not None
+    # The parent accounts for the child's capacity: past it, add refuses at once.
+    n = proc_engine.capacity.max_seqs
+    for i in range(n):
+        proc_engine.add(f"f{i}", tok.encode("x"), greedy(2))
+    with pytest.raises(EngineError, match="full"):
+        proc_engine.add("one-more", tok.encode("x"), greedy(2))
+    await collect(proc_engine, n)
+    assert proc_engine.stats().running == 0
 
 
 async def test_abort(proc_engine: ProcessEngine) -> None:
     tok = proc_engine.tokenizer
-    proc_engine.add("long", tok.encode("long story"), greedy(3000))
+    proc_engine.add("long", tok.encode("long story"), greedy(2000))
     proc_engine.add("short", tok.encode("short"), greedy(5))
     seen: dict[str, list[StepOutput]] = {}
     async with asyncio.timeout(30):
@@ -122,7 +135,7 @@ async def test_abort(proc_engine: ProcessEngine) -> None:
             for out in await proc_engine.outputs():
                 seen.setdefault(out.seq_id, []).append(out)
     assert seen["long"][-1].finish_reason is FinishReason.CANCELLED
-    assert seen["long"][-1].completion_tokens < 3000
+    assert seen["long"][-1].completion_tokens < 2000
     assert sum(len(o.token_ids) for o in seen["short"]) == 5
     await asyncio.sleep(0.1)
     assert proc_engine.stats().running == 0
@@ -147,9 +160,9 @@ async def test_killed_child_fails_running_sequences_then_closes(
     eng = make_engine_in_process(name, **options)
     assert isinstance(eng, ProcessEngine)
     tok = eng.tokenizer
-    eng.add("early", tok.encode("added before start"), greedy(5000))  # queued until start
+    eng.add("early", tok.encode("added before start"), greedy(2000))  # sent at start
     await eng.start()
-    eng.add("late", tok.encode("after start"), greedy(5000))
+    eng.add("late", tok.encode("after start"), greedy(2000))
     async with asyncio.timeout(30):
         while not any(o.token_ids for o in await eng.outputs()):
             pass
@@ -167,7 +180,7 @@ async def test_killed_child_fails_running_sequences_then_closes(
         assert out.finish_reason is FinishReason.ERROR
         assert out.error == "engine process died"
     assert eng.stats().running == 0
-    with pytest.raises(RuntimeError, match="died"):
+    with pytest.raises(EngineError, match="died"):
         eng.add("after", tok.encode("x"), greedy(2))
     async with asyncio.timeout(10):
         await eng.stop()
@@ -182,7 +195,7 @@ async def test_stop_is_clean(kind: tuple[str, dict[str, Any]]) -> None:
     eng = ProcessEngine(name, options)
     await eng.start()
     tok = eng.tokenizer
-    eng.add("running", tok.encode("hello"), greedy(5000))
+    eng.add("running", tok.encode("hello"), greedy(4000))
     async with asyncio.timeout(10):
         while not any(o.token_ids for o in await eng.outputs()):
             pass
@@ -198,7 +211,7 @@ async def test_stop_is_clean(kind: tuple[str, dict[str, Any]]) -> None:
     last = [o for o in outs if o.seq_id == "running"][-1]
     assert last.finish_reason is FinishReason.ERROR and last.error == "engine stopped"
     await eng.stop()  # idempotent
-    with pytest.raises(RuntimeError, match="stopped"):
+    with pytest.raises(EngineError, match="stopped"):
         eng.add("x", tok.encode("x"), greedy(2))
 
 

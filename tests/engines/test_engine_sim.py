@@ -1,4 +1,4 @@
-"""SimEngine: cost model on an injected clock, continuous batching, failures, resume."""
+"""SimEngine: cost model on an injected clock, a stepper within its capacity, failures, resume."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tests.engines.clock import VirtualClock
 from tests.engines.outputs import collect
 from tokenyard.engines import EngineClosed, StepOutput, make_engine
-from tokenyard.engines.sim import SimEngine, SimTokenizer, VirtualClock
+from tokenyard.engines.sim import SimEngine, SimTokenizer
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
 A, B, C, D = 0.5, 0.01, 0.1, 0.02  # prefill a + b·tokens, decode c + d·batch
@@ -35,7 +37,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 async def test_cost_model_on_virtual_clock(clock_engine: tuple[SimEngine, VirtualClock]) -> None:
     engine, clock = clock_engine
-    # Added before start, so both are admitted together in the first step.
+    # Added before start, so both start together in the first step.
     engine.add("a", [5] * 10, SamplingParams(max_tokens=3, temperature=0.0))
     engine.add("b", [6] * 20, SamplingParams(max_tokens=5, temperature=0.0))
     await engine.start()
@@ -50,33 +52,45 @@ async def test_cost_model_on_virtual_clock(clock_engine: tuple[SimEngine, Virtua
     assert stats.running == 0
 
 
-async def test_continuous_batching_respects_max_seqs(
+async def test_runs_what_it_is_given_and_refuses_beyond_capacity(
     clock_engine: tuple[SimEngine, VirtualClock],
 ) -> None:
     engine, _ = clock_engine
     await engine.start()
-    for i in range(10):
-        engine.add(f"s{i}", [7, 8, 9], SamplingParams(max_tokens=3 + i, temperature=0.0))
-    res = await collect(engine, 10)
-    for i in range(10):
+    for i in range(4):
+        engine.add(f"s{i}", [7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0))
+    with pytest.raises(EngineError, match="full"):
+        engine.add("s4", [7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0))
+    assert engine.stats().running == 4
+    res = await collect(engine, 4)
+    for i in range(4):
         r = res[f"s{i}"]
         assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
-        assert len(r.token_ids) == r.finish.completion_tokens == 3 + i
+        assert len(r.token_ids) == r.finish.completion_tokens == 6
         assert r.finish.prompt_tokens == 3
     stats = engine.stats()
-    assert 1 < stats.mean_batch <= 4
+    assert stats.mean_batch == 4  # all four stepped together from the first step
+    assert stats.running == 0 and stats.reserved_tokens == 0
+    assert stats.prefill_tokens == 12
+    engine.add("s4", [7, 8, 9], SamplingParams(max_tokens=2, temperature=0.0))  # room again
+    assert (await collect(engine, 1))["s4"].finish is not None
 
 
-async def test_token_budget_limits_admission() -> None:
+async def test_token_budget_is_capacity_and_context() -> None:
     clock = VirtualClock()
     engine = SimEngine(max_seqs=8, max_tokens=30, sleep=clock.sleep)
-    for i in range(3):
-        engine.add(f"s{i}", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))  # 15 each
-    await engine.start()
-    await collect(engine, 3)
-    assert engine.stats().mean_batch <= 2  # only two 15-token sequences fit in 30
-    with pytest.raises(ValueError, match="budget"):
+    assert engine.limits().context == 30
+    engine.add("s0", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))  # 15 tokens
+    engine.add("s1", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))
+    with pytest.raises(EngineError, match="tokens"):
+        engine.add("s2", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))
+    assert engine.stats().reserved_tokens == 30
+    # Longer than the whole budget: no engine of this size could ever run it.
+    with pytest.raises(InvalidRequest) as refused:
         engine.add("big", [4] * 25, SamplingParams(max_tokens=10))
+    assert refused.value.code == "context_length_exceeded"
+    await engine.start()
+    await collect(engine, 2)
     await engine.stop()
 
 
@@ -136,12 +150,15 @@ async def test_abort_frees_slot() -> None:
     engine = SimEngine(max_seqs=1, sleep=clock.sleep)
     await engine.start()
     engine.add("long", [5], SamplingParams(max_tokens=3000, temperature=0.0))
-    engine.add("short", [6], SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(EngineError):
+        engine.add("short", [6], SamplingParams(max_tokens=2, temperature=0.0))
     first = await engine.outputs()
     assert [o.seq_id for o in first] == ["long"]
     assert engine.stats().running == 1
     engine.abort("long")
     engine.abort("nobody")  # unknown ids are ignored
+    assert engine.stats().running == 0
+    engine.add("short", [6], SamplingParams(max_tokens=2, temperature=0.0))
     res = await collect(engine, 2)
     assert res["long"].finish is not None
     assert res["long"].finish.finish_reason is FinishReason.CANCELLED
@@ -191,10 +208,10 @@ async def test_real_time_default_sleep() -> None:
 
 async def test_stop_fails_running_and_closes() -> None:
     # Real (short) sleeps: "a" needs thousands of steps, so it is surely running at stop().
-    engine = SimEngine(max_seqs=1, decode_base=0.002, prefill_base=0.0)
+    engine = SimEngine(max_seqs=2, decode_base=0.002, prefill_base=0.0)
     await engine.start()
     engine.add("a", [5], SamplingParams(max_tokens=4000, temperature=0.0))
-    engine.add("b", [5], GREEDY)
+    engine.add("b", [5], SamplingParams(max_tokens=4000, temperature=0.0))
     await engine.outputs()
     await engine.stop()
     seen: dict[str, StepOutput] = {}
@@ -206,18 +223,25 @@ async def test_stop_fails_running_and_closes() -> None:
     assert {k: v.error for k, v in seen.items()} == {"a": "engine stopped", "b": "engine stopped"}
     with pytest.raises(EngineClosed):
         await engine.outputs()
+    with pytest.raises(EngineError, match="stopped"):
+        engine.add("late", [5], GREEDY)
 
 
 async def test_request_validation_and_already_complete_resume() -> None:
-    engine = SimEngine(sleep=VirtualClock().sleep, max_model_len=64)
-    with pytest.raises(ValueError):
+    engine = SimEngine(sleep=VirtualClock().sleep, max_model_len=64, max_seqs=1)
+    with pytest.raises(InvalidRequest):
         engine.add("empty", [], GREEDY)
-    with pytest.raises(ValueError):
-        engine.add("long", [4] * 64, GREEDY)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add("long", [4] * 50, GREEDY)  # 50 + 20 > 64
+    assert refused.value.code == "context_length_exceeded"
+    assert "maximum context length is 64" in refused.value.message
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.add("hot", [4], SamplingParams(max_tokens=2, temperature=-1.0))
     engine.add("dup", [4], GREEDY)
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(EngineError, match="already"):
         engine.add("dup", [4], GREEDY)
-    # Resumed tokens that already reach max_tokens finish at once, even before start.
+    # Resumed tokens that already reach max_tokens finish at once, even before start, and
+    # take no capacity (the one slot is held by "dup").
     engine.add("done", [4], SamplingParams(max_tokens=2), resume_token_ids=[70, 71])
     await engine.start()
     res = await collect(engine, 2)

@@ -1,4 +1,9 @@
-"""Engine interface: sequences in, per-step outputs out; the busy loop runs in its own thread."""
+"""Engine interface: sequences in, per-step outputs out; the busy loop runs in its own thread.
+
+Engines are steppers: the worker's scheduler alone decides what runs, and calls `add` only for
+sequences that fit `capacity`; an added sequence runs from the next step. Plumbing the engines
+share (request checks, sequence state, capacity accounting, outputs and stats) lives here.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,20 @@ import asyncio
 import contextlib
 import hashlib
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard import limits
+from tokenyard.engines.detok import Delta, SequenceDecoder
+from tokenyard.errors import EngineError
+from tokenyard.messages import FinishReason, ModelLimits, SamplingParams
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
-    """How much an engine runs at once: sequences, and tokens (prompt + generated) across them."""
+    """How much an engine runs at once: sequences, and tokens (prompt + max_tokens) across them."""
 
     max_seqs: int
     max_tokens: int
@@ -35,12 +44,16 @@ class StepOutput(msgspec.Struct):
 
 
 class EngineStats(msgspec.Struct):
-    """Counters since start; mean_batch is the average number of sequences per step."""
+    """Counters since start, and gauges of the moment; mean_batch is sequences per step."""
 
     steps: int = 0
     sequences_stepped: int = 0
-    tokens_generated: int = 0
-    running: int = 0
+    tokens_generated: int = 0  # decode tokens
+    running: int = 0  # sequences added and not finished
+    waiting: int = 0  # of those, not yet in a running batch (hf-static's next batch)
+    reserved_tokens: int = 0  # prompt + max_tokens over running sequences
+    prefill_tokens: int = 0  # prompt (and resumed) tokens of every started sequence
+    kv_cache_usage: float = 0.0  # fraction of the KV cache in use (hf), 0 where unknown
 
     @property
     def mean_batch(self) -> float:
@@ -73,7 +86,11 @@ class EngineClosed(RuntimeError):
 
 
 class Engine(abc.ABC):
-    """A model runtime that steps many sequences together in its own thread."""
+    """A model runtime that steps many sequences together in its own thread.
+
+    `capacity` is final once `start()` returned (on CUDA it is measured from free memory after
+    the weights load); before that it is the engine's estimate.
+    """
 
     name: str
     capacity: EngineCapacity
@@ -87,6 +104,7 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Stop the loop; sequences still running finish with ERROR ("engine stopped")."""
 
+    # Every engine repeats this signature (`duplicates` pairs them): it is the interface.
     @abc.abstractmethod
     def add(
         self,
@@ -95,7 +113,13 @@ class Engine(abc.ABC):
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
     ) -> None:
-        """Queue a sequence (thread-safe); resume_token_ids continue an earlier attempt."""
+        """Start a sequence from the next step (thread-safe); resume_token_ids continue an earlier
+        attempt.
+
+        Raises `InvalidRequest` when the request breaks the model's limits (`limits()`), and
+        `EngineError` when it does not fit the free capacity, repeats a running seq_id, or the
+        engine is stopped: those are the caller's bugs.
+        """
 
     @abc.abstractmethod
     def abort(self, seq_id: str) -> None:
@@ -113,11 +137,19 @@ class Engine(abc.ABC):
     def stats(self) -> EngineStats:
         """A snapshot of the step counters."""
 
+    def limits(self) -> ModelLimits:
+        """What one request may ask of this engine; workers publish it in their heartbeat."""
+        return ModelLimits(
+            max_model_len=self.tokenizer.max_model_len,
+            max_seqs=self.capacity.max_seqs,
+            token_budget=self.capacity.max_tokens,
+        )
+
 
 class OutputChannel:
     """Carries step outputs from engine threads to the asyncio loop the engine was started on.
 
-    Outputs published before `bind` (e.g. a sequence added before start that is already
+    Outputs delivered before `bind` (e.g. a sequence added before start that is already
     complete) are kept and delivered once the loop is known.
     """
 
@@ -135,7 +167,7 @@ class OutputChannel:
             for item in early:
                 self._put_locked(item)
 
-    def publish(self, outputs: list[StepOutput]) -> None:
+    def deliver(self, outputs: list[StepOutput]) -> None:
         """Deliver one step's outputs; callable from any thread."""
         with self._lock:
             if not outputs or self._closed:
@@ -181,35 +213,193 @@ def default_seed(seq_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(seq_id.encode(), digest_size=4).digest(), "little")
 
 
-def validate_request(
-    seq_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int
-) -> None:
-    """Reject requests no engine step could serve (user errors, raised as ValueError)."""
-    if not seq_id:
-        raise ValueError("seq_id must be non-empty")
-    if not prompt_token_ids:
-        raise ValueError("prompt must contain at least one token")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(prompt_token_ids)} tokens; the model context is {max_model_len}"
+def footprint(prompt_tokens: int, params: SamplingParams) -> int:
+    """Tokens a sequence reserves against `EngineCapacity.max_tokens`: prompt + max_tokens."""
+    return prompt_tokens + params.max_tokens
+
+
+@dataclass(eq=False)
+class EngineSeq:
+    """One sequence inside an engine: its request, decoder and noise seed (None: greedy)."""
+
+    seq_id: str
+    prompt_tokens: int
+    input_ids: list[int]  # prompt + resumed tokens
+    params: SamplingParams
+    decoder: SequenceDecoder
+    noise_seed: int | None
+
+    @property
+    def reserved(self) -> int:
+        return footprint(self.prompt_tokens, self.params)
+
+    def output(self, delta: Delta, error: str | None = None) -> StepOutput:
+        return StepOutput(
+            seq_id=self.seq_id,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            finish_reason=delta.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.decoder.completion_tokens,
+            error=error,
         )
-    if params.max_tokens < 1:
-        raise ValueError("max_tokens must be at least 1")
-    if params.temperature < 0 or not 0.0 < params.top_p <= 1.0 or params.top_k < 0:
-        raise ValueError("invalid sampling parameters")
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> StepOutput:
+        return self.output(Delta([], "", reason), error)
 
 
-def size_request(
+S = TypeVar("S", bound=EngineSeq)
+
+
+def open_seq(
+    kind: type[S],
     seq_id: str,
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
-    max_model_len: int,
-    token_budget: int,
-) -> tuple[int, int]:
-    """Validate a request and size it: (tokens it may generate, tokens it reserves)."""
-    validate_request(seq_id, prompt_token_ids, params, max_model_len)
-    limit = min(params.max_tokens, max_model_len - len(prompt_token_ids))
-    reserved = len(prompt_token_ids) + limit
-    if reserved > token_budget:
-        raise ValueError(f"sequence needs {reserved} tokens; engine budget is {token_budget}")
-    return limit, reserved
+    resume_token_ids: Sequence[int],
+    *,
+    decode: Callable[[Sequence[int]], str],
+    eos_token_ids: Collection[int],
+    model_limits: ModelLimits,
+    **extra: Any,
+) -> S:
+    """Check a request against the model's limits (`InvalidRequest`) and build its sequence."""
+    if not seq_id:
+        raise EngineError("seq_id must be non-empty")
+    limits.check(len(prompt_token_ids), params, model_limits)
+    decoder = SequenceDecoder(
+        decode,
+        params,
+        prompt_ids=prompt_token_ids,
+        eos_token_ids=eos_token_ids,
+        resume_ids=resume_token_ids,
+    )
+    noise_seed = None
+    if not params.greedy:
+        noise_seed = params.seed if params.seed is not None else default_seed(seq_id)
+    return kind(
+        seq_id=seq_id,
+        prompt_tokens=len(prompt_token_ids),
+        input_ids=[*prompt_token_ids, *resume_token_ids],
+        params=params,
+        decoder=decoder,
+        noise_seed=noise_seed,
+        **extra,
+    )
+
+
+class Ledger:
+    """The sequences an engine holds and the tokens they reserve, bounded by its capacity."""
+
+    def __init__(self) -> None:
+        self.reserved = 0
+        self._held: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._held
+
+    def take(self, seq_id: str, tokens: int, capacity: EngineCapacity) -> None:
+        """Hold a slot and `tokens`; EngineError when the seq_id is held or they do not fit."""
+        if seq_id in self._held:
+            raise EngineError(f"sequence {seq_id!r} is already in the engine")
+        if len(self._held) >= capacity.max_seqs:
+            raise EngineError(f"engine is full: {len(self._held)} of {capacity.max_seqs} sequences")
+        if self.reserved + tokens > capacity.max_tokens:
+            raise EngineError(
+                f"sequence needs {tokens} tokens; {capacity.max_tokens - self.reserved} of "
+                f"{capacity.max_tokens} are free"
+            )
+        self._held[seq_id] = tokens
+        self.reserved += tokens
+
+    def give_back(self, seq_id: str) -> bool:
+        """Free a sequence's slot and tokens; False when it held none."""
+        tokens = self._held.pop(seq_id, None)
+        if tokens is None:
+            return False
+        self.reserved -= tokens
+        return True
+
+    def clear(self) -> None:
+        self._held.clear()
+        self.reserved = 0
+
+
+class ChannelEngine(Engine):
+    """What every engine here keeps: an output channel, step counters and a capacity ledger."""
+
+    def __init__(self, capacity: EngineCapacity) -> None:
+        self.capacity = capacity
+        self._lock = threading.RLock()
+        self._channel = OutputChannel()
+        self._stats = EngineStats()
+        self._ledger = Ledger()
+
+    async def outputs(self) -> list[StepOutput]:
+        return await self._channel.get()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return msgspec.structs.replace(
+                self._stats, running=len(self._ledger), reserved_tokens=self._ledger.reserved
+            )
+
+
+class LocalEngine(ChannelEngine, Generic[S]):
+    """An engine in this process: its sequences by id and a busy-loop thread (`_thread`) that
+    waits on `_cond` and ends once `_closed` is set."""
+
+    def __init__(self, capacity: EngineCapacity) -> None:
+        super().__init__(capacity)
+        self._cond = threading.Condition(self._lock)
+        self._seqs: dict[str, S] = {}
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    async def stop(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            left = self._close_locked()
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._deliver(left)
+        self._channel.close()
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Every output of this engine passes here, in order (a hook for instrumentation)."""
+        self._channel.deliver(outputs)
+
+    def _hold_locked(self, seq: S) -> bool:
+        """Take a new sequence in; False when its resumed tokens already finished it."""
+        if self._closed:
+            raise EngineError("engine is stopped")
+        if seq.decoder.finish_reason is not None:
+            if seq.seq_id in self._seqs:
+                raise EngineError(f"sequence {seq.seq_id!r} is already in the engine")
+            self._deliver([seq.finish(seq.decoder.finish_reason)])
+            return False
+        self._ledger.take(seq.seq_id, seq.reserved, self.capacity)
+        self._seqs[seq.seq_id] = seq
+        self._stats.prefill_tokens += len(seq.input_ids)
+        return True
+
+    def _release_locked(self, seq: S) -> bool:
+        """Forget a sequence (it finished or was aborted); False when it was not held."""
+        if self._seqs.get(seq.seq_id) is not seq:
+            return False
+        del self._seqs[seq.seq_id]
+        self._ledger.give_back(seq.seq_id)
+        return True
+
+    def _close_locked(self) -> list[StepOutput]:
+        """Mark the engine stopped; the "engine stopped" outputs of what still ran."""
+        self._closed = True
+        left = [s.finish(FinishReason.ERROR, "engine stopped") for s in self._seqs.values()]
+        self._seqs.clear()
+        self._ledger.clear()
+        return left

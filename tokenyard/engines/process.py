@@ -3,7 +3,12 @@
 The parent keeps the `Engine` interface. Commands (add/abort/stop) go to the child as msgpack
 over a pipe; the child sends back each step's outputs (with its latest stats) the same way,
 and a parent thread hands them to an `OutputChannel`. The parent holds an unstarted engine's
-tokenizer and capacity: engine constructors read config and tokenizer files, never weights.
+tokenizer and capacity: engine constructors read config and tokenizer files, never weights
+(nor CUDA). The child's capacity, measured when its engine started, replaces it on start.
+
+Refusals are the parent's: it checks each request against the model's limits and its own
+account of the child's capacity, so `add` raises `InvalidRequest` / `EngineError` exactly as
+an in-thread engine does; the parent frees a slot only once the child reported its finish.
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ from typing import Any
 
 import msgspec
 
+from tokenyard import limits
 from tokenyard.engines.base import (
+    ChannelEngine,
     Engine,
     EngineCapacity,
     EngineClosed,
     EngineStats,
     EngineTokenizer,
-    OutputChannel,
     StepOutput,
-    size_request,
+    footprint,
 )
+from tokenyard.errors import EngineError
 from tokenyard.messages import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -112,7 +119,7 @@ def engine_frontend(
     return shell.name, shell.tokenizer, shell.capacity
 
 
-class ProcessEngine(Engine):
+class ProcessEngine(ChannelEngine):
     """Runs `make_engine(name, **options)` in a spawned child process behind the Engine API."""
 
     def __init__(
@@ -129,15 +136,15 @@ class ProcessEngine(Engine):
         except (TypeError, NotImplementedError) as exc:
             # Fail here, not in the child: options must be plain data to cross the pipe.
             raise TypeError(f"engine options cannot be sent to a process: {exc}") from exc
-        self.name, self.tokenizer, self.capacity = engine_frontend(name, opts)
+        self.name, self.tokenizer, capacity = engine_frontend(name, opts)
+        # The ledger is the child's capacity as the parent accounts for it; the stats are the
+        # child's, as attached to its last step.
+        super().__init__(capacity)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self._lock = threading.Lock()  # _running, _stats, _dead, _stopping
         self._send_lock = threading.Lock()  # one writer at a time on the pipe
-        self._channel = OutputChannel()
         # seq_id -> [prompt_tokens, completion_tokens]: what an ERROR needs if the child dies.
         self._running: dict[str, list[int]] = {}
-        self._stats = EngineStats()
         self._backlog: list[bytes] = []  # commands sent before start()
         self._conn: Connection | None = None
         self._proc: BaseProcess | None = None
@@ -156,7 +163,7 @@ class ProcessEngine(Engine):
             if self._starting:
                 return
             if self._stopping:
-                raise RuntimeError("engine is stopped")
+                raise EngineError("engine is stopped")
             self._starting = True
         self._channel.bind(asyncio.get_running_loop())
         ctx = mp.get_context("spawn")  # fork after torch started its threads is unsafe
@@ -234,22 +241,19 @@ class ProcessEngine(Engine):
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
     ) -> None:
-        # User errors are raised here, synchronously, as the in-thread engines do.
-        size_request(
-            seq_id,
-            prompt_token_ids,
-            params,
-            self.tokenizer.max_model_len,
-            self.capacity.max_tokens,
-        )
+        # Refusals are raised here, synchronously, as the in-thread engines do.
+        if not seq_id:
+            raise EngineError("seq_id must be non-empty")
+        limits.check(len(prompt_token_ids), params, self.limits())
         data = _encoder.encode(_Add(seq_id, list(prompt_token_ids), params, list(resume_token_ids)))
         with self._lock:
             if self._stopping:
-                raise RuntimeError("engine is stopped")
+                raise EngineError("engine is stopped")
             if self._dead:
-                raise RuntimeError(DIED)
+                raise EngineError(DIED)
             if seq_id in self._running:
-                raise ValueError(f"sequence {seq_id!r} is already in the engine")
+                raise EngineError(f"sequence {seq_id!r} is already in the engine")
+            self._ledger.take(seq_id, footprint(len(prompt_token_ids), params), self.capacity)
             # Registered before sending: if the child dies first, this one gets its ERROR too.
             self._running[seq_id] = [len(prompt_token_ids), len(resume_token_ids)]
         self._send(data)
@@ -258,15 +262,10 @@ class ProcessEngine(Engine):
         with self._lock:
             if seq_id not in self._running or self._dead:
                 return
+            # Freed now, as in-thread engines do: the child applies this abort before any later
+            # add, since commands cross the pipe in order.
+            self._ledger.give_back(seq_id)
         self._send(_encoder.encode(_Abort(seq_id)))
-
-    async def outputs(self) -> list[StepOutput]:
-        return await self._channel.get()
-
-    def stats(self) -> EngineStats:
-        with self._lock:
-            s = self._stats
-            return EngineStats(s.steps, s.sequences_stepped, s.tokens_generated, s.running)
 
     def _send(self, data: bytes) -> None:
         with self._send_lock:
@@ -312,18 +311,19 @@ class ProcessEngine(Engine):
                     continue
                 if out.finish_reason is not None:
                     del self._running[out.seq_id]
+                    self._ledger.give_back(out.seq_id)
                 else:
                     entry[1] = out.completion_tokens
-            # Published under the lock so that _fail_all's outputs can never overtake these.
-            self._channel.publish(batch.outputs)
+            # Delivered under the lock so that _fail_all's outputs can never overtake these.
+            self._channel.deliver(batch.outputs)
 
     def _fail_all(self, reason: str) -> None:
         """Finish every sequence still running with ERROR, then close the output channel."""
         with self._lock:
             self._dead = True
             left, self._running = self._running, {}
-            self._stats.running = 0
-            self._channel.publish(
+            self._ledger.clear()
+            self._channel.deliver(
                 [
                     StepOutput(seq_id, [], "", FinishReason.ERROR, p, c, error=reason)
                     for seq_id, (p, c) in left.items()
@@ -444,8 +444,8 @@ def _add(engine: Engine, msg: _Add, send: _Send) -> None:
     try:
         engine.add(msg.seq_id, msg.prompt, msg.params, msg.resume)
     except Exception as exc:
-        # The parent validated the request, so this is the engine's failure: report it as
-        # the sequence's ERROR rather than losing it.
+        # The parent checked the request and the capacity, so this is the engine's failure:
+        # report it as the sequence's ERROR rather than losing it.
         out = StepOutput(
             msg.seq_id,
             [],

@@ -7,20 +7,10 @@ import hashlib
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenyard.engines.base import (
-    Engine,
-    EngineCapacity,
-    EngineStats,
-    OutputChannel,
-    StepOutput,
-    default_seed,
-    size_request,
-)
-from tokenyard.engines.detok import SequenceDecoder
+from tokenyard.engines.base import EngineCapacity, EngineSeq, LocalEngine, open_seq
 from tokenyard.messages import FinishReason, SamplingParams
 
 # Generated text is drawn from lowercase letters and spaces so it stays readable ASCII.
@@ -60,38 +50,15 @@ class SimTokenizer:
         return f"{turns}<assistant>"
 
 
-class VirtualClock:
-    """A clock whose sleep only advances time: fast, deterministic engine tests."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self._lock = threading.Lock()
-        self._now = start
-        self.sleeps: list[float] = []
-
-    def time(self) -> float:
-        with self._lock:
-            return self._now
-
-    def sleep(self, seconds: float) -> None:
-        with self._lock:
-            self._now += seconds
-            self.sleeps.append(seconds)
-        time.sleep(0)  # let other threads run, as a real sleep would
+@dataclass(eq=False)
+class _SimSeq(EngineSeq):
+    key: bytes = b""  # hash of prompt (and seed when sampling): tokens depend on it and position
+    position: int = 0  # absolute index of the next token
+    fail: bool = False
+    prefilled: bool = False
 
 
-@dataclass
-class _SimSeq:
-    seq_id: str
-    prompt_tokens: int
-    input_len: int
-    decoder: SequenceDecoder
-    key: bytes  # hash of the prompt (and seed when sampling): tokens depend on it and position
-    position: int  # absolute index of the next token
-    reserved: int
-    fail: bool
-
-
-class SimEngine(Engine):
+class SimEngine(LocalEngine[_SimSeq]):
     """Prefill costs a + b·prompt_tokens, a decode step c + d·batch; tokens hash prompt+position.
 
     Tokens depend only on the prompt and position (and seed when sampling), so resuming from
@@ -103,8 +70,8 @@ class SimEngine(Engine):
     def __init__(
         self,
         *,
-        max_seqs: int = 64,
-        max_tokens: int = 1 << 16,
+        max_seqs: int | None = None,
+        max_tokens: int | None = None,
         prefill_base: float = 0.002,
         prefill_per_token: float = 2e-5,
         decode_base: float = 0.01,
@@ -116,7 +83,10 @@ class SimEngine(Engine):
         max_model_len: int = 4096,
         sleep: Callable[[float], None] | None = None,
     ) -> None:
-        self.capacity = EngineCapacity(max_seqs=max_seqs, max_tokens=max_tokens)
+        seqs = 64 if max_seqs is None else max_seqs
+        # No memory to size from: by default every sequence may use the whole context.
+        budget = seqs * max_model_len if max_tokens is None else max_tokens
+        super().__init__(EngineCapacity(max_seqs=seqs, max_tokens=budget))
         self.tokenizer: SimTokenizer = SimTokenizer(max_model_len)
         self.prefill_base = prefill_base
         self.prefill_per_token = prefill_per_token
@@ -127,15 +97,6 @@ class SimEngine(Engine):
         self.fail_marker = fail_marker
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
-        self._cond = threading.Condition()
-        self._pending: deque[_SimSeq] = deque()
-        self._running: dict[str, _SimSeq] = {}
-        self._known: set[str] = set()
-        self._reserved = 0
-        self._stats = EngineStats()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._channel = OutputChannel()
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -143,22 +104,6 @@ class SimEngine(Engine):
         self._channel.bind(asyncio.get_running_loop())
         self._thread = threading.Thread(target=self._loop, name="tokenyard-sim-engine", daemon=True)
         self._thread.start()
-
-    async def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        with self._cond:
-            left = [*self._running.values(), *self._pending]
-            self._running.clear()
-            self._pending.clear()
-            self._known.clear()
-            self._reserved = 0
-            self._stats.running = 0
-        self._channel.publish([_finish(s, FinishReason.ERROR, "engine stopped") for s in left])
-        self._channel.close()
 
     def add(
         self,
@@ -168,106 +113,58 @@ class SimEngine(Engine):
         resume_token_ids: Sequence[int] = (),
     ) -> None:
         tok = self.tokenizer
-        limit, reserved = size_request(
-            seq_id, prompt_token_ids, params, tok.max_model_len, self.capacity.max_tokens
-        )
-        decoder = SequenceDecoder(
-            tok.decode,
-            params,
-            prompt_ids=prompt_token_ids,
-            eos_token_ids=(tok.EOS,),
-            resume_ids=resume_token_ids,
-            limit=limit,
-        )
         digest = hashlib.blake2b(digest_size=16)
         digest.update(b"".join(t.to_bytes(4, "little") for t in prompt_token_ids))
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else default_seed(seq_id)
-            digest.update(seed.to_bytes(8, "little", signed=True))
-        marker = self.fail_marker
-        seq = _SimSeq(
-            seq_id=seq_id,
-            prompt_tokens=len(prompt_token_ids),
-            input_len=len(prompt_token_ids) + len(resume_token_ids),
-            decoder=decoder,
-            key=digest.digest(),
-            position=len(prompt_token_ids) + len(resume_token_ids),
-            reserved=reserved,
-            fail=marker is not None and marker != "" and marker in tok.decode(prompt_token_ids),
+        seq = open_seq(
+            _SimSeq,
+            seq_id,
+            prompt_token_ids,
+            params,
+            resume_token_ids,
+            decode=tok.decode,
+            eos_token_ids=(tok.EOS,),
+            model_limits=self.limits(),
         )
+        if seq.noise_seed is not None:
+            digest.update(seq.noise_seed.to_bytes(8, "little", signed=True))
+        seq.key = digest.digest()
+        seq.position = len(seq.input_ids)
+        marker = self.fail_marker
+        seq.fail = bool(marker and marker in tok.decode(prompt_token_ids))
         with self._cond:
-            if self._stopping:
-                raise RuntimeError("engine is stopped")
-            if seq_id in self._known:
-                raise ValueError(f"sequence {seq_id!r} is already in the engine")
-            if decoder.finish_reason is not None:
-                # The resumed tokens already complete the sequence: nothing left to run.
-                self._publish([_finish(seq, decoder.finish_reason)])
-                return
-            self._known.add(seq_id)
-            self._pending.append(seq)
-            self._cond.notify_all()
+            if self._hold_locked(seq):
+                self._cond.notify_all()
 
     def abort(self, seq_id: str) -> None:
         with self._cond:
-            seq = self._running.pop(seq_id, None)
-            if seq is not None:
-                self._reserved -= seq.reserved
-            else:
-                seq = next((s for s in self._pending if s.seq_id == seq_id), None)
-                if seq is None:
-                    return
-                self._pending.remove(seq)
-            self._known.discard(seq_id)
-            self._stats.running = len(self._running)
-            self._publish([_finish(seq, FinishReason.CANCELLED)])
-            self._cond.notify_all()
-
-    async def outputs(self) -> list[StepOutput]:
-        return await self._channel.get()
-
-    def stats(self) -> EngineStats:
-        with self._cond:
-            s = self._stats
-            return EngineStats(s.steps, s.sequences_stepped, s.tokens_generated, s.running)
-
-    def _publish(self, outputs: list[StepOutput]) -> None:
-        self._channel.publish(outputs)
-
-    def _admit_locked(self) -> list[_SimSeq]:
-        admitted: list[_SimSeq] = []
-        while self._pending and len(self._running) < self.capacity.max_seqs:
-            head = self._pending[0]
-            if self._reserved + head.reserved > self.capacity.max_tokens:
-                break  # strict FIFO: a long prompt is not overtaken forever by short ones
-            self._pending.popleft()
-            self._running[head.seq_id] = head
-            self._reserved += head.reserved
-            admitted.append(head)
-        self._stats.running = len(self._running)
-        return admitted
+            seq = self._seqs.get(seq_id)
+            if seq is None or not self._release_locked(seq):
+                return
+            self._deliver([seq.finish(FinishReason.CANCELLED)])
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._pending and not self._running:
+                while not self._closed and not self._seqs:
                     self._cond.wait()
-                if self._stopping:
+                if self._closed:
                     return
-                admitted = self._admit_locked()
-                batch = list(self._running.values())
-            if admitted:
-                prompt = sum(s.input_len for s in admitted)
+                batch = list(self._seqs.values())
+                started = [s for s in batch if not s.prefilled]
+                for s in started:
+                    s.prefilled = True
+            if started:
+                prompt = sum(len(s.input_ids) for s in started)
                 self._sleep(self.prefill_base + self.prefill_per_token * prompt)
             self._sleep(self.decode_base + self.decode_per_seq * len(batch))
             with self._cond:
                 self._step_locked(batch)
 
     def _step_locked(self, batch: list[_SimSeq]) -> None:
-        outputs: list[StepOutput] = []
+        outputs = []
         stepped = 0
         for seq in batch:
-            if self._running.get(seq.seq_id) is not seq:
+            if self._seqs.get(seq.seq_id) is not seq:
                 continue  # aborted while the step was "running"
             stepped += 1
             error = None
@@ -277,52 +174,24 @@ class SimEngine(Engine):
                 error = "injected failure (fail_rate)"
             if error is not None:
                 self._release_locked(seq)
-                outputs.append(_finish(seq, FinishReason.ERROR, error))
+                outputs.append(seq.finish(FinishReason.ERROR, error))
                 continue
             token = self._token(seq)
             seq.position += 1
             delta = seq.decoder.feed([token])
             self._stats.tokens_generated += len(delta.token_ids)
-            outputs.append(
-                StepOutput(
-                    seq_id=seq.seq_id,
-                    token_ids=delta.token_ids,
-                    text=delta.text,
-                    finish_reason=delta.finish_reason,
-                    prompt_tokens=seq.prompt_tokens,
-                    completion_tokens=seq.decoder.completion_tokens,
-                )
-            )
+            outputs.append(seq.output(delta))
             if delta.finish_reason is not None:
                 self._release_locked(seq)
         if stepped:
             self._stats.steps += 1
             self._stats.sequences_stepped += stepped
-        self._stats.running = len(self._running)
-        self._publish(outputs)
-        self._cond.notify_all()
-
-    def _release_locked(self, seq: _SimSeq) -> None:
-        del self._running[seq.seq_id]
-        self._known.discard(seq.seq_id)
-        self._reserved -= seq.reserved
+        self._deliver(outputs)
 
     def _token(self, seq: _SimSeq) -> int:
         h = hashlib.blake2b(seq.key + seq.position.to_bytes(4, "little"), digest_size=16).digest()
         pick = int.from_bytes(h[:8], "little")
         eos_draw = int.from_bytes(h[8:], "little") / _MASK64
-        if not seq.decoder.params.ignore_eos and eos_draw < self.eos_rate:
+        if not seq.params.ignore_eos and eos_draw < self.eos_rate:
             return SimTokenizer.EOS
         return _ALPHABET[pick % len(_ALPHABET)] + SimTokenizer.OFFSET
-
-
-def _finish(seq: _SimSeq, reason: FinishReason, error: str | None = None) -> StepOutput:
-    return StepOutput(
-        seq_id=seq.seq_id,
-        token_ids=[],
-        text="",
-        finish_reason=reason,
-        prompt_tokens=seq.prompt_tokens,
-        completion_tokens=seq.decoder.completion_tokens,
-        error=error,
-    )
