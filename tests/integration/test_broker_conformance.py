@@ -381,7 +381,7 @@ async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) 
     await asyncio.sleep(0.05)
     await broker.claim(MODEL, "w", slots=1)
     stats = await broker.stats(MODEL)
-    by_lane = {lane.lane.rsplit(":", 1)[-1]: lane for lane in stats.lanes}
+    by_lane = {lane.priority.name.lower(): lane for lane in stats.lanes}
     assert by_lane["high"].waiting == 2 and by_lane["high"].in_flight == 1
     assert by_lane["low"].waiting == 1 and by_lane["low"].in_flight == 0
     assert by_lane["normal"].waiting == 0 and by_lane["normal"].oldest_waiting_age_s is None
