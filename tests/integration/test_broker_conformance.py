@@ -431,6 +431,7 @@ async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) 
     assert by_lane["normal"].waiting == 0 and by_lane["normal"].oldest_waiting_age_s is None
     age = by_lane["low"].oldest_waiting_age_s
     assert age is not None and 0.03 <= age < 5
+    assert await broker.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
 async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:

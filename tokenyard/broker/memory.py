@@ -508,6 +508,9 @@ class MemoryBroker(Broker):
             expired=counters["expired"],
         )
 
+    async def depth(self, model: str) -> int:
+        return sum(len(self.store.lanes[model, p].entries) for p in Priority)
+
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         return self.store.dead_letters[model][:count]
 

@@ -226,9 +226,10 @@ class RedisBroker(Broker):
     async def claim(
         self, model: str, consumer: str, slots: int, block_s: float = 0.0
     ) -> list[Lease]:
-        """One round trip in the common case: a busy lane answers the claim script at once; an
-        idle worker blocks on XREAD and runs the claim script in the same pipeline, so the
-        server claims the moment the wake-up arrives."""
+        """One round trip in the common case: while the lanes have more than `slots` jobs, the
+        claim script alone; once a claim drains them, the next one blocks on XREAD after the
+        lanes' newest ids and runs the claim script in the same pipeline, so the server claims
+        the moment the wake-up arrives."""
         if slots <= 0:
             return []
         lanes = self.keys.lanes(model)
@@ -265,16 +266,14 @@ class RedisBroker(Broker):
                     wait = min(wait, max(0.001, hint.next_due - now))
                 reply = await self._wake_then_claim(hint, max(wait, 0.001), call)
             claimed, last_ids, next_due = reply
-            if claimed:
-                return [self._lease(consumer, row) for row in claimed]
             hint = None
-            if last_ids:
+            if last_ids:  # the lanes are drained: the next wait can start from here
                 due = float(next_due) if next_due else 0.0
                 hint = _WaitHint(ordered, [_s(i) for i in last_ids], due)
-            if time.monotonic() >= give_up_at:
+            if claimed or time.monotonic() >= give_up_at:
                 if hint is not None:
                     self._hints[model] = hint
-                return []
+                return [self._lease(consumer, row) for row in claimed]
 
     async def _wake_then_claim(self, hint: _WaitHint, wait_s: float, call: Call) -> Any:
         """XREAD BLOCK on the lanes, then the claim script, pipelined: the server runs the
@@ -571,6 +570,15 @@ class RedisBroker(Broker):
             fenced_completions=int(counters.get(b"fenced", 0)),
             expired=int(counters.get(b"expired", 0)),
         )
+
+    @_unavailable_on_errors
+    async def depth(self, model: str) -> int:
+        # completion and every skip XDEL the lane entry with the terminal write: what is left in
+        # a lane is waiting or in flight
+        pipe = self.redis.pipeline(transaction=False)
+        for priority in Priority:
+            pipe.xlen(self.keys.lane(model, priority))
+        return sum(int(n) for n in await self._execute(pipe))
 
     async def _lane_stats(self, model: str, priority: Priority, now: float) -> LaneStats:
         lane = self.keys.lane(model, priority)

@@ -3,9 +3,10 @@
 -- ARGV: group, consumer, slots, now, job_prefix, event_prefix, expired_event, ttl_ms,
 --   wait_hints
 -- Returns {claimed, last_ids, next_due}: claimed = {{entry_id, spec, attempt, resumable}}.
--- When nothing was claimed and wait_hints is '1', last_ids holds each lane's newest entry id
--- ('0-0' for an empty lane): every entry is delivered now, so an XREAD after those ids wakes on
--- new work only; next_due is when the first retry's backoff ends ('' if none).
+-- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
+-- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
+-- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
+-- ends ('' if none).
 local group, consumer, now = A.group, A.consumer, A.now
 local nowf = tonumber(now)
 local remaining = tonumber(A.slots)
@@ -75,7 +76,7 @@ for i = 1, N do
 end
 
 local last_ids, next_due = {}, ''
-if #claimed == 0 and A.wait_hints == '1' then
+if remaining > 0 and A.wait_hints == '1' then
   for i = 1, N do
     local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
     last_ids[i] = newest[1] and newest[1][1] or '0-0'
