@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 
+from bench.common import server_version
 from tokenyard.broker.base import Broker, Lease
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
@@ -211,13 +212,6 @@ class ServerCounters:
             },
             "server_cpu_us_per_job": round((self.cpu_s - before.cpu_s) * 1e6 / jobs, 1),
         }
-
-
-def server_version(client: redis.Redis) -> str:
-    info: dict[str, Any] = client.info("server")
-    if "valkey_version" in info:
-        return f"valkey {info['valkey_version']}"
-    return f"redis {info['redis_version']}"
 
 
 def rate(n: int, seconds: float) -> float:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import proc_cpu_s
+from bench.common import percentile, proc_cpu_s
 from tokenyard.broker.base import Broker
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
@@ -107,17 +107,6 @@ class Sample:
             self.tokens,
             self.ok,
         )
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _ms(value: float | None) -> float | None:

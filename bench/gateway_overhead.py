@@ -32,7 +32,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.common import free_port, proc_cpu_s
+from bench.common import Processes, free_port, loadavg, proc_cpu_s, wait_ready
 from tokenyard.bench.client import Endpoint, RequestOptions, send_request
 from tokenyard.bench.stats import summarize
 from tokenyard.bench.workload import LengthDist, RequestSpec, Workload
@@ -188,52 +187,6 @@ def gateway_main(url: str, prefix: str, port: int, patches: Sequence[str]) -> No
 
 
 # -- the stack -------------------------------------------------------------------------------
-
-
-class Processes:
-    """Gateway and worker subprocesses; stopped with SIGTERM (workers drain), then killed."""
-
-    def __init__(self, log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        log = (self.log_dir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = proc
-        return proc
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-async def wait_ready(base: str, procs: Processes, timeout_s: float = 60.0) -> None:
-    """Poll /readyz: the gateway answers and sees a live worker."""
-    give_up = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
-        while True:
-            procs.check()
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get("/readyz")).status_code == 200:
-                    return
-            if time.monotonic() > give_up:
-                raise TimeoutError("the gateway did not become ready")
-            await asyncio.sleep(0.1)
 
 
 # -- the three kinds of request --------------------------------------------------------------
@@ -423,10 +376,6 @@ def start_profilers(
 
 def ms_summary(values: Sequence[float]) -> dict[str, Any]:
     return summarize(values, (50.0, 90.0, 99.0)).as_dict(MS)
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 async def measure(

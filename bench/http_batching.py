@@ -35,8 +35,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,9 +46,8 @@ from typing import TYPE_CHECKING, Any
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
 
-from bench.common import free_port, proc_cpu_s
+from bench.common import Processes, free_port, loadavg, proc_cpu_s, wait_ready
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
@@ -124,7 +121,6 @@ class Stack:
     """Gateway and worker subprocesses of one mode; SIGTERM stops them (the worker drains)."""
 
     def __init__(self, log_dir: Path, url: str, mode: str, opts: argparse.Namespace) -> None:
-        self.log_dir = log_dir
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         prefix = f"hb{uuid.uuid4().hex[:8]}"
@@ -135,48 +131,24 @@ class Stack:
             "gateway": [sys.executable, "-m", "tokenyard", "gateway", *common,
                         "--model", MODEL, "--engine", "hf", "--port", str(self.port)],
         }  # fmt: skip
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes = Processes(log_dir)
 
     def signal(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        self.processes.signal()
 
     def pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self.procs.items()}
+        return self.processes.pids()
 
     def start(self) -> None:
         for name, cmd in self.commands.items():
-            log = (self.log_dir / f"{name}.log").open("wb")
-            self.procs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            self.processes.start(name, cmd)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Poll /readyz: the gateway answers and sees the worker (its model is loaded)."""
-        give_up = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(base_url=self.base, timeout=5.0) as client:
-            while True:
-                self.check()
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/readyz")).status_code == 200:
-                        return
-                if time.monotonic() > give_up:
-                    raise TimeoutError("the stack did not become ready")
-                await asyncio.sleep(0.2)
+        await wait_ready(self.base, self.processes, timeout_s)
 
     def stop(self) -> None:
-        self.signal()
-        for proc in self.procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.processes.stop(timeout_s=60.0)
 
 
 @contextlib.asynccontextmanager
@@ -334,10 +306,6 @@ async def offline_ceiling(opts: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_s": round(tokens / wall, 1),
         "requests_per_s": round(n / wall, 2),
     }
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

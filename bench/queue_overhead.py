@@ -1,15 +1,29 @@
-"""Queue overhead: one no-op job through tokenyard and through arq, taskiq, RQ, Celery, Dramatiq.
+"""Queue overhead: no-op jobs through tokenyard and through arq, taskiq, RQ, Celery, Dramatiq.
 
 Every system runs on one private Valkey (AOF, appendfsync everysec), each in its own database,
-flushed between systems; one consumer process per system, the producer in this process.
-For each: throughput (enqueue N jobs as fast as the framework allows, time until all are done)
-and enqueue→done latency of single jobs at light load. Prints one JSON document.
+flushed between systems; one consumer process per system, the producer in this process. Every
+system is driven through its single-job API, the same way:
+
+  one_at_a_time  the producer awaits each enqueue before the next, while the consumer runs
+  in_flight      --in-flight enqueues outstanding at once (async tasks; a thread pool of that
+                 size for the peers whose client is synchronous)
+  latency        enqueue -> done of single jobs at light load
+
+For each throughput mode: live jobs/s (first enqueue until the last job is done), the enqueue
+rate, CPU per job of the consumer and of the server, and Valkey commands per job (INFO
+commandstats deltas; scripts' inner commands count, the benchmark's own polls do not).
+tokenyard also reports `enqueue_many` (--batch jobs per call) as a separate, labelled row, and
+`tokenyard-http` runs a real gateway + worker (zero-cost sim engine) and drives it over HTTP:
+POST /v1/jobs and POST /v1/completions with max_tokens 1, one at a time and in flight, plus
+commands per generated token with --tokens-per-job tokens. Ratios are against the best peer of
+the same run. Prints one JSON document.
 
     python bench/queue_overhead.py --jobs 5000 [--systems tokenyard,arq,...] [--profile DIR]
 
 Peers are a benchmark extra (`pip install -e .[bench-peers]`); a peer that is missing or fails
 is reported with its error and the run goes on. A peer job marks itself done with one RPUSH of
-its id onto a list; tokenyard's done is its terminal record and Finished event (complete.lua).
+its id onto a list; tokenyard's done is its terminal record (complete.lua removes the lane
+entry in the same script, so the lanes' depth counts what is not done).
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import functools
 import importlib
 import io
 import json
@@ -29,12 +44,12 @@ import pstats
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -42,9 +57,20 @@ from typing import Any
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx
 import redis
 import redis.asyncio as aioredis
 
+from bench.common import (
+    Processes,
+    command_calls,
+    free_port,
+    loadavg,
+    percentile,
+    proc_cpu_s,
+    server_version,
+    wait_ready,
+)
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker, wait_until_ready
@@ -56,21 +82,32 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
-    Priority,
     SamplingParams,
 )
 from tokenyard.worker.run import run_worker
 
 PEERS = ("arq", "taskiq", "rq", "celery", "dramatiq")
 TOKENYARD = ("tokenyard", "tokenyard-broker")
-SYSTEMS = (*TOKENYARD, *PEERS)
-GOAL = 3.0  # tokenyard's target: at least this many times the best peer
+HTTP = "tokenyard-http"
+SYSTEMS = (*TOKENYARD, HTTP, *PEERS)
+SELF = Path(__file__).resolve()
+GOAL = 3.0  # tokenyard's target: at least this many times the best peer, single-job API
+HTTP_GOAL = 1.0  # through HTTP: at least the best peer's queue-only figure
 MODEL = "noop"
 DONE_KEY = "qo:done"  # peers RPUSH each finished job's id here
 QUEUE = "qo"
 PREFIX = "qo"
 WARMUP_JOBS = 20
 POLL_S = 0.002
+QUEUE_MODES = ("one_at_a_time", "in_flight")
+HTTP_MODES = (
+    "jobs_one_at_a_time",
+    "jobs_in_flight",
+    "completions_one_at_a_time",
+    "completions_in_flight",
+)
+# commands that are not the work of a job: the benchmark's probe and connection set-up
+NOT_WORK = ("info", "hello", "client|setinfo", "select", "ping", "flushall")
 
 # What each consumer process is given: the best reasonable settings for a no-op job on 2 cores.
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -79,15 +116,23 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "max_seqs": 256,
         "max_tokens": 1,
         "claim_block_s": 0.5,
-        "producer": "RedisBroker.enqueue_many, --batch jobs per call",
+        "producer": "RedisBroker.enqueue (enqueue_many in its own row)",
         "done": "terminal record + Finished event, written by complete.lua",
     },
     "tokenyard-broker": {
         "consumer": "RedisBroker.claim + complete_many loop, no worker or engine, one process",
         "slots": 256,
         "claim_block_s": 0.5,
-        "producer": "RedisBroker.enqueue_many, --batch jobs per call",
+        "producer": "RedisBroker.enqueue (enqueue_many in its own row)",
         "done": "terminal record + Finished event, written by complete.lua",
+    },
+    "tokenyard-http": {
+        "consumer": "`tokenyard gateway` + the tokenyard worker above, one process each",
+        "max_seqs": 256,
+        "max_tokens": 1,
+        "claim_block_s": 0.5,
+        "producer": "httpx.AsyncClient: POST /v1/jobs, POST /v1/completions",
+        "done": "/v1/jobs: terminal record; /v1/completions: the response",
     },
     "arq": {
         "consumer": "arq.worker.Worker, one process (asyncio)",
@@ -95,7 +140,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "poll_delay_s": 0.005,
         "keep_result_s": 0,
         "note": "arq polls its queue; poll_delay lowered from the 0.5 s default",
-        "producer": "ArqRedis.enqueue_job, 64 concurrent",
+        "producer": "ArqRedis.enqueue_job",
         "done": "job does RPUSH",
     },
     "taskiq": {
@@ -103,14 +148,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "max_async_tasks": 100,
         "xread_count": 100,
         "result_backend": None,
-        "producer": "task.kiq, 64 concurrent",
+        "producer": "task.kiq",
         "done": "job does RPUSH",
     },
     "rq": {
         "consumer": "rq.SimpleWorker (no fork per job), one process",
         "result_ttl": 0,
-        "enqueue_batch": 500,
-        "producer": "Queue.enqueue_many, one pipeline per enqueue_batch jobs",
+        "producer": "Queue.enqueue (synchronous client: a thread pool when in flight)",
         "done": "job does RPUSH",
     },
     "celery": {
@@ -120,7 +164,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "prefetch_multiplier": 64,
         "flags": ["--without-gossip", "--without-mingle", "--without-heartbeat"],
         "result_backend": None,
-        "producer": "app.send_task, one by one",
+        "producer": "app.send_task (synchronous client: a thread pool when in flight)",
         "done": "job does RPUSH",
     },
     "dramatiq": {
@@ -130,7 +174,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "worker_timeout_ms": 10,
         "note": "idle polls back off up to worker_timeout (default 1000 ms); prefetch default 2x",
         "result_backend": None,
-        "producer": "actor.send, one by one",
+        "producer": "actor.send (synchronous client: a thread pool when in flight)",
         "done": "job does RPUSH",
     },
 }
@@ -138,6 +182,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 DISTRIBUTIONS = {
     "tokenyard": ["tokenyard"],
     "tokenyard-broker": ["tokenyard"],
+    "tokenyard-http": ["tokenyard", "uvicorn", "fastapi", "httpx"],
     "arq": ["arq"],
     "taskiq": ["taskiq", "taskiq-redis"],
     "rq": ["rq"],
@@ -156,31 +201,29 @@ def db_url(base: str, db: int) -> str:
     return f"{base.rsplit('/', 1)[0]}/{db}"
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (Linux /proc), else None."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+async def in_flight(ids: Sequence[str], width: int, send: Callable[[str], Awaitable[Any]]) -> None:
+    """`send(id)` for every id, `width` outstanding at once: each of `width` producers takes the
+    next id as soon as its last call returned."""
+    feed: Iterator[str] = iter(ids)
+
+    async def producer() -> None:
+        for job_id in feed:
+            await send(job_id)
+
+    await asyncio.gather(*(producer() for _ in range(min(width, len(ids)))))
 
 
 # -- producers -----------------------------------------------------------------------------
 
 
 class Producer(abc.ABC):
-    """The benchmark's side of one system: enqueue jobs and observe them done."""
+    """The benchmark's side of one system: enqueue jobs one by one and observe them done."""
+
+    poll_commands = 1  # Valkey commands one done_count() sends
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -191,8 +234,11 @@ class Producer(abc.ABC):
         await self.done_client.ping()
 
     @abc.abstractmethod
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        """Enqueue one no-op job per id, as fast as the framework allows."""
+    async def enqueue(self, job_id: str) -> None:
+        """Enqueue one no-op job through the system's single-job API."""
+
+    async def enqueue_concurrently(self, ids: Sequence[str], width: int) -> None:
+        await in_flight(ids, width, self.enqueue)
 
     async def wait_done(self, job_id: str, timeout_s: float) -> None:
         """Return once `job_id` is done; raise TimeoutError after `timeout_s`."""
@@ -220,66 +266,68 @@ class Producer(abc.ABC):
         await self.done_client.aclose()
 
 
-async def gather_chunks(ids: Sequence[str], width: int, send: Callable[[str], Any]) -> None:
-    """Await `send(id)` for every id with at most `width` in flight."""
-    for i in range(0, len(ids), width):
-        await asyncio.gather(*(send(j) for j in ids[i : i + width]))
+class SyncProducer(Producer):
+    """A peer whose client is synchronous: one at a time it blocks this loop, as its users'
+    code would; in flight, a thread pool as wide as the in-flight limit sends."""
+
+    @abc.abstractmethod
+    def send(self, job_id: str) -> None: ...
+
+    async def enqueue(self, job_id: str) -> None:
+        self.send(job_id)
+
+    async def enqueue_concurrently(self, ids: Sequence[str], width: int) -> None:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=width) as pool:
+            await in_flight(ids, width, lambda i: loop.run_in_executor(pool, self.send, i))
 
 
-def noop_spec(job_id: str) -> JobSpec:
+def noop_spec(job_id: str, max_tokens: int = 1) -> JobSpec:
     return JobSpec(
         id=job_id,
         model=MODEL,
         tenant="bench",
         prompt="x",
-        sampling=SamplingParams(max_tokens=1, temperature=0.0),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
 
 
 class TokenyardProducer(Producer):
-    """enqueue_many; done = the lane is empty (complete.lua writes the record and XDELs at once)."""
+    """RedisBroker.enqueue; done = no longer in a lane (complete.lua XDELs with the record)."""
 
-    def __init__(self, url: str, batch: int) -> None:
+    poll_commands = 3  # depth(): XLEN of each lane, pipelined
+
+    def __init__(self, url: str) -> None:
         super().__init__(url)
         self.broker = RedisBroker(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
-        self.batch = batch
-        self.lane = self.broker.keys.lane(MODEL, Priority.NORMAL)
         self.enqueued = 0
         self.job_ids: dict[str, str] = {}  # bench id -> tokenyard job id
 
     async def open(self) -> None:
         await wait_until_ready(self.broker)
 
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        specs = []
-        for i in ids:
-            spec = noop_spec(new_job_id(MODEL))
-            self.job_ids[i] = spec.id
-            specs.append(spec)
-        for k in range(0, len(specs), self.batch):
-            await self.broker.enqueue_many(specs[k : k + self.batch])
-        self.enqueued += len(specs)
+    def _spec(self, bench_id: str) -> JobSpec:
+        spec = noop_spec(new_job_id(MODEL))
+        self.job_ids[bench_id] = spec.id
+        self.enqueued += 1
+        return spec
+
+    async def enqueue(self, job_id: str) -> None:
+        await self.broker.enqueue(self._spec(job_id))
+
+    async def enqueue_batched(self, ids: Sequence[str], batch: int) -> None:
+        specs = [self._spec(i) for i in ids]
+        for k in range(0, len(specs), batch):
+            await self.broker.enqueue_many(specs[k : k + batch])
 
     async def wait_done(self, job_id: str, timeout_s: float) -> None:
-        give_up = time.monotonic() + timeout_s
-        after = "0"
-        while (left := give_up - time.monotonic()) > 0:
-            events = await self.broker.read_events(self.job_ids[job_id], after, block_s=left)
-            for event_id, event in events:
-                after = event_id
-                if isinstance(event, Finished):
-                    return
-        raise TimeoutError(f"job {job_id} not done after {timeout_s} s")
+        await finished(self.broker, self.job_ids[job_id], timeout_s)
 
     async def done_count(self) -> int:
-        return self.enqueued - int(await self.broker.redis.xlen(self.lane))
+        return self.enqueued - await self.broker.depth(MODEL)
 
     async def verify(self, ids: Sequence[str]) -> int:
-        pipe = self.broker.redis.pipeline(transaction=False)
-        for i in ids:
-            pipe.hget(self.broker.keys.job(self.job_ids[i]), "status")
-        statuses = await pipe.execute()
-        return sum(s == JobStatus.SUCCEEDED.value.encode() for s in statuses)
+        return await succeeded(self.broker, [self.job_ids[i] for i in ids])
 
     async def reset(self) -> None:
         self.job_ids.clear()
@@ -289,14 +337,34 @@ class TokenyardProducer(Producer):
         await super().close()
 
 
+async def finished(broker: RedisBroker, job_id: str, timeout_s: float) -> None:
+    """Follow a job's events until its Finished event."""
+    give_up = time.monotonic() + timeout_s
+    after = "0"
+    while (left := give_up - time.monotonic()) > 0:
+        for event_id, event in await broker.read_events(job_id, after, block_s=left):
+            after = event_id
+            if isinstance(event, Finished):
+                return
+    raise TimeoutError(f"job {job_id} not done after {timeout_s} s")
+
+
+async def succeeded(broker: RedisBroker, job_ids: Sequence[str]) -> int:
+    count = 0
+    for k in range(0, len(job_ids), 64):
+        records = await asyncio.gather(*(broker.record(j) for j in job_ids[k : k + 64]))
+        count += sum(r is not None and r.status is JobStatus.SUCCEEDED for r in records)
+    return count
+
+
 class ArqProducer(Producer):
     async def open(self) -> None:
         await super().open()
         settings = peer("arq.connections").RedisSettings.from_dsn(self.url)
         self.pool = await peer("arq").create_pool(settings)
 
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        await gather_chunks(ids, 64, lambda i: self.pool.enqueue_job("qo_noop", i))
+    async def enqueue(self, job_id: str) -> None:
+        await self.pool.enqueue_job("qo_noop", job_id)
 
     async def close(self) -> None:
         await self.pool.aclose()
@@ -310,8 +378,8 @@ class TaskiqProducer(Producer):
         self.task = self.broker.register_task(_taskiq_stub, task_name="qo_noop")
         await self.broker.startup()
 
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        await gather_chunks(ids, 64, self.task.kiq)
+    async def enqueue(self, job_id: str) -> None:
+        await self.task.kiq(job_id)
 
     async def close(self) -> None:
         await self.broker.shutdown()
@@ -322,51 +390,41 @@ async def _taskiq_stub(job_id: str) -> None:
     """The producer's handle on the worker's task; never runs here."""
 
 
-class RqProducer(Producer):
+class RqProducer(SyncProducer):
     async def open(self) -> None:
         await super().open()
         self.client = redis.Redis.from_url(self.url)
         self.queue = peer("rq").Queue(QUEUE, connection=self.client)
 
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        Queue = peer("rq").Queue
-        batch, ttl = SETTINGS["rq"]["enqueue_batch"], SETTINGS["rq"]["result_ttl"]
-        for k in range(0, len(ids), batch):
-            with self.client.pipeline() as pipe:
-                datas = [
-                    Queue.prepare_data("queue_overhead.rq_noop", args=(i,), result_ttl=ttl)
-                    for i in ids[k : k + batch]
-                ]
-                self.queue.enqueue_many(datas, pipeline=pipe)
-                pipe.execute()
+    def send(self, job_id: str) -> None:
+        ttl = SETTINGS["rq"]["result_ttl"]
+        self.queue.enqueue("queue_overhead.rq_noop", job_id, result_ttl=ttl)
 
     async def close(self) -> None:
         self.client.close()
         await super().close()
 
 
-class CeleryProducer(Producer):
+class CeleryProducer(SyncProducer):
     async def open(self) -> None:
         await super().open()
         self.app = celery_app(self.url)
 
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        for i in ids:
-            self.app.send_task("qo_noop", args=[i], ignore_result=True)
+    def send(self, job_id: str) -> None:
+        self.app.send_task("qo_noop", args=[job_id], ignore_result=True)
 
     async def close(self) -> None:
         self.app.close()
         await super().close()
 
 
-class DramatiqProducer(Producer):
+class DramatiqProducer(SyncProducer):
     async def open(self) -> None:
         await super().open()
         self.broker, self.actor = dramatiq_actor(self.url, _dramatiq_stub)
 
-    async def enqueue(self, ids: Sequence[str]) -> None:
-        for i in ids:
-            self.actor.send(i)
+    def send(self, job_id: str) -> None:
+        self.actor.send(job_id)
 
     async def close(self) -> None:
         self.broker.close()
@@ -377,9 +435,9 @@ def _dramatiq_stub(job_id: str) -> None:
     """The producer's handle on the worker's actor; never runs here."""
 
 
-def make_producer(system: str, url: str, batch: int) -> Producer:
+def make_producer(system: str, url: str) -> Producer:
     if system in TOKENYARD:
-        return TokenyardProducer(url, batch)
+        return TokenyardProducer(url)
     kinds: dict[str, type[Producer]] = {
         "arq": ArqProducer,
         "taskiq": TaskiqProducer,
@@ -388,6 +446,44 @@ def make_producer(system: str, url: str, batch: int) -> Producer:
         "dramatiq": DramatiqProducer,
     }
     return kinds[system](url)
+
+
+class HttpProducer(TokenyardProducer):
+    """tokenyard through its gateway: POST /v1/jobs (done: the terminal record) or POST
+    /v1/completions (done: the response)."""
+
+    def __init__(self, url: str, base: str, max_tokens: int = 1) -> None:
+        super().__init__(url)
+        self.http = httpx.AsyncClient(
+            base_url=base, timeout=120.0, limits=httpx.Limits(max_connections=None)
+        )
+        self.max_tokens = max_tokens
+        self.body = {"model": MODEL, "prompt": "x", "temperature": 0.0, "ignore_eos": True}
+        self.tokens = 0  # completion tokens the /v1/completions answers reported
+
+    async def submit(self, job_id: str) -> None:
+        reply = await self.http.post("/v1/jobs", json={**self.body, "max_tokens": 1})
+        if reply.status_code != 202:
+            raise RuntimeError(f"POST /v1/jobs: {reply.status_code} {reply.text}")
+        self.job_ids[job_id] = reply.json()["id"]
+        self.enqueued += 1
+
+    async def complete(self, job_id: str) -> None:
+        body = {**self.body, "max_tokens": self.max_tokens}
+        reply = await self.http.post("/v1/completions", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"POST /v1/completions: {reply.status_code} {reply.text}")
+        self.tokens += int(reply.json()["usage"]["completion_tokens"])
+
+    async def enqueue(self, job_id: str) -> None:
+        await self.submit(job_id)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await super().close()
+
+
+# -- consumers (run with --serve in their own process) -------------------------------------
 
 
 def celery_app(url: str) -> Any:
@@ -429,8 +525,8 @@ def _stop_on_sigterm() -> threading.Event:
     return stop
 
 
-def serve_tokenyard(url: str, profile: str | None) -> None:
-    settings = SETTINGS["tokenyard"]
+def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> None:
+    """The real worker on a SimEngine whose every cost is 0."""
 
     async def main() -> None:
         broker = RedisBroker(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
@@ -582,8 +678,8 @@ def serve_dramatiq(url: str) -> None:
 def serve(system: str, url: str, profile: str | None) -> None:
     """Entry point of a consumer process."""
     logging.basicConfig(level=logging.WARNING)
-    if system == "tokenyard":
-        serve_tokenyard(url, profile)
+    if system in ("tokenyard", HTTP):
+        serve_tokenyard(url, profile, SETTINGS[system])
     elif system == "tokenyard-broker":
         serve_tokenyard_broker(url, profile)
     else:
@@ -599,52 +695,39 @@ def serve(system: str, url: str, profile: str | None) -> None:
 # -- the measurement -----------------------------------------------------------------------
 
 
-class ConsumerProcess:
-    """One consumer process in its own session, its output in a log file."""
+class Stack:
+    """One system's processes: its consumer, and for tokenyard-http the gateway in front."""
 
     def __init__(self, system: str, url: str, profile: str | None, log_dir: Path) -> None:
-        self.log_path = log_dir / f"{system}.log"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--serve", system, "--url", url]
+        self.processes = Processes(log_dir / system)
+        argv = [sys.executable, str(SELF), "--serve", system, "--url", url]
         argv += ["--settings-json", json.dumps(SETTINGS[system])]
         if profile:
             argv += ["--profile-out", profile]
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=Path(__file__).resolve().parent,
-            )
+        # the consumer's own session, so a stop reaches the children some peers fork; bench/ as
+        # the working directory, so RQ finds its job function by module path
+        self.processes.start("consumer", argv, cwd=SELF.parent, new_session=True)
+        self.base = ""
+        if system == HTTP:
+            port = free_port()
+            self.base = f"http://127.0.0.1:{port}"
+            gateway = [sys.executable, "-m", "tokenyard", "gateway", "--broker", url,
+                       "--prefix", PREFIX, "--model", MODEL, "--engine", "sim",
+                       "--port", str(port)]  # fmt: skip
+            self.processes.start("gateway", gateway)
 
     def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"consumer exited with code {self.proc.returncode}\n{self.log_tail()}"
-            )
+        self.processes.check()
 
-    def cpu_s(self) -> float | None:
-        return process_cpu_s(self.proc.pid)
+    def cpu_s(self) -> float:
+        """CPU seconds of the system's processes (consumer, gateway) so far."""
+        return sum(proc_cpu_s(pid) for pid in self.processes.pids().values())
 
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+    def log_tail(self) -> str:
+        return "\n".join(self.processes.log_tail(name) for name in self.processes.procs)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the consumer's process group; SIGKILL it if it lingers."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+    def stop(self) -> None:
+        self.processes.stop(timeout_s=15.0)
 
 
 class ServerProbe:
@@ -653,15 +736,19 @@ class ServerProbe:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
 
-    def snapshot(self) -> tuple[float, int]:
+    def snapshot(self) -> tuple[float, dict[str, int]]:
         cpu: dict[str, Any] = self.client.info("cpu")
-        stats: dict[str, dict[str, Any]] = self.client.info("commandstats")
-        calls = sum(int(row["calls"]) for key, row in stats.items() if key != "cmdstat_info")
-        return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
+        return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), command_calls(self.client)
+
+
+def work_commands(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Commands run between two snapshots, without the probe's and connection set-up."""
+    delta = {name: n - before.get(name, 0) for name, n in after.items() if name not in NOT_WORK}
+    return {name: n for name, n in delta.items() if n > 0}
 
 
 async def wait_count(
-    producer: Producer, consumer: ConsumerProcess, target: int, timeout_s: float
+    producer: Producer, stack: Stack, target: int, timeout_s: float
 ) -> tuple[float, int, int]:
     """Poll until `target` jobs are done; returns (monotonic time seen, done, polls)."""
     give_up = time.monotonic() + timeout_s
@@ -673,78 +760,175 @@ async def wait_count(
         if done >= target or now > give_up:
             return now, done, polls
         if polls % 250 == 0:
-            consumer.check_alive()
+            stack.check_alive()
         await asyncio.sleep(POLL_S)
 
 
-async def measure(
-    system: str,
+async def phase(
     producer: Producer,
-    consumer: ConsumerProcess,
+    stack: Stack,
     probe: ServerProbe,
-    args: argparse.Namespace,
+    ids: Sequence[str],
+    send: Callable[[], Awaitable[None]],
+    poll: bool = True,
+) -> dict[str, Any]:
+    """One throughput phase: `send()` enqueues `ids`; then, if `poll`, wait until all are done.
+    Counts per job: wall time, CPU of the system's processes and of the server, commands."""
+    n = len(ids)
+    before = await producer.done_count() if poll else 0
+    cpu0, (server0, calls0) = stack.cpu_s(), probe.snapshot()
+    started = time.monotonic()
+    await send()
+    enqueued = finished_at = time.monotonic()
+    polls = 0
+    if poll:
+        timeout = max(120.0, n / 50)
+        finished_at, _, polls = await wait_count(producer, stack, before + n, timeout)
+    cpu1, (server1, calls1) = stack.cpu_s(), probe.snapshot()
+    completed = await producer.verify(ids) if poll else n
+    wall = finished_at - started
+    commands = work_commands(calls0, calls1)
+    total = sum(commands.values()) - polls * producer.poll_commands
+    row: dict[str, Any] = {
+        "jobs_per_s": round(n / wall, 1) if completed == n else None,
+        "enqueue_jobs_per_s": round(n / max(enqueued - started, 1e-9), 1) if poll else None,
+        "wall_s": round(wall, 3),
+        "completed": completed,
+        "all_done": completed == n,
+        "system_cpu_us_per_job": round((cpu1 - cpu0) * 1e6 / n, 1),
+        "server_cpu_us_per_job": round((server1 - server0) * 1e6 / n, 1),
+        "server_commands_per_job": round(total / n, 2),
+        "commands_per_job_by_name": {
+            name: round(c / n, 2)
+            for name, c in sorted(commands.items(), key=lambda kv: -kv[1])
+            if c / n >= 0.01
+        },
+    }
+    if poll:  # the polls are this benchmark's, not the system's
+        row["benchmark_poll_commands"] = polls * producer.poll_commands
+    if completed != n:
+        row["error"] = f"only {completed} of {n} jobs done after {wall:.1f} s"
+    return row
+
+
+async def latency(
+    run_one: Callable[[str], Awaitable[None]], jobs: int, gap_ms: float
+) -> dict[str, Any]:
+    """One job at a time, a random pause of 0..2·gap between jobs: enqueue → done."""
+    rng = random.Random(7)
+    samples: list[float] = []
+    for i in range(jobs):
+        t0 = time.monotonic()
+        await run_one(f"l{i}")
+        samples.append((time.monotonic() - t0) * 1000)
+        await asyncio.sleep(rng.uniform(0, 2 * gap_ms) / 1000)
+    return {
+        "p50_ms": ms(percentile(samples, 50)),
+        "p99_ms": ms(percentile(samples, 99)),
+        "mean_ms": ms(statistics.fmean(samples)),
+    }
+
+
+async def settle(producer: Producer) -> None:
+    await producer.reset()
+    await asyncio.sleep(0.2)
+
+
+async def measure_queue(
+    system: str, producer: Producer, stack: Stack, probe: ServerProbe, args: argparse.Namespace
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     await producer.open()
-
-    # Warm-up: the consumer is up, scripts are loaded, groups exist.
+    # warm-up: the consumer is up, scripts are loaded, groups exist
     warm = [f"w{i}" for i in range(WARMUP_JOBS)]
-    await producer.enqueue(warm)
-    _, done, _ = await wait_count(producer, consumer, WARMUP_JOBS, args.start_timeout_s)
+    for job_id in warm:
+        await producer.enqueue(job_id)
+    _, done, _ = await wait_count(producer, stack, WARMUP_JOBS, args.start_timeout_s)
     if done < WARMUP_JOBS:
-        consumer.check_alive()
-        raise TimeoutError(f"warm-up: {done} of {WARMUP_JOBS} done\n{consumer.log_tail()}")
-    await producer.reset()
-    await asyncio.sleep(0.2)
+        stack.check_alive()
+        raise TimeoutError(f"warm-up: {done} of {WARMUP_JOBS} done\n{stack.log_tail()}")
+    await settle(producer)
 
-    # Throughput: enqueue N as fast as possible, time until all are done.
-    ids = [f"t{i}" for i in range(args.jobs)]
-    before = done = await producer.done_count()
-    cpu0, cpu_server0, calls0 = consumer.cpu_s(), *probe.snapshot()
-    started = time.monotonic()
-    await producer.enqueue(ids)
-    enqueued = time.monotonic()
-    timeout = max(120.0, args.jobs / 50)
-    finished, done, polls = await wait_count(producer, consumer, before + args.jobs, timeout)
-    cpu1, cpu_server1, calls1 = consumer.cpu_s(), *probe.snapshot()
-    completed = await producer.verify(ids)
-    wall = finished - started
-    out.update(
-        jobs_per_s=round(args.jobs / wall, 1) if completed == args.jobs else None,
-        wall_s=round(wall, 3),
-        enqueue_jobs_per_s=round(args.jobs / max(enqueued - started, 1e-9), 1),
-        completed=completed,
-        all_done=completed == args.jobs,
-        worker_cpu_us_per_job=(
-            round((cpu1 - cpu0) * 1e6 / args.jobs, 1)
-            if cpu0 is not None and cpu1 is not None
-            else None
-        ),
-        server_cpu_us_per_job=round((cpu_server1 - cpu_server0) * 1e6 / args.jobs, 1),
-        # every command the server ran (inside scripts too) except this benchmark's polls
-        server_commands_per_job=round((calls1 - calls0 - polls) / args.jobs, 2),
-    )
-    if completed != args.jobs:
-        out["error"] = f"only {completed} of {args.jobs} jobs done after {wall:.1f} s"
-        return out
-    await producer.reset()
-    await asyncio.sleep(0.2)
+    async def one_at_a_time(ids: Sequence[str]) -> None:
+        for job_id in ids:
+            await producer.enqueue(job_id)
 
-    # Latency at light load: one job at a time, a random pause of 0..2·gap between jobs.
-    rng = random.Random(7)
-    samples: list[float] = []
-    for i in range(args.latency_jobs):
-        job_id = f"l{i}"
-        t0 = time.monotonic()
-        await producer.enqueue([job_id])
+    sends: dict[str, Callable[[Sequence[str]], Awaitable[None]]] = {
+        "one_at_a_time": one_at_a_time,
+        "in_flight": lambda ids: producer.enqueue_concurrently(ids, args.in_flight),
+    }
+    if isinstance(producer, TokenyardProducer):
+        batch = args.batch
+        sends["enqueue_many"] = lambda ids: producer.enqueue_batched(ids, batch)
+    for mode, send in sends.items():
+        ids = [f"{mode}:{i}" for i in range(args.jobs)]
+        out[mode] = await phase(producer, stack, probe, ids, functools.partial(send, ids))
+        if "error" in out[mode]:
+            out["error"] = f"{mode}: {out[mode]['error']}"
+            return out
+        await settle(producer)
+
+    async def run_one(job_id: str) -> None:
+        await producer.enqueue(job_id)
         await producer.wait_done(job_id, 30.0)
-        samples.append((time.monotonic() - t0) * 1000)
-        await asyncio.sleep(rng.uniform(0, 2 * args.gap_ms) / 1000)
-    out.update(
-        latency_p50_ms=round(percentile(samples, 50), 3),
-        latency_p99_ms=round(percentile(samples, 99), 3),
-        latency_mean_ms=round(sum(samples) / len(samples), 3),
+
+    out["latency"] = await latency(run_one, args.latency_jobs, args.gap_ms)
+    return out
+
+
+async def measure_http(
+    producer: HttpProducer, stack: Stack, probe: ServerProbe, args: argparse.Namespace
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    await producer.open()
+    await wait_ready(stack.base, stack.processes, args.start_timeout_s)
+    for i in range(WARMUP_JOBS):
+        await producer.complete(f"w{i}")
+        await producer.submit(f"wj{i}")
+    _, done, _ = await wait_count(producer, stack, WARMUP_JOBS, args.start_timeout_s)
+    if done < WARMUP_JOBS:
+        raise TimeoutError(f"warm-up: {done} of {WARMUP_JOBS} jobs done\n{stack.log_tail()}")
+    await settle(producer)
+
+    async def one_at_a_time(call: Callable[[str], Awaitable[None]], ids: Sequence[str]) -> None:
+        for job_id in ids:
+            await call(job_id)
+
+    width = args.in_flight
+    n = args.http_jobs
+    plans: dict[str, tuple[Callable[[Sequence[str]], Awaitable[None]], bool]] = {
+        "jobs_one_at_a_time": (lambda ids: one_at_a_time(producer.submit, ids), True),
+        "jobs_in_flight": (lambda ids: in_flight(ids, width, producer.submit), True),
+        "completions_one_at_a_time": (lambda ids: one_at_a_time(producer.complete, ids), False),
+        "completions_in_flight": (lambda ids: in_flight(ids, width, producer.complete), False),
+    }
+    for mode, (send, poll) in plans.items():
+        ids = [f"{mode}:{i}" for i in range(n)]
+        out[mode] = await phase(producer, stack, probe, ids, functools.partial(send, ids), poll)
+        if "error" in out[mode]:
+            out["error"] = f"{mode}: {out[mode]['error']}"
+            return out
+        await settle(producer)
+    out["latency"] = await latency(producer.complete, args.latency_jobs, args.gap_ms)
+
+    # Valkey commands per generated token: longer completions, in flight
+    producer.max_tokens, producer.tokens = args.tokens_per_job, 0
+    ids = [f"tokens:{i}" for i in range(max(1, n // 4))]
+    row = await phase(
+        producer, stack, probe, ids, lambda: in_flight(ids, width, producer.complete), False
     )
+    tokens = max(producer.tokens, 1)
+    commands = row["server_commands_per_job"] * len(ids)
+    out["tokens"] = {
+        "max_tokens": args.tokens_per_job,
+        "requests": len(ids),
+        "tokens": producer.tokens,
+        "tokens_per_s": round(tokens / row["wall_s"], 1),
+        "server_commands_per_token": round(commands / tokens, 2),
+        "server_commands_per_request": row["server_commands_per_job"],
+        "commands_per_request_by_name": row["commands_per_job_by_name"],
+    }
+    producer.max_tokens = 1
     return out
 
 
@@ -764,78 +948,95 @@ async def run_system(
     admin = redis.Redis.from_url(url)
     admin.flushall()
     profile = None
-    if args.profile and system in TOKENYARD:
+    if args.profile and system in (*TOKENYARD, HTTP):
         profile = f"{args.profile}/{system}.pstats"
-    consumer = ConsumerProcess(system, url, profile, log_dir)
+    stack = Stack(system, url, profile, log_dir)
     producer: Producer | None = None
     try:
-        producer = make_producer(system, url, args.batch)
-        entry.update(await measure(system, producer, consumer, ServerProbe(admin), args))
+        probe = ServerProbe(admin)
+        if system == HTTP:
+            producer = http = HttpProducer(url, stack.base)
+            entry.update(await measure_http(http, stack, probe, args))
+        else:
+            producer = make_producer(system, url)
+            entry.update(await measure_queue(system, producer, stack, probe, args))
     except Exception as exc:  # a peer that fails is reported, not fatal
         entry["error"] = f"{type(exc).__name__}: {exc}"
-        tail = consumer.log_tail()
+        tail = stack.log_tail()
         if tail and tail not in entry["error"]:
-            entry["consumer_log_tail"] = tail
+            entry["consumer_log_tail"] = tail[-3000:]
     finally:
         if producer is not None:
             with contextlib.suppress(Exception):
                 await producer.close()
-        consumer.stop()
+        stack.stop()
         admin.flushall()
         admin.close()
+    entry["all_done"] = "error" not in entry
     return entry
 
 
+def _rate(row: dict[str, Any], mode: str) -> float | None:
+    value = row.get(mode, {}).get("jobs_per_s")
+    return float(value) if value else None
+
+
 def comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """tokenyard rows against the best peer: >1 means tokenyard is better."""
-    peers = {k: v for k, v in results.items() if k in PEERS and v.get("jobs_per_s")}
-    out: dict[str, Any] = {"goal": GOAL}
+    """tokenyard's rows against the best peer of the same run: > 1 means tokenyard is better."""
+    out: dict[str, Any] = {"goal": GOAL, "http_goal": HTTP_GOAL}
+    peers = {k: v for k, v in results.items() if k in PEERS and "error" not in v}
     if not peers:
         out["note"] = "no peer finished; nothing to compare"
         return out
-    best_tp = max(peers, key=lambda k: peers[k]["jobs_per_s"])
-    best_p50 = min(peers, key=lambda k: peers[k]["latency_p50_ms"])
-    best_p99 = min(peers, key=lambda k: peers[k]["latency_p99_ms"])
-    out["best_peer"] = {
-        "throughput": best_tp,
-        "latency_p50": best_p50,
-        "latency_p99": best_p99,
-    }
-    for name in TOKENYARD:
-        row = results.get(name)
-        if not row or not row.get("jobs_per_s"):
+    for mode in QUEUE_MODES:
+        rates = {k: r for k, v in peers.items() if (r := _rate(v, mode))}
+        if not rates:
             continue
-        tp = row["jobs_per_s"] / peers[best_tp]["jobs_per_s"]
-        out[name] = {
-            "throughput_ratio": round(tp, 2),
-            "latency_p50_ratio": round(
-                peers[best_p50]["latency_p50_ms"] / row["latency_p50_ms"], 2
-            ),
-            "latency_p99_ratio": round(
-                peers[best_p99]["latency_p99_ms"] / row["latency_p99_ms"], 2
-            ),
-            "meets_goal_throughput": tp >= GOAL,
-        }
+        best = max(rates, key=lambda k: rates[k])
+        cell: dict[str, Any] = {"best_peer": best, "best_peer_jobs_per_s": rates[best]}
+        for name in TOKENYARD:
+            if (mine := _rate(results.get(name, {}), mode)) is not None:
+                cell[f"{name}_ratio"] = round(mine / rates[best], 2)
+        if (batched := _rate(results.get("tokenyard", {}), "enqueue_many")) is not None:
+            cell["tokenyard_enqueue_many_ratio (batched, not single-job)"] = round(
+                batched / rates[best], 2
+            )
+        for http_mode in (f"jobs_{mode}", f"completions_{mode}"):
+            if (mine := _rate(results.get(HTTP, {}), http_mode)) is not None:
+                cell[f"http_{http_mode}_ratio"] = round(mine / rates[best], 2)
+        ratio = cell.get("tokenyard_ratio")
+        cell["tokenyard_meets_goal"] = ratio is not None and ratio >= GOAL
+        http_ratio = cell.get(f"http_completions_{mode}_ratio")
+        cell["http_meets_goal"] = http_ratio is not None and http_ratio >= HTTP_GOAL
+        out[mode] = cell
+    lat = {k: v["latency"] for k, v in peers.items() if v.get("latency")}
+    if lat:
+        best50 = min(lat, key=lambda k: lat[k]["p50_ms"])
+        best99 = min(lat, key=lambda k: lat[k]["p99_ms"])
+        cell = {"best_peer_p50": best50, "best_peer_p99": best99}
+        for name in (*TOKENYARD, HTTP):
+            mine = results.get(name, {}).get("latency")
+            if mine:
+                cell[f"{name}_p50_ratio"] = round(lat[best50]["p50_ms"] / mine["p50_ms"], 2)
+                cell[f"{name}_p99_ratio"] = round(lat[best99]["p99_ms"] / mine["p99_ms"], 2)
+        out["latency"] = cell
     return out
-
-
-def server_version(client: redis.Redis) -> str:
-    info: dict[str, Any] = client.info("server")
-    if "valkey_version" in info:
-        return f"valkey {info['valkey_version']}"
-    return f"redis {info['redis_version']}"
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     report: dict[str, Any] = {
         "jobs": args.jobs,
+        "http_jobs": args.http_jobs,
+        "in_flight": args.in_flight,
+        "enqueue_many_batch": args.batch,
         "latency_jobs": args.latency_jobs,
         "latency_gap_ms": args.gap_ms,
         "appendfsync": "everysec",
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "redis_py": redis.__version__,
+        "loadavg_before": loadavg(),
     }
     with (
         EmbeddedServer(appendfsync="everysec") as server,
@@ -851,48 +1052,51 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 db = SYSTEMS.index(system) + 1
                 tag = f"[queue_overhead] {system} ({repeat + 1}/{args.repeats})"
                 print(f"{tag} ...", file=sys.stderr, flush=True)
-                row = await run_system(system, server.url, db, args, Path(tmp))
+                row = await run_system(system, server.url, db, args, Path(tmp) / str(repeat))
                 runs[system].append(row)
-                summary = {k: row.get(k) for k in ("jobs_per_s", "latency_p50_ms")}
-                print(f"{tag}: {row.get('error') or summary}", file=sys.stderr, flush=True)
+                print(f"{tag}: {row.get('error') or headline(row)}", file=sys.stderr, flush=True)
     for system, rows in runs.items():
         results[system] = combine(rows)
+    report["loadavg_after"] = loadavg()
     report["repeats"] = args.repeats
     report["systems"] = results
     report["tokenyard_vs_best_peer"] = comparison(results)
     return report
 
 
-MEASURES = (
-    "jobs_per_s",
-    "wall_s",
-    "enqueue_jobs_per_s",
-    "worker_cpu_us_per_job",
-    "server_cpu_us_per_job",
-    "server_commands_per_job",
-    "latency_p50_ms",
-    "latency_p99_ms",
-    "latency_mean_ms",
-)
+def headline(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        mode: row[mode].get("jobs_per_s")
+        for mode in (*QUEUE_MODES, "enqueue_many", *HTTP_MODES)
+        if mode in row
+    }
 
 
 def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One system's row from its repeats: the median of each measure over the clean runs."""
+    """One system's row from its repeats: the median of each number over the clean runs."""
     if len(rows) == 1:
         return rows[0]
     clean = [r for r in rows if "error" not in r]
     out: dict[str, Any] = {"settings": rows[0]["settings"], "versions": rows[0]["versions"]}
     errors = [r["error"] for r in rows if "error" in r]
     if not clean:
-        out["error"] = errors[0]
-        out["errors"] = errors
-        return out
-    for key in MEASURES:
-        values = [r[key] for r in clean if r.get(key) is not None]
-        out[key] = round(statistics.median(values), 3) if values else None
-    out["completed"] = min(r["completed"] for r in clean)
-    out["all_done"] = all(r.get("all_done") for r in rows)
-    out["runs"] = [{k: r.get(k) for k in ("jobs_per_s", "latency_p50_ms")} for r in clean]
+        return {**out, "error": errors[0], "errors": errors, "all_done": False}
+
+    def median_of(cells: list[dict[str, Any]]) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for key, first in cells[0].items():
+            values = [c[key] for c in cells if c.get(key) is not None]
+            if isinstance(first, bool) or not isinstance(first, int | float):
+                merged[key] = first if all(v == first for v in values) else values
+            else:
+                merged[key] = round(statistics.median(values), 3) if values else None
+        return merged
+
+    for key, value in clean[0].items():
+        if isinstance(value, dict) and key not in ("settings", "versions"):
+            out[key] = median_of([r[key] for r in clean if isinstance(r.get(key), dict)])
+    out["all_done"] = not errors
+    out["runs"] = [headline(r) for r in clean]
     if errors:
         out["errors"] = errors
     return out
@@ -927,10 +1131,15 @@ def apply_override(item: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--jobs", type=int, default=5000, help="jobs in the throughput phase")
+    p.add_argument("--jobs", type=int, default=5000, help="jobs in each throughput phase")
+    p.add_argument("--http-jobs", type=int, default=2000, help="requests per HTTP phase")
+    p.add_argument("--in-flight", type=int, default=64, help="outstanding enqueues, every system")
     p.add_argument("--latency-jobs", type=int, default=200, help="jobs in the latency phase")
     p.add_argument("--gap-ms", type=float, default=5.0, help="mean pause between latency jobs")
-    p.add_argument("--batch", type=int, default=500, help="jobs per tokenyard enqueue_many")
+    p.add_argument(
+        "--batch", type=int, default=500, help="jobs per call in tokenyard's batched row"
+    )
+    p.add_argument("--tokens-per-job", type=int, default=16, help="max_tokens of the tokens row")
     p.add_argument("--systems", type=parse_systems, default=list(SYSTEMS), help=",".join(SYSTEMS))
     p.add_argument("--repeats", type=int, default=1, help="runs per system; medians reported")
     p.add_argument("--start-timeout-s", type=float, default=60.0, help="consumer start-up limit")
@@ -951,27 +1160,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         SETTINGS[args.serve].update(json.loads(args.settings_json or "{}"))
         serve(args.serve, args.url, args.profile_out)
         return 0
-    if min(args.jobs, args.latency_jobs, args.batch, args.repeats) < 1:
-        p.error("--jobs, --latency-jobs, --batch and --repeats must be >= 1")
+    sizes = (args.jobs, args.http_jobs, args.in_flight, args.latency_jobs, args.batch)
+    if min(*sizes, args.repeats, args.tokens_per_job) < 1:
+        p.error("sizes, --repeats and --tokens-per-job must be >= 1")
     for item in args.set:
         try:
             apply_override(item)
         except ValueError as exc:
             p.error(str(exc))
     for name in TOKENYARD:
-        SETTINGS[name]["enqueue_batch"] = args.batch
+        SETTINGS[name]["enqueue_many_batch"] = args.batch
     if args.profile:
         args.profile = str(Path(args.profile).resolve())
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     report = asyncio.run(run(args))
     print(json.dumps(report, indent=2), flush=True)
     if args.profile:
-        for system in TOKENYARD:
+        for system in (*TOKENYARD, HTTP):
             path = Path(args.profile) / f"{system}.pstats"
             if path.exists():
                 print(f"=== {system} ===\n{top_functions(path)}", file=sys.stderr)
-    tokenyard_rows = [report["systems"][s] for s in args.systems if s in TOKENYARD]
-    return 0 if all(r.get("all_done") and "error" not in r for r in tokenyard_rows) else 1
+    ours = [report["systems"][s] for s in args.systems if s in (*TOKENYARD, HTTP)]
+    return 0 if all(r.get("all_done") and "error" not in r for r in ours) else 1
 
 
 if __name__ == "__main__":

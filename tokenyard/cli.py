@@ -173,7 +173,7 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
             for lane in stats.lanes:
                 age = lane.oldest_waiting_age_s
                 lanes.add_row(
-                    lane.lane.rsplit(":", 1)[-1],
+                    lane.priority.name.lower(),
                     str(lane.waiting),
                     str(lane.in_flight),
                     "-" if age is None else f"{age:.1f}s",

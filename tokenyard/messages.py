@@ -106,11 +106,13 @@ JobEvent = TokenChunk | Finished
 
 
 class JobRecord(msgspec.Struct, kw_only=True):
-    """What the broker knows about a job: its spec, state and, once terminal, its result."""
+    """What the broker knows about a job: its spec, state and, once terminal, its result.
+
+    Its lane is the spec's (model, priority).
+    """
 
     spec: JobSpec
     status: JobStatus
-    lane: str
     deliveries: int = 0
     enqueued_at: float = 0.0
     started_at: float | None = None
@@ -125,7 +127,8 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     """An entry of the dead-letter stream."""
 
     job_id: str
-    lane: str
+    model: str
+    priority: Priority
     reason: str
     error: str | None
     deliveries: int

@@ -172,6 +172,50 @@ async def test_blocking_claim_wakes_on_enqueue(make_broker: BrokerFactory) -> No
     assert time.monotonic() - started >= 0.25
 
 
+async def test_claim_after_an_idle_claim_sees_work_that_came_meanwhile(
+    make_broker: BrokerFactory,
+) -> None:
+    consumer = make_broker(starvation_every=0)
+    producer = make_broker()
+    assert await consumer.claim(MODEL, "w", slots=1, block_s=0.05) == []  # idle: lanes known
+    low = await producer.enqueue(job(Priority.LOW))
+    high = await producer.enqueue(job(Priority.HIGH))
+    started = time.monotonic()
+    first = await consumer.claim(MODEL, "w", slots=1, block_s=5.0)
+    assert [lease.spec.id for lease in first] == [high.job_id]  # priority order still holds
+    assert time.monotonic() - started < 2.0
+    [second] = await consumer.claim(MODEL, "w", slots=1, block_s=5.0)
+    assert second.spec.id == low.job_id
+
+    async def enqueue_later() -> str:
+        await asyncio.sleep(0.2)
+        return (await producer.enqueue(job())).job_id
+
+    assert await consumer.claim(MODEL, "w", slots=1, block_s=0.05) == []
+    task = asyncio.create_task(enqueue_later())
+    started = time.monotonic()
+    woken = await consumer.claim(MODEL, "w", slots=2, block_s=5.0)
+    assert [lease.spec.id for lease in woken] == [await task]
+    assert time.monotonic() - started < 2.0
+
+
+async def test_completing_a_batch_across_lanes(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    specs = [job(p) for p in Priority for _ in range(3)]
+    await broker.enqueue_many(specs)
+    leases = await broker.claim(MODEL, "w", slots=len(specs))
+    assert len(leases) == len(specs)
+    again = leases[0]
+    flags = await broker.complete_many([(lease, ok(lease)) for lease in [*leases, again]])
+    assert flags == [True] * len(specs) + [False]  # the same lease twice: the second is fenced
+    stats = await broker.stats(MODEL)
+    assert all(lane.waiting == lane.in_flight == 0 for lane in stats.lanes)
+    assert [lane.priority for lane in stats.lanes] == list(Priority)
+    for spec in specs:
+        events = await broker.read_events(spec.id)
+        assert [type(e) for _, e in events] == [Finished]
+
+
 async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
     make_broker: BrokerFactory,
 ) -> None:
@@ -381,12 +425,13 @@ async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) 
     await asyncio.sleep(0.05)
     await broker.claim(MODEL, "w", slots=1)
     stats = await broker.stats(MODEL)
-    by_lane = {lane.lane.rsplit(":", 1)[-1]: lane for lane in stats.lanes}
+    by_lane = {lane.priority.name.lower(): lane for lane in stats.lanes}
     assert by_lane["high"].waiting == 2 and by_lane["high"].in_flight == 1
     assert by_lane["low"].waiting == 1 and by_lane["low"].in_flight == 0
     assert by_lane["normal"].waiting == 0 and by_lane["normal"].oldest_waiting_age_s is None
     age = by_lane["low"].oldest_waiting_age_s
     assert age is not None and 0.03 <= age < 5
+    assert await broker.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
 async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:

@@ -1,11 +1,14 @@
-"""The Broker interface: durable lanes, leases, fenced completion, retries, events and records."""
+"""The broker's interface, split by role: each caller types against the Protocol it uses.
+
+`Broker` is all roles at once; RedisBroker and MemoryBroker implement it, and every
+implementation passes tests/integration/test_broker_conformance.py.
+"""
 
 from __future__ import annotations
 
-import abc
 import enum
-import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 
@@ -16,6 +19,7 @@ from tokenyard.messages import (
     JobRecord,
     JobResult,
     JobSpec,
+    Priority,
     TokenChunk,
     WorkerInfo,
 )
@@ -29,13 +33,23 @@ class EnqueueResult(msgspec.Struct, frozen=True):
 
 
 class Lease(msgspec.Struct, frozen=True):
-    """A claimed job: valid while the broker still lists `entry_id` as owned by `consumer`."""
+    """A claimed job: valid while the broker still lists `entry_id` as owned by `consumer`.
+
+    Its lane is the job's (model, priority), both read from `spec`.
+    """
 
     spec: JobSpec
-    lane: str
     entry_id: str
     consumer: str
     resumable: bool = False  # an earlier delivery already streamed events for this job
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def priority(self) -> Priority:
+        return self.spec.priority
 
 
 class ReapReport(msgspec.Struct, frozen=True):
@@ -51,7 +65,8 @@ class CancelOutcome(enum.StrEnum):
 
 
 class LaneStats(msgspec.Struct, frozen=True):
-    lane: str
+    model: str
+    priority: Priority
     waiting: int  # enqueued, not yet delivered
     in_flight: int  # delivered, not yet completed
     oldest_waiting_age_s: float | None
@@ -59,40 +74,37 @@ class LaneStats(msgspec.Struct, frozen=True):
 
 class BrokerStats(msgspec.Struct, frozen=True):
     model: str
-    lanes: list[LaneStats]
+    lanes: list[LaneStats]  # highest priority first
     delayed: int  # waiting out a retry backoff
     dead_letters: int
     fenced_completions: int  # late completions rejected because the lease was lost
     expired: int
 
 
-class Broker(abc.ABC):
-    """Every implementation passes tests/integration/test_broker_conformance.py."""
+class Producer(Protocol):
+    """Puts jobs on their lanes (the gateway)."""
 
-    def __init__(self, settings: BrokerSettings, clock: Clock = time.time) -> None:
-        self.settings = settings
-        self.clock = clock
-
-    # -- producing -------------------------------------------------------------------------
-    @abc.abstractmethod
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """Add jobs to their lanes; raises QueueFull if a lane is at its bound (nothing added)."""
+        ...
 
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         return (await self.enqueue_many([spec]))[0]
 
-    # -- consuming -------------------------------------------------------------------------
-    @abc.abstractmethod
+
+class Leases(Protocol):
+    """Takes jobs and settles them, fenced by the lease (the worker)."""
+
     async def claim(
         self, model: str, consumer: str, slots: int, block_s: float = 0.0
     ) -> list[Lease]:
         """Take up to `slots` jobs, higher priority first; wait up to `block_s` if none."""
+        ...
 
-    @abc.abstractmethod
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         """Extend leases still ours; False marks one that was lost (stop working on it)."""
+        ...
 
-    @abc.abstractmethod
     async def complete_many(
         self,
         items: Sequence[tuple[Lease, JobResult]],
@@ -102,74 +114,101 @@ class Broker(abc.ABC):
 
         `tails[i]`, when given, is job i's last chunk of tokens, appended just before its end.
         """
+        ...
 
     async def complete(
         self, lease: Lease, result: JobResult, tail: TokenChunk | None = None
     ) -> bool:
         return (await self.complete_many([(lease, result)], [tail]))[0]
 
-    @abc.abstractmethod
     async def retry(self, lease: Lease, error: str) -> bool:
         """Schedule another delivery after backoff; False if it went to the dead-letter stream."""
+        ...
 
-    @abc.abstractmethod
     async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
         """Give up on a job now; False if the lease was already lost."""
+        ...
 
-    @abc.abstractmethod
     async def release(self, leases: Sequence[Lease]) -> int:
         """Hand jobs back for immediate redelivery (drain); returns how many were still ours."""
+        ...
 
-    @abc.abstractmethod
     async def reap(self, model: str) -> ReapReport:
         """Requeue jobs whose lease expired; dead-letter those past the delivery limit."""
+        ...
 
-    # -- cancellation ----------------------------------------------------------------------
-    @abc.abstractmethod
-    async def cancel(self, job_id: str) -> CancelOutcome: ...
 
-    @abc.abstractmethod
-    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
-        """Which of these running jobs a client asked to cancel."""
+class Events(Protocol):
+    """Per-job event streams: the worker appends, the gateway follows.
 
-    # -- events and records ----------------------------------------------------------------
-    @abc.abstractmethod
+    Contract: once a job is terminal, reading its events ends with a `Finished` event carrying
+    its result.
+    """
+
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
         """Append events in one round trip, fenced: False where the lease was lost."""
+        ...
 
-    @abc.abstractmethod
     async def read_events(
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
         """Events with id greater than `after`; waits up to `block_s` when there are none."""
+        ...
 
-    @abc.abstractmethod
+
+class Records(Protocol):
+    """What the broker knows about one job."""
+
     async def record(self, job_id: str) -> JobRecord | None: ...
 
-    # -- introspection ---------------------------------------------------------------------
-    @abc.abstractmethod
-    async def stats(self, model: str) -> BrokerStats: ...
 
-    @abc.abstractmethod
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+class Cancellation(Protocol):
+    """Clients ask to cancel; workers learn which of their running jobs to abort."""
 
-    @abc.abstractmethod
-    async def models(self) -> list[str]: ...
+    async def cancel(self, job_id: str) -> CancelOutcome: ...
 
-    # -- workers ---------------------------------------------------------------------------
-    @abc.abstractmethod
+    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
+        """Which of these running jobs a client asked to cancel."""
+        ...
+
+
+class WorkerRegistry(Protocol):
+    """Live workers, by heartbeat."""
+
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         """Register or refresh a worker; it counts as live for `ttl_s` seconds."""
+        ...
 
-    @abc.abstractmethod
     async def deregister(self, model: str, consumer: str) -> None: ...
 
-    @abc.abstractmethod
     async def workers(self, model: str) -> list[WorkerInfo]:
         """Workers of a model whose heartbeat has not lapsed."""
+        ...
+
+
+class Stats(Protocol):
+    """Depths, ages and counters, for `tokenyard status` and /metrics."""
+
+    async def stats(self, model: str) -> BrokerStats: ...
+
+    async def depth(self, model: str) -> int:
+        """Jobs of a model waiting or in flight, over all lanes; one round trip, for polling."""
+        ...
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
+    async def models(self) -> list[str]: ...
+
+
+class Broker(Producer, Leases, Events, Records, Cancellation, WorkerRegistry, Stats, Protocol):
+    """Every role at once, plus the settings it runs under and its connection's lifetime."""
+
+    settings: BrokerSettings
+    clock: Clock
 
     async def ping(self) -> bool:
         return True
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         """Release connections."""
+        return None

@@ -6,6 +6,7 @@ Job ids start with that tag, so any key of a job is derived from its id alone.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 
@@ -14,6 +15,7 @@ from tokenyard.messages import Priority
 GROUP = "workers"
 
 
+@functools.lru_cache(maxsize=1024)  # every key of a job goes through it
 def model_tag(model: str) -> str:
     return hashlib.blake2s(model.encode(), digest_size=4).hexdigest()
 
@@ -27,10 +29,6 @@ def tag_of_job(job_id: str) -> str:
     if not sep or len(tag) != 8:
         raise ValueError(f"malformed job id {job_id!r}")
     return tag
-
-
-def lane_name(model: str, priority: Priority) -> str:
-    return f"{model}:{priority.name.lower()}"
 
 
 class Keys:

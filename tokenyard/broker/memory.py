@@ -20,7 +20,7 @@ from tokenyard.broker.base import (
     Lease,
     ReapReport,
 )
-from tokenyard.broker.keys import Keys, tag_of_job
+from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, claim_order
 from tokenyard.config import BrokerSettings
@@ -33,12 +33,15 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    Priority,
     TokenChunk,
     WorkerInfo,
     decode,
     decode_event,
     encode,
 )
+
+LaneId = tuple[str, Priority]  # (model, priority)
 
 
 @dataclass
@@ -59,8 +62,8 @@ class _Lane:
 @dataclass
 class _Job:
     spec: bytes
-    lane: str
     model: str
+    priority: Priority
     status: JobStatus = JobStatus.QUEUED
     deliveries: int = 0
     enqueued_at: float = 0.0
@@ -78,9 +81,10 @@ class MemoryStore:
     """The shared state; several MemoryBroker handles on one store act like clients of one Redis."""
 
     def __init__(self) -> None:
-        self.lanes: dict[str, _Lane] = defaultdict(_Lane)
+        self.lanes: dict[LaneId, _Lane] = defaultdict(_Lane)
         self.jobs: dict[str, _Job] = {}
-        self.idempotency: dict[str, tuple[str, float]] = {}
+        # (model, tenant, key) -> (job id, valid until)
+        self.idempotency: dict[tuple[str, str, str], tuple[str, float]] = {}
         self.delayed: dict[str, dict[str, float]] = defaultdict(dict)
         self.cancels: dict[str, set[str]] = defaultdict(set)
         self.dead_letters: dict[str, list[DeadLetter]] = defaultdict(list)
@@ -125,9 +129,9 @@ class MemoryBroker(Broker):
         store: MemoryStore | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        super().__init__(settings, clock)
+        self.settings = settings
+        self.clock = clock
         self.store = store or MemoryStore()
-        self.keys = Keys(settings.prefix)
         self._rounds: dict[str, int] = defaultdict(int)
         self._rng = rng or random.Random()
 
@@ -141,18 +145,18 @@ class MemoryBroker(Broker):
         return job
 
     def _owned(self, lease: Lease) -> _Entry | None:
-        entry = self.store.lanes[lease.lane].entries.get(lease.entry_id)
+        entry = self.store.lanes[lease.model, lease.priority].entries.get(lease.entry_id)
         if entry is None or entry.owner != lease.consumer:
             return None
         return entry
 
-    def _add_entry(self, lane: str, job_id: str, now: float) -> None:
+    def _add_entry(self, lane: LaneId, job_id: str, now: float) -> None:
         entry_id = self.store.next_id(now)
         state = self.store.lanes[lane]
         state.entries[entry_id] = _Entry(entry_id, job_id)
         state.undelivered.append(entry_id)
 
-    def _remove_entry(self, lane: str, entry_id: str) -> None:
+    def _remove_entry(self, lane: LaneId, entry_id: str) -> None:
         self.store.lanes[lane].entries.pop(entry_id, None)
 
     def _emit(self, job_id: str, payload: bytes) -> None:
@@ -172,7 +176,8 @@ class MemoryBroker(Broker):
         self.store.dead_letters[job.model].append(
             DeadLetter(
                 job_id=job_id,
-                lane=job.lane,
+                model=job.model,
+                priority=job.priority,
                 reason=reason,
                 error=error,
                 deliveries=job.deliveries,
@@ -186,18 +191,14 @@ class MemoryBroker(Broker):
         now = self.clock()
         store = self.store
         results: list[EnqueueResult] = []
-        fresh: list[tuple[JobSpec, str | None]] = []
+        fresh: list[tuple[JobSpec, tuple[str, str, str] | None]] = []
         taken_ids: set[str] = set()
-        taken_keys: dict[str, str] = {}
-        adding: dict[str, int] = defaultdict(int)
+        taken_keys: dict[tuple[str, str, str], str] = {}
+        adding: dict[LaneId, int] = defaultdict(int)
         for spec in specs:
             if not spec.created_at:
                 spec.created_at = now
-            idem = (
-                self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
-                if spec.idempotency_key
-                else None
-            )
+            idem = (spec.model, spec.tenant, spec.idempotency_key) if spec.idempotency_key else None
             existing = None
             if idem is not None:
                 known = store.idempotency.get(idem)
@@ -212,17 +213,19 @@ class MemoryBroker(Broker):
             taken_ids.add(spec.id)
             if idem is not None:
                 taken_keys[idem] = spec.id
-            adding[self.keys.lane(spec.model, spec.priority)] += 1
+            adding[spec.model, spec.priority] += 1
         for lane, count in adding.items():
             depth = len(store.lanes[lane].entries)
             if depth + count > self.settings.max_queue_depth:
-                raise QueueFull(lane, depth, self.settings.max_queue_depth)
+                model, priority = lane
+                label = f"{model}/{priority.name.lower()}"
+                raise QueueFull(label, depth, self.settings.max_queue_depth)
         for spec, idem in fresh:
-            lane = self.keys.lane(spec.model, spec.priority)
+            lane = (spec.model, spec.priority)
             store.jobs[spec.id] = _Job(
                 spec=encode(spec),
-                lane=lane,
                 model=spec.model,
+                priority=spec.priority,
                 enqueued_at=now,
                 deadline=spec.deadline,
             )
@@ -260,9 +263,9 @@ class MemoryBroker(Broker):
             del delayed[job_id]
             job = self._job(job_id)
             if job is not None and not job.status.terminal:
-                self._add_entry(job.lane, job_id, now)
+                self._add_entry((job.model, job.priority), job_id, now)
 
-        lanes = self.keys.lanes(model)
+        lanes = [(model, p) for p in Priority]
         order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
         self._rounds[model] += 1
         leases: list[Lease] = []
@@ -288,7 +291,6 @@ class MemoryBroker(Broker):
                     leases.append(
                         Lease(
                             spec=spec,
-                            lane=lane,
                             entry_id=entry.entry_id,
                             consumer=consumer,
                             resumable=bool(store.events.get(entry.job_id)),
@@ -331,7 +333,7 @@ class MemoryBroker(Broker):
                 if tail is not None:
                     self._emit(lease.spec.id, encode(tail))
                 self._finish(job, lease.spec.id, result, now)
-            self._remove_entry(lease.lane, lease.entry_id)
+            self._remove_entry((lease.model, lease.priority), lease.entry_id)
             self.store.cancels[lease.spec.model].discard(lease.spec.id)
             accepted.append(True)
         self.store.notify()
@@ -341,7 +343,7 @@ class MemoryBroker(Broker):
         if self._fence(lease) is None:
             return -1
         now = self.clock()
-        self._remove_entry(lease.lane, lease.entry_id)
+        self._remove_entry((lease.model, lease.priority), lease.entry_id)
         job = self._job(lease.spec.id)
         if job is None:
             return 0
@@ -373,12 +375,13 @@ class MemoryBroker(Broker):
         for lease in leases:
             if self._owned(lease) is None:
                 continue
-            self._remove_entry(lease.lane, lease.entry_id)
+            lane = (lease.model, lease.priority)
+            self._remove_entry(lane, lease.entry_id)
             job = self._job(lease.spec.id)
             if job is not None:
                 job.status = JobStatus.QUEUED
                 job.deliveries -= 1
-                self._add_entry(lease.lane, lease.spec.id, now)
+                self._add_entry(lane, lease.spec.id, now)
             released += 1
         self.store.notify()
         return released
@@ -387,7 +390,7 @@ class MemoryBroker(Broker):
         now = self.clock()
         requeued: list[str] = []
         dead: list[str] = []
-        for lane in self.keys.lanes(model):
+        for lane in [(model, p) for p in Priority]:
             for entry in list(self.store.lanes[lane].entries.values()):
                 if entry.owner is None or now - entry.touched < self.settings.lease_s:
                     continue
@@ -465,7 +468,6 @@ class MemoryBroker(Broker):
         return JobRecord(
             spec=spec,
             status=job.status,
-            lane=job.lane,
             deliveries=job.deliveries,
             enqueued_at=job.enqueued_at,
             started_at=job.started_at,
@@ -480,8 +482,8 @@ class MemoryBroker(Broker):
     async def stats(self, model: str) -> BrokerStats:
         now = self.clock()
         lanes = []
-        for lane in self.keys.lanes(model):
-            state = self.store.lanes[lane]
+        for priority in Priority:
+            state = self.store.lanes[model, priority]
             waiting = [state.entries[e] for e in state.undelivered if e in state.entries]
             in_flight = sum(1 for e in state.entries.values() if e.owner is not None)
             age = None
@@ -489,7 +491,11 @@ class MemoryBroker(Broker):
                 age = max(0.0, now - _id_key(waiting[0].entry_id)[0] / 1000)
             lanes.append(
                 LaneStats(
-                    lane=lane, waiting=len(waiting), in_flight=in_flight, oldest_waiting_age_s=age
+                    model,
+                    priority,
+                    waiting=len(waiting),
+                    in_flight=in_flight,
+                    oldest_waiting_age_s=age,
                 )
             )
         counters = self.store.counters[model]
@@ -501,6 +507,9 @@ class MemoryBroker(Broker):
             fenced_completions=counters["fenced"],
             expired=counters["expired"],
         )
+
+    async def depth(self, model: str) -> int:
+        return sum(len(self.store.lanes[model, p].entries) for p in Priority)
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         return self.store.dead_letters[model][:count]

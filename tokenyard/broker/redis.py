@@ -9,14 +9,14 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
-from importlib import resources
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenyard.broker import scripts
 from tokenyard.broker.base import (
     Broker,
     BrokerStats,
@@ -30,6 +30,7 @@ from tokenyard.broker.base import (
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.scripts import Call, Empty
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, QueueFull
 from tokenyard.messages import (
@@ -40,6 +41,7 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    Priority,
     TokenChunk,
     WorkerInfo,
     decode,
@@ -47,14 +49,9 @@ from tokenyard.messages import (
     encode,
 )
 
-_SCRIPTS = ("enqueue", "claim", "renew", "complete", "fail", "release", "reap", "cancel", "emit")
-
-
 _SOCKET_TIMEOUT_S = 60.0
 MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
 
-
-_Call = tuple[str, list[str], list[Any]]  # script name, keys, arguments
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -74,16 +71,21 @@ def _unavailable_on_errors(
     return guarded
 
 
-def _load_script(name: str) -> str:
-    return resources.files("tokenyard.broker").joinpath(f"lua/{name}.lua").read_text()
-
-
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+class _WaitHint(NamedTuple):
+    """What an empty claim left for the next blocking wait: the lanes' newest ids, in claim
+    order, and when the first retry is due (0.0 if none)."""
+
+    lanes: list[str]
+    last_ids: list[str]
+    next_due: float
 
 
 class RedisBroker(Broker):
@@ -96,7 +98,8 @@ class RedisBroker(Broker):
         client: aioredis.Redis | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        super().__init__(settings, clock)
+        self.settings = settings
+        self.clock = clock
         # callers past max_connections wait for a free connection rather than fail
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.url,
@@ -111,42 +114,48 @@ class RedisBroker(Broker):
         )
         self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
         self.keys = Keys(settings.prefix)
-        self._sources = {name: _load_script(name) for name in _SCRIPTS}
+        self._sources = {spec.name: spec.source() for spec in scripts.SCRIPTS}
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }
         # every claim passes the expired outcome along; encode it once, not per claim
-        expired = expired_result()
-        self._expired = (encode(expired), encode(Finished(result=expired)))
+        self._expired = encode(Finished(result=expired_result()))
         self._rounds: dict[str, int] = defaultdict(int)
+        self._hints: dict[str, _WaitHint] = {}
         self._rng = rng or random.Random()
         self._known_models: set[str] = set()
 
-    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return (await self._eval_many([(name, keys, args)]))[0]
+    async def _run(self, call: Call) -> Any:
+        return (await self._eval_many([call]))[0]
 
-    async def _eval_many(self, calls: Sequence[_Call]) -> list[Any]:
+    async def _eval_many(self, calls: Sequence[Call]) -> list[Any]:
         """Run scripts by SHA in one round trip; any the server lacks (it restarted) are loaded
         and only those calls run again, so nothing runs twice."""
-        results = await self._evalsha_pipeline(calls)
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            self._evalsha(pipe, call)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return await self._retry_missing(calls, results)
+
+    def _evalsha(self, pipe: Any, call: Call) -> None:
+        # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline
+        name, keys, args = call
+        pipe.evalsha(self._shas[name], len(keys), *keys, *args)
+
+    async def _retry_missing(self, calls: Sequence[Call], results: list[Any]) -> list[Any]:
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:
             for name in {calls[i][0] for i in missing}:
                 await self.redis.script_load(self._sources[name])
-            again = await self._evalsha_pipeline([calls[i] for i in missing])
+            pipe = self.redis.pipeline(transaction=False)
+            for i in missing:
+                self._evalsha(pipe, calls[i])
+            again: list[Any] = await pipe.execute(raise_on_error=False)
             for i, result in zip(missing, again, strict=True):
                 results[i] = result
         for result in results:
             if isinstance(result, Exception):
                 raise result
-        return results
-
-    async def _evalsha_pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline
-        pipe = self.redis.pipeline(transaction=False)
-        for name, keys, args in calls:
-            pipe.evalsha(self._shas[name], len(keys), *keys, *args)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
 
     @property
@@ -164,8 +173,7 @@ class RedisBroker(Broker):
                 spec.created_at = now
             by_model[spec.model].append(index)
         calls = [
-            self._enqueue_call(model, [specs[i] for i in indexes], now)
-            for model, indexes in by_model.items()
+            self._enqueue_call([specs[i] for i in indexes], now) for indexes in by_model.values()
         ]
         replies = await self._eval_many(calls)
         new_models = set(by_model) - self._known_models
@@ -173,100 +181,140 @@ class RedisBroker(Broker):
             await self.redis.sadd(self.keys.models(), *new_models)
             self._known_models |= new_models
         results: list[EnqueueResult | None] = [None] * len(specs)
-        for (model, indexes), (code, payload) in zip(by_model.items(), replies, strict=False):
+        for indexes, (code, payload) in zip(by_model.values(), replies, strict=False):
             if code == -1:
-                lane_index, depth = payload
-                lane = self.keys.lanes(model)[int(lane_index) - 1]
+                item, depth = payload
+                full = specs[indexes[int(item) - 1]]
+                lane = f"{full.model}/{full.priority.name.lower()}"
                 raise QueueFull(lane, int(depth), self.settings.max_queue_depth)
             for i, (created, job_id) in zip(indexes, payload, strict=True):
                 results[i] = EnqueueResult(job_id=_s(job_id), created=created == 1)
         return [r for r in results if r is not None]
 
-    def _enqueue_call(self, model: str, specs: Sequence[JobSpec], now: float) -> _Call:
-        lanes = self.keys.lanes(model)
-        keys: list[str] = list(lanes)
-        args: list[Any] = [
-            GROUP,
-            repr(now),
-            self.settings.max_queue_depth,
-            _ms(self.settings.idempotency_ttl_s),
-            len(specs),
-            len(lanes),
-        ]
+    def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
+        items = []
         for spec in specs:
             job = self.keys.job(spec.id)
             idem = job
             if spec.idempotency_key:
                 idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
-            keys += [job, idem]
-            args += [
-                int(spec.priority) + 1,  # Lua arrays count from 1
-                spec.id,
-                encode(spec),
-                "" if spec.deadline is None else repr(spec.deadline),
-                "1" if spec.idempotency_key else "0",
-            ]
-        return "enqueue", keys, args
+            items.append(
+                (
+                    scripts.EnqueueItemKeys(
+                        lane=self.keys.lane(spec.model, spec.priority), job=job, idem=idem
+                    ),
+                    scripts.EnqueueItemArgs(
+                        job_id=spec.id,
+                        spec=encode(spec),
+                        deadline="" if spec.deadline is None else repr(spec.deadline),
+                        use_idem="1" if spec.idempotency_key else "0",
+                    ),
+                )
+            )
+        return scripts.ENQUEUE.call(
+            Empty(),
+            scripts.EnqueueArgs(
+                now=repr(now),
+                max_depth=self.settings.max_queue_depth,
+                idem_ttl_ms=_ms(self.settings.idempotency_ttl_s),
+            ),
+            items,
+        )
 
     # -- consuming -------------------------------------------------------------------------
     @_unavailable_on_errors
     async def claim(
         self, model: str, consumer: str, slots: int, block_s: float = 0.0
     ) -> list[Lease]:
+        """One round trip in the common case: while the lanes have more than `slots` jobs, the
+        claim script alone; once a claim drains them, the next one blocks on XREAD after the
+        lanes' newest ids and runs the claim script in the same pipeline, so the server claims
+        the moment the wake-up arrives."""
         if slots <= 0:
             return []
         lanes = self.keys.lanes(model)
         give_up_at = time.monotonic() + block_s
+        # an empty claim of the last call left the lanes' newest ids: wait on them right away
+        hint = self._hints.pop(model, None) if block_s > 0 else None
         while True:
             order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
             self._rounds[model] += 1
             ordered = [lanes[i] for i in order]
             now = self.clock()
-            claimed, last_ids, next_due = await self._run(
-                "claim",
-                [*ordered, self.keys.delayed(model), self.keys.counters(model)],
-                [
-                    GROUP,
-                    consumer,
-                    slots,
-                    repr(now),
-                    self.keys.job_prefix(model),
-                    self.keys.events_prefix(model),
-                    *self._expired,
-                    self._ttl_ms,
-                    len(ordered),
-                ],
+            call = scripts.CLAIM.call(
+                scripts.ClaimKeys(
+                    delayed=self.keys.delayed(model), counters=self.keys.counters(model)
+                ),
+                scripts.ClaimArgs(
+                    group=GROUP,
+                    consumer=consumer,
+                    slots=slots,
+                    now=repr(now),
+                    job_prefix=self.keys.job_prefix(model),
+                    event_prefix=self.keys.events_prefix(model),
+                    expired_event=self._expired,
+                    ttl_ms=self._ttl_ms,
+                    wait_hints="1" if block_s > 0 else "0",
+                ),
+                [(scripts.LaneKey(lane=lane), Empty()) for lane in ordered],
             )
-            if claimed:
-                return [self._lease(model, consumer, row) for row in claimed]
-            wait = give_up_at - time.monotonic()
-            if wait <= 0:
-                return []
-            if next_due:
-                wait = min(wait, max(0.001, float(next_due) - now))
-            streams = {lane: _s(i) for lane, i in zip(ordered, last_ids, strict=True)}
-            await self.redis.xread(streams, count=1, block=_ms(min(wait, MAX_BLOCK_S)))  # type: ignore[arg-type]
+            if hint is None:
+                reply = await self._run(call)
+            else:
+                wait = give_up_at - time.monotonic()
+                if hint.next_due:
+                    wait = min(wait, max(0.001, hint.next_due - now))
+                reply = await self._wake_then_claim(hint, max(wait, 0.001), call)
+            claimed, last_ids, next_due = reply
+            hint = None
+            if last_ids:  # the lanes are drained: the next wait can start from here
+                due = float(next_due) if next_due else 0.0
+                hint = _WaitHint(ordered, [_s(i) for i in last_ids], due)
+            if claimed or time.monotonic() >= give_up_at:
+                if hint is not None:
+                    self._hints[model] = hint
+                return [self._lease(consumer, row) for row in claimed]
 
-    def _lease(self, model: str, consumer: str, row: list[Any]) -> Lease:
-        lane, entry_id, spec_bytes, attempt, resumable = row
+    async def _wake_then_claim(self, hint: _WaitHint, wait_s: float, call: Call) -> Any:
+        """XREAD BLOCK on the lanes, then the claim script, pipelined: the server runs the
+        script as soon as the read returns (new work, or the wait is over)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xread(
+            dict(zip(hint.lanes, hint.last_ids, strict=True)),
+            count=1,
+            block=_ms(min(wait_s, MAX_BLOCK_S)),
+        )
+        self._evalsha(pipe, call)
+        woke, reply = await pipe.execute(raise_on_error=False)
+        if isinstance(woke, Exception):
+            raise woke
+        return (await self._retry_missing([call], [reply]))[0]
+
+    def _lease(self, consumer: str, row: list[Any]) -> Lease:
+        entry_id, spec_bytes, attempt, resumable = row
         spec = decode(spec_bytes, JobSpec)
         spec.attempt = int(attempt)
-        return Lease(
-            spec=spec,
-            lane=_s(lane),
-            entry_id=_s(entry_id),
-            consumer=consumer,
-            resumable=resumable == 1,
-        )
+        return Lease(spec=spec, entry_id=_s(entry_id), consumer=consumer, resumable=resumable == 1)
+
+    def _lane(self, lease: Lease) -> str:
+        return self.keys.lane(lease.spec.model, lease.spec.priority)
 
     @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         if not leases:
             return []
-        calls = [
-            ("renew", [lease.lane], [GROUP, lease.consumer, lease.entry_id]) for lease in leases
-        ]
-        return [bool(r) for r in await self._eval_many(calls)]
+        call = scripts.RENEW.call(
+            Empty(),
+            scripts.GroupArg(group=GROUP),
+            [
+                (
+                    scripts.LaneKey(lane=self._lane(lease)),
+                    scripts.HolderArgs(consumer=lease.consumer, entry_id=lease.entry_id),
+                )
+                for lease in leases
+            ],
+        )
+        return [bool(r) for r in await self._run(call)]
 
     async def _execute(self, pipe: Any) -> list[Any]:
         result: list[Any] = await pipe.execute()
@@ -284,25 +332,39 @@ class RedisBroker(Broker):
         by_model: dict[str, list[int]] = defaultdict(list)
         for index, (lease, _) in enumerate(items):
             by_model[lease.spec.model].append(index)
-        calls: list[_Call] = []
+        calls: list[Call] = []
         for model, indexes in by_model.items():
-            keys: list[str] = []
-            args: list[Any] = [GROUP, now, self._ttl_ms, len(indexes)]
+            batch = []
             for i in indexes:
                 lease, result = items[i]
                 job_id = lease.spec.id
-                keys += [lease.lane, self.keys.job(job_id), self.keys.events(job_id)]
-                args += [
-                    lease.consumer,
-                    lease.entry_id,
-                    job_id,
-                    result.status.value,
-                    encode(result),
-                    encode(Finished(result=result)),
-                    b"" if tails is None or tails[i] is None else encode(tails[i]),
-                ]
-            keys += [self.keys.cancels(model), self.keys.counters(model)]
-            calls.append(("complete", keys, args))
+                tail = None if tails is None else tails[i]
+                batch.append(
+                    (
+                        scripts.CompleteItemKeys(
+                            lane=self._lane(lease),
+                            job=self.keys.job(job_id),
+                            events=self.keys.events(job_id),
+                        ),
+                        scripts.CompleteItemArgs(
+                            consumer=lease.consumer,
+                            entry_id=lease.entry_id,
+                            job_id=job_id,
+                            status=result.status.value,
+                            finished=encode(Finished(result=result)),
+                            tail=b"" if tail is None else encode(tail),
+                        ),
+                    )
+                )
+            calls.append(
+                scripts.COMPLETE.call(
+                    scripts.CompleteKeys(
+                        cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+                    ),
+                    scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self._ttl_ms),
+                    batch,
+                )
+            )
         accepted = [False] * len(items)
         for indexes, flags in zip(by_model.values(), await self._eval_many(calls), strict=True):
             for i, flag in zip(indexes, flags, strict=True):
@@ -315,35 +377,33 @@ class RedisBroker(Broker):
         delay = backoff_delay(
             lease.spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
-        dead = dead_result(f"{reason}: {error}")
-        code: int = await self._run(
-            "fail",
-            [
-                lease.lane,
-                self.keys.job(lease.spec.id),
-                self.keys.events(lease.spec.id),
-                self.keys.cancels(model),
-                self.keys.counters(model),
-                self.keys.delayed(model),
-                self.keys.dead_letters(model),
-            ],
-            [
-                GROUP,
-                lease.consumer,
-                lease.entry_id,
-                lease.spec.id,
-                error,
-                repr(now),
-                repr(now + delay),
-                self.settings.max_deliveries,
-                encode(dead),
-                encode(Finished(result=dead)),
-                self._ttl_ms,
-                reason,
-                "1" if force_dead else "0",
-            ],
+        call = scripts.FAIL.call(
+            scripts.FailKeys(
+                lane=self._lane(lease),
+                job=self.keys.job(lease.spec.id),
+                events=self.keys.events(lease.spec.id),
+                cancels=self.keys.cancels(model),
+                counters=self.keys.counters(model),
+                delayed=self.keys.delayed(model),
+                dlq=self.keys.dead_letters(model),
+            ),
+            scripts.FailArgs(
+                group=GROUP,
+                consumer=lease.consumer,
+                entry_id=lease.entry_id,
+                job_id=lease.spec.id,
+                error=error,
+                now=repr(now),
+                due_at=repr(now + delay),
+                max_deliveries=self.settings.max_deliveries,
+                finished=encode(Finished(result=dead_result(f"{reason}: {error}"))),
+                ttl_ms=self._ttl_ms,
+                reason=reason,
+                force_dead="1" if force_dead else "0",
+                priority=lease.spec.priority.name,
+            ),
         )
-        return int(code)
+        return int(await self._run(call))
 
     @_unavailable_on_errors
     async def retry(self, lease: Lease, error: str) -> bool:
@@ -357,66 +417,67 @@ class RedisBroker(Broker):
     async def release(self, leases: Sequence[Lease]) -> int:
         if not leases:
             return 0
-        calls: list[_Call] = [
-            (
-                "release",
-                [lease.lane, self.keys.job(lease.spec.id)],
-                [GROUP, lease.consumer, lease.entry_id, lease.spec.id],
-            )
-            for lease in leases
-        ]
-        return sum(int(r) for r in await self._eval_many(calls))
+        call = scripts.RELEASE.call(
+            Empty(),
+            scripts.GroupArg(group=GROUP),
+            [
+                (
+                    scripts.ReleaseItemKeys(
+                        lane=self._lane(lease), job=self.keys.job(lease.spec.id)
+                    ),
+                    scripts.ReleaseItemArgs(
+                        consumer=lease.consumer, entry_id=lease.entry_id, job_id=lease.spec.id
+                    ),
+                )
+                for lease in leases
+            ],
+        )
+        return int(await self._run(call))
 
     @_unavailable_on_errors
     async def reap(self, model: str) -> ReapReport:
-        requeued: list[str] = []
-        dead: list[str] = []
         result = dead_result(f"lease expired on each of {self.settings.max_deliveries} deliveries")
-        for lane in self.keys.lanes(model):
-            if not await self.redis.exists(lane):
-                continue
-            again, gone = await self._run(
-                "reap",
-                [lane, self.keys.dead_letters(model), self.keys.counters(model)],
-                [
-                    GROUP,
-                    "reaper",
-                    _ms(self.settings.lease_s),
-                    1000,
-                    self.settings.max_deliveries,
-                    repr(self.clock()),
-                    self.keys.job_prefix(model),
-                    self.keys.events_prefix(model),
-                    encode(result),
-                    encode(Finished(result=result)),
-                    self._ttl_ms,
-                ],
-            )
-            requeued += [_s(j) for j in again]
-            dead += [_s(j) for j in gone]
-        return ReapReport(requeued=requeued, dead=dead)
+        call = scripts.REAP.call(
+            scripts.ReapKeys(dlq=self.keys.dead_letters(model), counters=self.keys.counters(model)),
+            scripts.ReapArgs(
+                group=GROUP,
+                reaper="reaper",
+                min_idle_ms=_ms(self.settings.lease_s),
+                max_entries=1000,
+                max_deliveries=self.settings.max_deliveries,
+                now=repr(self.clock()),
+                job_prefix=self.keys.job_prefix(model),
+                event_prefix=self.keys.events_prefix(model),
+                finished=encode(Finished(result=result)),
+                ttl_ms=self._ttl_ms,
+            ),
+            [
+                (scripts.LaneKey(lane=self.keys.lane(model, p)), scripts.ReapItemArgs(p.name))
+                for p in Priority
+            ],
+        )
+        requeued, dead = await self._run(call)
+        return ReapReport(requeued=[_s(j) for j in requeued], dead=[_s(j) for j in dead])
 
     # -- cancellation ----------------------------------------------------------------------
     @_unavailable_on_errors
     async def cancel(self, job_id: str) -> CancelOutcome:
-        result = cancelled_result()
         keys = self.keys
-        outcome = await self._run(
-            "cancel",
-            [
-                keys.job(job_id),
-                keys.events(job_id),
-                keys.cancels_of_job(job_id),
-                keys.delayed_of_job(job_id),
-            ],
-            [
-                job_id,
-                repr(self.clock()),
-                encode(result),
-                encode(Finished(result=result)),
-                self._ttl_ms,
-            ],
+        call = scripts.CANCEL.call(
+            scripts.CancelKeys(
+                job=keys.job(job_id),
+                events=keys.events(job_id),
+                cancels=keys.cancels_of_job(job_id),
+                delayed=keys.delayed_of_job(job_id),
+            ),
+            scripts.CancelArgs(
+                job_id=job_id,
+                now=repr(self.clock()),
+                finished=encode(Finished(result=cancelled_result())),
+                ttl_ms=self._ttl_ms,
+            ),
         )
+        outcome = await self._run(call)
         return CancelOutcome(_s(outcome))
 
     @_unavailable_on_errors
@@ -433,15 +494,22 @@ class RedisBroker(Broker):
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
         if not events:
             return []
-        calls: list[_Call] = [
-            (
-                "emit",
-                [lease.lane, self.keys.events(lease.spec.id)],
-                [GROUP, lease.consumer, lease.entry_id, encode(event)],
-            )
-            for lease, event in events
-        ]
-        return [bool(r) for r in await self._eval_many(calls)]
+        call = scripts.EMIT.call(
+            Empty(),
+            scripts.GroupArg(group=GROUP),
+            [
+                (
+                    scripts.EmitItemKeys(
+                        lane=self._lane(lease), events=self.keys.events(lease.spec.id)
+                    ),
+                    scripts.EmitItemArgs(
+                        consumer=lease.consumer, entry_id=lease.entry_id, event=encode(event)
+                    ),
+                )
+                for lease, event in events
+            ],
+        )
+        return [bool(r) for r in await self._run(call)]
 
     @_unavailable_on_errors
     async def read_events(
@@ -473,7 +541,6 @@ class RedisBroker(Broker):
         return JobRecord(
             spec=spec,
             status=JobStatus(_s(h[b"status"])),
-            lane=_s(h[b"lane"]),
             deliveries=deliveries,
             enqueued_at=float(h.get(b"enq_at", b"0")),
             started_at=opt_float(b"start_at"),
@@ -481,16 +548,15 @@ class RedisBroker(Broker):
             worker=_s(h[b"worker"]) if b"worker" in h else None,
             last_error=_s(h[b"last_error"]) if b"last_error" in h else None,
             cancel_requested=h.get(b"cancel") == b"1",
-            result=decode(h[b"result"], JobResult) if b"result" in h else None,
+            # the stored result is the job's Finished event (see complete.lua)
+            result=decode(h[b"result"], Finished).result if b"result" in h else None,
         )
 
     # -- introspection ---------------------------------------------------------------------
     @_unavailable_on_errors
     async def stats(self, model: str) -> BrokerStats:
-        lanes: list[LaneStats] = []
         now = self.clock()
-        for lane in self.keys.lanes(model):
-            lanes.append(await self._lane_stats(lane, now))
+        lanes = [await self._lane_stats(model, p, now) for p in Priority]
         pipe = self.redis.pipeline(transaction=False)
         pipe.zcard(self.keys.delayed(model))
         pipe.xlen(self.keys.dead_letters(model))
@@ -505,22 +571,35 @@ class RedisBroker(Broker):
             expired=int(counters.get(b"expired", 0)),
         )
 
-    async def _lane_stats(self, lane: str, now: float) -> LaneStats:
+    @_unavailable_on_errors
+    async def depth(self, model: str) -> int:
+        # completion and every skip XDEL the lane entry with the terminal write: what is left in
+        # a lane is waiting or in flight
+        pipe = self.redis.pipeline(transaction=False)
+        for priority in Priority:
+            pipe.xlen(self.keys.lane(model, priority))
+        return sum(int(n) for n in await self._execute(pipe))
+
+    async def _lane_stats(self, model: str, priority: Priority, now: float) -> LaneStats:
+        lane = self.keys.lane(model, priority)
         if not await self.redis.exists(lane):
-            return LaneStats(lane=lane, waiting=0, in_flight=0, oldest_waiting_age_s=None)
+            return LaneStats(model, priority, waiting=0, in_flight=0, oldest_waiting_age_s=None)
         groups: Any = await self.redis.xinfo_groups(lane)
         group = next((g for g in groups if _s(g["name"]) == GROUP), None)
         total = int(await self.redis.xlen(lane))
-        if group is None:
-            return LaneStats(lane=lane, waiting=total, in_flight=0, oldest_waiting_age_s=None)
-        pending = int(group["pending"])
-        last = _s(group["last-delivered-id"])
+        pending, last = 0, "0-0"  # no group yet: no claim has read the lane, all of it waits
+        if group is not None:
+            pending, last = int(group["pending"]), _s(group["last-delivered-id"])
         oldest: Any = await self.redis.xrange(lane, min=f"({last}", max="+", count=1)
         age = None
         if oldest:
             age = max(0.0, now - int(_s(oldest[0][0]).split("-")[0]) / 1000)
         return LaneStats(
-            lane=lane, waiting=max(0, total - pending), in_flight=pending, oldest_waiting_age_s=age
+            model,
+            priority,
+            waiting=max(0, total - pending),
+            in_flight=pending,
+            oldest_waiting_age_s=age,
         )
 
     @_unavailable_on_errors
@@ -531,7 +610,8 @@ class RedisBroker(Broker):
             out.append(
                 DeadLetter(
                     job_id=_s(f[b"job"]),
-                    lane=_s(f[b"lane"]),
+                    model=model,
+                    priority=Priority[_s(f[b"priority"])],
                     reason=_s(f[b"reason"]),
                     error=_s(f[b"error"]) if f.get(b"error") else None,
                     deliveries=int(f[b"deliveries"]),

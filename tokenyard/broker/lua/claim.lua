@@ -1,46 +1,53 @@
--- Claim up to `slots` jobs from the lanes in the given order; finish expired ones on the way.
--- KEYS: lane_1 .. lane_n (claim order), delayed, counters
--- ARGV: group, consumer, slots, now, job_prefix, event_prefix, expired_result, expired_event,
---       ttl_ms, n_lanes
--- Returns {claimed, last_ids, next_due}: claimed = {{lane, entry_id, spec, attempt, resumable}};
--- when nothing was claimed, last_ids holds each lane's last id so the caller can block on XREAD.
-local group, consumer = ARGV[1], ARGV[2]
-local remaining = tonumber(ARGV[3])
-local now = ARGV[4]
+-- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
+-- KEYS: delayed, counters; per item: lane
+-- ARGV: group, consumer, slots, now, job_prefix, event_prefix, expired_event, ttl_ms,
+--   wait_hints
+-- Returns {claimed, last_ids, next_due}: claimed = {{entry_id, spec, attempt, resumable}}.
+-- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
+-- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
+-- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
+-- ends ('' if none).
+local group, consumer, now = A.group, A.consumer, A.now
 local nowf = tonumber(now)
-local job_prefix, event_prefix = ARGV[5], ARGV[6]
-local ttl = ARGV[9]
-local n = tonumber(ARGV[10])
-local delayed, counters = KEYS[n + 1], KEYS[n + 2]
-
+local remaining = tonumber(A.slots)
 local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
 
 -- Retries whose backoff is over go back to their lanes; any worker does this.
-local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, 256)
+local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 256)
+if #due > 0 then redis.call('ZREM', K.delayed, unpack(due)) end
 for _, jid in ipairs(due) do
-  redis.call('ZREM', delayed, jid)
-  local jk = job_prefix .. jid
-  local lane = redis.call('HGET', jk, 'lane')
-  if lane and not terminal[redis.call('HGET', jk, 'status')] then
-    redis.call('XADD', lane, '*', 'j', jid)
+  local jk = A.job_prefix .. jid
+  local h = redis.call('HMGET', jk, 'lane', 'status')
+  if h[1] and not terminal[h[2]] then
+    redis.call('XADD', h[1], '*', 'j', jid)
   end
 end
 
-local claimed = {}
-for i = 1, n do
-  local lane = KEYS[i]
-  if redis.call('EXISTS', lane) == 0 then
+local function read(lane, count)
+  local res = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
+    'STREAMS', lane, '>')
+  if type(res) == 'table' and res.err then
+    if not string.find(res.err, 'NOGROUP', 1, true) then return redis.error_reply(res.err) end
+    -- enqueue makes no group: the first claim of a lane makes it and reads from the start
     redis.call('XGROUP', 'CREATE', lane, group, '0', 'MKSTREAM')
-  end
-  while remaining > 0 do
-    local res = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', remaining,
+    res = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
       'STREAMS', lane, '>')
+  end
+  return res
+end
+
+local claimed = {}
+for i = 1, N do
+  if remaining <= 0 then break end
+  local lane = item(i).lane
+  while remaining > 0 do
+    local asked = remaining
+    local res = read(lane, asked)
     if not res then break end
     local entries = res[1][2]
-    if #entries == 0 then break end
     for _, entry in ipairs(entries) do
       local eid, jid = entry[1], entry[2][2]
-      local jk = job_prefix .. jid
+      local jk = A.job_prefix .. jid
       local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries')
       if (not h[1]) or terminal[h[1]] then
         -- cancelled while waiting, or its record is gone: nothing to run
@@ -49,32 +56,32 @@ for i = 1, n do
       elseif h[3] and h[3] ~= '' and tonumber(h[3]) < nowf then
         redis.call('XACK', lane, group, eid)
         redis.call('XDEL', lane, eid)
-        redis.call('HSET', jk, 'status', 'expired', 'result', ARGV[7], 'end_at', now)
-        redis.call('PEXPIRE', jk, ttl)
-        local ek = event_prefix .. jid
-        redis.call('XADD', ek, '*', 'e', ARGV[8])
-        redis.call('PEXPIRE', ek, ttl)
-        redis.call('HINCRBY', counters, 'expired', 1)
+        redis.call('HSET', jk, 'status', 'expired', 'result', A.expired_event, 'end_at', now)
+        redis.call('PEXPIRE', jk, A.ttl_ms)
+        local ek = A.event_prefix .. jid
+        redis.call('XADD', ek, '*', 'e', A.expired_event)
+        redis.call('PEXPIRE', ek, A.ttl_ms)
+        redis.call('HINCRBY', K.counters, 'expired', 1)
       else
         local deliveries = tonumber(h[4] or '0') + 1
         redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer,
           'deliveries', deliveries)
-        local resumable = redis.call('EXISTS', event_prefix .. jid)
-        claimed[#claimed + 1] = {lane, eid, h[2], deliveries - 1, resumable}
+        local resumable = redis.call('EXISTS', A.event_prefix .. jid)
+        claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable}
         remaining = remaining - 1
       end
     end
+    if #entries < asked then break end  -- the lane is drained; no need to ask again
   end
 end
 
-local last_ids = {}
-if #claimed == 0 then
-  for i = 1, n do
-    local info = redis.call('XINFO', 'STREAM', KEYS[i])
-    for j = 1, #info, 2 do
-      if info[j] == 'last-generated-id' then last_ids[i] = info[j + 1] end
-    end
+local last_ids, next_due = {}, ''
+if remaining > 0 and A.wait_hints == '1' then
+  for i = 1, N do
+    local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
+    last_ids[i] = newest[1] and newest[1][1] or '0-0'
   end
+  local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
+  next_due = first[2] or ''
 end
-local next_due = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
-return {claimed, last_ids, next_due[2] or ''}
+return {claimed, last_ids, next_due}

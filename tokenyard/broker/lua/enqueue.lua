@@ -1,46 +1,39 @@
 -- Admit a batch of one model's jobs atomically: all of them, or none if a lane would overflow.
 -- A job whose idempotency key or id is already known is not added again; its id is returned.
--- KEYS: lane_1 .. lane_L, then per job: job record, idempotency key (or the job key again)
--- ARGV: group, now, max_depth, idem_ttl_ms, n_jobs, n_lanes,
---       then per job: lane_index, job_id, spec, deadline ('' for none), use_idem ('1'/'0')
--- Returns {1, {{created 1|0, job_id}, ...}} or {-1, {lane_index, depth}} when a lane is full.
-local group, now, max_depth, idem_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local n, n_lanes = tonumber(ARGV[5]), tonumber(ARGV[6])
-local results, fresh, adding, claimed_ids, claimed_keys = {}, {}, {}, {}, {}
-for i = 1, n do
-  local a = 6 + (i - 1) * 5
-  local lane_index, job_id, use_idem = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 5] == '1'
-  local job, idem = KEYS[n_lanes + 2 * i - 1], KEYS[n_lanes + 2 * i]
+-- KEYS: none; per item: lane, job, idem
+-- ARGV: now, max_depth, idem_ttl_ms; per item: job_id, spec, deadline, use_idem
+-- Returns {1, {{created 1|0, job_id}, ...}} or {-1, {item, depth}} when that item's lane is
+-- full. A lane's consumer group is made by the first claim that reads it, not here.
+local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}, {}, {}
+for i = 1, N do
+  local k, a = item(i)
+  local use_idem = a.use_idem == '1'
   local existing = nil
-  if use_idem then existing = claimed_keys[idem] or redis.call('GET', idem) end
-  if not existing and (claimed_ids[job_id] or redis.call('EXISTS', job) == 1) then
-    existing = job_id  -- a resent enqueue whose first attempt did land
+  if use_idem then existing = taken_keys[k.idem] or redis.call('GET', k.idem) end
+  if not existing and (taken_ids[a.job_id] or redis.call('EXISTS', k.job) == 1) then
+    existing = a.job_id  -- a resent enqueue whose first attempt did land
   end
   if existing then
     results[i] = {0, existing}
   else
-    results[i] = {1, job_id}
+    results[i] = {1, a.job_id}
     fresh[#fresh + 1] = i
-    adding[lane_index] = (adding[lane_index] or 0) + 1
-    claimed_ids[job_id] = true
-    if use_idem then claimed_keys[idem] = job_id end
+    adding[k.lane] = (adding[k.lane] or 0) + 1
+    first_item[k.lane] = first_item[k.lane] or i
+    taken_ids[a.job_id] = true
+    if use_idem then taken_keys[k.idem] = a.job_id end
   end
 end
-for lane_index, count in pairs(adding) do
-  local lane = KEYS[lane_index]
-  if redis.call('EXISTS', lane) == 0 then
-    redis.call('XGROUP', 'CREATE', lane, group, '0', 'MKSTREAM')
-  end
+local max_depth = tonumber(A.max_depth)
+for lane, count in pairs(adding) do
   local depth = redis.call('XLEN', lane)
-  if depth + count > max_depth then return {-1, {lane_index, depth}} end
+  if depth + count > max_depth then return {-1, {first_item[lane], depth}} end
 end
 for _, i in ipairs(fresh) do
-  local a = 6 + (i - 1) * 5
-  local lane, job_id = KEYS[tonumber(ARGV[a + 1])], ARGV[a + 2]
-  local job, idem = KEYS[n_lanes + 2 * i - 1], KEYS[n_lanes + 2 * i]
-  redis.call('HSET', job, 'spec', ARGV[a + 3], 'status', 'queued', 'lane', lane,
-    'deliveries', 0, 'enq_at', now, 'deadline', ARGV[a + 4])
-  redis.call('XADD', lane, '*', 'j', job_id)
-  if ARGV[a + 5] == '1' then redis.call('SET', idem, job_id, 'PX', idem_ttl) end
+  local k, a = item(i)
+  redis.call('HSET', k.job, 'spec', a.spec, 'status', 'queued', 'lane', k.lane,
+    'deliveries', 0, 'enq_at', A.now, 'deadline', a.deadline)
+  redis.call('XADD', k.lane, '*', 'j', a.job_id)
+  if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
 end
 return {1, results}

@@ -1,10 +1,18 @@
--- Drain: hand a job still ours back for immediate redelivery without charging a delivery.
--- KEYS: lane, job   ARGV: group, consumer, entry_id, job_id
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-redis.call('HSET', KEYS[2], 'status', 'queued')
-redis.call('HINCRBY', KEYS[2], 'deliveries', -1)
-redis.call('XADD', KEYS[1], '*', 'j', ARGV[4])
-return 1
+-- Drain: hand jobs still ours back for immediate redelivery without charging a delivery.
+-- KEYS: none; per item: lane, job
+-- ARGV: group; per item: consumer, entry_id, job_id
+-- Returns how many were still ours.
+local released = 0
+for i = 1, N do
+  local k, a = item(i)
+  local p = redis.call('XPENDING', k.lane, A.group, a.entry_id, a.entry_id, 1)
+  if #p > 0 and p[1][2] == a.consumer then
+    redis.call('XACK', k.lane, A.group, a.entry_id)
+    redis.call('XDEL', k.lane, a.entry_id)
+    redis.call('HSET', k.job, 'status', 'queued')
+    redis.call('HINCRBY', k.job, 'deliveries', -1)
+    redis.call('XADD', k.lane, '*', 'j', a.job_id)
+    released = released + 1
+  end
+end
+return released

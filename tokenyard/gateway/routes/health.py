@@ -42,7 +42,7 @@ async def _sample_queues(state: GatewayState) -> None:
     for model in state.settings.models:
         stats = await broker.stats(model)
         for lane in stats.lanes:
-            priority = lane.lane.rsplit(":", 1)[-1]
+            priority = lane.priority.name.lower()
             m.queue_depth.labels(model, priority).set(lane.waiting)
             m.queue_in_flight.labels(model, priority).set(lane.in_flight)
             m.queue_oldest_age.labels(model, priority).set(lane.oldest_waiting_age_s or 0.0)

@@ -1,0 +1,115 @@
+"""The Lua scripts' argument tables: flattening, the generated prologue, and the headers."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from typing import NamedTuple
+
+import pytest
+
+from tokenyard.broker import scripts
+from tokenyard.broker.scripts import SCRIPTS, Empty, ScriptSpec
+
+
+class Fixed(NamedTuple):
+    first: str
+    second: str
+
+
+class ItemKeys(NamedTuple):
+    lane: str
+
+
+class ItemArgs(NamedTuple):
+    entry_id: str
+    event: bytes
+
+
+SPEC = ScriptSpec("example", Fixed, Empty, ItemKeys, ItemArgs)
+
+
+def lua(name: str) -> str:
+    return resources.files("tokenyard.broker").joinpath(f"lua/{name}.lua").read_text()
+
+
+def header(source: str) -> tuple[str, str]:
+    """The KEYS and ARGV lines of a header comment, with their continuation lines joined."""
+    found: dict[str, str] = {}
+    current = None
+    for line in source.splitlines():
+        if not line.startswith("--"):
+            break
+        text = line[2:].strip()
+        match = re.match(r"(KEYS|ARGV): (.*)", text)
+        if match:
+            current = match.group(1)
+            found[current] = match.group(2)
+        elif current is not None and line.startswith("--   "):
+            found[current] += " " + text
+        else:
+            current = None
+    return f"KEYS: {found['KEYS']}", f"ARGV: {found['ARGV']}"
+
+
+def test_call_puts_fixed_values_first_then_each_item_in_order() -> None:
+    name, keys, args = SPEC.call(
+        Fixed("f1", "f2"),
+        Empty(),
+        [(ItemKeys("l1"), ItemArgs("1-0", b"a")), (ItemKeys("l2"), ItemArgs("2-0", b"b"))],
+    )
+    assert name == "example"
+    assert keys == ["f1", "f2", "l1", "l2"]
+    assert args == ["1-0", b"a", "2-0", b"b"]
+
+
+def test_prologue_binds_each_name_to_its_position() -> None:
+    prologue = SPEC.prologue()
+    assert "local K = {first = KEYS[1], second = KEYS[2]}" in prologue
+    assert "local A = {}" in prologue
+    assert "local N = (#KEYS - 2) / 1" in prologue
+    assert "local k, a = 2 + (i - 1) * 1, 0 + (i - 1) * 2" in prologue
+    assert "return {lane = KEYS[k + 1]}, {entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
+
+
+def test_items_without_keys_are_counted_from_argv() -> None:
+    spec = ScriptSpec("argv_only", Empty, Fixed, Empty, ItemArgs)
+    assert "local N = (#ARGV - 2) / 2" in spec.prologue()
+
+
+def test_an_items_keys_and_args_need_distinct_names() -> None:
+    class Clash(NamedTuple):
+        lane: str
+
+    with pytest.raises(ValueError, match="distinct"):
+        ScriptSpec("clash", Empty, Empty, ItemKeys, Clash)
+
+
+@pytest.mark.parametrize("spec", SCRIPTS, ids=lambda s: s.name)
+def test_each_header_comment_repeats_its_table(
+    spec: ScriptSpec[Fixed, Empty, Empty, Empty],
+) -> None:
+    assert header(lua(spec.name)) == spec.header()
+
+
+@pytest.mark.parametrize("spec", SCRIPTS, ids=lambda s: s.name)
+def test_script_bodies_use_declared_names_only(
+    spec: ScriptSpec[Fixed, Empty, Empty, Empty],
+) -> None:
+    body = lua(spec.name)
+    assert "KEYS[" not in body and "ARGV[" not in body  # no positions: names only
+    assert set(re.findall(r"\bK\.(\w+)", body)) <= set(spec.keys)
+    assert set(re.findall(r"\bA\.(\w+)", body)) <= set(spec.args)
+    assert set(re.findall(r"\bk\.(\w+)", body)) <= set(spec.item_keys)
+    assert set(re.findall(r"\ba\.(\w+)", body)) <= set(spec.item_args)
+    assert set(re.findall(r"item\(i\)\.(\w+)", body)) <= set(spec.item_keys)
+
+
+def test_every_script_file_has_a_table() -> None:
+    files = {
+        p.name.removesuffix(".lua")
+        for p in resources.files("tokenyard.broker").joinpath("lua").iterdir()
+        if p.name.endswith(".lua")
+    }
+    assert files == {spec.name for spec in SCRIPTS}
+    assert scripts.CLAIM.item_keys == ("lane",)

@@ -1,0 +1,316 @@
+"""The Lua scripts' arguments, declared once per script.
+
+Each script takes fixed KEYS and ARGV, then zero or more items, each with its own keys and
+arguments. The tables below name them; `ScriptSpec.call` flattens typed values into KEYS/ARGV in
+that order, and `ScriptSpec.prologue` is Lua prepended to the script that binds the same names
+(`K.name`, `A.name`, `item(i)` -> keys, args; `N` items), so neither side counts positions.
+Each script's header comment repeats its table; tests/unit/test_scripts.py checks they agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any, Generic, NamedTuple, TypeVar
+
+Arg = str | bytes | int  # what redis-py sends; floats go as repr() so Lua reads them exactly
+
+_K = TypeVar("_K", bound=tuple[Any, ...])
+_A = TypeVar("_A", bound=tuple[Any, ...])
+_IK = TypeVar("_IK", bound=tuple[Any, ...])
+_IA = TypeVar("_IA", bound=tuple[Any, ...])
+
+Call = tuple[str, list[str], list[Arg]]  # script name, KEYS, ARGV
+
+
+def _fields(kind: type[tuple[Any, ...]]) -> tuple[str, ...]:
+    names: tuple[str, ...] = getattr(kind, "_fields")  # noqa: B009 - NamedTuple classes only
+    return names
+
+
+class ScriptSpec(Generic[_K, _A, _IK, _IA]):
+    """KEYS = fixed keys, then each item's keys; ARGV = fixed args, then each item's args."""
+
+    def __init__(
+        self,
+        name: str,
+        keys: type[_K],
+        args: type[_A],
+        item_keys: type[_IK],
+        item_args: type[_IA],
+    ) -> None:
+        self.name = name
+        self.keys = _fields(keys)
+        self.args = _fields(args)
+        self.item_keys = _fields(item_keys)
+        self.item_args = _fields(item_args)
+        names = [*self.item_keys, *self.item_args]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{name}: an item's keys and args need distinct names")
+
+    def call(self, keys: _K, args: _A, items: Sequence[tuple[_IK, _IA]] = ()) -> Call:
+        flat_keys: list[str] = list(keys)
+        flat_args: list[Arg] = list(args)
+        for item_keys, item_args in items:
+            flat_keys += item_keys
+            flat_args += item_args
+        return self.name, flat_keys, flat_args
+
+    def header(self) -> tuple[str, str]:
+        """The KEYS and ARGV lines of the script's header comment, unwrapped."""
+
+        def line(fixed: tuple[str, ...], per_item: tuple[str, ...]) -> str:
+            text = ", ".join(fixed) or "none"
+            return f"{text}; per item: {', '.join(per_item)}" if per_item else text
+
+        return (
+            f"KEYS: {line(self.keys, self.item_keys)}",
+            f"ARGV: {line(self.args, self.item_args)}",
+        )
+
+    def prologue(self) -> str:
+        """Lua that binds the declared names; the script body uses only these."""
+        nk, na, nik, nia = (
+            len(self.keys),
+            len(self.args),
+            len(self.item_keys),
+            len(self.item_args),
+        )
+
+        def table(names: tuple[str, ...], array: str, base: str) -> str:
+            fields = (f"{n} = {array}[{base}{i + 1}]" for i, n in enumerate(names))
+            return "{" + ", ".join(fields) + "}"
+
+        lines = [
+            f"-- names of KEYS and ARGV, from tokenyard/broker/scripts.py ({self.name})",
+            f"local K = {table(self.keys, 'KEYS', '')}",
+            f"local A = {table(self.args, 'ARGV', '')}",
+        ]
+        if nik:
+            lines.append(f"local N = (#KEYS - {nk}) / {nik}")
+        elif nia:
+            lines.append(f"local N = (#ARGV - {na}) / {nia}")
+        else:
+            lines.append("local N = 0")
+        lines += [
+            "local function item(i)",
+            f"  local k, a = {nk} + (i - 1) * {nik}, {na} + (i - 1) * {nia}",
+            f"  return {table(self.item_keys, 'KEYS', 'k + ')}, "
+            f"{table(self.item_args, 'ARGV', 'a + ')}",
+            "end",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def source(self) -> str:
+        """The script as sent to the server: prologue, then the file."""
+        body = resources.files("tokenyard.broker").joinpath(f"lua/{self.name}.lua").read_text()
+        return self.prologue() + body
+
+
+class Empty(NamedTuple):
+    """No keys, or no arguments."""
+
+
+# -- enqueue: admit one model's batch of jobs atomically ------------------------------------
+class EnqueueArgs(NamedTuple):
+    now: str
+    max_depth: int
+    idem_ttl_ms: int
+
+
+class EnqueueItemKeys(NamedTuple):
+    lane: str
+    job: str
+    idem: str  # the idempotency key, or the job key again when the job has none
+
+
+class EnqueueItemArgs(NamedTuple):
+    job_id: str
+    spec: bytes
+    deadline: str  # '' for none
+    use_idem: str  # '1' | '0'
+
+
+ENQUEUE = ScriptSpec("enqueue", Empty, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs)
+
+
+# -- claim: take jobs from the lanes in claim order -----------------------------------------
+class ClaimKeys(NamedTuple):
+    delayed: str
+    counters: str
+
+
+class ClaimArgs(NamedTuple):
+    group: str
+    consumer: str
+    slots: int
+    now: str
+    job_prefix: str
+    event_prefix: str
+    expired_event: bytes  # Finished(expired result): stored as the result and appended
+    ttl_ms: int
+    wait_hints: str  # '1': when nothing was claimed, return what a blocking wait needs
+
+
+class LaneKey(NamedTuple):
+    lane: str
+
+
+CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, LaneKey, Empty)
+
+
+# -- complete: fenced terminal results of a batch --------------------------------------------
+class CompleteKeys(NamedTuple):
+    cancels: str
+    counters: str
+
+
+class CompleteArgs(NamedTuple):
+    group: str
+    now: str
+    ttl_ms: int
+
+
+class CompleteItemKeys(NamedTuple):
+    lane: str
+    job: str
+    events: str
+
+
+class CompleteItemArgs(NamedTuple):
+    consumer: str
+    entry_id: str
+    job_id: str
+    status: str
+    finished: bytes  # the Finished event: appended last, and stored as the record's result
+    tail: bytes  # the last token chunk, or b''
+
+
+COMPLETE = ScriptSpec("complete", CompleteKeys, CompleteArgs, CompleteItemKeys, CompleteItemArgs)
+
+
+# -- fail: retry after backoff, or dead-letter ------------------------------------------------
+class FailKeys(NamedTuple):
+    lane: str
+    job: str
+    events: str
+    cancels: str
+    counters: str
+    delayed: str
+    dlq: str
+
+
+class FailArgs(NamedTuple):
+    group: str
+    consumer: str
+    entry_id: str
+    job_id: str
+    error: str
+    now: str
+    due_at: str
+    max_deliveries: int
+    finished: bytes  # Finished(dead result)
+    ttl_ms: int
+    reason: str
+    force_dead: str  # '1' | '0'
+    priority: str  # the lane's priority name, for the dead-letter entry
+
+
+FAIL = ScriptSpec("fail", FailKeys, FailArgs, Empty, Empty)
+
+
+# -- reap: requeue or dead-letter entries whose lease expired --------------------------------
+class ReapKeys(NamedTuple):
+    dlq: str
+    counters: str
+
+
+class ReapArgs(NamedTuple):
+    group: str
+    reaper: str
+    min_idle_ms: int
+    max_entries: int
+    max_deliveries: int
+    now: str
+    job_prefix: str
+    event_prefix: str
+    finished: bytes  # Finished(dead result)
+    ttl_ms: int
+
+
+class ReapItemArgs(NamedTuple):
+    priority: str
+
+
+REAP = ScriptSpec("reap", ReapKeys, ReapArgs, LaneKey, ReapItemArgs)
+
+
+# -- cancel ------------------------------------------------------------------------------------
+class CancelKeys(NamedTuple):
+    job: str
+    events: str
+    cancels: str
+    delayed: str
+
+
+class CancelArgs(NamedTuple):
+    job_id: str
+    now: str
+    finished: bytes  # Finished(cancelled result)
+    ttl_ms: int
+
+
+CANCEL = ScriptSpec("cancel", CancelKeys, CancelArgs, Empty, Empty)
+
+
+# -- lease-fenced batches: emit events, renew, release ---------------------------------------
+class GroupArg(NamedTuple):
+    group: str
+
+
+class EmitItemKeys(NamedTuple):
+    lane: str
+    events: str
+
+
+class EmitItemArgs(NamedTuple):
+    consumer: str
+    entry_id: str
+    event: bytes
+
+
+EMIT = ScriptSpec("emit", Empty, GroupArg, EmitItemKeys, EmitItemArgs)
+
+
+class HolderArgs(NamedTuple):
+    consumer: str
+    entry_id: str
+
+
+RENEW = ScriptSpec("renew", Empty, GroupArg, LaneKey, HolderArgs)
+
+
+class ReleaseItemKeys(NamedTuple):
+    lane: str
+    job: str
+
+
+class ReleaseItemArgs(NamedTuple):
+    consumer: str
+    entry_id: str
+    job_id: str
+
+
+RELEASE = ScriptSpec("release", Empty, GroupArg, ReleaseItemKeys, ReleaseItemArgs)
+
+SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
+    ENQUEUE,
+    CLAIM,
+    COMPLETE,
+    FAIL,
+    REAP,
+    CANCEL,
+    EMIT,
+    RENEW,
+    RELEASE,
+)
