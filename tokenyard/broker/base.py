@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import msgspec
 
@@ -142,6 +142,21 @@ class Broker(abc.ABC):
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
         """Events with id greater than `after`; waits up to `block_s` when there are none."""
+
+    @abc.abstractmethod
+    async def read_events_many(
+        self,
+        cursors: Mapping[str, str],
+        block_s: float = 0.0,
+        count: int = 1000,
+        latest_only: Collection[str] = (),
+    ) -> list[tuple[str, str, JobEvent]]:
+        """(job_id, event_id, event) after each job's cursor, in one read over every stream;
+        waits up to `block_s` when none has any. All jobs must share a model (one hash slot).
+
+        For a job in `latest_only`, only the last event read from its stream is decoded and
+        returned, so a caller waiting for the terminal event pays one decode per read.
+        """
 
     @abc.abstractmethod
     async def record(self, job_id: str) -> JobRecord | None: ...

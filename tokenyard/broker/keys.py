@@ -7,11 +7,13 @@ Job ids start with that tag, so any key of a job is derived from its id alone.
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 
 from tokenyard.messages import Priority
 
 GROUP = "workers"
+_JOB_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{32}")
 
 
 def model_tag(model: str) -> str:
@@ -27,6 +29,11 @@ def tag_of_job(job_id: str) -> str:
     if not sep or len(tag) != 8:
         raise ValueError(f"malformed job id {job_id!r}")
     return tag
+
+
+def is_job_id(job_id: str) -> bool:
+    """Whether `job_id` has the shape `new_job_id` gives (a model tag, a dash, a uuid)."""
+    return _JOB_ID.fullmatch(job_id) is not None
 
 
 def lane_name(model: str, priority: Priority) -> str:
