@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -149,13 +149,9 @@ class Broker(abc.ABC):
         cursors: Mapping[str, str],
         block_s: float = 0.0,
         count: int = 1000,
-        latest_only: Collection[str] = (),
     ) -> list[tuple[str, str, JobEvent]]:
         """(job_id, event_id, event) after each job's cursor, in one read over every stream;
         waits up to `block_s` when none has any. All jobs must share a model (one hash slot).
-
-        For a job in `latest_only`, only the last event read from its stream is decoded and
-        returned, so a caller waiting for the terminal event pays one decode per read.
         """
 
     @abc.abstractmethod

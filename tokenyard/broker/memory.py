@@ -7,7 +7,7 @@ import contextlib
 import random
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenyard.broker.base import (
@@ -461,7 +461,6 @@ class MemoryBroker(Broker):
         cursors: Mapping[str, str],
         block_s: float = 0.0,
         count: int = 1000,
-        latest_only: Collection[str] = (),
     ) -> list[tuple[str, str, JobEvent]]:
         give_up_at = time.monotonic() + block_s
         floors = {job_id: _id_key(after or "0") for job_id, after in cursors.items()}
@@ -474,8 +473,6 @@ class MemoryBroker(Broker):
                     for eid, payload in self.store.events.get(job_id, [])
                     if _id_key(eid) > floor
                 ][:count]
-                if job_id in latest_only:
-                    entries = entries[-1:]
                 found += [(job_id, eid, decode_event(payload)) for eid, payload in entries]
             wait = give_up_at - time.monotonic()
             if found or wait <= 0:

@@ -8,7 +8,7 @@ import hashlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from importlib import resources
 from typing import Any, ParamSpec, TypeVar
 
@@ -463,7 +463,6 @@ class RedisBroker(Broker):
         cursors: Mapping[str, str],
         block_s: float = 0.0,
         count: int = 1000,
-        latest_only: Collection[str] = (),
     ) -> list[tuple[str, str, JobEvent]]:
         if not cursors:
             return []
@@ -476,8 +475,6 @@ class RedisBroker(Broker):
         out: list[tuple[str, str, JobEvent]] = []
         for key, entries in reply or ():
             job_id = job_of[_s(key)]
-            if job_id in latest_only:
-                entries = entries[-1:]
             out += [(job_id, _s(eid), decode_event(fields[b"e"])) for eid, fields in entries]
         return out
 
