@@ -204,7 +204,9 @@ class LiveCall:
             while True:
                 events = await follow.next(block_s)
                 if not events:
-                    late = await self._ended(follow.cursor)
+                    # from what this caller saw, not the follow's cursor: the hub may have read
+                    # the end into the inbox just as the wait gave up
+                    late = await self._ended(after)
                     if late is None:
                         return
                     if not late:
@@ -212,6 +214,7 @@ class LiveCall:
                         continue
                     events = late
                 yield self._wanted(events, tokens)
+                after = events[-1][0]
                 if isinstance(events[-1][1], Finished):
                     return
         finally:
