@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections import defaultdict
 from collections.abc import Callable
 
 from tokenyard.broker import Broker
+from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import Finished, JobEvent
-
-log = logging.getLogger(__name__)
 
 Events = list[tuple[str, JobEvent]]  # (event id, event), in stream order
 
@@ -70,10 +68,13 @@ class Follow:
 
     async def next(self, timeout_s: float) -> Events:
         """The events read since the last call; [] when none came within `timeout_s`."""
-        try:
-            item = await asyncio.wait_for(self._inbox.get(), timeout_s)
-        except TimeoutError:
-            return []
+        if not self._inbox.empty():
+            item = self._inbox.get_nowait()  # a busy stream skips wait_for's timer
+        else:
+            try:
+                item = await asyncio.wait_for(self._inbox.get(), timeout_s)
+            except TimeoutError:
+                return []
         if isinstance(item, BaseException):
             raise item
         return item
@@ -96,6 +97,7 @@ class EventHub:
         self._waiting: dict[str, list[Follow]] = defaultdict(list)
         self._in_flight: dict[str, int] = defaultdict(int)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._follows: set[Follow] = set()
         self._closed = False
 
     def follow(
@@ -109,6 +111,10 @@ class EventHub:
     ) -> Follow:
         """Start following a job's events after `after`; `leave` it when done."""
         follow = Follow(job_id, model, after, tokens=tokens, on_tokens=on_tokens)
+        if self._closed:
+            follow._fail(BrokerUnavailable("the gateway is shutting down"))
+            return follow
+        self._follows.add(follow)
         self._waiting[model].append(follow)
         self._start(model)
         return follow
@@ -116,6 +122,7 @@ class EventHub:
     def leave(self, follow: Follow) -> None:
         # a read in flight still names its stream; what it brings back for it is dropped
         follow.ended = True
+        self._follows.discard(follow)
 
     def _start(self, model: str) -> None:
         waiting = [f for f in self._waiting.pop(model, ()) if not f.ended]
@@ -161,9 +168,14 @@ class EventHub:
             self._start(model)
 
     async def close(self) -> None:
-        """Stop every read (at shutdown)."""
+        """Stop every read (at shutdown); callers still following hear the broker is gone, so a
+        stream's client knows to resume elsewhere."""
         self._closed = True
         self._waiting.clear()
+        for follow in self._follows:
+            if not follow.ended:
+                follow._fail(BrokerUnavailable("the gateway is shutting down"))
+        self._follows.clear()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
