@@ -1,4 +1,5 @@
-"""The gateway's hot path on a real Valkey: group commit of enqueues, one multiplexed read."""
+"""The gateway's hot path on a real Valkey: group commit of enqueues, one multiplexed read,
+and the limits workers publish."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tokenyard.broker import new_job_id
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
+from tokenyard.engines.sim import SimTokenizer
 from tokenyard.gateway.events import EventHub
 from tokenyard.messages import (
     Finished,
@@ -23,7 +25,9 @@ from tokenyard.messages import (
     JobResult,
     JobSpec,
     JobStatus,
+    ModelLimits,
     TokenChunk,
+    WorkerInfo,
 )
 
 BODY = {"model": MODEL, "prompt": "tell me", "max_tokens": 4, "temperature": 0.0}
@@ -143,3 +147,31 @@ async def test_hub_serves_many_followers_with_few_reads(valkey: EmbeddedServer) 
         await hub.close()
     finally:
         await broker.close()
+
+
+def test_requests_are_checked_against_the_limits_workers_publish(valkey: EmbeddedServer) -> None:
+    with run_stack(valkey, engines=[]) as stack:
+        broker = stack.gateway_broker
+        for name, context in (("small", 64), ("large", 128)):
+            info = WorkerInfo(
+                consumer=name,
+                model=MODEL,
+                engine="sim",
+                host="h",
+                pid=1,
+                started_at=time.time(),
+                limits=ModelLimits(max_model_len=context, max_seqs=4, token_budget=context),
+            )
+            stack.call(broker.heartbeat(info, ttl_s=30))
+        with stack.client() as http:
+            # the loosest worker decides: 100 tokens fit the large one
+            fits = http.post("/v1/jobs", json={**BODY, "prompt": "x" * 92, "max_tokens": 8})
+            assert fits.status_code == 202, fits.text
+            too_long = http.post("/v1/jobs", json={**BODY, "prompt": "x" * 121, "max_tokens": 8})
+        assert too_long.status_code == 400
+        error = too_long.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        assert error["message"].startswith("This model's maximum context length is 128 tokens.")
+        record = stack.call(broker.record(fits.json()["id"]))
+        # the gateway tokenized the prompt once; the job carries the ids
+        assert record.spec.prompt_token_ids == SimTokenizer().encode("x" * 92)
