@@ -313,21 +313,20 @@ class Queue:
         return Timing("sync", done - sent, None, ok, error, job_id, sent, done)
 
     async def stream_one(self, spec: RequestSpec) -> Timing:
-        """A stream among concurrent ones (no job id kept)."""
+        """A stream among concurrent ones (its job id unknown)."""
         result = await send_request(self.client, spec, self.options, clock=time.time)
         ok = result.ok and result.output_tokens == spec.max_tokens
         error = result.error or (None if ok else "short_output")
-        return Timing("stream", result.e2e_s, result.ttft_s, ok, error)
+        return Timing(
+            "stream", result.e2e_s, result.ttft_s, ok, error, None, result.send_s, result.end_s
+        )
 
     async def stream(self, spec: RequestSpec) -> Timing:
+        """One stream at a time, so the response hook's last job id is its."""
         self.job_ids.clear()
-        result = await send_request(self.client, spec, self.options, clock=time.time)
-        ok = result.ok and result.output_tokens == spec.max_tokens
-        error = result.error or (None if ok else "short_output")
-        job_id = self.job_ids[-1] if self.job_ids else None
-        return Timing(
-            "stream", result.e2e_s, result.ttft_s, ok, error, job_id, result.send_s, result.end_s
-        )
+        timing = await self.stream_one(spec)
+        timing.job_id = self.job_ids[-1] if self.job_ids else None
+        return timing
 
 
 class Ping:
