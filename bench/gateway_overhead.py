@@ -12,13 +12,17 @@ Queue requests go sync (`stream: false`) and streamed (SSE, timed by tokenyard.b
 client); the three kinds are interleaved in a shuffled order per round, so drift on a shared
 host hits them alike. Overhead = each queue request's E2E minus the median direct E2E (TTFT
 likewise for streams). Job records (enqueue, claim and completion times) split the overhead
-into stages. Prints one JSON document.
+into stages. Valkey commands are counted from INFO commandstats deltas, over the whole measured
+phase and around each queue request (so per kind). A burst phase then sends --burst concurrent
+requests (sync and stream alternately, --burst-tokens each) and reports the gateway's CPU per
+request, where per-token event reading shows. Prints one JSON document.
 
 --what-if NAMES adds a second run with suspected costs patched out of the gateway and worker
 subprocesses (see PATCHES), to price a fix before making it; the baseline is the product as
 is. --profile DIR runs py-spy on both subprocesses during the measured phase.
 
     python bench/gateway_overhead.py [--requests 300] [--warmup 30] [--quick]
+        [--burst 64] [--burst-tokens 64] [--burst-rounds 3]
         [--what-if all|NAME,...] [--profile DIR [--profile-native]]
 """
 
@@ -62,12 +66,14 @@ SELF = Path(__file__).resolve()
 MODEL = "sim"
 GOAL_P50_MS = 2.0
 GOAL_P99_MS = 10.0
+GOAL_ROUND_TRIPS = 5.0  # Valkey round trips per request, gateway and worker together
 MS = 1000.0
 KINDS = ("direct", "sync", "stream")
 # Commands the broker clients send themselves (one round trip each here, with one job at a
 # time, except where a pipeline holds several); the rest of INFO commandstats runs inside Lua
 # scripts or is a periodic heartbeat. SCRIPT EXISTS and SMISMEMBER were per-step round trips
-# of earlier versions; they stay listed so a regression shows.
+# of earlier versions; they stay listed so a regression shows. Commands run inside scripts
+# count in commandstats too, so only commands no script sends are listed.
 CLIENT_COMMANDS = ("evalsha", "script|exists", "xread", "hgetall", "smembers", "smismember")
 
 
@@ -259,15 +265,21 @@ class Queue:
             done, ok, error, job_id = time.time(), False, type(exc).__name__, None
         return Timing("sync", done - sent, None, ok, error, job_id, sent, done)
 
-    async def stream(self, spec: RequestSpec) -> Timing:
-        self.job_ids.clear()
+    async def stream_one(self, spec: RequestSpec) -> Timing:
+        """A stream among concurrent ones (its job id unknown)."""
         result = await send_request(self.client, spec, self.options, clock=time.time)
         ok = result.ok and result.output_tokens == spec.max_tokens
         error = result.error or (None if ok else "short_output")
-        job_id = self.job_ids[-1] if self.job_ids else None
         return Timing(
-            "stream", result.e2e_s, result.ttft_s, ok, error, job_id, result.send_s, result.end_s
+            "stream", result.e2e_s, result.ttft_s, ok, error, None, result.send_s, result.end_s
         )
+
+    async def stream(self, spec: RequestSpec) -> Timing:
+        """One stream at a time, so the response hook's last job id is its."""
+        self.job_ids.clear()
+        timing = await self.stream_one(spec)
+        timing.job_id = self.job_ids[-1] if self.job_ids else None
+        return timing
 
 
 class Ping:
@@ -284,16 +296,26 @@ class Ping:
         return Timing("ping", time.perf_counter() - started, None, True)
 
 
-def command_counts(url: str) -> dict[str, int]:
-    """INFO commandstats as {command: calls}."""
-    import redis
+class CommandCounter:
+    """INFO commandstats as {command: calls}, over one connection of its own."""
 
-    client = redis.Redis.from_url(url)
-    try:
-        stats: dict[str, dict[str, Any]] = client.info("commandstats")
-    finally:
-        client.close()
-    return {key.removeprefix("cmdstat_"): int(row["calls"]) for key, row in stats.items()}
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+
+    def __call__(self) -> dict[str, int]:
+        stats: dict[str, dict[str, Any]] = self.client.info("commandstats")
+        return {key.removeprefix("cmdstat_"): int(row["calls"]) for key, row in stats.items()}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def add_deltas(total: dict[str, int], before: dict[str, int], after: dict[str, int]) -> None:
+    for name, n in after.items():
+        if n > before.get(name, 0):
+            total[name] = total.get(name, 0) + n - before.get(name, 0)
 
 
 def per_request(before: dict[str, int], after: dict[str, int], requests: int) -> dict[str, Any]:
@@ -406,6 +428,8 @@ async def measure(
     runners = {"direct": direct.one, "sync": queue.sync, "stream": queue.stream, "ping": ping.one}
     timings: dict[str, list[Timing]] = {k: [] for k in runners}
     counts: dict[str, int] = {}
+    command_counts = CommandCounter(url)
+    by_kind: dict[str, dict[str, int]] = {"sync": {}, "stream": {}}
     pids = {"gateway": procs.procs["gateway"].pid, "worker": procs.procs["worker"].pid,
             "valkey": server_pid}  # fmt: skip
     cpu: dict[str, float] = {}
@@ -413,7 +437,7 @@ async def measure(
     try:
         for phase, rounds in (("warmup", opts.warmup), ("measure", opts.requests)):
             if phase == "measure":
-                counts = command_counts(url)
+                counts = command_counts()
                 cpu = {name: proc_cpu_s(pid) for name, pid in pids.items()}
                 if opts.profile is not None:
                     profilers = start_profilers(
@@ -424,10 +448,18 @@ async def measure(
                 order = list(runners)
                 rng.shuffle(order)  # no kind always follows another's tail work
                 for kind in order:
+                    counted = phase == "measure" and kind in by_kind
+                    before = command_counts() if counted else {}
                     t = await runners[kind](spec)
+                    if counted:
+                        # the worker finishes its job before the client hears the end
+                        add_deltas(by_kind[kind], before, command_counts())
                     if phase == "measure":
                         timings[kind].append(t)
-        commands = per_request(counts, command_counts(url), 2 * opts.requests)
+        commands = per_request(counts, command_counts(), 2 * opts.requests)
+        commands["by_kind"] = {
+            kind: per_request({}, calls, opts.requests) for kind, calls in by_kind.items()
+        }
         # whole process CPU over the measured phase, per queue request (the worker's includes
         # its engine thread, a few sleeps; Valkey's includes this process's PINGs)
         commands["cpu_ms"] = {
@@ -438,10 +470,64 @@ async def measure(
             with contextlib.suppress(subprocess.TimeoutExpired):
                 spy.wait(opts.profile_s + 30)
     finally:
+        command_counts.close()
         await client.aclose()
         await ping.redis.aclose()
         await engine.stop()
     return timings, commands
+
+
+async def burst(
+    opts: argparse.Namespace, url: str, port: int, procs: Processes, server_pid: int | None
+) -> dict[str, Any]:
+    """Rounds of `--burst` concurrent requests (sync and stream alternately): the gateway's CPU
+    per request under concurrency, and Valkey commands per request."""
+    concurrency, tokens = opts.burst, opts.burst_tokens
+    workload = Workload(
+        LengthDist(opts.prompt_words, opts.prompt_words), LengthDist(tokens, tokens)
+    )
+    specs = workload.requests(opts.seed + 1)
+    client = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        timeout=120.0,
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+    )
+    queue = Queue(client, [])
+    pids = {"gateway": procs.procs["gateway"].pid, "worker": procs.procs["worker"].pid,
+            "valkey": server_pid}  # fmt: skip
+    command_counts = CommandCounter(url)
+    try:
+        await asyncio.gather(*(queue.sync(next(specs)) for _ in range(concurrency)))  # warm
+        before, cpu = command_counts(), {n: proc_cpu_s(p) for n, p in pids.items()}
+        started = time.perf_counter()
+        results: list[Timing] = []
+        for _ in range(opts.burst_rounds):
+            round_specs = [next(specs) for _ in range(concurrency)]
+            results += await asyncio.gather(
+                *(
+                    (queue.sync if i % 2 == 0 else queue.stream_one)(spec)
+                    for i, spec in enumerate(round_specs)
+                )
+            )
+        wall = time.perf_counter() - started
+        n = len(results)
+        calls = per_request(before, command_counts(), n)
+        cpu_ms = {
+            name: round((proc_cpu_s(pid) - cpu[name]) * MS / n, 3) for name, pid in pids.items()
+        }
+    finally:
+        command_counts.close()
+        await client.aclose()
+    return {
+        "concurrency": concurrency,
+        "max_tokens": tokens,
+        "requests": n,
+        "errors": sum(1 for t in results if not t.ok),
+        "wall_s": round(wall, 3),
+        "cpu_ms_per_request": cpu_ms,
+        "valkey_per_request": calls,
+        "e2e_ms": ms_summary([t.e2e_s for t in results if t.ok]),
+    }
 
 
 def report(timings: dict[str, list[Timing]]) -> dict[str, Any]:
@@ -531,11 +617,24 @@ async def run_stack(
         procs.start("gateway", gateway)
         await wait_ready(f"http://127.0.0.1:{port}", procs)
         timings, commands = await measure(opts, url, port, procs, server_pid)
+        bursts = None
+        if opts.burst and not patches:  # the what-if run prices latency only
+            bursts = await burst(opts, url, port, procs, server_pid)
     finally:
         procs.stop()  # the worker writes its engine stamps as it exits
     engine_stamps = json.loads(stamps.read_text()) if stamps.exists() else {}
     await attach_stages([*timings["sync"], *timings["stream"]], url, prefix, engine_stamps)
-    return {**report(timings), "valkey_per_queue_request": commands}
+    trips = {k: commands["by_kind"][k]["round_trips"] for k in ("sync", "stream")}
+    return {
+        **report(timings),
+        "valkey_per_queue_request": commands,
+        "round_trip_goal": {
+            "goal": GOAL_ROUND_TRIPS,
+            **trips,
+            "met": all(v <= GOAL_ROUND_TRIPS for v in trips.values()),
+        },
+        "burst": bursts,
+    }
 
 
 def what_if_summary(result: dict[str, Any], patches: Sequence[str]) -> dict[str, Any]:
@@ -588,6 +687,10 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "client": "httpx.AsyncClient in this process, one keep-alive connection; streams via "
             "tokenyard.bench.client.send_request",
             "order": "rounds of (direct, sync, stream, Valkey PING) in a seeded shuffled order",
+            "burst": f"{opts.burst_rounds} rounds of {opts.burst} concurrent requests (sync and "
+            f"stream alternately) of {opts.burst_tokens} tokens, after the light-load phase",
+            "valkey_commands": "INFO commandstats deltas; by_kind: around each queue request "
+            "(light load: one request in flight, so the worker's commands for it are included)",
             "overhead": "queue E2E (or TTFT) minus the median direct E2E (or TTFT); paired: "
             "minus the direct request of the same round",
             "stages": "wall-clock stamps on one host. Job record: to_enqueue = gateway enqueue "
@@ -619,7 +722,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-ms", type=float, default=1.0)
     p.add_argument("--decode-ms", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 20 requests, 5 warmup")
+    p.add_argument("--burst", type=int, help="concurrent requests in the burst phase (64; 0: none)")
+    p.add_argument("--burst-tokens", type=int, help="max_tokens of each burst request (64)")
+    p.add_argument("--burst-rounds", type=int, help="bursts measured (3)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 20 requests, 5 warmup, 1 burst of 16x16"
+    )
     p.add_argument(
         "--what-if",
         default="none",
@@ -642,6 +750,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.requests = 20 if a.quick else 300
     if a.warmup is None:
         a.warmup = 5 if a.quick else 30
+    if a.burst is None:
+        a.burst = 16 if a.quick else 64
+    if a.burst_tokens is None:
+        a.burst_tokens = 16 if a.quick else 64
+    if a.burst_rounds is None:
+        a.burst_rounds = 1 if a.quick else 3
     if a.requests < 1 or a.max_tokens < 1:
         p.error("--requests and --max-tokens must be at least 1")
     names = {"all": ",".join(PATCHES), "none": ""}.get(a.what_if, a.what_if)
@@ -664,9 +778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     result = asyncio.run(run(opts))
     print(json.dumps(result, indent=2))
-    failed = any(result["errors"].values()) or (
-        result["what_if"] is not None and any(result["what_if"]["errors"].values())
-    )
+    failed = any(result["errors"].values()) or bool(result["burst"] and result["burst"]["errors"])
+    failed = failed or (result["what_if"] is not None and any(result["what_if"]["errors"].values()))
     return 1 if failed else 0
 
 

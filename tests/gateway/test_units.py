@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from tokenyard.broker.base import CancelOutcome
-from tokenyard.errors import FatalError
+from tokenyard.errors import FatalError, InvalidRequest
 from tokenyard.gateway import gateway_settings
 from tokenyard.gateway.auth import KeyRing, Tenant
-from tokenyard.gateway.dispatch import Abandonment
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.limits import resolve_max_tokens
-from tokenyard.messages import Priority
+from tokenyard.gateway.live import Abandonment
+from tokenyard.limits import check
+from tokenyard.messages import ModelLimits, Priority, SamplingParams
 
 
 def test_settings_from_environment() -> None:
@@ -47,12 +48,24 @@ def test_key_file(tmp_path: Path) -> None:
 
 
 def test_max_tokens_resolution() -> None:
-    assert resolve_max_tokens(None, 16, 100, prompt_tokens=10, max_model_len=20) == 10
-    assert resolve_max_tokens(5, 16, 100, prompt_tokens=10, max_model_len=20) == 5
-    for requested, prompt in ((101, 1), (11, 10), (None, 20)):
-        with pytest.raises(ApiError) as refused:
-            resolve_max_tokens(requested, 16, 100, prompt_tokens=prompt, max_model_len=20)
-        assert refused.value.status == 400
+    limits = ModelLimits(max_model_len=20, max_seqs=1, token_budget=20)
+
+    def resolve(requested: int | None, prompt: int) -> int:
+        # the default and the cap are the gateway's; whether it fits is the one limits rule
+        max_tokens = resolve_max_tokens(requested, 16, 100, prompt_tokens=prompt, context=20)
+        check(prompt, SamplingParams(max_tokens=max_tokens), limits)
+        return max_tokens
+
+    assert resolve(None, 10) == 10
+    assert resolve(5, 10) == 5
+    for requested, prompt, code in (
+        (101, 1, "max_tokens_exceeded"),
+        (11, 10, "context_length_exceeded"),
+        (None, 20, "context_length_exceeded"),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            resolve(requested, prompt)
+        assert refused.value.code == code
 
 
 class _Broker:

@@ -73,6 +73,16 @@ def test_gateway_overhead_quick_reports_overhead_stages_and_goals() -> None:
     assert calls["client_commands"]["evalsha"] >= 3
     assert calls["round_trips"] >= calls["client_commands"]["evalsha"]
     assert set(calls["cpu_ms"]) == {"gateway", "worker", "valkey"}
+    for kind in ("sync", "stream"):
+        # counted around each request: at least its enqueue, claim and completion
+        assert calls["by_kind"][kind]["client_commands"]["evalsha"] >= 3, kind
+        assert report["round_trip_goal"][kind] == calls["by_kind"][kind]["round_trips"]
+    assert report["round_trip_goal"]["goal"] == 5.0
+    assert isinstance(report["round_trip_goal"]["met"], bool)
+    burst = report["burst"]
+    assert burst["errors"] == 0 and burst["requests"] == burst["concurrency"] == 16
+    assert burst["cpu_ms_per_request"]["gateway"] > 0
+    assert burst["valkey_per_request"]["client_commands"]["evalsha"] > 0
 
     assert report["goal_ms"] == {"p50": 2.0, "p99": 10.0}
     goals = report["goal_met"]

@@ -362,6 +362,40 @@ async def test_events_are_appended_and_read_from_an_id(make_broker: BrokerFactor
     assert await reader.read_events(spec.id, after=ids[-1], block_s=0.1) == []
 
 
+async def test_events_of_many_jobs_are_read_in_one_call(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    reader = make_broker()
+    specs = [job() for _ in range(3)]
+    await broker.enqueue_many(specs)
+    leases = {lease.spec.id: lease for lease in await broker.claim(MODEL, "w", slots=3)}
+    a, b, c = (s.id for s in specs)
+    cursors = {a: "0", b: "0", c: "0"}
+    assert await reader.read_events_many(cursors) == []
+
+    waiter = asyncio.create_task(reader.read_events_many(cursors, block_s=5.0))
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    await broker.append_events([(leases[b], TokenChunk(token_ids=[1], text="x"))])
+    [(job_id, first, event)] = await asyncio.wait_for(waiter, 5)
+    assert job_id == b and isinstance(event, TokenChunk) and event.text == "x"
+
+    await broker.append_events(
+        [
+            (leases[a], TokenChunk(token_ids=[2], text="y")),
+            (leases[b], TokenChunk(token_ids=[3], text="z")),
+        ]
+    )
+    await broker.complete(leases[a], ok(leases[a]))
+    got = await reader.read_events_many({a: "0", b: first, c: "0"})
+    assert [(j, type(e)) for j, _, e in got if j == a] == [(a, TokenChunk), (a, Finished)]
+    assert [e.text for j, _, e in got if j == b and isinstance(e, TokenChunk)] == ["z"]
+    assert all(j != c for j, _, _ in got)
+
+    done = await reader.read_events_many({a: "0", b: "0"})
+    last_b = [eid for j, eid, _ in done if j == b][-1]
+    assert await reader.read_events_many({b: last_b}, block_s=0.1) == []
+
+
 async def test_cancel_waiting_job_ends_it_at_once(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     spec = job()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from tokenyard.broker.base import Broker
+from tokenyard.broker.keys import is_job_id, new_job_id
 from tokenyard.config import BrokerSettings
+
+__all__ = ["Broker", "connect", "is_job_id", "new_job_id"]
 
 
 def connect(settings: BrokerSettings) -> Broker:

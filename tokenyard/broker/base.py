@@ -7,7 +7,7 @@ implementation passes tests/integration/test_broker_conformance.py.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -153,6 +153,17 @@ class Events(Protocol):
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
         """Events with id greater than `after`; waits up to `block_s` when there are none."""
+        ...
+
+    async def read_events_many(
+        self,
+        cursors: Mapping[str, str],
+        block_s: float = 0.0,
+        count: int = 1000,
+    ) -> list[tuple[str, str, JobEvent]]:
+        """(job_id, event_id, event) after each job's cursor, in one read over every stream;
+        waits up to `block_s` when none has any. All jobs must share a model (one hash slot).
+        """
         ...
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import uuid
 
 from tokenyard.messages import Priority
 
 GROUP = "workers"
+_JOB_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{32}")
 
 
 @functools.lru_cache(maxsize=1024)  # every key of a job goes through it
@@ -29,6 +31,11 @@ def tag_of_job(job_id: str) -> str:
     if not sep or len(tag) != 8:
         raise ValueError(f"malformed job id {job_id!r}")
     return tag
+
+
+def is_job_id(job_id: str) -> bool:
+    """Whether `job_id` has the shape `new_job_id` gives (a model tag, a dash, a uuid)."""
+    return _JOB_ID.fullmatch(job_id) is not None
 
 
 class Keys:

@@ -7,7 +7,7 @@ import contextlib
 import random
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenyard.broker.base import (
@@ -454,6 +454,29 @@ class MemoryBroker(Broker):
                 for eid, payload in self.store.events.get(job_id, [])
                 if _id_key(eid) > floor
             ][:count]
+            wait = give_up_at - time.monotonic()
+            if found or wait <= 0:
+                return found
+            await self.store.wait(wait)
+
+    async def read_events_many(
+        self,
+        cursors: Mapping[str, str],
+        block_s: float = 0.0,
+        count: int = 1000,
+    ) -> list[tuple[str, str, JobEvent]]:
+        give_up_at = time.monotonic() + block_s
+        floors = {job_id: _id_key(after or "0") for job_id, after in cursors.items()}
+        while True:
+            found: list[tuple[str, str, JobEvent]] = []
+            for job_id, floor in floors.items():
+                self._job(job_id)  # drops an expired stream
+                entries = [
+                    (eid, payload)
+                    for eid, payload in self.store.events.get(job_id, [])
+                    if _id_key(eid) > floor
+                ][:count]
+                found += [(job_id, eid, decode_event(payload)) for eid, payload in entries]
             wait = give_up_at - time.monotonic()
             if found or wait <= 0:
                 return found

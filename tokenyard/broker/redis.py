@@ -8,7 +8,7 @@ import hashlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
@@ -524,6 +524,27 @@ class RedisBroker(Broker):
         if not reply:
             return []
         return [(_s(eid), decode_event(fields[b"e"])) for eid, fields in reply[0][1]]
+
+    @_unavailable_on_errors
+    async def read_events_many(
+        self,
+        cursors: Mapping[str, str],
+        block_s: float = 0.0,
+        count: int = 1000,
+    ) -> list[tuple[str, str, JobEvent]]:
+        if not cursors:
+            return []
+        job_of = {self.keys.events(job_id): job_id for job_id in cursors}
+        reply: Any = await self.redis.xread(
+            {key: cursors[job_id] or "0" for key, job_id in job_of.items()},
+            count=count,
+            block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
+        )
+        out: list[tuple[str, str, JobEvent]] = []
+        for key, entries in reply or ():
+            job_id = job_of[_s(key)]
+            out += [(job_id, _s(eid), decode_event(fields[b"e"])) for eid, fields in entries]
+        return out
 
     @_unavailable_on_errors
     async def record(self, job_id: str) -> JobRecord | None:

@@ -1,4 +1,5 @@
-"""Admit a request: check the model and parameters, render and count the prompt, build the job."""
+"""Admit a request (request → job): check the model and parameters, tokenize the prompt once,
+check it against the model's published limits, build the job."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import time
 
 import anyio
 
-from tokenyard.broker.keys import new_job_id
+from tokenyard import limits
+from tokenyard.broker import new_job_id
 from tokenyard.engines.base import EngineTokenizer
+from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant
-from tokenyard.gateway.errors import ApiError, bad_request
 from tokenyard.gateway.limits import resolve_max_tokens
 from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest, Kind
 from tokenyard.gateway.state import GatewayState
@@ -25,20 +27,14 @@ def tokenizer_for(state: GatewayState, model: str) -> EngineTokenizer:
     """The model's tokenizer; an unknown model is 404 model_not_found, as OpenAI answers."""
     tokenizer = state.tokenizers.get(model) if model in state.settings.models else None
     if tokenizer is None:
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist",
-            param="model",
-            code="model_not_found",
-            type_="invalid_request_error",
-        )
+        raise NotFound(f"The model '{model}' does not exist", param="model", code="model_not_found")
     return tokenizer
 
 
-async def _count(tokenizer: EngineTokenizer, text: str) -> int:
+async def _tokenize(tokenizer: EngineTokenizer, text: str) -> list[int]:
     if len(text) <= _INLINE_CHARS:
-        return len(tokenizer.encode(text))
-    return len(await anyio.to_thread.run_sync(tokenizer.encode, text))
+        return tokenizer.encode(text)
+    return await anyio.to_thread.run_sync(tokenizer.encode, text)
 
 
 async def admit(
@@ -50,7 +46,8 @@ async def admit(
     live: bool,
     idempotency_key: str | None = None,
 ) -> JobSpec:
-    """A JobSpec for a validated request; `live` calls get the request timeout as deadline."""
+    """A JobSpec for a validated request, carrying its prompt's token ids (the worker does not
+    tokenize again); `live` calls get the request timeout as deadline."""
     body.refuse_unsupported()
     tokenizer = tokenizer_for(state, body.model)
     settings = state.settings
@@ -61,7 +58,9 @@ async def admit(
         try:
             prompt = tokenizer.apply_chat_template(messages)
         except Exception as exc:  # a template may reject e.g. the order of roles
-            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+            raise InvalidRequest(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from exc
         requested, default = body.requested_max_tokens, settings.default_max_tokens
         param = "messages"
     else:
@@ -73,21 +72,22 @@ async def admit(
         requested, default = body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS
         param = "prompt"
     if token_ids is not None:
-        prompt_tokens = len(token_ids)
         if any(t < 0 for t in token_ids):
-            raise bad_request("token ids must not be negative", param="prompt")
+            raise InvalidRequest("token ids must not be negative", param="prompt")
     else:
         assert prompt is not None
-        prompt_tokens = await _count(tokenizer, prompt)
+        token_ids = await _tokenize(tokenizer, prompt)
+    prompt_tokens = len(token_ids)
     if prompt_tokens == 0:
-        raise bad_request("The prompt is empty", param=param)
+        raise InvalidRequest("The prompt is empty", param=param)
+    model_limits = await state.limits.of(body.model, tokenizer)
     max_tokens = resolve_max_tokens(
-        requested, default, settings.max_tokens_cap, prompt_tokens, tokenizer.max_model_len, param
+        requested, default, settings.max_tokens_cap, prompt_tokens, model_limits.context, param
     )
     now = time.time()
     deadline = body.deadline
     if deadline is not None and deadline <= now:
-        raise bad_request("'deadline' is in the past (unix seconds expected)", param="deadline")
+        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
     if deadline is None and live:
         deadline = now + settings.request_timeout_s
     sampling = SamplingParams(
@@ -99,6 +99,7 @@ async def admit(
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
     )
+    limits.check(prompt_tokens, sampling, model_limits, param)
     return JobSpec(
         id=new_job_id(body.model),
         model=body.model,

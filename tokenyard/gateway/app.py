@@ -10,15 +10,16 @@ import anyio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from tokenyard.broker import connect
-from tokenyard.broker.base import Broker
+from tokenyard.broker import Broker, connect
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.auth import KeyRing
-from tokenyard.gateway.dispatch import Abandonment, EventReader
+from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.errors import install_error_handlers
+from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.instrument import RequestMetricsMiddleware
-from tokenyard.gateway.limits import BodyLimitMiddleware
+from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
+from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.routes import ROUTERS
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import GatewayState
@@ -57,15 +58,22 @@ def create_app(
                 tokenizers=loaded,
                 keyring=keys,
                 metrics=metrics,
+                enqueuer=Enqueuer(
+                    active,
+                    metrics,
+                    max_batch=settings.enqueue_batch,
+                    window_s=settings.enqueue_window_s,
+                ),
+                events=EventHub(active, settings.event_block_s, settings.max_blocking_reads),
+                limits=PublishedLimits(active, settings.limits_ttl_s),
                 abandonment=Abandonment(active, settings.stream_resume_grace_s),
-                reader=EventReader(active, settings.event_block_s, settings.max_blocking_reads),
                 started_at=time.time(),
             )
             app.state.gateway = state
             try:
                 yield
             finally:
-                await state.abandonment.close()
+                await state.close()
         finally:
             if owned:
                 await active.close()

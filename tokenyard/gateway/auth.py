@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
-from fastapi import Request
+from fastapi import Depends, Request
 
 from tokenyard.errors import FatalError
 from tokenyard.gateway.errors import ApiError
@@ -96,3 +97,6 @@ def authenticate(request: Request) -> Tenant:
     """FastAPI dependency: the calling tenant."""
     keyring: KeyRing = request.app.state.gateway.keyring
     return keyring.tenant_for(request.headers.get("authorization"))
+
+
+TenantDep = Annotated[Tenant, Depends(authenticate)]

@@ -1,4 +1,10 @@
-"""Every error leaves the gateway as OpenAI's shape: {"error": {message, type, param, code}}."""
+"""The HTTP edge of the error taxonomy: every error leaves as OpenAI's shape,
+{"error": {message, type, param, code}}.
+
+Errors that mean something outside HTTP are `tokenyard.errors` classes (raised anywhere, mapped
+here once); `ApiError` carries only answers that exist at the HTTP edge (401, 409, 413, 422, 499,
+504 and route errors).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from tokenyard.errors import BrokerUnavailable, InvalidRequest, NotFound, QueueFull
+from tokenyard.errors import BrokerUnavailable, InvalidRequest, NotFound, QueueFull, UserError
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +73,19 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def unsupported(param: str, detail: str = "") -> ApiError:
+def unsupported(param: str, detail: str = "") -> InvalidRequest:
     what = f"'{param}'{' ' + detail if detail else ''}"
-    return ApiError(
-        400, f"{what} is not supported by this server", param=param, code="unsupported_parameter"
+    return InvalidRequest(
+        f"{what} is not supported by this server", param=param, code="unsupported_parameter"
     )
 
 
-def validation_error(errors: list[Any]) -> ApiError:
+def validation_error(errors: list[Any]) -> InvalidRequest | ApiError:
     """A pydantic error list as one OpenAI error; malformed JSON is 400, a wrong shape 422."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return ApiError(
-            400,
+        return InvalidRequest(
             f"The request body is not valid JSON{': ' + detail if detail else ''}",
             code="invalid_json",
         )
@@ -127,7 +128,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _request_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return error_response(validation_error(list(exc.errors())))
+    err = validation_error(list(exc.errors()))
+    return error_response(err if isinstance(err, ApiError) else _of_user_error(err))
 
 
 async def _queue_full(request: Request, exc: Exception) -> Response:
@@ -154,25 +156,22 @@ async def _broker_down(request: Request, exc: Exception) -> Response:
     )
 
 
-async def _user_error(request: Request, exc: Exception) -> Response:
+def _of_user_error(exc: UserError) -> ApiError:
     status = 404 if isinstance(exc, NotFound) else 400
-    return error_response(ApiError(status, str(exc)))
+    return ApiError(
+        status, exc.message, param=exc.param, code=exc.code, type_="invalid_request_error"
+    )
+
+
+async def _user_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, UserError)
+    return error_response(_of_user_error(exc))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     # The traceback goes to the log, never to the client.
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(ApiError(500, "Internal server error", type_="server_error"))
-
-
-def _redis_errors() -> tuple[type[Exception], ...]:
-    # Some broker reads let the client library's connection errors through unwrapped.
-    try:
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-    except ImportError:  # pragma: no cover - redis is a core dependency
-        return ()
-    return (RedisConnectionError, RedisTimeoutError)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -182,8 +181,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(QueueFull, _queue_full)
     app.add_exception_handler(BrokerUnavailable, _broker_down)
-    for kind in _redis_errors():
-        app.add_exception_handler(kind, _broker_down)
-    app.add_exception_handler(InvalidRequest, _user_error)
-    app.add_exception_handler(NotFound, _user_error)
+    app.add_exception_handler(UserError, _user_error)  # InvalidRequest 400, NotFound 404
     app.add_exception_handler(Exception, _unexpected)

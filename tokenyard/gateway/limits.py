@@ -1,13 +1,22 @@
-"""Request limits: body size (as ASGI middleware), max_tokens cap and the model's context."""
+"""Request limits at the gateway: body size (as ASGI middleware), the max_tokens cap and
+default, and the model limits its live workers publish (the rule itself is `tokenyard.limits`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenyard.gateway.errors import ApiError, error_body
+from tokenyard.broker import Broker
+from tokenyard.engines.base import EngineTokenizer
+from tokenyard.errors import InvalidRequest
+from tokenyard.gateway.errors import error_body
+from tokenyard.limits import context_length_exceeded, loosest
+from tokenyard.messages import ModelLimits
 
 
 class BodyTooLarge(HTTPException):
@@ -74,33 +83,59 @@ def resolve_max_tokens(
     default: int,
     cap: int,
     prompt_tokens: int,
-    max_model_len: int,
+    context: int,
     prompt_param: str = "prompt",
 ) -> int:
-    """The max_tokens a job gets; refuses a request over the cap or over the context."""
+    """The max_tokens a job gets: the request's, else a default that fits the context.
+
+    A request over the cap is refused; whether it fits the model is `tokenyard.limits.check`.
+    """
     if requested is not None and requested > cap:
-        raise ApiError(
-            400,
+        raise InvalidRequest(
             f"max_tokens is {requested}, above this server's limit of {cap}",
             param="max_tokens",
             code="max_tokens_exceeded",
         )
-    room = max_model_len - prompt_tokens
-    if requested is None:
-        if room < 1:
-            raise _too_long(prompt_tokens, 1, max_model_len, prompt_param)
-        return min(default, cap, room)
-    if requested > room:
-        raise _too_long(prompt_tokens, requested, max_model_len, prompt_param)
-    return requested
+    if requested is not None:
+        return requested
+    room = context - prompt_tokens
+    if room < 1:
+        raise context_length_exceeded(prompt_tokens, 1, context, prompt_param)
+    return min(default, cap, room)
 
 
-def _too_long(prompt_tokens: int, max_tokens: int, max_model_len: int, param: str) -> ApiError:
-    return ApiError(
-        400,
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-        f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-        param=param,
-        code="context_length_exceeded",
-    )
+class PublishedLimits:
+    """What each model's live workers can take, from their heartbeats, read at most every
+    `ttl_s` per model; a model none of whose workers published falls back to its tokenizer."""
+
+    def __init__(
+        self, broker: Broker, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.broker = broker
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._known: dict[str, tuple[float, ModelLimits | None]] = {}
+        self._reading: dict[str, asyncio.Future[ModelLimits | None]] = {}
+
+    async def of(self, model: str, tokenizer: EngineTokenizer) -> ModelLimits:
+        known = self._known.get(model)
+        if known is not None and self.clock() - known[0] < self.ttl_s:
+            published = known[1]
+        else:
+            # one read per model however many requests find the cache stale at once
+            reading = self._reading.get(model)
+            if reading is None:
+                reading = asyncio.ensure_future(self._read(model))
+                self._reading[model] = reading
+                reading.add_done_callback(lambda _: self._reading.pop(model, None))
+            published = await asyncio.shield(reading)
+        if published is not None:
+            return published
+        own = tokenizer.max_model_len
+        return ModelLimits(max_model_len=own, max_seqs=1, token_budget=own)
+
+    async def _read(self, model: str) -> ModelLimits | None:
+        workers = await self.broker.workers(model)
+        published = loosest(w.limits for w in workers if w.limits is not None)
+        self._known[model] = (self.clock(), published)
+        return published

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request models and response builders (HTTP edge only).
+"""OpenAI-compatible request models and every response body the gateway sends.
 
 Requests are pydantic models that accept unknown fields so the gateway can refuse them by
 name; fields OpenAI defines but tokenyard does not implement are declared and refused unless
@@ -8,19 +8,14 @@ they hold their neutral value.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenyard.gateway.errors import (
-    ApiError,
-    bad_request,
-    error_body,
-    unsupported,
-    validation_error,
-)
-from tokenyard.messages import FinishReason, JobResult, JobStatus, Priority
+from tokenyard.errors import InvalidRequest
+from tokenyard.gateway.errors import error_body, unsupported, validation_error
+from tokenyard.messages import FinishReason, JobRecord, JobResult, JobStatus, Priority, TokenChunk
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -60,8 +55,7 @@ class _Common(_Request):
         """Raise 400 naming the first field this server does not implement."""
         if self.model_extra:
             name = sorted(self.model_extra)[0]
-            raise ApiError(
-                400,
+            raise InvalidRequest(
                 f"Unrecognized request argument supplied: {name}",
                 param=name,
                 code="unknown_parameter",
@@ -74,7 +68,7 @@ class _Common(_Request):
         if self.logit_bias:
             raise unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise bad_request(
+            raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
 
@@ -117,7 +111,7 @@ class CompletionRequest(_Common):
         if isinstance(p, str):
             return p
         if not p:
-            raise bad_request("'prompt' must not be empty", param="prompt")
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
         if all(isinstance(x, int) for x in p):
             return [x for x in p if isinstance(x, int)]
         if len(p) != 1:
@@ -145,7 +139,7 @@ class ChatMessage(_Request):
         if self.role == "tool":
             raise unsupported(f"messages.{index}.role", "'tool' (tool calling)")
         if self.content is None:
-            raise bad_request("message content must not be null", param=param)
+            raise InvalidRequest("message content must not be null", param=param)
         if isinstance(self.content, str):
             return self.content
         texts: list[str] = []
@@ -209,7 +203,7 @@ class ChatCompletionRequest(_Common):
 def parse(kind: type[_Request], body: bytes) -> Any:
     """Validate a JSON body into `kind`; malformed JSON is 400, a wrong shape 422."""
     if not body.strip():
-        raise bad_request(
+        raise InvalidRequest(
             "The request body is empty; a JSON object is required", code="invalid_json"
         )
     try:
@@ -354,3 +348,45 @@ def model_card(model: str, created: int | None = None) -> dict[str, Any]:
         "created": created or int(time.time()),
         "owned_by": "tokenyard",
     }
+
+
+def token_event_body(chunk: TokenChunk) -> dict[str, Any]:
+    """The `tokens` event of a job's own event stream."""
+    return {"text": chunk.text, "token_ids": chunk.token_ids}
+
+
+def job_body(job_id: str, record: JobRecord) -> dict[str, Any]:
+    """A job as GET /v1/jobs/{id} shows it: status, result and timings."""
+    spec = record.spec
+    enq, start, end = record.enqueued_at or None, record.started_at, record.finished_at
+    return {
+        "id": job_id,
+        "object": "job",
+        "model": spec.model,
+        "tenant": spec.tenant,
+        "priority": spec.priority.name.lower(),
+        "status": record.status.value,
+        "created_at": spec.created_at,
+        "deadline": spec.deadline,
+        "deliveries": record.deliveries,
+        "cancel_requested": record.cancel_requested,
+        "result": None if record.result is None else result_json(record.result),
+        "timings": {
+            "enqueued_at": enq,
+            "started_at": start,
+            "finished_at": end,
+            "queue_time": None if enq is None or start is None else max(0.0, start - enq),
+            "e2e": None if enq is None or end is None else max(0.0, end - enq),
+        },
+        "events_url": f"/v1/jobs/{job_id}/events",
+    }
+
+
+def cancel_body(job_id: str, status: str) -> dict[str, Any]:
+    """The answer to DELETE /v1/jobs/{id}."""
+    return {"id": job_id, "object": "job", "status": status}
+
+
+def models_body(models: Sequence[str], created: int) -> dict[str, Any]:
+    """GET /v1/models."""
+    return {"object": "list", "data": [model_card(m, created) for m in models]}

@@ -26,9 +26,14 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # longest single wait on a job's events, and so the SSE keep-alive period; the broker caps
     # blocking reads well below its client's read timeout
     event_block_s: float = 2.0
-    # a blocking read holds a broker connection; past this many, readers poll instead so
-    # enqueue and cancel still find a free connection
-    max_blocking_reads: int = 64
+    # follows of a model's jobs share blocking reads; each holds a broker connection, and at most
+    # this many are in flight per model, so enqueue and cancel still find a free connection
+    max_blocking_reads: int = 8
+    # group commit: jobs arriving while an enqueue of their model is in flight go together,
+    # at most this many per call, no later than this long after the first of them arrived
+    enqueue_batch: int = 64
+    enqueue_window_s: float = 0.0005
+    limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
     retry_after_s: int = 1  # Retry-After on 429
     api_keys_file: str = ""  # JSON {key: {"tenant": ..., "priority": ...}}; empty: auth off
     require_workers: bool = True  # /readyz needs a live worker for every served model

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tokenyard.broker.base import Broker
+from tokenyard.broker import Broker
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.auth import KeyRing
-from tokenyard.gateway.dispatch import Abandonment, EventReader
+from tokenyard.gateway.enqueue import Enqueuer
+from tokenyard.gateway.events import EventHub
+from tokenyard.gateway.limits import PublishedLimits
+from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.metrics import GatewayMetrics
 
@@ -22,9 +25,16 @@ class GatewayState:
     tokenizers: Mapping[str, EngineTokenizer]
     keyring: KeyRing
     metrics: GatewayMetrics
+    enqueuer: Enqueuer  # every job goes through it (group commit)
+    events: EventHub  # every follow of a job's events reads through it
+    limits: PublishedLimits
     abandonment: Abandonment
-    reader: EventReader
     started_at: float  # unix seconds; the `created` of /v1/models
+
+    async def close(self) -> None:
+        await self.enqueuer.close()
+        await self.abandonment.close()
+        await self.events.close()
 
 
 def gateway(request: Request) -> GatewayState:

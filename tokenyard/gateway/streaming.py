@@ -1,10 +1,9 @@
-"""Server-sent events from a job's event stream; the SSE id of a frame is the broker event id."""
+"""Server-sent events: frames per wire format and the response that carries them; the SSE id of
+a frame is the broker event id."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
@@ -14,14 +13,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenyard.errors import BrokerUnavailable
+from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
-from tokenyard.gateway.dispatch import CallTimer, JobGone
-from tokenyard.gateway.errors import bad_request, error_body
-from tokenyard.gateway.state import GatewayState
-from tokenyard.messages import Finished, JobResult, TokenChunk
+from tokenyard.gateway.errors import error_body
+from tokenyard.messages import JobResult, TokenChunk
 
-log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 KEEPALIVE_FRAME = b": keep-alive\n\n"
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -112,7 +108,7 @@ class JobRenderer:
         return []
 
     def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
-        return [frame({"text": chunk.text, "token_ids": chunk.token_ids}, event_id, "tokens")]
+        return [frame(protocol.token_event_body(chunk), event_id, "tokens")]
 
     def finish(self, event_id: str, result: JobResult) -> list[bytes]:
         return [frame(protocol.result_json(result), event_id, "finish")]
@@ -122,73 +118,6 @@ class JobRenderer:
 
     def failure(self, message: str, code: str, status: int) -> list[bytes]:
         return [frame(error_body(message, "server_error", None, code), event="error")]
-
-
-async def event_stream(
-    state: GatewayState,
-    job_id: str,
-    renderer: Renderer,
-    *,
-    after: str = "0",
-    timer: CallTimer | None = None,
-    timeout_s: float | None = None,
-    fresh: bool = False,
-) -> AsyncGenerator[bytes, None]:
-    """SSE frames of a job from `after` on; leaving early detaches (and may cancel) the job.
-
-    The first item is an empty priming frame: see `primed`.
-    """
-    abandonment = state.abandonment
-    abandonment.attach(job_id)
-    finished = False
-    give_up = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        yield b""
-        for f in renderer.start():
-            yield f
-        events = state.reader.follow(job_id, after, fresh=fresh)
-        async with contextlib.aclosing(events):
-            async for item in events:
-                if give_up is not None and time.monotonic() > give_up:
-                    await abandonment.cancel_now(job_id)
-                    for f in renderer.failure("the request timed out", "timeout", 504):
-                        yield f
-                    return
-                if item is None:
-                    yield KEEPALIVE_FRAME
-                    continue
-                event_id, event = item
-                if isinstance(event, Finished):
-                    finished = True
-                    if timer is not None:
-                        timer.finished(event.result)
-                    for f in renderer.finish(event_id, event.result):
-                        yield f
-                    return
-                if timer is not None:
-                    timer.tokens(len(event.token_ids))
-                for f in renderer.tokens(event_id, event):
-                    yield f
-        finished = True
-        for f in renderer.ended():
-            yield f
-    except JobGone:
-        finished = True
-        for f in renderer.failure("the job no longer exists", "job_gone", 404):
-            yield f
-    except BrokerUnavailable:
-        # the headers are out, so the error can only travel in the stream
-        for f in renderer.failure(
-            "the job queue is unavailable; reconnect to resume", "broker_unavailable", 503
-        ):
-            yield f
-    except Exception:
-        log.exception("event stream of job %s failed", job_id)
-        for f in renderer.failure("internal server error", "internal_error", 500):
-            yield f
-    finally:
-        with anyio.CancelScope(shield=True):
-            await abandonment.detach(job_id, finished=finished)
 
 
 async def primed(frames: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
@@ -236,4 +165,4 @@ def last_event_id(request: Request, after: str | None) -> str:
     ms, dash, seq = value.partition("-")
     if value == "0" or (ms.isdigit() and (not dash or seq.isdigit())):
         return value
-    raise bad_request(f"malformed Last-Event-ID {value!r}", param="Last-Event-ID")
+    raise InvalidRequest(f"malformed Last-Event-ID {value!r}", param="Last-Event-ID")

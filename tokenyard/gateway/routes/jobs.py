@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenyard.broker import is_job_id
 from tokenyard.broker.base import CancelOutcome
-from tokenyard.broker.keys import tag_of_job
+from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway import protocol
 from tokenyard.gateway.admission import admit
-from tokenyard.gateway.auth import Tenant, authenticate
-from tokenyard.gateway.dispatch import submit
-from tokenyard.gateway.errors import ApiError, bad_request
+from tokenyard.gateway.auth import Tenant, TenantDep
+from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.state import GatewayState, gateway
-from tokenyard.gateway.streaming import (
-    EventStreamResponse,
-    JobRenderer,
-    OpenAIRenderer,
-    Renderer,
-    event_stream,
-    last_event_id,
-    primed,
-)
+from tokenyard.gateway.streaming import JobRenderer, OpenAIRenderer, Renderer, last_event_id
 from tokenyard.messages import JobRecord, JobSpec
 
 router = APIRouter()
-TenantDep = Annotated[Tenant, Depends(authenticate)]
 
 
 def split_id(raw: str) -> tuple[str, protocol.Kind | None]:
@@ -43,18 +35,16 @@ def split_id(raw: str) -> tuple[str, protocol.Kind | None]:
 async def _record_of(state: GatewayState, raw_id: str, tenant: Tenant) -> tuple[JobRecord, str]:
     """The tenant's job; another tenant's job is as invisible as a missing one."""
     job_id, _ = split_id(raw_id)
-    try:
-        tag_of_job(job_id)
-    except ValueError:
-        raise _no_job(raw_id) from None
+    if not is_job_id(job_id):
+        raise _no_job(raw_id)
     record = await state.broker.record(job_id)
     if record is None or record.spec.tenant != tenant.name:
         raise _no_job(raw_id)
     return record, job_id
 
 
-def _no_job(raw_id: str) -> ApiError:
-    return ApiError(404, f"No job with id '{raw_id}'", code="job_not_found")
+def _no_job(raw_id: str) -> NotFound:
+    return NotFound(f"No job with id '{raw_id}'", code="job_not_found")
 
 
 def _same_request(a: JobSpec, b: JobSpec) -> bool:
@@ -65,33 +55,6 @@ def _same_request(a: JobSpec, b: JobSpec) -> bool:
         b.sampling,
         b.priority,
     )
-
-
-def job_view(job_id: str, record: JobRecord) -> dict[str, Any]:
-    """A job as GET /v1/jobs/{id} shows it: status, result and timings."""
-    spec = record.spec
-    enq, start, end = record.enqueued_at or None, record.started_at, record.finished_at
-    return {
-        "id": job_id,
-        "object": "job",
-        "model": spec.model,
-        "tenant": spec.tenant,
-        "priority": spec.priority.name.lower(),
-        "status": record.status.value,
-        "created_at": spec.created_at,
-        "deadline": spec.deadline,
-        "deliveries": record.deliveries,
-        "cancel_requested": record.cancel_requested,
-        "result": None if record.result is None else protocol.result_json(record.result),
-        "timings": {
-            "enqueued_at": enq,
-            "started_at": start,
-            "finished_at": end,
-            "queue_time": None if enq is None or start is None else max(0.0, start - enq),
-            "e2e": None if enq is None or end is None else max(0.0, end - enq),
-        },
-        "events_url": f"/v1/jobs/{job_id}/events",
-    }
 
 
 @router.post("/v1/jobs")
@@ -106,23 +69,23 @@ async def create_job(
     try:
         decoded = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:
-        raise ApiError(
-            400, f"The request body is not valid JSON: {exc}", code="invalid_json"
+        raise InvalidRequest(
+            f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
     is_chat = isinstance(decoded, dict) and "messages" in decoded
     kind: protocol.Kind = "chat" if is_chat else "completion"
     model = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
     body = protocol.parse(model, raw)
     if body.stream:
-        raise bad_request(
+        raise InvalidRequest(
             "'stream' is not allowed here; follow GET /v1/jobs/{id}/events", param="stream"
         )
     spec = await admit(state, kind, body, tenant, live=False, idempotency_key=idempotency_key)
-    outcome = await submit(state.broker, state.metrics, spec)
+    outcome = await state.enqueuer.submit(spec)
     headers = {"Location": f"/v1/jobs/{outcome.job_id}"}
     if outcome.created:
         record = await state.broker.record(outcome.job_id)
-        view = job_view(outcome.job_id, record) if record else {"id": outcome.job_id}
+        view = protocol.job_body(outcome.job_id, record) if record else {"id": outcome.job_id}
         return JSONResponse(view, status_code=202, headers=headers)
     existing = await state.broker.record(outcome.job_id)
     if existing is not None and not _same_request(existing.spec, spec):
@@ -132,14 +95,14 @@ async def create_job(
             param="Idempotency-Key",
             code="idempotency_key_reused",
         )
-    view = job_view(outcome.job_id, existing) if existing else {"id": outcome.job_id}
+    view = protocol.job_body(outcome.job_id, existing) if existing else {"id": outcome.job_id}
     return JSONResponse(view, status_code=200, headers={**headers, "Idempotent-Replayed": "true"})
 
 
 @router.get("/v1/jobs/{job_id}")
 async def get_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
     record, bare = await _record_of(gateway(request), job_id, tenant)
-    return JSONResponse(job_view(bare, record))
+    return JSONResponse(protocol.job_body(bare, record))
 
 
 @router.get("/v1/jobs/{job_id}/events")
@@ -168,8 +131,8 @@ async def job_events(
             include_usage=include_usage,
             resumed=start != "0",
         )
-    frames = await primed(event_stream(state, bare, renderer, after=start))
-    return EventStreamResponse(frames, {"X-Job-Id": bare})
+    call = LiveCall(state, bare, record.spec.model, after=start)
+    return await call.stream(renderer, {"X-Job-Id": bare})
 
 
 @router.delete("/v1/jobs/{job_id}")
@@ -183,6 +146,5 @@ async def cancel_job(request: Request, job_id: str, tenant: TenantDep) -> JSONRe
         raise ApiError(409, "The job already finished", code="job_finished")
     status = "cancelled" if outcome is CancelOutcome.CANCELLED else "cancelling"
     return JSONResponse(
-        {"id": bare, "object": "job", "status": status},
-        status_code=200 if status == "cancelled" else 202,
+        protocol.cancel_body(bare, status), status_code=200 if status == "cancelled" else 202
     )

@@ -1,0 +1,183 @@
+"""Every caller's follow of a job's events, served by shared multiplexed blocking reads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable
+
+from tokenyard.broker import Broker
+from tokenyard.errors import BrokerUnavailable
+from tokenyard.messages import Finished, JobEvent
+
+Events = list[tuple[str, JobEvent]]  # (event id, event), in stream order
+
+
+def event_order(event_id: str) -> tuple[int, int]:
+    """Stream ids compare as (milliseconds, sequence)."""
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Follow:
+    """One caller's place in one job's event stream; the hub fills it, the caller drains it.
+
+    A follow without `tokens` is woken only by the job's Finished event; its token events are
+    handed to `on_tokens` (a count) as they are read, without waking the caller.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        model: str,
+        after: str,
+        *,
+        tokens: bool = True,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.model = model
+        self.cursor = after
+        self.tokens = tokens
+        self.on_tokens = on_tokens
+        self.ended = False  # its Finished event was read, or it left
+        self._inbox: asyncio.Queue[Events | BaseException] = asyncio.Queue()
+
+    def _deliver(self, events: Events) -> None:
+        floor = event_order(self.cursor)
+        fresh = [(eid, e) for eid, e in events if event_order(eid) > floor]
+        if not fresh:
+            return
+        self.cursor = fresh[-1][0]
+        if isinstance(fresh[-1][1], Finished):
+            self.ended = True
+        if not self.tokens:
+            if self.on_tokens is not None:
+                for _, event in fresh:
+                    if not isinstance(event, Finished):
+                        self.on_tokens(len(event.token_ids))
+            fresh = [(eid, e) for eid, e in fresh if isinstance(e, Finished)]
+            if not fresh:
+                return
+        self._inbox.put_nowait(fresh)
+
+    def _fail(self, error: BaseException) -> None:
+        self.ended = True
+        self._inbox.put_nowait(error)
+
+    async def next(self, timeout_s: float) -> Events:
+        """The events read since the last call; [] when none came within `timeout_s`."""
+        if not self._inbox.empty():
+            item = self._inbox.get_nowait()  # a busy stream skips wait_for's timer
+        else:
+            try:
+                item = await asyncio.wait_for(self._inbox.get(), timeout_s)
+            except TimeoutError:
+                return []
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class EventHub:
+    """Reads the event streams of every follow of this gateway, one XREAD for many jobs.
+
+    All followed jobs of a model (one Redis Cluster slot) share one blocking read. A follow that
+    arrives while that read blocks gets a read of its own at once, so it never waits out another
+    job's silence; when reads return, their follows merge back into one. At most `max_reads` per
+    model are in flight, each holding one broker connection.
+    """
+
+    def __init__(self, broker: Broker, block_s: float, max_reads: int) -> None:
+        self.broker = broker
+        self.block_s = block_s
+        self.max_reads = max(1, max_reads)
+        self.reads = 0  # blocking reads issued, for tests and benchmarks
+        self._waiting: dict[str, list[Follow]] = defaultdict(list)
+        self._in_flight: dict[str, int] = defaultdict(int)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._follows: set[Follow] = set()
+        self._closed = False
+
+    def follow(
+        self,
+        job_id: str,
+        model: str,
+        after: str = "0",
+        *,
+        tokens: bool = True,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> Follow:
+        """Start following a job's events after `after`; `leave` it when done."""
+        follow = Follow(job_id, model, after, tokens=tokens, on_tokens=on_tokens)
+        if self._closed:
+            follow._fail(BrokerUnavailable("the gateway is shutting down"))
+            return follow
+        self._follows.add(follow)
+        self._waiting[model].append(follow)
+        self._start(model)
+        return follow
+
+    def leave(self, follow: Follow) -> None:
+        # a read in flight still names its stream; what it brings back for it is dropped
+        follow.ended = True
+        self._follows.discard(follow)
+
+    def _start(self, model: str) -> None:
+        waiting = [f for f in self._waiting.pop(model, ()) if not f.ended]
+        if not waiting or self._closed:
+            return
+        if self._in_flight[model] >= self.max_reads:
+            self._waiting[model] = waiting
+            return
+        self._in_flight[model] += 1
+        task = asyncio.create_task(self._read(model, waiting), name="event-hub")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read(self, model: str, group: list[Follow]) -> None:
+        try:
+            cursors: dict[str, str] = {}
+            for f in group:
+                known = cursors.get(f.job_id)
+                if known is None or event_order(f.cursor) < event_order(known):
+                    cursors[f.job_id] = f.cursor
+            self.reads += 1
+            try:
+                found = await self.broker.read_events_many(cursors, block_s=self.block_s)
+            except Exception as exc:
+                for f in group:
+                    if not f.ended:
+                        f._fail(exc)
+                return
+            by_job: dict[str, Events] = defaultdict(list)
+            for job_id, event_id, event in found:
+                by_job[job_id].append((event_id, event))
+            again = self._waiting[model]
+            for f in group:
+                if f.ended:
+                    continue
+                events = by_job.get(f.job_id)
+                if events:
+                    f._deliver(events)
+                if not f.ended:
+                    again.append(f)
+        finally:
+            self._in_flight[model] -= 1
+            self._start(model)
+
+    async def close(self) -> None:
+        """Stop every read (at shutdown); callers still following hear the broker is gone, so a
+        stream's client knows to resume elsewhere."""
+        self._closed = True
+        self._waiting.clear()
+        for follow in self._follows:
+            if not follow.ended:
+                follow._fail(BrokerUnavailable("the gateway is shutting down"))
+        self._follows.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task

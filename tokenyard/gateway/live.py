@@ -1,0 +1,342 @@
+"""A live call: a job some caller follows now, whether it waits for the result or streams it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+
+from tokenyard.broker import Broker
+from tokenyard.broker.base import CancelOutcome
+from tokenyard.errors import BrokerUnavailable, NotFound
+from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.events import Events
+from tokenyard.gateway.streaming import (
+    KEEPALIVE_FRAME,
+    EventStreamResponse,
+    Renderer,
+    primed,
+)
+from tokenyard.messages import Finished, JobResult, JobSpec
+from tokenyard.metrics import GatewayMetrics
+
+if TYPE_CHECKING:  # state imports this module
+    from tokenyard.gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+class JobGone(NotFound):
+    """The job's record no longer exists (never did, or its TTL ran out)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"the job {job_id} no longer exists", code="job_gone")
+
+
+@dataclass
+class CallTimer:
+    """Latency metrics of one live call, observed as its events arrive at the gateway."""
+
+    metrics: GatewayMetrics
+    model: str
+    started: float = field(default_factory=time.monotonic)
+    _last: float | None = None
+
+    def tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if self._last is None:
+            self.metrics.time_to_first_token.labels(self.model).observe(now - self.started)
+        elif count:
+            # one engine step may carry several tokens; spread the gap over them, as vLLM does
+            gap = (now - self._last) / count
+            histogram = self.metrics.inter_token_latency.labels(self.model)
+            for _ in range(count):
+                histogram.observe(gap)
+        self._last = now
+
+    def finished(self, result: JobResult) -> None:
+        """End-of-call metrics; the result carries its queue time, so no record is read."""
+        m, model = self.metrics, self.model
+        m.e2e_request_latency.labels(model).observe(time.monotonic() - self.started)
+        m.jobs_finished.labels(model, result.status.value).inc()
+        m.prompt_tokens.labels(model).inc(result.prompt_tokens)
+        m.generation_tokens.labels(model).inc(result.completion_tokens)
+        if result.queued_s is not None:
+            m.request_queue_time.labels(model).observe(result.queued_s)
+
+
+class Abandonment:
+    """Cancels jobs whose live callers went away, after a grace that lets a stream reconnect.
+
+    Only jobs created by a sync or streaming call are `own`ed; async jobs outlive readers.
+    Readers are counted per gateway process, so a reconnect must reach the same gateway.
+    """
+
+    def __init__(self, broker: Broker, grace_s: float) -> None:
+        self.broker = broker
+        self.grace_s = grace_s
+        self._owned: set[str] = set()
+        self._readers: dict[str, int] = {}
+        self._timers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[CancelOutcome | None]] = set()
+
+    def own(self, job_id: str) -> None:
+        self._owned.add(job_id)
+
+    def attach(self, job_id: str) -> None:
+        self._readers[job_id] = self._readers.get(job_id, 0) + 1
+        timer = self._timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    async def detach(self, job_id: str, *, finished: bool, grace: bool = True) -> None:
+        """A reader left; an owned, unfinished job with no reader left is cancelled."""
+        left = self._readers.get(job_id, 1) - 1
+        if left > 0:
+            self._readers[job_id] = left
+            return
+        self._readers.pop(job_id, None)
+        if finished or job_id not in self._owned:
+            self._owned.discard(job_id)
+            return
+        if grace and self.grace_s > 0:
+            self._timers[job_id] = asyncio.create_task(self._cancel_later(job_id))
+            return
+        await self.cancel_now(job_id)
+
+    async def _cancel_later(self, job_id: str) -> None:
+        await asyncio.sleep(self.grace_s)
+        self._timers.pop(job_id, None)
+        if job_id not in self._readers:
+            await self.cancel_now(job_id)
+
+    async def cancel_now(self, job_id: str) -> CancelOutcome | None:
+        """Cancel in a task of its own, shielded, so a caller being cancelled cannot stop it."""
+        self._owned.discard(job_id)
+        task = asyncio.create_task(self._cancel(job_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        with anyio.CancelScope(shield=True):
+            outcome = await task
+        return outcome
+
+    async def _cancel(self, job_id: str) -> CancelOutcome | None:
+        try:
+            outcome = await self.broker.cancel(job_id)
+        except Exception:
+            log.warning("cancelling abandoned job %s failed", job_id, exc_info=True)
+            return None
+        log.info("client went away: job %s %s", job_id, outcome.value)
+        return outcome
+
+    async def close(self) -> None:
+        """At shutdown, cancel at once what was waiting out a grace period."""
+        timers = list(self._timers.items())
+        self._timers.clear()
+        for job_id, timer in timers:
+            timer.cancel()
+            await self.cancel_now(job_id)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class LiveCall:
+    """One caller following one job: its events, the call's timing, and the job's cancellation
+    when the caller leaves. `result` serves a sync caller, `stream` a streaming one."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        job_id: str,
+        model: str,
+        *,
+        timer: CallTimer | None = None,
+        after: str = "0",
+        fresh: bool = False,
+    ) -> None:
+        self.state = state
+        self.job_id = job_id
+        self.model = model
+        self.timer = timer
+        self.after = after
+        self.fresh = fresh  # just enqueued by this call: it cannot have ended yet
+
+    @classmethod
+    async def start(cls, state: GatewayState, spec: JobSpec, started: float) -> LiveCall:
+        """Enqueue a job for a caller who follows it; it is cancelled if they leave."""
+        await state.enqueuer.submit(spec, live=True)
+        state.abandonment.own(spec.id)
+        timer = CallTimer(state.metrics, spec.model, started=started)
+        return cls(state, spec.id, spec.model, timer=timer, fresh=True)
+
+    async def _events(self, *, tokens: bool) -> AsyncGenerator[Events | None, None]:
+        """Batches of events up to the job's Finished event; None after `event_block_s` of
+        silence. A follow without `tokens` gets only the Finished event (tokens are timed).
+
+        When the job is already terminal and nothing follows `after`, the caller had seen the
+        end (a resume after the last event), so the iteration just stops.
+        """
+        broker, block_s = self.state.broker, self.state.settings.event_block_s
+        after = self.after
+        if not self.fresh:
+            # a resume or a late reader: the job may have ended long ago, so look before waiting
+            events: Events | None = await broker.read_events(self.job_id, after=after)
+            if not events:
+                events = await self._ended(after)
+                if events is None:
+                    return
+            if events:
+                yield self._wanted(events, tokens)
+                after = events[-1][0]
+                if isinstance(events[-1][1], Finished):
+                    return
+        on_tokens = None if tokens or self.timer is None else self.timer.tokens
+        follow = self.state.events.follow(
+            self.job_id, self.model, after, tokens=tokens, on_tokens=on_tokens
+        )
+        try:
+            while True:
+                events = await follow.next(block_s)
+                if not events:
+                    # from what this caller saw, not the follow's cursor: the hub may have read
+                    # the end into the inbox just as the wait gave up
+                    late = await self._ended(after)
+                    if late is None:
+                        return
+                    if not late:
+                        yield None
+                        continue
+                    events = late
+                yield self._wanted(events, tokens)
+                after = events[-1][0]
+                if isinstance(events[-1][1], Finished):
+                    return
+        finally:
+            self.state.events.leave(follow)
+
+    @staticmethod
+    def _wanted(events: Events, tokens: bool) -> Events:
+        return events if tokens else [(i, e) for i, e in events if isinstance(e, Finished)]
+
+    async def _ended(self, after: str) -> Events | None:
+        """After a silence: [] while the job runs, its last events if it ended meanwhile, None
+        if it ended with nothing after `after`; JobGone if its record is gone."""
+        broker = self.state.broker
+        record = await broker.record(self.job_id)
+        if record is None:
+            raise JobGone(self.job_id)
+        if not record.status.terminal:
+            return []
+        # its Finished event may have landed between the read and the record
+        return await broker.read_events(self.job_id, after=after) or None
+
+    async def _result(self) -> JobResult:
+        events = self._events(tokens=False)
+        async with contextlib.aclosing(events):
+            async for batch in events:
+                for _, event in batch or ():
+                    if isinstance(event, Finished):
+                        if self.timer is not None:
+                            self.timer.finished(event.result)
+                        return event.result
+        record = await self.state.broker.record(self.job_id)
+        if record is None or record.result is None:
+            raise JobGone(self.job_id)
+        return record.result
+
+    async def result(self, disconnected: Callable[[], Awaitable[None]]) -> JobResult:
+        """Wait for the job's result; if the client leaves or time runs out, cancel the job."""
+        abandonment = self.state.abandonment
+        abandonment.attach(self.job_id)
+        finished = False
+        waiting = asyncio.ensure_future(self._result())
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait(
+                {waiting, gone},
+                timeout=self.state.settings.request_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if waiting in done:
+                value = waiting.result()  # a reader error propagates, and the job is cancelled
+                finished = True
+                return value
+            if gone in done:
+                raise ApiError(499, "The client closed the request", code="client_closed")
+            raise ApiError(504, "The request timed out", code="timeout")
+        finally:
+            gone.cancel()
+            waiting.cancel()
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(BaseException):
+                    await waiting
+                await abandonment.detach(self.job_id, finished=finished, grace=False)
+
+    async def stream(
+        self, renderer: Renderer, headers: dict[str, str], timeout_s: float | None = None
+    ) -> EventStreamResponse:
+        """An SSE response of the job's events; leaving early detaches (and may cancel) it."""
+        frames = await primed(self._frames(renderer, timeout_s))
+        return EventStreamResponse(frames, headers)
+
+    async def _frames(
+        self, renderer: Renderer, timeout_s: float | None
+    ) -> AsyncGenerator[bytes, None]:
+        # The first item is an empty priming frame: see `primed`.
+        abandonment, job_id, timer = self.state.abandonment, self.job_id, self.timer
+        abandonment.attach(job_id)
+        finished = False
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            yield b""
+            for f in renderer.start():
+                yield f
+            events = self._events(tokens=True)
+            async with contextlib.aclosing(events):
+                async for batch in events:
+                    if give_up is not None and time.monotonic() > give_up:
+                        await abandonment.cancel_now(job_id)
+                        for f in renderer.failure("the request timed out", "timeout", 504):
+                            yield f
+                        return
+                    if batch is None:
+                        yield KEEPALIVE_FRAME
+                        continue
+                    for event_id, event in batch:
+                        if isinstance(event, Finished):
+                            finished = True
+                            if timer is not None:
+                                timer.finished(event.result)
+                            for f in renderer.finish(event_id, event.result):
+                                yield f
+                            return
+                        if timer is not None:
+                            timer.tokens(len(event.token_ids))
+                        for f in renderer.tokens(event_id, event):
+                            yield f
+            finished = True
+            for f in renderer.ended():
+                yield f
+        except JobGone:
+            finished = True
+            for f in renderer.failure("the job no longer exists", "job_gone", 404):
+                yield f
+        except BrokerUnavailable:
+            # the headers are out, so the error can only travel in the stream
+            for f in renderer.failure(
+                "the job queue is unavailable; reconnect to resume", "broker_unavailable", 503
+            ):
+                yield f
+        except Exception:
+            log.exception("event stream of job %s failed", job_id)
+            for f in renderer.failure("internal server error", "internal_error", 500):
+                yield f
+        finally:
+            with anyio.CancelScope(shield=True):
+                await abandonment.detach(job_id, finished=finished)
