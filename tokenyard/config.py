@@ -68,4 +68,4 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_tokens: int | None = None  # hf: tokens per forward pass; None: from the device
     kv_cache_memory_fraction: float | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
     cuda_graphs: bool = True  # hf on CUDA: capture the forward passes as CUDA graphs
-    warmup: bool = True  # hf: capture graphs and run one request before serving
+    warmup: bool = True  # hf: one short request before serving (CUDA graphs: always at start)

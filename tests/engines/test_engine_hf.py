@@ -93,19 +93,22 @@ async def test_many_concurrent_sequences_are_batched(engine: HFEngine) -> None:
 
 
 async def test_runs_max_seqs_in_one_step_and_refuses_more(tiny_model_path: Path) -> None:
-    eng = HFEngine(str(tiny_model_path), max_seqs=8, max_tokens=4096, threads=1)
+    eng = HFEngine(str(tiny_model_path), threads=1)  # the CPU default: 64 sequences
+    n = eng.capacity.max_seqs
+    assert n == 64
     await eng.start()
     tok = eng.tokenizer
-    for i in range(8):
+    for i in range(n):
         eng.add(f"m{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(32))
     with pytest.raises(EngineError, match="full"):
-        eng.add("m8", tok.encode("one too many"), greedy(4))
-    assert eng.stats().running == 8
-    res = await collect(eng, 8)
+        eng.add("one-more", tok.encode("one too many"), greedy(4))
+    assert eng.stats().running == n
+    res = await collect(eng, n)
     assert all(len(r.token_ids) == 32 for r in res.values())
     stats = eng.stats()
-    # Every sequence decodes in every step once started (adds race the first step or two).
-    assert stats.mean_batch >= 7.5
+    # Every sequence decodes in every step once started; only the adds racing the manager's
+    # first step or two can make a step smaller.
+    assert stats.mean_batch >= 0.9 * n
     assert stats.running == 0 and stats.reserved_tokens == 0 and stats.waiting == 0
     assert 0 <= stats.kv_cache_usage < 0.05
     assert eng._warm.is_set()  # the warm-up request ran before start() returned

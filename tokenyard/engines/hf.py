@@ -453,8 +453,8 @@ class HFEngine(HFEngineBase):
             raise RuntimeError("unsupported transformers continuous-batching internals")
         manager.logit_processor = _SamplingProcessors()
         manager.output_router = _StepRouter(self._on_outputs)
-        # Creates the paged cache now (so its real size is known) and, with CUDA graphs, captures
-        # them at the largest batch, so no request pays for it.
+        # Creates the paged cache now, so its real size is known, and with CUDA graphs captures
+        # them at the largest batch; `warmup` adds one real request for the smallest shapes.
         manager.warmup()
         cache = manager.batch_processor.cache if manager.batch_processor is not None else None
         if cache is not None:

@@ -15,7 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body, unsupported, validation_error
-from tokenyard.messages import FinishReason, JobRecord, JobResult, JobStatus, Priority, TokenChunk
+from tokenyard.messages import (
+    FinishReason,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    Priority,
+    TokenChunk,
+)
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -357,17 +365,11 @@ def token_event_body(chunk: TokenChunk) -> dict[str, Any]:
 
 def job_body(job_id: str, record: JobRecord) -> dict[str, Any]:
     """A job as GET /v1/jobs/{id} shows it: status, result and timings."""
-    spec = record.spec
     enq, start, end = record.enqueued_at or None, record.started_at, record.finished_at
     return {
+        **_job_fields(record.spec),
         "id": job_id,
-        "object": "job",
-        "model": spec.model,
-        "tenant": spec.tenant,
-        "priority": spec.priority.name.lower(),
         "status": record.status.value,
-        "created_at": spec.created_at,
-        "deadline": spec.deadline,
         "deliveries": record.deliveries,
         "cancel_requested": record.cancel_requested,
         "result": None if record.result is None else result_json(record.result),
@@ -378,7 +380,32 @@ def job_body(job_id: str, record: JobRecord) -> dict[str, Any]:
             "queue_time": None if enq is None or start is None else max(0.0, start - enq),
             "e2e": None if enq is None or end is None else max(0.0, end - enq),
         },
-        "events_url": f"/v1/jobs/{job_id}/events",
+    }
+
+
+def queued_job_body(spec: JobSpec) -> dict[str, Any]:
+    """A job as POST /v1/jobs answers it, just queued; its timings come with GET."""
+    timings = dict.fromkeys(("enqueued_at", "started_at", "finished_at", "queue_time", "e2e"))
+    return {
+        **_job_fields(spec),
+        "status": JobStatus.QUEUED.value,
+        "deliveries": 0,
+        "cancel_requested": False,
+        "result": None,
+        "timings": timings,
+    }
+
+
+def _job_fields(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "id": spec.id,
+        "object": "job",
+        "model": spec.model,
+        "tenant": spec.tenant,
+        "priority": spec.priority.name.lower(),
+        "created_at": spec.created_at,
+        "deadline": spec.deadline,
+        "events_url": f"/v1/jobs/{spec.id}/events",
     }
 
 

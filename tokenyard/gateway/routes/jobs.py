@@ -84,9 +84,8 @@ async def create_job(
     outcome = await state.enqueuer.submit(spec)
     headers = {"Location": f"/v1/jobs/{outcome.job_id}"}
     if outcome.created:
-        record = await state.broker.record(outcome.job_id)
-        view = protocol.job_body(outcome.job_id, record) if record else {"id": outcome.job_id}
-        return JSONResponse(view, status_code=202, headers=headers)
+        # the job was queued just now: its answer needs no read of the record
+        return JSONResponse(protocol.queued_job_body(spec), status_code=202, headers=headers)
     existing = await state.broker.record(outcome.job_id)
     if existing is not None and not _same_request(existing.spec, spec):
         raise ApiError(
