@@ -214,14 +214,18 @@ async def run_direct(
                     waiting.pop(out.seq_id, None)
                     done.set_result(None)
 
+    # engines run what they are given: the caller holds back what exceeds their capacity
+    slots = asyncio.Semaphore(engine.capacity.max_seqs)
+
     async def one(i: int) -> Sample:
         seq_id = f"d{i}-{uuid.uuid4().hex[:8]}"
         params = sampling(lengths[i % len(lengths)])
         sample = Sample(submitted=time.perf_counter(), expected=params.max_tokens)
         done = asyncio.get_running_loop().create_future()
-        waiting[seq_id] = (sample, done)
-        engine.add(seq_id, prompts[i % len(prompts)], params)
-        await done
+        async with slots:
+            waiting[seq_id] = (sample, done)
+            engine.add(seq_id, prompts[i % len(prompts)], params)
+            await done
         return sample
 
     router = asyncio.create_task(route(), name="direct-router")

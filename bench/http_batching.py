@@ -284,13 +284,20 @@ async def offline_ceiling(opts: argparse.Namespace) -> dict[str, Any]:
         async def batch(n: int, tag: str) -> tuple[float, int]:
             prompts = [engine.tokenizer.encode(next(specs).prompt) for _ in range(n)]
             started = time.perf_counter()
-            for i, prompt in enumerate(prompts):
+            # engines run what they are given: keep them at capacity, no more
+            todo = list(enumerate(prompts))[::-1]
+            for _ in range(min(len(todo), engine.capacity.max_seqs)):
+                i, prompt = todo.pop()
                 engine.add(f"{tag}{i}", prompt, params)
             done = tokens = 0
             while done < n:
                 for out in await engine.outputs():
                     tokens += len(out.token_ids)
-                    done += out.finish_reason is not None
+                    if out.finish_reason is not None:
+                        done += 1
+                        if todo:
+                            i, prompt = todo.pop()
+                            engine.add(f"{tag}{i}", prompt, params)
             return time.perf_counter() - started, tokens
 
         await batch(opts.concurrency, "warm")
