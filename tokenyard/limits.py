@@ -42,11 +42,10 @@ def refusal(
     """
     if prompt_tokens < 1:
         return InvalidRequest("The prompt is empty", param=param)
-    if token_ids and (
-        min(token_ids) < 0 or (limits.vocab_size and max(token_ids) >= limits.vocab_size)
-    ):
+    vocab = limits.vocab_size
+    if token_ids and (min(token_ids) < 0 or (vocab and max(token_ids) >= vocab)):
         return InvalidRequest(
-            f"token ids must be in [0, {limits.vocab_size or 'vocab size'})", param=param
+            f"token ids must be in [0, {vocab or 'vocab size'})", param=param, code="invalid_prompt"
         )
     if params.max_tokens < 1:
         return InvalidRequest("max_tokens must be at least 1", param="max_tokens")

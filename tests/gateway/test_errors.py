@@ -64,6 +64,8 @@ OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
             "max_tokens_exceeded",
             "max_tokens",
         ),
+        ("/v1/completions", {**OK, "prompt": [5, 10**6]}, 400, "invalid_prompt", "prompt"),
+        ("/v1/completions", {**OK, "prompt": [5, -1]}, 400, "invalid_prompt", "prompt"),
         ("/v1/completions", {**OK, "n": 3}, 400, "unsupported_parameter", "n"),
         ("/v1/completions", {**OK, "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
         ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),

@@ -143,6 +143,7 @@ class Engine(abc.ABC):
             max_model_len=self.tokenizer.max_model_len,
             max_seqs=self.capacity.max_seqs,
             token_budget=self.capacity.max_tokens,
+            vocab_size=self.tokenizer.vocab_size,
         )
 
 

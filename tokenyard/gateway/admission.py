@@ -71,9 +71,9 @@ async def admit(
             prompt, token_ids = None, single
         requested, default = body.max_tokens, _COMPLETIONS_DEFAULT_MAX_TOKENS
         param = "prompt"
+    supplied: list[int] = []  # ids the client sent: the one rule checks them against the vocab
     if token_ids is not None:
-        if any(t < 0 for t in token_ids):
-            raise InvalidRequest("token ids must not be negative", param="prompt")
+        supplied = token_ids
     else:
         assert prompt is not None
         token_ids = await _tokenize(tokenizer, prompt)
@@ -99,7 +99,7 @@ async def admit(
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
     )
-    limits.check(prompt_tokens, sampling, model_limits, param)
+    limits.check(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
     return JobSpec(
         id=new_job_id(body.model),
         model=body.model,

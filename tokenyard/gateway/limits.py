@@ -132,7 +132,9 @@ class PublishedLimits:
         if published is not None:
             return published
         own = tokenizer.max_model_len
-        return ModelLimits(max_model_len=own, max_seqs=1, token_budget=own)
+        return ModelLimits(
+            max_model_len=own, max_seqs=1, token_budget=own, vocab_size=tokenizer.vocab_size
+        )
 
     async def _read(self, model: str) -> ModelLimits | None:
         workers = await self.broker.workers(model)

@@ -14,6 +14,8 @@ import socket
 import time
 from collections.abc import Sequence
 
+import msgspec
+
 from tokenyard.broker.base import Broker, Lease
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.base import Engine, EngineClosed
@@ -54,12 +56,11 @@ def consumer_name(started_at: float) -> str:
 
 def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
     """The engine's real capacity, narrowed by the settings where they ask for less."""
-    capacity = engine.capacity
-    return ModelLimits(
-        max_model_len=engine.tokenizer.max_model_len,
-        max_seqs=min(n for n in (settings.max_seqs, capacity.max_seqs) if n),
-        token_budget=min(n for n in (settings.token_budget, capacity.max_tokens) if n),
-        vocab_size=engine.tokenizer.vocab_size,
+    own = engine.limits()
+    return msgspec.structs.replace(
+        own,
+        max_seqs=min(n for n in (settings.max_seqs, own.max_seqs) if n),
+        token_budget=min(n for n in (settings.token_budget, own.token_budget) if n),
     )
 
 
@@ -83,11 +84,8 @@ class Worker:
         self.model = settings.model
         self.started_at = time.time()
         self.consumer = consumer or consumer_name(self.started_at)
-        self.limits = worker_limits(engine, settings)
-        claim_ahead = settings.claim_ahead
-        if claim_ahead is None:
-            claim_ahead = max(1, self.limits.max_seqs // 8)
-        self.scheduler: Scheduler[Lease] = Scheduler(self.limits, claim_ahead)
+        self.limits = worker_limits(engine, settings)  # final once the engine has started
+        self.scheduler: Scheduler[Lease] = self._scheduler()
         self._draining = asyncio.Event()
         self._stopping = asyncio.Event()
         self._capacity_freed = asyncio.Event()
@@ -96,6 +94,12 @@ class Worker:
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
         self._cancel_checked_at = 0.0
+
+    def _scheduler(self) -> Scheduler[Lease]:
+        claim_ahead = self.settings.claim_ahead
+        if claim_ahead is None:
+            claim_ahead = max(1, self.limits.max_seqs // 8)
+        return Scheduler(self.limits, claim_ahead)
 
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self) -> None:
@@ -109,6 +113,9 @@ class Worker:
     async def run(self) -> None:
         """Serve until drain() is called, then finish or release in-flight work and return."""
         await self.engine.start()
+        # an engine on a GPU sizes its KV cache from the memory left once its weights are in
+        self.limits = worker_limits(self.engine, self.settings)
+        self.scheduler = self._scheduler()
         await self._heartbeat()
         outputs = asyncio.create_task(self._output_loop(), name="outputs")
         upkeep = asyncio.create_task(self._upkeep_loop(), name="upkeep")
