@@ -71,6 +71,9 @@ class JobSpec(msgspec.Struct, kw_only=True):
     idempotency_key: str | None = None
     trace_context: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: float = 0.0
+    # Someone follows the tokens as they come (SSE, the jobs API). A sync call reads only the
+    # result, so its worker writes no token events: a crash then regenerates, same output.
+    stream: bool = True
     attempt: int = 0
 
 
@@ -94,6 +97,8 @@ class JobResult(msgspec.Struct, kw_only=True):
     error: str | None = None
     worker: str | None = None
     queued_s: float | None = None  # enqueue to the start of the delivery that finished it
+    # first to last token of that delivery: a reader that saw no token events times with it
+    decode_s: float | None = None
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):

@@ -111,4 +111,5 @@ async def admit(
         deadline=deadline,
         idempotency_key=idempotency_key,
         created_at=now,
+        stream=not live or bool(body.stream),  # a sync call reads only the result
     )

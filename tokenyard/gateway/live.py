@@ -63,7 +63,15 @@ class CallTimer:
     def finished(self, result: JobResult) -> None:
         """End-of-call metrics; the result carries its queue time, so no record is read."""
         m, model = self.metrics, self.model
-        m.e2e_request_latency.labels(model).observe(time.monotonic() - self.started)
+        e2e = time.monotonic() - self.started
+        if self._last is None and result.decode_s is not None and result.completion_tokens:
+            # a sync call saw no token events (its job streamed none): its worker timed them
+            m.time_to_first_token.labels(model).observe(max(0.0, e2e - result.decode_s))
+            gaps = result.completion_tokens - 1
+            histogram = m.inter_token_latency.labels(model)
+            for _ in range(gaps):
+                histogram.observe(result.decode_s / gaps)
+        m.e2e_request_latency.labels(model).observe(e2e)
         m.jobs_finished.labels(model, result.status.value).inc()
         m.prompt_tokens.labels(model).inc(result.prompt_tokens)
         m.generation_tokens.labels(model).inc(result.completion_tokens)

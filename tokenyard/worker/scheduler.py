@@ -34,6 +34,15 @@ class Job(Generic[H]):
     claimed_at: float
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    first_token_at: float | None = None  # of this delivery, on the clock `update` is given
+    last_token_at: float | None = None
+
+    @property
+    def decode_s(self) -> float | None:
+        """First to last token of this delivery."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        return self.last_token_at - self.first_token_at
 
     @property
     def footprint(self) -> int:
@@ -183,7 +192,7 @@ class Scheduler(Generic[H]):
         return every
 
     # -- engine outputs --------------------------------------------------------------------
-    def update(self, outputs: Sequence[StepOutput]) -> Update[H]:
+    def update(self, outputs: Sequence[StepOutput], now: float = 0.0) -> Update[H]:
         """Fold step outputs into jobs; finished and failed jobs leave the running set.
 
         Several steps may arrive together: each job yields at most one event, so the worker
@@ -206,6 +215,10 @@ class Scheduler(Generic[H]):
         for job_id, (job, token_ids, texts) in pending.items():
             text = "".join(texts)
             chunk = None
+            if token_ids:
+                if job.first_token_at is None:
+                    job.first_token_at = now
+                job.last_token_at = now
             if token_ids or text:
                 job.token_ids.extend(token_ids)
                 job.text += text

@@ -256,15 +256,20 @@ class Worker:
         failed = list(outcome.failed)
         if update is not None:
             self._tokens_seen += update.tokens
-            if update.events:
-                await self._append([(job.handle, chunk) for job, chunk in update.events])
+            # a job nobody streams keeps its tokens until its result (see JobSpec.stream)
+            events: list[tuple[Lease, JobEvent]] = [
+                (job.handle, chunk) for job, chunk in update.events if _streamed(job)
+            ]
+            if events:
+                await self._append(events)
             finishing += update.finished
             failed += update.failed
         results = [
             *outcome.results,
             *((job.handle, self._result(job, reason)) for job, reason, _ in finishing),
         ]
-        tails = [None] * len(outcome.results) + [tail for _, _, tail in finishing]
+        tails: list[TokenChunk | None] = [None] * len(outcome.results)
+        tails += [tail if _streamed(job) else None for job, _, tail in finishing]
         if results:
             accepted = await self.broker.complete_many(results, tails)
             self._jobs_done += sum(accepted)
@@ -286,7 +291,7 @@ class Worker:
                 outputs = await self.engine.outputs()
             except EngineClosed:
                 return
-            update = self.scheduler.update(outputs)
+            update = self.scheduler.update(outputs, time.monotonic())
             # refill the engine before any broker write, so it never idles on a round trip
             outcome = self._start_fitting() if (update.finished or update.failed) else _Outcome()
             try:
@@ -325,6 +330,7 @@ class Worker:
             completion_tokens=len(job.token_ids),
             worker=self.consumer,
             queued_s=max(0.0, job.claimed_at - job.handle.spec.created_at),
+            decode_s=job.decode_s,
         )
 
     async def _complete(self, results: Sequence[tuple[Lease, JobResult]]) -> None:
@@ -402,6 +408,10 @@ class _Outcome:
         self.finishing: list[Finishing] = []
         self.failed: list[tuple[Job[Lease], str]] = []  # engine faults: retried
         self.freed = False
+
+
+def _streamed(job: Job[Lease]) -> bool:
+    return job.handle.spec.stream
 
 
 def _failure(error: str) -> JobResult:

@@ -48,7 +48,7 @@ for i = 1, N do
     for _, entry in ipairs(entries) do
       local eid, jid = entry[1], entry[2][2]
       local jk = A.job_prefix .. jid
-      local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries', 'enq_at')
+      local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries')
       if (not h[1]) or terminal[h[1]] then
         -- cancelled while waiting, or its record is gone: nothing to run
         redis.call('XACK', lane, group, eid)
@@ -64,11 +64,7 @@ for i = 1, N do
         redis.call('HINCRBY', K.counters, 'expired', 1)
       else
         local deliveries = tonumber(h[4] or '0') + 1
-        -- `now` was taken before a wake-up's blocking wait; a job that arrived during it starts
-        -- when it arrived, not before
-        local started = math.max(nowf, tonumber(h[5] or '0') or 0)
-        redis.call('HSET', jk, 'status', 'running', 'start_at', string.format('%.6f', started),
-          'worker', consumer,
+        redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer,
           'deliveries', deliveries)
         local resumable = redis.call('EXISTS', A.event_prefix .. jid)
         claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable}
