@@ -250,6 +250,10 @@ class RedisBroker(Broker):
                     consumer=consumer,
                     slots=slots,
                     now=repr(now),
+                    # behind a blocking read our clock is stale by the wait: the server's stands
+                    # in (brokers and workers are expected to keep NTP time, as deadlines are
+                    # compared across hosts anyway)
+                    server_now="0" if hint is None else "1",
                     job_prefix=self.keys.job_prefix(model),
                     event_prefix=self.keys.events_prefix(model),
                     expired_event=self._expired,
@@ -555,16 +559,58 @@ class RedisBroker(Broker):
     # -- introspection ---------------------------------------------------------------------
     @_unavailable_on_errors
     async def stats(self, model: str) -> BrokerStats:
+        """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
         now = self.clock()
-        lanes = [await self._lane_stats(model, p, now) for p in Priority]
+        lanes = [self.keys.lane(model, p) for p in Priority]
         pipe = self.redis.pipeline(transaction=False)
+        for lane in lanes:
+            pipe.xlen(lane)
+            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
         pipe.zcard(self.keys.delayed(model))
         pipe.xlen(self.keys.dead_letters(model))
         pipe.hgetall(self.keys.counters(model))
-        delayed, dead, counters = await self._execute(pipe)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        delayed, dead, counters = replies[-3:]
+        for reply in (delayed, dead, counters):
+            if isinstance(reply, Exception):
+                raise reply
+        sizes: list[tuple[int, int, str]] = []  # total, pending, last delivered id
+        for i in range(len(lanes)):
+            total, groups = replies[2 * i], replies[2 * i + 1]
+            group = None
+            if not isinstance(groups, Exception):
+                group = next((g for g in groups if _s(g["name"]) == GROUP), None)
+            # no group yet: no claim has read the lane, so all of it waits
+            pending, last = (
+                (0, "0-0")
+                if group is None
+                else (
+                    int(group["pending"]),
+                    _s(group["last-delivered-id"]),
+                )
+            )
+            sizes.append((int(total) if not isinstance(total, Exception) else 0, pending, last))
+        pipe = self.redis.pipeline(transaction=False)
+        for lane, (_, _, last) in zip(lanes, sizes, strict=True):
+            pipe.xrange(lane, min=f"({last}", max="+", count=1)
+        oldest: list[Any] = await self._execute(pipe)
+        stats = []
+        for priority, (total, pending, _), first in zip(Priority, sizes, oldest, strict=True):
+            age = None
+            if first:
+                age = max(0.0, now - int(_s(first[0][0]).split("-")[0]) / 1000)
+            stats.append(
+                LaneStats(
+                    model,
+                    priority,
+                    waiting=max(0, total - pending),
+                    in_flight=pending,
+                    oldest_waiting_age_s=age,
+                )
+            )
         return BrokerStats(
             model=model,
-            lanes=lanes,
+            lanes=stats,
             delayed=int(delayed),
             dead_letters=int(dead),
             fenced_completions=int(counters.get(b"fenced", 0)),
@@ -579,28 +625,6 @@ class RedisBroker(Broker):
         for priority in Priority:
             pipe.xlen(self.keys.lane(model, priority))
         return sum(int(n) for n in await self._execute(pipe))
-
-    async def _lane_stats(self, model: str, priority: Priority, now: float) -> LaneStats:
-        lane = self.keys.lane(model, priority)
-        if not await self.redis.exists(lane):
-            return LaneStats(model, priority, waiting=0, in_flight=0, oldest_waiting_age_s=None)
-        groups: Any = await self.redis.xinfo_groups(lane)
-        group = next((g for g in groups if _s(g["name"]) == GROUP), None)
-        total = int(await self.redis.xlen(lane))
-        pending, last = 0, "0-0"  # no group yet: no claim has read the lane, all of it waits
-        if group is not None:
-            pending, last = int(group["pending"]), _s(group["last-delivered-id"])
-        oldest: Any = await self.redis.xrange(lane, min=f"({last}", max="+", count=1)
-        age = None
-        if oldest:
-            age = max(0.0, now - int(_s(oldest[0][0]).split("-")[0]) / 1000)
-        return LaneStats(
-            model,
-            priority,
-            waiting=max(0, total - pending),
-            in_flight=pending,
-            oldest_waiting_age_s=age,
-        )
 
     @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
