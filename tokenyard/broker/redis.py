@@ -305,20 +305,41 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
-        if not leases:
-            return []
-        call = scripts.RENEW.call(
-            Empty(),
-            scripts.GroupArg(group=GROUP),
-            [
-                (
-                    scripts.LaneKey(lane=self._lane(lease)),
-                    scripts.HolderArgs(consumer=lease.consumer, entry_id=lease.entry_id),
-                )
-                for lease in leases
-            ],
-        )
-        return [bool(r) for r in await self._run(call)]
+        def call(batch: list[int]) -> Call:
+            return scripts.RENEW.call(
+                Empty(),
+                scripts.GroupArg(group=GROUP),
+                [
+                    (
+                        scripts.LaneKey(lane=self._lane(leases[i])),
+                        scripts.HolderArgs(
+                            consumer=leases[i].consumer, entry_id=leases[i].entry_id
+                        ),
+                    )
+                    for i in batch
+                ],
+            )
+
+        return await self._flags_per_model([lease.spec.model for lease in leases], call)
+
+    async def _per_model(
+        self, models: Sequence[str], call: Callable[[list[int]], Call]
+    ) -> list[tuple[list[int], Any]]:
+        """One script call per model, pipelined: a script's keys must share one hash slot."""
+        batches: dict[str, list[int]] = defaultdict(list)
+        for index, model in enumerate(models):
+            batches[model].append(index)
+        replies = await self._eval_many([call(batch) for batch in batches.values()])
+        return list(zip(batches.values(), replies, strict=True))
+
+    async def _flags_per_model(
+        self, models: Sequence[str], call: Callable[[list[int]], Call]
+    ) -> list[bool]:
+        flags = [False] * len(models)
+        for batch, reply in await self._per_model(models, call):
+            for i, flag in zip(batch, reply, strict=True):
+                flags[i] = bool(flag)
+        return flags
 
     async def _execute(self, pipe: Any) -> list[Any]:
         result: list[Any] = await pipe.execute()
@@ -419,24 +440,27 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def release(self, leases: Sequence[Lease]) -> int:
-        if not leases:
-            return 0
-        call = scripts.RELEASE.call(
-            Empty(),
-            scripts.GroupArg(group=GROUP),
-            [
-                (
-                    scripts.ReleaseItemKeys(
-                        lane=self._lane(lease), job=self.keys.job(lease.spec.id)
-                    ),
-                    scripts.ReleaseItemArgs(
-                        consumer=lease.consumer, entry_id=lease.entry_id, job_id=lease.spec.id
-                    ),
-                )
-                for lease in leases
-            ],
-        )
-        return int(await self._run(call))
+        def call(batch: list[int]) -> Call:
+            return scripts.RELEASE.call(
+                Empty(),
+                scripts.GroupArg(group=GROUP),
+                [
+                    (
+                        scripts.ReleaseItemKeys(
+                            lane=self._lane(leases[i]), job=self.keys.job(leases[i].spec.id)
+                        ),
+                        scripts.ReleaseItemArgs(
+                            consumer=leases[i].consumer,
+                            entry_id=leases[i].entry_id,
+                            job_id=leases[i].spec.id,
+                        ),
+                    )
+                    for i in batch
+                ],
+            )
+
+        replies = await self._per_model([lease.spec.model for lease in leases], call)
+        return sum(int(reply) for _, reply in replies)
 
     @_unavailable_on_errors
     async def reap(self, model: str) -> ReapReport:
@@ -496,24 +520,23 @@ class RedisBroker(Broker):
     # -- events and records ----------------------------------------------------------------
     @_unavailable_on_errors
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
-        if not events:
-            return []
-        call = scripts.EMIT.call(
-            Empty(),
-            scripts.GroupArg(group=GROUP),
-            [
-                (
-                    scripts.EmitItemKeys(
-                        lane=self._lane(lease), events=self.keys.events(lease.spec.id)
-                    ),
-                    scripts.EmitItemArgs(
-                        consumer=lease.consumer, entry_id=lease.entry_id, event=encode(event)
-                    ),
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                lease, event = events[i]
+                items.append(
+                    (
+                        scripts.EmitItemKeys(
+                            lane=self._lane(lease), events=self.keys.events(lease.spec.id)
+                        ),
+                        scripts.EmitItemArgs(
+                            consumer=lease.consumer, entry_id=lease.entry_id, event=encode(event)
+                        ),
+                    )
                 )
-                for lease, event in events
-            ],
-        )
-        return [bool(r) for r in await self._run(call)]
+            return scripts.EMIT.call(Empty(), scripts.GroupArg(group=GROUP), items)
+
+        return await self._flags_per_model([lease.spec.model for lease, _ in events], call)
 
     @_unavailable_on_errors
     async def read_events(

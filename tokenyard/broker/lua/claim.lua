@@ -42,7 +42,7 @@ local function read(lane, count)
   return res
 end
 
-local claimed = {}
+local claimed, last_read = {}, {}
 for i = 1, N do
   if remaining <= 0 then break end
   local lane = item(i).lane
@@ -51,6 +51,7 @@ for i = 1, N do
     local res = read(lane, asked)
     if not res then break end
     local entries = res[1][2]
+    if #entries > 0 then last_read[i] = entries[#entries][1] end
     for _, entry in ipairs(entries) do
       local eid, jid = entry[1], entry[2][2]
       local jk = A.job_prefix .. jid
@@ -84,8 +85,12 @@ end
 local last_ids, next_due = {}, ''
 if remaining > 0 and A.wait_hints == '1' then
   for i = 1, N do
-    local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
-    last_ids[i] = newest[1] and newest[1][1] or '0-0'
+    -- a lane read to its end: the last entry read is its newest
+    last_ids[i] = last_read[i]
+    if not last_ids[i] then
+      local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
+      last_ids[i] = newest[1] and newest[1][1] or '0-0'
+    end
   end
   local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   next_due = first[2] or ''
