@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 
 from bench.common import server_version
-from tokenyard.broker.base import Broker, Lease
+from tokenyard.broker.base import Lease, Leases, Producer
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.memory import MemoryBroker
@@ -77,13 +77,13 @@ def settings(url: str, prefix: str, jobs: int) -> BrokerSettings:
     return BrokerSettings(url=url, prefix=prefix, max_queue_depth=max(100_000, jobs + 1))
 
 
-async def enqueue_all(broker: Broker, specs: Sequence[JobSpec], batch: int) -> None:
+async def enqueue_all(broker: Producer, specs: Sequence[JobSpec], batch: int) -> None:
     for i in range(0, len(specs), batch):
         await broker.enqueue_many(specs[i : i + batch])
 
 
 async def consume(
-    broker: Broker, consumer: str, jobs: int, slots: int, idle_s: float
+    broker: Leases, consumer: str, jobs: int, slots: int, idle_s: float
 ) -> tuple[int, int]:
     """Claim in batches, complete each batch in one call; returns (completed, batches)."""
     done = batches = 0

@@ -216,6 +216,22 @@ async def test_completing_a_batch_across_lanes(make_broker: BrokerFactory) -> No
         assert [type(e) for _, e in events] == [Finished]
 
 
+async def test_fenced_batches_may_mix_models(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    other = "other-model"
+    first = job()
+    second = JobSpec(id=new_job_id(other), model=other, prompt="hi")
+    await broker.enqueue_many([first, second])
+    [a] = await broker.claim(MODEL, "w", slots=1)
+    [b] = await broker.claim(other, "w", slots=1)
+    assert (a.model, b.model) == (MODEL, other) and a.priority is Priority.NORMAL
+    chunk = TokenChunk(token_ids=[1], text="a")
+    assert await broker.append_events([(a, chunk), (b, chunk), (a, chunk)]) == [True] * 3
+    assert await broker.renew([a, b]) == [True, True]
+    assert await broker.release([a, b]) == 2
+    assert await broker.renew([a, b]) == [False, False]
+
+
 async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
     make_broker: BrokerFactory,
 ) -> None:

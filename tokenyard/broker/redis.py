@@ -250,6 +250,10 @@ class RedisBroker(Broker):
                     consumer=consumer,
                     slots=slots,
                     now=repr(now),
+                    # behind a blocking read our clock is stale by the wait: the server's stands
+                    # in (brokers and workers are expected to keep NTP time, as deadlines are
+                    # compared across hosts anyway)
+                    server_now="0" if hint is None else "1",
                     job_prefix=self.keys.job_prefix(model),
                     event_prefix=self.keys.events_prefix(model),
                     expired_event=self._expired,
@@ -301,20 +305,41 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
-        if not leases:
-            return []
-        call = scripts.RENEW.call(
-            Empty(),
-            scripts.GroupArg(group=GROUP),
-            [
-                (
-                    scripts.LaneKey(lane=self._lane(lease)),
-                    scripts.HolderArgs(consumer=lease.consumer, entry_id=lease.entry_id),
-                )
-                for lease in leases
-            ],
-        )
-        return [bool(r) for r in await self._run(call)]
+        def call(batch: list[int]) -> Call:
+            return scripts.RENEW.call(
+                Empty(),
+                scripts.GroupArg(group=GROUP),
+                [
+                    (
+                        scripts.LaneKey(lane=self._lane(leases[i])),
+                        scripts.HolderArgs(
+                            consumer=leases[i].consumer, entry_id=leases[i].entry_id
+                        ),
+                    )
+                    for i in batch
+                ],
+            )
+
+        return await self._flags_per_model([lease.spec.model for lease in leases], call)
+
+    async def _per_model(
+        self, models: Sequence[str], call: Callable[[list[int]], Call]
+    ) -> list[tuple[list[int], Any]]:
+        """One script call per model, pipelined: a script's keys must share one hash slot."""
+        batches: dict[str, list[int]] = defaultdict(list)
+        for index, model in enumerate(models):
+            batches[model].append(index)
+        replies = await self._eval_many([call(batch) for batch in batches.values()])
+        return list(zip(batches.values(), replies, strict=True))
+
+    async def _flags_per_model(
+        self, models: Sequence[str], call: Callable[[list[int]], Call]
+    ) -> list[bool]:
+        flags = [False] * len(models)
+        for batch, reply in await self._per_model(models, call):
+            for i, flag in zip(batch, reply, strict=True):
+                flags[i] = bool(flag)
+        return flags
 
     async def _execute(self, pipe: Any) -> list[Any]:
         result: list[Any] = await pipe.execute()
@@ -415,24 +440,27 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def release(self, leases: Sequence[Lease]) -> int:
-        if not leases:
-            return 0
-        call = scripts.RELEASE.call(
-            Empty(),
-            scripts.GroupArg(group=GROUP),
-            [
-                (
-                    scripts.ReleaseItemKeys(
-                        lane=self._lane(lease), job=self.keys.job(lease.spec.id)
-                    ),
-                    scripts.ReleaseItemArgs(
-                        consumer=lease.consumer, entry_id=lease.entry_id, job_id=lease.spec.id
-                    ),
-                )
-                for lease in leases
-            ],
-        )
-        return int(await self._run(call))
+        def call(batch: list[int]) -> Call:
+            return scripts.RELEASE.call(
+                Empty(),
+                scripts.GroupArg(group=GROUP),
+                [
+                    (
+                        scripts.ReleaseItemKeys(
+                            lane=self._lane(leases[i]), job=self.keys.job(leases[i].spec.id)
+                        ),
+                        scripts.ReleaseItemArgs(
+                            consumer=leases[i].consumer,
+                            entry_id=leases[i].entry_id,
+                            job_id=leases[i].spec.id,
+                        ),
+                    )
+                    for i in batch
+                ],
+            )
+
+        replies = await self._per_model([lease.spec.model for lease in leases], call)
+        return sum(int(reply) for _, reply in replies)
 
     @_unavailable_on_errors
     async def reap(self, model: str) -> ReapReport:
@@ -492,24 +520,23 @@ class RedisBroker(Broker):
     # -- events and records ----------------------------------------------------------------
     @_unavailable_on_errors
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
-        if not events:
-            return []
-        call = scripts.EMIT.call(
-            Empty(),
-            scripts.GroupArg(group=GROUP),
-            [
-                (
-                    scripts.EmitItemKeys(
-                        lane=self._lane(lease), events=self.keys.events(lease.spec.id)
-                    ),
-                    scripts.EmitItemArgs(
-                        consumer=lease.consumer, entry_id=lease.entry_id, event=encode(event)
-                    ),
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                lease, event = events[i]
+                items.append(
+                    (
+                        scripts.EmitItemKeys(
+                            lane=self._lane(lease), events=self.keys.events(lease.spec.id)
+                        ),
+                        scripts.EmitItemArgs(
+                            consumer=lease.consumer, entry_id=lease.entry_id, event=encode(event)
+                        ),
+                    )
                 )
-                for lease, event in events
-            ],
-        )
-        return [bool(r) for r in await self._run(call)]
+            return scripts.EMIT.call(Empty(), scripts.GroupArg(group=GROUP), items)
+
+        return await self._flags_per_model([lease.spec.model for lease, _ in events], call)
 
     @_unavailable_on_errors
     async def read_events(
@@ -576,16 +603,58 @@ class RedisBroker(Broker):
     # -- introspection ---------------------------------------------------------------------
     @_unavailable_on_errors
     async def stats(self, model: str) -> BrokerStats:
+        """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
         now = self.clock()
-        lanes = [await self._lane_stats(model, p, now) for p in Priority]
+        lanes = [self.keys.lane(model, p) for p in Priority]
         pipe = self.redis.pipeline(transaction=False)
+        for lane in lanes:
+            pipe.xlen(lane)
+            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
         pipe.zcard(self.keys.delayed(model))
         pipe.xlen(self.keys.dead_letters(model))
         pipe.hgetall(self.keys.counters(model))
-        delayed, dead, counters = await self._execute(pipe)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        delayed, dead, counters = replies[-3:]
+        for reply in (delayed, dead, counters):
+            if isinstance(reply, Exception):
+                raise reply
+        sizes: list[tuple[int, int, str]] = []  # total, pending, last delivered id
+        for i in range(len(lanes)):
+            total, groups = replies[2 * i], replies[2 * i + 1]
+            group = None
+            if not isinstance(groups, Exception):
+                group = next((g for g in groups if _s(g["name"]) == GROUP), None)
+            # no group yet: no claim has read the lane, so all of it waits
+            pending, last = (
+                (0, "0-0")
+                if group is None
+                else (
+                    int(group["pending"]),
+                    _s(group["last-delivered-id"]),
+                )
+            )
+            sizes.append((int(total) if not isinstance(total, Exception) else 0, pending, last))
+        pipe = self.redis.pipeline(transaction=False)
+        for lane, (_, _, last) in zip(lanes, sizes, strict=True):
+            pipe.xrange(lane, min=f"({last}", max="+", count=1)
+        oldest: list[Any] = await self._execute(pipe)
+        stats = []
+        for priority, (total, pending, _), first in zip(Priority, sizes, oldest, strict=True):
+            age = None
+            if first:
+                age = max(0.0, now - int(_s(first[0][0]).split("-")[0]) / 1000)
+            stats.append(
+                LaneStats(
+                    model,
+                    priority,
+                    waiting=max(0, total - pending),
+                    in_flight=pending,
+                    oldest_waiting_age_s=age,
+                )
+            )
         return BrokerStats(
             model=model,
-            lanes=lanes,
+            lanes=stats,
             delayed=int(delayed),
             dead_letters=int(dead),
             fenced_completions=int(counters.get(b"fenced", 0)),
@@ -600,28 +669,6 @@ class RedisBroker(Broker):
         for priority in Priority:
             pipe.xlen(self.keys.lane(model, priority))
         return sum(int(n) for n in await self._execute(pipe))
-
-    async def _lane_stats(self, model: str, priority: Priority, now: float) -> LaneStats:
-        lane = self.keys.lane(model, priority)
-        if not await self.redis.exists(lane):
-            return LaneStats(model, priority, waiting=0, in_flight=0, oldest_waiting_age_s=None)
-        groups: Any = await self.redis.xinfo_groups(lane)
-        group = next((g for g in groups if _s(g["name"]) == GROUP), None)
-        total = int(await self.redis.xlen(lane))
-        pending, last = 0, "0-0"  # no group yet: no claim has read the lane, all of it waits
-        if group is not None:
-            pending, last = int(group["pending"]), _s(group["last-delivered-id"])
-        oldest: Any = await self.redis.xrange(lane, min=f"({last}", max="+", count=1)
-        age = None
-        if oldest:
-            age = max(0.0, now - int(_s(oldest[0][0]).split("-")[0]) / 1000)
-        return LaneStats(
-            model,
-            priority,
-            waiting=max(0, total - pending),
-            in_flight=pending,
-            oldest_waiting_age_s=age,
-        )
 
     @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:

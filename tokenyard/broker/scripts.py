@@ -145,11 +145,14 @@ class ClaimArgs(NamedTuple):
     consumer: str
     slots: int
     now: str
+    # '1': the call waited in a pipeline behind a blocking XREAD, so `now` is stale by the wait;
+    # the server's TIME stands in for it
+    server_now: str
     job_prefix: str
     event_prefix: str
     expired_event: bytes  # Finished(expired result): stored as the result and appended
     ttl_ms: int
-    wait_hints: str  # '1': when nothing was claimed, return what a blocking wait needs
+    wait_hints: str  # '1': when the lanes are drained, return what a blocking wait needs
 
 
 class LaneKey(NamedTuple):

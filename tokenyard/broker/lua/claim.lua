@@ -1,13 +1,19 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
 -- KEYS: delayed, counters; per item: lane
--- ARGV: group, consumer, slots, now, job_prefix, event_prefix, expired_event, ttl_ms,
---   wait_hints
+-- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
+--   ttl_ms, wait_hints
+-- `now` is the caller's clock; when server_now is '1' the server's TIME is used instead (the
+-- call waited in a pipeline behind a blocking XREAD, so `now` would be stale by the wait).
 -- Returns {claimed, last_ids, next_due}: claimed = {{entry_id, spec, attempt, resumable}}.
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
 -- ends ('' if none).
 local group, consumer, now = A.group, A.consumer, A.now
+if A.server_now == '1' then
+  local t = redis.call('TIME')
+  now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
 local nowf = tonumber(now)
 local remaining = tonumber(A.slots)
 local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
@@ -36,7 +42,7 @@ local function read(lane, count)
   return res
 end
 
-local claimed = {}
+local claimed, last_read = {}, {}
 for i = 1, N do
   if remaining <= 0 then break end
   local lane = item(i).lane
@@ -45,6 +51,7 @@ for i = 1, N do
     local res = read(lane, asked)
     if not res then break end
     local entries = res[1][2]
+    if #entries > 0 then last_read[i] = entries[#entries][1] end
     for _, entry in ipairs(entries) do
       local eid, jid = entry[1], entry[2][2]
       local jk = A.job_prefix .. jid
@@ -78,8 +85,12 @@ end
 local last_ids, next_due = {}, ''
 if remaining > 0 and A.wait_hints == '1' then
   for i = 1, N do
-    local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
-    last_ids[i] = newest[1] and newest[1][1] or '0-0'
+    -- a lane read to its end: the last entry read is its newest
+    last_ids[i] = last_read[i]
+    if not last_ids[i] then
+      local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
+      last_ids[i] = newest[1] and newest[1][1] or '0-0'
+    end
   end
   local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   next_due = first[2] or ''
