@@ -304,8 +304,13 @@ class Worker:
 
     async def _check_cancellations(self) -> None:
         now = time.monotonic()
-        held = [job.job_id for job in self.scheduler.jobs()]
-        if not held or now - self._cancel_checked_at < CANCEL_POLL_S:
+        if now - self._cancel_checked_at < CANCEL_POLL_S:
+            return
+        # a job claimed within the poll period is not asked about yet: most short jobs end
+        # before their first poll, and a cancel waits at most one period longer
+        settled = time.time() - CANCEL_POLL_S
+        held = [job.job_id for job in self.scheduler.jobs() if job.claimed_at <= settled]
+        if not held:
             return
         self._cancel_checked_at = now
         not_started: list[Finishing] = []
