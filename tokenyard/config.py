@@ -53,7 +53,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How a worker claims, batches and drains."""
 
     model: str = "tiny"
-    engine: str = "hf"  # hf | hf-static | sim
+    engine: str = "hf"  # hf | hf-static | sim | vllm | remote
     max_seqs: int = 32  # overrides the engine's own limit when lower
     token_budget: int = 16_384  # prompt + max_tokens over running sequences
     claim_block_s: float = 0.5
@@ -63,3 +63,21 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int | None = None  # torch CPU threads; None keeps torch's default
     engine_process: bool = False  # run the engine in its own process, off the worker's GIL
+    # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
+    # above become max_num_seqs and dtype, None keeps vLLM's own default
+    vllm_max_model_len: int | None = None
+    vllm_max_num_batched_tokens: int | None = None
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_quantization: str | None = None
+    vllm_speculative_config: str | None = None  # JSON object, as vllm's --speculative-config
+    vllm_enable_prefix_caching: bool | None = None
+    vllm_tensor_parallel_size: int = 1
+    vllm_enforce_eager: bool = False
+    vllm_args: str | None = None  # JSON object of any other AsyncEngineArgs field
+    # -- remote engine (engine = "remote"): an OpenAI-compatible server that returns token ids
+    remote_url: str = "http://127.0.0.1:8000"
+    remote_model: str | None = None  # the upstream's model name; None: the same as `model`
+    remote_concurrency: int = 64  # streams held open at once: the engine's capacity
+    remote_api_key: str | None = None
+    remote_retries: int = 5  # on connection errors, 408/429 and 5xx, with exponential backoff
+    remote_timeout_s: float = 600.0
