@@ -127,7 +127,9 @@ class VLLMEngine(StreamEngine):
         )
 
     def prepare(self, seq: StreamSeq) -> Any:
-        return vllm_sampling_params(seq.params, seq.decoder.remaining, seq.seq_id)
+        if seq.decoder.finish_reason is not None:
+            return None  # the resumed tokens already finish it; vLLM is not asked
+        return vllm_sampling_params(seq.params, seq.decoder.remaining)
 
     async def generate(self, seq: StreamSeq) -> None:
         from vllm.inputs import TokensPrompt
@@ -150,13 +152,14 @@ class VLLMEngine(StreamEngine):
                 return
 
 
-def vllm_sampling_params(params: SamplingParams, max_tokens: int, seq_id: str) -> Any:
+def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
     """vLLM's SamplingParams for a tokenyard request: the same sampling, no text work.
 
     Stop strings are not given to vLLM (tokenyard matches them across resumes); values vLLM
     refuses raise InvalidRequest with vLLM's reason.
     """
     from vllm import SamplingParams as VSamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind
 
     try:
@@ -172,7 +175,7 @@ def vllm_sampling_params(params: SamplingParams, max_tokens: int, seq_id: str) -
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-    except ValueError as exc:  # VLLMValidationError is a ValueError
+    except (ValueError, VLLMClientError) as exc:
         param = getattr(exc, "parameter", None)
         raise InvalidRequest(str(exc), param=param if isinstance(param, str) else None) from exc
 
