@@ -69,6 +69,7 @@ async def test_upstream_refusal_fails_the_sequence_with_its_message(upstream: st
         assert r.finish is not None and r.finish.finish_reason is FinishReason.ERROR
         assert r.finish.error is not None
         assert "HTTP 400" in r.finish.error and "maximum context length" in r.finish.error
+        assert r.finish.refused  # the job fails without a retry
         r = await run_one(Subject(engine, None), "fine", prompt, greedy(3))  # type: ignore[arg-type]
         assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
     finally:
@@ -102,6 +103,7 @@ async def test_unreachable_upstream_fails_after_retries(tmp_path: Path) -> None:
         r = await run_one(Subject(engine, None), "x", prompt, greedy(3))  # type: ignore[arg-type]
         assert r.finish is not None and r.finish.finish_reason is FinishReason.ERROR
         assert r.finish.error is not None and "unreachable" in r.finish.error
+        assert not r.finish.refused  # an engine failure: the job is retried
         assert engine.stats().running == 0
     finally:
         await engine.stop()

@@ -32,6 +32,9 @@ class StepOutput(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int  # generated so far, resumed tokens included
     error: str | None = None
+    # with ERROR: the request itself is at fault (a remote upstream's 4xx, a value the runtime
+    # refuses), so the job fails as InvalidRequest would, without a retry
+    refused: bool = False
 
 
 class EngineStats(msgspec.Struct):

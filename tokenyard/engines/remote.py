@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 class UpstreamError(Exception):
     """The upstream refused or broke a request; `retry` says whether trying again may help."""
 
-    def __init__(self, message: str, *, retry: bool) -> None:
+    def __init__(self, message: str, *, retry: bool, refused: bool = False) -> None:
         super().__init__(message)
         self.retry = retry
+        self.refused = refused  # the upstream said the request is wrong (4xx)
 
 
 class RemoteEngine(StreamEngine):
@@ -105,7 +106,7 @@ class RemoteEngine(StreamEngine):
             try:
                 await self._stream_with_retries(seq)
             except UpstreamError as exc:
-                self.fail(seq, str(exc))
+                self.fail(seq, str(exc), refused=exc.refused)
 
     async def _stream_with_retries(self, seq: StreamSeq) -> None:
         attempt = 0
@@ -162,8 +163,12 @@ class RemoteEngine(StreamEngine):
                 raise _http_error(resp)
             async for chunk in _sse_json(resp.aiter_lines()):
                 if "error" in chunk:
+                    err = chunk["error"]
+                    kind = err.get("type") if isinstance(err, dict) else None
                     raise UpstreamError(
-                        f"upstream failed the request: {_error_message(chunk)}", retry=False
+                        f"upstream failed the request: {_error_message(chunk)}",
+                        retry=False,
+                        refused=kind == "invalid_request_error",
                     )
                 choices = chunk.get("choices") or []
                 if not choices:
@@ -196,8 +201,11 @@ def _http_error(resp: httpx.Response) -> UpstreamError:
         message = resp.text[:300]
     status = resp.status_code
     retry = status >= 500 or status in (408, 429)
-    what = "rejected the request" if 400 <= status < 500 else "failed"
-    return UpstreamError(f"upstream {what} (HTTP {status}): {message}", retry=retry)
+    refused = 400 <= status < 500 and not retry
+    what = "rejected the request" if refused else "failed"
+    return UpstreamError(
+        f"upstream {what} (HTTP {status}): {message}", retry=retry, refused=refused
+    )
 
 
 def _error_message(body: Any) -> str:

@@ -165,8 +165,9 @@ class StreamEngine(Engine):
         delta = seq.decoder.close(reason)
         self._emit(seq, [], delta.text, delta.finish_reason)
 
-    def fail(self, seq: StreamSeq, error: str) -> None:
-        self._emit(seq, [], "", FinishReason.ERROR, error)
+    def fail(self, seq: StreamSeq, error: str, *, refused: bool = False) -> None:
+        """End the sequence with ERROR; `refused`: the request is at fault, do not retry it."""
+        self._emit(seq, [], "", FinishReason.ERROR, error, refused)
 
     # -- internals --------------------------------------------------------------------------
     def _launch(self, seq: StreamSeq) -> None:
@@ -203,6 +204,7 @@ class StreamEngine(Engine):
         text: str,
         reason: FinishReason | None,
         error: str | None = None,
+        refused: bool = False,
     ) -> None:
         if seq.done:
             return
@@ -219,6 +221,7 @@ class StreamEngine(Engine):
                 prompt_tokens=len(seq.prompt_ids),
                 completion_tokens=seq.decoder.completion_tokens,
                 error=error,
+                refused=refused,
             )
         )
         if self._loop is None:

