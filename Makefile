@@ -58,7 +58,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 # Real vLLM on CPU: keep its KV cache small; the tests start their own engines and servers.
-test-vllm: install-vllm
+# The benchmark's smoke test also runs an hf worker, under $(VENV).
+test-vllm: install install-vllm
 	VLLM_CPU_KVCACHE_SPACE=2 $(VPY) -m pytest -q -p no:cacheprovider tests/vllm
 
 clean:
