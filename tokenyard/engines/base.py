@@ -21,7 +21,7 @@ import msgspec
 from tokenyard import limits
 from tokenyard.engines.detok import Delta, SequenceDecoder
 from tokenyard.errors import EngineError
-from tokenyard.messages import FinishReason, ModelLimits, SamplingParams
+from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
@@ -41,6 +41,9 @@ class StepOutput(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int  # generated so far, resumed tokens included
     error: str | None = None
+    # with ERROR: the request itself is at fault (a remote upstream's 4xx, a value the runtime
+    # refuses), so the job fails as InvalidRequest would, without a retry
+    refused: bool = False
 
 
 class EngineStats(msgspec.Struct):
@@ -112,9 +115,11 @@ class Engine(abc.ABC):
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        priority: int = Priority.NORMAL,
     ) -> None:
         """Start a sequence from the next step (thread-safe); resume_token_ids continue an earlier
-        attempt.
+        attempt. `priority` (lower first) orders sequences an engine with its own queue holds.
 
         Raises `InvalidRequest` when the request breaks the model's limits (`limits()`), and
         `EngineError` when it does not fit the free capacity, repeats a running seq_id, or the

@@ -42,7 +42,7 @@ from tokenyard.engines.detok import Delta
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.sampling import process_rows, sample_keys
 from tokenyard.errors import FatalError
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingManager
@@ -505,6 +505,8 @@ class HFEngine(HFEngineBase):
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        priority: int = Priority.NORMAL,
     ) -> None:
         seq = self._open(seq_id, prompt_token_ids, params, resume_token_ids)
         with self._lock:

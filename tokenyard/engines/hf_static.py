@@ -23,7 +23,7 @@ from transformers import (
 from tokenyard.engines.base import EngineCapacity, EngineStats, StepOutput
 from tokenyard.engines.hf import HFEngineBase, HFSeq
 from tokenyard.engines.sampling import process_rows, sample_keys
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 
 class _RowSampler(LogitsProcessor):
@@ -135,6 +135,8 @@ class HFStaticEngine(HFEngineBase):
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        priority: int = Priority.NORMAL,
     ) -> None:
         seq = self._open(seq_id, prompt_token_ids, params, resume_token_ids)
         with self._cond:

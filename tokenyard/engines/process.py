@@ -40,7 +40,7 @@ from tokenyard.engines.base import (
     footprint,
 )
 from tokenyard.errors import EngineError
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class _Add(msgspec.Struct, tag="add", array_like=True):
     prompt: list[int]
     params: SamplingParams
     resume: list[int]
+    priority: int
 
 
 class _Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -240,12 +241,16 @@ class ProcessEngine(ChannelEngine):
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        priority: int = Priority.NORMAL,
     ) -> None:
         # Refusals are raised here, synchronously, as the in-thread engines do.
         if not seq_id:
             raise EngineError("seq_id must be non-empty")
         limits.check(len(prompt_token_ids), params, self.limits())
-        data = _encoder.encode(_Add(seq_id, list(prompt_token_ids), params, list(resume_token_ids)))
+        data = _encoder.encode(
+            _Add(seq_id, list(prompt_token_ids), params, list(resume_token_ids), priority)
+        )
         with self._lock:
             if self._stopping:
                 raise EngineError("engine is stopped")
@@ -442,7 +447,7 @@ def _commands(
 
 def _add(engine: Engine, msg: _Add, send: _Send) -> None:
     try:
-        engine.add(msg.seq_id, msg.prompt, msg.params, msg.resume)
+        engine.add(msg.seq_id, msg.prompt, msg.params, msg.resume, priority=msg.priority)
     except Exception as exc:
         # The parent checked the request and the capacity, so this is the engine's failure:
         # report it as the sequence's ERROR rather than losing it.

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenyard.engines.base import EngineCapacity, EngineSeq, LocalEngine, open_seq
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 # Generated text is drawn from lowercase letters and spaces so it stays readable ASCII.
 _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     ,."
@@ -111,6 +111,8 @@ class SimEngine(LocalEngine[_SimSeq]):
         prompt_token_ids: list[int],
         params: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        priority: int = Priority.NORMAL,
     ) -> None:
         tok = self.tokenizer
         digest = hashlib.blake2b(digest_size=16)

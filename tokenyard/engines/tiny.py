@@ -81,34 +81,48 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "tokenyard"
 
 
-def _stamp() -> dict[str, object]:
-    return {"name": TINY_MODEL_NAME, "recipe": TINY_RECIPE_VERSION, "seed": _SEED}
+def _stamp(head_dim: int | None = None) -> dict[str, object]:
+    stamp: dict[str, object] = {
+        "name": TINY_MODEL_NAME,
+        "recipe": TINY_RECIPE_VERSION,
+        "seed": _SEED,
+    }
+    if head_dim is not None:
+        stamp["head_dim"] = head_dim
+    return stamp
 
 
-def _is_built(path: Path) -> bool:
+def _is_built(path: Path, head_dim: int | None = None) -> bool:
     try:
-        return bool(json.loads((path / _STAMP).read_text()) == _stamp())
+        return bool(json.loads((path / _STAMP).read_text()) == _stamp(head_dim))
     except (OSError, ValueError):
         return False
 
 
-def ensure_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
-    """Return the tiny model directory, building it once (atomically) if it is missing."""
-    target = Path(path).expanduser() if path is not None else default_cache_dir() / TINY_MODEL_NAME
-    if _is_built(target):
+def ensure_tiny_model(
+    path: str | os.PathLike[str] | None = None, *, head_dim: int | None = None
+) -> Path:
+    """Return the tiny model directory, building it once (atomically) if it is missing.
+
+    `head_dim` builds a variant with wider attention heads (same tokenizer): vLLM's CPU
+    attention has kernels for head sizes 32 and up, not the default model's 16.
+    """
+    name = TINY_MODEL_NAME if head_dim is None else f"{TINY_MODEL_NAME}-hd{head_dim}"
+    target = Path(path).expanduser() if path is not None else default_cache_dir() / name
+    if _is_built(target, head_dim):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _build(tmp)
-        if target.exists() and not _is_built(target):
+        _build(tmp, head_dim)
+        if target.exists() and not _is_built(target, head_dim):
             # A stale or half-written directory from an older recipe: replace it.
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
             # Another process won the race; its build is identical (same seed and corpus).
-            if not _is_built(target):
+            if not _is_built(target, head_dim):
                 raise
     finally:
         if tmp.exists():
@@ -146,7 +160,7 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, head_dim: int | None = None) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -159,6 +173,8 @@ def _build(out: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        # None keeps hidden_size // num_attention_heads (16)
+        head_dim=head_dim,
         max_position_embeddings=2048,
         # A larger init spread makes the random model's logits peaky, so greedy decoding
         # is far from numerical ties and identical across attention implementations.
@@ -181,4 +197,4 @@ def _build(out: Path) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     # The stamp is written last: a directory without it is never considered built.
-    (out / _STAMP).write_text(json.dumps(_stamp()))
+    (out / _STAMP).write_text(json.dumps(_stamp(head_dim)))

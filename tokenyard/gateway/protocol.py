@@ -55,6 +55,9 @@ class _Common(_Request):
     # extensions vLLM also accepts
     top_k: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool = False
+    # vLLM's extension: each choice also carries the generated token ids (the remote engine
+    # of another tokenyard needs them to decode, resume and count exactly)
+    return_token_ids: bool = False
     # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
     priority: Literal["high", "normal", "low"] | None = None
     deadline: float | None = None
@@ -247,7 +250,13 @@ def usage(result: JobResult) -> dict[str, int]:
 
 
 def completion_body(
-    kind: Kind, job_id: str, model: str, created: int, result: JobResult
+    kind: Kind,
+    job_id: str,
+    model: str,
+    created: int,
+    result: JobResult,
+    *,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
     """A whole (non-streamed) completion or chat completion."""
     choice: dict[str, Any] = {
@@ -255,6 +264,8 @@ def completion_body(
         "logprobs": None,
         "finish_reason": openai_finish_reason(result.finish_reason),
     }
+    if token_ids:
+        choice["token_ids"] = result.token_ids
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
         obj = "chat.completion"
@@ -283,11 +294,14 @@ def chunk_body(
     finish_reason: str | None = None,
     usage_of: JobResult | None = None,
     no_choices: bool = False,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk; `no_choices` is the trailing usage-only chunk."""
     choices: list[dict[str, Any]] = []
     if not no_choices:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         if kind == "chat":
             delta: dict[str, Any] = {}
             if role:

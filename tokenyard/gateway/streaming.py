@@ -63,10 +63,12 @@ class OpenAIRenderer:
         *,
         include_usage: bool,
         resumed: bool,
+        token_ids: bool = False,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.include_usage = include_usage
         self.resumed = resumed
+        self.token_ids = token_ids
 
     def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
         body = protocol.chunk_body(self.kind, self.job_id, self.model, self.created, **fields)
@@ -79,6 +81,8 @@ class OpenAIRenderer:
         return []
 
     def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
+        if self.token_ids:
+            return [self._chunk(event_id, text=chunk.text, token_ids=chunk.token_ids)]
         if not chunk.text:
             return []  # an incomplete UTF-8 character; its text arrives with a later event
         return [self._chunk(event_id, text=chunk.text)]
@@ -88,7 +92,8 @@ class OpenAIRenderer:
         if failed is not None:
             return [frame(failed[1], event_id), DONE_FRAME]
         reason = protocol.openai_finish_reason(result.finish_reason)
-        frames = [self._chunk(event_id, finish_reason=reason)]
+        ids: list[int] | None = [] if self.token_ids else None
+        frames = [self._chunk(event_id, finish_reason=reason, token_ids=ids)]
         if self.include_usage:
             frames.append(self._chunk(None, usage_of=result, no_choices=True))
         return [*frames, DONE_FRAME]

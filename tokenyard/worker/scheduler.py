@@ -68,7 +68,8 @@ class Update(Generic[H]):
 
     events: list[tuple[Job[H], TokenChunk]] = field(default_factory=list)
     finished: list[tuple[Job[H], FinishReason, TokenChunk | None]] = field(default_factory=list)
-    failed: list[tuple[Job[H], str]] = field(default_factory=list)
+    failed: list[tuple[Job[H], str]] = field(default_factory=list)  # engine faults: retry
+    refused: list[tuple[Job[H], str]] = field(default_factory=list)  # the request's fault: fail
     tokens: int = 0
 
 
@@ -200,7 +201,7 @@ class Scheduler(Generic[H]):
         """
         update: Update[H] = Update()
         pending: dict[str, tuple[Job[H], list[int], list[str]]] = {}
-        ended: dict[str, tuple[FinishReason, str | None]] = {}
+        ended: dict[str, StepOutput] = {}
         for out in outputs:
             job = self._running.get(out.seq_id)
             if job is None or out.seq_id in ended:
@@ -211,7 +212,7 @@ class Scheduler(Generic[H]):
             entry[1].extend(out.token_ids)
             entry[2].append(out.text)
             if out.finish_reason is not None:
-                ended[out.seq_id] = (out.finish_reason, out.error)
+                ended[out.seq_id] = out
         for job_id, (job, token_ids, texts) in pending.items():
             text = "".join(texts)
             chunk = None
@@ -230,12 +231,13 @@ class Scheduler(Generic[H]):
                     update.events.append((job, chunk))
                 continue
             self.remove(job_id)
-            reason, error = end
+            reason, error = end.finish_reason, end.error or "engine error"
             if reason is FinishReason.ERROR:
                 if chunk is not None:  # keep what was produced: the retry resumes after it
                     update.events.append((job, chunk))
-                update.failed.append((job, error or "engine error"))
+                (update.refused if end.refused else update.failed).append((job, error))
             else:
+                assert reason is not None
                 # the last tokens ride with the completion: one write instead of two
                 update.finished.append((job, reason, chunk))
         return update

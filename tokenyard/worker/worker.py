@@ -239,7 +239,13 @@ class Worker:
             outcome.finishing.append((job, FinishReason.LENGTH, None))
         for job in plan.start:
             try:
-                self.engine.add(job.job_id, job.prompt_ids, job.params, tuple(job.token_ids))
+                self.engine.add(
+                    job.job_id,
+                    job.prompt_ids,
+                    job.params,
+                    tuple(job.token_ids),
+                    priority=job.handle.spec.priority,
+                )
             except UserError as exc:  # the engine's own check refused it: the job's outcome
                 self.scheduler.remove(job.job_id)
                 outcome.results.append((job.handle, _refused(exc)))
@@ -264,6 +270,7 @@ class Worker:
                 await self._append(events)
             finishing += update.finished
             failed += update.failed
+            outcome.results += [(job.handle, _failure(error)) for job, error in update.refused]
         results = [
             *outcome.results,
             *((job.handle, self._result(job, reason)) for job, reason, _ in finishing),
@@ -293,7 +300,8 @@ class Worker:
                 return
             update = self.scheduler.update(outputs, time.monotonic())
             # refill the engine before any broker write, so it never idles on a round trip
-            outcome = self._start_fitting() if (update.finished or update.failed) else _Outcome()
+            ended = update.finished or update.failed or update.refused
+            outcome = self._start_fitting() if ended else _Outcome()
             try:
                 await self._settle(outcome, update)
                 await self._check_cancellations()

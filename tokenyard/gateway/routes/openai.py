@@ -53,7 +53,13 @@ async def _serve(
     headers = {"X-Job-Id": spec.id}
     if body.stream:
         renderer = OpenAIRenderer(
-            kind, spec.id, spec.model, created, include_usage=body.include_usage, resumed=False
+            kind,
+            spec.id,
+            spec.model,
+            created,
+            include_usage=body.include_usage,
+            resumed=False,
+            token_ids=body.return_token_ids,
         )
         return await call.stream(renderer, headers, timeout_s=state.settings.request_timeout_s)
     result = await call.result(lambda: _until_disconnect(request))
@@ -61,7 +67,10 @@ async def _serve(
     if failed is not None:
         return JSONResponse(failed[1], status_code=failed[0], headers=headers)
     return JSONResponse(
-        protocol.completion_body(kind, spec.id, spec.model, created, result), headers=headers
+        protocol.completion_body(
+            kind, spec.id, spec.model, created, result, token_ids=body.return_token_ids
+        ),
+        headers=headers,
     )
 
 

