@@ -11,7 +11,9 @@ For each concurrency C, with the same model, engine settings, prompts and output
                  worker --max-seqs C` subprocesses, C closed-loop clients streaming
                  /v1/completions. Its mean running batch comes from the worker's heartbeat.
 
-The ratio that matters is http / max(transformers, engine) (goal >= 0.9).
+The ratio that matters is http / max(transformers, engine) (goal >= 0.9). On a small CPU
+host the gateway, Valkey and the load generator take cores the offline engine had to itself;
+`--threads N` gives the engine N torch threads in every run, so the others can have the rest.
 
     python bench/engine_ceiling.py [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--quick]
@@ -185,6 +187,8 @@ class Stack:
             "TOKENYARD_WORKER_TOKEN_BUDGET": str(c * (4 * opts.prompt_words + opts.max_tokens)),
             "TOKENYARD_WORKER_ENGINE_PROCESS": "1" if opts.engine_process else "0",
         }
+        if opts.threads:
+            env["TOKENYARD_WORKER_THREADS"] = str(opts.threads)
         self.procs = {
             "worker": self._spawn("worker", [*common, "--engine", "hf", "--max-seqs", str(c)], env),
             "gateway": self._spawn(
@@ -287,6 +291,10 @@ async def http_path(opts: argparse.Namespace, c: int, n: int, tmp: Path) -> dict
 
 
 async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
+    if opts.threads:
+        import torch
+
+        torch.set_num_threads(opts.threads)  # the offline runs get what the worker's engine gets
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
         for c in opts.concurrency:
@@ -308,6 +316,8 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
         "dtype": opts.dtype,
         "prompt_words": opts.prompt_words,
         "max_tokens": opts.max_tokens,
+        "torch_threads": opts.threads,
+        "engine_process": opts.engine_process,
         "cores": os.cpu_count(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "goal": {"http_over_offline_max": 0.9},
@@ -326,6 +336,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-process", action="store_true")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the engine, offline and in the worker (default: torch's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smoke run: C=4, 8 tokens")
     opts = parser.parse_args(argv)
