@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from tokenyard import limits
 from tokenyard.engines.base import EngineCapacity, default_seed
-from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.streams import StreamEngine, StreamSeq
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +82,6 @@ class RemoteEngine(StreamEngine):
     async def close_runtime(self) -> None:
         if self._client is not None:
             await self._client.aclose()
-
-    def make_decoder(
-        self, prompt_ids: list[int], params: SamplingParams, resume_ids: Sequence[int]
-    ) -> SequenceDecoder:
-        limits.check(len(prompt_ids), params, self.limits(), token_ids=prompt_ids)
-        tok = self.tokenizer
-        return SequenceDecoder(
-            tok.decode,
-            params,
-            prompt_ids=prompt_ids,
-            eos_token_ids=tok.eos_token_ids,
-            resume_ids=resume_ids,
-        )
 
     async def generate(self, seq: StreamSeq) -> None:
         async with self._slots:

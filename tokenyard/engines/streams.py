@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenyard import limits
 from tokenyard.engines.base import Engine, EngineStats, OutputChannel, StepOutput
 from tokenyard.engines.detok import SequenceDecoder
+from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,11 +55,21 @@ class StreamEngine(Engine):
         self._stopping = False
 
     # -- subclass hooks ---------------------------------------------------------------------
-    @abc.abstractmethod
+    tokenizer: HFTokenizer
+
     def make_decoder(
         self, prompt_ids: list[int], params: SamplingParams, resume_ids: Sequence[int]
     ) -> SequenceDecoder:
-        """Validate the request (raise InvalidRequest) and build its decoder."""
+        """Check the request by the one rule (raises InvalidRequest) and build its decoder."""
+        limits.check(len(prompt_ids), params, self.limits(), token_ids=prompt_ids)
+        tok = self.tokenizer
+        return SequenceDecoder(
+            tok.decode,
+            params,
+            prompt_ids=prompt_ids,
+            eos_token_ids=tok.eos_token_ids,
+            resume_ids=resume_ids,
+        )
 
     def prepare(self, seq: StreamSeq) -> Any:
         """Runtime-specific request data built in `add` (so its errors reach the caller)."""

@@ -12,12 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from tokenyard import limits
 from tokenyard.engines.base import EngineCapacity
-from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.engines.tiny import ensure_tiny_model
@@ -104,19 +102,6 @@ class VLLMEngine(StreamEngine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
-
-    def make_decoder(
-        self, prompt_ids: list[int], params: SamplingParams, resume_ids: Sequence[int]
-    ) -> SequenceDecoder:
-        limits.check(len(prompt_ids), params, self.limits(), token_ids=prompt_ids)
-        tok = self.tokenizer
-        return SequenceDecoder(
-            tok.decode,
-            params,
-            prompt_ids=prompt_ids,
-            eos_token_ids=tok.eos_token_ids,
-            resume_ids=resume_ids,
-        )
 
     def prepare(self, seq: StreamSeq) -> Any:
         if seq.decoder.finish_reason is not None:
