@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from tokenyard.engines.base import StepOutput
+from tokenyard.engines.base import StepOutput, footprint
 from tokenyard.errors import InvalidRequest
 from tokenyard.limits import refusal
 from tokenyard.messages import FinishReason, ModelLimits, SamplingParams, TokenChunk
@@ -46,8 +46,8 @@ class Job(Generic[H]):
 
     @property
     def footprint(self) -> int:
-        """Tokens the job may hold at its longest: prompt plus everything it may generate."""
-        return len(self.prompt_ids) + self.params.max_tokens
+        """Tokens the job reserves, counted as the engine's ledger counts them."""
+        return footprint(len(self.prompt_ids), self.params)
 
 
 @dataclass
@@ -73,7 +73,8 @@ class Update(Generic[H]):
     tokens: int = 0
 
 
-def _moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
+def moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
+    """Exponential moving average; the first sample seeds it."""
     return sample if previous <= 0 else previous + weight * (sample - previous)
 
 
@@ -111,9 +112,6 @@ class Scheduler(Generic[H]):
         yield from self._waiting
         yield from self._fresh
 
-    def running_ids(self) -> list[str]:
-        return list(self._running)
-
     def get(self, job_id: str) -> Job[H] | None:
         return self._running.get(job_id)
 
@@ -149,7 +147,7 @@ class Scheduler(Generic[H]):
             elif len(job.token_ids) >= job.params.max_tokens:
                 plan.done.append(job)
             else:
-                self._expected_footprint = _moving_average(self._expected_footprint, job.footprint)
+                self._expected_footprint = moving_average(self._expected_footprint, job.footprint)
                 self._waiting.append(job)
         # Strict order: a long job at the head is not overtaken forever by short ones. Every
         # accepted job fits an empty engine (the rule checked it against the whole budget).

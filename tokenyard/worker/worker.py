@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -29,7 +29,7 @@ from tokenyard.messages import (
     TokenChunk,
     WorkerInfo,
 )
-from tokenyard.worker.scheduler import Job, Plan, Scheduler, Update
+from tokenyard.worker.scheduler import Job, Plan, Scheduler, Update, moving_average
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,6 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
         max_seqs=min(n for n in (settings.max_seqs, own.max_seqs) if n),
         token_budget=min(n for n in (settings.token_budget, own.token_budget) if n),
     )
-
-
-def _moving_average(previous: float, sample: float, weight: float) -> float:
-    return sample if previous <= 0 else previous + weight * (sample - previous)
 
 
 class Worker:
@@ -195,7 +191,8 @@ class Worker:
                 else:
                     prompt_ids = await asyncio.to_thread(encode, text)
             except Exception as exc:  # a prompt the tokenizer rejects is the caller's error
-                await self._complete([(lease, _failure(f"cannot tokenize the prompt: {exc}"))])
+                failure = _failure(f"cannot tokenize the prompt: {exc}")
+                await self._settle(_Outcome(results=[(lease, failure)]))
                 return None
         job: Job[Lease] = Job(spec.id, lease, list(prompt_ids), spec.sampling, time.time())
         if lease.resumable:
@@ -329,9 +326,7 @@ class Worker:
             elif (job := self.scheduler.remove(job_id)) is not None:
                 not_started.append((job, FinishReason.CANCELLED, None))
         if not_started:
-            outcome = _Outcome()
-            outcome.finishing = not_started
-            await self._settle(outcome)
+            await self._settle(_Outcome(finishing=not_started))
 
     def _result(self, job: Job[Lease], reason: FinishReason) -> JobResult:
         return JobResult(
@@ -345,10 +340,6 @@ class Worker:
             queued_s=max(0.0, job.claimed_at - job.handle.spec.created_at),
             decode_s=job.decode_s,
         )
-
-    async def _complete(self, results: Sequence[tuple[Lease, JobResult]]) -> None:
-        await self.broker.complete_many(results)
-        self._capacity_freed.set()
 
     def _drop(self, job_id: str, why: str) -> None:
         if self.scheduler.remove(job_id) is None:
@@ -392,7 +383,7 @@ class Worker:
         mark_t, mark_n = self._rate_mark
         if now - mark_t >= 1.0:
             rate = (self._tokens_seen - mark_n) / (now - mark_t)
-            self._tokens_per_s = _moving_average(self._tokens_per_s, rate, 0.5)
+            self._tokens_per_s = moving_average(self._tokens_per_s, rate, 0.5)
             self._rate_mark = (now, self._tokens_seen)
         info = WorkerInfo(
             consumer=self.consumer,
@@ -413,14 +404,14 @@ class Worker:
         await self.broker.heartbeat(info, ttl_s=max(3 * self.settings.heartbeat_s, 1.0))
 
 
+@dataclass
 class _Outcome:
     """Broker writes a scheduling pass left to do."""
 
-    def __init__(self) -> None:
-        self.results: list[tuple[Lease, JobResult]] = []  # refused: failed at once
-        self.finishing: list[Finishing] = []
-        self.failed: list[tuple[Job[Lease], str]] = []  # engine faults: retried
-        self.freed = False
+    results: list[tuple[Lease, JobResult]] = field(default_factory=list)  # refused: failed now
+    finishing: list[Finishing] = field(default_factory=list)
+    failed: list[tuple[Job[Lease], str]] = field(default_factory=list)  # engine faults: retried
+    freed: bool = False
 
 
 def _streamed(job: Job[Lease]) -> bool:
