@@ -69,6 +69,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_memory_fraction: float | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
     cuda_graphs: bool = True  # hf on CUDA: capture the forward passes as CUDA graphs
     warmup: bool = True  # hf: one short request before serving (CUDA graphs: always at start)
+    # what identifies the served weights in the response cache's key; None: the engine's own
+    # (hf: a fingerprint of the model directory and the dtype; other engines: their name)
+    model_revision: str | None = None
     # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
     # above become max_num_seqs and dtype, None keeps vLLM's own default
     vllm_max_model_len: int | None = None

@@ -69,6 +69,8 @@ class JobSpec(msgspec.Struct, kw_only=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     deadline: float | None = None  # unix seconds; past it the job ends `expired`
     idempotency_key: str | None = None
+    # an identical deterministic request in flight with this key is joined, not run again
+    collapse_key: str | None = None
     trace_context: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: float = 0.0
     # Someone follows the tokens as they come (SSE, the jobs API). A sync call reads only the
@@ -147,6 +149,7 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_seqs: int  # sequences running at once
     token_budget: int  # prompt + max_tokens reserved over all running sequences
     vocab_size: int = 0  # token ids must be below it; 0: not known
+    revision: str = ""  # what identifies the weights (response cache key); "": not known
 
     @property
     def context(self) -> int:

@@ -118,3 +118,39 @@ class GatewayMetrics:
         self.broker_up = Gauge(
             "tokenyard_broker_up", "1 when the broker answered the last scrape.", registry=r
         )
+        # -- response cache and collapsing (tokenyard/cache.py) --
+        self.cache_hits = Counter(
+            "tokenyard_cache_hits",
+            "Deterministic requests answered from the response cache, by tier (local|shared).",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.cache_misses = Counter(
+            "tokenyard_cache_misses",
+            "Deterministic requests the response cache could not answer.",
+            ["model"],
+            registry=r,
+        )
+        self.cache_hit_bytes = Counter(
+            "tokenyard_cache_hit_bytes",
+            "Bytes of cached answers served.",
+            ["model"],
+            registry=r,
+        )
+        self.cache_stored_bytes = Counter(
+            "tokenyard_cache_stored_bytes",
+            "Bytes of answers this gateway wrote to the shared cache tier.",
+            ["model"],
+            registry=r,
+        )
+        self.cache_local_bytes = Gauge(
+            "tokenyard_cache_local_bytes",
+            "Bytes held by this gateway's in-process cache tier.",
+            registry=r,
+        )
+        self.collapsed = Counter(
+            "tokenyard_collapsed_requests",
+            "Requests that joined an identical job in flight instead of creating one.",
+            ["model"],
+            registry=r,
+        )

@@ -30,6 +30,7 @@ Clock = Callable[[], float]
 class EnqueueResult(msgspec.Struct, frozen=True):
     job_id: str
     created: bool  # False when the idempotency key named an existing job
+    collapsed: bool = False  # joined an identical job in flight (its collapse key's)
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -62,6 +63,7 @@ class CancelOutcome(enum.StrEnum):
     SIGNALLED = "signalled"  # it is running; its worker aborts it at the next step
     ALREADY_FINISHED = "already_finished"
     NOT_FOUND = "not_found"
+    FOLLOWED = "followed"  # a follower left; others still follow it, so it runs on
 
 
 class LaneStats(msgspec.Struct, frozen=True):
@@ -182,6 +184,24 @@ class Cancellation(Protocol):
         """Which of these running jobs a client asked to cancel."""
         ...
 
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        """Live callers stop following; the job is cancelled once no follower is left (a job
+        that never collapsed has one follower, its creator)."""
+        ...
+
+
+class ResponseStore(Protocol):
+    """The response cache's shared tier: encoded results by digest, per model."""
+
+    async def cache_get(self, model: str, digest: str) -> bytes | None: ...
+
+    async def cache_put(
+        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
+    ) -> None:
+        """Store with a TTL; the model's entries stay under `max_bytes` (the soonest to expire
+        are evicted first)."""
+        ...
+
 
 class WorkerRegistry(Protocol):
     """Live workers, by heartbeat."""
@@ -211,7 +231,17 @@ class Stats(Protocol):
     async def models(self) -> list[str]: ...
 
 
-class Broker(Producer, Leases, Events, Records, Cancellation, WorkerRegistry, Stats, Protocol):
+class Broker(
+    Producer,
+    Leases,
+    Events,
+    Records,
+    Cancellation,
+    ResponseStore,
+    WorkerRegistry,
+    Stats,
+    Protocol,
+):
     """Every role at once, plus the settings it runs under and its connection's lifetime."""
 
     settings: BrokerSettings

@@ -76,6 +76,25 @@ class Keys:
     def idempotency(self, model: str, tenant: str, key: str) -> str:
         return f"{self._model(model_tag(model))}:idem:{tenant}:{key}"
 
+    def inflight(self, model: str, collapse_key: str) -> str:
+        """The job an identical deterministic request in flight runs as (collapsing)."""
+        return f"{self._model(model_tag(model))}:inflight:{collapse_key}"
+
+    def cache_prefix(self, model: str) -> str:
+        """Prefix of a model's response cache entries; the put script appends digests."""
+        return f"{self._model(model_tag(model))}:cache:"
+
+    def cache(self, model: str, digest: str) -> str:
+        return self.cache_prefix(model) + digest
+
+    def cache_index(self, model: str) -> str:
+        """Sorted set of a model's cache digests, scored by when each entry expires."""
+        return f"{self._model(model_tag(model))}:cacheidx"
+
+    def cache_sizes(self, model: str) -> str:
+        """Hash digest -> bytes of each cache entry; the total lives in `counters`."""
+        return f"{self._model(model_tag(model))}:cachesz"
+
     def delayed(self, model: str) -> str:
         return f"{self._model(model_tag(model))}:delayed"
 

@@ -75,6 +75,7 @@ class _Job:
     result: bytes | None = None
     deadline: float | None = None
     expires_at: float | None = None
+    followers: int = 0  # live callers of a collapsed job (see `leave`)
 
 
 class MemoryStore:
@@ -85,6 +86,11 @@ class MemoryStore:
         self.jobs: dict[str, _Job] = {}
         # (model, tenant, key) -> (job id, valid until)
         self.idempotency: dict[tuple[str, str, str], tuple[str, float]] = {}
+        # (model, collapse key) -> (job id, valid until)
+        self.inflight: dict[tuple[str, str], tuple[str, float]] = {}
+        # model -> digest -> (value, valid until), in insertion order; bytes held per model
+        self.cache: dict[str, dict[str, tuple[bytes, float]]] = defaultdict(dict)
+        self.cache_bytes: dict[str, int] = defaultdict(int)
         self.delayed: dict[str, dict[str, float]] = defaultdict(dict)
         self.cancels: dict[str, set[str]] = defaultdict(set)
         self.dead_letters: dict[str, list[DeadLetter]] = defaultdict(list)
@@ -194,6 +200,8 @@ class MemoryBroker(Broker):
         fresh: list[tuple[JobSpec, tuple[str, str, str] | None]] = []
         taken_ids: set[str] = set()
         taken_keys: dict[tuple[str, str, str], str] = {}
+        taken_inflight: dict[tuple[str, str], str] = {}
+        joins: dict[str, int] = defaultdict(int)
         adding: dict[LaneId, int] = defaultdict(int)
         for spec in specs:
             if not spec.created_at:
@@ -205,6 +213,13 @@ class MemoryBroker(Broker):
                 existing = taken_keys.get(idem) or (known[0] if known and known[1] > now else None)
             if existing is None and (spec.id in taken_ids or self._job(spec.id) is not None):
                 existing = spec.id  # a resent enqueue whose first attempt did land
+            inflight = (spec.model, spec.collapse_key) if spec.collapse_key else None
+            if existing is None and inflight is not None:
+                joined = taken_inflight.get(inflight) or self._in_flight(inflight, now)
+                if joined is not None:
+                    joins[joined] += 1
+                    results.append(EnqueueResult(job_id=joined, created=False, collapsed=True))
+                    continue
             if existing is not None:
                 results.append(EnqueueResult(job_id=existing, created=False))
                 continue
@@ -213,6 +228,8 @@ class MemoryBroker(Broker):
             taken_ids.add(spec.id)
             if idem is not None:
                 taken_keys[idem] = spec.id
+            if inflight is not None:
+                taken_inflight[inflight] = spec.id
             adding[spec.model, spec.priority] += 1
         for lane, count in adding.items():
             depth = len(store.lanes[lane].entries)
@@ -232,9 +249,23 @@ class MemoryBroker(Broker):
             self._add_entry(lane, spec.id, now)
             if idem is not None:
                 store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
+            if spec.collapse_key:
+                key = (spec.model, spec.collapse_key)
+                store.inflight[key] = (spec.id, now + self.settings.idempotency_ttl_s)
+                store.jobs[spec.id].followers = 1
             store.models.add(spec.model)
+        for job_id, count in joins.items():  # counted only now: a refused batch joins nothing
+            store.jobs[job_id].followers += count
         store.notify()
         return results
+
+    def _in_flight(self, key: tuple[str, str], now: float) -> str | None:
+        """The queued or running job a collapse key names, if any."""
+        known = self.store.inflight.get(key)
+        if known is None or known[1] <= now:
+            return None
+        job = self._job(known[0])
+        return known[0] if job is not None and not job.status.terminal else None
 
     # -- consuming -------------------------------------------------------------------------
     async def claim(
@@ -430,6 +461,37 @@ class MemoryBroker(Broker):
 
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
         return set(job_ids) & self.store.cancels[model]
+
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        job = self._job(job_id)
+        if job is not None and not job.status.terminal:
+            job.followers -= max(1, followers)
+            if job.followers > 0:
+                return CancelOutcome.FOLLOWED
+        return await self.cancel(job_id)
+
+    # -- response cache --------------------------------------------------------------------
+    async def cache_get(self, model: str, digest: str) -> bytes | None:
+        found = self.store.cache[model].get(digest)
+        if found is None or found[1] <= self.clock():
+            return None
+        return found[0]
+
+    async def cache_put(
+        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
+    ) -> None:
+        if len(value) > max_bytes:
+            return
+        now = self.clock()
+        entries = self.store.cache[model]
+        for key in [k for k, (_, until) in entries.items() if until <= now or k == digest]:
+            self.store.cache_bytes[model] -= len(entries.pop(key)[0])
+        entries[digest] = (value, now + ttl_s)
+        self.store.cache_bytes[model] += len(value)
+        # one TTL for all, so insertion order is expiry order: the soonest to expire go first
+        while self.store.cache_bytes[model] > max_bytes:
+            oldest = next(iter(entries))
+            self.store.cache_bytes[model] -= len(entries.pop(oldest)[0])
 
     # -- events and records ----------------------------------------------------------------
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:

@@ -187,27 +187,35 @@ class RedisBroker(Broker):
                 full = specs[indexes[int(item) - 1]]
                 lane = f"{full.model}/{full.priority.name.lower()}"
                 raise QueueFull(lane, int(depth), self.settings.max_queue_depth)
-            for i, (created, job_id) in zip(indexes, payload, strict=True):
-                results[i] = EnqueueResult(job_id=_s(job_id), created=created == 1)
+            for i, (created, job_id, joined) in zip(indexes, payload, strict=True):
+                results[i] = EnqueueResult(
+                    job_id=_s(job_id), created=created == 1, collapsed=joined == 1
+                )
         return [r for r in results if r is not None]
 
     def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
         items = []
         for spec in specs:
             job = self.keys.job(spec.id)
-            idem = job
+            idem = inflight = job
             if spec.idempotency_key:
                 idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+            if spec.collapse_key:
+                inflight = self.keys.inflight(spec.model, spec.collapse_key)
             items.append(
                 (
                     scripts.EnqueueItemKeys(
-                        lane=self.keys.lane(spec.model, spec.priority), job=job, idem=idem
+                        lane=self.keys.lane(spec.model, spec.priority),
+                        job=job,
+                        idem=idem,
+                        inflight=inflight,
                     ),
                     scripts.EnqueueItemArgs(
                         job_id=spec.id,
                         spec=encode(spec),
                         deadline="" if spec.deadline is None else repr(spec.deadline),
                         use_idem="1" if spec.idempotency_key else "0",
+                        use_inflight="1" if spec.collapse_key else "0",
                     ),
                 )
             )
@@ -217,6 +225,7 @@ class RedisBroker(Broker):
                 now=repr(now),
                 max_depth=self.settings.max_queue_depth,
                 idem_ttl_ms=_ms(self.settings.idempotency_ttl_s),
+                job_prefix=self.keys.job_prefix(specs[0].model),
             ),
             items,
         )
@@ -490,6 +499,13 @@ class RedisBroker(Broker):
     # -- cancellation ----------------------------------------------------------------------
     @_unavailable_on_errors
     async def cancel(self, job_id: str) -> CancelOutcome:
+        return await self._cancel(job_id, 0)
+
+    @_unavailable_on_errors
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        return await self._cancel(job_id, max(1, followers))
+
+    async def _cancel(self, job_id: str, leaving: int) -> CancelOutcome:
         keys = self.keys
         call = scripts.CANCEL.call(
             scripts.CancelKeys(
@@ -503,10 +519,39 @@ class RedisBroker(Broker):
                 now=repr(self.clock()),
                 finished=encode(Finished(result=cancelled_result())),
                 ttl_ms=self._ttl_ms,
+                leaving=leaving,
             ),
         )
         outcome = await self._run(call)
         return CancelOutcome(_s(outcome))
+
+    # -- response cache --------------------------------------------------------------------
+    @_unavailable_on_errors
+    async def cache_get(self, model: str, digest: str) -> bytes | None:
+        value: Any = await self.redis.get(self.keys.cache(model, digest))
+        return None if value is None else bytes(value)
+
+    @_unavailable_on_errors
+    async def cache_put(
+        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
+    ) -> None:
+        call = scripts.CACHE_PUT.call(
+            scripts.CachePutKeys(
+                entry=self.keys.cache(model, digest),
+                by_expiry=self.keys.cache_index(model),
+                sizes=self.keys.cache_sizes(model),
+                counters=self.keys.counters(model),
+            ),
+            scripts.CachePutArgs(
+                digest=digest,
+                value=value,
+                ttl_ms=_ms(ttl_s),
+                now_ms=int(self.clock() * 1000),
+                max_bytes=max_bytes,
+                entry_prefix=self.keys.cache_prefix(model),
+            ),
+        )
+        await self._run(call)
 
     @_unavailable_on_errors
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:

@@ -116,12 +116,14 @@ class EnqueueArgs(NamedTuple):
     now: str
     max_depth: int
     idem_ttl_ms: int
+    job_prefix: str  # a collapsing request looks up the status of the job it would join
 
 
 class EnqueueItemKeys(NamedTuple):
     lane: str
     job: str
     idem: str  # the idempotency key, or the job key again when the job has none
+    inflight: str  # the collapse key, or the job key again when the job has none
 
 
 class EnqueueItemArgs(NamedTuple):
@@ -129,6 +131,7 @@ class EnqueueItemArgs(NamedTuple):
     spec: bytes
     deadline: str  # '' for none
     use_idem: str  # '1' | '0'
+    use_inflight: str  # '1' | '0': join an identical job in flight instead of adding one
 
 
 ENQUEUE = ScriptSpec("enqueue", Empty, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs)
@@ -261,9 +264,32 @@ class CancelArgs(NamedTuple):
     now: str
     finished: bytes  # Finished(cancelled result)
     ttl_ms: int
+    # followers leaving (a live caller went away): the job is cancelled only when none is left;
+    # 0 cancels outright
+    leaving: int
 
 
 CANCEL = ScriptSpec("cancel", CancelKeys, CancelArgs, Empty, Empty)
+
+
+# -- cache_put: the response cache's Redis tier, bounded by TTL and bytes -------------------
+class CachePutKeys(NamedTuple):
+    entry: str
+    by_expiry: str  # the model's digests scored by expiry
+    sizes: str
+    counters: str
+
+
+class CachePutArgs(NamedTuple):
+    digest: str
+    value: bytes
+    ttl_ms: int
+    now_ms: int
+    max_bytes: int
+    entry_prefix: str  # evicted entries' keys are this prefix + their digest
+
+
+CACHE_PUT = ScriptSpec("cache_put", CachePutKeys, CachePutArgs, Empty, Empty)
 
 
 # -- lease-fenced batches: emit events, renew, release ---------------------------------------
@@ -316,4 +342,5 @@ SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     EMIT,
     RENEW,
     RELEASE,
+    CACHE_PUT,
 )

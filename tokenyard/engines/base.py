@@ -11,6 +11,7 @@ import abc
 import asyncio
 import contextlib
 import hashlib
+import os
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,12 @@ class Engine(abc.ABC):
     capacity: EngineCapacity
     tokenizer: EngineTokenizer
 
+    @property
+    def revision(self) -> str:
+        """What identifies the weights (and numerics) it serves; part of the response cache's
+        key, published in `limits()`. Engines that know their weights say more."""
+        return self.name
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Load the model and start the busy loop in its own thread."""
@@ -149,7 +156,26 @@ class Engine(abc.ABC):
             max_seqs=self.capacity.max_seqs,
             token_budget=self.capacity.max_tokens,
             vocab_size=self.tokenizer.vocab_size,
+            revision=self.revision,
         )
+
+
+def weights_fingerprint(path: str | os.PathLike[str]) -> str:
+    """A short digest of a local model directory's files (name, size, mtime): it changes when
+    the weights are replaced, without reading them."""
+    digest = hashlib.blake2s(digest_size=8)
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        digest.update(root.encode())
+        return digest.hexdigest()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            stat = os.stat(full)
+            rel = os.path.relpath(full, root)
+            digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 class OutputChannel:

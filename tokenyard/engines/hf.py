@@ -37,7 +37,14 @@ from transformers.generation.continuous_batching.requests import (
 )
 from transformers.utils import logging as hf_logging
 
-from tokenyard.engines.base import EngineCapacity, EngineSeq, EngineStats, LocalEngine, open_seq
+from tokenyard.engines.base import (
+    EngineCapacity,
+    EngineSeq,
+    EngineStats,
+    LocalEngine,
+    open_seq,
+    weights_fingerprint,
+)
 from tokenyard.engines.detok import Delta
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.sampling import process_rows, sample_keys
@@ -278,6 +285,13 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self.tokenizer: HFTokenizer = load_hf_tokenizer(self.model_path)
         self.model: CausalLM | None = None
         self._started = False
+
+    @property
+    def revision(self) -> str:
+        # greedy output depends on the numerics too (bf16 and fp32 differ)
+        return f"{self.name}:{weights_fingerprint(self.model_path)}:{self.dtype}".replace(
+            "torch.", ""
+        )
 
     def _load_model(self) -> CausalLM:
         if self.threads is not None:

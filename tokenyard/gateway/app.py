@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from tokenyard.broker import Broker, connect
+from tokenyard.cache import ResponseCache
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.auth import KeyRing
@@ -67,6 +68,13 @@ def create_app(
                 events=EventHub(active, settings.event_block_s, settings.max_blocking_reads),
                 limits=PublishedLimits(active, settings.limits_ttl_s),
                 abandonment=Abandonment(active, settings.stream_resume_grace_s),
+                cache=ResponseCache(
+                    active,
+                    metrics,
+                    ttl_s=settings.cache_ttl_s,
+                    local_bytes=settings.cache_local_bytes,
+                    shared_bytes=settings.cache_shared_bytes,
+                ),
                 started_at=time.time(),
             )
             app.state.gateway = state

@@ -77,14 +77,16 @@ class Enqueuer:
         def cancel_if_in(done: asyncio.Future[EnqueueResult]) -> None:
             if not item.live or done.cancelled() or done.exception() is not None:
                 return
-            if done.result().created:
-                self._spawn(self._cancel(done.result().job_id))
+            entered = done.result()
+            if entered.created or entered.collapsed:
+                self._spawn(self._cancel(entered.job_id))
 
         return cancel_if_in
 
     async def _cancel(self, job_id: str) -> None:
         try:
-            await self.broker.cancel(job_id)
+            # as one follower: a collapsed job runs on while other callers follow it
+            await self.broker.leave(job_id)
         except Exception:
             log.warning("cancelling job %s of a caller that left failed", job_id, exc_info=True)
 

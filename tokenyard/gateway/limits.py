@@ -115,6 +115,7 @@ class PublishedLimits:
         self.ttl_s = ttl_s
         self.clock = clock
         self._known: dict[str, tuple[float, ModelLimits | None]] = {}
+        self._revisions: dict[str, str | None] = {}
         self._reading: dict[str, asyncio.Future[ModelLimits | None]] = {}
 
     async def of(self, model: str, tokenizer: EngineTokenizer) -> ModelLimits:
@@ -139,5 +140,12 @@ class PublishedLimits:
     async def _read(self, model: str) -> ModelLimits | None:
         workers = await self.broker.workers(model)
         published = loosest(w.limits for w in workers if w.limits is not None)
+        revisions = {w.limits.revision if w.limits else "" for w in workers}
+        self._revisions[model] = revisions.pop() if len(revisions) == 1 else None
         self._known[model] = (self.clock(), published)
         return published
+
+    def revision(self, model: str) -> str | None:
+        """The weights every live worker of `model` serves, as of the last `of`; None when
+        none is known, or workers differ (a rollout): then nothing is cached or collapsed."""
+        return self._revisions.get(model) or None

@@ -82,20 +82,22 @@ class CallTimer:
 class Abandonment:
     """Cancels jobs whose live callers went away, after a grace that lets a stream reconnect.
 
-    Only jobs created by a sync or streaming call are `own`ed; async jobs outlive readers.
-    Readers are counted per gateway process, so a reconnect must reach the same gateway.
+    Only jobs created or joined by a sync or streaming call are `own`ed; async jobs outlive
+    readers. Readers are counted per gateway process, so a reconnect must reach the same
+    gateway. A job is left as the followers this gateway holds: the broker cancels it only
+    when no other gateway's caller still follows it (collapsing).
     """
 
     def __init__(self, broker: Broker, grace_s: float) -> None:
         self.broker = broker
         self.grace_s = grace_s
-        self._owned: set[str] = set()
+        self._owned: dict[str, int] = {}  # job id -> followers this gateway holds
         self._readers: dict[str, int] = {}
         self._timers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[CancelOutcome | None]] = set()
 
     def own(self, job_id: str) -> None:
-        self._owned.add(job_id)
+        self._owned[job_id] = self._owned.get(job_id, 0) + 1
 
     def attach(self, job_id: str) -> None:
         self._readers[job_id] = self._readers.get(job_id, 0) + 1
@@ -111,7 +113,7 @@ class Abandonment:
             return
         self._readers.pop(job_id, None)
         if finished or job_id not in self._owned:
-            self._owned.discard(job_id)
+            self._owned.pop(job_id, None)
             return
         if grace and self.grace_s > 0:
             self._timers[job_id] = asyncio.create_task(self._cancel_later(job_id))
@@ -126,17 +128,17 @@ class Abandonment:
 
     async def cancel_now(self, job_id: str) -> CancelOutcome | None:
         """Cancel in a task of its own, shielded, so a caller being cancelled cannot stop it."""
-        self._owned.discard(job_id)
-        task = asyncio.create_task(self._cancel(job_id))
+        followers = self._owned.pop(job_id, 1)
+        task = asyncio.create_task(self._cancel(job_id, followers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         with anyio.CancelScope(shield=True):
             outcome = await task
         return outcome
 
-    async def _cancel(self, job_id: str) -> CancelOutcome | None:
+    async def _cancel(self, job_id: str, followers: int) -> CancelOutcome | None:
         try:
-            outcome = await self.broker.cancel(job_id)
+            outcome = await self.broker.leave(job_id, followers)
         except Exception:
             log.warning("cancelling abandoned job %s failed", job_id, exc_info=True)
             return None
@@ -174,14 +176,26 @@ class LiveCall:
         self.timer = timer
         self.after = after
         self.fresh = fresh  # just enqueued by this call: it cannot have ended yet
+        self.collapsed = False  # joined an identical job in flight (see tokenyard/cache.py)
+        # called with the job's result when this caller sees it (the response cache)
+        self.on_result: Callable[[JobResult], None] | None = None
 
     @classmethod
     async def start(cls, state: GatewayState, spec: JobSpec, started: float) -> LiveCall:
-        """Enqueue a job for a caller who follows it; it is cancelled if they leave."""
-        await state.enqueuer.submit(spec, live=True)
-        state.abandonment.own(spec.id)
+        """Enqueue a job for a caller who follows it (or join an identical one in flight);
+        it is cancelled if they leave and no other caller follows it."""
+        entered = await state.enqueuer.submit(spec, live=True)
+        state.abandonment.own(entered.job_id)
         timer = CallTimer(state.metrics, spec.model, started=started)
-        return cls(state, spec.id, spec.model, timer=timer, fresh=True)
+        call = cls(state, entered.job_id, spec.model, timer=timer, fresh=entered.created)
+        call.collapsed = entered.collapsed
+        if entered.collapsed:
+            state.metrics.collapsed.labels(spec.model).inc()
+        return call
+
+    def _saw(self, result: JobResult) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
 
     async def _events(self, *, tokens: bool) -> AsyncGenerator[Events | None, None]:
         """Batches of events up to the job's Finished event; None after `event_block_s` of
@@ -252,6 +266,7 @@ class LiveCall:
                     if isinstance(event, Finished):
                         if self.timer is not None:
                             self.timer.finished(event.result)
+                        self._saw(event.result)
                         return event.result
         record = await self.state.broker.record(self.job_id)
         if record is None or record.result is None:
@@ -321,6 +336,7 @@ class LiveCall:
                             finished = True
                             if timer is not None:
                                 timer.finished(event.result)
+                            self._saw(event.result)
                             for f in renderer.finish(event_id, event.result):
                                 yield f
                             return

@@ -61,6 +61,8 @@ class _Common(_Request):
     # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
     priority: Literal["high", "normal", "low"] | None = None
     deadline: float | None = None
+    # tokenyard: false opts a deterministic request out of the response cache and collapsing
+    cache: bool | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""

@@ -37,6 +37,14 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     retry_after_s: int = 1  # Retry-After on 429
     api_keys_file: str = ""  # JSON {key: {"tenant": ..., "priority": ...}}; empty: auth off
     require_workers: bool = True  # /readyz needs a live worker for every served model
+    # response cache and in-flight collapsing of deterministic (greedy or seeded) requests;
+    # a request opts out with `"cache": false` or `Cache-Control: no-cache` / `no-store`
+    cache: bool = True
+    collapse: bool = True  # identical requests in flight join one job
+    cache_shared: bool = False  # False: each tenant sees only its own cached answers
+    cache_ttl_s: float = 3600.0
+    cache_local_bytes: int = 64 << 20  # this gateway's in-process tier
+    cache_shared_bytes: int = 256 << 20  # the Redis tier, per model
 
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from tokenyard.broker import Broker
+from tokenyard.cache import ResponseCache
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.auth import KeyRing
 from tokenyard.gateway.enqueue import Enqueuer
@@ -29,11 +30,13 @@ class GatewayState:
     events: EventHub  # every follow of a job's events reads through it
     limits: PublishedLimits
     abandonment: Abandonment
+    cache: ResponseCache  # deterministic answers (see tokenyard/cache.py)
     started_at: float  # unix seconds; the `created` of /v1/models
 
     async def close(self) -> None:
         await self.enqueuer.close()
         await self.abandonment.close()
+        await self.cache.close()
         await self.events.close()
 
 

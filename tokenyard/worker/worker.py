@@ -61,6 +61,7 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
         own,
         max_seqs=min(n for n in (settings.max_seqs, own.max_seqs) if n),
         token_budget=min(n for n in (settings.token_budget, own.token_budget) if n),
+        revision=settings.model_revision or own.revision,
     )
 
 

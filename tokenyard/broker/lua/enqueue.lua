@@ -1,27 +1,48 @@
 -- Admit a batch of one model's jobs atomically: all of them, or none if a lane would overflow.
 -- A job whose idempotency key or id is already known is not added again; its id is returned.
--- KEYS: none; per item: lane, job, idem
--- ARGV: now, max_depth, idem_ttl_ms; per item: job_id, spec, deadline, use_idem
--- Returns {1, {{created 1|0, job_id}, ...}} or {-1, {item, depth}} when that item's lane is
--- full. A lane's consumer group is made by the first claim that reads it, not here.
+-- A job with a collapse key whose job is still queued or running joins that job instead
+-- (collapsing): its id is returned and the job counts one more follower.
+-- KEYS: none; per item: lane, job, idem, inflight
+-- ARGV: now, max_depth, idem_ttl_ms, job_prefix; per item: job_id, spec, deadline, use_idem,
+--   use_inflight
+-- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}} or {-1, {item, depth}} when that
+-- item's lane is full. A lane's consumer group is made by the first claim that reads it.
 local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}, {}, {}
+local taken_inflight, joins = {}, {}
 for i = 1, N do
   local k, a = item(i)
   local use_idem = a.use_idem == '1'
   local existing = nil
+  local joined = 0
   if use_idem then existing = taken_keys[k.idem] or redis.call('GET', k.idem) end
   if not existing and (taken_ids[a.job_id] or redis.call('EXISTS', k.job) == 1) then
     existing = a.job_id  -- a resent enqueue whose first attempt did land
   end
+  if not existing and a.use_inflight == '1' then
+    -- collapsing: a key whose job has ended (or is gone) is ignored, and overwritten below
+    local jid = taken_inflight[k.inflight]
+    if not jid then
+      jid = redis.call('GET', k.inflight)
+      if jid then
+        local status = redis.call('HGET', A.job_prefix .. jid, 'status')
+        if status ~= 'queued' and status ~= 'running' then jid = nil end
+      end
+    end
+    if jid then
+      existing, joined = jid, 1
+      joins[jid] = (joins[jid] or 0) + 1
+    end
+  end
   if existing then
-    results[i] = {0, existing}
+    results[i] = {0, existing, joined}
   else
-    results[i] = {1, a.job_id}
+    results[i] = {1, a.job_id, 0}
     fresh[#fresh + 1] = i
     adding[k.lane] = (adding[k.lane] or 0) + 1
     first_item[k.lane] = first_item[k.lane] or i
     taken_ids[a.job_id] = true
     if use_idem then taken_keys[k.idem] = a.job_id end
+    if a.use_inflight == '1' then taken_inflight[k.inflight] = a.job_id end
   end
 end
 local max_depth = tonumber(A.max_depth)
@@ -35,5 +56,13 @@ for _, i in ipairs(fresh) do
     'deliveries', 0, 'enq_at', A.now, 'deadline', a.deadline)
   redis.call('XADD', k.lane, '*', 'j', a.job_id)
   if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
+  if a.use_inflight == '1' then
+    redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms)
+    redis.call('HSET', k.job, 'followers', 1)
+  end
+end
+-- counted only now: a batch refused for a full lane joins nothing
+for jid, count in pairs(joins) do
+  redis.call('HINCRBY', A.job_prefix .. jid, 'followers', count)
 end
 return {1, results}

@@ -8,9 +8,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenyard.cache import collapse_key
 from tokenyard.gateway import protocol
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
+from tokenyard.gateway.cached import CACHE_HEADER, cache_digest, cached_response
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
@@ -45,16 +47,29 @@ async def _serve(
     tenant: Tenant,
     started: float,
 ) -> Response:
-    """One path for both endpoints: a job whose caller follows it live."""
+    """One path for both endpoints: a job whose caller follows it live, unless a deterministic
+    request is answered from the cache or joins an identical job in flight."""
     state = gateway(request)
     spec = await admit(state, kind, body, tenant, live=True)
+    digest = cache_digest(state, spec, body, request)
+    if digest is not None and state.settings.cache:
+        hit = await state.cache.get(spec.model, digest)
+        if hit is not None:
+            return cached_response(kind, body, spec, hit)
+    if digest is not None and state.settings.collapse:
+        spec.collapse_key = collapse_key(digest, spec.stream)
     call = await LiveCall.start(state, spec, started)
+    if digest is not None and state.settings.cache:
+        call.on_result = lambda result: state.cache.put(spec.model, digest, result)
     created = int(spec.created_at)
-    headers = {"X-Job-Id": spec.id}
+    job_id = call.job_id  # a collapsed call's is the job it joined
+    headers = {"X-Job-Id": job_id}
+    if digest is not None:
+        headers[CACHE_HEADER] = "collapsed" if call.collapsed else "miss"
     if body.stream:
         renderer = OpenAIRenderer(
             kind,
-            spec.id,
+            job_id,
             spec.model,
             created,
             include_usage=body.include_usage,
@@ -68,7 +83,7 @@ async def _serve(
         return JSONResponse(failed[1], status_code=failed[0], headers=headers)
     return JSONResponse(
         protocol.completion_body(
-            kind, spec.id, spec.model, created, result, token_ids=body.return_token_ids
+            kind, job_id, spec.model, created, result, token_ids=body.return_token_ids
         ),
         headers=headers,
     )

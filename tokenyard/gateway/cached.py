@@ -1,0 +1,79 @@
+"""The response cache and in-flight collapsing at the HTTP edge: which requests take part, and
+a cached answer rendered exactly as a fresh run's (JSON, or SSE replayed from the result)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from tokenyard.cache import cache_key, cache_scope, deterministic
+from tokenyard.gateway import protocol
+from tokenyard.gateway.state import GatewayState
+from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer
+from tokenyard.messages import JobResult, JobSpec, TokenChunk
+
+CACHE_HEADER = "X-Cache"  # hit | miss | collapsed | bypass
+_OPT_OUT = ("no-cache", "no-store")
+
+
+def cache_digest(
+    state: GatewayState,
+    spec: JobSpec,
+    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+    request: Request,
+) -> str | None:
+    """The request's cache key, or None when it takes no part: not deterministic, opted out,
+    both features off, or the model's revision is not known (no worker, or a rollout)."""
+    settings = state.settings
+    if not (settings.cache or settings.collapse) or body.cache is False:
+        return None
+    control = request.headers.get("cache-control", "").lower()
+    if any(word in control for word in _OPT_OUT):
+        return None
+    if not deterministic(spec.sampling) or spec.prompt_token_ids is None:
+        return None
+    revision = state.limits.revision(spec.model)
+    if revision is None:
+        return None
+    scope = cache_scope(spec.tenant, settings.cache_shared)
+    return cache_key(spec.model, revision, scope, spec.prompt_token_ids, spec.sampling)
+
+
+def cached_response(
+    kind: protocol.Kind,
+    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+    spec: JobSpec,
+    result: JobResult,
+) -> Response:
+    """A cached answer, shaped as a fresh run's; its id is new, no job stands behind it."""
+    created = int(spec.created_at)
+    headers = {CACHE_HEADER: "hit"}
+    if not body.stream:
+        content = protocol.completion_body(
+            kind, spec.id, spec.model, created, result, token_ids=body.return_token_ids
+        )
+        return JSONResponse(content, headers=headers)
+    renderer = OpenAIRenderer(
+        kind,
+        spec.id,
+        spec.model,
+        created,
+        include_usage=body.include_usage,
+        resumed=False,
+        token_ids=body.return_token_ids,
+    )
+    return EventStreamResponse(_replay(renderer, result), headers)
+
+
+async def _replay(renderer: OpenAIRenderer, result: JobResult) -> AsyncGenerator[bytes, None]:
+    # the whole answer in one chunk: the same text, ids and end as the run that made it
+    for f in renderer.start():
+        yield f
+    chunk = TokenChunk(token_ids=result.token_ids, text=result.text)
+    for f in renderer.tokens("0-1", chunk):
+        yield f
+    for f in renderer.finish("0-2", result):
+        yield f
