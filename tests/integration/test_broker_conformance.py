@@ -583,3 +583,86 @@ async def test_scripts_survive_a_flushed_script_cache(make_broker: BrokerFactory
     [lease] = await broker.claim(MODEL, "w", slots=1)
     await broker.redis.script_flush()
     assert await broker.complete(lease, ok(lease))
+
+
+def collapsing(key: str = "digest-1") -> JobSpec:
+    spec = job()
+    spec.collapse_key = key
+    return spec
+
+
+async def test_identical_request_in_flight_joins_the_job(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    first = await broker.enqueue(collapsing())
+    joined = await broker.enqueue(collapsing())
+    in_batch = await broker.enqueue_many([collapsing("digest-2"), collapsing("digest-2")])
+    other = await broker.enqueue(collapsing("digest-3"))
+    assert first.created and not first.collapsed
+    assert joined == type(joined)(job_id=first.job_id, created=False, collapsed=True)
+    assert in_batch[0].created and in_batch[1].collapsed
+    assert in_batch[1].job_id == in_batch[0].job_id
+    assert other.created
+    leases = await broker.claim(MODEL, "w1", slots=10)
+    assert len(leases) == 3  # one job per collapse key
+    # running jobs are joined too
+    running = await broker.enqueue(collapsing())
+    assert running.collapsed and running.job_id == first.job_id
+    lease = next(x for x in leases if x.spec.id == first.job_id)
+    assert await broker.complete(lease, ok(lease))
+    # a finished job's key is ignored: the next identical request runs again
+    after = await broker.enqueue(collapsing())
+    assert after.created and after.job_id != first.job_id
+
+
+async def test_a_refused_batch_joins_nothing(make_broker: BrokerFactory) -> None:
+    broker = make_broker(max_queue_depth=2)
+    first = await broker.enqueue(collapsing())
+    with pytest.raises(QueueFull):
+        await broker.enqueue_many([collapsing(), job(), job()])
+    # had the refused batch counted its follower, one leave would not cancel the job
+    assert await broker.leave(first.job_id) is CancelOutcome.CANCELLED
+
+
+async def test_collapsed_job_is_cancelled_only_when_its_last_follower_leaves(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    first = await broker.enqueue(collapsing())
+    for _ in range(2):
+        await broker.enqueue(collapsing())
+    assert await broker.leave(first.job_id) is CancelOutcome.FOLLOWED
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.leave(first.job_id) is CancelOutcome.FOLLOWED
+    assert await broker.cancelled(MODEL, [first.job_id]) == set()
+    assert await broker.leave(first.job_id) is CancelOutcome.SIGNALLED
+    assert await broker.cancelled(MODEL, [first.job_id]) == {first.job_id}
+    # a job that never collapsed is cancelled by its one caller leaving
+    plain = await broker.enqueue(job())
+    assert await broker.leave(plain.job_id) is CancelOutcome.CANCELLED
+    # two followers leaving together (one gateway's) count as two
+    pair = await broker.enqueue(collapsing("digest-9"))
+    await broker.enqueue(collapsing("digest-9"))
+    assert await broker.leave(pair.job_id, 2) is CancelOutcome.CANCELLED
+
+
+async def test_response_cache_entries_expire_and_stay_under_the_byte_bound(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    assert await broker.cache_get(MODEL, "a") is None
+    await broker.cache_put(MODEL, "a", b"x" * 40, ttl_s=60, max_bytes=100)
+    await broker.cache_put(MODEL, "b", b"y" * 40, ttl_s=60, max_bytes=100)
+    assert await broker.cache_get(MODEL, "a") == b"x" * 40
+    await broker.cache_put(MODEL, "c", b"z" * 40, ttl_s=60, max_bytes=100)
+    # over the bound: the entry soonest to expire went
+    assert await broker.cache_get(MODEL, "a") is None
+    assert await broker.cache_get(MODEL, "b") == b"y" * 40
+    assert await broker.cache_get(MODEL, "c") == b"z" * 40
+    # too big for the bound: not stored, nothing evicted for it
+    await broker.cache_put(MODEL, "huge", b"h" * 101, ttl_s=60, max_bytes=100)
+    assert await broker.cache_get(MODEL, "huge") is None
+    assert await broker.cache_get(MODEL, "b") is not None
+    await broker.cache_put(MODEL, "short", b"s", ttl_s=0.05, max_bytes=100)
+    assert await broker.cache_get(MODEL, "short") == b"s"
+    await asyncio.sleep(0.1)
+    assert await broker.cache_get(MODEL, "short") is None
