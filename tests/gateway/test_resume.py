@@ -71,7 +71,9 @@ def test_openai_stream_reconnects_through_the_job_events(valkey: EmbeddedServer)
 
         texts: list[str] = []
         last_id = completion_id = None
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as first:
+        with http.stream(
+            "POST", "/v1/completions", json={**body, "stream": True, "cache": False}
+        ) as first:
             for ev in events(first):
                 chunk = ev.json()
                 completion_id = chunk["id"]

@@ -76,6 +76,9 @@ class _Broker:
         self.cancelled.append(job_id)
         return CancelOutcome.SIGNALLED
 
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        return await self.cancel(job_id)  # one follower each: leaving cancels
+
 
 async def test_abandoned_jobs_wait_out_the_grace_unless_a_reader_returns() -> None:
     broker = _Broker()
