@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
-from tests.gateway.test_disconnect import wait_status
 from tests.gateway.sse import events
+from tests.gateway.test_disconnect import wait_status
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.messages import JobStatus
 
@@ -24,13 +24,15 @@ STEP_S = 0.05  # the sim worker's decode step: a 30-token job runs 1.5 s
 @pytest.fixture(scope="module")
 def gateways(valkey: EmbeddedServer) -> Iterator[tuple[Stack, Stack]]:
     """Two gateways sharing one deployment's keys; the one worker runs behind the first."""
-    with run_stack(valkey, engines=[slow_engine(STEP_S)]) as a:
-        with run_stack(valkey, engines=[], prefix=a.prefix) as b:
-            give_up = time.monotonic() + 10
-            while not a.call(a.gateway_broker.workers(MODEL)):
-                assert time.monotonic() < give_up, "the worker never sent a heartbeat"
-                time.sleep(0.05)
-            yield a, b
+    with (
+        run_stack(valkey, engines=[slow_engine(STEP_S)]) as a,
+        run_stack(valkey, engines=[], prefix=a.prefix) as b,
+    ):
+        give_up = time.monotonic() + 10
+        while not a.call(a.gateway_broker.workers(MODEL)):
+            assert time.monotonic() < give_up, "the worker never sent a heartbeat"
+            time.sleep(0.05)
+        yield a, b
 
 
 def _pct(values: list[float], q: float) -> float:
