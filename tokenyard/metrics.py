@@ -118,6 +118,12 @@ class GatewayMetrics:
         self.broker_up = Gauge(
             "tokenyard_broker_up", "1 when the broker answered the last scrape.", registry=r
         )
+        self.routed = Counter(
+            "tokenyard_routed_requests",
+            "Requests by the model asked for, the model chosen, and the routing rule that chose.",
+            ["requested", "model", "rule"],
+            registry=r,
+        )
         # -- response cache and collapsing (tokenyard/cache.py) --
         self.cache_hits = Counter(
             "tokenyard_cache_hits",

@@ -149,7 +149,8 @@ def run_stack(
     broker_settings = BrokerSettings(
         url=broker_url or valkey.url, prefix=prefix, **(broker_options or {})
     )
-    gw_settings = GatewaySettings(models=(model,), tokenizer="sim", **settings)
+    models = settings.pop("models", (model,))
+    gw_settings = GatewaySettings(models=models, tokenizer="sim", **settings)
     sock = _free_socket()
     port = sock.getsockname()[1]
     ready = threading.Event()
@@ -161,7 +162,7 @@ def run_stack(
         app = create_app(
             gw_settings,
             gateway_broker,
-            tokenizers={model: tokenizer or SimTokenizer()},
+            tokenizers={m: tokenizer or SimTokenizer() for m in models},
             keyring=keyring,
         )
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))

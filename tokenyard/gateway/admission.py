@@ -16,6 +16,7 @@ from tokenyard.gateway.limits import resolve_max_tokens
 from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest, Kind
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import JobSpec, SamplingParams
+from tokenyard.routing import Rule, resolve_alias, route, wants_fast_path
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
 _INLINE_CHARS = 4096
@@ -49,7 +50,8 @@ async def admit(
     """A JobSpec for a validated request, carrying its prompt's token ids (the worker does not
     tokenize again); `live` calls get the request timeout as deadline."""
     body.refuse_unsupported()
-    tokenizer = tokenizer_for(state, body.model)
+    model = resolve_alias(state.routing, body.model)
+    tokenizer = tokenizer_for(state, model)
     settings = state.settings
     prompt: str | None
     token_ids: list[int] | None = None
@@ -80,7 +82,22 @@ async def admit(
     prompt_tokens = len(token_ids)
     if prompt_tokens == 0:
         raise InvalidRequest("The prompt is empty", param=param)
-    model_limits = await state.limits.of(body.model, tokenizer)
+    rule = Rule.ALIAS if model != body.model else Rule.REQUESTED
+    if prompt is not None and wants_fast_path(state.routing, model, prompt_tokens):
+        # token ids a client sent belong to the model it named: only text takes the fast path
+        fast = state.routing.fast_path
+        assert fast is not None
+        depth = await state.depths.of(fast.model) if fast.max_depth else None
+        model, rule = route(state.routing, body.model, prompt_tokens, depth)
+        if model == fast.model:
+            small = tokenizer_for(state, model)
+            if small is not tokenizer:  # its own template and vocabulary
+                if isinstance(body, ChatCompletionRequest):
+                    prompt = small.apply_chat_template(body.template_messages())
+                tokenizer, token_ids = small, await _tokenize(small, prompt)
+                prompt_tokens = len(token_ids)
+    state.metrics.routed.labels(body.model, model, rule.value).inc()
+    model_limits = await state.limits.of(model, tokenizer)
     max_tokens = resolve_max_tokens(
         requested, default, settings.max_tokens_cap, prompt_tokens, model_limits.context, param
     )
@@ -101,8 +118,8 @@ async def admit(
     )
     limits.check(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
     return JobSpec(
-        id=new_job_id(body.model),
-        model=body.model,
+        id=new_job_id(model),
+        model=model,
         tenant=tenant.name,
         priority=tenant.lane_priority(body.priority_class),
         prompt=prompt,

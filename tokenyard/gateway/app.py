@@ -26,6 +26,7 @@ from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tokenizers import load_tokenizers
 from tokenyard.metrics import GatewayMetrics
+from tokenyard.routing import LaneDepths, RoutingRules
 
 
 def create_app(
@@ -42,6 +43,7 @@ def create_app(
     Tokenizers default to loading each served model's; keys default to `api_keys_file`."""
     metrics = GatewayMetrics(registry)
     keys = keyring if keyring is not None else KeyRing.from_file(settings.api_keys_file)
+    routing = RoutingRules.from_file(settings.routing_file, settings.models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,6 +77,8 @@ def create_app(
                     local_bytes=settings.cache_local_bytes,
                     shared_bytes=settings.cache_shared_bytes,
                 ),
+                routing=routing,
+                depths=LaneDepths(active),
                 started_at=time.time(),
             )
             app.state.gateway = state

@@ -17,6 +17,7 @@ from tokenyard.gateway.limits import PublishedLimits
 from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.metrics import GatewayMetrics
+from tokenyard.routing import LaneDepths, RoutingRules
 
 
 @dataclass
@@ -31,6 +32,8 @@ class GatewayState:
     limits: PublishedLimits
     abandonment: Abandonment
     cache: ResponseCache  # deterministic answers (see tokenyard/cache.py)
+    routing: RoutingRules
+    depths: LaneDepths  # the fast path's congestion check
     started_at: float  # unix seconds; the `created` of /v1/models
 
     async def close(self) -> None:
