@@ -26,6 +26,29 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     starvation_every: int = 8  # every Nth claim round serves lower lanes first
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
     max_connections: int = 512  # per process; blocking reads each hold one while they wait
+    # size pools: ascending bounds of estimated tokens (prompt + max_tokens), comma-separated,
+    # e.g. "2048,8192": three lanes per model and priority; a worker claims only the pools its
+    # context holds (see broker/policy.py). Gateways and workers must agree. Empty: one pool.
+    size_pools: str = ""
+
+    @property
+    def pool_bounds(self) -> tuple[int, ...]:
+        return parse_pool_bounds(self.size_pools)
+
+    @property
+    def pool_count(self) -> int:
+        return len(self.pool_bounds) + 1
+
+
+def parse_pool_bounds(text: str) -> tuple[int, ...]:
+    """ "2048,8192" -> (2048, 8192); the bounds must be positive and ascending."""
+    try:
+        bounds = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise FatalError(f"size_pools: {text!r} is not a comma-separated list of ints") from exc
+    if any(b <= 0 for b in bounds) or list(bounds) != sorted(set(bounds)):
+        raise FatalError(f"size_pools: {text!r} must be positive and strictly ascending")
+    return bounds
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)

@@ -77,6 +77,7 @@ class JobSpec(msgspec.Struct, kw_only=True):
     # result, so its worker writes no token events: a crash then regenerates, same output.
     stream: bool = True
     attempt: int = 0
+    pool: int = 0  # size pool (set by the broker at enqueue from prompt + max_tokens)
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):

@@ -666,3 +666,29 @@ async def test_response_cache_entries_expire_and_stay_under_the_byte_bound(
     assert await broker.cache_get(MODEL, "short") == b"s"
     await asyncio.sleep(0.1)
     assert await broker.cache_get(MODEL, "short") is None
+
+
+async def test_size_pools_split_lanes_by_estimated_tokens(make_broker: BrokerFactory) -> None:
+    broker = make_broker(size_pools="10,100", lease_s=0.2)
+    small, medium, large = job(), job(), job()  # "hello": ~2 tokens + max_tokens 4 -> pool 0
+    medium.sampling = SamplingParams(max_tokens=50, temperature=0.0)
+    large.sampling = SamplingParams(max_tokens=500, temperature=0.0)
+    await broker.enqueue_many([small, medium, large])
+    assert await broker.depth(MODEL) == 3
+    stats = await broker.stats(MODEL)
+    assert sum(lane.waiting for lane in stats.lanes) == 3
+    # a worker that holds only the small pool never sees the others
+    [only] = await broker.claim(MODEL, "short", slots=10, pools=(0,))
+    assert only.spec.id == small.id and only.spec.pool == 0
+    assert await broker.claim(MODEL, "short", slots=10, pools=(0,)) == []
+    # a bigger worker takes its own pool first, then smaller ones
+    [first] = await broker.claim(MODEL, "mid", slots=1, pools=(1, 0))
+    assert first.spec.id == medium.id
+    # pool lanes are leased like any other: lost leases are reaped back into their pool
+    await asyncio.sleep(0.3)
+    report = await broker.reap(MODEL)
+    assert sorted(report.requeued) == sorted([small.id, medium.id])
+    claimed = await broker.claim(MODEL, "big", slots=10, pools=(2, 1, 0))
+    assert [lease.spec.id for lease in claimed] == [large.id, medium.id, small.id]
+    assert await broker.complete_many([(lease, ok(lease)) for lease in claimed]) == [True] * 3
+    assert await broker.depth(MODEL) == 0

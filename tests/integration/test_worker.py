@@ -270,3 +270,26 @@ async def test_the_engine_fills_to_capacity_within_a_few_steps(
         await asyncio.sleep(0.001)
     assert steps_to_full <= 3
     assert worker.scheduler.waiting >= 1  # the claim-ahead reserve is held beside the batch
+
+
+async def test_a_long_job_never_reaches_a_short_worker(
+    make_broker: BrokerFactory, run_worker: RunWorker
+) -> None:
+    def engine(context: int) -> SimEngine:
+        return SimEngine(
+            max_model_len=context, decode_base=0.002, decode_per_seq=1e-4, prefill_base=0.001
+        )
+
+    pools = {"size_pools": "64", "lease_s": 2.0}
+    broker = make_broker(**pools)
+    short = run_worker(engine=engine(64), broker=make_broker(**pools), max_seqs=4)
+    long = run_worker(engine=engine(4096), broker=make_broker(**pools), max_seqs=4)
+    assert (short.pools, long.pools) == ([0], [1, 0])
+    shorts = [spec("hi", max_tokens=8) for _ in range(24)]  # ~10 tokens: pool 0
+    longs = [spec("long", max_tokens=100) for _ in range(8)]  # ~102 tokens: pool 1
+    await broker.enqueue_many([*longs, *shorts])
+    records = await wait_all(broker, [s.id for s in [*longs, *shorts]])
+    assert {r.status for r in records.values()} == {JobStatus.SUCCEEDED}
+    assert {records[s.id].worker for s in longs} == {long.consumer}
+    # the long worker, idle once its own pool drained, helped with the short work
+    assert {records[s.id].worker for s in shorts} <= {short.consumer, long.consumer}

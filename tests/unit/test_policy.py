@@ -5,7 +5,18 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from tokenyard.broker.policy import backoff_delay, claim_order
+import pytest
+
+from tokenyard.broker.policy import (
+    backoff_delay,
+    claim_order,
+    estimated_tokens,
+    pools_served,
+    size_pool,
+)
+from tokenyard.config import parse_pool_bounds
+from tokenyard.errors import FatalError
+from tokenyard.messages import JobSpec, SamplingParams
 
 
 def test_backoff_grows_exponentially_up_to_the_cap() -> None:
@@ -44,3 +55,25 @@ def test_claim_order_gives_each_lower_lane_a_turn() -> None:
 def test_claim_order_without_anti_starvation() -> None:
     assert all(claim_order(3, r, 0) == [0, 1, 2] for r in range(20))
     assert claim_order(1, 7, 8) == [0]
+
+
+def test_size_pools_by_estimated_tokens() -> None:
+    bounds = parse_pool_bounds("2048, 8192")
+    assert bounds == (2048, 8192) and parse_pool_bounds("") == ()
+    assert [size_pool(n, bounds) for n in (1, 2048, 2049, 8192, 8193)] == [0, 0, 1, 1, 2]
+    assert size_pool(10**6, ()) == 0
+    # a worker claims the pools whose every job it holds, its own first
+    assert pools_served(1024, bounds) == [0]  # holds no pool fully: the smallest still
+    assert pools_served(4096, bounds) == [0]
+    assert pools_served(8192, bounds) == [1, 0]
+    assert pools_served(32768, bounds) == [2, 1, 0]
+    assert pools_served(4096, ()) == [0]
+    ids = JobSpec(
+        id="x", model="m", prompt_token_ids=[1] * 100, sampling=SamplingParams(max_tokens=28)
+    )
+    assert estimated_tokens(ids) == 128
+    text = JobSpec(id="x", model="m", prompt="abcdefgh", sampling=SamplingParams(max_tokens=10))
+    assert estimated_tokens(text) == 13
+    for bad in ("8192,2048", "0,10", "a,b", "5,5"):
+        with pytest.raises(FatalError):
+            parse_pool_bounds(bad)

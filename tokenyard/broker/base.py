@@ -98,9 +98,15 @@ class Leases(Protocol):
     """Takes jobs and settles them, fenced by the lease (the worker)."""
 
     async def claim(
-        self, model: str, consumer: str, slots: int, block_s: float = 0.0
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
     ) -> list[Lease]:
-        """Take up to `slots` jobs, higher priority first; wait up to `block_s` if none."""
+        """Take up to `slots` jobs, higher priority first, each priority's size `pools` in the
+        order given; wait up to `block_s` if none."""
         ...
 
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:

@@ -47,12 +47,14 @@ class Keys:
     def _model(self, tag: str) -> str:
         return f"{self.prefix}:{{{tag}}}"
 
-    def lane(self, model: str, priority: Priority) -> str:
-        return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}"
+    def lane(self, model: str, priority: Priority, pool: int = 0) -> str:
+        # pool 0 keeps the name lanes had before size pools
+        tail = f":p{pool}" if pool else ""
+        return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}{tail}"
 
-    def lanes(self, model: str) -> list[str]:
-        """Lane streams of a model, highest priority first."""
-        return [self.lane(model, p) for p in Priority]
+    def lanes(self, model: str, pools: int = 1) -> list[str]:
+        """Lane streams of a model, highest priority first, each priority's pools in order."""
+        return [self.lane(model, p, pool) for p in Priority for pool in range(pools)]
 
     def job_prefix(self, model: str) -> str:
         """Prefix of the job records of a model; Lua scripts append job ids to it."""

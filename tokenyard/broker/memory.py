@@ -22,7 +22,7 @@ from tokenyard.broker.base import (
 )
 from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.policy import backoff_delay, claim_order, estimated_tokens, size_pool
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
@@ -41,7 +41,7 @@ from tokenyard.messages import (
     encode,
 )
 
-LaneId = tuple[str, Priority]  # (model, priority)
+LaneId = tuple[str, Priority, int]  # (model, priority, size pool)
 
 
 @dataclass
@@ -64,6 +64,7 @@ class _Job:
     spec: bytes
     model: str
     priority: Priority
+    pool: int
     status: JobStatus = JobStatus.QUEUED
     deliveries: int = 0
     enqueued_at: float = 0.0
@@ -151,7 +152,7 @@ class MemoryBroker(Broker):
         return job
 
     def _owned(self, lease: Lease) -> _Entry | None:
-        entry = self.store.lanes[lease.model, lease.priority].entries.get(lease.entry_id)
+        entry = self.store.lanes[_lane(lease.spec)].entries.get(lease.entry_id)
         if entry is None or entry.owner != lease.consumer:
             return None
         return entry
@@ -206,6 +207,7 @@ class MemoryBroker(Broker):
         for spec in specs:
             if not spec.created_at:
                 spec.created_at = now
+            spec.pool = size_pool(estimated_tokens(spec), self.settings.pool_bounds)
             idem = (spec.model, spec.tenant, spec.idempotency_key) if spec.idempotency_key else None
             existing = None
             if idem is not None:
@@ -230,19 +232,20 @@ class MemoryBroker(Broker):
                 taken_keys[idem] = spec.id
             if inflight is not None:
                 taken_inflight[inflight] = spec.id
-            adding[spec.model, spec.priority] += 1
+            adding[_lane(spec)] += 1
         for lane, count in adding.items():
             depth = len(store.lanes[lane].entries)
             if depth + count > self.settings.max_queue_depth:
-                model, priority = lane
+                model, priority, _ = lane
                 label = f"{model}/{priority.name.lower()}"
                 raise QueueFull(label, depth, self.settings.max_queue_depth)
         for spec, idem in fresh:
-            lane = (spec.model, spec.priority)
+            lane = _lane(spec)
             store.jobs[spec.id] = _Job(
                 spec=encode(spec),
                 model=spec.model,
                 priority=spec.priority,
+                pool=spec.pool,
                 enqueued_at=now,
                 deadline=spec.deadline,
             )
@@ -269,13 +272,18 @@ class MemoryBroker(Broker):
 
     # -- consuming -------------------------------------------------------------------------
     async def claim(
-        self, model: str, consumer: str, slots: int, block_s: float = 0.0
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
     ) -> list[Lease]:
         if slots <= 0:
             return []
         give_up_at = time.monotonic() + block_s
         while True:
-            leases = self._claim_now(model, consumer, slots)
+            leases = self._claim_now(model, consumer, slots, pools)
             wait = give_up_at - time.monotonic()
             if leases or wait <= 0:
                 return leases
@@ -284,7 +292,9 @@ class MemoryBroker(Broker):
                 wait = min(wait, max(0.001, min(due) - self.clock()))
             await self.store.wait(wait)
 
-    def _claim_now(self, model: str, consumer: str, slots: int) -> list[Lease]:
+    def _claim_now(
+        self, model: str, consumer: str, slots: int, pools: Sequence[int]
+    ) -> list[Lease]:
         now = self.clock()
         store = self.store
         delayed = store.delayed[model]
@@ -294,13 +304,14 @@ class MemoryBroker(Broker):
             del delayed[job_id]
             job = self._job(job_id)
             if job is not None and not job.status.terminal:
-                self._add_entry((job.model, job.priority), job_id, now)
+                self._add_entry((job.model, job.priority, job.pool), job_id, now)
 
-        lanes = [(model, p) for p in Priority]
-        order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
+        priorities = list(Priority)
+        order = claim_order(len(priorities), self._rounds[model], self.settings.starvation_every)
         self._rounds[model] += 1
         leases: list[Lease] = []
-        for lane in (lanes[i] for i in order):
+        ordered = [(model, priorities[i], pool) for i in order for pool in pools]
+        for lane in ordered:
             state = store.lanes[lane]
             while len(leases) < slots and state.undelivered:
                 entry = state.entries.get(state.undelivered.pop(0))
@@ -364,7 +375,7 @@ class MemoryBroker(Broker):
                 if tail is not None:
                     self._emit(lease.spec.id, encode(tail))
                 self._finish(job, lease.spec.id, result, now)
-            self._remove_entry((lease.model, lease.priority), lease.entry_id)
+            self._remove_entry(_lane(lease.spec), lease.entry_id)
             self.store.cancels[lease.spec.model].discard(lease.spec.id)
             accepted.append(True)
         self.store.notify()
@@ -374,7 +385,7 @@ class MemoryBroker(Broker):
         if self._fence(lease) is None:
             return -1
         now = self.clock()
-        self._remove_entry((lease.model, lease.priority), lease.entry_id)
+        self._remove_entry(_lane(lease.spec), lease.entry_id)
         job = self._job(lease.spec.id)
         if job is None:
             return 0
@@ -406,7 +417,7 @@ class MemoryBroker(Broker):
         for lease in leases:
             if self._owned(lease) is None:
                 continue
-            lane = (lease.model, lease.priority)
+            lane = _lane(lease.spec)
             self._remove_entry(lane, lease.entry_id)
             job = self._job(lease.spec.id)
             if job is not None:
@@ -421,7 +432,7 @@ class MemoryBroker(Broker):
         now = self.clock()
         requeued: list[str] = []
         dead: list[str] = []
-        for lane in [(model, p) for p in Priority]:
+        for lane in self._lanes(model):
             for entry in list(self.store.lanes[lane].entries.values()):
                 if entry.owner is None or now - entry.touched < self.settings.lease_s:
                     continue
@@ -568,12 +579,14 @@ class MemoryBroker(Broker):
         now = self.clock()
         lanes = []
         for priority in Priority:
-            state = self.store.lanes[model, priority]
-            waiting = [state.entries[e] for e in state.undelivered if e in state.entries]
-            in_flight = sum(1 for e in state.entries.values() if e.owner is not None)
+            # a priority's size pools are reported together
+            states = [self.store.lanes[lane] for lane in self._lanes(model) if lane[1] is priority]
+            waiting = [s.entries[e] for s in states for e in s.undelivered if e in s.entries]
+            in_flight = sum(1 for s in states for e in s.entries.values() if e.owner is not None)
             age = None
             if waiting:
-                age = max(0.0, now - _id_key(waiting[0].entry_id)[0] / 1000)
+                first = min(_id_key(entry.entry_id)[0] for entry in waiting)
+                age = max(0.0, now - first / 1000)
             lanes.append(
                 LaneStats(
                     model,
@@ -594,7 +607,10 @@ class MemoryBroker(Broker):
         )
 
     async def depth(self, model: str) -> int:
-        return sum(len(self.store.lanes[model, p].entries) for p in Priority)
+        return sum(len(self.store.lanes[lane].entries) for lane in self._lanes(model))
+
+    def _lanes(self, model: str) -> list[LaneId]:
+        return [(model, p, pool) for p in Priority for pool in range(self.settings.pool_count)]
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         return self.store.dead_letters[model][:count]
@@ -613,3 +629,7 @@ class MemoryBroker(Broker):
     async def workers(self, model: str) -> list[WorkerInfo]:
         now = self.clock()
         return [info for info, until in self.store.workers[model].values() if until > now]
+
+
+def _lane(spec: JobSpec) -> LaneId:
+    return spec.model, spec.priority, spec.pool

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import random
+from collections.abc import Sequence
+
+from tokenyard.messages import JobSpec
 
 
 def backoff_delay(
@@ -29,3 +33,29 @@ def claim_order(n_lanes: int, claim_round: int, starvation_every: int) -> list[i
     head = 1 + (turn - 1) % (n_lanes - 1)
     order.remove(head)
     return [head, *order]
+
+
+def estimated_tokens(spec: JobSpec) -> int:
+    """Prompt + max_tokens: what a job may hold of an engine's context (text: ~4 bytes/token)."""
+    if spec.prompt_token_ids is not None:
+        prompt = len(spec.prompt_token_ids)
+    else:
+        prompt = len((spec.prompt or "").encode()) // 4 + 1
+    return prompt + spec.sampling.max_tokens
+
+
+def size_pool(tokens: int, bounds: Sequence[int]) -> int:
+    """The size pool of a job of `tokens`: pool p holds bounds[p-1] < tokens <= bounds[p], and
+    the last pool everything above the last bound (no bounds: one pool, 0)."""
+    return bisect.bisect_left(bounds, tokens)
+
+
+def pools_served(context: int, bounds: Sequence[int]) -> list[int]:
+    """The pools a worker whose longest sequence is `context` claims from, in order: the largest
+    pool whose every job it can hold, then each smaller one (an idle pool takes smaller work).
+    The last pool is open-ended: a worker serves it when its context exceeds the last bound."""
+    if bounds and context > bounds[-1]:
+        own = len(bounds)
+    else:
+        own = max((p for p, bound in enumerate(bounds) if bound <= context), default=0)
+    return list(range(own, -1, -1))

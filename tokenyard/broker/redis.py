@@ -29,7 +29,7 @@ from tokenyard.broker.base import (
 )
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.policy import backoff_delay, claim_order, estimated_tokens, size_pool
 from tokenyard.broker.scripts import Call, Empty
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, QueueFull
@@ -167,10 +167,12 @@ class RedisBroker(Broker):
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """All-or-nothing per model: one script call admits a model's whole batch."""
         now = self.clock()
+        bounds = self.settings.pool_bounds
         by_model: dict[str, list[int]] = defaultdict(list)
         for index, spec in enumerate(specs):
             if not spec.created_at:
                 spec.created_at = now
+            spec.pool = size_pool(estimated_tokens(spec), bounds)
             by_model[spec.model].append(index)
         calls = [
             self._enqueue_call([specs[i] for i in indexes], now) for indexes in by_model.values()
@@ -205,7 +207,7 @@ class RedisBroker(Broker):
             items.append(
                 (
                     scripts.EnqueueItemKeys(
-                        lane=self.keys.lane(spec.model, spec.priority),
+                        lane=self.keys.lane(spec.model, spec.priority, spec.pool),
                         job=job,
                         idem=idem,
                         inflight=inflight,
@@ -233,7 +235,12 @@ class RedisBroker(Broker):
     # -- consuming -------------------------------------------------------------------------
     @_unavailable_on_errors
     async def claim(
-        self, model: str, consumer: str, slots: int, block_s: float = 0.0
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
     ) -> list[Lease]:
         """One round trip in the common case: while the lanes have more than `slots` jobs, the
         claim script alone; once a claim drains them, the next one blocks on XREAD after the
@@ -241,14 +248,15 @@ class RedisBroker(Broker):
         the moment the wake-up arrives."""
         if slots <= 0:
             return []
-        lanes = self.keys.lanes(model)
+        # per priority, the pools in the caller's order: strict priority holds across pools
+        lanes = [[self.keys.lane(model, p, pool) for pool in pools] for p in Priority]
         give_up_at = time.monotonic() + block_s
         # an empty claim of the last call left the lanes' newest ids: wait on them right away
         hint = self._hints.pop(model, None) if block_s > 0 else None
         while True:
             order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
             self._rounds[model] += 1
-            ordered = [lanes[i] for i in order]
+            ordered = [lane for i in order for lane in lanes[i]]
             now = self.clock()
             call = scripts.CLAIM.call(
                 scripts.ClaimKeys(
@@ -310,7 +318,7 @@ class RedisBroker(Broker):
         return Lease(spec=spec, entry_id=_s(entry_id), consumer=consumer, resumable=resumable == 1)
 
     def _lane(self, lease: Lease) -> str:
-        return self.keys.lane(lease.spec.model, lease.spec.priority)
+        return self.keys.lane(lease.spec.model, lease.spec.priority, lease.spec.pool)
 
     @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
@@ -489,8 +497,9 @@ class RedisBroker(Broker):
                 ttl_ms=self._ttl_ms,
             ),
             [
-                (scripts.LaneKey(lane=self.keys.lane(model, p)), scripts.ReapItemArgs(p.name))
+                (scripts.LaneKey(lane=self.keys.lane(model, p, pool)), scripts.ReapItemArgs(p.name))
                 for p in Priority
+                for pool in range(self.settings.pool_count)
             ],
         )
         requeued, dead = await self._run(call)
@@ -650,7 +659,8 @@ class RedisBroker(Broker):
     async def stats(self, model: str) -> BrokerStats:
         """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
         now = self.clock()
-        lanes = [self.keys.lane(model, p) for p in Priority]
+        pools = self.settings.pool_count
+        lanes = self.keys.lanes(model, pools)
         pipe = self.redis.pipeline(transaction=False)
         for lane in lanes:
             pipe.xlen(lane)
@@ -684,17 +694,21 @@ class RedisBroker(Broker):
             pipe.xrange(lane, min=f"({last}", max="+", count=1)
         oldest: list[Any] = await self._execute(pipe)
         stats = []
-        for priority, (total, pending, _), first in zip(Priority, sizes, oldest, strict=True):
-            age = None
-            if first:
-                age = max(0.0, now - int(_s(first[0][0]).split("-")[0]) / 1000)
+        for p, priority in enumerate(Priority):
+            # a priority's size pools are reported together
+            mine = range(p * pools, (p + 1) * pools)
+            ages = [
+                max(0.0, now - int(_s(oldest[i][0][0]).split("-")[0]) / 1000)
+                for i in mine
+                if oldest[i]
+            ]
             stats.append(
                 LaneStats(
                     model,
                     priority,
-                    waiting=max(0, total - pending),
-                    in_flight=pending,
-                    oldest_waiting_age_s=age,
+                    waiting=sum(max(0, sizes[i][0] - sizes[i][1]) for i in mine),
+                    in_flight=sum(sizes[i][1] for i in mine),
+                    oldest_waiting_age_s=max(ages) if ages else None,
                 )
             )
         return BrokerStats(
@@ -711,8 +725,8 @@ class RedisBroker(Broker):
         # completion and every skip XDEL the lane entry with the terminal write: what is left in
         # a lane is waiting or in flight
         pipe = self.redis.pipeline(transaction=False)
-        for priority in Priority:
-            pipe.xlen(self.keys.lane(model, priority))
+        for lane in self.keys.lanes(model, self.settings.pool_count):
+            pipe.xlen(lane)
         return sum(int(n) for n in await self._execute(pipe))
 
     @_unavailable_on_errors

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenyard.broker.base import Broker, Lease
+from tokenyard.broker.policy import pools_served
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.base import Engine, EngineClosed
 from tokenyard.errors import UserError
@@ -82,6 +83,7 @@ class Worker:
         self.started_at = time.time()
         self.consumer = consumer or consumer_name(self.started_at)
         self.limits = worker_limits(engine, settings)  # final once the engine has started
+        self.pools = self._pools()
         self.scheduler: Scheduler[Lease] = self._scheduler()
         self._draining = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -91,6 +93,10 @@ class Worker:
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
         self._cancel_checked_at = 0.0
+
+    def _pools(self) -> list[int]:
+        """The size pools this worker claims from: those its context holds, its own first."""
+        return pools_served(self.limits.context, self.broker.settings.pool_bounds)
 
     def _scheduler(self) -> Scheduler[Lease]:
         claim_ahead = self.settings.claim_ahead
@@ -112,6 +118,7 @@ class Worker:
         await self.engine.start()
         # an engine on a GPU sizes its KV cache from the memory left once its weights are in
         self.limits = worker_limits(self.engine, self.settings)
+        self.pools = self._pools()
         self.scheduler = self._scheduler()
         await self._heartbeat()
         outputs = asyncio.create_task(self._output_loop(), name="outputs")
@@ -141,7 +148,11 @@ class Worker:
                 continue
             try:
                 leases = await self.broker.claim(
-                    self.model, self.consumer, want, block_s=self.settings.claim_block_s
+                    self.model,
+                    self.consumer,
+                    want,
+                    block_s=self.settings.claim_block_s,
+                    pools=self.pools,
                 )
             except Exception:
                 log.exception("claim failed; retrying")
