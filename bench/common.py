@@ -21,6 +21,12 @@ from tokenyard.bench.stats import percentile as _percentile
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Benchmarks measure the serving path: their gateways (in this process, or subprocesses that
+# inherit this environment) answer nothing from the response cache and collapse nothing,
+# however often a workload repeats a greedy request. bench/cache_collapse.py turns them on.
+os.environ.setdefault("TOKENYARD_GATEWAY_CACHE", "false")
+os.environ.setdefault("TOKENYARD_GATEWAY_COLLAPSE", "false")
+
 
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""
