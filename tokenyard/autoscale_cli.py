@@ -1,0 +1,77 @@
+"""`tokenyard autoscale`: the policy's signals as Prometheus gauges, for KEDA or an HPA."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Annotated
+
+import typer
+
+from tokenyard.autoscale import AutoscaleConfig
+from tokenyard.config import BrokerSettings, from_env
+from tokenyard.errors import FatalError
+
+
+def autoscale_config(
+    workers: str, min_workers: int | None, max_workers: int | None
+) -> AutoscaleConfig | None:
+    """`--workers auto` → the policy's settings (TOKENYARD_AUTOSCALE_* fill the rest); else None."""
+    if workers != "auto":
+        if not workers.isdigit():
+            raise typer.BadParameter(f"--workers takes a number or `auto`, not {workers!r}")
+        return None
+    config = from_env(
+        AutoscaleConfig, "autoscale", min_workers=min_workers, max_workers=max_workers
+    )
+    if not 0 <= config.min_workers <= config.max_workers or config.max_workers < 1:
+        raise FatalError(f"need 0 <= --min <= --max and --max >= 1, got {config}")
+    return config
+
+
+def autoscale(
+    broker: Annotated[
+        str | None, typer.Option("--broker", help="default: TOKENYARD_BROKER_URL")
+    ] = None,
+    prefix: Annotated[str | None, typer.Option(help="key prefix")] = None,
+    model: Annotated[list[str], typer.Option(help="models to size; repeat for several")] = [  # noqa: B006
+        "tiny"
+    ],
+    host: Annotated[str, typer.Option(help="/metrics address")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="/metrics port")] = 9105,
+    min_workers: Annotated[int | None, typer.Option("--min", help="warm pool")] = None,
+    max_workers: Annotated[int | None, typer.Option("--max", help="most workers")] = None,
+) -> None:
+    """Export tokenyard_desired_workers{model} and its inputs on /metrics; start nothing.
+
+    Point KEDA's prometheus scaler (deploy/k8s/) or an HPA's external metric at it.
+    """
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
+    config = autoscale_config("auto", min_workers, max_workers)
+    assert config is not None
+    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
+    asyncio.run(_export(settings, model, config, host, port))
+
+
+async def _export(
+    settings: BrokerSettings, models: list[str], config: AutoscaleConfig, host: str, port: int
+) -> None:
+    from prometheus_client import start_http_server
+
+    from tokenyard.broker import connect
+    from tokenyard.supervisor import AutoscaleMetrics, Supervisor
+
+    metrics = AutoscaleMetrics()
+    start_http_server(port, addr=host, registry=metrics.registry)
+    broker = connect(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.gather(
+            *(Supervisor(broker, m, config, metrics=metrics).run(stop) for m in models)
+        )
+    finally:
+        await broker.close()
