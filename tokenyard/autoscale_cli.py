@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from typing import Annotated
 
 import typer
@@ -73,5 +75,38 @@ async def _export(
         await asyncio.gather(
             *(Supervisor(broker, m, config, metrics=metrics).run(stop) for m in models)
         )
+    finally:
+        await broker.close()
+
+
+def worker_ready(
+    broker: Annotated[
+        str | None, typer.Option("--broker", help="default: TOKENYARD_BROKER_URL")
+    ] = None,
+    prefix: Annotated[str | None, typer.Option(help="key prefix")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="default: TOKENYARD_WORKER_MODEL, else tiny")
+    ] = None,
+) -> None:
+    """Readiness probe: exit 0 when a worker on this host heartbeats as running, else 1.
+
+    The worker has no HTTP port; its heartbeat in the broker is what the gateway sees.
+    """
+    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
+    name = model or os.environ.get("TOKENYARD_WORKER_MODEL", "tiny")
+    raise typer.Exit(0 if asyncio.run(_worker_ready(settings, name)) else 1)
+
+
+async def _worker_ready(settings: BrokerSettings, model: str) -> bool:
+    from tokenyard.broker import connect
+
+    broker = connect(settings)
+    try:
+        host = socket.gethostname()
+        return any(
+            info.host == host and info.state == "running" for info in await broker.workers(model)
+        )
+    except Exception:
+        return False
     finally:
         await broker.close()

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.autoscale_cli import autoscale
+from tokenyard.autoscale_cli import autoscale, worker_ready
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
@@ -215,6 +215,7 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 app.command("bench")(bench)
 app.command("autoscale")(autoscale)
+app.command("worker-ready")(worker_ready)
 
 
 def main() -> None:
