@@ -4,8 +4,10 @@ shard, over `redis+cluster://`; every answer complete (the conformance suite run
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
+import sys
 import uuid
 
 import httpx
@@ -84,3 +86,15 @@ def test_gateway_and_workers_serve_three_models_across_three_shards(
     assert status.returncode == 0, status.stderr
     for model in models:
         assert f"live workers of {model}" in status.stdout
+
+
+def test_shard_layout_benchmark_smoke() -> None:
+    out = subprocess.run(
+        [sys.executable, "bench/cluster_shards.py", "--jobs", "60", "--consumers", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["one_shard"]["jobs"] == report["three_shards"]["jobs"] == 180
+    assert len(set(report["three_shards"]["models"])) == 3
+    assert report["speedup"] > 0
