@@ -22,6 +22,9 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True):
     scale_to_zero: bool = False  # below the warm pool, to none, after `zero_after_s` idle
     zero_after_s: float = 300.0
     slo_queue_s: float = 5.0  # target time a job waits in its lane before a worker claims it
+    # a new worker's start (process, model load) before it claims: a backlog cannot be cleared
+    # faster than that by starting workers, so it is spread over max(SLO, startup)
+    startup_s: float = 0.0
     target_utilization: float = 0.8  # of a worker's measured capacity
     tolerance: float = 0.1  # no change while the need is within this fraction of the fleet
     up_cooldown_s: float = 10.0  # after a scale-up, before the next one
@@ -150,7 +153,8 @@ def desired_workers(s: Signals, config: AutoscaleConfig) -> float:
     worker holds `slots` at most), and a backlog older than the SLO asks for one more worker.
     """
     capacity = max(s.service_rate, 1e-9) * config.target_utilization
-    need = (s.arrival_rate + s.waiting / config.slo_queue_s) / capacity
+    horizon = max(config.slo_queue_s, config.startup_s)
+    need = (s.arrival_rate + s.waiting / horizon) / capacity
     if s.slots_per_worker > 0:
         need = max(need, s.in_flight / (s.slots_per_worker * config.target_utilization))
     if s.waiting > 0 and s.oldest_age_s > config.slo_queue_s:
