@@ -4,17 +4,20 @@ drains them back down, and no accepted request is lost on the way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.integration.test_cli import free_port, procs, tokenyard, wait_ready
+from tokenyard.broker.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 __all__ = ["procs"]  # the fixture, shared with test_cli
@@ -104,3 +107,41 @@ def test_serve_auto_scales_up_under_load_and_back_down_losing_nothing(
     assert max(d for _, d, _ in seen) >= 2
     serve.send_signal(signal.SIGINT)
     assert serve.wait(90) == 0
+
+
+def test_autoscale_exports_the_gauges_and_worker_ready_probes_the_heartbeat(
+    valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    shared = ["--broker", valkey.url, "--prefix", f"x{uuid.uuid4().hex[:8]}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")} | FAST
+
+    def ready() -> int:
+        probe = subprocess.run(tokenyard("worker-ready", *shared), env=env, timeout=60)
+        return probe.returncode
+
+    assert ready() == 1  # no worker yet
+    port = free_port()
+    exporter = subprocess.Popen(
+        tokenyard("autoscale", *shared, "--model", "tiny", "--min", "2", "--max", "5",
+                  "--host", "127.0.0.1", "--port", str(port)),
+        env=env,
+    )  # fmt: skip
+    worker = subprocess.Popen(
+        tokenyard("worker", *shared, "--engine", "sim", "--max-seqs", "2"), env=env
+    )
+    procs += [exporter, worker]
+    give_up = time.monotonic() + 60
+    while ready() != 0:
+        assert time.monotonic() < give_up, "the worker never showed as ready"
+        time.sleep(0.3)
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            if gauge(text, "tokenyard_autoscale_current_workers") == 1:
+                break
+        assert time.monotonic() < give_up, "the exporter never saw the worker"
+        time.sleep(0.3)
+    assert gauge(text, "tokenyard_desired_workers") == 2  # the warm pool: --min 2
+    assert gauge(text, "tokenyard_autoscale_service_rate") > 0
+    exporter.send_signal(signal.SIGTERM)
+    assert exporter.wait(30) == 0
