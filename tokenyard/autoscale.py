@@ -192,16 +192,17 @@ class Autoscaler:
         current += obs.starting
         need = desired_workers(s, cfg)
 
-        floor = cfg.min_workers
         if cfg.scale_to_zero and now - self._busy_at >= cfg.zero_after_s:
-            floor = 0
-        if need > 0:
-            floor = max(floor, 1)
-        target = min(cfg.max_workers, max(floor, math.ceil(need - 1e-9)))
-        # hysteresis: inside the tolerance band the fleet stays as it is
-        within = current > 0 and abs(need / current - 1) <= cfg.tolerance
-        if within and floor <= current <= cfg.max_workers:
-            target = current
+            # nothing queued, held or arriving for the whole spell: what is left of the
+            # smoothed arrival rate is history, not load
+            floor = target = 0
+        else:
+            floor = max(cfg.min_workers, 1 if need > 0 else 0)
+            target = min(cfg.max_workers, max(floor, math.ceil(need - 1e-9)))
+            # hysteresis: inside the tolerance band the fleet stays as it is
+            within = current > 0 and abs(need / current - 1) <= cfg.tolerance
+            if within and floor <= current <= cfg.max_workers:
+                target = current
 
         self._window.append((now, target))
         while self._window and self._window[0][0] < now - cfg.down_window_s:

@@ -9,6 +9,7 @@ import signal
 import socket
 from typing import Annotated
 
+import msgspec
 import typer
 
 from tokenyard.autoscale import AutoscaleConfig
@@ -29,6 +30,8 @@ def autoscale_config(
     )
     if not 0 <= config.min_workers <= config.max_workers or config.max_workers < 1:
         raise FatalError(f"need 0 <= --min <= --max and --max >= 1, got {config}")
+    if config.min_workers == 0:  # `--min 0` asks for scale to zero
+        config = msgspec.structs.replace(config, scale_to_zero=True)
     return config
 
 

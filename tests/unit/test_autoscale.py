@@ -225,3 +225,18 @@ def test_pick_to_drain_prefers_the_least_loaded() -> None:
         WorkerLoad("c", slots_used=0, jobs_done=1),
     ]
     assert pick_to_drain(ws, 2) == ["c", "b"]
+
+
+def test_scale_to_zero_ignores_the_tail_of_the_smoothed_arrival_rate() -> None:
+    cfg = AutoscaleConfig(
+        min_workers=1, max_workers=4, scale_to_zero=True, zero_after_s=30, down_cooldown_s=0,
+        down_window_s=5, rate_halflife_s=10.0,
+    )  # fmt: skip
+    tr = Trace(cfg, workers=1)
+    tr.step(1.0, waiting=0, in_flight=2, per_worker_done=0)
+    tr.step(1.0, waiting=0, in_flight=2, per_worker_done=5)  # busy: arrivals measured
+    decisions = [tr.step(1.0, waiting=0, in_flight=0, per_worker_done=2)]
+    decisions += [tr.step(1.0, waiting=0, in_flight=0, per_worker_done=0) for _ in range(40)]
+    assert decisions[-1].signals.arrival_rate > 0  # the EMA never quite reaches zero
+    assert [d.drain for d in decisions if d.drain] == [["w0"]]
+    assert decisions[-1].desired == 0
