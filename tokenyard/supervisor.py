@@ -96,7 +96,12 @@ class LocalFleet:
     def starting(self, live: Sequence[WorkerInfo]) -> int:
         """Processes started and alive that have not sent a heartbeat yet."""
         seen = {info.pid for info in live if info.host == self._host}
-        return sum(1 for p in self.procs if p.poll() is None and p.pid not in seen)
+        # a drained worker deregisters a moment before it exits: it is leaving, not starting
+        return sum(
+            1
+            for p in self.procs
+            if p.poll() is None and p.pid not in seen and p.pid not in self._drained_at
+        )
 
     def start(self, n: int) -> None:
         for _ in range(n):
