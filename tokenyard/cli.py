@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
+from tokenyard.autoscale_cli import autoscale, worker_ready
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
@@ -38,30 +40,35 @@ def serve(
     engine: Annotated[str, typer.Option(help="hf | hf-static | sim")] = "hf",
     host: Annotated[str, typer.Option(help="gateway address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gateway port")] = 8000,
-    workers: Annotated[int, typer.Option(help="worker processes")] = 1,
+    workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[Path, typer.Option(help="embedded Valkey's data (AOF) directory")] = Path(
         ".tokenyard/valkey"
     ),
+    min_workers: Annotated[int | None, typer.Option("--min", help="auto: warm pool")] = None,
+    max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
 ) -> None:
     """Everything on one machine: a private Valkey (unless --broker), workers and the gateway."""
+    from tokenyard.autoscale_cli import autoscale_config
     from tokenyard.serve import Stack
 
     settings = _broker_settings(broker, prefix)
+    auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         broker=settings if broker or _env_broker() else None,
         prefix=settings.prefix,
         model=model,
         engine=engine,
-        workers=workers,
+        workers=0 if auto else int(workers),
         max_seqs=max_seqs,
         data_dir=data_dir,
         appendfsync=settings.appendfsync,
+        autoscale=auto,
     )
     with stack:
         console.print(f"[bold]tokenyard[/] broker {stack.broker_url} · model {model} ({engine})")
         console.print(f"OpenAI API on http://{host}:{port}/v1 — Ctrl-C stops")
-        _run_gateway(stack.broker_settings, model, engine, host, port)
+        _run_gateway(stack.broker_settings, model, engine, host, port, stack.registry)
 
 
 def _env_broker() -> bool:
@@ -69,7 +76,12 @@ def _env_broker() -> bool:
 
 
 def _run_gateway(
-    broker_settings: BrokerSettings, model: str, engine: str, host: str, port: int
+    broker_settings: BrokerSettings,
+    model: str,
+    engine: str,
+    host: str,
+    port: int,
+    registry: CollectorRegistry | None = None,
 ) -> None:
     import uvicorn
 
@@ -79,7 +91,7 @@ def _run_gateway(
     settings = gateway_settings(
         models=model, host=host, port=port, tokenizer="sim" if engine == "sim" else "hf"
     )
-    gateway_app = create_app(settings, broker_settings=broker_settings)
+    gateway_app = create_app(settings, broker_settings=broker_settings, registry=registry)
     uvicorn.run(gateway_app, host=host, port=port, log_level="warning")
 
 
@@ -202,6 +214,8 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 
 app.command("bench")(bench)
+app.command("autoscale")(autoscale)
+app.command("worker-ready")(worker_ready)
 
 
 def main() -> None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
+from tokenyard.autoscale import AutoscaleConfig
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
@@ -33,6 +37,7 @@ class Stack:
         data_dir: Path,
         appendfsync: Literal["always", "everysec", "no"],
         drain_timeout_s: float = 30.0,
+        autoscale: AutoscaleConfig | None = None,
     ) -> None:
         self._external = broker
         self.prefix = prefix
@@ -45,6 +50,11 @@ class Stack:
         self.drain_timeout_s = drain_timeout_s
         self.server: EmbeddedServer | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        # --workers auto: a supervisor thread sizes `workers`; its gauges join the gateway's
+        self.autoscale = autoscale
+        self.registry = CollectorRegistry()
+        self._supervisor: threading.Thread | None = None
+        self._supervisor_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     @property
     def broker_url(self) -> str:
@@ -65,8 +75,44 @@ class Stack:
             self.server = EmbeddedServer(
                 self.data_dir, keep_data=True, appendfsync=self.appendfsync
             ).start()
+        if self.autoscale is not None:
+            self._start_supervisor(self.autoscale)
+            return
         for _ in range(self.n_workers):
             self.workers.append(subprocess.Popen(self._worker_command()))
+
+    def _start_supervisor(self, config: AutoscaleConfig) -> None:
+        ready = threading.Event()
+
+        async def supervise() -> None:
+            from tokenyard.broker import connect
+            from tokenyard.supervisor import AutoscaleMetrics, LocalFleet, Supervisor
+
+            stop = asyncio.Event()
+            self._supervisor_stop = (asyncio.get_running_loop(), stop)
+            ready.set()
+            broker = connect(self.broker_settings)
+            fleet = LocalFleet(self._worker_command, self.drain_timeout_s, procs=self.workers)
+            metrics = AutoscaleMetrics(self.registry)
+            try:
+                await Supervisor(broker, self.model, config, fleet=fleet, metrics=metrics).run(stop)
+            finally:
+                await broker.close()
+
+        self._supervisor = threading.Thread(
+            target=asyncio.run, args=(supervise(),), name="autoscale", daemon=True
+        )
+        self._supervisor.start()
+        ready.wait(10)
+
+    def _stop_supervisor(self) -> None:
+        if self._supervisor is None:
+            return
+        if self._supervisor_stop is not None:
+            loop, stop = self._supervisor_stop
+            loop.call_soon_threadsafe(stop.set)
+        self._supervisor.join(30)
+        self._supervisor = None
 
     def _worker_command(self) -> list[str]:
         cmd = [
@@ -80,6 +126,7 @@ class Stack:
         return cmd
 
     def stop(self) -> None:
+        self._stop_supervisor()  # first, so it starts nothing while the workers drain
         for proc in self.workers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
