@@ -285,13 +285,16 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self.tokenizer: HFTokenizer = load_hf_tokenizer(self.model_path)
         self.model: CausalLM | None = None
         self._started = False
+        self._revision: str | None = None
 
     @property
     def revision(self) -> str:
-        # greedy output depends on the numerics too (bf16 and fp32 differ)
-        return f"{self.name}:{weights_fingerprint(self.model_path)}:{self.dtype}".replace(
-            "torch.", ""
-        )
+        # once: limits() (and so this) runs on every add; greedy output depends on the
+        # numerics too (bf16 and fp32 differ)
+        if self._revision is None:
+            fingerprint = weights_fingerprint(self.model_path)
+            self._revision = f"{self.name}:{fingerprint}:{self.dtype}".replace("torch.", "")
+        return self._revision
 
     def _load_model(self) -> CausalLM:
         if self.threads is not None:
