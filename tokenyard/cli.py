@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -14,6 +15,10 @@ from rich.table import Table
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
+from tokenyard.logs import LogFormat, setup_logging
+
+if TYPE_CHECKING:
+    from tokenyard.gateway.settings import GatewaySettings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -22,6 +27,9 @@ BrokerOpt = Annotated[
     str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
 ]
 PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
+LogFormatOpt = Annotated[
+    LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
+]
 
 
 def _broker_settings(
@@ -34,66 +42,117 @@ def _broker_settings(
 def serve(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str, typer.Option(help="model path, or `tiny`")] = "tiny",
-    engine: Annotated[str, typer.Option(help="hf | hf-static | sim")] = "hf",
-    host: Annotated[str, typer.Option(help="gateway address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gateway port")] = 8000,
+    model: Annotated[str | None, typer.Option(help="model path, or `tiny`")] = None,
+    engine: Annotated[str | None, typer.Option(help="hf | hf-static | sim")] = None,
+    host: Annotated[str | None, typer.Option(help="gateway address")] = None,
+    port: Annotated[int | None, typer.Option(help="gateway port")] = None,
     workers: Annotated[int, typer.Option(help="worker processes")] = 1,
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[Path, typer.Option(help="embedded Valkey's data (AOF) directory")] = Path(
         ".tokenyard/valkey"
     ),
+    log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
-    """Everything on one machine: a private Valkey (unless --broker), workers and the gateway."""
+    """Everything on one machine: a private Valkey (unless --broker), workers and the gateway.
+
+    Options left out come from TOKENYARD_WORKER_* / TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_*;
+    every worker's metrics are served with the gateway's on its /metrics.
+    """
     from tokenyard.serve import Stack
 
+    setup_logging("INFO", log_format)
     settings = _broker_settings(broker, prefix)
+    worker_settings = from_env(
+        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
+    )
     stack = Stack(
         broker=settings if broker or _env_broker() else None,
         prefix=settings.prefix,
-        model=model,
-        engine=engine,
+        model=worker_settings.model,
+        engine=worker_settings.engine,
         workers=workers,
-        max_seqs=max_seqs,
+        max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
         appendfsync=settings.appendfsync,
+        log_format=log_format,
     )
+    gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
+    # that unwinds the stack (workers drain, Valkey stops) instead of killing the process
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     with stack:
-        console.print(f"[bold]tokenyard[/] broker {stack.broker_url} · model {model} ({engine})")
-        console.print(f"OpenAI API on http://{host}:{port}/v1 — Ctrl-C stops")
-        _run_gateway(stack.broker_settings, model, engine, host, port)
+        console.print(
+            f"[bold]tokenyard[/] broker {stack.broker_url} · model {worker_settings.model} "
+            f"({worker_settings.engine})"
+        )
+        console.print(f"OpenAI API on http://{gw.host}:{gw.port}/v1 — Ctrl-C stops")
+        _run_gateway(stack.broker_settings, gw, worker_metrics_dir=stack.metrics_dir)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _env_broker() -> bool:
     return bool(os.environ.get("TOKENYARD_BROKER_URL"))
 
 
+def _gateway_settings(
+    model: str | None, engine: str | None, host: str | None, port: int | None
+) -> GatewaySettings:
+    """Flags, then TOKENYARD_GATEWAY_*, then defaults; the tokenizer family follows the engine
+    (flag or TOKENYARD_WORKER_ENGINE) unless TOKENYARD_GATEWAY_TOKENIZER says otherwise."""
+    from tokenyard.gateway.settings import gateway_settings
+
+    engine = engine or os.environ.get("TOKENYARD_WORKER_ENGINE")
+    tokenizer = None
+    if engine is not None and "TOKENYARD_GATEWAY_TOKENIZER" not in os.environ:
+        tokenizer = "sim" if engine == "sim" else "hf"
+    return gateway_settings(models=model, host=host, port=port, tokenizer=tokenizer)
+
+
 def _run_gateway(
-    broker_settings: BrokerSettings, model: str, engine: str, host: str, port: int
+    broker_settings: BrokerSettings,
+    settings: GatewaySettings,
+    worker_metrics_dir: Path | None = None,
 ) -> None:
     import uvicorn
 
     from tokenyard.gateway.app import create_app
-    from tokenyard.gateway.settings import gateway_settings
 
-    settings = gateway_settings(
-        models=model, host=host, port=port, tokenizer="sim" if engine == "sim" else "hf"
-    )
-    gateway_app = create_app(settings, broker_settings=broker_settings)
-    uvicorn.run(gateway_app, host=host, port=port, log_level="warning")
+    registry = None
+    if worker_metrics_dir is not None:
+        from tokenyard.metrics import registry_with_workers
+
+        registry = registry_with_workers(worker_metrics_dir)
+    from tokenyard import tracing
+
+    tracing.configure("tokenyard-gateway")
+    gateway_app = create_app(settings, broker_settings=broker_settings, registry=registry)
+    try:
+        uvicorn.run(gateway_app, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        tracing.shutdown()
 
 
 @app.command()
 def gateway(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str, typer.Option(help="model served; its tokenizer is loaded")] = "tiny",
-    engine: Annotated[str, typer.Option(help="the workers' engine: hf | sim")] = "hf",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    model: Annotated[
+        str | None, typer.Option(help="models served (comma list); their tokenizers are loaded")
+    ] = None,
+    engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
-    """Run one gateway (OpenAI API) against a shared broker; start as many as you like."""
-    _run_gateway(_broker_settings(broker, prefix), model, engine, host, port)
+    """Run one gateway (OpenAI API) against a shared broker; start as many as you like.
+
+    Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
+    """
+    setup_logging("INFO", log_format)
+    _run_gateway(_broker_settings(broker, prefix), _gateway_settings(model, engine, host, port))
 
 
 @app.command()
@@ -127,17 +186,19 @@ def worker(
     lease_s: Annotated[float | None, typer.Option(help="visibility timeout")] = None,
     drain_timeout_s: Annotated[float | None, typer.Option(help="SIGTERM grace")] = None,
     consumer: Annotated[str | None, typer.Option(help="consumer name")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve Prometheus metrics on this port; 0: off")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+    log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Run one worker: claim jobs for MODEL and run them; SIGTERM drains.
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_BROKER_* variables.
     """
-    import logging
-
     from tokenyard.worker.run import serve_worker
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    setup_logging(log_level, log_format)
     settings = from_env(
         WorkerSettings,
         "worker",
@@ -147,6 +208,7 @@ def worker(
         device=device,
         threads=threads,
         drain_timeout_s=drain_timeout_s,
+        metrics_port=metrics_port,
     )
     broker_settings = _broker_settings(broker, prefix, lease_s=lease_s)
     asyncio.run(serve_worker(broker_settings, settings, consumer=consumer))

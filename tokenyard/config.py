@@ -61,6 +61,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     claim_block_s: float = 0.5
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # serve this worker's Prometheus metrics on it (0/None: off)
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 CUDA, fp32 CPU
     threads: int | None = None  # torch CPU threads; None keeps torch's default

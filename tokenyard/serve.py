@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
@@ -33,6 +36,7 @@ class Stack:
         data_dir: Path,
         appendfsync: Literal["always", "everysec", "no"],
         drain_timeout_s: float = 30.0,
+        log_format: str = "text",
     ) -> None:
         self._external = broker
         self.prefix = prefix
@@ -45,6 +49,10 @@ class Stack:
         self.drain_timeout_s = drain_timeout_s
         self.server: EmbeddedServer | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.log_format = log_format
+        # workers write their metrics here (prometheus_client's multiprocess mode); the
+        # gateway's /metrics serves them with its own
+        self.metrics_dir: Path | None = None
 
     @property
     def broker_url(self) -> str:
@@ -65,8 +73,10 @@ class Stack:
             self.server = EmbeddedServer(
                 self.data_dir, keep_data=True, appendfsync=self.appendfsync
             ).start()
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="tokenyard-metrics-"))
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         for _ in range(self.n_workers):
-            self.workers.append(subprocess.Popen(self._worker_command()))
+            self.workers.append(subprocess.Popen(self._worker_command(), env=env))
 
     def _worker_command(self) -> list[str]:
         cmd = [
@@ -74,6 +84,7 @@ class Stack:
             "--broker", self.broker_url, "--prefix", self.prefix,
             "--model", self.model, "--engine", self.engine,
             "--drain-timeout-s", str(self.drain_timeout_s),
+            "--log-format", self.log_format,
         ]  # fmt: skip
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
@@ -91,6 +102,9 @@ class Stack:
                 proc.kill()
                 proc.wait()
         self.workers.clear()
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self.metrics_dir = None
         if self.server is not None:
             self.server.stop()
             self.server = None
