@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tokenyard.errors import FatalError
 from tokenyard.messages import JobResult, JobSpec
 
 if TYPE_CHECKING:
@@ -61,6 +62,13 @@ def configure(service: str, exporter: SpanExporter | None = None, *, batch: bool
     returns whether it is on. A second call adds the exporter to the same provider."""
     if exporter is None and not wanted():
         return enabled()
+    try:
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError as exc:
+        raise FatalError(
+            "OTEL_* asks for traces but the OpenTelemetry SDK is not installed: "
+            "pip install 'tokenyard[otel]'"
+        ) from exc
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import (
