@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,30 +114,27 @@ def current_ids() -> tuple[str, str] | None:
 
 
 # -- gateway -------------------------------------------------------------------------------
-@contextlib.contextmanager
-def server_span(name: str, headers: Mapping[str, str]) -> Iterator[None]:
+_OFF: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable and reentrant
+
+
+def server_span(name: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
     """The request's span, continuing the caller's `traceparent` when it sent one."""
     tracer = _state.tracer
     if tracer is None:
-        yield
-        return
+        return _OFF
     from opentelemetry.propagate import extract
     from opentelemetry.trace import SpanKind
 
     parent = extract({k: headers[k] for k in _W3C if k in headers})
-    with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER):
-        yield
+    return tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
 
 
-@contextlib.contextmanager
-def span(name: str, **attributes: Any) -> Iterator[Span | None]:
+def span(name: str, **attributes: Any) -> AbstractContextManager[Span | None]:
     """A child of the current span; nothing when off."""
     tracer = _state.tracer
     if tracer is None:
-        yield None
-        return
-    with tracer.start_as_current_span(name, attributes=attributes) as current:
-        yield current
+        return _OFF
+    return tracer.start_as_current_span(name, attributes=attributes)
 
 
 def carry(spec: JobSpec, headers: Mapping[str, str]) -> None:
