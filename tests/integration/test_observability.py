@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokenyard.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+ALERT_TESTS = ALERTS.with_name("alerts_test.yml")  # each alert fires on its series, not on health
 MODEL = "env-model"
 # panels whose series exist only on some engines or devices (documented in their description)
 CONDITIONAL_PANELS = {"KV cache usage", "Accelerator utilisation"}
@@ -324,14 +325,15 @@ def test_prometheus_scrapes_live_metrics_and_every_panel_has_data(
     assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
 
 
-def test_alert_rules_pass_promtool() -> None:
+def test_alert_rules_pass_promtool_check_and_unit_tests() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package `prometheus`)")
-    checked = subprocess.run(
-        [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
-    )
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+    for command in (["check", "rules", str(ALERTS)], ["test", "rules", str(ALERT_TESTS)]):
+        checked = subprocess.run(
+            [promtool, *command], capture_output=True, text=True, timeout=60, cwd=ALERTS.parent
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_dashboard_page_shows_a_new_job_in_chromium(live: Live, tmp_path: Path) -> None:
