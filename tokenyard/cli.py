@@ -158,16 +158,26 @@ def gateway(
 @app.command()
 def submit(
     prompt: Annotated[str, typer.Argument(help="the prompt")],
-    url: Annotated[str, typer.Option(help="gateway base URL")] = "http://127.0.0.1:8000",
-    model: Annotated[str, typer.Option()] = "tiny",
+    url: Annotated[
+        str | None, typer.Option(help="gateway base URL; default: TOKENYARD_GATEWAY_HOST/_PORT")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="default: the first of TOKENYARD_GATEWAY_MODELS")
+    ] = None,
     max_tokens: Annotated[int, typer.Option()] = 64,
     temperature: Annotated[float, typer.Option()] = 0.0,
     chat: Annotated[bool, typer.Option(help="use /v1/chat/completions")] = False,
     api_key: Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY")] = None,
 ) -> None:
     """Send a prompt and stream the answer to the terminal."""
+    from tokenyard.gateway.settings import gateway_settings
     from tokenyard.submit import stream_completion
 
+    if url is None or model is None:
+        gw = gateway_settings()
+        host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
+        url = url or f"http://{host}:{gw.port}"
+        model = model or gw.models[0]
     code = asyncio.run(
         stream_completion(url, model, prompt, max_tokens, temperature, chat, api_key, console.print)
     )

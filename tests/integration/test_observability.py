@@ -165,6 +165,18 @@ def test_serve_takes_model_engine_and_port_from_the_environment(live: Live) -> N
         time.sleep(0.3)
 
 
+def test_submit_finds_the_gateway_and_model_in_the_environment(live: Live) -> None:
+    port = live.base.rsplit(":", 1)[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
+    env.update(TOKENYARD_GATEWAY_PORT=port, TOKENYARD_GATEWAY_MODELS=MODEL)
+    submitted = subprocess.run(
+        tokenyard("submit", "hello", "--max-tokens", "5"),
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert submitted.stdout.strip()
+
+
 def test_invalid_values_are_openai_bad_requests(live: Live) -> None:
     client = openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0)
     for bad, param in (
