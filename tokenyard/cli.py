@@ -14,7 +14,14 @@ from rich.table import Table
 
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
-from tokenyard.config import BrokerSettings, WorkerSettings, from_env
+from tokenyard.config import (
+    CONFIG_ENV,
+    BrokerSettings,
+    WorkerSettings,
+    from_env,
+    setting_sources,
+)
+from tokenyard.config_cli import config_app
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
@@ -30,6 +37,22 @@ PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Re
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
 ]
+
+
+@app.callback()
+def _options(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar=CONFIG_ENV,
+            help="TOML file with [broker] [worker] [gateway] tables; flags > env > file",
+        ),
+    ] = None,
+) -> None:
+    if config is not None:
+        # every settings lookup reads it from here, and serve's worker processes inherit it
+        os.environ[CONFIG_ENV] = str(config)
 
 
 def _broker_settings(
@@ -66,7 +89,8 @@ def serve(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
     stack = Stack(
-        broker=settings if broker or _env_broker() else None,
+        # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
+        broker=settings if settings.url != "memory://" else None,
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
@@ -93,21 +117,17 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _env_broker() -> bool:
-    return bool(os.environ.get("TOKENYARD_BROKER_URL"))
-
-
 def _gateway_settings(
     model: str | None, engine: str | None, host: str | None, port: int | None
 ) -> GatewaySettings:
-    """Flags, then TOKENYARD_GATEWAY_*, then defaults; the tokenizer family follows the engine
-    (flag or TOKENYARD_WORKER_ENGINE) unless TOKENYARD_GATEWAY_TOKENIZER says otherwise."""
-    from tokenyard.gateway.settings import gateway_settings
+    """Flags, then TOKENYARD_GATEWAY_*, then the config file, then defaults; the tokenizer
+    family follows the workers' engine (flag, env or file) unless the gateway's is set."""
+    from tokenyard.gateway.settings import GatewaySettings, gateway_settings
 
-    engine = engine or os.environ.get("TOKENYARD_WORKER_ENGINE")
     tokenizer = None
-    if engine is not None and "TOKENYARD_GATEWAY_TOKENIZER" not in os.environ:
-        tokenizer = "sim" if engine == "sim" else "hf"
+    workers = setting_sources(WorkerSettings, "worker", engine=engine)
+    if "engine" in workers and "tokenizer" not in setting_sources(GatewaySettings, "gateway"):
+        tokenizer = "sim" if workers["engine"][0] == "sim" else "hf"
     return gateway_settings(models=model, host=host, port=port, tokenizer=tokenizer)
 
 
@@ -274,6 +294,7 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 
 app.command("bench")(bench)
+app.add_typer(config_app, name="config")
 
 
 def main() -> None:

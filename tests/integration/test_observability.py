@@ -1,6 +1,7 @@
 """Observability of a live `tokenyard serve`, end to end, on one shared stack.
 
-One `serve` (configured only through TOKENYARD_* variables, so the CLI must honour them), plus
+One `serve` (configured only through TOKENYARD_* variables and a TOML file, so the CLI must
+honour them), plus
 one standalone worker with `--metrics-port`, both exporting traces over OTLP/HTTP to a receiver
 in this test. A real Prometheus scrapes both and evaluates the alert rules; every panel of the
 Grafana dashboard must return data; headless Chromium renders /dashboard.
@@ -117,14 +118,16 @@ def live(valkey: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> It
     port, metrics_port = free_port(), free_port()
     prefix = f"o{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENYARD_", "OTEL_"))}
+    config = tmp / "tokenyard.toml"  # serve's workers inherit TOKENYARD_CONFIG and read it too
+    config.write_text(
+        "[broker]\nmax_deliveries = 2\nbackoff_base_s = 0.05\n"
+        "[worker]\nengine = 'sim'\nheartbeat_s = 0.5\nmodel = 'overridden-by-env'\n"
+    )
     env.update(
+        TOKENYARD_CONFIG=str(config),
         TOKENYARD_BROKER_URL=valkey.url,
         TOKENYARD_BROKER_PREFIX=prefix,
-        TOKENYARD_BROKER_MAX_DELIVERIES="2",
-        TOKENYARD_BROKER_BACKOFF_BASE_S="0.05",
         TOKENYARD_WORKER_MODEL=MODEL,
-        TOKENYARD_WORKER_ENGINE="sim",
-        TOKENYARD_WORKER_HEARTBEAT_S="0.5",
         TOKENYARD_GATEWAY_HOST="127.0.0.1",
         TOKENYARD_GATEWAY_PORT=str(port),
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.port}",
