@@ -384,7 +384,9 @@ def test_dashboard_page_shows_a_new_job_in_chromium(live: Live, tmp_path: Path) 
         )
         assert "no live worker" not in browser.find_element(By.ID, "models").text
         # the completion rate comes from two polls' worker counters
-        wait.until(lambda b: b.find_element(By.CSS_SELECTOR, ".rate").text != "–")
+        wait.until(
+            lambda b: b.find_element(By.CSS_SELECTOR, ".rate").text != "\u2013"
+        )  # not the placeholder dash
         float(browser.find_element(By.CSS_SELECTOR, ".rate").text)
         shot = tmp_path / "dashboard.png"
         assert browser.save_screenshot(str(shot))
