@@ -81,3 +81,29 @@ def test_gateway_options_fall_back_to_the_environment(monkeypatch: pytest.Monkey
         monkeypatch.delenv(name)
     s = _gateway_settings(None, None, None, None)  # the settings' defaults
     assert (s.host, s.port, s.models, s.tokenizer) == ("127.0.0.1", 8000, ("tiny",), "hf")
+
+
+def test_worker_metrics_fold_engine_counters_per_delivery() -> None:
+    from tokenyard.engines.base import EngineStats
+    from tokenyard.metrics import WorkerMetrics
+
+    m = WorkerMetrics("m")
+    value = m.registry.get_sample_value
+    labels = {"model": "m"}
+    # two steps of 4 sequences, delivered together after 0.02 s of busy waiting
+    m.engine_delivered(EngineStats(steps=2, sequences_stepped=8, tokens_generated=8,
+                                   prefill_tokens=40), 0.02)  # fmt: skip
+    assert value("tokenyard_worker_batch_size_count", labels) == 2
+    assert value("tokenyard_worker_batch_size_sum", labels) == 8
+    assert value("tokenyard_worker_step_seconds_sum", labels) == pytest.approx(0.02)
+    # one more step after an idle wait: its batch counts, its wait is no step time
+    m.engine_delivered(EngineStats(steps=3, sequences_stepped=9, tokens_generated=9,
+                                   prefill_tokens=40), None)  # fmt: skip
+    assert value("tokenyard_worker_batch_size_count", labels) == 3
+    assert value("tokenyard_worker_step_seconds_count", labels) == 2
+    assert value("tokenyard_worker_decode_tokens_total", labels) == 9
+    assert value("tokenyard_worker_prefill_tokens_total", labels) == 40
+    m.sample(3, 1, 12.5, EngineStats(kv_cache_usage=0.25), ("cuda:0", 0.5))
+    assert value("tokenyard_worker_running_sequences", labels) == 3
+    assert value("tokenyard_worker_kv_cache_usage_ratio", labels) == 0.25
+    assert value("tokenyard_accelerator_utilization_ratio", {**labels, "device": "cuda:0"}) == 0.5
