@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
+from tokenyard.autoscale_cli import autoscale, worker_ready
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import (
@@ -69,11 +71,13 @@ def serve(
     engine: Annotated[str | None, typer.Option(help="hf | hf-static | sim")] = None,
     host: Annotated[str | None, typer.Option(help="gateway address")] = None,
     port: Annotated[int | None, typer.Option(help="gateway port")] = None,
-    workers: Annotated[int, typer.Option(help="worker processes")] = 1,
+    workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[Path, typer.Option(help="embedded Valkey's data (AOF) directory")] = Path(
         ".tokenyard/valkey"
     ),
+    min_workers: Annotated[int | None, typer.Option("--min", help="auto: warm pool")] = None,
+    max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Everything on one machine: a private Valkey (unless --broker), workers and the gateway.
@@ -81,6 +85,7 @@ def serve(
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_*;
     every worker's metrics are served with the gateway's on its /metrics.
     """
+    from tokenyard.autoscale_cli import autoscale_config
     from tokenyard.serve import Stack
 
     setup_logging("INFO", log_format)
@@ -88,16 +93,18 @@ def serve(
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
+    auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
         broker=settings if settings.url != "memory://" else None,
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
-        workers=workers,
+        workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
         appendfsync=settings.appendfsync,
+        autoscale=auto,
         log_format=log_format,
     )
     gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
@@ -110,7 +117,7 @@ def serve(
             f"({worker_settings.engine})"
         )
         console.print(f"OpenAI API on http://{gw.host}:{gw.port}/v1 — Ctrl-C stops")
-        _run_gateway(stack.broker_settings, gw, worker_metrics_dir=stack.metrics_dir)
+        _run_gateway(stack.broker_settings, gw, stack.registry)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -134,18 +141,12 @@ def _gateway_settings(
 def _run_gateway(
     broker_settings: BrokerSettings,
     settings: GatewaySettings,
-    worker_metrics_dir: Path | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> None:
     import uvicorn
 
-    from tokenyard.gateway.app import create_app
-
-    registry = None
-    if worker_metrics_dir is not None:
-        from tokenyard.metrics import registry_with_workers
-
-        registry = registry_with_workers(worker_metrics_dir)
     from tokenyard import tracing
+    from tokenyard.gateway.app import create_app
 
     tracing.configure("tokenyard-gateway")
     gateway_app = create_app(settings, broker_settings=broker_settings, registry=registry)
@@ -294,6 +295,8 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 
 app.command("bench")(bench)
+app.command("autoscale")(autoscale)
+app.command("worker-ready")(worker_ready)
 app.add_typer(config_app, name="config")
 
 

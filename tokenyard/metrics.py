@@ -292,10 +292,8 @@ def accelerator_utilization(device: str) -> tuple[str, float] | None:
         return None
 
 
-def registry_with_workers(multiprocess_dir: Path) -> CollectorRegistry:
-    """A registry that also serves the metrics worker processes wrote to `multiprocess_dir`."""
+def add_worker_metrics(registry: CollectorRegistry, multiprocess_dir: Path) -> None:
+    """Make `registry` also serve the metrics worker processes write to `multiprocess_dir`."""
     from prometheus_client import multiprocess
 
-    registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(multiprocess_dir))  # type: ignore[no-untyped-call]
-    return registry
