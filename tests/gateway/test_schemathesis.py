@@ -24,7 +24,7 @@ def test_fuzzed_requests_get_no_server_error_and_no_traceback(stack: Stack, tmp_
         [str(SCHEMATHESIS), "run", f"{stack.url}/openapi.json",
          "--checks", "not_a_server_error", "--max-examples", "10", "--seed", "1",
          "--report", "har", "--report-har-path", str(har)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,  # its cache goes there
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     entries = json.loads(har.read_text())["log"]["entries"]
