@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench`."""
+"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rich.table import Table
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
+from tokenyard.tenancy.cli import keys_app, tenants_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -202,6 +203,8 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 
 app.command("bench")(bench)
+app.add_typer(keys_app, name="keys")
+app.add_typer(tenants_app, name="tenants")
 
 
 def main() -> None:

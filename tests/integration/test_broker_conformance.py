@@ -23,6 +23,8 @@ from tokenyard.messages import (
     TokenChunk,
     WorkerInfo,
 )
+from tokenyard.tenancy.admin import create_key, revoke_key
+from tokenyard.tenancy.records import TenantConfig, key_digest
 
 MODEL = "tiny"
 
@@ -583,3 +585,32 @@ async def test_scripts_survive_a_flushed_script_cache(make_broker: BrokerFactory
     [lease] = await broker.claim(MODEL, "w", slots=1)
     await broker.redis.script_flush()
     assert await broker.complete(lease, ok(lease))
+
+
+async def test_directory_of_tenants_and_keys_is_shared(make_broker: BrokerFactory) -> None:
+    admin, gateway = make_broker(), make_broker()  # two clients of one store
+    assert not await gateway.has_api_keys()
+    assert await gateway.tenant("acme") is None and await gateway.tenants() == []
+
+    await admin.put_tenant(TenantConfig(name="acme", priority=Priority.HIGH))
+    await admin.put_tenant(TenantConfig(name="ops", admin=True))
+    assert await gateway.tenant("acme") == TenantConfig(name="acme", priority=Priority.HIGH)
+    assert [t.name for t in await gateway.tenants()] == ["acme", "ops"]
+
+    key, record = await create_key(admin, "acme", now=100.0, label="ci")
+    assert key.startswith("ty-") and record.digest == key_digest(key) != key
+    assert await gateway.has_api_keys()
+    assert await gateway.api_key(key_digest(key)) == record
+    assert await gateway.api_key(key_digest("ty-unknown")) is None
+
+    second, _ = await create_key(admin, "acme", now=101.0)
+    revoked = await revoke_key(admin, record.key_id, now=102.0)
+    assert revoked is not None and revoked.revoked_at == 102.0
+    stored = await gateway.api_key(record.digest)
+    assert stored is not None and not stored.active
+    assert await revoke_key(admin, record.key_id, now=103.0) is None  # already revoked
+    assert await revoke_key(admin, second, now=104.0) is not None  # by the key itself
+    listed = await gateway.api_keys()
+    assert [r.digest for r in listed] == [record.digest, key_digest(second)]
+    assert all(not r.active for r in listed)
+    assert await gateway.has_api_keys()  # revoked keys keep auth on

@@ -23,6 +23,7 @@ from tokenyard.messages import (
     TokenChunk,
     WorkerInfo,
 )
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 Clock = Callable[[], float]
 
@@ -211,7 +212,40 @@ class Stats(Protocol):
     async def models(self) -> list[str]: ...
 
 
-class Broker(Producer, Leases, Events, Records, Cancellation, WorkerRegistry, Stats, Protocol):
+class Directory(Protocol):
+    """Tenants and API keys (by digest), shared by every gateway; written by `tokenyard keys`
+    and `tokenyard tenants`."""
+
+    async def put_tenant(self, tenant: TenantConfig) -> None: ...
+
+    async def tenant(self, name: str) -> TenantConfig | None: ...
+
+    async def tenants(self) -> list[TenantConfig]: ...
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        """Store (or replace, e.g. to revoke) the record of the key with `record.digest`."""
+        ...
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None: ...
+
+    async def api_keys(self) -> list[ApiKeyRecord]: ...
+
+    async def has_api_keys(self) -> bool:
+        """Whether any key was ever stored (revoked ones count): then every call needs a key."""
+        ...
+
+
+class Broker(
+    Producer,
+    Leases,
+    Events,
+    Records,
+    Cancellation,
+    WorkerRegistry,
+    Stats,
+    Directory,
+    Protocol,
+):
     """Every role at once, plus the settings it runs under and its connection's lifetime."""
 
     settings: BrokerSettings

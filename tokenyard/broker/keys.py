@@ -98,3 +98,11 @@ class Keys:
     def models(self) -> str:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"
+
+    def tenants(self) -> str:
+        """Hash of tenant name -> TenantConfig; one small key, read through gateway caches."""
+        return f"{self.prefix}:{{directory}}:tenants"
+
+    def api_keys(self) -> str:
+        """Hash of key digest -> ApiKeyRecord."""
+        return f"{self.prefix}:{{directory}}:apikeys"

@@ -40,6 +40,7 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 LaneId = tuple[str, Priority]  # (model, priority)
 
@@ -92,6 +93,8 @@ class MemoryStore:
         self.events: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         self.models: set[str] = set()
         self.workers: dict[str, dict[str, tuple[WorkerInfo, float]]] = defaultdict(dict)
+        self.tenants: dict[str, TenantConfig] = {}
+        self.api_keys: dict[str, ApiKeyRecord] = {}  # by digest
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -539,6 +542,28 @@ class MemoryBroker(Broker):
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    # -- directory -------------------------------------------------------------------------
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        self.store.tenants[tenant.name] = tenant
+
+    async def tenant(self, name: str) -> TenantConfig | None:
+        return self.store.tenants.get(name)
+
+    async def tenants(self) -> list[TenantConfig]:
+        return sorted(self.store.tenants.values(), key=lambda t: t.name)
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        self.store.api_keys[record.digest] = record
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        return self.store.api_keys.get(digest)
+
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        return sorted(self.store.api_keys.values(), key=lambda r: (r.created_at, r.digest))
+
+    async def has_api_keys(self) -> bool:
+        return bool(self.store.api_keys)
 
     # -- workers ---------------------------------------------------------------------------
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:

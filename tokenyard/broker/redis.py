@@ -48,6 +48,7 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 _SOCKET_TIMEOUT_S = 60.0
 MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
@@ -692,6 +693,40 @@ class RedisBroker(Broker):
     async def models(self) -> list[str]:
         members: Any = await self.redis.smembers(self.keys.models())
         return sorted(_s(m) for m in members)
+
+    # -- directory -------------------------------------------------------------------------
+    @_unavailable_on_errors
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        await self.redis.hset(self.keys.tenants(), tenant.name, encode(tenant))
+
+    @_unavailable_on_errors
+    async def tenant(self, name: str) -> TenantConfig | None:
+        raw: Any = await self.redis.hget(self.keys.tenants(), name)
+        return None if raw is None else decode(raw, TenantConfig)
+
+    @_unavailable_on_errors
+    async def tenants(self) -> list[TenantConfig]:
+        rows: Any = await self.redis.hgetall(self.keys.tenants())
+        return sorted((decode(raw, TenantConfig) for raw in rows.values()), key=lambda t: t.name)
+
+    @_unavailable_on_errors
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        await self.redis.hset(self.keys.api_keys(), record.digest, encode(record))
+
+    @_unavailable_on_errors
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        raw: Any = await self.redis.hget(self.keys.api_keys(), digest)
+        return None if raw is None else decode(raw, ApiKeyRecord)
+
+    @_unavailable_on_errors
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        rows: Any = await self.redis.hgetall(self.keys.api_keys())
+        records = (decode(raw, ApiKeyRecord) for raw in rows.values())
+        return sorted(records, key=lambda r: (r.created_at, r.digest))
+
+    @_unavailable_on_errors
+    async def has_api_keys(self) -> bool:
+        return bool(await self.redis.exists(self.keys.api_keys()))
 
     @_unavailable_on_errors
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
