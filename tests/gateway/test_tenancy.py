@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 from typer.testing import CliRunner
 
-from tests.gateway.conftest import MODEL, run_stack
+from tests.gateway.conftest import MODEL, run_stack, slow_engine
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.cli import app
 
@@ -90,3 +91,57 @@ def test_broker_keys_across_two_gateways(valkey: EmbeddedServer) -> None:
         assert a.get("/v1/models", headers=bearer(bob)).status_code == 200
         shown = cli(valkey, one.prefix, "tenants", "show")
         assert "acme" in shown and "high" in shown and "ops" in shown
+
+
+def quota_error(exc: openai.APIStatusError) -> tuple[int, dict[str, str]]:
+    return exc.status_code, dict(exc.response.headers)
+
+
+def test_quotas_are_exact_across_two_gateways(valkey: EmbeddedServer) -> None:
+    with (
+        run_stack(valkey, engines=[slow_engine(0.05)]) as one,
+        run_stack(valkey, prefix=one.prefix, engines=[]) as two,
+    ):
+        cli(valkey, one.prefix, "tenants", "set", "acme", "--rpm", "10")
+        cli(valkey, one.prefix, "tenants", "set", "solo", "--max-concurrent", "2")
+        acme = cli(valkey, one.prefix, "keys", "create", "--tenant", "acme").split()[-1]
+        solo = cli(valkey, one.prefix, "keys", "create", "--tenant", "solo").split()[-1]
+        clients = [
+            openai.OpenAI(base_url=s.url + "/v1", api_key=acme, max_retries=0) for s in (one, two)
+        ]
+
+        def call(i: int) -> tuple[int, dict[str, str]]:
+            try:
+                raw = clients[i % 2].completions.with_raw_response.create(
+                    model=MODEL, prompt="hi", max_tokens=1
+                )
+                return raw.status_code, dict(raw.headers)
+            except openai.APIStatusError as exc:
+                return quota_error(exc)
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(call, range(30)))
+        statuses = [status for status, _ in answers]
+        assert statuses.count(200) == 10 and statuses.count(429) == 20
+        for status, headers in answers:
+            assert headers["x-ratelimit-limit-requests"] == "10"
+            if status == 429:
+                assert 1 <= int(headers["retry-after"]) <= 6  # one interval
+
+        # two jobs at once: the third waits for a terminal state, through either gateway
+        slow = [
+            openai.OpenAI(base_url=s.url + "/v1", api_key=solo, max_retries=0) for s in (one, two)
+        ]
+
+        def long_call(i: int) -> int:
+            try:
+                slow[i % 2].completions.create(model=MODEL, prompt="x", max_tokens=20)
+                return 200
+            except openai.APIStatusError as exc:
+                return exc.status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(long_call, range(6)))
+        assert codes.count(200) == 2 and codes.count(429) == 4
+        # the slots came back with the jobs' completions
+        assert long_call(0) == 200 and long_call(1) == 200

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.broker.base import CancelOutcome, Lease
+from tokenyard.broker.base import CancelOutcome, Lease, Settlement
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.errors import QueueFull
@@ -24,6 +24,7 @@ from tokenyard.messages import (
     WorkerInfo,
 )
 from tokenyard.tenancy.admin import create_key, revoke_key
+from tokenyard.tenancy.limiter import Quota
 from tokenyard.tenancy.records import TenantConfig, key_digest
 
 MODEL = "tiny"
@@ -614,3 +615,85 @@ async def test_directory_of_tenants_and_keys_is_shared(make_broker: BrokerFactor
     assert [r.digest for r in listed] == [record.digest, key_digest(second)]
     assert all(not r.active for r in listed)
     assert await gateway.has_api_keys()  # revoked keys keep auth on
+
+
+def held_job(tenant: str = "acme", deadline: float | None = None) -> JobSpec:
+    spec = job(tenant=tenant, deadline=deadline)
+    spec.quota = True
+    return spec
+
+
+async def test_request_quota_is_exact_across_clients(make_broker: BrokerFactory) -> None:
+    one, two = make_broker(), make_broker()
+    quota = Quota(rpm=3)
+    decisions = []
+    for i in range(6):
+        decisions += await (one if i % 2 else two).reserve("acme", quota, [(f"j{i}", 1)])
+    assert [d.admitted for d in decisions] == [True, True, True, False, False, False]
+    assert [d.requests[1] for d in decisions if d.requests] == [2, 1, 0, 0, 0, 0]
+    refused = decisions[3]
+    assert refused.reason == "requests" and 19.0 < refused.retry_after_s <= 20.0
+    # another tenant's quota is its own
+    [other] = await one.reserve("bob", quota, [("b0", 1)])
+    assert other.admitted
+
+
+async def test_token_quota_reserves_then_settles_to_the_real_count(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    quota = Quota(tpm=100)
+    first, second = await broker.reserve("acme", quota, [("j1", 60), ("j2", 60)])
+    assert first.admitted and first.tokens is not None and first.tokens[1] == 40
+    assert not second.admitted and second.reason == "tokens" and second.retry_after_s > 0
+    [huge] = await broker.reserve("acme", quota, [("j3", 101)])
+    assert huge.reason == "too_large" and huge.retry_after_s == float("inf")
+    # j1 used 10 of its 60: 50 come back, once
+    assert await broker.settle([Settlement("acme", "j1", 10)]) == 1
+    assert await broker.settle([Settlement("acme", "j1", 10)]) == 0
+    [again] = await broker.reserve("acme", quota, [("j2", 60)])
+    assert again.admitted and again.tokens is not None and again.tokens[1] == 30
+
+
+async def test_concurrency_is_released_at_every_terminal_state(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(lease_s=0.1, max_deliveries=1)
+    quota = Quota(max_concurrent=1)
+
+    async def admit(spec: JobSpec) -> bool:
+        [decision] = await broker.reserve(spec.tenant, quota, [(spec.id, 10)])
+        if decision.admitted:
+            await broker.enqueue(spec)
+        return decision.admitted
+
+    # completed
+    spec = held_job()
+    assert await admit(spec) and not await admit(held_job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.complete(lease, ok(lease))
+    # dead-lettered by the worker
+    assert await admit(held_job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.dead_letter(lease, "bad_output")
+    # cancelled while waiting
+    spec = held_job()
+    assert await admit(spec)
+    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    # its worker died: the reaper dead-letters it
+    assert await admit(held_job())
+    await broker.claim(MODEL, "w1", slots=1)
+    await asyncio.sleep(0.2)
+    assert len((await broker.reap(MODEL)).dead) == 1
+    # expired in the queue (finished by a claim): the sweep settles it
+    assert await admit(held_job(deadline=time.time() + 0.05))
+    await asyncio.sleep(0.1)
+    assert await broker.claim(MODEL, "w1", slots=1) == []
+    assert not await admit(held_job())
+    assert await broker.settle_finished() == 1
+    # a reservation whose enqueue never landed is released after the grace time
+    [decision] = await broker.reserve("acme", quota, [(new_job_id(MODEL), 10)])
+    assert decision.admitted
+    assert await broker.settle_finished(grace_s=60.0) == 0
+    assert await broker.settle_finished(grace_s=0.0) == 1
+    assert await admit(held_job())

@@ -99,6 +99,22 @@ class Keys:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"
 
+    def _tenant(self, tenant: str) -> str:
+        # its own tag: a tenant's quota is shared by all models; the name may hold any character
+        return f"{self.prefix}:{{t{model_tag(tenant)}}}"
+
+    def quota(self, tenant: str) -> str:
+        """Hash of a tenant's limiter state: rpm_tat, tpm_tat, active."""
+        return f"{self._tenant(tenant)}:quota"
+
+    def quota_held(self, tenant: str) -> str:
+        """Hash of a tenant's jobs holding a reservation: job id -> tokens|per token|at."""
+        return f"{self._tenant(tenant)}:held"
+
+    def quota_tenants(self) -> str:
+        """Set of tenants that ever reserved, for the settle sweep."""
+        return f"{self.prefix}:quota-tenants"
+
     def tenants(self) -> str:
         """Hash of tenant name -> TenantConfig; one small key, read through gateway caches."""
         return f"{self.prefix}:{{directory}}:tenants"

@@ -19,6 +19,8 @@ from tokenyard.broker.base import (
     LaneStats,
     Lease,
     ReapReport,
+    Settlement,
+    settlement,
 )
 from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
@@ -40,6 +42,8 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+from tokenyard.tenancy import limiter
+from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 LaneId = tuple[str, Priority]  # (model, priority)
@@ -95,6 +99,9 @@ class MemoryStore:
         self.workers: dict[str, dict[str, tuple[WorkerInfo, float]]] = defaultdict(dict)
         self.tenants: dict[str, TenantConfig] = {}
         self.api_keys: dict[str, ApiKeyRecord] = {}  # by digest
+        self.quota: dict[str, QuotaState] = defaultdict(QuotaState)
+        # tenant -> job id -> (reserved tokens, seconds per token, reserved at)
+        self.held: dict[str, dict[str, tuple[int, float, float]]] = defaultdict(dict)
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -340,6 +347,9 @@ class MemoryBroker(Broker):
             self.store.cancels[lease.spec.model].discard(lease.spec.id)
             accepted.append(True)
         self.store.notify()
+        self._settle_specs(
+            [(lease.spec, r) for (lease, r), ok in zip(items, accepted, strict=True) if ok]
+        )
         return accepted
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
@@ -364,6 +374,7 @@ class MemoryBroker(Broker):
         self._to_dead_letters(job, lease.spec.id, reason, error, now)
         self.store.counters[job.model]["dead"] += 1
         self.store.notify()
+        self._settle_specs([(lease.spec, None)])
         return 0
 
     async def retry(self, lease: Lease, error: str) -> bool:
@@ -411,6 +422,7 @@ class MemoryBroker(Broker):
                     self._add_entry(lane, entry.job_id, now)
                     requeued.append(entry.job_id)
         self.store.notify()
+        self._settle_ids(dead)
         return ReapReport(requeued=requeued, dead=dead)
 
     # -- cancellation ----------------------------------------------------------------------
@@ -429,6 +441,7 @@ class MemoryBroker(Broker):
         self.store.delayed[job.model].pop(job_id, None)
         self._finish(job, job_id, cancelled_result(), self.clock())
         self.store.notify()
+        self._settle_ids([job_id])
         return CancelOutcome.CANCELLED
 
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
@@ -542,6 +555,60 @@ class MemoryBroker(Broker):
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    # -- quotas ----------------------------------------------------------------------------
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        now = self.clock()
+        state, held = self.store.quota[tenant], self.store.held[tenant]
+        per_token = limiter.PERIOD_S / quota.tpm if quota.tpm else 0.0
+        decisions = []
+        for job_id, tokens in items:
+            decision = limiter.admit(state, quota, tokens, now)
+            if decision.admitted:
+                held[job_id] = (tokens, per_token, now)
+            decisions.append(decision)
+        return decisions
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        released = 0
+        for item in items:
+            held = self.store.held[item.tenant].pop(item.job_id, None)
+            if held is not None:
+                released += 1
+                reserved, per_token, _ = held
+                limiter.settle(self.store.quota[item.tenant], per_token, reserved, item.actual)
+        return released
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        now = self.clock()
+        done: list[Settlement] = []
+        for tenant, held in self.store.held.items():
+            for job_id, (_, _, reserved_at) in held.items():
+                job = self._job(job_id)
+                if job is None:
+                    if now - reserved_at > grace_s:
+                        done.append(Settlement(tenant, job_id, 0))
+                elif job.status.terminal:
+                    result = None if job.result is None else decode(job.result, JobResult)
+                    done.append(settlement(decode(job.spec, JobSpec), result))
+        return await self.settle(done)
+
+    def _settle_specs(self, specs: Sequence[tuple[JobSpec, JobResult | None]]) -> None:
+        for spec, result in specs:
+            if spec.quota:
+                item = settlement(spec, result)
+                held = self.store.held[item.tenant].pop(item.job_id, None)
+                if held is not None:
+                    limiter.settle(self.store.quota[item.tenant], held[1], held[0], item.actual)
+
+    def _settle_ids(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            job = self.store.jobs.get(job_id)
+            if job is not None:
+                result = None if job.result is None else decode(job.result, JobResult)
+                self._settle_specs([(decode(job.spec, JobSpec), result)])
 
     # -- directory -------------------------------------------------------------------------
     async def put_tenant(self, tenant: TenantConfig) -> None:

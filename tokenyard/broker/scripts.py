@@ -306,6 +306,35 @@ class ReleaseItemArgs(NamedTuple):
 
 RELEASE = ScriptSpec("release", Empty, GroupArg, ReleaseItemKeys, ReleaseItemArgs)
 
+
+# -- tenant quotas: one tenant's keys per call (their own hash tag) ---------------------------
+class QuotaKeys(NamedTuple):
+    quota: str
+    held: str
+
+
+class ReserveArgs(NamedTuple):
+    now: str
+    rpm: int
+    tpm: int
+    max_concurrent: int
+
+
+class ReserveItemArgs(NamedTuple):
+    job_id: str
+    tokens: int
+
+
+RESERVE = ScriptSpec("reserve", QuotaKeys, ReserveArgs, Empty, ReserveItemArgs)
+
+
+class SettleItemArgs(NamedTuple):
+    job_id: str
+    actual: int
+
+
+SETTLE = ScriptSpec("settle", QuotaKeys, Empty, Empty, SettleItemArgs)
+
 SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     ENQUEUE,
     CLAIM,
@@ -316,4 +345,6 @@ SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     EMIT,
     RENEW,
     RELEASE,
+    RESERVE,
+    SETTLE,
 )

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 from fastapi import Depends, Request
@@ -20,7 +20,8 @@ from tokenyard.broker.base import Directory
 from tokenyard.errors import BrokerUnavailable, FatalError
 from tokenyard.gateway.errors import ApiError
 from tokenyard.messages import Priority
-from tokenyard.tenancy.records import TenantConfig, key_digest
+from tokenyard.tenancy.limiter import Quota
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig, key_digest
 
 
 class Tenant(msgspec.Struct, frozen=True):
@@ -29,6 +30,7 @@ class Tenant(msgspec.Struct, frozen=True):
     name: str
     priority: Priority = Priority.NORMAL
     admin: bool = False  # may use fleet routes (/metrics, and AdminDep routes)
+    quota: Quota = msgspec.field(default_factory=Quota)  # enforced at admission, fleet-wide
 
     def lane_priority(self, requested: Priority | None) -> Priority:
         """A request may lower its priority below the tier, never raise it above."""
@@ -117,6 +119,7 @@ def _invalid_key() -> ApiError:
     )
 
 
+_V = TypeVar("_V")
 _MAX_CACHED = 10_000  # distinct keys remembered; past it the cache starts over
 
 
@@ -139,7 +142,8 @@ class Authenticator:
         self.clock = clock
         self._enabled: tuple[float, bool] | None = None
         self.ever_enabled = False  # the broker said keys exist, at least once
-        self._keys: dict[str, tuple[float, Tenant | None]] = {}
+        self._keys: dict[str, tuple[float, ApiKeyRecord | None]] = {}
+        self._configs: dict[str, tuple[float, TenantConfig | None]] = {}
 
     async def enabled(self) -> bool:
         if self.keyring.enabled:
@@ -158,39 +162,43 @@ class Authenticator:
         return on
 
     async def tenant_for(self, authorization: str | None) -> Tenant:
-        """The calling tenant; 401 when auth is on and the key is missing, unknown or revoked."""
+        """The calling tenant; 401 when auth is on and the key is missing, unknown or revoked.
+        The broker's tenant record, when there is one, decides tier, admin flag and quota;
+        a file key's entry gives the defaults."""
         if not await self.enabled():
             return DEFAULT_TENANT
         key = bearer_key(authorization)
         tenant = self.keyring.lookup(key)
         if tenant is None:
-            tenant = await self._from_directory(key_digest(key))
-        if tenant is None:
-            raise _invalid_key()
-        return tenant
+            record = await self._cached(self._keys, key_digest(key), self.directory.api_key)
+            if record is None or not record.active:
+                raise _invalid_key()
+            tenant = Tenant(record.tenant)
+        config = await self._cached(self._configs, tenant.name, self.directory.tenant)
+        if config is None:
+            return tenant
+        return Tenant(config.name, config.priority, config.admin, config.quota)
 
-    async def _from_directory(self, digest: str) -> Tenant | None:
+    async def _cached(
+        self,
+        cache: dict[str, tuple[float, _V | None]],
+        key: str,
+        fetch: Callable[[str], Awaitable[_V | None]],
+    ) -> _V | None:
         now = self.clock()
-        cached = self._keys.get(digest)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        hit = cache.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
         try:
-            tenant = await self._resolve(digest)
+            value = await fetch(key)
         except BrokerUnavailable:
-            if cached is None:
+            if hit is None:
                 raise
-            return cached[1]
-        if len(self._keys) >= _MAX_CACHED:
-            self._keys.clear()
-        self._keys[digest] = (now + self.ttl_s, tenant)
-        return tenant
-
-    async def _resolve(self, digest: str) -> Tenant | None:
-        record = await self.directory.api_key(digest)
-        if record is None or not record.active:
-            return None
-        config = await self.directory.tenant(record.tenant) or TenantConfig(name=record.tenant)
-        return Tenant(config.name, config.priority, config.admin)
+            return hit[1]
+        if len(cache) >= _MAX_CACHED:
+            cache.clear()
+        cache[key] = (now + self.ttl_s, value)
+        return value
 
 
 async def authenticate(request: Request) -> Tenant:

@@ -102,6 +102,13 @@ def tenants_set(
     admin: Annotated[
         bool | None, typer.Option("--admin/--no-admin", help="may use fleet routes")
     ] = None,
+    rpm: Annotated[int | None, typer.Option(help="requests per minute; 0: unlimited")] = None,
+    tpm: Annotated[
+        int | None, typer.Option(help="tokens (prompt + max_tokens) per minute; 0: unlimited")
+    ] = None,
+    max_concurrent: Annotated[
+        int | None, typer.Option(help="jobs admitted and not yet finished; 0: unlimited")
+    ] = None,
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
 ) -> None:
@@ -120,6 +127,12 @@ def tenants_set(
             changes["priority"] = tier
         if admin is not None:
             changes["admin"] = admin
+        asked = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
+        limits = {k: v for k, v in asked.items() if v is not None}
+        if any(v < 0 for v in limits.values()):
+            raise typer.BadParameter("limits are >= 0 (0: unlimited)")
+        if limits:
+            changes["quota"] = msgspec.structs.replace(config.quota, **limits)
         config = msgspec.structs.replace(config, **changes)
         await b.put_tenant(config)
         return config
@@ -151,8 +164,14 @@ def tenants_show(
 
 def _print_tenants(configs: list[TenantConfig]) -> None:
     table = Table(title="tenants")
-    for column in ("tenant", "priority", "admin"):
+    for column in ("tenant", "priority", "admin", "rpm", "tpm", "concurrent"):
         table.add_column(column)
     for c in configs:
-        table.add_row(c.name, c.priority.name.lower(), "yes" if c.admin else "no")
+        q = c.quota
+        table.add_row(
+            c.name,
+            c.priority.name.lower(),
+            "yes" if c.admin else "no",
+            *(str(v) if v else "-" for v in (q.rpm, q.tpm, q.max_concurrent)),
+        )
     console.print(table)

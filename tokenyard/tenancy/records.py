@@ -8,6 +8,7 @@ import secrets
 import msgspec
 
 from tokenyard.messages import Priority
+from tokenyard.tenancy.limiter import Quota
 
 KEY_PREFIX = "ty-"
 KEY_ID_CHARS = 12  # of the digest's hex: enough to name a key in a list, useless to call with
@@ -19,6 +20,7 @@ class TenantConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     priority: Priority = Priority.NORMAL
     admin: bool = False
+    quota: Quota = msgspec.field(default_factory=Quota)
     v: int = 1
 
 

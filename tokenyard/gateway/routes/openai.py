@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from tokenyard.gateway import protocol
+from tokenyard.errors import QueueFull
+from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.live import LiveCall
@@ -48,9 +49,14 @@ async def _serve(
     """One path for both endpoints: a job whose caller follows it live."""
     state = gateway(request)
     spec = await admit(state, kind, body, tenant, live=True)
-    call = await LiveCall.start(state, spec, started)
+    limits = await quota.reserve(state, tenant, spec)
+    try:
+        call = await LiveCall.start(state, spec, started)
+    except QueueFull:
+        await quota.refund(state, spec)
+        raise
     created = int(spec.created_at)
-    headers = {"X-Job-Id": spec.id}
+    headers = {"X-Job-Id": spec.id, **limits}
     if body.stream:
         renderer = OpenAIRenderer(
             kind,
