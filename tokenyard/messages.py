@@ -76,6 +76,7 @@ class JobSpec(msgspec.Struct, kw_only=True):
     stream: bool = True
     # the tenant's quota holds a reservation for this job: its terminal state settles it
     quota: bool = False
+    weight: float = 1.0  # the tenant's share of its lane, against other tenants' weights
     attempt: int = 0
 
 

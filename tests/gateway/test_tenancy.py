@@ -45,7 +45,7 @@ def test_broker_keys_across_two_gateways(valkey: EmbeddedServer) -> None:
     ):
         # no key stored yet: auth is off, the single caller is the fleet's admin
         assert a.get("/metrics").status_code == 200
-        cli(valkey, one.prefix, "tenants", "set", "acme", "--priority", "high")
+        cli(valkey, one.prefix, "tenants", "set", "acme", "--priority", "high", "--weight", "2")
         cli(valkey, one.prefix, "tenants", "set", "ops", "--admin")
         created = cli(valkey, one.prefix, "keys", "create", "--tenant", "acme").split()
         acme, acme_id = created[-1], created[2]  # "key id <id> for tenant acme\n<key>"

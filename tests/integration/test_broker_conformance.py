@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.broker.base import CancelOutcome, Lease, Settlement
+from tokenyard.broker.base import Broker, CancelOutcome, Lease, Settlement
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.errors import QueueFull
@@ -697,3 +697,63 @@ async def test_concurrency_is_released_at_every_terminal_state(
     assert await broker.settle_finished(grace_s=60.0) == 0
     assert await broker.settle_finished(grace_s=0.0) == 1
     assert await admit(held_job())
+
+
+def tenant_job(tenant: str, weight: float = 1.0, deadline: float | None = None) -> JobSpec:
+    spec = job(tenant=tenant, deadline=deadline)
+    spec.weight = weight
+    return spec
+
+
+async def drain_order(broker: Broker, jobs: int, slots: int = 4) -> list[str]:
+    """Tenants of the next `jobs` claimed jobs, completing each claim before the next."""
+    order: list[str] = []
+    while len(order) < jobs:
+        leases = await broker.claim(MODEL, "w1", slots=slots)
+        assert leases
+        order += [lease.spec.tenant for lease in leases]
+        await broker.complete_many([(lease, ok(lease)) for lease in leases])
+    return order[:jobs]
+
+
+async def test_a_tenants_backlog_delays_another_by_a_bounded_amount(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(fair_window=4)
+    for _ in range(10):
+        await broker.enqueue_many([tenant_job("a") for _ in range(200)])
+    await broker.enqueue_many([tenant_job("b") for _ in range(20)])
+    assert await broker.depth(MODEL) == 2020
+    order = await drain_order(broker, 60)
+    # ahead of b's first job: at most the window already in the stream and one job of a
+    assert order.index("b") <= 4 + 1
+    # then the two share the lane job for job: b's 20 are done within 2 x 20 + the window
+    last_b = max(i for i, t in enumerate(order) if t == "b")
+    assert order.count("b") == 20 and last_b <= 2 * 20 + 4 + 1
+    stats = await broker.stats(MODEL)
+    assert sum(lane.waiting for lane in stats.lanes) == 2020 - 60
+
+
+async def test_weights_split_a_lane_by_token_cost(make_broker: BrokerFactory) -> None:
+    broker = make_broker(fair_window=1)
+    await broker.enqueue_many([tenant_job("a", 1.0) for _ in range(100)])
+    await broker.enqueue_many([tenant_job("b", 3.0) for _ in range(100)])
+    order = (await drain_order(broker, 81, slots=1))[1:]  # past the one in the stream
+    assert abs(order.count("b") / len(order) - 0.75) <= 0.05
+
+
+async def test_earliest_deadline_first_within_a_tenant(make_broker: BrokerFactory) -> None:
+    broker = make_broker(fair_window=1)
+    now = time.time()
+    late = [tenant_job("a", deadline=now + 300 + i) for i in range(3)]
+    none = tenant_job("a")
+    urgent = tenant_job("a", deadline=now + 60)
+    await broker.enqueue_many([*late, none, urgent])
+    claimed = []
+    for _ in range(5):
+        [lease] = await broker.claim(MODEL, "w1", slots=1)
+        claimed.append(lease.spec.id)
+        await broker.complete(lease, ok(lease))
+    # one batch is staged whole, then the stream is filled: earliest deadline first, and a job
+    # without a deadline after every job with one
+    assert claimed == [urgent.id, late[0].id, late[1].id, late[2].id, none.id]

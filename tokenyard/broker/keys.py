@@ -50,6 +50,21 @@ class Keys:
     def lane(self, model: str, priority: Priority) -> str:
         return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}"
 
+    @staticmethod
+    def fair(lane: str) -> str:
+        """Hash of a lane's fair-share state (see lua/lib/fair.lua)."""
+        return f"{lane}:fair"
+
+    @staticmethod
+    def fair_active(lane: str) -> str:
+        """Sorted set of a lane's tenants with staged jobs, by start tag."""
+        return f"{lane}:active"
+
+    @staticmethod
+    def tenant_queue_prefix(lane: str) -> str:
+        """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
+        return f"{lane}:tq:"
+
     def lanes(self, model: str) -> list[str]:
         """Lane streams of a model, highest priority first."""
         return [self.lane(model, p) for p in Priority]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -24,7 +25,7 @@ from tokenyard.broker.base import (
 )
 from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.policy import backoff_delay, claim_order, fair_cost, staging_score
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
@@ -58,10 +59,51 @@ class _Entry:
 
 
 @dataclass
+class _Fair:
+    """A lane's fair share (as lua/lib/fair.lua): per-tenant staged jobs, start tags."""
+
+    staged: dict[str, list[tuple[float, int, str]]] = field(default_factory=dict)  # heaps
+    active: dict[str, float] = field(default_factory=dict)  # tenant -> start tag
+    idle: dict[str, float] = field(default_factory=dict)  # tag of a tenant with none staged
+    weight: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, int] = field(default_factory=dict)  # staged job -> cost
+    v: float = 0.0  # virtual time: the tag of the job last moved into the lane
+    seq: int = 0
+    count: int = 0
+
+    def stage(self, tenant: str, weight: float, score: float, job_id: str, cost: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.staged.setdefault(tenant, []), (score, self.seq, job_id))
+        self.weight[tenant], self.cost[job_id] = weight, cost
+        self.count += 1
+        if tenant not in self.active:
+            self.active[tenant] = max(self.idle.get(tenant, 0.0), self.v)
+
+    def pop(self) -> str | None:
+        """The next job in fair order, or None when nothing is staged."""
+        if not self.active:
+            return None
+        tenant = min(self.active, key=lambda t: (self.active[t], t))
+        tag = self.active[tenant]
+        heap = self.staged[tenant]
+        _, _, job_id = heapq.heappop(heap)
+        next_tag = tag + self.cost.pop(job_id, 1) / self.weight.get(tenant, 1.0)
+        self.v = tag
+        if heap:
+            self.active[tenant] = next_tag
+        else:
+            del self.active[tenant], self.staged[tenant]
+            self.idle[tenant] = next_tag
+        self.count -= 1
+        return job_id
+
+
+@dataclass
 class _Lane:
     entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)  # not yet acked
     last_delivered: int = -1  # index into the id sequence, like a group's last-delivered-id
     undelivered: list[str] = field(default_factory=list)
+    fair: _Fair = field(default_factory=_Fair)
 
 
 @dataclass
@@ -225,11 +267,12 @@ class MemoryBroker(Broker):
                 taken_keys[idem] = spec.id
             adding[spec.model, spec.priority] += 1
         for lane, count in adding.items():
-            depth = len(store.lanes[lane].entries)
+            depth = len(store.lanes[lane].entries) + store.lanes[lane].fair.count
             if depth + count > self.settings.max_queue_depth:
                 model, priority = lane
                 label = f"{model}/{priority.name.lower()}"
                 raise QueueFull(label, depth, self.settings.max_queue_depth)
+        refill: set[LaneId] = set()
         for spec, idem in fresh:
             lane = (spec.model, spec.priority)
             store.jobs[spec.id] = _Job(
@@ -239,12 +282,28 @@ class MemoryBroker(Broker):
                 enqueued_at=now,
                 deadline=spec.deadline,
             )
-            self._add_entry(lane, spec.id, now)
+            store.lanes[lane].fair.stage(
+                spec.tenant, spec.weight, staging_score(spec), spec.id, fair_cost(spec)
+            )
+            refill.add(lane)
             if idem is not None:
                 store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
             store.models.add(spec.model)
+        for lane in refill:
+            self._refill(lane, max(1, self.settings.fair_window), now)
         store.notify()
         return results
+
+    def _refill(self, lane: LaneId, want: int, now: float) -> int:
+        """Top the lane up to `want` undelivered jobs from its tenants' staged ones."""
+        state, moved = self.store.lanes[lane], 0
+        while len(state.undelivered) < want:
+            job_id = state.fair.pop()
+            if job_id is None:
+                break
+            self._add_entry(lane, job_id, now)
+            moved += 1
+        return moved
 
     # -- consuming -------------------------------------------------------------------------
     async def claim(
@@ -281,7 +340,11 @@ class MemoryBroker(Broker):
         leases: list[Lease] = []
         for lane in (lanes[i] for i in order):
             state = store.lanes[lane]
-            while len(leases) < slots and state.undelivered:
+            while len(leases) < slots and (
+                state.undelivered
+                or self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
+            ):
+                self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
                 entry = state.entries.get(state.undelivered.pop(0))
                 if entry is None:
                     continue
@@ -524,6 +587,7 @@ class MemoryBroker(Broker):
         for priority in Priority:
             state = self.store.lanes[model, priority]
             waiting = [state.entries[e] for e in state.undelivered if e in state.entries]
+            staged = state.fair.count  # waiting for their turn (fair share)
             in_flight = sum(1 for e in state.entries.values() if e.owner is not None)
             age = None
             if waiting:
@@ -532,7 +596,7 @@ class MemoryBroker(Broker):
                 LaneStats(
                     model,
                     priority,
-                    waiting=len(waiting),
+                    waiting=len(waiting) + staged,
                     in_flight=in_flight,
                     oldest_waiting_age_s=age,
                 )
@@ -548,7 +612,8 @@ class MemoryBroker(Broker):
         )
 
     async def depth(self, model: str) -> int:
-        return sum(len(self.store.lanes[model, p].entries) for p in Priority)
+        lanes = [self.store.lanes[model, p] for p in Priority]
+        return sum(len(lane.entries) + lane.fair.count for lane in lanes)
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         return self.store.dead_letters[model][:count]

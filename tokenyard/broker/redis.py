@@ -31,7 +31,7 @@ from tokenyard.broker.base import (
 )
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.policy import backoff_delay, claim_order, fair_cost, staging_score
 from tokenyard.broker.scripts import Call, Empty
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, QueueFull
@@ -218,16 +218,26 @@ class RedisBroker(Broker):
             idem = job
             if spec.idempotency_key:
                 idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+            lane = self.keys.lane(spec.model, spec.priority)
             items.append(
                 (
                     scripts.EnqueueItemKeys(
-                        lane=self.keys.lane(spec.model, spec.priority), job=job, idem=idem
+                        lane=lane,
+                        job=job,
+                        idem=idem,
+                        fair=self.keys.fair(lane),
+                        active=self.keys.fair_active(lane),
                     ),
                     scripts.EnqueueItemArgs(
                         job_id=spec.id,
                         spec=encode(spec),
                         deadline="" if spec.deadline is None else repr(spec.deadline),
                         use_idem="1" if spec.idempotency_key else "0",
+                        tq_prefix=self.keys.tenant_queue_prefix(lane),
+                        tenant=spec.tenant,
+                        weight=repr(spec.weight),
+                        cost=fair_cost(spec),
+                        score=repr(staging_score(spec)),
                     ),
                 )
             )
@@ -237,6 +247,8 @@ class RedisBroker(Broker):
                 now=repr(now),
                 max_depth=self.settings.max_queue_depth,
                 idem_ttl_ms=_ms(self.settings.idempotency_ttl_s),
+                job_prefix=self.keys.job_prefix(specs[0].model),
+                window=max(1, self.settings.fair_window),
             ),
             items,
         )
@@ -279,8 +291,17 @@ class RedisBroker(Broker):
                     expired_event=self._expired,
                     ttl_ms=self._ttl_ms,
                     wait_hints="1" if block_s > 0 else "0",
+                    window=max(1, self.settings.fair_window),
                 ),
-                [(scripts.LaneKey(lane=lane), Empty()) for lane in ordered],
+                [
+                    (
+                        scripts.ClaimLaneKeys(
+                            lane=lane, fair=self.keys.fair(lane), active=self.keys.fair_active(lane)
+                        ),
+                        scripts.ClaimLaneArgs(tq_prefix=self.keys.tenant_queue_prefix(lane)),
+                    )
+                    for lane in ordered
+                ],
             )
             if hint is None:
                 reply = await self._run(call)
@@ -645,11 +666,14 @@ class RedisBroker(Broker):
         for lane in lanes:
             pipe.xlen(lane)
             pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
+        for lane in lanes:
+            pipe.hget(self.keys.fair(lane), "staged")  # waiting for their turn (fair share)
         pipe.zcard(self.keys.delayed(model))
         pipe.xlen(self.keys.dead_letters(model))
         pipe.hgetall(self.keys.counters(model))
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         delayed, dead, counters = replies[-3:]
+        staged = [int(n or 0) for n in replies[2 * len(lanes) : 3 * len(lanes)]]
         for reply in (delayed, dead, counters):
             if isinstance(reply, Exception):
                 raise reply
@@ -674,7 +698,9 @@ class RedisBroker(Broker):
             pipe.xrange(lane, min=f"({last}", max="+", count=1)
         oldest: list[Any] = await self._execute(pipe)
         stats = []
-        for priority, (total, pending, _), first in zip(Priority, sizes, oldest, strict=True):
+        for priority, (total, pending, _), first, extra in zip(
+            Priority, sizes, oldest, staged, strict=True
+        ):
             age = None
             if first:
                 age = max(0.0, now - int(_s(first[0][0]).split("-")[0]) / 1000)
@@ -682,7 +708,7 @@ class RedisBroker(Broker):
                 LaneStats(
                     model,
                     priority,
-                    waiting=max(0, total - pending),
+                    waiting=max(0, total - pending) + extra,
                     in_flight=pending,
                     oldest_waiting_age_s=age,
                 )
@@ -702,8 +728,10 @@ class RedisBroker(Broker):
         # a lane is waiting or in flight
         pipe = self.redis.pipeline(transaction=False)
         for priority in Priority:
-            pipe.xlen(self.keys.lane(model, priority))
-        return sum(int(n) for n in await self._execute(pipe))
+            lane = self.keys.lane(model, priority)
+            pipe.xlen(lane)
+            pipe.hget(self.keys.fair(lane), "staged")
+        return sum(int(n or 0) for n in await self._execute(pipe))
 
     @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:

@@ -31,6 +31,7 @@ class Tenant(msgspec.Struct, frozen=True):
     priority: Priority = Priority.NORMAL
     admin: bool = False  # may use fleet routes (/metrics, and AdminDep routes)
     quota: Quota = msgspec.field(default_factory=Quota)  # enforced at admission, fleet-wide
+    weight: float = 1.0  # fair share of a lane against other tenants
 
     def lane_priority(self, requested: Priority | None) -> Priority:
         """A request may lower its priority below the tier, never raise it above."""
@@ -177,7 +178,7 @@ class Authenticator:
         config = await self._cached(self._configs, tenant.name, self.directory.tenant)
         if config is None:
             return tenant
-        return Tenant(config.name, config.priority, config.admin, config.quota)
+        return Tenant(config.name, config.priority, config.admin, config.quota, config.weight)
 
     async def _cached(
         self,

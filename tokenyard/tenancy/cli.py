@@ -102,6 +102,9 @@ def tenants_set(
     admin: Annotated[
         bool | None, typer.Option("--admin/--no-admin", help="may use fleet routes")
     ] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="share of a lane against other tenants (by tokens)")
+    ] = None,
     rpm: Annotated[int | None, typer.Option(help="requests per minute; 0: unlimited")] = None,
     tpm: Annotated[
         int | None, typer.Option(help="tokens (prompt + max_tokens) per minute; 0: unlimited")
@@ -127,6 +130,10 @@ def tenants_set(
             changes["priority"] = tier
         if admin is not None:
             changes["admin"] = admin
+        if weight is not None:
+            if weight <= 0:
+                raise typer.BadParameter("a weight is > 0")
+            changes["weight"] = weight
         asked = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
         limits = {k: v for k, v in asked.items() if v is not None}
         if any(v < 0 for v in limits.values()):
@@ -164,13 +171,14 @@ def tenants_show(
 
 def _print_tenants(configs: list[TenantConfig]) -> None:
     table = Table(title="tenants")
-    for column in ("tenant", "priority", "admin", "rpm", "tpm", "concurrent"):
+    for column in ("tenant", "priority", "weight", "admin", "rpm", "tpm", "concurrent"):
         table.add_column(column)
     for c in configs:
         q = c.quota
         table.add_row(
             c.name,
             c.priority.name.lower(),
+            f"{c.weight:g}",
             "yes" if c.admin else "no",
             *(str(v) if v else "-" for v in (q.rpm, q.tpm, q.max_concurrent)),
         )

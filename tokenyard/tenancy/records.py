@@ -20,6 +20,7 @@ class TenantConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     priority: Priority = Priority.NORMAL
     admin: bool = False
+    weight: float = 1.0  # share of a lane against other tenants' weights, by token cost
     quota: Quota = msgspec.field(default_factory=Quota)
     v: int = 1
 
