@@ -247,7 +247,6 @@ class RedisBroker(Broker):
                 now=repr(now),
                 max_depth=self.settings.max_queue_depth,
                 idem_ttl_ms=_ms(self.settings.idempotency_ttl_s),
-                job_prefix=self.keys.job_prefix(specs[0].model),
                 window=max(1, self.settings.fair_window),
             ),
             items,

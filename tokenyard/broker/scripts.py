@@ -119,7 +119,6 @@ class EnqueueArgs(NamedTuple):
     now: str
     max_depth: int
     idem_ttl_ms: int
-    job_prefix: str
     window: int  # staged jobs kept in a lane's stream (fair share, lua/lib/fair.lua)
 
 

@@ -50,7 +50,7 @@ for i = 1, N do
   local lk, la = item(i)
   local lane = lk.lane
   while remaining > 0 do
-    local moved = fair_refill(lane, lk.fair, lk.active, la.tq_prefix, A.job_prefix,
+    local moved = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
       remaining + tonumber(A.window))
     local asked = remaining
     local res = read(lane, asked)

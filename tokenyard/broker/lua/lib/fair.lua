@@ -1,58 +1,73 @@
 -- Fair share inside a lane (a library prepended to enqueue.lua and claim.lua).
--- Jobs wait staged in per-tenant sorted sets (<lane>:tq:<tenant>, earliest deadline first);
--- only a small window of them sits in the lane stream itself, where workers' claims and
--- blocking reads see it. Refilling the window picks, each time, the active tenant with the
--- smallest start tag (start-time fair queueing): a job of cost c advances its tenant's tag by
--- c / weight, and a tenant that becomes active starts at the lane's virtual time, so a long
--- backlog of one tenant delays another's job by at most the window plus one job.
--- <lane>:fair hash: stream (staged jobs moved into the stream and not yet read), staged,
--- v (virtual time), S:<tenant> (tag of an idle tenant), w:<tenant> (weight).
+-- Jobs wait staged in per-tenant sorted sets (<lane>:tq:<tenant>, earliest deadline first,
+-- then arrival); only a small window of them sits in the lane stream itself, where workers'
+-- claims and blocking reads see it. Refilling the window takes, each time, the job of the
+-- active tenant with the smallest start tag (start-time fair queueing): a job of cost c
+-- advances its tenant's tag by c / weight, and a tenant that becomes active starts at the
+-- lane's virtual time, so one tenant's backlog delays another's job by at most the window
+-- plus one job. The same rule runs in memory.py (_Fair).
+-- <lane>:fair hash: stream (staged jobs moved into the stream and not yet read), staged, seq,
+-- v (virtual time), S:<tenant> (tag of a tenant with nothing staged), w:<tenant> (weight).
 -- <lane>:active zset: tenants with staged jobs, by start tag.
-local function fair_refill(lane, fair, active, tq_prefix, job_prefix, want)
+-- A staged member is '<12-digit arrival>:<cost>:<job id>'.
+
+local function fair_num(x) return string.format('%.17g', x) end
+
+local function fair_refill(lane, fair, active, tq_prefix, want)
   local in_stream = tonumber(redis.call('HGET', fair, 'stream') or '0')
-  local moved = 0
+  if in_stream >= want then return 0 end
+  local moved, v = 0, nil
   while in_stream < want do
-    local head = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
+    local head = redis.call('ZRANGE', active, 0, 1, 'WITHSCORES')
     if #head == 0 then break end
     local tenant, tag = head[1], tonumber(head[2])
+    local rival, rival_tag = head[3], tonumber(head[4] or 'inf')
+    local weight = tonumber(redis.call('HGET', fair, 'w:' .. tenant) or '1') or 1
     local tq = tq_prefix .. tenant
-    local popped = redis.call('ZPOPMIN', tq)
-    if #popped == 0 then
-      redis.call('ZREM', active, tenant)
-    else
-      local jid = string.sub(popped[1], 14)  -- after the arrival number and ':'
-      local cost = tonumber(redis.call('HGET', job_prefix .. jid, 'cost') or '1') or 1
-      local weight = tonumber(redis.call('HGET', fair, 'w:' .. tenant) or '1') or 1
-      local next_tag = tag + cost / weight
-      redis.call('HSET', fair, 'v', string.format('%.17g', tag))
-      if redis.call('EXISTS', tq) == 1 then
-        redis.call('ZADD', active, string.format('%.17g', next_tag), tenant)
-      else
-        redis.call('ZREM', active, tenant)
-        redis.call('HSET', fair, 'S:' .. tenant, string.format('%.17g', next_tag))
-      end
+    local empty = false
+    -- this tenant keeps the turn while its tag stays below the next tenant's
+    while in_stream < want and (tag < rival_tag or (tag == rival_tag and tenant < rival)) do
+      local popped = redis.call('ZPOPMIN', tq)
+      if #popped == 0 then empty = true; break end
+      local cost, jid = string.match(popped[1], '^%d+:(%d+):(.+)$')
       redis.call('XADD', lane, '*', 'j', jid)
+      v = tag
+      tag = tag + tonumber(cost) / weight
       in_stream, moved = in_stream + 1, moved + 1
+    end
+    if empty or redis.call('EXISTS', tq) == 0 then
+      redis.call('ZREM', active, tenant)
+      redis.call('HSET', fair, 'S:' .. tenant, fair_num(tag))
+    else
+      redis.call('ZADD', active, fair_num(tag), tenant)
     end
   end
   if moved > 0 then
-    redis.call('HSET', fair, 'stream', in_stream)
+    redis.call('HSET', fair, 'stream', in_stream, 'v', fair_num(v))
     redis.call('HINCRBY', fair, 'staged', -moved)
   end
   return moved
 end
 
--- Stage one job for its tenant; its score orders the tenant's own jobs (deadline first), and
--- equal scores keep arrival order: the member leads with a 12-digit arrival number.
-local function fair_stage(fair, active, tq_prefix, tenant, weight, score, jid)
-  local seq = redis.call('HINCRBY', fair, 'seq', 1)
-  redis.call('ZADD', tq_prefix .. tenant, score, string.format('%012d', seq) .. ':' .. jid)
-  redis.call('HSET', fair, 'w:' .. tenant, weight)
-  redis.call('HINCRBY', fair, 'staged', 1)
-  if not redis.call('ZSCORE', active, tenant) then
-    local idle = tonumber(redis.call('HGET', fair, 'S:' .. tenant) or '0') or 0
-    local v = tonumber(redis.call('HGET', fair, 'v') or '0') or 0
-    redis.call('ZADD', active, string.format('%.17g', math.max(idle, v)), tenant)
+-- Stage a batch of one lane's new jobs: jobs = {{tenant, weight, score, cost, job_id}, ...}.
+local function fair_stage(fair, active, tq_prefix, jobs)
+  local seq = redis.call('HINCRBY', fair, 'seq', #jobs) - #jobs
+  redis.call('HINCRBY', fair, 'staged', #jobs)
+  local seen, v = {}, nil
+  for _, job in ipairs(jobs) do
+    local tenant = job[1]
+    seq = seq + 1
+    redis.call('ZADD', tq_prefix .. tenant, job[3],
+      string.format('%012d', seq) .. ':' .. job[4] .. ':' .. job[5])
+    if not seen[tenant] then
+      seen[tenant] = true
+      redis.call('HSET', fair, 'w:' .. tenant, job[2])
+      if not redis.call('ZSCORE', active, tenant) then
+        if v == nil then v = tonumber(redis.call('HGET', fair, 'v') or '0') or 0 end
+        local idle = tonumber(redis.call('HGET', fair, 'S:' .. tenant) or '0') or 0
+        redis.call('ZADD', active, fair_num(math.max(idle, v)), tenant)
+      end
+    end
   end
 end
 
