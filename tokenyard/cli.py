@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench`."""
+"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.tenancy.cli import keys_app, tenants_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -298,6 +299,8 @@ app.command("bench")(bench)
 app.command("autoscale")(autoscale)
 app.command("worker-ready")(worker_ready)
 app.add_typer(config_app, name="config")
+app.add_typer(keys_app, name="keys")
+app.add_typer(tenants_app, name="tenants")
 
 
 def main() -> None:
