@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -81,8 +81,10 @@ class LocalFleet:
         command: Callable[[], list[str]],
         drain_timeout_s: float,
         procs: list[subprocess.Popen[bytes]] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.command = command
+        self.env = env  # the workers' environment; None: this process's
         self.drain_timeout_s = drain_timeout_s
         self.procs = procs if procs is not None else []  # shared with its owner, for shutdown
         self._drained_at: dict[int, float] = {}
@@ -105,7 +107,7 @@ class LocalFleet:
 
     def start(self, n: int) -> None:
         for _ in range(n):
-            proc = subprocess.Popen(self.command())
+            proc = subprocess.Popen(self.command(), env=self.env)
             log.info("started worker %d", proc.pid)
             self.procs.append(proc)
 

@@ -143,8 +143,8 @@ def run_stack(
     prefix: str | None = None,
     **settings: Any,
 ) -> Iterator[Stack]:
-    """Start the gateway and one worker per engine factory; stop everything on exit. A stack
-    given another's `prefix` is one more gateway (and workers) of the same deployment."""
+    """Start the gateway and one worker per engine factory; stop everything on exit.
+    Stacks given the same `prefix` share one broker namespace (several gateways)."""
     prefix = prefix or f"gw{uuid.uuid4().hex[:10]}"
     broker_settings = BrokerSettings(
         url=broker_url or valkey.url, prefix=prefix, **(broker_options or {})

@@ -52,6 +52,21 @@ class Keys:
         tail = f":p{pool}" if pool else ""
         return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}{tail}"
 
+    @staticmethod
+    def fair(lane: str) -> str:
+        """Hash of a lane's fair-share state (see lua/lib/fair.lua)."""
+        return f"{lane}:fair"
+
+    @staticmethod
+    def fair_active(lane: str) -> str:
+        """Sorted set of a lane's tenants with staged jobs, by start tag."""
+        return f"{lane}:active"
+
+    @staticmethod
+    def tenant_queue_prefix(lane: str) -> str:
+        """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
+        return f"{lane}:tq:"
+
     def lanes(self, model: str, pools: int = 1) -> list[str]:
         """Lane streams of a model, highest priority first, each priority's pools in order."""
         return [self.lane(model, p, pool) for p in Priority for pool in range(pools)]
@@ -119,3 +134,27 @@ class Keys:
     def models(self) -> str:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"
+
+    def _tenant(self, tenant: str) -> str:
+        # its own tag: a tenant's quota is shared by all models; the name may hold any character
+        return f"{self.prefix}:{{t{model_tag(tenant)}}}"
+
+    def quota(self, tenant: str) -> str:
+        """Hash of a tenant's limiter state: rpm_tat, tpm_tat, active."""
+        return f"{self._tenant(tenant)}:quota"
+
+    def quota_held(self, tenant: str) -> str:
+        """Hash of a tenant's jobs holding a reservation: job id -> tokens|per token|at."""
+        return f"{self._tenant(tenant)}:held"
+
+    def quota_tenants(self) -> str:
+        """Set of tenants that ever reserved, for the settle sweep."""
+        return f"{self.prefix}:quota-tenants"
+
+    def tenants(self) -> str:
+        """Hash of tenant name -> TenantConfig; one small key, read through gateway caches."""
+        return f"{self.prefix}:{{directory}}:tenants"
+
+    def api_keys(self) -> str:
+        """Hash of key digest -> ApiKeyRecord."""
+        return f"{self.prefix}:{{directory}}:apikeys"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -19,10 +20,19 @@ from tokenyard.broker.base import (
     LaneStats,
     Lease,
     ReapReport,
+    Settlement,
+    settlement,
 )
 from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order, estimated_tokens, size_pool
+from tokenyard.broker.policy import (
+    backoff_delay,
+    claim_order,
+    estimated_tokens,
+    fair_cost,
+    size_pool,
+    staging_score,
+)
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
@@ -40,6 +50,9 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+from tokenyard.tenancy import limiter
+from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 LaneId = tuple[str, Priority, int]  # (model, priority, size pool)
 
@@ -53,10 +66,51 @@ class _Entry:
 
 
 @dataclass
+class _Fair:
+    """A lane's fair share (as lua/lib/fair.lua): per-tenant staged jobs, start tags."""
+
+    staged: dict[str, list[tuple[float, int, str]]] = field(default_factory=dict)  # heaps
+    active: dict[str, float] = field(default_factory=dict)  # tenant -> start tag
+    idle: dict[str, float] = field(default_factory=dict)  # tag of a tenant with none staged
+    weight: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, int] = field(default_factory=dict)  # staged job -> cost
+    v: float = 0.0  # virtual time: the tag of the job last moved into the lane
+    seq: int = 0
+    count: int = 0
+
+    def stage(self, tenant: str, weight: float, score: float, job_id: str, cost: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.staged.setdefault(tenant, []), (score, self.seq, job_id))
+        self.weight[tenant], self.cost[job_id] = weight, cost
+        self.count += 1
+        if tenant not in self.active:
+            self.active[tenant] = max(self.idle.get(tenant, 0.0), self.v)
+
+    def pop(self) -> str | None:
+        """The next job in fair order, or None when nothing is staged."""
+        if not self.active:
+            return None
+        tenant = min(self.active, key=lambda t: (self.active[t], t))
+        tag = self.active[tenant]
+        heap = self.staged[tenant]
+        _, _, job_id = heapq.heappop(heap)
+        next_tag = tag + self.cost.pop(job_id, 1) / self.weight.get(tenant, 1.0)
+        self.v = tag
+        if heap:
+            self.active[tenant] = next_tag
+        else:
+            del self.active[tenant], self.staged[tenant]
+            self.idle[tenant] = next_tag
+        self.count -= 1
+        return job_id
+
+
+@dataclass
 class _Lane:
     entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)  # not yet acked
     last_delivered: int = -1  # index into the id sequence, like a group's last-delivered-id
     undelivered: list[str] = field(default_factory=list)
+    fair: _Fair = field(default_factory=_Fair)
 
 
 @dataclass
@@ -99,6 +153,11 @@ class MemoryStore:
         self.events: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         self.models: set[str] = set()
         self.workers: dict[str, dict[str, tuple[WorkerInfo, float]]] = defaultdict(dict)
+        self.tenants: dict[str, TenantConfig] = {}
+        self.api_keys: dict[str, ApiKeyRecord] = {}  # by digest
+        self.quota: dict[str, QuotaState] = defaultdict(QuotaState)
+        # tenant -> job id -> (reserved tokens, seconds per token, reserved at)
+        self.held: dict[str, dict[str, tuple[int, float, float]]] = defaultdict(dict)
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -234,11 +293,12 @@ class MemoryBroker(Broker):
                 taken_inflight[inflight] = spec.id
             adding[_lane(spec)] += 1
         for lane, count in adding.items():
-            depth = len(store.lanes[lane].entries)
+            depth = len(store.lanes[lane].entries) + store.lanes[lane].fair.count
             if depth + count > self.settings.max_queue_depth:
                 model, priority, _ = lane
                 label = f"{model}/{priority.name.lower()}"
                 raise QueueFull(label, depth, self.settings.max_queue_depth)
+        refill: set[LaneId] = set()
         for spec, idem in fresh:
             lane = _lane(spec)
             store.jobs[spec.id] = _Job(
@@ -249,7 +309,10 @@ class MemoryBroker(Broker):
                 enqueued_at=now,
                 deadline=spec.deadline,
             )
-            self._add_entry(lane, spec.id, now)
+            store.lanes[lane].fair.stage(
+                spec.tenant, spec.weight, staging_score(spec), spec.id, fair_cost(spec)
+            )
+            refill.add(lane)
             if idem is not None:
                 store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
             if spec.collapse_key:
@@ -259,6 +322,8 @@ class MemoryBroker(Broker):
             store.models.add(spec.model)
         for job_id, count in joins.items():  # counted only now: a refused batch joins nothing
             store.jobs[job_id].followers += count
+        for lane in refill:
+            self._refill(lane, max(1, self.settings.fair_window), now)
         store.notify()
         return results
 
@@ -269,6 +334,17 @@ class MemoryBroker(Broker):
             return None
         job = self._job(known[0])
         return known[0] if job is not None and not job.status.terminal else None
+
+    def _refill(self, lane: LaneId, want: int, now: float) -> int:
+        """Top the lane up to `want` undelivered jobs from its tenants' staged ones."""
+        state, moved = self.store.lanes[lane], 0
+        while len(state.undelivered) < want:
+            job_id = state.fair.pop()
+            if job_id is None:
+                break
+            self._add_entry(lane, job_id, now)
+            moved += 1
+        return moved
 
     # -- consuming -------------------------------------------------------------------------
     async def claim(
@@ -313,7 +389,11 @@ class MemoryBroker(Broker):
         ordered = [(model, priorities[i], pool) for i in order for pool in pools]
         for lane in ordered:
             state = store.lanes[lane]
-            while len(leases) < slots and state.undelivered:
+            while len(leases) < slots and (
+                state.undelivered
+                or self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
+            ):
+                self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
                 entry = state.entries.get(state.undelivered.pop(0))
                 if entry is None:
                     continue
@@ -379,6 +459,9 @@ class MemoryBroker(Broker):
             self.store.cancels[lease.spec.model].discard(lease.spec.id)
             accepted.append(True)
         self.store.notify()
+        self._settle_specs(
+            [(lease.spec, r) for (lease, r), ok in zip(items, accepted, strict=True) if ok]
+        )
         return accepted
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
@@ -403,6 +486,7 @@ class MemoryBroker(Broker):
         self._to_dead_letters(job, lease.spec.id, reason, error, now)
         self.store.counters[job.model]["dead"] += 1
         self.store.notify()
+        self._settle_specs([(lease.spec, None)])
         return 0
 
     async def retry(self, lease: Lease, error: str) -> bool:
@@ -450,6 +534,7 @@ class MemoryBroker(Broker):
                     self._add_entry(lane, entry.job_id, now)
                     requeued.append(entry.job_id)
         self.store.notify()
+        self._settle_ids(dead)
         return ReapReport(requeued=requeued, dead=dead)
 
     # -- cancellation ----------------------------------------------------------------------
@@ -468,6 +553,7 @@ class MemoryBroker(Broker):
         self.store.delayed[job.model].pop(job_id, None)
         self._finish(job, job_id, cancelled_result(), self.clock())
         self.store.notify()
+        self._settle_ids([job_id])
         return CancelOutcome.CANCELLED
 
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
@@ -582,6 +668,7 @@ class MemoryBroker(Broker):
             # a priority's size pools are reported together
             states = [self.store.lanes[lane] for lane in self._lanes(model) if lane[1] is priority]
             waiting = [s.entries[e] for s in states for e in s.undelivered if e in s.entries]
+            staged = sum(s.fair.count for s in states)  # waiting for their turn (fair share)
             in_flight = sum(1 for s in states for e in s.entries.values() if e.owner is not None)
             age = None
             if waiting:
@@ -591,7 +678,7 @@ class MemoryBroker(Broker):
                 LaneStats(
                     model,
                     priority,
-                    waiting=len(waiting),
+                    waiting=len(waiting) + staged,
                     in_flight=in_flight,
                     oldest_waiting_age_s=age,
                 )
@@ -607,7 +694,8 @@ class MemoryBroker(Broker):
         )
 
     async def depth(self, model: str) -> int:
-        return sum(len(self.store.lanes[lane].entries) for lane in self._lanes(model))
+        lanes = [self.store.lanes[lane] for lane in self._lanes(model)]
+        return sum(len(lane.entries) + lane.fair.count for lane in lanes)
 
     def _lanes(self, model: str) -> list[LaneId]:
         return [(model, p, pool) for p in Priority for pool in range(self.settings.pool_count)]
@@ -617,6 +705,82 @@ class MemoryBroker(Broker):
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    # -- quotas ----------------------------------------------------------------------------
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        now = self.clock()
+        state, held = self.store.quota[tenant], self.store.held[tenant]
+        per_token = limiter.PERIOD_S / quota.tpm if quota.tpm else 0.0
+        decisions = []
+        for job_id, tokens in items:
+            decision = limiter.admit(state, quota, tokens, now)
+            if decision.admitted:
+                held[job_id] = (tokens, per_token, now)
+            decisions.append(decision)
+        return decisions
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        released = 0
+        for item in items:
+            held = self.store.held[item.tenant].pop(item.job_id, None)
+            if held is not None:
+                released += 1
+                reserved, per_token, _ = held
+                limiter.settle(self.store.quota[item.tenant], per_token, reserved, item.actual)
+        return released
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        now = self.clock()
+        done: list[Settlement] = []
+        for tenant, held in self.store.held.items():
+            for job_id, (_, _, reserved_at) in held.items():
+                job = self._job(job_id)
+                if job is None:
+                    if now - reserved_at > grace_s:
+                        done.append(Settlement(tenant, job_id, 0))
+                elif job.status.terminal:
+                    result = None if job.result is None else decode(job.result, JobResult)
+                    done.append(settlement(decode(job.spec, JobSpec), result))
+        return await self.settle(done)
+
+    def _settle_specs(self, specs: Sequence[tuple[JobSpec, JobResult | None]]) -> None:
+        for spec, result in specs:
+            if spec.quota:
+                item = settlement(spec, result)
+                held = self.store.held[item.tenant].pop(item.job_id, None)
+                if held is not None:
+                    limiter.settle(self.store.quota[item.tenant], held[1], held[0], item.actual)
+
+    def _settle_ids(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            job = self.store.jobs.get(job_id)
+            if job is not None:
+                result = None if job.result is None else decode(job.result, JobResult)
+                self._settle_specs([(decode(job.spec, JobSpec), result)])
+
+    # -- directory -------------------------------------------------------------------------
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        self.store.tenants[tenant.name] = tenant
+
+    async def tenant(self, name: str) -> TenantConfig | None:
+        return self.store.tenants.get(name)
+
+    async def tenants(self) -> list[TenantConfig]:
+        return sorted(self.store.tenants.values(), key=lambda t: t.name)
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        self.store.api_keys[record.digest] = record
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        return self.store.api_keys.get(digest)
+
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        return sorted(self.store.api_keys.values(), key=lambda r: (r.created_at, r.digest))
+
+    async def has_api_keys(self) -> bool:
+        return bool(self.store.api_keys)
 
     # -- workers ---------------------------------------------------------------------------
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:

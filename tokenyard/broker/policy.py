@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 from tokenyard.messages import JobSpec
 
+# staged jobs without a deadline come after every job with one, in arrival order
+_NO_DEADLINE = 1e10
+
 
 def backoff_delay(
     attempt: int, base_s: float, max_s: float, rng: random.Random | None = None
@@ -59,3 +62,13 @@ def pools_served(context: int, bounds: Sequence[int]) -> list[int]:
     else:
         own = max((p for p, bound in enumerate(bounds) if bound <= context), default=0)
     return list(range(own, -1, -1))
+
+
+def fair_cost(spec: JobSpec) -> int:
+    """What a job counts against its tenant's share of a lane: the tokens it may use."""
+    return len(spec.prompt_token_ids or ()) + spec.sampling.max_tokens
+
+
+def staging_score(spec: JobSpec) -> float:
+    """Order of a tenant's own waiting jobs: earliest deadline first, then arrival."""
+    return spec.deadline if spec.deadline is not None else _NO_DEADLINE + spec.created_at

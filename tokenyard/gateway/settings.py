@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -35,7 +34,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     enqueue_window_s: float = 0.0005
     limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
     retry_after_s: int = 1  # Retry-After on 429
-    api_keys_file: str = ""  # JSON {key: {"tenant": ..., "priority": ...}}; empty: auth off
+    # bootstrap keys, JSON {key: {"tenant": ..., "priority": ..., "admin": false}}; auth is on
+    # when this file or the broker (`tokenyard keys create`) holds any key
+    api_keys_file: str = ""
+    auth_cache_s: float = 1.0  # key lookups are cached this long: a revoked key dies within it
     require_workers: bool = True  # /readyz needs a live worker for every served model
     # response cache and in-flight collapsing of deterministic (greedy or seeded) requests;
     # a request opts out with `"cache": false` or `Cache-Control: no-cache` / `no-store`
@@ -52,9 +54,7 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:
     """Settings from defaults, environment and overrides; a comma list names several models."""
-    environ = os.environ if environ is None else environ
-    env = dict(environ)
-    raw_models = overrides.pop("models", None) or env.pop("TOKENYARD_GATEWAY_MODELS", None)
+    raw_models = overrides.pop("models", None)
     if isinstance(raw_models, str):
         raw_models = tuple(m.strip() for m in raw_models.split(",") if m.strip())
-    return from_env(GatewaySettings, "gateway", env, models=raw_models, **overrides)
+    return from_env(GatewaySettings, "gateway", environ, models=raw_models, **overrides)

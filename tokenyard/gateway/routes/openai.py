@@ -8,8 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenyard import tracing
 from tokenyard.cache import collapse_key
-from tokenyard.gateway import protocol
+from tokenyard.errors import QueueFull
+from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest, cached_response
@@ -29,15 +31,17 @@ async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
 @router.post("/v1/completions")
 async def completions(request: Request, tenant: TenantDep) -> Response:
     started = time.monotonic()
-    body = protocol.parse(protocol.CompletionRequest, await request.body())
-    return await _serve(request, "completion", body, tenant, started)
+    with tracing.server_span("POST /v1/completions", request.headers):
+        body = protocol.parse(protocol.CompletionRequest, await request.body())
+        return await _serve(request, "completion", body, tenant, started)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     started = time.monotonic()
-    body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
-    return await _serve(request, "chat", body, tenant, started)
+    with tracing.server_span("POST /v1/chat/completions", request.headers):
+        body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
+        return await _serve(request, "chat", body, tenant, started)
 
 
 async def _serve(
@@ -50,20 +54,31 @@ async def _serve(
     """One path for both endpoints: a job whose caller follows it live, unless a deterministic
     request is answered from the cache or joins an identical job in flight."""
     state = gateway(request)
-    spec = await admit(state, kind, body, tenant, live=True)
-    digest = cache_digest(state, spec, body, request)
-    if digest is not None and state.settings.cache:
-        hit = await state.cache.get(spec.model, digest)
-        if hit is not None:
-            return cached_response(kind, body, spec, hit)
+    with tracing.span("tokenyard.admission"):
+        spec = await admit(state, kind, body, tenant, live=True)
+        digest = cache_digest(state, spec, body, request)
+        if digest is not None and state.settings.cache:
+            # before the quota: a cached answer uses no engine
+            hit = await state.cache.get(spec.model, digest)
+            if hit is not None:
+                return cached_response(kind, body, spec, hit)
+        limits = await quota.reserve(state, tenant, spec)
     if digest is not None and state.settings.collapse:
         spec.collapse_key = collapse_key(digest, spec.stream)
-    call = await LiveCall.start(state, spec, started)
+    tracing.carry(spec, request.headers)
+    with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
+        try:
+            call = await LiveCall.start(state, spec, started)
+        except QueueFull:
+            await quota.refund(state, spec)
+            raise
+    if call.collapsed:
+        await quota.refund(state, spec)  # it joined another job: no job of its own to settle
     if digest is not None and state.settings.cache:
         call.on_result = lambda result: state.cache.put(spec.model, digest, result)
     created = int(spec.created_at)
     job_id = call.job_id  # a collapsed call's is the job it joined
-    headers = {"X-Job-Id": job_id}
+    headers = {"X-Job-Id": job_id, **limits}
     if digest is not None:
         headers[CACHE_HEADER] = "collapsed" if call.collapsed else "miss"
     if body.stream:
