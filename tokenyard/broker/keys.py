@@ -98,3 +98,16 @@ class Keys:
     def models(self) -> str:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"
+
+    # -- offline batches (tokenyard.broker.batches): a batch's keys share its own {tag} --------
+    def batch(self, batch_id: str, part: str) -> str:
+        """A batch's keys: `rec` (hash: record, cancel flag), `jobs`, `ok`, `failed`, `lease`."""
+        return f"{self.prefix}:{{{batch_id}}}:{part}"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """Sorted set of a tenant's batch ids by creation time (the list endpoint)."""
+        return f"{self.prefix}:{{tenant:{tenant}}}:batches"
+
+    def active_batches(self) -> str:
+        """Set of batches not yet terminal: what runners look for work in."""
+        return f"{self.prefix}:batches:active"

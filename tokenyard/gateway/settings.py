@@ -37,6 +37,14 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     retry_after_s: int = 1  # Retry-After on 429
     api_keys_file: str = ""  # JSON {key: {"tenant": ..., "priority": ...}}; empty: auth off
     require_workers: bool = True  # /readyz needs a live worker for every served model
+    # offline batches (/v1/files, /v1/batches); OpenAI's limits by default
+    files_dir: str = ".tokenyard/files"  # the file store (uploads and batch outputs)
+    batch_max_requests: int = 50_000
+    batch_max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_in_flight: int = 512  # jobs of one batch queued or running at once
+    batch_poll_s: float = 0.05  # how often a runner looks at its batches' jobs
+    batch_lease_s: float = 10.0  # a runner that stops renewing loses its batches after this
+    batch_runner: bool = True  # this gateway drives batches (any gateway may)
 
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:

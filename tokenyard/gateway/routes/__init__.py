@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from tokenyard.gateway.routes import health, jobs, openai
+from tokenyard.gateway.routes import batches, files, health, jobs, openai
 
-ROUTERS = (openai.router, jobs.router, health.router)
+ROUTERS = (openai.router, jobs.router, health.router, files.router, batches.router)
