@@ -254,3 +254,34 @@ def test_cancel_mid_batch(valkey: EmbeddedServer, tmp_path: Path) -> None:
         assert c.batches.retrieve(batch.id).request_counts.completed == completed  # type: ignore[union-attr]
         with pytest.raises(openai.ConflictError):
             c.batches.cancel(batch.id)
+
+
+def test_ten_thousand_requests_exact_counts(valkey: EmbeddedServer, tmp_path: Path) -> None:
+    n = 10_000
+    with run_stack(
+        valkey,
+        files_dir=str(tmp_path),
+        batch_max_in_flight=1024,
+        worker_options={"max_seqs": 512},
+    ) as s:
+        c = _client(s)
+        rows = [_request(i, url="/v1/completions", max_tokens=1) for i in range(n)]
+        up = c.files.create(file=("big.jsonl", io.BytesIO(_jsonl(rows))), purpose="batch")
+        started = time.monotonic()
+        batch = _wait(
+            c,
+            c.batches.create(
+                input_file_id=up.id, endpoint="/v1/completions", completion_window="24h"
+            ).id,
+            timeout=120,
+        )
+        took = time.monotonic() - started
+        assert batch.status == "completed", batch
+        assert batch.request_counts is not None
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (n, n, 0)
+        out = c.files.content(batch.output_file_id or "").text.splitlines()
+        ids = [json.loads(x)["custom_id"] for x in out]
+        assert len(ids) == n and set(ids) == {f"req-{i}" for i in range(n)}
+        assert len(s.job_ids()) == n
+        print(f"10k batch: {took:.1f} s, {n / took:.0f} requests/s")

@@ -246,7 +246,7 @@ class _Drive:
 
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())
-        records = await asyncio.gather(*(self.r.state.broker.record(j) for _, j in items))
+        records = await self.r.state.broker.records([j for _, j in items])
         ok: list[int] = []
         failed: list[int] = []
         for (i, _), record in zip(items, records, strict=True):
@@ -283,16 +283,10 @@ class _Drive:
         broker = self.r.state.broker
         items = sorted(jobs.items())
         records: list[JobRecord | None] = []
-        for start in range(0, len(items), 500):
-            chunk = items[start : start + 500]
-            records.extend(
-                await asyncio.gather(
-                    *(
-                        _none() if j.startswith(_ADMISSION_ERROR) else broker.record(j)
-                        for _, j in chunk
-                    )
-                )
-            )
+        for start in range(0, len(items), 1000):
+            chunk = [j for _, j in items[start : start + 1000]]
+            got = iter(await broker.records([j for j in chunk if not _refusal(j)]))
+            records.extend(None if _refusal(j) else next(got) for j in chunk)
         out: list[bytes] = []
         err: list[bytes] = []
         for (i, job), record in zip(items, records, strict=True):
@@ -355,8 +349,8 @@ class _Drive:
         await self.store.save(rec)
 
 
-async def _none() -> None:
-    return None
+def _refusal(job: str) -> bool:
+    return job.startswith(_ADMISSION_ERROR)
 
 
 def _model_of(line: BatchLine) -> str | None:
