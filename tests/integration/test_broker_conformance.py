@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import BrokerFactory
 from tokenyard.batch.types import BatchRecord, BatchStatus
-from tokenyard.broker.batches import batch_store
 from tokenyard.broker.base import CancelOutcome, Lease
+from tokenyard.broker.batches import batch_store
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.errors import QueueFull
