@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench`."""
+"""`tokenyard serve | gateway | worker | submit | status | bench | batch`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tokenyard.batch.cli import app as batch_app
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings, WorkerSettings, from_env
@@ -202,6 +203,7 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 
 app.command("bench")(bench)
+app.add_typer(batch_app, name="batch")
 
 
 def main() -> None:

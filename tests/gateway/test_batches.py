@@ -285,3 +285,32 @@ def test_ten_thousand_requests_exact_counts(valkey: EmbeddedServer, tmp_path: Pa
         assert len(ids) == n and set(ids) == {f"req-{i}" for i in range(n)}
         assert len(s.job_ids()) == n
         print(f"10k batch: {took:.1f} s, {n / took:.0f} requests/s")
+
+
+def test_cli_submit_wait_results_status(bstack: Stack, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tokenyard.cli import app
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_jsonl([_request(i, url="/v1/completions") for i in range(10)]))
+    common = ["--url", bstack.url, "--api-key", "key-a"]
+    runner = CliRunner()
+    saved = tmp_path / "out.jsonl"
+    done = runner.invoke(
+        app, ["batch", "submit", str(src), "--wait", "--output", str(saved), *common]
+    )
+    assert done.exit_code == 0, done.output
+    batch_id = done.stdout.splitlines()[0]
+    assert batch_id.startswith("batch_")
+    assert len(saved.read_text().splitlines()) == 10
+    shown = runner.invoke(app, ["batch", "results", batch_id, *common])
+    assert shown.exit_code == 0
+    assert sorted(json.loads(x)["custom_id"] for x in shown.stdout.splitlines()) == sorted(
+        f"req-{i}" for i in range(10)
+    )
+    status = runner.invoke(app, ["batch", "status", batch_id, "--as-json", *common])
+    assert json.loads(status.stdout)["request_counts"]["completed"] == 10
+    refused = runner.invoke(app, ["batch", "cancel", batch_id, *common])
+    assert refused.exit_code == 1
+    assert "409" in refused.output
