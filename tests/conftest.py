@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from tests.servers import running_server
+from tests.servers import Cluster, running_cluster, running_server
 from tokenyard.broker.base import Broker
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.memory import MemoryBroker
@@ -23,6 +23,14 @@ def valkey() -> Iterator[EmbeddedServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[Cluster]:
+    """Three primaries sharing the slots; started only by tests that ask for it."""
+    with running_cluster(3) as cluster:
+        yield cluster
+
+
+# "cluster" is opt-in per test (parametrize make_broker indirectly), it costs three servers
 @pytest.fixture(params=["memory", "redis"])
 async def make_broker(
     request: pytest.FixtureRequest, valkey: EmbeddedServer
@@ -40,7 +48,10 @@ async def make_broker(
             broker = MemoryBroker(settings, store=base.store if base else None)
             memory_shared.setdefault("store", broker)
         else:
-            settings = BrokerSettings(url=valkey.url, prefix=prefix, **overrides)  # type: ignore[arg-type]
+            url = valkey.url
+            if request.param == "cluster":
+                url = request.getfixturevalue("valkey_cluster").url
+            settings = BrokerSettings(url=url, prefix=prefix, **overrides)  # type: ignore[arg-type]
             broker = RedisBroker(settings)
         made.append(broker)
         return broker

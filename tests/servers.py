@@ -6,7 +6,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tokenyard.broker.cluster import Cluster, running_cluster
 from tokenyard.broker.embedded import EmbeddedServer
+
+__all__ = ["Cluster", "running_cluster", "running_server"]
 
 
 @contextmanager

@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
+from tokenyard.autoscale_cli import autoscale, worker_ready
 from tokenyard.batch.cli import app as batch_app
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
-from tokenyard.config import BrokerSettings, WorkerSettings, from_env
+from tokenyard.config import (
+    CONFIG_ENV,
+    BrokerSettings,
+    WorkerSettings,
+    from_env,
+    setting_sources,
+)
+from tokenyard.config_cli import config_app
+from tokenyard.logs import LogFormat, setup_logging
+
+if TYPE_CHECKING:
+    from tokenyard.gateway.settings import GatewaySettings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -23,6 +37,25 @@ BrokerOpt = Annotated[
     str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
 ]
 PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
+LogFormatOpt = Annotated[
+    LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
+]
+
+
+@app.callback()
+def _options(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar=CONFIG_ENV,
+            help="TOML file with [broker] [worker] [gateway] tables; flags > env > file",
+        ),
+    ] = None,
+) -> None:
+    if config is not None:
+        # every settings lookup reads it from here, and serve's worker processes inherit it
+        os.environ[CONFIG_ENV] = str(config)
 
 
 def _broker_settings(
@@ -35,81 +68,138 @@ def _broker_settings(
 def serve(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str, typer.Option(help="model path, or `tiny`")] = "tiny",
-    engine: Annotated[str, typer.Option(help="hf | hf-static | sim")] = "hf",
-    host: Annotated[str, typer.Option(help="gateway address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gateway port")] = 8000,
-    workers: Annotated[int, typer.Option(help="worker processes")] = 1,
+    model: Annotated[str | None, typer.Option(help="model path, or `tiny`")] = None,
+    engine: Annotated[str | None, typer.Option(help="hf | hf-static | sim")] = None,
+    host: Annotated[str | None, typer.Option(help="gateway address")] = None,
+    port: Annotated[int | None, typer.Option(help="gateway port")] = None,
+    workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[Path, typer.Option(help="embedded Valkey's data (AOF) directory")] = Path(
         ".tokenyard/valkey"
     ),
+    min_workers: Annotated[int | None, typer.Option("--min", help="auto: warm pool")] = None,
+    max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
+    log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
-    """Everything on one machine: a private Valkey (unless --broker), workers and the gateway."""
+    """Everything on one machine: a private Valkey (unless --broker), workers and the gateway.
+
+    Options left out come from TOKENYARD_WORKER_* / TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_*;
+    every worker's metrics are served with the gateway's on its /metrics.
+    """
+    from tokenyard.autoscale_cli import autoscale_config
     from tokenyard.serve import Stack
 
+    setup_logging("INFO", log_format)
     settings = _broker_settings(broker, prefix)
+    worker_settings = from_env(
+        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
+    )
+    auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
-        broker=settings if broker or _env_broker() else None,
+        # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
+        broker=settings if settings.url != "memory://" else None,
         prefix=settings.prefix,
-        model=model,
-        engine=engine,
-        workers=workers,
-        max_seqs=max_seqs,
+        model=worker_settings.model,
+        engine=worker_settings.engine,
+        workers=0 if auto else int(workers),
+        max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
         appendfsync=settings.appendfsync,
+        autoscale=auto,
+        log_format=log_format,
     )
+    gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
+    # that unwinds the stack (workers drain, Valkey stops) instead of killing the process
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     with stack:
-        console.print(f"[bold]tokenyard[/] broker {stack.broker_url} · model {model} ({engine})")
-        console.print(f"OpenAI API on http://{host}:{port}/v1 — Ctrl-C stops")
-        _run_gateway(stack.broker_settings, model, engine, host, port)
+        console.print(
+            f"[bold]tokenyard[/] broker {stack.broker_url} · model {worker_settings.model} "
+            f"({worker_settings.engine})"
+        )
+        console.print(f"OpenAI API on http://{gw.host}:{gw.port}/v1 — Ctrl-C stops")
+        _run_gateway(stack.broker_settings, gw, stack.registry)
 
 
-def _env_broker() -> bool:
-    return bool(os.environ.get("TOKENYARD_BROKER_URL"))
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _gateway_settings(
+    model: str | None, engine: str | None, host: str | None, port: int | None
+) -> GatewaySettings:
+    """Flags, then TOKENYARD_GATEWAY_*, then the config file, then defaults; the tokenizer
+    family follows the workers' engine (flag, env or file) unless the gateway's is set."""
+    from tokenyard.gateway.settings import GatewaySettings, gateway_settings
+
+    tokenizer = None
+    workers = setting_sources(WorkerSettings, "worker", engine=engine)
+    if "engine" in workers and "tokenizer" not in setting_sources(GatewaySettings, "gateway"):
+        tokenizer = "sim" if workers["engine"][0] == "sim" else "hf"
+    return gateway_settings(models=model, host=host, port=port, tokenizer=tokenizer)
 
 
 def _run_gateway(
-    broker_settings: BrokerSettings, model: str, engine: str, host: str, port: int
+    broker_settings: BrokerSettings,
+    settings: GatewaySettings,
+    registry: CollectorRegistry | None = None,
 ) -> None:
     import uvicorn
 
+    from tokenyard import tracing
     from tokenyard.gateway.app import create_app
-    from tokenyard.gateway.settings import gateway_settings
 
-    settings = gateway_settings(
-        models=model, host=host, port=port, tokenizer="sim" if engine == "sim" else "hf"
-    )
-    gateway_app = create_app(settings, broker_settings=broker_settings)
-    uvicorn.run(gateway_app, host=host, port=port, log_level="warning")
+    tracing.configure("tokenyard-gateway")
+    gateway_app = create_app(settings, broker_settings=broker_settings, registry=registry)
+    try:
+        uvicorn.run(gateway_app, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        tracing.shutdown()
 
 
 @app.command()
 def gateway(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str, typer.Option(help="model served; its tokenizer is loaded")] = "tiny",
-    engine: Annotated[str, typer.Option(help="the workers' engine: hf | sim")] = "hf",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    model: Annotated[
+        str | None, typer.Option(help="models served (comma list); their tokenizers are loaded")
+    ] = None,
+    engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
-    """Run one gateway (OpenAI API) against a shared broker; start as many as you like."""
-    _run_gateway(_broker_settings(broker, prefix), model, engine, host, port)
+    """Run one gateway (OpenAI API) against a shared broker; start as many as you like.
+
+    Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
+    """
+    setup_logging("INFO", log_format)
+    _run_gateway(_broker_settings(broker, prefix), _gateway_settings(model, engine, host, port))
 
 
 @app.command()
 def submit(
     prompt: Annotated[str, typer.Argument(help="the prompt")],
-    url: Annotated[str, typer.Option(help="gateway base URL")] = "http://127.0.0.1:8000",
-    model: Annotated[str, typer.Option()] = "tiny",
+    url: Annotated[
+        str | None, typer.Option(help="gateway base URL; default: TOKENYARD_GATEWAY_HOST/_PORT")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="default: the first of TOKENYARD_GATEWAY_MODELS")
+    ] = None,
     max_tokens: Annotated[int, typer.Option()] = 64,
     temperature: Annotated[float, typer.Option()] = 0.0,
     chat: Annotated[bool, typer.Option(help="use /v1/chat/completions")] = False,
     api_key: Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY")] = None,
 ) -> None:
     """Send a prompt and stream the answer to the terminal."""
+    from tokenyard.gateway.settings import gateway_settings
     from tokenyard.submit import stream_completion
 
+    if url is None or model is None:
+        gw = gateway_settings()
+        host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
+        url = url or f"http://{host}:{gw.port}"
+        model = model or gw.models[0]
     code = asyncio.run(
         stream_completion(url, model, prompt, max_tokens, temperature, chat, api_key, console.print)
     )
@@ -128,17 +218,19 @@ def worker(
     lease_s: Annotated[float | None, typer.Option(help="visibility timeout")] = None,
     drain_timeout_s: Annotated[float | None, typer.Option(help="SIGTERM grace")] = None,
     consumer: Annotated[str | None, typer.Option(help="consumer name")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve Prometheus metrics on this port; 0: off")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+    log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Run one worker: claim jobs for MODEL and run them; SIGTERM drains.
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_BROKER_* variables.
     """
-    import logging
-
     from tokenyard.worker.run import serve_worker
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    setup_logging(log_level, log_format)
     settings = from_env(
         WorkerSettings,
         "worker",
@@ -148,6 +240,7 @@ def worker(
         device=device,
         threads=threads,
         drain_timeout_s=drain_timeout_s,
+        metrics_port=metrics_port,
     )
     broker_settings = _broker_settings(broker, prefix, lease_s=lease_s)
     asyncio.run(serve_worker(broker_settings, settings, consumer=consumer))
@@ -203,6 +296,9 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 
 app.command("bench")(bench)
+app.command("autoscale")(autoscale)
+app.command("worker-ready")(worker_ready)
+app.add_typer(config_app, name="config")
 app.add_typer(batch_app, name="batch")
 
 

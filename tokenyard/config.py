@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import tomllib
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
@@ -30,22 +32,74 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
+CONFIG_ENV = "TOKENYARD_CONFIG"  # path of a TOML file with [broker], [worker], [gateway] tables
+DEFAULT = "default"
+
+
+def setting_sources(
+    kind: type[msgspec.Struct],
+    section: str,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> dict[str, tuple[Any, str]]:
+    """Each setting given anywhere, with where it came from: flag > env > file (> default).
+
+    Sources read "flag", the variable's name, or "file <path>"; an unknown key in the file, or
+    a file that cannot be read, fails fast naming it.
+    """
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in msgspec.structs.fields(kind)}
+    found: dict[str, tuple[Any, str]] = {}
+    path = environ.get(CONFIG_ENV)
+    if path:
+        table = _config_file(path).get(section, {})
+        if not isinstance(table, dict):
+            raise FatalError(f"{path}: [{section}] must be a table")
+        for key, value in table.items():
+            if key not in fields:
+                raise FatalError(
+                    f"{path}: unknown setting {key!r} in [{section}]; known: {', '.join(fields)}"
+                )
+            found[key] = (value, f"file {path}")
+    prefix = f"TOKENYARD_{section.upper()}_"
+    for name, field in fields.items():
+        raw = environ.get(prefix + name.upper())
+        if raw is not None:
+            # a tuple setting (the gateway's models) is a comma-separated list in a variable
+            parsed: Any = raw
+            if isinstance(field.default, tuple):
+                parsed = tuple(item.strip() for item in raw.split(",") if item.strip())
+            found[name] = (parsed, prefix + name.upper())
+    for name, given in overrides.items():
+        if given is not None:
+            found[name] = (given, "flag")
+    return found
+
+
+def _config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise FatalError(f"cannot read the config file {path} ({CONFIG_ENV}): {exc}") from exc
+
 
 def from_env(
     kind: type[_S], section: str, environ: Mapping[str, str] | None = None, **overrides: Any
 ) -> _S:
-    """Build settings from defaults, then environment, then explicit overrides; fail fast."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    prefix = f"TOKENYARD_{section.upper()}_"
-    for field in msgspec.structs.fields(kind):
-        raw = environ.get(prefix + field.name.upper())
-        if raw is not None:
-            values[field.name] = raw
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    """Build settings from defaults, the TOML file, the environment, then explicit overrides
+    (flags); fail fast, naming the setting and where its bad value came from."""
+    sources = setting_sources(kind, section, environ, **overrides)
     try:
-        return msgspec.convert(values, kind, strict=False)
+        return msgspec.convert({k: v for k, (v, _) in sources.items()}, kind, strict=False)
     except msgspec.ValidationError as exc:
+        match = re.search(r"at `\$\.(\w+)", str(exc))
+        if match and match.group(1) in sources:
+            key = match.group(1)
+            value, source = sources[key]
+            raise FatalError(
+                f"invalid {section} setting {key} = {value!r} (from {source}): {exc}"
+            ) from exc
         raise FatalError(f"invalid {section} settings: {exc}") from exc
 
 
@@ -61,6 +115,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     claim_block_s: float = 0.5
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # serve this worker's Prometheus metrics on it (0/None: off)
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 CUDA, fp32 CPU
     threads: int | None = None  # torch CPU threads; None keeps torch's default

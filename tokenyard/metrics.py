@@ -5,7 +5,14 @@ Latency histograms use vLLM's bucket boundaries so dashboards built for vLLM tra
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from tokenyard.engines.base import EngineStats
 
 # vllm/v1/metrics/loggers.py: time_to_first_token_seconds
 TTFT_BUCKETS = (
@@ -118,3 +125,175 @@ class GatewayMetrics:
         self.broker_up = Gauge(
             "tokenyard_broker_up", "1 when the broker answered the last scrape.", registry=r
         )
+
+
+# vllm: iteration_tokens_total's buckets (its cudagraph sizes), for sequences per engine step
+BATCH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class WorkerMetrics:
+    """One worker's metrics. Counting happens at the worker's I/O edge (claims, renewals,
+    completions, engine steps as delivered); the scheduler stays a pure state machine.
+
+    Under `tokenyard serve` workers run with PROMETHEUS_MULTIPROC_DIR set and the gateway's
+    /metrics aggregates them: counters and histograms add up, gauges say how they combine.
+    """
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model = model
+        r, m = self.registry, [model]
+        self.running = Gauge(
+            "tokenyard_worker_running_sequences",
+            "Sequences running in the engines.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        ).labels(model)
+        self.waiting = Gauge(
+            "tokenyard_worker_waiting_sequences",
+            "Jobs claimed and waiting for room in the engines.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        ).labels(model)
+        self.tokens_per_s = Gauge(
+            "tokenyard_worker_tokens_per_second",
+            "Generated tokens per second (moving average, as in the heartbeat).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        ).labels(model)
+        self.kv_cache_usage = Gauge(
+            "tokenyard_worker_kv_cache_usage_ratio",
+            "Fraction of the KV cache in use, where the engine reports it (highest worker).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.accelerator_utilization = Gauge(
+            "tokenyard_accelerator_utilization_ratio",
+            "GPU utilisation over the last sample period, on CUDA workers only.",
+            ["model", "device"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.batch_size = Histogram(
+            "tokenyard_worker_batch_size",
+            "Sequences stepped together by one engine step.",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.step_time = Histogram(
+            "tokenyard_worker_step_seconds",
+            "Engine step time as the worker sees it (busy time between deliveries / steps).",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.prefill_tokens = Counter(
+            "tokenyard_worker_prefill_tokens", "Prompt tokens prefilled.", ["model"], registry=r
+        ).labels(*m)
+        self.decode_tokens = Counter(
+            "tokenyard_worker_decode_tokens", "Tokens generated.", ["model"], registry=r
+        ).labels(*m)
+        self.claims = Counter(
+            "tokenyard_worker_claims", "Jobs claimed from the lanes.", ["model"], registry=r
+        ).labels(*m)
+        self.lease_renewals = Counter(
+            "tokenyard_worker_lease_renewals", "Leases renewed.", ["model"], registry=r
+        ).labels(*m)
+        self.leases_lost = Counter(
+            "tokenyard_worker_leases_lost",
+            "Jobs dropped because their lease was lost (reclaimed by the reaper).",
+            ["model"],
+            registry=r,
+        ).labels(*m)
+        self.fenced_completions = Counter(
+            "tokenyard_worker_fenced_completions",
+            "Completions the broker rejected because the lease was no longer ours.",
+            ["model"],
+            registry=r,
+        ).labels(*m)
+        self.retries = Counter(
+            "tokenyard_worker_retries",
+            "Jobs handed back for another delivery after an engine fault.",
+            ["model"],
+            registry=r,
+        ).labels(*m)
+        self.dead_letters = Counter(
+            "tokenyard_worker_dead_letters",
+            "Jobs this worker sent to the dead-letter stream (retries used up, or reaped).",
+            ["model"],
+            registry=r,
+        ).labels(*m)
+        self.jobs = Counter(
+            "tokenyard_worker_jobs",
+            "Jobs whose terminal result this worker wrote, by status.",
+            ["model", "status"],
+            registry=r,
+        )
+        self._steps = 0
+        self._sequences = 0
+        self._decoded = 0
+        self._prefilled = 0
+        self._kv_reported = False
+
+    def engine_delivered(self, stats: EngineStats, busy_s: float | None) -> None:
+        """Fold the engine's counters since the last delivery in; `busy_s` is the time the
+        worker waited for it while sequences were running (None: the engine was idle)."""
+        steps = stats.steps - self._steps
+        if steps > 0:
+            per_step = (stats.sequences_stepped - self._sequences) / steps
+            for _ in range(steps):
+                self.batch_size.observe(per_step)
+                if busy_s is not None:
+                    self.step_time.observe(busy_s / steps)
+        self.decode_tokens.inc(max(0, stats.tokens_generated - self._decoded))
+        self.prefill_tokens.inc(max(0, stats.prefill_tokens - self._prefilled))
+        self._steps, self._sequences = stats.steps, stats.sequences_stepped
+        self._decoded, self._prefilled = stats.tokens_generated, stats.prefill_tokens
+
+    def sample(
+        self,
+        running: int,
+        waiting: int,
+        tokens_per_s: float,
+        stats: EngineStats,
+        accelerator: tuple[str, float] | None,
+    ) -> None:
+        """Gauges of the moment, set once per heartbeat."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.tokens_per_s.set(tokens_per_s)
+        if stats.kv_cache_usage > 0 or self._kv_reported:  # engines without one leave it out
+            self._kv_reported = True
+            self.kv_cache_usage.labels(self.model).set(stats.kv_cache_usage)
+        if accelerator is not None:
+            self.accelerator_utilization.labels(self.model, accelerator[0]).set(accelerator[1])
+
+
+def accelerator_utilization(device: str) -> tuple[str, float] | None:
+    """(device, 0..1) of the CUDA device a worker uses; None on CPU or when it cannot be read
+    (torch.cuda.utilization needs pynvml / nvidia-ml-py)."""
+    if device == "cpu" or "torch" not in sys.modules:
+        return None  # an engine that never imported torch runs no CUDA kernels here
+    torch = sys.modules["torch"]
+    try:
+        if not torch.cuda.is_available():
+            return None
+        if device in ("auto", "cuda"):
+            index = int(torch.cuda.current_device())
+        else:
+            index = int(torch.device(device).index or 0)
+        return f"cuda:{index}", float(torch.cuda.utilization(index)) / 100.0
+    except Exception:
+        return None
+
+
+def add_worker_metrics(registry: CollectorRegistry, multiprocess_dir: Path) -> None:
+    """Make `registry` also serve the metrics worker processes write to `multiprocess_dir`."""
+    from prometheus_client import multiprocess
+
+    multiprocess.MultiProcessCollector(registry, path=str(multiprocess_dir))  # type: ignore[no-untyped-call]

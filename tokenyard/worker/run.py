@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 
+from tokenyard import tracing
 from tokenyard.broker import connect
 from tokenyard.broker.base import Broker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import Engine, build_engine
+from tokenyard.metrics import WorkerMetrics
 from tokenyard.worker.worker import Worker
+
+log = logging.getLogger(__name__)
 
 
 async def run_worker(
-    broker: Broker, engine: Engine, settings: WorkerSettings, consumer: str | None = None
+    broker: Broker,
+    engine: Engine,
+    settings: WorkerSettings,
+    consumer: str | None = None,
+    metrics: WorkerMetrics | None = None,
 ) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain; the broker is closed at the end."""
-    worker = Worker(broker, engine, settings, consumer=consumer)
+    worker = Worker(broker, engine, settings, consumer=consumer, metrics=metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain)
@@ -29,5 +38,17 @@ async def run_worker(
 async def serve_worker(
     broker_settings: BrokerSettings, settings: WorkerSettings, consumer: str | None = None
 ) -> None:
-    """A worker as configured: its broker and engine built from settings."""
-    await run_worker(connect(broker_settings), build_engine(settings), settings, consumer)
+    """A worker as configured: its broker and engine built from settings, its metrics on
+    `metrics_port` when set, its traces exported when OTEL_* asks for them."""
+    metrics = WorkerMetrics(settings.model)
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, registry=metrics.registry)
+        log.info("metrics on :%d/metrics", settings.metrics_port)
+    tracing.configure("tokenyard-worker")
+    try:
+        engine = build_engine(settings)
+        await run_worker(connect(broker_settings), engine, settings, consumer, metrics)
+    finally:
+        tracing.shutdown()

@@ -20,6 +20,7 @@ from tokenyard.broker.base import Broker, Lease
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.base import Engine, EngineClosed
 from tokenyard.errors import UserError
+from tokenyard.logs import job_fields
 from tokenyard.messages import (
     FinishReason,
     JobEvent,
@@ -29,6 +30,9 @@ from tokenyard.messages import (
     TokenChunk,
     WorkerInfo,
 )
+from tokenyard.metrics import WorkerMetrics, accelerator_utilization
+from tokenyard.tracing import JobSpans
+from tokenyard.tracing import enabled as tracing_enabled
 from tokenyard.worker.scheduler import Job, Plan, Scheduler, Update, moving_average
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,7 @@ class Worker:
         engine: Engine,
         settings: WorkerSettings,
         consumer: str | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.broker = broker
         self.engine = engine
@@ -90,6 +95,9 @@ class Worker:
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
         self._cancel_checked_at = 0.0
+        self.metrics = metrics if metrics is not None else WorkerMetrics(self.model)
+        # None when tracing is off: each hook below is then one test
+        self.spans = JobSpans(self.consumer) if tracing_enabled() else None
 
     def _scheduler(self) -> Scheduler[Lease]:
         claim_ahead = self.settings.claim_ahead
@@ -138,6 +146,7 @@ class Worker:
             if want == 0:
                 await self._wait_for_capacity(self.settings.claim_block_s)
                 continue
+            claim_start = time.time()
             try:
                 leases = await self.broker.claim(
                     self.model, self.consumer, want, block_s=self.settings.claim_block_s
@@ -148,6 +157,9 @@ class Worker:
                 continue
             if not leases:
                 continue
+            self.metrics.claims.inc(len(leases))
+            if self.spans is not None:
+                self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
             # prepared concurrently: each may read its event stream to resume a predecessor
             jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
             for job in jobs:
@@ -200,7 +212,11 @@ class Worker:
                 await self._load_resumed_tokens(job)
             except Exception:
                 # the lease runs out and the job is redelivered; this worker goes on
-                log.exception("reading %s's earlier tokens failed", spec.id)
+                log.exception(
+                    "reading %s's earlier tokens failed",
+                    spec.id,
+                    extra=job_fields(spec.id, spec.trace_context),
+                )
                 return None
         return job
 
@@ -247,11 +263,20 @@ class Worker:
                 self.scheduler.remove(job.job_id)
                 outcome.results.append((job.handle, _refused(exc)))
                 outcome.freed = True
+                continue
             except Exception as exc:  # an engine fault on one job must not stop the worker
-                log.exception("the engine could not take %s", job.job_id)
+                spec = job.handle.spec
+                log.exception(
+                    "the engine could not take %s",
+                    job.job_id,
+                    extra=job_fields(spec.id, spec.trace_context),
+                )
                 self.scheduler.remove(job.job_id)
                 outcome.failed.append((job, f"{type(exc).__name__}: {exc}"))
                 outcome.freed = True
+                continue
+            if self.spans is not None:
+                self.spans.started(job.job_id)
 
     async def _settle(self, outcome: _Outcome, update: Update[Lease] | None = None) -> None:
         """Carry out the broker side of a step and of a scheduling pass, fewest round trips."""
@@ -275,12 +300,35 @@ class Worker:
         tails: list[TokenChunk | None] = [None] * len(outcome.results)
         tails += [tail if _streamed(job) else None for job, _, tail in finishing]
         if results:
+            complete_start = time.time()
             accepted = await self.broker.complete_many(results, tails)
             self._jobs_done += sum(accepted)
+            self._count_results(results, accepted)
+            if self.spans is not None:
+                times: list[tuple[float | None, float | None]] = [(None, None)] * len(
+                    outcome.results
+                )
+                times += [(job.first_token_at, job.last_token_at) for job, _, _ in finishing]
+                items = [
+                    (lease.spec, result, first, last)
+                    for (lease, result), (first, last) in zip(results, times, strict=True)
+                ]
+                self.spans.settled(items, accepted, complete_start, time.time())
         for job, error in failed:
-            await self.broker.retry(job.handle, error)
+            self.metrics.retries.inc()
+            if not await self.broker.retry(job.handle, error):
+                self.metrics.dead_letters.inc()
+            if self.spans is not None:
+                self.spans.forget(job.job_id)
         if results or failed:
             self._capacity_freed.set()
+
+    def _count_results(self, results: list[tuple[Lease, JobResult]], accepted: list[bool]) -> None:
+        for (_, result), ours in zip(results, accepted, strict=True):
+            if ours:
+                self.metrics.jobs.labels(self.model, result.status.value).inc()
+            else:
+                self.metrics.fenced_completions.inc()
 
     async def _append(self, events: list[tuple[Lease, JobEvent]]) -> None:
         kept = await self.broker.append_events(events)
@@ -291,10 +339,14 @@ class Worker:
     # -- outputs ---------------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:
+            busy = self.scheduler.running > 0  # else the wait below includes idle time
+            waited = time.monotonic()
             try:
                 outputs = await self.engine.outputs()
             except EngineClosed:
                 return
+            waited = time.monotonic() - waited
+            self.metrics.engine_delivered(self.engine.stats(), waited if busy else None)
             update = self.scheduler.update(outputs, time.monotonic())
             # refill the engine before any broker write, so it never idles on a round trip
             ended = update.finished or update.failed or update.refused
@@ -344,7 +396,10 @@ class Worker:
     def _drop(self, job_id: str, why: str) -> None:
         if self.scheduler.remove(job_id) is None:
             return
-        log.warning("dropping %s: %s", job_id, why)
+        log.warning("dropping %s: %s", job_id, why, extra=job_fields(job_id))
+        self.metrics.leases_lost.inc()
+        if self.spans is not None:
+            self.spans.forget(job_id)
         self.engine.abort(job_id)  # its CANCELLED output finds no job and is ignored
         self._capacity_freed.set()
 
@@ -363,6 +418,7 @@ class Worker:
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + lease_s / 2
                     report = await self.broker.reap(self.model)
+                    self.metrics.dead_letters.inc(len(report.dead))
                     if report.requeued or report.dead:
                         log.info(
                             "reaped %d, dead-lettered %d", len(report.requeued), len(report.dead)
@@ -373,7 +429,9 @@ class Worker:
 
     async def _renew(self) -> None:
         held = [job.handle for job in self.scheduler.jobs()]
-        for lease, ours in zip(held, await self.broker.renew(held), strict=True):
+        renewed = await self.broker.renew(held)
+        self.metrics.lease_renewals.inc(sum(renewed))
+        for lease, ours in zip(held, renewed, strict=True):
             if not ours:
                 # lost, or completed while the renewal was on its way (then it is gone already)
                 self._drop(lease.spec.id, "lease lost")
@@ -385,6 +443,14 @@ class Worker:
             rate = (self._tokens_seen - mark_n) / (now - mark_t)
             self._tokens_per_s = moving_average(self._tokens_per_s, rate, 0.5)
             self._rate_mark = (now, self._tokens_seen)
+        stats = self.engine.stats()
+        self.metrics.sample(
+            self.scheduler.running,
+            self.scheduler.waiting,
+            self._tokens_per_s,
+            stats,
+            accelerator_utilization(self.settings.device),
+        )
         info = WorkerInfo(
             consumer=self.consumer,
             model=self.model,
@@ -396,7 +462,7 @@ class Worker:
             slots_total=self.limits.max_seqs,
             slots_used=self.scheduler.running,
             tokens_per_s=round(self._tokens_per_s, 2),
-            mean_batch=round(self.engine.stats().mean_batch, 3),
+            mean_batch=round(stats.mean_batch, 3),
             jobs_done=self._jobs_done,
             limits=self.limits,
             at=time.time(),

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenyard import tracing
 from tokenyard.broker import is_job_id
 from tokenyard.broker.base import CancelOutcome
 from tokenyard.errors import InvalidRequest, NotFound
@@ -80,8 +81,14 @@ async def create_job(
         raise InvalidRequest(
             "'stream' is not allowed here; follow GET /v1/jobs/{id}/events", param="stream"
         )
-    spec = await admit(state, kind, body, tenant, live=False, idempotency_key=idempotency_key)
-    outcome = await state.enqueuer.submit(spec)
+    with tracing.server_span("POST /v1/jobs", request.headers):
+        with tracing.span("tokenyard.admission"):
+            spec = await admit(
+                state, kind, body, tenant, live=False, idempotency_key=idempotency_key
+            )
+        tracing.carry(spec, request.headers)
+        with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
+            outcome = await state.enqueuer.submit(spec)
     headers = {"Location": f"/v1/jobs/{outcome.job_id}"}
     if outcome.created:
         # the job was queued just now: its answer needs no read of the record

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenyard import tracing
 from tokenyard.gateway import protocol
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
@@ -27,15 +28,17 @@ async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
 @router.post("/v1/completions")
 async def completions(request: Request, tenant: TenantDep) -> Response:
     started = time.monotonic()
-    body = protocol.parse(protocol.CompletionRequest, await request.body())
-    return await _serve(request, "completion", body, tenant, started)
+    with tracing.server_span("POST /v1/completions", request.headers):
+        body = protocol.parse(protocol.CompletionRequest, await request.body())
+        return await _serve(request, "completion", body, tenant, started)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     started = time.monotonic()
-    body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
-    return await _serve(request, "chat", body, tenant, started)
+    with tracing.server_span("POST /v1/chat/completions", request.headers):
+        body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
+        return await _serve(request, "chat", body, tenant, started)
 
 
 async def _serve(
@@ -47,8 +50,11 @@ async def _serve(
 ) -> Response:
     """One path for both endpoints: a job whose caller follows it live."""
     state = gateway(request)
-    spec = await admit(state, kind, body, tenant, live=True)
-    call = await LiveCall.start(state, spec, started)
+    with tracing.span("tokenyard.admission"):
+        spec = await admit(state, kind, body, tenant, live=True)
+    tracing.carry(spec, request.headers)
+    with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
+        call = await LiveCall.start(state, spec, started)
     created = int(spec.created_at)
     headers = {"X-Job-Id": spec.id}
     if body.stream:

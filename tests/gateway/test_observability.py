@@ -1,0 +1,150 @@
+"""In-process observability: the worker's metrics, the span tree of one request, /dashboard."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from tests.gateway.conftest import MODEL, Stack, run_stack
+from tokenyard import tracing
+from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.messages import JobRecord
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"model": MODEL, **labels})
+    return 0.0 if value is None else value
+
+
+def test_worker_counts_claims_jobs_tokens_and_steps(stack: Stack) -> None:
+    [(worker, _, _)] = stack.workers
+    registry = worker.metrics.registry
+    with stack.client() as client:
+        for i in range(6):
+            reply = client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": f"count {i}", "max_tokens": 5, "ignore_eos": True},
+            )
+            assert reply.status_code == 200, reply.text
+    assert sample(registry, "tokenyard_worker_claims_total") == 6
+    assert sample(registry, "tokenyard_worker_jobs_total", status="succeeded") == 6
+    assert sample(registry, "tokenyard_worker_decode_tokens_total") == 30
+    assert sample(registry, "tokenyard_worker_prefill_tokens_total") > 0
+    assert sample(registry, "tokenyard_worker_batch_size_count") >= 5  # one per engine step
+    assert sample(registry, "tokenyard_worker_step_seconds_count") > 0
+    assert sample(registry, "tokenyard_worker_fenced_completions_total") == 0
+    give_up = time.monotonic() + 5  # renewals and gauges move with the upkeep loop
+    while sample(registry, "tokenyard_worker_lease_renewals_total") == 0:
+        with stack.client() as client:
+            client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "long", "max_tokens": 150, "ignore_eos": True},
+            )
+        assert time.monotonic() < give_up
+    # the sim engine reports no KV cache and runs no GPU: those series are absent, not 0
+    assert (
+        registry.get_sample_value("tokenyard_worker_kv_cache_usage_ratio", {"model": MODEL}) is None
+    )
+    assert not any(
+        s.name.startswith("tokenyard_accelerator") for m in registry.collect() for s in m.samples
+    )
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    spans = InMemorySpanExporter()
+    tracing.configure("tokenyard-test", spans, batch=False)
+    try:
+        yield spans
+    finally:
+        tracing.shutdown()
+
+
+def test_one_trace_from_the_clients_traceparent_to_the_worker(
+    valkey: EmbeddedServer, exporter: InMemorySpanExporter
+) -> None:
+    trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    with run_stack(valkey) as stack, stack.client() as client:
+        reply = client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        )
+        assert reply.status_code == 200
+        give_up = time.monotonic() + 10
+        while not any(s.name == "tokenyard.job" for s in exporter.get_finished_spans()):
+            assert time.monotonic() < give_up
+            time.sleep(0.05)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {f"{s.context.trace_id:032x}" for s in spans.values()} == {trace_id}
+    root = spans["POST /v1/chat/completions"]
+    assert root.parent is not None and f"{root.parent.span_id:016x}" == parent
+
+    def parent_of(name: str) -> str:
+        span = spans[name]
+        assert span.parent is not None
+        return next(s.name for s in spans.values() if s.context.span_id == span.parent.span_id)
+
+    assert parent_of("tokenyard.admission") == root.name
+    assert parent_of("tokenyard.enqueue") == root.name
+    assert parent_of("tokenyard.queue_wait") == root.name
+    assert parent_of("tokenyard.job") == root.name
+    for step in ("tokenyard.claim", "tokenyard.prefill", "tokenyard.decode", "tokenyard.complete"):
+        assert parent_of(step) == "tokenyard.job"
+    job = spans["tokenyard.job"]
+    assert job.attributes is not None and job.attributes["tokenyard.completion_tokens"] == 4
+    assert spans["tokenyard.queue_wait"].end_time <= spans["tokenyard.prefill"].start_time  # type: ignore[operator]
+
+
+def test_tracing_off_still_carries_the_callers_traceparent(stack: Stack) -> None:
+    assert not tracing.enabled()
+    traceparent = f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"
+    with stack.client() as client:
+        reply = client.post(
+            "/v1/jobs",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"traceparent": traceparent},
+        )
+    assert reply.status_code == 202
+    record: JobRecord = stack.call(stack.gateway_broker.record(reply.json()["id"]))
+    assert record.spec.trace_context == {"traceparent": traceparent}
+
+
+def test_dashboard_data_needs_a_valid_key_when_keys_are_configured(
+    valkey: EmbeddedServer,
+) -> None:
+    keyring = KeyRing({"sk-ops": Tenant("ops")})
+    with run_stack(valkey, keyring=keyring) as stack, stack.client() as client:
+        page = client.get("/dashboard")  # the shell holds no data; its script asks for a key
+        assert page.status_code == 200 and "dashboard/data" in page.text
+        assert client.get("/dashboard/data").status_code == 401
+        wrong = client.get("/dashboard/data", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        key = {"Authorization": "Bearer sk-ops"}
+        job = client.post(
+            "/v1/jobs", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, headers=key
+        ).json()["id"]
+        give_up = time.monotonic() + 10
+        while True:
+            data = client.get("/dashboard/data", headers=key).json()
+            jobs = {j["id"]: j for j in data["jobs"]}
+            if jobs.get(job, {}).get("status") == "succeeded":
+                break
+            assert time.monotonic() < give_up, data
+            time.sleep(0.1)
+        [model] = data["models"]
+        assert model["model"] == MODEL and len(model["workers"]) == 1
+        assert [lane["priority"] for lane in model["lanes"]] == ["high", "normal", "low"]
+        assert jobs[job]["completion_tokens"] == 3 and jobs[job]["tenant"] == "ops"
+
+
+def test_dashboard_data_route_is_in_the_openapi_schema(stack: Stack) -> None:
+    schema = httpx.get(f"{stack.url}/openapi.json").json()
+    assert "/dashboard/data" in schema["paths"] and "/dashboard" not in schema["paths"]

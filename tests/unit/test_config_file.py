@@ -1,0 +1,76 @@
+"""Settings precedence: flag > environment > TOML file > default; errors name key and source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tokenyard.cli import app
+from tokenyard.config import CONFIG_ENV, BrokerSettings, WorkerSettings, from_env
+from tokenyard.errors import FatalError
+from tokenyard.gateway.settings import gateway_settings
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Path:
+    path = tmp_path / "tokenyard.toml"
+    path.write_text(
+        "[broker]\nlease_s = 7.5\nprefix = 'file'\nmax_deliveries = 3\n"
+        "[worker]\nengine = 'sim'\nmax_seqs = 4\n"
+        "[gateway]\nmodels = ['a', 'b']\nport = 9001\n"
+    )
+    return path
+
+
+def test_flag_beats_env_beats_file_beats_default(toml: Path) -> None:
+    env = {CONFIG_ENV: str(toml), "TOKENYARD_BROKER_PREFIX": "env"}
+    broker = from_env(BrokerSettings, "broker", env, lease_s=2.0)
+    assert broker.lease_s == 2.0  # flag over file
+    assert broker.prefix == "env"  # env over file
+    assert broker.max_deliveries == 3  # file over default
+    assert broker.max_queue_depth == BrokerSettings().max_queue_depth  # default
+    gateway = gateway_settings({**env, "TOKENYARD_GATEWAY_PORT": "9002"})
+    assert (gateway.models, gateway.port) == (("a", "b"), 9002)
+    assert gateway_settings(env, models="x,y").models == ("x", "y")
+    assert from_env(WorkerSettings, "worker", env).max_seqs == 4
+
+
+def test_errors_name_the_setting_and_its_source(toml: Path, tmp_path: Path) -> None:
+    env = {CONFIG_ENV: str(toml), "TOKENYARD_WORKER_MAX_SEQS": "lots"}
+    with pytest.raises(FatalError, match=r"max_seqs = 'lots' \(from TOKENYARD_WORKER_MAX_SEQS\)"):
+        from_env(WorkerSettings, "worker", env)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[broker]\nlease_s = 'long'\n")
+    with pytest.raises(FatalError, match=rf"lease_s = 'long' \(from file {bad}\)"):
+        from_env(BrokerSettings, "broker", {CONFIG_ENV: str(bad)})
+    bad.write_text("[broker]\nleese_s = 3\n")
+    with pytest.raises(FatalError, match=rf"{bad}: unknown setting 'leese_s' in \[broker\]"):
+        from_env(BrokerSettings, "broker", {CONFIG_ENV: str(bad)})
+    bad.write_text("[broker\n")
+    with pytest.raises(FatalError, match=rf"cannot read the config file {bad}"):
+        from_env(BrokerSettings, "broker", {CONFIG_ENV: str(bad)})
+
+
+def test_config_show_prints_values_and_sources(toml: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (CONFIG_ENV, "TOKENYARD_BROKER_PREFIX", "TOKENYARD_GATEWAY_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TOKENYARD_GATEWAY_PORT", "9002")
+    monkeypatch.setenv("TOKENYARD_WORKER_REMOTE_API_KEY", "sk-secret")
+    # --config sets TOKENYARD_CONFIG for the process (and serve's workers); monkeypatch undoes it
+    monkeypatch.setenv(CONFIG_ENV, "")
+    result = CliRunner().invoke(app, ["--config", str(toml), "config", "show", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = {
+        section: {row["setting"]: (row["value"], row["source"]) for row in rows}
+        for section, rows in json.loads(result.output).items()
+    }
+    assert shown["broker"]["lease_s"] == (7.5, f"file {toml}")
+    assert shown["broker"]["url"] == ("memory://", "default")
+    assert shown["gateway"]["port"] == (9002, "TOKENYARD_GATEWAY_PORT")
+    assert shown["gateway"]["models"] == (["a", "b"], f"file {toml}")
+    assert shown["worker"]["remote_api_key"] == ("***", "TOKENYARD_WORKER_REMOTE_API_KEY")
+    table = CliRunner().invoke(app, ["--config", str(toml), "config", "show"])
+    assert table.exit_code == 0 and "[gateway]" in table.output

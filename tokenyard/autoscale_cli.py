@@ -1,0 +1,115 @@
+"""`tokenyard autoscale`: the policy's signals as Prometheus gauges, for KEDA or an HPA."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from typing import Annotated
+
+import msgspec
+import typer
+
+from tokenyard.autoscale import AutoscaleConfig
+from tokenyard.config import BrokerSettings, from_env
+from tokenyard.errors import FatalError
+
+
+def autoscale_config(
+    workers: str, min_workers: int | None, max_workers: int | None
+) -> AutoscaleConfig | None:
+    """`--workers auto` → the policy's settings (TOKENYARD_AUTOSCALE_* fill the rest); else None."""
+    if workers != "auto":
+        if not workers.isdigit():
+            raise typer.BadParameter(f"--workers takes a number or `auto`, not {workers!r}")
+        return None
+    config = from_env(
+        AutoscaleConfig, "autoscale", min_workers=min_workers, max_workers=max_workers
+    )
+    if not 0 <= config.min_workers <= config.max_workers or config.max_workers < 1:
+        raise FatalError(f"need 0 <= --min <= --max and --max >= 1, got {config}")
+    if config.min_workers == 0:  # `--min 0` asks for scale to zero
+        config = msgspec.structs.replace(config, scale_to_zero=True)
+    return config
+
+
+def autoscale(
+    broker: Annotated[
+        str | None, typer.Option("--broker", help="default: TOKENYARD_BROKER_URL")
+    ] = None,
+    prefix: Annotated[str | None, typer.Option(help="key prefix")] = None,
+    model: Annotated[list[str], typer.Option(help="models to size; repeat for several")] = [  # noqa: B006
+        "tiny"
+    ],
+    host: Annotated[str, typer.Option(help="/metrics address")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="/metrics port")] = 9105,
+    min_workers: Annotated[int | None, typer.Option("--min", help="warm pool")] = None,
+    max_workers: Annotated[int | None, typer.Option("--max", help="most workers")] = None,
+) -> None:
+    """Export tokenyard_desired_workers{model} and its inputs on /metrics; start nothing.
+
+    Point KEDA's prometheus scaler (deploy/k8s/) or an HPA's external metric at it.
+    """
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
+    config = autoscale_config("auto", min_workers, max_workers)
+    assert config is not None
+    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
+    asyncio.run(_export(settings, model, config, host, port))
+
+
+async def _export(
+    settings: BrokerSettings, models: list[str], config: AutoscaleConfig, host: str, port: int
+) -> None:
+    from prometheus_client import start_http_server
+
+    from tokenyard.broker import connect
+    from tokenyard.supervisor import AutoscaleMetrics, Supervisor
+
+    metrics = AutoscaleMetrics()
+    start_http_server(port, addr=host, registry=metrics.registry)
+    broker = connect(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.gather(
+            *(Supervisor(broker, m, config, metrics=metrics).run(stop) for m in models)
+        )
+    finally:
+        await broker.close()
+
+
+def worker_ready(
+    broker: Annotated[
+        str | None, typer.Option("--broker", help="default: TOKENYARD_BROKER_URL")
+    ] = None,
+    prefix: Annotated[str | None, typer.Option(help="key prefix")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="default: TOKENYARD_WORKER_MODEL, else tiny")
+    ] = None,
+) -> None:
+    """Readiness probe: exit 0 when a worker on this host heartbeats as running, else 1.
+
+    The worker has no HTTP port; its heartbeat in the broker is what the gateway sees.
+    """
+    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
+    name = model or os.environ.get("TOKENYARD_WORKER_MODEL", "tiny")
+    raise typer.Exit(0 if asyncio.run(_worker_ready(settings, name)) else 1)
+
+
+async def _worker_ready(settings: BrokerSettings, model: str) -> bool:
+    from tokenyard.broker import connect
+
+    broker = connect(settings)
+    try:
+        host = socket.gethostname()
+        return any(
+            info.host == host and info.state == "running" for info in await broker.workers(model)
+        )
+    except Exception:
+        return False
+    finally:
+        await broker.close()

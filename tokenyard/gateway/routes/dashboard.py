@@ -1,0 +1,127 @@
+"""`/dashboard`: a live status page (static HTML polling `/dashboard/data`), no build step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from tokenyard.broker.base import BrokerStats
+from tokenyard.gateway.auth import Tenant, authenticate
+from tokenyard.gateway.state import GatewayState, gateway
+from tokenyard.messages import JobRecord, WorkerInfo
+
+router = APIRouter()
+
+SHOWN_JOBS = 25
+SHOWN_ERRORS = 10
+
+
+def dashboard_access(request: Request) -> Tenant:
+    """Who may read the dashboard's data: the one place to tighten (e.g. to admins only).
+    With API keys configured it takes a valid key; with none, anyone."""
+    return authenticate(request)
+
+
+DashboardDep = Annotated[Tenant, Depends(dashboard_access)]
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard_page() -> HTMLResponse:
+    """The page shell; it holds no data (the data route is the one that checks the key)."""
+    page = resources.files("tokenyard.gateway").joinpath("static/dashboard.html")
+    return HTMLResponse(page.read_text(encoding="utf-8"))
+
+
+@router.get("/dashboard/data")
+async def dashboard_data(request: Request, _: DashboardDep) -> JSONResponse:
+    """Lanes, workers and dead letters per model, and this gateway's recent jobs."""
+    state = gateway(request)
+    now = time.time()
+    models = await asyncio.gather(*(_model_view(state, m, now) for m in state.settings.models))
+    return JSONResponse({"at": now, "models": models, "jobs": await _recent_jobs(state, now)})
+
+
+async def _model_view(state: GatewayState, model: str, now: float) -> dict[str, Any]:
+    broker = state.broker
+    stats, workers, dead = await asyncio.gather(
+        broker.stats(model), broker.workers(model), broker.dead_letters(model, SHOWN_ERRORS)
+    )
+    return {
+        "model": model,
+        **_lanes(stats),
+        "workers": [_worker(info, now) for info in workers],
+        "jobs_done": sum(info.jobs_done for info in workers),
+        "dead": [
+            {
+                "job_id": d.job_id,
+                "reason": d.reason,
+                "error": d.error,
+                "deliveries": d.deliveries,
+                "at": d.at,
+            }
+            for d in dead
+        ],
+    }
+
+
+def _lanes(stats: BrokerStats) -> dict[str, Any]:
+    return {
+        "lanes": [
+            {
+                "priority": lane.priority.name.lower(),
+                "waiting": lane.waiting,
+                "in_flight": lane.in_flight,
+                "oldest_age_s": lane.oldest_waiting_age_s,
+            }
+            for lane in stats.lanes
+        ],
+        "delayed": stats.delayed,
+        "dead_letters": stats.dead_letters,
+        "fenced_completions": stats.fenced_completions,
+        "expired": stats.expired,
+    }
+
+
+def _worker(info: WorkerInfo, now: float) -> dict[str, Any]:
+    return {
+        "consumer": info.consumer,
+        "engine": info.engine,
+        "state": info.state,
+        "slots_used": info.slots_used,
+        "slots_total": info.slots_total,
+        "mean_batch": info.mean_batch,
+        "tokens_per_s": info.tokens_per_s,
+        "jobs_done": info.jobs_done,
+        "heartbeat_age_s": max(0.0, now - info.at),
+    }
+
+
+async def _recent_jobs(state: GatewayState, now: float) -> list[dict[str, Any]]:
+    ids = list(state.enqueuer.recent)[-SHOWN_JOBS:][::-1]
+    records = await asyncio.gather(*(state.broker.record(job_id) for job_id in ids))
+    return [_job(job_id, r, now) for job_id, r in zip(ids, records, strict=True) if r is not None]
+
+
+def _job(job_id: str, record: JobRecord, now: float) -> dict[str, Any]:
+    spec, result = record.spec, record.result
+    end = record.finished_at or now
+    return {
+        "id": job_id,
+        "model": spec.model,
+        "tenant": spec.tenant,
+        "priority": spec.priority.name.lower(),
+        "status": record.status.value,
+        "created_at": spec.created_at,
+        "deliveries": record.deliveries,
+        "queued_s": result.queued_s if result and result.queued_s is not None else None,
+        "decode_s": result.decode_s if result else None,
+        "total_s": max(0.0, end - spec.created_at) if spec.created_at else None,
+        "prompt_tokens": result.prompt_tokens if result else len(spec.prompt_token_ids or ()),
+        "completion_tokens": result.completion_tokens if result else 0,
+        "error": (result.error if result else None) or record.last_error,
+    }

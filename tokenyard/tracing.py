@@ -1,0 +1,248 @@
+"""OpenTelemetry tracing, off by default: one trace per request, carried inside the job.
+
+On when the standard variables ask for it (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_TRACES_EXPORTER=otlp|console`) and
+`OTEL_SDK_DISABLED` is not true; the OTLP/HTTP exporter reads the rest of `OTEL_*` itself.
+When off, every hook is one flag test: no SDK is imported and no span object is made.
+
+The gateway continues the client's `traceparent` (or starts a trace), and writes the
+context into `JobSpec.trace_context`; the worker records the job's queue wait, claim,
+prefill, decode and completion as spans of that trace, from timestamps it kept anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenyard.errors import FatalError
+from tokenyard.messages import JobResult, JobSpec
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span, Tracer
+
+_W3C = ("traceparent", "tracestate")
+
+
+class _State:
+    tracer: Tracer | None = None
+    provider: TracerProvider | None = None
+
+
+_state = _State()
+
+
+def enabled() -> bool:
+    return _state.tracer is not None
+
+
+def wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the OTEL_* environment asks for traces."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").lower()
+    if exporter == "none":
+        return False
+    return bool(
+        exporter in ("otlp", "console")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def configure(service: str, exporter: SpanExporter | None = None, *, batch: bool = True) -> bool:
+    """Turn tracing on for this process if the environment asks (or an exporter is given);
+    returns whether it is on. A second call adds the exporter to the same provider."""
+    if exporter is None and not wanted():
+        return enabled()
+    try:
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError as exc:
+        raise FatalError(
+            "OTEL_* asks for traces but the OpenTelemetry SDK is not installed: "
+            "pip install 'tokenyard[otel]'"
+        ) from exc
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+    )
+
+    if exporter is None:
+        if os.environ.get("OTEL_TRACES_EXPORTER", "").lower() == "console":
+            exporter = ConsoleSpanExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+    if _state.provider is None:
+        name = os.environ.get("OTEL_SERVICE_NAME") or service
+        _state.provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+    _state.provider.add_span_processor(processor)
+    _state.tracer = _state.provider.get_tracer("tokenyard")
+    return True
+
+
+def shutdown() -> None:
+    """Flush and stop exporting; tracing is off afterwards."""
+    provider, _state.provider, _state.tracer = _state.provider, None, None
+    if provider is not None:
+        provider.shutdown()
+
+
+def current_ids() -> tuple[str, str] | None:
+    """(trace id, span id) of the current span, for log lines; None when off or outside one."""
+    if _state.tracer is None:
+        return None
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+
+
+# -- gateway -------------------------------------------------------------------------------
+_OFF: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable and reentrant
+
+
+def server_span(name: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
+    """The request's span, continuing the caller's `traceparent` when it sent one."""
+    tracer = _state.tracer
+    if tracer is None:
+        return _OFF
+    from opentelemetry.propagate import extract
+    from opentelemetry.trace import SpanKind
+
+    parent = extract({k: headers[k] for k in _W3C if k in headers})
+    return tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
+
+
+def span(name: str, **attributes: Any) -> AbstractContextManager[Span | None]:
+    """A child of the current span; nothing when off."""
+    tracer = _state.tracer
+    if tracer is None:
+        return _OFF
+    return tracer.start_as_current_span(name, attributes=attributes)
+
+
+def carry(spec: JobSpec, headers: Mapping[str, str]) -> None:
+    """Put the trace context into the job. When off, a caller's own `traceparent` still rides
+    along verbatim, so the worker's log lines name the caller's trace."""
+    if _state.tracer is None:
+        if "traceparent" in headers:
+            spec.trace_context = {k: headers[k] for k in _W3C if k in headers}
+        return
+    from opentelemetry.propagate import inject
+
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    spec.trace_context = carrier
+
+
+# -- worker --------------------------------------------------------------------------------
+@dataclass
+class _Times:
+    claim_start: float
+    claim_end: float
+    started: float | None = None  # handed to the engine
+
+
+class JobSpans:
+    """A worker's record of its traced jobs' times; spans are emitted when a job settles.
+
+    Times are unix seconds; the scheduler's token times (monotonic) are converted on the way.
+    """
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self._times: dict[str, _Times] = {}
+
+    def claimed(self, specs: Sequence[JobSpec], start: float, end: float) -> None:
+        for spec in specs:
+            if spec.trace_context:
+                self._times[spec.id] = _Times(start, end)
+
+    def started(self, job_id: str) -> None:
+        times = self._times.get(job_id)
+        if times is not None:
+            times.started = time.time()
+
+    def forget(self, job_id: str) -> None:
+        self._times.pop(job_id, None)
+
+    def settled(
+        self,
+        items: Sequence[tuple[JobSpec, JobResult, float | None, float | None]],
+        accepted: Sequence[bool],
+        start: float,
+        end: float,
+    ) -> None:
+        """Emit the spans of jobs whose result was written (or fenced) between start and end;
+        each item is (spec, result, first token, last token), token times monotonic."""
+        tracer = _state.tracer
+        if tracer is None:
+            self._times.clear()
+            return
+        from opentelemetry.propagate import extract
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+
+        to_wall = time.time() - time.monotonic()
+        for (spec, result, first, last), ours in zip(items, accepted, strict=True):
+            times = self._times.pop(spec.id, None)
+            if times is None or not spec.trace_context:
+                continue
+            parent = extract(spec.trace_context)
+            ns = _ns
+            tracer.start_span("tokenyard.queue_wait", parent, start_time=ns(spec.created_at)).end(
+                ns(times.claim_start)
+            )
+            attrs: dict[str, str | int | bool] = {
+                "tokenyard.job_id": spec.id,
+                "tokenyard.model": spec.model,
+                "tokenyard.worker": self.worker,
+                "tokenyard.attempt": spec.attempt,
+                "tokenyard.status": result.status.value,
+                "tokenyard.prompt_tokens": result.prompt_tokens,
+                "tokenyard.completion_tokens": result.completion_tokens,
+                "tokenyard.fenced": not ours,
+            }
+            job = tracer.start_span(
+                "tokenyard.job",
+                parent,
+                kind=SpanKind.CONSUMER,
+                attributes=attrs,
+                start_time=ns(times.claim_start),
+            )
+            inside = set_span_in_context(job)
+            tracer.start_span("tokenyard.claim", inside, start_time=ns(times.claim_start)).end(
+                ns(times.claim_end)
+            )
+            if times.started is not None:
+                first_wall = end if first is None else first + to_wall
+                tracer.start_span("tokenyard.prefill", inside, start_time=ns(times.started)).end(
+                    ns(first_wall)
+                )
+                if first is not None and last is not None:
+                    tracer.start_span(
+                        "tokenyard.decode", inside, start_time=ns(first + to_wall)
+                    ).end(ns(last + to_wall))
+            tracer.start_span("tokenyard.complete", inside, start_time=ns(start)).end(ns(end))
+            if result.error or not ours:
+                job.set_status(Status(StatusCode.ERROR, result.error or "lease lost"))
+            job.end(ns(end))
+
+
+def _ns(unix_s: float) -> int:
+    return int(unix_s * 1e9)
