@@ -314,3 +314,29 @@ def test_cli_submit_wait_results_status(bstack: Stack, tmp_path: Path) -> None:
     refused = runner.invoke(app, ["batch", "cancel", batch_id, *common])
     assert refused.exit_code == 1
     assert "409" in refused.output
+
+
+def test_expiry_keeps_what_completed(valkey: EmbeddedServer, tmp_path: Path) -> None:
+    n = 100
+    with run_stack(
+        valkey,
+        engines=[slow_engine(0.02)],
+        files_dir=str(tmp_path),
+        batch_max_in_flight=4,
+        batch_window_s=2,
+        worker_options={"max_seqs": 2},
+    ) as s:
+        c = _client(s)
+        rows = [_request(i, max_tokens=5) for i in range(n)]
+        up = c.files.create(file=("e.jsonl", io.BytesIO(_jsonl(rows))), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.expires_at - batch.created_at == 2
+        done = _wait(c, batch.id, timeout=30)
+        assert done.status == "expired" and done.expired_at
+        out = c.files.content(done.output_file_id or "").text.splitlines()
+        err = [json.loads(x) for x in c.files.content(done.error_file_id or "").text.splitlines()]
+        assert 0 < len(out) < n
+        assert len(out) + len(err) == n  # every request answered once, in one file or the other
+        assert {e["error"]["code"] for e in err} == {"batch_expired"}

@@ -134,6 +134,13 @@ class _Drive:
             lines, errors = await anyio.to_thread.run_sync(
                 parse_lines, data, rec.endpoint, settings.batch_max_requests
             )
+        if data is None and rec.status is not BatchStatus.VALIDATING:
+            # the input was deleted mid-run: its lines can no longer be matched to custom_ids
+            jobs = await self.store.jobs(self.id)
+            await self._cancel_jobs([j for j in jobs.values() if not _refusal(j)])
+            rec.status, rec.failed_at, rec.errors = BatchStatus.FAILED, int(time.time()), errors
+            await self.store.save(rec)
+            return
         if rec.status is BatchStatus.VALIDATING:
             now = int(time.time())
             if errors:

@@ -44,6 +44,8 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     batch_poll_s: float = 0.05  # how often a runner looks at its batches' jobs
     batch_lease_s: float = 10.0  # a runner that stops renewing loses its batches after this
     batch_runner: bool = True  # this gateway drives batches (any gateway may)
+    # what `completion_window: "24h"` lasts; shorter only for tests and drills of expiry
+    batch_window_s: float = 24 * 3600.0
 
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:

@@ -17,7 +17,7 @@ from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
 
 router = APIRouter()
-_WINDOWS = {"24h": 24 * 3600}
+_WINDOWS = ("24h",)
 
 
 class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,8 +51,7 @@ async def create_batch(request: Request, tenant: TenantDep) -> JSONResponse:
             f"'{body.endpoint}' is not a supported endpoint; supported: {', '.join(ENDPOINTS)}",
             param="endpoint",
         )
-    window = _WINDOWS.get(body.completion_window)
-    if window is None:
+    if body.completion_window not in _WINDOWS:
         raise InvalidRequest(
             "'completion_window' must be '24h'", param="completion_window", code="invalid_value"
         )
@@ -80,7 +79,7 @@ async def create_batch(request: Request, tenant: TenantDep) -> JSONResponse:
         input_file_id=body.input_file_id,
         completion_window=body.completion_window,
         created_at=now,
-        expires_at=now + window,
+        expires_at=now + max(1, int(service.settings.batch_window_s)),
         metadata=body.metadata,
     )
     await service.store.create(record)
