@@ -18,8 +18,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.keys import Keys
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -150,3 +152,7 @@ def test_gateway_and_worker_killed_mid_batch(procs: Procs) -> None:
     assert all(x["response"]["status_code"] == 200 for x in out)
     # one job per request: a resubmit after the restart found the same job
     assert len({x["response"]["request_id"] for x in out}) == N
+    client = redis.Redis.from_url(procs.url)
+    pattern = Keys(procs.prefix).job_prefix(MODEL) + "*"
+    assert len(list(client.scan_iter(match=pattern, count=1000))) == N
+    client.close()

@@ -199,8 +199,15 @@ def test_admission_refusal_is_a_per_request_error(bstack: Stack) -> None:
 
 
 def test_max_requests_limit(valkey: EmbeddedServer, tmp_path: Path) -> None:
-    with run_stack(valkey, files_dir=str(tmp_path), batch_max_requests=3) as s:
+    with run_stack(
+        valkey, files_dir=str(tmp_path), batch_max_requests=3, batch_max_file_bytes=2000
+    ) as s:
         c = _client(s)
+        with pytest.raises(openai.APIStatusError) as big:
+            c.files.create(file=("huge.jsonl", io.BytesIO(b"x" * 2001)), purpose="batch")
+        assert big.value.status_code == 413
+        r = httpx.post(s.url + "/v1/files", files={"file": ("a.jsonl", b"{}")})  # no purpose
+        assert r.status_code == 400 and r.json()["error"]["param"] is not None, r.text
         up = c.files.create(
             file=("big.jsonl", io.BytesIO(_jsonl([_request(i) for i in range(5)]))),
             purpose="batch",
