@@ -13,11 +13,16 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from redis.crc import key_slot
+
+# Runnable from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import loadavg
 from tokenyard.broker.base import Lease

@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench | batch`."""
+"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants | batch`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.tenancy.cli import keys_app, tenants_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -299,6 +300,8 @@ app.command("bench")(bench)
 app.command("autoscale")(autoscale)
 app.command("worker-ready")(worker_ready)
 app.add_typer(config_app, name="config")
+app.add_typer(keys_app, name="keys")
+app.add_typer(tenants_app, name="tenants")
 app.add_typer(batch_app, name="batch")
 
 

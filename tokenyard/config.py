@@ -26,6 +26,10 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
     starvation_every: int = 8  # every Nth claim round serves lower lanes first
+    # fair share: jobs wait per tenant and only this many (beyond the slots a claim asks for)
+    # sit in a lane's stream (at least 1: an idle lane's blocked workers wake on it); another
+    # tenant's job waits behind at most these
+    fair_window: int = 4
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
     max_connections: int = 512  # per process; blocking reads each hold one while they wait
 

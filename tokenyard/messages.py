@@ -75,6 +75,9 @@ class JobSpec(msgspec.Struct, kw_only=True):
     # Someone follows the tokens as they come (SSE, the jobs API). A sync call reads only the
     # result, so its worker writes no token events: a crash then regenerates, same output.
     stream: bool = True
+    # the tenant's quota holds a reservation for this job: its terminal state settles it
+    quota: bool = False
+    weight: float = 1.0  # the tenant's share of its lane, against other tenants' weights
     attempt: int = 0
 
 

@@ -25,6 +25,7 @@ from tokenyard.messages import (
     SamplingParams,
     TokenChunk,
 )
+from tokenyard.tenancy.limiter import Quota
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -241,3 +242,28 @@ async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
         assert record is not None and record.deliveries == 1
     assert all(proc.poll() is None for proc in procs)
     assert {w.consumer for w in await broker.workers(MODEL)} == consumers
+
+
+async def test_sigkill_while_holding_a_concurrency_slot_does_not_leak_it(
+    workers: Workers, broker: RedisBroker
+) -> None:
+    quota = Quota(max_concurrent=1)
+    [job] = greedy_jobs(1, max_tokens=300)  # ~3 s on the sim engine
+    job.tenant, job.quota = "acme", True
+
+    async def admitted(job_id: str) -> bool:
+        [decision] = await broker.reserve("acme", quota, [(job_id, 10)])
+        return decision.admitted
+
+    assert await admitted(job.id)
+    await broker.enqueue(job)
+    first = workers.start(engine="sim")
+    await wait_for_tokens(broker, [job.id], at_least=1)
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert not await admitted(new_job_id(MODEL))  # the dead worker's job still holds it
+
+    workers.start(engine="sim")  # reaps the lapsed lease, resumes and completes the job
+    done = await results(broker, [job.id], timeout=120)
+    assert done[job.id].status is JobStatus.SUCCEEDED
+    assert await admitted(new_job_id(MODEL))

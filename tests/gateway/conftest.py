@@ -140,10 +140,12 @@ def run_stack(
     broker_options: dict[str, Any] | None = None,
     keyring: KeyRing | None = None,
     broker_url: str | None = None,
+    prefix: str | None = None,
     **settings: Any,
 ) -> Iterator[Stack]:
-    """Start the gateway and one worker per engine factory; stop everything on exit."""
-    prefix = f"gw{uuid.uuid4().hex[:10]}"
+    """Start the gateway and one worker per engine factory; stop everything on exit.
+    Stacks given the same `prefix` share one broker namespace (several gateways)."""
+    prefix = prefix or f"gw{uuid.uuid4().hex[:10]}"
     broker_settings = BrokerSettings(
         url=broker_url or valkey.url, prefix=prefix, **(broker_options or {})
     )

@@ -347,3 +347,33 @@ def test_expiry_keeps_what_completed(valkey: EmbeddedServer, tmp_path: Path) -> 
         assert 0 < len(out) < n
         assert len(out) + len(err) == n  # every request answered once, in one file or the other
         assert {e["error"]["code"] for e in err} == {"batch_expired"}
+
+
+def test_tenant_quota_applies_to_batch_jobs(bstack: Stack) -> None:
+    from tokenyard.tenancy.limiter import Quota
+    from tokenyard.tenancy.records import TenantConfig
+
+    broker = bstack.gateway_broker
+    bstack.call(broker.put_tenant(TenantConfig(name="globex", quota=Quota(max_concurrent=2))))
+    try:
+        c = _client(bstack, "key-b")
+        rows = [_request(i) for i in range(12)]
+        up = c.files.create(file=("q.jsonl", io.BytesIO(_jsonl(rows))), purpose="batch")
+        done = _wait(
+            c,
+            c.batches.create(
+                input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+            ).id,
+        )
+        # refused reservations wait and retry: the batch completes, nothing fails
+        assert done.status == "completed"
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (12, 0)
+        jobs = [
+            json.loads(x)["response"]["request_id"]
+            for x in c.files.content(done.output_file_id or "").text.splitlines()
+        ]
+        records = bstack.call(broker.records(jobs))
+        assert all(r is not None and r.spec.quota for r in records)  # reserved, then settled
+    finally:
+        bstack.call(broker.put_tenant(TenantConfig(name="globex")))

@@ -51,7 +51,9 @@ def test_submit_then_inspect_result_and_timings(stack: Stack) -> None:
         # the events of a finished job replay from the start
         with http.stream("GET", f"/v1/jobs/{chat.json()['id']}/events") as replay:
             kinds = [ev.event for ev in events(replay)]
-        assert kinds == ["tokens", "tokens", "tokens", "finish"]
+        # one event per engine step, or fewer when the worker folds steps it published late
+        assert kinds[-1] == "finish" and 1 <= len(kinds) - 1 <= 3
+        assert set(kinds[:-1]) == {"tokens"}
 
 
 def test_idempotency_key_returns_the_same_job_or_409(stack: Stack) -> None:

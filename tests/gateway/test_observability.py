@@ -120,13 +120,15 @@ def test_tracing_off_still_carries_the_callers_traceparent(stack: Stack) -> None
 def test_dashboard_data_needs_a_valid_key_when_keys_are_configured(
     valkey: EmbeddedServer,
 ) -> None:
-    keyring = KeyRing({"sk-ops": Tenant("ops")})
+    keyring = KeyRing({"sk-ops": Tenant("ops", admin=True), "sk-acme": Tenant("acme")})
     with run_stack(valkey, keyring=keyring) as stack, stack.client() as client:
         page = client.get("/dashboard")  # the shell holds no data; its script asks for a key
         assert page.status_code == 200 and "dashboard/data" in page.text
         assert client.get("/dashboard/data").status_code == 401
         wrong = client.get("/dashboard/data", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        tenant = client.get("/dashboard/data", headers={"Authorization": "Bearer sk-acme"})
+        assert tenant.status_code == 403  # fleet-wide, every tenant's jobs: admins only
         key = {"Authorization": "Bearer sk-ops"}
         job = client.post(
             "/v1/jobs", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, headers=key

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import BrokerFactory
 from tokenyard.batch.types import BatchRecord, BatchStatus
-from tokenyard.broker.base import CancelOutcome, Lease
+from tokenyard.broker.base import Broker, CancelOutcome, Lease, Settlement
 from tokenyard.broker.batches import batch_store
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
@@ -26,6 +26,9 @@ from tokenyard.messages import (
     TokenChunk,
     WorkerInfo,
 )
+from tokenyard.tenancy.admin import create_key, revoke_key
+from tokenyard.tenancy.limiter import Quota
+from tokenyard.tenancy.records import TenantConfig, key_digest
 
 MODEL = "tiny"
 
@@ -667,3 +670,174 @@ async def test_batch_store(make_broker: BrokerFactory) -> None:
     assert state.record.status is BatchStatus.CANCELLED
     assert "batch_1" not in await other.active()
     assert await other.get("batch_missing") is None
+
+
+async def test_directory_of_tenants_and_keys_is_shared(make_broker: BrokerFactory) -> None:
+    admin, gateway = make_broker(), make_broker()  # two clients of one store
+    assert not await gateway.has_api_keys()
+    assert await gateway.tenant("acme") is None and await gateway.tenants() == []
+
+    await admin.put_tenant(TenantConfig(name="acme", priority=Priority.HIGH))
+    await admin.put_tenant(TenantConfig(name="ops", admin=True))
+    assert await gateway.tenant("acme") == TenantConfig(name="acme", priority=Priority.HIGH)
+    assert [t.name for t in await gateway.tenants()] == ["acme", "ops"]
+
+    key, record = await create_key(admin, "acme", now=100.0, label="ci")
+    assert key.startswith("ty-") and record.digest == key_digest(key) != key
+    assert await gateway.has_api_keys()
+    assert await gateway.api_key(key_digest(key)) == record
+    assert await gateway.api_key(key_digest("ty-unknown")) is None
+
+    second, _ = await create_key(admin, "acme", now=101.0)
+    revoked = await revoke_key(admin, record.key_id, now=102.0)
+    assert revoked is not None and revoked.revoked_at == 102.0
+    stored = await gateway.api_key(record.digest)
+    assert stored is not None and not stored.active
+    assert await revoke_key(admin, record.key_id, now=103.0) is None  # already revoked
+    assert await revoke_key(admin, second, now=104.0) is not None  # by the key itself
+    listed = await gateway.api_keys()
+    assert [r.digest for r in listed] == [record.digest, key_digest(second)]
+    assert all(not r.active for r in listed)
+    assert await gateway.has_api_keys()  # revoked keys keep auth on
+
+
+def held_job(tenant: str = "acme", deadline: float | None = None) -> JobSpec:
+    spec = job(tenant=tenant, deadline=deadline)
+    spec.quota = True
+    return spec
+
+
+async def test_request_quota_is_exact_across_clients(make_broker: BrokerFactory) -> None:
+    one, two = make_broker(), make_broker()
+    quota = Quota(rpm=3)
+    decisions = []
+    for i in range(6):
+        decisions += await (one if i % 2 else two).reserve("acme", quota, [(f"j{i}", 1)])
+    assert [d.admitted for d in decisions] == [True, True, True, False, False, False]
+    assert [d.requests[1] for d in decisions if d.requests] == [2, 1, 0, 0, 0, 0]
+    refused = decisions[3]
+    assert refused.reason == "requests" and 19.0 < refused.retry_after_s <= 20.0
+    # another tenant's quota is its own
+    [other] = await one.reserve("bob", quota, [("b0", 1)])
+    assert other.admitted
+
+
+async def test_token_quota_reserves_then_settles_to_the_real_count(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    quota = Quota(tpm=100)
+    first, second = await broker.reserve("acme", quota, [("j1", 60), ("j2", 60)])
+    assert first.admitted and first.tokens is not None and first.tokens[1] == 40
+    assert not second.admitted and second.reason == "tokens" and second.retry_after_s > 0
+    [huge] = await broker.reserve("acme", quota, [("j3", 101)])
+    assert huge.reason == "too_large" and huge.retry_after_s == float("inf")
+    # j1 used 10 of its 60: 50 come back, once
+    assert await broker.settle([Settlement("acme", "j1", 10)]) == 1
+    assert await broker.settle([Settlement("acme", "j1", 10)]) == 0
+    [again] = await broker.reserve("acme", quota, [("j2", 60)])
+    assert again.admitted and again.tokens is not None and again.tokens[1] == 30
+
+
+async def test_concurrency_is_released_at_every_terminal_state(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(lease_s=0.1, max_deliveries=1)
+    quota = Quota(max_concurrent=1)
+
+    async def admit(spec: JobSpec) -> bool:
+        [decision] = await broker.reserve(spec.tenant, quota, [(spec.id, 10)])
+        if decision.admitted:
+            await broker.enqueue(spec)
+        return decision.admitted
+
+    # completed
+    spec = held_job()
+    assert await admit(spec) and not await admit(held_job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.complete(lease, ok(lease))
+    # dead-lettered by the worker
+    assert await admit(held_job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    assert await broker.dead_letter(lease, "bad_output")
+    # cancelled while waiting
+    spec = held_job()
+    assert await admit(spec)
+    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    # its worker died: the reaper dead-letters it
+    assert await admit(held_job())
+    await broker.claim(MODEL, "w1", slots=1)
+    await asyncio.sleep(0.2)
+    assert len((await broker.reap(MODEL)).dead) == 1
+    # expired in the queue (finished by a claim): the sweep settles it
+    assert await admit(held_job(deadline=time.time() + 0.05))
+    await asyncio.sleep(0.1)
+    assert await broker.claim(MODEL, "w1", slots=1) == []
+    assert not await admit(held_job())
+    assert await broker.settle_finished() == 1
+    # a reservation whose enqueue never landed is released after the grace time
+    [decision] = await broker.reserve("acme", quota, [(new_job_id(MODEL), 10)])
+    assert decision.admitted
+    assert await broker.settle_finished(grace_s=60.0) == 0
+    assert await broker.settle_finished(grace_s=0.0) == 1
+    assert await admit(held_job())
+
+
+def tenant_job(tenant: str, weight: float = 1.0, deadline: float | None = None) -> JobSpec:
+    spec = job(tenant=tenant, deadline=deadline)
+    spec.weight = weight
+    return spec
+
+
+async def drain_order(broker: Broker, jobs: int, slots: int = 4) -> list[str]:
+    """Tenants of the next `jobs` claimed jobs, completing each claim before the next."""
+    order: list[str] = []
+    while len(order) < jobs:
+        leases = await broker.claim(MODEL, "w1", slots=slots)
+        assert leases
+        order += [lease.spec.tenant for lease in leases]
+        await broker.complete_many([(lease, ok(lease)) for lease in leases])
+    return order[:jobs]
+
+
+async def test_a_tenants_backlog_delays_another_by_a_bounded_amount(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(fair_window=4)
+    for _ in range(10):
+        await broker.enqueue_many([tenant_job("a") for _ in range(200)])
+    await broker.enqueue_many([tenant_job("b") for _ in range(20)])
+    assert await broker.depth(MODEL) == 2020
+    order = await drain_order(broker, 60)
+    # ahead of b's first job: at most the window already in the stream and one job of a
+    assert order.index("b") <= 4 + 1
+    # then the two share the lane job for job: b's 20 are done within 2 x 20 + the window
+    last_b = max(i for i, t in enumerate(order) if t == "b")
+    assert order.count("b") == 20 and last_b <= 2 * 20 + 4 + 1
+    stats = await broker.stats(MODEL)
+    assert sum(lane.waiting for lane in stats.lanes) == 2020 - 60
+
+
+async def test_weights_split_a_lane_by_token_cost(make_broker: BrokerFactory) -> None:
+    broker = make_broker(fair_window=1)
+    await broker.enqueue_many([tenant_job("a", 1.0) for _ in range(100)])
+    await broker.enqueue_many([tenant_job("b", 3.0) for _ in range(100)])
+    order = (await drain_order(broker, 81, slots=1))[1:]  # past the one in the stream
+    assert abs(order.count("b") / len(order) - 0.75) <= 0.05
+
+
+async def test_earliest_deadline_first_within_a_tenant(make_broker: BrokerFactory) -> None:
+    broker = make_broker(fair_window=1)
+    now = time.time()
+    late = [tenant_job("a", deadline=now + 300 + i) for i in range(3)]
+    none = tenant_job("a")
+    urgent = tenant_job("a", deadline=now + 60)
+    await broker.enqueue_many([*late, none, urgent])
+    claimed = []
+    for _ in range(5):
+        [lease] = await broker.claim(MODEL, "w1", slots=1)
+        claimed.append(lease.spec.id)
+        await broker.complete(lease, ok(lease))
+    # one batch is staged whole, then the stream is filled: earliest deadline first, and a job
+    # without a deadline after every job with one
+    assert claimed == [urgent.id, late[0].id, late[1].id, late[2].id, none.id]

@@ -26,9 +26,10 @@ from tokenyard.batch.types import BatchRecord, BatchStatus, LineError
 from tokenyard.batch.validate import BatchLine, parse_lines
 from tokenyard.broker.batches import BatchStore
 from tokenyard.errors import QueueFull, UserError
-from tokenyard.gateway import protocol
+from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant
+from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import JobRecord, JobStatus, Priority
 
@@ -165,7 +166,6 @@ class _Drive:
             for i, j in jobs.items()
             if i not in ok and i not in failed and not j.startswith(_ADMISSION_ERROR)
         }
-        tenant = Tenant(rec.tenant, Priority.BATCH)
         stopping = rec.status is BatchStatus.CANCELLING
         while True:
             if not await self._renew():
@@ -183,12 +183,20 @@ class _Drive:
                 await self._cancel_jobs(list(pending.values()))
                 return True
             if not stopping and rec.submitted < len(lines) and len(pending) < self.r.max_in_flight:
-                await self._submit(rec, lines, pending, tenant)
+                await self._submit(rec, lines, pending, await self._tenant(rec.tenant))
             if pending:
                 await self._collect(rec, pending, stopping)
             if not pending and (stopping or rec.submitted >= len(lines)):
                 return True
             await asyncio.sleep(self.r.poll_s)
+
+    async def _tenant(self, name: str) -> Tenant:
+        """The batch's tenant as the broker's directory has it now (quota, fair-share weight),
+        in the batch lane."""
+        config = await self.r.state.broker.tenant(name)
+        if config is None:
+            return Tenant(name, Priority.BATCH)
+        return Tenant(name, Priority.BATCH, quota=config.quota, weight=config.weight)
 
     async def _submit(
         self, rec: BatchRecord, lines: list[BatchLine], pending: dict[int, str], tenant: Tenant
@@ -202,8 +210,10 @@ class _Drive:
         placed: dict[int, str] = {}
         advanced = start
         for i, outcome in zip(range(start, stop), outcomes, strict=True):
-            if isinstance(outcome, QueueFull):
-                break  # the lane is full: this line and the rest go on a later tick
+            if isinstance(outcome, QueueFull) or (
+                isinstance(outcome, ApiError) and outcome.status == 429
+            ):
+                break  # a full lane or the tenant's quota: this line and the rest wait a tick
             if isinstance(outcome, BaseException):
                 if isinstance(outcome, UserError):
                     placed[i] = (
@@ -249,7 +259,16 @@ class _Drive:
         )
         spec.priority = Priority.BATCH  # whatever the line asked for, batches use their lane
         spec.stream = False  # nobody follows a batch request's tokens: only its result
-        return (await state.enqueuer.submit(spec)).job_id
+        # the tenant's quota applies to batch work as to any request (429: wait and retry)
+        await quota.reserve(state, tenant, spec)
+        try:
+            outcome = await state.enqueuer.submit(spec)
+        except QueueFull:
+            await quota.refund(state, spec)
+            raise
+        if not outcome.created:
+            await quota.refund(state, spec)  # a resubmit: the job it found holds its own
+        return outcome.job_id
 
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())

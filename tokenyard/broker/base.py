@@ -19,10 +19,13 @@ from tokenyard.messages import (
     JobRecord,
     JobResult,
     JobSpec,
+    JobStatus,
     Priority,
     TokenChunk,
     WorkerInfo,
 )
+from tokenyard.tenancy.limiter import Decision, Quota
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 Clock = Callable[[], float]
 
@@ -215,7 +218,80 @@ class Stats(Protocol):
     async def models(self) -> list[str]: ...
 
 
-class Broker(Producer, Leases, Events, Records, Cancellation, WorkerRegistry, Stats, Protocol):
+class Directory(Protocol):
+    """Tenants and API keys (by digest), shared by every gateway; written by `tokenyard keys`
+    and `tokenyard tenants`."""
+
+    async def put_tenant(self, tenant: TenantConfig) -> None: ...
+
+    async def tenant(self, name: str) -> TenantConfig | None: ...
+
+    async def tenants(self) -> list[TenantConfig]: ...
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        """Store (or replace, e.g. to revoke) the record of the key with `record.digest`."""
+        ...
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None: ...
+
+    async def api_keys(self) -> list[ApiKeyRecord]: ...
+
+    async def has_api_keys(self) -> bool:
+        """Whether any key was ever stored (revoked ones count): then every call needs a key."""
+        ...
+
+
+class Settlement(msgspec.Struct, frozen=True):
+    """A job of `tenant` reached a terminal state having used `actual` tokens (0: refunded)."""
+
+    tenant: str
+    job_id: str
+    actual: int = 0
+
+
+def settlement(spec: JobSpec, result: JobResult | None) -> Settlement:
+    """What a terminal job's quota reservation settles to: its real tokens when it succeeded;
+    a failed, cancelled, expired or dead job is refunded."""
+    actual = 0
+    if result is not None and result.status is JobStatus.SUCCEEDED:
+        prompt = result.prompt_tokens or len(spec.prompt_token_ids or ())
+        actual = prompt + result.completion_tokens
+    return Settlement(spec.tenant, spec.id, actual)
+
+
+class Quotas(Protocol):
+    """Per-tenant quotas, exact across gateways: reserved at admission, settled once per job
+    at its terminal state (complete, dead, cancel settle themselves; `settle_finished` catches
+    the rest: expired at claim, a crash between a terminal write and its settle)."""
+
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        """Decide each (job id, tokens) in order, atomically; admitted ones are held."""
+        ...
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        """Release held reservations; idempotent per job. Returns how many were released."""
+        ...
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        """Settle held jobs that are terminal, or have no record `grace_s` after reserving
+        (their enqueue never landed). Returns how many were released."""
+        ...
+
+
+class Broker(
+    Producer,
+    Leases,
+    Events,
+    Records,
+    Cancellation,
+    WorkerRegistry,
+    Stats,
+    Directory,
+    Quotas,
+    Protocol,
+):
     """Every role at once, plus the settings it runs under and its connection's lifetime."""
 
     settings: BrokerSettings

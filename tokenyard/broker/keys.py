@@ -50,6 +50,21 @@ class Keys:
     def lane(self, model: str, priority: Priority) -> str:
         return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}"
 
+    @staticmethod
+    def fair(lane: str) -> str:
+        """Hash of a lane's fair-share state (see lua/lib/fair.lua)."""
+        return f"{lane}:fair"
+
+    @staticmethod
+    def fair_active(lane: str) -> str:
+        """Sorted set of a lane's tenants with staged jobs, by start tag."""
+        return f"{lane}:active"
+
+    @staticmethod
+    def tenant_queue_prefix(lane: str) -> str:
+        """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
+        return f"{lane}:tq:"
+
     def lanes(self, model: str) -> list[str]:
         """Lane streams of a model, highest priority first."""
         return [self.lane(model, p) for p in Priority]
@@ -99,6 +114,30 @@ class Keys:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"
 
+    def _tenant(self, tenant: str) -> str:
+        # its own tag: a tenant's quota is shared by all models; the name may hold any character
+        return f"{self.prefix}:{{t{model_tag(tenant)}}}"
+
+    def quota(self, tenant: str) -> str:
+        """Hash of a tenant's limiter state: rpm_tat, tpm_tat, active."""
+        return f"{self._tenant(tenant)}:quota"
+
+    def quota_held(self, tenant: str) -> str:
+        """Hash of a tenant's jobs holding a reservation: job id -> tokens|per token|at."""
+        return f"{self._tenant(tenant)}:held"
+
+    def quota_tenants(self) -> str:
+        """Set of tenants that ever reserved, for the settle sweep."""
+        return f"{self.prefix}:quota-tenants"
+
+    def tenants(self) -> str:
+        """Hash of tenant name -> TenantConfig; one small key, read through gateway caches."""
+        return f"{self.prefix}:{{directory}}:tenants"
+
+    def api_keys(self) -> str:
+        """Hash of key digest -> ApiKeyRecord."""
+        return f"{self.prefix}:{{directory}}:apikeys"
+
     # -- offline batches (tokenyard.broker.batches): a batch's keys share its own {tag} --------
     def batch(self, batch_id: str, part: str) -> str:
         """A batch's keys: `rec` (hash: record, cancel flag), `jobs`, `ok`, `failed`, `lease`."""
@@ -106,7 +145,7 @@ class Keys:
 
     def tenant_batches(self, tenant: str) -> str:
         """Sorted set of a tenant's batch ids by creation time (the list endpoint)."""
-        return f"{self.prefix}:{{tenant:{tenant}}}:batches"
+        return f"{self._tenant(tenant)}:batches"
 
     def active_batches(self) -> str:
         """Set of batches not yet terminal: what runners look for work in."""

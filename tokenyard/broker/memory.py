@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -19,10 +20,12 @@ from tokenyard.broker.base import (
     LaneStats,
     Lease,
     ReapReport,
+    Settlement,
+    settlement,
 )
 from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.policy import backoff_delay, claim_order, fair_cost, staging_score
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
@@ -40,6 +43,9 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+from tokenyard.tenancy import limiter
+from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 LaneId = tuple[str, Priority]  # (model, priority)
 
@@ -53,10 +59,51 @@ class _Entry:
 
 
 @dataclass
+class _Fair:
+    """A lane's fair share (as lua/lib/fair.lua): per-tenant staged jobs, start tags."""
+
+    staged: dict[str, list[tuple[float, int, str]]] = field(default_factory=dict)  # heaps
+    active: dict[str, float] = field(default_factory=dict)  # tenant -> start tag
+    idle: dict[str, float] = field(default_factory=dict)  # tag of a tenant with none staged
+    weight: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, int] = field(default_factory=dict)  # staged job -> cost
+    v: float = 0.0  # virtual time: the tag of the job last moved into the lane
+    seq: int = 0
+    count: int = 0
+
+    def stage(self, tenant: str, weight: float, score: float, job_id: str, cost: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.staged.setdefault(tenant, []), (score, self.seq, job_id))
+        self.weight[tenant], self.cost[job_id] = weight, cost
+        self.count += 1
+        if tenant not in self.active:
+            self.active[tenant] = max(self.idle.get(tenant, 0.0), self.v)
+
+    def pop(self) -> str | None:
+        """The next job in fair order, or None when nothing is staged."""
+        if not self.active:
+            return None
+        tenant = min(self.active, key=lambda t: (self.active[t], t))
+        tag = self.active[tenant]
+        heap = self.staged[tenant]
+        _, _, job_id = heapq.heappop(heap)
+        next_tag = tag + self.cost.pop(job_id, 1) / self.weight.get(tenant, 1.0)
+        self.v = tag
+        if heap:
+            self.active[tenant] = next_tag
+        else:
+            del self.active[tenant], self.staged[tenant]
+            self.idle[tenant] = next_tag
+        self.count -= 1
+        return job_id
+
+
+@dataclass
 class _Lane:
     entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)  # not yet acked
     last_delivered: int = -1  # index into the id sequence, like a group's last-delivered-id
     undelivered: list[str] = field(default_factory=list)
+    fair: _Fair = field(default_factory=_Fair)
 
 
 @dataclass
@@ -92,6 +139,11 @@ class MemoryStore:
         self.events: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         self.models: set[str] = set()
         self.workers: dict[str, dict[str, tuple[WorkerInfo, float]]] = defaultdict(dict)
+        self.tenants: dict[str, TenantConfig] = {}
+        self.api_keys: dict[str, ApiKeyRecord] = {}  # by digest
+        self.quota: dict[str, QuotaState] = defaultdict(QuotaState)
+        # tenant -> job id -> (reserved tokens, seconds per token, reserved at)
+        self.held: dict[str, dict[str, tuple[int, float, float]]] = defaultdict(dict)
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -215,11 +267,12 @@ class MemoryBroker(Broker):
                 taken_keys[idem] = spec.id
             adding[spec.model, spec.priority] += 1
         for lane, count in adding.items():
-            depth = len(store.lanes[lane].entries)
+            depth = len(store.lanes[lane].entries) + store.lanes[lane].fair.count
             if depth + count > self.settings.max_queue_depth:
                 model, priority = lane
                 label = f"{model}/{priority.name.lower()}"
                 raise QueueFull(label, depth, self.settings.max_queue_depth)
+        refill: set[LaneId] = set()
         for spec, idem in fresh:
             lane = (spec.model, spec.priority)
             store.jobs[spec.id] = _Job(
@@ -229,12 +282,28 @@ class MemoryBroker(Broker):
                 enqueued_at=now,
                 deadline=spec.deadline,
             )
-            self._add_entry(lane, spec.id, now)
+            store.lanes[lane].fair.stage(
+                spec.tenant, spec.weight, staging_score(spec), spec.id, fair_cost(spec)
+            )
+            refill.add(lane)
             if idem is not None:
                 store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
             store.models.add(spec.model)
+        for lane in refill:
+            self._refill(lane, max(1, self.settings.fair_window), now)
         store.notify()
         return results
+
+    def _refill(self, lane: LaneId, want: int, now: float) -> int:
+        """Top the lane up to `want` undelivered jobs from its tenants' staged ones."""
+        state, moved = self.store.lanes[lane], 0
+        while len(state.undelivered) < want:
+            job_id = state.fair.pop()
+            if job_id is None:
+                break
+            self._add_entry(lane, job_id, now)
+            moved += 1
+        return moved
 
     # -- consuming -------------------------------------------------------------------------
     async def claim(
@@ -271,7 +340,11 @@ class MemoryBroker(Broker):
         leases: list[Lease] = []
         for lane in (lanes[i] for i in order):
             state = store.lanes[lane]
-            while len(leases) < slots and state.undelivered:
+            while len(leases) < slots and (
+                state.undelivered
+                or self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
+            ):
+                self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
                 entry = state.entries.get(state.undelivered.pop(0))
                 if entry is None:
                     continue
@@ -337,6 +410,9 @@ class MemoryBroker(Broker):
             self.store.cancels[lease.spec.model].discard(lease.spec.id)
             accepted.append(True)
         self.store.notify()
+        self._settle_specs(
+            [(lease.spec, r) for (lease, r), ok in zip(items, accepted, strict=True) if ok]
+        )
         return accepted
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
@@ -361,6 +437,7 @@ class MemoryBroker(Broker):
         self._to_dead_letters(job, lease.spec.id, reason, error, now)
         self.store.counters[job.model]["dead"] += 1
         self.store.notify()
+        self._settle_specs([(lease.spec, None)])
         return 0
 
     async def retry(self, lease: Lease, error: str) -> bool:
@@ -408,6 +485,7 @@ class MemoryBroker(Broker):
                     self._add_entry(lane, entry.job_id, now)
                     requeued.append(entry.job_id)
         self.store.notify()
+        self._settle_ids(dead)
         return ReapReport(requeued=requeued, dead=dead)
 
     # -- cancellation ----------------------------------------------------------------------
@@ -426,6 +504,7 @@ class MemoryBroker(Broker):
         self.store.delayed[job.model].pop(job_id, None)
         self._finish(job, job_id, cancelled_result(), self.clock())
         self.store.notify()
+        self._settle_ids([job_id])
         return CancelOutcome.CANCELLED
 
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
@@ -508,6 +587,7 @@ class MemoryBroker(Broker):
         for priority in Priority:
             state = self.store.lanes[model, priority]
             waiting = [state.entries[e] for e in state.undelivered if e in state.entries]
+            staged = state.fair.count  # waiting for their turn (fair share)
             in_flight = sum(1 for e in state.entries.values() if e.owner is not None)
             age = None
             if waiting:
@@ -516,7 +596,7 @@ class MemoryBroker(Broker):
                 LaneStats(
                     model,
                     priority,
-                    waiting=len(waiting),
+                    waiting=len(waiting) + staged,
                     in_flight=in_flight,
                     oldest_waiting_age_s=age,
                 )
@@ -532,13 +612,90 @@ class MemoryBroker(Broker):
         )
 
     async def depth(self, model: str) -> int:
-        return sum(len(self.store.lanes[model, p].entries) for p in Priority)
+        lanes = [self.store.lanes[model, p] for p in Priority]
+        return sum(len(lane.entries) + lane.fair.count for lane in lanes)
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         return self.store.dead_letters[model][:count]
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    # -- quotas ----------------------------------------------------------------------------
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        now = self.clock()
+        state, held = self.store.quota[tenant], self.store.held[tenant]
+        per_token = limiter.PERIOD_S / quota.tpm if quota.tpm else 0.0
+        decisions = []
+        for job_id, tokens in items:
+            decision = limiter.admit(state, quota, tokens, now)
+            if decision.admitted:
+                held[job_id] = (tokens, per_token, now)
+            decisions.append(decision)
+        return decisions
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        released = 0
+        for item in items:
+            held = self.store.held[item.tenant].pop(item.job_id, None)
+            if held is not None:
+                released += 1
+                reserved, per_token, _ = held
+                limiter.settle(self.store.quota[item.tenant], per_token, reserved, item.actual)
+        return released
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        now = self.clock()
+        done: list[Settlement] = []
+        for tenant, held in self.store.held.items():
+            for job_id, (_, _, reserved_at) in held.items():
+                job = self._job(job_id)
+                if job is None:
+                    if now - reserved_at > grace_s:
+                        done.append(Settlement(tenant, job_id, 0))
+                elif job.status.terminal:
+                    result = None if job.result is None else decode(job.result, JobResult)
+                    done.append(settlement(decode(job.spec, JobSpec), result))
+        return await self.settle(done)
+
+    def _settle_specs(self, specs: Sequence[tuple[JobSpec, JobResult | None]]) -> None:
+        for spec, result in specs:
+            if spec.quota:
+                item = settlement(spec, result)
+                held = self.store.held[item.tenant].pop(item.job_id, None)
+                if held is not None:
+                    limiter.settle(self.store.quota[item.tenant], held[1], held[0], item.actual)
+
+    def _settle_ids(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            job = self.store.jobs.get(job_id)
+            if job is not None:
+                result = None if job.result is None else decode(job.result, JobResult)
+                self._settle_specs([(decode(job.spec, JobSpec), result)])
+
+    # -- directory -------------------------------------------------------------------------
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        self.store.tenants[tenant.name] = tenant
+
+    async def tenant(self, name: str) -> TenantConfig | None:
+        return self.store.tenants.get(name)
+
+    async def tenants(self) -> list[TenantConfig]:
+        return sorted(self.store.tenants.values(), key=lambda t: t.name)
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        self.store.api_keys[record.digest] = record
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        return self.store.api_keys.get(digest)
+
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        return sorted(self.store.api_keys.values(), key=lambda r: (r.created_at, r.digest))
+
+    async def has_api_keys(self) -> bool:
+        return bool(self.store.api_keys)
 
     # -- workers ---------------------------------------------------------------------------
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import random
 
+from tokenyard.messages import JobSpec
+
+# staged jobs without a deadline come after every job with one, in arrival order
+_NO_DEADLINE = 1e10
+
 
 def backoff_delay(
     attempt: int, base_s: float, max_s: float, rng: random.Random | None = None
@@ -29,3 +34,13 @@ def claim_order(n_lanes: int, claim_round: int, starvation_every: int) -> list[i
     head = 1 + (turn - 1) % (n_lanes - 1)
     order.remove(head)
     return [head, *order]
+
+
+def fair_cost(spec: JobSpec) -> int:
+    """What a job counts against its tenant's share of a lane: the tokens it may use."""
+    return len(spec.prompt_token_ids or ()) + spec.sampling.max_tokens
+
+
+def staging_score(spec: JobSpec) -> float:
+    """Order of a tenant's own waiting jobs: earliest deadline first, then arrival."""
+    return spec.deadline if spec.deadline is not None else _NO_DEADLINE + spec.created_at

@@ -26,10 +26,12 @@ from tokenyard.broker.base import (
     LaneStats,
     Lease,
     ReapReport,
+    Settlement,
+    settlement,
 )
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order
+from tokenyard.broker.policy import backoff_delay, claim_order, fair_cost, staging_score
 from tokenyard.broker.scripts import Call, Empty
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, QueueFull
@@ -48,6 +50,8 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+from tokenyard.tenancy.limiter import Decision, Quota
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 _SOCKET_TIMEOUT_S = 60.0
 MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets the read timeout
@@ -119,6 +123,21 @@ class _WaitHint(NamedTuple):
     next_due: float
 
 
+_SWEEP_BATCH = 500  # held reservations looked at per tenant per sweep
+
+
+def _decision(quota: Quota, row: list[Any]) -> Decision:
+    admitted, reason, retry, rrem, rreset, trem, treset = row
+    retry_s = float(_s(retry))
+    return Decision(
+        admitted=admitted == 1,
+        reason=_s(reason),
+        retry_after_s=float("inf") if retry_s < 0 else retry_s,
+        requests=(quota.rpm, int(rrem), float(_s(rreset))) if quota.rpm else None,
+        tokens=(quota.tpm, int(trem), float(_s(treset))) if quota.tpm else None,
+    )
+
+
 class RedisBroker(Broker):
     """Works on Redis >= 6.2 and Valkey >= 7.2."""
 
@@ -143,6 +162,7 @@ class RedisBroker(Broker):
         self._hints: dict[str, _WaitHint] = {}
         self._rng = rng or random.Random()
         self._known_models: set[str] = set()
+        self._sweep_cursor: dict[str, int] = {}
 
     async def _run(self, call: Call) -> Any:
         return (await self._eval_many([call]))[0]
@@ -219,16 +239,26 @@ class RedisBroker(Broker):
             idem = job
             if spec.idempotency_key:
                 idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+            lane = self.keys.lane(spec.model, spec.priority)
             items.append(
                 (
                     scripts.EnqueueItemKeys(
-                        lane=self.keys.lane(spec.model, spec.priority), job=job, idem=idem
+                        lane=lane,
+                        job=job,
+                        idem=idem,
+                        fair=self.keys.fair(lane),
+                        active=self.keys.fair_active(lane),
                     ),
                     scripts.EnqueueItemArgs(
                         job_id=spec.id,
                         spec=encode(spec),
                         deadline="" if spec.deadline is None else repr(spec.deadline),
                         use_idem="1" if spec.idempotency_key else "0",
+                        tq_prefix=self.keys.tenant_queue_prefix(lane),
+                        tenant=spec.tenant,
+                        weight=repr(spec.weight),
+                        cost=fair_cost(spec),
+                        score=repr(staging_score(spec)),
                     ),
                 )
             )
@@ -238,6 +268,7 @@ class RedisBroker(Broker):
                 now=repr(now),
                 max_depth=self.settings.max_queue_depth,
                 idem_ttl_ms=_ms(self.settings.idempotency_ttl_s),
+                window=max(1, self.settings.fair_window),
             ),
             items,
         )
@@ -280,8 +311,17 @@ class RedisBroker(Broker):
                     expired_event=self._expired,
                     ttl_ms=self._ttl_ms,
                     wait_hints="1" if block_s > 0 else "0",
+                    window=max(1, self.settings.fair_window),
                 ),
-                [(scripts.LaneKey(lane=lane), Empty()) for lane in ordered],
+                [
+                    (
+                        scripts.ClaimLaneKeys(
+                            lane=lane, fair=self.keys.fair(lane), active=self.keys.fair_active(lane)
+                        ),
+                        scripts.ClaimLaneArgs(tq_prefix=self.keys.tenant_queue_prefix(lane)),
+                    )
+                    for lane in ordered
+                ],
             )
             if hint is None:
                 reply = await self._run(call)
@@ -415,6 +455,9 @@ class RedisBroker(Broker):
         for indexes, flags in zip(by_model.values(), await self._eval_many(calls), strict=True):
             for i, flag in zip(indexes, flags, strict=True):
                 accepted[i] = bool(flag)
+        await self._settle_specs(
+            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]]
+        )
         return accepted
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
@@ -449,7 +492,10 @@ class RedisBroker(Broker):
                 priority=lease.spec.priority.name,
             ),
         )
-        return int(await self._run(call))
+        outcome = int(await self._run(call))
+        if outcome == 0:  # dead: its reservation is refunded
+            await self._settle_specs([(lease.spec, None)])
+        return outcome
 
     @_unavailable_on_errors
     async def retry(self, lease: Lease, error: str) -> bool:
@@ -506,7 +552,14 @@ class RedisBroker(Broker):
             ],
         )
         requeued, dead = await self._run(call)
-        return ReapReport(requeued=[_s(j) for j in requeued], dead=[_s(j) for j in dead])
+        report = ReapReport(requeued=[_s(j) for j in requeued], dead=[_s(j) for j in dead])
+        await self._settle_ids(report.dead)
+        return report
+
+    async def _settle_ids(self, job_ids: Sequence[str]) -> None:
+        """Settle jobs that just ended where only their ids are at hand (rare paths)."""
+        records = [await self.record(job_id) for job_id in job_ids]
+        await self._settle_specs([(r.spec, r.result) for r in records if r is not None])
 
     # -- cancellation ----------------------------------------------------------------------
     @_unavailable_on_errors
@@ -526,8 +579,10 @@ class RedisBroker(Broker):
                 ttl_ms=self._ttl_ms,
             ),
         )
-        outcome = await self._run(call)
-        return CancelOutcome(_s(outcome))
+        outcome = CancelOutcome(_s(await self._run(call)))
+        if outcome is CancelOutcome.CANCELLED:
+            await self._settle_ids([job_id])
+        return outcome
 
     @_unavailable_on_errors
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
@@ -616,11 +671,14 @@ class RedisBroker(Broker):
         for lane in lanes:
             pipe.xlen(lane)
             pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
+        for lane in lanes:
+            pipe.hget(self.keys.fair(lane), "staged")  # waiting for their turn (fair share)
         pipe.zcard(self.keys.delayed(model))
         pipe.xlen(self.keys.dead_letters(model))
         pipe.hgetall(self.keys.counters(model))
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         delayed, dead, counters = replies[-3:]
+        staged = [int(n or 0) for n in replies[2 * len(lanes) : 3 * len(lanes)]]
         for reply in (delayed, dead, counters):
             if isinstance(reply, Exception):
                 raise reply
@@ -645,7 +703,9 @@ class RedisBroker(Broker):
             pipe.xrange(lane, min=f"({last}", max="+", count=1)
         oldest: list[Any] = await self._execute(pipe)
         stats = []
-        for priority, (total, pending, _), first in zip(Priority, sizes, oldest, strict=True):
+        for priority, (total, pending, _), first, extra in zip(
+            Priority, sizes, oldest, staged, strict=True
+        ):
             age = None
             if first:
                 age = max(0.0, now - int(_s(first[0][0]).split("-")[0]) / 1000)
@@ -653,7 +713,7 @@ class RedisBroker(Broker):
                 LaneStats(
                     model,
                     priority,
-                    waiting=max(0, total - pending),
+                    waiting=max(0, total - pending) + extra,
                     in_flight=pending,
                     oldest_waiting_age_s=age,
                 )
@@ -673,8 +733,10 @@ class RedisBroker(Broker):
         # a lane is waiting or in flight
         pipe = self.redis.pipeline(transaction=False)
         for priority in Priority:
-            pipe.xlen(self.keys.lane(model, priority))
-        return sum(int(n) for n in await self._execute(pipe))
+            lane = self.keys.lane(model, priority)
+            pipe.xlen(lane)
+            pipe.hget(self.keys.fair(lane), "staged")
+        return sum(int(n or 0) for n in await self._execute(pipe))
 
     @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
@@ -698,6 +760,118 @@ class RedisBroker(Broker):
     async def models(self) -> list[str]:
         members: Any = await self.redis.smembers(self.keys.models())
         return sorted(_s(m) for m in members)
+
+    # -- quotas ----------------------------------------------------------------------------
+    @_unavailable_on_errors
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        if not items:
+            return []
+        call = scripts.RESERVE.call(
+            scripts.QuotaKeys(quota=self.keys.quota(tenant), held=self.keys.quota_held(tenant)),
+            scripts.ReserveArgs(
+                # an injected clock (tests) is used as given; otherwise the server's TIME
+                now="" if self.clock is time.time else repr(self.clock()),
+                rpm=quota.rpm,
+                tpm=quota.tpm,
+                max_concurrent=quota.max_concurrent,
+            ),
+            [(Empty(), scripts.ReserveItemArgs(job_id, tokens)) for job_id, tokens in items],
+        )
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(self.keys.quota_tenants(), tenant)
+        self._evalsha(pipe, call)
+        _, reply = await pipe.execute(raise_on_error=False)
+        rows = (await self._retry_missing([call], [reply]))[0]
+        return [_decision(quota, row) for row in rows]
+
+    @_unavailable_on_errors
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        if not items:
+            return 0
+        by_tenant: dict[str, list[Settlement]] = defaultdict(list)
+        for item in items:
+            by_tenant[item.tenant].append(item)
+        calls = [
+            scripts.SETTLE.call(
+                scripts.QuotaKeys(quota=self.keys.quota(t), held=self.keys.quota_held(t)),
+                Empty(),
+                [(Empty(), scripts.SettleItemArgs(s.job_id, s.actual)) for s in group],
+            )
+            for t, group in by_tenant.items()
+        ]
+        return sum(int(n) for n in await self._eval_many(calls))
+
+    @_unavailable_on_errors
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        now = self.clock()
+        released = 0
+        tenants: Any = await self.redis.smembers(self.keys.quota_tenants())
+        for raw_tenant in tenants:
+            tenant = _s(raw_tenant)
+            reply: Any = await self.redis.hscan(
+                self.keys.quota_held(tenant), self._sweep_cursor.get(tenant, 0), count=_SWEEP_BATCH
+            )
+            cursor, held = reply
+            self._sweep_cursor[tenant] = int(cursor)
+            if not held:
+                continue
+            ids = [_s(j) for j in held]
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hmget(self.keys.job(job_id), "status", "result", "spec")
+            rows: list[Any] = await self._execute(pipe)
+            done: list[Settlement] = []
+            for job_id, (status, result, spec) in zip(ids, rows, strict=True):
+                reserved_at = float(_s(held[job_id.encode()]).split("|")[2])
+                if status is None:
+                    if now - reserved_at > grace_s:  # its enqueue never landed
+                        done.append(Settlement(tenant, job_id, 0))
+                elif JobStatus(_s(status)).terminal:
+                    finished = decode(result, Finished).result if result else None
+                    done.append(settlement(decode(spec, JobSpec), finished))
+            released += await self.settle(done)
+        return released
+
+    async def _settle_specs(self, specs: Sequence[tuple[JobSpec, JobResult | None]]) -> None:
+        held = [settlement(spec, result) for spec, result in specs if spec.quota]
+        if held:
+            await self.settle(held)
+
+    # -- directory -------------------------------------------------------------------------
+    @_unavailable_on_errors
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        await self.redis.hset(self.keys.tenants(), tenant.name, encode(tenant))
+
+    @_unavailable_on_errors
+    async def tenant(self, name: str) -> TenantConfig | None:
+        raw: Any = await self.redis.hget(self.keys.tenants(), name)
+        return None if raw is None else decode(raw, TenantConfig)
+
+    @_unavailable_on_errors
+    async def tenants(self) -> list[TenantConfig]:
+        rows: Any = await self.redis.hgetall(self.keys.tenants())
+        return sorted((decode(raw, TenantConfig) for raw in rows.values()), key=lambda t: t.name)
+
+    @_unavailable_on_errors
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        await self.redis.hset(self.keys.api_keys(), record.digest, encode(record))
+
+    @_unavailable_on_errors
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        raw: Any = await self.redis.hget(self.keys.api_keys(), digest)
+        return None if raw is None else decode(raw, ApiKeyRecord)
+
+    @_unavailable_on_errors
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        rows: Any = await self.redis.hgetall(self.keys.api_keys())
+        records = (decode(raw, ApiKeyRecord) for raw in rows.values())
+        return sorted(records, key=lambda r: (r.created_at, r.digest))
+
+    @_unavailable_on_errors
+    async def has_api_keys(self) -> bool:
+        return bool(await self.redis.exists(self.keys.api_keys()))
 
     @_unavailable_on_errors
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:

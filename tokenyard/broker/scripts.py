@@ -38,8 +38,10 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
         args: type[_A],
         item_keys: type[_IK],
         item_args: type[_IA],
+        libraries: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.libraries = libraries  # lua/lib/<name>.lua, prepended to the body
         self.keys = _fields(keys)
         self.args = _fields(args)
         self.item_keys = _fields(item_keys)
@@ -103,8 +105,9 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
 
     def source(self) -> str:
         """The script as sent to the server: prologue, then the file."""
-        body = resources.files("tokenyard.broker").joinpath(f"lua/{self.name}.lua").read_text()
-        return self.prologue() + body
+        lua = resources.files("tokenyard.broker").joinpath("lua")
+        libraries = "".join(lua.joinpath(f"lib/{name}.lua").read_text() for name in self.libraries)
+        return self.prologue() + libraries + lua.joinpath(f"{self.name}.lua").read_text()
 
 
 class Empty(NamedTuple):
@@ -116,12 +119,15 @@ class EnqueueArgs(NamedTuple):
     now: str
     max_depth: int
     idem_ttl_ms: int
+    window: int  # staged jobs kept in a lane's stream (fair share, lua/lib/fair.lua)
 
 
 class EnqueueItemKeys(NamedTuple):
     lane: str
     job: str
     idem: str  # the idempotency key, or the job key again when the job has none
+    fair: str
+    active: str
 
 
 class EnqueueItemArgs(NamedTuple):
@@ -129,9 +135,16 @@ class EnqueueItemArgs(NamedTuple):
     spec: bytes
     deadline: str  # '' for none
     use_idem: str  # '1' | '0'
+    tq_prefix: str  # the lane's per-tenant staging sets; the tenant name is appended
+    tenant: str
+    weight: str
+    cost: int  # tokens it may use: its share of the lane is counted in them
+    score: str  # order among the tenant's staged jobs: deadline first, then arrival
 
 
-ENQUEUE = ScriptSpec("enqueue", Empty, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs)
+ENQUEUE = ScriptSpec(
+    "enqueue", Empty, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs, libraries=("fair",)
+)
 
 
 # -- claim: take jobs from the lanes in claim order -----------------------------------------
@@ -153,13 +166,24 @@ class ClaimArgs(NamedTuple):
     expired_event: bytes  # Finished(expired result): stored as the result and appended
     ttl_ms: int
     wait_hints: str  # '1': when the lanes are drained, return what a blocking wait needs
+    window: int  # staged jobs kept in a lane's stream beyond the slots asked for
 
 
 class LaneKey(NamedTuple):
     lane: str
 
 
-CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, LaneKey, Empty)
+class ClaimLaneKeys(NamedTuple):
+    lane: str
+    fair: str
+    active: str
+
+
+class ClaimLaneArgs(NamedTuple):
+    tq_prefix: str
+
+
+CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair",))
 
 
 # -- complete: fenced terminal results of a batch --------------------------------------------
@@ -306,6 +330,35 @@ class ReleaseItemArgs(NamedTuple):
 
 RELEASE = ScriptSpec("release", Empty, GroupArg, ReleaseItemKeys, ReleaseItemArgs)
 
+
+# -- tenant quotas: one tenant's keys per call (their own hash tag) ---------------------------
+class QuotaKeys(NamedTuple):
+    quota: str
+    held: str
+
+
+class ReserveArgs(NamedTuple):
+    now: str
+    rpm: int
+    tpm: int
+    max_concurrent: int
+
+
+class ReserveItemArgs(NamedTuple):
+    job_id: str
+    tokens: int
+
+
+RESERVE = ScriptSpec("reserve", QuotaKeys, ReserveArgs, Empty, ReserveItemArgs)
+
+
+class SettleItemArgs(NamedTuple):
+    job_id: str
+    actual: int
+
+
+SETTLE = ScriptSpec("settle", QuotaKeys, Empty, Empty, SettleItemArgs)
+
 SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     ENQUEUE,
     CLAIM,
@@ -316,4 +369,6 @@ SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     EMIT,
     RENEW,
     RELEASE,
+    RESERVE,
+    SETTLE,
 )

@@ -104,6 +104,7 @@ async def admit(
         id=new_job_id(body.model),
         model=body.model,
         tenant=tenant.name,
+        weight=tenant.weight,
         priority=tenant.lane_priority(body.priority_class),
         prompt=prompt,
         prompt_token_ids=token_ids,

@@ -15,7 +15,7 @@ from tokenyard.batch.service import BatchService
 from tokenyard.broker import Broker, connect
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
-from tokenyard.gateway.auth import KeyRing
+from tokenyard.gateway.auth import Authenticator, KeyRing
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.errors import install_error_handlers
 from tokenyard.gateway.events import EventHub
@@ -59,7 +59,7 @@ def create_app(
                 settings=settings,
                 broker=active,
                 tokenizers=loaded,
-                keyring=keys,
+                auth=Authenticator(keys, active, settings.auth_cache_s),
                 metrics=metrics,
                 enqueuer=Enqueuer(
                     active,

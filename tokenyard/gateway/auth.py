@@ -1,17 +1,27 @@
-"""API keys → tenants with a priority tier; with no keys configured, everyone is "default"."""
+"""API keys → tenants with a priority tier; with no keys configured, everyone is "default".
+
+Keys live in the broker's directory (`tokenyard keys create`), shared by every gateway, and
+optionally in a bootstrap JSON file. Lookups are cached for `auth_cache_s`, so a revoked key
+stops working on every gateway within that time.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 from fastapi import Depends, Request
 
-from tokenyard.errors import FatalError
+from tokenyard.broker.base import Directory
+from tokenyard.errors import BrokerUnavailable, FatalError
 from tokenyard.gateway.errors import ApiError
 from tokenyard.messages import Priority
+from tokenyard.tenancy.limiter import Quota
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig, key_digest
 
 
 class Tenant(msgspec.Struct, frozen=True):
@@ -19,6 +29,9 @@ class Tenant(msgspec.Struct, frozen=True):
 
     name: str
     priority: Priority = Priority.NORMAL
+    admin: bool = False  # may use fleet routes (/metrics, and AdminDep routes)
+    quota: Quota = msgspec.field(default_factory=Quota)  # enforced at admission, fleet-wide
+    weight: float = 1.0  # fair share of a lane against other tenants
 
     def lane_priority(self, requested: Priority | None) -> Priority:
         """A request may lower its priority below the tier, never raise it above."""
@@ -27,12 +40,14 @@ class Tenant(msgspec.Struct, frozen=True):
         return Priority(max(requested, self.priority))
 
 
-DEFAULT_TENANT = Tenant("default")
+# with auth off there is one caller, who owns the fleet
+DEFAULT_TENANT = Tenant("default", admin=True)
 
 
 class _KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tenant: str
     priority: str = "normal"
+    admin: bool = False
 
 
 def _digest(key: str) -> bytes:
@@ -67,36 +82,159 @@ class KeyRing:
                 raise FatalError(
                     f"{path}: tenant {entry.tenant!r} has unknown priority {entry.priority!r}"
                 ) from None
-            keys[key] = Tenant(entry.tenant, priority)
+            keys[key] = Tenant(entry.tenant, priority, entry.admin)
         return cls(keys)
+
+    def lookup(self, key: str) -> Tenant | None:
+        return self._tenants.get(_digest(key))
 
     def tenant_for(self, authorization: str | None) -> Tenant:
         """The tenant of an Authorization header; 401 when keys are configured and it fails."""
         if not self.enabled:
             return DEFAULT_TENANT
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise ApiError(
-                401,
-                "Missing API key: send 'Authorization: Bearer <key>'",
-                code="missing_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        tenant = self._tenants.get(_digest(key.strip()))
+        tenant = self.lookup(bearer_key(authorization))
         if tenant is None:
-            raise ApiError(
-                401,
-                "Incorrect API key provided",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            raise _invalid_key()
         return tenant
 
 
-def authenticate(request: Request) -> Tenant:
+def bearer_key(authorization: str | None) -> str:
+    """The key of an Authorization header; 401 missing_api_key when there is none."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiError(
+            401,
+            "Missing API key: send 'Authorization: Bearer <key>'",
+            code="missing_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return key.strip()
+
+
+def _invalid_key() -> ApiError:
+    return ApiError(
+        401,
+        "Incorrect API key provided",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+_V = TypeVar("_V")
+_MAX_CACHED = 10_000  # distinct keys remembered; past it the cache starts over
+
+
+class Authenticator:
+    """Bootstrap file keys first, then the broker's directory, each answer cached `ttl_s`.
+
+    Auth is on when the file has keys or the broker ever stored one; a broker that does not
+    answer keeps the last known answers (and refuses unknown keys with 503)."""
+
+    def __init__(
+        self,
+        keyring: KeyRing,
+        directory: Directory,
+        ttl_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.keyring = keyring
+        self.directory = directory
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._enabled: tuple[float, bool] | None = None
+        self.ever_enabled = False  # the broker said keys exist, at least once
+        self._keys: dict[str, tuple[float, ApiKeyRecord | None]] = {}
+        self._configs: dict[str, tuple[float, TenantConfig | None]] = {}
+
+    async def enabled(self) -> bool:
+        if self.keyring.enabled:
+            return True
+        now = self.clock()
+        if self._enabled is not None and self._enabled[0] > now:
+            return self._enabled[1]
+        try:
+            on = await self.directory.has_api_keys()
+        except BrokerUnavailable:
+            if self._enabled is None:
+                raise
+            return self._enabled[1]
+        self._enabled = (now + self.ttl_s, on)
+        self.ever_enabled = self.ever_enabled or on
+        return on
+
+    async def tenant_for(self, authorization: str | None) -> Tenant:
+        """The calling tenant; 401 when auth is on and the key is missing, unknown or revoked.
+        The broker's tenant record, when there is one, decides tier, admin flag and quota;
+        a file key's entry gives the defaults."""
+        if not await self.enabled():
+            return DEFAULT_TENANT
+        key = bearer_key(authorization)
+        tenant = self.keyring.lookup(key)
+        if tenant is None:
+            record = await self._cached(self._keys, key_digest(key), self.directory.api_key)
+            if record is None or not record.active:
+                raise _invalid_key()
+            tenant = Tenant(record.tenant)
+        config = await self._cached(self._configs, tenant.name, self.directory.tenant)
+        if config is None:
+            return tenant
+        return Tenant(config.name, config.priority, config.admin, config.quota, config.weight)
+
+    async def _cached(
+        self,
+        cache: dict[str, tuple[float, _V | None]],
+        key: str,
+        fetch: Callable[[str], Awaitable[_V | None]],
+    ) -> _V | None:
+        now = self.clock()
+        hit = cache.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            value = await fetch(key)
+        except BrokerUnavailable:
+            if hit is None:
+                raise
+            return hit[1]
+        if len(cache) >= _MAX_CACHED:
+            cache.clear()
+        cache[key] = (now + self.ttl_s, value)
+        return value
+
+
+async def authenticate(request: Request) -> Tenant:
     """FastAPI dependency: the calling tenant."""
-    keyring: KeyRing = request.app.state.gateway.keyring
-    return keyring.tenant_for(request.headers.get("authorization"))
+    auth: Authenticator = request.app.state.gateway.auth
+    return await auth.tenant_for(request.headers.get("authorization"))
 
 
 TenantDep = Annotated[Tenant, Depends(authenticate)]
+"""The one way a route learns its caller (scope its data by `Tenant.name`)."""
+
+
+async def require_admin(tenant: TenantDep) -> Tenant:
+    """FastAPI dependency: the calling tenant, which must be an admin (fleet routes)."""
+    if not tenant.admin:
+        raise ApiError(403, "This route needs an admin API key", code="admin_required")
+    return tenant
+
+
+AdminDep = Annotated[Tenant, Depends(require_admin)]
+
+
+async def scrape_caller(request: Request) -> Tenant:
+    """FastAPI dependency for /metrics: an admin, except while the broker is down and this
+    gateway never learned whether keys exist (only the file could say) — a scrape must still
+    report `broker_up 0` then. Once auth was seen on, it stays required."""
+    auth: Authenticator = request.app.state.gateway.auth
+    try:
+        tenant = await auth.tenant_for(request.headers.get("authorization"))
+    except BrokerUnavailable:
+        if auth.keyring.enabled or auth.ever_enabled:
+            raise
+        return DEFAULT_TENANT
+    return await require_admin(tenant)
+
+
+ScrapeDep = Annotated[Tenant, Depends(scrape_caller)]
+"""For fleet-wide routes (status, metrics, dashboards): 401 without a key, 403 for a tenant."""

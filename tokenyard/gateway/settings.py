@@ -34,7 +34,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     enqueue_window_s: float = 0.0005
     limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
     retry_after_s: int = 1  # Retry-After on 429
-    api_keys_file: str = ""  # JSON {key: {"tenant": ..., "priority": ...}}; empty: auth off
+    # bootstrap keys, JSON {key: {"tenant": ..., "priority": ..., "admin": false}}; auth is on
+    # when this file or the broker (`tokenyard keys create`) holds any key
+    api_keys_file: str = ""
+    auth_cache_s: float = 1.0  # key lookups are cached this long: a revoked key dies within it
     require_workers: bool = True  # /readyz needs a live worker for every served model
     # offline batches (/v1/files, /v1/batches); OpenAI's limits by default
     files_dir: str = ".tokenyard/files"  # the file store (uploads and batch outputs)

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from tokenyard.broker import Broker
 from tokenyard.engines.base import EngineTokenizer
-from tokenyard.gateway.auth import KeyRing
+from tokenyard.gateway.auth import Authenticator
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.limits import PublishedLimits
@@ -23,7 +23,7 @@ class GatewayState:
     settings: GatewaySettings
     broker: Broker
     tokenizers: Mapping[str, EngineTokenizer]
-    keyring: KeyRing
+    auth: Authenticator  # API key -> tenant (bootstrap file, then the broker's directory)
     metrics: GatewayMetrics
     enqueuer: Enqueuer  # every job goes through it (group commit)
     events: EventHub  # every follow of a job's events reads through it

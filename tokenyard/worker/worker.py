@@ -36,6 +36,7 @@ from tokenyard.tracing import enabled as tracing_enabled
 from tokenyard.worker.scheduler import Job, Plan, Scheduler, Update, moving_average
 
 log = logging.getLogger(__name__)
+_QUOTA_SWEEP_S = 2.0  # how soon a reservation of an expired job is released at the latest
 
 _STATUS_OF = {
     FinishReason.STOP: JobStatus.SUCCEEDED,
@@ -407,7 +408,7 @@ class Worker:
     async def _upkeep_loop(self) -> None:
         lease_s = self.broker.settings.lease_s
         period = max(0.05, min(lease_s / 3, self.settings.heartbeat_s))
-        next_reap = 0.0
+        next_reap = next_sweep = 0.0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), period)
@@ -423,6 +424,11 @@ class Worker:
                         log.info(
                             "reaped %d, dead-lettered %d", len(report.requeued), len(report.dead)
                         )
+                if time.monotonic() >= next_sweep:
+                    # quota reservations no terminal path settled (expired at claim, a crash
+                    # between a terminal write and its settle): idempotent, any worker may
+                    next_sweep = time.monotonic() + _QUOTA_SWEEP_S
+                    await self.broker.settle_finished()
                 await self._heartbeat()
             except Exception:
                 log.exception("upkeep failed; retrying")

@@ -1,7 +1,9 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
--- KEYS: delayed, counters; per item: lane
+-- KEYS: delayed, counters; per item: lane, fair, active
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
---   ttl_ms, wait_hints
+--   ttl_ms, wait_hints, window; per item: tq_prefix
+-- Before each read a lane's stream is topped up from its tenants' staged jobs in fair order
+-- (lib/fair.lua) to the slots asked for plus `window`.
 -- `now` is the caller's clock; when server_now is '1' the server's TIME is used instead (the
 -- call waited in a pipeline behind a blocking XREAD, so `now` would be stale by the wait).
 -- Returns {claimed, last_ids, next_due}: claimed = {{entry_id, spec, attempt, resumable}}.
@@ -45,12 +47,16 @@ end
 local claimed, last_read = {}, {}
 for i = 1, N do
   if remaining <= 0 then break end
-  local lane = item(i).lane
+  local lk, la = item(i)
+  local lane = lk.lane
   while remaining > 0 do
+    local moved = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
+      remaining + tonumber(A.window))
     local asked = remaining
     local res = read(lane, asked)
     if not res then break end
     local entries = res[1][2]
+    fair_read(lk.fair, #entries)
     if #entries > 0 then last_read[i] = entries[#entries][1] end
     for _, entry in ipairs(entries) do
       local eid, jid = entry[1], entry[2][2]
@@ -78,7 +84,12 @@ for i = 1, N do
         remaining = remaining - 1
       end
     end
-    if #entries < asked then break end  -- the lane is drained; no need to ask again
+    if #entries < asked then
+      -- the stream is drained, whatever the count said; go on only while jobs are staged
+      redis.call('HSET', lk.fair, 'stream', 0)
+      local staged = tonumber(redis.call('HGET', lk.fair, 'staged') or '0')
+      if staged <= 0 or (#entries == 0 and moved == 0) then break end
+    end
   end
 end
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from tokenyard.broker.base import BrokerStats
-from tokenyard.gateway.auth import Tenant, authenticate
+from tokenyard.gateway.auth import AdminDep, Tenant
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.messages import JobRecord, WorkerInfo
 
@@ -21,10 +21,10 @@ SHOWN_JOBS = 25
 SHOWN_ERRORS = 10
 
 
-def dashboard_access(request: Request) -> Tenant:
-    """Who may read the dashboard's data: the one place to tighten (e.g. to admins only).
-    With API keys configured it takes a valid key; with none, anyone."""
-    return authenticate(request)
+async def dashboard_access(tenant: AdminDep) -> Tenant:
+    """Who may read the dashboard's data: it is fleet-wide and shows every tenant's jobs, so
+    with API keys configured an admin tenant's key (401 without a key, 403 for a tenant)."""
+    return tenant
 
 
 DashboardDep = Annotated[Tenant, Depends(dashboard_access)]

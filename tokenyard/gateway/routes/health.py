@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from tokenyard.gateway.auth import ScrapeDep
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.state import GatewayState, gateway
 
@@ -51,8 +52,9 @@ async def _sample_queues(state: GatewayState) -> None:
 
 
 @router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    """Prometheus text format; queue gauges are sampled from the broker on each scrape."""
+async def metrics(request: Request, _: ScrapeDep) -> Response:
+    """Prometheus text format; queue gauges are sampled from the broker on each scrape.
+    Fleet-wide, so with keys configured it needs an admin key (a scrape's bearer token)."""
     state = gateway(request)
     up = 0
     with contextlib.suppress(Exception):  # a scrape must answer even when the broker is down

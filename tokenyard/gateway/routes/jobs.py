@@ -12,8 +12,8 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.broker import is_job_id
 from tokenyard.broker.base import CancelOutcome
-from tokenyard.errors import InvalidRequest, NotFound
-from tokenyard.gateway import protocol
+from tokenyard.errors import InvalidRequest, NotFound, QueueFull
+from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
@@ -86,10 +86,17 @@ async def create_job(
             spec = await admit(
                 state, kind, body, tenant, live=False, idempotency_key=idempotency_key
             )
+            limits = await quota.reserve(state, tenant, spec)
         tracing.carry(spec, request.headers)
         with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
-            outcome = await state.enqueuer.submit(spec)
-    headers = {"Location": f"/v1/jobs/{outcome.job_id}"}
+            try:
+                outcome = await state.enqueuer.submit(spec)
+            except QueueFull:
+                await quota.refund(state, spec)
+                raise
+    headers = {"Location": f"/v1/jobs/{outcome.job_id}", **limits}
+    if not outcome.created:
+        await quota.refund(state, spec)  # a replay: the job it names holds its own reservation
     if outcome.created:
         # the job was queued just now: its answer needs no read of the record
         return JSONResponse(protocol.queued_job_body(spec), status_code=202, headers=headers)

@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenyard import tracing
-from tokenyard.gateway import protocol
+from tokenyard.errors import QueueFull
+from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.live import LiveCall
@@ -52,11 +53,16 @@ async def _serve(
     state = gateway(request)
     with tracing.span("tokenyard.admission"):
         spec = await admit(state, kind, body, tenant, live=True)
+        limits = await quota.reserve(state, tenant, spec)
     tracing.carry(spec, request.headers)
     with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
-        call = await LiveCall.start(state, spec, started)
+        try:
+            call = await LiveCall.start(state, spec, started)
+        except QueueFull:
+            await quota.refund(state, spec)
+            raise
     created = int(spec.created_at)
-    headers = {"X-Job-Id": spec.id}
+    headers = {"X-Job-Id": spec.id, **limits}
     if body.stream:
         renderer = OpenAIRenderer(
             kind,

@@ -1,0 +1,25 @@
+-- Settle jobs of one tenant: release each one's concurrency slot and refund the tokens it
+-- reserved beyond what it used. Idempotent per job: only the call whose HDEL removes the
+-- held entry changes the counters, so every terminal path may settle, in any order.
+-- KEYS: quota, held
+-- ARGV: none; per item: job_id, actual
+-- Returns the number of jobs this call released.
+local released = 0
+for i = 1, N do
+  local _, a = item(i)
+  local held = redis.call('HGET', K.held, a.job_id)
+  if held and redis.call('HDEL', K.held, a.job_id) == 1 then
+    released = released + 1
+    local reserved, per_token = string.match(held, '^([^|]+)|([^|]+)|')
+    reserved, per_token = tonumber(reserved), tonumber(per_token)
+    local active = tonumber(redis.call('HGET', K.quota, 'active') or '0')
+    redis.call('HSET', K.quota, 'active', math.max(0, active - 1))
+    local actual = tonumber(a.actual)
+    if per_token > 0 and actual < reserved then
+      local tat = tonumber(redis.call('HGET', K.quota, 'tpm_tat') or '0')
+      redis.call('HSET', K.quota, 'tpm_tat',
+        string.format('%.17g', tat - (reserved - actual) * per_token))
+    end
+  end
+end
+return released

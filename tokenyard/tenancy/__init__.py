@@ -1,0 +1,1 @@
+"""Tenants and API keys kept in the broker, shared by every gateway."""
