@@ -5,7 +5,8 @@ measures sequential interactive /v1/completions latency twice: on the idle syste
 a --batch-requests batch (/v1/batches) runs. Reports p50/p99 of both, their ratio (goal: p99
 within 2x of idle), and the batch's throughput. Prints one JSON document.
 
-    python bench/batch_interactive.py [--batch-requests 10000] [--interactive 300] [--quick]
+    python bench/batch_interactive.py [--batch-requests 10000] [--interactive 300]
+        [--batch-in-flight 512] [--workers 2] [--max-seqs 64] [--quick]
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ async def run(args: argparse.Namespace, url: str, tmp: Path) -> dict[str, Any]:
     prefix = f"bb{uuid.uuid4().hex[:8]}"
     common = ["--broker", url, "--prefix", prefix, "--model", MODEL, "--engine", "sim"]
     os.environ["TOKENYARD_GATEWAY_FILES_DIR"] = str(tmp / "files")
+    # the batch's share of the workers' slots: the knob between its throughput and the
+    # interactive latency (each decode step slows with the sequences it carries)
+    os.environ["TOKENYARD_GATEWAY_BATCH_MAX_IN_FLIGHT"] = str(args.batch_in_flight)
     try:
         for w in range(args.workers):
             procs.start(
@@ -150,6 +154,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-seqs", type=int, default=64)
+    parser.add_argument("--batch-in-flight", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     args = parser.parse_args()
     if args.quick:
