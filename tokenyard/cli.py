@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants`."""
+"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants | batch`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenyard.autoscale_cli import autoscale, worker_ready
+from tokenyard.batch.cli import app as batch_app
 from tokenyard.bench.command import bench
 from tokenyard.broker import connect
 from tokenyard.config import (
@@ -301,6 +302,7 @@ app.command("worker-ready")(worker_ready)
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
 app.add_typer(tenants_app, name="tenants")
+app.add_typer(batch_app, name="batch")
 
 
 def main() -> None:

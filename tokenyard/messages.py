@@ -16,6 +16,7 @@ class Priority(enum.IntEnum):
     HIGH = 0
     NORMAL = 1
     LOW = 2
+    BATCH = 3  # offline batches (/v1/batches): below every interactive lane, never starved
 
 
 class JobStatus(enum.StrEnum):

@@ -88,7 +88,11 @@ def test_many_streams_share_few_blocking_reads(valkey: EmbeddedServer) -> None:
             while not stop.is_set():
                 clients: list[dict[str, Any]] = client.client_list()
                 ours = [c for c in clients if int(c["id"]) > before]
-                blocked.append(sum(1 for c in ours if c.get("cmd") == "xread"))
+                # blocked now ('b' flag), not merely last used for an XREAD: a pooled
+                # connection keeps its last command after its read returned
+                blocked.append(
+                    sum(1 for c in ours if c.get("cmd") == "xread" and "b" in c.get("flags", ""))
+                )
                 time.sleep(0.02)
 
         def stream(i: int) -> list[str]:

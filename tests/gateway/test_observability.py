@@ -143,7 +143,7 @@ def test_dashboard_data_needs_a_valid_key_when_keys_are_configured(
             time.sleep(0.1)
         [model] = data["models"]
         assert model["model"] == MODEL and len(model["workers"]) == 1
-        assert [lane["priority"] for lane in model["lanes"]] == ["high", "normal", "low"]
+        assert [lane["priority"] for lane in model["lanes"]] == ["high", "normal", "low", "batch"]
         assert jobs[job]["completion_tokens"] == 3 and jobs[job]["tenant"] == "ops"
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from tests.conftest import BrokerFactory
+from tokenyard.batch.types import BatchRecord, BatchStatus
 from tokenyard.broker.base import Broker, CancelOutcome, Lease, Settlement
+from tokenyard.broker.batches import batch_store
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.errors import QueueFull
@@ -698,6 +701,84 @@ async def test_size_pools_split_lanes_by_estimated_tokens(make_broker: BrokerFac
     assert [lease.spec.id for lease in claimed] == [large.id, medium.id, small.id]
     assert await broker.complete_many([(lease, ok(lease)) for lease in claimed]) == [True] * 3
     assert await broker.depth(MODEL) == 0
+
+
+async def test_records_reads_many_jobs_at_once(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    a, b = await broker.enqueue(job()), await broker.enqueue(job())
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.complete(lease, ok(lease))
+    got = await broker.records([a.job_id, new_job_id(MODEL), b.job_id])
+    assert got[1] is None
+    assert [r.spec.id for r in (got[0], got[2]) if r is not None] == [a.job_id, b.job_id]
+    assert {r.status for r in (got[0], got[2]) if r is not None} == {
+        JobStatus.SUCCEEDED,
+        JobStatus.QUEUED,
+    }
+    assert await broker.records([]) == []
+
+
+async def test_batch_lane_is_last_but_never_starved(make_broker: BrokerFactory) -> None:
+    broker = make_broker(starvation_every=4)
+    await broker.enqueue_many([job(Priority.BATCH) for _ in range(5)])
+    await broker.enqueue(job(Priority.LOW))
+    [first] = await broker.claim(MODEL, "w", slots=1)
+    assert first.spec.priority is Priority.LOW  # interactive work goes first
+    served: list[Priority] = []
+    for _ in range(40):
+        await broker.enqueue(job(Priority.NORMAL))
+        [lease] = await broker.claim(MODEL, "w", slots=1)
+        served.append(lease.spec.priority)
+        await broker.complete(lease, ok(lease))
+    assert served.count(Priority.BATCH) >= 2
+    assert served.count(Priority.NORMAL) >= 30
+
+
+async def test_batch_store(make_broker: BrokerFactory) -> None:
+
+    broker = make_broker()
+    store = batch_store(broker)
+    other = batch_store(make_broker())  # another gateway on the same broker
+    rec = BatchRecord(
+        id="batch_1",
+        tenant="acme",
+        endpoint="/v1/completions",
+        input_file_id="f",
+        created_at=1,
+        expires_at=2,
+    )
+    await store.create(rec)
+    await store.create(msgspec.structs.replace(rec, id="batch_2", tenant="globex"))
+    await store.create(msgspec.structs.replace(rec, id="batch_3"))
+    assert await other.list_ids("acme") == ["batch_3", "batch_1"]
+    assert set(await other.active()) >= {"batch_1", "batch_2", "batch_3"}
+    # one runner at a time; the other takes over once the lease lapses
+    assert await store.acquire("batch_1", "r1", 0.2)
+    assert not await other.acquire("batch_1", "r2", 0.2)
+    assert await store.acquire("batch_1", "r1", 0.2)  # renewal
+    await asyncio.sleep(0.3)
+    assert await other.acquire("batch_1", "r2", 5)
+    await other.release("batch_1", "r1")  # not r1's any more: no effect
+    assert not await store.acquire("batch_1", "r1", 5)
+    await other.release("batch_1", "r2")
+    assert await store.acquire("batch_1", "r1", 5)
+    # jobs and outcomes: adding an outcome twice counts it once
+    await store.set_jobs("batch_1", {0: "j0", 1: "j1", 2: "j2"})
+    await store.add_outcomes("batch_1", [0], [2])
+    await other.add_outcomes("batch_1", [0], [])
+    assert await other.jobs("batch_1") == {0: "j0", 1: "j1", 2: "j2"}
+    assert await other.outcomes("batch_1") == ({0}, {2})
+    state = await other.get("batch_1")
+    assert state is not None
+    assert (state.completed, state.failed, state.cancel_requested) == (1, 1, False)
+    await other.request_cancel("batch_1")
+    rec.status = BatchStatus.CANCELLED
+    await store.save(rec)
+    state = await other.get("batch_1")
+    assert state is not None and state.cancel_requested
+    assert state.record.status is BatchStatus.CANCELLED
+    assert "batch_1" not in await other.active()
+    assert await other.get("batch_missing") is None
 
 
 async def test_directory_of_tenants_and_keys_is_shared(make_broker: BrokerFactory) -> None:

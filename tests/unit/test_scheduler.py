@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenyard.engines.base import StepOutput
-from tokenyard.messages import FinishReason, ModelLimits, SamplingParams
+from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams
 from tokenyard.worker.scheduler import Job, Scheduler
 
 LIMITS = ModelLimits(max_model_len=1000, max_seqs=4, token_budget=1000)
@@ -156,3 +156,17 @@ def test_an_output_the_engine_refused_fails_without_a_retry() -> None:
     update = s.update([refusal])
     assert [(j.job_id, e) for j, e in update.refused] == [("rejected", "upstream said 400")]
     assert not update.failed and s.running == 0
+
+
+def test_waiting_jobs_start_by_priority_then_claim_order() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=4)
+    for i in range(4):
+        s.offer(job(f"run{i}"))
+    s.schedule()  # the engine is full
+    for name, priority in [("b0", Priority.BATCH), ("n0", Priority.NORMAL), ("b1", Priority.BATCH)]:
+        s.offer(Job(name, name, [1, 2], SamplingParams(max_tokens=4), 0.0, priority=priority))
+    s.offer(Job("h0", "h0", [1, 2], SamplingParams(max_tokens=4), 0.0, priority=Priority.HIGH))
+    s.offer(Job("n1", "n1", [1, 2], SamplingParams(max_tokens=4), 0.0))
+    assert not s.schedule().start
+    s.update([out(f"run{i}", [5], FinishReason.STOP) for i in range(4)])
+    assert names(s.schedule().start) == ["h0", "n0", "n1", "b0"]

@@ -183,6 +183,10 @@ class Records(Protocol):
 
     async def record(self, job_id: str) -> JobRecord | None: ...
 
+    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        """Several jobs' records (of any models) in one round trip; None where unknown."""
+        return [await self.record(j) for j in job_ids]
+
 
 class Cancellation(Protocol):
     """Clients ask to cancel; workers learn which of their running jobs to abort."""

@@ -158,3 +158,16 @@ class Keys:
     def api_keys(self) -> str:
         """Hash of key digest -> ApiKeyRecord."""
         return f"{self.prefix}:{{directory}}:apikeys"
+
+    # -- offline batches (tokenyard.broker.batches): a batch's keys share its own {tag} --------
+    def batch(self, batch_id: str, part: str) -> str:
+        """A batch's keys: `rec` (hash: record, cancel flag), `jobs`, `ok`, `failed`, `lease`."""
+        return f"{self.prefix}:{{{batch_id}}}:{part}"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """Sorted set of a tenant's batch ids by creation time (the list endpoint)."""
+        return f"{self._tenant(tenant)}:batches"
+
+    def active_batches(self) -> str:
+        """Set of batches not yet terminal: what runners look for work in."""
+        return f"{self.prefix}:batches:active"

@@ -711,29 +711,14 @@ class RedisBroker(Broker):
     @_unavailable_on_errors
     async def record(self, job_id: str) -> JobRecord | None:
         h: Any = await self.redis.hgetall(self.keys.job(job_id))
-        if not h or b"spec" not in h:
-            return None
-        spec = decode(h[b"spec"], JobSpec)
-        deliveries = int(h.get(b"deliveries", b"0"))
-        spec.attempt = max(0, deliveries - 1)
+        return _record_of_hash(h)
 
-        def opt_float(field: bytes) -> float | None:
-            raw = h.get(field)
-            return float(raw) if raw else None
-
-        return JobRecord(
-            spec=spec,
-            status=JobStatus(_s(h[b"status"])),
-            deliveries=deliveries,
-            enqueued_at=float(h.get(b"enq_at", b"0")),
-            started_at=opt_float(b"start_at"),
-            finished_at=opt_float(b"end_at"),
-            worker=_s(h[b"worker"]) if b"worker" in h else None,
-            last_error=_s(h[b"last_error"]) if b"last_error" in h else None,
-            cancel_requested=h.get(b"cancel") == b"1",
-            # the stored result is the job's Finished event (see complete.lua)
-            result=decode(h[b"result"], Finished).result if b"result" in h else None,
-        )
+    @_unavailable_on_errors
+    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(job_id))
+        return [_record_of_hash(h) for h in await pipe.execute()] if job_ids else []
 
     # -- introspection ---------------------------------------------------------------------
     @_unavailable_on_errors
@@ -991,3 +976,30 @@ async def wait_until_ready(broker: RedisBroker, timeout_s: float = 10.0) -> None
         if time.monotonic() > give_up:
             raise BrokerUnavailable(f"no answer from {broker.settings.url}")
         await asyncio.sleep(0.05)
+
+
+def _record_of_hash(h: Any) -> JobRecord | None:
+    """A job record from its hash (HGETALL's reply); None when the job is unknown."""
+    if not h or b"spec" not in h:
+        return None
+    spec = decode(h[b"spec"], JobSpec)
+    deliveries = int(h.get(b"deliveries", b"0"))
+    spec.attempt = max(0, deliveries - 1)
+
+    def opt_float(field: bytes) -> float | None:
+        raw = h.get(field)
+        return float(raw) if raw else None
+
+    return JobRecord(
+        spec=spec,
+        status=JobStatus(_s(h[b"status"])),
+        deliveries=deliveries,
+        enqueued_at=float(h.get(b"enq_at", b"0")),
+        started_at=opt_float(b"start_at"),
+        finished_at=opt_float(b"end_at"),
+        worker=_s(h[b"worker"]) if b"worker" in h else None,
+        last_error=_s(h[b"last_error"]) if b"last_error" in h else None,
+        cancel_requested=h.get(b"cancel") == b"1",
+        # the stored result is the job's Finished event (see complete.lua)
+        result=decode(h[b"result"], Finished).result if b"result" in h else None,
+    )

@@ -10,6 +10,8 @@ import anyio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from tokenyard.batch.files import FileStore
+from tokenyard.batch.service import BatchService
 from tokenyard.broker import Broker, connect
 from tokenyard.cache import ResponseCache
 from tokenyard.config import BrokerSettings, from_env
@@ -37,6 +39,7 @@ def create_app(
     tokenizers: Mapping[str, EngineTokenizer] | None = None,
     keyring: KeyRing | None = None,
     registry: CollectorRegistry | None = None,
+    files: FileStore | None = None,
 ) -> FastAPI:
     """Build the gateway. A broker passed in stays the caller's; otherwise one is opened from
     `broker_settings` (default: TOKENYARD_BROKER_* environment) and closed at shutdown.
@@ -82,9 +85,11 @@ def create_app(
                 started_at=time.time(),
             )
             app.state.gateway = state
+            app.state.batches = BatchService.start(state, files)
             try:
                 yield
             finally:
+                await app.state.batches.close()
                 await state.close()
         finally:
             if owned:
@@ -95,6 +100,11 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router)
     # added last = outermost: the metrics middleware also counts 413s from the body limit
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        # uploads have their own limit; the multipart framing adds a little
+        per_path={"/v1/files": settings.batch_max_file_bytes + (1 << 16)},
+    )
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app

@@ -29,17 +29,21 @@ class BodyTooLarge(HTTPException):
 class BodyLimitMiddleware:
     """Refuses bodies over `max_bytes`: by Content-Length up front, else while they stream in."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = per_path or {}  # exact paths with their own limit (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.per_path.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_413(send, self.max_bytes)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await _send_413(send, max_bytes)
             return
         seen = 0
 
@@ -48,8 +52,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if seen > max_bytes:
+                    raise BodyTooLarge(max_bytes)
             return message
 
         await self.app(scope, limited, send)

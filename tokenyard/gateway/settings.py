@@ -50,6 +50,16 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # JSON routing rules (tokenyard/routing.py): {"aliases": {"gpt-4o-mini": "tiny"},
     # "fast_path": {"model": "small", "below_tokens": 256, "max_depth": 64}}; empty: none
     routing_file: str = ""
+    # offline batches (/v1/files, /v1/batches); OpenAI's limits by default
+    files_dir: str = ".tokenyard/files"  # the file store (uploads and batch outputs)
+    batch_max_requests: int = 50_000
+    batch_max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_in_flight: int = 512  # jobs of one batch queued or running at once
+    batch_poll_s: float = 0.05  # how often a runner looks at its batches' jobs
+    batch_lease_s: float = 10.0  # a runner that stops renewing loses its batches after this
+    batch_runner: bool = True  # this gateway drives batches (any gateway may)
+    # what `completion_window: "24h"` lasts; shorter only for tests and drills of expiry
+    batch_window_s: float = 24 * 3600.0
 
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:

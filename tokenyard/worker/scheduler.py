@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 from tokenyard.engines.base import StepOutput, footprint
 from tokenyard.errors import InvalidRequest
 from tokenyard.limits import refusal
-from tokenyard.messages import FinishReason, ModelLimits, SamplingParams, TokenChunk
+from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams, TokenChunk
 
 H = TypeVar("H")  # the worker's handle on a job (its lease); opaque here
 
@@ -36,6 +36,7 @@ class Job(Generic[H]):
     text: str = ""
     first_token_at: float | None = None  # of this delivery, on the clock `update` is given
     last_token_at: float | None = None
+    priority: Priority = Priority.NORMAL  # its lane's: waiting jobs start by priority
 
     @property
     def decode_s(self) -> float | None:
@@ -137,7 +138,7 @@ class Scheduler(Generic[H]):
 
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> Plan[H]:
-        """Move what fits from waiting to running, strictly in claim order."""
+        """Move what fits from waiting to running, strictly by priority, then claim order."""
         plan: Plan[H] = Plan()
         while self._fresh:
             job = self._fresh.popleft()
@@ -148,7 +149,7 @@ class Scheduler(Generic[H]):
                 plan.done.append(job)
             else:
                 self._expected_footprint = moving_average(self._expected_footprint, job.footprint)
-                self._waiting.append(job)
+                self._enqueue(job)
         # Strict order: a long job at the head is not overtaken forever by short ones. Every
         # accepted job fits an empty engine (the rule checked it against the whole budget).
         while self._waiting and len(self._running) < self.limits.max_seqs:
@@ -160,6 +161,14 @@ class Scheduler(Generic[H]):
             self._tokens_running += head.footprint
             plan.start.append(head)
         return plan
+
+    def _enqueue(self, job: Job[H]) -> None:
+        # Behind every waiting job of its priority or higher: an interactive job claimed after
+        # the claim-ahead reserve filled with batch work starts at the next free slot.
+        at = len(self._waiting)
+        while at > 0 and self._waiting[at - 1].priority > job.priority:
+            at -= 1
+        self._waiting.insert(at, job)
 
     def remove(self, job_id: str) -> Job[H] | None:
         """Forget a job (lease lost, released, failed to start); frees its capacity."""

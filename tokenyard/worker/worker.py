@@ -219,7 +219,9 @@ class Worker:
                 failure = _failure(f"cannot tokenize the prompt: {exc}")
                 await self._settle(_Outcome(results=[(lease, failure)]))
                 return None
-        job: Job[Lease] = Job(spec.id, lease, list(prompt_ids), spec.sampling, time.time())
+        job: Job[Lease] = Job(
+            spec.id, lease, list(prompt_ids), spec.sampling, time.time(), priority=spec.priority
+        )
         if lease.resumable:
             try:
                 await self._load_resumed_tokens(job)

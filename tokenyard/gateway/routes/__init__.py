@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
-from tokenyard.gateway.routes import dashboard, health, jobs, openai
+from tokenyard.gateway.routes import batches, dashboard, files, health, jobs, openai
 
-ROUTERS = (openai.router, jobs.router, health.router, dashboard.router)
+ROUTERS = (
+    openai.router,
+    jobs.router,
+    health.router,
+    dashboard.router,
+    files.router,
+    batches.router,
+)

@@ -1,0 +1,158 @@
+"""A batch survives its gateway and a worker being killed for real (SIGKILL) mid-run."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.keys import Keys
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+
+MODEL = "sim-batch"
+N = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Procs:
+    """Real gateway and worker processes on one Valkey; everything is killed at the end."""
+
+    def __init__(self, url: str, files_dir: Path) -> None:
+        self.url = url
+        self.prefix = f"bf{uuid.uuid4().hex[:8]}"
+        self.files_dir = files_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def _spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "tokenyard", *args, "--broker", self.url]
+        cmd += ["--prefix", self.prefix]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+        self.procs.append(proc)
+        return proc
+
+    def gateway(self, port: int) -> subprocess.Popen[bytes]:
+        env = {
+            "TOKENYARD_GATEWAY_FILES_DIR": str(self.files_dir),
+            "TOKENYARD_GATEWAY_BATCH_LEASE_S": "1.0",
+            "TOKENYARD_GATEWAY_BATCH_MAX_IN_FLIGHT": "16",
+        }
+        proc = self._spawn(
+            "gateway", "--model", MODEL, "--engine", "sim", "--port", str(port), env=env
+        )
+        give_up = time.monotonic() + 30
+        while time.monotonic() < give_up:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code < 500:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "the gateway exited at start"
+            time.sleep(0.1)
+        raise AssertionError("the gateway did not start")
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        return self._spawn(
+            "worker", "--model", MODEL, "--engine", "sim", "--max-seqs", "4", "--lease-s", "1.0"
+        )
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def procs(valkey: EmbeddedServer, tmp_path: Path) -> Iterator[Procs]:
+    pool = Procs(valkey.url, tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def _rows() -> bytes:
+    rows: list[dict[str, Any]] = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": f"p{i}", "max_tokens": 8, "ignore_eos": True},
+        }
+        for i in range(N)
+    ]
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def test_gateway_and_worker_killed_mid_batch(procs: Procs) -> None:
+    port = _free_port()
+    gateway = procs.gateway(port)
+    doomed = procs.worker()
+    procs.worker()
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    up = c.files.create(file=("in.jsonl", io.BytesIO(_rows())), purpose="batch")
+    batch = c.batches.create(
+        input_file_id=up.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    give_up = time.monotonic() + 60
+    while True:
+        now = c.batches.retrieve(batch.id)
+        assert now.request_counts is not None
+        if now.request_counts.completed >= N // 5:
+            break
+        assert now.status in ("validating", "in_progress") and time.monotonic() < give_up
+        time.sleep(0.05)
+    assert now.request_counts.completed < N, "the batch finished before the kill"
+    gateway.send_signal(signal.SIGKILL)
+    doomed.send_signal(signal.SIGKILL)
+    gateway.wait(10)
+    doomed.wait(10)
+    procs.worker()
+    port = _free_port()
+    procs.gateway(port)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    give_up = time.monotonic() + 90
+    while (done := c.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < give_up, done
+        time.sleep(0.1)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (N, N, 0)
+    out = [json.loads(x) for x in c.files.content(done.output_file_id or "").text.splitlines()]
+    ids = [x["custom_id"] for x in out]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(N))  # each exactly once
+    assert all(x["response"]["status_code"] == 200 for x in out)
+    # one job per request: a resubmit after the restart found the same job
+    assert len({x["response"]["request_id"] for x in out}) == N
+    client = redis.Redis.from_url(procs.url)
+    pattern = Keys(procs.prefix).job_prefix(MODEL) + "*"
+    assert len(list(client.scan_iter(match=pattern, count=1000))) == N
+    client.close()

@@ -1,0 +1,244 @@
+"""Batch state in the broker: the record, each request's job id and outcome, a runner lease.
+
+Outcomes are two sets (ok, failed) of line numbers: adding is idempotent, so a runner that
+restarts, or two that briefly overlap, never count a request twice, and counts are SCARDs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tokenyard.batch.types import BatchRecord
+from tokenyard.broker.base import Broker, Clock
+from tokenyard.broker.keys import Keys
+from tokenyard.messages import decode, encode
+
+
+@dataclass
+class BatchState:
+    record: BatchRecord
+    cancel_requested: bool
+    completed: int
+    failed: int
+
+
+class BatchStore(Protocol):
+    async def create(self, record: BatchRecord) -> None: ...
+
+    async def get(self, batch_id: str) -> BatchState | None: ...
+
+    async def save(self, record: BatchRecord) -> None:
+        """Overwrite the record (the runner holding the lease); terminal ones leave `active`."""
+        ...
+
+    async def request_cancel(self, batch_id: str) -> None: ...
+
+    async def active(self) -> list[str]: ...
+
+    async def list_ids(self, tenant: str) -> list[str]:
+        """The tenant's batch ids, newest first."""
+        ...
+
+    async def acquire(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        """Take or renew the runner lease; False while another owner holds it."""
+        ...
+
+    async def release(self, batch_id: str, owner: str) -> None: ...
+
+    async def set_jobs(self, batch_id: str, jobs: Mapping[int, str]) -> None: ...
+
+    async def jobs(self, batch_id: str) -> dict[int, str]: ...
+
+    async def add_outcomes(
+        self, batch_id: str, ok: Sequence[int], failed: Sequence[int]
+    ) -> None: ...
+
+    async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]: ...
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RedisBatchStore:
+    def __init__(self, redis: Any, keys: Keys, clock: Clock) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.clock = clock
+
+    async def create(self, record: BatchRecord) -> None:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(k.batch(record.id, "rec"), "rec", encode(record))
+        # scored by the precise time, not created_at's seconds: the list is newest first
+        pipe.zadd(k.tenant_batches(record.tenant), {record.id: self.clock()})
+        pipe.sadd(k.active_batches(), record.id)
+        await pipe.execute()
+
+    async def get(self, batch_id: str) -> BatchState | None:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(k.batch(batch_id, "rec"), ["rec", "cancel"])
+        pipe.scard(k.batch(batch_id, "ok"))
+        pipe.scard(k.batch(batch_id, "failed"))
+        (raw, cancel), ok, failed = await pipe.execute()
+        if raw is None:
+            return None
+        return BatchState(decode(raw, BatchRecord), cancel is not None, int(ok), int(failed))
+
+    async def save(self, record: BatchRecord) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.batch(record.id, "rec"), "rec", encode(record))
+        if record.status.terminal:
+            pipe.srem(self.keys.active_batches(), record.id)
+        await pipe.execute()
+
+    async def request_cancel(self, batch_id: str) -> None:
+        await self.redis.hset(self.keys.batch(batch_id, "rec"), "cancel", str(self.clock()))
+
+    async def active(self) -> list[str]:
+        members: Any = await self.redis.smembers(self.keys.active_batches())
+        return sorted(m.decode() for m in members)
+
+    async def list_ids(self, tenant: str) -> list[str]:
+        ids: Any = await self.redis.zrevrange(self.keys.tenant_batches(tenant), 0, -1)
+        return [i.decode() for i in ids]
+
+    async def acquire(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        key = self.keys.batch(batch_id, "lease")
+        if await self.redis.set(key, owner, nx=True, px=_ms(ttl_s)):
+            return True
+        # Renewal is check-then-extend, not atomic: a lease that lapses in between may be
+        # briefly held twice. That is safe: jobs are enqueued by idempotency key and outcomes
+        # are set members, so two runners produce one job and one count per request.
+        current = await self.redis.get(key)
+        if current is not None and current.decode() == owner:
+            await self.redis.pexpire(key, _ms(ttl_s))
+            return True
+        return False
+
+    async def release(self, batch_id: str, owner: str) -> None:
+        key = self.keys.batch(batch_id, "lease")
+        current = await self.redis.get(key)
+        if current is not None and current.decode() == owner:
+            await self.redis.delete(key)
+
+    async def set_jobs(self, batch_id: str, jobs: Mapping[int, str]) -> None:
+        if jobs:
+            await self.redis.hset(
+                self.keys.batch(batch_id, "jobs"), mapping={str(i): j for i, j in jobs.items()}
+            )
+
+    async def jobs(self, batch_id: str) -> dict[int, str]:
+        raw: Any = await self.redis.hgetall(self.keys.batch(batch_id, "jobs"))
+        return {int(i): j.decode() for i, j in raw.items()}
+
+    async def add_outcomes(self, batch_id: str, ok: Sequence[int], failed: Sequence[int]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        if ok:
+            pipe.sadd(self.keys.batch(batch_id, "ok"), *ok)
+        if failed:
+            pipe.sadd(self.keys.batch(batch_id, "failed"), *failed)
+        await pipe.execute()
+
+    async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(self.keys.batch(batch_id, "ok"))
+        pipe.smembers(self.keys.batch(batch_id, "failed"))
+        ok, failed = await pipe.execute()
+        return {int(i) for i in ok}, {int(i) for i in failed}
+
+
+@dataclass
+class _MemBatch:
+    record: bytes
+    cancel: bool = False
+    jobs: dict[int, str] = field(default_factory=dict)
+    ok: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    lease: tuple[str, float] | None = None
+
+
+class MemoryBatchStore:
+    """The in-process twin of RedisBatchStore (records kept encoded, as Redis would)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.batches: dict[str, _MemBatch] = {}
+        self.by_tenant: dict[str, dict[str, float]] = {}
+        self.active_ids: set[str] = set()
+
+    async def create(self, record: BatchRecord) -> None:
+        self.batches[record.id] = _MemBatch(encode(record))
+        self.by_tenant.setdefault(record.tenant, {})[record.id] = self.clock()
+        self.active_ids.add(record.id)
+
+    async def get(self, batch_id: str) -> BatchState | None:
+        b = self.batches.get(batch_id)
+        if b is None:
+            return None
+        return BatchState(decode(b.record, BatchRecord), b.cancel, len(b.ok), len(b.failed))
+
+    async def save(self, record: BatchRecord) -> None:
+        self.batches[record.id].record = encode(record)
+        if record.status.terminal:
+            self.active_ids.discard(record.id)
+
+    async def request_cancel(self, batch_id: str) -> None:
+        self.batches[batch_id].cancel = True
+
+    async def active(self) -> list[str]:
+        return sorted(self.active_ids)
+
+    async def list_ids(self, tenant: str) -> list[str]:
+        ids = self.by_tenant.get(tenant, {})
+        return sorted(ids, key=lambda i: (ids[i], i), reverse=True)
+
+    async def acquire(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        b = self.batches[batch_id]
+        now = self.clock()
+        if b.lease is None or b.lease[1] <= now or b.lease[0] == owner:
+            b.lease = (owner, now + ttl_s)
+            return True
+        return False
+
+    async def release(self, batch_id: str, owner: str) -> None:
+        b = self.batches[batch_id]
+        if b.lease is not None and b.lease[0] == owner:
+            b.lease = None
+
+    async def set_jobs(self, batch_id: str, jobs: Mapping[int, str]) -> None:
+        self.batches[batch_id].jobs.update(jobs)
+
+    async def jobs(self, batch_id: str) -> dict[int, str]:
+        return dict(self.batches[batch_id].jobs)
+
+    async def add_outcomes(self, batch_id: str, ok: Sequence[int], failed: Sequence[int]) -> None:
+        b = self.batches[batch_id]
+        b.ok.update(ok)
+        b.failed.update(failed)
+
+    async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]:
+        b = self.batches[batch_id]
+        return set(b.ok), set(b.failed)
+
+
+_memory_stores: weakref.WeakKeyDictionary[Any, MemoryBatchStore] = weakref.WeakKeyDictionary()
+
+
+def batch_store(broker: Broker) -> BatchStore:
+    """The batch store living in `broker`: its Redis, or beside a memory broker's store."""
+    from tokenyard.broker.memory import MemoryBroker
+    from tokenyard.broker.redis import RedisBroker
+
+    if isinstance(broker, RedisBroker):
+        return RedisBatchStore(broker.redis, broker.keys, broker.clock)
+    if isinstance(broker, MemoryBroker):
+        store = _memory_stores.get(broker.store)
+        if store is None:
+            store = _memory_stores[broker.store] = MemoryBatchStore(broker.clock)
+        return store
+    raise TypeError(f"no batch store for {type(broker).__name__}")
