@@ -6,7 +6,7 @@ a --batch-requests batch (/v1/batches) runs. Reports p50/p99 of both, their rati
 within 2x of idle), and the batch's throughput. Prints one JSON document.
 
     python bench/batch_interactive.py [--batch-requests 10000] [--interactive 300]
-        [--batch-in-flight 512] [--workers 2] [--max-seqs 64] [--quick]
+        [--batch-in-flight 512] [--batch-share F] [--workers 2] [--max-seqs 64] [--quick]
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ async def run(args: argparse.Namespace, url: str, tmp: Path) -> dict[str, Any]:
     # the batch's share of the workers' slots: the knob between its throughput and the
     # interactive latency (each decode step slows with the sequences it carries)
     os.environ["TOKENYARD_GATEWAY_BATCH_MAX_IN_FLIGHT"] = str(args.batch_in_flight)
+    # the batch lane's share of each worker's slots (None: the workers' default)
+    if args.batch_share is not None:
+        os.environ["TOKENYARD_WORKER_BATCH_SHARE"] = str(args.batch_share)
     try:
         for w in range(args.workers):
             procs.start(
@@ -155,6 +158,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-seqs", type=int, default=64)
     parser.add_argument("--batch-in-flight", type=int, default=512)
+    parser.add_argument("--batch-share", type=float, help="TOKENYARD_WORKER_BATCH_SHARE")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     args = parser.parse_args()
     if args.quick:

@@ -139,6 +139,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_seqs: int | None = None  # sequences running at once
     token_budget: int | None = None  # prompt + max_tokens over running sequences
     claim_ahead: int | None = None  # jobs claimed beyond free slots; None: max_seqs // 8, >= 1
+    # share of the slots batch-lane jobs may hold (Files + Batches API); the rest stays free
+    # for interactive work, which joins the running batch at the next step
+    batch_share: float = 0.5
     claim_block_s: float = 0.5
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0

@@ -734,6 +734,25 @@ async def test_batch_lane_is_last_but_never_starved(make_broker: BrokerFactory) 
     assert served.count(Priority.NORMAL) >= 30
 
 
+async def test_batch_room_caps_the_batch_lane_only(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    await broker.enqueue_many([job(Priority.BATCH) for _ in range(6)])
+    await broker.enqueue_many([job(Priority.NORMAL) for _ in range(2)])
+    first = await broker.claim(MODEL, "w", slots=8, batch_room=2)
+    assert [lease.spec.priority for lease in first] == [Priority.NORMAL] * 2 + [Priority.BATCH] * 2
+    # no room left: the batch backlog waits, and a blocking claim waits out its time
+    started = time.monotonic()
+    assert await broker.claim(MODEL, "w", slots=8, batch_room=0, block_s=0.3) == []
+    assert time.monotonic() - started >= 0.25
+    # new interactive work wakes the capped claim at once
+    await broker.enqueue(job(Priority.HIGH))
+    [high] = await broker.claim(MODEL, "w", slots=8, batch_room=0, block_s=2.0)
+    assert high.spec.priority is Priority.HIGH
+    # room again: the rest of the backlog, capped, then uncapped
+    assert len(await broker.claim(MODEL, "w", slots=8, batch_room=3, block_s=1.0)) == 3
+    assert len(await broker.claim(MODEL, "w", slots=8, block_s=1.0)) == 1
+
+
 async def test_batch_store(make_broker: BrokerFactory) -> None:
 
     broker = make_broker()

@@ -170,3 +170,26 @@ def test_waiting_jobs_start_by_priority_then_claim_order() -> None:
     assert not s.schedule().start
     s.update([out(f"run{i}", [5], FinishReason.STOP) for i in range(4)])
     assert names(s.schedule().start) == ["h0", "n0", "n1", "b0"]
+
+
+def test_batch_jobs_hold_at_most_their_share_of_the_slots() -> None:
+    s = Scheduler[str](ModelLimits(max_model_len=1000, max_seqs=8, token_budget=8000), 2, 0.5)
+    assert s.batch_room() == 4
+    for i in range(3):
+        s.offer(
+            Job(
+                f"b{i}", f"b{i}", [1, 2], SamplingParams(max_tokens=4), 0.0, priority=Priority.BATCH
+            )
+        )
+    s.offer(job("n0"))
+    s.schedule()
+    assert s.batch_room() == 1  # interactive jobs do not count against it
+    s.update([out("b0", [5], FinishReason.STOP)])
+    assert s.batch_room() == 2
+    assert Scheduler[str](LIMITS).batch_room() is None  # share 1.0: no cap
+    assert (
+        Scheduler[str](
+            ModelLimits(max_model_len=99, max_seqs=1, token_budget=99), 0, 0.1
+        ).batch_slots
+        == 1
+    )

@@ -107,9 +107,11 @@ class Leases(Protocol):
         slots: int,
         block_s: float = 0.0,
         pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
     ) -> list[Lease]:
         """Take up to `slots` jobs, higher priority first, each priority's size `pools` in the
-        order given; wait up to `block_s` if none."""
+        order given, at most `batch_room` of them from the batch lane (None: no cap); wait up
+        to `block_s` if none."""
         ...
 
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:

@@ -354,12 +354,13 @@ class MemoryBroker(Broker):
         slots: int,
         block_s: float = 0.0,
         pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
     ) -> list[Lease]:
         if slots <= 0:
             return []
         give_up_at = time.monotonic() + block_s
         while True:
-            leases = self._claim_now(model, consumer, slots, pools)
+            leases = self._claim_now(model, consumer, slots, pools, batch_room)
             wait = give_up_at - time.monotonic()
             if leases or wait <= 0:
                 return leases
@@ -369,7 +370,7 @@ class MemoryBroker(Broker):
             await self.store.wait(wait)
 
     def _claim_now(
-        self, model: str, consumer: str, slots: int, pools: Sequence[int]
+        self, model: str, consumer: str, slots: int, pools: Sequence[int], batch_room: int | None
     ) -> list[Lease]:
         now = self.clock()
         store = self.store
@@ -387,13 +388,18 @@ class MemoryBroker(Broker):
         self._rounds[model] += 1
         leases: list[Lease] = []
         ordered = [(model, priorities[i], pool) for i in order for pool in pools]
+        batch_left = slots if batch_room is None else max(0, batch_room)
         for lane in ordered:
             state = store.lanes[lane]
-            while len(leases) < slots and (
-                state.undelivered
-                or self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
-            ):
-                self._refill(lane, slots - len(leases) + self.settings.fair_window, now)
+            capped = lane[1] is Priority.BATCH  # at most batch_room jobs from it
+            window = self.settings.fair_window
+
+            def asked() -> int:
+                room = slots - len(leases)
+                return min(room, batch_left) if capped else room  # noqa: B023 - read at once
+
+            while asked() > 0 and (state.undelivered or self._refill(lane, asked() + window, now)):
+                self._refill(lane, asked() + window, now)
                 entry = state.entries.get(state.undelivered.pop(0))
                 if entry is None:
                     continue
@@ -408,6 +414,7 @@ class MemoryBroker(Broker):
                     entry.owner, entry.touched = consumer, now
                     job.deliveries += 1
                     job.status, job.started_at, job.worker = JobStatus.RUNNING, now, consumer
+                    batch_left -= capped
                     spec = decode(job.spec, JobSpec)
                     spec.attempt = job.deliveries - 1
                     leases.append(

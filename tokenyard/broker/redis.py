@@ -128,6 +128,7 @@ class _WaitHint(NamedTuple):
     lanes: list[str]
     last_ids: list[str]
     next_due: float
+    batch_room: int | None  # the cap it was taken under: a wider one reads the backlog first
 
 
 _SWEEP_BATCH = 500  # held reservations looked at per tenant per sweep
@@ -298,6 +299,7 @@ class RedisBroker(Broker):
         slots: int,
         block_s: float = 0.0,
         pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
     ) -> list[Lease]:
         """One round trip in the common case: while the lanes have more than `slots` jobs, the
         claim script alone; once a claim drains them, the next one blocks on XREAD after the
@@ -307,9 +309,12 @@ class RedisBroker(Broker):
             return []
         # per priority, the pools in the caller's order: strict priority holds across pools
         lanes = [[self.keys.lane(model, p, pool) for pool in pools] for p in Priority]
+        capped = {self.keys.lane(model, Priority.BATCH, pool) for pool in pools}
         give_up_at = time.monotonic() + block_s
         # an empty claim of the last call left the lanes' newest ids: wait on them right away
         hint = self._hints.pop(model, None) if block_s > 0 else None
+        if hint is not None and hint.batch_room != batch_room:
+            hint = None  # taken under another cap: the batch lane may hold work it may now take
         while True:
             order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
             self._rounds[model] += 1
@@ -334,13 +339,17 @@ class RedisBroker(Broker):
                     ttl_ms=self._ttl_ms,
                     wait_hints="1" if block_s > 0 else "0",
                     window=max(1, self.settings.fair_window),
+                    capped_room=-1 if batch_room is None else max(0, batch_room),
                 ),
                 [
                     (
                         scripts.ClaimLaneKeys(
                             lane=lane, fair=self.keys.fair(lane), active=self.keys.fair_active(lane)
                         ),
-                        scripts.ClaimLaneArgs(tq_prefix=self.keys.tenant_queue_prefix(lane)),
+                        scripts.ClaimLaneArgs(
+                            tq_prefix=self.keys.tenant_queue_prefix(lane),
+                            capped="1" if lane in capped else "0",
+                        ),
                     )
                     for lane in ordered
                 ],
@@ -356,7 +365,7 @@ class RedisBroker(Broker):
             hint = None
             if last_ids:  # the lanes are drained: the next wait can start from here
                 due = float(next_due) if next_due else 0.0
-                hint = _WaitHint(ordered, [_s(i) for i in last_ids], due)
+                hint = _WaitHint(ordered, [_s(i) for i in last_ids], due, batch_room)
             if claimed or time.monotonic() >= give_up_at:
                 if hint is not None:
                     self._hints[model] = hint

@@ -170,6 +170,7 @@ class ClaimArgs(NamedTuple):
     ttl_ms: int
     wait_hints: str  # '1': when the lanes are drained, return what a blocking wait needs
     window: int  # staged jobs kept in a lane's stream beyond the slots asked for
+    capped_room: int  # jobs the capped lanes may give together; -1: no cap
 
 
 class LaneKey(NamedTuple):
@@ -184,6 +185,7 @@ class ClaimLaneKeys(NamedTuple):
 
 class ClaimLaneArgs(NamedTuple):
     tq_prefix: str
+    capped: str  # '1': this lane's claims count against capped_room (the batch lane's share)
 
 
 CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair",))

@@ -82,11 +82,18 @@ def moving_average(previous: float, sample: float, weight: float = 0.2) -> float
 class Scheduler(Generic[H]):
     """Decides what runs on one engine; see the module docstring for the protocol."""
 
-    def __init__(self, limits: ModelLimits, claim_ahead: int = 0) -> None:
+    def __init__(self, limits: ModelLimits, claim_ahead: int = 0, batch_share: float = 1.0) -> None:
         if limits.max_seqs < 1 or limits.token_budget < 1 or limits.max_model_len < 2:
             raise ValueError(f"unusable limits {limits}")
+        if not 0.0 < batch_share <= 1.0:
+            raise ValueError(f"batch_share must be in (0, 1], not {batch_share}")
         self.limits = limits
         self.claim_ahead = max(0, claim_ahead)
+        # Batch-lane jobs held at once; the rest of the slots stay for interactive work, which
+        # cannot overtake a running sequence. At least one: the batch lane is never starved.
+        self.batch_slots = (
+            None if batch_share >= 1.0 else max(1, int(limits.max_seqs * batch_share))
+        )
         self._waiting: deque[Job[H]] = deque()
         self._fresh: deque[Job[H]] = deque()  # offered, not yet checked against the rule
         self._running: dict[str, Job[H]] = {}
@@ -131,6 +138,13 @@ class Scheduler(Generic[H]):
         held = self.running + self.waiting
         want = could_run + self.claim_ahead - held
         return max(1 if held == 0 else 0, want)
+
+    def batch_room(self) -> int | None:
+        """How many batch-lane jobs the next claim may take (None: no cap)."""
+        if self.batch_slots is None:
+            return None
+        held = sum(1 for job in self.jobs() if job.priority is Priority.BATCH)
+        return max(0, self.batch_slots - held)
 
     def offer(self, job: Job[H]) -> None:
         """A claimed job joins the queue; the next `schedule()` starts, keeps or refuses it."""

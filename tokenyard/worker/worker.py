@@ -111,7 +111,7 @@ class Worker:
         claim_ahead = self.settings.claim_ahead
         if claim_ahead is None:
             claim_ahead = max(1, self.limits.max_seqs // 8)
-        return Scheduler(self.limits, claim_ahead)
+        return Scheduler(self.limits, claim_ahead, self.settings.batch_share)
 
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self) -> None:
@@ -163,6 +163,7 @@ class Worker:
                     want,
                     block_s=self.settings.claim_block_s,
                     pools=self.pools,
+                    batch_room=self.scheduler.batch_room(),
                 )
             except Exception:
                 log.exception("claim failed; retrying")

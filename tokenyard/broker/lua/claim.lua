@@ -1,9 +1,11 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
 -- KEYS: delayed, counters; per item: lane, fair, active
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
---   ttl_ms, wait_hints, window; per item: tq_prefix
+--   ttl_ms, wait_hints, window, capped_room; per item: tq_prefix, capped
 -- Before each read a lane's stream is topped up from its tenants' staged jobs in fair order
 -- (lib/fair.lua) to the slots asked for plus `window`.
+-- Lanes marked capped give at most capped_room jobs together (-1: no cap): a worker keeps
+-- room for interactive work however deep the batch lane is.
 -- `now` is the caller's clock; when server_now is '1' the server's TIME is used instead (the
 -- call waited in a pipeline behind a blocking XREAD, so `now` would be stale by the wait).
 -- Returns {claimed, last_ids, next_due}: claimed = {{entry_id, spec, attempt, resumable}}.
@@ -44,15 +46,22 @@ local function read(lane, count)
   return res
 end
 
-local claimed, last_read = {}, {}
+local claimed, last_read, capped_out = {}, {}, {}
+local capped_left = tonumber(A.capped_room)
 for i = 1, N do
   if remaining <= 0 then break end
   local lk, la = item(i)
   local lane = lk.lane
+  local capped = la.capped == '1' and capped_left >= 0
   while remaining > 0 do
-    local moved = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
-      remaining + tonumber(A.window))
     local asked = remaining
+    if capped then
+      -- left unread: its wait hint below is its newest entry, so a wait wakes on new work
+      if capped_left <= 0 then capped_out[i] = true; break end
+      asked = math.min(asked, capped_left)
+    end
+    local moved = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
+      asked + tonumber(A.window))
     local res = read(lane, asked)
     if not res then break end
     local entries = res[1][2]
@@ -82,6 +91,7 @@ for i = 1, N do
         local resumable = redis.call('EXISTS', A.event_prefix .. jid)
         claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable}
         remaining = remaining - 1
+        if capped then capped_left = capped_left - 1 end
       end
     end
     if #entries < asked then
@@ -97,7 +107,7 @@ local last_ids, next_due = {}, ''
 if remaining > 0 and A.wait_hints == '1' then
   for i = 1, N do
     -- a lane read to its end: the last entry read is its newest
-    last_ids[i] = last_read[i]
+    if not capped_out[i] then last_ids[i] = last_read[i] end
     if not last_ids[i] then
       local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
       last_ids[i] = newest[1] and newest[1][1] or '0-0'
