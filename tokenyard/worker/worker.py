@@ -51,6 +51,7 @@ _STATUS_OF = {
 CANCEL_POLL_S = 0.02
 # Tokenizing a long text prompt (from a producer that sent no token ids) would stall the loop.
 _INLINE_CHARS = 4096
+_BATCH_FULL_BLOCK_S = 0.02  # a claim's wait while the batch share is held
 
 Finishing = tuple[Job[Lease], FinishReason, TokenChunk | None]
 
@@ -155,15 +156,19 @@ class Worker:
             if want == 0:
                 await self._wait_for_capacity(self.settings.claim_block_s)
                 continue
+            batch_room = self.scheduler.batch_room()
+            # The batch lane is closed to this claim, so its wait would not wake when one of our
+            # batch jobs ends: wait briefly (new interactive work still wakes it at once).
+            block_s = self.settings.claim_block_s if batch_room != 0 else _BATCH_FULL_BLOCK_S
             claim_start = time.time()
             try:
                 leases = await self.broker.claim(
                     self.model,
                     self.consumer,
                     want,
-                    block_s=self.settings.claim_block_s,
+                    block_s=min(self.settings.claim_block_s, block_s),
                     pools=self.pools,
-                    batch_room=self.scheduler.batch_room(),
+                    batch_room=batch_room,
                 )
             except Exception:
                 log.exception("claim failed; retrying")
