@@ -342,29 +342,10 @@ class _Drive:
                 err.append(_line(f"batch_req_{job}", line.custom_id, failure[0], job, failure[1]))
         if ending is BatchStatus.EXPIRED:
             err.extend(_expired_line(lines[i]) for i in range(len(lines)) if i not in jobs)
-        files = self.r.files
         if out:
-            rec.output_file_id = new_file_id(f"{self.id}:output")
-            await anyio.to_thread.run_sync(
-                lambda: files.put(
-                    rec.tenant,
-                    "batch_output",
-                    f"{self.id}_output.jsonl",
-                    b"".join(out),
-                    rec.output_file_id,
-                )
-            )
+            rec.output_file_id = await self._write_file(rec.tenant, "output", out)
         if err:
-            rec.error_file_id = new_file_id(f"{self.id}:error")
-            await anyio.to_thread.run_sync(
-                lambda: files.put(
-                    rec.tenant,
-                    "batch_output",
-                    f"{self.id}_error.jsonl",
-                    b"".join(err),
-                    rec.error_file_id,
-                )
-            )
+            rec.error_file_id = await self._write_file(rec.tenant, "error", err)
         now = int(time.time())
         if ending is BatchStatus.CANCELLING:
             rec.status, rec.cancelled_at = BatchStatus.CANCELLED, now
@@ -373,6 +354,16 @@ class _Drive:
         else:
             rec.status, rec.completed_at = BatchStatus.COMPLETED, now
         await self.store.save(rec)
+
+    async def _write_file(self, tenant: str, part: str, lines: list[bytes]) -> str:
+        """Store the batch's output or error file; its id comes from the batch id, so a
+        finalize redone after a restart rewrites the same file."""
+        file_id = new_file_id(f"{self.id}:{part}")
+        name, data, files = f"{self.id}_{part}.jsonl", b"".join(lines), self.r.files
+        await anyio.to_thread.run_sync(
+            lambda: files.put(tenant, "batch_output", name, data, file_id)
+        )
+        return file_id
 
 
 def _refusal(job: str) -> bool:
