@@ -392,14 +392,12 @@ class MemoryBroker(Broker):
         for lane in ordered:
             state = store.lanes[lane]
             capped = lane[1] is Priority.BATCH  # at most batch_room jobs from it
-            window = self.settings.fair_window
-
-            def asked() -> int:
-                room = slots - len(leases)
-                return min(room, batch_left) if capped else room  # noqa: B023 - read at once
-
-            while asked() > 0 and (state.undelivered or self._refill(lane, asked() + window, now)):
-                self._refill(lane, asked() + window, now)
+            while True:
+                asked = min(slots - len(leases), batch_left if capped else slots)
+                topped_up = asked + self.settings.fair_window
+                if asked <= 0 or not (state.undelivered or self._refill(lane, topped_up, now)):
+                    break
+                self._refill(lane, topped_up, now)
                 entry = state.entries.get(state.undelivered.pop(0))
                 if entry is None:
                     continue

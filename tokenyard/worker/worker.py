@@ -159,14 +159,16 @@ class Worker:
             batch_room = self.scheduler.batch_room()
             # The batch lane is closed to this claim, so its wait would not wake when one of our
             # batch jobs ends: wait briefly (new interactive work still wakes it at once).
-            block_s = self.settings.claim_block_s if batch_room != 0 else _BATCH_FULL_BLOCK_S
+            block_s = self.settings.claim_block_s
+            if batch_room == 0:
+                block_s = min(block_s, _BATCH_FULL_BLOCK_S)
             claim_start = time.time()
             try:
                 leases = await self.broker.claim(
                     self.model,
                     self.consumer,
                     want,
-                    block_s=min(self.settings.claim_block_s, block_s),
+                    block_s=block_s,
                     pools=self.pools,
                     batch_room=batch_room,
                 )
