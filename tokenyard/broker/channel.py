@@ -22,6 +22,25 @@ from redis.exceptions import ResponseError
 Command = Sequence[str | bytes | int | float]
 
 
+def pack(commands: Sequence[Command]) -> bytes:
+    """Commands in RESP, as redis-py packs them (floats by repr) in one join: its packer
+    encodes argument by argument in Python, ~3 µs each, and a claim names every lane."""
+    out: list[bytes] = []
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            if isinstance(arg, str):
+                data = arg.encode()
+            elif isinstance(arg, bytes):
+                data = arg
+            elif isinstance(arg, float):
+                data = repr(arg).encode()
+            else:
+                data = b"%d" % arg
+            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
 class Channel:
     """Pipelined commands over a LIFO of idle connections, at most `limit` in use at once.
 
