@@ -73,7 +73,7 @@ class Channel:
                 async with asyncio.timeout(timeout_s or self.timeout_s):
                     if not conn.is_connected:
                         await conn.connect()  # type: ignore[no-untyped-call]
-                    await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+                    await conn.send_packed_command([pack(commands)], check_health=False)
                     for _ in commands:
                         try:
                             replies.append(await conn.read_response())
