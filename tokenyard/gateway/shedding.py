@@ -1,0 +1,121 @@
+"""Refuse at submit what the queue cannot serve in time: a deadline the estimated wait misses,
+or (with `queue_slo_s`) a wait past the SLO. The estimate is `tokenyard/admission_wait.py`;
+this is its I/O edge: each model's backlog and workers are read at most every `ttl_s`, one
+read shared by every request of this gateway, never one per request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+
+from tokenyard.admission_wait import Refusal, ServiceRate, queue_wait, refusal
+from tokenyard.broker.base import LaneBacklog
+from tokenyard.gateway.errors import ApiError
+from tokenyard.messages import JobSpec, WorkerInfo
+
+if TYPE_CHECKING:  # the state holds a QueueWaits
+    from tokenyard.gateway.state import GatewayState
+
+
+class _Source(Protocol):
+    async def backlog(self, model: str) -> list[LaneBacklog]: ...
+
+    async def workers(self, model: str) -> list[WorkerInfo]: ...
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """What one read saw of a model: its lanes, its live slots, its measured completion rate."""
+
+    lanes: list[LaneBacklog]
+    slots: int
+    rate: float | None
+
+
+class QueueWaits:
+    """Each model's snapshot, read at most every `ttl_s` (one read however many requests)."""
+
+    def __init__(
+        self,
+        broker: _Source,
+        ttl_s: float = 0.25,
+        halflife_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.broker = broker
+        self.ttl_s = ttl_s
+        self.halflife_s = halflife_s
+        self.clock = clock
+        self._known: dict[str, tuple[float, Snapshot]] = {}
+        self._rates: dict[str, ServiceRate] = {}
+        self._reading: dict[str, asyncio.Future[Snapshot]] = {}
+
+    async def of(self, model: str) -> Snapshot:
+        known = self._known.get(model)
+        if known is not None and self.clock() - known[0] < self.ttl_s:
+            return known[1]
+        reading = self._reading.get(model)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read(model))
+            self._reading[model] = reading
+            reading.add_done_callback(lambda _: self._reading.pop(model, None))
+        return await asyncio.shield(reading)
+
+    async def wait(self, spec: JobSpec) -> float | None:
+        """Estimated seconds before `spec` would start; None before a rate is measured."""
+        snap = await self.of(spec.model)
+        return queue_wait(
+            snap.lanes, spec.tenant, spec.weight, spec.priority, slots=snap.slots, rate=snap.rate
+        )
+
+    async def _read(self, model: str) -> Snapshot:
+        lanes, workers = await asyncio.gather(
+            self.broker.backlog(model), self.broker.workers(model)
+        )
+        rate = self._rates.setdefault(model, ServiceRate(self.halflife_s))
+        rate.observe(workers)
+        snap = Snapshot(lanes, rate.slots, rate.rate)
+        self._known[model] = (self.clock(), snap)
+        return snap
+
+
+_REASONS = {
+    "deadline": ("deadline_unmeetable", "its deadline is {left:.1f} s away"),
+    "overloaded": ("queue_wait_exceeded", "this server admits up to {slo:g} s of queue wait"),
+}
+
+
+async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool) -> None:
+    """Refuse `spec` (429) when its estimated wait misses its own deadline or exceeds the
+    queue-wait SLO; a job without its own deadline is also held to its request timeout."""
+    now = time.time()
+    slo: float | None = state.settings.queue_slo_s or None
+    deadline = spec.deadline if own_deadline else None
+    if not own_deadline and spec.deadline is not None:  # the live call's timeout
+        left = spec.deadline - now
+        slo = left if slo is None else min(slo, left)
+    if deadline is None and slo is None:
+        return  # nothing to hold it to: no read
+    wait = await state.waits.wait(spec)
+    refused = refusal(wait, now=now, deadline=deadline, slo_s=slo)
+    if refused is None:
+        return
+    state.metrics.rejections.labels(f"wait_{refused.reason}").inc()
+    raise _error(refused, spec, now, slo)
+
+
+def _error(refused: Refusal, spec: JobSpec, now: float, slo: float | None) -> ApiError:
+    code, why = _REASONS[refused.reason]
+    left = (spec.deadline or now) - now
+    message = (
+        f"The estimated queue wait for model '{spec.model}' is {refused.wait_s:.1f} s and "
+        + why.format(left=left, slo=slo or 0.0)
+        + ("; retry later" if refused.retry_after_s is not None else "")
+    )
+    headers = {}
+    if refused.retry_after_s is not None:
+        headers["Retry-After"] = str(refused.retry_after_s)
+    return ApiError(429, message, code=code, headers=headers)
