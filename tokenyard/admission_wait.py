@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from tokenyard.broker.base import LaneBacklog
+from tokenyard.broker.base import LaneBacklog, TenantBacklog
 from tokenyard.messages import Priority, WorkerInfo
 
 
@@ -42,6 +42,25 @@ def jobs_ahead(
         else:  # lower lanes only hold the slots their running jobs use
             ahead += lane.in_flight
     return ahead
+
+
+def with_admitted(
+    lanes: Sequence[LaneBacklog], tenant: str, weight: float, priority: Priority
+) -> list[LaneBacklog]:
+    """`lanes` with one more job staged for `tenant`: what this gateway admitted since it last
+    read the lanes counts at once, so a burst between two reads cannot overshoot."""
+    out = []
+    for lane in lanes:
+        if lane.priority == priority:
+            tenants = [
+                TenantBacklog(t.tenant, t.staged + 1, t.weight) if t.tenant == tenant else t
+                for t in lane.tenants
+            ]
+            if not any(t.tenant == tenant for t in lane.tenants):
+                tenants.append(TenantBacklog(tenant, 1, weight))
+            lane = LaneBacklog(lane.priority, lane.queued, lane.in_flight, tenants)
+        out.append(lane)
+    return out
 
 
 def queue_wait(

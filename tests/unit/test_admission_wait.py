@@ -13,6 +13,7 @@ from tokenyard.admission_wait import (
     jobs_ahead,
     queue_wait,
     refusal,
+    with_admitted,
 )
 from tokenyard.broker.base import LaneBacklog, TenantBacklog
 from tokenyard.messages import Priority, WorkerInfo
@@ -141,3 +142,12 @@ def test_service_rate_smooths() -> None:
     assert rate.observe([beat("w", 2.0, 8, 4)]) == pytest.approx(4.0)  # the first sample
     # one half-life later at 8 jobs/s: halfway
     assert rate.observe([beat("w", 4.0, 24, 4)]) == pytest.approx(6.0)
+
+
+def test_admitted_jobs_count_until_the_next_read() -> None:
+    lanes = [lane(Priority.HIGH), lane(queued=1, a=2)]
+    once = with_admitted(lanes, "a", 1.0, Priority.NORMAL)
+    assert once[1].tenants == [TenantBacklog("a", 3, 1.0)] and once[0] == lanes[0]
+    twice = with_admitted(once, "b", 2.0, Priority.NORMAL)
+    assert twice[1].tenants == [TenantBacklog("a", 3, 1.0), TenantBacklog("b", 1, 2.0)]
+    assert lanes[1].tenants == [TenantBacklog("a", 2, 1.0)]  # the input is not changed

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from tokenyard.admission_wait import Refusal, ServiceRate, queue_wait, refusal
+from tokenyard.admission_wait import Refusal, ServiceRate, queue_wait, refusal, with_admitted
 from tokenyard.broker.base import LaneBacklog
 from tokenyard.gateway.errors import ApiError
 from tokenyard.messages import JobSpec, WorkerInfo
@@ -27,7 +27,7 @@ class _Source(Protocol):
     async def workers(self, model: str) -> list[WorkerInfo]: ...
 
 
-class Snapshot(msgspec.Struct, frozen=True):
+class Snapshot(msgspec.Struct):
     """What one read saw of a model: its lanes, its live slots, its measured completion rate."""
 
     lanes: list[LaneBacklog]
@@ -71,6 +71,13 @@ class QueueWaits:
             snap.lanes, spec.tenant, spec.weight, spec.priority, slots=snap.slots, rate=snap.rate
         )
 
+    def admitted(self, spec: JobSpec) -> None:
+        """Count a job admitted here since the last read (see `with_admitted`)."""
+        known = self._known.get(spec.model)
+        if known is not None:
+            snap = known[1]
+            snap.lanes = with_admitted(snap.lanes, spec.tenant, spec.weight, spec.priority)
+
     async def _read(self, model: str) -> Snapshot:
         lanes, workers = await asyncio.gather(
             self.broker.backlog(model), self.broker.workers(model)
@@ -102,6 +109,7 @@ async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool) -> No
     wait = await state.waits.wait(spec)
     refused = refusal(wait, now=now, deadline=deadline, slo_s=slo)
     if refused is None:
+        state.waits.admitted(spec)
         return
     state.metrics.rejections.labels(f"wait_{refused.reason}").inc()
     raise _error(refused, spec, now, slo)
