@@ -8,8 +8,9 @@ job's own lane stream (the fair-share window), the tenant's own staged jobs, and
 tenants' staged jobs that fair share serves before this one — with `k` of its own jobs ahead
 and weight `w`, tenant `i` (weight `w_i`, `s_i` staged) gets about `min(s_i, (k+1)·w_i/w)` turns
 first, so a small tenant does not wait behind a big tenant's whole backlog. Jobs held by
-workers beyond their slots (the claim-ahead reserve) wait too. Jobs are counted, not tokens:
-the completion rate is measured in jobs of the current mix.
+workers beyond their slots (the claim-ahead reserve) wait too; the job starts when the
+completion that frees a slot for it comes: (ahead + 1 - slots) completions from now. Jobs
+are counted, not tokens: the completion rate is measured in jobs of the current mix.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def queue_wait(
     (cold start: nothing to estimate from, so the caller admits)."""
     if rate is None or rate <= 0:
         return None
-    queued = jobs_ahead(lanes, tenant, weight, priority) - slots
+    # with every slot busy, the job starts at the completion that frees the last one ahead
+    # of it: the (ahead - slots + 1)-th from now
+    queued = jobs_ahead(lanes, tenant, weight, priority) + 1 - slots
     return max(0.0, queued) / rate
 
 

@@ -57,9 +57,10 @@ def test_strict_priority_higher_lanes_count_whole_lower_lanes_only_their_running
 
 
 def test_wait_subtracts_the_fleets_slots_and_divides_by_the_rate() -> None:
-    lanes = [lane(queued=20, in_flight=8)]
+    lanes = [lane(queued=19, in_flight=8)]
+    # 27 ahead on 8 slots: it starts at the 20th completion from now
     assert queue_wait(lanes, "t", 1.0, Priority.NORMAL, slots=8, rate=4.0) == 5.0
-    assert queue_wait([lane(in_flight=3)], "t", 1.0, Priority.NORMAL, slots=8, rate=4.0) == 0.0
+    assert queue_wait([lane(in_flight=7)], "t", 1.0, Priority.NORMAL, slots=8, rate=4.0) == 0.0
     # cold start: no measured rate, no estimate (the caller admits)
     assert queue_wait(lanes, "t", 1.0, Priority.NORMAL, slots=8, rate=None) is None
 
