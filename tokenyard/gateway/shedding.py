@@ -6,6 +6,7 @@ read shared by every request of this gateway, never one per request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -19,6 +20,12 @@ from tokenyard.messages import JobSpec, WorkerInfo
 
 if TYPE_CHECKING:  # the state holds a QueueWaits
     from tokenyard.gateway.state import GatewayState
+
+
+log = logging.getLogger(__name__)
+
+# how many read periods old a snapshot may be and still answer while the next read runs
+_STALE_TTLS = 2
 
 
 class _Source(Protocol):
@@ -54,15 +61,26 @@ class QueueWaits:
         self._reading: dict[str, asyncio.Future[Snapshot]] = {}
 
     async def of(self, model: str) -> Snapshot:
+        """The model's snapshot. A stale one (up to `_STALE_TTLS` reads old) is answered at once
+        while a read refreshes it in the background, so no request waits on a read then."""
         known = self._known.get(model)
-        if known is not None and self.clock() - known[0] < self.ttl_s:
+        age = None if known is None else self.clock() - known[0]
+        if known is not None and age is not None and age < self.ttl_s:
             return known[1]
         reading = self._reading.get(model)
         if reading is None:
             reading = asyncio.ensure_future(self._read(model))
             self._reading[model] = reading
-            reading.add_done_callback(lambda _: self._reading.pop(model, None))
+            reading.add_done_callback(lambda done: self._read_done(model, done))
+        if known is not None and age is not None and age < _STALE_TTLS * self.ttl_s:
+            return known[1]
         return await asyncio.shield(reading)
+
+    def _read_done(self, model: str, done: asyncio.Future[Snapshot]) -> None:
+        self._reading.pop(model, None)
+        if not done.cancelled() and done.exception() is not None:
+            # a failed background read keeps the last snapshot until it is too old to use
+            log.debug("queue wait read for %s failed: %s", model, done.exception())
 
     async def wait(self, spec: JobSpec) -> float | None:
         """Estimated seconds before `spec` would start; None before a rate is measured."""
