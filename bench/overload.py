@@ -11,7 +11,7 @@ With --compare (default) the same load runs again for --compare-s seconds on a f
 with shedding off, to show what the SLO would have been without it. Prints one JSON document.
 
     python bench/overload.py [--factor 10] [--duration 60] [--slo 2.0] [--max-seqs 4]
-        [--tokens 64] [--compare-s 5] [--no-compare] [--quick]
+        [--tokens 64] [--fixed-tokens] [--compare-s 5] [--no-compare] [--quick]
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,7 +86,7 @@ class Tally:
 
 
 async def _measure_capacity(
-    client: httpx.AsyncClient, body: dict[str, Any], concurrency: int, seconds: float
+    client: httpx.AsyncClient, body: Callable[[], dict[str, Any]], concurrency: int, seconds: float
 ) -> tuple[float, list[float]]:
     """Completions per second with `concurrency` requests in flight, and their latencies."""
     latencies: list[float] = []
@@ -93,7 +95,7 @@ async def _measure_capacity(
     async def loop() -> None:
         while time.monotonic() < stop:
             t0 = time.monotonic()
-            reply = await client.post("/v1/completions", json=body)
+            reply = await client.post("/v1/completions", json=body())
             reply.raise_for_status()
             latencies.append(time.monotonic() - t0)
 
@@ -103,7 +105,11 @@ async def _measure_capacity(
 
 
 async def _offer(
-    client: httpx.AsyncClient, body: dict[str, Any], rate: float, seconds: float, pid: int
+    client: httpx.AsyncClient,
+    body: Callable[[], dict[str, Any]],
+    rate: float,
+    seconds: float,
+    pid: int,
 ) -> tuple[Tally, list[float], float]:
     """Open-loop arrivals; the tally, the gateway's RSS samples (MB), the achieved rate."""
     tally, rss, done = Tally(), [], asyncio.Event()
@@ -111,7 +117,9 @@ async def _offer(
     async def one() -> None:
         t0 = time.monotonic()
         try:
-            reply: httpx.Response | BaseException = await client.post("/v1/completions", json=body)
+            reply: httpx.Response | BaseException = await client.post(
+                "/v1/completions", json=body()
+            )
         except httpx.HTTPError as exc:
             reply = exc
         tally.add(time.monotonic() - t0, reply)
@@ -152,7 +160,18 @@ async def _run_stack(
     os.environ["TOKENYARD_GATEWAY_TOKENIZER"] = "sim"
     if args.heartbeat_s is not None:
         os.environ["TOKENYARD_WORKER_HEARTBEAT_S"] = str(args.heartbeat_s)
-    body = {"model": MODEL, "prompt": "overload", "max_tokens": args.tokens}
+    rng = random.Random(0)
+    low, high = (
+        (args.tokens, args.tokens)
+        if args.fixed_tokens
+        else (args.tokens // 2, args.tokens * 3 // 2)
+    )
+
+    def body() -> dict[str, Any]:
+        # lengths vary as real requests do (mean --tokens); --fixed-tokens runs every job in
+        # lockstep, where a job's start lags the mean-field estimate by up to one job's time
+        return {"model": MODEL, "prompt": "overload", "max_tokens": rng.randint(low, high)}
+
     try:
         procs.start(
             "worker",
@@ -242,7 +261,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of overload")
     parser.add_argument("--slo", type=float, default=2.0, help="TOKENYARD_GATEWAY_QUEUE_SLO_S")
     parser.add_argument("--max-seqs", type=int, default=4, help="the worker's slots")
-    parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument("--tokens", type=int, default=64, help="mean max_tokens of a request")
+    parser.add_argument(
+        "--fixed-tokens", action="store_true", help="every request --tokens (default: 0.5-1.5x)"
+    )
     parser.add_argument("--warmup-s", type=float, default=5.0, help="capacity measurement")
     parser.add_argument("--heartbeat-s", type=float, help="TOKENYARD_WORKER_HEARTBEAT_S")
     parser.add_argument("--compare-s", type=float, default=5.0, help="seconds without shedding")

@@ -134,10 +134,13 @@ class ServiceRate:
     """A model's fleet completion rate (jobs/s) measured from its workers' heartbeats.
 
     Between two heartbeats of one worker, `jobs_done` grew by `n` over `dt`: it completed
-    n/dt jobs/s holding `busy` jobs on average; with all `slots` busy it does about
-    slots·(n/dt)/busy (Little's law, as autoscale.Estimator). The fleet's rate is the sum over
-    live, non-draining workers of their smoothed capacities. A worker not measured yet counts
-    as the mean of those that are.
+    n/dt jobs/s. While jobs wait for the workers (`saturated`) that is all it can do, so it
+    is its capacity as measured. Otherwise it held `busy` jobs on average, and with all
+    `slots` busy it would do about slots·(n/dt)/busy (Little's law, as autoscale.Estimator);
+    scaling a saturated worker's rate this way would overestimate it, as its running count
+    dips between a job's end and the next one's start. The fleet's rate is the sum over live,
+    non-draining workers of their smoothed capacities. A worker not measured yet counts as the
+    mean of those that are.
     """
 
     def __init__(self, halflife_s: float = 5.0) -> None:
@@ -146,8 +149,9 @@ class ServiceRate:
         self.rate: float | None = None
         self.slots = 0
 
-    def observe(self, workers: Sequence[WorkerInfo]) -> float | None:
-        """Fold in the workers' latest heartbeats; the fleet rate (None: not measured yet)."""
+    def observe(self, workers: Sequence[WorkerInfo], saturated: bool = False) -> float | None:
+        """Fold in the workers' latest heartbeats (`saturated`: jobs are waiting for them);
+        the fleet rate (None: not measured yet)."""
         beats: dict[str, _Beat] = {}
         for info in workers:
             last = self._beats.get(info.consumer)
@@ -162,8 +166,10 @@ class ServiceRate:
                 beats[info.consumer] = last
                 continue
             busy = (info.slots_used + last.slots_used) / 2
-            if done > 0 and busy > 0:
-                sample = max(1, info.slots_total) * (done / dt) / max(busy, 1.0)
+            if done > 0 and (busy > 0 or saturated):
+                sample = done / dt
+                if not saturated:
+                    sample *= max(1, info.slots_total) / max(busy, 1.0)
                 beat.capacity = _ema(last.capacity, sample, dt, self.halflife_s)
             beats[info.consumer] = beat
         self._beats = beats  # workers gone from the registry are forgotten

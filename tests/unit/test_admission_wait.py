@@ -137,6 +137,15 @@ def test_service_rate_from_heartbeats() -> None:
     assert rate.observe([]) is None and rate.slots == 0
 
 
+def test_a_saturated_workers_completion_rate_is_its_capacity() -> None:
+    rate = ServiceRate(halflife_s=0.0)
+    rate.observe([beat("w", 0.0, 0, 3)], saturated=True)
+    # 5 jobs/s; it held 3 of 4 at those instants (between one job's end and the next's start),
+    # but jobs were waiting: scaling by 4/3 would promise more than it does
+    assert rate.observe([beat("w", 2.0, 10, 3)], saturated=True) == pytest.approx(5.0)
+    assert rate.observe([beat("w", 4.0, 20, 3)], saturated=False) == pytest.approx(20 / 3)
+
+
 def test_service_rate_smooths() -> None:
     rate = ServiceRate(halflife_s=2.0)
     rate.observe([beat("w", 0.0, 0, 4)])

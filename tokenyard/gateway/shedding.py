@@ -101,7 +101,8 @@ class QueueWaits:
             self.broker.backlog(model), self.broker.workers(model)
         )
         rate = self._rates.setdefault(model, ServiceRate(self.halflife_s))
-        rate.observe(workers)
+        # jobs waiting for the workers: they run flat out, their completion rate is capacity
+        rate.observe(workers, saturated=any(lane.queued or lane.tenants for lane in lanes))
         snap = Snapshot(lanes, rate.slots, rate.rate)
         self._known[model] = (self.clock(), snap)
         return snap
