@@ -49,7 +49,7 @@ class QueueWaits:
         self,
         broker: _Source,
         ttl_s: float = 0.25,
-        halflife_s: float = 5.0,
+        halflife_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.broker = broker
