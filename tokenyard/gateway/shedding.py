@@ -115,14 +115,14 @@ _REASONS = {
 
 
 async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool) -> None:
-    """Refuse `spec` (429) when its estimated wait misses its own deadline or exceeds the
-    queue-wait SLO; a job without its own deadline is also held to its request timeout."""
+    """Refuse `spec` (429) when its estimated wait misses its own deadline or, with the SLO
+    on, exceeds the queue-wait SLO (or a live call's request timeout, if shorter). With the
+    SLO off, only requests that carry a deadline cost a (shared) read."""
     now = time.time()
     slo: float | None = state.settings.queue_slo_s or None
     deadline = spec.deadline if own_deadline else None
-    if not own_deadline and spec.deadline is not None:  # the live call's timeout
-        left = spec.deadline - now
-        slo = left if slo is None else min(slo, left)
+    if slo is not None and not own_deadline and spec.deadline is not None:
+        slo = min(slo, spec.deadline - now)  # the live call's timeout
     if deadline is None and slo is None:
         return  # nothing to hold it to: no read
     wait = await state.waits.wait(spec)
