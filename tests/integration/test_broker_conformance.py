@@ -493,6 +493,25 @@ async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) 
     assert await broker.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
+async def test_backlog_counts_each_tenants_staged_jobs(make_broker: BrokerFactory) -> None:
+    broker = make_broker(fair_window=2)
+    heavy = [job(tenant="acme") for _ in range(6)]
+    light = [msgspec.structs.replace(job(tenant="other"), weight=2.0) for _ in range(4)]
+    await broker.enqueue_many([job(Priority.HIGH), *heavy, *light])
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    assert lease.priority is Priority.HIGH
+    lanes = await broker.backlog(MODEL)
+    assert [lane.priority for lane in lanes] == list(Priority)  # highest first
+    high, normal = lanes[0], lanes[1]
+    assert (high.queued, high.in_flight, high.tenants) == (0, 1, [])
+    assert normal.in_flight == 0 and normal.queued >= 2  # the fair-share window
+    staged = {t.tenant: t for t in normal.tenants}
+    assert normal.queued + sum(t.staged for t in staged.values()) == 10
+    assert staged["acme"].weight == 1.0 and 0 < staged["acme"].staged <= 6
+    assert staged["other"].weight == 2.0 and 0 < staged["other"].staged <= 4
+    assert all(not lane.tenants and lane.queued == lane.in_flight == 0 for lane in lanes[2:])
+
+
 async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:
     broker = make_broker(max_queue_depth=3)
     await broker.enqueue_many([job() for _ in range(3)])

@@ -86,6 +86,23 @@ class BrokerStats(msgspec.Struct, frozen=True):
     expired: int
 
 
+class TenantBacklog(msgspec.Struct, frozen=True):
+    """One tenant's jobs staged in a lane (waiting for their fair-share turn), and its weight."""
+
+    tenant: str
+    staged: int
+    weight: float
+
+
+class LaneBacklog(msgspec.Struct, frozen=True):
+    """A priority's lanes (size pools together) as admission estimates a new job's wait."""
+
+    priority: Priority
+    queued: int  # in the lane streams, not yet delivered (the fair-share window, retries)
+    in_flight: int  # delivered, not yet completed
+    tenants: list[TenantBacklog]  # staged jobs by tenant; the ones with none are left out
+
+
 class Producer(Protocol):
     """Puts jobs on their lanes (the gateway)."""
 
@@ -242,6 +259,10 @@ class Stats(Protocol):
         ...
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        """Each priority's waiting work by tenant, highest priority first (two round trips)."""
+        ...
 
     async def models(self) -> list[str]: ...
 

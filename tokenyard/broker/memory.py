@@ -17,10 +17,12 @@ from tokenyard.broker.base import (
     CancelOutcome,
     Clock,
     EnqueueResult,
+    LaneBacklog,
     LaneStats,
     Lease,
     ReapReport,
     Settlement,
+    TenantBacklog,
     settlement,
 )
 from tokenyard.broker.keys import tag_of_job
@@ -701,6 +703,22 @@ class MemoryBroker(Broker):
     async def depth(self, model: str) -> int:
         lanes = [self.store.lanes[lane] for lane in self._lanes(model)]
         return sum(len(lane.entries) + lane.fair.count for lane in lanes)
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        out = []
+        for priority in Priority:
+            states = [self.store.lanes[lane] for lane in self._lanes(model) if lane[1] is priority]
+            queued = sum(1 for s in states for e in s.undelivered if e in s.entries)
+            in_flight = sum(1 for s in states for e in s.entries.values() if e.owner is not None)
+            staged: dict[str, TenantBacklog] = {}
+            for s in states:
+                for tenant, heap in s.fair.staged.items():
+                    was = staged.get(tenant)
+                    n = len(heap) + (was.staged if was else 0)
+                    staged[tenant] = TenantBacklog(tenant, n, s.fair.weight.get(tenant, 1.0))
+            tenants = [t for t in staged.values() if t.staged > 0]
+            out.append(LaneBacklog(priority, queued, in_flight, tenants))
+        return out
 
     def _lanes(self, model: str) -> list[LaneId]:
         return [(model, p, pool) for p in Priority for pool in range(self.settings.pool_count)]

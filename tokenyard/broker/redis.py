@@ -23,10 +23,12 @@ from tokenyard.broker.base import (
     CancelOutcome,
     Clock,
     EnqueueResult,
+    LaneBacklog,
     LaneStats,
     Lease,
     ReapReport,
     Settlement,
+    TenantBacklog,
     settlement,
 )
 from tokenyard.broker.channel import Channel, Command
@@ -840,6 +842,52 @@ class RedisBroker(Broker):
             pipe.xlen(lane)
             pipe.hget(self.keys.fair(lane), "staged")
         return sum(int(n or 0) for n in await self._execute(pipe))
+
+    @_unavailable_on_errors
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        # 1: each lane's length, its group (delivered and pending) and its active tenants;
+        # 2: each active tenant's staged count and weight
+        pools = self.settings.pool_count
+        lanes = self.keys.lanes(model, pools)
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in lanes:
+            pipe.xlen(lane)
+            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
+            pipe.zrange(self.keys.fair_active(lane), 0, -1)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        sizes: list[tuple[int, int]] = []
+        actives: list[list[str]] = []
+        for i in range(len(lanes)):
+            total, groups, active = replies[3 * i : 3 * i + 3]
+            if isinstance(total, Exception) or isinstance(active, Exception):
+                raise total if isinstance(total, Exception) else active
+            pending = 0
+            if not isinstance(groups, Exception):
+                group = next((g for g in groups if _s(g["name"]) == GROUP), None)
+                pending = 0 if group is None else int(group["pending"])
+            sizes.append((int(total), pending))
+            actives.append([_s(t) for t in active])
+        pipe = self.redis.pipeline(transaction=False)
+        for lane, tenants in zip(lanes, actives, strict=True):
+            for tenant in tenants:
+                pipe.zcard(self.keys.tenant_queue_prefix(lane) + tenant)
+                pipe.hget(self.keys.fair(lane), f"w:{tenant}")
+        counts: list[Any] = await self._execute(pipe) if any(actives) else []
+        out, at = [], 0
+        for p, priority in enumerate(Priority):
+            staged: dict[str, TenantBacklog] = {}
+            queued = in_flight = 0
+            for i in range(p * pools, (p + 1) * pools):  # a priority's size pools together
+                queued += max(0, sizes[i][0] - sizes[i][1])
+                in_flight += sizes[i][1]
+                for tenant in actives[i]:
+                    n, w = int(counts[at] or 0), float(counts[at + 1] or 1.0)
+                    at += 2
+                    was = staged.get(tenant)
+                    staged[tenant] = TenantBacklog(tenant, n + (was.staged if was else 0), w)
+            waiting = [t for t in staged.values() if t.staged > 0]
+            out.append(LaneBacklog(priority, queued, in_flight, waiting))
+        return out
 
     @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
