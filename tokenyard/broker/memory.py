@@ -7,10 +7,12 @@ import contextlib
 import heapq
 import random
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tokenyard import audit
+from tokenyard.audit import AuditEntry
 from tokenyard.broker.base import (
     Broker,
     BrokerStats,
@@ -158,6 +160,9 @@ class MemoryStore:
         self.quota: dict[str, QuotaState] = defaultdict(QuotaState)
         # tenant -> job id -> (reserved tokens, seconds per token, reserved at)
         self.held: dict[str, dict[str, tuple[int, float, float]]] = defaultdict(dict)
+        # the audit trail: (sequence, entry), oldest first, trimmed to audit_max_len
+        self.audit: deque[tuple[int, AuditEntry]] = deque()
+        self.audit_seq = 0
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -228,7 +233,24 @@ class MemoryBroker(Broker):
     def _emit(self, job_id: str, payload: bytes) -> None:
         self.store.events[job_id].append((self.store.next_id(self.clock()), payload))
 
-    def _finish(self, job: _Job, job_id: str, result: JobResult, now: float) -> None:
+    def _audit(self, entries: Sequence[AuditEntry]) -> None:
+        bound = self.settings.audit_max_len
+        if bound <= 0:
+            return
+        trail = self.store.audit
+        for entry in entries:
+            self.store.audit_seq += 1
+            trail.append((self.store.audit_seq, entry))
+        while len(trail) > bound:
+            trail.popleft()
+
+    def _finish(
+        self, job: _Job, job_id: str, result: JobResult, now: float, audited: bool = True
+    ) -> None:
+        # a job expired at claim is not audited: the Redis claim script cannot reach the
+        # audit stream's slot, and the twins keep one behaviour
+        if audited:
+            self._audit([audit.terminal(decode(job.spec, JobSpec), result, now)])
         job.status = result.status
         job.result = encode(result)
         job.finished_at = now
@@ -320,6 +342,7 @@ class MemoryBroker(Broker):
                 store.inflight[key] = (spec.id, now + self.settings.idempotency_ttl_s)
                 store.jobs[spec.id].followers = 1
             store.models.add(spec.model)
+        self._audit([audit.received(spec, now) for spec, _ in fresh])
         for job_id, count in joins.items():  # counted only now: a refused batch joins nothing
             store.jobs[job_id].followers += count
         for lane in refill:
@@ -406,7 +429,7 @@ class MemoryBroker(Broker):
                     self._remove_entry(lane, entry.entry_id)
                 elif job.deadline is not None and job.deadline < now:
                     self._remove_entry(lane, entry.entry_id)
-                    self._finish(job, entry.job_id, expired_result(), now)
+                    self._finish(job, entry.job_id, expired_result(), now, audited=False)
                     store.counters[model]["expired"] += 1
                 else:
                     entry.owner, entry.touched = consumer, now
@@ -710,6 +733,19 @@ class MemoryBroker(Broker):
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        after = int(cursor) if cursor else 0
+        read = [(seq, e) for seq, e in self.store.audit if seq > after][:count]
+        found = [e for _, e in read if audit.matches(e, since, tenant, model)]
+        return (str(read[-1][0]) if len(read) == count else None), found
 
     # -- quotas ----------------------------------------------------------------------------
     async def reserve(
