@@ -274,3 +274,26 @@ async def concurrency_burst(fleet: Fleet) -> Burst:
     for client in clients:
         await client.close()
     return Burst([s for s, _ in answers], [h for _, h in answers], span)
+
+
+def test_token_budget_across_two_gateway_processes(fleet: Fleet) -> None:
+    # 10 requests' worth of tokens per day: the 11th is refused until the day's reset (UTC)
+    probe = openai.OpenAI(base_url=fleet.urls[0] + "/v1", api_key=fleet.keys["free"])
+    usage = probe.completions.create(model="tiny", prompt="q0", max_tokens=MAX_TOKENS).usage
+    assert usage is not None
+    budget = 10 * (usage.prompt_tokens + MAX_TOKENS)
+    fleet.cli("tenants", "set", "budget", "--token-budget", str(budget), "--budget-period", "day",
+              "--rpm", "1000")  # fmt: skip
+    key = fleet.cli("keys", "create", "--tenant", "budget").split()[-1]
+    result = asyncio.run(burst(fleet, key, "tiny", n=30))
+    assert result.admitted == 10  # no refill within a period: exact
+    now = time.time()
+    to_reset = 86400 - now % 86400
+    for status, headers in zip(result.statuses, result.headers, strict=True):
+        assert headers["x-ratelimit-limit-requests"] == "1000"
+        if status == 429:
+            assert abs(int(headers["retry-after"]) - to_reset) <= 5
+    client = openai.OpenAI(base_url=fleet.urls[1] + "/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model="tiny", prompt="q0", max_tokens=MAX_TOKENS)
+    assert "Token budget" in refused.value.message

@@ -1032,3 +1032,54 @@ async def test_audit_trail_is_bounded(make_broker: BrokerFactory) -> None:
     before = len(await audit_of(off))
     await off.enqueue(job())
     assert len(await audit_of(off)) == before
+
+
+async def test_token_budget_per_period_reserves_settles_and_resets(
+    make_broker: BrokerFactory,
+) -> None:
+    from datetime import UTC, datetime
+
+    broker = make_broker()
+    now = [datetime(2026, 2, 15, 12, tzinfo=UTC).timestamp()]
+    broker.clock = lambda: now[0]  # injected time: the scripts take it instead of TIME
+    quota = Quota(token_budget=100, budget_period="month", rpm=1000)
+    march = datetime(2026, 3, 1, tzinfo=UTC).timestamp()
+    [first] = await broker.reserve("acme", quota, [("j1", 60)])
+    assert first.admitted
+    [over] = await broker.reserve("acme", quota, [("j2", 50)])
+    assert (over.admitted, over.reason) == (False, "budget")
+    assert abs(over.retry_after_s - (march - now[0])) < 1e-3
+    assert over.requests is not None and over.requests[1] == 999  # the refusal took nothing
+    [huge] = await broker.reserve("acme", quota, [("j9", 101)])
+    assert huge.reason == "too_large"
+    # settled to its real count: the unused 40 come back within the month
+    assert await broker.settle([Settlement("acme", "j1", 20)]) == 1
+    [fits] = await broker.reserve("acme", quota, [("j2", 50)])
+    assert fits.admitted
+    [full] = await broker.reserve("acme", quota, [("j3", 31)])
+    assert full.reason == "budget"
+    # a new month: the whole budget again; February's job refunds nothing into it
+    now[0] = march + 1
+    [fresh] = await broker.reserve("acme", quota, [("j4", 100)])
+    assert fresh.admitted
+    assert await broker.settle([Settlement("acme", "j2", 0)]) == 1
+    [none] = await broker.reserve("acme", quota, [("j5", 1)])
+    assert none.reason == "budget"
+    # calendar months across a year's end, and plain seconds (epoch-aligned windows)
+    now[0] = datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
+    monthly = Quota(token_budget=5, budget_period="month")
+    [dec] = await broker.reserve("bob", monthly, [("b1", 5)])
+    [dec_over] = await broker.reserve("bob", monthly, [("b2", 1)])
+    assert dec.admitted and dec_over.reason == "budget"
+    assert abs(dec_over.retry_after_s - 1.0) < 1e-3  # to midnight UTC, Jan 1st
+    now[0] += 1
+    assert (await broker.reserve("bob", monthly, [("b3", 5)]))[0].admitted
+    [end] = await broker.reserve("eve", Quota(token_budget=5, budget_period="month"), [("e", 9)])
+    assert end.reason == "too_large"
+    hourly = Quota(token_budget=5, budget_period="3600")
+    now[0] = 7200.0 + 1800
+    assert (await broker.reserve("ann", hourly, [("a1", 5)]))[0].admitted
+    [later] = await broker.reserve("ann", hourly, [("a2", 5)])
+    assert later.reason == "budget" and abs(later.retry_after_s - 1800) < 1e-3
+    now[0] = 10800.0
+    assert (await broker.reserve("ann", hourly, [("a3", 5)]))[0].admitted

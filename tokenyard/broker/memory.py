@@ -158,8 +158,8 @@ class MemoryStore:
         self.tenants: dict[str, TenantConfig] = {}
         self.api_keys: dict[str, ApiKeyRecord] = {}  # by digest
         self.quota: dict[str, QuotaState] = defaultdict(QuotaState)
-        # tenant -> job id -> (reserved tokens, seconds per token, reserved at)
-        self.held: dict[str, dict[str, tuple[int, float, float]]] = defaultdict(dict)
+        # tenant -> job id -> (reserved tokens, seconds per token, reserved at, budget period)
+        self.held: dict[str, dict[str, tuple[int, float, float, float | None]]] = defaultdict(dict)
         # the audit trail: (sequence, entry), oldest first, trimmed to audit_max_len
         self.audit: deque[tuple[int, AuditEntry]] = deque()
         self.audit_seq = 0
@@ -758,7 +758,8 @@ class MemoryBroker(Broker):
         for job_id, tokens in items:
             decision = limiter.admit(state, quota, tokens, now)
             if decision.admitted:
-                held[job_id] = (tokens, per_token, now)
+                mark = state.budget_start if quota.token_budget else None
+                held[job_id] = (tokens, per_token, now, mark)
             decisions.append(decision)
         return decisions
 
@@ -768,15 +769,16 @@ class MemoryBroker(Broker):
             held = self.store.held[item.tenant].pop(item.job_id, None)
             if held is not None:
                 released += 1
-                reserved, per_token, _ = held
-                limiter.settle(self.store.quota[item.tenant], per_token, reserved, item.actual)
+                reserved, per_token, _, mark = held
+                state = self.store.quota[item.tenant]
+                limiter.settle(state, per_token, reserved, item.actual, budget_start=mark)
         return released
 
     async def settle_finished(self, grace_s: float = 30.0) -> int:
         now = self.clock()
         done: list[Settlement] = []
         for tenant, held in self.store.held.items():
-            for job_id, (_, _, reserved_at) in held.items():
+            for job_id, (_, _, reserved_at, _) in held.items():
                 job = self._job(job_id)
                 if job is None:
                     if now - reserved_at > grace_s:

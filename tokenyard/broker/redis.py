@@ -909,6 +909,8 @@ class RedisBroker(Broker):
                 rpm=quota.rpm,
                 tpm=quota.tpm,
                 max_concurrent=quota.max_concurrent,
+                budget=quota.token_budget,
+                budget_period=quota.budget_period,
             ),
             [(Empty(), scripts.ReserveItemArgs(job_id, tokens)) for job_id, tokens in items],
         )
