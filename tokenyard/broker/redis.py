@@ -32,6 +32,7 @@ from tokenyard.broker.base import (
     Settlement,
     settlement,
 )
+from tokenyard.broker.channel import Channel, Command
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
@@ -94,6 +95,22 @@ def _s(value: bytes | str) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def _xread_command(cursors: Mapping[str, str], count: int, block_s: float | None) -> Command:
+    block: list[str | int] = [] if block_s is None else ["BLOCK", _ms(block_s)]
+    return ("XREAD", "COUNT", count, *block, "STREAMS", *cursors, *cursors.values())
+
+
+def _field(fields: Any, name: bytes) -> Any:
+    """A stream entry's field from its raw reply: a flat [name, value, ...] list (RESP2) or
+    a map (RESP3)."""
+    if isinstance(fields, dict):
+        return fields[name]
+    for i in range(0, len(fields), 2):
+        if fields[i] == name:
+            return fields[i + 1]
+    raise KeyError(name)
 
 
 def _client(settings: BrokerSettings) -> aioredis.Redis:
@@ -164,6 +181,13 @@ class RedisBroker(Broker):
         self.settings = settings
         self.clock = clock
         self.redis: aioredis.Redis = client or _client(settings)
+        # a cluster client routes each command by slot itself: it keeps every call
+        pool = getattr(self.redis, "connection_pool", None)
+        self._channel = (
+            Channel(pool, settings.max_connections, _SOCKET_TIMEOUT_S)
+            if isinstance(pool, aioredis.ConnectionPool)
+            else None
+        )
         self.keys = Keys(settings.prefix)
         self._sources = {spec.name: spec.source() for spec in scripts.SCRIPTS}
         self._shas = {
@@ -183,10 +207,7 @@ class RedisBroker(Broker):
     async def _eval_many(self, calls: Sequence[Call]) -> list[Any]:
         """Run scripts by SHA in one round trip; any the server lacks (it restarted) are loaded
         and only those calls run again, so nothing runs twice."""
-        pipe = self.redis.pipeline(transaction=False)
-        for call in calls:
-            self._evalsha(pipe, call)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
+        results = await self._pipelined([self._evalsha(call) for call in calls])
         return await self._retry_missing(calls, results)
 
     async def _eval_audited(
@@ -198,13 +219,11 @@ class RedisBroker(Broker):
         bound = self.settings.audit_max_len
         if bound <= 0 or not entries:
             return await self._eval_many(calls), [None] * len(entries)
-        pipe = self.redis.pipeline(transaction=False)
-        for call in calls:
-            self._evalsha(pipe, call)
         key = self.keys.audit()
-        for entry in entries:
-            pipe.execute_command("XADD", key, "MAXLEN", "~", bound, "*", "e", encode(entry))
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        replies = await self._pipelined(
+            [self._evalsha(call) for call in calls]
+            + [("XADD", key, "MAXLEN", "~", bound, "*", "e", encode(e)) for e in entries]
+        )
         ids: list[str | None] = []
         for entry, reply in zip(entries, replies[len(calls) :], strict=True):
             if isinstance(reply, Exception):
@@ -221,22 +240,30 @@ class RedisBroker(Broker):
         if found:
             await self.redis.xdel(self.keys.audit(), *found)
 
-    def _evalsha(self, pipe: Any, call: Call) -> None:
+    async def _pipelined(self, commands: Sequence[Command], timeout_s: float = 0.0) -> list[Any]:
+        """Raw commands in one round trip, error replies in their places; on the channel
+        unless this is a cluster client."""
+        if self._channel is not None:
+            return await self._channel.execute(commands, timeout_s or None)
+        pipe = self.redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
+
+    def _evalsha(self, call: Call) -> Command:
         # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline;
         # as a raw command, as a cluster pipeline refuses .evalsha() (it routes the raw one by
         # its first key, and all of a script's keys share that slot)
         name, keys, args = call
-        pipe.execute_command("EVALSHA", self._shas[name], len(keys), *keys, *args)
+        return ("EVALSHA", self._shas[name], len(keys), *keys, *args)
 
     async def _retry_missing(self, calls: Sequence[Call], results: list[Any]) -> list[Any]:
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:
             for name in {calls[i][0] for i in missing}:
                 await self.redis.script_load(self._sources[name])
-            pipe = self.redis.pipeline(transaction=False)
-            for i in missing:
-                self._evalsha(pipe, calls[i])
-            again: list[Any] = await pipe.execute(raise_on_error=False)
+            again = await self._pipelined([self._evalsha(calls[i]) for i in missing])
             for i, result in zip(missing, again, strict=True):
                 results[i] = result
         for result in results:
@@ -415,14 +442,11 @@ class RedisBroker(Broker):
     async def _wake_then_claim(self, hint: _WaitHint, wait_s: float, call: Call) -> Any:
         """XREAD BLOCK on the lanes, then the claim script, pipelined: the server runs the
         script as soon as the read returns (new work, or the wait is over)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xread(
-            dict(zip(hint.lanes, hint.last_ids, strict=True)),
-            count=1,
-            block=_ms(min(wait_s, MAX_BLOCK_S)),
+        block_s = min(wait_s, MAX_BLOCK_S)
+        xread = _xread_command(dict(zip(hint.lanes, hint.last_ids, strict=True)), 1, block_s)
+        woke, reply = await self._pipelined(
+            [xread, self._evalsha(call)], timeout_s=block_s + _SOCKET_TIMEOUT_S
         )
-        self._evalsha(pipe, call)
-        woke, reply = await pipe.execute(raise_on_error=False)
         if isinstance(woke, Exception):
             raise woke
         return (await self._retry_missing([call], [reply]))[0]
@@ -733,15 +757,8 @@ class RedisBroker(Broker):
     async def read_events(
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
-        key = self.keys.events(job_id)
-        reply: Any = await self.redis.xread(
-            {key: after or "0"},
-            count=count,
-            block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
-        )
-        if not reply:
-            return []
-        return [(_s(eid), decode_event(fields[b"e"])) for eid, fields in reply[0][1]]
+        found = await self._read_streams({self.keys.events(job_id): after}, count, block_s)
+        return [(eid, event) for _, eid, event in found]
 
     @_unavailable_on_errors
     async def read_events_many(
@@ -753,15 +770,29 @@ class RedisBroker(Broker):
         if not cursors:
             return []
         job_of = {self.keys.events(job_id): job_id for job_id in cursors}
-        reply: Any = await self.redis.xread(
-            {key: cursors[job_id] or "0" for key, job_id in job_of.items()},
-            count=count,
-            block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
+        found = await self._read_streams(
+            {key: cursors[job_id] for key, job_id in job_of.items()}, count, block_s
         )
+        return [(job_of[key], eid, event) for key, eid, event in found]
+
+    async def _read_streams(
+        self, cursors: Mapping[str, str], count: int, block_s: float
+    ) -> list[tuple[str, str, JobEvent]]:
+        """XREAD of event streams as (stream key, event id, event), parsed from the raw reply."""
+        block = min(block_s, MAX_BLOCK_S) if block_s > 0 else None
+        command = _xread_command(
+            {key: after or "0" for key, after in cursors.items()}, count, block
+        )
+        (reply,) = await self._pipelined([command], timeout_s=(block or 0) + _SOCKET_TIMEOUT_S)
+        if isinstance(reply, Exception):
+            raise reply
+        # RESP2 answers a list of [key, entries], RESP3 a map of key -> entries
+        streams = reply.items() if isinstance(reply, dict) else (reply or ())
         out: list[tuple[str, str, JobEvent]] = []
-        for key, entries in reply or ():
-            job_id = job_of[_s(key)]
-            out += [(job_id, _s(eid), decode_event(fields[b"e"])) for eid, fields in entries]
+        for key, entries in streams:
+            name = _s(key)
+            for eid, fields in entries:
+                out.append((name, _s(eid), decode_event(_field(fields, b"e"))))
         return out
 
     @_unavailable_on_errors
@@ -914,10 +945,9 @@ class RedisBroker(Broker):
             ),
             [(Empty(), scripts.ReserveItemArgs(job_id, tokens)) for job_id, tokens in items],
         )
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.sadd(self.keys.quota_tenants(), tenant)
-        self._evalsha(pipe, call)
-        _, reply = await pipe.execute(raise_on_error=False)
+        _, reply = await self._pipelined(
+            [("SADD", self.keys.quota_tenants(), tenant), self._evalsha(call)]
+        )
         rows = (await self._retry_missing([call], [reply]))[0]
         return [_decision(quota, row) for row in rows]
 
@@ -1052,6 +1082,8 @@ class RedisBroker(Broker):
             return False
 
     async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
         await self.redis.aclose()
 
 
