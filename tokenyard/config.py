@@ -36,6 +36,8 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # e.g. "2048,8192": three lanes per model and priority; a worker claims only the pools its
     # context holds (see broker/policy.py). Gateways and workers must agree. Empty: one pool.
     size_pools: str = ""
+    # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
+    audit_max_len: int = 1_000_000
 
     @property
     def pool_bounds(self) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import msgspec
 
+from tokenyard.audit import AuditEntry
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     DeadLetter,
@@ -329,6 +330,23 @@ class Quotas(Protocol):
         ...
 
 
+class Audit(Protocol):
+    """The audit trail (tokenyard/audit.py): every job's receipt and terminal state, bounded
+    by `BrokerSettings.audit_max_len`; written by enqueue and the terminal paths themselves."""
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        """Entries written at or after `since` (unix s) matching the filters, oldest first,
+        from at most `count` read past `cursor`; the next cursor, None at the end."""
+        ...
+
+
 class Broker(
     Producer,
     Leases,
@@ -340,6 +358,7 @@ class Broker(
     Stats,
     Directory,
     Quotas,
+    Audit,
     Protocol,
 ):
     """Every role at once, plus the settings it runs under and its connection's lifetime."""

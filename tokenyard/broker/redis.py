@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import random
 import time
 from collections import defaultdict
@@ -16,6 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenyard import audit
+from tokenyard.audit import AuditEntry
 from tokenyard.broker import scripts
 from tokenyard.broker.base import (
     Broker,
@@ -69,6 +72,8 @@ CLUSTER_SCHEME = "redis+cluster://"
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+log = logging.getLogger(__name__)
 
 
 def _unavailable_on_errors(
@@ -207,6 +212,36 @@ class RedisBroker(Broker):
         results = await self._pipelined([self._evalsha(call) for call in calls])
         return await self._retry_missing(calls, results)
 
+    async def _eval_audited(
+        self, calls: Sequence[Call], entries: Sequence[AuditEntry]
+    ) -> tuple[list[Any], list[str | None]]:
+        """`_eval_many` with the audit entries' XADDs in the same round trip (the stream has
+        its own hash tag, so it cannot be in the scripts). Returns the scripts' results and
+        each entry's stream id (None where the XADD failed: logged, the state change stands)."""
+        bound = self.settings.audit_max_len
+        if bound <= 0 or not entries:
+            return await self._eval_many(calls), [None] * len(entries)
+        key = self.keys.audit()
+        replies = await self._pipelined(
+            [self._evalsha(call) for call in calls]
+            + [("XADD", key, "MAXLEN", "~", bound, "*", "e", encode(e)) for e in entries]
+        )
+        ids: list[str | None] = []
+        for entry, reply in zip(entries, replies[len(calls) :], strict=True):
+            if isinstance(reply, Exception):
+                log.error("audit entry of job %s not written: %s", entry.job_id, reply)
+                ids.append(None)
+            else:
+                ids.append(_s(reply))
+        return await self._retry_missing(calls, replies[: len(calls)]), ids
+
+    async def _unaudit(self, ids: Sequence[str | None]) -> None:
+        """Take back entries whose state change did not happen (a fenced completion, a job
+        that was not created): rare paths, so the extra round trip stays off the hot one."""
+        found = [i for i in ids if i is not None]
+        if found:
+            await self.redis.xdel(self.keys.audit(), *found)
+
     async def _pipelined(self, commands: Sequence[Command], timeout_s: float = 0.0) -> list[Any]:
         """Raw commands in one round trip, error replies in their places; on the channel
         unless this is a cluster client."""
@@ -257,7 +292,8 @@ class RedisBroker(Broker):
         calls = [
             self._enqueue_call([specs[i] for i in indexes], now) for indexes in by_model.values()
         ]
-        replies = await self._eval_many(calls)
+        receipts = [audit.received(spec, now) for spec in specs]
+        replies, ids = await self._eval_audited(calls, receipts)
         new_models = set(by_model) - self._known_models
         if new_models:
             await self.redis.sadd(self.keys.models(), *new_models)
@@ -265,6 +301,8 @@ class RedisBroker(Broker):
         results: list[EnqueueResult | None] = [None] * len(specs)
         for indexes, (code, payload) in zip(by_model.values(), replies, strict=False):
             if code == -1:
+                # the other models' batches stand; none of this model's jobs was added
+                await self._unaudit([ids[i] for i in indexes])
                 item, depth = payload
                 full = specs[indexes[int(item) - 1]]
                 lane = f"{full.model}/{full.priority.name.lower()}"
@@ -273,6 +311,7 @@ class RedisBroker(Broker):
                 results[i] = EnqueueResult(
                     job_id=_s(job_id), created=created == 1, collapsed=joined == 1
                 )
+        await self._unaudit([ids[i] for i, r in enumerate(results) if r and not r.created])
         return [r for r in results if r is not None]
 
     def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
@@ -511,11 +550,16 @@ class RedisBroker(Broker):
                 )
             )
         accepted = [False] * len(items)
-        for indexes, flags in zip(by_model.values(), await self._eval_many(calls), strict=True):
+        when = self.clock()
+        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
+        replies, ids = await self._eval_audited(calls, entries)
+        for indexes, flags in zip(by_model.values(), replies, strict=True):
             for i, flag in zip(indexes, flags, strict=True):
                 accepted[i] = bool(flag)
+        await self._unaudit([ids[i] for i in range(len(items)) if not accepted[i]])
         await self._settle_specs(
-            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]]
+            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
+            audited=False,
         )
         return accepted
 
@@ -525,6 +569,7 @@ class RedisBroker(Broker):
         delay = backoff_delay(
             lease.spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
+        dead = dead_result(f"{reason}: {error}")
         call = scripts.FAIL.call(
             scripts.FailKeys(
                 lane=self._lane(lease),
@@ -544,7 +589,7 @@ class RedisBroker(Broker):
                 now=repr(now),
                 due_at=repr(now + delay),
                 max_deliveries=self.settings.max_deliveries,
-                finished=encode(Finished(result=dead_result(f"{reason}: {error}"))),
+                finished=encode(Finished(result=dead)),
                 ttl_ms=self._ttl_ms,
                 reason=reason,
                 force_dead="1" if force_dead else "0",
@@ -552,8 +597,8 @@ class RedisBroker(Broker):
             ),
         )
         outcome = int(await self._run(call))
-        if outcome == 0:  # dead: its reservation is refunded
-            await self._settle_specs([(lease.spec, None)])
+        if outcome == 0:  # dead: its reservation is refunded, its end audited
+            await self._settle_specs([(lease.spec, dead)])
         return outcome
 
     @_unavailable_on_errors
@@ -912,6 +957,22 @@ class RedisBroker(Broker):
         members: Any = await self.redis.smembers(self.keys.models())
         return sorted(_s(m) for m in members)
 
+    @_unavailable_on_errors
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        # stream ids are the server's ms: `since` starts the range, later filtered exactly
+        start = f"({cursor}" if cursor else f"{max(0, int(since * 1000) - 1000)}-0"
+        rows: Any = await self.redis.xrange(self.keys.audit(), min=start, count=count)
+        found = [decode(fields[b"e"], AuditEntry) for _, fields in rows]
+        found = [e for e in found if audit.matches(e, since, tenant, model)]
+        return (_s(rows[-1][0]) if len(rows) == count else None), found
+
     # -- quotas ----------------------------------------------------------------------------
     @_unavailable_on_errors
     async def reserve(
@@ -927,6 +988,8 @@ class RedisBroker(Broker):
                 rpm=quota.rpm,
                 tpm=quota.tpm,
                 max_concurrent=quota.max_concurrent,
+                budget=quota.token_budget,
+                budget_period=quota.budget_period,
             ),
             [(Empty(), scripts.ReserveItemArgs(job_id, tokens)) for job_id, tokens in items],
         )
@@ -940,10 +1003,13 @@ class RedisBroker(Broker):
     async def settle(self, items: Sequence[Settlement]) -> int:
         if not items:
             return 0
+        return sum(int(n) for n in await self._eval_many(self._settle_calls(items)))
+
+    def _settle_calls(self, items: Sequence[Settlement]) -> list[Call]:
         by_tenant: dict[str, list[Settlement]] = defaultdict(list)
         for item in items:
             by_tenant[item.tenant].append(item)
-        calls = [
+        return [
             scripts.SETTLE.call(
                 scripts.QuotaKeys(quota=self.keys.quota(t), held=self.keys.quota_held(t)),
                 Empty(),
@@ -951,7 +1017,6 @@ class RedisBroker(Broker):
             )
             for t, group in by_tenant.items()
         ]
-        return sum(int(n) for n in await self._eval_many(calls))
 
     @_unavailable_on_errors
     async def settle_finished(self, grace_s: float = 30.0) -> int:
@@ -984,10 +1049,20 @@ class RedisBroker(Broker):
             released += await self.settle(done)
         return released
 
-    async def _settle_specs(self, specs: Sequence[tuple[JobSpec, JobResult | None]]) -> None:
+    async def _settle_specs(
+        self, specs: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True
+    ) -> None:
+        """Settle jobs that just ended and, unless their path wrote it already, audit their
+        end: one round trip for both (the terminal entry rides with the settlement)."""
         held = [settlement(spec, result) for spec, result in specs if spec.quota]
-        if held:
-            await self.settle(held)
+        now = self.clock()
+        entries = (
+            [audit.terminal(spec, result, now) for spec, result in specs if result is not None]
+            if audited
+            else []
+        )
+        if held or entries:
+            await self._eval_audited(self._settle_calls(held) if held else [], entries)
 
     # -- directory -------------------------------------------------------------------------
     @_unavailable_on_errors
