@@ -37,7 +37,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # context holds (see broker/policy.py). Gateways and workers must agree. Empty: one pool.
     size_pools: str = ""
     # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
-    audit_max_len: int = 1_000_000
+    audit_max_len: int = 200_000  # ~100,000 jobs; an entry is ~0.3 kB in Valkey
 
     @property
     def pool_bounds(self) -> tuple[int, ...]:
