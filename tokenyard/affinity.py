@@ -33,6 +33,27 @@ def prefix_key(token_ids: Sequence[int] | None, prefix_tokens: int, block: int =
     return digest.hexdigest()
 
 
+def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_limit(
+    token_ids: Sequence[int], system_ids: Sequence[int] | None, prefix_tokens: int
+) -> int:
+    """How many leading tokens the prefix key covers: the part shared with the templated
+    system prompt alone (`system_ids`, a chat request's system messages) when there is one,
+    so the user's turn never splits one system prompt into many keys; else `prefix_tokens`."""
+    if system_ids:
+        return min(prefix_tokens, shared_len(token_ids, system_ids))
+    return prefix_tokens
+
+
 def hold_for(owner: str | None, held: int, max_held: int) -> bool:
     """Whether a new job is held for the prefix's `owner`: it has one, and fewer than
     `max_held` jobs already wait for it (a hot prefix must not pile up on one worker)."""

@@ -16,6 +16,7 @@ from tokenyard.broker import Broker, connect
 from tokenyard.cache import ResponseCache
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator, KeyRing
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.errors import install_error_handlers
@@ -83,6 +84,7 @@ def create_app(
                 routing=routing,
                 depths=LaneDepths(active),
                 started_at=time.time(),
+                prefixes=PrefixKeys(settings.affinity_prefix_tokens),
             )
             app.state.gateway = state
             app.state.batches = BatchService.start(state, files)
