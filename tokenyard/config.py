@@ -163,6 +163,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # what identifies the served weights in the response cache's key; None: the engine's own
     # (hf: a fingerprint of the model directory and the dtype; other engines: their name)
     model_revision: str | None = None
+    # sim engine: tokens of its LRU prefix cache (a cached prefix costs nothing to prefill); 0: off
+    sim_prefix_cache_tokens: int = 0
     # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
     # above become max_num_seqs and dtype, None keeps vLLM's own default
     vllm_max_model_len: int | None = None
