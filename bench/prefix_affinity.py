@@ -182,7 +182,7 @@ async def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     opts = parser.parse_args()
     if opts.quick:
-        opts.jobs, opts.rate = 60, 30.0
+        opts.jobs, opts.rate = min(opts.jobs, 60), 30.0
     with EmbeddedServer(appendfsync="everysec") as server:
         without = await run(server.url, opts, affinity=False)
         with_affinity = await run(server.url, opts, affinity=True)
