@@ -978,8 +978,14 @@ def prefixed(prefix: str = "sys-a") -> JobSpec:
     return spec
 
 
+async def beat(broker: Broker, worker: str, ttl_s: float = 30.0) -> None:
+    info = WorkerInfo(consumer=worker, model=MODEL, engine="sim", host="h", pid=1, started_at=0)
+    await broker.heartbeat(info, ttl_s)
+
+
 async def run_prefix(broker: Broker, worker: str, prefix: str = "sys-a") -> None:
-    """`worker` claims (and finishes) a job with `prefix`: it becomes the prefix's owner."""
+    """Live `worker` claims (and finishes) a job with `prefix`: it becomes the prefix's owner."""
+    await beat(broker, worker)
     await broker.enqueue(prefixed(prefix))
     [lease] = await broker.claim(MODEL, worker, slots=1)
     assert await broker.complete(lease, ok(lease))
@@ -990,6 +996,7 @@ async def test_prefix_affinity_holds_a_job_for_the_worker_that_ran_its_prefix(
 ) -> None:
     broker = make_broker(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
+    await beat(broker, "w2")
     held, plain, other = prefixed(), job(), prefixed("sys-b")
     await broker.enqueue_many([held, plain, other])
     assert await broker.depth(MODEL) == 3
@@ -1021,7 +1028,7 @@ async def test_a_held_job_goes_to_any_worker_after_the_affinity_wait(
     make_broker: BrokerFactory,
 ) -> None:
     broker = make_broker(affinity_wait_s=0.3)
-    await run_prefix(broker, "w1")  # w1 owns the prefix, then goes away (or is busy)
+    await run_prefix(broker, "w1")  # w1 owns the prefix, then is busy (or hangs)
     spec = prefixed()
     await broker.enqueue(spec)
     assert await broker.claim(MODEL, "w2", slots=1) == []  # held for w1
@@ -1031,6 +1038,33 @@ async def test_a_held_job_goes_to_any_worker_after_the_affinity_wait(
     assert lease.spec.id == spec.id and lease.affinity
     assert 0.15 < waited < 1.5
     assert await broker.complete(lease, ok(lease))
+    # ownership is sticky while w1 lives: the next job still waits for w1, not for w2
+    again = prefixed()
+    await broker.enqueue(again)
+    assert await broker.claim(MODEL, "w2", slots=1) == []
+    [mine] = await broker.claim(MODEL, "w1", slots=1)
+    assert mine.spec.id == again.id and mine.affinity
+
+
+async def test_no_job_waits_for_a_worker_whose_heartbeat_lapsed(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(affinity_wait_s=30.0)
+    await run_prefix(broker, "w1")
+    await beat(broker, "w1", ttl_s=0.2)
+    await asyncio.sleep(0.3)  # w1 died: its heartbeat lapsed
+    spec = prefixed()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w2", slots=1)  # at once, from the lane
+    assert lease.spec.id == spec.id and not lease.affinity
+    assert await broker.complete(lease, ok(lease))
+    # w2 ran it with w1 gone: w2 owns the prefix now
+    await beat(broker, "w2")
+    later = prefixed()
+    await broker.enqueue(later)
+    assert await broker.claim(MODEL, "w3", slots=1) == []
+    [mine] = await broker.claim(MODEL, "w2", slots=1)
+    assert mine.spec.id == later.id and mine.affinity
 
 
 async def test_the_preferred_worker_wakes_for_a_job_held_for_it(
@@ -1066,7 +1100,9 @@ async def test_an_affinity_lease_is_reaped_and_released_like_any_other(
     assert fresh.spec.id == spec.id and fresh.spec.attempt == 1 and not fresh.affinity
     assert not await broker.complete(zombie, ok(zombie, "zombie"))
     assert await broker.complete(fresh, ok(fresh, "fresh"))
-    # w2 owns the prefix now; a drain hands its affinity job back to the lane, for anyone
+    await broker.deregister(MODEL, "w1")  # w1 is gone for good
+    # w2 owns the prefix once it runs it; a drain hands its affinity job back, for anyone
+    await run_prefix(broker, "w2")
     spec2 = prefixed()
     await broker.enqueue(spec2)
     [held] = await broker.claim(MODEL, "w2", slots=1)

@@ -17,7 +17,7 @@ def test_prefix_key_covers_whole_blocks_only() -> None:
     assert prefix_key(ids, 64, block=16) == prefix_key(ids[:64] + [7] * 36, 64, block=16)
     # 40 tokens allowed: two whole blocks (32); token 33 onwards does not count
     assert prefix_key(ids, 40, block=16) == prefix_key(ids[:32] + [1] * 50, 40, block=16)
-    assert prefix_key(ids, 40, block=16) != prefix_key([9] + ids[1:], 40, block=16)
+    assert prefix_key(ids, 40, block=16) != prefix_key([9, *ids[1:]], 40, block=16)
     assert prefix_key(ids[:15], 64, block=16) == ""  # shorter than one block
     assert prefix_key(ids, 0) == "" and prefix_key(None, 64) == ""
     # the covered length is part of the key

@@ -350,8 +350,15 @@ class MemoryBroker(Broker):
         return known[0] if job is not None and not job.status.terminal else None
 
     def _prefix_owner(self, model: str, prefix: str, now: float) -> str | None:
+        """The live worker that owns a prefix (as enqueue.lua / claim.lua), if any."""
         known = self.store.prefix_owner.get((model, prefix)) if prefix else None
-        return known[0] if known is not None and known[1] > now else None
+        if known is None or known[1] <= now:
+            return None
+        return known[0] if self._alive(model, known[0], now) else None
+
+    def _alive(self, model: str, consumer: str, now: float) -> bool:
+        beat = self.store.workers[model].get(consumer)
+        return beat is not None and beat[1] > now
 
     def _refill(self, lane: LaneId, want: int, now: float) -> int:
         """Top the lane up to `want` undelivered jobs from its tenants' staged ones."""
@@ -471,7 +478,9 @@ class MemoryBroker(Broker):
         entry.owner, entry.touched = consumer, now
         job.deliveries += 1
         job.status, job.started_at, job.worker = JobStatus.RUNNING, now, consumer
-        if job.prefix:  # this worker's engine is about to cache the prefix
+        # this worker's engine is about to cache the prefix: it owns it unless a live worker does
+        owner = self._prefix_owner(model, job.prefix, now)
+        if job.prefix and owner in (None, consumer):
             until = now + self.settings.affinity_ttl_s
             store.prefix_owner[(model, job.prefix)] = (consumer, until)
         spec = decode(job.spec, JobSpec)

@@ -282,7 +282,7 @@ class RedisBroker(Broker):
                 )
             )
         return scripts.ENQUEUE.call(
-            Empty(),
+            scripts.EnqueueKeys(workers=self.keys.workers(specs[0].model)),
             scripts.EnqueueArgs(
                 now=repr(now),
                 max_depth=self.settings.max_queue_depth,
@@ -331,6 +331,7 @@ class RedisBroker(Broker):
                     delayed=self.keys.delayed(model),
                     counters=self.keys.counters(model),
                     wake=self.keys.wake(model, consumer),
+                    workers=self.keys.workers(model),
                 ),
                 scripts.ClaimArgs(
                     group=GROUP,

@@ -151,8 +151,12 @@ class EnqueueItemArgs(NamedTuple):
     affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
 
 
+class EnqueueKeys(NamedTuple):
+    workers: str  # live workers by heartbeat lapse: a job is held only for a live one
+
+
 ENQUEUE = ScriptSpec(
-    "enqueue", Empty, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs, libraries=("fair",)
+    "enqueue", EnqueueKeys, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs, libraries=("fair",)
 )
 
 
@@ -161,6 +165,7 @@ class ClaimKeys(NamedTuple):
     delayed: str
     counters: str
     wake: str  # this worker's wake stream (prefix affinity): its newest id is a wait hint
+    workers: str  # live workers by heartbeat lapse: who may keep a prefix
 
 
 class ClaimArgs(NamedTuple):

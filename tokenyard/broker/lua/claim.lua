@@ -1,5 +1,5 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
--- KEYS: delayed, counters, wake; per item: lane, fair, active, held, mine, aff
+-- KEYS: delayed, counters, wake, workers; per item: lane, fair, active, held, mine, aff
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
 --   ttl_ms, wait_hints, window, capped_room, pfx_prefix, pfx_ttl_ms, aff_wait;
 --   per item: tq_prefix, capped, affw_prefix
@@ -13,7 +13,10 @@
 -- then jobs held for any worker longer than aff_wait seconds (so a busy or dead worker's jobs
 -- still run); both are added to the lane's affinity stream `aff` and read from it at once, so
 -- their leases work like any lane entry's (renew, complete, reap) and `aff` never holds an
--- undelivered entry. Each claimed job with a prefix key records this worker as its owner.
+-- undelivered entry. A claimed job with a prefix key makes this worker the prefix's owner for
+-- pfx_ttl_ms, unless another live worker (heartbeat not lapsed) owns it: ownership is sticky,
+-- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
+-- cache holds it, and it moves at once when the owner is gone.
 -- Returns {claimed, last_ids, next_due, wake_id}:
 -- claimed = {{entry_id, spec, attempt, resumable, affinity}}.
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
@@ -83,7 +86,12 @@ local function take(stream, entries, capped, affinity)
         'deliveries', deliveries)
       if h[5] and h[5] ~= '' then
         -- prefix affinity: this worker's engine is about to cache the prefix
-        redis.call('SET', A.pfx_prefix .. h[5], consumer, 'PX', A.pfx_ttl_ms)
+        local pk = A.pfx_prefix .. h[5]
+        local owner = redis.call('GET', pk)
+        if (not owner) or owner == consumer
+          or tonumber(redis.call('ZSCORE', K.workers, owner) or '0') <= nowf then
+          redis.call('SET', pk, consumer, 'PX', A.pfx_ttl_ms)
+        end
       end
       local resumable = redis.call('EXISTS', A.event_prefix .. jid)
       claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity}
