@@ -75,6 +75,12 @@ def test_prefix_cache_hits_leading_blocks_and_evicts_least_recent() -> None:
     assert cache.lookup_and_insert(system + [200] * 20) == 32  # the system prompt's blocks
     # a different first block: nothing after it counts, even if later tokens match
     assert cache.lookup_and_insert([999] + system[1:] + [100] * 20) == 0
-    # four blocks held: the oldest (system's) were pushed out by the last two prompts
-    assert cache.lookup_and_insert(system) == 0
+    # four blocks held: eviction took the tails of the older prompts first; system's first
+    # block was touched last by the second prompt, so a leading run still hits
+    assert cache.lookup_and_insert(system) == 16
+    tail_first = PrefixCache(capacity_tokens=48, block=16)
+    tail_first.lookup_and_insert(system)  # blocks s0, s1
+    tail_first.lookup_and_insert([500] * 16)  # one more block: three held
+    tail_first.lookup_and_insert([600] * 16)  # four: s1, the tail, goes first
+    assert tail_first.lookup_and_insert(system) == 16
     assert PrefixCache(0).lookup_and_insert(system) == 0

@@ -61,7 +61,9 @@ class _SimSeq(EngineSeq):
 
 class PrefixCache:
     """An LRU of prompt blocks, as vLLM's automatic prefix caching: a block is named by the hash
-    of every token up to its end, so a hit is always a whole leading run of blocks."""
+    of every token up to its end, so a hit is always a whole leading run of blocks. As in vLLM,
+    a prompt's blocks are freed last-first, so eviction eats a prefix from its tail and what is
+    left still hits."""
 
     def __init__(self, capacity_tokens: int, block: int = 16) -> None:
         self.block = block
@@ -70,11 +72,11 @@ class PrefixCache:
 
     def lookup_and_insert(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` already cached (its leading whole blocks); then its blocks are
-        cached, most recently used last."""
+        cached, its first block the most recently used."""
         if self.capacity <= 0:
             return 0
         digest = hashlib.blake2b(digest_size=16)
-        hit, missed = 0, False
+        hit, missed, names = 0, False, []
         for end in range(self.block, len(token_ids) + 1, self.block):
             digest.update(
                 b"".join(t.to_bytes(4, "little") for t in token_ids[end - self.block : end])
@@ -84,6 +86,8 @@ class PrefixCache:
                 hit = end
             else:
                 missed = True
+            names.append(name)
+        for name in reversed(names):  # the first block ends most recently used
             self._blocks[name] = None
             self._blocks.move_to_end(name)
         while len(self._blocks) > self.capacity:
