@@ -392,10 +392,12 @@ class MemoryBroker(Broker):
             due = list(self.store.delayed[model].values())
             # prefix affinity: a job held for another worker may be taken once it waited
             wait_s = self.settings.affinity_wait_s
-            due += [
+            now = self.clock()
+            due += [  # one overdue already is one this claim could not take (the batch cap)
                 at + wait_s
                 for lane in self._lanes(model)
                 for _, at in self.store.affinity_held[lane].values()
+                if at + wait_s > now
             ]
             if due:
                 wait = min(wait, max(0.001, min(due) - self.clock()))

@@ -171,9 +171,11 @@ if remaining > 0 and A.wait_hints == '1' then
   local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   local due_at = first[2] and tonumber(first[2]) or math.huge
   for i = 1, N do
-    -- a job held for another worker: wake when any worker may take it
+    -- a job held for another worker: wake when any worker may take it (one overdue already is
+    -- one this claim could not take, e.g. under the batch cap: no reason to wake for it)
     local held = redis.call('ZRANGE', item(i).held, 0, 0, 'WITHSCORES')
-    if held[2] then due_at = math.min(due_at, tonumber(held[2]) + aff_wait) end
+    local held_due = held[2] and tonumber(held[2]) + aff_wait
+    if held_due and held_due > nowf then due_at = math.min(due_at, held_due) end
   end
   if due_at ~= math.huge then next_due = string.format('%.6f', due_at) end
   local newest = redis.call('XREVRANGE', K.wake, '+', '-', 'COUNT', 1)
