@@ -10,6 +10,12 @@ broker (the gateway's part, the prefix key, is the pure `tokenyard.affinity.pref
 TTFT is enqueue → first token event, on the server's clock (the event's id). Prints one JSON.
 
     python bench/prefix_affinity.py [--jobs 400] [--rate 40] [--workers 4] [--quick]
+
+`--engine vllm` (run from the vLLM venv, e.g. `VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python`)
+runs the same comparison on real vLLM prefix caching: `tokenyard worker --engine vllm` processes
+on the tiny model (head size 32), whose KV caches hold every prompt, so what affinity saves is
+the cold misses: many system prompts, each used a few times (`--prompts 32 --jobs 96`); a
+different set of prompts per run, a warm-up before both. The hit rate is not reported there.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +38,7 @@ from typing import Any
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, percentile
+from bench.common import Processes, loadavg, percentile
 from tokenyard.affinity import prefix_key
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
@@ -53,17 +60,19 @@ def _ms(values: list[float]) -> dict[str, float | None]:
     return {"p50_ms": pct(50), "p99_ms": pct(99), "mean_ms": mean}
 
 
-def workload(opts: argparse.Namespace) -> list[tuple[float, list[int]]]:
+def workload(opts: argparse.Namespace, seed: int) -> list[tuple[float, list[int]]]:
     """(arrival offset s, prompt ids): a system prompt picked uniformly, then a user turn."""
-    rng = random.Random(opts.seed)
-    systems = [
-        [3 + rng.randrange(256) for _ in range(opts.prompt_tokens)] for _ in range(opts.prompts)
-    ]
+    rng = random.Random(seed)
+    vocab = 256 if opts.engine == "sim" else 1000  # byte tokens; the tiny model's ids
+
+    def tokens(n: int) -> list[int]:
+        return [3 + rng.randrange(vocab) for _ in range(n)]
+
+    systems = [tokens(opts.prompt_tokens) for _ in range(opts.prompts)]
     at, jobs = 0.0, []
     for _ in range(opts.jobs):
         at += rng.expovariate(opts.rate)
-        user = [3 + rng.randrange(256) for _ in range(opts.user_tokens)]
-        jobs.append((at, systems[rng.randrange(opts.prompts)] + user))
+        jobs.append((at, systems[rng.randrange(opts.prompts)] + tokens(opts.user_tokens)))
     return jobs
 
 
@@ -87,6 +96,7 @@ async def _worker(settings: BrokerSettings, engine: SimEngine, slots: int) -> As
 
 
 async def run(url: str, opts: argparse.Namespace, affinity: bool) -> dict[str, Any]:
+    """One run on in-process sim workers (their engines' prefix caches counted)."""
     settings = BrokerSettings(
         url=url, prefix=f"pa{uuid.uuid4().hex[:8]}", affinity_wait_s=opts.wait_ms / 1000
     )
@@ -100,52 +110,60 @@ async def run(url: str, opts: argparse.Namespace, affinity: bool) -> dict[str, A
         )
         for _ in range(opts.workers)
     ]
-    jobs = workload(opts)
     broker = RedisBroker(settings)
-    enqueued: dict[str, float] = {}
     async with AsyncExitStack() as stack:
         for engine in engines:
             await stack.enter_async_context(_worker(settings, engine, opts.slots))
         while len(await broker.workers(MODEL)) < opts.workers:
             await asyncio.sleep(0.05)
-        specs = []
-        start = time.time()
-        for offset, ids in jobs:
-            delay = start + offset - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            spec = JobSpec(
-                id=new_job_id(MODEL),
-                model=MODEL,
-                prompt_token_ids=ids,
-                sampling=SamplingParams(
-                    max_tokens=opts.max_tokens, temperature=0.0, ignore_eos=True
-                ),
-                prefix_key=prefix_key(ids, opts.prompt_tokens) if affinity else "",
-            )
-            enqueued[spec.id] = time.time()
-            await broker.enqueue(spec)
-            specs.append(spec)
-        ttft: list[float] = []
-        results: dict[str, JobResult] = {}
-        end = 0.0
-        for spec in specs:
-            after, first = "0", None
-            while spec.id not in results:
-                for event_id, event in await broker.read_events(spec.id, after, block_s=5.0):
-                    after = event_id
-                    at = int(event_id.split("-")[0]) / 1000
-                    if isinstance(event, TokenChunk) and first is None:
-                        first = at
-                    if isinstance(event, Finished):
-                        results[spec.id] = event.result
-                        end = max(end, at)
-            if first is not None:
-                ttft.append(max(0.0, first - enqueued[spec.id]))
+        report = await measure(broker, workload(opts, opts.seed), opts, affinity)
     await broker.close()
-    ok = [r for r in results.values() if r.status is JobStatus.SUCCEEDED]
     queries = sum(e.stats().prefix_cache_queries for e in engines)
     hits = sum(e.stats().prefix_cache_hits for e in engines)
+    return {**report, "prefix_cache_hit_rate": round(hits / queries, 3) if queries else None}
+
+
+async def measure(
+    broker: RedisBroker,
+    jobs: list[tuple[float, list[int]]],
+    opts: argparse.Namespace,
+    affinity: bool,
+) -> dict[str, Any]:
+    """Enqueue `jobs` on their schedule, then read every job's events: TTFT and throughput."""
+    enqueued: dict[str, float] = {}
+    specs = []
+    start = time.time()
+    for offset, ids in jobs:
+        delay = start + offset - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        spec = JobSpec(
+            id=new_job_id(MODEL),
+            model=MODEL,
+            prompt_token_ids=ids,
+            sampling=SamplingParams(max_tokens=opts.max_tokens, temperature=0.0, ignore_eos=True),
+            prefix_key=prefix_key(ids, opts.prompt_tokens) if affinity else "",
+        )
+        enqueued[spec.id] = time.time()
+        await broker.enqueue(spec)
+        specs.append(spec)
+    ttft: list[float] = []
+    results: dict[str, JobResult] = {}
+    end = 0.0
+    for spec in specs:
+        after, first = "0", None
+        while spec.id not in results:
+            for event_id, event in await broker.read_events(spec.id, after, block_s=5.0):
+                after = event_id
+                at = int(event_id.split("-")[0]) / 1000
+                if isinstance(event, TokenChunk) and first is None:
+                    first = at
+                if isinstance(event, Finished):
+                    results[spec.id] = event.result
+                    end = max(end, at)
+        if first is not None:
+            ttft.append(max(0.0, first - enqueued[spec.id]))
+    ok = [r for r in results.values() if r.status is JobStatus.SUCCEEDED]
     elapsed = max(1e-9, end - start)
     per_worker: dict[str, int] = {}
     for r in ok:
@@ -155,11 +173,45 @@ async def run(url: str, opts: argparse.Namespace, affinity: bool) -> dict[str, A
         "jobs": len(specs),
         "succeeded": len(ok),
         "ttft": _ms(ttft),
-        "prefix_cache_hit_rate": round(hits / queries, 3) if queries else None,
         "jobs_per_s": round(len(ok) / elapsed, 2),
         "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / elapsed, 1),
         "jobs_per_worker": sorted(per_worker.values()),
     }
+
+
+async def run_vllm(url: str, opts: argparse.Namespace) -> tuple[dict[str, Any], ...]:
+    """Both runs on `tokenyard worker --engine vllm` processes (started once, warmed up)."""
+    settings = BrokerSettings(
+        url=url, prefix=f"pv{uuid.uuid4().hex[:8]}", affinity_wait_s=opts.wait_ms / 1000
+    )
+    # the worker processes inherit this environment
+    os.environ["TOKENYARD_BROKER_AFFINITY_WAIT_S"] = str(settings.affinity_wait_s)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    procs = Processes(Path(tempfile.mkdtemp(prefix="prefix-affinity-")))
+    broker = RedisBroker(settings)
+    try:
+        for i in range(opts.workers):
+            cmd = [
+                sys.executable, "-m", "tokenyard.worker", "--broker", url,
+                "--prefix", settings.prefix, "--model", "tiny", "--engine", "vllm",
+                "--max-seqs", str(opts.slots), "--consumer", f"vllm-{i}",
+            ]  # fmt: skip
+            procs.start(f"worker-{i}", cmd)
+        give_up = time.monotonic() + 600
+        while len(await broker.workers(MODEL)) < opts.workers:
+            procs.check()
+            if time.monotonic() > give_up:
+                raise TimeoutError("vLLM workers did not start")
+            await asyncio.sleep(0.5)
+        # warm-up (not counted): compile and first-step costs, on prompts of their own
+        warm = argparse.Namespace(**{**vars(opts), "jobs": 4 * opts.workers, "rate": 4.0})
+        await measure(broker, workload(warm, opts.seed + 100), warm, affinity=False)
+        without = await measure(broker, workload(opts, opts.seed), opts, affinity=False)
+        with_affinity = await measure(broker, workload(opts, opts.seed + 1), opts, affinity=True)
+    finally:
+        await broker.close()
+        procs.stop()
+    return without, with_affinity
 
 
 async def main() -> None:
@@ -179,13 +231,17 @@ async def main() -> None:
     parser.add_argument("--decode-step", type=float, default=0.01)
     parser.add_argument("--wait-ms", type=float, default=100.0, help="affinity bound")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     opts = parser.parse_args()
     if opts.quick:
         opts.jobs, opts.rate = min(opts.jobs, 60), 30.0
     with EmbeddedServer(appendfsync="everysec") as server:
-        without = await run(server.url, opts, affinity=False)
-        with_affinity = await run(server.url, opts, affinity=True)
+        if opts.engine == "vllm":
+            without, with_affinity = await run_vllm(server.url, opts)
+        else:
+            without = await run(server.url, opts, affinity=False)
+            with_affinity = await run(server.url, opts, affinity=True)
     gain = None
     if with_affinity["ttft"]["p50_ms"] and without["ttft"]["p50_ms"]:
         gain = round(without["ttft"]["p50_ms"] / with_affinity["ttft"]["p50_ms"], 2)
@@ -198,6 +254,7 @@ async def main() -> None:
                 "workload": {
                     k: getattr(opts, k)
                     for k in (
+                        "engine",
                         "jobs",
                         "rate",
                         "workers",
