@@ -48,7 +48,7 @@ from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import Finished, JobResult, JobSpec, JobStatus, SamplingParams, TokenChunk
 from tokenyard.worker.worker import Worker
 
-MODEL = "sim-model"
+MODEL = "tiny"  # the lane; vLLM workers serve the tiny model under this name
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
