@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
+from tokenyard.audit_cli import audit
 from tokenyard.autoscale_cli import autoscale, worker_ready
 from tokenyard.batch.cli import app as batch_app
 from tokenyard.bench.command import bench
@@ -298,6 +299,7 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
 
 app.command("bench")(bench)
 app.command("autoscale")(autoscale)
+app.command("audit")(audit)
 app.command("worker-ready")(worker_ready)
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")

@@ -42,6 +42,8 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_wait_s: float = 0.1
     affinity_ttl_s: float = 60.0
     affinity_max_held: int = 8
+    # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
+    audit_max_len: int = 1_000_000
 
     @property
     def pool_bounds(self) -> tuple[int, ...]:

@@ -493,6 +493,25 @@ async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) 
     assert await broker.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
+async def test_backlog_counts_each_tenants_staged_jobs(make_broker: BrokerFactory) -> None:
+    broker = make_broker(fair_window=2)
+    heavy = [job(tenant="acme") for _ in range(6)]
+    light = [msgspec.structs.replace(job(tenant="other"), weight=2.0) for _ in range(4)]
+    await broker.enqueue_many([job(Priority.HIGH), *heavy, *light])
+    [lease] = await broker.claim(MODEL, "w", slots=1)
+    assert lease.priority is Priority.HIGH
+    lanes = await broker.backlog(MODEL)
+    assert [lane.priority for lane in lanes] == list(Priority)  # highest first
+    high, normal = lanes[0], lanes[1]
+    assert (high.queued, high.in_flight, high.tenants) == (0, 1, [])
+    assert normal.in_flight == 0 and normal.queued >= 2  # the fair-share window
+    staged = {t.tenant: t for t in normal.tenants}
+    assert normal.queued + sum(t.staged for t in staged.values()) == 10
+    assert staged["acme"].weight == 1.0 and 0 < staged["acme"].staged <= 6
+    assert staged["other"].weight == 2.0 and 0 < staged["other"].staged <= 4
+    assert all(not lane.tenants and lane.queued == lane.in_flight == 0 for lane in lanes[2:])
+
+
 async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:
     broker = make_broker(max_queue_depth=3)
     await broker.enqueue_many([job() for _ in range(3)])
@@ -1133,3 +1152,117 @@ async def test_a_held_job_cancelled_while_waiting_never_runs(make_broker: Broker
     assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
     assert await broker.claim(MODEL, "w1", slots=1) == []
     assert await broker.depth(MODEL) == 0
+
+
+async def audit_of(broker: Broker, since: float = 0.0, **filters: str) -> list[tuple[str, str]]:
+    """(event, status) of every audit entry matching, paging through with small reads."""
+    out: list[tuple[str, str]] = []
+    cursor = None
+    while True:
+        cursor, entries = await broker.audit_entries(since, cursor=cursor, count=7, **filters)
+        out += [(e.event, e.status) for e in entries]
+        if cursor is None:
+            return out
+
+
+async def test_audit_trail_records_receipts_and_terminal_states(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(fair_window=1)
+    start = time.time() - 1
+    done, dead, gone = job(tenant="acme"), job(tenant="acme"), job(tenant="bob")
+    for spec in (done, dead, gone):
+        assert (await broker.enqueue(spec)).created
+    # an idempotent replay and a fenced completion leave no entry of their own
+    key = job(tenant="acme", key="k1")
+    await broker.enqueue(key)
+    assert not (await broker.enqueue(job(tenant="acme", key="k1"))).created
+    assert await broker.cancel(gone.id) is CancelOutcome.CANCELLED
+    leases = await broker.claim(MODEL, "w1", slots=2)
+    by_id = {lease.spec.id: lease for lease in leases}
+    assert set(by_id) == {done.id, dead.id}
+    result = ok(by_id[done.id])
+    result.prompt_tokens = 5
+    assert await broker.complete(by_id[done.id], result)
+    assert not await broker.complete(by_id[done.id], result)  # fenced: already completed
+    assert await broker.dead_letter(by_id[dead.id], "bad_input", "no")
+
+    acme = await audit_of(broker, start, tenant="acme")
+    assert sorted(acme) == sorted(
+        [("received", "queued")] * 3 + [("terminal", "succeeded"), ("terminal", "dead")]
+    )
+    assert await audit_of(broker, start, tenant="bob") == [
+        ("received", "queued"),
+        ("terminal", "cancelled"),
+    ]
+    _, entries = await broker.audit_entries(start, tenant="acme", model=MODEL)
+    [finished] = [e for e in entries if e.status == "succeeded"]
+    assert (finished.job_id, finished.model, finished.prompt_tokens) == (done.id, MODEL, 5)
+    assert finished.completion_tokens == 2 and finished.max_tokens == 4
+    assert finished.total_s is not None and finished.received_at == done.created_at
+    assert await audit_of(broker, start, model="other") == []
+    assert await audit_of(broker, time.time() + 60) == []
+
+
+async def test_audit_trail_is_bounded(make_broker: BrokerFactory) -> None:
+    broker = make_broker(audit_max_len=10)
+    for _ in range(5):
+        await broker.enqueue_many([job() for _ in range(100)])
+    kept = await audit_of(broker)
+    # MAXLEN ~ trims whole stream nodes (100 entries each by default): near the bound
+    assert 10 <= len(kept) <= 10 + 100
+    off = make_broker(audit_max_len=0)
+    before = len(await audit_of(off))
+    await off.enqueue(job())
+    assert len(await audit_of(off)) == before
+
+
+async def test_token_budget_per_period_reserves_settles_and_resets(
+    make_broker: BrokerFactory,
+) -> None:
+    from datetime import UTC, datetime
+
+    broker = make_broker()
+    now = [datetime(2026, 2, 15, 12, tzinfo=UTC).timestamp()]
+    broker.clock = lambda: now[0]  # injected time: the scripts take it instead of TIME
+    quota = Quota(token_budget=100, budget_period="month", rpm=1000)
+    march = datetime(2026, 3, 1, tzinfo=UTC).timestamp()
+    [first] = await broker.reserve("acme", quota, [("j1", 60)])
+    assert first.admitted
+    [over] = await broker.reserve("acme", quota, [("j2", 50)])
+    assert (over.admitted, over.reason) == (False, "budget")
+    assert abs(over.retry_after_s - (march - now[0])) < 1e-3
+    assert over.requests is not None and over.requests[1] == 999  # the refusal took nothing
+    [huge] = await broker.reserve("acme", quota, [("j9", 101)])
+    assert huge.reason == "too_large"
+    # settled to its real count: the unused 40 come back within the month
+    assert await broker.settle([Settlement("acme", "j1", 20)]) == 1
+    [fits] = await broker.reserve("acme", quota, [("j2", 50)])
+    assert fits.admitted
+    [full] = await broker.reserve("acme", quota, [("j3", 31)])
+    assert full.reason == "budget"
+    # a new month: the whole budget again; February's job refunds nothing into it
+    now[0] = march + 1
+    [fresh] = await broker.reserve("acme", quota, [("j4", 100)])
+    assert fresh.admitted
+    assert await broker.settle([Settlement("acme", "j2", 0)]) == 1
+    [none] = await broker.reserve("acme", quota, [("j5", 1)])
+    assert none.reason == "budget"
+    # calendar months across a year's end, and plain seconds (epoch-aligned windows)
+    now[0] = datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
+    monthly = Quota(token_budget=5, budget_period="month")
+    [dec] = await broker.reserve("bob", monthly, [("b1", 5)])
+    [dec_over] = await broker.reserve("bob", monthly, [("b2", 1)])
+    assert dec.admitted and dec_over.reason == "budget"
+    assert abs(dec_over.retry_after_s - 1.0) < 1e-3  # to midnight UTC, Jan 1st
+    now[0] += 1
+    assert (await broker.reserve("bob", monthly, [("b3", 5)]))[0].admitted
+    [end] = await broker.reserve("eve", Quota(token_budget=5, budget_period="month"), [("e", 9)])
+    assert end.reason == "too_large"
+    hourly = Quota(token_budget=5, budget_period="3600")
+    now[0] = 7200.0 + 1800
+    assert (await broker.reserve("ann", hourly, [("a1", 5)]))[0].admitted
+    [later] = await broker.reserve("ann", hourly, [("a2", 5)])
+    assert later.reason == "budget" and abs(later.retry_after_s - 1800) < 1e-3
+    now[0] = 10800.0
+    assert (await broker.reserve("ann", hourly, [("a3", 5)]))[0].admitted

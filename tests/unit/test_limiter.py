@@ -84,3 +84,86 @@ def test_headers_use_openai_names_and_formats() -> None:
         "6m0s",
         "1m1.25s",
     ]
+
+
+# -- token budget per period -------------------------------------------------------------
+
+PERIODS = st.sampled_from(["day", "month", "3600", "90.5"])
+
+
+@given(PERIODS, st.floats(min_value=0, max_value=4e9))
+def test_a_period_window_holds_now_and_its_successor_starts_at_its_end(
+    period: str, now: float
+) -> None:
+    start, end = limiter.period_window(now, period)
+    assert start <= now < end
+    nxt_start, _ = limiter.period_window(end, period)
+    assert nxt_start == end
+    if period == "month":
+        first = limiter.datetime.fromtimestamp(start, limiter.UTC)
+        assert (first.day, first.hour, first.minute, first.second) == (1, 0, 0, 0)
+        assert 28 * 86400 <= end - start <= 31 * 86400
+
+
+@given(
+    st.integers(min_value=1, max_value=5000),
+    PERIODS,
+    st.lists(
+        st.tuples(st.floats(min_value=0, max_value=200_000), st.integers(1, 800)),
+        max_size=60,
+    ),
+)
+def test_a_budget_never_admits_more_than_it_holds_in_any_period(
+    budget: int, period: str, arrivals: list[tuple[float, int]]
+) -> None:
+    state, quota = QuotaState(), Quota(token_budget=budget, budget_period=period)
+    spent: dict[float, int] = {}
+    for now, tokens in sorted(arrivals):
+        start, end = limiter.period_window(now, period)
+        decision = limiter.admit(state, quota, tokens, now)
+        used = spent.get(start, 0)
+        # admitted exactly when it fits what is left of this period's budget
+        assert decision.admitted == (used + tokens <= budget)
+        if decision.admitted:
+            spent[start] = used + tokens
+        else:
+            assert decision.reason == ("budget" if tokens <= budget else "too_large")
+            if tokens <= budget:
+                assert math.isclose(decision.retry_after_s, end - now)
+                headers = limiter.headers(decision)
+                assert int(headers["retry-after"]) == max(1, math.ceil(end - now))
+            else:
+                assert math.isinf(decision.retry_after_s)  # never fits: no Retry-After
+    assert all(used <= budget for used in spent.values())
+
+
+@given(st.integers(10, 1000), st.integers(0, 10), st.floats(min_value=0, max_value=1e9))
+def test_a_settled_job_refunds_its_unused_tokens_in_its_own_period_only(
+    budget: int, actual: int, now: float
+) -> None:
+    state, quota = QuotaState(), Quota(token_budget=budget, budget_period="day")
+    assert limiter.admit(state, quota, budget, now).admitted
+    start, end = limiter.period_window(now, "day")
+    assert not limiter.admit(state, quota, 1, now).admitted
+    limiter.settle(state, 0.0, reserved=budget, actual=actual, budget_start=start)
+    assert state.budget_used == actual
+    assert limiter.admit(state, quota, budget - actual, now).admitted
+    # a job reserved in the period before refunds nothing into the next one
+    fresh, later = QuotaState(), end + 1.0
+    assert limiter.admit(fresh, quota, budget, now).admitted
+    assert limiter.admit(fresh, quota, budget, later).admitted
+    limiter.settle(fresh, 0.0, reserved=budget, actual=0, budget_start=start)
+    assert fresh.budget_used == budget
+
+
+def test_a_budget_refusal_keeps_the_rate_limit_headers() -> None:
+    state, quota = QuotaState(), Quota(rpm=10, tpm=1000, token_budget=100)
+    assert limiter.admit(state, quota, 80, now=50.0).admitted
+    refused = limiter.admit(state, quota, 30, now=50.0)
+    assert refused.reason == "budget" and math.isclose(refused.retry_after_s, 86400 - 50)
+    headers = limiter.headers(refused)
+    assert headers["x-ratelimit-limit-requests"] == "10"
+    assert headers["x-ratelimit-remaining-requests"] == "9"  # the refusal took nothing
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["retry-after"] == str(86400 - 50)
+    assert limiter.admit(state, quota, 30, now=86400.0).admitted  # the next day

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import msgspec
 
+from tokenyard.audit import AuditEntry
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     DeadLetter,
@@ -86,6 +87,23 @@ class BrokerStats(msgspec.Struct, frozen=True):
     dead_letters: int
     fenced_completions: int  # late completions rejected because the lease was lost
     expired: int
+
+
+class TenantBacklog(msgspec.Struct, frozen=True):
+    """One tenant's jobs staged in a lane (waiting for their fair-share turn), and its weight."""
+
+    tenant: str
+    staged: int
+    weight: float
+
+
+class LaneBacklog(msgspec.Struct, frozen=True):
+    """A priority's lanes (size pools together) as admission estimates a new job's wait."""
+
+    priority: Priority
+    queued: int  # in the lane streams, not yet delivered (the fair-share window, retries)
+    in_flight: int  # delivered, not yet completed
+    tenants: list[TenantBacklog]  # staged jobs by tenant; the ones with none are left out
 
 
 class Producer(Protocol):
@@ -245,6 +263,10 @@ class Stats(Protocol):
 
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
 
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        """Each priority's waiting work by tenant, highest priority first (two round trips)."""
+        ...
+
     async def models(self) -> list[str]: ...
 
 
@@ -310,6 +332,23 @@ class Quotas(Protocol):
         ...
 
 
+class Audit(Protocol):
+    """The audit trail (tokenyard/audit.py): every job's receipt and terminal state, bounded
+    by `BrokerSettings.audit_max_len`; written by enqueue and the terminal paths themselves."""
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        """Entries written at or after `since` (unix s) matching the filters, oldest first,
+        from at most `count` read past `cursor`; the next cursor, None at the end."""
+        ...
+
+
 class Broker(
     Producer,
     Leases,
@@ -321,6 +360,7 @@ class Broker(
     Stats,
     Directory,
     Quotas,
+    Audit,
     Protocol,
 ):
     """Every role at once, plus the settings it runs under and its connection's lifetime."""

@@ -164,6 +164,11 @@ class Keys:
     def worker(self, model: str, consumer: str) -> str:
         return f"{self._model(model_tag(model))}:worker:{consumer}"
 
+    def audit(self) -> str:
+        """The audit stream (receipts and terminal states): its own hash tag, written in the
+        same pipelined round trip as the state change it records (tokenyard/audit.py)."""
+        return f"{self.prefix}:{{audit}}:stream"
+
     def models(self) -> str:
         """Set of models that ever had a job; lets `status` list lanes without SCAN."""
         return f"{self.prefix}:models"

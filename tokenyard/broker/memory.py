@@ -7,21 +7,25 @@ import contextlib
 import heapq
 import random
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tokenyard import audit
 from tokenyard.affinity import hold_for, overdue
+from tokenyard.audit import AuditEntry
 from tokenyard.broker.base import (
     Broker,
     BrokerStats,
     CancelOutcome,
     Clock,
     EnqueueResult,
+    LaneBacklog,
     LaneStats,
     Lease,
     ReapReport,
     Settlement,
+    TenantBacklog,
     settlement,
 )
 from tokenyard.broker.keys import tag_of_job
@@ -162,8 +166,11 @@ class MemoryStore:
         self.tenants: dict[str, TenantConfig] = {}
         self.api_keys: dict[str, ApiKeyRecord] = {}  # by digest
         self.quota: dict[str, QuotaState] = defaultdict(QuotaState)
-        # tenant -> job id -> (reserved tokens, seconds per token, reserved at)
-        self.held: dict[str, dict[str, tuple[int, float, float]]] = defaultdict(dict)
+        # tenant -> job id -> (reserved tokens, seconds per token, reserved at, budget period)
+        self.held: dict[str, dict[str, tuple[int, float, float, float | None]]] = defaultdict(dict)
+        # the audit trail: (sequence, entry), oldest first, trimmed to audit_max_len
+        self.audit: deque[tuple[int, AuditEntry]] = deque()
+        self.audit_seq = 0
         self._last_ms = 0
         self._seq = 0
         self._waiters: list[asyncio.Future[None]] = []
@@ -234,7 +241,24 @@ class MemoryBroker(Broker):
     def _emit(self, job_id: str, payload: bytes) -> None:
         self.store.events[job_id].append((self.store.next_id(self.clock()), payload))
 
-    def _finish(self, job: _Job, job_id: str, result: JobResult, now: float) -> None:
+    def _audit(self, entries: Sequence[AuditEntry]) -> None:
+        bound = self.settings.audit_max_len
+        if bound <= 0:
+            return
+        trail = self.store.audit
+        for entry in entries:
+            self.store.audit_seq += 1
+            trail.append((self.store.audit_seq, entry))
+        while len(trail) > bound:
+            trail.popleft()
+
+    def _finish(
+        self, job: _Job, job_id: str, result: JobResult, now: float, audited: bool = True
+    ) -> None:
+        # a job expired at claim is not audited: the Redis claim script cannot reach the
+        # audit stream's slot, and the twins keep one behaviour
+        if audited:
+            self._audit([audit.terminal(decode(job.spec, JobSpec), result, now)])
         job.status = result.status
         job.result = encode(result)
         job.finished_at = now
@@ -334,6 +358,7 @@ class MemoryBroker(Broker):
                 store.inflight[key] = (spec.id, now + self.settings.idempotency_ttl_s)
                 store.jobs[spec.id].followers = 1
             store.models.add(spec.model)
+        self._audit([audit.received(spec, now) for spec, _ in fresh])
         for job_id, count in joins.items():  # counted only now: a refused batch joins nothing
             store.jobs[job_id].followers += count
         for lane in refill:
@@ -474,7 +499,7 @@ class MemoryBroker(Broker):
             return False
         if job.deadline is not None and job.deadline < now:
             self._remove_entry(lane, entry.entry_id)
-            self._finish(job, entry.job_id, expired_result(), now)
+            self._finish(job, entry.job_id, expired_result(), now, audited=False)
             store.counters[model]["expired"] += 1
             return False
         entry.owner, entry.touched = consumer, now
@@ -779,6 +804,22 @@ class MemoryBroker(Broker):
         held = sum(len(self.store.affinity_held[lane]) for lane in self._lanes(model))
         return sum(len(lane.entries) + lane.fair.count for lane in lanes) + held
 
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        out = []
+        for priority in Priority:
+            states = [self.store.lanes[lane] for lane in self._lanes(model) if lane[1] is priority]
+            queued = sum(1 for s in states for e in s.undelivered if e in s.entries)
+            in_flight = sum(1 for s in states for e in s.entries.values() if e.owner is not None)
+            staged: dict[str, TenantBacklog] = {}
+            for s in states:
+                for tenant, heap in s.fair.staged.items():
+                    was = staged.get(tenant)
+                    n = len(heap) + (was.staged if was else 0)
+                    staged[tenant] = TenantBacklog(tenant, n, s.fair.weight.get(tenant, 1.0))
+            tenants = [t for t in staged.values() if t.staged > 0]
+            out.append(LaneBacklog(priority, queued, in_flight, tenants))
+        return out
+
     def _lanes(self, model: str) -> list[LaneId]:
         return [(model, p, pool) for p in Priority for pool in range(self.settings.pool_count)]
 
@@ -787,6 +828,19 @@ class MemoryBroker(Broker):
 
     async def models(self) -> list[str]:
         return sorted(self.store.models)
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        after = int(cursor) if cursor else 0
+        read = [(seq, e) for seq, e in self.store.audit if seq > after][:count]
+        found = [e for _, e in read if audit.matches(e, since, tenant, model)]
+        return (str(read[-1][0]) if len(read) == count else None), found
 
     # -- quotas ----------------------------------------------------------------------------
     async def reserve(
@@ -799,7 +853,8 @@ class MemoryBroker(Broker):
         for job_id, tokens in items:
             decision = limiter.admit(state, quota, tokens, now)
             if decision.admitted:
-                held[job_id] = (tokens, per_token, now)
+                mark = state.budget_start if quota.token_budget else None
+                held[job_id] = (tokens, per_token, now, mark)
             decisions.append(decision)
         return decisions
 
@@ -809,15 +864,16 @@ class MemoryBroker(Broker):
             held = self.store.held[item.tenant].pop(item.job_id, None)
             if held is not None:
                 released += 1
-                reserved, per_token, _ = held
-                limiter.settle(self.store.quota[item.tenant], per_token, reserved, item.actual)
+                reserved, per_token, _, mark = held
+                state = self.store.quota[item.tenant]
+                limiter.settle(state, per_token, reserved, item.actual, budget_start=mark)
         return released
 
     async def settle_finished(self, grace_s: float = 30.0) -> int:
         now = self.clock()
         done: list[Settlement] = []
         for tenant, held in self.store.held.items():
-            for job_id, (_, _, reserved_at) in held.items():
+            for job_id, (_, _, reserved_at, _) in held.items():
                 job = self._job(job_id)
                 if job is None:
                     if now - reserved_at > grace_s:

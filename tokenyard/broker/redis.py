@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import random
 import time
 from collections import defaultdict
@@ -16,6 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenyard import audit
+from tokenyard.audit import AuditEntry
 from tokenyard.broker import scripts
 from tokenyard.broker.base import (
     Broker,
@@ -23,12 +26,15 @@ from tokenyard.broker.base import (
     CancelOutcome,
     Clock,
     EnqueueResult,
+    LaneBacklog,
     LaneStats,
     Lease,
     ReapReport,
     Settlement,
+    TenantBacklog,
     settlement,
 )
+from tokenyard.broker.channel import Channel, Command
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
@@ -67,6 +73,8 @@ CLUSTER_SCHEME = "redis+cluster://"
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
+log = logging.getLogger(__name__)
+
 
 def _unavailable_on_errors(
     method: Callable[_P, Coroutine[Any, Any, _R]],
@@ -89,6 +97,22 @@ def _s(value: bytes | str) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def _xread_command(cursors: Mapping[str, str], count: int, block_s: float | None) -> Command:
+    block: list[str | int] = [] if block_s is None else ["BLOCK", _ms(block_s)]
+    return ("XREAD", "COUNT", count, *block, "STREAMS", *cursors, *cursors.values())
+
+
+def _field(fields: Any, name: bytes) -> Any:
+    """A stream entry's field from its raw reply: a flat [name, value, ...] list (RESP2) or
+    a map (RESP3)."""
+    if isinstance(fields, dict):
+        return fields[name]
+    for i in range(0, len(fields), 2):
+        if fields[i] == name:
+            return fields[i + 1]
+    raise KeyError(name)
 
 
 def _client(settings: BrokerSettings) -> aioredis.Redis:
@@ -159,6 +183,13 @@ class RedisBroker(Broker):
         self.settings = settings
         self.clock = clock
         self.redis: aioredis.Redis = client or _client(settings)
+        # a cluster client routes each command by slot itself: it keeps every call
+        pool = getattr(self.redis, "connection_pool", None)
+        self._channel = (
+            Channel(pool, settings.max_connections, _SOCKET_TIMEOUT_S)
+            if isinstance(pool, aioredis.ConnectionPool)
+            else None
+        )
         self.keys = Keys(settings.prefix)
         self._sources = {spec.name: spec.source() for spec in scripts.SCRIPTS}
         self._shas = {
@@ -178,28 +209,63 @@ class RedisBroker(Broker):
     async def _eval_many(self, calls: Sequence[Call]) -> list[Any]:
         """Run scripts by SHA in one round trip; any the server lacks (it restarted) are loaded
         and only those calls run again, so nothing runs twice."""
-        pipe = self.redis.pipeline(transaction=False)
-        for call in calls:
-            self._evalsha(pipe, call)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
+        results = await self._pipelined([self._evalsha(call) for call in calls])
         return await self._retry_missing(calls, results)
 
-    def _evalsha(self, pipe: Any, call: Call) -> None:
+    async def _eval_audited(
+        self, calls: Sequence[Call], entries: Sequence[AuditEntry]
+    ) -> tuple[list[Any], list[str | None]]:
+        """`_eval_many` with the audit entries' XADDs in the same round trip (the stream has
+        its own hash tag, so it cannot be in the scripts). Returns the scripts' results and
+        each entry's stream id (None where the XADD failed: logged, the state change stands)."""
+        bound = self.settings.audit_max_len
+        if bound <= 0 or not entries:
+            return await self._eval_many(calls), [None] * len(entries)
+        key = self.keys.audit()
+        replies = await self._pipelined(
+            [self._evalsha(call) for call in calls]
+            + [("XADD", key, "MAXLEN", "~", bound, "*", "e", encode(e)) for e in entries]
+        )
+        ids: list[str | None] = []
+        for entry, reply in zip(entries, replies[len(calls) :], strict=True):
+            if isinstance(reply, Exception):
+                log.error("audit entry of job %s not written: %s", entry.job_id, reply)
+                ids.append(None)
+            else:
+                ids.append(_s(reply))
+        return await self._retry_missing(calls, replies[: len(calls)]), ids
+
+    async def _unaudit(self, ids: Sequence[str | None]) -> None:
+        """Take back entries whose state change did not happen (a fenced completion, a job
+        that was not created): rare paths, so the extra round trip stays off the hot one."""
+        found = [i for i in ids if i is not None]
+        if found:
+            await self.redis.xdel(self.keys.audit(), *found)
+
+    async def _pipelined(self, commands: Sequence[Command], timeout_s: float = 0.0) -> list[Any]:
+        """Raw commands in one round trip, error replies in their places; on the channel
+        unless this is a cluster client."""
+        if self._channel is not None:
+            return await self._channel.execute(commands, timeout_s or None)
+        pipe = self.redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
+
+    def _evalsha(self, call: Call) -> Command:
         # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline;
         # as a raw command, as a cluster pipeline refuses .evalsha() (it routes the raw one by
         # its first key, and all of a script's keys share that slot)
         name, keys, args = call
-        pipe.execute_command("EVALSHA", self._shas[name], len(keys), *keys, *args)
+        return ("EVALSHA", self._shas[name], len(keys), *keys, *args)
 
     async def _retry_missing(self, calls: Sequence[Call], results: list[Any]) -> list[Any]:
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:
             for name in {calls[i][0] for i in missing}:
                 await self.redis.script_load(self._sources[name])
-            pipe = self.redis.pipeline(transaction=False)
-            for i in missing:
-                self._evalsha(pipe, calls[i])
-            again: list[Any] = await pipe.execute(raise_on_error=False)
+            again = await self._pipelined([self._evalsha(calls[i]) for i in missing])
             for i, result in zip(missing, again, strict=True):
                 results[i] = result
         for result in results:
@@ -226,7 +292,8 @@ class RedisBroker(Broker):
         calls = [
             self._enqueue_call([specs[i] for i in indexes], now) for indexes in by_model.values()
         ]
-        replies = await self._eval_many(calls)
+        receipts = [audit.received(spec, now) for spec in specs]
+        replies, ids = await self._eval_audited(calls, receipts)
         new_models = set(by_model) - self._known_models
         if new_models:
             await self.redis.sadd(self.keys.models(), *new_models)
@@ -234,6 +301,8 @@ class RedisBroker(Broker):
         results: list[EnqueueResult | None] = [None] * len(specs)
         for indexes, (code, payload) in zip(by_model.values(), replies, strict=False):
             if code == -1:
+                # the other models' batches stand; none of this model's jobs was added
+                await self._unaudit([ids[i] for i in indexes])
                 item, depth = payload
                 full = specs[indexes[int(item) - 1]]
                 lane = f"{full.model}/{full.priority.name.lower()}"
@@ -242,6 +311,7 @@ class RedisBroker(Broker):
                 results[i] = EnqueueResult(
                     job_id=_s(job_id), created=created == 1, collapsed=joined == 1
                 )
+        await self._unaudit([ids[i] for i, r in enumerate(results) if r and not r.created])
         return [r for r in results if r is not None]
 
     def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
@@ -398,14 +468,11 @@ class RedisBroker(Broker):
     async def _wake_then_claim(self, hint: _WaitHint, wait_s: float, call: Call) -> Any:
         """XREAD BLOCK on the lanes, then the claim script, pipelined: the server runs the
         script as soon as the read returns (new work, or the wait is over)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xread(
-            dict(zip(hint.lanes, hint.last_ids, strict=True)),
-            count=1,
-            block=_ms(min(wait_s, MAX_BLOCK_S)),
+        block_s = min(wait_s, MAX_BLOCK_S)
+        xread = _xread_command(dict(zip(hint.lanes, hint.last_ids, strict=True)), 1, block_s)
+        woke, reply = await self._pipelined(
+            [xread, self._evalsha(call)], timeout_s=block_s + _SOCKET_TIMEOUT_S
         )
-        self._evalsha(pipe, call)
-        woke, reply = await pipe.execute(raise_on_error=False)
         if isinstance(woke, Exception):
             raise woke
         return (await self._retry_missing([call], [reply]))[0]
@@ -518,11 +585,16 @@ class RedisBroker(Broker):
                 )
             )
         accepted = [False] * len(items)
-        for indexes, flags in zip(by_model.values(), await self._eval_many(calls), strict=True):
+        when = self.clock()
+        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
+        replies, ids = await self._eval_audited(calls, entries)
+        for indexes, flags in zip(by_model.values(), replies, strict=True):
             for i, flag in zip(indexes, flags, strict=True):
                 accepted[i] = bool(flag)
+        await self._unaudit([ids[i] for i in range(len(items)) if not accepted[i]])
         await self._settle_specs(
-            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]]
+            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
+            audited=False,
         )
         return accepted
 
@@ -532,6 +604,7 @@ class RedisBroker(Broker):
         delay = backoff_delay(
             lease.spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
+        dead = dead_result(f"{reason}: {error}")
         call = scripts.FAIL.call(
             scripts.FailKeys(
                 lane=self._lane(lease),
@@ -551,7 +624,7 @@ class RedisBroker(Broker):
                 now=repr(now),
                 due_at=repr(now + delay),
                 max_deliveries=self.settings.max_deliveries,
-                finished=encode(Finished(result=dead_result(f"{reason}: {error}"))),
+                finished=encode(Finished(result=dead)),
                 ttl_ms=self._ttl_ms,
                 reason=reason,
                 force_dead="1" if force_dead else "0",
@@ -559,8 +632,8 @@ class RedisBroker(Broker):
             ),
         )
         outcome = int(await self._run(call))
-        if outcome == 0:  # dead: its reservation is refunded
-            await self._settle_specs([(lease.spec, None)])
+        if outcome == 0:  # dead: its reservation is refunded, its end audited
+            await self._settle_specs([(lease.spec, dead)])
         return outcome
 
     @_unavailable_on_errors
@@ -726,15 +799,8 @@ class RedisBroker(Broker):
     async def read_events(
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
-        key = self.keys.events(job_id)
-        reply: Any = await self.redis.xread(
-            {key: after or "0"},
-            count=count,
-            block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
-        )
-        if not reply:
-            return []
-        return [(_s(eid), decode_event(fields[b"e"])) for eid, fields in reply[0][1]]
+        found = await self._read_streams({self.keys.events(job_id): after}, count, block_s)
+        return [(eid, event) for _, eid, event in found]
 
     @_unavailable_on_errors
     async def read_events_many(
@@ -746,15 +812,29 @@ class RedisBroker(Broker):
         if not cursors:
             return []
         job_of = {self.keys.events(job_id): job_id for job_id in cursors}
-        reply: Any = await self.redis.xread(
-            {key: cursors[job_id] or "0" for key, job_id in job_of.items()},
-            count=count,
-            block=_ms(min(block_s, MAX_BLOCK_S)) if block_s > 0 else None,
+        found = await self._read_streams(
+            {key: cursors[job_id] for key, job_id in job_of.items()}, count, block_s
         )
+        return [(job_of[key], eid, event) for key, eid, event in found]
+
+    async def _read_streams(
+        self, cursors: Mapping[str, str], count: int, block_s: float
+    ) -> list[tuple[str, str, JobEvent]]:
+        """XREAD of event streams as (stream key, event id, event), parsed from the raw reply."""
+        block = min(block_s, MAX_BLOCK_S) if block_s > 0 else None
+        command = _xread_command(
+            {key: after or "0" for key, after in cursors.items()}, count, block
+        )
+        (reply,) = await self._pipelined([command], timeout_s=(block or 0) + _SOCKET_TIMEOUT_S)
+        if isinstance(reply, Exception):
+            raise reply
+        # RESP2 answers a list of [key, entries], RESP3 a map of key -> entries
+        streams = reply.items() if isinstance(reply, dict) else (reply or ())
         out: list[tuple[str, str, JobEvent]] = []
-        for key, entries in reply or ():
-            job_id = job_of[_s(key)]
-            out += [(job_id, _s(eid), decode_event(fields[b"e"])) for eid, fields in entries]
+        for key, entries in streams:
+            name = _s(key)
+            for eid, fields in entries:
+                out.append((name, _s(eid), decode_event(_field(fields, b"e"))))
         return out
 
     @_unavailable_on_errors
@@ -859,6 +939,52 @@ class RedisBroker(Broker):
         return sum(int(n or 0) for n in await self._execute(pipe))
 
     @_unavailable_on_errors
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        # 1: each lane's length, its group (delivered and pending) and its active tenants;
+        # 2: each active tenant's staged count and weight
+        pools = self.settings.pool_count
+        lanes = self.keys.lanes(model, pools)
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in lanes:
+            pipe.xlen(lane)
+            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
+            pipe.zrange(self.keys.fair_active(lane), 0, -1)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        sizes: list[tuple[int, int]] = []
+        actives: list[list[str]] = []
+        for i in range(len(lanes)):
+            total, groups, active = replies[3 * i : 3 * i + 3]
+            if isinstance(total, Exception) or isinstance(active, Exception):
+                raise total if isinstance(total, Exception) else active
+            pending = 0
+            if not isinstance(groups, Exception):
+                group = next((g for g in groups if _s(g["name"]) == GROUP), None)
+                pending = 0 if group is None else int(group["pending"])
+            sizes.append((int(total), pending))
+            actives.append([_s(t) for t in active])
+        pipe = self.redis.pipeline(transaction=False)
+        for lane, tenants in zip(lanes, actives, strict=True):
+            for tenant in tenants:
+                pipe.zcard(self.keys.tenant_queue_prefix(lane) + tenant)
+                pipe.hget(self.keys.fair(lane), f"w:{tenant}")
+        counts: list[Any] = await self._execute(pipe) if any(actives) else []
+        out, at = [], 0
+        for p, priority in enumerate(Priority):
+            staged: dict[str, TenantBacklog] = {}
+            queued = in_flight = 0
+            for i in range(p * pools, (p + 1) * pools):  # a priority's size pools together
+                queued += max(0, sizes[i][0] - sizes[i][1])
+                in_flight += sizes[i][1]
+                for tenant in actives[i]:
+                    n, w = int(counts[at] or 0), float(counts[at + 1] or 1.0)
+                    at += 2
+                    was = staged.get(tenant)
+                    staged[tenant] = TenantBacklog(tenant, n + (was.staged if was else 0), w)
+            waiting = [t for t in staged.values() if t.staged > 0]
+            out.append(LaneBacklog(priority, queued, in_flight, waiting))
+        return out
+
+    @_unavailable_on_errors
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         rows: Any = await self.redis.xrange(self.keys.dead_letters(model), count=count)
         out = []
@@ -881,6 +1007,22 @@ class RedisBroker(Broker):
         members: Any = await self.redis.smembers(self.keys.models())
         return sorted(_s(m) for m in members)
 
+    @_unavailable_on_errors
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        # stream ids are the server's ms: `since` starts the range, later filtered exactly
+        start = f"({cursor}" if cursor else f"{max(0, int(since * 1000) - 1000)}-0"
+        rows: Any = await self.redis.xrange(self.keys.audit(), min=start, count=count)
+        found = [decode(fields[b"e"], AuditEntry) for _, fields in rows]
+        found = [e for e in found if audit.matches(e, since, tenant, model)]
+        return (_s(rows[-1][0]) if len(rows) == count else None), found
+
     # -- quotas ----------------------------------------------------------------------------
     @_unavailable_on_errors
     async def reserve(
@@ -896,13 +1038,14 @@ class RedisBroker(Broker):
                 rpm=quota.rpm,
                 tpm=quota.tpm,
                 max_concurrent=quota.max_concurrent,
+                budget=quota.token_budget,
+                budget_period=quota.budget_period,
             ),
             [(Empty(), scripts.ReserveItemArgs(job_id, tokens)) for job_id, tokens in items],
         )
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.sadd(self.keys.quota_tenants(), tenant)
-        self._evalsha(pipe, call)
-        _, reply = await pipe.execute(raise_on_error=False)
+        _, reply = await self._pipelined(
+            [("SADD", self.keys.quota_tenants(), tenant), self._evalsha(call)]
+        )
         rows = (await self._retry_missing([call], [reply]))[0]
         return [_decision(quota, row) for row in rows]
 
@@ -910,10 +1053,13 @@ class RedisBroker(Broker):
     async def settle(self, items: Sequence[Settlement]) -> int:
         if not items:
             return 0
+        return sum(int(n) for n in await self._eval_many(self._settle_calls(items)))
+
+    def _settle_calls(self, items: Sequence[Settlement]) -> list[Call]:
         by_tenant: dict[str, list[Settlement]] = defaultdict(list)
         for item in items:
             by_tenant[item.tenant].append(item)
-        calls = [
+        return [
             scripts.SETTLE.call(
                 scripts.QuotaKeys(quota=self.keys.quota(t), held=self.keys.quota_held(t)),
                 Empty(),
@@ -921,7 +1067,6 @@ class RedisBroker(Broker):
             )
             for t, group in by_tenant.items()
         ]
-        return sum(int(n) for n in await self._eval_many(calls))
 
     @_unavailable_on_errors
     async def settle_finished(self, grace_s: float = 30.0) -> int:
@@ -954,10 +1099,20 @@ class RedisBroker(Broker):
             released += await self.settle(done)
         return released
 
-    async def _settle_specs(self, specs: Sequence[tuple[JobSpec, JobResult | None]]) -> None:
+    async def _settle_specs(
+        self, specs: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True
+    ) -> None:
+        """Settle jobs that just ended and, unless their path wrote it already, audit their
+        end: one round trip for both (the terminal entry rides with the settlement)."""
         held = [settlement(spec, result) for spec, result in specs if spec.quota]
-        if held:
-            await self.settle(held)
+        now = self.clock()
+        entries = (
+            [audit.terminal(spec, result, now) for spec, result in specs if result is not None]
+            if audited
+            else []
+        )
+        if held or entries:
+            await self._eval_audited(self._settle_calls(held) if held else [], entries)
 
     # -- directory -------------------------------------------------------------------------
     @_unavailable_on_errors
@@ -1025,6 +1180,8 @@ class RedisBroker(Broker):
             return False
 
     async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
         await self.redis.aclose()
 
 

@@ -395,6 +395,8 @@ class ReserveArgs(NamedTuple):
     rpm: int
     tpm: int
     max_concurrent: int
+    budget: int
+    budget_period: str
 
 
 class ReserveItemArgs(NamedTuple):

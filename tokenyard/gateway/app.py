@@ -26,6 +26,7 @@ from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
 from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.routes import ROUTERS
 from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tokenizers import load_tokenizers
 from tokenyard.metrics import GatewayMetrics
@@ -83,6 +84,7 @@ def create_app(
                 ),
                 routing=routing,
                 depths=LaneDepths(active),
+                waits=QueueWaits(active, settings.queue_wait_ttl_s),
                 started_at=time.time(),
                 prefixes=PrefixKeys(settings.affinity_prefix_tokens),
             )

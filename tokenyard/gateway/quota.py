@@ -14,7 +14,9 @@ _MESSAGES = {
     "requests": "Rate limit reached for requests per minute",
     "tokens": "Rate limit reached for tokens per minute",
     "concurrency": "Too many concurrent jobs for this tenant",
-    "too_large": "Request too large: it needs more tokens than the tokens-per-minute limit",
+    "too_large": "Request too large: it needs more tokens than the tokens-per-minute limit "
+    "or the token budget allows",
+    "budget": "Token budget for this period exhausted (Retry-After: seconds to its reset)",
 }
 
 

@@ -34,6 +34,12 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     enqueue_window_s: float = 0.0005
     limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
     retry_after_s: int = 1  # Retry-After on 429
+    # overload shedding: a request without its own deadline is refused (429 + Retry-After) when
+    # its estimated queue wait exceeds this many seconds; 0 = off (the right bound is the
+    # deployment's latency target, which the server cannot guess; a request's own deadline is
+    # always held to the same estimate)
+    queue_slo_s: float = 0.0
+    queue_wait_ttl_s: float = 0.25  # the lanes and workers behind the estimate: read this often
     # bootstrap keys, JSON {key: {"tenant": ..., "priority": ..., "admin": false}}; auth is on
     # when this file or the broker (`tokenyard keys create`) holds any key
     api_keys_file: str = ""

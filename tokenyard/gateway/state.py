@@ -17,6 +17,7 @@ from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.limits import PublishedLimits
 from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.metrics import GatewayMetrics
 from tokenyard.routing import LaneDepths, RoutingRules
 
@@ -35,6 +36,7 @@ class GatewayState:
     cache: ResponseCache  # deterministic answers (see tokenyard/cache.py)
     routing: RoutingRules
     depths: LaneDepths  # the fast path's congestion check
+    waits: QueueWaits  # estimated queue wait: deadline refusal and overload shedding
     started_at: float  # unix seconds; the `created` of /v1/models
     prefixes: PrefixKeys  # each job's prefix key (prefix affinity)
 

@@ -16,6 +16,7 @@ from tokenyard.broker import Broker, connect
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.messages import Priority
 from tokenyard.tenancy.admin import create_key, revoke_key
+from tokenyard.tenancy.limiter import check_period
 from tokenyard.tenancy.records import TenantConfig
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys stored in the broker.")
@@ -112,6 +113,12 @@ def tenants_set(
     max_concurrent: Annotated[
         int | None, typer.Option(help="jobs admitted and not yet finished; 0: unlimited")
     ] = None,
+    token_budget: Annotated[
+        int | None, typer.Option(help="tokens (prompt + max_tokens) per period; 0: unlimited")
+    ] = None,
+    budget_period: Annotated[
+        str | None, typer.Option(help="the budget's period: day | month (UTC) | seconds")
+    ] = None,
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
 ) -> None:
@@ -134,10 +141,20 @@ def tenants_set(
             if weight <= 0:
                 raise typer.BadParameter("a weight is > 0")
             changes["weight"] = weight
-        asked = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
-        limits = {k: v for k, v in asked.items() if v is not None}
-        if any(v < 0 for v in limits.values()):
+        asked = {
+            "rpm": rpm,
+            "tpm": tpm,
+            "max_concurrent": max_concurrent,
+            "token_budget": token_budget,
+        }
+        limits: dict[str, object] = {k: v for k, v in asked.items() if v is not None}
+        if any(v < 0 for v in asked.values() if v is not None):
             raise typer.BadParameter("limits are >= 0 (0: unlimited)")
+        if budget_period is not None:
+            try:
+                limits["budget_period"] = check_period(budget_period)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
         if limits:
             changes["quota"] = msgspec.structs.replace(config.quota, **limits)
         config = msgspec.structs.replace(config, **changes)
@@ -171,7 +188,8 @@ def tenants_show(
 
 def _print_tenants(configs: list[TenantConfig]) -> None:
     table = Table(title="tenants")
-    for column in ("tenant", "priority", "weight", "admin", "rpm", "tpm", "concurrent"):
+    columns = ("tenant", "priority", "weight", "admin", "rpm", "tpm", "concurrent", "budget")
+    for column in columns:
         table.add_column(column)
     for c in configs:
         q = c.quota
@@ -181,5 +199,6 @@ def _print_tenants(configs: list[TenantConfig]) -> None:
             f"{c.weight:g}",
             "yes" if c.admin else "no",
             *(str(v) if v else "-" for v in (q.rpm, q.tpm, q.max_concurrent)),
+            f"{q.token_budget}/{q.budget_period}" if q.token_budget else "-",
         )
     console.print(table)

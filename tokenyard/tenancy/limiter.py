@@ -5,10 +5,12 @@ atomically (tokenyard/broker/lua/reserve.lua, settle.lua); tests hold the two to
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import msgspec
 
 PERIOD_S = 60.0  # RPM and TPM are per minute; GCRA lets a full minute's worth in a burst
+DAY_S = 86400.0
 
 
 class Quota(msgspec.Struct, frozen=True, kw_only=True):
@@ -17,10 +19,41 @@ class Quota(msgspec.Struct, frozen=True, kw_only=True):
     rpm: int = 0  # requests per minute
     tpm: int = 0  # tokens per minute: prompt + max_tokens reserved, settled to the real count
     max_concurrent: int = 0  # jobs admitted and not yet terminal
+    # tokens per budget period (prompt + max_tokens reserved, settled to the real count)
+    token_budget: int = 0
+    budget_period: str = "day"  # day | month (UTC calendar) | seconds (epoch-aligned windows)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.rpm or self.tpm or self.max_concurrent)
+        return bool(self.rpm or self.tpm or self.max_concurrent or self.token_budget)
+
+
+def check_period(period: str) -> str:
+    """A valid `budget_period` as given; ValueError otherwise."""
+    if period in ("day", "month"):
+        return period
+    try:
+        seconds = float(period)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"budget period must be day, month or seconds > 0, not {period!r}")
+    return period
+
+
+def period_window(now: float, period: str) -> tuple[float, float]:
+    """The budget period holding `now`: (start, end) in unix seconds. Days and months are UTC
+    calendar ones; a number of seconds makes windows aligned to the epoch."""
+    if period == "month":
+        moment = datetime.fromtimestamp(now, UTC)
+        first = datetime(moment.year, moment.month, 1, tzinfo=UTC)
+        year, month = (
+            (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
+        )
+        return first.timestamp(), datetime(year, month, 1, tzinfo=UTC).timestamp()
+    length = DAY_S if period == "day" else float(period)
+    start = math.floor(now / length) * length
+    return start, start + length
 
 
 class QuotaState(msgspec.Struct, kw_only=True):
@@ -29,6 +62,8 @@ class QuotaState(msgspec.Struct, kw_only=True):
     rpm_tat: float = 0.0
     tpm_tat: float = 0.0
     active: int = 0
+    budget_start: float = 0.0  # the budget period `budget_used` counts in
+    budget_used: int = 0
 
 
 class Gcra(msgspec.Struct, frozen=True):
@@ -70,7 +105,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """One admission: admitted or why not, and what the rate-limit headers say."""
 
     admitted: bool
-    reason: str = ""  # requests | tokens | concurrency | too_large
+    reason: str = ""  # requests | tokens | concurrency | too_large | budget
     retry_after_s: float = 0.0
     requests: tuple[int, int, float] | None = None  # limit, remaining, reset_s
     tokens: tuple[int, int, float] | None = None
@@ -84,7 +119,14 @@ def admit(state: QuotaState, quota: Quota, tokens: int, now: float) -> Decision:
     th = None if tok is None else (quota.tpm, tok.remaining, tok.reset_s)
 
     def no(reason: str, retry: float) -> Decision:
-        return Decision(admitted=False, reason=reason, retry_after_s=retry, requests=rh, tokens=th)
+        # a refusal takes nothing: what remains is what remained before it
+        rn = None if not quota.rpm else _before(state.rpm_tat, quota.rpm)
+        tn = None if not quota.tpm else _before(state.tpm_tat, quota.tpm)
+        return Decision(admitted=False, reason=reason, retry_after_s=retry, requests=rn, tokens=tn)
+
+    def _before(tat: float, limit: int) -> tuple[int, int, float]:
+        base = max(tat, now)
+        return limit, _remaining(base, now, PERIOD_S / limit, PERIOD_S), base - now
 
     if quota.max_concurrent and state.active >= quota.max_concurrent:
         return no("concurrency", 1.0)
@@ -92,6 +134,15 @@ def admit(state: QuotaState, quota: Quota, tokens: int, now: float) -> Decision:
         return no("requests", req.retry_after_s)
     if tok is not None and not tok.allowed:
         return no("too_large" if math.isinf(tok.retry_after_s) else "tokens", tok.retry_after_s)
+    if quota.token_budget:
+        start, end = period_window(now, quota.budget_period)
+        used = state.budget_used if state.budget_start == start else 0
+        if used + tokens > quota.token_budget:
+            # nothing but the period's reset makes room (a budget larger than the job's need)
+            if tokens > quota.token_budget:
+                return no("too_large", math.inf)
+            return no("budget", end - now)
+        state.budget_start, state.budget_used = start, used + tokens
     if req is not None:
         state.rpm_tat = req.tat
     if tok is not None:
@@ -100,11 +151,20 @@ def admit(state: QuotaState, quota: Quota, tokens: int, now: float) -> Decision:
     return Decision(admitted=True, requests=rh, tokens=th)
 
 
-def settle(state: QuotaState, quota_tpm_interval: float, reserved: int, actual: int) -> None:
-    """Release a job's concurrency slot and refund the tokens it reserved but did not use."""
+def settle(
+    state: QuotaState,
+    quota_tpm_interval: float,
+    reserved: int,
+    actual: int,
+    budget_start: float | None = None,
+) -> None:
+    """Release a job's concurrency slot and refund the tokens it reserved but did not use (to
+    the budget too, if the job was reserved against it in the period still counting)."""
     state.active = max(0, state.active - 1)
     if quota_tpm_interval > 0 and actual < reserved:
         state.tpm_tat -= (reserved - actual) * quota_tpm_interval
+    if budget_start is not None and budget_start == state.budget_start and actual < reserved:
+        state.budget_used = max(0, state.budget_used - (reserved - actual))
 
 
 def duration(seconds: float) -> str:

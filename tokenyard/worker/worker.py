@@ -182,8 +182,12 @@ class Worker:
             self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
                 self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
-            # prepared concurrently: each may read its event stream to resume a predecessor
-            jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
+            # prepared concurrently when some must read (an earlier delivery's tokens, a long
+            # prompt to tokenize); most need neither, and a task each would cost more than them
+            if any(lease.resumable or lease.spec.prompt_token_ids is None for lease in leases):
+                jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
+            else:
+                jobs = [self._fresh(lease, lease.spec.prompt_token_ids or []) for lease in leases]
             for job in jobs:
                 if job is not None:
                     self.scheduler.offer(job)
@@ -228,9 +232,7 @@ class Worker:
                 failure = _failure(f"cannot tokenize the prompt: {exc}")
                 await self._settle(_Outcome(results=[(lease, failure)]))
                 return None
-        job: Job[Lease] = Job(
-            spec.id, lease, list(prompt_ids), spec.sampling, time.time(), priority=spec.priority
-        )
+        job = self._fresh(lease, prompt_ids)
         if lease.resumable:
             try:
                 await self._load_resumed_tokens(job)
@@ -243,6 +245,13 @@ class Worker:
                 )
                 return None
         return job
+
+    @staticmethod
+    def _fresh(lease: Lease, prompt_ids: list[int]) -> Job[Lease]:
+        spec = lease.spec
+        return Job(
+            spec.id, lease, list(prompt_ids), spec.sampling, time.time(), priority=spec.priority
+        )
 
     async def _load_resumed_tokens(self, job: Job[Lease]) -> None:
         after = "0"

@@ -1,6 +1,7 @@
 -- Settle jobs of one tenant: release each one's concurrency slot and refund the tokens it
 -- reserved beyond what it used. Idempotent per job: only the call whose HDEL removes the
--- held entry changes the counters, so every terminal path may settle, in any order.
+-- held entry changes the counters, so every terminal path may settle, in any order. The
+-- budget is refunded only while the period the job was reserved in is still counting.
 -- KEYS: quota, held
 -- ARGV: none; per item: job_id, actual
 -- Returns the number of jobs this call released.
@@ -10,7 +11,7 @@ for i = 1, N do
   local held = redis.call('HGET', K.held, a.job_id)
   if held and redis.call('HDEL', K.held, a.job_id) == 1 then
     released = released + 1
-    local reserved, per_token = string.match(held, '^([^|]+)|([^|]+)|')
+    local reserved, per_token, _, bmark = string.match(held, '^([^|]+)|([^|]+)|([^|]*)|?(.*)$')
     reserved, per_token = tonumber(reserved), tonumber(per_token)
     local active = tonumber(redis.call('HGET', K.quota, 'active') or '0')
     redis.call('HSET', K.quota, 'active', math.max(0, active - 1))
@@ -19,6 +20,13 @@ for i = 1, N do
       local tat = tonumber(redis.call('HGET', K.quota, 'tpm_tat') or '0')
       redis.call('HSET', K.quota, 'tpm_tat',
         string.format('%.17g', tat - (reserved - actual) * per_token))
+    end
+    if bmark ~= '' and actual < reserved then
+      local b = redis.call('HMGET', K.quota, 'budget_start', 'budget_used')
+      if b[1] == bmark then
+        redis.call('HSET', K.quota, 'budget_used',
+          math.max(0, (tonumber(b[2]) or 0) - (reserved - actual)))
+      end
     end
   end
 end

@@ -13,7 +13,7 @@ from tokenyard import tracing
 from tokenyard.broker import is_job_id
 from tokenyard.broker.base import CancelOutcome
 from tokenyard.errors import InvalidRequest, NotFound, QueueFull
-from tokenyard.gateway import protocol, quota
+from tokenyard.gateway import protocol, quota, shedding
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
@@ -86,6 +86,7 @@ async def create_job(
             spec = await admit(
                 state, kind, body, tenant, live=False, idempotency_key=idempotency_key
             )
+            await shedding.check(state, spec, own_deadline=body.deadline is not None)
             limits = await quota.reserve(state, tenant, spec)
         tracing.carry(spec, request.headers)
         with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):

@@ -11,7 +11,7 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.cache import collapse_key
 from tokenyard.errors import QueueFull
-from tokenyard.gateway import protocol, quota
+from tokenyard.gateway import protocol, quota, shedding
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest, cached_response
@@ -62,6 +62,7 @@ async def _serve(
             hit = await state.cache.get(spec.model, digest)
             if hit is not None:
                 return cached_response(kind, body, spec, hit)
+        await shedding.check(state, spec, own_deadline=body.deadline is not None)
         limits = await quota.reserve(state, tenant, spec)
     if digest is not None and state.settings.collapse:
         spec.collapse_key = collapse_key(digest, spec.stream)

@@ -1,0 +1,55 @@
+"""The gateway's queue-wait snapshot: one read per period shared by every request, a stale one
+answered at once while the next read runs (on the memory broker, injected clock)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from tokenyard.broker.base import LaneBacklog
+from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.memory import MemoryBroker
+from tokenyard.config import BrokerSettings
+from tokenyard.gateway.shedding import QueueWaits
+from tokenyard.messages import JobSpec, SamplingParams
+
+MODEL = "m"
+
+
+def spec(tenant: str = "acme") -> JobSpec:
+    return JobSpec(
+        id=new_job_id(MODEL),
+        model=MODEL,
+        tenant=tenant,
+        prompt="x",
+        sampling=SamplingParams(max_tokens=4),
+    )
+
+
+def staged(lanes: Sequence[LaneBacklog]) -> int:
+    """Jobs waiting over the lanes (in the streams or staged)."""
+    return sum(lane.queued + sum(t.staged for t in lane.tenants) for lane in lanes)
+
+
+async def test_reads_are_shared_counted_and_refreshed() -> None:
+    broker = MemoryBroker(BrokerSettings())
+    now = [0.0]
+    waits = QueueWaits(broker, ttl_s=0.25, clock=lambda: now[0])
+    await broker.enqueue_many([spec() for _ in range(3)])
+    first, second = await asyncio.gather(waits.of(MODEL), waits.of(MODEL))
+    assert first is second and staged(first.lanes) == 3
+    assert first.rate is None  # no worker has reported: the caller admits
+    # within the period: no read; this gateway's own admissions count at once
+    await broker.enqueue_many([spec() for _ in range(2)])
+    waits.admitted(spec("other"))
+    assert staged((await waits.of(MODEL)).lanes) == 4
+    # one to two periods old: answered at once, refreshed behind
+    now[0] = 0.3
+    assert staged((await waits.of(MODEL)).lanes) == 4
+    for _ in range(50):  # let the background read finish
+        await asyncio.sleep(0)
+    assert staged((await waits.of(MODEL)).lanes) == 5
+    # older: the read is awaited
+    await broker.enqueue(spec())
+    now[0] = 5.0
+    assert staged((await waits.of(MODEL)).lanes) == 6
