@@ -43,7 +43,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_ttl_s: float = 60.0
     affinity_max_held: int = 8
     # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
-    audit_max_len: int = 1_000_000
+    audit_max_len: int = 200_000  # ~100,000 jobs; an entry is ~0.3 kB in Valkey
 
     @property
     def pool_bounds(self) -> tuple[int, ...]:
