@@ -36,6 +36,12 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # e.g. "2048,8192": three lanes per model and priority; a worker claims only the pools its
     # context holds (see broker/policy.py). Gateways and workers must agree. Empty: one pool.
     size_pools: str = ""
+    # prefix affinity (tokenyard/affinity.py): a job whose prompt prefix a worker claimed
+    # within affinity_ttl_s is held for that worker at most affinity_wait_s (then any worker
+    # takes it), and at most affinity_max_held jobs per lane wait for one worker
+    affinity_wait_s: float = 0.1
+    affinity_ttl_s: float = 60.0
+    affinity_max_held: int = 8
     # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
     audit_max_len: int = 200_000  # ~100,000 jobs; an entry is ~0.3 kB in Valkey
 
@@ -159,6 +165,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # what identifies the served weights in the response cache's key; None: the engine's own
     # (hf: a fingerprint of the model directory and the dtype; other engines: their name)
     model_revision: str | None = None
+    # sim engine: tokens of its LRU prefix cache (a cached prefix costs nothing to prefill); 0: off
+    sim_prefix_cache_tokens: int = 0
     # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
     # above become max_num_seqs and dtype, None keeps vLLM's own default
     vllm_max_model_len: int | None = None

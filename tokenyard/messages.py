@@ -82,6 +82,9 @@ class JobSpec(msgspec.Struct, kw_only=True):
     weight: float = 1.0  # the tenant's share of its lane, against other tenants' weights
     attempt: int = 0
     pool: int = 0  # size pool (set by the broker at enqueue from prompt + max_tokens)
+    # prefix affinity: hash of the prompt's first blocks (tokenyard.affinity.prefix_key); a
+    # job with one prefers the worker that last ran that prefix, for a bounded wait
+    prefix_key: str = ""
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):

@@ -243,6 +243,24 @@ class WorkerMetrics:
         self.claims = Counter(
             "tokenyard_worker_claims", "Jobs claimed from the lanes.", ["model"], registry=r
         ).labels(*m)
+        self.affinity_claims = Counter(
+            "tokenyard_worker_affinity_claims",
+            "Jobs claimed as prefix-affinity work (held for this worker, or past the wait).",
+            ["model"],
+            registry=r,
+        ).labels(*m)
+        self.prefix_cache_queries = Counter(
+            "tokenyard_worker_prefix_cache_queries",
+            "Prompt tokens looked up in the engine's prefix cache (engines that report it).",
+            ["model"],
+            registry=r,
+        ).labels(*m)
+        self.prefix_cache_hits = Counter(
+            "tokenyard_worker_prefix_cache_hits",
+            "Prompt tokens found in the engine's prefix cache (engines that report it).",
+            ["model"],
+            registry=r,
+        ).labels(*m)
         self.lease_renewals = Counter(
             "tokenyard_worker_lease_renewals", "Leases renewed.", ["model"], registry=r
         ).labels(*m)
@@ -280,6 +298,7 @@ class WorkerMetrics:
         self._sequences = 0
         self._decoded = 0
         self._prefilled = 0
+        self._prefix_queries = self._prefix_hits = 0
         self._kv_reported = False
 
     def engine_delivered(self, stats: EngineStats, busy_s: float | None) -> None:
@@ -296,6 +315,12 @@ class WorkerMetrics:
         self.prefill_tokens.inc(max(0, stats.prefill_tokens - self._prefilled))
         self._steps, self._sequences = stats.steps, stats.sequences_stepped
         self._decoded, self._prefilled = stats.tokens_generated, stats.prefill_tokens
+        self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - self._prefix_queries))
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._prefix_hits))
+        self._prefix_queries, self._prefix_hits = (
+            stats.prefix_cache_queries,
+            stats.prefix_cache_hits,
+        )
 
     def sample(
         self,

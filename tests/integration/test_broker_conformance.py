@@ -990,6 +990,170 @@ async def test_earliest_deadline_first_within_a_tenant(make_broker: BrokerFactor
     assert claimed == [urgent.id, late[0].id, late[1].id, late[2].id, none.id]
 
 
+# -- prefix affinity (issue 11 item 4) ---------------------------------------------------------
+def prefixed(prefix: str = "sys-a") -> JobSpec:
+    spec = job()
+    spec.prefix_key = prefix
+    return spec
+
+
+async def beat(broker: Broker, worker: str, ttl_s: float = 30.0) -> None:
+    info = WorkerInfo(consumer=worker, model=MODEL, engine="sim", host="h", pid=1, started_at=0)
+    await broker.heartbeat(info, ttl_s)
+
+
+async def run_prefix(broker: Broker, worker: str, prefix: str = "sys-a") -> None:
+    """Live `worker` claims (and finishes) a job with `prefix`: it becomes the prefix's owner."""
+    await beat(broker, worker)
+    await broker.enqueue(prefixed(prefix))
+    [lease] = await broker.claim(MODEL, worker, slots=1)
+    assert await broker.complete(lease, ok(lease))
+
+
+async def test_prefix_affinity_holds_a_job_for_the_worker_that_ran_its_prefix(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(affinity_wait_s=30.0)
+    await run_prefix(broker, "w1")
+    await beat(broker, "w2")
+    held, plain, other = prefixed(), job(), prefixed("sys-b")
+    await broker.enqueue_many([held, plain, other])
+    assert await broker.depth(MODEL) == 3
+    assert (await broker.stats(MODEL)).lanes[1].waiting == 3  # held jobs count as waiting
+    # another worker gets everything but the job held for w1
+    taken = await broker.claim(MODEL, "w2", slots=5)
+    assert {lease.spec.id for lease in taken} == {plain.id, other.id}
+    assert not any(lease.affinity for lease in taken)
+    [mine] = await broker.claim(MODEL, "w1", slots=5)
+    assert mine.spec.id == held.id and mine.affinity
+    assert await broker.renew([mine]) == [True]
+    assert await broker.append_events([(mine, TokenChunk(token_ids=[7], text="x"))]) == [True]
+    assert await broker.complete(mine, ok(mine))
+    record = await broker.record(held.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED
+    assert record.worker == "w1"
+    for lease in taken:
+        assert await broker.complete(lease, ok(lease))
+    assert await broker.depth(MODEL) == 0
+    # w2 ran sys-b last: its next sys-b job waits for w2, not w1
+    later = prefixed("sys-b")
+    await broker.enqueue(later)
+    assert await broker.claim(MODEL, "w1", slots=1) == []
+    [again] = await broker.claim(MODEL, "w2", slots=1)
+    assert again.spec.id == later.id and again.affinity
+
+
+async def test_a_held_job_goes_to_any_worker_after_the_affinity_wait(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(affinity_wait_s=0.3)
+    await run_prefix(broker, "w1")  # w1 owns the prefix, then is busy (or hangs)
+    spec = prefixed()
+    await broker.enqueue(spec)
+    assert await broker.claim(MODEL, "w2", slots=1) == []  # held for w1
+    started = time.monotonic()
+    [lease] = await broker.claim(MODEL, "w2", slots=1, block_s=3.0)  # wakes when it is due
+    waited = time.monotonic() - started
+    assert lease.spec.id == spec.id and lease.affinity
+    assert 0.15 < waited < 1.5
+    assert await broker.complete(lease, ok(lease))
+    # ownership is sticky while w1 lives: the next job still waits for w1, not for w2
+    again = prefixed()
+    await broker.enqueue(again)
+    assert await broker.claim(MODEL, "w2", slots=1) == []
+    [mine] = await broker.claim(MODEL, "w1", slots=1)
+    assert mine.spec.id == again.id and mine.affinity
+
+
+async def test_no_job_waits_for_a_worker_whose_heartbeat_lapsed(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(affinity_wait_s=30.0)
+    await run_prefix(broker, "w1")
+    await beat(broker, "w1", ttl_s=0.2)
+    await asyncio.sleep(0.3)  # w1 died: its heartbeat lapsed
+    spec = prefixed()
+    await broker.enqueue(spec)
+    [lease] = await broker.claim(MODEL, "w2", slots=1)  # at once, from the lane
+    assert lease.spec.id == spec.id and not lease.affinity
+    assert await broker.complete(lease, ok(lease))
+    # w2 ran it with w1 gone: w2 owns the prefix now
+    await beat(broker, "w2")
+    later = prefixed()
+    await broker.enqueue(later)
+    assert await broker.claim(MODEL, "w3", slots=1) == []
+    [mine] = await broker.claim(MODEL, "w2", slots=1)
+    assert mine.spec.id == later.id and mine.affinity
+
+
+async def test_the_preferred_worker_wakes_for_a_job_held_for_it(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(affinity_wait_s=30.0)
+    await run_prefix(broker, "w1")
+    assert await broker.claim(MODEL, "w1", slots=1) == []  # idle: the next claim waits
+    waiter = asyncio.create_task(broker.claim(MODEL, "w1", slots=1, block_s=5.0))
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    spec = prefixed()
+    await broker.enqueue(spec)
+    [lease] = await asyncio.wait_for(waiter, 5.0)
+    assert lease.spec.id == spec.id and lease.affinity
+    assert time.monotonic() - started < 1.0
+    assert await broker.complete(lease, ok(lease))
+
+
+async def test_an_affinity_lease_is_reaped_and_released_like_any_other(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker(affinity_wait_s=30.0, lease_s=0.2)
+    await run_prefix(broker, "w1")
+    spec = prefixed()
+    await broker.enqueue(spec)
+    [zombie] = await broker.claim(MODEL, "w1", slots=1)
+    assert zombie.affinity
+    await asyncio.sleep(0.35)  # w1 died holding it
+    assert (await broker.reap(MODEL)).requeued == [spec.id]
+    # requeued to the lane itself: any worker takes it at once
+    [fresh] = await broker.claim(MODEL, "w2", slots=1)
+    assert fresh.spec.id == spec.id and fresh.spec.attempt == 1 and not fresh.affinity
+    assert not await broker.complete(zombie, ok(zombie, "zombie"))
+    assert await broker.complete(fresh, ok(fresh, "fresh"))
+    await broker.deregister(MODEL, "w1")  # w1 is gone for good
+    # w2 owns the prefix once it runs it; a drain hands its affinity job back, for anyone
+    await run_prefix(broker, "w2")
+    spec2 = prefixed()
+    await broker.enqueue(spec2)
+    [held] = await broker.claim(MODEL, "w2", slots=1)
+    assert held.affinity and await broker.release([held]) == 1
+    [again] = await broker.claim(MODEL, "w3", slots=1)
+    assert again.spec.id == spec2.id and again.spec.attempt == 0
+    assert await broker.complete(again, ok(again))
+    assert await broker.depth(MODEL) == 0
+
+
+async def test_at_most_max_held_jobs_wait_for_one_worker(make_broker: BrokerFactory) -> None:
+    broker = make_broker(affinity_wait_s=30.0, affinity_max_held=2)
+    await run_prefix(broker, "w1")
+    specs = [prefixed() for _ in range(4)]
+    await broker.enqueue_many(specs)
+    # two wait for w1; the rest are staged as usual
+    taken = await broker.claim(MODEL, "w2", slots=4)
+    assert [lease.spec.id for lease in taken] == [s.id for s in specs[2:]]
+    mine = await broker.claim(MODEL, "w1", slots=4)
+    assert [lease.spec.id for lease in mine] == [s.id for s in specs[:2]]
+
+
+async def test_a_held_job_cancelled_while_waiting_never_runs(make_broker: BrokerFactory) -> None:
+    broker = make_broker(affinity_wait_s=30.0)
+    await run_prefix(broker, "w1")
+    spec = prefixed()
+    await broker.enqueue(spec)
+    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    assert await broker.claim(MODEL, "w1", slots=1) == []
+    assert await broker.depth(MODEL) == 0
+
+
 async def audit_of(broker: Broker, since: float = 0.0, **filters: str) -> list[tuple[str, str]]:
     """(event, status) of every audit entry matching, paging through with small reads."""
     out: list[tuple[str, str]] = []

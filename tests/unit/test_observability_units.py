@@ -98,11 +98,14 @@ def test_worker_metrics_fold_engine_counters_per_delivery() -> None:
     assert value("tokenyard_worker_step_seconds_sum", labels) == pytest.approx(0.02)
     # one more step after an idle wait: its batch counts, its wait is no step time
     m.engine_delivered(EngineStats(steps=3, sequences_stepped=9, tokens_generated=9,
-                                   prefill_tokens=40), None)  # fmt: skip
+                                   prefill_tokens=40, prefix_cache_queries=40,
+                                   prefix_cache_hits=32), None)  # fmt: skip
     assert value("tokenyard_worker_batch_size_count", labels) == 3
     assert value("tokenyard_worker_step_seconds_count", labels) == 2
     assert value("tokenyard_worker_decode_tokens_total", labels) == 9
     assert value("tokenyard_worker_prefill_tokens_total", labels) == 40
+    assert value("tokenyard_worker_prefix_cache_queries_total", labels) == 40
+    assert value("tokenyard_worker_prefix_cache_hits_total", labels) == 32
     m.sample(3, 1, 12.5, EngineStats(kv_cache_usage=0.25), ("cuda:0", 0.5))
     assert value("tokenyard_worker_running_sequences", labels) == 3
     assert value("tokenyard_worker_kv_cache_usage_ratio", labels) == 0.25

@@ -112,4 +112,4 @@ def test_every_script_file_has_a_table() -> None:
         if p.name.endswith(".lua")
     }
     assert files == {spec.name for spec in SCRIPTS}
-    assert scripts.CLAIM.item_keys == ("lane", "fair", "active")
+    assert scripts.CLAIM.item_keys == ("lane", "fair", "active", "held", "mine", "aff")

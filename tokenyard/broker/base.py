@@ -47,6 +47,8 @@ class Lease(msgspec.Struct, frozen=True):
     entry_id: str
     consumer: str
     resumable: bool = False  # an earlier delivery already streamed events for this job
+    # taken as affinity work: its entry lives in the lane's affinity stream, not the lane
+    affinity: bool = False
 
     @property
     def model(self) -> str:

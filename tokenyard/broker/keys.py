@@ -67,6 +67,39 @@ class Keys:
         """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
         return f"{lane}:tq:"
 
+    # -- prefix affinity (tokenyard/affinity.py); every key hangs off the lane or the model tag
+    @staticmethod
+    def affinity_held(lane: str) -> str:
+        """Sorted set of a lane's jobs held for a preferred worker, by when they were held."""
+        return f"{lane}:affq"
+
+    @staticmethod
+    def affinity_worker_prefix(lane: str) -> str:
+        """Prefix of a lane's per-worker held sets; scripts append the consumer name."""
+        return f"{lane}:affw:"
+
+    @classmethod
+    def affinity_worker(cls, lane: str, consumer: str) -> str:
+        return cls.affinity_worker_prefix(lane) + consumer
+
+    @staticmethod
+    def affinity_stream(lane: str) -> str:
+        """Stream holding the leases of a lane's jobs taken as affinity work (claim adds an
+        entry and reads it at once, so it never holds undelivered entries)."""
+        return f"{lane}:aff"
+
+    def prefix_owner_prefix(self, model: str) -> str:
+        """Prefix of `prefix key -> worker that last claimed it` keys (with a TTL)."""
+        return f"{self._model(model_tag(model))}:pfx:"
+
+    def wake_prefix(self, model: str) -> str:
+        """Prefix of the workers' wake-up streams: enqueue adds to one when it holds a job for
+        that worker, whose blocking wait reads it; scripts append the consumer name."""
+        return f"{self._model(model_tag(model))}:wake:"
+
+    def wake(self, model: str, consumer: str) -> str:
+        return self.wake_prefix(model) + consumer
+
     def lanes(self, model: str, pools: int = 1) -> list[str]:
         """Lane streams of a model, highest priority first, each priority's pools in order."""
         return [self.lane(model, p, pool) for p in Priority for pool in range(pools)]

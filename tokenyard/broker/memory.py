@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenyard import audit
+from tokenyard.affinity import hold_for, overdue
 from tokenyard.audit import AuditEntry
 from tokenyard.broker.base import (
     Broker,
@@ -135,6 +136,7 @@ class _Job:
     deadline: float | None = None
     expires_at: float | None = None
     followers: int = 0  # live callers of a collapsed job (see `leave`)
+    prefix: str = ""  # prefix affinity: its prefix key
 
 
 class MemoryStore:
@@ -147,6 +149,10 @@ class MemoryStore:
         self.idempotency: dict[tuple[str, str, str], tuple[str, float]] = {}
         # (model, collapse key) -> (job id, valid until)
         self.inflight: dict[tuple[str, str], tuple[str, float]] = {}
+        # prefix affinity: (model, prefix key) -> (worker that last claimed it, valid until);
+        # per lane, job id -> (worker it is held for, held at), in the order held
+        self.prefix_owner: dict[tuple[str, str], tuple[str, float]] = {}
+        self.affinity_held: dict[LaneId, dict[str, tuple[str, float]]] = defaultdict(dict)
         # model -> digest -> (value, valid until), in insertion order; bytes held per model
         self.cache: dict[str, dict[str, tuple[bytes, float]]] = defaultdict(dict)
         self.cache_bytes: dict[str, int] = defaultdict(int)
@@ -318,6 +324,7 @@ class MemoryBroker(Broker):
             adding[_lane(spec)] += 1
         for lane, count in adding.items():
             depth = len(store.lanes[lane].entries) + store.lanes[lane].fair.count
+            depth += len(store.affinity_held[lane])
             if depth + count > self.settings.max_queue_depth:
                 model, priority, _ = lane
                 label = f"{model}/{priority.name.lower()}"
@@ -332,11 +339,18 @@ class MemoryBroker(Broker):
                 pool=spec.pool,
                 enqueued_at=now,
                 deadline=spec.deadline,
+                prefix=spec.prefix_key,
             )
-            store.lanes[lane].fair.stage(
-                spec.tenant, spec.weight, staging_score(spec), spec.id, fair_cost(spec)
-            )
-            refill.add(lane)
+            owner = self._prefix_owner(spec.model, spec.prefix_key, now)
+            held = store.affinity_held[lane]
+            waiting_for = sum(1 for o, _ in held.values() if o == owner)
+            if owner is not None and hold_for(owner, waiting_for, self.settings.affinity_max_held):
+                held[spec.id] = (owner, now)  # as enqueue.lua: held for the prefix's worker
+            else:
+                store.lanes[lane].fair.stage(
+                    spec.tenant, spec.weight, staging_score(spec), spec.id, fair_cost(spec)
+                )
+                refill.add(lane)
             if idem is not None:
                 store.idempotency[idem] = (spec.id, now + self.settings.idempotency_ttl_s)
             if spec.collapse_key:
@@ -359,6 +373,17 @@ class MemoryBroker(Broker):
             return None
         job = self._job(known[0])
         return known[0] if job is not None and not job.status.terminal else None
+
+    def _prefix_owner(self, model: str, prefix: str, now: float) -> str | None:
+        """The live worker that owns a prefix (as enqueue.lua / claim.lua), if any."""
+        known = self.store.prefix_owner.get((model, prefix)) if prefix else None
+        if known is None or known[1] <= now:
+            return None
+        return known[0] if self._alive(model, known[0], now) else None
+
+    def _alive(self, model: str, consumer: str, now: float) -> bool:
+        beat = self.store.workers[model].get(consumer)
+        return beat is not None and beat[1] > now
 
     def _refill(self, lane: LaneId, want: int, now: float) -> int:
         """Top the lane up to `want` undelivered jobs from its tenants' staged ones."""
@@ -389,7 +414,16 @@ class MemoryBroker(Broker):
             wait = give_up_at - time.monotonic()
             if leases or wait <= 0:
                 return leases
-            due = self.store.delayed[model].values()
+            due = list(self.store.delayed[model].values())
+            # prefix affinity: a job held for another worker may be taken once it waited
+            wait_s = self.settings.affinity_wait_s
+            now = self.clock()
+            due += [  # one overdue already is one this claim could not take (the batch cap)
+                at + wait_s
+                for lane in self._lanes(model)
+                for _, at in self.store.affinity_held[lane].values()
+                if at + wait_s > now
+            ]
             if due:
                 wait = min(wait, max(0.001, min(due) - self.clock()))
             await self.store.wait(wait)
@@ -417,6 +451,12 @@ class MemoryBroker(Broker):
         for lane in ordered:
             state = store.lanes[lane]
             capped = lane[1] is Priority.BATCH  # at most batch_room jobs from it
+            # prefix affinity (as claim.lua): jobs held for this worker, then overdue ones
+            room = min(slots - len(leases), batch_left if capped else slots)
+            for job_id in self._held_for(lane, consumer, room, now):
+                entry_id = store.next_id(now)
+                held_entry = state.entries[entry_id] = _Entry(entry_id, job_id)
+                batch_left -= capped * self._deliver(lane, held_entry, consumer, now, leases, True)
             while True:
                 asked = min(slots - len(leases), batch_left if capped else slots)
                 topped_up = asked + self.settings.fair_window
@@ -426,31 +466,62 @@ class MemoryBroker(Broker):
                 entry = state.entries.get(state.undelivered.pop(0))
                 if entry is None:
                     continue
-                job = self._job(entry.job_id)
-                if job is None or job.status.terminal:
-                    self._remove_entry(lane, entry.entry_id)
-                elif job.deadline is not None and job.deadline < now:
-                    self._remove_entry(lane, entry.entry_id)
-                    self._finish(job, entry.job_id, expired_result(), now, audited=False)
-                    store.counters[model]["expired"] += 1
-                else:
-                    entry.owner, entry.touched = consumer, now
-                    job.deliveries += 1
-                    job.status, job.started_at, job.worker = JobStatus.RUNNING, now, consumer
-                    batch_left -= capped
-                    spec = decode(job.spec, JobSpec)
-                    spec.attempt = job.deliveries - 1
-                    leases.append(
-                        Lease(
-                            spec=spec,
-                            entry_id=entry.entry_id,
-                            consumer=consumer,
-                            resumable=bool(store.events.get(entry.job_id)),
-                        )
-                    )
+                batch_left -= capped * self._deliver(lane, entry, consumer, now, leases, False)
         if leases:
             store.notify()  # other waiters may have lanes of their own to look at
         return leases
+
+    def _held_for(self, lane: LaneId, consumer: str, room: int, now: float) -> list[str]:
+        """Up to `room` held jobs this worker takes now (its own first), no longer held."""
+        held = self.store.affinity_held[lane]
+        mine = [j for j, (owner, _) in held.items() if owner == consumer]
+        wait_s = self.settings.affinity_wait_s
+        late = [j for j, (o, at) in held.items() if o != consumer and overdue(at, now, wait_s)]
+        taken = (mine + late)[: max(0, room)]
+        for job_id in taken:
+            del held[job_id]
+        return taken
+
+    def _deliver(
+        self,
+        lane: LaneId,
+        entry: _Entry,
+        consumer: str,
+        now: float,
+        leases: list[Lease],
+        affinity: bool,
+    ) -> bool:
+        """Lease a read entry to `consumer`, or drop it if its job ended or expired."""
+        store, model = self.store, lane[0]
+        job = self._job(entry.job_id)
+        if job is None or job.status.terminal:
+            self._remove_entry(lane, entry.entry_id)
+            return False
+        if job.deadline is not None and job.deadline < now:
+            self._remove_entry(lane, entry.entry_id)
+            self._finish(job, entry.job_id, expired_result(), now, audited=False)
+            store.counters[model]["expired"] += 1
+            return False
+        entry.owner, entry.touched = consumer, now
+        job.deliveries += 1
+        job.status, job.started_at, job.worker = JobStatus.RUNNING, now, consumer
+        # this worker's engine is about to cache the prefix: it owns it unless a live worker does
+        owner = self._prefix_owner(model, job.prefix, now)
+        if job.prefix and owner in (None, consumer):
+            until = now + self.settings.affinity_ttl_s
+            store.prefix_owner[(model, job.prefix)] = (consumer, until)
+        spec = decode(job.spec, JobSpec)
+        spec.attempt = job.deliveries - 1
+        leases.append(
+            Lease(
+                spec=spec,
+                entry_id=entry.entry_id,
+                consumer=consumer,
+                resumable=bool(store.events.get(entry.job_id)),
+                affinity=affinity,
+            )
+        )
+        return True
 
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         now = self.clock()
@@ -699,6 +770,11 @@ class MemoryBroker(Broker):
             states = [self.store.lanes[lane] for lane in self._lanes(model) if lane[1] is priority]
             waiting = [s.entries[e] for s in states for e in s.undelivered if e in s.entries]
             staged = sum(s.fair.count for s in states)  # waiting for their turn (fair share)
+            staged += sum(
+                len(self.store.affinity_held[lane])
+                for lane in self._lanes(model)
+                if lane[1] is priority
+            )
             in_flight = sum(1 for s in states for e in s.entries.values() if e.owner is not None)
             age = None
             if waiting:
@@ -725,7 +801,8 @@ class MemoryBroker(Broker):
 
     async def depth(self, model: str) -> int:
         lanes = [self.store.lanes[lane] for lane in self._lanes(model)]
-        return sum(len(lane.entries) + lane.fair.count for lane in lanes)
+        held = sum(len(self.store.affinity_held[lane]) for lane in self._lanes(model))
+        return sum(len(lane.entries) + lane.fair.count for lane in lanes) + held
 
     async def backlog(self, model: str) -> list[LaneBacklog]:
         out = []

@@ -333,6 +333,7 @@ class RedisBroker(Broker):
                         fair=self.keys.fair(lane),
                         active=self.keys.fair_active(lane),
                         inflight=inflight,
+                        held=self.keys.affinity_held(lane),
                     ),
                     scripts.EnqueueItemArgs(
                         job_id=spec.id,
@@ -345,17 +346,22 @@ class RedisBroker(Broker):
                         cost=fair_cost(spec),
                         score=repr(staging_score(spec)),
                         use_inflight="1" if spec.collapse_key else "0",
+                        prefix=spec.prefix_key,
+                        affw_prefix=self.keys.affinity_worker_prefix(lane),
                     ),
                 )
             )
         return scripts.ENQUEUE.call(
-            Empty(),
+            scripts.EnqueueKeys(workers=self.keys.workers(specs[0].model)),
             scripts.EnqueueArgs(
                 now=repr(now),
                 max_depth=self.settings.max_queue_depth,
                 idem_ttl_ms=_ms(self.settings.idempotency_ttl_s),
                 window=max(1, self.settings.fair_window),
                 job_prefix=self.keys.job_prefix(specs[0].model),
+                pfx_prefix=self.keys.prefix_owner_prefix(specs[0].model),
+                wake_prefix=self.keys.wake_prefix(specs[0].model),
+                max_held=self.settings.affinity_max_held,
             ),
             items,
         )
@@ -392,7 +398,10 @@ class RedisBroker(Broker):
             now = self.clock()
             call = scripts.CLAIM.call(
                 scripts.ClaimKeys(
-                    delayed=self.keys.delayed(model), counters=self.keys.counters(model)
+                    delayed=self.keys.delayed(model),
+                    counters=self.keys.counters(model),
+                    wake=self.keys.wake(model, consumer),
+                    workers=self.keys.workers(model),
                 ),
                 scripts.ClaimArgs(
                     group=GROUP,
@@ -410,15 +419,24 @@ class RedisBroker(Broker):
                     wait_hints="1" if block_s > 0 else "0",
                     window=max(1, self.settings.fair_window),
                     capped_room=-1 if batch_room is None else max(0, batch_room),
+                    pfx_prefix=self.keys.prefix_owner_prefix(model),
+                    pfx_ttl_ms=_ms(self.settings.affinity_ttl_s),
+                    aff_wait=repr(self.settings.affinity_wait_s),
                 ),
                 [
                     (
                         scripts.ClaimLaneKeys(
-                            lane=lane, fair=self.keys.fair(lane), active=self.keys.fair_active(lane)
+                            lane=lane,
+                            fair=self.keys.fair(lane),
+                            active=self.keys.fair_active(lane),
+                            held=self.keys.affinity_held(lane),
+                            mine=self.keys.affinity_worker(lane, consumer),
+                            aff=self.keys.affinity_stream(lane),
                         ),
                         scripts.ClaimLaneArgs(
                             tq_prefix=self.keys.tenant_queue_prefix(lane),
                             capped="1" if lane in capped else "0",
+                            affw_prefix=self.keys.affinity_worker_prefix(lane),
                         ),
                     )
                     for lane in ordered
@@ -431,11 +449,17 @@ class RedisBroker(Broker):
                 if hint.next_due:
                     wait = min(wait, max(0.001, hint.next_due - now))
                 reply = await self._wake_then_claim(hint, max(wait, 0.001), call)
-            claimed, last_ids, next_due = reply
+            claimed, last_ids, next_due, wake_id = reply
             hint = None
             if last_ids:  # the lanes are drained: the next wait can start from here
                 due = float(next_due) if next_due else 0.0
-                hint = _WaitHint(ordered, [_s(i) for i in last_ids], due, batch_room)
+                # this worker's wake stream too: a job held for it (prefix affinity) lands there
+                hint = _WaitHint(
+                    [*ordered, self.keys.wake(model, consumer)],
+                    [*(_s(i) for i in last_ids), _s(wake_id)],
+                    due,
+                    batch_room,
+                )
             if claimed or time.monotonic() >= give_up_at:
                 if hint is not None:
                     self._hints[model] = hint
@@ -454,13 +478,24 @@ class RedisBroker(Broker):
         return (await self._retry_missing([call], [reply]))[0]
 
     def _lease(self, consumer: str, row: list[Any]) -> Lease:
-        entry_id, spec_bytes, attempt, resumable = row
+        entry_id, spec_bytes, attempt, resumable, affinity = row
         spec = decode(spec_bytes, JobSpec)
         spec.attempt = int(attempt)
-        return Lease(spec=spec, entry_id=_s(entry_id), consumer=consumer, resumable=resumable == 1)
+        return Lease(
+            spec=spec,
+            entry_id=_s(entry_id),
+            consumer=consumer,
+            resumable=resumable == 1,
+            affinity=affinity == 1,
+        )
+
+    def _home(self, lease: Lease) -> str:
+        return self.keys.lane(lease.spec.model, lease.spec.priority, lease.spec.pool)
 
     def _lane(self, lease: Lease) -> str:
-        return self.keys.lane(lease.spec.model, lease.spec.priority, lease.spec.pool)
+        """The stream holding the lease's entry: its lane, or that lane's affinity stream."""
+        home = self._home(lease)
+        return self.keys.affinity_stream(home) if lease.affinity else home
 
     @_unavailable_on_errors
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
@@ -618,7 +653,9 @@ class RedisBroker(Broker):
                 [
                     (
                         scripts.ReleaseItemKeys(
-                            lane=self._lane(leases[i]), job=self.keys.job(leases[i].spec.id)
+                            lane=self._lane(leases[i]),
+                            job=self.keys.job(leases[i].spec.id),
+                            home=self._home(leases[i]),
                         ),
                         scripts.ReleaseItemArgs(
                             consumer=leases[i].consumer,
@@ -651,9 +688,12 @@ class RedisBroker(Broker):
                 ttl_ms=self._ttl_ms,
             ),
             [
-                (scripts.LaneKey(lane=self.keys.lane(model, p, pool)), scripts.ReapItemArgs(p.name))
+                (scripts.ReapItemKeys(lane=stream, home=lane), scripts.ReapItemArgs(p.name))
                 for p in Priority
                 for pool in range(self.settings.pool_count)
+                for lane in [self.keys.lane(model, p, pool)]
+                # a lane's affinity stream holds leases too (prefix affinity)
+                for stream in (lane, self.keys.affinity_stream(lane))
             ],
         )
         requeued, dead = await self._run(call)
@@ -822,12 +862,18 @@ class RedisBroker(Broker):
             pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
         for lane in lanes:
             pipe.hget(self.keys.fair(lane), "staged")  # waiting for their turn (fair share)
+        for lane in lanes:
+            # prefix affinity: held for a worker (waiting); the affinity stream's are in flight
+            pipe.zcard(self.keys.affinity_held(lane))
+            pipe.xlen(self.keys.affinity_stream(lane))
         pipe.zcard(self.keys.delayed(model))
         pipe.xlen(self.keys.dead_letters(model))
         pipe.hgetall(self.keys.counters(model))
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         delayed, dead, counters = replies[-3:]
         staged = [int(n or 0) for n in replies[2 * len(lanes) : 3 * len(lanes)]]
+        held = [int(n or 0) for n in replies[3 * len(lanes) : 5 * len(lanes) : 2]]
+        aff_running = [int(n or 0) for n in replies[3 * len(lanes) + 1 : 5 * len(lanes) : 2]]
         for reply in (delayed, dead, counters):
             if isinstance(reply, Exception):
                 raise reply
@@ -864,8 +910,10 @@ class RedisBroker(Broker):
                 LaneStats(
                     model,
                     priority,
-                    waiting=sum(max(0, sizes[i][0] - sizes[i][1]) + staged[i] for i in mine),
-                    in_flight=sum(sizes[i][1] for i in mine),
+                    waiting=sum(
+                        max(0, sizes[i][0] - sizes[i][1]) + staged[i] + held[i] for i in mine
+                    ),
+                    in_flight=sum(sizes[i][1] + aff_running[i] for i in mine),
                     oldest_waiting_age_s=max(ages) if ages else None,
                 )
             )
@@ -886,6 +934,8 @@ class RedisBroker(Broker):
         for lane in self.keys.lanes(model, self.settings.pool_count):
             pipe.xlen(lane)
             pipe.hget(self.keys.fair(lane), "staged")
+            pipe.zcard(self.keys.affinity_held(lane))  # prefix affinity: held, and running
+            pipe.xlen(self.keys.affinity_stream(lane))
         return sum(int(n or 0) for n in await self._execute(pipe))
 
     @_unavailable_on_errors

@@ -121,6 +121,9 @@ class EnqueueArgs(NamedTuple):
     idem_ttl_ms: int
     window: int  # staged jobs kept in a lane's stream (fair share, lua/lib/fair.lua)
     job_prefix: str  # a collapsing request looks up the status of the job it would join
+    pfx_prefix: str  # prefix affinity: `prefix key -> worker` keys; the key is appended
+    wake_prefix: str  # workers' wake streams; the consumer name is appended
+    max_held: int  # jobs held for one worker per lane at most
 
 
 class EnqueueItemKeys(NamedTuple):
@@ -130,6 +133,7 @@ class EnqueueItemKeys(NamedTuple):
     fair: str
     active: str
     inflight: str  # the collapse key, or the job key again when the job has none
+    held: str  # the lane's jobs held for a preferred worker (prefix affinity)
 
 
 class EnqueueItemArgs(NamedTuple):
@@ -143,10 +147,16 @@ class EnqueueItemArgs(NamedTuple):
     cost: int  # tokens it may use: its share of the lane is counted in them
     score: str  # order among the tenant's staged jobs: deadline first, then arrival
     use_inflight: str  # '1' | '0': join an identical job in flight instead of adding one
+    prefix: str  # prefix key, '' for none
+    affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
+
+
+class EnqueueKeys(NamedTuple):
+    workers: str  # live workers by heartbeat lapse: a job is held only for a live one
 
 
 ENQUEUE = ScriptSpec(
-    "enqueue", Empty, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs, libraries=("fair",)
+    "enqueue", EnqueueKeys, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs, libraries=("fair",)
 )
 
 
@@ -154,6 +164,8 @@ ENQUEUE = ScriptSpec(
 class ClaimKeys(NamedTuple):
     delayed: str
     counters: str
+    wake: str  # this worker's wake stream (prefix affinity): its newest id is a wait hint
+    workers: str  # live workers by heartbeat lapse: who may keep a prefix
 
 
 class ClaimArgs(NamedTuple):
@@ -171,6 +183,9 @@ class ClaimArgs(NamedTuple):
     wait_hints: str  # '1': when the lanes are drained, return what a blocking wait needs
     window: int  # staged jobs kept in a lane's stream beyond the slots asked for
     capped_room: int  # jobs the capped lanes may give together; -1: no cap
+    pfx_prefix: str  # prefix affinity: `prefix key -> worker` keys; the key is appended
+    pfx_ttl_ms: int  # how long a claim makes this worker its jobs' prefixes' owner
+    aff_wait: str  # seconds a held job waits for its preferred worker before any may take it
 
 
 class LaneKey(NamedTuple):
@@ -181,11 +196,15 @@ class ClaimLaneKeys(NamedTuple):
     lane: str
     fair: str
     active: str
+    held: str  # the lane's jobs held for a preferred worker
+    mine: str  # those held for this worker
+    aff: str  # the lane's affinity stream: leases of the held jobs taken
 
 
 class ClaimLaneArgs(NamedTuple):
     tq_prefix: str
     capped: str  # '1': this lane's claims count against capped_room (the batch lane's share)
+    affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
 
 
 CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair",))
@@ -274,7 +293,12 @@ class ReapItemArgs(NamedTuple):
     priority: str
 
 
-REAP = ScriptSpec("reap", ReapKeys, ReapArgs, LaneKey, ReapItemArgs)
+class ReapItemKeys(NamedTuple):
+    lane: str  # a lane, or a lane's affinity stream
+    home: str  # where a requeued job goes: the lane
+
+
+REAP = ScriptSpec("reap", ReapKeys, ReapArgs, ReapItemKeys, ReapItemArgs)
 
 
 # -- cancel ------------------------------------------------------------------------------------
@@ -348,6 +372,7 @@ RENEW = ScriptSpec("renew", Empty, GroupArg, LaneKey, HolderArgs)
 class ReleaseItemKeys(NamedTuple):
     lane: str
     job: str
+    home: str  # the lane the job goes back to (`lane` may be its affinity stream)
 
 
 class ReleaseItemArgs(NamedTuple):

@@ -71,6 +71,7 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
         options = {
             "max_seqs": settings.max_seqs,
             "max_tokens": settings.token_budget,
+            "prefix_cache_tokens": settings.sim_prefix_cache_tokens or None,
         }
     else:
         options = {

@@ -58,6 +58,9 @@ class EngineStats(msgspec.Struct):
     reserved_tokens: int = 0  # prompt + max_tokens over running sequences
     prefill_tokens: int = 0  # prompt (and resumed) tokens of every started sequence
     kv_cache_usage: float = 0.0  # fraction of the KV cache in use (hf), 0 where unknown
+    # prompt tokens looked up in / found in the engine's prefix cache (sim; 0 where unknown)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def mean_batch(self) -> float:

@@ -7,6 +7,7 @@ import hashlib
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,8 +59,47 @@ class _SimSeq(EngineSeq):
     prefilled: bool = False
 
 
+class PrefixCache:
+    """An LRU of prompt blocks, as vLLM's automatic prefix caching: a block is named by the hash
+    of every token up to its end, so a hit is always a whole leading run of blocks. As in vLLM,
+    a prompt's blocks are freed last-first, so eviction eats a prefix from its tail and what is
+    left still hits."""
+
+    def __init__(self, capacity_tokens: int, block: int = 16) -> None:
+        self.block = block
+        self.capacity = capacity_tokens // block  # blocks held
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def lookup_and_insert(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` already cached (its leading whole blocks); then its blocks are
+        cached, its first block the most recently used."""
+        if self.capacity <= 0:
+            return 0
+        digest = hashlib.blake2b(digest_size=16)
+        hit, missed, names = 0, False, []
+        for end in range(self.block, len(token_ids) + 1, self.block):
+            digest.update(
+                b"".join(t.to_bytes(4, "little") for t in token_ids[end - self.block : end])
+            )
+            name = digest.copy().digest()
+            if not missed and name in self._blocks:
+                hit = end
+            else:
+                missed = True
+            names.append(name)
+        for name in reversed(names):  # the first block ends most recently used
+            self._blocks[name] = None
+            self._blocks.move_to_end(name)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        return hit
+
+
 class SimEngine(LocalEngine[_SimSeq]):
     """Prefill costs a + b·prompt_tokens, a decode step c + d·batch; tokens hash prompt+position.
+
+    With `prefix_cache_tokens` > 0 the engine keeps an LRU prefix cache of that many tokens and a
+    cached leading run of blocks costs nothing to prefill (prefix affinity's engine).
 
     Tokens depend only on the prompt and position (and seed when sampling), so resuming from
     prompt + generated tokens reproduces an uninterrupted run exactly.
@@ -82,6 +122,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         seed: int = 0,
         max_model_len: int = 4096,
         sleep: Callable[[float], None] | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         seqs = 64 if max_seqs is None else max_seqs
         # No memory to size from: by default every sequence may use the whole context.
@@ -97,6 +138,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         self.fail_marker = fail_marker
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -157,7 +199,11 @@ class SimEngine(LocalEngine[_SimSeq]):
                     s.prefilled = True
             if started:
                 prompt = sum(len(s.input_ids) for s in started)
-                self._sleep(self.prefill_base + self.prefill_per_token * prompt)
+                hits = sum(self.prefix_cache.lookup_and_insert(s.input_ids) for s in started)
+                with self._lock:
+                    self._stats.prefix_cache_queries += prompt
+                    self._stats.prefix_cache_hits += hits
+                self._sleep(self.prefill_base + self.prefill_per_token * (prompt - hits))
             self._sleep(self.decode_base + self.decode_per_seq * len(batch))
             with self._cond:
                 self._step_locked(batch)

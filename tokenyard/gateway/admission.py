@@ -55,6 +55,7 @@ async def admit(
     settings = state.settings
     prompt: str | None
     token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
         try:
@@ -130,4 +131,5 @@ async def admit(
         idempotency_key=idempotency_key,
         created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
+        prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
     )

@@ -16,6 +16,7 @@ from tokenyard.broker import Broker, connect
 from tokenyard.cache import ResponseCache
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator, KeyRing
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.errors import install_error_handlers
@@ -85,6 +86,7 @@ def create_app(
                 depths=LaneDepths(active),
                 waits=QueueWaits(active, settings.queue_wait_ttl_s),
                 started_at=time.time(),
+                prefixes=PrefixKeys(settings.affinity_prefix_tokens),
             )
             app.state.gateway = state
             app.state.batches = BatchService.start(state, files)

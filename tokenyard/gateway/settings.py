@@ -56,6 +56,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # JSON routing rules (tokenyard/routing.py): {"aliases": {"gpt-4o-mini": "tiny"},
     # "fast_path": {"model": "small", "below_tokens": 256, "max_depth": 64}}; empty: none
     routing_file: str = ""
+    # prefix affinity: a job's prefix key covers at most this many leading prompt tokens (a
+    # chat request's system prompt), in whole 16-token blocks; 0: no keys, no affinity
+    affinity_prefix_tokens: int = 1024
     # offline batches (/v1/files, /v1/batches); OpenAI's limits by default
     files_dir: str = ".tokenyard/files"  # the file store (uploads and batch outputs)
     batch_max_requests: int = 50_000

@@ -10,6 +10,7 @@ from fastapi import Request
 from tokenyard.broker import Broker
 from tokenyard.cache import ResponseCache
 from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.events import EventHub
@@ -37,6 +38,7 @@ class GatewayState:
     depths: LaneDepths  # the fast path's congestion check
     waits: QueueWaits  # estimated queue wait: deadline refusal and overload shedding
     started_at: float  # unix seconds; the `created` of /v1/models
+    prefixes: PrefixKeys  # each job's prefix key (prefix affinity)
 
     async def close(self) -> None:
         await self.enqueuer.close()

@@ -179,6 +179,7 @@ class Worker:
             if not leases:
                 continue
             self.metrics.claims.inc(len(leases))
+            self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
                 self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
             # prepared concurrently when some must read (an earlier delivery's tokens, a long

@@ -1,18 +1,29 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
--- KEYS: delayed, counters; per item: lane, fair, active
+-- KEYS: delayed, counters, wake, workers; per item: lane, fair, active, held, mine, aff
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
---   ttl_ms, wait_hints, window, capped_room; per item: tq_prefix, capped
+--   ttl_ms, wait_hints, window, capped_room, pfx_prefix, pfx_ttl_ms, aff_wait;
+--   per item: tq_prefix, capped, affw_prefix
 -- Before each read a lane's stream is topped up from its tenants' staged jobs in fair order
 -- (lib/fair.lua) to the slots asked for plus `window`.
 -- Lanes marked capped give at most capped_room jobs together (-1: no cap): a worker keeps
 -- room for interactive work however deep the batch lane is.
 -- `now` is the caller's clock; when server_now is '1' the server's TIME is used instead (the
 -- call waited in a pipeline behind a blocking XREAD, so `now` would be stale by the wait).
--- Returns {claimed, last_ids, next_due}: claimed = {{entry_id, spec, attempt, resumable}}.
+-- Prefix affinity (see enqueue.lua): in each lane, the jobs held for this worker come first,
+-- then jobs held for any worker longer than aff_wait seconds (so a busy or dead worker's jobs
+-- still run); both are added to the lane's affinity stream `aff` and read from it at once, so
+-- their leases work like any lane entry's (renew, complete, reap) and `aff` never holds an
+-- undelivered entry. A claimed job with a prefix key makes this worker the prefix's owner for
+-- pfx_ttl_ms, unless another live worker (heartbeat not lapsed) owns it: ownership is sticky,
+-- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
+-- cache holds it, and it moves at once when the owner is gone.
+-- Returns {claimed, last_ids, next_due, wake_id}:
+-- claimed = {{entry_id, spec, attempt, resumable, affinity}}.
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
--- ends ('' if none).
+-- or the first held job's affinity wait ends ('' if none); wake_id is the newest id of this
+-- worker's wake stream.
 local group, consumer, now = A.group, A.consumer, A.now
 if A.server_now == '1' then
   local t = redis.call('TIME')
@@ -48,11 +59,81 @@ end
 
 local claimed, last_read, capped_out = {}, {}, {}
 local capped_left = tonumber(A.capped_room)
+local aff_wait = tonumber(A.aff_wait)
+
+-- Entries just read from `stream`: skip what has ended or expired, lease the rest.
+local function take(stream, entries, capped, affinity)
+  for _, entry in ipairs(entries) do
+    local eid, jid = entry[1], entry[2][2]
+    local jk = A.job_prefix .. jid
+    local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries', 'pfx')
+    if (not h[1]) or terminal[h[1]] then
+      -- cancelled while waiting, or its record is gone: nothing to run
+      redis.call('XACK', stream, group, eid)
+      redis.call('XDEL', stream, eid)
+    elseif h[3] and h[3] ~= '' and tonumber(h[3]) < nowf then
+      redis.call('XACK', stream, group, eid)
+      redis.call('XDEL', stream, eid)
+      redis.call('HSET', jk, 'status', 'expired', 'result', A.expired_event, 'end_at', now)
+      redis.call('PEXPIRE', jk, A.ttl_ms)
+      local ek = A.event_prefix .. jid
+      redis.call('XADD', ek, '*', 'e', A.expired_event)
+      redis.call('PEXPIRE', ek, A.ttl_ms)
+      redis.call('HINCRBY', K.counters, 'expired', 1)
+    else
+      local deliveries = tonumber(h[4] or '0') + 1
+      redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer,
+        'deliveries', deliveries)
+      if h[5] and h[5] ~= '' then
+        -- prefix affinity: this worker's engine is about to cache the prefix
+        local pk = A.pfx_prefix .. h[5]
+        local owner = redis.call('GET', pk)
+        if (not owner) or owner == consumer
+          or tonumber(redis.call('ZSCORE', K.workers, owner) or '0') <= nowf then
+          redis.call('SET', pk, consumer, 'PX', A.pfx_ttl_ms)
+        end
+      end
+      local resumable = redis.call('EXISTS', A.event_prefix .. jid)
+      claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity}
+      remaining = remaining - 1
+      if capped then capped_left = capped_left - 1 end
+    end
+  end
+end
+
+-- Prefix affinity: take up to `room` held jobs, this worker's own first, then overdue ones.
+local function take_held(lk, la, room, capped)
+  local ids = redis.call('ZRANGE', lk.mine, 0, room - 1)
+  local seen = {}
+  for _, jid in ipairs(ids) do seen[jid] = true end
+  if #ids < room then
+    local old = redis.call('ZRANGEBYSCORE', lk.held, '-inf', string.format('%.6f',
+      nowf - aff_wait), 'LIMIT', 0, room)
+    for _, jid in ipairs(old) do
+      if #ids >= room then break end
+      if not seen[jid] then ids[#ids + 1] = jid; seen[jid] = true end
+    end
+  end
+  if #ids == 0 then return end
+  for _, jid in ipairs(ids) do
+    local pref = redis.call('HGET', A.job_prefix .. jid, 'pref')
+    if pref then redis.call('ZREM', la.affw_prefix .. pref, jid) end
+    redis.call('ZREM', lk.held, jid)
+    redis.call('XADD', lk.aff, '*', 'j', jid)
+  end
+  local res = read(lk.aff, #ids)
+  if res then take(lk.aff, res[1][2], capped, 1) end
+end
+
 for i = 1, N do
   if remaining <= 0 then break end
   local lk, la = item(i)
   local lane = lk.lane
   local capped = la.capped == '1' and capped_left >= 0
+  local room = remaining
+  if capped then room = math.min(room, capped_left) end
+  -- one ZCARD when nothing is held (the common case): the claim stays as cheap as before
+  if room > 0 and redis.call('ZCARD', lk.held) > 0 then take_held(lk, la, room, capped) end
   while remaining > 0 do
     local asked = remaining
     if capped then
@@ -67,33 +148,7 @@ for i = 1, N do
     local entries = res[1][2]
     fair_read(lk.fair, #entries)
     if #entries > 0 then last_read[i] = entries[#entries][1] end
-    for _, entry in ipairs(entries) do
-      local eid, jid = entry[1], entry[2][2]
-      local jk = A.job_prefix .. jid
-      local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries')
-      if (not h[1]) or terminal[h[1]] then
-        -- cancelled while waiting, or its record is gone: nothing to run
-        redis.call('XACK', lane, group, eid)
-        redis.call('XDEL', lane, eid)
-      elseif h[3] and h[3] ~= '' and tonumber(h[3]) < nowf then
-        redis.call('XACK', lane, group, eid)
-        redis.call('XDEL', lane, eid)
-        redis.call('HSET', jk, 'status', 'expired', 'result', A.expired_event, 'end_at', now)
-        redis.call('PEXPIRE', jk, A.ttl_ms)
-        local ek = A.event_prefix .. jid
-        redis.call('XADD', ek, '*', 'e', A.expired_event)
-        redis.call('PEXPIRE', ek, A.ttl_ms)
-        redis.call('HINCRBY', K.counters, 'expired', 1)
-      else
-        local deliveries = tonumber(h[4] or '0') + 1
-        redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer,
-          'deliveries', deliveries)
-        local resumable = redis.call('EXISTS', A.event_prefix .. jid)
-        claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable}
-        remaining = remaining - 1
-        if capped then capped_left = capped_left - 1 end
-      end
-    end
+    take(lane, entries, capped, 0)
     if #entries < asked then
       -- the stream is drained, whatever the count said; go on only while jobs are staged
       redis.call('HSET', lk.fair, 'stream', 0)
@@ -103,7 +158,7 @@ for i = 1, N do
   end
 end
 
-local last_ids, next_due = {}, ''
+local last_ids, next_due, wake_id = {}, '', '0-0'
 if remaining > 0 and A.wait_hints == '1' then
   for i = 1, N do
     -- a lane read to its end: the last entry read is its newest
@@ -114,6 +169,16 @@ if remaining > 0 and A.wait_hints == '1' then
     end
   end
   local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
-  next_due = first[2] or ''
+  local due_at = first[2] and tonumber(first[2]) or math.huge
+  for i = 1, N do
+    -- a job held for another worker: wake when any worker may take it (one overdue already is
+    -- one this claim could not take, e.g. under the batch cap: no reason to wake for it)
+    local held = redis.call('ZRANGE', item(i).held, 0, 0, 'WITHSCORES')
+    local held_due = held[2] and tonumber(held[2]) + aff_wait
+    if held_due and held_due > nowf then due_at = math.min(due_at, held_due) end
+  end
+  if due_at ~= math.huge then next_due = string.format('%.6f', due_at) end
+  local newest = redis.call('XREVRANGE', K.wake, '+', '-', 'COUNT', 1)
+  wake_id = newest[1] and newest[1][1] or '0-0'
 end
-return {claimed, last_ids, next_due}
+return {claimed, last_ids, next_due, wake_id}

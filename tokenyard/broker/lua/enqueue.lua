@@ -2,13 +2,18 @@
 -- A job whose idempotency key or id is already known is not added again; its id is returned.
 -- A job with a collapse key whose job is still queued or running joins that job instead
 -- (collapsing): its id is returned and the job counts one more follower.
--- KEYS: none; per item: lane, job, idem, fair, active, inflight
--- ARGV: now, max_depth, idem_ttl_ms, window, job_prefix; per item: job_id, spec, deadline,
---   use_idem, tq_prefix, tenant, weight, cost, score, use_inflight
+-- KEYS: workers; per item: lane, job, idem, fair, active, inflight, held
+-- ARGV: now, max_depth, idem_ttl_ms, window, job_prefix, pfx_prefix, wake_prefix, max_held;
+--   per item: job_id, spec, deadline, use_idem, tq_prefix, tenant, weight, cost, score,
+--   use_inflight, prefix, affw_prefix
 -- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}} or {-1, {item, depth}} when that
 -- item's lane is full. A lane's consumer group is made by the first claim that reads it.
 -- A new job is staged for its tenant (fair share, lib/fair.lua); the lane's stream is then
 -- topped up to `window` jobs, so an idle lane's blocked workers wake at once.
+-- Prefix affinity: a job whose prefix key names a live worker (its heartbeat has not lapsed;
+-- see claim.lua for who owns a prefix) is held for it instead (the lane's `held` set and that
+-- worker's own set), unless max_held already wait for it; that worker's wake stream is nudged.
+-- claim.lua gives it to that worker first, or to any worker once it waited the affinity bound.
 local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}, {}, {}
 local taken_inflight, joins = {}, {}
 for i = 1, N do
@@ -51,6 +56,7 @@ local max_depth = tonumber(A.max_depth)
 for lane, count in pairs(adding) do
   local k = item(first_item[lane])
   local depth = redis.call('XLEN', lane) + tonumber(redis.call('HGET', k.fair, 'staged') or '0')
+    + redis.call('ZCARD', k.held)
   if depth + count > max_depth then return {-1, {first_item[lane], depth}} end
 end
 local staging, lanes = {}, {}
@@ -58,9 +64,30 @@ for _, i in ipairs(fresh) do
   local k, a = item(i)
   redis.call('HSET', k.job, 'spec', a.spec, 'status', 'queued', 'lane', k.lane,
     'deliveries', 0, 'enq_at', A.now, 'deadline', a.deadline)
-  if not staging[k.lane] then staging[k.lane] = {}; lanes[#lanes + 1] = i end
-  local jobs = staging[k.lane]
-  jobs[#jobs + 1] = {a.tenant, a.weight, a.score, a.cost, a.job_id}
+  local owner = false
+  if a.prefix ~= '' then
+    redis.call('HSET', k.job, 'pfx', a.prefix)
+    owner = redis.call('GET', A.pfx_prefix .. a.prefix)
+    if owner and tonumber(redis.call('ZSCORE', K.workers, owner) or '0') <= tonumber(A.now) then
+      owner = false  -- its worker is gone: nobody to wait for
+    end
+    if owner and redis.call('ZCARD', a.affw_prefix .. owner) >= tonumber(A.max_held) then
+      owner = false  -- a hot prefix must not pile up behind one worker
+    end
+  end
+  if owner then
+    redis.call('HSET', k.job, 'pref', owner)
+    -- a microsecond per item keeps a batch's held jobs in arrival order (equal scores would sort
+    -- by job id)
+    local at = string.format('%.6f', tonumber(A.now) + i * 1e-6)
+    redis.call('ZADD', k.held, at, a.job_id)
+    redis.call('ZADD', a.affw_prefix .. owner, at, a.job_id)
+    redis.call('XADD', A.wake_prefix .. owner, 'MAXLEN', 8, '*', 'j', a.job_id)
+  else
+    if not staging[k.lane] then staging[k.lane] = {}; lanes[#lanes + 1] = i end
+    local jobs = staging[k.lane]
+    jobs[#jobs + 1] = {a.tenant, a.weight, a.score, a.cost, a.job_id}
+  end
   if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
   if a.use_inflight == '1' then
     redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms)

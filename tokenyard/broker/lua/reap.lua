@@ -1,8 +1,10 @@
 -- Reclaim entries idle past the lease with XAUTOCLAIM; requeue them, or dead-letter them once
 -- they reach the delivery limit. Bounded work per lane, no lock: any worker may run it.
--- KEYS: dlq, counters; per item: lane
+-- KEYS: dlq, counters; per item: lane, home
 -- ARGV: group, reaper, min_idle_ms, max_entries, max_deliveries, now, job_prefix,
 --   event_prefix, finished, ttl_ms; per item: priority
+-- `home` is the lane a requeued job goes back to: the lane itself, or for a lane's affinity
+-- stream (claim.lua) the lane, since only a claim may add to an affinity stream.
 -- Returns {requeued_ids, dead_ids}.
 local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
 local requeued, dead = {}, {}
@@ -40,7 +42,7 @@ for i = 1, N do
             dead[#dead + 1] = jid
           else
             redis.call('HSET', jk, 'status', 'queued')
-            redis.call('XADD', lane, '*', 'j', jid)
+            redis.call('XADD', k.home, '*', 'j', jid)
             requeued[#requeued + 1] = jid
           end
         end

@@ -1,6 +1,7 @@
 -- Drain: hand jobs still ours back for immediate redelivery without charging a delivery.
--- KEYS: none; per item: lane, job
+-- KEYS: none; per item: lane, job, home
 -- ARGV: group; per item: consumer, entry_id, job_id
+-- `home` is the lane the job goes back to (for an affinity lease, not the affinity stream).
 -- Returns how many were still ours.
 local released = 0
 for i = 1, N do
@@ -11,7 +12,7 @@ for i = 1, N do
     redis.call('XDEL', k.lane, a.entry_id)
     redis.call('HSET', k.job, 'status', 'queued')
     redis.call('HINCRBY', k.job, 'deliveries', -1)
-    redis.call('XADD', k.lane, '*', 'j', a.job_id)
+    redis.call('XADD', k.home, '*', 'j', a.job_id)
     released = released + 1
   end
 end
