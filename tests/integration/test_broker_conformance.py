@@ -916,12 +916,14 @@ async def test_concurrency_is_released_at_every_terminal_state(
     await broker.claim(MODEL, "w1", slots=1)
     await asyncio.sleep(0.2)
     assert len((await broker.reap(MODEL)).dead) == 1
-    # expired in the queue (finished by a claim): the sweep settles it
+    # expired in the queue: the claim that finds it settles it (the sweep finds nothing left)
     assert await admit(held_job(deadline=time.time() + 0.05))
     await asyncio.sleep(0.1)
     assert await broker.claim(MODEL, "w1", slots=1) == []
-    assert not await admit(held_job())
-    assert await broker.settle_finished() == 1
+    assert await broker.settle_finished() == 0
+    spec = held_job()
+    assert await admit(spec)
+    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
     # a reservation whose enqueue never landed is released after the grace time
     [decision] = await broker.reserve("acme", quota, [(new_job_id(MODEL), 10)])
     assert decision.admitted
@@ -1202,6 +1204,21 @@ async def test_audit_trail_records_receipts_and_terminal_states(
     assert finished.total_s is not None and finished.received_at == done.created_at
     assert await audit_of(broker, start, model="other") == []
     assert await audit_of(broker, time.time() + 60) == []
+
+
+async def test_audit_trail_records_a_job_that_expired_in_the_queue(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = make_broker()
+    start = time.time() - 1
+    late = job(tenant="late", deadline=time.time() + 0.05)
+    await broker.enqueue(late)
+    await asyncio.sleep(0.1)
+    assert await broker.claim(MODEL, "w1", slots=1) == []  # the claim ends it, unrun
+    assert await audit_of(broker, start, tenant="late") == [
+        ("received", "queued"),
+        ("terminal", "expired"),
+    ]
 
 
 async def test_audit_trail_is_bounded(make_broker: BrokerFactory) -> None:

@@ -255,8 +255,6 @@ class MemoryBroker(Broker):
     def _finish(
         self, job: _Job, job_id: str, result: JobResult, now: float, audited: bool = True
     ) -> None:
-        # a job expired at claim is not audited: the Redis claim script cannot reach the
-        # audit stream's slot, and the twins keep one behaviour
         if audited:
             self._audit([audit.terminal(decode(job.spec, JobSpec), result, now)])
         job.status = result.status
@@ -499,7 +497,8 @@ class MemoryBroker(Broker):
             return False
         if job.deadline is not None and job.deadline < now:
             self._remove_entry(lane, entry.entry_id)
-            self._finish(job, entry.job_id, expired_result(), now, audited=False)
+            self._finish(job, entry.job_id, expired_result(), now)
+            self._settle_ids([entry.job_id])
             store.counters[model]["expired"] += 1
             return False
         entry.owner, entry.touched = consumer, now

@@ -449,7 +449,10 @@ class RedisBroker(Broker):
                 if hint.next_due:
                     wait = min(wait, max(0.001, hint.next_due - now))
                 reply = await self._wake_then_claim(hint, max(wait, 0.001), call)
-            claimed, last_ids, next_due, wake_id = reply
+            claimed, last_ids, next_due, wake_id, expired = reply
+            if expired:  # rare: their end goes to the audit trail (and settles any quota)
+                ended = expired_result()
+                await self._settle_specs([(decode(spec, JobSpec), ended) for spec in expired])
             hint = None
             if last_ids:  # the lanes are drained: the next wait can start from here
                 due = float(next_due) if next_due else 0.0

@@ -17,8 +17,9 @@
 -- pfx_ttl_ms, unless another live worker (heartbeat not lapsed) owns it: ownership is sticky,
 -- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
 -- cache holds it, and it moves at once when the owner is gone.
--- Returns {claimed, last_ids, next_due, wake_id}:
--- claimed = {{entry_id, spec, attempt, resumable, affinity}}.
+-- Returns {claimed, last_ids, next_due, wake_id, expired}:
+-- claimed = {{entry_id, spec, attempt, resumable, affinity}}; expired = the specs of the jobs
+-- this claim found past their deadline and ended (the caller writes their audit entries).
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
@@ -57,7 +58,7 @@ local function read(lane, count)
   return res
 end
 
-local claimed, last_read, capped_out = {}, {}, {}
+local claimed, last_read, capped_out, expired = {}, {}, {}, {}
 local capped_left = tonumber(A.capped_room)
 local aff_wait = tonumber(A.aff_wait)
 
@@ -80,6 +81,7 @@ local function take(stream, entries, capped, affinity)
       redis.call('XADD', ek, '*', 'e', A.expired_event)
       redis.call('PEXPIRE', ek, A.ttl_ms)
       redis.call('HINCRBY', K.counters, 'expired', 1)
+      expired[#expired + 1] = h[2]  -- its spec: the caller audits its end (another slot)
     else
       local deliveries = tonumber(h[4] or '0') + 1
       redis.call('HSET', jk, 'status', 'running', 'start_at', now, 'worker', consumer,
@@ -181,4 +183,4 @@ if remaining > 0 and A.wait_hints == '1' then
   local newest = redis.call('XREVRANGE', K.wake, '+', '-', 'COUNT', 1)
   wake_id = newest[1] and newest[1][1] or '0-0'
 end
-return {claimed, last_ids, next_due, wake_id}
+return {claimed, last_ids, next_due, wake_id, expired}
