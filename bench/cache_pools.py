@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 # Runnable from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import free_port, loadavg, percentile
+from bench.common import free_port, loadavg, percentile, serving
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
@@ -83,17 +82,8 @@ async def _gateway(settings: BrokerSettings) -> AsyncIterator[str]:
         broker_settings=settings,
         tokenizers={MODEL: SimTokenizer()},
     )
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            await task
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serving(app, port) as url:
+        yield url
 
 
 async def cache_and_collapse(url: str, opts: argparse.Namespace) -> dict[str, Any]:

@@ -10,12 +10,14 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis
+import uvicorn
+from starlette.types import ASGIApp
 
 from tokenyard.bench.stats import percentile as _percentile
 
@@ -147,3 +149,19 @@ async def wait_ready(base: str, procs: Processes, timeout_s: float = 60.0) -> No
             if time.monotonic() > give_up:
                 raise TimeoutError(f"{base} did not become ready")
             await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ASGIApp, port: int) -> AsyncIterator[str]:
+    """Serve an ASGI app over real HTTP from this event loop; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # raises the startup error
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

@@ -15,9 +15,8 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
-import uvicorn
 
-from bench.common import free_port
+from bench.common import free_port, serving
 from tokenyard.affinity import prefix_key
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
@@ -77,17 +76,8 @@ async def gateway(settings: BrokerSettings, prefix_tokens: int) -> AsyncIterator
         broker_settings=settings,
         tokenizers={MODEL: SimTokenizer()},
     )
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            await task
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serving(app, port) as url:
+        yield url
 
 
 async def hit_rate(url: str, prefix_tokens: int) -> float:
