@@ -145,11 +145,15 @@ class PublishedLimits:
         workers = await self.broker.workers(model)
         published = loosest(w.limits for w in workers if w.limits is not None)
         revisions = {w.limits.revision if w.limits else "" for w in workers}
-        self._revisions[model] = revisions.pop() if len(revisions) == 1 else None
+        if revisions:
+            # none live (a late heartbeat under load, a restart) says nothing about the weights:
+            # the revision last seen stands until a worker shows another
+            self._revisions[model] = revisions.pop() if len(revisions) == 1 else None
         self._known[model] = (self.clock(), published)
         return published
 
     def revision(self, model: str) -> str | None:
-        """The weights every live worker of `model` serves, as of the last `of`; None when
-        none is known, or workers differ (a rollout): then nothing is cached or collapsed."""
+        """The weights every live worker of `model` served at the last `of` that saw any; None
+        when none was ever seen, or workers differ (a rollout): then nothing is cached or
+        collapsed."""
         return self._revisions.get(model) or None
