@@ -25,6 +25,9 @@
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
 -- or the first held job's affinity wait ends ('' if none); wake_id is the newest id of this
 -- worker's wake stream.
+-- Cost: a lane with nothing in it costs its XREADGROUP (and an XREVRANGE for the wait hint):
+-- fair-share refills, held jobs and retries are looked at only where one EXISTS over all the
+-- lanes' staging (`active`) or held sets, or the first delayed job, says there are some.
 local group, consumer, now = A.group, A.consumer, A.now
 if A.server_now == '1' then
   local t = redis.call('TIME')
@@ -33,16 +36,24 @@ end
 local nowf = tonumber(now)
 local remaining = tonumber(A.slots)
 local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
+-- each lane's tables once: item() builds two tables per call
+local lks, las = {}, {}
+for i = 1, N do lks[i], las[i] = item(i) end
 
--- Retries whose backoff is over go back to their lanes; any worker does this.
-local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 256)
-if #due > 0 then redis.call('ZREM', K.delayed, unpack(due)) end
-for _, jid in ipairs(due) do
-  local jk = A.job_prefix .. jid
-  local h = redis.call('HMGET', jk, 'lane', 'status')
-  if h[1] and not terminal[h[2]] then
-    redis.call('XADD', h[1], '*', 'j', jid)
+-- Retries whose backoff is over go back to their lanes; any worker does this. The earliest one
+-- first: when it is not due (or there is none), that is also the wait hint's next_due.
+local first_delayed = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
+if first_delayed[2] and tonumber(first_delayed[2]) <= nowf then
+  local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 256)
+  if #due > 0 then redis.call('ZREM', K.delayed, unpack(due)) end
+  for _, jid in ipairs(due) do
+    local jk = A.job_prefix .. jid
+    local h = redis.call('HMGET', jk, 'lane', 'status')
+    if h[1] and not terminal[h[2]] then
+      redis.call('XADD', h[1], '*', 'j', jid)
+    end
   end
+  first_delayed = nil  -- moved some: read again for the hint
 end
 
 local function read(lane, count)
@@ -58,7 +69,7 @@ local function read(lane, count)
   return res
 end
 
-local claimed, last_read, capped_out, expired = {}, {}, {}, {}
+local claimed, last_read, capped_out, expired, held_left = {}, {}, {}, {}, {}
 local capped_left = tonumber(A.capped_room)
 local aff_wait = tonumber(A.aff_wait)
 
@@ -67,7 +78,8 @@ local function take(stream, entries, capped, affinity)
   for _, entry in ipairs(entries) do
     local eid, jid = entry[1], entry[2][2]
     local jk = A.job_prefix .. jid
-    local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries', 'pfx')
+    local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries', 'pfx',
+      'start_at')
     if (not h[1]) or terminal[h[1]] then
       -- cancelled while waiting, or its record is gone: nothing to run
       redis.call('XACK', stream, group, eid)
@@ -95,7 +107,10 @@ local function take(stream, entries, capped, affinity)
           redis.call('SET', pk, consumer, 'PX', A.pfx_ttl_ms)
         end
       end
-      local resumable = redis.call('EXISTS', A.event_prefix .. jid)
+      -- only a job started before (it has a start_at) can have streamed events: only the lease
+      -- holder appends, and a job that ended is skipped above
+      local resumable = 0
+      if h[6] then resumable = redis.call('EXISTS', A.event_prefix .. jid) end
       claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity}
       remaining = remaining - 1
       if capped then capped_left = capped_left - 1 end
@@ -127,15 +142,31 @@ local function take_held(lk, la, room, capped)
   if res then take(lk.aff, res[1][2], capped, 1) end
 end
 
+-- Whether any lane holds jobs for a preferred worker, or has staged jobs: one EXISTS over all
+-- the lanes each (an empty sorted set does not exist), so idle lanes cost nothing more.
+local held_keys, active_keys = {}, {}
+for i = 1, N do held_keys[i], active_keys[i] = lks[i].held, lks[i].active end
+local any_held = N > 0 and redis.call('EXISTS', unpack(held_keys)) > 0
+local any_staged = N > 0 and redis.call('EXISTS', unpack(active_keys)) > 0
+
 for i = 1, N do
   if remaining <= 0 then break end
-  local lk, la = item(i)
+  local lk, la = lks[i], las[i]
   local lane = lk.lane
   local capped = la.capped == '1' and capped_left >= 0
   local room = remaining
   if capped then room = math.min(room, capped_left) end
-  -- one ZCARD when nothing is held (the common case): the claim stays as cheap as before
-  if room > 0 and redis.call('ZCARD', lk.held) > 0 then take_held(lk, la, room, capped) end
+  held_left[i] = any_held and redis.call('ZCARD', lk.held) or 0
+  if room > 0 and held_left[i] > 0 then take_held(lk, la, room, capped) end
+  -- the lane's fair state, read once where some lane has staged jobs (only this script changes
+  -- it while it runs); else only the count of staged jobs in the stream moves, below
+  local in_stream, staged, stored = nil, 0, nil
+  if any_staged then
+    local f = redis.call('HMGET', lk.fair, 'stream', 'staged')
+    in_stream, staged = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+    stored = in_stream
+  end
+  local taken, drained = 0, false
   while remaining > 0 do
     local asked = remaining
     if capped then
@@ -143,20 +174,34 @@ for i = 1, N do
       if capped_left <= 0 then capped_out[i] = true; break end
       asked = math.min(asked, capped_left)
     end
-    local moved = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
-      asked + tonumber(A.window))
+    local moved = 0
+    if staged > 0 then
+      moved, in_stream = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
+        asked + tonumber(A.window), in_stream)
+      if moved > 0 then staged, stored = staged - moved, in_stream end
+    end
     local res = read(lane, asked)
     if not res then break end
     local entries = res[1][2]
-    fair_read(lk.fair, #entries)
+    -- the stream was read: that many fewer staged jobs wait in it (a retry added directly is
+    -- not counted, so the count never goes below zero)
+    taken = taken + #entries
+    if in_stream then in_stream = math.max(0, in_stream - #entries) end
     if #entries > 0 then last_read[i] = entries[#entries][1] end
     take(lane, entries, capped, 0)
     if #entries < asked then
       -- the stream is drained, whatever the count said; go on only while jobs are staged
-      redis.call('HSET', lk.fair, 'stream', 0)
-      local staged = tonumber(redis.call('HGET', lk.fair, 'staged') or '0')
+      drained = true
+      if in_stream then in_stream = 0 end
       if staged <= 0 or (#entries == 0 and moved == 0) then break end
     end
+  end
+  if in_stream then
+    if in_stream ~= stored then redis.call('HSET', lk.fair, 'stream', in_stream) end
+  elseif taken > 0 then
+    -- nothing staged anywhere: the same count, kept without reading it first
+    local left = redis.call('HINCRBY', lk.fair, 'stream', -taken)
+    if left < 0 or (drained and left ~= 0) then redis.call('HSET', lk.fair, 'stream', 0) end
   end
 end
 
@@ -166,18 +211,20 @@ if remaining > 0 and A.wait_hints == '1' then
     -- a lane read to its end: the last entry read is its newest
     if not capped_out[i] then last_ids[i] = last_read[i] end
     if not last_ids[i] then
-      local newest = redis.call('XREVRANGE', item(i).lane, '+', '-', 'COUNT', 1)
+      local newest = redis.call('XREVRANGE', lks[i].lane, '+', '-', 'COUNT', 1)
       last_ids[i] = newest[1] and newest[1][1] or '0-0'
     end
   end
-  local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
+  local first = first_delayed or redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   local due_at = first[2] and tonumber(first[2]) or math.huge
   for i = 1, N do
     -- a job held for another worker: wake when any worker may take it (one overdue already is
     -- one this claim could not take, e.g. under the batch cap: no reason to wake for it)
-    local held = redis.call('ZRANGE', item(i).held, 0, 0, 'WITHSCORES')
-    local held_due = held[2] and tonumber(held[2]) + aff_wait
-    if held_due and held_due > nowf then due_at = math.min(due_at, held_due) end
+    if (held_left[i] or 0) > 0 then
+      local held = redis.call('ZRANGE', lks[i].held, 0, 0, 'WITHSCORES')
+      local held_due = held[2] and tonumber(held[2]) + aff_wait
+      if held_due and held_due > nowf then due_at = math.min(due_at, held_due) end
+    end
   end
   if due_at ~= math.huge then next_due = string.format('%.6f', due_at) end
   local newest = redis.call('XREVRANGE', K.wake, '+', '-', 'COUNT', 1)

@@ -9,15 +9,20 @@
 -- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}} or {-1, {item, depth}} when that
 -- item's lane is full. A lane's consumer group is made by the first claim that reads it.
 -- A new job is staged for its tenant (fair share, lib/fair.lua); the lane's stream is then
--- topped up to `window` jobs, so an idle lane's blocked workers wake at once.
+-- topped up to `window` jobs, so an idle lane's blocked workers wake at once. The lane's only
+-- new job when nothing is staged and the stream is below `window` goes straight into the
+-- stream with the same tags (fair_direct): the common single-job case costs no staging.
 -- Prefix affinity: a job whose prefix key names a live worker (its heartbeat has not lapsed;
 -- see claim.lua for who owns a prefix) is held for it instead (the lane's `held` set and that
 -- worker's own set), unless max_held already wait for it; that worker's wake stream is nudged.
 -- claim.lua gives it to that worker first, or to any worker once it waited the affinity bound.
+-- each item's tables once: item() builds two tables per call
+local ks, as = {}, {}
+for i = 1, N do ks[i], as[i] = item(i) end
 local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}, {}, {}
 local taken_inflight, joins = {}, {}
 for i = 1, N do
-  local k, a = item(i)
+  local k, a = ks[i], as[i]
   local use_idem = a.use_idem == '1'
   local existing = nil
   local joined = 0
@@ -52,21 +57,27 @@ for i = 1, N do
     if a.use_inflight == '1' then taken_inflight[k.inflight] = a.job_id end
   end
 end
-local max_depth = tonumber(A.max_depth)
+local max_depth, window = tonumber(A.max_depth), tonumber(A.window)
+-- lanes whose one new job may take the fast path: their fair state {stream, v, S:<tenant>}
+local direct = {}
 for lane, count in pairs(adding) do
-  local k = item(first_item[lane])
-  local depth = redis.call('XLEN', lane) + tonumber(redis.call('HGET', k.fair, 'staged') or '0')
-    + redis.call('ZCARD', k.held)
+  local k, a = ks[first_item[lane]], as[first_item[lane]]
+  local f = redis.call('HMGET', k.fair, 'staged', 'stream', 'v', 'S:' .. a.tenant)
+  local staged = tonumber(f[1] or '0')
+  local depth = redis.call('XLEN', lane) + staged + redis.call('ZCARD', k.held)
   if depth + count > max_depth then return {-1, {first_item[lane], depth}} end
+  if count == 1 and staged <= 0 and (tonumber(f[2] or '0') or 0) < window then
+    direct[lane] = {f[2], f[3], f[4]}
+  end
 end
 local staging, lanes = {}, {}
 for _, i in ipairs(fresh) do
-  local k, a = item(i)
-  redis.call('HSET', k.job, 'spec', a.spec, 'status', 'queued', 'lane', k.lane,
-    'deliveries', 0, 'enq_at', A.now, 'deadline', a.deadline)
+  local k, a = ks[i], as[i]
+  local fields = {'spec', a.spec, 'status', 'queued', 'lane', k.lane, 'deliveries', 0,
+    'enq_at', A.now, 'deadline', a.deadline}
   local owner = false
   if a.prefix ~= '' then
-    redis.call('HSET', k.job, 'pfx', a.prefix)
+    fields[#fields + 1], fields[#fields + 2] = 'pfx', a.prefix
     owner = redis.call('GET', A.pfx_prefix .. a.prefix)
     if owner and tonumber(redis.call('ZSCORE', K.workers, owner) or '0') <= tonumber(A.now) then
       owner = false  -- its worker is gone: nobody to wait for
@@ -75,8 +86,10 @@ for _, i in ipairs(fresh) do
       owner = false  -- a hot prefix must not pile up behind one worker
     end
   end
+  if owner then fields[#fields + 1], fields[#fields + 2] = 'pref', owner end
+  if a.use_inflight == '1' then fields[#fields + 1], fields[#fields + 2] = 'followers', 1 end
+  redis.call('HSET', k.job, unpack(fields))
   if owner then
-    redis.call('HSET', k.job, 'pref', owner)
     -- a microsecond per item keeps a batch's held jobs in arrival order (equal scores would sort
     -- by job id)
     local at = string.format('%.6f', tonumber(A.now) + i * 1e-6)
@@ -84,23 +97,25 @@ for _, i in ipairs(fresh) do
     redis.call('ZADD', a.affw_prefix .. owner, at, a.job_id)
     redis.call('XADD', A.wake_prefix .. owner, 'MAXLEN', 8, '*', 'j', a.job_id)
   else
-    if not staging[k.lane] then staging[k.lane] = {}; lanes[#lanes + 1] = i end
-    local jobs = staging[k.lane]
-    jobs[#jobs + 1] = {a.tenant, a.weight, a.score, a.cost, a.job_id}
+    local job = {a.tenant, a.weight, a.score, a.cost, a.job_id}
+    if direct[k.lane] then
+      fair_direct(k.lane, k.fair, direct[k.lane], job)
+    else
+      if not staging[k.lane] then staging[k.lane] = {}; lanes[#lanes + 1] = i end
+      local jobs = staging[k.lane]
+      jobs[#jobs + 1] = job
+    end
   end
   if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
-  if a.use_inflight == '1' then
-    redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms)
-    redis.call('HSET', k.job, 'followers', 1)
-  end
+  if a.use_inflight == '1' then redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms) end
 end
 -- counted only now: a batch refused for a full lane joins nothing
 for jid, count in pairs(joins) do
   redis.call('HINCRBY', A.job_prefix .. jid, 'followers', count)
 end
 for _, i in ipairs(lanes) do
-  local k, a = item(i)
+  local k, a = ks[i], as[i]
   fair_stage(k.fair, k.active, a.tq_prefix, staging[k.lane])
-  fair_refill(k.lane, k.fair, k.active, a.tq_prefix, tonumber(A.window))
+  fair_refill(k.lane, k.fair, k.active, a.tq_prefix, window)
 end
 return {1, results}

@@ -13,9 +13,12 @@
 
 local function fair_num(x) return string.format('%.17g', x) end
 
-local function fair_refill(lane, fair, active, tq_prefix, want)
-  local in_stream = tonumber(redis.call('HGET', fair, 'stream') or '0')
-  if in_stream >= want then return 0 end
+-- Top the lane's stream up to `want` staged jobs. `in_stream` is the hash's `stream` count when
+-- the caller already read it (nil: read here). Returns the jobs moved and the new count (stored
+-- in the hash when any moved).
+local function fair_refill(lane, fair, active, tq_prefix, want, in_stream)
+  in_stream = in_stream or tonumber(redis.call('HGET', fair, 'stream') or '0')
+  if in_stream >= want then return 0, in_stream end
   local moved, v = 0, nil
   while in_stream < want do
     local head = redis.call('ZRANGE', active, 0, 1, 'WITHSCORES')
@@ -46,7 +49,20 @@ local function fair_refill(lane, fair, active, tq_prefix, want)
     redis.call('HSET', fair, 'stream', in_stream, 'v', fair_num(v))
     redis.call('HINCRBY', fair, 'staged', -moved)
   end
-  return moved
+  return moved, in_stream
+end
+
+-- The fast path of one new job whose lane has nothing staged and room in its stream: straight
+-- into the stream, leaving the tags as staging then refilling it would (the tenant becomes
+-- active at max(its idle tag, v), runs at once, and goes idle again one job later), in one
+-- HSET instead of ~15 commands. `f` = {stream, v, S:<tenant>} as read from the hash.
+-- job = {tenant, weight, score, cost, job_id}, as fair_stage takes it.
+local function fair_direct(lane, fair, f, job)
+  local start = math.max(tonumber(f[2] or '0') or 0, tonumber(f[3] or '0') or 0)
+  local weight = tonumber(job[2]) or 1
+  redis.call('XADD', lane, '*', 'j', job[5])
+  redis.call('HSET', fair, 'stream', (tonumber(f[1] or '0') or 0) + 1, 'v', fair_num(start),
+    'S:' .. job[1], fair_num(start + tonumber(job[4]) / weight), 'w:' .. job[1], job[2])
 end
 
 -- Stage a batch of one lane's new jobs: jobs = {{tenant, weight, score, cost, job_id}, ...}.
