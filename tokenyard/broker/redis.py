@@ -153,6 +153,9 @@ class _WaitHint(NamedTuple):
     last_ids: list[str]
     next_due: float
     batch_room: int | None  # the cap it was taken under: a wider one reads the backlog first
+    # the ids of the streams that claim read to their end (the wake stream's too): the next
+    # claim skips those with nothing after them (claim.lua's `after`)
+    after: dict[str, str]
 
 
 _SWEEP_BATCH = 500  # held reservations looked at per tenant per sweep
@@ -396,11 +399,14 @@ class RedisBroker(Broker):
             self._rounds[model] += 1
             ordered = [lane for i in order for lane in lanes[i]]
             now = self.clock()
+            wake = self.keys.wake(model, consumer)
+            # only behind the blocking read: the hint is this worker's own last claim's
+            after = {} if hint is None else hint.after
             call = scripts.CLAIM.call(
                 scripts.ClaimKeys(
                     delayed=self.keys.delayed(model),
                     counters=self.keys.counters(model),
-                    wake=self.keys.wake(model, consumer),
+                    wake=wake,
                     workers=self.keys.workers(model),
                 ),
                 scripts.ClaimArgs(
@@ -422,6 +428,7 @@ class RedisBroker(Broker):
                     pfx_prefix=self.keys.prefix_owner_prefix(model),
                     pfx_ttl_ms=_ms(self.settings.affinity_ttl_s),
                     aff_wait=repr(self.settings.affinity_wait_s),
+                    wake_after=after.get(wake, ""),
                 ),
                 [
                     (
@@ -437,6 +444,7 @@ class RedisBroker(Broker):
                             tq_prefix=self.keys.tenant_queue_prefix(lane),
                             capped="1" if lane in capped else "0",
                             affw_prefix=self.keys.affinity_worker_prefix(lane),
+                            after=after.get(lane, ""),
                         ),
                     )
                     for lane in ordered
@@ -449,7 +457,7 @@ class RedisBroker(Broker):
                 if hint.next_due:
                     wait = min(wait, max(0.001, hint.next_due - now))
                 reply = await self._wake_then_claim(hint, max(wait, 0.001), call)
-            claimed, last_ids, next_due, wake_id, expired = reply
+            claimed, last_ids, next_due, wake_id, expired, drained = reply
             if expired:  # rare: their end goes to the audit trail (and settles any quota)
                 ended = expired_result()
                 await self._settle_specs([(decode(spec, JobSpec), ended) for spec in expired])
@@ -457,11 +465,15 @@ class RedisBroker(Broker):
             if last_ids:  # the lanes are drained: the next wait can start from here
                 due = float(next_due) if next_due else 0.0
                 # this worker's wake stream too: a job held for it (prefix affinity) lands there
+                ids = [*(_s(i) for i in last_ids), _s(wake_id)]
+                streams = [*ordered, wake]
+                read_out = [*(flag == 1 for flag in drained), True]
                 hint = _WaitHint(
-                    [*ordered, self.keys.wake(model, consumer)],
-                    [*(_s(i) for i in last_ids), _s(wake_id)],
+                    streams,
+                    ids,
                     due,
                     batch_room,
+                    {s: i for s, i, out in zip(streams, ids, read_out, strict=True) if out},
                 )
             if claimed or time.monotonic() >= give_up_at:
                 if hint is not None:

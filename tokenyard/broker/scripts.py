@@ -186,6 +186,9 @@ class ClaimArgs(NamedTuple):
     pfx_prefix: str  # prefix affinity: `prefix key -> worker` keys; the key is appended
     pfx_ttl_ms: int  # how long a claim makes this worker its jobs' prefixes' owner
     aff_wait: str  # seconds a held job waits for its preferred worker before any may take it
+    # the wake stream's id in this worker's last wait hint ('' for none): nothing after it, and
+    # the hint stands without reading the stream's newest id again
+    wake_after: str
 
 
 class LaneKey(NamedTuple):
@@ -205,6 +208,9 @@ class ClaimLaneArgs(NamedTuple):
     tq_prefix: str
     capped: str  # '1': this lane's claims count against capped_room (the batch lane's share)
     affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
+    # the lane's id in this worker's last wait hint when that claim read the lane to its end
+    # ('' for none): a lane with no entry after it has nothing to read (one XREAD for all)
+    after: str
 
 
 CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair",))

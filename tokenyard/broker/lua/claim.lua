@@ -1,8 +1,8 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
 -- KEYS: delayed, counters, wake, workers; per item: lane, fair, active, held, mine, aff
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
---   ttl_ms, wait_hints, window, capped_room, pfx_prefix, pfx_ttl_ms, aff_wait;
---   per item: tq_prefix, capped, affw_prefix
+--   ttl_ms, wait_hints, window, capped_room, pfx_prefix, pfx_ttl_ms, aff_wait, wake_after;
+--   per item: tq_prefix, capped, affw_prefix, after
 -- Before each read a lane's stream is topped up from its tenants' staged jobs in fair order
 -- (lib/fair.lua) to the slots asked for plus `window`.
 -- Lanes marked capped give at most capped_room jobs together (-1: no cap): a worker keeps
@@ -17,17 +17,23 @@
 -- pfx_ttl_ms, unless another live worker (heartbeat not lapsed) owns it: ownership is sticky,
 -- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
 -- cache holds it, and it moves at once when the owner is gone.
--- Returns {claimed, last_ids, next_due, wake_id, expired}:
+-- Returns {claimed, last_ids, next_due, wake_id, expired, drained}:
 -- claimed = {{entry_id, spec, attempt, resumable, affinity}}; expired = the specs of the jobs
 -- this claim found past their deadline and ended (the caller writes their audit entries).
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
 -- or the first held job's affinity wait ends ('' if none); wake_id is the newest id of this
--- worker's wake stream.
--- Cost: a lane with nothing in it costs its XREADGROUP (and an XREVRANGE for the wait hint):
--- fair-share refills, held jobs and retries are looked at only where one EXISTS over all the
--- lanes' staging (`active`) or held sets, or the first delayed job, says there are some.
+-- worker's wake stream; drained flags each lane read to its end (1) or left unread under the
+-- batch cap (0).
+-- Cost: `after` is the id a lane's wait hint gave when this worker's last claim left it drained
+-- ('' for none), wake_after the wake stream's likewise: a lane with no entry after it (one XREAD
+-- over all of them) has had nothing added since, so there is nothing to read and its hint
+-- stands; a drained lane gets new work only by an XADD (the blocking wait relies on the same),
+-- and a lane with staged jobs is read anyway. Other lanes cost their XREADGROUP (and an
+-- XREVRANGE for the hint). Fair-share refills, held jobs and retries are looked at only where
+-- one EXISTS over all the lanes' staging (`active`) or held sets, or the first delayed job,
+-- says there are some.
 local group, consumer, now = A.group, A.consumer, A.now
 if A.server_now == '1' then
   local t = redis.call('TIME')
@@ -149,6 +155,27 @@ for i = 1, N do held_keys[i], active_keys[i] = lks[i].held, lks[i].active end
 local any_held = N > 0 and redis.call('EXISTS', unpack(held_keys)) > 0
 local any_staged = N > 0 and redis.call('EXISTS', unpack(active_keys)) > 0
 
+-- Lanes (and the wake stream) with nothing after the cursor this worker's last claim left.
+local quiet, wake_quiet = {}, false
+if not any_staged then
+  local streams, ids = {}, {}
+  for i = 1, N do
+    if las[i].after ~= '' then streams[#streams + 1], ids[#ids + 1] = lks[i].lane, las[i].after end
+  end
+  if A.wake_after ~= '' then streams[#streams + 1], ids[#ids + 1] = K.wake, A.wake_after end
+  if #streams > 0 then
+    local args = {'COUNT', 1, 'STREAMS'}
+    for _, stream in ipairs(streams) do args[#args + 1] = stream end
+    for _, id in ipairs(ids) do args[#args + 1] = id end
+    local woke = {}
+    for _, stream in ipairs(redis.call('XREAD', unpack(args)) or {}) do
+      woke[stream[1]] = true
+    end
+    for i = 1, N do quiet[i] = las[i].after ~= '' and not woke[lks[i].lane] end
+    wake_quiet = A.wake_after ~= '' and not woke[K.wake]
+  end
+end
+
 for i = 1, N do
   if remaining <= 0 then break end
   local lk, la = lks[i], las[i]
@@ -167,7 +194,7 @@ for i = 1, N do
     stored = in_stream
   end
   local taken, drained = 0, false
-  while remaining > 0 do
+  while remaining > 0 and not quiet[i] do
     local asked = remaining
     if capped then
       -- left unread: its wait hint below is its newest entry, so a wait wakes on new work
@@ -205,11 +232,16 @@ for i = 1, N do
   end
 end
 
-local last_ids, next_due, wake_id = {}, '', '0-0'
+local last_ids, next_due, wake_id, drained = {}, '', '0-0', {}
 if remaining > 0 and A.wait_hints == '1' then
   for i = 1, N do
-    -- a lane read to its end: the last entry read is its newest
-    if not capped_out[i] then last_ids[i] = last_read[i] end
+    -- a lane read to its end: the last entry read is its newest; a quiet one's stands
+    if quiet[i] then
+      last_ids[i] = las[i].after
+    elseif not capped_out[i] then
+      last_ids[i] = last_read[i]
+    end
+    drained[i] = capped_out[i] and 0 or 1
     if not last_ids[i] then
       local newest = redis.call('XREVRANGE', lks[i].lane, '+', '-', 'COUNT', 1)
       last_ids[i] = newest[1] and newest[1][1] or '0-0'
@@ -227,7 +259,11 @@ if remaining > 0 and A.wait_hints == '1' then
     end
   end
   if due_at ~= math.huge then next_due = string.format('%.6f', due_at) end
-  local newest = redis.call('XREVRANGE', K.wake, '+', '-', 'COUNT', 1)
-  wake_id = newest[1] and newest[1][1] or '0-0'
+  if wake_quiet then
+    wake_id = A.wake_after
+  else
+    local newest = redis.call('XREVRANGE', K.wake, '+', '-', 'COUNT', 1)
+    wake_id = newest[1] and newest[1][1] or '0-0'
+  end
 end
-return {claimed, last_ids, next_due, wake_id, expired}
+return {claimed, last_ids, next_due, wake_id, expired, drained}

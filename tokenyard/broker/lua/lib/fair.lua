@@ -86,12 +86,3 @@ local function fair_stage(fair, active, tq_prefix, jobs)
     end
   end
 end
-
--- The stream was read: `n` fewer staged jobs wait in it (a retry added directly is not counted,
--- so the count never goes below zero).
-local function fair_read(fair, n)
-  if n > 0 then
-    local left = tonumber(redis.call('HINCRBY', fair, 'stream', -n))
-    if left < 0 then redis.call('HSET', fair, 'stream', 0) end
-  end
-end
