@@ -73,8 +73,11 @@ KINDS = ("direct", "sync", "stream")
 # time, except where a pipeline holds several); the rest of INFO commandstats runs inside Lua
 # scripts or is a periodic heartbeat. SCRIPT EXISTS and SMISMEMBER were per-step round trips
 # of earlier versions; they stay listed so a regression shows. Commands run inside scripts
-# count in commandstats too, so only commands no script sends are listed.
+# count in commandstats too (claim.lua's XREAD over its lanes is one), so round_trips is the
+# server's socket reads (INFO stats total_reads_processed: one per pipeline or command sent)
+# where the server reports them, this list's sum otherwise.
 CLIENT_COMMANDS = ("evalsha", "script|exists", "xread", "hgetall", "smembers", "smismember")
+READS = "reads|processed"  # pseudo command: the server's socket reads, less the counter's own
 
 
 @dataclass(frozen=True)
@@ -297,16 +300,26 @@ class Ping:
 
 
 class CommandCounter:
-    """INFO commandstats as {command: calls}, over one connection of its own."""
+    """INFO commandstats as {command: calls} (and the server's socket reads), over one
+    connection of its own."""
 
     def __init__(self, url: str) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url)
+        self.calls = 0
 
     def __call__(self) -> dict[str, int]:
-        stats: dict[str, dict[str, Any]] = self.client.info("commandstats")
-        return {key.removeprefix("cmdstat_"): int(row["calls"]) for key, row in stats.items()}
+        stats: dict[str, Any] = self.client.info("commandstats", "stats")
+        self.calls += 1  # each INFO is one socket read, counted by the stats it returns
+        counts = {
+            key.removeprefix("cmdstat_"): int(row["calls"])
+            for key, row in stats.items()
+            if key.startswith("cmdstat_")
+        }
+        if "total_reads_processed" in stats:
+            counts[READS] = int(stats["total_reads_processed"]) - self.calls
+        return counts
 
     def close(self) -> None:
         self.client.close()
@@ -325,8 +338,11 @@ def per_request(before: dict[str, int], after: dict[str, int], requests: int) ->
         for name, n in sorted(after.items(), key=lambda kv: -kv[1] + before.get(kv[0], 0))
         if name not in ("ping", "info") and n > before.get(name, 0)
     }
+    reads = calls.pop(READS, None)
     return {
-        "round_trips": round(sum(calls.get(c, 0.0) for c in CLIENT_COMMANDS), 2),
+        "round_trips": reads
+        if reads is not None
+        else round(sum(calls.get(c, 0.0) for c in CLIENT_COMMANDS), 2),
         "client_commands": {c: calls.get(c, 0.0) for c in CLIENT_COMMANDS},
         "all_commands": calls,
     }
