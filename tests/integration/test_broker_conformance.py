@@ -1283,3 +1283,69 @@ async def test_token_budget_per_period_reserves_settles_and_resets(
     assert later.reason == "budget" and abs(later.retry_after_s - 1800) < 1e-3
     now[0] = 10800.0
     assert (await broker.reserve("ann", hourly, [("a3", 5)]))[0].admitted
+
+
+# -- the queue's hot path (issue 16 item 2): fewer commands, the same behaviour ----------------
+async def test_a_lease_naming_another_consumer_is_fenced(make_broker: BrokerFactory) -> None:
+    broker = make_broker()
+    await broker.enqueue(job())
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    forged = msgspec.structs.replace(lease, consumer="w2")
+    assert await broker.complete_many([(forged, ok(forged))]) == [False]
+    assert await broker.complete(lease, ok(lease))
+    assert (await broker.stats(MODEL)).fenced_completions == 1
+
+
+async def test_jobs_enqueued_one_at_a_time_take_the_same_fair_turns(
+    make_broker: BrokerFactory,
+) -> None:
+    """A lone job into an idle lane skips staging (enqueue.lua's fast path) but leaves its
+    tenant's tag as staging would: the turns that follow are the staged path's."""
+    broker = make_broker(fair_window=1)
+    order = []
+    first = tenant_job("a")
+    await broker.enqueue(first)  # idle lane: straight into the stream
+    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    order.append(lease.spec.id)
+    assert await broker.complete(lease, ok(lease))
+    specs = [tenant_job("a"), tenant_job("b", 2.0), tenant_job("a"), tenant_job("b", 2.0)]
+    specs += [tenant_job("a"), tenant_job("b", 2.0), tenant_job("c")]
+    for spec in specs:  # the first into the stream at once, the rest staged behind it
+        await broker.enqueue(spec)
+    for _ in specs:
+        [lease] = await broker.claim(MODEL, "w1", slots=1)
+        order.append(lease.spec.id)
+        assert await broker.complete(lease, ok(lease))
+    names = {spec.id: f"{spec.tenant}{i}" for i, spec in enumerate([first, *specs])}
+    # a's tag moved by each of its jobs, the fast-path one included; b's weight halves its cost
+    assert [names[i] for i in order] == ["a0", "a1", "b2", "c7", "b4", "a3", "b6", "a5"]
+
+
+async def test_a_waiting_claim_wakes_for_work_in_any_lane_after_others_took_the_rest(
+    make_broker: BrokerFactory,
+) -> None:
+    """A claim's wait hint may skip lanes with nothing after it (claim.lua's `after`): work
+    another worker took meanwhile, or work that lands in any lane later, changes nothing."""
+    waiter, other = make_broker(), make_broker()
+    assert await waiter.claim(MODEL, "w1", slots=2, block_s=0.05) == []  # idle: hints known
+    taken = job()
+    await other.enqueue(taken)
+    [lease] = await other.claim(MODEL, "w2", slots=1)  # newer than w1's hint, and gone
+    assert await other.complete(lease, ok(lease))
+    assert await waiter.claim(MODEL, "w1", slots=2, block_s=0.2) == []
+    for priority in (Priority.LOW, Priority.NORMAL, Priority.HIGH):
+        spec = job(priority)
+        pending = asyncio.create_task(waiter.claim(MODEL, "w1", slots=2, block_s=5.0))
+        await asyncio.sleep(0.05)
+        await other.enqueue(spec)
+        leases = await asyncio.wait_for(pending, 3.0)
+        assert [lease.spec.id for lease in leases] == [spec.id]
+        assert await waiter.complete(leases[0], ok(leases[0]))
+    # a retry due while the waiter's lanes are quiet is still taken
+    again = job()
+    await other.enqueue(again)
+    [lease] = await waiter.claim(MODEL, "w1", slots=1, block_s=1.0)
+    assert await waiter.retry(lease, "boom")
+    [retried] = await waiter.claim(MODEL, "w1", slots=1, block_s=5.0)
+    assert retried.spec.id == again.id and retried.spec.attempt == 1
+    assert await waiter.complete(retried, ok(retried))
