@@ -344,6 +344,7 @@ def per_request(before: dict[str, int], after: dict[str, int], requests: int) ->
         if reads is not None
         else round(sum(calls.get(c, 0.0) for c in CLIENT_COMMANDS), 2),
         "client_commands": {c: calls.get(c, 0.0) for c in CLIENT_COMMANDS},
+        "commands": round(sum(calls.values()), 2),  # every command, scripts' included
         "all_commands": calls,
     }
 
@@ -476,6 +477,8 @@ async def measure(
         commands["by_kind"] = {
             kind: per_request({}, calls, opts.requests) for kind, calls in by_kind.items()
         }
+        stream = commands["by_kind"]["stream"]
+        stream["commands_per_token"] = round(stream["commands"] / opts.max_tokens, 2)
         # whole process CPU over the measured phase, per queue request (the worker's includes
         # its engine thread, a few sleeps; Valkey's includes this process's PINGs)
         commands["cpu_ms"] = {

@@ -77,6 +77,9 @@ def test_gateway_overhead_quick_reports_overhead_stages_and_goals() -> None:
         # counted around each request: at least its enqueue, claim and completion
         assert calls["by_kind"][kind]["client_commands"]["evalsha"] >= 3, kind
         assert report["round_trip_goal"][kind] == calls["by_kind"][kind]["round_trips"]
+        # every command, the scripts' included, is at least the client's own
+        assert calls["by_kind"][kind]["commands"] >= calls["by_kind"][kind]["round_trips"], kind
+    assert calls["by_kind"]["stream"]["commands_per_token"] > 0
     assert report["round_trip_goal"]["goal"] == 5.0
     assert isinstance(report["round_trip_goal"]["met"], bool)
     burst = report["burst"]
