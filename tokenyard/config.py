@@ -21,6 +21,10 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed
     max_deliveries: int = 5  # deliveries (crashes + retries) before the dead-letter stream
     max_queue_depth: int = 100_000  # per lane; enqueue past it raises QueueFull
+    # group commit of single-job enqueues (broker/group_commit.py): at most this many jobs per
+    # script call; jobs arriving while a call is in flight wait at most the window
+    enqueue_batch: int = 64
+    enqueue_window_s: float = 0.0005
     record_ttl_s: float = 24 * 3600.0  # terminal records and event streams
     idempotency_ttl_s: float = 24 * 3600.0
     backoff_base_s: float = 0.5
