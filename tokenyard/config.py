@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
@@ -58,6 +59,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
         return len(self.pool_bounds) + 1
 
 
+@functools.lru_cache(maxsize=64)  # read on every enqueue and claim
 def parse_pool_bounds(text: str) -> tuple[int, ...]:
     """ "2048,8192" -> (2048, 8192); the bounds must be positive and ascending."""
     try:
