@@ -16,9 +16,9 @@ likewise for streams). `http_floor_ms` is GET /v1/models on the same client and 
 for what the queue itself adds (the goal is judged on the whole overhead). Job records
 (enqueue, claim and completion times) split the overhead into stages. Valkey commands are
 counted from INFO commandstats deltas, over the whole measured phase and around each queue
-request (so per kind), and round trips from the server's socket reads. A burst phase then sends --burst concurrent
-requests (sync and stream alternately, --burst-tokens each) and reports the gateway's CPU per
-request, where per-token event reading shows. Prints one JSON document.
+request (so per kind), and round trips from the server's socket reads. A burst phase then
+sends --burst concurrent requests (sync and stream alternately, --burst-tokens each) and reports
+the gateway's CPU per request, where per-token event reading shows. Prints one JSON document.
 
 --what-if NAMES adds a second run with suspected costs patched out of the gateway and worker
 subprocesses (see PATCHES), to price a fix before making it; the baseline is the product as
