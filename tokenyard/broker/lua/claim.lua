@@ -32,8 +32,8 @@
 -- stands; a drained lane gets new work only by an XADD (the blocking wait relies on the same),
 -- and a lane with staged jobs is read anyway. Other lanes cost their XREADGROUP (and an
 -- XREVRANGE for the hint). Fair-share refills, held jobs and retries are looked at only where
--- one EXISTS over all the lanes' staging (`active`) or held sets, or the first delayed job,
--- says there are some.
+-- one EXISTS over all the lanes' staging (`active`) and held sets and `delayed` says there are
+-- some.
 local group, consumer, now = A.group, A.consumer, A.now
 if A.server_now == '1' then
   local t = redis.call('TIME')
@@ -46,9 +46,24 @@ local terminal = {succeeded = true, failed = true, cancelled = true, expired = t
 local lks, las = {}, {}
 for i = 1, N do lks[i], las[i] = item(i) end
 
+-- Whether any lane holds jobs for a preferred worker, has staged jobs, or any retry waits: one
+-- EXISTS over all those sets (an empty sorted set does not exist), and one more per kind only
+-- where some do, so idle lanes cost nothing more.
+local sets = {K.delayed}
+for i = 1, N do sets[#sets + 1], sets[#sets + 2] = lks[i].held, lks[i].active end
+local any_held, any_staged, any_delayed = false, false, false
+if redis.call('EXISTS', unpack(sets)) > 0 then
+  local held_keys, active_keys = {}, {}
+  for i = 1, N do held_keys[i], active_keys[i] = lks[i].held, lks[i].active end
+  any_held = N > 0 and redis.call('EXISTS', unpack(held_keys)) > 0
+  any_staged = N > 0 and redis.call('EXISTS', unpack(active_keys)) > 0
+  any_delayed = redis.call('EXISTS', K.delayed) > 0
+end
+
 -- Retries whose backoff is over go back to their lanes; any worker does this. The earliest one
 -- first: when it is not due (or there is none), that is also the wait hint's next_due.
-local first_delayed = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
+local first_delayed = {}
+if any_delayed then first_delayed = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES') end
 if first_delayed[2] and tonumber(first_delayed[2]) <= nowf then
   local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 256)
   if #due > 0 then redis.call('ZREM', K.delayed, unpack(due)) end
@@ -147,13 +162,6 @@ local function take_held(lk, la, room, capped)
   local res = read(lk.aff, #ids)
   if res then take(lk.aff, res[1][2], capped, 1) end
 end
-
--- Whether any lane holds jobs for a preferred worker, or has staged jobs: one EXISTS over all
--- the lanes each (an empty sorted set does not exist), so idle lanes cost nothing more.
-local held_keys, active_keys = {}, {}
-for i = 1, N do held_keys[i], active_keys[i] = lks[i].held, lks[i].active end
-local any_held = N > 0 and redis.call('EXISTS', unpack(held_keys)) > 0
-local any_staged = N > 0 and redis.call('EXISTS', unpack(active_keys)) > 0
 
 -- Lanes (and the wake stream) with nothing after the cursor this worker's last claim left.
 local quiet, wake_quiet = {}, false
