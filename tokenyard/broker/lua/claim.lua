@@ -51,19 +51,16 @@ for i = 1, N do lks[i], las[i] = item(i) end
 -- where some do, so idle lanes cost nothing more.
 local sets = {K.delayed}
 for i = 1, N do sets[#sets + 1], sets[#sets + 2] = lks[i].held, lks[i].active end
-local any_held, any_staged, any_delayed = false, false, false
+-- Retries whose backoff is over go back to their lanes; any worker does this. The earliest one
+-- first: when it is not due (or there is none), that is also the wait hint's next_due.
+local any_held, any_staged, first_delayed = false, false, {}
 if redis.call('EXISTS', unpack(sets)) > 0 then
   local held_keys, active_keys = {}, {}
   for i = 1, N do held_keys[i], active_keys[i] = lks[i].held, lks[i].active end
   any_held = N > 0 and redis.call('EXISTS', unpack(held_keys)) > 0
   any_staged = N > 0 and redis.call('EXISTS', unpack(active_keys)) > 0
-  any_delayed = redis.call('EXISTS', K.delayed) > 0
+  first_delayed = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
 end
-
--- Retries whose backoff is over go back to their lanes; any worker does this. The earliest one
--- first: when it is not due (or there is none), that is also the wait hint's next_due.
-local first_delayed = {}
-if any_delayed then first_delayed = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES') end
 if first_delayed[2] and tonumber(first_delayed[2]) <= nowf then
   local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 256)
   if #due > 0 then redis.call('ZREM', K.delayed, unpack(due)) end
