@@ -91,8 +91,9 @@ for _, i in ipairs(fresh) do
   redis.call('HSET', k.job, unpack(fields))
   if owner then
     -- a microsecond per item keeps a batch's held jobs in arrival order (equal scores would sort
-    -- by job id)
-    local at = string.format('%.6f', tonumber(A.now) + i * 1e-6)
+    -- by job id); written exactly: '%.6f' of it rounds two neighbours to one value ~5% of the
+    -- time (a double near 1.8e9 holds ~0.24 µs)
+    local at = string.format('%.17g', tonumber(A.now) + i * 1e-6)
     redis.call('ZADD', k.held, at, a.job_id)
     redis.call('ZADD', a.affw_prefix .. owner, at, a.job_id)
     redis.call('XADD', A.wake_prefix .. owner, 'MAXLEN', 8, '*', 'j', a.job_id)
