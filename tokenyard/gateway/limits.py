@@ -41,10 +41,21 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         max_bytes = self.per_path.get(scope.get("path", ""), self.max_bytes)
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await _send_413(send, max_bytes)
-            return
+        declared: bytes | None = None
+        chunked = False
+        for name, value in scope.get("headers") or ():
+            if name == b"content-length":
+                declared = value
+            elif name == b"transfer-encoding":
+                chunked = True
+        if declared is not None and declared.isdigit():
+            if int(declared) > max_bytes:
+                await _send_413(send, max_bytes)
+                return
+            if not chunked:
+                # the server frames the body by Content-Length: it cannot grow past it
+                await self.app(scope, receive, send)
+                return
         seen = 0
 
         async def limited() -> Message:
