@@ -11,7 +11,9 @@ ways, one request at a time (light load):
 Queue requests go sync (`stream: false`) and streamed (SSE, timed by tokenyard.bench's
 client); the three kinds are interleaved in a shuffled order per round, so drift on a shared
 host hits them alike. Overhead = each queue request's E2E minus the median direct E2E (TTFT
-likewise for streams). Job records (enqueue, claim and completion times) split the overhead
+likewise for streams). `http_floor_ms` is GET /v1/models on the same client and connection
+(one HTTP exchange with the gateway, no queue); `overhead_beyond_http_floor_ms` subtracts it,
+for what the queue itself adds (the goal is judged on the whole overhead). Job records (enqueue, claim and completion times) split the overhead
 into stages. Valkey commands are counted from INFO commandstats deltas, over the whole measured
 phase and around each queue request (so per kind). A burst phase then sends --burst concurrent
 requests (sync and stream alternately, --burst-tokens each) and reports the gateway's CPU per
@@ -282,6 +284,19 @@ class Queue:
         return timing
 
 
+class HttpFloor:
+    """GET /v1/models on the same client and connection: one HTTP exchange with this gateway
+    (server, middlewares, auth, JSON) and no queue, the floor under any queued request."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def one(self, spec: RequestSpec) -> Timing:
+        started = time.perf_counter()
+        response = await self.client.get("models")
+        return Timing("http", time.perf_counter() - started, None, response.status_code == 200)
+
+
 class Ping:
     """A Valkey PING from this process: the cost of one round trip (two wake-ups) right now."""
 
@@ -425,7 +440,13 @@ async def measure(
         event_hooks={"response": [remember]},
     )
     direct, queue, ping = Direct(engine, opts.max_tokens), Queue(client, job_ids), Ping(url)
-    runners = {"direct": direct.one, "sync": queue.sync, "stream": queue.stream, "ping": ping.one}
+    runners = {
+        "direct": direct.one,
+        "sync": queue.sync,
+        "stream": queue.stream,
+        "ping": ping.one,
+        "http": HttpFloor(client).one,
+    }
     timings: dict[str, list[Timing]] = {k: [] for k in runners}
     counts: dict[str, int] = {}
     command_counts = CommandCounter(url)
@@ -543,6 +564,8 @@ def report(timings: dict[str, list[Timing]]) -> dict[str, Any]:
         }
     }
     out["valkey_ping_rtt_ms"] = ms_summary([t.e2e_s for t in ok["ping"]])
+    out["http_floor_ms"] = ms_summary([t.e2e_s for t in ok["http"]])
+    floor = statistics.median(t.e2e_s for t in ok["http"])
     goal_met: dict[str, Any] = {}
     for kind in ("sync", "stream"):
         rows = ok[kind]
@@ -557,6 +580,8 @@ def report(timings: dict[str, list[Timing]]) -> dict[str, Any]:
             "e2e_ms": ms_summary([t.e2e_s for t in rows]),
             "overhead_ms": ms_summary(overhead),
             "paired_overhead_ms": ms_summary(paired),
+            # what the queue adds beyond one HTTP exchange with the same client and gateway
+            "overhead_beyond_http_floor_ms": ms_summary([v - floor for v in overhead]),
         }
         if kind == "stream":
             ttft = [t.ttft_s for t in rows if t.ttft_s is not None]
@@ -652,6 +677,7 @@ def what_if_summary(result: dict[str, Any], patches: Sequence[str]) -> dict[str,
     out["stream"]["ttft_overhead_ms"] = result["stream"]["ttft_overhead_ms"]
     out["direct_e2e_ms"] = result["direct"]["e2e_ms"]
     out["valkey_ping_rtt_ms"] = result["valkey_ping_rtt_ms"]
+    out["http_floor_ms"] = result["http_floor_ms"]
     out["valkey_per_queue_request"] = result["valkey_per_queue_request"]
     out["errors"] = result["errors"]
     out["goal_met"] = result["goal_met"]
@@ -686,7 +712,8 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "(tokenyard Worker on a SimEngine with the same costs)",
             "client": "httpx.AsyncClient in this process, one keep-alive connection; streams via "
             "tokenyard.bench.client.send_request",
-            "order": "rounds of (direct, sync, stream, Valkey PING) in a seeded shuffled order",
+            "order": "rounds of (direct, sync, stream, Valkey PING, GET /v1/models) in a seeded "
+            "shuffled order",
             "burst": f"{opts.burst_rounds} rounds of {opts.burst} concurrent requests (sync and "
             f"stream alternately) of {opts.burst_tokens} tokens, after the light-load phase",
             "valkey_commands": "INFO commandstats deltas; by_kind: around each queue request "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
@@ -21,6 +22,10 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed
     max_deliveries: int = 5  # deliveries (crashes + retries) before the dead-letter stream
     max_queue_depth: int = 100_000  # per lane; enqueue past it raises QueueFull
+    # group commit of single-job enqueues (broker/group_commit.py): at most this many jobs per
+    # script call; jobs arriving while a call is in flight wait at most the window
+    enqueue_batch: int = 64
+    enqueue_window_s: float = 0.0005
     record_ttl_s: float = 24 * 3600.0  # terminal records and event streams
     idempotency_ttl_s: float = 24 * 3600.0
     backoff_base_s: float = 0.5
@@ -54,6 +59,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
         return len(self.pool_bounds) + 1
 
 
+@functools.lru_cache(maxsize=64)  # read on every enqueue and claim
 def parse_pool_bounds(text: str) -> tuple[int, ...]:
     """ "2048,8192" -> (2048, 8192); the bounds must be positive and ascending."""
     try:

@@ -35,6 +35,7 @@ from tokenyard.broker.base import (
     settlement,
 )
 from tokenyard.broker.channel import Channel, Command
+from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
@@ -202,6 +203,11 @@ class RedisBroker(Broker):
         self._rng = rng or random.Random()
         self._known_models: set[str] = set()
         self._sweep_cursor: dict[str, int] = {}
+        self._group = GroupCommit(
+            self.enqueue_many,
+            max_batch=settings.enqueue_batch,
+            window_s=settings.enqueue_window_s,
+        )
 
     async def _run(self, call: Call) -> Any:
         return (await self._eval_many([call]))[0]
@@ -278,6 +284,10 @@ class RedisBroker(Broker):
         return _ms(self.settings.record_ttl_s)
 
     # -- producing -------------------------------------------------------------------------
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        """One job; concurrent callers of this broker share script calls (group commit)."""
+        return await self._group.enqueue(spec)
+
     @_unavailable_on_errors
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """All-or-nothing per model: one script call admits a model's whole batch."""
@@ -1183,6 +1193,7 @@ class RedisBroker(Broker):
             return False
 
     async def close(self) -> None:
+        await self._group.close()
         if self._channel is not None:
             await self._channel.close()
         await self.redis.aclose()

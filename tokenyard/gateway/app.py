@@ -77,12 +77,7 @@ def create_app(
                 tokenizers=loaded,
                 auth=Authenticator(keys, active, settings.auth_cache_s),
                 metrics=metrics,
-                enqueuer=Enqueuer(
-                    active,
-                    metrics,
-                    max_batch=settings.enqueue_batch,
-                    window_s=settings.enqueue_window_s,
-                ),
+                enqueuer=Enqueuer(active, metrics),
                 events=EventHub(active, settings.event_block_s, settings.max_blocking_reads),
                 limits=PublishedLimits(active, settings.limits_ttl_s),
                 abandonment=Abandonment(active, settings.stream_resume_grace_s),

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -40,25 +39,27 @@ class JobGone(NotFound):
         super().__init__(f"the job {job_id} no longer exists", code="job_gone")
 
 
-@dataclass
 class CallTimer:
     """Latency metrics of one live call, observed as its events arrive at the gateway."""
 
-    metrics: GatewayMetrics
-    model: str
-    started: float = field(default_factory=time.monotonic)
-    _last: float | None = None
+    def __init__(self, metrics: GatewayMetrics, model: str, started: float | None = None) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.started = time.monotonic() if started is None else started
+        self._last: float | None = None
+        # a stream observes per token: resolve the labelled children once per call
+        self._ttft = metrics.time_to_first_token.labels(model)
+        self._itl = metrics.inter_token_latency.labels(model)
 
     def tokens(self, count: int) -> None:
         now = time.monotonic()
         if self._last is None:
-            self.metrics.time_to_first_token.labels(self.model).observe(now - self.started)
+            self._ttft.observe(now - self.started)
         elif count:
             # one engine step may carry several tokens; spread the gap over them, as vLLM does
             gap = (now - self._last) / count
-            histogram = self.metrics.inter_token_latency.labels(self.model)
             for _ in range(count):
-                histogram.observe(gap)
+                self._itl.observe(gap)
         self._last = now
 
     def finished(self, result: JobResult) -> None:
@@ -67,11 +68,10 @@ class CallTimer:
         e2e = time.monotonic() - self.started
         if self._last is None and result.decode_s is not None and result.completion_tokens:
             # a sync call saw no token events (its job streamed none): its worker timed them
-            m.time_to_first_token.labels(model).observe(max(0.0, e2e - result.decode_s))
+            self._ttft.observe(max(0.0, e2e - result.decode_s))
             gaps = result.completion_tokens - 1
-            histogram = m.inter_token_latency.labels(model)
             for _ in range(gaps):
-                histogram.observe(result.decode_s / gaps)
+                self._itl.observe(result.decode_s / gaps)
         m.e2e_request_latency.labels(model).observe(e2e)
         m.jobs_finished.labels(model, result.status.value).inc()
         m.prompt_tokens.labels(model).inc(result.prompt_tokens)
@@ -324,8 +324,8 @@ class LiveCall:
         give_up = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             yield b""
-            for f in renderer.start():
-                yield f
+            if start := renderer.start():
+                yield b"".join(start)
             events = self._events(tokens=True)
             async with contextlib.aclosing(events):
                 async for batch in events:
@@ -337,19 +337,24 @@ class LiveCall:
                     if batch is None:
                         yield KEEPALIVE_FRAME
                         continue
+                    # one read's events leave in one write: a send per frame costs the
+                    # server as much as rendering it
+                    frames: list[bytes] = []
                     for event_id, event in batch:
                         if isinstance(event, Finished):
                             finished = True
                             if timer is not None:
                                 timer.finished(event.result)
                             self._saw(event.result)
-                            for f in renderer.finish(event_id, event.result):
-                                yield f
-                            return
+                            frames.extend(renderer.finish(event_id, event.result))
+                            break
                         if timer is not None:
                             timer.tokens(len(event.token_ids))
-                        for f in renderer.tokens(event_id, event):
-                            yield f
+                        frames.extend(renderer.tokens(event_id, event))
+                    if frames:
+                        yield b"".join(frames)
+                    if finished:
+                        return
             finished = True
             for f in renderer.ended():
                 yield f

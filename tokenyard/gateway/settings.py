@@ -28,10 +28,6 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # follows of a model's jobs share blocking reads; each holds a broker connection, and at most
     # this many are in flight per model, so enqueue and cancel still find a free connection
     max_blocking_reads: int = 8
-    # group commit: jobs arriving while an enqueue of their model is in flight go together,
-    # at most this many per call, no later than this long after the first of them arrived
-    enqueue_batch: int = 64
-    enqueue_window_s: float = 0.0005
     limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
     # POST /v1/completions, /v1/chat/completions and /v1/jobs answered without FastAPI's
     # routing and dependency injection (gateway/fast.py); false: through FastAPI, same answers
