@@ -40,10 +40,21 @@ class GroupCommit:
 
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         """Enqueue one job with whatever else is waiting. A caller cancelled meanwhile does not
-        cancel the batch its job rides in: the job may still be added."""
+        cancel a batch its job rides in; either way its job may still be added."""
+        model = spec.model
+        if not self._in_flight[model] and not self._pending.get(model):
+            # light load: the call goes from the caller's own task (no hop through another);
+            # jobs arriving meanwhile pile up behind it as usual
+            self._in_flight[model] += 1
+            try:
+                self.calls += 1
+                return (await self._enqueue_many([spec]))[0]
+            finally:
+                self._in_flight[model] -= 1
+                if self._pending.get(model):
+                    self._flush(model)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[EnqueueResult] = loop.create_future()
-        model = spec.model
         waiting = self._pending[model]
         waiting.append((spec, done))
         if not self._in_flight[model] or len(waiting) >= self.max_batch:
