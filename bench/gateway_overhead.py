@@ -14,8 +14,8 @@ host hits them alike. Overhead = each queue request's E2E minus the median direc
 likewise for streams). `http_floor_ms` is GET /v1/models on the same client and connection
 (one HTTP exchange with the gateway, no queue); `overhead_beyond_http_floor_ms` subtracts it,
 for what the queue itself adds (the goal is judged on the whole overhead). Job records
-(enqueue, claim and completion times) split the overhead into stages. Valkey commands are counted from INFO commandstats deltas, over the whole measured
-phase and around each queue request (so per kind). A burst phase then sends --burst concurrent
+(enqueue, claim and completion times) split the overhead into stages. Valkey commands are
+counted from INFO commandstats deltas, over the whole measured phase and around each queue request (so per kind). A burst phase then sends --burst concurrent
 requests (sync and stream alternately, --burst-tokens each) and reports the gateway's CPU per
 request, where per-token event reading shows. Prints one JSON document.
 
