@@ -8,17 +8,17 @@ ways, one request at a time (light load):
           port), a private Valkey over TCP loopback (AOF everysec), and a worker subprocess
           running tokenyard's Worker on a SimEngine built with the same costs.
 
-Queue requests go sync (`stream: false`) and streamed (SSE, timed by tokenyard.bench's
-client); the three kinds are interleaved in a shuffled order per round, so drift on a shared
-host hits them alike. Overhead = each queue request's E2E minus the median direct E2E (TTFT
-likewise for streams). `http_floor_ms` is GET /v1/models on the same client and connection
-(one HTTP exchange with the gateway, no queue); `overhead_beyond_http_floor_ms` subtracts it,
-for what the queue itself adds (the goal is judged on the whole overhead). Job records
-(enqueue, claim and completion times) split the overhead into stages. Valkey commands are
-counted from INFO commandstats deltas, over the whole measured phase and around each queue
-request (so per kind), and round trips from the server's socket reads. A burst phase then
-sends --burst concurrent requests (sync and stream alternately, --burst-tokens each) and reports
-the gateway's CPU per request, where per-token event reading shows. Prints one JSON document.
+Queue requests go sync (`stream: false`) and streamed (SSE, timed by tokenyard.bench's client);
+the three kinds are interleaved in a shuffled order per round, so drift on a shared host hits
+them alike. Overhead = each queue request's E2E minus the median direct E2E (TTFT likewise for
+streams). `http_floor_ms` is GET /v1/models on the same client and connection (one HTTP
+exchange with the gateway, no queue); `overhead_beyond_http_floor_ms` subtracts it, for what
+the queue itself adds (the goal is judged on the whole overhead). Job records (enqueue, claim
+and completion times) split the overhead into stages. Valkey commands are counted from INFO
+commandstats deltas, over the whole measured phase and around each queue request (so per kind),
+and round trips from the server's socket reads. A burst phase then sends --burst concurrent
+requests (sync and stream alternately, --burst-tokens each) and reports the gateway's CPU per
+request, where per-token event reading shows. Prints one JSON document.
 
 --what-if NAMES adds a second run with suspected costs patched out of the gateway and worker
 subprocesses (see PATCHES), to price a fix before making it; the baseline is the product as

@@ -154,7 +154,14 @@ def _run_gateway(
     tracing.configure("tokenyard-gateway")
     gateway_app = create_app(settings, broker_settings=broker_settings, registry=registry)
     try:
-        uvicorn.run(gateway_app, host=settings.host, port=settings.port, log_level="warning")
+        # access lines are below the log level anyway; off, uvicorn skips formatting them
+        uvicorn.run(
+            gateway_app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            access_log=False,
+        )
     finally:
         tracing.shutdown()
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tokenyard.promcache import CachedCounter, CachedGauge, CachedHistogram
+
 if TYPE_CHECKING:
     from tokenyard.engines.base import EngineStats
 
@@ -37,131 +39,131 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        self.requests = CachedCounter(
             "tokenyard_http_requests",
             "HTTP requests answered, by route template and status code.",
             ["method", "route", "status"],
             registry=r,
         )
-        self.rejections = Counter(
+        self.rejections = CachedCounter(
             "tokenyard_rejections",
             "Requests refused before reaching the queue, by reason.",
             ["reason"],
             registry=r,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = CachedHistogram(
             "tokenyard_time_to_first_token_seconds",
             "From request arrival to the first generated token seen by the gateway.",
             ["model"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = CachedHistogram(
             "tokenyard_inter_token_latency_seconds",
             "Time between generated tokens as seen by the gateway.",
             ["model"],
             buckets=ITL_BUCKETS,
             registry=r,
         )
-        self.e2e_request_latency = Histogram(
+        self.e2e_request_latency = CachedHistogram(
             "tokenyard_e2e_request_latency_seconds",
             "From request arrival to the job's terminal event.",
             ["model"],
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         )
-        self.request_queue_time = Histogram(
+        self.request_queue_time = CachedHistogram(
             "tokenyard_request_queue_time_seconds",
             "Time a job waited in its lane before a worker claimed it.",
             ["model"],
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = CachedCounter(
             "tokenyard_prompt_tokens", "Prompt tokens of finished jobs.", ["model"], registry=r
         )
-        self.generation_tokens = Counter(
+        self.generation_tokens = CachedCounter(
             "tokenyard_generation_tokens",
             "Generated tokens of finished jobs.",
             ["model"],
             registry=r,
         )
-        self.jobs_finished = Counter(
+        self.jobs_finished = CachedCounter(
             "tokenyard_jobs_finished",
             "Jobs whose end a gateway caller saw, by terminal status.",
             ["model", "status"],
             registry=r,
         )
-        self.queue_depth = Gauge(
+        self.queue_depth = CachedGauge(
             "tokenyard_queue_depth",
             "Jobs waiting in a lane, not yet claimed (sampled at scrape).",
             ["model", "priority"],
             registry=r,
         )
-        self.queue_in_flight = Gauge(
+        self.queue_in_flight = CachedGauge(
             "tokenyard_queue_in_flight",
             "Jobs claimed by a worker and not yet completed (sampled at scrape).",
             ["model", "priority"],
             registry=r,
         )
-        self.queue_oldest_age = Gauge(
+        self.queue_oldest_age = CachedGauge(
             "tokenyard_queue_oldest_age_seconds",
             "Age of the oldest waiting job of a lane; 0 when the lane is empty.",
             ["model", "priority"],
             registry=r,
         )
-        self.dead_letters = Gauge(
+        self.dead_letters = CachedGauge(
             "tokenyard_dead_letters",
             "Entries in a model's dead-letter stream (sampled at scrape).",
             ["model"],
             registry=r,
         )
-        self.live_workers = Gauge(
+        self.live_workers = CachedGauge(
             "tokenyard_live_workers",
             "Workers of a model whose heartbeat has not lapsed (sampled at scrape).",
             ["model"],
             registry=r,
         )
-        self.broker_up = Gauge(
+        self.broker_up = CachedGauge(
             "tokenyard_broker_up", "1 when the broker answered the last scrape.", registry=r
         )
-        self.routed = Counter(
+        self.routed = CachedCounter(
             "tokenyard_routed_requests",
             "Requests by the model asked for, the model chosen, and the routing rule that chose.",
             ["requested", "model", "rule"],
             registry=r,
         )
         # -- response cache and collapsing (tokenyard/cache.py) --
-        self.cache_hits = Counter(
+        self.cache_hits = CachedCounter(
             "tokenyard_cache_hits",
             "Deterministic requests answered from the response cache, by tier (local|shared).",
             ["model", "tier"],
             registry=r,
         )
-        self.cache_misses = Counter(
+        self.cache_misses = CachedCounter(
             "tokenyard_cache_misses",
             "Deterministic requests the response cache could not answer.",
             ["model"],
             registry=r,
         )
-        self.cache_hit_bytes = Counter(
+        self.cache_hit_bytes = CachedCounter(
             "tokenyard_cache_hit_bytes",
             "Bytes of cached answers served.",
             ["model"],
             registry=r,
         )
-        self.cache_stored_bytes = Counter(
+        self.cache_stored_bytes = CachedCounter(
             "tokenyard_cache_stored_bytes",
             "Bytes of answers this gateway wrote to the shared cache tier.",
             ["model"],
             registry=r,
         )
-        self.cache_local_bytes = Gauge(
+        self.cache_local_bytes = CachedGauge(
             "tokenyard_cache_local_bytes",
             "Bytes held by this gateway's in-process cache tier.",
             registry=r,
         )
-        self.collapsed = Counter(
+        self.collapsed = CachedCounter(
             "tokenyard_collapsed_requests",
             "Requests that joined an identical job in flight instead of creating one.",
             ["model"],

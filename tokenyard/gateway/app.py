@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 from fastapi import FastAPI
@@ -21,6 +23,7 @@ from tokenyard.gateway.auth import Authenticator, KeyRing
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.errors import install_error_handlers
 from tokenyard.gateway.events import EventHub
+from tokenyard.gateway.fast import FastRoutes, fast_routes
 from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
 from tokenyard.gateway.live import Abandonment
@@ -31,6 +34,14 @@ from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tokenizers import load_tokenizers
 from tokenyard.metrics import GatewayMetrics
 from tokenyard.routing import LaneDepths, RoutingRules
+
+# Traces are tokenyard's own (tokenyard/tracing.py, carried inside the job). FastAPI >= 0.142's
+# native OpenTelemetry would add spans of its own and checks the global providers per request.
+_NO_OTEL: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI).parameters
+    else {}
+)
 
 
 def create_app(
@@ -94,10 +105,12 @@ def create_app(
             if owned:
                 await active.close()
 
-    app = FastAPI(title="tokenyard gateway", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="tokenyard gateway", version="0.1.0", lifespan=lifespan, **_NO_OTEL)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if settings.fast_routes:  # added first = innermost: inside the body limit and metrics
+        app.add_middleware(FastRoutes, routes=fast_routes())
     # added last = outermost: the metrics middleware also counts 413s from the body limit
     app.add_middleware(
         BodyLimitMiddleware,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import msgspec
 from fastapi import Depends, Request
@@ -19,6 +19,7 @@ from fastapi import Depends, Request
 from tokenyard.broker.base import Directory
 from tokenyard.errors import BrokerUnavailable, FatalError
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.refresh import RefreshAhead
 from tokenyard.messages import Priority
 from tokenyard.tenancy.limiter import Quota
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig, key_digest
@@ -120,12 +121,13 @@ def _invalid_key() -> ApiError:
     )
 
 
-_V = TypeVar("_V")
 _MAX_CACHED = 10_000  # distinct keys remembered; past it the cache starts over
 
 
 class Authenticator:
-    """Bootstrap file keys first, then the broker's directory, each answer cached `ttl_s`.
+    """Bootstrap file keys first, then the broker's directory, each answer cached `ttl_s`
+    (refreshed ahead of expiry, see `gateway/refresh.py`: no request waits on a lookup while
+    the key is in use).
 
     Auth is on when the file has keys or the broker ever stored one; a broker that does not
     answer keeps the last known answers (and refuses unknown keys with 503)."""
@@ -141,26 +143,25 @@ class Authenticator:
         self.directory = directory
         self.ttl_s = ttl_s
         self.clock = clock
-        self._enabled: tuple[float, bool] | None = None
         self.ever_enabled = False  # the broker said keys exist, at least once
-        self._keys: dict[str, tuple[float, ApiKeyRecord | None]] = {}
-        self._configs: dict[str, tuple[float, TenantConfig | None]] = {}
+        down = (BrokerUnavailable,)
+        self._enabled = RefreshAhead(self._has_keys, ttl_s, clock, keep_on=down)
+        self._keys: RefreshAhead[str, ApiKeyRecord | None] = RefreshAhead(
+            directory.api_key, ttl_s, clock, keep_on=down, max_entries=_MAX_CACHED
+        )
+        self._configs: RefreshAhead[str, TenantConfig | None] = RefreshAhead(
+            directory.tenant, ttl_s, clock, keep_on=down, max_entries=_MAX_CACHED
+        )
+
+    async def _has_keys(self, _: None) -> bool:
+        on = await self.directory.has_api_keys()
+        self.ever_enabled = self.ever_enabled or on
+        return on
 
     async def enabled(self) -> bool:
         if self.keyring.enabled:
             return True
-        now = self.clock()
-        if self._enabled is not None and self._enabled[0] > now:
-            return self._enabled[1]
-        try:
-            on = await self.directory.has_api_keys()
-        except BrokerUnavailable:
-            if self._enabled is None:
-                raise
-            return self._enabled[1]
-        self._enabled = (now + self.ttl_s, on)
-        self.ever_enabled = self.ever_enabled or on
-        return on
+        return await self._enabled.get(None)
 
     async def tenant_for(self, authorization: str | None) -> Tenant:
         """The calling tenant; 401 when auth is on and the key is missing, unknown or revoked.
@@ -171,35 +172,14 @@ class Authenticator:
         key = bearer_key(authorization)
         tenant = self.keyring.lookup(key)
         if tenant is None:
-            record = await self._cached(self._keys, key_digest(key), self.directory.api_key)
+            record = await self._keys.get(key_digest(key))
             if record is None or not record.active:
                 raise _invalid_key()
             tenant = Tenant(record.tenant)
-        config = await self._cached(self._configs, tenant.name, self.directory.tenant)
+        config = await self._configs.get(tenant.name)
         if config is None:
             return tenant
         return Tenant(config.name, config.priority, config.admin, config.quota, config.weight)
-
-    async def _cached(
-        self,
-        cache: dict[str, tuple[float, _V | None]],
-        key: str,
-        fetch: Callable[[str], Awaitable[_V | None]],
-    ) -> _V | None:
-        now = self.clock()
-        hit = cache.get(key)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        try:
-            value = await fetch(key)
-        except BrokerUnavailable:
-            if hit is None:
-                raise
-            return hit[1]
-        if len(cache) >= _MAX_CACHED:
-            cache.clear()
-        cache[key] = (now + self.ttl_s, value)
-        return value
 
 
 async def authenticate(request: Request) -> Tenant:

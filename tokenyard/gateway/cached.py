@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenyard.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway import protocol
+from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
@@ -55,7 +55,7 @@ def cached_response(
         content = protocol.completion_body(
             kind, spec.id, spec.model, created, result, token_ids=body.return_token_ids
         )
-        return JSONResponse(content, headers=headers)
+        return FastJSONResponse(content, headers=headers)
     renderer = OpenAIRenderer(
         kind,
         spec.id,

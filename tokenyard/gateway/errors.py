@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenyard.errors import BrokerUnavailable, InvalidRequest, NotFound, QueueFull, UserError
+from tokenyard.gateway.responses import FastJSONResponse
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def error_body(
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+    return FastJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 def unsupported(param: str, detail: str = "") -> InvalidRequest:

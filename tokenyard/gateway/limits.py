@@ -3,7 +3,6 @@ default, and the model limits its live workers publish (the rule itself is `toke
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from tokenyard.broker import Broker
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body
+from tokenyard.gateway.refresh import RefreshAhead
 from tokenyard.limits import context_length_exceeded, loosest
 from tokenyard.messages import ModelLimits
 
@@ -41,10 +41,21 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         max_bytes = self.per_path.get(scope.get("path", ""), self.max_bytes)
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await _send_413(send, max_bytes)
-            return
+        declared: bytes | None = None
+        chunked = False
+        for name, value in scope.get("headers") or ():
+            if name == b"content-length":
+                declared = value
+            elif name == b"transfer-encoding":
+                chunked = True
+        if declared is not None and declared.isdigit():
+            if int(declared) > max_bytes:
+                await _send_413(send, max_bytes)
+                return
+            if not chunked:
+                # the server frames the body by Content-Length: it cannot grow past it
+                await self.app(scope, receive, send)
+                return
         seen = 0
 
         async def limited() -> Message:
@@ -110,7 +121,9 @@ def resolve_max_tokens(
 
 class PublishedLimits:
     """What each model's live workers can take, from their heartbeats, read at most every
-    `ttl_s` per model; a model none of whose workers published falls back to its tokenizer."""
+    `ttl_s` per model and refreshed ahead of that (`gateway/refresh.py`), so no request waits
+    on the read while the model has traffic; a model none of whose workers published falls
+    back to its tokenizer."""
 
     def __init__(
         self, broker: Broker, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic
@@ -118,22 +131,11 @@ class PublishedLimits:
         self.broker = broker
         self.ttl_s = ttl_s
         self.clock = clock
-        self._known: dict[str, tuple[float, ModelLimits | None]] = {}
+        self._published = RefreshAhead(self._read, ttl_s, clock)
         self._revisions: dict[str, str | None] = {}
-        self._reading: dict[str, asyncio.Future[ModelLimits | None]] = {}
 
     async def of(self, model: str, tokenizer: EngineTokenizer) -> ModelLimits:
-        known = self._known.get(model)
-        if known is not None and self.clock() - known[0] < self.ttl_s:
-            published = known[1]
-        else:
-            # one read per model however many requests find the cache stale at once
-            reading = self._reading.get(model)
-            if reading is None:
-                reading = asyncio.ensure_future(self._read(model))
-                self._reading[model] = reading
-                reading.add_done_callback(lambda _: self._reading.pop(model, None))
-            published = await asyncio.shield(reading)
+        published = await self._published.get(model)
         if published is not None:
             return published
         own = tokenizer.max_model_len
@@ -149,7 +151,6 @@ class PublishedLimits:
             # none live (a late heartbeat under load, a restart) says nothing about the weights:
             # the revision last seen stands until a worker shows another
             self._revisions[model] = revisions.pop() if len(revisions) == 1 else None
-        self._known[model] = (self.clock(), published)
         return published
 
     def revision(self, model: str) -> str | None:

@@ -29,6 +29,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # this many are in flight per model, so enqueue and cancel still find a free connection
     max_blocking_reads: int = 8
     limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
+    # POST /v1/completions, /v1/chat/completions and /v1/jobs answered without FastAPI's
+    # routing and dependency injection (gateway/fast.py); false: through FastAPI, same answers
+    fast_routes: bool = True
     retry_after_s: int = 1  # Retry-After on 429
     # overload shedding: a request without its own deadline is refused (429 + Retry-After) when
     # its estimated queue wait exceeds this many seconds; 0 = off (the right bound is the

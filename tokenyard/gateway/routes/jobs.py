@@ -18,11 +18,13 @@ from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.live import LiveCall
+from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.gateway.streaming import JobRenderer, OpenAIRenderer, Renderer, last_event_id
 from tokenyard.messages import JobRecord, JobSpec
 
 router = APIRouter()
+IDEMPOTENCY_KEY_MAX = 256  # characters
 
 
 def split_id(raw: str) -> tuple[str, protocol.Kind | None]:
@@ -62,9 +64,14 @@ def _same_request(a: JobSpec, b: JobSpec) -> bool:
 async def create_job(
     request: Request,
     tenant: TenantDep,
-    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+    idempotency_key: Annotated[str | None, Header(max_length=IDEMPOTENCY_KEY_MAX)] = None,
 ) -> Response:
     """Enqueue a completions or chat body (chosen by `messages`); answers 202 at once."""
+    return await submit_job(request, tenant, idempotency_key)
+
+
+async def submit_job(request: Request, tenant: Tenant, idempotency_key: str | None) -> Response:
+    """The handler of POST /v1/jobs, also called by `gateway/fast.py`."""
     state = gateway(request)
     raw = await request.body()
     try:
@@ -100,7 +107,7 @@ async def create_job(
         await quota.refund(state, spec)  # a replay: the job it names holds its own reservation
     if outcome.created:
         # the job was queued just now: its answer needs no read of the record
-        return JSONResponse(protocol.queued_job_body(spec), status_code=202, headers=headers)
+        return FastJSONResponse(protocol.queued_job_body(spec), status_code=202, headers=headers)
     existing = await state.broker.record(outcome.job_id)
     if existing is not None and not _same_request(existing.spec, spec):
         raise ApiError(
@@ -110,7 +117,9 @@ async def create_job(
             code="idempotency_key_reused",
         )
     view = protocol.job_body(outcome.job_id, existing) if existing else {"id": outcome.job_id}
-    return JSONResponse(view, status_code=200, headers={**headers, "Idempotent-Replayed": "true"})
+    return FastJSONResponse(
+        view, status_code=200, headers={**headers, "Idempotent-Replayed": "true"}
+    )
 
 
 @router.get("/v1/jobs/{job_id}")

@@ -16,6 +16,7 @@ from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest, cached_response
 from tokenyard.gateway.live import LiveCall
+from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
 
@@ -30,14 +31,24 @@ async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
 
 @router.post("/v1/completions")
 async def completions(request: Request, tenant: TenantDep) -> Response:
+    return await create_completion(request, tenant)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, tenant: TenantDep) -> Response:
+    return await create_chat_completion(request, tenant)
+
+
+# The handlers proper, called by the routes above and by `gateway/fast.py` (which serves these
+# paths without FastAPI's routing and dependency injection).
+async def create_completion(request: Request, tenant: Tenant) -> Response:
     started = time.monotonic()
     with tracing.server_span("POST /v1/completions", request.headers):
         body = protocol.parse(protocol.CompletionRequest, await request.body())
         return await _serve(request, "completion", body, tenant, started)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, tenant: TenantDep) -> Response:
+async def create_chat_completion(request: Request, tenant: Tenant) -> Response:
     started = time.monotonic()
     with tracing.server_span("POST /v1/chat/completions", request.headers):
         body = protocol.parse(protocol.ChatCompletionRequest, await request.body())
@@ -96,8 +107,8 @@ async def _serve(
     result = await call.result(lambda: _until_disconnect(request))
     failed = protocol.result_error(result)
     if failed is not None:
-        return JSONResponse(failed[1], status_code=failed[0], headers=headers)
-    return JSONResponse(
+        return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
+    return FastJSONResponse(
         protocol.completion_body(
             kind, job_id, spec.model, created, result, token_ids=body.return_token_ids
         ),
