@@ -92,8 +92,11 @@ class Consumer:
                     continue
                 self.claimed += len(leases)
                 self.in_flight += len(leases)
+                # the hold counts from the claim: a stop that lands before its task starts must
+                # not push the hold (and its renewals) past the resume
+                until = time.monotonic() + self.args.hold_s
                 emit("claimed", len(leases), self.claimed)
-                task = asyncio.create_task(self.process(leases))
+                task = asyncio.create_task(self.process(leases, until))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
         finally:
@@ -103,9 +106,9 @@ class Consumer:
             await self.broker.close()
             emit("stopped", self.claimed, self.accepted, self.fenced)
 
-    async def process(self, leases: list[Lease]) -> None:
+    async def process(self, leases: list[Lease], until: float) -> None:
         try:
-            live = await self.hold(leases)
+            live = await self.hold(leases, until)
             marker = self.args.fail_marker
             failing = [x for x in live if marker and marker in (x.spec.prompt or "")]
             passing = [x for x in live if not (marker and marker in (x.spec.prompt or ""))]
@@ -120,9 +123,9 @@ class Consumer:
         finally:
             self.in_flight -= len(leases)
 
-    async def hold(self, leases: list[Lease]) -> list[Lease]:
-        """Keep the jobs `--hold-s` seconds, renewing; returns the leases still ours."""
-        until = time.monotonic() + self.args.hold_s
+    async def hold(self, leases: list[Lease], until: float) -> list[Lease]:
+        """Keep the jobs until `until` (`--hold-s` after their claim), renewing; returns the
+        leases still ours."""
         live = leases
         while live:
             remaining = until - time.monotonic()

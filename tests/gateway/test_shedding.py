@@ -110,10 +110,18 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_submit(shedding_stack: S
     client = openai.OpenAI(base_url=shedding_stack.url + "/v1", api_key="unused", max_retries=0)
     with httpx.Client(base_url=shedding_stack.url, timeout=30) as http:
         asyncio.run(_warm_up_at(shedding_stack.url))  # on its own too: a measured rate
-        # a backlog of ~4 s: async jobs with a far deadline of their own (not held to the SLO)
+        # a backlog of ~5 s: async jobs with a far deadline of their own (not held to the SLO),
+        # sent at once so a slow host does not drain it while it is being built
         far = time.time() + 120
-        for _ in range(8 * SLOTS):
-            assert http.post("/v1/jobs", json={**BODY, "deadline": far}).status_code == 202
+
+        async def backlog() -> list[int]:
+            async with httpx.AsyncClient(base_url=shedding_stack.url, timeout=30) as client:
+                replies = await asyncio.gather(
+                    *(client.post("/v1/jobs", json={**BODY, "deadline": far}) for _ in range(48))
+                )
+            return [r.status_code for r in replies]
+
+        assert asyncio.run(backlog()) == [202] * 48
         time.sleep(0.3)  # the next read of the lanes sees them
         with pytest.raises(openai.RateLimitError) as refused:
             client.completions.create(
