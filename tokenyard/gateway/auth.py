@@ -141,8 +141,6 @@ class Authenticator:
     ) -> None:
         self.keyring = keyring
         self.directory = directory
-        self.ttl_s = ttl_s
-        self.clock = clock
         self.ever_enabled = False  # the broker said keys exist, at least once
         down = (BrokerUnavailable,)
         self._enabled = RefreshAhead(self._has_keys, ttl_s, clock, keep_on=down)

@@ -129,8 +129,6 @@ class PublishedLimits:
         self, broker: Broker, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.broker = broker
-        self.ttl_s = ttl_s
-        self.clock = clock
         self._published = RefreshAhead(self._read, ttl_s, clock)
         self._revisions: dict[str, str | None] = {}
 

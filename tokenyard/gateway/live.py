@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -39,27 +40,25 @@ class JobGone(NotFound):
         super().__init__(f"the job {job_id} no longer exists", code="job_gone")
 
 
+@dataclass
 class CallTimer:
     """Latency metrics of one live call, observed as its events arrive at the gateway."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, started: float | None = None) -> None:
-        self.metrics = metrics
-        self.model = model
-        self.started = time.monotonic() if started is None else started
-        self._last: float | None = None
-        # a stream observes per token: resolve the labelled children once per call
-        self._ttft = metrics.time_to_first_token.labels(model)
-        self._itl = metrics.inter_token_latency.labels(model)
+    metrics: GatewayMetrics
+    model: str
+    started: float = field(default_factory=time.monotonic)
+    _last: float | None = None
 
     def tokens(self, count: int) -> None:
         now = time.monotonic()
         if self._last is None:
-            self._ttft.observe(now - self.started)
+            self.metrics.time_to_first_token.labels(self.model).observe(now - self.started)
         elif count:
             # one engine step may carry several tokens; spread the gap over them, as vLLM does
             gap = (now - self._last) / count
+            histogram = self.metrics.inter_token_latency.labels(self.model)
             for _ in range(count):
-                self._itl.observe(gap)
+                histogram.observe(gap)
         self._last = now
 
     def finished(self, result: JobResult) -> None:
@@ -68,10 +67,11 @@ class CallTimer:
         e2e = time.monotonic() - self.started
         if self._last is None and result.decode_s is not None and result.completion_tokens:
             # a sync call saw no token events (its job streamed none): its worker timed them
-            self._ttft.observe(max(0.0, e2e - result.decode_s))
+            m.time_to_first_token.labels(model).observe(max(0.0, e2e - result.decode_s))
             gaps = result.completion_tokens - 1
+            histogram = m.inter_token_latency.labels(model)
             for _ in range(gaps):
-                self._itl.observe(result.decode_s / gaps)
+                histogram.observe(result.decode_s / gaps)
         m.e2e_request_latency.labels(model).observe(e2e)
         m.jobs_finished.labels(model, result.status.value).inc()
         m.prompt_tokens.labels(model).inc(result.prompt_tokens)
