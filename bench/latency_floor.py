@@ -3,16 +3,16 @@ process on the SimEngine) with no tokenyard code between them.
 
   server  a raw ASGI app under uvicorn, run as the gateway is (http and loop auto: httptools
           and uvloop here; access log off). POST: one pipeline of XADD {key} (reply key, body)
-          and XREAD BLOCK on that request's own reply key, so the request costs one write to
-          Valkey and the reply wakes its own handler (cheaper than a shared reply stream, whose
-          reader task would hand each reply to a waiting handler: one more loop wake-up).
-          GET answers 200 (readiness).
-  worker  XREADGROUP BLOCK on {key}, one request at a time: the engine API as the bench's
-          `Direct` calls it (add, outputs() until finished), then one pipeline of XADD reply +
-          PEXPIRE + XACK + XDEL.
+          and XREAD BLOCK on that request's own reply key, so a request costs one write to
+          Valkey and its reply wakes its own handler. Chosen over one shared reply stream read
+          by a background task, which adds a hand-off per reply from that task to the handler
+          (not measured here). GET answers 200 (readiness).
+  worker  XREADGROUP BLOCK on {key} (group "floor"), one request at a time: the engine API as
+          the bench's `Direct` calls it (add, outputs() until finished), then one pipeline of
+          XADD reply + PEXPIRE + XACK + XDEL.
 
-Keys are `{key}`, `{key}:group`, `{key}:ready` and `{key}:reply:<hex>`, in the benchmark's own
-Valkey beside the product's (a bench, so not in tokenyard/broker/keys.py). Started by
+Keys are `{key}`, `{key}:ready` and `{key}:reply:<hex>` (expiring), in the benchmark's Valkey
+beside the product's keys (a bench, so not in tokenyard/broker/keys.py). Started by
 bench/gateway_overhead.py through `server_command` / `worker_command`.
 """
 
