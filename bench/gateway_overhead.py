@@ -300,7 +300,7 @@ class Lean:
                 error = None if ok else str(resp.status)
             if ok and json.loads(data)["usage"]["completion_tokens"] != spec.max_tokens:
                 ok, error = False, "short_output"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
             done, ok, error, job_id = time.time(), False, type(exc).__name__, None
         return Timing(kind, done - sent, None, ok, error, job_id, sent, done)
 
@@ -333,7 +333,7 @@ class Lean:
                     usage = chunk.get("usage")
                     if isinstance(usage, dict):
                         tokens = usage.get("completion_tokens")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
             error = type(exc).__name__
         if error is None and done is None:
             error = "incomplete_stream"
