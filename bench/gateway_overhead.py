@@ -202,7 +202,9 @@ def worker_main(
 
     async def serve() -> None:
         broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
-        await run_worker(broker, engine, WorkerSettings(model=MODEL, engine="sim"))
+        await run_worker(
+            broker, engine, WorkerSettings(model=MODEL, engine="sim"), freeze_heap=True
+        )
 
     asyncio.run(serve())
     if stamps is not None:
@@ -218,7 +220,9 @@ def gateway_main(url: str, prefix: str, port: int, patches: Sequence[str]) -> No
 
     apply_patches([p for p in patches if p in GATEWAY_PATCHES])
     settings = gateway_settings(models=MODEL, port=port, tokenizer="sim")
-    app = create_app(settings, broker_settings=BrokerSettings(url=url, prefix=prefix))
+    app = create_app(
+        settings, broker_settings=BrokerSettings(url=url, prefix=prefix), freeze_heap=True
+    )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 

@@ -548,7 +548,7 @@ def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> 
             max_seqs=settings["max_seqs"],
             claim_block_s=settings["claim_block_s"],
         )
-        await run_worker(broker, engine, worker_settings)
+        await run_worker(broker, engine, worker_settings, freeze_heap=True)
 
     _profiled(main, profile)
 

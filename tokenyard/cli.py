@@ -152,7 +152,9 @@ def _run_gateway(
     from tokenyard.gateway.app import create_app
 
     tracing.configure("tokenyard-gateway")
-    gateway_app = create_app(settings, broker_settings=broker_settings, registry=registry)
+    gateway_app = create_app(
+        settings, broker_settings=broker_settings, registry=registry, freeze_heap=True
+    )
     try:
         # access lines are below the log level anyway; off, uvicorn skips formatting them
         uvicorn.run(

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+from hiredis import pack_command
 from redis.asyncio import ConnectionPool
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
@@ -23,8 +24,16 @@ Command = Sequence[str | bytes | int | float]
 
 
 def pack(commands: Sequence[Command]) -> bytes:
-    """Commands in RESP, as redis-py packs them (floats by repr) in one join: its packer
-    encodes argument by argument in Python, ~3 µs each, and a claim names every lane."""
+    """Commands in RESP, as redis-py packs them (floats by repr), in one buffer: hiredis's C
+    packer (redis[hiredis] is a dependency) takes a claim's ~90 arguments in a third of the
+    time of Python's, which stays for what it refuses (a bool, a list instead of a tuple)."""
+    try:
+        return b"".join([pack_command(command) for command in commands])  # type: ignore[arg-type]
+    except TypeError:
+        return _pack_python(commands)
+
+
+def _pack_python(commands: Sequence[Command]) -> bytes:
     out: list[bytes] = []
     for command in commands:
         out.append(b"*%d\r\n" % len(command))

@@ -12,6 +12,7 @@ import anyio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from tokenyard import heap
 from tokenyard.batch.files import FileStore
 from tokenyard.batch.service import BatchService
 from tokenyard.broker import Broker, connect
@@ -53,10 +54,12 @@ def create_app(
     keyring: KeyRing | None = None,
     registry: CollectorRegistry | None = None,
     files: FileStore | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
     """Build the gateway. A broker passed in stays the caller's; otherwise one is opened from
     `broker_settings` (default: TOKENYARD_BROKER_* environment) and closed at shutdown.
-    Tokenizers default to loading each served model's; keys default to `api_keys_file`."""
+    Tokenizers default to loading each served model's; keys default to `api_keys_file`.
+    `freeze_heap`: the gateway owns its process (see `tokenyard.heap`)."""
     metrics = GatewayMetrics(registry)
     keys = keyring if keyring is not None else KeyRing.from_file(settings.api_keys_file)
     routing = RoutingRules.from_file(settings.routing_file, settings.models)
@@ -96,6 +99,8 @@ def create_app(
             )
             app.state.gateway = state
             app.state.batches = BatchService.start(state, files)
+            if freeze_heap:
+                heap.freeze()
             try:
                 yield
             finally:

@@ -23,9 +23,14 @@ async def run_worker(
     settings: WorkerSettings,
     consumer: str | None = None,
     metrics: WorkerMetrics | None = None,
+    *,
+    freeze_heap: bool = False,
 ) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain; the broker is closed at the end."""
-    worker = Worker(broker, engine, settings, consumer=consumer, metrics=metrics)
+    """Run a worker until SIGTERM/SIGINT, then drain; the broker is closed at the end.
+    `freeze_heap`: the worker owns its process (see `tokenyard.heap`)."""
+    worker = Worker(
+        broker, engine, settings, consumer=consumer, metrics=metrics, freeze_heap=freeze_heap
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain)
@@ -49,6 +54,8 @@ async def serve_worker(
     tracing.configure("tokenyard-worker")
     try:
         engine = build_engine(settings)
-        await run_worker(connect(broker_settings), engine, settings, consumer, metrics)
+        await run_worker(
+            connect(broker_settings), engine, settings, consumer, metrics, freeze_heap=True
+        )
     finally:
         tracing.shutdown()

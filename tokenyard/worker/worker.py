@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tokenyard import heap
 from tokenyard.broker.base import Broker, Lease
 from tokenyard.broker.policy import pools_served
 from tokenyard.config import WorkerSettings
@@ -82,8 +83,11 @@ class Worker:
         settings: WorkerSettings,
         consumer: str | None = None,
         metrics: WorkerMetrics | None = None,
+        *,
+        freeze_heap: bool = False,
     ) -> None:
         self.broker = broker
+        self.freeze_heap = freeze_heap
         self.engine = engine
         self.settings = settings
         self.model = settings.model
@@ -130,6 +134,8 @@ class Worker:
         self.limits = worker_limits(self.engine, self.settings)
         self.pools = self._pools()
         self.scheduler = self._scheduler()
+        if self.freeze_heap:  # the engine's model is in: it stays out of every collection
+            heap.freeze()
         await self._heartbeat()
         outputs = asyncio.create_task(self._output_loop(), name="outputs")
         upkeep = asyncio.create_task(self._upkeep_loop(), name="upkeep")

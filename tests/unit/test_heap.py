@@ -1,0 +1,57 @@
+"""A serving process freezes its startup heap once it is up (tokenyard.heap); library users'
+processes (tests, notebooks) are left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio, gc
+    from tokenyard.broker import connect
+    from tokenyard.config import BrokerSettings, WorkerSettings
+    from tokenyard.engines.sim import SimEngine
+    from tokenyard.gateway.app import create_app
+    from tokenyard.gateway.settings import gateway_settings
+    from tokenyard.worker.worker import Worker
+
+    async def frozen_after_worker_start(freeze: bool) -> int:
+        broker = connect(BrokerSettings(url="memory://"))
+        worker = Worker(broker, SimEngine(), WorkerSettings(model="sim", engine="sim"),
+                        freeze_heap=freeze)
+        running = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.5)  # a sim engine on the memory broker is up in milliseconds
+        count = gc.get_freeze_count()
+        worker.drain()
+        await running
+        gc.unfreeze()
+        return count
+
+    async def frozen_after_gateway_start(freeze: bool) -> int:
+        app = create_app(gateway_settings(models="sim", tokenizer="sim"),
+                         connect(BrokerSettings(url="memory://")), freeze_heap=freeze)
+        async with app.router.lifespan_context(app):
+            count = gc.get_freeze_count()
+        gc.unfreeze()
+        return count
+
+    runs = [frozen_after_worker_start, frozen_after_gateway_start]
+    print(*(asyncio.run(run(freeze)) for run in runs for freeze in (False, True)))
+    """
+)
+
+
+def test_worker_and_gateway_freeze_their_heap_only_when_they_own_the_process() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    worker_off, worker_on, gateway_off, gateway_on = map(int, run.stdout.split())
+    assert worker_off == 0 and gateway_off == 0
+    # everything the process had built by then: modules, the app, the engine
+    assert worker_on > 10_000 and gateway_on > 10_000
