@@ -61,3 +61,18 @@ def test_dropped_stream_cancels_its_job(one_slot: Stack) -> None:
         job = http.get(f"/v1/jobs/{job_id}").json()
         assert job["status"] == "cancelled"
         assert job["result"]["finish_reason"] == "cancelled"
+
+
+def test_sync_request_past_the_request_timeout_is_504_and_its_job_cancelled(
+    valkey: EmbeddedServer,
+) -> None:
+    with run_stack(valkey, engines=[slow_engine(0.05)], request_timeout_s=0.5) as stack:
+        body = {"model": MODEL, "prompt": "too long", "max_tokens": 200, "temperature": 0.0}
+        with stack.client() as http:
+            started = time.monotonic()
+            response = http.post("/v1/completions", json=body)
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "timeout"
+        assert time.monotonic() - started < 5.0
+        [job_id] = stack.job_ids()
+        wait_status(stack, job_id, JobStatus.CANCELLED, timeout=5.0)

@@ -42,7 +42,11 @@ class Follow:
         self.tokens = tokens
         self.on_tokens = on_tokens
         self.ended = False  # its Finished event was read, or it left
-        self._inbox: asyncio.Queue[Events | BaseException] = asyncio.Queue()
+        # what the hub delivered and the caller has not taken, and a future the caller waits on
+        # while there is none: a queue's get() would cost wait_for a task per wait
+        self._ready: Events = []
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def _deliver(self, events: Events) -> None:
         floor = event_order(self.cursor)
@@ -60,24 +64,34 @@ class Follow:
             fresh = [(eid, e) for eid, e in fresh if isinstance(e, Finished)]
             if not fresh:
                 return
-        self._inbox.put_nowait(fresh)
+        self._ready += fresh
+        self._wake()
 
     def _fail(self, error: BaseException) -> None:
         self.ended = True
-        self._inbox.put_nowait(error)
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next(self, timeout_s: float) -> Events:
-        """The events read since the last call; [] when none came within `timeout_s`."""
-        if not self._inbox.empty():
-            item = self._inbox.get_nowait()  # a busy stream skips wait_for's timer
-        else:
+        """The events read since the last call; [] when none came within `timeout_s`. An error
+        the hub met is raised once the events read before it are taken."""
+        if not self._ready and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
-                item = await asyncio.wait_for(self._inbox.get(), timeout_s)
+                await asyncio.wait_for(self._waiter, timeout_s)  # a future: no task, one timer
             except TimeoutError:
                 return []
-        if isinstance(item, BaseException):
-            raise item
-        return item
+            finally:
+                self._waiter = None
+        if self._ready:
+            ready, self._ready = self._ready, []
+            return ready
+        assert self._error is not None
+        raise self._error
 
 
 class EventHub:

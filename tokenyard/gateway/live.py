@@ -280,31 +280,43 @@ class LiveCall:
         return record.result
 
     async def result(self, disconnected: Callable[[], Awaitable[None]]) -> JobResult:
-        """Wait for the job's result; if the client leaves or time runs out, cancel the job."""
+        """Wait for the job's result; if the client leaves or time runs out, cancel the job.
+
+        The wait runs in the caller's own task (a task of its own would cost a hop each way on
+        every sync call); the client leaving cancels it, as `asyncio.timeout` does, and only
+        that cancellation becomes a 499."""
         abandonment = self.state.abandonment
         abandonment.attach(self.job_id)
-        finished = False
-        waiting = asyncio.ensure_future(self._result())
+        caller = asyncio.current_task()
+        assert caller is not None
+        settled = left = finished = False
+
+        def on_gone(_: asyncio.Future[None]) -> None:
+            nonlocal left
+            if not settled:
+                left = True
+                caller.cancel()
+
         gone = asyncio.ensure_future(disconnected())
+        gone.add_done_callback(on_gone)
+        limit = asyncio.timeout(self.state.settings.request_timeout_s)
         try:
-            done, _ = await asyncio.wait(
-                {waiting, gone},
-                timeout=self.state.settings.request_timeout_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if waiting in done:
-                value = waiting.result()  # a reader error propagates, and the job is cancelled
-                finished = True
-                return value
-            if gone in done:
-                raise ApiError(499, "The client closed the request", code="client_closed")
-            raise ApiError(504, "The request timed out", code="timeout")
+            async with limit:
+                value = await self._result()  # a reader error propagates, and the job is cancelled
+            finished = True
+            return value
+        except TimeoutError:
+            if limit.expired():
+                raise ApiError(504, "The request timed out", code="timeout") from None
+            raise
+        except asyncio.CancelledError:
+            if left and caller.uncancel() == 0:
+                raise ApiError(499, "The client closed the request", code="client_closed") from None
+            raise
         finally:
+            settled = True
             gone.cancel()
-            waiting.cancel()
             with anyio.CancelScope(shield=True):
-                with contextlib.suppress(BaseException):
-                    await waiting
                 await abandonment.detach(self.job_id, finished=finished, grace=False)
 
     async def stream(
