@@ -56,9 +56,7 @@ class CallTimer:
         elif count:
             # one engine step may carry several tokens; spread the gap over them, as vLLM does
             gap = (now - self._last) / count
-            histogram = self.metrics.inter_token_latency.labels(self.model)
-            for _ in range(count):
-                histogram.observe(gap)
+            self.metrics.inter_token_latency.labels(self.model).observe_many(gap, count)
         self._last = now
 
     def finished(self, result: JobResult) -> None:
@@ -69,9 +67,8 @@ class CallTimer:
             # a sync call saw no token events (its job streamed none): its worker timed them
             m.time_to_first_token.labels(model).observe(max(0.0, e2e - result.decode_s))
             gaps = result.completion_tokens - 1
-            histogram = m.inter_token_latency.labels(model)
-            for _ in range(gaps):
-                histogram.observe(result.decode_s / gaps)
+            if gaps:
+                m.inter_token_latency.labels(model).observe_many(result.decode_s / gaps, gaps)
         m.e2e_request_latency.labels(model).observe(e2e)
         m.jobs_finished.labels(model, result.status.value).inc()
         m.prompt_tokens.labels(model).inc(result.prompt_tokens)
