@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tokenyard.promcache import CachedCounter, CachedGauge, CachedHistogram
+from tokenyard.promcache import BulkHistogram, CachedCounter, CachedGauge, CachedHistogram
 
 if TYPE_CHECKING:
     from tokenyard.engines.base import EngineStats
@@ -222,14 +222,14 @@ class WorkerMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
-        self.batch_size = Histogram(
+        self.batch_size = BulkHistogram(
             "tokenyard_worker_batch_size",
             "Sequences stepped together by one engine step.",
             ["model"],
             buckets=BATCH_BUCKETS,
             registry=r,
         ).labels(model)
-        self.step_time = Histogram(
+        self.step_time = BulkHistogram(
             "tokenyard_worker_step_seconds",
             "Engine step time as the worker sees it (busy time between deliveries / steps).",
             ["model"],
@@ -309,10 +309,9 @@ class WorkerMetrics:
         steps = stats.steps - self._steps
         if steps > 0:
             per_step = (stats.sequences_stepped - self._sequences) / steps
-            for _ in range(steps):
-                self.batch_size.observe(per_step)
-                if busy_s is not None:
-                    self.step_time.observe(busy_s / steps)
+            self.batch_size.observe_many(per_step, steps)
+            if busy_s is not None:
+                self.step_time.observe_many(busy_s / steps, steps)
         self.decode_tokens.inc(max(0, stats.tokens_generated - self._decoded))
         self.prefill_tokens.inc(max(0, stats.prefill_tokens - self._prefilled))
         self._steps, self._sequences = stats.steps, stats.sequences_stepped

@@ -3,7 +3,8 @@
 prometheus_client's `labels()` converts every value with `str()`, checks the count and takes
 the metric's lock on each call; the gateway makes ~9 such calls per request. These subclasses
 answer a repeated call from a dict: same names, labels and exposition. Values are looked up by
-equality, so callers pass plain strings (as they already do).
+equality, so callers pass plain strings (as they already do). `BulkHistogram.observe_many` is
+`count` observations of one value in one step.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class CachedGauge(_LabelCache, Gauge):
     pass
 
 
-class CachedHistogram(_LabelCache, Histogram):
+class BulkHistogram(Histogram):
+    """A histogram that takes many observations of one value at once."""
+
     def observe_many(self, amount: float, count: int) -> None:
         """`count` observations of one value, as `observe` makes them, in one step: one engine
         step's tokens share one gap, and a sync call's 500 tokens would be 500 calls."""
@@ -56,3 +59,7 @@ class CachedHistogram(_LabelCache, Histogram):
             if amount <= bound:
                 bucket.inc(count)
                 break
+
+
+class CachedHistogram(_LabelCache, BulkHistogram):
+    pass
