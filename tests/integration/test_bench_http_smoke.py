@@ -98,7 +98,10 @@ def test_gateway_overhead_quick_reports_overhead_stages_and_goals() -> None:
     # the floor: XADD + XREAD in one pipeline, XREADGROUP, then reply / ack in one pipeline
     floor_calls = calls["by_kind"]["floor"]["all_commands"]
     assert floor_calls["xadd"] >= 2.0 and floor_calls["xack"] >= 1.0, floor_calls
-    assert calls["by_kind"]["floor"]["client_commands"]["evalsha"] == 0
+    # and no script of its own: counts around a request are server-wide, so the tokenyard
+    # worker's periodic upkeep scripts (reap, heartbeat) may land in a floor request's window
+    # (0.2 per request seen in CI); a floor request running a script would be >= 1 each
+    assert calls["by_kind"]["floor"]["client_commands"]["evalsha"] < 1
     assert report["round_trip_goal"]["goal"] == 5.0
     assert isinstance(report["round_trip_goal"]["met"], bool)
     burst = report["burst"]
