@@ -7,6 +7,8 @@ import asyncio
 import uuid
 
 import pytest
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.servers import running_server
 from tokenyard.broker import new_job_id
@@ -42,10 +44,12 @@ async def test_error_replies_come_back_in_place(valkey: EmbeddedServer) -> None:
     broker = RedisBroker(BrokerSettings(url=valkey.url))
     assert broker._channel is not None
     try:
-        ok, bad, after = await broker._channel.execute(
-            [("ECHO", "a"), ("NOSUCHCOMMAND",), ("ECHO", "b")]
+        ok, bad, missing, after = await broker._channel.execute(
+            [("ECHO", "a"), ("NOSUCHCOMMAND",), ("EVALSHA", "0" * 40, 0), ("ECHO", "b")]
         )
-        assert ok == b"a" and isinstance(bad, Exception) and after == b"b"
+        assert ok == b"a" and after == b"b"
+        assert type(bad) is ResponseError and "NOSUCHCOMMAND" in str(bad).upper()
+        assert isinstance(missing, NoScriptError)  # what makes the broker load its scripts
     finally:
         await broker.close()
 
@@ -66,3 +70,44 @@ async def test_a_restarted_server_fails_calls_in_flight_then_serves_again() -> N
             assert await broker.read_events(other) == []
         finally:
             await broker.close()
+
+
+async def test_an_idle_connection_the_server_closed_is_not_reused(valkey: EmbeddedServer) -> None:
+    broker = RedisBroker(BrokerSettings(url=valkey.url))
+    channel = broker._channel
+    assert channel is not None
+    try:
+        [own_id] = await channel.execute([("CLIENT", "ID")])
+        await broker.redis.execute_command("CLIENT", "KILL", "ID", own_id)
+        await asyncio.sleep(0.1)  # the close reaches the idle connection
+        replies = await asyncio.wait_for(channel.execute([("ECHO", "again")]), 5.0)
+        assert replies == [b"again"]
+    finally:
+        await broker.close()
+
+
+async def test_an_exchange_past_its_deadline_fails_and_the_channel_goes_on(
+    valkey: EmbeddedServer,
+) -> None:
+    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
+    channel = broker._channel
+    assert channel is not None
+    try:
+        stream = f"{broker.settings.prefix}:s"
+        # blocks far longer than its deadline: the watch fails it within a tick or two
+        read = channel.execute([("XREAD", "BLOCK", 20_000, "STREAMS", stream, "$")], 0.2)
+        with pytest.raises(RedisTimeoutError):
+            await asyncio.wait_for(read, 5.0)
+        assert await channel.execute([("ECHO", "on")]) == [b"on"]
+    finally:
+        await broker.close()
+
+
+async def test_no_commands_is_no_exchange(valkey: EmbeddedServer) -> None:
+    broker = RedisBroker(BrokerSettings(url=valkey.url))
+    assert broker._channel is not None
+    try:
+        assert await asyncio.wait_for(broker._channel.execute([]), 2.0) == []
+        assert await broker._channel.execute([("ECHO", "x")]) == [b"x"]
+    finally:
+        await broker.close()

@@ -1,11 +1,10 @@
 """The hot path's commands on connections of the broker's own.
 
 Measured on the 2-core box (docs/benchmarks.md): a command through redis-py's client and
-`BlockingConnectionPool` costs ~240 µs of CPU, the same command on a bare connection ~85 µs,
-more than Valkey spends running a claim script. The difference is bookkeeping per command: a
-task per send under a socket timeout, a pool condition, a shielded task per release. Scripts,
-wake-ups and event reads (every request crosses them several times) go through a `Channel`;
-everything else keeps the client.
+`BlockingConnectionPool` costs ~240 µs of CPU, through a redis-py connection of its own ~170 µs,
+through a bare asyncio protocol that hiredis parses ~105 µs; an `asyncio.timeout` per exchange
+adds ~30 µs more. Scripts, wake-ups and event reads (every request crosses them several times)
+go through a `Channel`; everything else keeps the client.
 """
 
 from __future__ import annotations
@@ -15,12 +14,42 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import hiredis
 from hiredis import pack_command
 from redis.asyncio import ConnectionPool
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    InvalidResponse,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Command = Sequence[str | bytes | int | float]
+
+# How often a channel with exchanges in flight looks for one past its deadline: timeouts here are
+# a dead peer's (a minute, or a blocking read's own wait plus that), so a tick this coarse is
+# exact enough, and no exchange pays for a timer of its own.
+WATCH_TICK_S = 0.5
+
+# The error replies the broker tells apart, as redis-py classes them; any other is a
+# ResponseError (`_retry_missing` reloads scripts on NOSCRIPT; LOADING, a server starting, is
+# a connection error, so the broker answers unavailable).
+_ERRORS: dict[str, type[Exception]] = {
+    "NOSCRIPT": NoScriptError,
+    "LOADING": BusyLoadingError,
+    "READONLY": ReadOnlyError,
+}
+_MISSING = object()  # hiredis' answer while a reply is incomplete
+
+
+def _reply_error(message: str) -> Exception:
+    code, _, rest = message.partition(" ")
+    kind = _ERRORS.get(code)
+    return kind(rest) if kind is not None else ResponseError(message)
 
 
 def pack(commands: Sequence[Command]) -> bytes:
@@ -50,24 +79,86 @@ def _pack_python(commands: Sequence[Command]) -> bytes:
     return b"".join(out)
 
 
+class _Wire(asyncio.Protocol):
+    """One connection, one exchange at a time: a write, then replies parsed as they arrive.
+
+    redis-py opens it (TLS, AUTH, SELECT, client name: all the URL asks for) and then hands its
+    transport over: the replies skip redis-py's stream reader and parser layers.
+    """
+
+    def __init__(self, opened: AbstractConnection) -> None:
+        writer = opened._writer  # redis-py's handshake is done: its transport becomes ours
+        assert writer is not None
+        self._opened = opened  # held: its stream objects close the transport when collected
+        self.transport: asyncio.WriteTransport = writer.transport
+        self._parser = hiredis.Reader(
+            protocolError=InvalidResponse, replyError=_reply_error, notEnoughData=_MISSING
+        )
+        self._replies: list[Any] = []
+        self._want = 0
+        self._done: asyncio.Future[None] | None = None
+        self.deadline = 0.0  # loop time the exchange in flight must end by
+        self.broken = False
+        self.transport.set_protocol(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed(data)
+        done = self._done
+        if done is None:
+            self.fail(InvalidResponse("a reply arrived that no command asked for"))
+            return
+        replies, parser = self._replies, self._parser
+        while len(replies) < self._want:
+            reply = parser.gets()
+            if reply is _MISSING:
+                return
+            replies.append(reply)
+        self._done = None
+        if not done.done():
+            done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(RedisConnectionError(f"connection lost: {exc or 'closed by the server'}"))
+
+    def fail(self, error: Exception) -> None:
+        """End the exchange in flight with `error`; the connection is never used again."""
+        self.broken = True
+        self.transport.abort()
+        done, self._done = self._done, None
+        if done is not None and not done.done():
+            done.set_exception(error)
+
+    async def exchange(self, data: bytes, replies: int, deadline: float) -> list[Any]:
+        self._replies = []
+        self._want = replies
+        self._done = done = asyncio.get_running_loop().create_future()
+        self.deadline = deadline
+        self.transport.write(data)
+        await done
+        got, self._replies = self._replies, []
+        return got
+
+
 class Channel:
     """Pipelined commands over a LIFO of idle connections, at most `limit` in use at once.
 
-    One `asyncio.timeout` covers a whole exchange (so a dead peer cannot hang it); a connection
-    whose exchange did not finish (error, timeout, cancellation) is closed, never reused, since
-    replies may still be on their way to it.
+    Each exchange has a deadline (so a dead peer cannot hang it), kept by one watch per channel;
+    a connection whose exchange did not finish (error, timeout, cancellation) is closed, never
+    reused, since replies may still be on their way to it.
     """
 
     def __init__(self, pool: ConnectionPool, limit: int, timeout_s: float) -> None:
         self._kwargs = {
             **pool.connection_kwargs,
-            # the exchange's own timeout replaces redis-py's per-call wait_for tasks
+            # the channel keeps its own deadlines
             "socket_timeout": None,
             "health_check_interval": 0,
         }
         self._connection_class = pool.connection_class
-        self._idle: list[AbstractConnection] = []
+        self._idle: list[_Wire] = []
+        self._busy: set[_Wire] = set()
         self._slots = asyncio.Semaphore(max(1, limit))
+        self._watch: asyncio.TimerHandle | None = None
         self.timeout_s = timeout_s
 
     async def execute(
@@ -75,28 +166,54 @@ class Channel:
     ) -> list[Any]:
         """Send `commands` in one write and read every reply; an error reply comes back as its
         exception, in its place (a pipeline's `raise_on_error=False`)."""
+        if not commands:
+            return []
+        data = pack(commands)
+        loop = asyncio.get_running_loop()
         async with self._slots:
-            conn = self._idle.pop() if self._idle else self._connection_class(**self._kwargs)
-            replies: list[Any] = []
+            wire = self._take_idle() or await self._open()
+            self._busy.add(wire)
+            if self._watch is None:
+                self._watch = loop.call_later(WATCH_TICK_S, self._look)
             try:
-                async with asyncio.timeout(timeout_s or self.timeout_s):
-                    if not conn.is_connected:
-                        await conn.connect()  # type: ignore[no-untyped-call]
-                    await conn.send_packed_command([pack(commands)], check_health=False)
-                    for _ in commands:
-                        try:
-                            replies.append(await conn.read_response())
-                        except ResponseError as error:
-                            replies.append(error)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await conn.disconnect(nowait=True)
+                replies = await wire.exchange(
+                    data, len(commands), loop.time() + (timeout_s or self.timeout_s)
+                )
+            except BaseException as exc:
+                if not wire.broken:  # cancelled: its replies may still come
+                    wire.fail(RedisConnectionError(f"exchange abandoned: {exc!r}"))
                 raise
-            self._idle.append(conn)
+            finally:
+                self._busy.discard(wire)
+            self._idle.append(wire)
             return replies
 
+    def _take_idle(self) -> _Wire | None:
+        while self._idle:
+            wire = self._idle.pop()
+            if not wire.broken:  # an idle one the server closed is dropped here
+                return wire
+        return None
+
+    async def _open(self) -> _Wire:
+        opened = self._connection_class(**self._kwargs)
+        await opened.connect()  # type: ignore[no-untyped-call]
+        return _Wire(opened)
+
+    def _look(self) -> None:
+        """Fail exchanges past their deadline; look again while any are in flight."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for wire in list(self._busy):
+            if now > wire.deadline:
+                wire.fail(RedisTimeoutError("no reply within the channel's timeout"))
+        self._watch = loop.call_later(WATCH_TICK_S, self._look) if self._busy else None
+
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for wire in idle:
             with contextlib.suppress(Exception):
-                await conn.disconnect()
+                wire.transport.close()
