@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.middleware.errors import ServerErrorMiddleware
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker.embedded import EmbeddedServer
@@ -20,6 +21,7 @@ from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.gateway.fast import FastRoutes
 from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware
+from tokenyard.gateway.routes import openai as openai_routes
 
 KEY = {"Authorization": "Bearer sk-acme"}
 OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0.0}
@@ -113,6 +115,23 @@ def test_fast_routes_answer_as_fastapi_does(stacks: dict[bool, Stack]) -> None:
                         400, 413, 413, 405, 307]  # fmt: skip
 
 
+def test_an_unexpected_error_is_the_same_bare_500_either_way(
+    stacks: dict[bool, Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("internals the client must not see")
+
+    monkeypatch.setattr(openai_routes, "admit", broken)
+    answers = {}
+    for fast, stack in stacks.items():
+        with stack.client() as http:
+            answers[fast] = _answer(http, "POST", "/v1/completions", OK, KEY)
+    assert answers[True] == answers[False]
+    status, _, body = answers[True]
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert "internals" not in json.dumps(body)
+
+
 def test_fast_routes_count_under_the_route_template(stacks: dict[bool, Stack]) -> None:
     def requests_counted(stack: Stack) -> set[str]:
         with stack.client() as http:
@@ -145,11 +164,14 @@ def test_fast_routes_stay_in_the_openapi_schema(stacks: dict[bool, Stack]) -> No
 def test_fast_routes_sit_inside_the_metrics_and_body_limit(on: bool) -> None:
     settings = GatewaySettings(models=(MODEL,), tokenizer="sim", fast_routes=on)
     app = create_app(settings, MemoryBroker(BrokerSettings()), tokenizers={}, keyring=KeyRing())
-    layers, layer = [], app.build_middleware_stack()
-    while hasattr(layer, "app"):
-        layers.append(type(layer))
-        layer = layer.app
-    assert (FastRoutes in layers) is on
-    if on:
-        assert layers.index(RequestMetricsMiddleware) < layers.index(FastRoutes)
-        assert layers.index(BodyLimitMiddleware) < layers.index(FastRoutes)
+    assert (app.fast_stack is not None) is on
+    stacks = [app.build_middleware_stack(), *([app.fast_stack] if app.fast_stack else [])]
+    for stack in stacks:  # the full stack and the hot routes' own have the same layers
+        layers, layer = [], stack
+        while hasattr(layer, "app"):
+            layers.append(type(layer))
+            layer = layer.app
+        assert layers.index(ServerErrorMiddleware) < layers.index(RequestMetricsMiddleware)
+        assert layers.index(RequestMetricsMiddleware) < layers.index(BodyLimitMiddleware)
+    if on:  # the hot routes' stack ends in them, the full one never reaches them
+        assert isinstance(layer, FastRoutes)

@@ -1,5 +1,7 @@
-"""The hot POST routes served straight from ASGI, without FastAPI's router and dependency
-injection (~0.3 ms of CPU per request on the 2-core box, docs/benchmarks.md).
+"""The hot POST routes served straight from ASGI, without FastAPI's middleware stack, router
+and dependency injection (~0.3 ms of CPU per request on the 2-core box, docs/benchmarks.md):
+`GatewayApp` (gateway/app.py) hands them to a stack of their own, the catch-all 500, the
+request metrics and the body limit around `FastRoutes`.
 
 The FastAPI routes stay registered: they document these paths in /openapi.json and /docs, and
 serve them when `fast_routes` is off. Both call the same handlers, and an error raised here
@@ -17,7 +19,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from tokenyard.gateway import routes
 from tokenyard.gateway.auth import authenticate
@@ -73,29 +75,31 @@ def fast_routes() -> dict[str, tuple[APIRoute, Handler]]:
 
 
 class FastRoutes:
-    """ASGI middleware: a POST to one of `routes` is answered here, anything else passes on."""
+    """ASGI app answering a POST to one of `routes`; `serves` tells which requests those are."""
 
-    def __init__(self, app: ASGIApp, routes: Mapping[str, tuple[APIRoute, Handler]]) -> None:
-        self.app = app
+    def __init__(self, routes: Mapping[str, tuple[APIRoute, Handler]]) -> None:
         self.routes = dict(routes)
 
+    def serves(self, scope: Scope) -> bool:
+        return (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in self.routes
+            and not scope.get("root_path")
+        )
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            hit = self.routes.get(scope["path"])
-            if hit is not None:
-                route, handler = hit
-                # what FastAPI's routing leaves in the scope (the metrics label reads `route`)
-                scope["route"] = route
-                scope["endpoint"] = route.endpoint
-                scope["path_params"] = {}
-                request = Request(scope, receive, send)
-                try:
-                    response = await handler(request)
-                except Exception as exc:
-                    response = await _handled(request, exc)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        route, handler = self.routes[scope["path"]]
+        # what FastAPI's routing leaves in the scope (the metrics label reads `route`)
+        scope["route"] = route
+        scope["endpoint"] = route.endpoint
+        scope["path_params"] = {}
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except Exception as exc:
+            response = await _handled(request, exc)
+        await response(scope, receive, send)
 
 
 async def _handled(request: Request, exc: Exception) -> Response:
