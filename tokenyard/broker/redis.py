@@ -262,6 +262,14 @@ class RedisBroker(Broker):
         results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
 
+    async def _one(self, command: Command) -> Any:
+        """One command on the channel (the gateway's polled reads and the worker's heartbeat
+        are frequent enough that redis-py's per-command cost shows)."""
+        (reply,) = await self._pipelined([command])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
     def _evalsha(self, call: Call) -> Command:
         # plain EVALSHA: redis-py's Script objects send SCRIPT EXISTS before every pipeline;
         # as a raw command, as a cluster pipeline refuses .evalsha() (it routes the raw one by
@@ -955,13 +963,19 @@ class RedisBroker(Broker):
     async def depth(self, model: str) -> int:
         # completion and every skip XDEL the lane entry with the terminal write: what is left in
         # a lane is waiting or in flight
-        pipe = self.redis.pipeline(transaction=False)
+        commands: list[Command] = []
         for lane in self.keys.lanes(model, self.settings.pool_count):
-            pipe.xlen(lane)
-            pipe.hget(self.keys.fair(lane), "staged")
-            pipe.zcard(self.keys.affinity_held(lane))  # prefix affinity: held, and running
-            pipe.xlen(self.keys.affinity_stream(lane))
-        return sum(int(n or 0) for n in await self._execute(pipe))
+            commands += [
+                ("XLEN", lane),
+                ("HGET", self.keys.fair(lane), "staged"),
+                ("ZCARD", self.keys.affinity_held(lane)),  # prefix affinity: held, and running
+                ("XLEN", self.keys.affinity_stream(lane)),
+            ]
+        replies = await self._pipelined(commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return sum(int(n or 0) for n in replies)
 
     @_unavailable_on_errors
     async def backlog(self, model: str) -> list[LaneBacklog]:
@@ -1146,7 +1160,7 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def tenant(self, name: str) -> TenantConfig | None:
-        raw: Any = await self.redis.hget(self.keys.tenants(), name)
+        raw = await self._one(("HGET", self.keys.tenants(), name))
         return None if raw is None else decode(raw, TenantConfig)
 
     @_unavailable_on_errors
@@ -1160,7 +1174,7 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def api_key(self, digest: str) -> ApiKeyRecord | None:
-        raw: Any = await self.redis.hget(self.keys.api_keys(), digest)
+        raw = await self._one(("HGET", self.keys.api_keys(), digest))
         return None if raw is None else decode(raw, ApiKeyRecord)
 
     @_unavailable_on_errors
@@ -1171,17 +1185,28 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def has_api_keys(self) -> bool:
-        return bool(await self.redis.exists(self.keys.api_keys()))
+        return bool(await self._one(("EXISTS", self.keys.api_keys())))
 
     @_unavailable_on_errors
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         now = self.clock()
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.worker(info.model, info.consumer), encode(info), px=_ms(ttl_s))
-        pipe.zadd(self.keys.workers(info.model), {info.consumer: now + ttl_s})
-        pipe.zremrangebyscore(self.keys.workers(info.model), "-inf", now)
-        pipe.sadd(self.keys.models(), info.model)
-        await self._execute(pipe)
+        workers = self.keys.workers(info.model)
+        for reply in await self._pipelined(
+            [
+                (
+                    "SET",
+                    self.keys.worker(info.model, info.consumer),
+                    encode(info),
+                    "PX",
+                    _ms(ttl_s),
+                ),
+                ("ZADD", workers, repr(now + ttl_s), info.consumer),
+                ("ZREMRANGEBYSCORE", workers, "-inf", repr(now)),
+                ("SADD", self.keys.models(), info.model),
+            ]
+        ):
+            if isinstance(reply, Exception):
+                raise reply
 
     @_unavailable_on_errors
     async def deregister(self, model: str, consumer: str) -> None:
@@ -1192,10 +1217,12 @@ class RedisBroker(Broker):
 
     @_unavailable_on_errors
     async def workers(self, model: str) -> list[WorkerInfo]:
-        live: Any = await self.redis.zrangebyscore(self.keys.workers(model), self.clock(), "+inf")
+        live = await self._one(
+            ("ZRANGEBYSCORE", self.keys.workers(model), repr(self.clock()), "+inf")
+        )
         if not live:
             return []
-        blobs: Any = await self.redis.mget([self.keys.worker(model, _s(c)) for c in live])
+        blobs = await self._one(("MGET", *(self.keys.worker(model, _s(c)) for c in live)))
         return [decode(b, WorkerInfo) for b in blobs if b]
 
     async def ping(self) -> bool:
