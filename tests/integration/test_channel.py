@@ -111,3 +111,22 @@ async def test_no_commands_is_no_exchange(valkey: EmbeddedServer) -> None:
         assert await broker._channel.execute([("ECHO", "x")]) == [b"x"]
     finally:
         await broker.close()
+
+
+def test_deadlines_hold_on_a_second_event_loop(valkey: EmbeddedServer) -> None:
+    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
+    channel = broker._channel
+    assert channel is not None
+    stream = f"{broker.settings.prefix}:s"
+
+    async def overdue() -> None:
+        read = channel.execute([("XREAD", "BLOCK", 20_000, "STREAMS", stream, "$")], 0.2)
+        with pytest.raises(RedisTimeoutError):
+            await asyncio.wait_for(read, 5.0)
+
+    asyncio.run(overdue())  # leaves its watch behind on a closed loop
+    # an idle connection is left behind too: the next loop opens its own
+    assert asyncio.run(channel.execute([("ECHO", "x")])) == [b"x"]
+    assert asyncio.run(channel.execute([("ECHO", "y")])) == [b"y"]
+    asyncio.run(overdue())
+    asyncio.run(broker.close())

@@ -99,6 +99,7 @@ class _Wire(asyncio.Protocol):
         self._done: asyncio.Future[None] | None = None
         self.deadline = 0.0  # loop time the exchange in flight must end by
         self.broken = False
+        self.loop = asyncio.get_running_loop()  # the only one its transport answers on
         self.transport.set_protocol(self)
 
     def data_received(self, data: bytes) -> None:
@@ -123,7 +124,8 @@ class _Wire(asyncio.Protocol):
     def fail(self, error: Exception) -> None:
         """End the exchange in flight with `error`; the connection is never used again."""
         self.broken = True
-        self.transport.abort()
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: so is the socket
+            self.transport.abort()
         done, self._done = self._done, None
         if done is not None and not done.done():
             done.set_exception(error)
@@ -159,6 +161,7 @@ class Channel:
         self._busy: set[_Wire] = set()
         self._slots = asyncio.Semaphore(max(1, limit))
         self._watch: asyncio.TimerHandle | None = None
+        self._watching: asyncio.AbstractEventLoop | None = None
         self.timeout_s = timeout_s
 
     async def execute(
@@ -171,9 +174,11 @@ class Channel:
         data = pack(commands)
         loop = asyncio.get_running_loop()
         async with self._slots:
-            wire = self._take_idle() or await self._open()
+            wire = self._take_idle(loop) or await self._open()
             self._busy.add(wire)
-            if self._watch is None:
+            if self._watch is None or self._watching is not loop:
+                # (a broker used from a second event loop: the first one's watch died with it)
+                self._watching = loop
                 self._watch = loop.call_later(WATCH_TICK_S, self._look)
             try:
                 replies = await wire.exchange(
@@ -188,11 +193,13 @@ class Channel:
             self._idle.append(wire)
             return replies
 
-    def _take_idle(self) -> _Wire | None:
+    def _take_idle(self, loop: asyncio.AbstractEventLoop) -> _Wire | None:
         while self._idle:
             wire = self._idle.pop()
-            if not wire.broken:  # an idle one the server closed is dropped here
+            # dropped here: an idle one the server closed, or one of an event loop gone by
+            if not wire.broken and wire.loop is loop:
                 return wire
+            wire.fail(RedisConnectionError("dropped"))
         return None
 
     async def _open(self) -> _Wire:
