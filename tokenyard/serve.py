@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenyard.autoscale import AutoscaleConfig
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
 from tokenyard.metrics import add_worker_metrics
 
@@ -92,7 +93,9 @@ class Stack:
             self._start_supervisor(self.autoscale)
             return
         for _ in range(self.n_workers):
-            self.workers.append(subprocess.Popen(self._worker_command(), env=self._worker_env))
+            self.workers.append(
+                spawn_tied(self._worker_command(), signal.SIGTERM, env=self._worker_env)
+            )
 
     def _start_supervisor(self, config: AutoscaleConfig) -> None:
         ready = threading.Event()

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from tokenyard.autoscale import AutoscaleConfig, Autoscaler, Decision, Observation, WorkerLoad
 from tokenyard.broker.base import Stats, WorkerRegistry
+from tokenyard.children import spawn_tied
 from tokenyard.messages import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class LocalFleet:
 
     def start(self, n: int) -> None:
         for _ in range(n):
-            proc = subprocess.Popen(self.command(), env=self.env)
+            # a killed supervisor's workers drain and exit rather than run on unwatched
+            proc = spawn_tied(self.command(), signal.SIGTERM, env=self.env)
             log.info("started worker %d", proc.pid)
             self.procs.append(proc)
 

@@ -81,6 +81,46 @@ def test_serve_starts_everything_and_stops_cleanly(
     assert serve.wait(90) == 0
 
 
+def descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found |= {int(child), *descendants(int(child))}
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_serve_leaves_no_server_or_worker_behind(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
+    serve = subprocess.Popen(
+        tokenyard("serve", "--engine", "sim", "--model", "tiny", "--port", str(port),
+                  "--workers", "2", "--data-dir", str(tmp_path / "valkey")),
+        env=env,
+    )  # fmt: skip
+    procs.append(serve)
+    wait_ready(f"http://127.0.0.1:{port}", serve)
+    children = descendants(serve.pid)
+    assert len(children) >= 3  # Valkey and two workers
+
+    serve.kill()  # no shutdown runs: the kernel tells the children
+    serve.wait(30)
+    give_up = time.monotonic() + 60
+    while (left := {pid for pid in children if running(pid)}) and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert not left, f"orphans left running: {sorted(left)}"
+
+
 def test_distributed_gateway_and_two_workers_survive_a_killed_worker(
     valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:

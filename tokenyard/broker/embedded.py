@@ -15,20 +15,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Mapping
 from pathlib import Path
-from queue import SimpleQueue
 from types import TracebackType
 from typing import Literal, Self
 
 import redis
 import redis.exceptions
 
+from tokenyard.children import spawn_tied
 from tokenyard.errors import TokenyardError
 
 __all__ = ["AppendFsync", "EmbeddedServer", "EmbeddedServerError", "find_server_binary"]
@@ -93,75 +90,6 @@ def _wheel_binary() -> Path | None:
     if recorded and os.path.isfile(recorded) and os.access(recorded, os.X_OK):
         return Path(recorded)
     return None
-
-
-# --- parent-death signal ------------------------------------------------------------------
-#
-# A test run or worker that is SIGKILLed (OOM killer, CI timeout, `kill -9`) never runs
-# stop(), and an orphaned server would keep its port and data dir forever. On Linux the
-# child asks the kernel for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG).
-#
-# The kernel ties that signal to the *thread* that forked, not to the process: a server
-# spawned from `asyncio.to_thread` or a pool thread would be killed as soon as that thread
-# exits. So every spawn goes through one daemon thread that lives as long as the process.
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    # prctl is variadic over unsigned longs; build the arguments here, not in the child.
-    args = (
-        ctypes.c_int(_PR_SET_PDEATHSIG),
-        ctypes.c_ulong(int(signal.SIGKILL)),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-        ctypes.c_ulong(0),
-    )
-    parent = os.getpid()
-
-    def preexec() -> None:
-        # Runs in the forked child before exec; PDEATHSIG survives exec of a non-setuid binary.
-        prctl(*args)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
-_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
-_spawn_queue: SimpleQueue[_Job] = SimpleQueue()
-_spawner_lock = threading.Lock()
-_spawner: threading.Thread | None = None
-
-
-def _spawner_loop() -> None:
-    while True:
-        fn, future = _spawn_queue.get()
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-
-def _spawn(fn: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None or not _spawner.is_alive():
-            _spawner = threading.Thread(
-                target=_spawner_loop, name="tokenyard-server-spawner", daemon=True
-            )
-            _spawner.start()
-    future: Future[subprocess.Popen[bytes]] = Future()
-    _spawn_queue.put((fn, future))
-    return future.result()
 
 
 # --- the server ---------------------------------------------------------------------------
@@ -381,26 +309,22 @@ class EmbeddedServer:
         conf.write_text(self._config_text(data_dir))
         log_path = data_dir / _LOG_NAME
         log_offset = log_path.stat().st_size if log_path.exists() else 0
-        preexec = _pdeathsig_preexec()
         argv = [str(self._binary), str(conf)]
-
-        def popen() -> subprocess.Popen[bytes]:
+        try:
             # Early errors (bad config) go to stderr before the logfile is open, so both
             # streams append to the log. A new session keeps a terminal's Ctrl-C away from
-            # the server, leaving shutdown to stop() during test teardown.
+            # the server, leaving shutdown to stop() during test teardown. An orphaned server
+            # would keep its port and data dir forever, so it dies with this process.
             with open(log_path, "ab") as out:
-                return subprocess.Popen(
+                self._proc = spawn_tied(
                     argv,
+                    signal.SIGKILL,
                     cwd=data_dir,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=preexec,
                     start_new_session=True,
                 )
-
-        try:
-            self._proc = _spawn(popen)
         except OSError as exc:
             raise EmbeddedServerError(f"cannot run {self._binary}: {exc}") from exc
         try:
