@@ -313,8 +313,8 @@ class LiveCall:
         finally:
             settled = True
             gone.cancel()
-            with anyio.CancelScope(shield=True):
-                await abandonment.detach(self.job_id, finished=finished, grace=False)
+            # no shield here: a cancel it starts runs in a task of its own (cancel_now)
+            await abandonment.detach(self.job_id, finished=finished, grace=False)
 
     async def stream(
         self, renderer: Renderer, headers: dict[str, str], timeout_s: float | None = None
@@ -382,5 +382,4 @@ class LiveCall:
             for f in renderer.failure("internal server error", "internal_error", 500):
                 yield f
         finally:
-            with anyio.CancelScope(shield=True):
-                await abandonment.detach(job_id, finished=finished)
+            await abandonment.detach(job_id, finished=finished)  # a cancel shields itself
