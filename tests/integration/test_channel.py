@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.exceptions import NoScriptError, ResponseError
@@ -19,39 +20,40 @@ from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 
 
-async def test_a_cancelled_blocking_read_does_not_leak_its_reply(valkey: EmbeddedServer) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
+@pytest.fixture
+async def broker(valkey: EmbeddedServer) -> AsyncIterator[RedisBroker]:
+    opened = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
+    yield opened
+    await opened.close()
+
+
+def channel_of(broker: RedisBroker) -> Channel:
     channel = broker._channel
     assert isinstance(channel, Channel)
-    try:
-        stream = f"{broker.settings.prefix}:s"
-        read = asyncio.create_task(
-            channel.execute([("XREAD", "BLOCK", 2000, "STREAMS", stream, "$")])
-        )
-        await asyncio.sleep(0.1)
-        read.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await read
-        # the entry that would have woken the cancelled read arrives now
-        await channel.execute([("XADD", stream, "*", "f", "v")])
-        for n in range(20):
-            assert await channel.execute([("ECHO", f"m{n}")]) == [f"m{n}".encode()]
-    finally:
-        await broker.close()
+    return channel
 
 
-async def test_error_replies_come_back_in_place(valkey: EmbeddedServer) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url))
-    assert broker._channel is not None
-    try:
-        ok, bad, missing, after = await broker._channel.execute(
-            [("ECHO", "a"), ("NOSUCHCOMMAND",), ("EVALSHA", "0" * 40, 0), ("ECHO", "b")]
-        )
-        assert ok == b"a" and after == b"b"
-        assert type(bad) is ResponseError and "NOSUCHCOMMAND" in str(bad).upper()
-        assert isinstance(missing, NoScriptError)  # what makes the broker load its scripts
-    finally:
-        await broker.close()
+async def test_a_cancelled_blocking_read_does_not_leak_its_reply(broker: RedisBroker) -> None:
+    channel = channel_of(broker)
+    stream = f"{broker.settings.prefix}:s"
+    read = asyncio.create_task(channel.execute([("XREAD", "BLOCK", 2000, "STREAMS", stream, "$")]))
+    await asyncio.sleep(0.1)
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    # the entry that would have woken the cancelled read arrives now
+    await channel.execute([("XADD", stream, "*", "f", "v")])
+    for n in range(20):
+        assert await channel.execute([("ECHO", f"m{n}")]) == [f"m{n}".encode()]
+
+
+async def test_error_replies_come_back_in_place(broker: RedisBroker) -> None:
+    ok, bad, missing, after = await channel_of(broker).execute(
+        [("ECHO", "a"), ("NOSUCHCOMMAND",), ("EVALSHA", "0" * 40, 0), ("ECHO", "b")]
+    )
+    assert ok == b"a" and after == b"b"
+    assert type(bad) is ResponseError and "NOSUCHCOMMAND" in str(bad).upper()
+    assert isinstance(missing, NoScriptError)  # what makes the broker load its scripts
 
 
 async def test_a_restarted_server_fails_calls_in_flight_then_serves_again() -> None:
@@ -72,45 +74,31 @@ async def test_a_restarted_server_fails_calls_in_flight_then_serves_again() -> N
             await broker.close()
 
 
-async def test_an_idle_connection_the_server_closed_is_not_reused(valkey: EmbeddedServer) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url))
-    channel = broker._channel
-    assert channel is not None
-    try:
-        [own_id] = await channel.execute([("CLIENT", "ID")])
-        await broker.redis.execute_command("CLIENT", "KILL", "ID", own_id)
-        await asyncio.sleep(0.1)  # the close reaches the idle connection
-        replies = await asyncio.wait_for(channel.execute([("ECHO", "again")]), 5.0)
-        assert replies == [b"again"]
-    finally:
-        await broker.close()
+async def test_an_idle_connection_the_server_closed_is_not_reused(broker: RedisBroker) -> None:
+    channel = channel_of(broker)
+    [own_id] = await channel.execute([("CLIENT", "ID")])
+    await broker.redis.execute_command("CLIENT", "KILL", "ID", own_id)
+    await asyncio.sleep(0.1)  # the close reaches the idle connection
+    replies = await asyncio.wait_for(channel.execute([("ECHO", "again")]), 5.0)
+    assert replies == [b"again"]
 
 
 async def test_an_exchange_past_its_deadline_fails_and_the_channel_goes_on(
-    valkey: EmbeddedServer,
+    broker: RedisBroker,
 ) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
-    channel = broker._channel
-    assert channel is not None
-    try:
-        stream = f"{broker.settings.prefix}:s"
-        # blocks far longer than its deadline: the watch fails it within a tick or two
-        read = channel.execute([("XREAD", "BLOCK", 20_000, "STREAMS", stream, "$")], 0.2)
-        with pytest.raises(RedisTimeoutError):
-            await asyncio.wait_for(read, 5.0)
-        assert await channel.execute([("ECHO", "on")]) == [b"on"]
-    finally:
-        await broker.close()
+    channel = channel_of(broker)
+    stream = f"{broker.settings.prefix}:s"
+    # blocks far longer than its deadline: the watch fails it within a tick or two
+    read = channel.execute([("XREAD", "BLOCK", 20_000, "STREAMS", stream, "$")], 0.2)
+    with pytest.raises(RedisTimeoutError):
+        await asyncio.wait_for(read, 5.0)
+    assert await channel.execute([("ECHO", "on")]) == [b"on"]
 
 
-async def test_no_commands_is_no_exchange(valkey: EmbeddedServer) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url))
-    assert broker._channel is not None
-    try:
-        assert await asyncio.wait_for(broker._channel.execute([]), 2.0) == []
-        assert await broker._channel.execute([("ECHO", "x")]) == [b"x"]
-    finally:
-        await broker.close()
+async def test_no_commands_is_no_exchange(broker: RedisBroker) -> None:
+    channel = channel_of(broker)
+    assert await asyncio.wait_for(channel.execute([]), 2.0) == []
+    assert await channel.execute([("ECHO", "x")]) == [b"x"]
 
 
 def test_deadlines_hold_on_a_second_event_loop(valkey: EmbeddedServer) -> None:
