@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from tokenyard.broker.cluster import Cluster, running_cluster
 from tokenyard.broker.embedded import EmbeddedServer
 
-__all__ = ["Cluster", "running_cluster", "running_server"]
+__all__ = ["Cluster", "alive", "running_cluster", "running_server"]
 
 
 @contextmanager
@@ -21,3 +22,13 @@ def running_server(**kwargs: Any) -> Iterator[EmbeddedServer]:
         yield server
     finally:
         server.stop()
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (Linux /proc); an orphan reparented to an init that does not reap
+    stays a zombie, and that is dead too."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.servers import alive
 from tokenyard.broker.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
@@ -89,14 +90,6 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_serve_leaves_no_server_or_worker_behind(
     tmp_path: Path, procs: list[subprocess.Popen[bytes]]
@@ -116,7 +109,7 @@ def test_a_killed_serve_leaves_no_server_or_worker_behind(
     serve.kill()  # no shutdown runs: the kernel tells the children
     serve.wait(30)
     give_up = time.monotonic() + 60
-    while (left := {pid for pid in children if running(pid)}) and time.monotonic() < give_up:
+    while (left := {pid for pid in children if alive(pid)}) and time.monotonic() < give_up:
         time.sleep(0.2)
     assert not left, f"orphans left running: {sorted(left)}"
 

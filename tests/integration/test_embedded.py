@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.servers import running_server
+from tests.servers import alive, running_server
 from tokenyard.broker.embedded import EmbeddedServer, EmbeddedServerError, find_server_binary
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,19 +24,10 @@ def _client(server: EmbeddedServer) -> redis.Redis:
     return redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=5)
 
 
-def _alive(pid: int) -> bool:
-    # An orphan reparented to an init that does not reap stays a zombie; that is dead too.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.02)
     return False
@@ -46,7 +37,7 @@ def test_starts_on_free_port_and_answers_ping() -> None:
     with running_server() as server:
         assert server.port is not None and server.port > 0
         assert server.url == f"redis://127.0.0.1:{server.port}/0"
-        assert server.pid is not None and _alive(server.pid)
+        assert server.pid is not None and alive(server.pid)
         with _client(server) as r:
             assert r.ping() is True
             assert r.config_get("appendonly") == {"appendonly": "yes"}
@@ -197,7 +188,7 @@ def test_server_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
     try:
         assert parent.stdout is not None
         server_pid = int(parent.stdout.readline())
-        assert _alive(server_pid)
+        assert alive(server_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         assert _wait_dead(server_pid), f"server {server_pid} outlived its SIGKILLed parent"
