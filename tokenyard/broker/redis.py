@@ -262,12 +262,17 @@ class RedisBroker(Broker):
         results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
 
+    async def _checked(self, commands: Sequence[Command], timeout_s: float = 0.0) -> list[Any]:
+        """`_pipelined`, raising the first error reply (the gateway's polled reads and the
+        worker's heartbeat are frequent enough that redis-py's per-command cost shows)."""
+        replies = await self._pipelined(commands, timeout_s)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
     async def _one(self, command: Command) -> Any:
-        """One command on the channel (the gateway's polled reads and the worker's heartbeat
-        are frequent enough that redis-py's per-command cost shows)."""
-        (reply,) = await self._pipelined([command])
-        if isinstance(reply, Exception):
-            raise reply
+        (reply,) = await self._checked([command])
         return reply
 
     def _evalsha(self, call: Call) -> Command:
@@ -858,9 +863,7 @@ class RedisBroker(Broker):
         command = _xread_command(
             {key: after or "0" for key, after in cursors.items()}, count, block
         )
-        (reply,) = await self._pipelined([command], timeout_s=(block or 0) + _SOCKET_TIMEOUT_S)
-        if isinstance(reply, Exception):
-            raise reply
+        (reply,) = await self._checked([command], timeout_s=(block or 0) + _SOCKET_TIMEOUT_S)
         # RESP2 answers a list of [key, entries], RESP3 a map of key -> entries
         streams = reply.items() if isinstance(reply, dict) else (reply or ())
         out: list[tuple[str, str, JobEvent]] = []
@@ -971,11 +974,7 @@ class RedisBroker(Broker):
                 ("ZCARD", self.keys.affinity_held(lane)),  # prefix affinity: held, and running
                 ("XLEN", self.keys.affinity_stream(lane)),
             ]
-        replies = await self._pipelined(commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return sum(int(n or 0) for n in replies)
+        return sum(int(n or 0) for n in await self._checked(commands))
 
     @_unavailable_on_errors
     async def backlog(self, model: str) -> list[LaneBacklog]:
@@ -1191,22 +1190,15 @@ class RedisBroker(Broker):
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         now = self.clock()
         workers = self.keys.workers(info.model)
-        for reply in await self._pipelined(
+        me = self.keys.worker(info.model, info.consumer)
+        await self._checked(
             [
-                (
-                    "SET",
-                    self.keys.worker(info.model, info.consumer),
-                    encode(info),
-                    "PX",
-                    _ms(ttl_s),
-                ),
+                ("SET", me, encode(info), "PX", _ms(ttl_s)),
                 ("ZADD", workers, repr(now + ttl_s), info.consumer),
                 ("ZREMRANGEBYSCORE", workers, "-inf", repr(now)),
                 ("SADD", self.keys.models(), info.model),
             ]
-        ):
-            if isinstance(reply, Exception):
-                raise reply
+        )
 
     @_unavailable_on_errors
     async def deregister(self, model: str, consumer: str) -> None:
