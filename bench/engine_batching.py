@@ -59,7 +59,8 @@ from tokenyard.messages import (
 )
 
 if TYPE_CHECKING:
-    from tokenyard.engines.base import Engine, EngineStats
+    from tokenyard.engines.base import Engine
+    from tokenyard.messages import EngineStats
 
 MODEL = "tiny"
 MODES = ("one-at-a-time", "static", "continuous")

@@ -1,6 +1,6 @@
 """Fleet simulation: the autoscaling policy against static fleets on a bursty trace.
 
-Virtual clock, the sim engine's cost model (tokenyard/fleetsim.py); no processes, no Redis.
+Virtual clock, the sim engine's cost model (tokenyard/fleet/fleetsim.py); no processes, no Redis.
 Prints JSON (p50/p99 queue time, worker-hours per fleet) and, with --plot, draws workers and
 queue time over time. The report in docs/autoscaling.md came from:
     python bench/fleet_sim.py --plot docs/img/fleet_sim.png
@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenyard.autoscale import AutoscaleConfig
-from tokenyard.fleetsim import SimConfig, SimResult, bursty_trace, simulate, worker_capacity
+from tokenyard.fleet.autoscale import AutoscaleConfig
+from tokenyard.fleet.fleetsim import SimConfig, SimResult, bursty_trace, simulate, worker_capacity
 
 
 def policy_config(

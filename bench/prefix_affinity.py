@@ -6,7 +6,7 @@ prompts start with one of a few long system prompts. Each worker's cache holds f
 prompts than there are (`--cache-prompts` < `--prompts`): without affinity every worker sees
 every prompt and its LRU thrashes; with it each prompt sticks to the worker that ran it last.
 Both runs use the same arrivals, workers and broker (a private Valkey); jobs go straight to the
-broker (the gateway's part, the prefix key, is the pure `tokenyard.affinity.prefix_key`).
+broker (the gateway's part, the prefix key, is the pure `tokenyard.gateway.affinity.prefix_key`).
 TTFT is enqueue → first token event, on the server's clock (the event's id). Prints one JSON.
 
     python bench/prefix_affinity.py [--jobs 400] [--rate 40] [--workers 4] [--quick]
@@ -39,12 +39,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Processes, loadavg, percentile
-from tokenyard.affinity import prefix_key
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
+from tokenyard.gateway.affinity import prefix_key
 from tokenyard.messages import Finished, JobResult, JobSpec, JobStatus, SamplingParams, TokenChunk
 from tokenyard.worker.worker import Worker
 

@@ -41,7 +41,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # e.g. "2048,8192": three lanes per model and priority; a worker claims only the pools its
     # context holds (see broker/policy.py). Gateways and workers must agree. Empty: one pool.
     size_pools: str = ""
-    # prefix affinity (tokenyard/affinity.py): a job whose prompt prefix a worker claimed
+    # prefix affinity (broker/policy.py): a job whose prompt prefix a worker claimed
     # within affinity_ttl_s is held for that worker at most affinity_wait_s (then any worker
     # takes it), and at most affinity_max_held jobs per lane wait for one worker
     affinity_wait_s: float = 0.1

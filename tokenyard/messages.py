@@ -82,7 +82,7 @@ class JobSpec(msgspec.Struct, kw_only=True):
     weight: float = 1.0  # the tenant's share of its lane, against other tenants' weights
     attempt: int = 0
     pool: int = 0  # size pool (set by the broker at enqueue from prompt + max_tokens)
-    # prefix affinity: hash of the prompt's first blocks (tokenyard.affinity.prefix_key); a
+    # prefix affinity: hash of the prompt's first blocks (tokenyard.gateway.affinity.prefix_key); a
     # job with one prefers the worker that last ran that prefix, for a bounded wait
     prefix_key: str = ""
 
@@ -209,3 +209,88 @@ _event_decoder: msgspec.msgpack.Decoder[JobEvent] = msgspec.msgpack.Decoder(JobE
 
 def decode_event(data: bytes) -> JobEvent:
     return _event_decoder.decode(data)
+
+
+# -- batches (OpenAI's Batch API): the record the broker keeps for the batch runner --------
+
+
+class BatchStatus(enum.StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (
+            BatchStatus.FAILED,
+            BatchStatus.COMPLETED,
+            BatchStatus.EXPIRED,
+            BatchStatus.CANCELLED,
+        )
+
+
+class LineError(msgspec.Struct, kw_only=True):
+    """One of a batch's validation errors; `line` is 1-based, as OpenAI reports it."""
+
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchRecord(msgspec.Struct, kw_only=True):
+    """A batch as the runner drives it. The request outcomes live beside it (see BatchStore)."""
+
+    v: int = WIRE_VERSION
+    id: str
+    tenant: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str = "24h"
+    status: BatchStatus = BatchStatus.VALIDATING
+    created_at: int
+    expires_at: int
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[LineError] = msgspec.field(default_factory=list)
+    total: int = 0
+    submitted: int = 0  # lines 0..submitted-1 have a job (or an admission error)
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+    prompt_tokens: int = 0  # of the requests counted so far (a progress figure)
+    completion_tokens: int = 0
+
+
+# -- engines: counters an engine reports (from its own process, for engines/process.py) ---
+
+
+class EngineStats(msgspec.Struct):
+    """Counters since start, and gauges of the moment; mean_batch is sequences per step."""
+
+    steps: int = 0
+    sequences_stepped: int = 0
+    tokens_generated: int = 0  # decode tokens
+    running: int = 0  # sequences added and not finished
+    waiting: int = 0  # of those, not yet in a running batch (hf-static's next batch)
+    reserved_tokens: int = 0  # prompt + max_tokens over running sequences
+    prefill_tokens: int = 0  # prompt (and resumed) tokens of every started sequence
+    kv_cache_usage: float = 0.0  # fraction of the KV cache in use (hf), 0 where unknown
+    # prompt tokens looked up in / found in the engine's prefix cache (sim; 0 where unknown)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.sequences_stepped / self.steps if self.steps else 0.0

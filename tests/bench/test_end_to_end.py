@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from tests.bench.fake_openai import BREAK_STREAM, FakeServer, running_fake_server
 from tokenyard.bench.client import Endpoint, RequestOptions
-from tokenyard.bench.command import bench
 from tokenyard.bench.report import build_report, render_table
 from tokenyard.bench.runner import BenchSettings, Load, make_progress, run_level, run_sweep
 from tokenyard.bench.workload import LengthDist, Workload, load_prompts
+from tokenyard.cli.bench import bench
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ async def test_sweep_with_progress(server: FakeServer) -> None:
 
 
 def _cli() -> typer.Typer:
-    # registered the way tokenyard/cli.py registers it: a subcommand of a multi-command app
+    # registered the way tokenyard/cli/app.py registers it: a subcommand of a multi-command app
     app = typer.Typer()
 
     @app.callback()

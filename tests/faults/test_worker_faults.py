@@ -34,7 +34,7 @@ LEASE_S = 2.0
 
 
 class Workers:
-    """Spawns `python -m tokenyard.worker` processes and kills them all at the end."""
+    """Spawns `python -m tokenyard worker` processes and kills them all at the end."""
 
     def __init__(self, url: str, prefix: str) -> None:
         self.url = url
@@ -45,7 +45,7 @@ class Workers:
         self, *extra: str, engine: str = "hf", env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
         cmd = [
-            sys.executable, "-m", "tokenyard.worker",
+            sys.executable, "-m", "tokenyard", "worker",
             "--broker", self.url, "--prefix", self.prefix, "--model", MODEL,
             "--engine", engine, "--max-seqs", "16", "--lease-s", str(LEASE_S), *extra,
         ]  # fmt: skip

@@ -9,13 +9,14 @@ import msgspec
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.batch.types import BatchRecord, BatchStatus
 from tokenyard.broker.base import Broker, CancelOutcome, Lease, Settlement
 from tokenyard.broker.batches import batch_store
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
+    BatchRecord,
+    BatchStatus,
     Finished,
     FinishReason,
     JobResult,

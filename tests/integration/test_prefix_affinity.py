@@ -17,13 +17,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import httpx
 
 from bench.common import free_port, serving
-from tokenyard.affinity import prefix_key
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.gateway import create_app
+from tokenyard.gateway.affinity import prefix_key
 from tokenyard.gateway.settings import gateway_settings
 from tokenyard.messages import Finished, JobResult, JobSpec, SamplingParams
 from tokenyard.worker.worker import Worker
@@ -177,7 +177,7 @@ async def test_a_job_preferred_for_a_busy_worker_runs_elsewhere_after_the_bound(
 
 def start_worker_process(settings: BrokerSettings) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable, "-m", "tokenyard.worker", "--broker", settings.url,
+        sys.executable, "-m", "tokenyard", "worker", "--broker", settings.url,
         "--prefix", settings.prefix, "--model", MODEL, "--engine", "sim", "--max-seqs", "4",
     ]  # fmt: skip
     env = {**os.environ, "TOKENYARD_WORKER_SIM_PREFIX_CACHE_TOKENS": "4096"}

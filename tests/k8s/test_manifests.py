@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tokenyard.supervisor import AutoscaleMetrics
+from tokenyard.fleet.supervisor import AutoscaleMetrics
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.30"

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenyard.admission_wait import (
+from tokenyard.broker.base import LaneBacklog, TenantBacklog
+from tokenyard.gateway.admission_wait import (
     MAX_RETRY_AFTER_S,
     Refusal,
     ServiceRate,
@@ -15,7 +16,6 @@ from tokenyard.admission_wait import (
     refusal,
     with_admitted,
 )
-from tokenyard.broker.base import LaneBacklog, TenantBacklog
 from tokenyard.messages import Priority, WorkerInfo
 
 

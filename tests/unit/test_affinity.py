@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenyard.affinity import hold_for, overdue, prefix_key, prefix_limit, shared_len
+from tokenyard.broker.policy import hold_for, overdue
 from tokenyard.engines.sim import PrefixCache, SimTokenizer
-from tokenyard.gateway.affinity import PrefixKeys
+from tokenyard.gateway.affinity import PrefixKeys, prefix_key, prefix_limit, shared_len
 
 SYSTEM = "You are the yard's dispatcher. Answer in one short sentence about the trains. " * 3
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard.autoscale import (
+from tokenyard.fleet.autoscale import (
     AutoscaleConfig,
     Autoscaler,
     Decision,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenyard.batch.files import DirFileStore, new_file_id
-from tokenyard.batch.types import BatchRecord, BatchStatus, batch_body
-from tokenyard.batch.validate import parse_lines
+from tokenyard.gateway.batches.files import DirFileStore, new_file_id
+from tokenyard.gateway.batches.types import batch_body
+from tokenyard.gateway.batches.validate import parse_lines
+from tokenyard.messages import BatchRecord, BatchStatus
 
 CHAT = "/v1/chat/completions"
 

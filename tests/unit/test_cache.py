@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenyard.cache import (
+from tokenyard.gateway.cache import (
     LocalLRU,
     cache_key,
     cache_scope,

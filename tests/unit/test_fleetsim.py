@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard.autoscale import AutoscaleConfig
-from tokenyard.fleetsim import Phase, SimConfig, bursty_trace, simulate, worker_capacity
+from tokenyard.fleet.autoscale import AutoscaleConfig
+from tokenyard.fleet.fleetsim import Phase, SimConfig, bursty_trace, simulate, worker_capacity
 
 SIM = SimConfig(slots=4, cold_start_s=5.0, dt=0.25)
 

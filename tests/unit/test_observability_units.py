@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from tokenyard import tracing
-from tokenyard.cli import _gateway_settings
+from tokenyard.cli.app import _gateway_settings
 from tokenyard.logs import JsonFormatter, LogFormat, TextFormatter, job_fields, setup_logging
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -84,7 +84,7 @@ def test_gateway_options_fall_back_to_the_environment(monkeypatch: pytest.Monkey
 
 
 def test_worker_metrics_fold_engine_counters_per_delivery() -> None:
-    from tokenyard.engines.base import EngineStats
+    from tokenyard.messages import EngineStats
     from tokenyard.metrics import WorkerMetrics
 
     m = WorkerMetrics("m")

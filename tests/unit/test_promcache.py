@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tokenyard.promcache import CachedHistogram
+from tokenyard.metrics.promcache import CachedHistogram
 
 
 def test_observe_many_exposes_what_as_many_observes_do() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tokenyard.errors import FatalError
-from tokenyard.routing import FastPath, RoutingRules, Rule, route
+from tokenyard.gateway.routing import FastPath, RoutingRules, Rule, route
 
 RULES = RoutingRules(
     aliases={"gpt-4o-mini": "big", "fast": "small"},

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import msgspec
 
-from tokenyard.audit import AuditEntry
+from tokenyard.broker.audit import AuditEntry
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     DeadLetter,
@@ -333,7 +333,7 @@ class Quotas(Protocol):
 
 
 class Audit(Protocol):
-    """The audit trail (tokenyard/audit.py): every job's receipt and terminal state, bounded
+    """The audit trail (tokenyard/broker/audit.py): every job's receipt and terminal state, bounded
     by `BrokerSettings.audit_max_len`; written by enqueue and the terminal paths themselves."""
 
     async def audit_entries(

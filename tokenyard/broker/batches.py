@@ -11,10 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenyard.batch.types import BatchRecord
 from tokenyard.broker.base import Broker, Clock
 from tokenyard.broker.keys import Keys
-from tokenyard.messages import decode, encode
+from tokenyard.messages import BatchRecord, decode, encode
 
 
 @dataclass

@@ -67,7 +67,7 @@ class Keys:
         """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
         return f"{lane}:tq:"
 
-    # -- prefix affinity (tokenyard/affinity.py); every key hangs off the lane or the model tag
+    # -- prefix affinity (broker/policy.py); every key hangs off the lane or the model tag
     @staticmethod
     def affinity_held(lane: str) -> str:
         """Sorted set of a lane's jobs held for a preferred worker, by when they were held."""
@@ -166,7 +166,7 @@ class Keys:
 
     def audit(self) -> str:
         """The audit stream (receipts and terminal states): its own hash tag, written in the
-        same pipelined round trip as the state change it records (tokenyard/audit.py)."""
+        same pipelined round trip as the state change it records (tokenyard/broker/audit.py)."""
         return f"{self.prefix}:{{audit}}:stream"
 
     def models(self) -> str:

@@ -11,9 +11,8 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tokenyard import audit
-from tokenyard.affinity import hold_for, overdue
-from tokenyard.audit import AuditEntry
+from tokenyard.broker import audit
+from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.base import (
     Broker,
     BrokerStats,
@@ -35,6 +34,8 @@ from tokenyard.broker.policy import (
     claim_order,
     estimated_tokens,
     fair_cost,
+    hold_for,
+    overdue,
     size_pool,
     staging_score,
 )

@@ -1,4 +1,5 @@
-"""Pure delivery policy: retry backoff and the order lanes are claimed in."""
+"""Pure delivery policy every backend shares: retry backoff, the order lanes are claimed in,
+size pools, fair-share cost, and which worker a job with a known prefix is held for."""
 
 from __future__ import annotations
 
@@ -72,3 +73,18 @@ def fair_cost(spec: JobSpec) -> int:
 def staging_score(spec: JobSpec) -> float:
     """Order of a tenant's own waiting jobs: earliest deadline first, then arrival."""
     return spec.deadline if spec.deadline is not None else _NO_DEADLINE + spec.created_at
+
+
+# prefix affinity: a job whose prompt prefix a worker claimed last is held for that worker
+# (whose engine likely still caches the prefix) for a bounded time; the gateway computes the key
+
+
+def hold_for(owner: str | None, held: int, max_held: int) -> bool:
+    """Whether a new job is held for the prefix's `owner`: it has one, and fewer than
+    `max_held` jobs already wait for it (a hot prefix must not pile up on one worker)."""
+    return bool(owner) and held < max_held
+
+
+def overdue(held_at: float, now: float, wait_s: float) -> bool:
+    """A held job any worker may take: it waited `wait_s` for its preferred worker."""
+    return now - held_at >= wait_s

@@ -17,9 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenyard import audit
-from tokenyard.audit import AuditEntry
-from tokenyard.broker import scripts
+from tokenyard.broker import audit, scripts
+from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.base import (
     Broker,
     BrokerStats,

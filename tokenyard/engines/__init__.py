@@ -9,10 +9,10 @@ from tokenyard.engines.base import (
     Engine,
     EngineCapacity,
     EngineClosed,
-    EngineStats,
     EngineTokenizer,
     StepOutput,
 )
+from tokenyard.messages import EngineStats
 
 if TYPE_CHECKING:
     from tokenyard.config import WorkerSettings

@@ -22,7 +22,7 @@ import msgspec
 from tokenyard import limits
 from tokenyard.engines.detok import Delta, SequenceDecoder
 from tokenyard.errors import EngineError
-from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, ModelLimits, Priority, SamplingParams
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
@@ -45,26 +45,6 @@ class StepOutput(msgspec.Struct):
     # with ERROR: the request itself is at fault (a remote upstream's 4xx, a value the runtime
     # refuses), so the job fails as InvalidRequest would, without a retry
     refused: bool = False
-
-
-class EngineStats(msgspec.Struct):
-    """Counters since start, and gauges of the moment; mean_batch is sequences per step."""
-
-    steps: int = 0
-    sequences_stepped: int = 0
-    tokens_generated: int = 0  # decode tokens
-    running: int = 0  # sequences added and not finished
-    waiting: int = 0  # of those, not yet in a running batch (hf-static's next batch)
-    reserved_tokens: int = 0  # prompt + max_tokens over running sequences
-    prefill_tokens: int = 0  # prompt (and resumed) tokens of every started sequence
-    kv_cache_usage: float = 0.0  # fraction of the KV cache in use (hf), 0 where unknown
-    # prompt tokens looked up in / found in the engine's prefix cache (sim; 0 where unknown)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-    @property
-    def mean_batch(self) -> float:
-        return self.sequences_stepped / self.steps if self.steps else 0.0
 
 
 class EngineTokenizer(Protocol):

@@ -40,7 +40,6 @@ from transformers.utils import logging as hf_logging
 from tokenyard.engines.base import (
     EngineCapacity,
     EngineSeq,
-    EngineStats,
     LocalEngine,
     open_seq,
     weights_fingerprint,
@@ -49,7 +48,7 @@ from tokenyard.engines.detok import Delta
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.sampling import process_rows, sample_keys
 from tokenyard.errors import FatalError
-from tokenyard.messages import FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingManager

@@ -20,10 +20,10 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from tokenyard.engines.base import EngineCapacity, EngineStats, StepOutput
+from tokenyard.engines.base import EngineCapacity, StepOutput
 from tokenyard.engines.hf import HFEngineBase, HFSeq
 from tokenyard.engines.sampling import process_rows, sample_keys
-from tokenyard.messages import FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
 
 
 class _RowSampler(LogitsProcessor):

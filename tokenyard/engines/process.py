@@ -34,13 +34,12 @@ from tokenyard.engines.base import (
     Engine,
     EngineCapacity,
     EngineClosed,
-    EngineStats,
     EngineTokenizer,
     StepOutput,
     footprint,
 )
 from tokenyard.errors import EngineError
-from tokenyard.messages import FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
 
 log = logging.getLogger(__name__)
 

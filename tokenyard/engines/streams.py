@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenyard import limits
-from tokenyard.engines.base import Engine, EngineStats, OutputChannel, StepOutput
+from tokenyard.engines.base import Engine, OutputChannel, StepOutput
 from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
-from tokenyard.messages import FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.limits import resolve_max_tokens
 from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest, Kind
+from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import JobSpec, SamplingParams
-from tokenyard.routing import Rule, resolve_alias, route, wants_fast_path
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
 _INLINE_CHARS = 4096

@@ -15,14 +15,14 @@ from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenyard import heap
-from tokenyard.batch.files import FileStore
-from tokenyard.batch.service import BatchService
 from tokenyard.broker import Broker, connect
-from tokenyard.cache import ResponseCache
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator, KeyRing
+from tokenyard.gateway.batches.files import FileStore
+from tokenyard.gateway.batches.service import BatchService
+from tokenyard.gateway.cache import ResponseCache
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.errors import install_error_handlers
 from tokenyard.gateway.events import EventHub
@@ -31,12 +31,12 @@ from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
 from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.routes import ROUTERS
+from tokenyard.gateway.routing import LaneDepths, RoutingRules
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tokenizers import load_tokenizers
 from tokenyard.metrics import GatewayMetrics
-from tokenyard.routing import LaneDepths, RoutingRules
 
 # Traces are tokenyard's own (tokenyard/tracing.py, carried inside the job). FastAPI >= 0.142's
 # native OpenTelemetry would add spans of its own and checks the global providers per request.

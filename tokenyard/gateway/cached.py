@@ -8,8 +8,8 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from starlette.responses import Response
 
-from tokenyard.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway import protocol
+from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer

@@ -179,7 +179,7 @@ class LiveCall:
         self.timer = timer
         self.after = after
         self.fresh = fresh  # just enqueued by this call: it cannot have ended yet
-        self.collapsed = False  # joined an identical job in flight (see tokenyard/cache.py)
+        self.collapsed = False  # joined an identical job in flight (see tokenyard/gateway/cache.py)
         # called with the job's result when this caller sees it (the response cache)
         self.on_result: Callable[[JobResult], None] | None = None
 

@@ -52,7 +52,7 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     cache_ttl_s: float = 3600.0
     cache_local_bytes: int = 64 << 20  # this gateway's in-process tier
     cache_shared_bytes: int = 256 << 20  # the Redis tier, per model
-    # JSON routing rules (tokenyard/routing.py): {"aliases": {"gpt-4o-mini": "tiny"},
+    # JSON routing rules (tokenyard/gateway/routing.py): {"aliases": {"gpt-4o-mini": "tiny"},
     # "fast_path": {"model": "small", "below_tokens": 256, "max_depth": 64}}; empty: none
     routing_file: str = ""
     # prefix affinity: a job's prefix key covers at most this many leading prompt tokens (a

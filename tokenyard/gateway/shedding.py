@@ -1,5 +1,5 @@
 """Refuse at submit what the queue cannot serve in time: a deadline the estimated wait misses,
-or (with `queue_slo_s`) a wait past the SLO. The estimate is `tokenyard/admission_wait.py`;
+or (with `queue_slo_s`) a wait past the SLO. The estimate is `tokenyard/gateway/admission_wait.py`;
 this is its I/O edge: each model's backlog and workers are read at most every `ttl_s`, one
 read shared by every request of this gateway, never one per request."""
 
@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from tokenyard.admission_wait import Refusal, ServiceRate, queue_wait, refusal, with_admitted
 from tokenyard.broker.base import LaneBacklog
+from tokenyard.gateway.admission_wait import (
+    Refusal,
+    ServiceRate,
+    queue_wait,
+    refusal,
+    with_admitted,
+)
 from tokenyard.gateway.errors import ApiError
 from tokenyard.messages import JobSpec, WorkerInfo
 

@@ -8,18 +8,18 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from tokenyard.broker import Broker
-from tokenyard.cache import ResponseCache
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator
+from tokenyard.gateway.cache import ResponseCache
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.limits import PublishedLimits
 from tokenyard.gateway.live import Abandonment
+from tokenyard.gateway.routing import LaneDepths, RoutingRules
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.metrics import GatewayMetrics
-from tokenyard.routing import LaneDepths, RoutingRules
 
 
 @dataclass
@@ -33,7 +33,7 @@ class GatewayState:
     events: EventHub  # every follow of a job's events reads through it
     limits: PublishedLimits
     abandonment: Abandonment
-    cache: ResponseCache  # deterministic answers (see tokenyard/cache.py)
+    cache: ResponseCache  # deterministic answers (see tokenyard/gateway/cache.py)
     routing: RoutingRules
     depths: LaneDepths  # the fast path's congestion check
     waits: QueueWaits  # estimated queue wait: deadline refusal and overload shedding

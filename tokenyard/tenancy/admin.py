@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
-from tokenyard.broker.base import Directory
 from tokenyard.tenancy.records import KEY_PREFIX, ApiKeyRecord, key_digest, new_api_key
 
 
+class KeyStore(Protocol):
+    """The part of the broker's directory that key administration uses (tenancy sits below
+    the broker, so it names the role instead of importing it)."""
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None: ...
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None: ...
+
+    async def api_keys(self) -> list[ApiKeyRecord]: ...
+
+
 async def create_key(
-    directory: Directory, tenant: str, now: float, label: str = ""
+    directory: KeyStore, tenant: str, now: float, label: str = ""
 ) -> tuple[str, ApiKeyRecord]:
     """Store a new key of `tenant`; the returned plaintext key is not kept anywhere."""
     if not tenant.strip():
@@ -19,7 +31,7 @@ async def create_key(
     return key, record
 
 
-async def revoke_key(directory: Directory, which: str, now: float) -> ApiKeyRecord | None:
+async def revoke_key(directory: KeyStore, which: str, now: float) -> ApiKeyRecord | None:
     """Revoke the key named by its id (a digest prefix, as `keys list` shows) or by the key
     itself; None when no single active key matches."""
     if which.startswith(KEY_PREFIX):

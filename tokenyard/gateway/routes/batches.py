@@ -9,12 +9,13 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from tokenyard.batch.service import batches_of
-from tokenyard.batch.types import ENDPOINTS, BatchRecord, BatchStatus, batch_body, new_batch_id
 from tokenyard.broker.batches import BatchState
 from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant, TenantDep
+from tokenyard.gateway.batches.service import batches_of
+from tokenyard.gateway.batches.types import ENDPOINTS, batch_body, new_batch_id
 from tokenyard.gateway.errors import ApiError
+from tokenyard.messages import BatchRecord, BatchStatus
 
 router = APIRouter()
 _WINDOWS = ("24h",)

@@ -9,10 +9,10 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from tokenyard.batch.files import FileObject
-from tokenyard.batch.service import batches_of
 from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant, TenantDep
+from tokenyard.gateway.batches.files import FileObject
+from tokenyard.gateway.batches.service import batches_of
 from tokenyard.gateway.errors import ApiError
 
 router = APIRouter()

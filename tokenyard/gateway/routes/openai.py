@@ -9,11 +9,11 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenyard import tracing
-from tokenyard.cache import collapse_key
 from tokenyard.errors import QueueFull
 from tokenyard.gateway import protocol, quota, shedding
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant, TenantDep
+from tokenyard.gateway.cache import collapse_key
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest, cached_response
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.responses import FastJSONResponse

@@ -21,17 +21,16 @@ from typing import Any
 import anyio
 import msgspec
 
-from tokenyard.batch.files import FileStore, new_file_id
-from tokenyard.batch.types import BatchRecord, BatchStatus, LineError
-from tokenyard.batch.validate import BatchLine, parse_lines
 from tokenyard.broker.batches import BatchStore
 from tokenyard.errors import QueueFull, UserError
 from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
 from tokenyard.gateway.auth import Tenant
+from tokenyard.gateway.batches.files import FileStore, new_file_id
+from tokenyard.gateway.batches.validate import BatchLine, parse_lines
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.state import GatewayState
-from tokenyard.messages import JobRecord, JobStatus, Priority
+from tokenyard.messages import BatchRecord, BatchStatus, JobRecord, JobStatus, LineError, Priority
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from tokenyard.batch.types import ENDPOINTS, LineError
 from tokenyard.errors import UserError
 from tokenyard.gateway import protocol
+from tokenyard.gateway.batches.types import ENDPOINTS
+from tokenyard.messages import LineError
 
 Kind = Literal["completion", "chat"]
 KIND_OF_URL: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

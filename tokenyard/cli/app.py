@@ -13,11 +13,12 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.audit_cli import audit
-from tokenyard.autoscale_cli import autoscale, worker_ready
-from tokenyard.batch.cli import app as batch_app
-from tokenyard.bench.command import bench
 from tokenyard.broker import connect
+from tokenyard.cli.audit import audit
+from tokenyard.cli.autoscale import autoscale, worker_ready
+from tokenyard.cli.batch import app as batch_app
+from tokenyard.cli.bench import bench
+from tokenyard.cli.config import config_app
 from tokenyard.config import (
     CONFIG_ENV,
     BrokerSettings,
@@ -25,12 +26,11 @@ from tokenyard.config import (
     from_env,
     setting_sources,
 )
-from tokenyard.config_cli import config_app
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
-from tokenyard.tenancy.cli import keys_app, tenants_app
+from tokenyard.cli.tenants import keys_app, tenants_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -88,8 +88,8 @@ def serve(
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_*;
     every worker's metrics are served with the gateway's on its /metrics.
     """
-    from tokenyard.autoscale_cli import autoscale_config
-    from tokenyard.serve import Stack
+    from tokenyard.cli.autoscale import autoscale_config
+    from tokenyard.fleet.serve import Stack
 
     setup_logging("INFO", log_format)
     settings = _broker_settings(broker, prefix)
@@ -203,8 +203,8 @@ def submit(
     api_key: Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY")] = None,
 ) -> None:
     """Send a prompt and stream the answer to the terminal."""
+    from tokenyard.cli.submit import stream_completion
     from tokenyard.gateway.settings import gateway_settings
-    from tokenyard.submit import stream_completion
 
     if url is None or model is None:
         gw = gateway_settings()

@@ -18,10 +18,10 @@ from typing import Literal, Self
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from tokenyard.autoscale import AutoscaleConfig
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
+from tokenyard.fleet.autoscale import AutoscaleConfig
 from tokenyard.metrics import add_worker_metrics
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Stack:
 
         async def supervise() -> None:
             from tokenyard.broker import connect
-            from tokenyard.supervisor import AutoscaleMetrics, LocalFleet, Supervisor
+            from tokenyard.fleet.supervisor import AutoscaleMetrics, LocalFleet, Supervisor
 
             stop = asyncio.Event()
             self._supervisor_stop = (asyncio.get_running_loop(), stop)
@@ -134,7 +134,7 @@ class Stack:
 
     def _worker_command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "tokenyard.worker",
+            sys.executable, "-m", "tokenyard", "worker",
             "--broker", self.broker_url, "--prefix", self.prefix,
             "--model", self.model, "--engine", self.engine,
             "--drain-timeout-s", str(self.drain_timeout_s),

@@ -3,7 +3,7 @@
 `Estimator` turns raw observations (lane depths, workers' heartbeats) into rates;
 `desired_workers` is the sizing rule (Little's law against a queue-time SLO);
 `Autoscaler` adds the warm pool, scale-to-zero, cooldowns, hysteresis and drain-aware
-scale-down. No I/O here: `tokenyard/supervisor.py` feeds it and carries out its decisions.
+scale-down. No I/O here: `tokenyard/fleet/supervisor.py` feeds it and carries out its decisions.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from typing import Annotated
 import msgspec
 import typer
 
-from tokenyard.audit import parse_since
 from tokenyard.broker import connect
+from tokenyard.broker.audit import parse_since
 from tokenyard.config import BrokerSettings, from_env
 
 

@@ -20,9 +20,9 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from tokenyard.autoscale import AutoscaleConfig, Autoscaler, Decision, Observation, WorkerLoad
 from tokenyard.broker.base import Stats, WorkerRegistry
 from tokenyard.children import spawn_tied
+from tokenyard.fleet.autoscale import AutoscaleConfig, Autoscaler, Decision, Observation, WorkerLoad
 from tokenyard.messages import WorkerInfo
 
 log = logging.getLogger(__name__)

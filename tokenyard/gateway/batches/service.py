@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from tokenyard.batch.files import DirFileStore, FileStore
 from tokenyard.broker.batches import BatchStore, batch_store
+from tokenyard.gateway.batches.files import DirFileStore, FileStore
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import GatewayState
 
 if TYPE_CHECKING:
-    from tokenyard.batch.runner import BatchRunner
+    from tokenyard.gateway.batches.runner import BatchRunner
 
 
 @dataclass
@@ -29,7 +29,7 @@ class BatchService:
     @classmethod
     def start(cls, state: GatewayState, files: FileStore | None = None) -> BatchService:
         """Open the stores; with `batch_runner` on, this gateway also drives batches."""
-        from tokenyard.batch.runner import BatchRunner
+        from tokenyard.gateway.batches.runner import BatchRunner
 
         files = files or DirFileStore(state.settings.files_dir)
         store = batch_store(state.broker)

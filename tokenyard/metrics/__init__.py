@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tokenyard.promcache import BulkHistogram, CachedCounter, CachedGauge, CachedHistogram
+from tokenyard.metrics.promcache import BulkHistogram, CachedCounter, CachedGauge, CachedHistogram
 
 if TYPE_CHECKING:
-    from tokenyard.engines.base import EngineStats
+    from tokenyard.messages import EngineStats
 
 # vllm/v1/metrics/loggers.py: time_to_first_token_seconds
 TTFT_BUCKETS = (
@@ -133,7 +133,7 @@ class GatewayMetrics:
             ["requested", "model", "rule"],
             registry=r,
         )
-        # -- response cache and collapsing (tokenyard/cache.py) --
+        # -- response cache and collapsing (tokenyard/gateway/cache.py) --
         self.cache_hits = CachedCounter(
             "tokenyard_cache_hits",
             "Deterministic requests answered from the response cache, by tier (local|shared).",

@@ -12,9 +12,9 @@ from typing import Annotated
 import msgspec
 import typer
 
-from tokenyard.autoscale import AutoscaleConfig
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.errors import FatalError
+from tokenyard.fleet.autoscale import AutoscaleConfig
 
 
 def autoscale_config(
@@ -65,7 +65,7 @@ async def _export(
     from prometheus_client import start_http_server
 
     from tokenyard.broker import connect
-    from tokenyard.supervisor import AutoscaleMetrics, Supervisor
+    from tokenyard.fleet.supervisor import AutoscaleMetrics, Supervisor
 
     metrics = AutoscaleMetrics()
     start_http_server(port, addr=host, registry=metrics.registry)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tokenyard.autoscale import AutoscaleConfig, Autoscaler, Observation, WorkerLoad
+from tokenyard.fleet.autoscale import AutoscaleConfig, Autoscaler, Observation, WorkerLoad
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,74 +1,15 @@
-"""Batch records as the broker keeps them, and OpenAI's batch object built from them."""
+"""OpenAI's batch object, built from the batch record the broker keeps (`messages.BatchRecord`)."""
 
 from __future__ import annotations
 
-import enum
 import uuid
 from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 1
+from tokenyard.messages import BatchRecord, BatchStatus
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-
-
-class BatchStatus(enum.StrEnum):
-    VALIDATING = "validating"
-    FAILED = "failed"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    EXPIRED = "expired"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (
-            BatchStatus.FAILED,
-            BatchStatus.COMPLETED,
-            BatchStatus.EXPIRED,
-            BatchStatus.CANCELLED,
-        )
-
-
-class LineError(msgspec.Struct, kw_only=True):
-    """One of a batch's validation errors; `line` is 1-based, as OpenAI reports it."""
-
-    code: str
-    message: str
-    param: str | None = None
-    line: int | None = None
-
-
-class BatchRecord(msgspec.Struct, kw_only=True):
-    """A batch as the runner drives it. The request outcomes live beside it (see BatchStore)."""
-
-    v: int = WIRE_VERSION
-    id: str
-    tenant: str
-    endpoint: str
-    input_file_id: str
-    completion_window: str = "24h"
-    status: BatchStatus = BatchStatus.VALIDATING
-    created_at: int
-    expires_at: int
-    in_progress_at: int | None = None
-    finalizing_at: int | None = None
-    completed_at: int | None = None
-    failed_at: int | None = None
-    expired_at: int | None = None
-    cancelling_at: int | None = None
-    cancelled_at: int | None = None
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    errors: list[LineError] = msgspec.field(default_factory=list)
-    total: int = 0
-    submitted: int = 0  # lines 0..submitted-1 have a job (or an admission error)
-    metadata: dict[str, str] | None = None
-    model: str | None = None
-    prompt_tokens: int = 0  # of the requests counted so far (a progress figure)
-    completion_tokens: int = 0
 
 
 def new_batch_id() -> str:

@@ -1,0 +1,1 @@
+"""The fleet: autoscaling policy and its loop, `tokenyard serve`, the fleet simulator."""
