@@ -31,11 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 
 from bench.common import server_version
-from tokenyard.broker.base import Lease, Leases, Producer
+from tokenyard.broker import connect, wait_until_ready
+from tokenyard.broker.core import Lease, Leases, Producer
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.memory import MemoryBroker
-from tokenyard.broker.redis import RedisBroker, wait_until_ready
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     FinishReason,
@@ -79,7 +78,7 @@ def settings(url: str, prefix: str, jobs: int) -> BrokerSettings:
 
 async def enqueue_all(broker: Producer, specs: Sequence[JobSpec], batch: int) -> None:
     for i in range(0, len(specs), batch):
-        await broker.enqueue_many(specs[i : i + batch])
+        await broker.queue.enqueue_many(specs[i : i + batch])
 
 
 async def consume(
@@ -89,14 +88,14 @@ async def consume(
     done = batches = 0
     idle_since = time.monotonic()
     while done < jobs:
-        leases: list[Lease] = await broker.claim(MODEL, consumer, slots, block_s=0.5)
+        leases: list[Lease] = await broker.queue.claim(MODEL, consumer, slots, block_s=0.5)
         if not leases:
             if time.monotonic() - idle_since > idle_s:
                 break
             continue
         idle_since = time.monotonic()
         batches += 1
-        accepted = await broker.complete_many([(lease, RESULT) for lease in leases])
+        accepted = await broker.queue.complete_many([(lease, RESULT) for lease in leases])
         done += sum(accepted)
     return done, batches
 
@@ -127,11 +126,11 @@ async def _consumer(
     conn: Connection,
     profiler: cProfile.Profile | None,
 ) -> dict[str, Any]:
-    broker = RedisBroker(settings(url, prefix, jobs))
+    broker = connect(settings(url, prefix, jobs))
     name = f"bench:{os.getpid()}"
     await wait_until_ready(broker)
     # Load the claim script and create the consumer groups before timing starts.
-    await broker.claim(MODEL, name, slots)
+    await broker.queue.claim(MODEL, name, slots)
     conn.send("ready")
     cpu = time.process_time()
     if profiler is not None:
@@ -227,8 +226,8 @@ async def run_redis(args: argparse.Namespace) -> dict[str, Any]:
 
         # Enqueue only: nobody consumes, so the producer has the machine to itself.
         specs = make_specs(args.jobs)
-        broker = RedisBroker(settings(server.url, "enq", args.jobs))
-        await broker.enqueue_many(specs[:1])  # loads the script and creates the lane
+        broker = connect(settings(server.url, "enq", args.jobs))
+        await broker.queue.enqueue_many(specs[:1])  # loads the script and creates the lane
         before = counters.snapshot()
         started = time.monotonic()
         await enqueue_all(broker, specs[1:], args.batch)
@@ -242,7 +241,7 @@ async def run_redis(args: argparse.Namespace) -> dict[str, Any]:
 
         # Full cycle: this process enqueues while one consumer process claims and completes.
         specs = make_specs(args.jobs)
-        broker = RedisBroker(settings(server.url, "cyc", args.jobs))
+        broker = connect(settings(server.url, "cyc", args.jobs))
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
         profile = str(Path(args.profile) / "consumer.pstats") if args.profile else None
@@ -275,7 +274,7 @@ async def run_redis(args: argparse.Namespace) -> dict[str, Any]:
             if "error" in report:
                 raise RuntimeError(f"the consumer process failed: {report['error']}")
             cycle = counters.snapshot().since(before, args.jobs)
-            stats = await broker.stats(MODEL)
+            stats = await broker.queue.stats(MODEL)
         finally:
             proc.join(10)
             if proc.is_alive():
@@ -314,17 +313,17 @@ async def run_redis(args: argparse.Namespace) -> dict[str, Any]:
 async def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     """The same cycle on the in-process broker: the cost of everything but Redis."""
     specs = make_specs(args.jobs)
-    broker = MemoryBroker(settings("memory://", "mem", args.jobs))
+    broker = connect(settings("memory://", "mem", args.jobs))
     started = time.monotonic()
     await enqueue_all(broker, specs, args.batch)
     enqueue_wall = time.monotonic() - started
 
     specs = make_specs(args.jobs)
-    broker = MemoryBroker(settings("memory://", "mem", args.jobs))
+    broker = connect(settings("memory://", "mem", args.jobs))
 
     async def produce() -> None:
         for i in range(0, len(specs), args.batch):
-            await broker.enqueue_many(specs[i : i + args.batch])
+            await broker.queue.enqueue_many(specs[i : i + args.batch])
             await asyncio.sleep(0)  # interleave with the consumer, as a server would
 
     started = time.monotonic()

@@ -33,9 +33,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import free_port, loadavg, percentile, serving
+from tokenyard.broker import connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.gateway import create_app
@@ -58,7 +58,7 @@ def _ms(values: list[float]) -> dict[str, float | None]:
 async def _worker(
     settings: BrokerSettings, engine: SimEngine, **options: Any
 ) -> AsyncIterator[Worker]:
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     worker = Worker(
         broker,
         engine,
@@ -95,8 +95,8 @@ async def cache_and_collapse(url: str, opts: argparse.Namespace) -> dict[str, An
         _gateway(settings) as b,
         httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as http,
     ):
-        probe = RedisBroker(settings)
-        while not await probe.workers(MODEL):
+        probe = connect(settings)
+        while not await probe.registry.workers(MODEL):
             await asyncio.sleep(0.05)
         body = {"model": MODEL, "prompt": "the same question", "max_tokens": 32, "temperature": 0}
 
@@ -109,8 +109,8 @@ async def cache_and_collapse(url: str, opts: argparse.Namespace) -> dict[str, An
             return time.perf_counter() - started, reply.headers["x-cache"], reply.text
 
         burst = await asyncio.gather(*(call(i, body) for i in range(opts.requests)))
-        pattern = probe.keys.job_prefix(MODEL) + "*"
-        jobs = len([k async for k in probe.redis.scan_iter(match=pattern)])
+        pattern = probe.queue.keys.job_prefix(MODEL) + "*"
+        jobs = len([k async for k in probe.queue.redis.scan_iter(match=pattern)])
         answers = {json.loads(text)["choices"][0]["text"] for _, _, text in burst}
         # sequential calls on a client of their own: httpx's pool, left holding the burst's
         # 100 connections, added ~15 ms to every request
@@ -147,7 +147,7 @@ async def pools(url: str, opts: argparse.Namespace, size_pools: str) -> dict[str
     def engine(context: int) -> SimEngine:
         return SimEngine(max_model_len=context, decode_base=0.005, decode_per_seq=2e-4)
 
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     specs = []
     for i in range(opts.pool_jobs):
         long = i % 5 == 0  # one job in five needs the long worker's context
@@ -163,17 +163,17 @@ async def pools(url: str, opts: argparse.Namespace, size_pools: str) -> dict[str
         _worker(settings, engine(512), max_seqs=16),
         _worker(settings, engine(4096), max_seqs=16),
     ):
-        while len(await broker.workers(MODEL)) < 2:
+        while len(await broker.registry.workers(MODEL)) < 2:
             await asyncio.sleep(0.05)
         started, wall = time.perf_counter(), time.time()
-        await broker.enqueue_many(specs)
+        await broker.queue.enqueue_many(specs)
         first_token: dict[str, float] = {}  # from the first event's id: the server's clock
         records = {}
         finished_at = 0.0
         for spec in specs:
             after = "0"
             while spec.id not in records:
-                for event_id, event in await broker.read_events(spec.id, after, block_s=5.0):
+                for event_id, event in await broker.queue.read_events(spec.id, after, block_s=5.0):
                     after = event_id
                     at = int(event_id.split("-")[0]) / 1000
                     first_token.setdefault(spec.id, max(0.0, at - wall))

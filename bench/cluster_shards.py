@@ -1,6 +1,6 @@
 """Broker throughput on a 3-shard Valkey cluster: three models on one shard vs one per shard.
 
-Each model gets its own process (producer + consumers on one RedisBroker): enqueue in batches,
+Each model gets its own process (producer + consumers on one Redis backend): enqueue in batches,
 claim, complete. Prints JSON: jobs/s per layout and the ratio. Smoke:
     python bench/cluster_shards.py --jobs 300
 For the record (a quiet machine with >= 4 cores):
@@ -25,10 +25,10 @@ from redis.crc import key_slot
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import loadavg
-from tokenyard.broker.base import Lease
+from tokenyard.broker import connect
 from tokenyard.broker.cluster import Cluster, running_cluster
+from tokenyard.broker.core import Lease
 from tokenyard.broker.keys import Keys, new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import FinishReason, JobResult, JobSpec, JobStatus, SamplingParams
 
@@ -46,7 +46,7 @@ def models_on(cluster: Cluster, prefix: str, shards: list[int]) -> list[str]:
 
 
 async def _run_model(url: str, prefix: str, model: str, jobs: int, consumers: int) -> float:
-    broker = RedisBroker(BrokerSettings(url=url, prefix=prefix, max_queue_depth=10**7))
+    broker = connect(BrokerSettings(url=url, prefix=prefix, max_queue_depth=10**7))
     done = 0
     result = JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text="ok")
 
@@ -62,14 +62,14 @@ async def _run_model(url: str, prefix: str, model: str, jobs: int, consumers: in
                 )
                 for _ in range(n)
             ]
-            await broker.enqueue_many(specs)
+            await broker.queue.enqueue_many(specs)
 
     async def consume(i: int) -> None:
         nonlocal done
         while done < jobs:
-            leases: list[Lease] = await broker.claim(model, f"c{i}", 32, block_s=0.05)
+            leases: list[Lease] = await broker.queue.claim(model, f"c{i}", 32, block_s=0.05)
             if leases:
-                await broker.complete_many([(lease, result) for lease in leases])
+                await broker.queue.complete_many([(lease, result) for lease in leases])
                 done += len(leases)
 
     started = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Every mode runs the same closed loop (N requests kept in flight, fixed prompt and output
 length, greedy, ignore_eos) twice on one engine instance: **direct** through the engine API
-in this process, then **queue** through a private Valkey, a RedisBroker and an in-process
+in this process, then **queue** through a private Valkey, the Redis backend and an in-process
 Worker, with the N clients in a child process (as a gateway would be). Prints one JSON
 document: per mode, path and concurrency: throughput, latency and TTFT percentiles, mean
 batch, CPU per component, the worker's broker calls; and the ratios between them.
@@ -45,9 +45,8 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import percentile, proc_cpu_s
-from tokenyard.broker.base import Broker
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     Finished,
@@ -239,7 +238,7 @@ async def run_direct(
 
 
 async def run_queue_clients(
-    broker: Broker,
+    broker: Backend,
     concurrency: int,
     requests: int,
     prompts: Sequence[list[int]],
@@ -259,11 +258,11 @@ async def run_queue_clients(
         )
         sample = Sample(submitted=time.perf_counter(), expected=params.max_tokens)
         give_up = sample.submitted + timeout_s
-        await broker.enqueue(spec)
+        await broker.queue.enqueue(spec)
         after = "0"
         while sample.finished is None and time.perf_counter() < give_up:
             # The gateway's sync path does the same: one blocking XREAD per job's events.
-            events = await broker.read_events(spec.id, after=after, block_s=1.0)
+            events = await broker.queue.read_events(spec.id, after=after, block_s=1.0)
             now = time.perf_counter()
             for event_id, event in events:
                 after = event_id
@@ -296,7 +295,7 @@ def client_process(conn: Connection) -> None:
 
 
 async def _client_job(job: dict[str, Any]) -> dict[str, Any]:
-    broker = RedisBroker(BrokerSettings(url=job["url"], prefix=job["prefix"]))
+    broker = connect(BrokerSettings(url=job["url"], prefix=job["prefix"]))
     cpu0 = time.process_time()
     try:
         samples = await run_queue_clients(
@@ -422,12 +421,14 @@ async def warm_up(engine: Engine, concurrency: int, prompts: Sequence[list[int]]
     await run_direct(engine, n, n, prompts, [4])
 
 
-def instrument(broker: Broker) -> dict[str, list[float]]:
-    """Count the worker's broker calls and the time it awaits them (the broker instance only)."""
+def instrument(backend: Backend) -> dict[str, list[float]]:
+    """Count the worker's broker calls and the time it awaits them (this backend's only)."""
     counters: dict[str, list[float]] = {name: [0, 0.0] for name in WORKER_BROKER_CALLS}
 
     def wrap(name: str) -> None:
-        inner = getattr(broker, name)
+        roles = (backend.queue, backend.registry, backend.quotas)
+        owner = next(role for role in roles if hasattr(role, name))
+        inner = getattr(owner, name)
 
         async def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -437,7 +438,7 @@ def instrument(broker: Broker) -> dict[str, list[float]]:
                 counters[name][0] += 1
                 counters[name][1] += time.perf_counter() - t0
 
-        setattr(broker, name, timed)
+        setattr(owner, name, timed)
 
     for name in WORKER_BROKER_CALLS:
         wrap(name)
@@ -458,7 +459,7 @@ async def run_queue(
     from tokenyard.config import WorkerSettings
 
     prefix = f"b{uuid.uuid4().hex[:8]}"
-    broker = RedisBroker(BrokerSettings(url=server.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=server.url, prefix=prefix))
     counters = instrument(broker)
     settings = WorkerSettings(
         model=MODEL,
@@ -475,7 +476,7 @@ async def run_queue(
     try:
         # Measure from a worker that is already claiming, not from its start-up.
         deadline = time.monotonic() + 30
-        while not await broker.workers(MODEL):
+        while not await broker.registry.workers(MODEL):
             if task.done() or time.monotonic() > deadline:
                 task.result()
                 raise RuntimeError("worker did not register")
@@ -702,8 +703,8 @@ async def main_async(opts: Options) -> dict[str, Any]:
                 f"batch_timeout_ms={opts.batch_timeout_ms}",
                 "continuous": "hf (transformers CB) max_seqs=concurrency",
             },
-            "queue_path": "private Valkey (AOF everysec), RedisBroker, in-process Worker on the "
-            "same engine instance; clients enqueue and follow events with blocking XREAD",
+            "queue_path": "private Valkey (AOF everysec), the Redis backend, in-process Worker on "
+            "the same engine instance; clients enqueue and follow events with blocking XREAD",
             "host": {
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),

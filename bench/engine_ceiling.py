@@ -217,13 +217,13 @@ class Stack:
                 await asyncio.sleep(0.2)
 
     async def worker_mean_batch(self) -> float | None:
-        from tokenyard.broker.redis import RedisBroker
+        from tokenyard.broker import connect
         from tokenyard.config import BrokerSettings
 
-        broker = RedisBroker(BrokerSettings(url=self.server.url, prefix=self.prefix))
+        broker = connect(BrokerSettings(url=self.server.url, prefix=self.prefix))
         try:
             await asyncio.sleep(2.5)  # one heartbeat after the load
-            infos = await broker.workers(self.opts.model)
+            infos = await broker.registry.workers(self.opts.model)
         finally:
             await broker.close()
         return infos[0].mean_batch if infos else None

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from tokenyard.broker import Broker, connect, new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
@@ -49,17 +49,17 @@ def spec(tenant: str, weight: float, max_tokens: int) -> JobSpec:
     )
 
 
-async def enqueue(broker: Broker, specs: Sequence[JobSpec]) -> None:
+async def enqueue(broker: Backend, specs: Sequence[JobSpec]) -> None:
     for i in range(0, len(specs), CHUNK):
-        await broker.enqueue_many(specs[i : i + CHUNK])
+        await broker.queue.enqueue_many(specs[i : i + CHUNK])
 
 
 class Fleet:
     """In-process workers with a cheap sim engine (a step ~1 ms), started and drained here."""
 
-    def __init__(self, broker: Broker, settings: BrokerSettings, workers: int, slots: int) -> None:
+    def __init__(self, broker: Backend, settings: BrokerSettings, workers: int, slots: int) -> None:
         self.broker, self.settings, self.count, self.slots = broker, settings, workers, slots
-        self.running: list[tuple[Worker, asyncio.Task[None], Broker]] = []
+        self.running: list[tuple[Worker, asyncio.Task[None], Backend]] = []
 
     async def start(self) -> None:
         for i in range(self.count):
@@ -89,10 +89,10 @@ class Fleet:
         self.running.clear()
 
 
-async def records(broker: Broker, specs: Sequence[JobSpec]) -> list[JobRecord]:
+async def records(broker: Backend, specs: Sequence[JobSpec]) -> list[JobRecord]:
     out: list[JobRecord] = []
     for i in range(0, len(specs), CHUNK):
-        found = await broker.records([s.id for s in specs[i : i + CHUNK]])
+        found = await broker.queue.records([s.id for s in specs[i : i + CHUNK]])
         out += [r for r in found if r is not None]
     return out
 
@@ -163,7 +163,7 @@ async def contention(
         # interleaved, so no tenant's jobs fill the stream's window first
         for i in range(0, max(len(js) for js in jobs.values()), CHUNK // len(jobs)):
             for js in jobs.values():
-                await broker.enqueue_many(js[i : i + CHUNK // len(jobs)])
+                await broker.queue.enqueue_many(js[i : i + CHUNK // len(jobs)])
         started = time.monotonic()
         await fleet.start()
         every = [s for js in jobs.values() for s in js]

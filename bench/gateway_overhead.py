@@ -194,14 +194,14 @@ def worker_main(
 ) -> None:
     """A worker process on a SimEngine with the benchmark's costs; SIGTERM drains it, then
     the engine's per-sequence stamps are written to `stamps`."""
-    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.broker import connect
     from tokenyard.worker.run import run_worker
 
     apply_patches([p for p in patches if p in WORKER_PATCHES])
     engine = StampedSimEngine(**costs.engine_options())
 
     async def serve() -> None:
-        broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+        broker = connect(BrokerSettings(url=url, prefix=prefix))
         await run_worker(
             broker, engine, WorkerSettings(model=MODEL, engine="sim"), freeze_heap=True
         )
@@ -492,14 +492,14 @@ async def attach_stages(
 ) -> None:
     """Split each queue request's time by its job record's enqueue / claim / completion stamps
     and the worker engine's own (all wall clock, one host)."""
-    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.broker import connect
 
-    broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+    broker = connect(BrokerSettings(url=url, prefix=prefix))
     try:
         for t in timings:
             if t.job_id is None or t.sent_at is None or t.done_at is None:
                 continue
-            record = await broker.record(t.job_id)
+            record = await broker.queue.record(t.job_id)
             if record is None or record.started_at is None or record.finished_at is None:
                 continue
             # enq_at is taken by the gateway before its enqueue script runs; start_at by the

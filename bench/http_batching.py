@@ -100,7 +100,7 @@ def describe_engine(mode: str, concurrency: int) -> str:
 
 def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int) -> None:
     """One worker on the mode's engine; SIGTERM drains it."""
-    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.broker import connect
     from tokenyard.worker.run import run_worker
 
     async def serve() -> None:
@@ -108,7 +108,7 @@ def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int
         settings = WorkerSettings(
             model=MODEL, engine=engine.name, max_seqs=engine.capacity.max_seqs, threads=threads
         )
-        broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+        broker = connect(BrokerSettings(url=url, prefix=prefix))
         await run_worker(broker, engine, settings)
 
     asyncio.run(serve())

@@ -39,9 +39,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Processes, loadavg, percentile
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.gateway.affinity import prefix_key
@@ -78,7 +78,7 @@ def workload(opts: argparse.Namespace, seed: int) -> list[tuple[float, list[int]
 
 @asynccontextmanager
 async def _worker(settings: BrokerSettings, engine: SimEngine, slots: int) -> AsyncIterator[None]:
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     worker = Worker(
         broker,
         engine,
@@ -110,11 +110,11 @@ async def run(url: str, opts: argparse.Namespace, affinity: bool) -> dict[str, A
         )
         for _ in range(opts.workers)
     ]
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     async with AsyncExitStack() as stack:
         for engine in engines:
             await stack.enter_async_context(_worker(settings, engine, opts.slots))
-        while len(await broker.workers(MODEL)) < opts.workers:
+        while len(await broker.registry.workers(MODEL)) < opts.workers:
             await asyncio.sleep(0.05)
         report = await measure(broker, workload(opts, opts.seed), opts, affinity)
     await broker.close()
@@ -124,7 +124,7 @@ async def run(url: str, opts: argparse.Namespace, affinity: bool) -> dict[str, A
 
 
 async def measure(
-    broker: RedisBroker,
+    broker: Backend,
     jobs: list[tuple[float, list[int]]],
     opts: argparse.Namespace,
     affinity: bool,
@@ -145,7 +145,7 @@ async def measure(
             prefix_key=prefix_key(ids, opts.prompt_tokens) if affinity else "",
         )
         enqueued[spec.id] = time.time()
-        await broker.enqueue(spec)
+        await broker.queue.enqueue(spec)
         specs.append(spec)
     ttft: list[float] = []
     results: dict[str, JobResult] = {}
@@ -153,7 +153,7 @@ async def measure(
     for spec in specs:
         after, first = "0", None
         while spec.id not in results:
-            for event_id, event in await broker.read_events(spec.id, after, block_s=5.0):
+            for event_id, event in await broker.queue.read_events(spec.id, after, block_s=5.0):
                 after = event_id
                 at = int(event_id.split("-")[0]) / 1000
                 if isinstance(event, TokenChunk) and first is None:
@@ -188,7 +188,7 @@ async def run_vllm(url: str, opts: argparse.Namespace) -> tuple[dict[str, Any], 
     os.environ["TOKENYARD_BROKER_AFFINITY_WAIT_S"] = str(settings.affinity_wait_s)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     procs = Processes(Path(tempfile.mkdtemp(prefix="prefix-affinity-")))
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     try:
         for i in range(opts.workers):
             cmd = [
@@ -198,7 +198,7 @@ async def run_vllm(url: str, opts: argparse.Namespace) -> tuple[dict[str, Any], 
             ]  # fmt: skip
             procs.start(f"worker-{i}", cmd)
         give_up = time.monotonic() + 600
-        while len(await broker.workers(MODEL)) < opts.workers:
+        while len(await broker.registry.workers(MODEL)) < opts.workers:
             procs.check()
             if time.monotonic() > give_up:
                 raise TimeoutError("vLLM workers did not start")

@@ -70,9 +70,9 @@ from bench.common import (
     server_version,
     wait_ready,
 )
+from tokenyard.broker import Backend, connect, wait_until_ready
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker, wait_until_ready
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import (
@@ -298,7 +298,7 @@ class TokenyardProducer(Producer):
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self.broker = RedisBroker(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
+        self.broker = connect(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
         self.enqueued = 0
         self.job_ids: dict[str, str] = {}  # bench id -> tokenyard job id
 
@@ -312,18 +312,18 @@ class TokenyardProducer(Producer):
         return spec
 
     async def enqueue(self, job_id: str) -> None:
-        await self.broker.enqueue(self._spec(job_id))
+        await self.broker.queue.enqueue(self._spec(job_id))
 
     async def enqueue_batched(self, ids: Sequence[str], batch: int) -> None:
         specs = [self._spec(i) for i in ids]
         for k in range(0, len(specs), batch):
-            await self.broker.enqueue_many(specs[k : k + batch])
+            await self.broker.queue.enqueue_many(specs[k : k + batch])
 
     async def wait_done(self, job_id: str, timeout_s: float) -> None:
         await finished(self.broker, self.job_ids[job_id], timeout_s)
 
     async def done_count(self) -> int:
-        return self.enqueued - await self.broker.depth(MODEL)
+        return self.enqueued - await self.broker.queue.depth(MODEL)
 
     async def verify(self, ids: Sequence[str]) -> int:
         return await succeeded(self.broker, [self.job_ids[i] for i in ids])
@@ -336,22 +336,22 @@ class TokenyardProducer(Producer):
         await super().close()
 
 
-async def finished(broker: RedisBroker, job_id: str, timeout_s: float) -> None:
+async def finished(broker: Backend, job_id: str, timeout_s: float) -> None:
     """Follow a job's events until its Finished event."""
     give_up = time.monotonic() + timeout_s
     after = "0"
     while (left := give_up - time.monotonic()) > 0:
-        for event_id, event in await broker.read_events(job_id, after, block_s=left):
+        for event_id, event in await broker.queue.read_events(job_id, after, block_s=left):
             after = event_id
             if isinstance(event, Finished):
                 return
     raise TimeoutError(f"job {job_id} not done after {timeout_s} s")
 
 
-async def succeeded(broker: RedisBroker, job_ids: Sequence[str]) -> int:
+async def succeeded(broker: Backend, job_ids: Sequence[str]) -> int:
     count = 0
     for k in range(0, len(job_ids), 64):
-        records = await asyncio.gather(*(broker.record(j) for j in job_ids[k : k + 64]))
+        records = await asyncio.gather(*(broker.queue.record(j) for j in job_ids[k : k + 64]))
         count += sum(r is not None and r.status is JobStatus.SUCCEEDED for r in records)
     return count
 
@@ -506,7 +506,7 @@ def celery_app(url: str) -> Any:
 def dramatiq_actor(url: str, fn: Callable[[str], None]) -> tuple[Any, Any]:
     """A Redis broker and the no-op actor declared on it."""
     dramatiq = peer("dramatiq")
-    broker = peer("dramatiq.brokers.redis").RedisBroker(url=url, namespace=PREFIX)
+    broker = peer("dramatiq.brokers.redis").connect(url=url, namespace=PREFIX)
     dramatiq.set_broker(broker)
     actor = dramatiq.actor(fn, actor_name="qo_noop", queue_name=QUEUE, max_retries=0, broker=broker)
     return broker, actor
@@ -533,7 +533,7 @@ def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> 
     """The real worker on a SimEngine whose every cost is 0."""
 
     async def main() -> None:
-        broker = RedisBroker(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
+        broker = connect(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
         await wait_until_ready(broker)
         engine = SimEngine(
             max_seqs=settings["max_seqs"],
@@ -560,7 +560,7 @@ def serve_tokenyard_broker(url: str, profile: str | None) -> None:
     )
 
     async def main() -> None:
-        broker = RedisBroker(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
+        broker = connect(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
         await wait_until_ready(broker)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -568,11 +568,11 @@ def serve_tokenyard_broker(url: str, profile: str | None) -> None:
             loop.add_signal_handler(sig, stop.set)
         consumer = f"bench:{os.getpid()}"
         while not stop.is_set():
-            leases = await broker.claim(
+            leases = await broker.queue.claim(
                 MODEL, consumer, settings["slots"], block_s=settings["claim_block_s"]
             )
             if leases:
-                await broker.complete_many([(lease, result) for lease in leases])
+                await broker.queue.complete_many([(lease, result) for lease in leases])
         await broker.close()
 
     _profiled(main, profile)

@@ -65,7 +65,7 @@ def model_dir() -> Path:
 
 def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespace) -> None:
     """One tokenyard worker on the named engine; SIGTERM drains it."""
-    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.broker import connect
     from tokenyard.config import BrokerSettings, WorkerSettings
     from tokenyard.engines import make_engine
     from tokenyard.worker.run import run_worker
@@ -80,7 +80,7 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
 
     async def serve() -> None:
         settings = WorkerSettings(model=MODEL, engine=engine_name, max_seqs=c)
-        broker = RedisBroker(BrokerSettings(url=url, prefix=prefix))
+        broker = connect(BrokerSettings(url=url, prefix=prefix))
         await run_worker(broker, engine, settings)
 
     asyncio.run(serve())

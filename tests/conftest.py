@@ -8,13 +8,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 
 from tests.servers import Cluster, running_cluster, running_server
-from tokenyard.broker.base import Broker
+from tokenyard.broker import Backend, _whole, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.memory import MemoryBroker
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 
-BrokerFactory = Callable[..., Broker]
+BrokerFactory = Callable[..., Backend]
 
 
 @pytest.fixture(scope="session")
@@ -36,23 +35,24 @@ async def make_broker(
     request: pytest.FixtureRequest, valkey: EmbeddedServer
 ) -> AsyncIterator[BrokerFactory]:
     """Build brokers with settings overrides; each test gets its own key prefix."""
-    made: list[Broker] = []
+    made: list[Backend] = []
     prefix = f"t{uuid.uuid4().hex[:10]}"
     memory_shared: dict[str, MemoryBroker] = {}
 
-    def factory(**overrides: object) -> Broker:
+    def factory(**overrides: object) -> Backend:
         if request.param == "memory":
             # one in-process store per test, as several clients of one Redis would share it
             base = memory_shared.get("store")
             settings = BrokerSettings(url="memory://", prefix=prefix, **overrides)  # type: ignore[arg-type]
-            broker = MemoryBroker(settings, store=base.store if base else None)
-            memory_shared.setdefault("store", broker)
+            memory = MemoryBroker(settings, store=base.store if base else None)
+            memory_shared.setdefault("store", memory)
+            broker = _whole(memory)
         else:
             url = valkey.url
             if request.param == "cluster":
                 url = request.getfixturevalue("valkey_cluster").url
             settings = BrokerSettings(url=url, prefix=prefix, **overrides)  # type: ignore[arg-type]
-            broker = RedisBroker(settings)
+            broker = connect(settings)
         made.append(broker)
         return broker
 

@@ -1,4 +1,4 @@
-"""A standalone test consumer process on the real RedisBroker, driven by the fault tests.
+"""A standalone test consumer process on the real Redis backend, driven by the fault tests.
 
 Run as ``python -m tests.faults.consumer --url URL --prefix P --model M ...``. It prints one
 line per event (``ready``, ``claimed``, ``completed``, ``retried``, ``lost``...), flushed, so a
@@ -18,8 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tokenyard.broker.base import Lease
-from tokenyard.broker.redis import RedisBroker, wait_until_ready
+from tokenyard.broker import connect, wait_until_ready
+from tokenyard.broker.core import Lease
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import FinishReason, JobResult, JobStatus
@@ -45,7 +45,7 @@ class Consumer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.name: str = args.name or f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
-        self.broker = RedisBroker(
+        self.broker = connect(
             BrokerSettings(
                 url=args.url,
                 prefix=args.prefix,
@@ -73,7 +73,7 @@ class Consumer:
             while not self.stop.is_set():
                 try:
                     if time.monotonic() >= next_reap:
-                        report = await self.broker.reap(self.args.model)
+                        report = await self.broker.queue.reap(self.args.model)
                         next_reap = time.monotonic() + self.args.reap_every_s
                         if report.requeued or report.dead:
                             emit("reaped", len(report.requeued), len(report.dead))
@@ -83,7 +83,7 @@ class Consumer:
                         continue
                     # Block no longer than the reap period, so reaping keeps its pace.
                     block = min(0.2, self.args.reap_every_s)
-                    leases = await self.broker.claim(self.args.model, self.name, free, block)
+                    leases = await self.broker.queue.claim(self.args.model, self.name, free, block)
                 except BrokerUnavailable as exc:
                     emit("unavailable", str(exc).replace("\n", " ")[:200])
                     await asyncio.sleep(0.1)
@@ -114,7 +114,9 @@ class Consumer:
             passing = [x for x in live if not (marker and marker in (x.spec.prompt or ""))]
             for lease in failing:
                 # The attempt number in the error lets a test check the dead letter keeps the last.
-                retrying = await self.broker.retry(lease, f"boom attempt {lease.spec.attempt}")
+                retrying = await self.broker.queue.retry(
+                    lease, f"boom attempt {lease.spec.attempt}"
+                )
                 emit("retried" if retrying else "dead", lease.spec.id, lease.spec.attempt)
             await self.complete(passing)
         except BrokerUnavailable as exc:
@@ -137,7 +139,7 @@ class Consumer:
             # which is what a zombie that lost its lease unawares does.
             if every <= 0 or time.monotonic() >= until:
                 break
-            kept = await self.broker.renew(live)
+            kept = await self.broker.queue.renew(live)
             lost = [x for x, ok in zip(live, kept, strict=True) if not ok]
             if lost:
                 emit("lost", len(lost))
@@ -159,10 +161,10 @@ class Consumer:
             )
             for lease in leases
         ]
-        accepted = await self.broker.complete_many(results)
+        accepted = await self.broker.queue.complete_many(results)
         ok = [lease.spec.id for lease, yes in zip(leases, accepted, strict=True) if yes]
         if ok:
-            pipe = self.broker.redis.pipeline(transaction=False)
+            pipe = self.broker.queue.redis.pipeline(transaction=False)
             for job_id in ok:
                 pipe.hincrby(accepted_key(self.args.prefix), job_id, 1)
             await pipe.execute()

@@ -24,9 +24,9 @@ import pytest
 from redis.exceptions import RedisError
 
 from tests.faults.consumer import accepted_key, result_text
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
@@ -158,19 +158,19 @@ class Audit:
         return Counter(r.status for r in self.records.values())
 
 
-async def audit(broker: RedisBroker, ids: Sequence[str]) -> Audit:
+async def audit(broker: Backend, ids: Sequence[str]) -> Audit:
     result = Audit()
     key = accepted_key(broker.settings.prefix)
-    raw = cast(dict[bytes, bytes], await broker.redis.hgetall(key))
+    raw = cast(dict[bytes, bytes], await broker.queue.redis.hgetall(key))
     result.accepted = Counter({k.decode(): int(v) for k, v in raw.items()})
     result.duplicated = {j: n for j, n in result.accepted.items() if n > 1}
     for job_id in ids:
-        record = await broker.record(job_id)
+        record = await broker.queue.record(job_id)
         if record is None or not record.status.terminal:
             result.lost.append(job_id)
             continue
         result.records[job_id] = record
-        events = await broker.read_events(job_id)
+        events = await broker.queue.read_events(job_id)
         result.finished_events[job_id] = sum(isinstance(e, Finished) for _, e in events)
     return result
 
@@ -203,10 +203,10 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
 ) -> None:
     n = 2000
     prefix = new_prefix()
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
     specs = [spec(i) for i in range(n)]
     for chunk in batched(specs, 500):
-        await broker.enqueue_many(chunk)
+        await broker.queue.enqueue_many(chunk)
     procs: list[ConsumerProcess] = []
     try:
         # holds everything it claims for far longer than the test runs
@@ -215,7 +215,7 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
         )
         procs.append(holder)
         await eventually(lambda: holder.claimed >= n, f"holder claims {n}", procs=procs)
-        [normal] = [lane for lane in (await broker.stats(MODEL)).lanes if lane.in_flight]
+        [normal] = [lane for lane in (await broker.queue.stats(MODEL)).lanes if lane.in_flight]
         assert normal.in_flight == n and normal.waiting == 0
 
         holder.send(signal.SIGKILL)
@@ -236,7 +236,7 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
             assert record.result is not None
             assert record.result.text == result_text("rescuer", s.prompt)
             assert record.deliveries == 2  # the holder's, then the rescuer's
-        stats = await broker.stats(MODEL)
+        stats = await broker.queue.stats(MODEL)
         assert all(lane.in_flight == lane.waiting == 0 for lane in stats.lanes)
         assert stats.fenced_completions == 0 and stats.dead_letters == 0
     finally:
@@ -251,9 +251,9 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
 ) -> None:
     lease_s, hold_s = 1.0, 1.5
     prefix = new_prefix()
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
     job = spec(0, "the one job")
-    await broker.enqueue(job)
+    await broker.queue.enqueue(job)
     procs: list[ConsumerProcess] = []
     try:
         # renews while it works; once stopped, its lease runs out
@@ -277,7 +277,7 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
         )
         procs.append(survivor)
         await eventually(lambda: survivor.accepted >= 1, "survivor completes", procs=procs)
-        record = await broker.record(job.id)
+        record = await broker.queue.record(job.id)
         assert record is not None and record.status is JobStatus.SUCCEEDED
 
         # resume only once the zombie's hold is over, so it completes without renewing first
@@ -286,7 +286,7 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
         await eventually(lambda: zombie.fenced >= 1, "zombie's completion is fenced", procs=procs)
 
         assert zombie.accepted == 0
-        assert (await broker.stats(MODEL)).fenced_completions >= 1
+        assert (await broker.queue.stats(MODEL)).fenced_completions >= 1
         found = await audit(broker, [job.id])
         assert found.lost == [] and found.duplicated == {}
         assert found.accepted == {job.id: 1}
@@ -305,7 +305,7 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
     server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
     server.start()
     prefix = new_prefix()
-    broker = RedisBroker(BrokerSettings(url=server.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=server.url, prefix=prefix))
     acknowledged: list[str] = []
     before_crash: list[str] = []
     errors: Counter[str] = Counter()
@@ -324,7 +324,7 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
                 batch = [spec(i + k, key=f"k{i + k}") for k in range(10)]
                 i += len(batch)
             try:
-                results = await broker.enqueue_many(batch)
+                results = await broker.queue.enqueue_many(batch)
             except (BrokerUnavailable, RedisError, OSError) as exc:
                 if not unanswered:
                     unanswered.append(batch)
@@ -384,11 +384,11 @@ async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
 ) -> None:
     n, max_deliveries = 200, 3
     prefix = new_prefix()
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
     bad = spec(-1, "this one will FAIL every time")
     good = [spec(i) for i in range(n)]
-    await broker.enqueue_many([bad, *good[:100]])
-    await broker.enqueue_many(good[100:])
+    await broker.queue.enqueue_many([bad, *good[:100]])
+    await broker.queue.enqueue_many(good[100:])
     options: dict[str, object] = dict(
         slots=32,
         lease_s=5,
@@ -401,12 +401,12 @@ async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
     try:
 
         async def settled() -> bool:
-            stats = await broker.stats(MODEL)
+            stats = await broker.queue.stats(MODEL)
             return stats.dead_letters >= 1 and sum(p.accepted for p in procs) >= n
 
         await eventually(settled, "the bad job dead, the good ones done", 20, procs)
 
-        [letter] = await broker.dead_letters(MODEL)
+        [letter] = await broker.queue.dead_letters(MODEL)
         assert letter.job_id == bad.id and letter.reason == "failed"
         assert letter.error == f"boom attempt {max_deliveries - 1}"
         assert letter.deliveries == max_deliveries
@@ -419,7 +419,7 @@ async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
         dead = found.records[bad.id]
         assert dead.last_error == letter.error and dead.deliveries == max_deliveries
         assert dead.result is not None and letter.error in (dead.result.error or "")
-        stats = await broker.stats(MODEL)
+        stats = await broker.queue.stats(MODEL)
         assert stats.delayed == 0 and stats.fenced_completions == 0
     finally:
         for p in procs:
@@ -433,14 +433,14 @@ async def test_resubmitting_an_unanswered_enqueue_without_a_key_runs_the_job_onc
 ) -> None:
     # What a producer does after BrokerUnavailable when its first try had in fact landed.
     prefix = new_prefix()
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
     try:
         job = spec(0)
-        await broker.enqueue(job)
-        await broker.enqueue(job)
-        leases = await broker.claim(MODEL, "w", slots=10)
+        await broker.queue.enqueue(job)
+        await broker.queue.enqueue(job)
+        leases = await broker.queue.claim(MODEL, "w", slots=10)
         accepted = [
-            await broker.complete(x, JobResult(status=JobStatus.SUCCEEDED, text=f"run {i}"))
+            await broker.queue.complete(x, JobResult(status=JobStatus.SUCCEEDED, text=f"run {i}"))
             for i, x in enumerate(leases)
         ]
         assert accepted.count(True) == 1, f"{len(leases)} leases, accepted {accepted}"

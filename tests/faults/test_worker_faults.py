@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     Finished,
@@ -75,8 +75,8 @@ def workers(valkey: EmbeddedServer) -> Iterator[Workers]:
 
 
 @pytest.fixture
-async def broker(workers: Workers) -> AsyncIterator[RedisBroker]:
-    client = RedisBroker(BrokerSettings(url=workers.url, prefix=workers.prefix, lease_s=LEASE_S))
+async def broker(workers: Workers) -> AsyncIterator[Backend]:
+    client = connect(BrokerSettings(url=workers.url, prefix=workers.prefix, lease_s=LEASE_S))
     yield client
     await client.close()
 
@@ -93,33 +93,33 @@ def greedy_jobs(n: int, max_tokens: int = 24) -> list[JobSpec]:
     ]
 
 
-async def results(broker: RedisBroker, ids: list[str], timeout: float) -> dict[str, JobResult]:
+async def results(broker: Backend, ids: list[str], timeout: float) -> dict[str, JobResult]:
     give_up = time.monotonic() + timeout
     done: dict[str, JobResult] = {}
     while len(done) < len(ids):
         assert time.monotonic() < give_up, f"{len(ids) - len(done)} jobs never finished"
         for job_id in ids:
             if job_id not in done:
-                record = await broker.record(job_id)
+                record = await broker.queue.record(job_id)
                 if record is not None and record.result is not None:
                     done[job_id] = record.result
         await asyncio.sleep(0.2)
     return done
 
 
-async def streamed_text(broker: RedisBroker, job_id: str) -> tuple[str, int]:
+async def streamed_text(broker: Backend, job_id: str) -> tuple[str, int]:
     """The text a reader of the event stream saw, and how many Finished events it got."""
-    events = [e for _, e in await broker.read_events(job_id, count=100_000)]
+    events = [e for _, e in await broker.queue.read_events(job_id, count=100_000)]
     text = "".join(e.text for e in events if isinstance(e, TokenChunk))
     return text, sum(isinstance(e, Finished) for e in events)
 
 
-async def wait_for_tokens(broker: RedisBroker, ids: list[str], at_least: int) -> None:
+async def wait_for_tokens(broker: Backend, ids: list[str], at_least: int) -> None:
     give_up = time.monotonic() + 120
     while time.monotonic() < give_up:
         started = 0
         for job_id in ids:
-            if await broker.read_events(job_id, count=1):
+            if await broker.queue.read_events(job_id, count=1):
                 started += 1
         if started >= at_least:
             return
@@ -128,21 +128,23 @@ async def wait_for_tokens(broker: RedisBroker, ids: list[str], at_least: int) ->
 
 
 async def test_sigkill_mid_generation_resumes_to_identical_text(
-    workers: Workers, broker: RedisBroker
+    workers: Workers, broker: Backend
 ) -> None:
     reference_jobs = greedy_jobs(50)
     first = workers.start()
-    await broker.enqueue_many(reference_jobs)
+    await broker.queue.enqueue_many(reference_jobs)
     reference = await results(broker, [j.id for j in reference_jobs], timeout=240)
 
     jobs = greedy_jobs(50)
-    await broker.enqueue_many(jobs)
+    await broker.queue.enqueue_many(jobs)
     ids = [j.id for j in jobs]
     await wait_for_tokens(broker, ids, at_least=8)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     mid_flight = [
-        r for r in [await broker.record(i) for i in ids] if r and r.status is JobStatus.RUNNING
+        r
+        for r in [await broker.queue.record(i) for i in ids]
+        if r and r.status is JobStatus.RUNNING
     ]
     assert mid_flight, "the kill should catch jobs in flight"
 
@@ -155,21 +157,21 @@ async def test_sigkill_mid_generation_resumes_to_identical_text(
         assert result.token_ids == reference[ref_job.id].token_ids
         text, finishes = await streamed_text(broker, job.id)
         assert text == result.text and finishes == 1  # the reader saw one unbroken answer
-    resumed = [r for r in [await broker.record(i) for i in ids] if r and r.deliveries > 1]
+    resumed = [r for r in [await broker.queue.record(i) for i in ids] if r and r.deliveries > 1]
     assert len(resumed) >= len(mid_flight)
 
 
 async def test_sigterm_under_load_drains_without_loss_or_duplicates(
-    workers: Workers, broker: RedisBroker
+    workers: Workers, broker: Backend
 ) -> None:
     first = workers.start("--drain-timeout-s", "1")
     jobs = greedy_jobs(60, max_tokens=48)
-    await broker.enqueue_many(jobs)
+    await broker.queue.enqueue_many(jobs)
     ids = [j.id for j in jobs]
     await wait_for_tokens(broker, ids, at_least=8)
     first.send_signal(signal.SIGTERM)
     assert first.wait(60) == 0, first.stderr.read().decode() if first.stderr else ""
-    assert not await broker.workers(MODEL)  # it deregistered
+    assert not await broker.registry.workers(MODEL)  # it deregistered
 
     workers.start()
     done = await results(broker, ids, timeout=240)
@@ -178,36 +180,36 @@ async def test_sigterm_under_load_drains_without_loss_or_duplicates(
         text, finishes = await streamed_text(broker, job_id)
         assert finishes == 1 and text == done[job_id].text
         assert done[job_id].completion_tokens == 48
-    stats = await broker.stats(MODEL)
+    stats = await broker.queue.stats(MODEL)
     assert stats.dead_letters == 0
     assert sum(lane.waiting + lane.in_flight for lane in stats.lanes) == 0
 
 
 async def test_worker_process_exits_cleanly_on_sigterm_when_idle(
-    workers: Workers, broker: RedisBroker
+    workers: Workers, broker: Backend
 ) -> None:
     proc = workers.start()
     give_up = time.monotonic() + 120
-    while not await broker.workers(MODEL):
+    while not await broker.registry.workers(MODEL):
         assert time.monotonic() < give_up and proc.poll() is None, "worker never registered"
         await asyncio.sleep(0.1)
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(60) == 0
-    assert not await broker.workers(MODEL)
+    assert not await broker.registry.workers(MODEL)
 
 
 async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
-    workers: Workers, broker: RedisBroker
+    workers: Workers, broker: Backend
 ) -> None:
     """Jobs no engine can take, batched among 100 good ones: each poison ends with its reason."""
     env = {"TOKENYARD_BROKER_MAX_DELIVERIES": "2", "TOKENYARD_BROKER_BACKOFF_BASE_S": "0.05"}
     procs = [workers.start(engine="sim", env=env) for _ in range(2)]
     give_up = time.monotonic() + 60
-    while len(await broker.workers(MODEL)) < 2:
+    while len(await broker.registry.workers(MODEL)) < 2:
         assert time.monotonic() < give_up, "workers never registered"
         await asyncio.sleep(0.1)
-    consumers = {w.consumer for w in await broker.workers(MODEL)}
-    [limits] = {w.limits for w in await broker.workers(MODEL)}
+    consumers = {w.consumer for w in await broker.registry.workers(MODEL)}
+    [limits] = {w.limits for w in await broker.registry.workers(MODEL)}
     assert limits is not None and limits.vocab_size > 0
 
     def poison(name: str, prompt: str | None, ids: list[int] | None) -> JobSpec:
@@ -222,7 +224,7 @@ async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
     engine_fault = poison("engine-fault", "this one makes the engine [[fail]]", None)
     good = greedy_jobs(100, max_tokens=32)
     jobs = [*good[:50], too_long, unknown_token, engine_fault, *good[50:]]
-    await broker.enqueue_many(jobs)
+    await broker.queue.enqueue_many(jobs)
     done = await results(broker, [j.id for j in jobs], timeout=120)
 
     assert all(done[j.id].status is JobStatus.SUCCEEDED for j in good)
@@ -231,32 +233,32 @@ async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
     assert "maximum context length" in (done[too_long.id].error or "")
     assert done[unknown_token.id].status is JobStatus.FAILED
     assert "token ids must be in" in (done[unknown_token.id].error or "")
-    fault = await broker.record(engine_fault.id)
+    fault = await broker.queue.record(engine_fault.id)
     assert fault is not None and fault.status is JobStatus.DEAD and fault.deliveries == 2
     assert "injected" in (fault.last_error or "")
-    [letter] = await broker.dead_letters(MODEL)
+    [letter] = await broker.queue.dead_letters(MODEL)
     assert letter.job_id == engine_fault.id and "injected" in (letter.error or "")
     # the refused ones were never retried, and no worker died on the way
     for refused in (too_long, unknown_token):
-        record = await broker.record(refused.id)
+        record = await broker.queue.record(refused.id)
         assert record is not None and record.deliveries == 1
     assert all(proc.poll() is None for proc in procs)
-    assert {w.consumer for w in await broker.workers(MODEL)} == consumers
+    assert {w.consumer for w in await broker.registry.workers(MODEL)} == consumers
 
 
 async def test_sigkill_while_holding_a_concurrency_slot_does_not_leak_it(
-    workers: Workers, broker: RedisBroker
+    workers: Workers, broker: Backend
 ) -> None:
     quota = Quota(max_concurrent=1)
     [job] = greedy_jobs(1, max_tokens=300)  # ~3 s on the sim engine
     job.tenant, job.quota = "acme", True
 
     async def admitted(job_id: str) -> bool:
-        [decision] = await broker.reserve("acme", quota, [(job_id, 10)])
+        [decision] = await broker.quotas.reserve("acme", quota, [(job_id, 10)])
         return decision.admitted
 
     assert await admitted(job.id)
-    await broker.enqueue(job)
+    await broker.queue.enqueue(job)
     first = workers.start(engine="sim")
     await wait_for_tokens(broker, [job.id], at_least=1)
     first.send_signal(signal.SIGKILL)

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineTokenizer
 from tokenyard.engines.sim import SimEngine, SimTokenizer
@@ -52,9 +52,9 @@ class Stack:
     model: str
     broker_settings: BrokerSettings
     loop: asyncio.AbstractEventLoop
-    gateway_broker: RedisBroker
+    gateway_broker: Backend
     worker_options: dict[str, Any]
-    workers: list[tuple[Worker, asyncio.Task[None], RedisBroker]] = field(default_factory=list)
+    workers: list[tuple[Worker, asyncio.Task[None], Backend]] = field(default_factory=list)
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 30.0), **kwargs)
@@ -64,7 +64,7 @@ class Stack:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start_worker(self, engine: Engine) -> Worker:
-        broker = RedisBroker(self.broker_settings)
+        broker = connect(self.broker_settings)
         options: dict[str, Any] = {
             "model": self.model,
             "engine": "sim",
@@ -94,8 +94,8 @@ class Stack:
         broker = self.gateway_broker
 
         async def scan() -> list[str]:
-            pattern = broker.keys.job_prefix(model) + "*"
-            found = [k.decode() async for k in broker.redis.scan_iter(match=pattern)]
+            pattern = broker.queue.keys.job_prefix(model) + "*"
+            found = [k.decode() async for k in broker.queue.redis.scan_iter(match=pattern)]
             return [k.rsplit(":", 1)[-1] for k in found]
 
         ids: list[str] = self.call(scan())
@@ -158,7 +158,7 @@ def run_stack(
     errors: list[BaseException] = []
 
     async def main() -> None:
-        gateway_broker = RedisBroker(broker_settings)
+        gateway_broker = connect(broker_settings)
         app = create_app(
             gw_settings,
             gateway_broker,

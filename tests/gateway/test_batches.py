@@ -84,7 +84,7 @@ def test_openai_client_batch_round_trip(bstack: Stack) -> None:
     assert first["response"]["body"]["usage"]["completion_tokens"] == 4
     # the batch ran in the batch lane
     job = first["response"]["request_id"]
-    record = bstack.call(bstack.gateway_broker.record(job))
+    record = bstack.call(bstack.gateway_broker.queue.record(job))
     assert record.spec.priority.name == "BATCH" and record.spec.tenant == "acme"
     # list with after/limit
     other = c.batches.create(
@@ -354,7 +354,9 @@ def test_tenant_quota_applies_to_batch_jobs(bstack: Stack) -> None:
     from tokenyard.tenancy.records import TenantConfig
 
     broker = bstack.gateway_broker
-    bstack.call(broker.put_tenant(TenantConfig(name="globex", quota=Quota(max_concurrent=2))))
+    bstack.call(
+        broker.directory.put_tenant(TenantConfig(name="globex", quota=Quota(max_concurrent=2)))
+    )
     try:
         c = _client(bstack, "key-b")
         rows = [_request(i) for i in range(12)]
@@ -373,7 +375,7 @@ def test_tenant_quota_applies_to_batch_jobs(bstack: Stack) -> None:
             json.loads(x)["response"]["request_id"]
             for x in c.files.content(done.output_file_id or "").text.splitlines()
         ]
-        records = bstack.call(broker.records(jobs))
+        records = bstack.call(broker.queue.records(jobs))
         assert all(r is not None and r.spec.quota for r in records)  # reserved, then settled
     finally:
-        bstack.call(broker.put_tenant(TenantConfig(name="globex")))
+        bstack.call(broker.directory.put_tenant(TenantConfig(name="globex")))

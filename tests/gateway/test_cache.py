@@ -29,7 +29,7 @@ def gateways(valkey: EmbeddedServer) -> Iterator[tuple[Stack, Stack]]:
         run_stack(valkey, engines=[], prefix=a.prefix) as b,
     ):
         give_up = time.monotonic() + 10
-        while not a.call(a.gateway_broker.workers(MODEL)):
+        while not a.call(a.gateway_broker.registry.workers(MODEL)):
             assert time.monotonic() < give_up, "the worker never sent a heartbeat"
             time.sleep(0.05)
         yield a, b
@@ -180,7 +180,7 @@ def test_a_collapsed_job_is_cancelled_only_when_its_last_follower_leaves(
                 chunks = [ev.json() for ev in events(second) if ev.data != "[DONE]"]
                 assert all("choices" in c for c in chunks), chunks[-1]
                 texts = [c["choices"][0]["text"] for c in chunks]
-        record = a.call(a.gateway_broker.record(job_id))
+        record = a.call(a.gateway_broker.queue.record(job_id))
         assert record.status is JobStatus.SUCCEEDED
         assert record.result.completion_tokens == 40
         assert "".join(texts) == record.result.text
@@ -195,7 +195,7 @@ def test_a_collapsed_job_is_cancelled_only_when_its_last_follower_leaves(
                 assert second.headers["x-cache"] == "collapsed"
                 next(events(second))  # and leaves
                 time.sleep(0.3)
-                record = a.call(a.gateway_broker.record(job_id))
+                record = a.call(a.gateway_broker.queue.record(job_id))
                 assert record.status is JobStatus.RUNNING  # the first caller still follows
             reading.close()
         wait_status(a, job_id, JobStatus.CANCELLED, timeout=5.0)

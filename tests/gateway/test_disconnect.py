@@ -16,7 +16,7 @@ from tokenyard.messages import JobStatus
 def wait_status(stack: Stack, job_id: str, want: JobStatus, timeout: float = 10.0) -> None:
     give_up = time.monotonic() + timeout
     while True:
-        record = stack.call(stack.gateway_broker.record(job_id))
+        record = stack.call(stack.gateway_broker.queue.record(job_id))
         if record is not None and record.status is want:
             return
         assert time.monotonic() < give_up, f"job {job_id} is {record and record.status}"
@@ -37,7 +37,7 @@ def test_dropped_sync_request_cancels_its_job_and_frees_the_slot(one_slot: Stack
         http.post("/v1/completions", json=long_body)
     [job_id] = stack.job_ids()
     wait_status(stack, job_id, JobStatus.CANCELLED, timeout=5.0)
-    record = stack.call(stack.gateway_broker.record(job_id))
+    record = stack.call(stack.gateway_broker.queue.record(job_id))
     assert record.result is not None and record.result.completion_tokens < 200
 
     started = time.monotonic()

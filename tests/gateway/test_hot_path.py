@@ -14,9 +14,8 @@ import redis
 
 from tests.gateway.conftest import MODEL, run_stack, slow_engine
 from tests.gateway.sse import events
-from tokenyard.broker import new_job_id
+from tokenyard.broker import connect, new_job_id
 from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.gateway.events import EventHub
@@ -131,12 +130,12 @@ def test_many_streams_share_few_blocking_reads(valkey: EmbeddedServer) -> None:
 
 
 async def test_hub_serves_many_followers_with_few_reads(valkey: EmbeddedServer) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"hub{time.time_ns()}"))
+    broker = connect(BrokerSettings(url=valkey.url, prefix=f"hub{time.time_ns()}"))
     try:
         specs = [JobSpec(id=new_job_id(MODEL), model=MODEL, prompt="x") for _ in range(40)]
-        await broker.enqueue_many(specs)
-        leases = await broker.claim(MODEL, "w", slots=len(specs))
-        hub = EventHub(broker, block_s=2.0, max_reads=2)
+        await broker.queue.enqueue_many(specs)
+        leases = await broker.queue.claim(MODEL, "w", slots=len(specs))
+        hub = EventHub(broker.queue, block_s=2.0, max_reads=2)
         follows = [hub.follow(s.id, MODEL) for s in specs]
 
         async def drain(index: int) -> list[str]:
@@ -150,11 +149,11 @@ async def test_hub_serves_many_followers_with_few_reads(valkey: EmbeddedServer) 
         readers = [asyncio.create_task(drain(i)) for i in range(len(follows))]
         for step in range(3):
             await asyncio.sleep(0.02)
-            await broker.append_events(
+            await broker.queue.append_events(
                 [(lease, TokenChunk(token_ids=[step], text=str(step))) for lease in leases]
             )
         done = JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.LENGTH)
-        await broker.complete_many([(lease, done) for lease in leases])
+        await broker.queue.complete_many([(lease, done) for lease in leases])
         got = await asyncio.wait_for(asyncio.gather(*readers), 10)
         assert got == [["0", "1", "2"]] * len(specs)
         # one read per wake-up for all 40 jobs, not one per job per event
@@ -177,7 +176,7 @@ def test_requests_are_checked_against_the_limits_workers_publish(valkey: Embedde
                 started_at=time.time(),
                 limits=ModelLimits(max_model_len=context, max_seqs=4, token_budget=context),
             )
-            stack.call(broker.heartbeat(info, ttl_s=30))
+            stack.call(broker.registry.heartbeat(info, ttl_s=30))
         with stack.client() as http:
             # the loosest worker decides: 100 tokens fit the large one
             fits = http.post("/v1/jobs", json={**BODY, "prompt": "x" * 92, "max_tokens": 8})
@@ -187,6 +186,6 @@ def test_requests_are_checked_against_the_limits_workers_publish(valkey: Embedde
         error = too_long.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
         assert error["message"].startswith("This model's maximum context length is 128 tokens.")
-        record = stack.call(broker.record(fits.json()["id"]))
+        record = stack.call(broker.queue.record(fits.json()["id"]))
         # the gateway tokenized the prompt once; the job carries the ids
         assert record.spec.prompt_token_ids == SimTokenizer().encode("x" * 92)

@@ -113,7 +113,7 @@ def test_tracing_off_still_carries_the_callers_traceparent(stack: Stack) -> None
             headers={"traceparent": traceparent},
         )
     assert reply.status_code == 202
-    record: JobRecord = stack.call(stack.gateway_broker.record(reply.json()["id"]))
+    record: JobRecord = stack.call(stack.gateway_broker.queue.record(reply.json()["id"]))
     assert record.spec.trace_context == {"traceparent": traceparent}
 
 

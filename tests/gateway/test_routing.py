@@ -59,11 +59,11 @@ def test_short_prompts_go_to_the_small_model_until_it_is_congested(
             )
             for _ in range(4)
         ]
-        big.call(big.gateway_broker.enqueue_many(backlog))
+        big.call(big.gateway_broker.queue.enqueue_many(backlog))
         time.sleep(0.3)  # past the depth reading's TTL
         assert served_by("big", "short") == "big"
         for spec in backlog:
-            big.call(big.gateway_broker.cancel(spec.id))
+            big.call(big.gateway_broker.queue.cancel(spec.id))
 
         metrics = http.get("/metrics").text
         assert (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenyard.broker.base import CancelOutcome
+from tokenyard.broker.core import CancelOutcome
 from tokenyard.errors import FatalError, InvalidRequest
 from tokenyard.gateway import gateway_settings
 from tokenyard.gateway.auth import KeyRing, Tenant

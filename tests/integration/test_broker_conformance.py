@@ -9,10 +9,10 @@ import msgspec
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.broker.base import Broker, CancelOutcome, Lease, Settlement
-from tokenyard.broker.batches import batch_store
+from tokenyard.broker import Backend
+from tokenyard.broker.core import CancelOutcome, Lease
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
+from tokenyard.broker.tables import Settlement
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
     BatchRecord,
@@ -71,76 +71,76 @@ def ok(lease: Lease, text: str = "done") -> JobResult:
 async def test_enqueue_claim_complete_round_trip(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     spec = job()
-    created = await broker.enqueue(spec)
+    created = await broker.queue.enqueue(spec)
     assert created.created and created.job_id == spec.id
 
-    record = await broker.record(spec.id)
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.QUEUED
     assert record.spec.trace_context == spec.trace_context
     assert record.spec.sampling.stop == ("\n",)
 
-    [lease] = await broker.claim(MODEL, "w1", slots=4)
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=4)
     assert lease.spec.id == spec.id and lease.spec.attempt == 0
     assert lease.spec.prompt == "hello"
-    running = await broker.record(spec.id)
+    running = await broker.queue.record(spec.id)
     assert running is not None and running.status is JobStatus.RUNNING
     assert running.worker == "w1" and running.started_at is not None
 
-    assert await broker.complete(lease, ok(lease))
-    done = await broker.record(spec.id)
+    assert await broker.queue.complete(lease, ok(lease))
+    done = await broker.queue.record(spec.id)
     assert done is not None and done.status is JobStatus.SUCCEEDED
     assert done.result is not None and done.result.text == "done"
     assert done.finished_at is not None
 
-    events = await broker.read_events(spec.id)
+    events = await broker.queue.read_events(spec.id)
     assert isinstance(events[-1][1], Finished)
     assert events[-1][1].result.text == "done"
 
-    assert await broker.claim(MODEL, "w1", slots=4) == []
-    stats = await broker.stats(MODEL)
+    assert await broker.queue.claim(MODEL, "w1", slots=4) == []
+    stats = await broker.queue.stats(MODEL)
     assert sum(lane.waiting + lane.in_flight for lane in stats.lanes) == 0
-    assert MODEL in await broker.models()
+    assert MODEL in await broker.queue.models()
 
 
 async def test_second_completion_is_rejected(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    await broker.enqueue(job())
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
-    assert await broker.complete(lease, ok(lease, "first"))
-    assert not await broker.complete(lease, ok(lease, "second"))
-    record = await broker.record(lease.spec.id)
+    await broker.queue.enqueue(job())
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.complete(lease, ok(lease, "first"))
+    assert not await broker.queue.complete(lease, ok(lease, "second"))
+    record = await broker.queue.record(lease.spec.id)
     assert record is not None and record.result is not None
     assert record.result.text == "first"
 
 
 async def test_idempotency_key_returns_the_same_job(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    first = await broker.enqueue(job(key="req-1"))
-    again = await broker.enqueue(job(key="req-1"))
-    other_tenant = await broker.enqueue(job(key="req-1", tenant="other"))
+    first = await broker.queue.enqueue(job(key="req-1"))
+    again = await broker.queue.enqueue(job(key="req-1"))
+    other_tenant = await broker.queue.enqueue(job(key="req-1", tenant="other"))
     assert first.created and not again.created
     assert again.job_id == first.job_id
     assert other_tenant.created and other_tenant.job_id != first.job_id
-    leases = await broker.claim(MODEL, "w1", slots=10)
+    leases = await broker.queue.claim(MODEL, "w1", slots=10)
     assert sorted(lease.spec.id for lease in leases) == sorted([first.job_id, other_tenant.job_id])
 
 
 async def test_claim_takes_no_more_than_free_slots(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    await broker.enqueue_many([job() for _ in range(10)])
-    assert len(await broker.claim(MODEL, "w1", slots=3)) == 3
-    assert len(await broker.claim(MODEL, "w1", slots=0)) == 0
-    assert len(await broker.claim(MODEL, "w2", slots=100)) == 7
-    stats = await broker.stats(MODEL)
+    await broker.queue.enqueue_many([job() for _ in range(10)])
+    assert len(await broker.queue.claim(MODEL, "w1", slots=3)) == 3
+    assert len(await broker.queue.claim(MODEL, "w1", slots=0)) == 0
+    assert len(await broker.queue.claim(MODEL, "w2", slots=100)) == 7
+    stats = await broker.queue.stats(MODEL)
     assert sum(lane.in_flight for lane in stats.lanes) == 10
 
 
 async def test_higher_priority_first(make_broker: BrokerFactory) -> None:
     broker = make_broker(starvation_every=0)
-    low = await broker.enqueue(job(Priority.LOW))
-    normal = await broker.enqueue(job(Priority.NORMAL))
-    high = await broker.enqueue(job(Priority.HIGH))
-    order = [(await broker.claim(MODEL, "w", slots=1))[0].spec.id for _ in range(3)]
+    low = await broker.queue.enqueue(job(Priority.LOW))
+    normal = await broker.queue.enqueue(job(Priority.NORMAL))
+    high = await broker.queue.enqueue(job(Priority.HIGH))
+    order = [(await broker.queue.claim(MODEL, "w", slots=1))[0].spec.id for _ in range(3)]
     assert order == [high.job_id, normal.job_id, low.job_id]
 
 
@@ -148,14 +148,14 @@ async def test_low_priority_progresses_under_sustained_high_load(
     make_broker: BrokerFactory,
 ) -> None:
     broker = make_broker(starvation_every=4)
-    await broker.enqueue_many([job(Priority.LOW) for _ in range(5)])
-    await broker.enqueue_many([job(Priority.NORMAL) for _ in range(5)])
+    await broker.queue.enqueue_many([job(Priority.LOW) for _ in range(5)])
+    await broker.queue.enqueue_many([job(Priority.NORMAL) for _ in range(5)])
     served: list[Priority] = []
     for _ in range(40):
-        await broker.enqueue(job(Priority.HIGH))  # high-priority work never runs out
-        [lease] = await broker.claim(MODEL, "w", slots=1)
+        await broker.queue.enqueue(job(Priority.HIGH))  # high-priority work never runs out
+        [lease] = await broker.queue.claim(MODEL, "w", slots=1)
         served.append(lease.spec.priority)
-        await broker.complete(lease, ok(lease))
+        await broker.queue.complete(lease, ok(lease))
     assert served.count(Priority.LOW) >= 3
     assert served.count(Priority.NORMAL) >= 3
     assert served.count(Priority.HIGH) >= 30
@@ -164,21 +164,21 @@ async def test_low_priority_progresses_under_sustained_high_load(
 async def test_blocking_claim_wakes_on_enqueue(make_broker: BrokerFactory) -> None:
     consumer = make_broker()
     producer = make_broker()
-    await consumer.claim(MODEL, "w", slots=1)  # lanes exist before the waiter blocks
+    await consumer.queue.claim(MODEL, "w", slots=1)  # lanes exist before the waiter blocks
 
     async def enqueue_later() -> str:
         await asyncio.sleep(0.2)
-        return (await producer.enqueue(job(Priority.LOW))).job_id
+        return (await producer.queue.enqueue(job(Priority.LOW))).job_id
 
     started = time.monotonic()
     task = asyncio.create_task(enqueue_later())
-    leases = await consumer.claim(MODEL, "w", slots=1, block_s=5.0)
+    leases = await consumer.queue.claim(MODEL, "w", slots=1, block_s=5.0)
     waited = time.monotonic() - started
     assert [lease.spec.id for lease in leases] == [await task]
     assert waited < 2.0
 
     started = time.monotonic()
-    assert await consumer.claim(MODEL, "w", slots=1, block_s=0.3) == []
+    assert await consumer.queue.claim(MODEL, "w", slots=1, block_s=0.3) == []
     assert time.monotonic() - started >= 0.25
 
 
@@ -187,24 +187,24 @@ async def test_claim_after_an_idle_claim_sees_work_that_came_meanwhile(
 ) -> None:
     consumer = make_broker(starvation_every=0)
     producer = make_broker()
-    assert await consumer.claim(MODEL, "w", slots=1, block_s=0.05) == []  # idle: lanes known
-    low = await producer.enqueue(job(Priority.LOW))
-    high = await producer.enqueue(job(Priority.HIGH))
+    assert await consumer.queue.claim(MODEL, "w", slots=1, block_s=0.05) == []  # idle: lanes known
+    low = await producer.queue.enqueue(job(Priority.LOW))
+    high = await producer.queue.enqueue(job(Priority.HIGH))
     started = time.monotonic()
-    first = await consumer.claim(MODEL, "w", slots=1, block_s=5.0)
+    first = await consumer.queue.claim(MODEL, "w", slots=1, block_s=5.0)
     assert [lease.spec.id for lease in first] == [high.job_id]  # priority order still holds
     assert time.monotonic() - started < 2.0
-    [second] = await consumer.claim(MODEL, "w", slots=1, block_s=5.0)
+    [second] = await consumer.queue.claim(MODEL, "w", slots=1, block_s=5.0)
     assert second.spec.id == low.job_id
 
     async def enqueue_later() -> str:
         await asyncio.sleep(0.2)
-        return (await producer.enqueue(job())).job_id
+        return (await producer.queue.enqueue(job())).job_id
 
-    assert await consumer.claim(MODEL, "w", slots=1, block_s=0.05) == []
+    assert await consumer.queue.claim(MODEL, "w", slots=1, block_s=0.05) == []
     task = asyncio.create_task(enqueue_later())
     started = time.monotonic()
-    woken = await consumer.claim(MODEL, "w", slots=2, block_s=5.0)
+    woken = await consumer.queue.claim(MODEL, "w", slots=2, block_s=5.0)
     assert [lease.spec.id for lease in woken] == [await task]
     assert time.monotonic() - started < 2.0
 
@@ -212,17 +212,17 @@ async def test_claim_after_an_idle_claim_sees_work_that_came_meanwhile(
 async def test_completing_a_batch_across_lanes(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     specs = [job(p) for p in Priority for _ in range(3)]
-    await broker.enqueue_many(specs)
-    leases = await broker.claim(MODEL, "w", slots=len(specs))
+    await broker.queue.enqueue_many(specs)
+    leases = await broker.queue.claim(MODEL, "w", slots=len(specs))
     assert len(leases) == len(specs)
     again = leases[0]
-    flags = await broker.complete_many([(lease, ok(lease)) for lease in [*leases, again]])
+    flags = await broker.queue.complete_many([(lease, ok(lease)) for lease in [*leases, again]])
     assert flags == [True] * len(specs) + [False]  # the same lease twice: the second is fenced
-    stats = await broker.stats(MODEL)
+    stats = await broker.queue.stats(MODEL)
     assert all(lane.waiting == lane.in_flight == 0 for lane in stats.lanes)
     assert [lane.priority for lane in stats.lanes] == list(Priority)
     for spec in specs:
-        events = await broker.read_events(spec.id)
+        events = await broker.queue.read_events(spec.id)
         assert [type(e) for _, e in events] == [Finished]
 
 
@@ -231,15 +231,15 @@ async def test_fenced_batches_may_mix_models(make_broker: BrokerFactory) -> None
     other = "other-model"
     first = job()
     second = JobSpec(id=new_job_id(other), model=other, prompt="hi")
-    await broker.enqueue_many([first, second])
-    [a] = await broker.claim(MODEL, "w", slots=1)
-    [b] = await broker.claim(other, "w", slots=1)
+    await broker.queue.enqueue_many([first, second])
+    [a] = await broker.queue.claim(MODEL, "w", slots=1)
+    [b] = await broker.queue.claim(other, "w", slots=1)
     assert (a.model, b.model) == (MODEL, other) and a.priority is Priority.NORMAL
     chunk = TokenChunk(token_ids=[1], text="a")
-    assert await broker.append_events([(a, chunk), (b, chunk), (a, chunk)]) == [True] * 3
-    assert await broker.renew([a, b]) == [True, True]
-    assert await broker.release([a, b]) == 2
-    assert await broker.renew([a, b]) == [False, False]
+    assert await broker.queue.append_events([(a, chunk), (b, chunk), (a, chunk)]) == [True] * 3
+    assert await broker.queue.renew([a, b]) == [True, True]
+    assert await broker.queue.release([a, b]) == 2
+    assert await broker.queue.renew([a, b]) == [False, False]
 
 
 async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
@@ -247,36 +247,38 @@ async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
 ) -> None:
     broker = make_broker(lease_s=0.2)
     spec = job()
-    await broker.enqueue(spec)
-    [zombie] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(spec)
+    [zombie] = await broker.queue.claim(MODEL, "w1", slots=1)
     await asyncio.sleep(0.35)
-    report = await broker.reap(MODEL)
+    report = await broker.queue.reap(MODEL)
     assert report.requeued == [spec.id] and report.dead == []
 
-    [fresh] = await broker.claim(MODEL, "w2", slots=1)
+    [fresh] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert fresh.spec.id == spec.id and fresh.spec.attempt == 1
 
-    assert await broker.append_events([(zombie, TokenChunk(token_ids=[9], text="z"))]) == [False]
-    assert await broker.renew([zombie]) == [False]
-    assert not await broker.complete(zombie, ok(zombie, "zombie"))
-    assert await broker.complete(fresh, ok(fresh, "fresh"))
-    record = await broker.record(spec.id)
+    assert await broker.queue.append_events([(zombie, TokenChunk(token_ids=[9], text="z"))]) == [
+        False
+    ]
+    assert await broker.queue.renew([zombie]) == [False]
+    assert not await broker.queue.complete(zombie, ok(zombie, "zombie"))
+    assert await broker.queue.complete(fresh, ok(fresh, "fresh"))
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.result is not None
     assert record.result.text == "fresh" and record.deliveries == 2
-    assert (await broker.stats(MODEL)).fenced_completions == 1
-    tokens = [e for _, e in await broker.read_events(spec.id) if isinstance(e, TokenChunk)]
+    assert (await broker.queue.stats(MODEL)).fenced_completions == 1
+    tokens = [e for _, e in await broker.queue.read_events(spec.id) if isinstance(e, TokenChunk)]
     assert tokens == []
 
 
 async def test_renewed_lease_is_not_reclaimed(make_broker: BrokerFactory) -> None:
     broker = make_broker(lease_s=0.3)
-    await broker.enqueue(job())
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(job())
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
     for _ in range(4):
         await asyncio.sleep(0.15)
-        assert await broker.renew([lease]) == [True]
-    assert (await broker.reap(MODEL)).requeued == []
-    assert await broker.complete(lease, ok(lease))
+        assert await broker.queue.renew([lease]) == [True]
+    assert (await broker.queue.reap(MODEL)).requeued == []
+    assert await broker.queue.complete(lease, ok(lease))
 
 
 async def test_lease_expiring_past_delivery_limit_goes_to_dead_letters(
@@ -285,28 +287,28 @@ async def test_lease_expiring_past_delivery_limit_goes_to_dead_letters(
     broker = make_broker(lease_s=0.1, max_deliveries=2)
     spec = job()
     bystander = job()
-    await broker.enqueue_many([spec, bystander])
-    [first] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue_many([spec, bystander])
+    [first] = await broker.queue.claim(MODEL, "w1", slots=1)
     assert first.spec.id == spec.id
     await asyncio.sleep(0.2)
-    assert (await broker.reap(MODEL)).requeued == [spec.id]
-    [other] = await broker.claim(MODEL, "w2", slots=1)
+    assert (await broker.queue.reap(MODEL)).requeued == [spec.id]
+    [other] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert other.spec.id == bystander.id
-    assert await broker.complete(other, ok(other))
-    [second] = await broker.claim(MODEL, "w2", slots=1)
+    assert await broker.queue.complete(other, ok(other))
+    [second] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert second.spec.id == spec.id and second.spec.attempt == 1
     await asyncio.sleep(0.2)
-    report = await broker.reap(MODEL)
+    report = await broker.queue.reap(MODEL)
     assert report.dead == [spec.id]
 
-    [letter] = await broker.dead_letters(MODEL)
+    [letter] = await broker.queue.dead_letters(MODEL)
     assert letter.job_id == spec.id and letter.reason == "lease_expired"
     assert letter.deliveries == 2
-    record = await broker.record(spec.id)
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.DEAD
-    events = await broker.read_events(spec.id)
+    events = await broker.queue.read_events(spec.id)
     assert isinstance(events[-1][1], Finished) and events[-1][1].result.status is JobStatus.DEAD
-    done = await broker.record(bystander.id)
+    done = await broker.queue.record(bystander.id)
     assert done is not None and done.status is JobStatus.SUCCEEDED
 
 
@@ -315,152 +317,154 @@ async def test_retry_backs_off_then_dead_letters_with_last_error(
 ) -> None:
     broker = make_broker(max_deliveries=3, backoff_base_s=0.05, backoff_max_s=0.1)
     spec = job()
-    await broker.enqueue(spec)
+    await broker.queue.enqueue(spec)
     attempts = []
     for expected in range(3):
-        leases = await broker.claim(MODEL, "w", slots=1, block_s=2.0)
+        leases = await broker.queue.claim(MODEL, "w", slots=1, block_s=2.0)
         assert [lease.spec.id for lease in leases] == [spec.id]
         attempts.append(leases[0].spec.attempt)
-        retrying = await broker.retry(leases[0], f"boom {expected}")
+        retrying = await broker.queue.retry(leases[0], f"boom {expected}")
         assert retrying == (expected < 2)
     assert attempts == [0, 1, 2]
-    assert await broker.claim(MODEL, "w", slots=1, block_s=0.3) == []
+    assert await broker.queue.claim(MODEL, "w", slots=1, block_s=0.3) == []
 
-    [letter] = await broker.dead_letters(MODEL)
+    [letter] = await broker.queue.dead_letters(MODEL)
     assert letter.reason == "failed" and letter.error == "boom 2" and letter.deliveries == 3
-    record = await broker.record(spec.id)
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.DEAD
     assert record.last_error == "boom 2"
     assert record.result is not None and "boom 2" in (record.result.error or "")
-    stats = await broker.stats(MODEL)
+    stats = await broker.queue.stats(MODEL)
     assert stats.dead_letters == 1 and stats.delayed == 0
 
 
 async def test_retry_is_delayed_by_backoff(make_broker: BrokerFactory) -> None:
     broker = make_broker(backoff_base_s=0.4, backoff_max_s=0.4)
     spec = job()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
     # attempt 0: delay is uniform in [0, 0.4]; the delayed set holds it meanwhile
-    assert await broker.retry(lease, "transient")
-    record = await broker.record(spec.id)
+    assert await broker.queue.retry(lease, "transient")
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.QUEUED
     assert record.last_error == "transient"
-    leases = await broker.claim(MODEL, "w", slots=1, block_s=2.0)
+    leases = await broker.queue.claim(MODEL, "w", slots=1, block_s=2.0)
     assert [x.spec.id for x in leases] == [spec.id] and leases[0].spec.attempt == 1
 
 
 async def test_forced_dead_letter(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     spec = job()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w", slots=1)
-    assert await broker.dead_letter(lease, "bad_input", "prompt cannot be tokenized")
-    [letter] = await broker.dead_letters(MODEL)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
+    assert await broker.queue.dead_letter(lease, "bad_input", "prompt cannot be tokenized")
+    [letter] = await broker.queue.dead_letters(MODEL)
     assert letter.reason == "bad_input" and letter.error == "prompt cannot be tokenized"
-    assert not await broker.complete(lease, ok(lease))
+    assert not await broker.queue.complete(lease, ok(lease))
 
 
 async def test_events_are_appended_and_read_from_an_id(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     reader = make_broker()
     spec = job()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
 
     async def read_blocking() -> list[str]:
-        got = await reader.read_events(spec.id, after="0", block_s=5.0)
+        got = await reader.queue.read_events(spec.id, after="0", block_s=5.0)
         return [e.text for _, e in got if isinstance(e, TokenChunk)]
 
     waiter = asyncio.create_task(read_blocking())
     await asyncio.sleep(0.1)
-    assert await broker.append_events([(lease, TokenChunk(token_ids=[1], text="Hel"))]) == [True]
+    assert await broker.queue.append_events([(lease, TokenChunk(token_ids=[1], text="Hel"))]) == [
+        True
+    ]
     assert await asyncio.wait_for(waiter, 5) == ["Hel"]
 
-    await broker.append_events([(lease, TokenChunk(token_ids=[2, 3], text="lo"))])
-    await broker.complete(lease, ok(lease, "Hello"))
-    events = await reader.read_events(spec.id)
+    await broker.queue.append_events([(lease, TokenChunk(token_ids=[2, 3], text="lo"))])
+    await broker.queue.complete(lease, ok(lease, "Hello"))
+    events = await reader.queue.read_events(spec.id)
     assert [type(e) for _, e in events] == [TokenChunk, TokenChunk, Finished]
     ids = [eid for eid, _ in events]
     assert ids == sorted(ids, key=lambda i: tuple(int(p) for p in i.split("-")))
-    resumed = await reader.read_events(spec.id, after=ids[0])
+    resumed = await reader.queue.read_events(spec.id, after=ids[0])
     assert [eid for eid, _ in resumed] == ids[1:]
-    assert await reader.read_events(spec.id, after=ids[-1], block_s=0.1) == []
+    assert await reader.queue.read_events(spec.id, after=ids[-1], block_s=0.1) == []
 
 
 async def test_events_of_many_jobs_are_read_in_one_call(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     reader = make_broker()
     specs = [job() for _ in range(3)]
-    await broker.enqueue_many(specs)
-    leases = {lease.spec.id: lease for lease in await broker.claim(MODEL, "w", slots=3)}
+    await broker.queue.enqueue_many(specs)
+    leases = {lease.spec.id: lease for lease in await broker.queue.claim(MODEL, "w", slots=3)}
     a, b, c = (s.id for s in specs)
     cursors = {a: "0", b: "0", c: "0"}
-    assert await reader.read_events_many(cursors) == []
+    assert await reader.queue.read_events_many(cursors) == []
 
-    waiter = asyncio.create_task(reader.read_events_many(cursors, block_s=5.0))
+    waiter = asyncio.create_task(reader.queue.read_events_many(cursors, block_s=5.0))
     await asyncio.sleep(0.1)
     assert not waiter.done()
-    await broker.append_events([(leases[b], TokenChunk(token_ids=[1], text="x"))])
+    await broker.queue.append_events([(leases[b], TokenChunk(token_ids=[1], text="x"))])
     [(job_id, first, event)] = await asyncio.wait_for(waiter, 5)
     assert job_id == b and isinstance(event, TokenChunk) and event.text == "x"
 
-    await broker.append_events(
+    await broker.queue.append_events(
         [
             (leases[a], TokenChunk(token_ids=[2], text="y")),
             (leases[b], TokenChunk(token_ids=[3], text="z")),
         ]
     )
-    await broker.complete(leases[a], ok(leases[a]))
-    got = await reader.read_events_many({a: "0", b: first, c: "0"})
+    await broker.queue.complete(leases[a], ok(leases[a]))
+    got = await reader.queue.read_events_many({a: "0", b: first, c: "0"})
     assert [(j, type(e)) for j, _, e in got if j == a] == [(a, TokenChunk), (a, Finished)]
     assert [e.text for j, _, e in got if j == b and isinstance(e, TokenChunk)] == ["z"]
     assert all(j != c for j, _, _ in got)
 
-    done = await reader.read_events_many({a: "0", b: "0"})
+    done = await reader.queue.read_events_many({a: "0", b: "0"})
     last_b = [eid for j, eid, _ in done if j == b][-1]
-    assert await reader.read_events_many({b: last_b}, block_s=0.1) == []
+    assert await reader.queue.read_events_many({b: last_b}, block_s=0.1) == []
 
 
 async def test_cancel_waiting_job_ends_it_at_once(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     spec = job()
     keep = job()
-    await broker.enqueue_many([spec, keep])
-    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
-    record = await broker.record(spec.id)
+    await broker.queue.enqueue_many([spec, keep])
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.CANCELLED
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.CANCELLED
-    events = await broker.read_events(spec.id)
+    events = await broker.queue.read_events(spec.id)
     assert isinstance(events[-1][1], Finished)
-    leases = await broker.claim(MODEL, "w", slots=5)
+    leases = await broker.queue.claim(MODEL, "w", slots=5)
     assert [lease.spec.id for lease in leases] == [keep.id]
-    assert await broker.cancel(spec.id) is CancelOutcome.ALREADY_FINISHED
-    assert await broker.cancel(new_job_id(MODEL)) is CancelOutcome.NOT_FOUND
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.ALREADY_FINISHED
+    assert await broker.queue.cancel(new_job_id(MODEL)) is CancelOutcome.NOT_FOUND
 
 
 async def test_cancel_running_job_signals_its_worker(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     a, b = job(), job()
-    await broker.enqueue_many([a, b])
-    leases = await broker.claim(MODEL, "w", slots=2)
-    assert await broker.cancel(a.id) is CancelOutcome.SIGNALLED
-    assert await broker.cancelled(MODEL, [a.id, b.id]) == {a.id}
-    record = await broker.record(a.id)
+    await broker.queue.enqueue_many([a, b])
+    leases = await broker.queue.claim(MODEL, "w", slots=2)
+    assert await broker.queue.cancel(a.id) is CancelOutcome.SIGNALLED
+    assert await broker.queue.cancelled(MODEL, [a.id, b.id]) == {a.id}
+    record = await broker.queue.record(a.id)
     assert record is not None and record.cancel_requested
     lease_a = next(lease for lease in leases if lease.spec.id == a.id)
     stopped = JobResult(status=JobStatus.CANCELLED, finish_reason=FinishReason.CANCELLED)
-    assert await broker.complete(lease_a, stopped)
-    assert await broker.cancelled(MODEL, [a.id, b.id]) == set()
+    assert await broker.queue.complete(lease_a, stopped)
+    assert await broker.queue.cancelled(MODEL, [a.id, b.id]) == set()
 
 
 async def test_cancel_during_retry_backoff(make_broker: BrokerFactory) -> None:
     broker = make_broker(backoff_base_s=5.0, backoff_max_s=5.0)
     spec = job()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w", slots=1)
-    await broker.retry(lease, "transient")
-    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
-    assert (await broker.stats(MODEL)).delayed == 0
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
+    await broker.queue.retry(lease, "transient")
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.CANCELLED
+    assert (await broker.queue.stats(MODEL)).delayed == 0
 
 
 async def test_deadline_passed_before_start_expires_without_delivery(
@@ -469,39 +473,39 @@ async def test_deadline_passed_before_start_expires_without_delivery(
     broker = make_broker()
     late = job(deadline=time.time() - 1)
     fine = job(deadline=time.time() + 60)
-    await broker.enqueue_many([late, fine])
-    leases = await broker.claim(MODEL, "w", slots=5)
+    await broker.queue.enqueue_many([late, fine])
+    leases = await broker.queue.claim(MODEL, "w", slots=5)
     assert [lease.spec.id for lease in leases] == [fine.id]
-    record = await broker.record(late.id)
+    record = await broker.queue.record(late.id)
     assert record is not None and record.status is JobStatus.EXPIRED
     assert record.result is not None and record.result.finish_reason is FinishReason.EXPIRED
     assert record.deliveries == 0
-    assert (await broker.stats(MODEL)).expired == 1
+    assert (await broker.queue.stats(MODEL)).expired == 1
 
 
 async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    await broker.enqueue_many([job(Priority.HIGH) for _ in range(3)] + [job(Priority.LOW)])
+    await broker.queue.enqueue_many([job(Priority.HIGH) for _ in range(3)] + [job(Priority.LOW)])
     await asyncio.sleep(0.05)
-    await broker.claim(MODEL, "w", slots=1)
-    stats = await broker.stats(MODEL)
+    await broker.queue.claim(MODEL, "w", slots=1)
+    stats = await broker.queue.stats(MODEL)
     by_lane = {lane.priority.name.lower(): lane for lane in stats.lanes}
     assert by_lane["high"].waiting == 2 and by_lane["high"].in_flight == 1
     assert by_lane["low"].waiting == 1 and by_lane["low"].in_flight == 0
     assert by_lane["normal"].waiting == 0 and by_lane["normal"].oldest_waiting_age_s is None
     age = by_lane["low"].oldest_waiting_age_s
     assert age is not None and 0.03 <= age < 5
-    assert await broker.depth(MODEL) == 4  # waiting or in flight, over the lanes
+    assert await broker.queue.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
 async def test_backlog_counts_each_tenants_staged_jobs(make_broker: BrokerFactory) -> None:
     broker = make_broker(fair_window=2)
     heavy = [job(tenant="acme") for _ in range(6)]
     light = [msgspec.structs.replace(job(tenant="other"), weight=2.0) for _ in range(4)]
-    await broker.enqueue_many([job(Priority.HIGH), *heavy, *light])
-    [lease] = await broker.claim(MODEL, "w", slots=1)
+    await broker.queue.enqueue_many([job(Priority.HIGH), *heavy, *light])
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
     assert lease.priority is Priority.HIGH
-    lanes = await broker.backlog(MODEL)
+    lanes = await broker.queue.backlog(MODEL)
     assert [lane.priority for lane in lanes] == list(Priority)  # highest first
     high, normal = lanes[0], lanes[1]
     assert (high.queued, high.in_flight, high.tenants) == (0, 1, [])
@@ -515,12 +519,12 @@ async def test_backlog_counts_each_tenants_staged_jobs(make_broker: BrokerFactor
 
 async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:
     broker = make_broker(max_queue_depth=3)
-    await broker.enqueue_many([job() for _ in range(3)])
+    await broker.queue.enqueue_many([job() for _ in range(3)])
     with pytest.raises(QueueFull) as raised:
-        await broker.enqueue(job())
+        await broker.queue.enqueue(job())
     assert raised.value.limit == 3
-    await broker.enqueue(job(Priority.HIGH))  # other lanes have their own bound
-    assert len(await broker.claim(MODEL, "w", slots=10)) == 4
+    await broker.queue.enqueue(job(Priority.HIGH))  # other lanes have their own bound
+    assert len(await broker.queue.claim(MODEL, "w", slots=10)) == 4
 
 
 async def test_release_hands_jobs_back_without_charging_a_delivery(
@@ -528,11 +532,11 @@ async def test_release_hands_jobs_back_without_charging_a_delivery(
 ) -> None:
     broker = make_broker()
     spec = job()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
-    assert await broker.release([lease]) == 1
-    assert not await broker.complete(lease, ok(lease))
-    [again] = await broker.claim(MODEL, "w2", slots=1)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.release([lease]) == 1
+    assert not await broker.queue.complete(lease, ok(lease))
+    [again] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert again.spec.id == spec.id and again.spec.attempt == 0
 
 
@@ -541,26 +545,26 @@ async def test_worker_heartbeats_lapse(make_broker: BrokerFactory) -> None:
     info = WorkerInfo(
         consumer="h:1:0", model=MODEL, engine="sim", host="h", pid=1, started_at=time.time()
     )
-    await broker.heartbeat(info, ttl_s=0.3)
-    assert [w.consumer for w in await broker.workers(MODEL)] == ["h:1:0"]
+    await broker.registry.heartbeat(info, ttl_s=0.3)
+    assert [w.consumer for w in await broker.registry.workers(MODEL)] == ["h:1:0"]
     await asyncio.sleep(0.4)
-    assert await broker.workers(MODEL) == []
-    await broker.heartbeat(info, ttl_s=5)
-    await broker.deregister(MODEL, "h:1:0")
-    assert await broker.workers(MODEL) == []
+    assert await broker.registry.workers(MODEL) == []
+    await broker.registry.heartbeat(info, ttl_s=5)
+    await broker.registry.deregister(MODEL, "h:1:0")
+    assert await broker.registry.workers(MODEL) == []
 
 
 async def test_resent_enqueue_of_a_known_job_adds_nothing(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     spec = job()
-    assert (await broker.enqueue(spec)).created
-    again = await broker.enqueue(spec)  # e.g. resent after a timeout; the first one landed
+    assert (await broker.queue.enqueue(spec)).created
+    again = await broker.queue.enqueue(spec)  # e.g. resent after a timeout; the first one landed
     assert not again.created and again.job_id == spec.id
-    [lease] = await broker.claim(MODEL, "w", slots=10)
-    assert await broker.complete(lease, ok(lease, "once"))
-    assert not (await broker.enqueue(spec)).created  # a finished job is not run again
-    assert await broker.claim(MODEL, "w", slots=10) == []
-    record = await broker.record(spec.id)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=10)
+    assert await broker.queue.complete(lease, ok(lease, "once"))
+    assert not (await broker.queue.enqueue(spec)).created  # a finished job is not run again
+    assert await broker.queue.claim(MODEL, "w", slots=10) == []
+    record = await broker.queue.record(spec.id)
     assert record is not None and record.result is not None and record.result.text == "once"
 
 
@@ -569,23 +573,25 @@ async def test_batch_is_all_or_nothing_when_a_lane_would_overflow(
 ) -> None:
     broker = make_broker(max_queue_depth=3)
     with pytest.raises(QueueFull):
-        await broker.enqueue_many([job() for _ in range(5)])
-    assert await broker.claim(MODEL, "w", slots=10) == []
+        await broker.queue.enqueue_many([job() for _ in range(5)])
+    assert await broker.queue.claim(MODEL, "w", slots=10) == []
     batch = [job(key="same"), job(key="same"), job()]
-    results = await broker.enqueue_many(batch)
+    results = await broker.queue.enqueue_many(batch)
     assert [r.created for r in results] == [True, False, True]
     assert results[1].job_id == batch[0].id
-    assert len(await broker.claim(MODEL, "w", slots=10)) == 2
+    assert len(await broker.queue.claim(MODEL, "w", slots=10)) == 2
 
 
 async def test_completion_can_carry_the_last_tokens(make_broker: BrokerFactory) -> None:
     broker = make_broker()
     spec = job()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w", slots=1)
-    await broker.append_events([(lease, TokenChunk(token_ids=[1], text="a"))])
-    assert await broker.complete(lease, ok(lease, "ab"), tail=TokenChunk(token_ids=[2], text="b"))
-    events = [e for _, e in await broker.read_events(spec.id)]
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
+    await broker.queue.append_events([(lease, TokenChunk(token_ids=[1], text="a"))])
+    assert await broker.queue.complete(
+        lease, ok(lease, "ab"), tail=TokenChunk(token_ids=[2], text="b")
+    )
+    events = [e for _, e in await broker.queue.read_events(spec.id)]
     assert [type(e) for e in events] == [TokenChunk, TokenChunk, Finished]
     assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == "ab"
 
@@ -593,25 +599,25 @@ async def test_completion_can_carry_the_last_tokens(make_broker: BrokerFactory) 
 async def test_lease_says_whether_earlier_tokens_exist(make_broker: BrokerFactory) -> None:
     broker = make_broker(lease_s=0.1)
     spec = job()
-    await broker.enqueue(spec)
-    [first] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(spec)
+    [first] = await broker.queue.claim(MODEL, "w1", slots=1)
     assert not first.resumable
-    await broker.append_events([(first, TokenChunk(token_ids=[1], text="a"))])
+    await broker.queue.append_events([(first, TokenChunk(token_ids=[1], text="a"))])
     await asyncio.sleep(0.2)
-    await broker.reap(MODEL)
-    [second] = await broker.claim(MODEL, "w2", slots=1)
+    await broker.queue.reap(MODEL)
+    [second] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert second.resumable and second.spec.attempt == 1
 
 
 async def test_scripts_survive_a_flushed_script_cache(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    if not isinstance(broker, RedisBroker):
+    if make_broker.kind == "memory":  # type: ignore[attr-defined]
         pytest.skip("a Redis server's script cache")
-    await broker.enqueue(job())
-    await broker.redis.script_flush()  # what a server restart does to loaded scripts
-    [lease] = await broker.claim(MODEL, "w", slots=1)
-    await broker.redis.script_flush()
-    assert await broker.complete(lease, ok(lease))
+    await broker.queue.enqueue(job())
+    await broker.queue.redis.script_flush()  # what a server restart does to loaded scripts
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
+    await broker.queue.redis.script_flush()
+    assert await broker.queue.complete(lease, ok(lease))
 
 
 def collapsing(key: str = "digest-1") -> JobSpec:
@@ -622,79 +628,79 @@ def collapsing(key: str = "digest-1") -> JobSpec:
 
 async def test_identical_request_in_flight_joins_the_job(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    first = await broker.enqueue(collapsing())
-    joined = await broker.enqueue(collapsing())
-    in_batch = await broker.enqueue_many([collapsing("digest-2"), collapsing("digest-2")])
-    other = await broker.enqueue(collapsing("digest-3"))
+    first = await broker.queue.enqueue(collapsing())
+    joined = await broker.queue.enqueue(collapsing())
+    in_batch = await broker.queue.enqueue_many([collapsing("digest-2"), collapsing("digest-2")])
+    other = await broker.queue.enqueue(collapsing("digest-3"))
     assert first.created and not first.collapsed
     assert joined == type(joined)(job_id=first.job_id, created=False, collapsed=True)
     assert in_batch[0].created and in_batch[1].collapsed
     assert in_batch[1].job_id == in_batch[0].job_id
     assert other.created
-    leases = await broker.claim(MODEL, "w1", slots=10)
+    leases = await broker.queue.claim(MODEL, "w1", slots=10)
     assert len(leases) == 3  # one job per collapse key
     # running jobs are joined too
-    running = await broker.enqueue(collapsing())
+    running = await broker.queue.enqueue(collapsing())
     assert running.collapsed and running.job_id == first.job_id
     lease = next(x for x in leases if x.spec.id == first.job_id)
-    assert await broker.complete(lease, ok(lease))
+    assert await broker.queue.complete(lease, ok(lease))
     # a finished job's key is ignored: the next identical request runs again
-    after = await broker.enqueue(collapsing())
+    after = await broker.queue.enqueue(collapsing())
     assert after.created and after.job_id != first.job_id
 
 
 async def test_a_refused_batch_joins_nothing(make_broker: BrokerFactory) -> None:
     broker = make_broker(max_queue_depth=2)
-    first = await broker.enqueue(collapsing())
+    first = await broker.queue.enqueue(collapsing())
     with pytest.raises(QueueFull):
-        await broker.enqueue_many([collapsing(), job(), job()])
+        await broker.queue.enqueue_many([collapsing(), job(), job()])
     # had the refused batch counted its follower, one leave would not cancel the job
-    assert await broker.leave(first.job_id) is CancelOutcome.CANCELLED
+    assert await broker.queue.leave(first.job_id) is CancelOutcome.CANCELLED
 
 
 async def test_collapsed_job_is_cancelled_only_when_its_last_follower_leaves(
     make_broker: BrokerFactory,
 ) -> None:
     broker = make_broker()
-    first = await broker.enqueue(collapsing())
+    first = await broker.queue.enqueue(collapsing())
     for _ in range(2):
-        await broker.enqueue(collapsing())
-    assert await broker.leave(first.job_id) is CancelOutcome.FOLLOWED
-    assert len(await broker.claim(MODEL, "w1", slots=1)) == 1
-    assert await broker.leave(first.job_id) is CancelOutcome.FOLLOWED
-    assert await broker.cancelled(MODEL, [first.job_id]) == set()
-    assert await broker.leave(first.job_id) is CancelOutcome.SIGNALLED
-    assert await broker.cancelled(MODEL, [first.job_id]) == {first.job_id}
+        await broker.queue.enqueue(collapsing())
+    assert await broker.queue.leave(first.job_id) is CancelOutcome.FOLLOWED
+    assert len(await broker.queue.claim(MODEL, "w1", slots=1)) == 1
+    assert await broker.queue.leave(first.job_id) is CancelOutcome.FOLLOWED
+    assert await broker.queue.cancelled(MODEL, [first.job_id]) == set()
+    assert await broker.queue.leave(first.job_id) is CancelOutcome.SIGNALLED
+    assert await broker.queue.cancelled(MODEL, [first.job_id]) == {first.job_id}
     # a job that never collapsed is cancelled by its one caller leaving
-    plain = await broker.enqueue(job())
-    assert await broker.leave(plain.job_id) is CancelOutcome.CANCELLED
+    plain = await broker.queue.enqueue(job())
+    assert await broker.queue.leave(plain.job_id) is CancelOutcome.CANCELLED
     # two followers leaving together (one gateway's) count as two
-    pair = await broker.enqueue(collapsing("digest-9"))
-    await broker.enqueue(collapsing("digest-9"))
-    assert await broker.leave(pair.job_id, 2) is CancelOutcome.CANCELLED
+    pair = await broker.queue.enqueue(collapsing("digest-9"))
+    await broker.queue.enqueue(collapsing("digest-9"))
+    assert await broker.queue.leave(pair.job_id, 2) is CancelOutcome.CANCELLED
 
 
 async def test_response_cache_entries_expire_and_stay_under_the_byte_bound(
     make_broker: BrokerFactory,
 ) -> None:
     broker = make_broker()
-    assert await broker.cache_get(MODEL, "a") is None
-    await broker.cache_put(MODEL, "a", b"x" * 40, ttl_s=60, max_bytes=100)
-    await broker.cache_put(MODEL, "b", b"y" * 40, ttl_s=60, max_bytes=100)
-    assert await broker.cache_get(MODEL, "a") == b"x" * 40
-    await broker.cache_put(MODEL, "c", b"z" * 40, ttl_s=60, max_bytes=100)
+    assert await broker.responses.cache_get(MODEL, "a") is None
+    await broker.responses.cache_put(MODEL, "a", b"x" * 40, ttl_s=60, max_bytes=100)
+    await broker.responses.cache_put(MODEL, "b", b"y" * 40, ttl_s=60, max_bytes=100)
+    assert await broker.responses.cache_get(MODEL, "a") == b"x" * 40
+    await broker.responses.cache_put(MODEL, "c", b"z" * 40, ttl_s=60, max_bytes=100)
     # over the bound: the entry soonest to expire went
-    assert await broker.cache_get(MODEL, "a") is None
-    assert await broker.cache_get(MODEL, "b") == b"y" * 40
-    assert await broker.cache_get(MODEL, "c") == b"z" * 40
+    assert await broker.responses.cache_get(MODEL, "a") is None
+    assert await broker.responses.cache_get(MODEL, "b") == b"y" * 40
+    assert await broker.responses.cache_get(MODEL, "c") == b"z" * 40
     # too big for the bound: not stored, nothing evicted for it
-    await broker.cache_put(MODEL, "huge", b"h" * 101, ttl_s=60, max_bytes=100)
-    assert await broker.cache_get(MODEL, "huge") is None
-    assert await broker.cache_get(MODEL, "b") is not None
-    await broker.cache_put(MODEL, "short", b"s", ttl_s=0.05, max_bytes=100)
-    assert await broker.cache_get(MODEL, "short") == b"s"
+    await broker.responses.cache_put(MODEL, "huge", b"h" * 101, ttl_s=60, max_bytes=100)
+    assert await broker.responses.cache_get(MODEL, "huge") is None
+    assert await broker.responses.cache_get(MODEL, "b") is not None
+    await broker.responses.cache_put(MODEL, "short", b"s", ttl_s=0.05, max_bytes=100)
+    assert await broker.responses.cache_get(MODEL, "short") == b"s"
     await asyncio.sleep(0.1)
-    assert await broker.cache_get(MODEL, "short") is None
+    assert await broker.responses.cache_get(MODEL, "short") is None
 
 
 async def test_size_pools_split_lanes_by_estimated_tokens(make_broker: BrokerFactory) -> None:
@@ -702,82 +708,82 @@ async def test_size_pools_split_lanes_by_estimated_tokens(make_broker: BrokerFac
     small, medium, large = job(), job(), job()  # "hello": ~2 tokens + max_tokens 4 -> pool 0
     medium.sampling = SamplingParams(max_tokens=50, temperature=0.0)
     large.sampling = SamplingParams(max_tokens=500, temperature=0.0)
-    await broker.enqueue_many([small, medium, large])
-    assert await broker.depth(MODEL) == 3
-    stats = await broker.stats(MODEL)
+    await broker.queue.enqueue_many([small, medium, large])
+    assert await broker.queue.depth(MODEL) == 3
+    stats = await broker.queue.stats(MODEL)
     assert sum(lane.waiting for lane in stats.lanes) == 3
     # a worker that holds only the small pool never sees the others
-    [only] = await broker.claim(MODEL, "short", slots=10, pools=(0,))
+    [only] = await broker.queue.claim(MODEL, "short", slots=10, pools=(0,))
     assert only.spec.id == small.id and only.spec.pool == 0
-    assert await broker.claim(MODEL, "short", slots=10, pools=(0,)) == []
+    assert await broker.queue.claim(MODEL, "short", slots=10, pools=(0,)) == []
     # a bigger worker takes its own pool first, then smaller ones
-    [first] = await broker.claim(MODEL, "mid", slots=1, pools=(1, 0))
+    [first] = await broker.queue.claim(MODEL, "mid", slots=1, pools=(1, 0))
     assert first.spec.id == medium.id
     # pool lanes are leased like any other: lost leases are reaped back into their pool
     await asyncio.sleep(0.3)
-    report = await broker.reap(MODEL)
+    report = await broker.queue.reap(MODEL)
     assert sorted(report.requeued) == sorted([small.id, medium.id])
-    claimed = await broker.claim(MODEL, "big", slots=10, pools=(2, 1, 0))
+    claimed = await broker.queue.claim(MODEL, "big", slots=10, pools=(2, 1, 0))
     assert [lease.spec.id for lease in claimed] == [large.id, medium.id, small.id]
-    assert await broker.complete_many([(lease, ok(lease)) for lease in claimed]) == [True] * 3
-    assert await broker.depth(MODEL) == 0
+    assert await broker.queue.complete_many([(lease, ok(lease)) for lease in claimed]) == [True] * 3
+    assert await broker.queue.depth(MODEL) == 0
 
 
 async def test_records_reads_many_jobs_at_once(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    a, b = await broker.enqueue(job()), await broker.enqueue(job())
-    [lease] = await broker.claim(MODEL, "w", slots=1)
-    await broker.complete(lease, ok(lease))
-    got = await broker.records([a.job_id, new_job_id(MODEL), b.job_id])
+    a, b = await broker.queue.enqueue(job()), await broker.queue.enqueue(job())
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1)
+    await broker.queue.complete(lease, ok(lease))
+    got = await broker.queue.records([a.job_id, new_job_id(MODEL), b.job_id])
     assert got[1] is None
     assert [r.spec.id for r in (got[0], got[2]) if r is not None] == [a.job_id, b.job_id]
     assert {r.status for r in (got[0], got[2]) if r is not None} == {
         JobStatus.SUCCEEDED,
         JobStatus.QUEUED,
     }
-    assert await broker.records([]) == []
+    assert await broker.queue.records([]) == []
 
 
 async def test_batch_lane_is_last_but_never_starved(make_broker: BrokerFactory) -> None:
     broker = make_broker(starvation_every=4)
-    await broker.enqueue_many([job(Priority.BATCH) for _ in range(5)])
-    await broker.enqueue(job(Priority.LOW))
-    [first] = await broker.claim(MODEL, "w", slots=1)
+    await broker.queue.enqueue_many([job(Priority.BATCH) for _ in range(5)])
+    await broker.queue.enqueue(job(Priority.LOW))
+    [first] = await broker.queue.claim(MODEL, "w", slots=1)
     assert first.spec.priority is Priority.LOW  # interactive work goes first
     served: list[Priority] = []
     for _ in range(40):
-        await broker.enqueue(job(Priority.NORMAL))
-        [lease] = await broker.claim(MODEL, "w", slots=1)
+        await broker.queue.enqueue(job(Priority.NORMAL))
+        [lease] = await broker.queue.claim(MODEL, "w", slots=1)
         served.append(lease.spec.priority)
-        await broker.complete(lease, ok(lease))
+        await broker.queue.complete(lease, ok(lease))
     assert served.count(Priority.BATCH) >= 2
     assert served.count(Priority.NORMAL) >= 30
 
 
 async def test_batch_room_caps_the_batch_lane_only(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    await broker.enqueue_many([job(Priority.BATCH) for _ in range(6)])
-    await broker.enqueue_many([job(Priority.NORMAL) for _ in range(2)])
-    first = await broker.claim(MODEL, "w", slots=8, batch_room=2)
+    await broker.queue.enqueue_many([job(Priority.BATCH) for _ in range(6)])
+    await broker.queue.enqueue_many([job(Priority.NORMAL) for _ in range(2)])
+    first = await broker.queue.claim(MODEL, "w", slots=8, batch_room=2)
     assert [lease.spec.priority for lease in first] == [Priority.NORMAL] * 2 + [Priority.BATCH] * 2
     # no room left: the batch backlog waits, and a blocking claim waits out its time
     started = time.monotonic()
-    assert await broker.claim(MODEL, "w", slots=8, batch_room=0, block_s=0.3) == []
+    assert await broker.queue.claim(MODEL, "w", slots=8, batch_room=0, block_s=0.3) == []
     assert time.monotonic() - started >= 0.25
     # new interactive work wakes the capped claim at once
-    await broker.enqueue(job(Priority.HIGH))
-    [high] = await broker.claim(MODEL, "w", slots=8, batch_room=0, block_s=2.0)
+    await broker.queue.enqueue(job(Priority.HIGH))
+    [high] = await broker.queue.claim(MODEL, "w", slots=8, batch_room=0, block_s=2.0)
     assert high.spec.priority is Priority.HIGH
     # room again: the rest of the backlog, capped, then uncapped
-    assert len(await broker.claim(MODEL, "w", slots=8, batch_room=3, block_s=1.0)) == 3
-    assert len(await broker.claim(MODEL, "w", slots=8, block_s=1.0)) == 1
+    assert len(await broker.queue.claim(MODEL, "w", slots=8, batch_room=3, block_s=1.0)) == 3
+    assert len(await broker.queue.claim(MODEL, "w", slots=8, block_s=1.0)) == 1
 
 
 async def test_batch_store(make_broker: BrokerFactory) -> None:
 
     broker = make_broker()
-    store = batch_store(broker)
-    other = batch_store(make_broker())  # another gateway on the same broker
+    store = broker.batches
+    other = make_broker().batches  # another gateway on the same broker
     rec = BatchRecord(
         id="batch_1",
         tenant="acme",
@@ -822,31 +828,35 @@ async def test_batch_store(make_broker: BrokerFactory) -> None:
 
 async def test_directory_of_tenants_and_keys_is_shared(make_broker: BrokerFactory) -> None:
     admin, gateway = make_broker(), make_broker()  # two clients of one store
-    assert not await gateway.has_api_keys()
-    assert await gateway.tenant("acme") is None and await gateway.tenants() == []
+    assert not await gateway.directory.has_api_keys()
+    assert (
+        await gateway.directory.tenant("acme") is None and await gateway.directory.tenants() == []
+    )
 
-    await admin.put_tenant(TenantConfig(name="acme", priority=Priority.HIGH))
-    await admin.put_tenant(TenantConfig(name="ops", admin=True))
-    assert await gateway.tenant("acme") == TenantConfig(name="acme", priority=Priority.HIGH)
-    assert [t.name for t in await gateway.tenants()] == ["acme", "ops"]
+    await admin.directory.put_tenant(TenantConfig(name="acme", priority=Priority.HIGH))
+    await admin.directory.put_tenant(TenantConfig(name="ops", admin=True))
+    assert await gateway.directory.tenant("acme") == TenantConfig(
+        name="acme", priority=Priority.HIGH
+    )
+    assert [t.name for t in await gateway.directory.tenants()] == ["acme", "ops"]
 
-    key, record = await create_key(admin, "acme", now=100.0, label="ci")
+    key, record = await create_key(admin.directory, "acme", now=100.0, label="ci")
     assert key.startswith("ty-") and record.digest == key_digest(key) != key
-    assert await gateway.has_api_keys()
-    assert await gateway.api_key(key_digest(key)) == record
-    assert await gateway.api_key(key_digest("ty-unknown")) is None
+    assert await gateway.directory.has_api_keys()
+    assert await gateway.directory.api_key(key_digest(key)) == record
+    assert await gateway.directory.api_key(key_digest("ty-unknown")) is None
 
-    second, _ = await create_key(admin, "acme", now=101.0)
-    revoked = await revoke_key(admin, record.key_id, now=102.0)
+    second, _ = await create_key(admin.directory, "acme", now=101.0)
+    revoked = await revoke_key(admin.directory, record.key_id, now=102.0)
     assert revoked is not None and revoked.revoked_at == 102.0
-    stored = await gateway.api_key(record.digest)
+    stored = await gateway.directory.api_key(record.digest)
     assert stored is not None and not stored.active
-    assert await revoke_key(admin, record.key_id, now=103.0) is None  # already revoked
-    assert await revoke_key(admin, second, now=104.0) is not None  # by the key itself
-    listed = await gateway.api_keys()
+    assert await revoke_key(admin.directory, record.key_id, now=103.0) is None  # already revoked
+    assert await revoke_key(admin.directory, second, now=104.0) is not None  # by the key itself
+    listed = await gateway.directory.api_keys()
     assert [r.digest for r in listed] == [record.digest, key_digest(second)]
     assert all(not r.active for r in listed)
-    assert await gateway.has_api_keys()  # revoked keys keep auth on
+    assert await gateway.directory.has_api_keys()  # revoked keys keep auth on
 
 
 def held_job(tenant: str = "acme", deadline: float | None = None) -> JobSpec:
@@ -860,13 +870,13 @@ async def test_request_quota_is_exact_across_clients(make_broker: BrokerFactory)
     quota = Quota(rpm=3)
     decisions = []
     for i in range(6):
-        decisions += await (one if i % 2 else two).reserve("acme", quota, [(f"j{i}", 1)])
+        decisions += await (one if i % 2 else two).quotas.reserve("acme", quota, [(f"j{i}", 1)])
     assert [d.admitted for d in decisions] == [True, True, True, False, False, False]
     assert [d.requests[1] for d in decisions if d.requests] == [2, 1, 0, 0, 0, 0]
     refused = decisions[3]
     assert refused.reason == "requests" and 19.0 < refused.retry_after_s <= 20.0
     # another tenant's quota is its own
-    [other] = await one.reserve("bob", quota, [("b0", 1)])
+    [other] = await one.quotas.reserve("bob", quota, [("b0", 1)])
     assert other.admitted
 
 
@@ -875,15 +885,15 @@ async def test_token_quota_reserves_then_settles_to_the_real_count(
 ) -> None:
     broker = make_broker()
     quota = Quota(tpm=100)
-    first, second = await broker.reserve("acme", quota, [("j1", 60), ("j2", 60)])
+    first, second = await broker.quotas.reserve("acme", quota, [("j1", 60), ("j2", 60)])
     assert first.admitted and first.tokens is not None and first.tokens[1] == 40
     assert not second.admitted and second.reason == "tokens" and second.retry_after_s > 0
-    [huge] = await broker.reserve("acme", quota, [("j3", 101)])
+    [huge] = await broker.quotas.reserve("acme", quota, [("j3", 101)])
     assert huge.reason == "too_large" and huge.retry_after_s == float("inf")
     # j1 used 10 of its 60: 50 come back, once
-    assert await broker.settle([Settlement("acme", "j1", 10)]) == 1
-    assert await broker.settle([Settlement("acme", "j1", 10)]) == 0
-    [again] = await broker.reserve("acme", quota, [("j2", 60)])
+    assert await broker.quotas.settle([Settlement("acme", "j1", 10)]) == 1
+    assert await broker.quotas.settle([Settlement("acme", "j1", 10)]) == 0
+    [again] = await broker.quotas.reserve("acme", quota, [("j2", 60)])
     assert again.admitted and again.tokens is not None and again.tokens[1] == 30
 
 
@@ -894,42 +904,42 @@ async def test_concurrency_is_released_at_every_terminal_state(
     quota = Quota(max_concurrent=1)
 
     async def admit(spec: JobSpec) -> bool:
-        [decision] = await broker.reserve(spec.tenant, quota, [(spec.id, 10)])
+        [decision] = await broker.quotas.reserve(spec.tenant, quota, [(spec.id, 10)])
         if decision.admitted:
-            await broker.enqueue(spec)
+            await broker.queue.enqueue(spec)
         return decision.admitted
 
     # completed
     spec = held_job()
     assert await admit(spec) and not await admit(held_job())
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
-    assert await broker.complete(lease, ok(lease))
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.complete(lease, ok(lease))
     # dead-lettered by the worker
     assert await admit(held_job())
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
-    assert await broker.dead_letter(lease, "bad_output")
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.dead_letter(lease, "bad_output")
     # cancelled while waiting
     spec = held_job()
     assert await admit(spec)
-    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.CANCELLED
     # its worker died: the reaper dead-letters it
     assert await admit(held_job())
-    await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.claim(MODEL, "w1", slots=1)
     await asyncio.sleep(0.2)
-    assert len((await broker.reap(MODEL)).dead) == 1
+    assert len((await broker.queue.reap(MODEL)).dead) == 1
     # expired in the queue: the claim that finds it settles it (the sweep finds nothing left)
     assert await admit(held_job(deadline=time.time() + 0.05))
     await asyncio.sleep(0.1)
-    assert await broker.claim(MODEL, "w1", slots=1) == []
-    assert await broker.settle_finished() == 0
+    assert await broker.queue.claim(MODEL, "w1", slots=1) == []
+    assert await broker.quotas.settle_finished() == 0
     spec = held_job()
     assert await admit(spec)
-    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.CANCELLED
     # a reservation whose enqueue never landed is released after the grace time
-    [decision] = await broker.reserve("acme", quota, [(new_job_id(MODEL), 10)])
+    [decision] = await broker.quotas.reserve("acme", quota, [(new_job_id(MODEL), 10)])
     assert decision.admitted
-    assert await broker.settle_finished(grace_s=60.0) == 0
-    assert await broker.settle_finished(grace_s=0.0) == 1
+    assert await broker.quotas.settle_finished(grace_s=60.0) == 0
+    assert await broker.quotas.settle_finished(grace_s=0.0) == 1
     assert await admit(held_job())
 
 
@@ -939,14 +949,14 @@ def tenant_job(tenant: str, weight: float = 1.0, deadline: float | None = None) 
     return spec
 
 
-async def drain_order(broker: Broker, jobs: int, slots: int = 4) -> list[str]:
+async def drain_order(broker: Backend, jobs: int, slots: int = 4) -> list[str]:
     """Tenants of the next `jobs` claimed jobs, completing each claim before the next."""
     order: list[str] = []
     while len(order) < jobs:
-        leases = await broker.claim(MODEL, "w1", slots=slots)
+        leases = await broker.queue.claim(MODEL, "w1", slots=slots)
         assert leases
         order += [lease.spec.tenant for lease in leases]
-        await broker.complete_many([(lease, ok(lease)) for lease in leases])
+        await broker.queue.complete_many([(lease, ok(lease)) for lease in leases])
     return order[:jobs]
 
 
@@ -955,23 +965,23 @@ async def test_a_tenants_backlog_delays_another_by_a_bounded_amount(
 ) -> None:
     broker = make_broker(fair_window=4)
     for _ in range(10):
-        await broker.enqueue_many([tenant_job("a") for _ in range(200)])
-    await broker.enqueue_many([tenant_job("b") for _ in range(20)])
-    assert await broker.depth(MODEL) == 2020
+        await broker.queue.enqueue_many([tenant_job("a") for _ in range(200)])
+    await broker.queue.enqueue_many([tenant_job("b") for _ in range(20)])
+    assert await broker.queue.depth(MODEL) == 2020
     order = await drain_order(broker, 60)
     # ahead of b's first job: at most the window already in the stream and one job of a
     assert order.index("b") <= 4 + 1
     # then the two share the lane job for job: b's 20 are done within 2 x 20 + the window
     last_b = max(i for i, t in enumerate(order) if t == "b")
     assert order.count("b") == 20 and last_b <= 2 * 20 + 4 + 1
-    stats = await broker.stats(MODEL)
+    stats = await broker.queue.stats(MODEL)
     assert sum(lane.waiting for lane in stats.lanes) == 2020 - 60
 
 
 async def test_weights_split_a_lane_by_token_cost(make_broker: BrokerFactory) -> None:
     broker = make_broker(fair_window=1)
-    await broker.enqueue_many([tenant_job("a", 1.0) for _ in range(100)])
-    await broker.enqueue_many([tenant_job("b", 3.0) for _ in range(100)])
+    await broker.queue.enqueue_many([tenant_job("a", 1.0) for _ in range(100)])
+    await broker.queue.enqueue_many([tenant_job("b", 3.0) for _ in range(100)])
     order = (await drain_order(broker, 81, slots=1))[1:]  # past the one in the stream
     assert abs(order.count("b") / len(order) - 0.75) <= 0.05
 
@@ -982,12 +992,12 @@ async def test_earliest_deadline_first_within_a_tenant(make_broker: BrokerFactor
     late = [tenant_job("a", deadline=now + 300 + i) for i in range(3)]
     none = tenant_job("a")
     urgent = tenant_job("a", deadline=now + 60)
-    await broker.enqueue_many([*late, none, urgent])
+    await broker.queue.enqueue_many([*late, none, urgent])
     claimed = []
     for _ in range(5):
-        [lease] = await broker.claim(MODEL, "w1", slots=1)
+        [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
         claimed.append(lease.spec.id)
-        await broker.complete(lease, ok(lease))
+        await broker.queue.complete(lease, ok(lease))
     # one batch is staged whole, then the stream is filled: earliest deadline first, and a job
     # without a deadline after every job with one
     assert claimed == [urgent.id, late[0].id, late[1].id, late[2].id, none.id]
@@ -1000,17 +1010,17 @@ def prefixed(prefix: str = "sys-a") -> JobSpec:
     return spec
 
 
-async def beat(broker: Broker, worker: str, ttl_s: float = 30.0) -> None:
+async def beat(broker: Backend, worker: str, ttl_s: float = 30.0) -> None:
     info = WorkerInfo(consumer=worker, model=MODEL, engine="sim", host="h", pid=1, started_at=0)
-    await broker.heartbeat(info, ttl_s)
+    await broker.registry.heartbeat(info, ttl_s)
 
 
-async def run_prefix(broker: Broker, worker: str, prefix: str = "sys-a") -> None:
+async def run_prefix(broker: Backend, worker: str, prefix: str = "sys-a") -> None:
     """Live `worker` claims (and finishes) a job with `prefix`: it becomes the prefix's owner."""
     await beat(broker, worker)
-    await broker.enqueue(prefixed(prefix))
-    [lease] = await broker.claim(MODEL, worker, slots=1)
-    assert await broker.complete(lease, ok(lease))
+    await broker.queue.enqueue(prefixed(prefix))
+    [lease] = await broker.queue.claim(MODEL, worker, slots=1)
+    assert await broker.queue.complete(lease, ok(lease))
 
 
 async def test_prefix_affinity_holds_a_job_for_the_worker_that_ran_its_prefix(
@@ -1020,29 +1030,29 @@ async def test_prefix_affinity_holds_a_job_for_the_worker_that_ran_its_prefix(
     await run_prefix(broker, "w1")
     await beat(broker, "w2")
     held, plain, other = prefixed(), job(), prefixed("sys-b")
-    await broker.enqueue_many([held, plain, other])
-    assert await broker.depth(MODEL) == 3
-    assert (await broker.stats(MODEL)).lanes[1].waiting == 3  # held jobs count as waiting
+    await broker.queue.enqueue_many([held, plain, other])
+    assert await broker.queue.depth(MODEL) == 3
+    assert (await broker.queue.stats(MODEL)).lanes[1].waiting == 3  # held jobs count as waiting
     # another worker gets everything but the job held for w1
-    taken = await broker.claim(MODEL, "w2", slots=5)
+    taken = await broker.queue.claim(MODEL, "w2", slots=5)
     assert {lease.spec.id for lease in taken} == {plain.id, other.id}
     assert not any(lease.affinity for lease in taken)
-    [mine] = await broker.claim(MODEL, "w1", slots=5)
+    [mine] = await broker.queue.claim(MODEL, "w1", slots=5)
     assert mine.spec.id == held.id and mine.affinity
-    assert await broker.renew([mine]) == [True]
-    assert await broker.append_events([(mine, TokenChunk(token_ids=[7], text="x"))]) == [True]
-    assert await broker.complete(mine, ok(mine))
-    record = await broker.record(held.id)
+    assert await broker.queue.renew([mine]) == [True]
+    assert await broker.queue.append_events([(mine, TokenChunk(token_ids=[7], text="x"))]) == [True]
+    assert await broker.queue.complete(mine, ok(mine))
+    record = await broker.queue.record(held.id)
     assert record is not None and record.status is JobStatus.SUCCEEDED
     assert record.worker == "w1"
     for lease in taken:
-        assert await broker.complete(lease, ok(lease))
-    assert await broker.depth(MODEL) == 0
+        assert await broker.queue.complete(lease, ok(lease))
+    assert await broker.queue.depth(MODEL) == 0
     # w2 ran sys-b last: its next sys-b job waits for w2, not w1
     later = prefixed("sys-b")
-    await broker.enqueue(later)
-    assert await broker.claim(MODEL, "w1", slots=1) == []
-    [again] = await broker.claim(MODEL, "w2", slots=1)
+    await broker.queue.enqueue(later)
+    assert await broker.queue.claim(MODEL, "w1", slots=1) == []
+    [again] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert again.spec.id == later.id and again.affinity
 
 
@@ -1052,19 +1062,19 @@ async def test_a_held_job_goes_to_any_worker_after_the_affinity_wait(
     broker = make_broker(affinity_wait_s=0.3)
     await run_prefix(broker, "w1")  # w1 owns the prefix, then is busy (or hangs)
     spec = prefixed()
-    await broker.enqueue(spec)
-    assert await broker.claim(MODEL, "w2", slots=1) == []  # held for w1
+    await broker.queue.enqueue(spec)
+    assert await broker.queue.claim(MODEL, "w2", slots=1) == []  # held for w1
     started = time.monotonic()
-    [lease] = await broker.claim(MODEL, "w2", slots=1, block_s=3.0)  # wakes when it is due
+    [lease] = await broker.queue.claim(MODEL, "w2", slots=1, block_s=3.0)  # wakes when it is due
     waited = time.monotonic() - started
     assert lease.spec.id == spec.id and lease.affinity
     assert 0.15 < waited < 1.5
-    assert await broker.complete(lease, ok(lease))
+    assert await broker.queue.complete(lease, ok(lease))
     # ownership is sticky while w1 lives: the next job still waits for w1, not for w2
     again = prefixed()
-    await broker.enqueue(again)
-    assert await broker.claim(MODEL, "w2", slots=1) == []
-    [mine] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(again)
+    assert await broker.queue.claim(MODEL, "w2", slots=1) == []
+    [mine] = await broker.queue.claim(MODEL, "w1", slots=1)
     assert mine.spec.id == again.id and mine.affinity
 
 
@@ -1076,16 +1086,16 @@ async def test_no_job_waits_for_a_worker_whose_heartbeat_lapsed(
     await beat(broker, "w1", ttl_s=0.2)
     await asyncio.sleep(0.3)  # w1 died: its heartbeat lapsed
     spec = prefixed()
-    await broker.enqueue(spec)
-    [lease] = await broker.claim(MODEL, "w2", slots=1)  # at once, from the lane
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w2", slots=1)  # at once, from the lane
     assert lease.spec.id == spec.id and not lease.affinity
-    assert await broker.complete(lease, ok(lease))
+    assert await broker.queue.complete(lease, ok(lease))
     # w2 ran it with w1 gone: w2 owns the prefix now
     await beat(broker, "w2")
     later = prefixed()
-    await broker.enqueue(later)
-    assert await broker.claim(MODEL, "w3", slots=1) == []
-    [mine] = await broker.claim(MODEL, "w2", slots=1)
+    await broker.queue.enqueue(later)
+    assert await broker.queue.claim(MODEL, "w3", slots=1) == []
+    [mine] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert mine.spec.id == later.id and mine.affinity
 
 
@@ -1094,16 +1104,16 @@ async def test_the_preferred_worker_wakes_for_a_job_held_for_it(
 ) -> None:
     broker = make_broker(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
-    assert await broker.claim(MODEL, "w1", slots=1) == []  # idle: the next claim waits
-    waiter = asyncio.create_task(broker.claim(MODEL, "w1", slots=1, block_s=5.0))
+    assert await broker.queue.claim(MODEL, "w1", slots=1) == []  # idle: the next claim waits
+    waiter = asyncio.create_task(broker.queue.claim(MODEL, "w1", slots=1, block_s=5.0))
     await asyncio.sleep(0.1)
     started = time.monotonic()
     spec = prefixed()
-    await broker.enqueue(spec)
+    await broker.queue.enqueue(spec)
     [lease] = await asyncio.wait_for(waiter, 5.0)
     assert lease.spec.id == spec.id and lease.affinity
     assert time.monotonic() - started < 1.0
-    assert await broker.complete(lease, ok(lease))
+    assert await broker.queue.complete(lease, ok(lease))
 
 
 async def test_an_affinity_lease_is_reaped_and_released_like_any_other(
@@ -1112,38 +1122,38 @@ async def test_an_affinity_lease_is_reaped_and_released_like_any_other(
     broker = make_broker(affinity_wait_s=30.0, lease_s=0.2)
     await run_prefix(broker, "w1")
     spec = prefixed()
-    await broker.enqueue(spec)
-    [zombie] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(spec)
+    [zombie] = await broker.queue.claim(MODEL, "w1", slots=1)
     assert zombie.affinity
     await asyncio.sleep(0.35)  # w1 died holding it
-    assert (await broker.reap(MODEL)).requeued == [spec.id]
+    assert (await broker.queue.reap(MODEL)).requeued == [spec.id]
     # requeued to the lane itself: any worker takes it at once
-    [fresh] = await broker.claim(MODEL, "w2", slots=1)
+    [fresh] = await broker.queue.claim(MODEL, "w2", slots=1)
     assert fresh.spec.id == spec.id and fresh.spec.attempt == 1 and not fresh.affinity
-    assert not await broker.complete(zombie, ok(zombie, "zombie"))
-    assert await broker.complete(fresh, ok(fresh, "fresh"))
-    await broker.deregister(MODEL, "w1")  # w1 is gone for good
+    assert not await broker.queue.complete(zombie, ok(zombie, "zombie"))
+    assert await broker.queue.complete(fresh, ok(fresh, "fresh"))
+    await broker.registry.deregister(MODEL, "w1")  # w1 is gone for good
     # w2 owns the prefix once it runs it; a drain hands its affinity job back, for anyone
     await run_prefix(broker, "w2")
     spec2 = prefixed()
-    await broker.enqueue(spec2)
-    [held] = await broker.claim(MODEL, "w2", slots=1)
-    assert held.affinity and await broker.release([held]) == 1
-    [again] = await broker.claim(MODEL, "w3", slots=1)
+    await broker.queue.enqueue(spec2)
+    [held] = await broker.queue.claim(MODEL, "w2", slots=1)
+    assert held.affinity and await broker.queue.release([held]) == 1
+    [again] = await broker.queue.claim(MODEL, "w3", slots=1)
     assert again.spec.id == spec2.id and again.spec.attempt == 0
-    assert await broker.complete(again, ok(again))
-    assert await broker.depth(MODEL) == 0
+    assert await broker.queue.complete(again, ok(again))
+    assert await broker.queue.depth(MODEL) == 0
 
 
 async def test_at_most_max_held_jobs_wait_for_one_worker(make_broker: BrokerFactory) -> None:
     broker = make_broker(affinity_wait_s=30.0, affinity_max_held=2)
     await run_prefix(broker, "w1")
     specs = [prefixed() for _ in range(4)]
-    await broker.enqueue_many(specs)
+    await broker.queue.enqueue_many(specs)
     # two wait for w1; the rest are staged as usual
-    taken = await broker.claim(MODEL, "w2", slots=4)
+    taken = await broker.queue.claim(MODEL, "w2", slots=4)
     assert [lease.spec.id for lease in taken] == [s.id for s in specs[2:]]
-    mine = await broker.claim(MODEL, "w1", slots=4)
+    mine = await broker.queue.claim(MODEL, "w1", slots=4)
     assert [lease.spec.id for lease in mine] == [s.id for s in specs[:2]]
 
 
@@ -1151,18 +1161,18 @@ async def test_a_held_job_cancelled_while_waiting_never_runs(make_broker: Broker
     broker = make_broker(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
     spec = prefixed()
-    await broker.enqueue(spec)
-    assert await broker.cancel(spec.id) is CancelOutcome.CANCELLED
-    assert await broker.claim(MODEL, "w1", slots=1) == []
-    assert await broker.depth(MODEL) == 0
+    await broker.queue.enqueue(spec)
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.CANCELLED
+    assert await broker.queue.claim(MODEL, "w1", slots=1) == []
+    assert await broker.queue.depth(MODEL) == 0
 
 
-async def audit_of(broker: Broker, since: float = 0.0, **filters: str) -> list[tuple[str, str]]:
+async def audit_of(broker: Backend, since: float = 0.0, **filters: str) -> list[tuple[str, str]]:
     """(event, status) of every audit entry matching, paging through with small reads."""
     out: list[tuple[str, str]] = []
     cursor = None
     while True:
-        cursor, entries = await broker.audit_entries(since, cursor=cursor, count=7, **filters)
+        cursor, entries = await broker.audit.audit_entries(since, cursor=cursor, count=7, **filters)
         out += [(e.event, e.status) for e in entries]
         if cursor is None:
             return out
@@ -1175,20 +1185,20 @@ async def test_audit_trail_records_receipts_and_terminal_states(
     start = time.time() - 1
     done, dead, gone = job(tenant="acme"), job(tenant="acme"), job(tenant="bob")
     for spec in (done, dead, gone):
-        assert (await broker.enqueue(spec)).created
+        assert (await broker.queue.enqueue(spec)).created
     # an idempotent replay and a fenced completion leave no entry of their own
     key = job(tenant="acme", key="k1")
-    await broker.enqueue(key)
-    assert not (await broker.enqueue(job(tenant="acme", key="k1"))).created
-    assert await broker.cancel(gone.id) is CancelOutcome.CANCELLED
-    leases = await broker.claim(MODEL, "w1", slots=2)
+    await broker.queue.enqueue(key)
+    assert not (await broker.queue.enqueue(job(tenant="acme", key="k1"))).created
+    assert await broker.queue.cancel(gone.id) is CancelOutcome.CANCELLED
+    leases = await broker.queue.claim(MODEL, "w1", slots=2)
     by_id = {lease.spec.id: lease for lease in leases}
     assert set(by_id) == {done.id, dead.id}
     result = ok(by_id[done.id])
     result.prompt_tokens = 5
-    assert await broker.complete(by_id[done.id], result)
-    assert not await broker.complete(by_id[done.id], result)  # fenced: already completed
-    assert await broker.dead_letter(by_id[dead.id], "bad_input", "no")
+    assert await broker.queue.complete(by_id[done.id], result)
+    assert not await broker.queue.complete(by_id[done.id], result)  # fenced: already completed
+    assert await broker.queue.dead_letter(by_id[dead.id], "bad_input", "no")
 
     acme = await audit_of(broker, start, tenant="acme")
     assert sorted(acme) == sorted(
@@ -1198,7 +1208,7 @@ async def test_audit_trail_records_receipts_and_terminal_states(
         ("received", "queued"),
         ("terminal", "cancelled"),
     ]
-    _, entries = await broker.audit_entries(start, tenant="acme", model=MODEL)
+    _, entries = await broker.audit.audit_entries(start, tenant="acme", model=MODEL)
     [finished] = [e for e in entries if e.status == "succeeded"]
     assert (finished.job_id, finished.model, finished.prompt_tokens) == (done.id, MODEL, 5)
     assert finished.completion_tokens == 2 and finished.max_tokens == 4
@@ -1213,9 +1223,9 @@ async def test_audit_trail_records_a_job_that_expired_in_the_queue(
     broker = make_broker()
     start = time.time() - 1
     late = job(tenant="late", deadline=time.time() + 0.05)
-    await broker.enqueue(late)
+    await broker.queue.enqueue(late)
     await asyncio.sleep(0.1)
-    assert await broker.claim(MODEL, "w1", slots=1) == []  # the claim ends it, unrun
+    assert await broker.queue.claim(MODEL, "w1", slots=1) == []  # the claim ends it, unrun
     assert await audit_of(broker, start, tenant="late") == [
         ("received", "queued"),
         ("terminal", "expired"),
@@ -1225,13 +1235,13 @@ async def test_audit_trail_records_a_job_that_expired_in_the_queue(
 async def test_audit_trail_is_bounded(make_broker: BrokerFactory) -> None:
     broker = make_broker(audit_max_len=10)
     for _ in range(5):
-        await broker.enqueue_many([job() for _ in range(100)])
+        await broker.queue.enqueue_many([job() for _ in range(100)])
     kept = await audit_of(broker)
     # MAXLEN ~ trims whole stream nodes (100 entries each by default): near the bound
     assert 10 <= len(kept) <= 10 + 100
     off = make_broker(audit_max_len=0)
     before = len(await audit_of(off))
-    await off.enqueue(job())
+    await off.queue.enqueue(job())
     assert len(await audit_of(off)) == before
 
 
@@ -1242,59 +1252,61 @@ async def test_token_budget_per_period_reserves_settles_and_resets(
 
     broker = make_broker()
     now = [datetime(2026, 2, 15, 12, tzinfo=UTC).timestamp()]
-    broker.clock = lambda: now[0]  # injected time: the scripts take it instead of TIME
+    broker.quotas.clock = lambda: now[0]  # injected time: the scripts take it instead of TIME
     quota = Quota(token_budget=100, budget_period="month", rpm=1000)
     march = datetime(2026, 3, 1, tzinfo=UTC).timestamp()
-    [first] = await broker.reserve("acme", quota, [("j1", 60)])
+    [first] = await broker.quotas.reserve("acme", quota, [("j1", 60)])
     assert first.admitted
-    [over] = await broker.reserve("acme", quota, [("j2", 50)])
+    [over] = await broker.quotas.reserve("acme", quota, [("j2", 50)])
     assert (over.admitted, over.reason) == (False, "budget")
     assert abs(over.retry_after_s - (march - now[0])) < 1e-3
     assert over.requests is not None and over.requests[1] == 999  # the refusal took nothing
-    [huge] = await broker.reserve("acme", quota, [("j9", 101)])
+    [huge] = await broker.quotas.reserve("acme", quota, [("j9", 101)])
     assert huge.reason == "too_large"
     # settled to its real count: the unused 40 come back within the month
-    assert await broker.settle([Settlement("acme", "j1", 20)]) == 1
-    [fits] = await broker.reserve("acme", quota, [("j2", 50)])
+    assert await broker.quotas.settle([Settlement("acme", "j1", 20)]) == 1
+    [fits] = await broker.quotas.reserve("acme", quota, [("j2", 50)])
     assert fits.admitted
-    [full] = await broker.reserve("acme", quota, [("j3", 31)])
+    [full] = await broker.quotas.reserve("acme", quota, [("j3", 31)])
     assert full.reason == "budget"
     # a new month: the whole budget again; February's job refunds nothing into it
     now[0] = march + 1
-    [fresh] = await broker.reserve("acme", quota, [("j4", 100)])
+    [fresh] = await broker.quotas.reserve("acme", quota, [("j4", 100)])
     assert fresh.admitted
-    assert await broker.settle([Settlement("acme", "j2", 0)]) == 1
-    [none] = await broker.reserve("acme", quota, [("j5", 1)])
+    assert await broker.quotas.settle([Settlement("acme", "j2", 0)]) == 1
+    [none] = await broker.quotas.reserve("acme", quota, [("j5", 1)])
     assert none.reason == "budget"
     # calendar months across a year's end, and plain seconds (epoch-aligned windows)
     now[0] = datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
     monthly = Quota(token_budget=5, budget_period="month")
-    [dec] = await broker.reserve("bob", monthly, [("b1", 5)])
-    [dec_over] = await broker.reserve("bob", monthly, [("b2", 1)])
+    [dec] = await broker.quotas.reserve("bob", monthly, [("b1", 5)])
+    [dec_over] = await broker.quotas.reserve("bob", monthly, [("b2", 1)])
     assert dec.admitted and dec_over.reason == "budget"
     assert abs(dec_over.retry_after_s - 1.0) < 1e-3  # to midnight UTC, Jan 1st
     now[0] += 1
-    assert (await broker.reserve("bob", monthly, [("b3", 5)]))[0].admitted
-    [end] = await broker.reserve("eve", Quota(token_budget=5, budget_period="month"), [("e", 9)])
+    assert (await broker.quotas.reserve("bob", monthly, [("b3", 5)]))[0].admitted
+    [end] = await broker.quotas.reserve(
+        "eve", Quota(token_budget=5, budget_period="month"), [("e", 9)]
+    )
     assert end.reason == "too_large"
     hourly = Quota(token_budget=5, budget_period="3600")
     now[0] = 7200.0 + 1800
-    assert (await broker.reserve("ann", hourly, [("a1", 5)]))[0].admitted
-    [later] = await broker.reserve("ann", hourly, [("a2", 5)])
+    assert (await broker.quotas.reserve("ann", hourly, [("a1", 5)]))[0].admitted
+    [later] = await broker.quotas.reserve("ann", hourly, [("a2", 5)])
     assert later.reason == "budget" and abs(later.retry_after_s - 1800) < 1e-3
     now[0] = 10800.0
-    assert (await broker.reserve("ann", hourly, [("a3", 5)]))[0].admitted
+    assert (await broker.quotas.reserve("ann", hourly, [("a3", 5)]))[0].admitted
 
 
 # -- the queue's hot path (issue 16 item 2): fewer commands, the same behaviour ----------------
 async def test_a_lease_naming_another_consumer_is_fenced(make_broker: BrokerFactory) -> None:
     broker = make_broker()
-    await broker.enqueue(job())
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(job())
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
     forged = msgspec.structs.replace(lease, consumer="w2")
-    assert await broker.complete_many([(forged, ok(forged))]) == [False]
-    assert await broker.complete(lease, ok(lease))
-    assert (await broker.stats(MODEL)).fenced_completions == 1
+    assert await broker.queue.complete_many([(forged, ok(forged))]) == [False]
+    assert await broker.queue.complete(lease, ok(lease))
+    assert (await broker.queue.stats(MODEL)).fenced_completions == 1
 
 
 async def test_jobs_enqueued_one_at_a_time_take_the_same_fair_turns(
@@ -1305,18 +1317,18 @@ async def test_jobs_enqueued_one_at_a_time_take_the_same_fair_turns(
     broker = make_broker(fair_window=1)
     order = []
     first = tenant_job("a")
-    await broker.enqueue(first)  # idle lane: straight into the stream
-    [lease] = await broker.claim(MODEL, "w1", slots=1)
+    await broker.queue.enqueue(first)  # idle lane: straight into the stream
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
     order.append(lease.spec.id)
-    assert await broker.complete(lease, ok(lease))
+    assert await broker.queue.complete(lease, ok(lease))
     specs = [tenant_job("a"), tenant_job("b", 2.0), tenant_job("a"), tenant_job("b", 2.0)]
     specs += [tenant_job("a"), tenant_job("b", 2.0), tenant_job("c")]
     for spec in specs:  # the first into the stream at once, the rest staged behind it
-        await broker.enqueue(spec)
+        await broker.queue.enqueue(spec)
     for _ in specs:
-        [lease] = await broker.claim(MODEL, "w1", slots=1)
+        [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
         order.append(lease.spec.id)
-        assert await broker.complete(lease, ok(lease))
+        assert await broker.queue.complete(lease, ok(lease))
     names = {spec.id: f"{spec.tenant}{i}" for i, spec in enumerate([first, *specs])}
     # a's tag moved by each of its jobs, the fast-path one included; b's weight halves its cost
     assert [names[i] for i in order] == ["a0", "a1", "b2", "c7", "b4", "a3", "b6", "a5"]
@@ -1328,25 +1340,25 @@ async def test_a_waiting_claim_wakes_for_work_in_any_lane_after_others_took_the_
     """A claim's wait hint may skip lanes with nothing after it (claim.lua's `after`): work
     another worker took meanwhile, or work that lands in any lane later, changes nothing."""
     waiter, other = make_broker(), make_broker()
-    assert await waiter.claim(MODEL, "w1", slots=2, block_s=0.05) == []  # idle: hints known
+    assert await waiter.queue.claim(MODEL, "w1", slots=2, block_s=0.05) == []  # idle: hints known
     taken = job()
-    await other.enqueue(taken)
-    [lease] = await other.claim(MODEL, "w2", slots=1)  # newer than w1's hint, and gone
-    assert await other.complete(lease, ok(lease))
-    assert await waiter.claim(MODEL, "w1", slots=2, block_s=0.2) == []
+    await other.queue.enqueue(taken)
+    [lease] = await other.queue.claim(MODEL, "w2", slots=1)  # newer than w1's hint, and gone
+    assert await other.queue.complete(lease, ok(lease))
+    assert await waiter.queue.claim(MODEL, "w1", slots=2, block_s=0.2) == []
     for priority in (Priority.LOW, Priority.NORMAL, Priority.HIGH):
         spec = job(priority)
-        pending = asyncio.create_task(waiter.claim(MODEL, "w1", slots=2, block_s=5.0))
+        pending = asyncio.create_task(waiter.queue.claim(MODEL, "w1", slots=2, block_s=5.0))
         await asyncio.sleep(0.05)
-        await other.enqueue(spec)
+        await other.queue.enqueue(spec)
         leases = await asyncio.wait_for(pending, 3.0)
         assert [lease.spec.id for lease in leases] == [spec.id]
-        assert await waiter.complete(leases[0], ok(leases[0]))
+        assert await waiter.queue.complete(leases[0], ok(leases[0]))
     # a retry due while the waiter's lanes are quiet is still taken
     again = job()
-    await other.enqueue(again)
-    [lease] = await waiter.claim(MODEL, "w1", slots=1, block_s=1.0)
-    assert await waiter.retry(lease, "boom")
-    [retried] = await waiter.claim(MODEL, "w1", slots=1, block_s=5.0)
+    await other.queue.enqueue(again)
+    [lease] = await waiter.queue.claim(MODEL, "w1", slots=1, block_s=1.0)
+    assert await waiter.queue.retry(lease, "boom")
+    [retried] = await waiter.queue.claim(MODEL, "w1", slots=1, block_s=5.0)
     assert retried.spec.id == again.id and retried.spec.attempt == 1
-    assert await waiter.complete(retried, ok(retried))
+    assert await waiter.queue.complete(retried, ok(retried))

@@ -12,28 +12,27 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.servers import running_server
-from tokenyard.broker import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.channel import Channel
 from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 
 
 @pytest.fixture
-async def broker(valkey: EmbeddedServer) -> AsyncIterator[RedisBroker]:
-    opened = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
+async def broker(valkey: EmbeddedServer) -> AsyncIterator[Backend]:
+    opened = connect(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
     yield opened
     await opened.close()
 
 
-def channel_of(broker: RedisBroker) -> Channel:
-    channel = broker._channel
+def channel_of(broker: Backend) -> Channel:
+    channel = broker.queue._channel
     assert isinstance(channel, Channel)
     return channel
 
 
-async def test_a_cancelled_blocking_read_does_not_leak_its_reply(broker: RedisBroker) -> None:
+async def test_a_cancelled_blocking_read_does_not_leak_its_reply(broker: Backend) -> None:
     channel = channel_of(broker)
     stream = f"{broker.settings.prefix}:s"
     read = asyncio.create_task(channel.execute([("XREAD", "BLOCK", 2000, "STREAMS", stream, "$")]))
@@ -47,7 +46,7 @@ async def test_a_cancelled_blocking_read_does_not_leak_its_reply(broker: RedisBr
         assert await channel.execute([("ECHO", f"m{n}")]) == [f"m{n}".encode()]
 
 
-async def test_error_replies_come_back_in_place(broker: RedisBroker) -> None:
+async def test_error_replies_come_back_in_place(broker: Backend) -> None:
     ok, bad, missing, after = await channel_of(broker).execute(
         [("ECHO", "a"), ("NOSUCHCOMMAND",), ("EVALSHA", "0" * 40, 0), ("ECHO", "b")]
     )
@@ -58,33 +57,33 @@ async def test_error_replies_come_back_in_place(broker: RedisBroker) -> None:
 
 async def test_a_restarted_server_fails_calls_in_flight_then_serves_again() -> None:
     with running_server() as server:
-        broker = RedisBroker(BrokerSettings(url=server.url))
+        broker = connect(BrokerSettings(url=server.url))
         job, other = new_job_id("m"), new_job_id("m")
         try:
-            assert await broker.read_events_many({job: "0"}) == []
-            waiting = asyncio.create_task(broker.read_events_many({job: "$"}, block_s=10.0))
+            assert await broker.queue.read_events_many({job: "0"}) == []
+            waiting = asyncio.create_task(broker.queue.read_events_many({job: "$"}, block_s=10.0))
             await asyncio.sleep(0.1)
             await asyncio.to_thread(server.restart)
             with pytest.raises(BrokerUnavailable):
                 await asyncio.wait_for(waiting, 10.0)
             # the broken connections were dropped, not pooled: the next calls reconnect
-            assert await broker.read_events_many({job: "0"}) == []
-            assert await broker.read_events(other) == []
+            assert await broker.queue.read_events_many({job: "0"}) == []
+            assert await broker.queue.read_events(other) == []
         finally:
             await broker.close()
 
 
-async def test_an_idle_connection_the_server_closed_is_not_reused(broker: RedisBroker) -> None:
+async def test_an_idle_connection_the_server_closed_is_not_reused(broker: Backend) -> None:
     channel = channel_of(broker)
     [own_id] = await channel.execute([("CLIENT", "ID")])
-    await broker.redis.execute_command("CLIENT", "KILL", "ID", own_id)
+    await broker.queue.redis.execute_command("CLIENT", "KILL", "ID", own_id)
     await asyncio.sleep(0.1)  # the close reaches the idle connection
     replies = await asyncio.wait_for(channel.execute([("ECHO", "again")]), 5.0)
     assert replies == [b"again"]
 
 
 async def test_an_exchange_past_its_deadline_fails_and_the_channel_goes_on(
-    broker: RedisBroker,
+    broker: Backend,
 ) -> None:
     channel = channel_of(broker)
     stream = f"{broker.settings.prefix}:s"
@@ -95,15 +94,15 @@ async def test_an_exchange_past_its_deadline_fails_and_the_channel_goes_on(
     assert await channel.execute([("ECHO", "on")]) == [b"on"]
 
 
-async def test_no_commands_is_no_exchange(broker: RedisBroker) -> None:
+async def test_no_commands_is_no_exchange(broker: Backend) -> None:
     channel = channel_of(broker)
     assert await asyncio.wait_for(channel.execute([]), 2.0) == []
     assert await channel.execute([("ECHO", "x")]) == [b"x"]
 
 
 def test_deadlines_hold_on_a_second_event_loop(valkey: EmbeddedServer) -> None:
-    broker = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
-    channel = broker._channel
+    broker = connect(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
+    channel = broker.queue._channel
     assert channel is not None
     stream = f"{broker.settings.prefix}:s"
 

@@ -8,9 +8,8 @@ import uuid
 
 import pytest
 
-from tokenyard.broker import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobSpec, JobStatus, Priority
@@ -22,25 +21,23 @@ def spec(priority: Priority = Priority.NORMAL) -> JobSpec:
     return JobSpec(id=new_job_id(MODEL), model=MODEL, prompt="x", priority=priority)
 
 
-def broker_on(valkey: EmbeddedServer, prefix: str = "", max_queue_depth: int = 100) -> RedisBroker:
+def broker_on(valkey: EmbeddedServer, prefix: str = "", max_queue_depth: int = 100) -> Backend:
     prefix = prefix or f"gc{uuid.uuid4().hex[:8]}"
-    return RedisBroker(
-        BrokerSettings(url=valkey.url, prefix=prefix, max_queue_depth=max_queue_depth)
-    )
+    return connect(BrokerSettings(url=valkey.url, prefix=prefix, max_queue_depth=max_queue_depth))
 
 
 async def test_concurrent_enqueues_share_script_calls(valkey: EmbeddedServer) -> None:
     broker = broker_on(valkey, max_queue_depth=1000)
     try:
-        alone = await broker.enqueue(spec())  # light load: goes at once, in a call of its own
-        assert alone.created and broker._group.calls == 1
+        alone = await broker.queue.enqueue(spec())  # light load: goes at once, in a call of its own
+        assert alone.created and broker.queue._group.calls == 1
         specs = [spec() for _ in range(200)]
-        results = await asyncio.gather(*(broker.enqueue(s) for s in specs))
+        results = await asyncio.gather(*(broker.queue.enqueue(s) for s in specs))
         assert [r.job_id for r in results] == [s.id for s in specs]
         assert all(r.created for r in results)
         # the first goes alone; the rest pile up behind it, at most 64 per call
-        assert 1 + 4 <= broker._group.calls <= 1 + 1 + 4, broker._group.calls
-        assert await broker.depth(MODEL) == 201
+        assert 1 + 4 <= broker.queue._group.calls <= 1 + 1 + 4, broker.queue._group.calls
+        assert await broker.queue.depth(MODEL) == 201
     finally:
         await broker.close()
 
@@ -49,7 +46,9 @@ async def test_a_full_lane_refuses_only_its_own_jobs(valkey: EmbeddedServer) -> 
     broker = broker_on(valkey, max_queue_depth=4)
     try:
         specs = [spec() for _ in range(8)] + [spec(Priority.LOW) for _ in range(4)]
-        outcomes = await asyncio.gather(*(broker.enqueue(s) for s in specs), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(broker.queue.enqueue(s) for s in specs), return_exceptions=True
+        )
         normal, low = outcomes[:8], outcomes[8:]
         assert sum(isinstance(o, QueueFull) for o in normal) == 4
         assert not any(isinstance(o, BaseException) for o in low)
@@ -60,11 +59,11 @@ async def test_a_full_lane_refuses_only_its_own_jobs(valkey: EmbeddedServer) -> 
 async def test_a_caller_that_leaves_does_not_cancel_the_batch(valkey: EmbeddedServer) -> None:
     broker = broker_on(valkey)
     try:
-        first = asyncio.create_task(broker.enqueue(spec()))
+        first = asyncio.create_task(broker.queue.enqueue(spec()))
         await asyncio.sleep(0)  # its call is in flight: the next ones wait for it
         leaving, staying = spec(), spec()
-        gone = asyncio.create_task(broker.enqueue(leaving))
-        kept = asyncio.create_task(broker.enqueue(staying))
+        gone = asyncio.create_task(broker.queue.enqueue(leaving))
+        kept = asyncio.create_task(broker.queue.enqueue(staying))
         await asyncio.sleep(0)
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -74,7 +73,7 @@ async def test_a_caller_that_leaves_does_not_cancel_the_batch(valkey: EmbeddedSe
         await broker.close()  # lets the batch in flight land
         broker = broker_on(valkey, prefix=broker.settings.prefix)
         for job in (leaving, staying):
-            record = await broker.record(job.id)
+            record = await broker.queue.record(job.id)
             assert record is not None and record.status is JobStatus.QUEUED
     finally:
         await broker.close()

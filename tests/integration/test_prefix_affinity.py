@@ -17,9 +17,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import httpx
 
 from bench.common import free_port, serving
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.gateway import create_app
@@ -43,7 +43,7 @@ async def worker(
 ) -> AsyncIterator[None]:
     # a name of its own: in-process workers started in one millisecond would share one
     consumer = f"w-{uuid.uuid4().hex[:8]}"
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     options = WorkerSettings(
         model=MODEL,
         engine="sim",
@@ -93,8 +93,8 @@ async def hit_rate(url: str, prefix_tokens: int) -> float:
             await stack.enter_async_context(worker(settings, engine, slots=4))
         base = await stack.enter_async_context(gateway(settings, prefix_tokens))
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=60))
-        probe = RedisBroker(settings)
-        while len(await probe.workers(MODEL)) < 3:
+        probe = connect(settings)
+        while len(await probe.registry.workers(MODEL)) < 3:
             await asyncio.sleep(0.05)
         await probe.close()
 
@@ -135,10 +135,10 @@ def prefixed_job(system: str, user: str, max_tokens: int = 4) -> JobSpec:
     )
 
 
-async def finished(broker: RedisBroker, job_id: str, timeout: float = 20.0) -> JobResult:
+async def finished(broker: Backend, job_id: str, timeout: float = 20.0) -> JobResult:
     give_up, after = time.monotonic() + timeout, "0"
     while time.monotonic() < give_up:
-        for event_id, event in await broker.read_events(job_id, after, block_s=1.0):
+        for event_id, event in await broker.queue.read_events(job_id, after, block_s=1.0):
             after = event_id
             if isinstance(event, Finished):
                 return event.result
@@ -149,24 +149,24 @@ async def test_a_job_preferred_for_a_busy_worker_runs_elsewhere_after_the_bound(
     valkey: EmbeddedServer,
 ) -> None:
     settings = settings_for(valkey.url, affinity_wait_s=WAIT_S)
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     busy = SimEngine(max_seqs=1, decode_base=0.02, prefix_cache_tokens=4096)
     async with worker(settings, busy, slots=1, claim_ahead=0):
-        while not await broker.workers(MODEL):
+        while not await broker.registry.workers(MODEL):
             await asyncio.sleep(0.05)
         # the only worker runs a long job: it owns the prefix and has no free slot
         long = prefixed_job(SYSTEMS[0], "a long answer", max_tokens=100)  # ~2 s
-        await broker.enqueue(long)
-        assert await broker.read_events(long.id, "0", block_s=5.0)  # it is running
+        await broker.queue.enqueue(long)
+        assert await broker.queue.read_events(long.id, "0", block_s=5.0)  # it is running
         async with worker(settings, SimEngine(decode_base=0.005), slots=4):
-            while len(await broker.workers(MODEL)) < 2:
+            while len(await broker.registry.workers(MODEL)) < 2:
                 await asyncio.sleep(0.05)
             started = time.monotonic()
             short = prefixed_job(SYSTEMS[0], "a short one")
-            await broker.enqueue(short)
+            await broker.queue.enqueue(short)
             result = await finished(broker, short.id)
             took = time.monotonic() - started
-            first = await broker.record(long.id)
+            first = await broker.queue.record(long.id)
             assert first is not None and first.worker is not None
             assert result.worker != first.worker  # the idle worker took it
             assert WAIT_S * 0.7 < took < 1.5  # held for the busy worker, for the bound only
@@ -186,20 +186,20 @@ def start_worker_process(settings: BrokerSettings) -> subprocess.Popen[bytes]:
 
 async def test_a_job_preferred_for_a_killed_worker_still_runs(valkey: EmbeddedServer) -> None:
     settings = settings_for(valkey.url, affinity_wait_s=WAIT_S)
-    broker = RedisBroker(settings)
+    broker = connect(settings)
     proc = start_worker_process(settings)
     try:
         give_up = time.monotonic() + 30
-        while not await broker.workers(MODEL):
+        while not await broker.registry.workers(MODEL):
             assert proc.poll() is None and time.monotonic() < give_up, proc.stderr
             await asyncio.sleep(0.05)
         first = prefixed_job(SYSTEMS[1], "warm it up")
-        await broker.enqueue(first)
+        await broker.queue.enqueue(first)
         dead_worker = (await finished(broker, first.id)).worker
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         held = prefixed_job(SYSTEMS[1], "and now?")
-        await broker.enqueue(held)  # held for the dead worker, its prefix's owner
+        await broker.queue.enqueue(held)  # held for the dead worker, its prefix's owner
         async with worker(settings, SimEngine(decode_base=0.005), slots=4):
             result = await finished(broker, held.id)
         assert result.worker is not None and result.worker != dead_worker

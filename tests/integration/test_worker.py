@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.broker.base import Broker
+from tokenyard.broker import Backend
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.sim import SimEngine
@@ -36,15 +36,15 @@ def spec(prompt: str = "hello", max_tokens: int = 8, **extra: object) -> JobSpec
 
 
 async def wait_all(
-    broker: Broker, job_ids: list[str], timeout: float = 30.0
+    broker: Backend, job_ids: list[str], timeout: float = 30.0
 ) -> dict[str, JobRecord]:
     async def one(job_id: str) -> JobRecord:
         after = "0"
         while True:
-            for event_id, event in await broker.read_events(job_id, after=after, block_s=1.0):
+            for event_id, event in await broker.queue.read_events(job_id, after=after, block_s=1.0):
                 after = event_id
                 if isinstance(event, Finished):
-                    record = await broker.record(job_id)
+                    record = await broker.queue.record(job_id)
                     assert record is not None
                     return record
 
@@ -61,7 +61,7 @@ async def run_worker(make_broker: BrokerFactory) -> AsyncIterator[RunWorker]:
     started: list[tuple[Worker, asyncio.Task[None]]] = []
 
     def start(
-        engine: SimEngine | None = None, broker: Broker | None = None, **settings: object
+        engine: SimEngine | None = None, broker: Backend | None = None, **settings: object
     ) -> Worker:
         engine = engine or SimEngine(decode_base=0.002, decode_per_seq=1e-4, prefill_base=0.001)
         options: dict[str, object] = {"model": MODEL, "engine": "sim", "heartbeat_s": 0.2}
@@ -90,7 +90,7 @@ async def test_many_concurrent_jobs_complete_in_shared_steps(
     worker = run_worker(engine=engine, max_seqs=32)
     lengths = [4 + (i % 13) for i in range(64)]
     specs = [spec(f"prompt {i}", n) for i, n in enumerate(lengths)]
-    await broker.enqueue_many(specs)
+    await broker.queue.enqueue_many(specs)
     records = await wait_all(broker, [s.id for s in specs])
     for s, n in zip(specs, lengths, strict=True):
         record = records[s.id]
@@ -98,11 +98,11 @@ async def test_many_concurrent_jobs_complete_in_shared_steps(
         assert record.result is not None
         assert record.result.completion_tokens == n == len(record.result.token_ids)
         assert record.result.finish_reason is FinishReason.LENGTH
-        tokens = [e for _, e in await broker.read_events(s.id) if isinstance(e, TokenChunk)]
+        tokens = [e for _, e in await broker.queue.read_events(s.id) if isinstance(e, TokenChunk)]
         assert "".join(t.text for t in tokens) == record.result.text
     assert engine.stats().mean_batch > 4
     assert worker.busy == 0
-    [info] = await broker.workers(MODEL)
+    [info] = await broker.registry.workers(MODEL)
     assert info.consumer == worker.consumer and info.slots_total == 32
 
 
@@ -113,20 +113,20 @@ async def test_events_are_coalesced_per_engine_step(
     broker = make_broker()
     worker_broker = make_broker()
     calls: list[int] = []
-    append = worker_broker.append_events
+    append = worker_broker.queue.append_events
 
     async def counting_append(events):  # type: ignore[no-untyped-def]
         calls.append(len(events))
         return await append(events)
 
-    worker_broker.append_events = counting_append  # type: ignore[method-assign]
+    worker_broker.queue.append_events = counting_append  # type: ignore[method-assign]
     engine = SimEngine(decode_base=0.002)
     run_worker(engine=engine, broker=worker_broker)
     specs = [spec(f"p{i}", 20) for i in range(8)]
-    await broker.enqueue_many(specs)
+    await broker.queue.enqueue_many(specs)
     await wait_all(broker, [s.id for s in specs])
     for s in specs:  # every token published exactly once, the last ones with the result
-        tokens = [e for _, e in await broker.read_events(s.id) if isinstance(e, TokenChunk)]
+        tokens = [e for _, e in await broker.queue.read_events(s.id) if isinstance(e, TokenChunk)]
         assert sum(len(t.token_ids) for t in tokens) == 20
     assert len(calls) <= engine.stats().steps
     assert sum(calls) / len(calls) > 2  # most round trips carry several jobs
@@ -138,13 +138,13 @@ async def test_cancel_mid_generation_frees_the_slot(
     broker = make_broker()
     run_worker(engine=SimEngine(decode_base=0.01), max_seqs=1, claim_ahead=0)  # no reserve
     long, queued = spec("long", 2000), spec("short", 5)
-    await broker.enqueue(long)
-    first_tokens = await broker.read_events(long.id, block_s=10.0)
+    await broker.queue.enqueue(long)
+    first_tokens = await broker.queue.read_events(long.id, block_s=10.0)
     assert first_tokens and isinstance(first_tokens[0][1], TokenChunk)
-    await broker.enqueue(queued)
+    await broker.queue.enqueue(queued)
     await asyncio.sleep(0.1)
-    assert (await broker.record(queued.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
-    await broker.cancel(long.id)
+    assert (await broker.queue.record(queued.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+    await broker.queue.cancel(long.id)
     records = await wait_all(broker, [long.id, queued.id], timeout=10)
     assert records[long.id].status is JobStatus.CANCELLED
     assert records[long.id].result is not None
@@ -158,11 +158,11 @@ async def test_failing_engine_retries_then_dead_letters(
     broker = make_broker(max_deliveries=2, backoff_base_s=0.01, backoff_max_s=0.02)
     run_worker(broker=broker)
     bad, good = spec("please [[fail]] now"), spec("fine")
-    await broker.enqueue_many([bad, good])
+    await broker.queue.enqueue_many([bad, good])
     records = await wait_all(broker, [bad.id, good.id])
     assert records[good.id].status is JobStatus.SUCCEEDED
     assert records[bad.id].status is JobStatus.DEAD and records[bad.id].deliveries == 2
-    [letter] = await broker.dead_letters(MODEL)
+    [letter] = await broker.queue.dead_letters(MODEL)
     assert letter.job_id == bad.id and letter.reason == "failed"
 
 
@@ -172,7 +172,7 @@ async def test_prompt_too_long_fails_without_retry(
     broker = make_broker()
     run_worker(engine=SimEngine(max_model_len=64))
     job = spec("x" * 60, max_tokens=10)
-    await broker.enqueue(job)
+    await broker.queue.enqueue(job)
     record = (await wait_all(broker, [job.id]))[job.id]
     assert record.status is JobStatus.FAILED and record.deliveries == 1
     assert record.result is not None
@@ -195,10 +195,10 @@ async def test_resumed_job_continues_after_streamed_tokens(
     expected_text = direct.tokenizer.decode(expected_ids)
 
     job = spec("resume me", 30)
-    await broker.enqueue(job)
-    [lease] = await broker.claim(MODEL, "crashed-worker", slots=1)
+    await broker.queue.enqueue(job)
+    [lease] = await broker.queue.claim(MODEL, "crashed-worker", slots=1)
     half = expected_ids[:11]
-    await broker.append_events(
+    await broker.queue.append_events(
         [(lease, TokenChunk(token_ids=half, text=direct.tokenizer.decode(half)))]
     )
     # the crashed worker never renews; the live worker's reaper requeues the job
@@ -207,7 +207,7 @@ async def test_resumed_job_continues_after_streamed_tokens(
     assert record.deliveries == 2 and record.result is not None
     assert record.result.token_ids == expected_ids
     assert record.result.text == expected_text
-    texts = [e.text for _, e in await broker.read_events(job.id) if isinstance(e, TokenChunk)]
+    texts = [e.text for _, e in await broker.queue.read_events(job.id) if isinstance(e, TokenChunk)]
     assert "".join(texts) == expected_text
 
 
@@ -217,13 +217,13 @@ async def test_drain_finishes_in_flight_work_and_stops_claiming(
     broker = make_broker()
     first = run_worker(engine=SimEngine(decode_base=0.005), max_seqs=4)
     specs = [spec(f"d{i}", 30) for i in range(12)]
-    await broker.enqueue_many(specs)
+    await broker.queue.enqueue_many(specs)
     while first.busy < 4:
         await asyncio.sleep(0.01)
     first.drain()
     await asyncio.sleep(0.5)
     assert first.busy == 0  # in-flight finished; nothing new claimed while draining
-    done = [s.id for s in specs if (await broker.record(s.id)).status.terminal]  # type: ignore[union-attr]
+    done = [s.id for s in specs if (await broker.queue.record(s.id)).status.terminal]  # type: ignore[union-attr]
     assert len(done) == 4
     run_worker(max_seqs=8)
     records = await wait_all(broker, [s.id for s in specs])
@@ -237,19 +237,21 @@ async def test_drain_timeout_hands_unfinished_jobs_back(
     broker = make_broker()
     first = run_worker(engine=SimEngine(decode_base=0.01), max_seqs=2, drain_timeout_s=0.2)
     specs = [spec(f"slow{i}", 400) for i in range(2)]
-    await broker.enqueue_many(specs)
+    await broker.queue.enqueue_many(specs)
     while first.busy < 2:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
     first.drain()
-    while (await broker.record(specs[0].id)).status is JobStatus.RUNNING:  # type: ignore[union-attr]
+    while (await broker.queue.record(specs[0].id)).status is JobStatus.RUNNING:  # type: ignore[union-attr]
         await asyncio.sleep(0.05)
     run_worker(max_seqs=2)
     records = await wait_all(broker, [s.id for s in specs])
     for s in specs:
         result = records[s.id].result
         assert result is not None and result.completion_tokens == 400
-        texts = [e.text for _, e in await broker.read_events(s.id) if isinstance(e, TokenChunk)]
+        texts = [
+            e.text for _, e in await broker.queue.read_events(s.id) if isinstance(e, TokenChunk)
+        ]
         assert "".join(texts) == result.text
         assert records[s.id].deliveries == 1  # a release is not charged as a delivery
 
@@ -259,7 +261,7 @@ async def test_the_engine_fills_to_capacity_within_a_few_steps(
 ) -> None:
     """With more jobs waiting than slots, the running batch reaches max_seqs almost at once."""
     broker = make_broker()
-    await broker.enqueue_many([spec(f"fill{i}", 40) for i in range(40)])
+    await broker.queue.enqueue_many([spec(f"fill{i}", 40) for i in range(40)])
     engine = SimEngine(decode_base=0.005)
     worker = run_worker(engine=engine, max_seqs=16)
     steps_to_full = None
@@ -287,7 +289,7 @@ async def test_a_long_job_never_reaches_a_short_worker(
     assert (short.pools, long.pools) == ([0], [1, 0])
     shorts = [spec("hi", max_tokens=8) for _ in range(24)]  # ~10 tokens: pool 0
     longs = [spec("long", max_tokens=100) for _ in range(8)]  # ~102 tokens: pool 1
-    await broker.enqueue_many([*longs, *shorts])
+    await broker.queue.enqueue_many([*longs, *shorts])
     records = await wait_all(broker, [s.id for s in [*longs, *shorts]])
     assert {r.status for r in records.values()} == {JobStatus.SUCCEEDED}
     assert {records[s.id].worker for s in longs} == {long.consumer}

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.test_worker import wait_all
+from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.hf import HFEngine
 from tokenyard.messages import FinishReason, JobSpec, JobStatus, SamplingParams, TokenChunk
@@ -30,14 +30,14 @@ def job(prompt: str, max_tokens: int, ignore_eos: bool = True) -> JobSpec:
 
 
 @pytest.fixture
-async def broker(valkey: EmbeddedServer) -> AsyncIterator[RedisBroker]:
-    client = RedisBroker(BrokerSettings(url=valkey.url, prefix=f"h{uuid.uuid4().hex[:8]}"))
+async def broker(valkey: EmbeddedServer) -> AsyncIterator[Backend]:
+    client = connect(BrokerSettings(url=valkey.url, prefix=f"h{uuid.uuid4().hex[:8]}"))
     yield client
     await client.close()
 
 
 async def start_worker(
-    broker: RedisBroker, max_seqs: int
+    broker: Backend, max_seqs: int
 ) -> tuple[Worker, HFEngine, asyncio.Task[None]]:
     engine = HFEngine("tiny", max_seqs=max_seqs, threads=1)
     settings = WorkerSettings(model=MODEL, max_seqs=max_seqs, heartbeat_s=0.2, claim_ahead=0)
@@ -69,12 +69,12 @@ async def direct_greedy(prompt: str, max_tokens: int) -> tuple[list[int], str]:
         await engine.stop()
 
 
-async def test_64_concurrent_jobs_share_engine_steps(broker: RedisBroker) -> None:
+async def test_64_concurrent_jobs_share_engine_steps(broker: Backend) -> None:
     worker, engine, task = await start_worker(broker, max_seqs=32)
     try:
         lengths = [8 + (i % 17) for i in range(64)]
         specs = [job(f"Lane {i} takes car {i * 7}", n) for i, n in enumerate(lengths)]
-        await broker.enqueue_many(specs)
+        await broker.queue.enqueue_many(specs)
         records = await wait_all(broker, [s.id for s in specs], timeout=180)
         for s, n in zip(specs, lengths, strict=True):
             result = records[s.id].result
@@ -83,19 +83,19 @@ async def test_64_concurrent_jobs_share_engine_steps(broker: RedisBroker) -> Non
             assert result.finish_reason is FinishReason.LENGTH
         assert engine.stats().mean_batch > 1.5
         await asyncio.sleep(0.5)  # one more heartbeat carries the engine's stats
-        [info] = await broker.workers(MODEL)
+        [info] = await broker.registry.workers(MODEL)
         assert info.mean_batch > 1.5 and info.jobs_done == 64
     finally:
         await stop_worker(worker, task)
 
 
-async def test_greedy_through_the_queue_equals_a_direct_engine_call(broker: RedisBroker) -> None:
+async def test_greedy_through_the_queue_equals_a_direct_engine_call(broker: Backend) -> None:
     prompts = ["The yard master said", "Cars roll onto lane three", "ünïcode wägon"]
     expected = [await direct_greedy(p, 20) for p in prompts]
     worker, _, task = await start_worker(broker, max_seqs=8)
     try:
         specs = [job(p, 20, ignore_eos=False) for p in prompts]
-        await broker.enqueue_many(specs)
+        await broker.queue.enqueue_many(specs)
         records = await wait_all(broker, [s.id for s in specs], timeout=120)
         for s, (tokens, text) in zip(specs, expected, strict=True):
             result = records[s.id].result
@@ -105,21 +105,23 @@ async def test_greedy_through_the_queue_equals_a_direct_engine_call(broker: Redi
         await stop_worker(worker, task)
 
 
-async def test_cancel_mid_generation_lets_a_queued_job_start(broker: RedisBroker) -> None:
+async def test_cancel_mid_generation_lets_a_queued_job_start(broker: Backend) -> None:
     worker, _, task = await start_worker(broker, max_seqs=1)
     try:
         long, short = job("a very long answer", 1500), job("short", 4)
-        await broker.enqueue(long)
-        assert await broker.read_events(long.id, block_s=60)
-        await broker.enqueue(short)
+        await broker.queue.enqueue(long)
+        assert await broker.queue.read_events(long.id, block_s=60)
+        await broker.queue.enqueue(short)
         await asyncio.sleep(0.3)
-        waiting = await broker.record(short.id)
+        waiting = await broker.queue.record(short.id)
         assert waiting is not None and waiting.status is JobStatus.QUEUED
-        await broker.cancel(long.id)
+        await broker.queue.cancel(long.id)
         records = await wait_all(broker, [long.id, short.id], timeout=60)
         assert records[long.id].status is JobStatus.CANCELLED
         assert records[short.id].status is JobStatus.SUCCEEDED
-        streamed = [e for _, e in await broker.read_events(long.id) if isinstance(e, TokenChunk)]
+        streamed = [
+            e for _, e in await broker.queue.read_events(long.id) if isinstance(e, TokenChunk)
+        ]
         cancelled = records[long.id].result
         assert cancelled is not None
         assert 0 < sum(len(c.token_ids) for c in streamed) == cancelled.completion_tokens < 1500

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenyard.broker.base import LaneBacklog, TenantBacklog
+from tokenyard.broker.core import LaneBacklog, TenantBacklog
 from tokenyard.gateway.admission_wait import (
     MAX_RETRY_AFTER_S,
     Refusal,

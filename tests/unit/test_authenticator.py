@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard.broker.memory import MemoryBroker
+from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings
 from tokenyard.gateway.auth import DEFAULT_TENANT, Authenticator, KeyRing, Tenant
 from tokenyard.gateway.errors import ApiError
@@ -29,13 +29,13 @@ async def refused(auth: Authenticator, header: str | None) -> str | None:
 
 
 async def test_auth_is_off_until_a_key_exists_then_keys_are_cached() -> None:
-    broker = MemoryBroker(BrokerSettings())
+    broker = connect(BrokerSettings())
     clock = Clock()
-    auth = Authenticator(KeyRing(), broker, ttl_s=1.0, clock=clock)
+    auth = Authenticator(KeyRing(), broker.directory, ttl_s=1.0, clock=clock)
     assert await auth.tenant_for(None) == DEFAULT_TENANT and DEFAULT_TENANT.admin
 
-    await broker.put_tenant(TenantConfig(name="acme", priority=Priority.HIGH))
-    key, record = await create_key(broker, "acme", now=1.0)
+    await broker.directory.put_tenant(TenantConfig(name="acme", priority=Priority.HIGH))
+    key, record = await create_key(broker.directory, "acme", now=1.0)
     assert await auth.tenant_for(None) == DEFAULT_TENANT  # the "no keys" answer is cached
     clock.now = 1.5
     assert await refused(auth, None) == "missing_api_key"
@@ -43,8 +43,8 @@ async def test_auth_is_off_until_a_key_exists_then_keys_are_cached() -> None:
     assert await auth.tenant_for(f"Bearer {key}") == Tenant("acme", Priority.HIGH)
 
     # a revoked key and a changed tier are seen once the cached answer is older than the TTL
-    await revoke_key(broker, record.key_id, now=2.0)
-    await broker.put_tenant(TenantConfig(name="acme", priority=Priority.LOW))
+    await revoke_key(broker.directory, record.key_id, now=2.0)
+    await broker.directory.put_tenant(TenantConfig(name="acme", priority=Priority.LOW))
     clock.now = 2.4
     assert await auth.tenant_for(f"Bearer {key}") == Tenant("acme", Priority.HIGH)
     clock.now = 2.6
@@ -52,10 +52,10 @@ async def test_auth_is_off_until_a_key_exists_then_keys_are_cached() -> None:
 
 
 async def test_file_keys_come_first_and_a_key_without_tenant_config_gets_defaults() -> None:
-    broker = MemoryBroker(BrokerSettings())
+    broker = connect(BrokerSettings())
     ring = KeyRing({"sk-root": Tenant("ops", admin=True)})
-    auth = Authenticator(ring, broker, ttl_s=1.0, clock=Clock())
-    key, _ = await create_key(broker, "bob", now=0.0)
+    auth = Authenticator(ring, broker.directory, ttl_s=1.0, clock=Clock())
+    key, _ = await create_key(broker.directory, "bob", now=0.0)
     assert await auth.tenant_for("Bearer sk-root") == Tenant("ops", admin=True)
     assert await auth.tenant_for(f"Bearer {key}") == Tenant("bob", Priority.NORMAL, admin=False)
     assert await refused(auth, "Basic sk-root") == "missing_api_key"

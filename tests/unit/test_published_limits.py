@@ -4,7 +4,7 @@ moment must not turn them off, while a worker with other weights must."""
 
 from __future__ import annotations
 
-from tokenyard.broker.memory import MemoryBroker
+from tokenyard.broker import connect
 from tokenyard.config import BrokerSettings
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.gateway.limits import PublishedLimits
@@ -28,14 +28,14 @@ def beat(consumer: str, revision: str) -> WorkerInfo:
 
 async def test_revision_outlives_a_lapsed_heartbeat_until_other_weights_show() -> None:
     now = [0.0]
-    broker = MemoryBroker(BrokerSettings(), clock=lambda: now[0])
-    limits = PublishedLimits(broker, ttl_s=1.0, clock=lambda: now[0])
+    broker = connect(BrokerSettings(), clock=lambda: now[0])
+    limits = PublishedLimits(broker.registry, ttl_s=1.0, clock=lambda: now[0])
     tokenizer = SimTokenizer()
 
     await limits.of(MODEL, tokenizer)
     assert limits.revision(MODEL) is None  # no worker ever seen: nothing is cached
 
-    await broker.heartbeat(beat("w1", "r1"), ttl_s=2.0)
+    await broker.registry.heartbeat(beat("w1", "r1"), ttl_s=2.0)
     now[0] = 1.0  # the cached read (no workers) is stale now
     assert (await limits.of(MODEL, tokenizer)).max_seqs == 4
     assert limits.revision(MODEL) == "r1"
@@ -44,12 +44,12 @@ async def test_revision_outlives_a_lapsed_heartbeat_until_other_weights_show() -
     assert (await limits.of(MODEL, tokenizer)).max_seqs == 1
     assert limits.revision(MODEL) == "r1"
 
-    await broker.heartbeat(beat("w2", "r2"), ttl_s=10.0)
+    await broker.registry.heartbeat(beat("w2", "r2"), ttl_s=10.0)
     now[0] = 4.0
     await limits.of(MODEL, tokenizer)
     assert limits.revision(MODEL) == "r2"
 
-    await broker.heartbeat(beat("w3", "r3"), ttl_s=10.0)  # a rollout: two revisions live
+    await broker.registry.heartbeat(beat("w3", "r3"), ttl_s=10.0)  # a rollout: two revisions live
     now[0] = 5.5
     await limits.of(MODEL, tokenizer)
     assert limits.revision(MODEL) is None

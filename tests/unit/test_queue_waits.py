@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from tokenyard.broker.base import LaneBacklog
+from tokenyard.broker import connect
+from tokenyard.broker.core import LaneBacklog
 from tokenyard.broker.keys import new_job_id
-from tokenyard.broker.memory import MemoryBroker
 from tokenyard.config import BrokerSettings
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.messages import JobSpec, SamplingParams
@@ -32,15 +32,15 @@ def staged(lanes: Sequence[LaneBacklog]) -> int:
 
 
 async def test_reads_are_shared_counted_and_refreshed() -> None:
-    broker = MemoryBroker(BrokerSettings())
+    broker = connect(BrokerSettings())
     now = [0.0]
-    waits = QueueWaits(broker, ttl_s=0.25, clock=lambda: now[0])
-    await broker.enqueue_many([spec() for _ in range(3)])
+    waits = QueueWaits(broker.queue, broker.registry, ttl_s=0.25, clock=lambda: now[0])
+    await broker.queue.enqueue_many([spec() for _ in range(3)])
     first, second = await asyncio.gather(waits.of(MODEL), waits.of(MODEL))
     assert first is second and staged(first.lanes) == 3
     assert first.rate is None  # no worker has reported: the caller admits
     # within the period: no read; this gateway's own admissions count at once
-    await broker.enqueue_many([spec() for _ in range(2)])
+    await broker.queue.enqueue_many([spec() for _ in range(2)])
     waits.admitted(spec("other"))
     assert staged((await waits.of(MODEL)).lanes) == 4
     # one to two periods old: answered at once, refreshed behind
@@ -50,6 +50,6 @@ async def test_reads_are_shared_counted_and_refreshed() -> None:
         await asyncio.sleep(0)
     assert staged((await waits.of(MODEL)).lanes) == 5
     # older: the read is awaited
-    await broker.enqueue(spec())
+    await broker.queue.enqueue(spec())
     now[0] = 5.0
     assert staged((await waits.of(MODEL)).lanes) == 6

@@ -1,21 +1,98 @@
-"""Brokers: durable lanes of jobs, leases, results and per-job event streams."""
+"""Brokers: a queue core (lanes, leases, fenced results, per-job events) and tables beside it.
+
+`connect(settings)` opens the backend named by `settings.url` and returns a `Backend`: its
+queue core and each table as the role a caller types against.
+"""
 
 from __future__ import annotations
 
-from tokenyard.broker.base import Broker
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tokenyard.broker.core import Clock, QueueCore
 from tokenyard.broker.keys import is_job_id, new_job_id
+from tokenyard.broker.tables import (
+    Audit,
+    BatchStore,
+    Directory,
+    Quotas,
+    ResponseStore,
+    WorkerRegistry,
+)
 from tokenyard.config import BrokerSettings
+from tokenyard.errors import BrokerUnavailable
 
-__all__ = ["Broker", "connect", "is_job_id", "new_job_id"]
+if TYPE_CHECKING:
+    from tokenyard.broker.base import Broker
+
+__all__ = ["Backend", "connect", "is_job_id", "new_job_id", "wait_until_ready"]
 
 
-def connect(settings: BrokerSettings) -> Broker:
-    """Open the broker named by `settings.url`: memory://, redis:// / rediss:// / unix://, or
+class Connection(Protocol):
+    """What a backend's connections answer to as a whole."""
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    """One broker: its queue core and the tables beside it, over one set of connections."""
+
+    settings: BrokerSettings
+    queue: QueueCore
+    directory: Directory
+    quotas: Quotas
+    audit: Audit
+    responses: ResponseStore
+    registry: WorkerRegistry
+    batches: BatchStore
+    connection: Connection
+
+    async def ping(self) -> bool:
+        return await self.connection.ping()
+
+    async def close(self) -> None:
+        """Release every connection."""
+        await self.connection.close()
+
+
+def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
+    """Open the backend named by `settings.url`: memory://, redis:// / rediss:// / unix://, or
     redis+cluster://host:port (any node of a Redis Cluster)."""
     if settings.url.startswith("memory://"):
         from tokenyard.broker.memory import MemoryBroker
 
-        return MemoryBroker(settings)
+        return _whole(MemoryBroker(settings, clock=clock))
     from tokenyard.broker.redis import RedisBroker
 
-    return RedisBroker(settings)
+    return _whole(RedisBroker(settings, clock=clock))
+
+
+def _whole(broker: Broker) -> Backend:
+    """Transitional: a backend whose one object still plays every role."""
+    from tokenyard.broker.batches import batch_store
+
+    return Backend(
+        settings=broker.settings,
+        queue=broker,
+        directory=broker,
+        quotas=broker,
+        audit=broker,
+        responses=broker,
+        registry=broker,
+        batches=batch_store(broker),
+        connection=broker,
+    )
+
+
+async def wait_until_ready(backend: Backend, timeout_s: float = 10.0) -> None:
+    """Poll until the server answers, for processes started alongside it."""
+    give_up = time.monotonic() + timeout_s
+    while not await backend.ping():
+        if time.monotonic() > give_up:
+            raise BrokerUnavailable(f"no answer from {backend.settings.url}")
+        await asyncio.sleep(0.05)

@@ -9,53 +9,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from tokenyard.broker.base import Broker, Clock
+from tokenyard.broker.base import Broker
+from tokenyard.broker.core import Clock
 from tokenyard.broker.keys import Keys
+from tokenyard.broker.tables import BatchState, BatchStore
 from tokenyard.messages import BatchRecord, decode, encode
-
-
-@dataclass
-class BatchState:
-    record: BatchRecord
-    cancel_requested: bool
-    completed: int
-    failed: int
-
-
-class BatchStore(Protocol):
-    async def create(self, record: BatchRecord) -> None: ...
-
-    async def get(self, batch_id: str) -> BatchState | None: ...
-
-    async def save(self, record: BatchRecord) -> None:
-        """Overwrite the record (the runner holding the lease); terminal ones leave `active`."""
-        ...
-
-    async def request_cancel(self, batch_id: str) -> None: ...
-
-    async def active(self) -> list[str]: ...
-
-    async def list_ids(self, tenant: str) -> list[str]:
-        """The tenant's batch ids, newest first."""
-        ...
-
-    async def acquire(self, batch_id: str, owner: str, ttl_s: float) -> bool:
-        """Take or renew the runner lease; False while another owner holds it."""
-        ...
-
-    async def release(self, batch_id: str, owner: str) -> None: ...
-
-    async def set_jobs(self, batch_id: str, jobs: Mapping[int, str]) -> None: ...
-
-    async def jobs(self, batch_id: str) -> dict[int, str]: ...
-
-    async def add_outcomes(
-        self, batch_id: str, ok: Sequence[int], failed: Sequence[int]
-    ) -> None: ...
-
-    async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]: ...
 
 
 def _ms(seconds: float) -> int:

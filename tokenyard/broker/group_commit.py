@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from tokenyard.broker.base import EnqueueResult
+from tokenyard.broker.core import EnqueueResult
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobSpec
 

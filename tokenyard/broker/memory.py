@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
-from tokenyard.broker.base import (
-    Broker,
+from tokenyard.broker.base import Broker
+from tokenyard.broker.core import (
     BrokerStats,
     CancelOutcome,
     Clock,
@@ -23,9 +23,7 @@ from tokenyard.broker.base import (
     LaneStats,
     Lease,
     ReapReport,
-    Settlement,
     TenantBacklog,
-    settlement,
 )
 from tokenyard.broker.keys import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
@@ -39,6 +37,7 @@ from tokenyard.broker.policy import (
     size_pool,
     staging_score,
 )
+from tokenyard.broker.tables import Settlement, settlement
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import logging
@@ -19,8 +18,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenyard.broker import audit, scripts
 from tokenyard.broker.audit import AuditEntry
-from tokenyard.broker.base import (
-    Broker,
+from tokenyard.broker.base import Broker
+from tokenyard.broker.channel import Channel, Command
+from tokenyard.broker.core import (
     BrokerStats,
     CancelOutcome,
     Clock,
@@ -29,11 +29,8 @@ from tokenyard.broker.base import (
     LaneStats,
     Lease,
     ReapReport,
-    Settlement,
     TenantBacklog,
-    settlement,
 )
-from tokenyard.broker.channel import Channel, Command
 from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
@@ -46,6 +43,7 @@ from tokenyard.broker.policy import (
     staging_score,
 )
 from tokenyard.broker.scripts import Call, Empty
+from tokenyard.broker.tables import Settlement, settlement
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, QueueFull
 from tokenyard.messages import (
@@ -1227,15 +1225,6 @@ class RedisBroker(Broker):
         if self._channel is not None:
             await self._channel.close()
         await self.redis.aclose()
-
-
-async def wait_until_ready(broker: RedisBroker, timeout_s: float = 10.0) -> None:
-    """Poll PING until the server answers, for processes started alongside their Redis."""
-    give_up = time.monotonic() + timeout_s
-    while not await broker.ping():
-        if time.monotonic() > give_up:
-            raise BrokerUnavailable(f"no answer from {broker.settings.url}")
-        await asyncio.sleep(0.05)
 
 
 def _record_of_hash(h: Any) -> JobRecord | None:

@@ -270,8 +270,8 @@ def status(
 async def _status(settings: BrokerSettings, models: list[str]) -> None:
     broker = connect(settings)
     try:
-        for name in models or await broker.models():
-            stats = await broker.stats(name)
+        for name in models or await broker.queue.models():
+            stats = await broker.queue.stats(name)
             lanes = Table(title=f"model {name}")
             for column in ("lane", "waiting", "in flight", "oldest waiting"):
                 lanes.add_column(column, justify="right" if column != "lane" else "left")
@@ -291,7 +291,7 @@ async def _status(settings: BrokerSettings, models: list[str]) -> None:
             workers = Table(title=f"live workers of {name}")
             for column in ("consumer", "engine", "state", "slots", "tokens/s", "batch", "done"):
                 workers.add_column(column)
-            for info in await broker.workers(name):
+            for info in await broker.registry.workers(name):
                 workers.add_row(
                     info.consumer,
                     info.engine,

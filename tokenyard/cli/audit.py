@@ -43,7 +43,7 @@ async def _export(
     try:
         cursor = None
         while True:
-            cursor, entries = await active.audit_entries(since, tenant, model, cursor=cursor)
+            cursor, entries = await active.audit.audit_entries(since, tenant, model, cursor=cursor)
             for entry in entries:
                 out.write(encoder.encode(entry) + b"\n")
             if cursor is None:

@@ -107,7 +107,8 @@ async def _worker_ready(settings: BrokerSettings, model: str) -> bool:
     try:
         host = socket.gethostname()
         return any(
-            info.host == host and info.state == "running" for info in await broker.workers(model)
+            info.host == host and info.state == "running"
+            for info in await broker.registry.workers(model)
         )
     except Exception:
         return False

@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import Broker, connect
+from tokenyard.broker import connect
+from tokenyard.broker.tables import Directory
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.messages import Priority
 from tokenyard.tenancy.admin import create_key, revoke_key
@@ -30,15 +31,15 @@ PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Re
 _T = TypeVar("_T")
 
 
-def _with_broker(
-    broker: str | None, prefix: str | None, job: Callable[[Broker], Awaitable[_T]]
+def _with_directory(
+    broker: str | None, prefix: str | None, job: Callable[[Directory], Awaitable[_T]]
 ) -> _T:
     settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
 
     async def run() -> _T:
         active = connect(settings)
         try:
-            return await job(active)
+            return await job(active.directory)
         finally:
             await active.close()
 
@@ -57,7 +58,9 @@ def keys_create(
     prefix: PrefixOpt = None,
 ) -> None:
     """Create a key and print it once: only its SHA-256 is stored."""
-    key, record = _with_broker(broker, prefix, lambda b: create_key(b, tenant, time.time(), label))
+    key, record = _with_directory(
+        broker, prefix, lambda b: create_key(b, tenant, time.time(), label)
+    )
     console.print(f"key id {record.key_id} for tenant {record.tenant}", highlight=False)
     # the key alone on stdout's last line, for scripts: `tokenyard keys create ... | tail -1`
     print(key)
@@ -70,7 +73,7 @@ def keys_list(
     prefix: PrefixOpt = None,
 ) -> None:
     """Keys by id (never the key itself): tenant, label, created, revoked."""
-    records = _with_broker(broker, prefix, lambda b: b.api_keys())
+    records = _with_directory(broker, prefix, lambda b: b.api_keys())
     table = Table(title="API keys")
     for column in ("id", "tenant", "label", "created", "revoked"):
         table.add_column(column)
@@ -87,7 +90,7 @@ def keys_revoke(
     prefix: PrefixOpt = None,
 ) -> None:
     """Revoke a key; every gateway refuses it within its cache time (a second or two)."""
-    revoked = _with_broker(broker, prefix, lambda b: revoke_key(b, key_id, time.time()))
+    revoked = _with_directory(broker, prefix, lambda b: revoke_key(b, key_id, time.time()))
     if revoked is None:
         console.print(f"no single active key matches {key_id!r}")
         raise typer.Exit(1)
@@ -130,7 +133,7 @@ def tenants_set(
         except KeyError:
             raise typer.BadParameter(f"unknown priority {priority!r}") from None
 
-    async def job(b: Broker) -> TenantConfig:
+    async def job(b: Directory) -> TenantConfig:
         config = await b.tenant(name) or TenantConfig(name=name)
         changes: dict[str, object] = {}
         if tier is not None:
@@ -161,7 +164,7 @@ def tenants_set(
         await b.put_tenant(config)
         return config
 
-    config = _with_broker(broker, prefix, job)
+    config = _with_directory(broker, prefix, job)
     _print_tenants([config])
 
 
@@ -173,13 +176,13 @@ def tenants_show(
 ) -> None:
     """Tenants and their tiers."""
 
-    async def job(b: Broker) -> list[TenantConfig]:
+    async def job(b: Directory) -> list[TenantConfig]:
         if name is None:
             return await b.tenants()
         one = await b.tenant(name)
         return [] if one is None else [one]
 
-    configs = _with_broker(broker, prefix, job)
+    configs = _with_directory(broker, prefix, job)
     if name is not None and not configs:
         console.print(f"no tenant {name!r} (its keys act with the defaults: normal, not admin)")
         raise typer.Exit(1)

@@ -20,7 +20,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from tokenyard.broker.base import Stats, WorkerRegistry
+from tokenyard.broker.core import Stats
+from tokenyard.broker.tables import WorkerRegistry
 from tokenyard.children import spawn_tied
 from tokenyard.fleet.autoscale import AutoscaleConfig, Autoscaler, Decision, Observation, WorkerLoad
 from tokenyard.messages import WorkerInfo
@@ -28,8 +29,14 @@ from tokenyard.messages import WorkerInfo
 log = logging.getLogger(__name__)
 
 
-class FleetSource(Stats, WorkerRegistry, Protocol):
+class FleetSource(Protocol):
     """What the loop reads: lane stats and live workers."""
+
+    @property
+    def queue(self) -> Stats: ...
+
+    @property
+    def registry(self) -> WorkerRegistry: ...
 
 
 class AutoscaleMetrics:
@@ -163,8 +170,8 @@ class Supervisor:
         self.decisions: list[Decision] = []  # the actions taken, for tests and logs
 
     async def observe(self) -> tuple[Observation, list[WorkerInfo]]:
-        stats = await self.broker.stats(self.model)
-        infos = await self.broker.workers(self.model)
+        stats = await self.broker.queue.stats(self.model)
+        infos = await self.broker.registry.workers(self.model)
         ages = [lane.oldest_waiting_age_s for lane in stats.lanes if lane.oldest_waiting_age_s]
         obs = Observation(
             at=self.clock(),

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from tokenyard.broker.base import LaneBacklog, TenantBacklog
+from tokenyard.broker.core import LaneBacklog, TenantBacklog
 from tokenyard.messages import Priority, WorkerInfo
 
 

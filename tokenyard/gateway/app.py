@@ -15,7 +15,7 @@ from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenyard import heap
-from tokenyard.broker import Broker, connect
+from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.affinity import PrefixKeys
@@ -78,7 +78,7 @@ class GatewayApp(FastAPI):
 
 def create_app(
     settings: GatewaySettings,
-    broker: Broker | None = None,
+    backend: Backend | None = None,
     *,
     broker_settings: BrokerSettings | None = None,
     tokenizers: Mapping[str, EngineTokenizer] | None = None,
@@ -87,7 +87,7 @@ def create_app(
     files: FileStore | None = None,
     freeze_heap: bool = False,
 ) -> GatewayApp:
-    """Build the gateway. A broker passed in stays the caller's; otherwise one is opened from
+    """Build the gateway. A backend passed in stays the caller's; otherwise one is opened from
     `broker_settings` (default: TOKENYARD_BROKER_* environment) and closed at shutdown.
     Tokenizers default to loading each served model's; keys default to `api_keys_file`.
     `freeze_heap`: the gateway owns its process (see `tokenyard.heap`)."""
@@ -97,8 +97,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = broker is None
-        active = broker or connect(broker_settings or from_env(BrokerSettings, "broker"))
+        owned = backend is None
+        active = backend or connect(broker_settings or from_env(BrokerSettings, "broker"))
         try:
             loaded = (
                 dict(tokenizers)
@@ -107,24 +107,24 @@ def create_app(
             )
             state = GatewayState(
                 settings=settings,
-                broker=active,
+                backend=active,
                 tokenizers=loaded,
-                auth=Authenticator(keys, active, settings.auth_cache_s),
+                auth=Authenticator(keys, active.directory, settings.auth_cache_s),
                 metrics=metrics,
-                enqueuer=Enqueuer(active, metrics),
-                events=EventHub(active, settings.event_block_s, settings.max_blocking_reads),
-                limits=PublishedLimits(active, settings.limits_ttl_s),
-                abandonment=Abandonment(active, settings.stream_resume_grace_s),
+                enqueuer=Enqueuer(active.queue, metrics),
+                events=EventHub(active.queue, settings.event_block_s, settings.max_blocking_reads),
+                limits=PublishedLimits(active.registry, settings.limits_ttl_s),
+                abandonment=Abandonment(active.queue, settings.stream_resume_grace_s),
                 cache=ResponseCache(
-                    active,
+                    active.responses,
                     metrics,
                     ttl_s=settings.cache_ttl_s,
                     local_bytes=settings.cache_local_bytes,
                     shared_bytes=settings.cache_shared_bytes,
                 ),
                 routing=routing,
-                depths=LaneDepths(active),
-                waits=QueueWaits(active, settings.queue_wait_ttl_s),
+                depths=LaneDepths(active.queue),
+                waits=QueueWaits(active.queue, active.registry, settings.queue_wait_ttl_s),
                 started_at=time.time(),
                 prefixes=PrefixKeys(settings.affinity_prefix_tokens),
             )

@@ -16,7 +16,7 @@ from typing import Annotated
 import msgspec
 from fastapi import Depends, Request
 
-from tokenyard.broker.base import Directory
+from tokenyard.broker.tables import Directory
 from tokenyard.errors import BrokerUnavailable, FatalError
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.refresh import RefreshAhead

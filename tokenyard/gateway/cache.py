@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from tokenyard.broker.base import ResponseStore
+from tokenyard.broker.tables import ResponseStore
 from tokenyard.messages import JobResult, JobStatus, SamplingParams, decode, encode
 from tokenyard.metrics import GatewayMetrics
 

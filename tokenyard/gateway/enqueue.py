@@ -8,10 +8,9 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from tokenyard.broker import Broker
-from tokenyard.broker.base import EnqueueResult
+from tokenyard.broker.core import Cancellation, EnqueueResult, Producer
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobSpec
 from tokenyard.metrics import GatewayMetrics
@@ -22,11 +21,15 @@ RECENT_JOBS = 50
 T = TypeVar("T")
 
 
+class _Queue(Producer, Cancellation, Protocol):
+    """Enqueue, and leave a job the caller gave up on."""
+
+
 class Enqueuer:
     """The gateway's side of enqueueing one job per request."""
 
-    def __init__(self, broker: Broker, metrics: GatewayMetrics) -> None:
-        self.broker = broker
+    def __init__(self, queue: _Queue, metrics: GatewayMetrics) -> None:
+        self.queue = queue
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self.recent: deque[str] = deque(maxlen=RECENT_JOBS)  # ids enqueued, for /dashboard
@@ -34,7 +37,7 @@ class Enqueuer:
     async def submit(self, spec: JobSpec, *, live: bool = False) -> EnqueueResult:
         """Enqueue one job; a full lane is counted and re-raised. A `live` job (its caller
         follows it) is cancelled if the caller leaves before the job is in."""
-        entering = self._track(self.broker.enqueue(spec))
+        entering = self._track(self.queue.enqueue(spec))
         try:
             # shielded: a caller that leaves must not cancel the batch its job rides in
             result = await asyncio.shield(entering)
@@ -59,7 +62,7 @@ class Enqueuer:
     async def _cancel(self, job_id: str) -> None:
         try:
             # as one follower: a collapsed job runs on while other callers follow it
-            await self.broker.leave(job_id)
+            await self.queue.leave(job_id)
         except Exception:
             log.warning("cancelling job %s of a caller that left failed", job_id, exc_info=True)
 

@@ -7,7 +7,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 
-from tokenyard.broker import Broker
+from tokenyard.broker import core
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import Finished, JobEvent
 
@@ -103,8 +103,8 @@ class EventHub:
     model are in flight, each holding one broker connection.
     """
 
-    def __init__(self, broker: Broker, block_s: float, max_reads: int) -> None:
-        self.broker = broker
+    def __init__(self, queue: core.Events, block_s: float, max_reads: int) -> None:
+        self.queue = queue
         self.block_s = block_s
         self.max_reads = max(1, max_reads)
         self.reads = 0  # blocking reads issued, for tests and benchmarks
@@ -159,7 +159,7 @@ class EventHub:
                     cursors[f.job_id] = f.cursor
             self.reads += 1
             try:
-                found = await self.broker.read_events_many(cursors, block_s=self.block_s)
+                found = await self.queue.read_events_many(cursors, block_s=self.block_s)
             except Exception as exc:
                 for f in group:
                     if not f.ended:

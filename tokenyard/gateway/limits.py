@@ -10,7 +10,7 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenyard.broker import Broker
+from tokenyard.broker.tables import WorkerRegistry
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body
@@ -126,9 +126,12 @@ class PublishedLimits:
     back to its tokenizer."""
 
     def __init__(
-        self, broker: Broker, ttl_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+        self,
+        registry: WorkerRegistry,
+        ttl_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.broker = broker
+        self.registry = registry
         self._published = RefreshAhead(self._read, ttl_s, clock)
         self._revisions: dict[str, str | None] = {}
 
@@ -142,7 +145,7 @@ class PublishedLimits:
         )
 
     async def _read(self, model: str) -> ModelLimits | None:
-        workers = await self.broker.workers(model)
+        workers = await self.registry.workers(model)
         published = loosest(w.limits for w in workers if w.limits is not None)
         revisions = {w.limits.revision if w.limits else "" for w in workers}
         if revisions:

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from tokenyard.broker import Broker
-from tokenyard.broker.base import CancelOutcome
+from tokenyard.broker.core import Cancellation, CancelOutcome
 from tokenyard.errors import BrokerUnavailable, NotFound
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.events import Events
@@ -86,8 +85,8 @@ class Abandonment:
     when no other gateway's caller still follows it (collapsing).
     """
 
-    def __init__(self, broker: Broker, grace_s: float) -> None:
-        self.broker = broker
+    def __init__(self, queue: Cancellation, grace_s: float) -> None:
+        self.queue = queue
         self.grace_s = grace_s
         self._owned: dict[str, int] = {}  # job id -> followers this gateway holds
         self._readers: dict[str, int] = {}
@@ -136,7 +135,7 @@ class Abandonment:
 
     async def _cancel(self, job_id: str, followers: int) -> CancelOutcome | None:
         try:
-            outcome = await self.broker.leave(job_id, followers)
+            outcome = await self.queue.leave(job_id, followers)
         except Exception:
             log.warning(
                 "cancelling abandoned job %s failed",
@@ -207,11 +206,11 @@ class LiveCall:
         When the job is already terminal and nothing follows `after`, the caller had seen the
         end (a resume after the last event), so the iteration just stops.
         """
-        broker, block_s = self.state.broker, self.state.settings.event_block_s
+        queue, block_s = self.state.backend.queue, self.state.settings.event_block_s
         after = self.after
         if not self.fresh:
             # a resume or a late reader: the job may have ended long ago, so look before waiting
-            events: Events | None = await broker.read_events(self.job_id, after=after)
+            events: Events | None = await queue.read_events(self.job_id, after=after)
             if not events:
                 events = await self._ended(after)
                 if events is None:
@@ -252,14 +251,14 @@ class LiveCall:
     async def _ended(self, after: str) -> Events | None:
         """After a silence: [] while the job runs, its last events if it ended meanwhile, None
         if it ended with nothing after `after`; JobGone if its record is gone."""
-        broker = self.state.broker
-        record = await broker.record(self.job_id)
+        queue = self.state.backend.queue
+        record = await queue.record(self.job_id)
         if record is None:
             raise JobGone(self.job_id)
         if not record.status.terminal:
             return []
         # its Finished event may have landed between the read and the record
-        return await broker.read_events(self.job_id, after=after) or None
+        return await queue.read_events(self.job_id, after=after) or None
 
     async def _result(self) -> JobResult:
         events = self._events(tokens=False)
@@ -271,7 +270,7 @@ class LiveCall:
                             self.timer.finished(event.result)
                         self._saw(event.result)
                         return event.result
-        record = await self.state.broker.record(self.job_id)
+        record = await self.state.backend.queue.record(self.job_id)
         if record is None or record.result is None:
             raise JobGone(self.job_id)
         return record.result

@@ -3,7 +3,7 @@ OpenAI rate-limit headers the answer carries."""
 
 from __future__ import annotations
 
-from tokenyard.broker.base import Settlement
+from tokenyard.broker.tables import Settlement
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.state import GatewayState
@@ -30,7 +30,7 @@ async def reserve(state: GatewayState, tenant: Tenant, spec: JobSpec) -> dict[st
     Refused: 429 with Retry-After. A reserved job is marked so its terminal state settles it."""
     if not tenant.quota.enabled:
         return {}
-    [decision] = await state.broker.reserve(
+    [decision] = await state.backend.quotas.reserve(
         tenant.name, tenant.quota, [(spec.id, reserved_tokens(spec))]
     )
     headers = limiter.headers(decision)
@@ -49,4 +49,4 @@ async def reserve(state: GatewayState, tenant: Tenant, spec: JobSpec) -> dict[st
 async def refund(state: GatewayState, spec: JobSpec) -> None:
     """Give back a reservation whose job was not added (a full lane, an idempotent replay)."""
     if spec.quota:
-        await state.broker.settle([Settlement(spec.tenant, spec.id, 0)])
+        await state.backend.quotas.settle([Settlement(spec.tenant, spec.id, 0)])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from tokenyard.broker.base import Stats
+from tokenyard.broker.core import Stats
 from tokenyard.errors import FatalError
 
 
@@ -99,9 +99,9 @@ class LaneDepths:
     """Each model's depth (jobs waiting or running), read at most every `ttl_s`."""
 
     def __init__(
-        self, broker: Stats, ttl_s: float = 0.25, clock: Callable[[], float] = time.monotonic
+        self, stats: Stats, ttl_s: float = 0.25, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.broker = broker
+        self.stats = stats
         self.ttl_s = ttl_s
         self.clock = clock
         self._known: dict[str, tuple[float, int]] = {}
@@ -119,6 +119,6 @@ class LaneDepths:
         return await asyncio.shield(reading)
 
     async def _read(self, model: str) -> int:
-        depth = await self.broker.depth(model)
+        depth = await self.stats.depth(model)
         self._known[model] = (self.clock(), depth)
         return depth

@@ -9,11 +9,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from tokenyard.broker.base import LaneBacklog
+from tokenyard.broker.core import LaneBacklog, Stats
+from tokenyard.broker.tables import WorkerRegistry
 from tokenyard.gateway.admission_wait import (
     Refusal,
     ServiceRate,
@@ -22,7 +23,7 @@ from tokenyard.gateway.admission_wait import (
     with_admitted,
 )
 from tokenyard.gateway.errors import ApiError
-from tokenyard.messages import JobSpec, WorkerInfo
+from tokenyard.messages import JobSpec
 
 if TYPE_CHECKING:  # the state holds a QueueWaits
     from tokenyard.gateway.state import GatewayState
@@ -32,12 +33,6 @@ log = logging.getLogger(__name__)
 
 # how many read periods old a snapshot may be and still answer while the next read runs
 _STALE_TTLS = 2
-
-
-class _Source(Protocol):
-    async def backlog(self, model: str) -> list[LaneBacklog]: ...
-
-    async def workers(self, model: str) -> list[WorkerInfo]: ...
 
 
 class Snapshot(msgspec.Struct):
@@ -53,12 +48,14 @@ class QueueWaits:
 
     def __init__(
         self,
-        broker: _Source,
+        stats: Stats,
+        registry: WorkerRegistry,
         ttl_s: float = 0.25,
         halflife_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.broker = broker
+        self.stats = stats
+        self.registry = registry
         self.ttl_s = ttl_s
         self.halflife_s = halflife_s
         self.clock = clock
@@ -104,7 +101,7 @@ class QueueWaits:
 
     async def _read(self, model: str) -> Snapshot:
         lanes, workers = await asyncio.gather(
-            self.broker.backlog(model), self.broker.workers(model)
+            self.stats.backlog(model), self.registry.workers(model)
         )
         rate = self._rates.setdefault(model, ServiceRate(self.halflife_s))
         # jobs waiting for the workers: they run flat out, their completion rate is capacity

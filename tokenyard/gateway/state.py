@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tokenyard.broker import Broker
+from tokenyard.broker import Backend
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator
@@ -25,7 +25,7 @@ from tokenyard.metrics import GatewayMetrics
 @dataclass
 class GatewayState:
     settings: GatewaySettings
-    broker: Broker
+    backend: Backend  # the queue core and the tables, each typed by its role
     tokenizers: Mapping[str, EngineTokenizer]
     auth: Authenticator  # API key -> tenant (bootstrap file, then the broker's directory)
     metrics: GatewayMetrics

@@ -7,8 +7,7 @@ import logging
 import signal
 
 from tokenyard import tracing
-from tokenyard.broker import connect
-from tokenyard.broker.base import Broker
+from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import Engine, build_engine
 from tokenyard.metrics import WorkerMetrics
@@ -18,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 async def run_worker(
-    broker: Broker,
+    backend: Backend,
     engine: Engine,
     settings: WorkerSettings,
     consumer: str | None = None,
@@ -26,10 +25,10 @@ async def run_worker(
     *,
     freeze_heap: bool = False,
 ) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain; the broker is closed at the end.
+    """Run a worker until SIGTERM/SIGINT, then drain; the backend is closed at the end.
     `freeze_heap`: the worker owns its process (see `tokenyard.heap`)."""
     worker = Worker(
-        broker, engine, settings, consumer=consumer, metrics=metrics, freeze_heap=freeze_heap
+        backend, engine, settings, consumer=consumer, metrics=metrics, freeze_heap=freeze_heap
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -37,7 +36,7 @@ async def run_worker(
     try:
         await worker.run()
     finally:
-        await broker.close()
+        await backend.close()
 
 
 async def serve_worker(

@@ -13,13 +13,15 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
 from tokenyard import heap
-from tokenyard.broker.base import Broker, Lease
+from tokenyard.broker.core import Cancellation, Events, Lease, Leases
 from tokenyard.broker.policy import pools_served
-from tokenyard.config import WorkerSettings
+from tokenyard.broker.tables import Quotas, WorkerRegistry
+from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineClosed
 from tokenyard.errors import UserError
 from tokenyard.logs import job_fields
@@ -73,12 +75,31 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
     )
 
 
+class WorkerQueue(Leases, Events, Cancellation, Protocol):
+    """The queue-core roles a worker uses: leases, its jobs' events, cancel requests."""
+
+    settings: BrokerSettings
+
+
+class WorkerBackend(Protocol):
+    """What a worker needs of a backend: the queue, the worker registry, quota sweeps."""
+
+    @property
+    def queue(self) -> WorkerQueue: ...
+
+    @property
+    def registry(self) -> WorkerRegistry: ...
+
+    @property
+    def quotas(self) -> Quotas: ...
+
+
 class Worker:
     """Serves one model from its lanes through one engine."""
 
     def __init__(
         self,
-        broker: Broker,
+        backend: WorkerBackend,
         engine: Engine,
         settings: WorkerSettings,
         consumer: str | None = None,
@@ -86,7 +107,9 @@ class Worker:
         *,
         freeze_heap: bool = False,
     ) -> None:
-        self.broker = broker
+        self.queue = backend.queue
+        self.registry = backend.registry
+        self.quotas = backend.quotas
         self.freeze_heap = freeze_heap
         self.engine = engine
         self.settings = settings
@@ -110,7 +133,7 @@ class Worker:
 
     def _pools(self) -> list[int]:
         """The size pools this worker claims from: those its context holds, its own first."""
-        return pools_served(self.limits.context, self.broker.settings.pool_bounds)
+        return pools_served(self.limits.context, self.queue.settings.pool_bounds)
 
     def _scheduler(self) -> Scheduler[Lease]:
         claim_ahead = self.settings.claim_ahead
@@ -153,7 +176,7 @@ class Worker:
                 log.error("%s did not stop; cancelling it", task.get_name())
                 task.cancel()
             with contextlib.suppress(Exception):
-                await self.broker.deregister(self.model, self.consumer)
+                await self.registry.deregister(self.model, self.consumer)
 
     async def _claim_loop(self) -> None:
         while not self._draining.is_set():
@@ -170,7 +193,7 @@ class Worker:
                 block_s = min(block_s, _BATCH_FULL_BLOCK_S)
             claim_start = time.time()
             try:
-                leases = await self.broker.claim(
+                leases = await self.queue.claim(
                     self.model,
                     self.consumer,
                     want,
@@ -207,7 +230,7 @@ class Worker:
     async def _finish_in_flight(self) -> None:
         reserve = self.scheduler.take_waiting()
         if reserve:  # not started: another worker can begin them now, not after our drain
-            await self.broker.release([job.handle for job in reserve])
+            await self.queue.release([job.handle for job in reserve])
         give_up = time.monotonic() + self.settings.drain_timeout_s
         while self.busy and time.monotonic() < give_up:
             await self._wait_for_capacity(0.1)
@@ -218,7 +241,7 @@ class Worker:
             self.engine.abort(job.job_id)
         if leftovers:
             # tokens already streamed stay in the event stream; the next worker resumes there
-            released = await self.broker.release([job.handle for job in leftovers])
+            released = await self.queue.release([job.handle for job in leftovers])
             log.info("released %d of %d unfinished jobs", released, len(leftovers))
 
     # -- preparing claimed jobs ------------------------------------------------------------
@@ -262,7 +285,7 @@ class Worker:
     async def _load_resumed_tokens(self, job: Job[Lease]) -> None:
         after = "0"
         while True:
-            events = await self.broker.read_events(job.job_id, after=after)
+            events = await self.queue.read_events(job.job_id, after=after)
             if not events:
                 return
             for event_id, event in events:
@@ -340,7 +363,7 @@ class Worker:
         tails += [tail if _streamed(job) else None for job, _, tail in finishing]
         if results:
             complete_start = time.time()
-            accepted = await self.broker.complete_many(results, tails)
+            accepted = await self.queue.complete_many(results, tails)
             self._jobs_done += sum(accepted)
             self._count_results(results, accepted)
             if self.spans is not None:
@@ -355,7 +378,7 @@ class Worker:
                 self.spans.settled(items, accepted, complete_start, time.time())
         for job, error in failed:
             self.metrics.retries.inc()
-            if not await self.broker.retry(job.handle, error):
+            if not await self.queue.retry(job.handle, error):
                 self.metrics.dead_letters.inc()
             if self.spans is not None:
                 self.spans.forget(job.job_id)
@@ -370,7 +393,7 @@ class Worker:
                 self.metrics.fenced_completions.inc()
 
     async def _append(self, events: list[tuple[Lease, JobEvent]]) -> None:
-        kept = await self.broker.append_events(events)
+        kept = await self.queue.append_events(events)
         for (lease, _), ours in zip(events, kept, strict=True):
             if not ours:
                 self._drop(lease.spec.id, "lease lost")
@@ -410,7 +433,7 @@ class Worker:
             return
         self._cancel_checked_at = now
         not_started: list[Finishing] = []
-        for job_id in await self.broker.cancelled(self.model, held):
+        for job_id in await self.queue.cancelled(self.model, held):
             if self.scheduler.get(job_id) is not None:
                 # the engine answers with a CANCELLED output, which completes the job
                 self.engine.abort(job_id)
@@ -444,7 +467,7 @@ class Worker:
 
     # -- upkeep ----------------------------------------------------------------------------
     async def _upkeep_loop(self) -> None:
-        lease_s = self.broker.settings.lease_s
+        lease_s = self.queue.settings.lease_s
         period = max(0.05, min(lease_s / 3, self.settings.heartbeat_s))
         next_reap = next_sweep = 0.0
         while not self._stopping.is_set():
@@ -456,7 +479,7 @@ class Worker:
                 await self._renew()
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + lease_s / 2
-                    report = await self.broker.reap(self.model)
+                    report = await self.queue.reap(self.model)
                     self.metrics.dead_letters.inc(len(report.dead))
                     if report.requeued or report.dead:
                         log.info(
@@ -466,14 +489,14 @@ class Worker:
                     # quota reservations no terminal path settled (expired at claim, a crash
                     # between a terminal write and its settle): idempotent, any worker may
                     next_sweep = time.monotonic() + _QUOTA_SWEEP_S
-                    await self.broker.settle_finished()
+                    await self.quotas.settle_finished()
                 await self._heartbeat()
             except Exception:
                 log.exception("upkeep failed; retrying")
 
     async def _renew(self) -> None:
         held = [job.handle for job in self.scheduler.jobs()]
-        renewed = await self.broker.renew(held)
+        renewed = await self.queue.renew(held)
         self.metrics.lease_renewals.inc(sum(renewed))
         for lease, ours in zip(held, renewed, strict=True):
             if not ours:
@@ -511,7 +534,7 @@ class Worker:
             limits=self.limits,
             at=time.time(),
         )
-        await self.broker.heartbeat(info, ttl_s=max(3 * self.settings.heartbeat_s, 1.0))
+        await self.registry.heartbeat(info, ttl_s=max(3 * self.settings.heartbeat_s, 1.0))
 
 
 @dataclass

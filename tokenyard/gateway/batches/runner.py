@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from tokenyard.broker.batches import BatchStore
+from tokenyard.broker.tables import BatchStore
 from tokenyard.errors import QueueFull, UserError
 from tokenyard.gateway import protocol, quota
 from tokenyard.gateway.admission import admit
@@ -192,7 +192,7 @@ class _Drive:
     async def _tenant(self, name: str) -> Tenant:
         """The batch's tenant as the broker's directory has it now (quota, fair-share weight),
         in the batch lane."""
-        config = await self.r.state.broker.tenant(name)
+        config = await self.r.state.backend.directory.tenant(name)
         if config is None:
             return Tenant(name, Priority.BATCH)
         return Tenant(name, Priority.BATCH, quota=config.quota, weight=config.weight)
@@ -271,7 +271,7 @@ class _Drive:
 
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())
-        records = await self.r.state.broker.records([j for _, j in items])
+        records = await self.r.state.backend.queue.records([j for _, j in items])
         ok: list[int] = []
         failed: list[int] = []
         for (i, _), record in zip(items, records, strict=True):
@@ -295,8 +295,8 @@ class _Drive:
             await self.store.save(rec)
 
     async def _cancel_jobs(self, job_ids: list[str]) -> None:
-        broker = self.r.state.broker
-        await asyncio.gather(*(broker.cancel(j) for j in job_ids), return_exceptions=True)
+        queue = self.r.state.backend.queue
+        await asyncio.gather(*(queue.cancel(j) for j in job_ids), return_exceptions=True)
 
     async def _finalize(self, rec: BatchRecord, lines: list[BatchLine]) -> None:
         """Write the output and error files from the job records, then the terminal status."""
@@ -305,12 +305,12 @@ class _Drive:
             rec.status, rec.finalizing_at = BatchStatus.FINALIZING, int(time.time())
             await self.store.save(rec)
         jobs = await self.store.jobs(self.id)
-        broker = self.r.state.broker
+        queue = self.r.state.backend.queue
         items = sorted(jobs.items())
         records: list[JobRecord | None] = []
         for start in range(0, len(items), 1000):
             chunk = [j for _, j in items[start : start + 1000]]
-            got = iter(await broker.records([j for j in chunk if not _refusal(j)]))
+            got = iter(await queue.records([j for j in chunk if not _refusal(j)]))
             records.extend(None if _refusal(j) else next(got) for j in chunk)
         out: list[bytes] = []
         err: list[bytes] = []

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from tokenyard.broker.batches import BatchStore, batch_store
+from tokenyard.broker.tables import BatchStore
 from tokenyard.gateway.batches.files import DirFileStore, FileStore
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import GatewayState
@@ -32,7 +32,7 @@ class BatchService:
         from tokenyard.gateway.batches.runner import BatchRunner
 
         files = files or DirFileStore(state.settings.files_dir)
-        store = batch_store(state.broker)
+        store = state.backend.batches
         runner = BatchRunner(state, store, files)
         service = cls(state.settings, files, store, runner)
         if state.settings.batch_runner:

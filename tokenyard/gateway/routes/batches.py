@@ -9,7 +9,7 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from tokenyard.broker.batches import BatchState
+from tokenyard.broker.tables import BatchState
 from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.batches.service import batches_of

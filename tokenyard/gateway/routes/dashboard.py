@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from tokenyard.broker.base import BrokerStats
+from tokenyard.broker.core import BrokerStats
 from tokenyard.gateway.auth import AdminDep, Tenant
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.messages import JobRecord, WorkerInfo
@@ -47,9 +47,9 @@ async def dashboard_data(request: Request, _: DashboardDep) -> JSONResponse:
 
 
 async def _model_view(state: GatewayState, model: str, now: float) -> dict[str, Any]:
-    broker = state.broker
+    queue, registry = state.backend.queue, state.backend.registry
     stats, workers, dead = await asyncio.gather(
-        broker.stats(model), broker.workers(model), broker.dead_letters(model, SHOWN_ERRORS)
+        queue.stats(model), registry.workers(model), queue.dead_letters(model, SHOWN_ERRORS)
     )
     return {
         "model": model,
@@ -103,7 +103,7 @@ def _worker(info: WorkerInfo, now: float) -> dict[str, Any]:
 
 async def _recent_jobs(state: GatewayState, now: float) -> list[dict[str, Any]]:
     ids = list(state.enqueuer.recent)[-SHOWN_JOBS:][::-1]
-    records = await asyncio.gather(*(state.broker.record(job_id) for job_id in ids))
+    records = await asyncio.gather(*(state.backend.queue.record(job_id) for job_id in ids))
     return [_job(job_id, r, now) for job_id, r in zip(ids, records, strict=True) if r is not None]
 
 

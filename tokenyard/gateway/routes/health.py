@@ -26,11 +26,11 @@ async def healthz() -> JSONResponse:
 async def readyz(request: Request) -> JSONResponse:
     """Ready when the broker answers and every served model has a live worker."""
     state = gateway(request)
-    if not await state.broker.ping():
+    if not await state.backend.ping():
         raise ApiError(503, "not ready: the broker does not answer", code="broker_unavailable")
     live: dict[str, int] = {}
     for model in state.settings.models:
-        live[model] = len(await state.broker.workers(model))
+        live[model] = len(await state.backend.registry.workers(model))
         if state.settings.require_workers and not live[model]:
             raise ApiError(
                 503, f"not ready: no live worker for model '{model}'", code="no_live_worker"
@@ -39,16 +39,16 @@ async def readyz(request: Request) -> JSONResponse:
 
 
 async def _sample_queues(state: GatewayState) -> None:
-    m, broker = state.metrics, state.broker
+    m, backend = state.metrics, state.backend
     for model in state.settings.models:
-        stats = await broker.stats(model)
+        stats = await backend.queue.stats(model)
         for lane in stats.lanes:
             priority = lane.priority.name.lower()
             m.queue_depth.labels(model, priority).set(lane.waiting)
             m.queue_in_flight.labels(model, priority).set(lane.in_flight)
             m.queue_oldest_age.labels(model, priority).set(lane.oldest_waiting_age_s or 0.0)
         m.dead_letters.labels(model).set(stats.dead_letters)
-        m.live_workers.labels(model).set(len(await broker.workers(model)))
+        m.live_workers.labels(model).set(len(await backend.registry.workers(model)))
 
 
 @router.get("/metrics")

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from tokenyard import tracing
 from tokenyard.broker import is_job_id
-from tokenyard.broker.base import CancelOutcome
+from tokenyard.broker.core import CancelOutcome
 from tokenyard.errors import InvalidRequest, NotFound, QueueFull
 from tokenyard.gateway import protocol, quota, shedding
 from tokenyard.gateway.admission import admit
@@ -40,7 +40,7 @@ async def _record_of(state: GatewayState, raw_id: str, tenant: Tenant) -> tuple[
     job_id, _ = split_id(raw_id)
     if not is_job_id(job_id):
         raise _no_job(raw_id)
-    record = await state.broker.record(job_id)
+    record = await state.backend.queue.record(job_id)
     if record is None or record.spec.tenant != tenant.name:
         raise _no_job(raw_id)
     return record, job_id
@@ -108,7 +108,7 @@ async def submit_job(request: Request, tenant: Tenant, idempotency_key: str | No
     if outcome.created:
         # the job was queued just now: its answer needs no read of the record
         return FastJSONResponse(protocol.queued_job_body(spec), status_code=202, headers=headers)
-    existing = await state.broker.record(outcome.job_id)
+    existing = await state.backend.queue.record(outcome.job_id)
     if existing is not None and not _same_request(existing.spec, spec):
         raise ApiError(
             409,
@@ -162,7 +162,7 @@ async def job_events(
 async def cancel_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
     state = gateway(request)
     _, bare = await _record_of(state, job_id, tenant)
-    outcome = await state.broker.cancel(bare)
+    outcome = await state.backend.queue.cancel(bare)
     if outcome is CancelOutcome.NOT_FOUND:
         raise _no_job(job_id)
     if outcome is CancelOutcome.ALREADY_FINISHED:

@@ -1,0 +1,247 @@
+"""The queue core: what every backend holds with delivery semantics, split by role.
+
+Enqueue (idempotent, bounded, collapse-join), claim (priorities, anti-starvation, fair share,
+pools, affinity), leases, fenced terminal writes, per-job events, records, cancellation and
+depth. Each caller types against the role it uses; `QueueCore` is all of them, as a backend
+implements it (tests/integration/test_broker_conformance.py holds every backend to it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+
+from tokenyard.config import BrokerSettings
+from tokenyard.messages import (
+    DeadLetter,
+    JobEvent,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    Priority,
+    TokenChunk,
+)
+
+Clock = Callable[[], float]
+
+
+class EnqueueResult(msgspec.Struct, frozen=True):
+    job_id: str
+    created: bool  # False when the idempotency key named an existing job
+    collapsed: bool = False  # joined an identical job in flight (its collapse key's)
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A claimed job: valid while the broker still lists `entry_id` as owned by `consumer`.
+
+    Its lane is the job's (model, priority), both read from `spec`.
+    """
+
+    spec: JobSpec
+    entry_id: str
+    consumer: str
+    resumable: bool = False  # an earlier delivery already streamed events for this job
+    # taken as affinity work: its entry lives in the lane's affinity stream, not the lane
+    affinity: bool = False
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def priority(self) -> Priority:
+        return self.spec.priority
+
+
+class ReapReport(msgspec.Struct, frozen=True):
+    requeued: list[str]
+    dead: list[str]
+
+
+class CancelOutcome(enum.StrEnum):
+    CANCELLED = "cancelled"  # it was waiting; it is now terminal
+    SIGNALLED = "signalled"  # it is running; its worker aborts it at the next step
+    ALREADY_FINISHED = "already_finished"
+    NOT_FOUND = "not_found"
+    FOLLOWED = "followed"  # a follower left; others still follow it, so it runs on
+
+
+class LaneStats(msgspec.Struct, frozen=True):
+    model: str
+    priority: Priority
+    waiting: int  # enqueued, not yet delivered
+    in_flight: int  # delivered, not yet completed
+    oldest_waiting_age_s: float | None
+
+
+class BrokerStats(msgspec.Struct, frozen=True):
+    model: str
+    lanes: list[LaneStats]  # highest priority first
+    delayed: int  # waiting out a retry backoff
+    dead_letters: int
+    fenced_completions: int  # late completions rejected because the lease was lost
+    expired: int
+
+
+class TenantBacklog(msgspec.Struct, frozen=True):
+    """One tenant's jobs staged in a lane (waiting for their fair-share turn), and its weight."""
+
+    tenant: str
+    staged: int
+    weight: float
+
+
+class LaneBacklog(msgspec.Struct, frozen=True):
+    """A priority's lanes (size pools together) as admission estimates a new job's wait."""
+
+    priority: Priority
+    queued: int  # in the lane streams, not yet delivered (the fair-share window, retries)
+    in_flight: int  # delivered, not yet completed
+    tenants: list[TenantBacklog]  # staged jobs by tenant; the ones with none are left out
+
+
+class Producer(Protocol):
+    """Puts jobs on their lanes (the gateway)."""
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """Add jobs to their lanes; raises QueueFull if a lane is at its bound (nothing added)."""
+        ...
+
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        return (await self.enqueue_many([spec]))[0]
+
+
+class Leases(Protocol):
+    """Takes jobs and settles them, fenced by the lease (the worker)."""
+
+    async def claim(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
+    ) -> list[Lease]:
+        """Take up to `slots` jobs, higher priority first, each priority's size `pools` in the
+        order given, at most `batch_room` of them from the batch lane (None: no cap); wait up
+        to `block_s` if none."""
+        ...
+
+    async def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        """Extend leases still ours; False marks one that was lost (stop working on it)."""
+        ...
+
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
+        """Write terminal results, fenced by the lease; False means rejected (lease lost).
+
+        `tails[i]`, when given, is job i's last chunk of tokens, appended just before its end.
+        """
+        ...
+
+    async def complete(
+        self, lease: Lease, result: JobResult, tail: TokenChunk | None = None
+    ) -> bool:
+        return (await self.complete_many([(lease, result)], [tail]))[0]
+
+    async def retry(self, lease: Lease, error: str) -> bool:
+        """Schedule another delivery after backoff; False if it went to the dead-letter stream."""
+        ...
+
+    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
+        """Give up on a job now; False if the lease was already lost."""
+        ...
+
+    async def release(self, leases: Sequence[Lease]) -> int:
+        """Hand jobs back for immediate redelivery (drain); returns how many were still ours."""
+        ...
+
+    async def reap(self, model: str) -> ReapReport:
+        """Requeue jobs whose lease expired; dead-letter those past the delivery limit."""
+        ...
+
+
+class Events(Protocol):
+    """Per-job event streams: the worker appends, the gateway follows.
+
+    Contract: once a job is terminal, reading its events ends with a `Finished` event carrying
+    its result.
+    """
+
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        """Append events in one round trip, fenced: False where the lease was lost."""
+        ...
+
+    async def read_events(
+        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
+    ) -> list[tuple[str, JobEvent]]:
+        """Events with id greater than `after`; waits up to `block_s` when there are none."""
+        ...
+
+    async def read_events_many(
+        self,
+        cursors: Mapping[str, str],
+        block_s: float = 0.0,
+        count: int = 1000,
+    ) -> list[tuple[str, str, JobEvent]]:
+        """(job_id, event_id, event) after each job's cursor, in one read over every stream;
+        waits up to `block_s` when none has any. All jobs must share a model (one hash slot).
+        """
+        ...
+
+
+class Records(Protocol):
+    """What the broker knows about one job."""
+
+    async def record(self, job_id: str) -> JobRecord | None: ...
+
+    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        """Several jobs' records (of any models) in one round trip; None where unknown."""
+        return [await self.record(j) for j in job_ids]
+
+
+class Cancellation(Protocol):
+    """Clients ask to cancel; workers learn which of their running jobs to abort."""
+
+    async def cancel(self, job_id: str) -> CancelOutcome: ...
+
+    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
+        """Which of these running jobs a client asked to cancel."""
+        ...
+
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        """Live callers stop following; the job is cancelled once no follower is left (a job
+        that never collapsed has one follower, its creator)."""
+        ...
+
+
+class Stats(Protocol):
+    """Depths, ages and counters, for `tokenyard status` and /metrics."""
+
+    async def stats(self, model: str) -> BrokerStats: ...
+
+    async def depth(self, model: str) -> int:
+        """Jobs of a model waiting or in flight, over all lanes; one round trip, for polling."""
+        ...
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        """Each priority's waiting work by tenant, highest priority first (two round trips)."""
+        ...
+
+    async def models(self) -> list[str]: ...
+
+
+class QueueCore(Producer, Leases, Events, Records, Cancellation, Stats, Protocol):
+    """Every queue role at once, and the settings the backend runs under."""
+
+    settings: BrokerSettings
+    clock: Clock

@@ -1,0 +1,166 @@
+"""The tables beside the queue core: small stores the gateway, workers and CLIs share.
+
+Directory (keys, tenants), quotas, the audit trail, the response cache, the worker registry
+and the batch store. A backend may keep them on its own server (Redis) or beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from tokenyard.broker.audit import AuditEntry
+from tokenyard.messages import BatchRecord, JobResult, JobSpec, JobStatus, WorkerInfo
+from tokenyard.tenancy.limiter import Decision, Quota
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
+
+
+class ResponseStore(Protocol):
+    """The response cache's shared tier: encoded results by digest, per model."""
+
+    async def cache_get(self, model: str, digest: str) -> bytes | None: ...
+
+    async def cache_put(
+        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
+    ) -> None:
+        """Store with a TTL; the model's entries stay under `max_bytes` (the soonest to expire
+        are evicted first)."""
+        ...
+
+
+class WorkerRegistry(Protocol):
+    """Live workers, by heartbeat."""
+
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Register or refresh a worker; it counts as live for `ttl_s` seconds."""
+        ...
+
+    async def deregister(self, model: str, consumer: str) -> None: ...
+
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        """Workers of a model whose heartbeat has not lapsed."""
+        ...
+
+
+class Directory(Protocol):
+    """Tenants and API keys (by digest), shared by every gateway; written by `tokenyard keys`
+    and `tokenyard tenants`."""
+
+    async def put_tenant(self, tenant: TenantConfig) -> None: ...
+
+    async def tenant(self, name: str) -> TenantConfig | None: ...
+
+    async def tenants(self) -> list[TenantConfig]: ...
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        """Store (or replace, e.g. to revoke) the record of the key with `record.digest`."""
+        ...
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None: ...
+
+    async def api_keys(self) -> list[ApiKeyRecord]: ...
+
+    async def has_api_keys(self) -> bool:
+        """Whether any key was ever stored (revoked ones count): then every call needs a key."""
+        ...
+
+
+class Settlement(msgspec.Struct, frozen=True):
+    """A job of `tenant` reached a terminal state having used `actual` tokens (0: refunded)."""
+
+    tenant: str
+    job_id: str
+    actual: int = 0
+
+
+def settlement(spec: JobSpec, result: JobResult | None) -> Settlement:
+    """What a terminal job's quota reservation settles to: its real tokens when it succeeded;
+    a failed, cancelled, expired or dead job is refunded."""
+    actual = 0
+    if result is not None and result.status is JobStatus.SUCCEEDED:
+        prompt = result.prompt_tokens or len(spec.prompt_token_ids or ())
+        actual = prompt + result.completion_tokens
+    return Settlement(spec.tenant, spec.id, actual)
+
+
+class Quotas(Protocol):
+    """Per-tenant quotas, exact across gateways: reserved at admission, settled once per job
+    at its terminal state (complete, dead, cancel settle themselves; `settle_finished` catches
+    the rest: expired at claim, a crash between a terminal write and its settle)."""
+
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        """Decide each (job id, tokens) in order, atomically; admitted ones are held."""
+        ...
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        """Release held reservations; idempotent per job. Returns how many were released."""
+        ...
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        """Settle held jobs that are terminal, or have no record `grace_s` after reserving
+        (their enqueue never landed). Returns how many were released."""
+        ...
+
+
+class Audit(Protocol):
+    """The audit trail (tokenyard/broker/audit.py): every job's receipt and terminal state, bounded
+    by `BrokerSettings.audit_max_len`; written by enqueue and the terminal paths themselves."""
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        """Entries written at or after `since` (unix s) matching the filters, oldest first,
+        from at most `count` read past `cursor`; the next cursor, None at the end."""
+        ...
+
+
+@dataclass
+class BatchState:
+    record: BatchRecord
+    cancel_requested: bool
+    completed: int
+    failed: int
+
+
+class BatchStore(Protocol):
+    async def create(self, record: BatchRecord) -> None: ...
+
+    async def get(self, batch_id: str) -> BatchState | None: ...
+
+    async def save(self, record: BatchRecord) -> None:
+        """Overwrite the record (the runner holding the lease); terminal ones leave `active`."""
+        ...
+
+    async def request_cancel(self, batch_id: str) -> None: ...
+
+    async def active(self) -> list[str]: ...
+
+    async def list_ids(self, tenant: str) -> list[str]:
+        """The tenant's batch ids, newest first."""
+        ...
+
+    async def acquire(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        """Take or renew the runner lease; False while another owner holds it."""
+        ...
+
+    async def release(self, batch_id: str, owner: str) -> None: ...
+
+    async def set_jobs(self, batch_id: str, jobs: Mapping[int, str]) -> None: ...
+
+    async def jobs(self, batch_id: str) -> dict[int, str]: ...
+
+    async def add_outcomes(
+        self, batch_id: str, ok: Sequence[int], failed: Sequence[int]
+    ) -> None: ...
+
+    async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]: ...
