@@ -81,7 +81,7 @@ def test_gateway_and_workers_serve_three_models_across_three_shards(
 
 def test_shard_layout_benchmark_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "bench/cluster_shards.py", "--jobs", "60", "--consumers", "1"],
+        [sys.executable, "-m", "bench.cluster_shards", "--jobs", "60", "--consumers", "1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
