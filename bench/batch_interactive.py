@@ -5,7 +5,7 @@ measures sequential interactive /v1/completions latency twice: on the idle syste
 a --batch-requests batch (/v1/batches) runs. Reports p50/p99 of both, their ratio (goal: p99
 within 2x of idle), and the batch's throughput. Prints one JSON document.
 
-    python bench/batch_interactive.py [--batch-requests 10000] [--interactive 300]
+    python -m bench.batch_interactive [--batch-requests 10000] [--interactive 300]
         [--batch-in-flight 512] [--batch-share F] [--workers 2] [--max-seqs 64] [--quick]
 """
 
@@ -15,20 +15,17 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 
-from bench.common import Processes, free_port, loadavg, percentile, wait_ready
+from bench.common import loadavg, percentile
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 MODEL = "sim-bench"
 
@@ -71,7 +68,7 @@ async def run(args: argparse.Namespace, url: str, tmp: Path) -> dict[str, Any]:
     procs = Processes(tmp / "logs")
     port = free_port()
     prefix = f"bb{uuid.uuid4().hex[:8]}"
-    common = ["--broker", url, "--prefix", prefix, "--model", MODEL, "--engine", "sim"]
+    common = ["--model", MODEL, "--engine", "sim"]
     os.environ["TOKENYARD_GATEWAY_FILES_DIR"] = str(tmp / "files")
     # the batch's share of the workers' slots: the knob between its throughput and the
     # interactive latency (each decode step slows with the sequences it carries)
@@ -80,24 +77,12 @@ async def run(args: argparse.Namespace, url: str, tmp: Path) -> dict[str, Any]:
     if args.batch_share is not None:
         os.environ["TOKENYARD_WORKER_BATCH_SHARE"] = str(args.batch_share)
     try:
-        for w in range(args.workers):
-            procs.start(
-                f"worker{w}",
-                [
-                    sys.executable,
-                    "-m",
-                    "tokenyard",
-                    "worker",
-                    *common,
-                    "--max-seqs",
-                    str(args.max_seqs),
-                ],
-            )
-        procs.start(
-            "gateway", [sys.executable, "-m", "tokenyard", "gateway", *common, "--port", str(port)]
-        )
+        launcher = Launcher(procs, url, prefix)
+        for _ in range(args.workers):
+            launcher.worker(*common, "--max-seqs", str(args.max_seqs))
+        launcher.gateway(port, *common)
         base = f"http://127.0.0.1:{port}"
-        await wait_ready(base, procs)
+        await asyncio.to_thread(wait_ready, f"{base}/readyz", procs)
         async with httpx.AsyncClient(base_url=base, timeout=120.0) as client:
             await _interactive(client, 10, args.tokens)  # warm-up
             idle = await _interactive(client, args.interactive, args.tokens)

@@ -4,7 +4,7 @@ Prints one JSON object: the full-cycle rate (first enqueue to last completion), 
 enqueue-only rate, Redis commands per job from INFO commandstats deltas (commands run inside
 Lua scripts included), CPU per job for each process, and the same cycle on the memory broker.
 
-    python bench/broker_throughput.py --jobs 50000 --slots 256 --batch 500 [--profile DIR]
+    python -m bench.broker_throughput --jobs 50000 --slots 256 --batch 500 [--profile DIR]
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 

@@ -9,7 +9,7 @@ the point). Prints one JSON document.
             short-context worker and a long-context worker: with size pools (the short worker
             never claims a long job) vs one pool (it claims them and must refuse them).
 
-    python bench/cache_pools.py [--requests 100] [--samples 50] [--pool-jobs 200] [--quick]
+    python -m bench.cache_pools [--requests 100] [--samples 50] [--pool-jobs 200] [--quick]
 """
 
 from __future__ import annotations
@@ -19,25 +19,21 @@ import asyncio
 import json
 import os
 import platform
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import free_port, loadavg, percentile, serving
+from bench.common import loadavg, percentile
 from tokenyard.broker import connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
+from tokenyard.fleet.launch import free_port, serving
 from tokenyard.gateway import create_app
 from tokenyard.gateway.settings import gateway_settings
 from tokenyard.messages import Finished, JobSpec, JobStatus, SamplingParams

@@ -2,9 +2,9 @@
 
 Each model gets its own process (producer + consumers on one Redis backend): enqueue in batches,
 claim, complete. Prints JSON: jobs/s per layout and the ratio. Smoke:
-    python bench/cluster_shards.py --jobs 300
+    python -m bench.cluster_shards --jobs 300
 For the record (a quiet machine with >= 4 cores):
-    python bench/cluster_shards.py --jobs 20000 --consumers 4
+    python -m bench.cluster_shards --jobs 20000 --consumers 4
 """
 
 from __future__ import annotations
@@ -13,16 +13,11 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from redis.crc import key_slot
-
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import loadavg
 from tokenyard.broker import connect

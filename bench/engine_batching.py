@@ -7,7 +7,7 @@ Worker, with the N clients in a child process (as a gateway would be). Prints on
 document: per mode, path and concurrency: throughput, latency and TTFT percentiles, mean
 batch, CPU per component, the worker's broker calls; and the ratios between them.
 
-    python bench/engine_batching.py [--concurrency 1,8,32,64] [--requests N] [--max-tokens 32]
+    python -m bench.engine_batching [--concurrency 1,8,32,64] [--requests N] [--max-tokens 32]
         [--repeats 2] [--mixed-lengths] [--quick] [--profile DIR]
 
 torch runs with one intra-op thread by default: on a 2-core host two threads were 2-10x
@@ -40,9 +40,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import percentile, proc_cpu_s
 from tokenyard.broker import Backend, connect

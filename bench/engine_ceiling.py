@@ -15,7 +15,7 @@ The ratio that matters is http / max(transformers, engine) (goal >= 0.9). On a s
 host the gateway, Valkey and the load generator take cores the offline engine had to itself;
 `--threads N` gives the engine N torch threads in every run, so the others can have the rest.
 
-    python bench/engine_ceiling.py [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
+    python -m bench.engine_ceiling [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--quick]
 """
 
@@ -23,29 +23,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import httpx
-
-from bench.common import free_port, proc_cpu_s
+from bench.common import proc_cpu_s
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
 from tokenyard.bench.workload import LengthDist, Workload
-
-REPO = Path(__file__).resolve().parents[1]
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 
 def workload(opts: argparse.Namespace) -> Workload:
@@ -179,7 +170,6 @@ class Stack:
         self.prefix = f"ec{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        common = ["--broker", self.server.url, "--prefix", self.prefix, "--model", opts.model]
         env = {
             **os.environ,
             "TOKENYARD_WORKER_DEVICE": opts.device,
@@ -189,32 +179,15 @@ class Stack:
         }
         if opts.threads:
             env["TOKENYARD_WORKER_THREADS"] = str(opts.threads)
-        self.procs = {
-            "worker": self._spawn("worker", [*common, "--engine", "hf", "--max-seqs", str(c)], env),
-            "gateway": self._spawn(
-                "gateway", [*common, "--engine", "hf", "--port", str(self.port)], env
-            ),
-        }
-
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = (self.log_dir / f"{name}.log").open("wb")
-        cmd = [sys.executable, "-m", "tokenyard", name, *args]
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes = Processes(log_dir)
+        launcher = Launcher(self.processes, self.server.url, self.prefix)
+        launcher.worker("--model", opts.model, "--engine", "hf", "--max-seqs", str(c), env=env)
+        launcher.gateway(self.port, "--model", opts.model, "--engine", "hf", env=env)
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:
-        give_up = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(base_url=self.base, timeout=5.0) as client:
-            while True:
-                for name, proc in self.procs.items():
-                    if proc.poll() is not None:
-                        tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/readyz")).status_code == 200:
-                        return
-                if time.monotonic() > give_up:
-                    raise TimeoutError("the stack did not become ready")
-                await asyncio.sleep(0.2)
+        await asyncio.to_thread(
+            wait_ready, f"{self.base}/readyz", self.processes, timeout_s=timeout_s, interval_s=0.2
+        )
 
     async def worker_mean_batch(self) -> float | None:
         from tokenyard.broker import connect
@@ -229,15 +202,7 @@ class Stack:
         return infos[0].mean_batch if infos else None
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.processes.stop(timeout_s=60)
         self.server.stop()
 
 
@@ -264,7 +229,7 @@ async def http_path(opts: argparse.Namespace, c: int, n: int, tmp: Path) -> dict
             )
 
         await run_level(settings(min(8, n), opts.seed + 1), Load("closed", min(8, c)))  # warm-up
-        pids = {name: proc.pid for name, proc in stack.procs.items()}
+        pids = stack.processes.pids()
         pids["valkey"] = stack.server.pid or 0
         cpu0 = {name: proc_cpu_s(pid) for name, pid in pids.items()}
         client0 = time.process_time()

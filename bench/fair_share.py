@@ -212,17 +212,20 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     weights = dict(zip(args.tenants, args.weights, strict=True))
     sizes = dict(zip(args.tenants, args.sizes, strict=True))
-    return {
+    out: dict[str, Any] = {
         "bench": "fair_share",
         "broker": "memory" if url.startswith("memory://") else "valkey",
         "workers": args.workers,
         "slots": args.slots,
         "fair_window": args.fair_window,
-        "backlog": await backlog(fresh(), args.backlog, args.late, args.workers, args.slots),
-        "contention": await contention(
-            fresh(), weights, sizes, args.tokens, args.workers, args.slots
-        ),
     }
+    if args.only in (None, "backlog"):
+        out["backlog"] = await backlog(fresh(), args.backlog, args.late, args.workers, args.slots)
+    if args.only in (None, "contention"):
+        out["contention"] = await contention(
+            fresh(), weights, sizes, args.tokens, args.workers, args.slots
+        )
+    return out
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -237,6 +240,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--slots", type=int, default=8, help="sequences per worker")
     p.add_argument("--fair-window", type=int, default=4)
+    p.add_argument("--only", choices=["backlog", "contention"], help="run one scenario")
     return p.parse_args(argv)
 
 

@@ -3,9 +3,9 @@
 Virtual clock, the sim engine's cost model (tokenyard/fleet/fleetsim.py); no processes, no Redis.
 Prints JSON (p50/p99 queue time, worker-hours per fleet) and, with --plot, draws workers and
 queue time over time. The report in docs/autoscaling.md came from:
-    python bench/fleet_sim.py --plot docs/img/fleet_sim.png
+    python -m bench.fleet_sim --plot docs/img/fleet_sim.png
 and the 1,000-worker run from:
-    python bench/fleet_sim.py --base 120 --peak 960 --max 1000
+    python -m bench.fleet_sim --base 120 --peak 960 --max 1000
 """
 
 from __future__ import annotations

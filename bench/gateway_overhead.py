@@ -35,7 +35,7 @@ where per-token event reading shows. Prints one JSON document.
 subprocesses (see PATCHES), to price a fix before making it; the baseline is the product as
 is. --profile DIR runs py-spy on both subprocesses during the measured phase.
 
-    python bench/gateway_overhead.py [--requests 300] [--warmup 30] [--quick]
+    python -m bench.gateway_overhead [--requests 300] [--warmup 30] [--quick]
         [--burst 64] [--burst-tokens 64] [--burst-rounds 3]
         [--what-if all|NAME,...] [--profile DIR [--profile-native]]
 """
@@ -61,25 +61,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import aiohttp
 import httpx
 import redis.asyncio as aioredis
 
 from bench import latency_floor
-from bench.common import Processes, free_port, loadavg, proc_cpu_s, wait_ready
+from bench.common import loadavg, proc_cpu_s
 from tokenyard.bench.client import Endpoint, RequestOptions, chunk_text, send_request
 from tokenyard.bench.stats import summarize
 from tokenyard.bench.workload import LengthDist, RequestSpec, Workload
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import StepOutput
 from tokenyard.engines.sim import SimEngine
+from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 from tokenyard.messages import FinishReason, SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
-SELF = Path(__file__).resolve()
+SELF_COMMAND = [sys.executable, "-m", "bench.gateway_overhead"]  # its worker and what-if gateway
 MODEL = "sim"
 GOAL_P50_MS = 2.0
 GOAL_P99_MS = 10.0
@@ -860,21 +857,22 @@ async def run_stack(
     costs = ["--prefill-ms", str(opts.prefill_ms), "--decode-ms", str(opts.decode_ms)]
     patched = ["--patches", ",".join(patches)] if patches else []
     gateway = (
-        [sys.executable, str(SELF), "--run-gateway", "--port", str(port), *common, *patched]
+        [*SELF_COMMAND, "--run-gateway", "--port", str(port), *common, *patched]
         if patches
         # the product's own entry point for the baseline
-        else [sys.executable, "-m", "tokenyard", "gateway", *common,
-              "--model", MODEL, "--engine", "sim", "--port", str(port)]
+        else tokenyard_command("gateway", *common, "--model", MODEL, "--engine", "sim",
+                               "--port", str(port))
     )  # fmt: skip
-    procs = Processes(tmp / ("what-if" if patches else "baseline"))
-    stamps = procs.log_dir / "engine-stamps.json"
+    log_dir = tmp / ("what-if" if patches else "baseline")
+    procs = Processes(log_dir)
+    stamps = log_dir / "engine-stamps.json"
     floor_port, floor_key = free_port(), f"{prefix}:floor"
     try:
-        procs.start("worker", [sys.executable, str(SELF), "--run-worker", *common, *costs,
-                               *patched, "--stamps", str(stamps)])  # fmt: skip
+        procs.start("worker", [*SELF_COMMAND, "--run-worker", *common, *costs, *patched,
+                               "--stamps", str(stamps)])  # fmt: skip
         procs.start("gateway", gateway)
         await start_floor(procs, url, floor_key, floor_port, Costs(opts.prefill_ms, opts.decode_ms))
-        await wait_ready(f"http://127.0.0.1:{port}", procs)
+        await asyncio.to_thread(wait_ready, f"http://127.0.0.1:{port}/readyz", procs)
         timings, commands = await measure(opts, url, port, floor_port, procs, server_pid)
         bursts = None
         if opts.burst and not patches:  # the what-if run prices latency only

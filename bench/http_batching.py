@@ -24,7 +24,7 @@ length, greedy, ignore_eos) in this process:
 The ceiling is HFEngine(max_seqs=C) called directly in this process with every request
 submitted at once (no HTTP, no queue). Prints one JSON document.
 
-    python bench/http_batching.py [--concurrency 32] [--max-tokens 64] [--quick] [--plot out.png]
+    python -m bench.http_batching [--concurrency 32] [--max-tokens 64] [--quick] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -43,22 +43,17 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-from bench.common import Processes, free_port, loadavg, proc_cpu_s, wait_ready
+from bench.common import loadavg, proc_cpu_s
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
 from tokenyard.bench.workload import LengthDist, Workload
 from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 if TYPE_CHECKING:
     from tokenyard.engines.base import Engine
 
-REPO = Path(__file__).resolve().parents[1]
-SELF = Path(__file__).resolve()
 MODEL = "tiny"
 MODES = ("continuous", "static", "one-at-a-time")  # continuous first: it sets the common rate
 STATIC_TIMEOUT_MS = 20.0
@@ -123,29 +118,29 @@ class Stack:
     def __init__(self, log_dir: Path, url: str, mode: str, opts: argparse.Namespace) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        prefix = f"hb{uuid.uuid4().hex[:8]}"
-        common = ["--broker", url, "--prefix", prefix]
-        self.commands = {
-            "worker": [sys.executable, str(SELF), "--run-worker", mode, *common,
-                       "--concurrency", str(opts.concurrency), "--threads", str(opts.threads)],
-            "gateway": [sys.executable, "-m", "tokenyard", "gateway", *common,
-                        "--model", MODEL, "--engine", "hf", "--port", str(self.port)],
-        }  # fmt: skip
         self.processes = Processes(log_dir)
+        self.launcher = Launcher(self.processes, url, f"hb{uuid.uuid4().hex[:8]}")
+        self.worker = [
+            sys.executable, "-m", "bench.http_batching", "--run-worker", mode,
+            *self.launcher.broker_args,
+            "--concurrency", str(opts.concurrency), "--threads", str(opts.threads),
+        ]  # fmt: skip
 
     def signal(self) -> None:
-        self.processes.signal()
+        self.processes.send_signal()
 
     def pids(self) -> dict[str, int]:
         return self.processes.pids()
 
     def start(self) -> None:
-        for name, cmd in self.commands.items():
-            self.processes.start(name, cmd)
+        self.processes.start("worker", self.worker)
+        self.launcher.gateway(self.port, "--model", MODEL, "--engine", "hf")
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Poll /readyz: the gateway answers and sees the worker (its model is loaded)."""
-        await wait_ready(self.base, self.processes, timeout_s)
+        await asyncio.to_thread(
+            wait_ready, f"{self.base}/readyz", self.processes, timeout_s=timeout_s
+        )
 
     def stop(self) -> None:
         self.processes.stop(timeout_s=60.0)

@@ -24,7 +24,6 @@ import json
 import sys
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
@@ -36,15 +35,15 @@ GROUP = "floor"
 REPLY_TTL_MS = 60_000
 BLOCK_MS = 30_000  # a server handler gives up (504) after this; the worker re-blocks
 
-SELF = Path(__file__).resolve()
+SELF_COMMAND = [sys.executable, "-m", "bench.latency_floor"]
 
 
 def server_command(url: str, key: str, port: int) -> list[str]:
-    return [sys.executable, str(SELF), "--run-floor-server", url, key, "--port", str(port)]
+    return [*SELF_COMMAND, "--run-floor-server", url, key, "--port", str(port)]
 
 
 def worker_command(url: str, key: str, engine_options: dict[str, Any]) -> list[str]:
-    return [sys.executable, str(SELF), "--run-floor-worker", url, key,
+    return [*SELF_COMMAND, "--run-floor-worker", url, key,
             "--engine-options", json.dumps(engine_options)]  # fmt: skip
 
 
@@ -210,6 +209,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # the worker imports tokenyard's engine from this checkout, as gateway_overhead.py does
-    sys.path.insert(0, str(SELF.parents[1]))
     sys.exit(main())

@@ -10,7 +10,7 @@ SLO + one job's unloaded service time), and the gateway's RSS is sampled through
 With --compare (default) the same load runs again for --compare-s seconds on a fresh stack
 with shedding off, to show what the SLO would have been without it. Prints one JSON document.
 
-    python bench/overload.py [--factor 10] [--duration 60] [--slo 2.0] [--max-seqs 4]
+    python -m bench.overload [--factor 10] [--duration 60] [--slo 2.0] [--max-seqs 4]
         [--tokens 64] [--fixed-tokens] [--compare-s 5] [--no-compare] [--quick]
 """
 
@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 import uuid
@@ -30,13 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 
-from bench.common import Processes, free_port, loadavg, percentile, wait_ready
+from bench.common import loadavg, percentile
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 MODEL = "sim-overload"
 
@@ -154,7 +151,7 @@ async def _run_stack(
     procs = Processes(tmp / f"logs-{name}")
     port = free_port()
     prefix = f"ov{uuid.uuid4().hex[:8]}"
-    common = ["--broker", url, "--prefix", prefix, "--model", MODEL, "--engine", "sim"]
+    common = ["--model", MODEL, "--engine", "sim"]
     env_before = dict(os.environ)
     os.environ["TOKENYARD_GATEWAY_QUEUE_SLO_S"] = str(slo_s)
     os.environ["TOKENYARD_GATEWAY_TOKENIZER"] = "sim"
@@ -173,23 +170,11 @@ async def _run_stack(
         return {"model": MODEL, "prompt": "overload", "max_tokens": rng.randint(low, high)}
 
     try:
-        procs.start(
-            "worker",
-            [
-                sys.executable,
-                "-m",
-                "tokenyard",
-                "worker",
-                *common,
-                "--max-seqs",
-                str(args.max_seqs),
-            ],
-        )
-        gateway = procs.start(
-            "gateway", [sys.executable, "-m", "tokenyard", "gateway", *common, "--port", str(port)]
-        )
+        launcher = Launcher(procs, url, prefix)
+        launcher.worker(*common, "--max-seqs", str(args.max_seqs))
+        gateway = launcher.gateway(port, *common)
         base = f"http://127.0.0.1:{port}"
-        await wait_ready(base, procs)
+        await asyncio.to_thread(wait_ready, f"{base}/readyz", procs)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1000)
         async with httpx.AsyncClient(base_url=base, timeout=600.0, limits=limits) as client:
             capacity, unloaded = await _measure_capacity(client, body, args.max_seqs, args.warmup_s)

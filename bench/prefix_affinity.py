@@ -9,7 +9,7 @@ Both runs use the same arrivals, workers and broker (a private Valkey); jobs go 
 broker (the gateway's part, the prefix key, is the pure `tokenyard.gateway.affinity.prefix_key`).
 TTFT is enqueue → first token event, on the server's clock (the event's id). Prints one JSON.
 
-    python bench/prefix_affinity.py [--jobs 400] [--rate 40] [--workers 4] [--quick]
+    python -m bench.prefix_affinity [--jobs 400] [--rate 40] [--workers 4] [--quick]
 
 `--engine vllm` (run from the vLLM venv, e.g. `VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python`)
 runs the same comparison on real vLLM prefix caching: `tokenyard worker --engine vllm` processes
@@ -35,15 +35,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import Processes, loadavg, percentile
+from bench.common import loadavg, percentile
 from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
+from tokenyard.fleet.launch import Processes
 from tokenyard.gateway.affinity import prefix_key
 from tokenyard.messages import Finished, JobResult, JobSpec, JobStatus, SamplingParams, TokenChunk
 from tokenyard.worker.worker import Worker

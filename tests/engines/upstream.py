@@ -7,50 +7,22 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: float) -> None:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        if proc.poll() is not None:
-            raise AssertionError(f"upstream exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} never became ready")
+from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 
 
 @contextlib.contextmanager
 def process(cmd: list[str], url: str, path: str, timeout: float, **env: str) -> Iterator[str]:
     """Run a server process until the block ends; yield its base URL once `path` answers 200."""
-    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    procs = Processes()
+    procs.start("upstream", cmd, env={**os.environ, **env})
     try:
-        wait_ready(url, proc, path, timeout)
+        wait_ready(url + path, procs, timeout_s=timeout, interval_s=0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        procs.stop(timeout_s=60)
 
 
 @contextlib.contextmanager
@@ -58,22 +30,18 @@ def tokenyard_serve(data_dir: Path, engine: str = "hf", model: str = "tiny") -> 
     """A whole tokenyard (Valkey, one worker, gateway) on a free port."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
-    cmd = [
-        sys.executable, "-m", "tokenyard", "serve", "--engine", engine, "--model", model,
+    cmd = tokenyard_command(
+        "serve", "--engine", engine, "--model", model,
         "--port", str(port), "--max-seqs", "8", "--data-dir", str(data_dir),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env)
+    )  # fmt: skip
+    procs = Processes()
+    procs.start("serve", cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, "/readyz", 180)
+        wait_ready(url + "/readyz", procs, timeout_s=180, interval_s=0.5)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)  # serve drains its workers before Valkey stops
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        procs.stop(timeout_s=90, sig=signal.SIGINT)  # serve drains its workers before Valkey stops
 
 
 class CuttingProxy:

@@ -6,34 +6,25 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import redis
 
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import Keys
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 MODEL = "sim-batch"
 N = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Procs:
@@ -43,50 +34,27 @@ class Procs:
         self.url = url
         self.prefix = f"bf{uuid.uuid4().hex[:8]}"
         self.files_dir = files_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def _spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "tokenyard", *args, "--broker", self.url]
-        cmd += ["--prefix", self.prefix]
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-        )
-        self.procs.append(proc)
-        return proc
+        self.processes = Processes(files_dir / "logs")
+        self.launcher = Launcher(self.processes, url, self.prefix)
 
     def gateway(self, port: int) -> subprocess.Popen[bytes]:
         env = {
+            **os.environ,
             "TOKENYARD_GATEWAY_FILES_DIR": str(self.files_dir),
             "TOKENYARD_GATEWAY_BATCH_LEASE_S": "1.0",
             "TOKENYARD_GATEWAY_BATCH_MAX_IN_FLIGHT": "16",
         }
-        proc = self._spawn(
-            "gateway", "--model", MODEL, "--engine", "sim", "--port", str(port), env=env
-        )
-        give_up = time.monotonic() + 30
-        while time.monotonic() < give_up:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code < 500:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "the gateway exited at start"
-            time.sleep(0.1)
-        raise AssertionError("the gateway did not start")
+        proc = self.launcher.gateway(port, "--model", MODEL, "--engine", "sim", env=env)
+        wait_ready(f"http://127.0.0.1:{port}/healthz", proc, timeout_s=30)
+        return proc
 
     def worker(self) -> subprocess.Popen[bytes]:
-        return self._spawn(
-            "worker", "--model", MODEL, "--engine", "sim", "--max-seqs", "4", "--lease-s", "1.0"
+        return self.launcher.worker(
+            "--model", MODEL, "--engine", "sim", "--max-seqs", "4", "--lease-s", "1.0"
         )
 
     def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+        self.processes.stop(timeout_s=10, sig=signal.SIGKILL)
 
 
 @pytest.fixture
@@ -112,7 +80,7 @@ def _rows() -> bytes:
 
 
 def test_gateway_and_worker_killed_mid_batch(procs: Procs) -> None:
-    port = _free_port()
+    port = free_port()
     gateway = procs.gateway(port)
     doomed = procs.worker()
     procs.worker()
@@ -135,7 +103,7 @@ def test_gateway_and_worker_killed_mid_batch(procs: Procs) -> None:
     gateway.wait(10)
     doomed.wait(10)
     procs.worker()
-    port = _free_port()
+    port = free_port()
     procs.gateway(port)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     give_up = time.monotonic() + 90

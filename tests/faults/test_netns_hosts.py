@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from tokenyard.broker.embedded import find_server_binary
+from tokenyard.fleet.launch import wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -124,18 +124,6 @@ def hosts() -> Iterator[Hosts]:
         made.teardown()
 
 
-def _wait_http(url: str, timeout_s: float = 60.0) -> None:
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} never answered 200")
-
-
 def test_a_worker_host_dies_under_load_and_nothing_is_lost_or_doubled(
     hosts: Hosts, tmp_path: Path
 ) -> None:
@@ -168,7 +156,7 @@ def test_a_worker_host_dies_under_load_and_nothing_is_lost_or_doubled(
         )  # fmt: skip
         workers.append(ns)
     for base in gateways:
-        _wait_http(f"{base}/readyz")
+        wait_ready(f"{base}/readyz", timeout_s=60)
 
     async def stream(client: httpx.AsyncClient, base: str, prompt: str) -> str:
         body = {

@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +16,7 @@ from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings
+from tokenyard.fleet.launch import Launcher, Processes
 from tokenyard.messages import (
     Finished,
     JobResult,
@@ -39,30 +39,22 @@ class Workers:
     def __init__(self, url: str, prefix: str) -> None:
         self.url = url
         self.prefix = prefix
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.processes = Processes()
+        self.launcher = Launcher(self.processes, url, prefix)
 
     def start(
         self, *extra: str, engine: str = "hf", env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        cmd = [
-            sys.executable, "-m", "tokenyard", "worker",
-            "--broker", self.url, "--prefix", self.prefix, "--model", MODEL,
-            "--engine", engine, "--max-seqs", "16", "--lease-s", str(LEASE_S), *extra,
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd,
+        return self.launcher.worker(
+            "--model", MODEL, "--engine", engine, "--max-seqs", "16",
+            "--lease-s", str(LEASE_S), *extra,
+            env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-        )
-        self.procs.append(proc)
-        return proc
+        )  # fmt: skip
 
     def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+        self.processes.stop(timeout_s=10, sig=signal.SIGKILL)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from typing import Any
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.engines.sim import SimTokenizer
+from tokenyard.fleet.launch import free_port
 from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.messages import Priority
 
@@ -178,9 +178,7 @@ def test_full_queue_is_429_with_retry_after(valkey: EmbeddedServer) -> None:
 
 
 def test_unreachable_broker_is_503(valkey: EmbeddedServer) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
     with run_stack(valkey, engines=[], broker_url=dead) as stack, stack.client() as http:
         down = http.post("/v1/completions", json=OK)
         assert_error(down, 503, "broker_unavailable")

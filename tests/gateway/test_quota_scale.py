@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import subprocess
-import sys
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from typer.testing import CliRunner
 
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.cli import app
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 REQUESTS = 300
 LIMIT = 100
@@ -33,70 +33,28 @@ MAX_TOKENS = 2
 RUNNER = CliRunner()
 
 
-def tokenyard(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tokenyard", *args]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Fleet:
     valkey: EmbeddedServer
-    prefix: str
-    urls: list[str]
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    launcher: Launcher
+    urls: list[str] = field(default_factory=list)
     keys: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def shared(self) -> list[str]:
-        return ["--broker", self.valkey.url, "--prefix", self.prefix]
-
     def cli(self, *args: str) -> str:
-        result = RUNNER.invoke(app, [*args, *self.shared])
+        result = RUNNER.invoke(app, [*args, *self.launcher.broker_args])
         assert result.exit_code == 0, result.output
         return result.output
 
     def start_worker(self, model: str) -> None:
-        self.procs.append(
-            subprocess.Popen(
-                tokenyard(
-                    "worker",
-                    *self.shared,
-                    "--engine",
-                    "sim",
-                    "--model",
-                    model,
-                    "--max-seqs",
-                    "128",
-                    "--log-level",
-                    "WARNING",
-                ),
-            )
+        self.launcher.worker(
+            "--engine", "sim", "--model", model, "--max-seqs", "128", "--log-level", "WARNING"
         )
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        assert proc.poll() is None, "gateway exited before it was ready"
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} never became ready")
 
 
 @pytest.fixture(scope="module")
 def fleet(valkey: EmbeddedServer) -> Iterator[Fleet]:
-    fleet = Fleet(valkey, f"q{uuid.uuid4().hex[:8]}", [])
+    procs = Processes()
+    fleet = Fleet(valkey, Launcher(procs, valkey.url, f"q{uuid.uuid4().hex[:8]}"))
     # tenants and keys first, so both gateways see them from their first request
     fleet.cli("tenants", "set", "rpm", "--rpm", str(LIMIT))
     fleet.cli("tenants", "set", "conc", "--max-concurrent", str(LIMIT))
@@ -104,37 +62,20 @@ def fleet(valkey: EmbeddedServer) -> Iterator[Fleet]:
     for tenant in ("rpm", "conc", "free"):
         fleet.keys[tenant] = fleet.cli("keys", "create", "--tenant", tenant).split()[-1]
     env = {**os.environ, "TOKENYARD_GATEWAY_AUTH_CACHE_S": "0.5"}
-    for _ in range(2):
-        port = free_port()
-        fleet.urls.append(f"http://127.0.0.1:{port}")
-        fleet.procs.append(
-            subprocess.Popen(
-                tokenyard(
-                    "gateway",
-                    *fleet.shared,
-                    "--engine",
-                    "sim",
-                    "--model",
-                    "tiny,quiet",
-                    "--port",
-                    str(port),
-                ),
-                env=env,
-            )
-        )
-    fleet.start_worker("tiny")
     try:
-        for url, proc in zip(fleet.urls, fleet.procs, strict=False):
-            wait_ready(url, proc)
+        for _ in range(2):
+            port = free_port()
+            fleet.launcher.gateway(port, "--engine", "sim", "--model", "tiny,quiet", env=env)
+            fleet.urls.append(f"http://127.0.0.1:{port}")
+        fleet.start_worker("tiny")
+        for url in fleet.urls:
+            wait_ready(f"{url}/healthz", procs, timeout_s=90)
         # and the worker of `tiny` is up: a free tenant's call is answered
         probe = openai.OpenAI(base_url=fleet.urls[0] + "/v1", api_key=fleet.keys["free"])
         assert probe.completions.create(model="tiny", prompt="up", max_tokens=1).choices
         yield fleet
     finally:
-        for proc in fleet.procs:
-            proc.kill()
-        for proc in fleet.procs:
-            proc.wait(30)
+        procs.stop(timeout_s=30, sig=signal.SIGKILL)
 
 
 @dataclass

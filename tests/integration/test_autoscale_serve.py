@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_cli import free_port, procs, tokenyard, wait_ready
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.fleet.launch import Processes, free_port, wait_ready
+from tokenyard.fleet.launch import tokenyard_command as tokenyard
 
 pytestmark = pytest.mark.slow
-__all__ = ["procs"]  # the fixture, shared with test_cli
 
 FAST = {
     # the policy on a short clock, so the whole cycle fits in a test
@@ -42,19 +42,19 @@ def gauge(text: str, name: str) -> float:
 
 
 def test_serve_auto_scales_up_under_load_and_back_down_losing_nothing(
-    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+    tmp_path: Path, procs: Processes
 ) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")} | FAST
-    serve = subprocess.Popen(
+    serve = procs.start(
+        "serve",
         tokenyard("serve", "--engine", "sim", "--model", "tiny", "--port", str(port),
                   "--workers", "auto", "--min", "1", "--max", "3", "--max-seqs", "2",
                   "--data-dir", str(tmp_path / "valkey")),
         env=env,
     )  # fmt: skip
-    procs.append(serve)
-    wait_ready(base, serve)
+    wait_ready(f"{base}/readyz", procs, timeout_s=120)
     seen: list[tuple[float, float, float]] = []  # (live workers, desired, current)
 
     async def watch(client: httpx.AsyncClient, until: asyncio.Event) -> None:
@@ -110,7 +110,7 @@ def test_serve_auto_scales_up_under_load_and_back_down_losing_nothing(
 
 
 def test_autoscale_exports_the_gauges_and_worker_ready_probes_the_heartbeat(
-    valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]]
+    valkey: EmbeddedServer, procs: Processes
 ) -> None:
     shared = ["--broker", valkey.url, "--prefix", f"x{uuid.uuid4().hex[:8]}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")} | FAST
@@ -121,15 +121,15 @@ def test_autoscale_exports_the_gauges_and_worker_ready_probes_the_heartbeat(
 
     assert ready() == 1  # no worker yet
     port = free_port()
-    exporter = subprocess.Popen(
+    exporter = procs.start(
+        "autoscale",
         tokenyard("autoscale", *shared, "--model", "tiny", "--min", "2", "--max", "5",
                   "--host", "127.0.0.1", "--port", str(port)),
         env=env,
     )  # fmt: skip
-    worker = subprocess.Popen(
-        tokenyard("worker", *shared, "--engine", "sim", "--max-seqs", "2"), env=env
+    procs.start(
+        "worker", tokenyard("worker", *shared, "--engine", "sim", "--max-seqs", "2"), env=env
     )
-    procs += [exporter, worker]
     give_up = time.monotonic() + 60
     while ready() != 0:
         assert time.monotonic() < give_up, "the worker never showed as ready"

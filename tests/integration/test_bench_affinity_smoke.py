@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "prefix_affinity.py"
+BENCH = "bench.prefix_affinity"
 
 
 @pytest.mark.timeout(120)
 def test_prefix_affinity_benchmark_reports_both_runs() -> None:
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--jobs", "30"],
+        [sys.executable, "-m", BENCH, "--quick", "--jobs", "30"],
         cwd=REPO,
         capture_output=True,
         text=True,

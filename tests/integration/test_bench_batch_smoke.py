@@ -9,7 +9,7 @@ from tests.integration.test_bench_http_smoke import run_bench
 
 @pytest.mark.timeout(120)
 def test_batch_interactive_quick_reports_both_latencies() -> None:
-    report = run_bench("batch_interactive.py", "--quick", timeout=110)
+    report = run_bench("batch_interactive", "--quick", timeout=110)
     assert report["batch"]["status"] == "completed"
     assert report["batch"]["requests"] == {"total": 300, "completed": 300, "failed": 0}
     for phase in ("interactive_idle_s", "interactive_during_batch_s"):

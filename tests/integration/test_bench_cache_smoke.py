@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "cache_pools.py"
+BENCH = "bench.cache_pools"
 
 
 @pytest.mark.timeout(120)
 def test_cache_pools_benchmark_reports_one_job_hits_and_pools() -> None:
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--quick"],
+        [sys.executable, "-m", BENCH, "--quick"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "engine_batching.py"
+BENCH = "bench.engine_batching"
 MODES = ("one-at-a-time", "static", "continuous")
 PATHS = ("direct", "queue")
 
@@ -21,7 +21,7 @@ PATHS = ("direct", "queue")
 @pytest.mark.timeout(90)
 def test_engine_batching_benchmark_quick_completes_every_request() -> None:
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--concurrency", "1,4", "--requests", "8"],
+        [sys.executable, "-m", BENCH, "--quick", "--concurrency", "1,4", "--requests", "8"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench"
 
 
-def run_bench(script: str, *args: str, timeout: float) -> dict[str, Any]:
+def run_bench(module: str, *args: str, timeout: float) -> dict[str, Any]:
+    """Run `python -m bench.MODULE ARGS` from the repository root; its JSON report."""
     run = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
+        [sys.executable, "-m", f"bench.{module}", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -38,7 +38,7 @@ def assert_summary(summary: dict[str, Any], count: int, where: str) -> None:
 def test_gateway_overhead_quick_reports_overhead_stages_and_goals() -> None:
     requests = 10
     report = run_bench(
-        "gateway_overhead.py", "--quick", "--requests", str(requests), "--warmup", "3",
+        "gateway_overhead", "--quick", "--requests", str(requests), "--warmup", "3",
         "--what-if", "all", timeout=80,
     )  # fmt: skip
 
@@ -138,7 +138,7 @@ def test_gateway_overhead_quick_reports_overhead_stages_and_goals() -> None:
 def test_http_batching_quick_two_modes_complete_every_request() -> None:
     pytest.importorskip("transformers")
     report = run_bench(
-        "http_batching.py", "--quick", "--modes", "continuous,one-at-a-time", "--no-offline",
+        "http_batching", "--quick", "--modes", "continuous,one-at-a-time", "--no-offline",
         "--saturation-s", "2", "--open-s", "2", "--min-open-requests", "6",
         timeout=140,
     )  # fmt: skip

@@ -9,7 +9,7 @@ from tests.integration.test_bench_http_smoke import run_bench
 
 @pytest.mark.timeout(120)
 def test_overload_quick_reports_admitted_refused_and_memory() -> None:
-    report = run_bench("overload.py", "--quick", "--no-compare", timeout=110)
+    report = run_bench("overload", "--quick", "--no-compare", timeout=110)
     shed = report["shedding"]
     assert shed["server_errors_5xx"] == 0 and not shed["other"]
     assert shed["admitted"] > 0 and shed["refused_429"] > 0

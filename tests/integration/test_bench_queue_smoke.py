@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "queue_overhead.py"
+BENCH = "bench.queue_overhead"
 
 
 @pytest.mark.timeout(170)
@@ -19,7 +19,8 @@ def test_queue_overhead_benchmark_completes_every_tokenyard_job() -> None:
     run = subprocess.run(
         [
             sys.executable,
-            str(BENCH),
+            "-m",
+            BENCH,
             "--jobs",
             str(jobs),
             "--http-jobs",

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "broker_throughput.py"
+BENCH = "bench.broker_throughput"
 
 
 @pytest.mark.timeout(120)
 def test_broker_throughput_benchmark_completes_every_job() -> None:
     jobs = 500
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--jobs", str(jobs), "--slots", "64", "--batch", "100"],
+        [sys.executable, "-m", BENCH, "--jobs", str(jobs), "--slots", "64", "--batch", "100"],
         cwd=REPO,
         capture_output=True,
         text=True,

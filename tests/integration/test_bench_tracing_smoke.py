@@ -1,4 +1,4 @@
-"""bench/tracing_overhead.py runs end to end in its smoke mode and reports every field."""
+"""`python -m bench.tracing_overhead` runs end to end in its smoke mode and reports every field."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(120)
 def test_tracing_overhead_quick_reports_hooks_and_light_load() -> None:
-    report = run_bench("tracing_overhead.py", "--quick", timeout=110)
+    report = run_bench("tracing_overhead", "--quick", timeout=110)
     hooks = report["hooks"]
     assert hooks["jobs"] == 500
     assert hooks["off_us_per_job"] < hooks["on_us_per_job"]

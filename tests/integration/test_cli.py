@@ -6,12 +6,10 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,56 +17,23 @@ import pytest
 
 from tests.servers import alive
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
+from tokenyard.fleet.launch import tokenyard_command as tokenyard
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tokenyard(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tokenyard", *args]
-
-
-def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        assert proc.poll() is None, "process exited before it was ready"
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{base} never became ready")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-
-
-def test_serve_starts_everything_and_stops_cleanly(
-    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
-) -> None:
+def test_serve_starts_everything_and_stops_cleanly(tmp_path: Path, procs: Processes) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
-    serve = subprocess.Popen(
+    serve = procs.start(
+        "serve",
         tokenyard("serve", "--engine", "sim", "--model", "tiny", "--port", str(port),
                   "--data-dir", str(tmp_path / "valkey")),
         env=env,
     )  # fmt: skip
-    procs.append(serve)
-    wait_ready(base, serve)
+    wait_ready(f"{base}/readyz", procs, timeout_s=120)
 
     submitted = subprocess.run(
         tokenyard("submit", "hello yard", "--url", base, "--max-tokens", "12"),
@@ -91,18 +56,16 @@ def descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_killed_serve_leaves_no_server_or_worker_behind(
-    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
-) -> None:
+def test_a_killed_serve_leaves_no_server_or_worker_behind(tmp_path: Path, procs: Processes) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
-    serve = subprocess.Popen(
+    serve = procs.start(
+        "serve",
         tokenyard("serve", "--engine", "sim", "--model", "tiny", "--port", str(port),
                   "--workers", "2", "--data-dir", str(tmp_path / "valkey")),
         env=env,
     )  # fmt: skip
-    procs.append(serve)
-    wait_ready(f"http://127.0.0.1:{port}", serve)
+    wait_ready(f"http://127.0.0.1:{port}/readyz", procs, timeout_s=120)
     children = descendants(serve.pid)
     assert len(children) >= 3  # Valkey and two workers
 
@@ -115,25 +78,19 @@ def test_a_killed_serve_leaves_no_server_or_worker_behind(
 
 
 def test_distributed_gateway_and_two_workers_survive_a_killed_worker(
-    valkey: EmbeddedServer, procs: list[subprocess.Popen[bytes]], tmp_path: Path
+    valkey: EmbeddedServer, procs: Processes, tmp_path: Path
 ) -> None:
-    prefix = f"d{uuid.uuid4().hex[:8]}"
-    shared = ["--broker", valkey.url, "--prefix", prefix]
+    launcher = Launcher(procs, valkey.url, f"d{uuid.uuid4().hex[:8]}")
+    shared = launcher.broker_args
+    env = {**os.environ, "TOKENYARD_BROKER_LEASE_S": "2"}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TOKENYARD_BROKER_LEASE_S": "2"}
-    gateway = subprocess.Popen(
-        tokenyard("gateway", *shared, "--engine", "sim", "--port", str(port)), env=env
-    )
+    launcher.gateway(port, "--engine", "sim", env=env)
     workers = [
-        subprocess.Popen(
-            tokenyard("worker", *shared, "--engine", "sim", "--max-seqs", "8", "--lease-s", "2"),
-            env=env,
-        )
+        launcher.worker("--engine", "sim", "--max-seqs", "8", "--lease-s", "2", env=env)
         for _ in range(2)
     ]
-    procs += [gateway, *workers]
-    wait_ready(base, gateway)
+    wait_ready(f"{base}/readyz", procs, timeout_s=120)
 
     async def ask(client: httpx.AsyncClient, i: int) -> str:
         reply = await client.post(

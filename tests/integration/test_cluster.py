@@ -14,12 +14,12 @@ import httpx
 import pytest
 from redis.crc import key_slot
 
-from tests.integration.test_cli import free_port, procs, tokenyard, wait_ready
 from tests.servers import Cluster
 from tokenyard.broker.keys import Keys
+from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
+from tokenyard.fleet.launch import tokenyard_command as tokenyard
 
 pytestmark = pytest.mark.slow
-__all__ = ["procs"]
 
 
 def models_on_shards(cluster: Cluster, prefix: str, shards: list[int]) -> list[str]:
@@ -39,28 +39,19 @@ def models_on_shards(cluster: Cluster, prefix: str, shards: list[int]) -> list[s
 
 
 def test_gateway_and_workers_serve_three_models_across_three_shards(
-    valkey_cluster: Cluster, procs: list[subprocess.Popen[bytes]]
+    valkey_cluster: Cluster, procs: Processes
 ) -> None:
     prefix = f"c{uuid.uuid4().hex[:8]}"
     models = models_on_shards(valkey_cluster, prefix, [0, 1, 2])
-    shared = ["--broker", valkey_cluster.url, "--prefix", prefix]
+    launcher = Launcher(procs, valkey_cluster.url, prefix)
+    shared = launcher.broker_args
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
-    gateway = subprocess.Popen(
-        tokenyard("gateway", *shared, "--engine", "sim", "--model", ",".join(models),
-                  "--port", str(port)),
-        env=env,
-    )  # fmt: skip
-    workers = [
-        subprocess.Popen(
-            tokenyard("worker", *shared, "--engine", "sim", "--model", m, "--max-seqs", "8"),
-            env=env,
-        )
-        for m in models
-    ]
-    procs += [gateway, *workers]
-    wait_ready(base, gateway)
+    launcher.gateway(port, "--engine", "sim", "--model", ",".join(models), env=env)
+    for m in models:
+        launcher.worker("--engine", "sim", "--model", m, "--max-seqs", "8", env=env)
+    wait_ready(f"{base}/readyz", procs, timeout_s=120)
 
     async def ask(client: httpx.AsyncClient, i: int) -> None:
         model = models[i % 3]
@@ -90,7 +81,7 @@ def test_gateway_and_workers_serve_three_models_across_three_shards(
 
 def test_shard_layout_benchmark_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "bench/cluster_shards.py", "--jobs", "60", "--consumers", "1"],
+        [sys.executable, "-m", "bench.cluster_shards", "--jobs", "60", "--consumers", "1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

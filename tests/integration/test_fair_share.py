@@ -4,15 +4,17 @@ contention each tenant's share of generated tokens is within ±10 % of its weigh
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench import fair_share
 from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.config import BrokerSettings
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["valkey", "memory"])
@@ -20,12 +22,20 @@ def url(request: pytest.FixtureRequest, valkey: EmbeddedServer) -> str:
     return valkey.url if request.param == "valkey" else "memory://"
 
 
-def settings(url: str) -> BrokerSettings:
-    return BrokerSettings(url=url, prefix=f"fs{uuid.uuid4().hex[:6]}", fair_window=4)
+def fair_share(url: str, scenario: str, *args: str) -> dict[str, Any]:
+    """One scenario of `python -m bench.fair_share` (its own key prefix, fair window 4)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.fair_share", "--broker", url, "--only", scenario,
+         "--fair-window", "4", "--workers", "1", "--slots", "8", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    out: dict[str, Any] = json.loads(run.stdout)[scenario]
+    return out
 
 
 def test_a_late_tenant_waits_behind_a_bounded_part_of_a_backlog(url: str) -> None:
-    out = asyncio.run(fair_share.backlog(settings(url), 2000, 20, workers=1, slots=8))
+    out = fair_share(url, "backlog", "--backlog", "2000", "--late", "20")
     print(json.dumps(out))
     assert out["b_done"] == 20
     # bound: b's 20 + the window + what the worker holds (2 x 8 slots) of a's jobs
@@ -35,16 +45,10 @@ def test_a_late_tenant_waits_behind_a_bounded_part_of_a_backlog(url: str) -> Non
 
 
 def test_token_shares_follow_weights_under_contention(url: str) -> None:
-    out = asyncio.run(
-        fair_share.contention(
-            settings(url),
-            weights={"a": 1.0, "b": 1.0, "c": 3.0},
-            sizes={"a": 8, "b": 32, "c": 16},
-            tokens=4000,
-            workers=1,
-            slots=8,
-        )
-    )
+    out = fair_share(
+        url, "contention", "--tenants", "a", "b", "c", "--weights", "1", "1", "3",
+        "--sizes", "8", "32", "16", "--tokens", "4000",
+    )  # fmt: skip
     print(json.dumps(out))
     for tenant, share in out["tenants"].items():
         assert abs(share["relative_error"]) <= 0.10, (tenant, share)

@@ -28,8 +28,9 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_cli import free_port, tokenyard, wait_ready
 from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.fleet.launch import Processes, free_port, wait_ready
+from tokenyard.fleet.launch import tokenyard_command as tokenyard
 
 pytestmark = pytest.mark.slow
 
@@ -133,28 +134,21 @@ def live(valkey: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> It
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.port}",
         OTEL_BSP_SCHEDULE_DELAY="200",
     )
-    procs = [
-        subprocess.Popen(tokenyard("serve", "--data-dir", str(tmp / "valkey")), env=env),
-        subprocess.Popen(
+    procs = Processes()
+    procs.start("serve", tokenyard("serve", "--data-dir", str(tmp / "valkey")), env=env)
+    with (tmp / "worker.log").open("wb") as worker_log:
+        procs.start(
+            "worker",
             tokenyard("worker", "--metrics-port", str(metrics_port), "--log-format", "json"),
             env=env,
-            stderr=(tmp / "worker.log").open("wb"),
-        ),
-    ]
+            stderr=worker_log,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, procs[0])
+        wait_ready(f"{base}/readyz", procs, timeout_s=120)
         yield Live(base, f"http://127.0.0.1:{metrics_port}", receiver, tmp)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        procs.stop(timeout_s=30)
         otlp.shutdown()
 
 

@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,12 +15,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
 
-from bench.common import free_port, serving
 from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
+from tokenyard.fleet.launch import Launcher, Processes, free_port, serving
 from tokenyard.gateway import create_app
 from tokenyard.gateway.affinity import prefix_key
 from tokenyard.gateway.settings import gateway_settings
@@ -176,12 +175,12 @@ async def test_a_job_preferred_for_a_busy_worker_runs_elsewhere_after_the_bound(
 
 
 def start_worker_process(settings: BrokerSettings) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "tokenyard", "worker", "--broker", settings.url,
-        "--prefix", settings.prefix, "--model", MODEL, "--engine", "sim", "--max-seqs", "4",
-    ]  # fmt: skip
+    launcher = Launcher(Processes(), settings.url, settings.prefix)
     env = {**os.environ, "TOKENYARD_WORKER_SIM_PREFIX_CACHE_TOKENS": "4096"}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    return launcher.worker(
+        "--model", MODEL, "--engine", "sim", "--max-seqs", "4",
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
 
 
 async def test_a_job_preferred_for_a_killed_worker_still_runs(valkey: EmbeddedServer) -> None:

@@ -1,4 +1,4 @@
-"""bench/vllm_engines.py runs end to end in its smoke mode and reports every target and ratio."""
+"""`python -m bench.vllm_engines` runs end to end in its smoke mode: every target and ratio."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_vllm_engines_quick() -> None:
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "vllm_engines.py"), "--quick"],
+        [sys.executable, "-m", "bench.vllm_engines", "--quick"],
         cwd=REPO,
         capture_output=True,
         text=True,

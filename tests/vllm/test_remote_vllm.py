@@ -11,9 +11,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.engines.conformance import CASE_IDS, CASES, SLOTS, Reference, Subject, hf_reference
-from tests.engines.upstream import free_port, process
+from tests.engines.upstream import process
 from tokenyard.engines import make_engine
 from tokenyard.engines.tiny import ensure_tiny_model
+from tokenyard.fleet.launch import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -22,9 +20,8 @@ from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
 from tokenyard.fleet.autoscale import AutoscaleConfig
+from tokenyard.fleet.launch import stop_processes, tokenyard_command
 from tokenyard.metrics import add_worker_metrics
-
-log = logging.getLogger(__name__)
 
 
 class Stack:
@@ -133,29 +130,20 @@ class Stack:
         self._supervisor = None
 
     def _worker_command(self) -> list[str]:
-        cmd = [
-            sys.executable, "-m", "tokenyard", "worker",
+        cmd = tokenyard_command(
+            "worker",
             "--broker", self.broker_url, "--prefix", self.prefix,
             "--model", self.model, "--engine", self.engine,
             "--drain-timeout-s", str(self.drain_timeout_s),
             "--log-format", self.log_format,
-        ]  # fmt: skip
+        )  # fmt: skip
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
         return cmd
 
     def stop(self) -> None:
         self._stop_supervisor()  # first, so it starts nothing while the workers drain
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.workers:
-            try:
-                proc.wait(self.drain_timeout_s + 15)
-            except subprocess.TimeoutExpired:
-                log.warning("worker %d did not drain in time; killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+        stop_processes(self.workers, self.drain_timeout_s + 15)  # SIGTERM: they drain
         self.workers.clear()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
