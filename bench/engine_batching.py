@@ -49,6 +49,7 @@ from tokenyard.broker.base import Broker
 from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.redis import RedisBroker
 from tokenyard.config import BrokerSettings
+from tokenyard.engines import EngineRequest
 from tokenyard.messages import (
     Finished,
     FinishReason,
@@ -225,7 +226,7 @@ async def run_direct(
         done = asyncio.get_running_loop().create_future()
         async with slots:
             waiting[seq_id] = (sample, done)
-            engine.add(seq_id, prompts[i % len(prompts)], params)
+            engine.add(EngineRequest(seq_id, prompts[i % len(prompts)], params))
             await done
         return sample
 

@@ -39,6 +39,7 @@ from transformers.utils import logging as hf_logging
 
 from tokenyard.engines.base import (
     EngineCapacity,
+    EngineRequest,
     EngineSeq,
     LocalEngine,
     open_seq,
@@ -48,7 +49,7 @@ from tokenyard.engines.detok import Delta
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.sampling import process_rows, sample_keys
 from tokenyard.errors import FatalError
-from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingManager
@@ -313,20 +314,11 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self.model = cast(CausalLM, loaded)
         return self.model
 
-    def _open(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int],
-    ) -> HFSeq:
+    def _open(self, request: EngineRequest) -> HFSeq:
         tok = self.tokenizer
         return open_seq(
             HFSeq,
-            seq_id,
-            prompt_token_ids,
-            params,
-            resume_token_ids,
+            request,
             decode=tok.decode,
             eos_token_ids=tok.eos_token_ids,
             model_limits=self.limits(),
@@ -515,16 +507,8 @@ class HFEngine(HFEngineBase):
             await asyncio.to_thread(manager.destroy)
         self._channel.close()
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
-        seq = self._open(seq_id, prompt_token_ids, params, resume_token_ids)
+    def add(self, request: EngineRequest) -> None:
+        seq = self._open(request)
         with self._lock:
             if not self._hold_locked(seq):
                 return

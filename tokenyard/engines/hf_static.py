@@ -7,7 +7,6 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -20,10 +19,10 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from tokenyard.engines.base import EngineCapacity, StepOutput
+from tokenyard.engines.base import EngineCapacity, EngineRequest, StepOutput
 from tokenyard.engines.hf import HFEngineBase, HFSeq
 from tokenyard.engines.sampling import process_rows, sample_keys
-from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason
 
 
 class _RowSampler(LogitsProcessor):
@@ -129,20 +128,12 @@ class HFStaticEngine(HFEngineBase):
         self._queue.clear()
         return super()._close_locked()
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
-        seq = self._open(seq_id, prompt_token_ids, params, resume_token_ids)
+    def add(self, request: EngineRequest) -> None:
+        seq = self._open(request)
         with self._cond:
             if self._hold_locked(seq):
                 self._queue.append(seq)
-                self._arrival[seq_id] = time.monotonic()
+                self._arrival[seq.seq_id] = time.monotonic()
                 self._cond.notify_all()
 
     def abort(self, seq_id: str) -> None:
