@@ -381,6 +381,18 @@ class LocalEngine(ChannelEngine, Generic[S]):
         self._deliver(left)
         self._channel.close()
 
+    def abort(self, seq_id: str) -> None:
+        with self._cond:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                return
+            self._abort_locked(seq)
+            self._deliver([seq.finish(FinishReason.CANCELLED)])
+
+    def _abort_locked(self, seq: S) -> None:
+        """Let an aborted sequence go: its slot and tokens are free once this returns."""
+        self._release_locked(seq)
+
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Every output of this engine passes here, in order (a hook for instrumentation)."""
         self._channel.deliver(outputs)

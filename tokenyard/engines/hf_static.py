@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 import torch
@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from tokenyard.engines.base import EngineCapacity, EngineRequest, StepOutput
-from tokenyard.engines.hf import HFEngineBase, HFSeq
+from tokenyard.engines.hf import HFEngineBase, HFLoadOptions, HFSeq
 from tokenyard.engines.sampling import process_rows, sample_keys
 from tokenyard.messages import EngineStats, FinishReason
 
@@ -83,25 +83,13 @@ class HFStaticEngine(HFEngineBase):
         self,
         model: str | os.PathLike[str] = "tiny",
         *,
-        device: str = "cpu",
-        dtype: str = "auto",
         batch_size: int = 8,
         batch_timeout_ms: float = 20.0,
         max_seqs: int | None = None,
         max_tokens: int | None = None,
-        attn_implementation: str = "sdpa",
-        seed: int = 0,
-        threads: int | None = None,
+        **load: Unpack[HFLoadOptions],
     ) -> None:
-        super().__init__(
-            model,
-            device=device,
-            dtype=dtype,
-            capacity=EngineCapacity(0, 0),
-            attn_implementation=attn_implementation,
-            seed=seed,
-            threads=threads,
-        )
+        super().__init__(model, **load)
         seqs = max_seqs if max_seqs is not None else 2 * batch_size
         # generate's cache grows with the batch: every sequence may use the whole context.
         budget = max_tokens if max_tokens is not None else seqs * self.tokenizer.max_model_len
@@ -136,18 +124,13 @@ class HFStaticEngine(HFEngineBase):
                 self._arrival[seq.seq_id] = time.monotonic()
                 self._cond.notify_all()
 
-    def abort(self, seq_id: str) -> None:
-        with self._cond:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                return
-            # A running row stops at the next step; its place in the batch stays used.
-            seq.aborted = True
-            self._release_locked(seq)
-            if seq in self._queue:
-                self._queue.remove(seq)
-            self._arrival.pop(seq_id, None)
-            self._deliver([seq.finish(FinishReason.CANCELLED)])
+    def _abort_locked(self, seq: HFSeq) -> None:
+        # A running row stops at the next step; its place in the batch stays used.
+        seq.aborted = True
+        self._release_locked(seq)
+        if seq in self._queue:
+            self._queue.remove(seq)
+        self._arrival.pop(seq.seq_id, None)
 
     def stats(self) -> EngineStats:
         with self._lock:

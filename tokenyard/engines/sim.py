@@ -169,13 +169,6 @@ class SimEngine(LocalEngine[_SimSeq]):
             if self._hold_locked(seq):
                 self._cond.notify_all()
 
-    def abort(self, seq_id: str) -> None:
-        with self._cond:
-            seq = self._seqs.get(seq_id)
-            if seq is None or not self._release_locked(seq):
-                return
-            self._deliver([seq.finish(FinishReason.CANCELLED)])
-
     def _loop(self) -> None:
         while True:
             with self._cond:
