@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import msgspec
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import Broker, connect
-from tokenyard.config import BrokerSettings, from_env
+from tokenyard.broker import Broker
+from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
 from tokenyard.messages import Priority
 from tokenyard.tenancy.admin import create_key, revoke_key
 from tokenyard.tenancy.limiter import check_period
@@ -22,27 +20,6 @@ from tokenyard.tenancy.records import TenantConfig
 keys_app = typer.Typer(no_args_is_help=True, help="API keys stored in the broker.")
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenants' tiers stored in the broker.")
 console = Console()
-
-BrokerOpt = Annotated[
-    str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
-]
-PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
-_T = TypeVar("_T")
-
-
-def _with_broker(
-    broker: str | None, prefix: str | None, job: Callable[[Broker], Awaitable[_T]]
-) -> _T:
-    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
-
-    async def run() -> _T:
-        active = connect(settings)
-        try:
-            return await job(active)
-        finally:
-            await active.close()
-
-    return asyncio.run(run())
 
 
 def _when(ts: float | None) -> str:
@@ -57,7 +34,7 @@ def keys_create(
     prefix: PrefixOpt = None,
 ) -> None:
     """Create a key and print it once: only its SHA-256 is stored."""
-    key, record = _with_broker(broker, prefix, lambda b: create_key(b, tenant, time.time(), label))
+    key, record = with_broker(broker, prefix, lambda b: create_key(b, tenant, time.time(), label))
     console.print(f"key id {record.key_id} for tenant {record.tenant}", highlight=False)
     # the key alone on stdout's last line, for scripts: `tokenyard keys create ... | tail -1`
     print(key)
@@ -70,7 +47,7 @@ def keys_list(
     prefix: PrefixOpt = None,
 ) -> None:
     """Keys by id (never the key itself): tenant, label, created, revoked."""
-    records = _with_broker(broker, prefix, lambda b: b.api_keys())
+    records = with_broker(broker, prefix, lambda b: b.api_keys())
     table = Table(title="API keys")
     for column in ("id", "tenant", "label", "created", "revoked"):
         table.add_column(column)
@@ -87,7 +64,7 @@ def keys_revoke(
     prefix: PrefixOpt = None,
 ) -> None:
     """Revoke a key; every gateway refuses it within its cache time (a second or two)."""
-    revoked = _with_broker(broker, prefix, lambda b: revoke_key(b, key_id, time.time()))
+    revoked = with_broker(broker, prefix, lambda b: revoke_key(b, key_id, time.time()))
     if revoked is None:
         console.print(f"no single active key matches {key_id!r}")
         raise typer.Exit(1)
@@ -161,7 +138,7 @@ def tenants_set(
         await b.put_tenant(config)
         return config
 
-    config = _with_broker(broker, prefix, job)
+    config = with_broker(broker, prefix, job)
     _print_tenants([config])
 
 
@@ -179,7 +156,7 @@ def tenants_show(
         one = await b.tenant(name)
         return [] if one is None else [one]
 
-    configs = _with_broker(broker, prefix, job)
+    configs = with_broker(broker, prefix, job)
     if name is not None and not configs:
         console.print(f"no tenant {name!r} (its keys act with the defaults: normal, not admin)")
         raise typer.Exit(1)
