@@ -92,11 +92,11 @@ def serve(
     auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
-        broker=settings if settings.url != "memory://" else None,
+        external=settings if settings.url != "memory://" else None,
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
-        workers=0 if auto else int(workers),
+        n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
         appendfsync=settings.appendfsync,
