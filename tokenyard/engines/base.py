@@ -273,25 +273,24 @@ def open_seq(
     **extra: Any,
 ) -> S:
     """Check a request against the model's limits (`InvalidRequest`) and build its sequence."""
-    seq_id, prompt_token_ids, params = request.seq_id, request.prompt_token_ids, request.params
-    resume_token_ids = request.resume_token_ids
+    seq_id, prompt, params = request.seq_id, request.prompt_token_ids, request.params
     if not seq_id:
         raise EngineError("seq_id must be non-empty")
-    limits.check(len(prompt_token_ids), params, model_limits)
+    limits.check(len(prompt), params, model_limits)
     decoder = SequenceDecoder(
         decode,
         params,
-        prompt_ids=prompt_token_ids,
+        prompt_ids=prompt,
         eos_token_ids=eos_token_ids,
-        resume_ids=resume_token_ids,
+        resume_ids=request.resume_token_ids,
     )
     noise_seed = None
     if not params.greedy:
         noise_seed = params.seed if params.seed is not None else default_seed(seq_id)
     return kind(
         seq_id=seq_id,
-        prompt_tokens=len(prompt_token_ids),
-        input_ids=[*prompt_token_ids, *resume_token_ids],
+        prompt_tokens=len(prompt),
+        input_ids=[*prompt, *request.resume_token_ids],
         params=params,
         decoder=decoder,
         noise_seed=noise_seed,
