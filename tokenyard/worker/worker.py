@@ -237,7 +237,7 @@ class Worker:
                     prompt_ids = encode(text)
                 else:
                     prompt_ids = await asyncio.to_thread(encode, text)
-            except Exception as exc:  # the tokenizer's errors have no class: any is the prompt's
+            except Exception as exc:  # tokenizers share no error class: any failure is the prompt's
                 failure = _failure(f"cannot tokenize the prompt: {exc}")
                 await self._settle(_Outcome(results=[(lease, failure)]))
                 return None
