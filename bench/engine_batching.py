@@ -45,6 +45,7 @@ from bench.common import percentile, proc_cpu_s
 from tokenyard.broker import Backend, connect
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings
+from tokenyard.engines import EngineRequest
 from tokenyard.messages import (
     Finished,
     FinishReason,
@@ -221,7 +222,7 @@ async def run_direct(
         done = asyncio.get_running_loop().create_future()
         async with slots:
             waiting[seq_id] = (sample, done)
-            engine.add(seq_id, prompts[i % len(prompts)], params)
+            engine.add(EngineRequest(seq_id, prompts[i % len(prompts)], params))
             await done
         return sample
 

@@ -36,6 +36,7 @@ from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
 from tokenyard.bench.workload import LengthDist, Workload
+from tokenyard.engines import EngineRequest
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 
@@ -122,7 +123,7 @@ async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
         tokens = 0
         while todo and live < c:
             i, ids = todo.pop(0)
-            engine.add(f"{tag}{i}", ids, params)
+            engine.add(EngineRequest(f"{tag}{i}", ids, params))
             live += 1
         start = time.perf_counter()
         while live:
@@ -132,7 +133,7 @@ async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
                     live -= 1
                     if todo:
                         i, ids = todo.pop(0)
-                        engine.add(f"{tag}{i}", ids, params)
+                        engine.add(EngineRequest(f"{tag}{i}", ids, params))
                         live += 1
         return tokens, time.perf_counter() - start
 

@@ -71,6 +71,7 @@ from tokenyard.bench.client import Endpoint, RequestOptions, chunk_text, send_re
 from tokenyard.bench.stats import summarize
 from tokenyard.bench.workload import LengthDist, RequestSpec, Workload
 from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.engines import EngineRequest
 from tokenyard.engines.base import StepOutput
 from tokenyard.engines.sim import SimEngine
 from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
@@ -166,9 +167,9 @@ class StampedSimEngine(SimEngine):
         super().__init__(**kwargs)
         self.stamps: dict[str, dict[str, float]] = {}
 
-    def add(self, seq_id: str, *args: Any, **kwargs: Any) -> None:
-        self.stamps[seq_id] = {"added": time.time()}
-        super().add(seq_id, *args, **kwargs)
+    def add(self, request: EngineRequest) -> None:
+        self.stamps[request.seq_id] = {"added": time.time()}
+        super().add(request)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         now = time.time()
@@ -241,7 +242,7 @@ class Direct:
         seq_id = f"direct-{spec.index}-{uuid.uuid4().hex[:6]}"
         prompt = engine.tokenizer.encode(spec.prompt)
         started = time.perf_counter()
-        engine.add(seq_id, prompt, self.params)
+        engine.add(EngineRequest(seq_id, prompt, self.params))
         first: float | None = None
         tokens = 0
         while True:

@@ -49,6 +49,7 @@ from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
 from tokenyard.bench.workload import LengthDist, Workload
 from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.engines import EngineRequest
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ async def offline_ceiling(opts: argparse.Namespace) -> dict[str, Any]:
             todo = list(enumerate(prompts))[::-1]
             for _ in range(min(len(todo), engine.capacity.max_seqs)):
                 i, prompt = todo.pop()
-                engine.add(f"{tag}{i}", prompt, params)
+                engine.add(EngineRequest(f"{tag}{i}", prompt, params))
             done = tokens = 0
             while done < n:
                 for out in await engine.outputs():
@@ -292,7 +293,7 @@ async def offline_ceiling(opts: argparse.Namespace) -> dict[str, Any]:
                         done += 1
                         if todo:
                             i, prompt = todo.pop()
-                            engine.add(f"{tag}{i}", prompt, params)
+                            engine.add(EngineRequest(f"{tag}{i}", prompt, params))
             return time.perf_counter() - started, tokens
 
         await batch(opts.concurrency, "warm")

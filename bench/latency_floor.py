@@ -153,6 +153,7 @@ async def serve_worker(url: str, key: str, engine_options: dict[str, Any]) -> No
 
 async def answer(engine: SimEngine, seq_id: str, request: dict[str, Any]) -> str:
     """Run one request on the engine as the bench's `Direct` does; its completion as JSON."""
+    from tokenyard.engines.base import EngineRequest
     from tokenyard.messages import SamplingParams
 
     params = SamplingParams(
@@ -160,7 +161,7 @@ async def answer(engine: SimEngine, seq_id: str, request: dict[str, Any]) -> str
         temperature=float(request.get("temperature", 1.0)),
         ignore_eos=bool(request.get("ignore_eos", False)),
     )
-    engine.add(seq_id, engine.tokenizer.encode(request["prompt"]), params)
+    engine.add(EngineRequest(seq_id, engine.tokenizer.encode(request["prompt"]), params))
     tokens: list[int] = []
     finish: str | None = None
     while finish is None:

@@ -1,8 +1,13 @@
-"""Exception taxonomy: user errors (the caller must change the request) vs system errors.
+"""Exception taxonomy: every error tokenyard raises on purpose, by who has to act on it.
 
-Raised where the problem is found; the HTTP edge (`gateway/errors.py`) maps each class to one
-OpenAI-shaped answer, and the worker turns `UserError` into a failed job, `EngineError` into a
-retry. Nothing else decides what an error means.
+- `UserError` (`InvalidRequest`, `NotFound`): the request is wrong. The HTTP edge
+  (`gateway/errors.py`) answers 400 / 404; the worker fails the job without a retry.
+- `QueueFull`: a lane is at its bound; the gateway answers 429, the caller backs off.
+- `BrokerUnavailable`: the broker cannot be reached; the gateway answers 503.
+- `EngineError` (`UpstreamError`): an engine could not take or run a sequence; the worker
+  retries the job, which is dead-lettered once its deliveries run out.
+- `FatalError`: misconfiguration or a broken invariant; the process stops.
+- `EngineClosed` is no failure: it ends an engine's outputs once the engine has stopped.
 """
 
 from __future__ import annotations
@@ -10,8 +15,6 @@ from __future__ import annotations
 
 class TokenyardError(Exception):
     """Base of every error tokenyard raises on purpose."""
-
-    retryable: bool = False
 
 
 class UserError(TokenyardError):
@@ -35,27 +38,32 @@ class NotFound(UserError):
 class QueueFull(TokenyardError):
     """The lane is at its bound; the caller should back off and retry."""
 
-    retryable = True
-
     def __init__(self, lane: str, depth: int, limit: int) -> None:
         super().__init__(f"lane {lane} is full ({depth} >= {limit} jobs)")
-        self.lane = lane
-        self.depth = depth
         self.limit = limit
 
 
-class SystemError_(TokenyardError):
-    """Something on our side failed; the job may be retried."""
-
-    retryable = True
+class BrokerUnavailable(TokenyardError):
+    """The broker did not answer (connection refused, reset or timed out)."""
 
 
-class BrokerUnavailable(SystemError_):
-    pass
+class EngineError(TokenyardError):
+    """An engine could not take a sequence (stopped, died, no room, a seq_id it holds) or failed
+    one it had taken; the job is retried, then dead-lettered."""
 
 
-class EngineError(SystemError_):
-    """The engine failed a sequence it had accepted; the job is retried, then dead-lettered."""
+class UpstreamError(EngineError):
+    """The remote engine's upstream refused or broke a request; `retry` says whether trying
+    again may help, `refused` that the upstream found the request itself wrong (a 4xx)."""
+
+    def __init__(self, message: str, *, retry: bool, refused: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+        self.refused = refused
+
+
+class EngineClosed(TokenyardError):
+    """Raised by `Engine.outputs()` once the engine has stopped and every output was delivered."""
 
 
 class FatalError(TokenyardError):

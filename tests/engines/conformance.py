@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.outputs import Result, collect
-from tokenyard.engines import Engine, StepOutput
+from tokenyard.engines import Engine, EngineRequest, StepOutput
 from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
@@ -76,7 +76,7 @@ def hf_reference(model_path: Path) -> Reference:
 
 
 async def run_one(s: Subject, seq_id: str, prompt: list[int], params: SamplingParams) -> Result:
-    s.engine.add(seq_id, prompt, params)
+    s.engine.add(EngineRequest(seq_id, prompt, params))
     return (await collect(s.engine, 1, s.timeout))[seq_id]
 
 
@@ -103,7 +103,7 @@ async def greedy_parity(s: Subject) -> None:
     tok = s.engine.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:SLOTS]]
     for i, p in enumerate(prompts):
-        s.engine.add(f"g{i}", p, greedy(24))
+        s.engine.add(EngineRequest(f"g{i}", p, greedy(24)))
     res = await collect(s.engine, len(prompts), s.timeout)
     for i, p in enumerate(prompts):
         r = res[f"g{i}"]
@@ -121,14 +121,14 @@ async def cancel_frees_capacity(s: Subject) -> None:
     prompt = tok.encode("long story")
     long = [f"long{i}" for i in range(SLOTS)]
     for seq_id in long:
-        s.engine.add(seq_id, prompt, greedy(s.long_tokens))
+        s.engine.add(EngineRequest(seq_id, prompt, greedy(s.long_tokens)))
     started: set[str] = set()
     async with asyncio.timeout(s.timeout):
         while started != set(long):
             started |= {o.seq_id for o in await s.engine.outputs() if o.token_ids}
     s.engine.abort(long[0])
     assert (await wait_for(s, long[0])).finish_reason is FinishReason.CANCELLED
-    s.engine.add("short", prompt, greedy(5))
+    s.engine.add(EngineRequest("short", prompt, greedy(5)))
     finished: dict[str, StepOutput] = {}
     async with asyncio.timeout(s.timeout):
         while "short" not in finished:
@@ -156,7 +156,7 @@ async def resume_parity(s: Subject) -> None:
     full = await run_one(s, "full", prompt, params)
     assert len(full.token_ids) == 30
     for k in (1, 11, 29):
-        s.engine.add(f"r{k}", prompt, params, resume_token_ids=full.token_ids[:k])
+        s.engine.add(EngineRequest(f"r{k}", prompt, params, resume_token_ids=full.token_ids[:k]))
         r = (await collect(s.engine, 1, s.timeout))[f"r{k}"]
         assert full.token_ids[:k] + r.token_ids == full.token_ids, f"k={k}"
         assert streamed_text(s, prompt, params, full.token_ids[:k]) + r.text == full.text
@@ -170,7 +170,7 @@ async def resume_already_complete(s: Subject) -> None:
     tok = s.engine.tokenizer
     prompt = tok.encode("hello")
     full = await run_one(s, "done-full", prompt, greedy(4))
-    s.engine.add("done-again", prompt, greedy(4), resume_token_ids=full.token_ids)
+    s.engine.add(EngineRequest("done-again", prompt, greedy(4), resume_token_ids=full.token_ids))
     r = (await collect(s.engine, 1, s.timeout))["done-again"]
     assert r.token_ids == []
     assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
@@ -183,16 +183,18 @@ async def refusals(s: Subject) -> None:
     limit = tok.max_model_len
     prompt = tok.encode("hello")
     with pytest.raises(InvalidRequest) as exc:
-        s.engine.add("too-long", [prompt[0]] * limit, greedy(1))
+        s.engine.add(EngineRequest("too-long", [prompt[0]] * limit, greedy(1)))
     assert exc.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequest):
-        s.engine.add("too-much", prompt, greedy(limit))
+        s.engine.add(EngineRequest("too-much", prompt, greedy(limit)))
     with pytest.raises(InvalidRequest):
-        s.engine.add("empty", [], greedy(4))
+        s.engine.add(EngineRequest("empty", [], greedy(4)))
     with pytest.raises(InvalidRequest):
-        s.engine.add("no-tokens", prompt, greedy(0))
+        s.engine.add(EngineRequest("no-tokens", prompt, greedy(0)))
     with pytest.raises(InvalidRequest):
-        s.engine.add("negative", prompt, SamplingParams(max_tokens=4, temperature=-1.0))
+        s.engine.add(
+            EngineRequest("negative", prompt, SamplingParams(max_tokens=4, temperature=-1.0))
+        )
     r = await run_one(s, "after", prompt, greedy(3))
     assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
 
@@ -224,7 +226,7 @@ async def stop_strings(s: Subject) -> None:
     assert r.text == expected
     assert r.finish.completion_tokens < 40
     # The first attempt stopped streaming inside the stop string; the resumed one completes it.
-    s.engine.add("stop-resumed", prompt, params, resume_token_ids=full.token_ids[:k])
+    s.engine.add(EngineRequest("stop-resumed", prompt, params, resume_token_ids=full.token_ids[:k]))
     r2 = (await collect(s.engine, 1, s.timeout))["stop-resumed"]
     assert r2.finish is not None and r2.finish.finish_reason is FinishReason.STOP
     assert streamed_text(s, prompt, params, full.token_ids[:k]) + r2.text == expected
@@ -237,7 +239,7 @@ async def seeds(s: Subject) -> None:
     for group in ([(0, 1), (1, 1)], [(2, 2)]):  # engines run what fits: two at a time
         for i, seed in group:
             params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
-            s.engine.add(f"seed{i}", prompt, params)
+            s.engine.add(EngineRequest(f"seed{i}", prompt, params))
         res.update(await collect(s.engine, len(group), s.timeout))
     assert res["seed0"].token_ids == res["seed1"].token_ids
     assert res["seed0"].token_ids != res["seed2"].token_ids

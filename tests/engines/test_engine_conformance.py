@@ -15,7 +15,7 @@ from tests.engines.conformance import (
     hf_reference,
 )
 from tests.engines.outputs import collect
-from tokenyard.engines import make_engine
+from tokenyard.engines import EngineRequest, make_engine
 from tokenyard.engines.sim import SimEngine
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def sim_reference() -> object:
         engine = fast_sim()
         await engine.start()
         try:
-            engine.add("ref", prompt, greedy(n))
+            engine.add(EngineRequest("ref", prompt, greedy(n)))
             return (await collect(engine, 1))["ref"].token_ids
         finally:
             await engine.stop()

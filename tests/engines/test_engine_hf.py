@@ -14,11 +14,11 @@ import torch
 from transformers import AutoConfig
 
 from tests.engines.outputs import collect
-from tokenyard.engines import EngineCapacity, EngineClosed, StepOutput, make_engine
+from tokenyard.engines import EngineCapacity, EngineRequest, StepOutput, make_engine
 from tokenyard.engines.hf import HFEngine, kv_bytes_per_token, plan_capacity
 from tokenyard.engines.hf_static import HFStaticEngine
 from tokenyard.engines.sampling import add_gumbel_noise, apply_temperature, apply_top_k_top_p
-from tokenyard.errors import EngineError, InvalidRequest
+from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
 PROMPTS = [
@@ -61,7 +61,7 @@ async def engine(tiny_model_path: Path) -> AsyncIterator[HFEngine]:
 async def test_greedy_matches_model_generate(engine: HFEngine) -> None:
     tok = engine.tokenizer
     for i, p in enumerate(PROMPTS):
-        engine.add(f"s{i}", tok.encode(p), greedy(24))
+        engine.add(EngineRequest(f"s{i}", tok.encode(p), greedy(24)))
     res = await collect(engine, len(PROMPTS))
     for i, p in enumerate(PROMPTS):
         r = res[f"s{i}"]
@@ -77,7 +77,7 @@ async def test_many_concurrent_sequences_are_batched(engine: HFEngine) -> None:
     tok = engine.tokenizer
     n = 24
     for i in range(n):
-        engine.add(f"c{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(8 + i))
+        engine.add(EngineRequest(f"c{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(8 + i)))
     res = await collect(engine, n)
     for i in range(n):
         r = res[f"c{i}"]
@@ -99,9 +99,9 @@ async def test_runs_max_seqs_in_one_step_and_refuses_more(tiny_model_path: Path)
     await eng.start()
     tok = eng.tokenizer
     for i in range(n):
-        eng.add(f"m{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(32))
+        eng.add(EngineRequest(f"m{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(32)))
     with pytest.raises(EngineError, match="full"):
-        eng.add("one-more", tok.encode("one too many"), greedy(4))
+        eng.add(EngineRequest("one-more", tok.encode("one too many"), greedy(4)))
     assert eng.stats().running == n
     res = await collect(eng, n)
     assert all(len(r.token_ids) == 32 for r in res.values())
@@ -120,14 +120,14 @@ async def test_refusals(engine: HFEngine) -> None:
     prompt = tok.encode("hello")
     context = engine.tokenizer.max_model_len
     with pytest.raises(InvalidRequest) as refused:
-        engine.add("long", prompt, greedy(context - len(prompt) + 1))
+        engine.add(EngineRequest("long", prompt, greedy(context - len(prompt) + 1)))
     assert refused.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequest):
-        engine.add("empty", [], greedy(4))
+        engine.add(EngineRequest("empty", [], greedy(4)))
     # The whole context fits; the same seq_id twice is the caller's bug.
-    engine.add("a", prompt, greedy(context - len(prompt)))
+    engine.add(EngineRequest("a", prompt, greedy(context - len(prompt))))
     with pytest.raises(EngineError, match="already"):
-        engine.add("a", prompt, greedy(3))
+        engine.add(EngineRequest("a", prompt, greedy(3)))
     assert engine.stats().reserved_tokens == context
     engine.abort("a")
     assert engine.stats().reserved_tokens == 0
@@ -139,16 +139,16 @@ async def test_abort_frees_a_slot(tiny_model_path: Path) -> None:
     await eng.start()
     tok = eng.tokenizer
     prompt = tok.encode("long story")
-    eng.add("a", prompt, greedy(1500))
-    eng.add("b", prompt, greedy(1500))
+    eng.add(EngineRequest("a", prompt, greedy(1500)))
+    eng.add(EngineRequest("b", prompt, greedy(1500)))
     with pytest.raises(EngineError):
-        eng.add("c", prompt, greedy(5))  # no slot: the scheduler must not have asked
+        eng.add(EngineRequest("c", prompt, greedy(5)))  # no slot: the scheduler must not have asked
     first = await eng.outputs()
     assert {o.seq_id for o in first} <= {"a", "b"}
     assert eng.stats().running == 2
     eng.abort("a")
     assert eng.stats().running == 1
-    eng.add("c", prompt, greedy(5))  # the slot is free at once
+    eng.add(EngineRequest("c", prompt, greedy(5)))  # the slot is free at once
     res: dict[str, list[StepOutput]] = {}
     async with asyncio.timeout(30):
         while not any(o.finish_reason for o in res.get("c", [])):
@@ -175,14 +175,14 @@ async def test_abort_frees_a_slot(tiny_model_path: Path) -> None:
 async def test_resume_continues_exactly(engine: HFEngine, params: SamplingParams) -> None:
     tok = engine.tokenizer
     prompt = tok.encode("Once upon a time")
-    engine.add("full", prompt, params)
+    engine.add(EngineRequest("full", prompt, params))
     full = (await collect(engine, 1))["full"]
     assert len(full.token_ids) == 30
     for k in (1, 11, 29):
         # Text the first attempt had streamed after k tokens (one token per step here).
         streamed = "".join(o.text for o in full.outputs[:k])
         assert sum(len(o.token_ids) for o in full.outputs[:k]) == k
-        engine.add(f"r{k}", prompt, params, resume_token_ids=full.token_ids[:k])
+        engine.add(EngineRequest(f"r{k}", prompt, params, resume_token_ids=full.token_ids[:k]))
         r = (await collect(engine, 1))[f"r{k}"]
         assert full.token_ids[:k] + r.token_ids == full.token_ids
         assert streamed + r.text == full.text
@@ -192,7 +192,11 @@ async def test_resume_continues_exactly(engine: HFEngine, params: SamplingParams
 async def test_seeded_sampling_is_reproducible_and_varies(engine: HFEngine) -> None:
     prompt = engine.tokenizer.encode("The queue holds")
     for i, seed in enumerate([1, 1, 2]):
-        engine.add(f"x{i}", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=seed))
+        engine.add(
+            EngineRequest(
+                f"x{i}", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
+            )
+        )
     res = await collect(engine, 3)
     assert res["x0"].token_ids == res["x1"].token_ids
     assert res["x0"].token_ids != res["x2"].token_ids
@@ -201,11 +205,11 @@ async def test_seeded_sampling_is_reproducible_and_varies(engine: HFEngine) -> N
 async def test_stop_string_is_not_emitted(engine: HFEngine) -> None:
     tok = engine.tokenizer
     prompt = tok.encode("def add(a, b):")
-    engine.add("full", prompt, greedy(40))
+    engine.add(EngineRequest("full", prompt, greedy(40)))
     text = (await collect(engine, 1))["full"].text
     start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
     stop = text[start : start + 3]
-    engine.add("stopped", prompt, greedy(40, stop=(stop, "never-appears")))
+    engine.add(EngineRequest("stopped", prompt, greedy(40, stop=(stop, "never-appears"))))
     r = (await collect(engine, 1))["stopped"]
     assert r.finish is not None and r.finish.finish_reason is FinishReason.STOP
     assert r.text == text[: text.find(stop)]
@@ -220,8 +224,8 @@ async def test_eos_stops_unless_ignored(engine: HFEngine) -> None:
     pos = next(i for i in range(3, 12) if ref[i] not in ref[:i])
     # Make the token greedy emits at `pos` the EOS, for both the manager and the decoder.
     tok.eos_token_ids = frozenset({ref[pos]})
-    engine.add("eos", prompt, SamplingParams(max_tokens=12, temperature=0.0))
-    engine.add("ignore", prompt, greedy(12))
+    engine.add(EngineRequest("eos", prompt, SamplingParams(max_tokens=12, temperature=0.0)))
+    engine.add(EngineRequest("ignore", prompt, greedy(12)))
     res = await collect(engine, 2)
     assert res["eos"].token_ids == ref[: pos + 1]
     assert res["eos"].finish is not None and res["eos"].finish.finish_reason is FinishReason.STOP
@@ -232,8 +236,8 @@ async def test_add_before_start_and_stop_closes(tiny_model_path: Path) -> None:
     eng = make_engine("hf", model=str(tiny_model_path), max_seqs=4, max_tokens=4096, threads=1)
     assert isinstance(eng, HFEngine)
     prompt = eng.tokenizer.encode("hello")
-    eng.add("early", prompt, greedy(3))
-    eng.add("forever", prompt, greedy(2000))
+    eng.add(EngineRequest("early", prompt, greedy(3)))
+    eng.add(EngineRequest("forever", prompt, greedy(2000)))
     await eng.start()
     res = await collect(eng, 1)
     assert res["early"].finish is not None
@@ -246,7 +250,7 @@ async def test_add_before_start_and_stop_closes(tiny_model_path: Path) -> None:
                     finals[out.seq_id] = out
     assert finals["forever"].finish_reason is FinishReason.ERROR
     with pytest.raises(EngineError, match="stopped"):
-        eng.add("late", prompt, greedy(3))
+        eng.add(EngineRequest("late", prompt, greedy(3)))
 
 
 async def test_static_micro_batches(tiny_model_path: Path) -> None:
@@ -257,12 +261,12 @@ async def test_static_micro_batches(tiny_model_path: Path) -> None:
     await eng.start()
     tok = eng.tokenizer
     for i in range(8):  # two batches' worth: its capacity
-        eng.add(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
+        eng.add(EngineRequest(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i)))
     with pytest.raises(EngineError):
-        eng.add("s8", tok.encode(PROMPTS[0]), greedy(6))
+        eng.add(EngineRequest("s8", tok.encode(PROMPTS[0]), greedy(6)))
     res = await collect(eng, 8)
     for i in (8, 9):
-        eng.add(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
+        eng.add(EngineRequest(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i)))
     res |= await collect(eng, 2)
     for i in range(10):
         r = res[f"s{i}"]
@@ -277,8 +281,8 @@ async def test_static_micro_batches(tiny_model_path: Path) -> None:
     # A lone request runs once the window expires, as a batch of one.
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    eng.add("alone", tok.encode("hi"), greedy(2, stop=("zzz",)))
-    eng.add("gone", tok.encode("hi"), greedy(2))
+    eng.add(EngineRequest("alone", tok.encode("hi"), greedy(2, stop=("zzz",))))
+    eng.add(EngineRequest("gone", tok.encode("hi"), greedy(2)))
     eng.abort("gone")
     res = await collect(eng, 2)
     assert loop.time() - t0 >= 0.04
@@ -295,8 +299,8 @@ async def test_static_and_continuous_sample_the_same(
     await static.start()
     prompt = engine.tokenizer.encode("Pack my box")
     params = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.95, seed=42, ignore_eos=True)
-    engine.add("x", prompt, params)
-    static.add("x", prompt, params)
+    engine.add(EngineRequest("x", prompt, params))
+    static.add(EngineRequest("x", prompt, params))
     a = (await collect(engine, 1))["x"]
     b = (await collect(static, 1))["x"]
     assert a.token_ids == b.token_ids
@@ -329,7 +333,7 @@ def test_sampling_ops() -> None:
 async def test_static_stop_ends_running_batch(tiny_model_path: Path) -> None:
     eng = HFStaticEngine(str(tiny_model_path), batch_size=2, batch_timeout_ms=1, threads=1)
     await eng.start()
-    eng.add("long", eng.tokenizer.encode("hello"), greedy(2000))
+    eng.add(EngineRequest("long", eng.tokenizer.encode("hello"), greedy(2000)))
     first = await eng.outputs()
     assert first[0].seq_id == "long" and first[0].finish_reason is None
     await asyncio.wait_for(eng.stop(), timeout=10)
@@ -346,7 +350,7 @@ async def test_bf16_runs(tiny_model_path: Path) -> None:
     eng = HFEngine(str(tiny_model_path), dtype="bf16", max_seqs=4, max_tokens=2048, threads=1)
     await eng.start()
     for i in range(3):
-        eng.add(f"b{i}", eng.tokenizer.encode(PROMPTS[i]), greedy(10))
+        eng.add(EngineRequest(f"b{i}", eng.tokenizer.encode(PROMPTS[i]), greedy(10)))
     res = await collect(eng, 3)
     assert all(len(r.token_ids) == 10 for r in res.values())
     await eng.stop()

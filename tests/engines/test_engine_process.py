@@ -13,9 +13,9 @@ import pytest
 import pytest_asyncio
 
 from tests.engines.outputs import collect
-from tokenyard.engines import EngineClosed, StepOutput, make_engine
+from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.process import ProcessEngine, make_engine_in_process
-from tokenyard.errors import EngineError, InvalidRequest
+from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
 # One child per engine kind for the module: spawning one costs seconds (torch import).
@@ -60,7 +60,7 @@ async def test_greedy_matches_in_thread_engine(
         tok = local.tokenizer
         for engine in (local, proc_engine):
             for i, p in enumerate(PROMPTS):
-                engine.add(f"g{i}", tok.encode(p), greedy(20))
+                engine.add(EngineRequest(f"g{i}", tok.encode(p), greedy(20)))
         want = await collect(local, len(PROMPTS))
         got = await collect(proc_engine, len(PROMPTS))
     finally:
@@ -81,7 +81,9 @@ async def test_sixteen_concurrent_sequences(proc_engine: ProcessEngine) -> None:
     tok = proc_engine.tokenizer
     before = proc_engine.stats()
     for i in range(16):
-        proc_engine.add(f"c{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
+        proc_engine.add(
+            EngineRequest(f"c{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), greedy(6 + i))
+        )
     res = await collect(proc_engine, 16)
     for i in range(16):
         r = res[f"c{i}"]
@@ -96,29 +98,31 @@ async def test_sixteen_concurrent_sequences(proc_engine: ProcessEngine) -> None:
 async def test_refusals_are_raised_in_the_parent(proc_engine: ProcessEngine) -> None:
     tok = proc_engine.tokenizer
     with pytest.raises(InvalidRequest, match="empty"):
-        proc_engine.add("e0", [], greedy(4))
+        proc_engine.add(EngineRequest("e0", [], greedy(4)))
     with pytest.raises(InvalidRequest) as refused:
-        proc_engine.add("e0", tok.encode("hi"), greedy(proc_engine.tokenizer.max_model_len))
+        proc_engine.add(
+            EngineRequest("e0", tok.encode("hi"), greedy(proc_engine.tokenizer.max_model_len))
+        )
     assert refused.value.code == "context_length_exceeded"
-    proc_engine.add("e1", tok.encode("hello"), greedy(3))
+    proc_engine.add(EngineRequest("e1", tok.encode("hello"), greedy(3)))
     with pytest.raises(EngineError, match="already in the engine"):
-        proc_engine.add("e1", tok.encode("hello"), greedy(3))
+        proc_engine.add(EngineRequest("e1", tok.encode("hello"), greedy(3)))
     assert proc_engine.stats().reserved_tokens == len(tok.encode("hello")) + 3
     assert (await collect(proc_engine, 1))["e1"].finish is not None
     # The parent accounts for the child's capacity: past it, add refuses at once.
     n = proc_engine.capacity.max_seqs
     for i in range(n):
-        proc_engine.add(f"f{i}", tok.encode("x"), greedy(2))
+        proc_engine.add(EngineRequest(f"f{i}", tok.encode("x"), greedy(2)))
     with pytest.raises(EngineError, match="full"):
-        proc_engine.add("one-more", tok.encode("x"), greedy(2))
+        proc_engine.add(EngineRequest("one-more", tok.encode("x"), greedy(2)))
     await collect(proc_engine, n)
     assert proc_engine.stats().running == 0
 
 
 async def test_abort(proc_engine: ProcessEngine) -> None:
     tok = proc_engine.tokenizer
-    proc_engine.add("long", tok.encode("long story"), greedy(2000))
-    proc_engine.add("short", tok.encode("short"), greedy(5))
+    proc_engine.add(EngineRequest("long", tok.encode("long story"), greedy(2000)))
+    proc_engine.add(EngineRequest("short", tok.encode("short"), greedy(5)))
     seen: dict[str, list[StepOutput]] = {}
     async with asyncio.timeout(30):
         while not any(o.token_ids for o in seen.get("long", [])):
@@ -144,10 +148,12 @@ async def test_abort(proc_engine: ProcessEngine) -> None:
 async def test_resume_continues_exactly(proc_engine: ProcessEngine) -> None:
     tok = proc_engine.tokenizer
     prompt = tok.encode("Once upon a time")
-    proc_engine.add("full", prompt, greedy(24))
+    proc_engine.add(EngineRequest("full", prompt, greedy(24)))
     full = (await collect(proc_engine, 1))["full"]
     for k in (1, 13, 24):
-        proc_engine.add(f"r{k}", prompt, greedy(24), resume_token_ids=full.token_ids[:k])
+        proc_engine.add(
+            EngineRequest(f"r{k}", prompt, greedy(24), resume_token_ids=full.token_ids[:k])
+        )
         r = (await collect(proc_engine, 1))[f"r{k}"]
         assert full.token_ids[:k] + r.token_ids == full.token_ids
         assert r.finish is not None and r.finish.completion_tokens == 24
@@ -160,9 +166,9 @@ async def test_killed_child_fails_running_sequences_then_closes(
     eng = make_engine_in_process(name, **options)
     assert isinstance(eng, ProcessEngine)
     tok = eng.tokenizer
-    eng.add("early", tok.encode("added before start"), greedy(2000))  # sent at start
+    eng.add(EngineRequest("early", tok.encode("added before start"), greedy(2000)))  # sent at start
     await eng.start()
-    eng.add("late", tok.encode("after start"), greedy(2000))
+    eng.add(EngineRequest("late", tok.encode("after start"), greedy(2000)))
     async with asyncio.timeout(30):
         while not any(o.token_ids for o in await eng.outputs()):
             pass
@@ -181,7 +187,7 @@ async def test_killed_child_fails_running_sequences_then_closes(
         assert out.error == "engine process died"
     assert eng.stats().running == 0
     with pytest.raises(EngineError, match="died"):
-        eng.add("after", tok.encode("x"), greedy(2))
+        eng.add(EngineRequest("after", tok.encode("x"), greedy(2)))
     async with asyncio.timeout(10):
         await eng.stop()
         with pytest.raises(EngineClosed):
@@ -195,7 +201,7 @@ async def test_stop_is_clean(kind: tuple[str, dict[str, Any]]) -> None:
     eng = ProcessEngine(name, options)
     await eng.start()
     tok = eng.tokenizer
-    eng.add("running", tok.encode("hello"), greedy(4000))
+    eng.add(EngineRequest("running", tok.encode("hello"), greedy(4000)))
     async with asyncio.timeout(10):
         while not any(o.token_ids for o in await eng.outputs()):
             pass
@@ -212,7 +218,7 @@ async def test_stop_is_clean(kind: tuple[str, dict[str, Any]]) -> None:
     assert last.finish_reason is FinishReason.ERROR and last.error == "engine stopped"
     await eng.stop()  # idempotent
     with pytest.raises(EngineError, match="stopped"):
-        eng.add("x", tok.encode("x"), greedy(2))
+        eng.add(EngineRequest("x", tok.encode("x"), greedy(2)))
 
 
 async def test_options_must_be_plain_data() -> None:

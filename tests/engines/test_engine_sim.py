@@ -9,9 +9,9 @@ import pytest
 
 from tests.engines.clock import VirtualClock
 from tests.engines.outputs import collect
-from tokenyard.engines import EngineClosed, StepOutput, make_engine
+from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.sim import SimEngine, SimTokenizer
-from tokenyard.errors import EngineError, InvalidRequest
+from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
 A, B, C, D = 0.5, 0.01, 0.1, 0.02  # prefill a + b·tokens, decode c + d·batch
@@ -38,8 +38,8 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 async def test_cost_model_on_virtual_clock(clock_engine: tuple[SimEngine, VirtualClock]) -> None:
     engine, clock = clock_engine
     # Added before start, so both start together in the first step.
-    engine.add("a", [5] * 10, SamplingParams(max_tokens=3, temperature=0.0))
-    engine.add("b", [6] * 20, SamplingParams(max_tokens=5, temperature=0.0))
+    engine.add(EngineRequest("a", [5] * 10, SamplingParams(max_tokens=3, temperature=0.0)))
+    engine.add(EngineRequest("b", [6] * 20, SamplingParams(max_tokens=5, temperature=0.0)))
     await engine.start()
     res = await collect(engine, 2)
     assert [len(res[k].token_ids) for k in "ab"] == [3, 5]
@@ -58,9 +58,9 @@ async def test_runs_what_it_is_given_and_refuses_beyond_capacity(
     engine, _ = clock_engine
     await engine.start()
     for i in range(4):
-        engine.add(f"s{i}", [7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0))
+        engine.add(EngineRequest(f"s{i}", [7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0)))
     with pytest.raises(EngineError, match="full"):
-        engine.add("s4", [7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0))
+        engine.add(EngineRequest("s4", [7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0)))
     assert engine.stats().running == 4
     res = await collect(engine, 4)
     for i in range(4):
@@ -72,7 +72,8 @@ async def test_runs_what_it_is_given_and_refuses_beyond_capacity(
     assert stats.mean_batch == 4  # all four stepped together from the first step
     assert stats.running == 0 and stats.reserved_tokens == 0
     assert stats.prefill_tokens == 12
-    engine.add("s4", [7, 8, 9], SamplingParams(max_tokens=2, temperature=0.0))  # room again
+    room_again = SamplingParams(max_tokens=2, temperature=0.0)
+    engine.add(EngineRequest("s4", [7, 8, 9], room_again))
     assert (await collect(engine, 1))["s4"].finish is not None
 
 
@@ -80,14 +81,15 @@ async def test_token_budget_is_capacity_and_context() -> None:
     clock = VirtualClock()
     engine = SimEngine(max_seqs=8, max_tokens=30, sleep=clock.sleep)
     assert engine.limits().context == 30
-    engine.add("s0", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))  # 15 tokens
-    engine.add("s1", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))
+    fifteen = SamplingParams(max_tokens=10, temperature=0.0)  # with the prompt: 15 tokens
+    engine.add(EngineRequest("s0", [4] * 5, fifteen))
+    engine.add(EngineRequest("s1", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0)))
     with pytest.raises(EngineError, match="tokens"):
-        engine.add("s2", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0))
+        engine.add(EngineRequest("s2", [4] * 5, SamplingParams(max_tokens=10, temperature=0.0)))
     assert engine.stats().reserved_tokens == 30
     # Longer than the whole budget: no engine of this size could ever run it.
     with pytest.raises(InvalidRequest) as refused:
-        engine.add("big", [4] * 25, SamplingParams(max_tokens=10))
+        engine.add(EngineRequest("big", [4] * 25, SamplingParams(max_tokens=10)))
     assert refused.value.code == "context_length_exceeded"
     await engine.start()
     await collect(engine, 2)
@@ -101,13 +103,15 @@ async def test_deterministic_tokens_and_exact_resume(
     await engine.start()
     prompt = engine.tokenizer.encode("resume me")
     sampled = SamplingParams(max_tokens=20, temperature=0.9, seed=11)
-    engine.add("g", prompt, GREEDY)
-    engine.add("s", prompt, sampled)
+    engine.add(EngineRequest("g", prompt, GREEDY))
+    engine.add(EngineRequest("s", prompt, sampled))
     full = await collect(engine, 2)
     assert full["g"].token_ids != full["s"].token_ids
     for k in (1, 7, 19):
-        engine.add(f"g{k}", prompt, GREEDY, resume_token_ids=full["g"].token_ids[:k])
-        engine.add(f"s{k}", prompt, sampled, resume_token_ids=full["s"].token_ids[:k])
+        engine.add(EngineRequest(f"g{k}", prompt, GREEDY, resume_token_ids=full["g"].token_ids[:k]))
+        engine.add(
+            EngineRequest(f"s{k}", prompt, sampled, resume_token_ids=full["s"].token_ids[:k])
+        )
         part = await collect(engine, 2)
         for name in ("g", "s"):
             r = part[f"{name}{k}"]
@@ -121,8 +125,8 @@ async def test_failure_marker_and_fail_rate() -> None:
     engine = SimEngine(sleep=clock.sleep, fail_marker="BOOM")
     await engine.start()
     tok = engine.tokenizer
-    engine.add("bad", tok.encode("please BOOM now"), GREEDY)
-    engine.add("good", tok.encode("fine"), GREEDY)
+    engine.add(EngineRequest("bad", tok.encode("please BOOM now"), GREEDY))
+    engine.add(EngineRequest("good", tok.encode("fine"), GREEDY))
     res = await collect(engine, 2)
     bad = res["bad"].finish
     assert bad is not None and bad.finish_reason is FinishReason.ERROR
@@ -135,7 +139,7 @@ async def test_failure_marker_and_fail_rate() -> None:
     for _ in range(2):  # a seeded RNG: the same failures twice
         engine = SimEngine(sleep=VirtualClock().sleep, fail_rate=0.05, seed=3)
         for i in range(8):
-            engine.add(f"s{i}", [9, 9], GREEDY)
+            engine.add(EngineRequest(f"s{i}", [9, 9], GREEDY))
         await engine.start()
         res = await collect(engine, 8)
         outcomes.append({k: r.finish.finish_reason for k, r in res.items() if r.finish})
@@ -149,16 +153,16 @@ async def test_abort_frees_slot() -> None:
     clock = VirtualClock()
     engine = SimEngine(max_seqs=1, sleep=clock.sleep)
     await engine.start()
-    engine.add("long", [5], SamplingParams(max_tokens=3000, temperature=0.0))
+    engine.add(EngineRequest("long", [5], SamplingParams(max_tokens=3000, temperature=0.0)))
     with pytest.raises(EngineError):
-        engine.add("short", [6], SamplingParams(max_tokens=2, temperature=0.0))
+        engine.add(EngineRequest("short", [6], SamplingParams(max_tokens=2, temperature=0.0)))
     first = await engine.outputs()
     assert [o.seq_id for o in first] == ["long"]
     assert engine.stats().running == 1
     engine.abort("long")
     engine.abort("nobody")  # unknown ids are ignored
     assert engine.stats().running == 0
-    engine.add("short", [6], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.add(EngineRequest("short", [6], SamplingParams(max_tokens=2, temperature=0.0)))
     res = await collect(engine, 2)
     assert res["long"].finish is not None
     assert res["long"].finish.finish_reason is FinishReason.CANCELLED
@@ -172,10 +176,14 @@ async def test_stop_strings_and_eos() -> None:
     engine = SimEngine(sleep=clock.sleep)
     await engine.start()
     prompt = engine.tokenizer.encode("tell me")
-    engine.add("full", prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    engine.add(EngineRequest("full", prompt, SamplingParams(max_tokens=40, temperature=0.0)))
     text = (await collect(engine, 1))["full"].text
     stop = text[12:15]
-    engine.add("stopped", prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=(stop,)))
+    engine.add(
+        EngineRequest(
+            "stopped", prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=(stop,))
+        )
+    )
     r = (await collect(engine, 1))["stopped"]
     assert r.finish is not None and r.finish.finish_reason is FinishReason.STOP
     assert r.text == text[: text.find(stop)]
@@ -183,8 +191,12 @@ async def test_stop_strings_and_eos() -> None:
 
     engine = SimEngine(sleep=VirtualClock().sleep, eos_rate=0.3)
     await engine.start()
-    engine.add("eos", prompt, SamplingParams(max_tokens=200, temperature=0.0))
-    engine.add("no-eos", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.add(EngineRequest("eos", prompt, SamplingParams(max_tokens=200, temperature=0.0)))
+    engine.add(
+        EngineRequest(
+            "no-eos", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        )
+    )
     res = await collect(engine, 2)
     eos = res["eos"]
     assert eos.finish is not None and eos.finish.finish_reason is FinishReason.STOP
@@ -200,7 +212,7 @@ async def test_real_time_default_sleep() -> None:
     await engine.start()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    engine.add("x", [4, 5], SamplingParams(max_tokens=10))
+    engine.add(EngineRequest("x", [4, 5], SamplingParams(max_tokens=10)))
     await collect(engine, 1)
     assert loop.time() - t0 >= 0.018
     await engine.stop()
@@ -210,8 +222,8 @@ async def test_stop_fails_running_and_closes() -> None:
     # Real (short) sleeps: "a" needs thousands of steps, so it is surely running at stop().
     engine = SimEngine(max_seqs=2, decode_base=0.002, prefill_base=0.0)
     await engine.start()
-    engine.add("a", [5], SamplingParams(max_tokens=4000, temperature=0.0))
-    engine.add("b", [5], SamplingParams(max_tokens=4000, temperature=0.0))
+    engine.add(EngineRequest("a", [5], SamplingParams(max_tokens=4000, temperature=0.0)))
+    engine.add(EngineRequest("b", [5], SamplingParams(max_tokens=4000, temperature=0.0)))
     await engine.outputs()
     await engine.stop()
     seen: dict[str, StepOutput] = {}
@@ -224,25 +236,25 @@ async def test_stop_fails_running_and_closes() -> None:
     with pytest.raises(EngineClosed):
         await engine.outputs()
     with pytest.raises(EngineError, match="stopped"):
-        engine.add("late", [5], GREEDY)
+        engine.add(EngineRequest("late", [5], GREEDY))
 
 
 async def test_request_validation_and_already_complete_resume() -> None:
     engine = SimEngine(sleep=VirtualClock().sleep, max_model_len=64, max_seqs=1)
     with pytest.raises(InvalidRequest):
-        engine.add("empty", [], GREEDY)
+        engine.add(EngineRequest("empty", [], GREEDY))
     with pytest.raises(InvalidRequest) as refused:
-        engine.add("long", [4] * 50, GREEDY)  # 50 + 20 > 64
+        engine.add(EngineRequest("long", [4] * 50, GREEDY))  # 50 + 20 > 64
     assert refused.value.code == "context_length_exceeded"
     assert "maximum context length is 64" in refused.value.message
     with pytest.raises(InvalidRequest, match="temperature"):
-        engine.add("hot", [4], SamplingParams(max_tokens=2, temperature=-1.0))
-    engine.add("dup", [4], GREEDY)
+        engine.add(EngineRequest("hot", [4], SamplingParams(max_tokens=2, temperature=-1.0)))
+    engine.add(EngineRequest("dup", [4], GREEDY))
     with pytest.raises(EngineError, match="already"):
-        engine.add("dup", [4], GREEDY)
+        engine.add(EngineRequest("dup", [4], GREEDY))
     # Resumed tokens that already reach max_tokens finish at once, even before start, and
     # take no capacity (the one slot is held by "dup").
-    engine.add("done", [4], SamplingParams(max_tokens=2), resume_token_ids=[70, 71])
+    engine.add(EngineRequest("done", [4], SamplingParams(max_tokens=2), resume_token_ids=[70, 71]))
     await engine.start()
     res = await collect(engine, 2)
     assert res["done"].finish is not None

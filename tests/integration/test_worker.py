@@ -11,6 +11,7 @@ from tests.conftest import BrokerFactory
 from tokenyard.broker import Backend
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import WorkerSettings
+from tokenyard.engines import EngineRequest
 from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import (
     Finished,
@@ -187,7 +188,7 @@ async def test_resumed_job_continues_after_streamed_tokens(
     direct = SimEngine(decode_base=0.0)
     await direct.start()
     prompt_ids = direct.tokenizer.encode("resume me")
-    direct.add("ref", prompt_ids, SamplingParams(max_tokens=30, temperature=0.0))
+    direct.add(EngineRequest("ref", prompt_ids, SamplingParams(max_tokens=30, temperature=0.0)))
     expected_ids: list[int] = []
     while len(expected_ids) < 30:
         expected_ids += [t for out in await direct.outputs() for t in out.token_ids]

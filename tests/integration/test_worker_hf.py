@@ -13,6 +13,7 @@ from tokenyard.broker import Backend, connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.engines import EngineRequest
 from tokenyard.engines.hf import HFEngine
 from tokenyard.messages import FinishReason, JobSpec, JobStatus, SamplingParams, TokenChunk
 from tokenyard.worker.worker import Worker
@@ -56,7 +57,9 @@ async def direct_greedy(prompt: str, max_tokens: int) -> tuple[list[int], str]:
     await engine.start()
     try:
         ids = engine.tokenizer.encode(prompt)
-        engine.add("direct", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        engine.add(
+            EngineRequest("direct", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        )
         tokens: list[int] = []
         text = ""
         while True:

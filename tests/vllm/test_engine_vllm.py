@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from tests.engines.conformance import CASE_IDS, CASES, SLOTS, Subject, greedy, hf_reference
 from tests.engines.outputs import collect
-from tokenyard.engines import make_engine
+from tokenyard.engines import EngineRequest, make_engine
 from tokenyard.engines.tiny import ensure_tiny_model
 from tokenyard.engines.vllm import VLLMEngine
 from tokenyard.errors import InvalidRequest
@@ -56,14 +56,14 @@ async def test_priority_orders_waiting_sequences(engine: VLLMEngine) -> None:
     tok = engine.tokenizer
     prompt = tok.encode("long story")
     for i in range(SLOTS):
-        engine.add(f"busy{i}", prompt, greedy(1500))
+        engine.add(EngineRequest(f"busy{i}", prompt, greedy(1500)))
     started: set[str] = set()
     async with asyncio.timeout(60):
         while len(started) < SLOTS:
             started |= {o.seq_id for o in await engine.outputs() if o.token_ids}
     # Both wait for a slot; the later but higher-priority one must get it first.
-    engine.add("low", prompt, greedy(4), priority=Priority.LOW)
-    engine.add("high", prompt, greedy(4), priority=Priority.HIGH)
+    engine.add(EngineRequest("low", prompt, greedy(4), priority=Priority.LOW))
+    engine.add(EngineRequest("high", prompt, greedy(4), priority=Priority.HIGH))
     await asyncio.sleep(0.5)
     engine.abort("busy0")
     order: list[str] = []
@@ -83,7 +83,7 @@ async def test_priority_orders_waiting_sequences(engine: VLLMEngine) -> None:
 async def test_values_vllm_refuses_are_invalid_requests(engine: VLLMEngine) -> None:
     prompt = engine.tokenizer.encode("hello")
     with pytest.raises(InvalidRequest, match="temperature"):
-        engine.add("hot", prompt, SamplingParams(max_tokens=4, temperature=2.5))
-    engine.add("ok", prompt, greedy(2))
+        engine.add(EngineRequest("hot", prompt, SamplingParams(max_tokens=4, temperature=2.5)))
+    engine.add(EngineRequest("ok", prompt, greedy(2)))
     r = (await collect(engine, 1))["ok"]
     assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH

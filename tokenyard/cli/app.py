@@ -13,12 +13,13 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import connect
+from tokenyard.broker import Backend
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app
+from tokenyard.cli.options import BrokerOpt, PrefixOpt, broker_settings, with_broker
 from tokenyard.config import (
     CONFIG_ENV,
     BrokerSettings,
@@ -35,10 +36,8 @@ from tokenyard.cli.tenants import keys_app, tenants_app
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
 
-BrokerOpt = Annotated[
-    str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
-]
-PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
+ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
+EngineOpt = Annotated[str | None, typer.Option(help="hf | hf-static | sim")]
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
 ]
@@ -60,18 +59,12 @@ def _options(
         os.environ[CONFIG_ENV] = str(config)
 
 
-def _broker_settings(
-    broker: str | None, prefix: str | None, lease_s: float | None = None
-) -> BrokerSettings:
-    return from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
-
-
 @app.command()
 def serve(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str | None, typer.Option(help="model path, or `tiny`")] = None,
-    engine: Annotated[str | None, typer.Option(help="hf | hf-static | sim")] = None,
+    model: ModelOpt = None,
+    engine: EngineOpt = None,
     host: Annotated[str | None, typer.Option(help="gateway address")] = None,
     port: Annotated[int | None, typer.Option(help="gateway port")] = None,
     workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
@@ -92,18 +85,18 @@ def serve(
     from tokenyard.fleet.serve import Stack
 
     setup_logging("INFO", log_format)
-    settings = _broker_settings(broker, prefix)
+    settings = broker_settings(broker, prefix)
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
     auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
-        broker=settings if settings.url != "memory://" else None,
+        external=settings if settings.url != "memory://" else None,
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
-        workers=0 if auto else int(workers),
+        n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
         appendfsync=settings.appendfsync,
@@ -185,7 +178,7 @@ def gateway(
     Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
     """
     setup_logging("INFO", log_format)
-    _run_gateway(_broker_settings(broker, prefix), _gateway_settings(model, engine, host, port))
+    _run_gateway(broker_settings(broker, prefix), _gateway_settings(model, engine, host, port))
 
 
 @app.command()
@@ -221,8 +214,8 @@ def submit(
 def worker(
     broker: BrokerOpt = None,
     prefix: PrefixOpt = None,
-    model: Annotated[str | None, typer.Option(help="model path, or `tiny`")] = None,
-    engine: Annotated[str | None, typer.Option(help="hf | hf-static | sim")] = None,
+    model: ModelOpt = None,
+    engine: EngineOpt = None,
     max_seqs: Annotated[int | None, typer.Option(help="sequences run at once")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
@@ -253,8 +246,8 @@ def worker(
         drain_timeout_s=drain_timeout_s,
         metrics_port=metrics_port,
     )
-    broker_settings = _broker_settings(broker, prefix, lease_s=lease_s)
-    asyncio.run(serve_worker(broker_settings, settings, consumer=consumer))
+    queue = broker_settings(broker, prefix, lease_s=lease_s)
+    asyncio.run(serve_worker(queue, settings, consumer=consumer))
 
 
 @app.command()
@@ -264,46 +257,42 @@ def status(
     model: Annotated[list[str] | None, typer.Option(help="models to show; default all")] = None,
 ) -> None:
     """Lanes, depths, oldest job and live workers, as tables."""
-    asyncio.run(_status(_broker_settings(broker, prefix), model or []))
+    with_broker(broker, prefix, lambda b: _status(b, model or []))
 
 
-async def _status(settings: BrokerSettings, models: list[str]) -> None:
-    broker = connect(settings)
-    try:
-        for name in models or await broker.queue.models():
-            stats = await broker.queue.stats(name)
-            lanes = Table(title=f"model {name}")
-            for column in ("lane", "waiting", "in flight", "oldest waiting"):
-                lanes.add_column(column, justify="right" if column != "lane" else "left")
-            for lane in stats.lanes:
-                age = lane.oldest_waiting_age_s
-                lanes.add_row(
-                    lane.priority.name.lower(),
-                    str(lane.waiting),
-                    str(lane.in_flight),
-                    "-" if age is None else f"{age:.1f}s",
-                )
-            console.print(lanes)
-            console.print(
-                f"delayed retries {stats.delayed} · dead letters {stats.dead_letters} · "
-                f"expired {stats.expired} · fenced completions {stats.fenced_completions}"
+async def _status(broker: Backend, models: list[str]) -> None:
+    for name in models or await broker.queue.models():
+        stats = await broker.queue.stats(name)
+        lanes = Table(title=f"model {name}")
+        for column in ("lane", "waiting", "in flight", "oldest waiting"):
+            lanes.add_column(column, justify="right" if column != "lane" else "left")
+        for lane in stats.lanes:
+            age = lane.oldest_waiting_age_s
+            lanes.add_row(
+                lane.priority.name.lower(),
+                str(lane.waiting),
+                str(lane.in_flight),
+                "-" if age is None else f"{age:.1f}s",
             )
-            workers = Table(title=f"live workers of {name}")
-            for column in ("consumer", "engine", "state", "slots", "tokens/s", "batch", "done"):
-                workers.add_column(column)
-            for info in await broker.registry.workers(name):
-                workers.add_row(
-                    info.consumer,
-                    info.engine,
-                    info.state,
-                    f"{info.slots_used}/{info.slots_total}",
-                    f"{info.tokens_per_s:.1f}",
-                    f"{info.mean_batch:.2f}",
-                    str(info.jobs_done),
-                )
-            console.print(workers)
-    finally:
-        await broker.close()
+        console.print(lanes)
+        console.print(
+            f"delayed retries {stats.delayed} · dead letters {stats.dead_letters} · "
+            f"expired {stats.expired} · fenced completions {stats.fenced_completions}"
+        )
+        workers = Table(title=f"live workers of {name}")
+        for column in ("consumer", "engine", "state", "slots", "tokens/s", "batch", "done"):
+            workers.add_column(column)
+        for info in await broker.registry.workers(name):
+            workers.add_row(
+                info.consumer,
+                info.engine,
+                info.state,
+                f"{info.slots_used}/{info.slots_total}",
+                f"{info.tokens_per_s:.1f}",
+                f"{info.mean_batch:.2f}",
+                str(info.jobs_done),
+            )
+        console.print(workers)
 
 
 app.command("bench")(bench)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from typing import Annotated
 
 import msgspec
 import typer
 
-from tokenyard.broker import connect
+from tokenyard.broker import Backend
 from tokenyard.broker.audit import parse_since
-from tokenyard.config import BrokerSettings, from_env
+from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
 
 
 def audit(
@@ -20,34 +19,25 @@ def audit(
     ],
     tenant: Annotated[str | None, typer.Option(help="only this tenant's jobs")] = None,
     model: Annotated[str | None, typer.Option(help="only this model's jobs")] = None,
-    broker: Annotated[
-        str | None, typer.Option(help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
-    ] = None,
-    prefix: Annotated[str | None, typer.Option(help="key prefix, to share one Redis")] = None,
+    broker: BrokerOpt = None,
+    prefix: PrefixOpt = None,
 ) -> None:
     """Write the audit trail (receipts and terminal states) as JSON lines, oldest first."""
     try:
         start = parse_since(since)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--since") from exc
-    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
-    asyncio.run(_export(settings, start, tenant, model))
+    with_broker(broker, prefix, lambda b: _export(b, start, tenant, model))
 
 
-async def _export(
-    settings: BrokerSettings, since: float, tenant: str | None, model: str | None
-) -> None:
+async def _export(broker: Backend, since: float, tenant: str | None, model: str | None) -> None:
     encoder = msgspec.json.Encoder()
     out = sys.stdout.buffer
-    active = connect(settings)
-    try:
-        cursor = None
-        while True:
-            cursor, entries = await active.audit.audit_entries(since, tenant, model, cursor=cursor)
-            for entry in entries:
-                out.write(encoder.encode(entry) + b"\n")
-            if cursor is None:
-                break
-        out.flush()
-    finally:
-        await active.close()
+    cursor = None
+    while True:
+        cursor, entries = await broker.audit.audit_entries(since, tenant, model, cursor=cursor)
+        for entry in entries:
+            out.write(encoder.encode(entry) + b"\n")
+        if cursor is None:
+            break
+    out.flush()

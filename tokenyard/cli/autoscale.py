@@ -12,7 +12,9 @@ from typing import Annotated
 import msgspec
 import typer
 
-from tokenyard.config import BrokerSettings, from_env
+from tokenyard.broker import Backend
+from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
+from tokenyard.config import from_env
 from tokenyard.errors import FatalError
 from tokenyard.fleet.autoscale import AutoscaleConfig
 
@@ -36,10 +38,8 @@ def autoscale_config(
 
 
 def autoscale(
-    broker: Annotated[
-        str | None, typer.Option("--broker", help="default: TOKENYARD_BROKER_URL")
-    ] = None,
-    prefix: Annotated[str | None, typer.Option(help="key prefix")] = None,
+    broker: BrokerOpt = None,
+    prefix: PrefixOpt = None,
     model: Annotated[list[str], typer.Option(help="models to size; repeat for several")] = [  # noqa: B006
         "tiny"
     ],
@@ -55,38 +55,30 @@ def autoscale(
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     config = autoscale_config("auto", min_workers, max_workers)
     assert config is not None
-    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
-    asyncio.run(_export(settings, model, config, host, port))
+    with_broker(broker, prefix, lambda b: _export(b, model, config, host, port))
 
 
 async def _export(
-    settings: BrokerSettings, models: list[str], config: AutoscaleConfig, host: str, port: int
+    broker: Backend, models: list[str], config: AutoscaleConfig, host: str, port: int
 ) -> None:
     from prometheus_client import start_http_server
 
-    from tokenyard.broker import connect
     from tokenyard.fleet.supervisor import AutoscaleMetrics, Supervisor
 
     metrics = AutoscaleMetrics()
     start_http_server(port, addr=host, registry=metrics.registry)
-    broker = connect(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await asyncio.gather(
-            *(Supervisor(broker, m, config, metrics=metrics).run(stop) for m in models)
-        )
-    finally:
-        await broker.close()
+    await asyncio.gather(
+        *(Supervisor(broker, m, config, metrics=metrics).run(stop) for m in models)
+    )
 
 
 def worker_ready(
-    broker: Annotated[
-        str | None, typer.Option("--broker", help="default: TOKENYARD_BROKER_URL")
-    ] = None,
-    prefix: Annotated[str | None, typer.Option(help="key prefix")] = None,
+    broker: BrokerOpt = None,
+    prefix: PrefixOpt = None,
     model: Annotated[
         str | None, typer.Option(help="default: TOKENYARD_WORKER_MODEL, else tiny")
     ] = None,
@@ -95,22 +87,17 @@ def worker_ready(
 
     The worker has no HTTP port; its heartbeat in the broker is what the gateway sees.
     """
-    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
     name = model or os.environ.get("TOKENYARD_WORKER_MODEL", "tiny")
-    raise typer.Exit(0 if asyncio.run(_worker_ready(settings, name)) else 1)
+    ready = with_broker(broker, prefix, lambda b: _worker_ready(b, name))
+    raise typer.Exit(0 if ready else 1)
 
 
-async def _worker_ready(settings: BrokerSettings, model: str) -> bool:
-    from tokenyard.broker import connect
-
-    broker = connect(settings)
+async def _worker_ready(broker: Backend, model: str) -> bool:
+    host = socket.gethostname()
     try:
-        host = socket.gethostname()
         return any(
             info.host == host and info.state == "running"
             for info in await broker.registry.workers(model)
         )
-    except Exception:
+    except Exception:  # a probe that cannot ask the broker, for whatever reason, says not ready
         return False
-    finally:
-        await broker.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
@@ -12,9 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import connect
 from tokenyard.broker.tables import Directory
-from tokenyard.config import BrokerSettings, from_env
+from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
 from tokenyard.messages import Priority
 from tokenyard.tenancy.admin import create_key, revoke_key
 from tokenyard.tenancy.limiter import check_period
@@ -23,27 +21,14 @@ from tokenyard.tenancy.records import TenantConfig
 keys_app = typer.Typer(no_args_is_help=True, help="API keys stored in the broker.")
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenants' tiers stored in the broker.")
 console = Console()
-
-BrokerOpt = Annotated[
-    str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
-]
-PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
 _T = TypeVar("_T")
 
 
 def _with_directory(
     broker: str | None, prefix: str | None, job: Callable[[Directory], Awaitable[_T]]
 ) -> _T:
-    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix)
-
-    async def run() -> _T:
-        active = connect(settings)
-        try:
-            return await job(active.directory)
-        finally:
-            await active.close()
-
-    return asyncio.run(run())
+    """Run `job` on the directory of the broker the options name."""
+    return with_broker(broker, prefix, lambda backend: job(backend.directory))
 
 
 def _when(ts: float | None) -> str:

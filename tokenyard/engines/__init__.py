@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tokenyard.engines.base import (
     Engine,
     EngineCapacity,
-    EngineClosed,
+    EngineRequest,
     EngineTokenizer,
     StepOutput,
 )
@@ -24,7 +24,7 @@ __all__ = [
     "ENGINE_NAMES",
     "Engine",
     "EngineCapacity",
-    "EngineClosed",
+    "EngineRequest",
     "EngineStats",
     "EngineTokenizer",
     "StepOutput",

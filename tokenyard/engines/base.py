@@ -21,8 +21,19 @@ import msgspec
 
 from tokenyard import limits
 from tokenyard.engines.detok import Delta, SequenceDecoder
-from tokenyard.errors import EngineError
+from tokenyard.errors import EngineClosed, EngineError
 from tokenyard.messages import EngineStats, FinishReason, ModelLimits, Priority, SamplingParams
+
+
+class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence to start: `resume_token_ids` continue an earlier attempt, and `priority`
+    (lower first) orders the sequences an engine with its own queue holds."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resume_token_ids: Sequence[int] = ()
+    priority: int = Priority.NORMAL
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
@@ -68,10 +79,6 @@ class EngineTokenizer(Protocol):
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
 
 
-class EngineClosed(RuntimeError):
-    """Raised by `outputs()` once the engine has stopped and every output was delivered."""
-
-
 class Engine(abc.ABC):
     """A model runtime that steps many sequences together in its own thread.
 
@@ -97,19 +104,9 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Stop the loop; sequences still running finish with ERROR ("engine stopped")."""
 
-    # Every engine repeats this signature (`duplicates` pairs them): it is the interface.
     @abc.abstractmethod
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
-        """Start a sequence from the next step (thread-safe); resume_token_ids continue an earlier
-        attempt. `priority` (lower first) orders sequences an engine with its own queue holds.
+    def add(self, request: EngineRequest) -> None:
+        """Start a sequence from the next step (thread-safe).
 
         Raises `InvalidRequest` when the request breaks the model's limits (`limits()`), and
         `EngineError` when it does not fit the free capacity, repeats a running seq_id, or the
@@ -268,10 +265,7 @@ S = TypeVar("S", bound=EngineSeq)
 
 def open_seq(
     kind: type[S],
-    seq_id: str,
-    prompt_token_ids: Sequence[int],
-    params: SamplingParams,
-    resume_token_ids: Sequence[int],
+    request: EngineRequest,
     *,
     decode: Callable[[Sequence[int]], str],
     eos_token_ids: Collection[int],
@@ -279,23 +273,24 @@ def open_seq(
     **extra: Any,
 ) -> S:
     """Check a request against the model's limits (`InvalidRequest`) and build its sequence."""
+    seq_id, prompt, params = request.seq_id, request.prompt_token_ids, request.params
     if not seq_id:
         raise EngineError("seq_id must be non-empty")
-    limits.check(len(prompt_token_ids), params, model_limits)
+    limits.check(len(prompt), params, model_limits)
     decoder = SequenceDecoder(
         decode,
         params,
-        prompt_ids=prompt_token_ids,
+        prompt_ids=prompt,
         eos_token_ids=eos_token_ids,
-        resume_ids=resume_token_ids,
+        resume_ids=request.resume_token_ids,
     )
     noise_seed = None
     if not params.greedy:
         noise_seed = params.seed if params.seed is not None else default_seed(seq_id)
     return kind(
         seq_id=seq_id,
-        prompt_tokens=len(prompt_token_ids),
-        input_ids=[*prompt_token_ids, *resume_token_ids],
+        prompt_tokens=len(prompt),
+        input_ids=[*prompt, *request.resume_token_ids],
         params=params,
         decoder=decoder,
         noise_seed=noise_seed,
@@ -384,6 +379,18 @@ class LocalEngine(ChannelEngine, Generic[S]):
             await asyncio.to_thread(self._thread.join)
         self._deliver(left)
         self._channel.close()
+
+    def abort(self, seq_id: str) -> None:
+        with self._cond:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                return
+            self._abort_locked(seq)
+            self._deliver([seq.finish(FinishReason.CANCELLED)])
+
+    def _abort_locked(self, seq: S) -> None:
+        """Let an aborted sequence go: its slot and tokens are free once this returns."""
+        self._release_locked(seq)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Every output of this engine passes here, in order (a hook for instrumentation)."""

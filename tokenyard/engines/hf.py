@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack, cast
 
 import torch
 from transformers import (
@@ -39,6 +39,7 @@ from transformers.utils import logging as hf_logging
 
 from tokenyard.engines.base import (
     EngineCapacity,
+    EngineRequest,
     EngineSeq,
     LocalEngine,
     open_seq,
@@ -48,7 +49,7 @@ from tokenyard.engines.detok import Delta
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.sampling import process_rows, sample_keys
 from tokenyard.errors import FatalError
-from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingManager
@@ -260,6 +261,16 @@ class HFSeq(EngineSeq):
     aborted: bool = False
 
 
+class HFLoadOptions(TypedDict, total=False):
+    """How a transformers engine loads its model: `HFEngineBase`'s keyword arguments."""
+
+    device: str
+    dtype: str
+    attn_implementation: str
+    seed: int
+    threads: int | None
+
+
 class HFEngineBase(LocalEngine[HFSeq]):
     """Model and tokenizer loading and request checks shared by both transformers engines."""
 
@@ -267,14 +278,13 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self,
         model: str | os.PathLike[str],
         *,
-        device: str,
-        dtype: str,
-        capacity: EngineCapacity,
-        attn_implementation: str,
-        seed: int,
-        threads: int | None,
+        device: str = "cpu",
+        dtype: str = "auto",
+        attn_implementation: str = "sdpa",
+        seed: int = 0,
+        threads: int | None = None,
     ) -> None:
-        super().__init__(capacity)
+        super().__init__(EngineCapacity(0, 0))  # each engine plans it once the model is known
         self.model_path = resolve_model_path(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -313,20 +323,11 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self.model = cast(CausalLM, loaded)
         return self.model
 
-    def _open(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int],
-    ) -> HFSeq:
+    def _open(self, request: EngineRequest) -> HFSeq:
         tok = self.tokenizer
         return open_seq(
             HFSeq,
-            seq_id,
-            prompt_token_ids,
-            params,
-            resume_token_ids,
+            request,
             decode=tok.decode,
             eos_token_ids=tok.eos_token_ids,
             model_limits=self.limits(),
@@ -353,8 +354,6 @@ class HFEngine(HFEngineBase):
         self,
         model: str | os.PathLike[str] = "tiny",
         *,
-        device: str = "cpu",
-        dtype: str = "auto",
         max_seqs: int | None = None,
         max_tokens: int | None = None,
         page_size: int | None = None,
@@ -362,19 +361,9 @@ class HFEngine(HFEngineBase):
         kv_cache_memory_fraction: float | None = None,
         cuda_graphs: bool = True,
         warmup: bool = True,
-        attn_implementation: str = "sdpa",
-        seed: int = 0,
-        threads: int | None = None,
+        **load: Unpack[HFLoadOptions],
     ) -> None:
-        super().__init__(
-            model,
-            device=device,
-            dtype=dtype,
-            capacity=EngineCapacity(0, 0),  # planned below, once the model's shape is known
-            attn_implementation=attn_implementation,
-            seed=seed,
-            threads=threads,
-        )
+        super().__init__(model, **load)
         cuda = self.device.type == "cuda"
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.page_size = page_size or (256 if cuda else 64)
@@ -515,16 +504,8 @@ class HFEngine(HFEngineBase):
             await asyncio.to_thread(manager.destroy)
         self._channel.close()
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
-        seq = self._open(seq_id, prompt_token_ids, params, resume_token_ids)
+    def add(self, request: EngineRequest) -> None:
+        seq = self._open(request)
         with self._lock:
             if not self._hold_locked(seq):
                 return
@@ -533,14 +514,9 @@ class HFEngine(HFEngineBase):
             else:
                 self._backlog.append(seq)
 
-    def abort(self, seq_id: str) -> None:
-        with self._lock:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                return
-            seq.aborted = True
-            self._finish_locked(seq, engine_done=False)
-            self._deliver([seq.finish(FinishReason.CANCELLED)])
+    def _abort_locked(self, seq: HFSeq) -> None:
+        seq.aborted = True
+        self._finish_locked(seq, engine_done=False)
 
     def stats(self) -> EngineStats:
         stats = super().stats()

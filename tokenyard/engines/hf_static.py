@@ -7,8 +7,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 import torch
@@ -20,10 +19,10 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from tokenyard.engines.base import EngineCapacity, StepOutput
-from tokenyard.engines.hf import HFEngineBase, HFSeq
+from tokenyard.engines.base import EngineCapacity, EngineRequest, StepOutput
+from tokenyard.engines.hf import HFEngineBase, HFLoadOptions, HFSeq
 from tokenyard.engines.sampling import process_rows, sample_keys
-from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason
 
 
 class _RowSampler(LogitsProcessor):
@@ -84,25 +83,13 @@ class HFStaticEngine(HFEngineBase):
         self,
         model: str | os.PathLike[str] = "tiny",
         *,
-        device: str = "cpu",
-        dtype: str = "auto",
         batch_size: int = 8,
         batch_timeout_ms: float = 20.0,
         max_seqs: int | None = None,
         max_tokens: int | None = None,
-        attn_implementation: str = "sdpa",
-        seed: int = 0,
-        threads: int | None = None,
+        **load: Unpack[HFLoadOptions],
     ) -> None:
-        super().__init__(
-            model,
-            device=device,
-            dtype=dtype,
-            capacity=EngineCapacity(0, 0),
-            attn_implementation=attn_implementation,
-            seed=seed,
-            threads=threads,
-        )
+        super().__init__(model, **load)
         seqs = max_seqs if max_seqs is not None else 2 * batch_size
         # generate's cache grows with the batch: every sequence may use the whole context.
         budget = max_tokens if max_tokens is not None else seqs * self.tokenizer.max_model_len
@@ -129,34 +116,21 @@ class HFStaticEngine(HFEngineBase):
         self._queue.clear()
         return super()._close_locked()
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
-        seq = self._open(seq_id, prompt_token_ids, params, resume_token_ids)
+    def add(self, request: EngineRequest) -> None:
+        seq = self._open(request)
         with self._cond:
             if self._hold_locked(seq):
                 self._queue.append(seq)
-                self._arrival[seq_id] = time.monotonic()
+                self._arrival[seq.seq_id] = time.monotonic()
                 self._cond.notify_all()
 
-    def abort(self, seq_id: str) -> None:
-        with self._cond:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                return
-            # A running row stops at the next step; its place in the batch stays used.
-            seq.aborted = True
-            self._release_locked(seq)
-            if seq in self._queue:
-                self._queue.remove(seq)
-            self._arrival.pop(seq_id, None)
-            self._deliver([seq.finish(FinishReason.CANCELLED)])
+    def _abort_locked(self, seq: HFSeq) -> None:
+        # A running row stops at the next step; its place in the batch stays used.
+        seq.aborted = True
+        self._release_locked(seq)
+        if seq in self._queue:
+            self._queue.remove(seq)
+        self._arrival.pop(seq.seq_id, None)
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -33,13 +33,13 @@ from tokenyard.engines.base import (
     ChannelEngine,
     Engine,
     EngineCapacity,
-    EngineClosed,
+    EngineRequest,
     EngineTokenizer,
     StepOutput,
     footprint,
 )
-from tokenyard.errors import EngineError
-from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
+from tokenyard.errors import EngineClosed, EngineError
+from tokenyard.messages import EngineStats, FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,7 @@ class _Init(msgspec.Struct, tag="init", array_like=True):
 
 
 class _Add(msgspec.Struct, tag="add", array_like=True):
-    seq_id: str
-    prompt: list[int]
-    params: SamplingParams
-    resume: list[int]
-    priority: int
+    request: EngineRequest
 
 
 class _Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -234,22 +230,13 @@ class ProcessEngine(ChannelEngine):
                 self._conn.close()
                 self._conn = None
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
+    def add(self, request: EngineRequest) -> None:
         # Refusals are raised here, synchronously, as the in-thread engines do.
+        seq_id, prompt_tokens = request.seq_id, len(request.prompt_token_ids)
         if not seq_id:
             raise EngineError("seq_id must be non-empty")
-        limits.check(len(prompt_token_ids), params, self.limits())
-        data = _encoder.encode(
-            _Add(seq_id, list(prompt_token_ids), params, list(resume_token_ids), priority)
-        )
+        limits.check(prompt_tokens, request.params, self.limits())
+        data = _encoder.encode(_Add(request))
         with self._lock:
             if self._stopping:
                 raise EngineError("engine is stopped")
@@ -257,9 +244,9 @@ class ProcessEngine(ChannelEngine):
                 raise EngineError(DIED)
             if seq_id in self._running:
                 raise EngineError(f"sequence {seq_id!r} is already in the engine")
-            self._ledger.take(seq_id, footprint(len(prompt_token_ids), params), self.capacity)
+            self._ledger.take(seq_id, footprint(prompt_tokens, request.params), self.capacity)
             # Registered before sending: if the child dies first, this one gets its ERROR too.
-            self._running[seq_id] = [len(prompt_token_ids), len(resume_token_ids)]
+            self._running[seq_id] = [prompt_tokens, len(request.resume_token_ids)]
         self._send(data)
 
     def abort(self, seq_id: str) -> None:
@@ -430,7 +417,7 @@ def _commands(
         while True:
             msg = _to_child.decode(conn.recv_bytes())
             if isinstance(msg, _Add):
-                _add(engine, msg, send)
+                _add(engine, msg.request, send)
             elif isinstance(msg, _Abort):
                 engine.abort(msg.seq_id)
             elif isinstance(msg, _Stop):
@@ -444,19 +431,19 @@ def _commands(
         os._exit(1)
 
 
-def _add(engine: Engine, msg: _Add, send: _Send) -> None:
+def _add(engine: Engine, request: EngineRequest, send: _Send) -> None:
     try:
-        engine.add(msg.seq_id, msg.prompt, msg.params, msg.resume, priority=msg.priority)
+        engine.add(request)
     except Exception as exc:
-        # The parent checked the request and the capacity, so this is the engine's failure:
-        # report it as the sequence's ERROR rather than losing it.
+        # The parent checked the request and the capacity, so this is the engine's failure
+        # (or a bug): report it as the sequence's ERROR rather than losing it.
         out = StepOutput(
-            msg.seq_id,
+            request.seq_id,
             [],
             "",
             FinishReason.ERROR,
-            len(msg.prompt),
-            len(msg.resume),
+            len(request.prompt_token_ids),
+            len(request.resume_token_ids),
             error=f"{type(exc).__name__}: {exc}",
         )
         send(_Batch([out], engine.stats()))

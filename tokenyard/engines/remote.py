@@ -20,18 +20,10 @@ import httpx
 from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.streams import StreamEngine, StreamSeq
+from tokenyard.errors import UpstreamError
 from tokenyard.messages import FinishReason
 
 log = logging.getLogger(__name__)
-
-
-class UpstreamError(Exception):
-    """The upstream refused or broke a request; `retry` says whether trying again may help."""
-
-    def __init__(self, message: str, *, retry: bool, refused: bool = False) -> None:
-        super().__init__(message)
-        self.retry = retry
-        self.refused = refused  # the upstream said the request is wrong (4xx)
 
 
 class RemoteEngine(StreamEngine):

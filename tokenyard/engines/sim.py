@@ -11,8 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenyard.engines.base import EngineCapacity, EngineSeq, LocalEngine, open_seq
-from tokenyard.messages import FinishReason, Priority, SamplingParams
+from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
+from tokenyard.messages import FinishReason
 
 # Generated text is drawn from lowercase letters and spaces so it stays readable ASCII.
 _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     ,."
@@ -147,24 +147,14 @@ class SimEngine(LocalEngine[_SimSeq]):
         self._thread = threading.Thread(target=self._loop, name="tokenyard-sim-engine", daemon=True)
         self._thread.start()
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
+    def add(self, request: EngineRequest) -> None:
         tok = self.tokenizer
+        prompt = request.prompt_token_ids
         digest = hashlib.blake2b(digest_size=16)
-        digest.update(b"".join(t.to_bytes(4, "little") for t in prompt_token_ids))
+        digest.update(b"".join(t.to_bytes(4, "little") for t in prompt))
         seq = open_seq(
             _SimSeq,
-            seq_id,
-            prompt_token_ids,
-            params,
-            resume_token_ids,
+            request,
             decode=tok.decode,
             eos_token_ids=(tok.EOS,),
             model_limits=self.limits(),
@@ -174,17 +164,10 @@ class SimEngine(LocalEngine[_SimSeq]):
         seq.key = digest.digest()
         seq.position = len(seq.input_ids)
         marker = self.fail_marker
-        seq.fail = bool(marker and marker in tok.decode(prompt_token_ids))
+        seq.fail = bool(marker and marker in tok.decode(prompt))
         with self._cond:
             if self._hold_locked(seq):
                 self._cond.notify_all()
-
-    def abort(self, seq_id: str) -> None:
-        with self._cond:
-            seq = self._seqs.get(seq_id)
-            if seq is None or not self._release_locked(seq):
-                return
-            self._deliver([seq.finish(FinishReason.CANCELLED)])
 
     def _loop(self) -> None:
         while True:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenyard import limits
-from tokenyard.engines.base import Engine, OutputChannel, StepOutput
+from tokenyard.engines.base import Engine, EngineRequest, OutputChannel, StepOutput
 from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
-from tokenyard.messages import EngineStats, FinishReason, Priority, SamplingParams
+from tokenyard.errors import EngineError
+from tokenyard.messages import EngineStats, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -112,25 +113,17 @@ class StreamEngine(Engine):
         await self.close_runtime()
         self._channel.close()
 
-    def add(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        resume_token_ids: Sequence[int] = (),
-        *,
-        priority: int = Priority.NORMAL,
-    ) -> None:
-        decoder = self.make_decoder(prompt_token_ids, params, resume_token_ids)
-        seq = StreamSeq(
-            seq_id, list(prompt_token_ids), params, decoder, int(priority), list(resume_token_ids)
-        )
+    def add(self, request: EngineRequest) -> None:
+        seq_id, prompt, params = request.seq_id, request.prompt_token_ids, request.params
+        decoder = self.make_decoder(prompt, params, request.resume_token_ids)
+        resumed = list(request.resume_token_ids)
+        seq = StreamSeq(seq_id, list(prompt), params, decoder, int(request.priority), resumed)
         seq.extra = self.prepare(seq)
         with self._lock:
             if self._stopping:
-                raise RuntimeError("engine is stopped")
+                raise EngineError("engine is stopped")
             if seq_id in self._seqs:
-                raise ValueError(f"sequence {seq_id!r} is already in the engine")
+                raise EngineError(f"sequence {seq_id!r} is already in the engine")
             self._seqs[seq_id] = seq
             loop = self._loop
             if loop is None:

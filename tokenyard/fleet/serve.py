@@ -9,8 +9,8 @@ import signal
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Literal, Self
 
 import msgspec
@@ -24,60 +24,48 @@ from tokenyard.fleet.launch import stop_processes, tokenyard_command
 from tokenyard.metrics import add_worker_metrics
 
 
+@dataclass(kw_only=True, eq=False)
 class Stack:
     """Starts what `serve` needs in order and stops it in reverse; workers drain on the way out."""
 
-    def __init__(
-        self,
-        *,
-        broker: BrokerSettings | None,
-        prefix: str,
-        model: str,
-        engine: str,
-        workers: int,
-        max_seqs: int | None,
-        data_dir: Path,
-        appendfsync: Literal["always", "everysec", "no"],
-        drain_timeout_s: float = 30.0,
-        autoscale: AutoscaleConfig | None = None,
-        log_format: str = "text",
-    ) -> None:
-        self._external = broker
-        self.prefix = prefix
-        self.model = model
-        self.engine = engine
-        self.n_workers = workers
-        self.max_seqs = max_seqs
-        self.data_dir = data_dir
-        self.appendfsync = appendfsync
-        self.drain_timeout_s = drain_timeout_s
-        self.server: EmbeddedServer | None = None
-        self.workers: list[subprocess.Popen[bytes]] = []
-        # --workers auto: a supervisor thread sizes `workers`; its gauges join the gateway's
-        self.autoscale = autoscale
-        self.registry = CollectorRegistry()
-        self._supervisor: threading.Thread | None = None
-        self._supervisor_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self.log_format = log_format
-        # workers write their metrics here (prometheus_client's multiprocess mode); `registry`,
-        # which the gateway's /metrics serves, reads them
-        self.metrics_dir: Path | None = None
-        self._worker_env: dict[str, str] | None = None
+    external: BrokerSettings | None  # a broker to use; None: a private Valkey in `data_dir`
+    prefix: str
+    model: str
+    engine: str
+    n_workers: int
+    max_seqs: int | None
+    data_dir: Path
+    appendfsync: Literal["always", "everysec", "no"]
+    drain_timeout_s: float = 30.0
+    # --workers auto: a supervisor thread sizes `workers`; its gauges join the gateway's
+    autoscale: AutoscaleConfig | None = None
+    log_format: str = "text"
+    server: EmbeddedServer | None = field(default=None, init=False)
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry, init=False)
+    # workers write their metrics here (prometheus_client's multiprocess mode); `registry`,
+    # which the gateway's /metrics serves, reads them
+    metrics_dir: Path | None = field(default=None, init=False)
+    _worker_env: dict[str, str] | None = field(default=None, init=False)
+    _supervisor: threading.Thread | None = field(default=None, init=False)
+    _supervisor_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = field(
+        default=None, init=False
+    )
 
     @property
     def broker_url(self) -> str:
-        if self._external is not None:
-            return self._external.url
+        if self.external is not None:
+            return self.external.url
         assert self.server is not None, "stack not started"
         return self.server.url
 
     @property
     def broker_settings(self) -> BrokerSettings:
-        base = self._external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
+        base = self.external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
         return msgspec.structs.replace(base, url=self.broker_url)
 
     def start(self) -> None:
-        if self._external is None:
+        if self.external is None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             # the data dir is kept: jobs accepted before a restart are still there after it
             self.server = EmbeddedServer(
@@ -160,10 +148,5 @@ class Stack:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -147,27 +148,22 @@ class LocalFleet:
                 proc.kill()
 
 
+@dataclass(eq=False)
 class Supervisor:
     """One model's autoscaling loop."""
 
-    def __init__(
-        self,
-        broker: FleetSource,
-        model: str,
-        config: AutoscaleConfig,
-        *,
-        fleet: LocalFleet | None = None,
-        metrics: AutoscaleMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.broker = broker
-        self.model = model
-        self.config = config
-        self.fleet = fleet
-        self.metrics = metrics
-        self.clock = clock
-        self.policy = Autoscaler(config, now=clock())
-        self.decisions: list[Decision] = []  # the actions taken, for tests and logs
+    broker: FleetSource
+    model: str
+    config: AutoscaleConfig
+    _: KW_ONLY
+    fleet: LocalFleet | None = None
+    metrics: AutoscaleMetrics | None = None
+    clock: Callable[[], float] = time.monotonic
+    policy: Autoscaler = field(init=False)
+    decisions: list[Decision] = field(default_factory=list, init=False)  # for tests and logs
+
+    def __post_init__(self) -> None:
+        self.policy = Autoscaler(self.config, now=self.clock())
 
     async def observe(self) -> tuple[Observation, list[WorkerInfo]]:
         stats = await self.broker.queue.stats(self.model)

@@ -22,8 +22,8 @@ from tokenyard.broker.core import Cancellation, Events, Lease, Leases
 from tokenyard.broker.policy import pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
-from tokenyard.engines.base import Engine, EngineClosed
-from tokenyard.errors import UserError
+from tokenyard.engines.base import Engine, EngineRequest
+from tokenyard.errors import EngineClosed, EngineError, UserError
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
     FinishReason,
@@ -175,6 +175,7 @@ class Worker:
             for task in pending:
                 log.error("%s did not stop; cancelling it", task.get_name())
                 task.cancel()
+            # best effort on the way out: the registry entry expires with its heartbeat anyway
             with contextlib.suppress(Exception):
                 await self.registry.deregister(self.model, self.consumer)
 
@@ -202,6 +203,8 @@ class Worker:
                     batch_room=batch_room,
                 )
             except Exception:
+                # any broker failure (unreachable, a failover's READONLY, a script error) is
+                # outlived: this worker claims again, and what was claimed comes back by lease
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(0.5)
                 continue
@@ -257,7 +260,7 @@ class Worker:
                     prompt_ids = encode(text)
                 else:
                     prompt_ids = await asyncio.to_thread(encode, text)
-            except Exception as exc:  # a prompt the tokenizer rejects is the caller's error
+            except Exception as exc:  # tokenizers share no error class: any failure is the prompt's
                 failure = _failure(f"cannot tokenize the prompt: {exc}")
                 await self._settle(_Outcome(results=[(lease, failure)]))
                 return None
@@ -266,7 +269,8 @@ class Worker:
             try:
                 await self._load_resumed_tokens(job)
             except Exception:
-                # the lease runs out and the job is redelivered; this worker goes on
+                # any broker failure: the lease runs out and the job is redelivered; this
+                # worker goes on
                 log.exception(
                     "reading %s's earlier tokens failed",
                     spec.id,
@@ -313,32 +317,46 @@ class Worker:
         for job in plan.done:
             outcome.finishing.append((job, FinishReason.LENGTH, None))
         for job in plan.start:
+            request = EngineRequest(
+                job.job_id,
+                job.prompt_ids,
+                job.params,
+                tuple(job.token_ids),
+                job.handle.spec.priority,
+            )
             try:
-                self.engine.add(
-                    job.job_id,
-                    job.prompt_ids,
-                    job.params,
-                    tuple(job.token_ids),
-                    priority=job.handle.spec.priority,
-                )
-            except UserError as exc:  # the engine's own check refused it: the job's outcome
-                self.scheduler.remove(job.job_id)
-                outcome.results.append((job.handle, _refused(exc)))
-                outcome.freed = True
+                self.engine.add(request)
+            except (UserError, EngineError) as exc:
+                self._not_taken(job, exc, outcome)
                 continue
-            except Exception as exc:  # an engine fault on one job must not stop the worker
+            except Exception as exc:  # a bug met on this one job: it is retried, the worker goes on
                 spec = job.handle.spec
                 log.exception(
-                    "the engine could not take %s",
+                    "the engine failed on %s",
                     job.job_id,
                     extra=job_fields(spec.id, spec.trace_context),
                 )
-                self.scheduler.remove(job.job_id)
-                outcome.failed.append((job, f"{type(exc).__name__}: {exc}"))
-                outcome.freed = True
+                self._not_taken(job, exc, outcome)
                 continue
             if self.spans is not None:
                 self.spans.started(job.job_id)
+
+    def _not_taken(self, job: Job[Lease], exc: Exception, outcome: _Outcome) -> None:
+        """A job the engine would not start: refused (UserError) it fails, else it is retried."""
+        self.scheduler.remove(job.job_id)
+        outcome.freed = True
+        if isinstance(exc, UserError):
+            outcome.results.append((job.handle, _refused(exc)))
+            return
+        if isinstance(exc, EngineError):  # stopped, died, out of room: the engine's own word
+            spec = job.handle.spec
+            log.warning(
+                "the engine could not take %s: %s",
+                job.job_id,
+                exc,
+                extra=job_fields(spec.id, spec.trace_context),
+            )
+        outcome.failed.append((job, f"{type(exc).__name__}: {exc}"))
 
     async def _settle(self, outcome: _Outcome, update: Update[Lease] | None = None) -> None:
         """Carry out the broker side of a step and of a scheduling pass, fewest round trips."""
@@ -417,7 +435,8 @@ class Worker:
                 await self._settle(outcome, update)
                 await self._check_cancellations()
             except Exception:
-                # a broker hiccup must not kill the loop; leases expire and jobs are redelivered
+                # a broker failure of any kind must not end the loop: leases expire and the
+                # jobs are redelivered
                 log.exception("publishing a step failed")
                 await asyncio.sleep(0.1)
 
@@ -492,6 +511,7 @@ class Worker:
                     await self.quotas.settle_finished()
                 await self._heartbeat()
             except Exception:
+                # a broker failure of any kind must not end upkeep: the next period tries again
                 log.exception("upkeep failed; retrying")
 
     async def _renew(self) -> None:

@@ -1,0 +1,41 @@
+"""What the commands that talk to the broker share: its two options and a connection per run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
+
+import typer
+
+from tokenyard.broker import Backend, connect
+from tokenyard.config import BrokerSettings, from_env
+
+BrokerOpt = Annotated[
+    str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
+]
+PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
+_T = TypeVar("_T")
+
+
+def broker_settings(
+    broker: str | None, prefix: str | None, lease_s: float | None = None
+) -> BrokerSettings:
+    """The flags, then TOKENYARD_BROKER_*, then the config file, then the defaults."""
+    return from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+
+
+def with_broker(
+    broker: str | None, prefix: str | None, job: Callable[[Backend], Awaitable[_T]]
+) -> _T:
+    """Run `job` on the broker the options name, connected for it and closed afterwards."""
+    settings = broker_settings(broker, prefix)
+
+    async def run() -> _T:
+        active = connect(settings)
+        try:
+            return await job(active)
+        finally:
+            await active.close()
+
+    return asyncio.run(run())
