@@ -17,11 +17,11 @@ from tokenyard.broker import connect
 from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.gateway import GatewaySettings, create_app
+from tokenyard.gateway import submit as submit_path
 from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.gateway.fast import FastRoutes
 from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware
-from tokenyard.gateway.routes import openai as openai_routes
 
 KEY = {"Authorization": "Bearer sk-acme"}
 OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0.0}
@@ -121,7 +121,7 @@ def test_an_unexpected_error_is_the_same_bare_500_either_way(
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("internals the client must not see")
 
-    monkeypatch.setattr(openai_routes, "admit", broken)
+    monkeypatch.setattr(submit_path, "admit", broken)
     answers = {}
     for fast, stack in stacks.items():
         with stack.client() as http:

@@ -1,9 +1,12 @@
 """Admission by estimated queue wait, over real HTTP: an unmeetable deadline is refused at
-submit, and overload is shed with 429 + Retry-After so admitted requests meet the SLO."""
+submit, overload is shed with 429 + Retry-After so admitted requests meet the SLO, and a
+batch line whose window the queue cannot meet waits instead of entering."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -19,18 +22,24 @@ STEP_S = 0.1  # one sim decode step
 MAX_TOKENS = 4  # a job: a prefill and a few steps, ~0.4-0.5 s
 SLOTS = 4
 SLO_S = 1.0
+BATCH_WINDOW_S = 2
 BODY = {"model": MODEL, "prompt": "hello", "max_tokens": MAX_TOKENS}
 
 
 @pytest.fixture(scope="module")
-def shedding_stack(valkey: EmbeddedServer) -> Iterator[Stack]:
-    """One slow sim worker (SLOTS at once); the gateway sheds past SLO_S of queue wait."""
+def shedding_stack(
+    valkey: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """One slow sim worker (SLOTS at once); the gateway sheds past SLO_S of queue wait.
+    Batches get a window of BATCH_WINDOW_S."""
     with run_stack(
         valkey,
         engines=[slow_engine(STEP_S)],
         worker_options={"max_seqs": SLOTS},
         queue_slo_s=SLO_S,
         cache=False,
+        files_dir=str(tmp_path_factory.mktemp("files")),
+        batch_window_s=BATCH_WINDOW_S,
     ) as stack:
         yield stack
 
@@ -48,6 +57,23 @@ async def _warm_up(client: httpx.AsyncClient) -> float:
         assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
         latencies.append(time.monotonic() - t0)
     return statistics.median(latencies)
+
+
+def _backlog(url: str) -> None:
+    """A backlog of ~5 s, seen by the gateway's next read of the lanes: async jobs with a far
+    deadline of their own (not held to the SLO), sent at once so a slow host does not drain it
+    while it is being built."""
+    far = time.time() + 120
+
+    async def send() -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/jobs", json={**BODY, "deadline": far}) for _ in range(48))
+            )
+        return [r.status_code for r in replies]
+
+    assert asyncio.run(send()) == [202] * 48
+    time.sleep(0.3)
 
 
 async def _warm_up_at(url: str) -> float:
@@ -110,19 +136,7 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_submit(shedding_stack: S
     client = openai.OpenAI(base_url=shedding_stack.url + "/v1", api_key="unused", max_retries=0)
     with httpx.Client(base_url=shedding_stack.url, timeout=30) as http:
         asyncio.run(_warm_up_at(shedding_stack.url))  # on its own too: a measured rate
-        # a backlog of ~5 s: async jobs with a far deadline of their own (not held to the SLO),
-        # sent at once so a slow host does not drain it while it is being built
-        far = time.time() + 120
-
-        async def backlog() -> list[int]:
-            async with httpx.AsyncClient(base_url=shedding_stack.url, timeout=30) as client:
-                replies = await asyncio.gather(
-                    *(client.post("/v1/jobs", json={**BODY, "deadline": far}) for _ in range(48))
-                )
-            return [r.status_code for r in replies]
-
-        assert asyncio.run(backlog()) == [202] * 48
-        time.sleep(0.3)  # the next read of the lanes sees them
+        _backlog(shedding_stack.url)
         with pytest.raises(openai.RateLimitError) as refused:
             client.completions.create(
                 model=MODEL,
@@ -143,3 +157,42 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_submit(shedding_stack: S
         # an already-expired deadline is still a 400 (never treated as most urgent)
         past = http.post("/v1/jobs", json={**BODY, "deadline": time.time() - 1})
         assert past.status_code == 400 and past.json()["error"]["param"] == "deadline"
+
+
+def test_a_batch_line_the_window_cannot_fit_waits_instead_of_entering(
+    shedding_stack: Stack,
+) -> None:
+    # the batch lane waits behind the whole ~5 s backlog: no line can start inside the window
+    client = openai.OpenAI(base_url=shedding_stack.url + "/v1", api_key="unused", max_retries=0)
+    queue, drained_by = shedding_stack.gateway_broker.queue, time.monotonic() + 30
+    # an earlier test's backlog would refuse the warm-up's calls (held to the SLO)
+    while not all(
+        r and r.status.terminal
+        for r in shedding_stack.call(queue.records(shedding_stack.job_ids()))
+    ):
+        assert time.monotonic() < drained_by
+        time.sleep(0.1)
+    asyncio.run(_warm_up_at(shedding_stack.url))
+    _backlog(shedding_stack.url)
+    before = len(shedding_stack.job_ids())
+    rows = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": BODY}
+        for i in range(4)
+    ]
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    up = client.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=up.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    end = time.monotonic() + 30
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < end, batch.status
+        time.sleep(0.05)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "expired"
+    # refused by the same rule as any request, and waited on rather than failed: every line
+    # expired, and none entered the queue to expire there
+    assert len(shedding_stack.job_ids()) == before
+    errors = client.files.content(batch.error_file_id or "").text.splitlines()
+    assert sorted(json.loads(e)["custom_id"] for e in errors) == [f"req-{i}" for i in range(4)]
+    assert {json.loads(e)["error"]["code"] for e in errors} == {"batch_expired"}

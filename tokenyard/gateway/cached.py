@@ -3,9 +3,8 @@ a cached answer rendered exactly as a fresh run's (JSON, or SSE replayed from th
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 
-from fastapi import Request
 from starlette.responses import Response
 
 from tokenyard.gateway import protocol
@@ -23,14 +22,15 @@ def cache_digest(
     state: GatewayState,
     spec: JobSpec,
     body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
-    request: Request,
+    headers: Mapping[str, str],
 ) -> str | None:
-    """The request's cache key, or None when it takes no part: not deterministic, opted out,
-    both features off, or the model's revision is not known (no worker, or a rollout)."""
+    """The request's cache key, or None when it takes no part: not deterministic, opted out
+    (in the body, or by the request `headers`' Cache-Control), both features off, or the
+    model's revision is not known (no worker, or a rollout)."""
     settings = state.settings
     if not (settings.cache or settings.collapse) or body.cache is False:
         return None
-    control = request.headers.get("cache-control", "").lower()
+    control = headers.get("cache-control", "").lower()
     if any(word in control for word in _OPT_OUT):
         return None
     if not deterministic(spec.sampling) or spec.prompt_token_ids is None:

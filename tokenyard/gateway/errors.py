@@ -64,6 +64,14 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class RateLimited(ApiError):
+    """429 for now: the tenant's quota or the queue's estimated wait refused the request, and
+    the same request may pass later (a batch line waits a tick on it instead of failing)."""
+
+    def __init__(self, message: str, *, code: str, headers: Mapping[str, str]) -> None:
+        super().__init__(429, message, code=code, headers=headers)
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -157,10 +165,14 @@ async def _broker_down(request: Request, exc: Exception) -> Response:
     )
 
 
+def status_of(exc: UserError) -> int:
+    """The HTTP status of a wrong request: 404 for what does not exist, else 400."""
+    return 404 if isinstance(exc, NotFound) else 400
+
+
 def _of_user_error(exc: UserError) -> ApiError:
-    status = 404 if isinstance(exc, NotFound) else 400
     return ApiError(
-        status, exc.message, param=exc.param, code=exc.code, type_="invalid_request_error"
+        status_of(exc), exc.message, param=exc.param, code=exc.code, type_="invalid_request_error"
     )
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from tokenyard.broker.core import Cancellation, CancelOutcome
+from tokenyard.broker.core import Cancellation, CancelOutcome, EnqueueResult
 from tokenyard.errors import BrokerUnavailable, NotFound
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.events import Events
@@ -183,10 +183,11 @@ class LiveCall:
         self.on_result: Callable[[JobResult], None] | None = None
 
     @classmethod
-    async def start(cls, state: GatewayState, spec: JobSpec, started: float) -> LiveCall:
-        """Enqueue a job for a caller who follows it (or join an identical one in flight);
-        it is cancelled if they leave and no other caller follows it."""
-        entered = await state.enqueuer.submit(spec, live=True)
+    def following(
+        cls, state: GatewayState, spec: JobSpec, entered: EnqueueResult, started: float
+    ) -> LiveCall:
+        """The call of a caller whose job just entered the queue (or who joined an identical
+        one in flight); the job is cancelled if they leave and no other caller follows it."""
         state.abandonment.own(entered.job_id)
         timer = CallTimer(state.metrics, spec.model, started=started)
         call = cls(state, entered.job_id, spec.model, timer=timer, fresh=entered.created)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenyard.broker.tables import Settlement
 from tokenyard.gateway.auth import Tenant
-from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.errors import RateLimited
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import JobSpec
 from tokenyard.tenancy import limiter
@@ -36,8 +36,7 @@ async def reserve(state: GatewayState, tenant: Tenant, spec: JobSpec) -> dict[st
     headers = limiter.headers(decision)
     if not decision.admitted:
         state.metrics.rejections.labels(f"quota_{decision.reason}").inc()
-        raise ApiError(
-            429,
+        raise RateLimited(
             f"{_MESSAGES.get(decision.reason, 'Rate limit reached')} for tenant {tenant.name}",
             code="rate_limit_exceeded",
             headers=headers,

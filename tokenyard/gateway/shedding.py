@@ -22,7 +22,7 @@ from tokenyard.gateway.admission_wait import (
     refusal,
     with_admitted,
 )
-from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.errors import RateLimited
 from tokenyard.messages import JobSpec
 
 if TYPE_CHECKING:  # the state holds a QueueWaits
@@ -137,7 +137,7 @@ async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool) -> No
     raise _error(refused, spec, now, slo)
 
 
-def _error(refused: Refusal, spec: JobSpec, now: float, slo: float | None) -> ApiError:
+def _error(refused: Refusal, spec: JobSpec, now: float, slo: float | None) -> RateLimited:
     code, why = _REASONS[refused.reason]
     left = (spec.deadline or now) - now
     message = (
@@ -148,4 +148,4 @@ def _error(refused: Refusal, spec: JobSpec, now: float, slo: float | None) -> Ap
     headers = {}
     if refused.retry_after_s is not None:
         headers["Retry-After"] = str(refused.retry_after_s)
-    return ApiError(429, message, code=code, headers=headers)
+    return RateLimited(message, code=code, headers=headers)

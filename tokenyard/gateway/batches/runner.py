@@ -1,5 +1,6 @@
 """Drives batches on the queue: validate the input, submit each request as a BATCH-lane job
-through the normal admission path (bounded in flight), collect outcomes, write the outputs.
+through the one admission path (`gateway/submit.py`, bounded in flight), collect outcomes,
+write the outputs.
 
 Any gateway may run a batch; a lease in the broker makes one drive it at a time, and another
 takes over when it lapses. Everything a runner needs to resume is in the broker: the record
@@ -22,14 +23,14 @@ import anyio
 import msgspec
 
 from tokenyard.broker.tables import BatchStore
-from tokenyard.errors import QueueFull, UserError
-from tokenyard.gateway import protocol, quota
-from tokenyard.gateway.admission import admit
+from tokenyard.errors import UserError
+from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.batches.files import FileStore, new_file_id
 from tokenyard.gateway.batches.validate import BatchLine, parse_lines
-from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.errors import status_of
 from tokenyard.gateway.state import GatewayState
+from tokenyard.gateway.submit import RETRY_LATER, Later, submit
 from tokenyard.messages import BatchRecord, BatchStatus, JobRecord, JobStatus, LineError, Priority
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,8 @@ class _Drive:
 
     async def _tenant(self, name: str) -> Tenant:
         """The batch's tenant as the broker's directory has it now (quota, fair-share weight),
-        in the batch lane."""
+        in the batch lane: a request may lower its priority below its tenant's, never raise
+        it, and no lane is below the batch lane, so every line runs in it."""
         config = await self.r.state.backend.directory.tenant(name)
         if config is None:
             return Tenant(name, Priority.BATCH)
@@ -209,26 +211,18 @@ class _Drive:
         placed: dict[int, str] = {}
         advanced = start
         for i, outcome in zip(range(start, stop), outcomes, strict=True):
-            if isinstance(outcome, QueueFull) or (
-                isinstance(outcome, ApiError) and outcome.status == 429
-            ):
-                break  # a full lane or the tenant's quota: this line and the rest wait a tick
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, UserError):
-                    placed[i] = (
-                        _ADMISSION_ERROR
-                        + msgspec.json.encode(
-                            _AdmissionError(
-                                400 if type(outcome).__name__ != "NotFound" else 404,
-                                outcome.code,
-                                outcome.message,
-                                outcome.param,
-                            )
-                        ).decode()
-                    )
-                else:
-                    log.warning("batch %s line %d: enqueue failed", self.id, i, exc_info=outcome)
-                    break
+            if isinstance(outcome, RETRY_LATER):
+                # a full lane, the tenant's quota or the queue's wait: this line and the rest
+                # wait a tick (a job a later line made meanwhile is found again by its key)
+                break
+            if isinstance(outcome, UserError):
+                refusal = _AdmissionError(
+                    status_of(outcome), outcome.code, outcome.message, outcome.param
+                )
+                placed[i] = _ADMISSION_ERROR + msgspec.json.encode(refusal).decode()
+            elif isinstance(outcome, BaseException):
+                log.warning("batch %s line %d: enqueue failed", self.id, i, exc_info=outcome)
+                break
             else:
                 placed[i] = outcome
                 pending[i] = outcome
@@ -242,32 +236,17 @@ class _Drive:
             await self.store.save(rec)
 
     async def _admit_one(self, rec: BatchRecord, line: BatchLine, tenant: Tenant) -> str:
-        state = self.r.state
+        """Submit one line as any request is (quota, queue wait, lane bound), in the batch's
+        window; its job id."""
         body: Any = protocol.parse(
             protocol.ChatCompletionRequest if line.kind == "chat" else protocol.CompletionRequest,
             line.body,
         )
         body.deadline = float(rec.expires_at)
-        spec = await admit(
-            state,
-            line.kind,
-            body,
-            tenant,
-            live=False,
-            idempotency_key=idempotency_key(rec.id, line.custom_id),
-        )
-        spec.priority = Priority.BATCH  # whatever the line asked for, batches use their lane
-        spec.stream = False  # nobody follows a batch request's tokens: only its result
-        # the tenant's quota applies to batch work as to any request (429: wait and retry)
-        await quota.reserve(state, tenant, spec)
-        try:
-            outcome = await state.enqueuer.submit(spec)
-        except QueueFull:
-            await quota.refund(state, spec)
-            raise
-        if not outcome.created:
-            await quota.refund(state, spec)  # a resubmit: the job it found holds its own
-        return outcome.job_id
+        # nobody follows a batch line's tokens: the runner reads only its result
+        how = Later(idempotency_key(rec.id, line.custom_id), tokens=False)
+        queued = await submit(self.r.state, line.kind, body, tenant, how)
+        return queued.job_id
 
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())

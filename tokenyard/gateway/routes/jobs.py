@@ -12,15 +12,15 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.broker import is_job_id
 from tokenyard.broker.core import CancelOutcome
-from tokenyard.errors import InvalidRequest, NotFound, QueueFull
-from tokenyard.gateway import protocol, quota, shedding
-from tokenyard.gateway.admission import admit
+from tokenyard.errors import InvalidRequest, NotFound
+from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.gateway.streaming import JobRenderer, OpenAIRenderer, Renderer, last_event_id
+from tokenyard.gateway.submit import Later, submit
 from tokenyard.messages import JobRecord, JobSpec
 
 router = APIRouter()
@@ -89,34 +89,23 @@ async def submit_job(request: Request, tenant: Tenant, idempotency_key: str | No
             "'stream' is not allowed here; follow GET /v1/jobs/{id}/events", param="stream"
         )
     with tracing.server_span("POST /v1/jobs", request.headers):
-        with tracing.span("tokenyard.admission"):
-            spec = await admit(
-                state, kind, body, tenant, live=False, idempotency_key=idempotency_key
-            )
-            await shedding.check(state, spec, own_deadline=body.deadline is not None)
-            limits = await quota.reserve(state, tenant, spec)
-        tracing.carry(spec, request.headers)
-        with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
-            try:
-                outcome = await state.enqueuer.submit(spec)
-            except QueueFull:
-                await quota.refund(state, spec)
-                raise
-    headers = {"Location": f"/v1/jobs/{outcome.job_id}", **limits}
-    if not outcome.created:
-        await quota.refund(state, spec)  # a replay: the job it names holds its own reservation
-    if outcome.created:
+        how = Later(idempotency_key, request.headers)
+        queued = await submit(state, kind, body, tenant, how)
+    headers = {"Location": f"/v1/jobs/{queued.job_id}", **queued.headers}
+    if queued.created:
         # the job was queued just now: its answer needs no read of the record
-        return FastJSONResponse(protocol.queued_job_body(spec), status_code=202, headers=headers)
-    existing = await state.backend.queue.record(outcome.job_id)
-    if existing is not None and not _same_request(existing.spec, spec):
+        return FastJSONResponse(
+            protocol.queued_job_body(queued.spec), status_code=202, headers=headers
+        )
+    existing = await state.backend.queue.record(queued.job_id)
+    if existing is not None and not _same_request(existing.spec, queued.spec):
         raise ApiError(
             409,
             "This Idempotency-Key was already used with a different request",
             param="Idempotency-Key",
             code="idempotency_key_reused",
         )
-    view = protocol.job_body(outcome.job_id, existing) if existing else {"id": outcome.job_id}
+    view = protocol.job_body(queued.job_id, existing) if existing else {"id": queued.job_id}
     return FastJSONResponse(
         view, status_code=200, headers={**headers, "Idempotent-Replayed": "true"}
     )

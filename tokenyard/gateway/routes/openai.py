@@ -9,16 +9,13 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenyard import tracing
-from tokenyard.errors import QueueFull
-from tokenyard.gateway import protocol, quota, shedding
-from tokenyard.gateway.admission import admit
+from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
-from tokenyard.gateway.cache import collapse_key
-from tokenyard.gateway.cached import CACHE_HEADER, cache_digest, cached_response
-from tokenyard.gateway.live import LiveCall
+from tokenyard.gateway.cached import cached_response
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
+from tokenyard.gateway.submit import Hit, Live, submit
 
 router = APIRouter()
 
@@ -62,37 +59,16 @@ async def _serve(
     tenant: Tenant,
     started: float,
 ) -> Response:
-    """One path for both endpoints: a job whose caller follows it live, unless a deterministic
-    request is answered from the cache or joins an identical job in flight."""
+    """Both endpoints' answer: the cached one, or the job (its own, or an identical one in
+    flight) followed live, as SSE or as the result's JSON."""
     state = gateway(request)
-    with tracing.span("tokenyard.admission"):
-        spec = await admit(state, kind, body, tenant, live=True)
-        digest = cache_digest(state, spec, body, request)
-        if digest is not None and state.settings.cache:
-            # before the quota: a cached answer uses no engine
-            hit = await state.cache.get(spec.model, digest)
-            if hit is not None:
-                return cached_response(kind, body, spec, hit)
-        await shedding.check(state, spec, own_deadline=body.deadline is not None)
-        limits = await quota.reserve(state, tenant, spec)
-    if digest is not None and state.settings.collapse:
-        spec.collapse_key = collapse_key(digest, spec.stream)
-    tracing.carry(spec, request.headers)
-    with tracing.span("tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
-        try:
-            call = await LiveCall.start(state, spec, started)
-        except QueueFull:
-            await quota.refund(state, spec)
-            raise
-    if call.collapsed:
-        await quota.refund(state, spec)  # it joined another job: no job of its own to settle
-    if digest is not None and state.settings.cache:
-        call.on_result = lambda result: state.cache.put(spec.model, digest, result)
+    outcome = await submit(state, kind, body, tenant, Live(request.headers, started))
+    if isinstance(outcome, Hit):
+        return cached_response(kind, body, outcome.spec, outcome.result)
+    spec, call = outcome.spec, outcome.call
     created = int(spec.created_at)
     job_id = call.job_id  # a collapsed call's is the job it joined
-    headers = {"X-Job-Id": job_id, **limits}
-    if digest is not None:
-        headers[CACHE_HEADER] = "collapsed" if call.collapsed else "miss"
+    headers = {"X-Job-Id": job_id, **outcome.headers}
     if body.stream:
         renderer = OpenAIRenderer(
             kind,
