@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 
 from bench.common import server_version
-from tokenyard.broker import connect, wait_until_ready
+from tokenyard.broker import connect, new_job_id, wait_until_ready
 from tokenyard.broker.core import Lease, Leases, Producer
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     FinishReason,

@@ -33,9 +33,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import free_port, loadavg, percentile, serving
-from tokenyard.broker import connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import connect, new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.gateway import create_app

@@ -25,10 +25,10 @@ from redis.crc import key_slot
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import loadavg
-from tokenyard.broker import connect
-from tokenyard.broker.cluster import Cluster, running_cluster
+from tokenyard.broker import connect, new_job_id
 from tokenyard.broker.core import Lease
-from tokenyard.broker.keys import Keys, new_job_id
+from tokenyard.broker.redis.cluster import Cluster, running_cluster
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import FinishReason, JobResult, JobSpec, JobStatus, SamplingParams
 

@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import percentile, proc_cpu_s
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     Finished,
@@ -640,7 +639,7 @@ async def main_async(opts: Options) -> dict[str, Any]:
     import torch
     import transformers
 
-    from tokenyard.broker.embedded import EmbeddedServer
+    from tokenyard.broker.redis.embedded import EmbeddedServer
     from tokenyard.engines.tiny import ensure_tiny_model
 
     if opts.model == "tiny":

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import JobRecord, JobSpec, JobStatus, SamplingParams

@@ -39,9 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Processes, loadavg, percentile
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.gateway.affinity import prefix_key

@@ -70,9 +70,8 @@ from bench.common import (
     server_version,
     wait_ready,
 )
-from tokenyard.broker import Backend, connect, wait_until_ready
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id, wait_until_ready
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import (

@@ -37,7 +37,7 @@ import httpx
 
 from bench.common import free_port, loadavg, percentile
 from tokenyard import tracing
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.messages import JobResult, JobSpec, JobStatus
 
 HEADERS = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}

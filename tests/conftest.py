@@ -9,8 +9,8 @@ import pytest
 
 from tests.servers import Cluster, running_cluster, running_server
 from tokenyard.broker import Backend, _whole, connect
-from tokenyard.broker.embedded import EmbeddedServer
 from tokenyard.broker.memory import MemoryBroker
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
 BrokerFactory = Callable[..., Backend]

@@ -24,9 +24,8 @@ import pytest
 from redis.exceptions import RedisError
 
 from tests.faults.consumer import accepted_key, result_text
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenyard.broker.embedded import find_server_binary
+from tokenyard.broker.redis.embedded import find_server_binary
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     Finished,

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineTokenizer
 from tokenyard.engines.sim import SimEngine, SimTokenizer

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.messages import Priority

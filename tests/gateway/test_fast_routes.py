@@ -14,7 +14,7 @@ from starlette.middleware.errors import ServerErrorMiddleware
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker import connect
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.gateway import GatewaySettings, create_app
 from tokenyard.gateway.auth import KeyRing, Tenant

@@ -24,7 +24,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.cli import app
 
 REQUESTS = 300

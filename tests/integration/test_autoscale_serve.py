@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.integration.test_cli import free_port, procs, tokenyard, wait_ready
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 __all__ = ["procs"]  # the fixture, shared with test_cli

@@ -9,9 +9,8 @@ import msgspec
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.broker import Backend
+from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import CancelOutcome, Lease
-from tokenyard.broker.keys import new_job_id
 from tokenyard.broker.tables import Settlement
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (

@@ -13,8 +13,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.servers import running_server
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.channel import Channel
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.channel import Channel
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 

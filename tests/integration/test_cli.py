@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.servers import alive
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from redis.crc import key_slot
 
 from tests.integration.test_cli import free_port, procs, tokenyard, wait_ready
 from tests.servers import Cluster
-from tokenyard.broker.keys import Keys
+from tokenyard.broker.redis.keys import Keys
 
 pytestmark = pytest.mark.slow
 __all__ = ["procs"]

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from bench import fair_share
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
 

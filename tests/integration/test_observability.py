@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from tests.integration.test_cli import free_port, tokenyard, wait_ready
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 

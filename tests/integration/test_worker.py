@@ -8,8 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from tests.conftest import BrokerFactory
-from tokenyard.broker import Backend
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, new_job_id
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import (

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from tokenyard.broker import connect
+from tokenyard.broker import connect, new_job_id
 from tokenyard.broker.core import LaneBacklog
-from tokenyard.broker.keys import new_job_id
 from tokenyard.config import BrokerSettings
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.messages import JobSpec, SamplingParams

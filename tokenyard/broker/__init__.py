@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenyard.broker.core import Clock, QueueCore
-from tokenyard.broker.keys import is_job_id, new_job_id
+from tokenyard.broker.ids import is_job_id, new_job_id
 from tokenyard.broker.tables import (
     Audit,
     BatchStore,
@@ -67,7 +67,7 @@ def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         from tokenyard.broker.memory import MemoryBroker
 
         return _whole(MemoryBroker(settings, clock=clock))
-    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.broker.redis.broker import RedisBroker
 
     return _whole(RedisBroker(settings, clock=clock))
 

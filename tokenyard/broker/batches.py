@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenyard.broker.base import Broker
 from tokenyard.broker.core import Clock
-from tokenyard.broker.keys import Keys
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.tables import BatchState, BatchStore
 from tokenyard.messages import BatchRecord, decode, encode
 
@@ -191,7 +191,7 @@ _memory_stores: weakref.WeakKeyDictionary[Any, MemoryBatchStore] = weakref.WeakK
 def batch_store(broker: Broker) -> BatchStore:
     """The batch store living in `broker`: its Redis, or beside a memory broker's store."""
     from tokenyard.broker.memory import MemoryBroker
-    from tokenyard.broker.redis import RedisBroker
+    from tokenyard.broker.redis.broker import RedisBroker
 
     if isinstance(broker, RedisBroker):
         return RedisBatchStore(broker.redis, broker.keys, broker.clock)

@@ -25,7 +25,7 @@ from tokenyard.broker.core import (
     ReapReport,
     TenantBacklog,
 )
-from tokenyard.broker.keys import tag_of_job
+from tokenyard.broker.ids import tag_of_job
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
     backoff_delay,

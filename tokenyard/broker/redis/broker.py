@@ -16,10 +16,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenyard.broker import audit, scripts
+from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.base import Broker
-from tokenyard.broker.channel import Channel, Command
 from tokenyard.broker.core import (
     BrokerStats,
     CancelOutcome,
@@ -32,7 +31,6 @@ from tokenyard.broker.core import (
     TenantBacklog,
 )
 from tokenyard.broker.group_commit import GroupCommit
-from tokenyard.broker.keys import GROUP, Keys
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
     backoff_delay,
@@ -42,7 +40,10 @@ from tokenyard.broker.policy import (
     size_pool,
     staging_score,
 )
-from tokenyard.broker.scripts import Call, Empty
+from tokenyard.broker.redis import scripts
+from tokenyard.broker.redis.channel import Channel, Command
+from tokenyard.broker.redis.keys import GROUP, Keys
+from tokenyard.broker.redis.scripts import Call, Empty
 from tokenyard.broker.tables import Settlement, settlement
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, QueueFull

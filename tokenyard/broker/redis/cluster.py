@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 
 class Cluster:
