@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from tests.faults.consumer import accepted_key, result_text
 from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.redis import connection_of
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
@@ -160,7 +161,7 @@ class Audit:
 async def audit(broker: Backend, ids: Sequence[str]) -> Audit:
     result = Audit()
     key = accepted_key(broker.settings.prefix)
-    raw = cast(dict[bytes, bytes], await broker.queue.redis.hgetall(key))
+    raw = cast(dict[bytes, bytes], await connection_of(broker).client.hgetall(key))
     result.accepted = Counter({k.decode(): int(v) for k, v in raw.items()})
     result.duplicated = {j: n for j, n in result.accepted.items() if n > 1}
     for job_id in ids:

@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import BrokerFactory
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import CancelOutcome, Lease
+from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
@@ -613,9 +614,10 @@ async def test_scripts_survive_a_flushed_script_cache(make_broker: BrokerFactory
     if make_broker.kind == "memory":  # type: ignore[attr-defined]
         pytest.skip("a Redis server's script cache")
     await broker.queue.enqueue(job())
-    await broker.queue.redis.script_flush()  # what a server restart does to loaded scripts
+    client = connection_of(broker).client
+    await client.script_flush()  # what a server restart does to loaded scripts
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
-    await broker.queue.redis.script_flush()
+    await client.script_flush()
     assert await broker.queue.complete(lease, ok(lease))
 
 

@@ -56,7 +56,8 @@ class Backend:
         return await self.connection.ping()
 
     async def close(self) -> None:
-        """Release every connection."""
+        """Send what the queue still holds back, then release every connection."""
+        await self.queue.close()
         await self.connection.close()
 
 
@@ -67,9 +68,9 @@ def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         from tokenyard.broker.memory import MemoryBroker
 
         return _whole(MemoryBroker(settings, clock=clock))
-    from tokenyard.broker.redis.broker import RedisBroker
+    from tokenyard.broker.redis import open_backend
 
-    return _whole(RedisBroker(settings, clock=clock))
+    return open_backend(settings, clock)
 
 
 def _whole(broker: Broker) -> Backend:

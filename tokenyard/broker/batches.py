@@ -13,102 +13,12 @@ from typing import Any
 
 from tokenyard.broker.base import Broker
 from tokenyard.broker.core import Clock
-from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.tables import BatchState, BatchStore
 from tokenyard.messages import BatchRecord, decode, encode
 
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
-
-
-class RedisBatchStore:
-    def __init__(self, redis: Any, keys: Keys, clock: Clock) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.clock = clock
-
-    async def create(self, record: BatchRecord) -> None:
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(k.batch(record.id, "rec"), "rec", encode(record))
-        # scored by the precise time, not created_at's seconds: the list is newest first
-        pipe.zadd(k.tenant_batches(record.tenant), {record.id: self.clock()})
-        pipe.sadd(k.active_batches(), record.id)
-        await pipe.execute()
-
-    async def get(self, batch_id: str) -> BatchState | None:
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(k.batch(batch_id, "rec"), ["rec", "cancel"])
-        pipe.scard(k.batch(batch_id, "ok"))
-        pipe.scard(k.batch(batch_id, "failed"))
-        (raw, cancel), ok, failed = await pipe.execute()
-        if raw is None:
-            return None
-        return BatchState(decode(raw, BatchRecord), cancel is not None, int(ok), int(failed))
-
-    async def save(self, record: BatchRecord) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.batch(record.id, "rec"), "rec", encode(record))
-        if record.status.terminal:
-            pipe.srem(self.keys.active_batches(), record.id)
-        await pipe.execute()
-
-    async def request_cancel(self, batch_id: str) -> None:
-        await self.redis.hset(self.keys.batch(batch_id, "rec"), "cancel", str(self.clock()))
-
-    async def active(self) -> list[str]:
-        members: Any = await self.redis.smembers(self.keys.active_batches())
-        return sorted(m.decode() for m in members)
-
-    async def list_ids(self, tenant: str) -> list[str]:
-        ids: Any = await self.redis.zrevrange(self.keys.tenant_batches(tenant), 0, -1)
-        return [i.decode() for i in ids]
-
-    async def acquire(self, batch_id: str, owner: str, ttl_s: float) -> bool:
-        key = self.keys.batch(batch_id, "lease")
-        if await self.redis.set(key, owner, nx=True, px=_ms(ttl_s)):
-            return True
-        # Renewal is check-then-extend, not atomic: a lease that lapses in between may be
-        # briefly held twice. That is safe: jobs are enqueued by idempotency key and outcomes
-        # are set members, so two runners produce one job and one count per request.
-        current = await self.redis.get(key)
-        if current is not None and current.decode() == owner:
-            await self.redis.pexpire(key, _ms(ttl_s))
-            return True
-        return False
-
-    async def release(self, batch_id: str, owner: str) -> None:
-        key = self.keys.batch(batch_id, "lease")
-        current = await self.redis.get(key)
-        if current is not None and current.decode() == owner:
-            await self.redis.delete(key)
-
-    async def set_jobs(self, batch_id: str, jobs: Mapping[int, str]) -> None:
-        if jobs:
-            await self.redis.hset(
-                self.keys.batch(batch_id, "jobs"), mapping={str(i): j for i, j in jobs.items()}
-            )
-
-    async def jobs(self, batch_id: str) -> dict[int, str]:
-        raw: Any = await self.redis.hgetall(self.keys.batch(batch_id, "jobs"))
-        return {int(i): j.decode() for i, j in raw.items()}
-
-    async def add_outcomes(self, batch_id: str, ok: Sequence[int], failed: Sequence[int]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        if ok:
-            pipe.sadd(self.keys.batch(batch_id, "ok"), *ok)
-        if failed:
-            pipe.sadd(self.keys.batch(batch_id, "failed"), *failed)
-        await pipe.execute()
-
-    async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.smembers(self.keys.batch(batch_id, "ok"))
-        pipe.smembers(self.keys.batch(batch_id, "failed"))
-        ok, failed = await pipe.execute()
-        return {int(i) for i in ok}, {int(i) for i in failed}
 
 
 @dataclass
@@ -191,10 +101,7 @@ _memory_stores: weakref.WeakKeyDictionary[Any, MemoryBatchStore] = weakref.WeakK
 def batch_store(broker: Broker) -> BatchStore:
     """The batch store living in `broker`: its Redis, or beside a memory broker's store."""
     from tokenyard.broker.memory import MemoryBroker
-    from tokenyard.broker.redis.broker import RedisBroker
 
-    if isinstance(broker, RedisBroker):
-        return RedisBatchStore(broker.redis, broker.keys, broker.clock)
     if isinstance(broker, MemoryBroker):
         store = _memory_stores.get(broker.store)
         if store is None:
