@@ -15,9 +15,9 @@ from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
 
-@pytest.fixture(params=["valkey", "memory"])
-def url(request: pytest.FixtureRequest, valkey: EmbeddedServer) -> str:
-    return valkey.url if request.param == "valkey" else "memory://"
+@pytest.fixture
+def url(valkey: EmbeddedServer) -> str:
+    return valkey.url
 
 
 def settings(url: str) -> BrokerSettings:

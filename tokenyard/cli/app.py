@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import connect
+from tokenyard.broker import check_url, connect
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
@@ -26,6 +27,7 @@ from tokenyard.config import (
     from_env,
     setting_sources,
 )
+from tokenyard.errors import FatalError
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
@@ -61,9 +63,14 @@ def _options(
 
 
 def _broker_settings(
-    broker: str | None, prefix: str | None, lease_s: float | None = None
+    broker: str | None, prefix: str | None, lease_s: float | None = None, required: bool = True
 ) -> BrokerSettings:
-    return from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+    """Flag > env > file; a command that needs a broker refuses at once when none is named
+    (before it loads a model or starts a server)."""
+    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+    if required:
+        check_url(settings.url)
+    return settings
 
 
 @app.command()
@@ -92,14 +99,14 @@ def serve(
     from tokenyard.fleet.serve import Stack
 
     setup_logging("INFO", log_format)
-    settings = _broker_settings(broker, prefix)
+    settings = _broker_settings(broker, prefix, required=False)
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
     auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
-        broker=settings if settings.url != "memory://" else None,
+        broker=settings if settings.url else None,
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
@@ -317,7 +324,11 @@ app.add_typer(batch_app, name="batch")
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except FatalError as exc:  # misconfiguration: one line, no traceback
+        print(f"tokenyard: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
