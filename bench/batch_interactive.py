@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from bench.common import loadavg, percentile
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 MODEL = "sim-bench"

@@ -2,7 +2,7 @@
 
 Prints one JSON object: the full-cycle rate (first enqueue to last completion), the
 enqueue-only rate, Redis commands per job from INFO commandstats deltas (commands run inside
-Lua scripts included), CPU per job for each process, and the same cycle on the memory broker.
+Lua scripts included), and CPU per job for each process.
 
     python -m bench.broker_throughput --jobs 50000 --slots 256 --batch 500 [--profile DIR]
 """
@@ -28,10 +28,9 @@ from typing import Any
 import redis
 
 from bench.common import server_version
-from tokenyard.broker import connect, wait_until_ready
+from tokenyard.broker import connect, new_job_id, wait_until_ready
 from tokenyard.broker.core import Lease, Leases, Producer
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     FinishReason,
@@ -307,35 +306,6 @@ async def run_redis(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def run_memory(args: argparse.Namespace) -> dict[str, Any]:
-    """The same cycle on the in-process broker: the cost of everything but Redis."""
-    specs = make_specs(args.jobs)
-    broker = connect(settings("memory://", "mem", args.jobs))
-    started = time.monotonic()
-    await enqueue_all(broker, specs, args.batch)
-    enqueue_wall = time.monotonic() - started
-
-    specs = make_specs(args.jobs)
-    broker = connect(settings("memory://", "mem", args.jobs))
-
-    async def produce() -> None:
-        for i in range(0, len(specs), args.batch):
-            await broker.queue.enqueue_many(specs[i : i + args.batch])
-            await asyncio.sleep(0)  # interleave with the consumer, as a server would
-
-    started = time.monotonic()
-    _, (done, _) = await asyncio.gather(
-        produce(), consume(broker, "mem", args.jobs, args.slots, idle_s=10.0)
-    )
-    wall = time.monotonic() - started
-    return {
-        "cycle_jobs_per_s": rate(done, wall),
-        "cycle_wall_s": round(wall, 3),
-        "completed": done,
-        "enqueue_only_jobs_per_s": rate(args.jobs, enqueue_wall),
-    }
-
-
 def top_functions(path: Path, n: int = 20) -> str:
     out = io.StringIO()
     pstats.Stats(str(path), stream=out).sort_stats("tottime").print_stats(n)
@@ -348,7 +318,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=256, help="jobs claimed per claim call")
     p.add_argument("--batch", type=int, default=500, help="jobs per enqueue_many call")
     p.add_argument("--profile", metavar="DIR", help="write cProfile stats of both processes")
-    p.add_argument("--skip-memory", action="store_true", help="leave out the memory reference")
     args = p.parse_args(argv)
     if args.jobs < 2 or args.slots < 1 or args.batch < 1:
         p.error("--jobs must be >= 2, --slots and --batch >= 1")
@@ -364,8 +333,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
     }
     result.update(asyncio.run(run_redis(args)))
-    if not args.skip_memory:
-        result["memory"] = asyncio.run(run_memory(args))
     result["target_jobs_per_s"] = TARGET_JOBS_PER_S
     result["meets_target"] = result["cycle_jobs_per_s"] >= TARGET_JOBS_PER_S
     print(json.dumps(result, indent=2), flush=True)

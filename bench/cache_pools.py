@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 
 from bench.common import loadavg, percentile
-from tokenyard.broker import connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import connect, new_job_id
+from tokenyard.broker.redis import connection_of
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.fleet.launch import free_port, serving
@@ -106,7 +106,7 @@ async def cache_and_collapse(url: str, opts: argparse.Namespace) -> dict[str, An
 
         burst = await asyncio.gather(*(call(i, body) for i in range(opts.requests)))
         pattern = probe.queue.keys.job_prefix(MODEL) + "*"
-        jobs = len([k async for k in probe.queue.redis.scan_iter(match=pattern)])
+        jobs = len([k async for k in connection_of(probe).client.scan_iter(match=pattern)])
         answers = {json.loads(text)["choices"][0]["text"] for _, _, text in burst}
         # sequential calls on a client of their own: httpx's pool, left holding the burst's
         # 100 connections, added ~15 ms to every request

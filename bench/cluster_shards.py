@@ -20,10 +20,10 @@ from typing import Any
 from redis.crc import key_slot
 
 from bench.common import loadavg
-from tokenyard.broker import connect
-from tokenyard.broker.cluster import Cluster, running_cluster
+from tokenyard.broker import connect, new_job_id
 from tokenyard.broker.core import Lease
-from tokenyard.broker.keys import Keys, new_job_id
+from tokenyard.broker.redis.cluster import Cluster, running_cluster
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import FinishReason, JobResult, JobSpec, JobStatus, SamplingParams
 

@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import percentile, proc_cpu_s
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.config import BrokerSettings
 from tokenyard.engines import EngineRequest
 from tokenyard.messages import (
@@ -638,7 +637,7 @@ async def main_async(opts: Options) -> dict[str, Any]:
     import torch
     import transformers
 
-    from tokenyard.broker.embedded import EmbeddedServer
+    from tokenyard.broker.redis.embedded import EmbeddedServer
     from tokenyard.engines.tiny import ensure_tiny_model
 
     if opts.model == "tiny":

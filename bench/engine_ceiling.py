@@ -162,7 +162,7 @@ class Stack:
     """A private Valkey, one gateway and one worker, from the product's own CLI."""
 
     def __init__(self, opts: argparse.Namespace, c: int, log_dir: Path) -> None:
-        from tokenyard.broker.embedded import EmbeddedServer
+        from tokenyard.broker.redis.embedded import EmbeddedServer
 
         self.opts = opts
         self.c = c

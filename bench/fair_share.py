@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import JobRecord, JobSpec, JobStatus, SamplingParams
@@ -57,15 +57,13 @@ async def enqueue(broker: Backend, specs: Sequence[JobSpec]) -> None:
 class Fleet:
     """In-process workers with a cheap sim engine (a step ~1 ms), started and drained here."""
 
-    def __init__(self, broker: Backend, settings: BrokerSettings, workers: int, slots: int) -> None:
-        self.broker, self.settings, self.count, self.slots = broker, settings, workers, slots
+    def __init__(self, settings: BrokerSettings, workers: int, slots: int) -> None:
+        self.settings, self.count, self.slots = settings, workers, slots
         self.running: list[tuple[Worker, asyncio.Task[None], Backend]] = []
 
     async def start(self) -> None:
         for i in range(self.count):
-            # a memory broker lives in this process: the workers share the bench's own
-            memory = self.settings.url.startswith("memory://")
-            broker = self.broker if memory else connect(self.settings)
+            broker = connect(self.settings)
             engine = SimEngine(
                 max_seqs=self.slots,
                 prefill_base=0.0005,
@@ -84,8 +82,7 @@ class Fleet:
             worker.drain()
         await asyncio.gather(*(task for _, task, _ in self.running), return_exceptions=True)
         for _, _, broker in self.running:
-            if broker is not self.broker:
-                await broker.close()
+            await broker.close()
         self.running.clear()
 
 
@@ -105,7 +102,7 @@ async def backlog(
     settings: BrokerSettings, n_backlog: int, n_late: int, workers: int, slots: int
 ) -> dict[str, Any]:
     broker = connect(settings)
-    fleet = Fleet(broker, settings, workers, slots)
+    fleet = Fleet(settings, workers, slots)
     try:
         a = [spec("a", 1.0, 4) for _ in range(n_backlog)]
         late = [spec("b", 1.0, 4) for _ in range(n_late)]
@@ -155,7 +152,7 @@ async def contention(
     slots: int,
 ) -> dict[str, Any]:
     broker = connect(settings)
-    fleet = Fleet(broker, settings, workers, slots)
+    fleet = Fleet(settings, workers, slots)
     try:
         # every tenant's backlog alone outlasts the measurement: the lanes stay full throughout
         jobs = {t: [spec(t, weights[t], sizes[t]) for _ in range(tokens // sizes[t] + slots * 2)]
@@ -214,7 +211,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     sizes = dict(zip(args.tenants, args.sizes, strict=True))
     out: dict[str, Any] = {
         "bench": "fair_share",
-        "broker": "memory" if url.startswith("memory://") else "valkey",
+        "broker": "valkey",
         "workers": args.workers,
         "slots": args.slots,
         "fair_window": args.fair_window,

@@ -922,7 +922,7 @@ def what_if_summary(result: dict[str, Any], patches: Sequence[str]) -> dict[str,
 
 
 async def run(opts: argparse.Namespace) -> dict[str, Any]:
-    from tokenyard.broker.embedded import EmbeddedServer
+    from tokenyard.broker.redis.embedded import EmbeddedServer
 
     started = time.perf_counter()
     load_before = loadavg()

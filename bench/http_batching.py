@@ -395,7 +395,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 async def run(opts: argparse.Namespace) -> dict[str, Any]:
-    from tokenyard.broker.embedded import EmbeddedServer
+    from tokenyard.broker.redis.embedded import EmbeddedServer
     from tokenyard.engines.tiny import ensure_tiny_model
 
     started = time.perf_counter()

@@ -12,7 +12,7 @@ process on the SimEngine) with no tokenyard code between them.
           XADD reply + PEXPIRE + XACK + XDEL.
 
 Keys are `{key}`, `{key}:ready` and `{key}:reply:<hex>` (expiring), in the benchmark's Valkey
-beside the product's keys (a bench, so not in tokenyard/broker/keys.py). Started by
+beside the product's keys (a bench, so not in tokenyard/broker/redis/keys.py). Started by
 bench/gateway_overhead.py through `server_command` / `worker_command`.
 """
 

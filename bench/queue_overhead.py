@@ -56,9 +56,8 @@ import redis
 from bench.common import command_calls, loadavg, percentile, proc_cpu_s, server_version
 from bench.peers import PEERS
 from bench.peers.base import PREFIX, Producer, in_flight, peer
-from tokenyard.broker import Backend, connect, wait_until_ready
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id, wait_until_ready
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready

@@ -33,7 +33,7 @@ import httpx
 
 from bench.common import loadavg, percentile
 from tokenyard import tracing
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 from tokenyard.messages import JobResult, JobSpec, JobStatus
 

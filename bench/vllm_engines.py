@@ -207,7 +207,7 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run(opts: argparse.Namespace) -> dict[str, Any]:
-    from tokenyard.broker.embedded import EmbeddedServer
+    from tokenyard.broker.redis.embedded import EmbeddedServer
 
     targets = [t for t in TARGETS if t in opts.targets]
     results: dict[str, dict[str, Any]] = {}

@@ -1,19 +1,33 @@
-"""Shared fixtures: a private Valkey server for the session and brokers of every kind."""
+"""Shared fixtures: private servers for the session, and backends of every kind over them.
+
+`make_backend` is parametrized over backend kinds: each kind names the session fixture that
+starts its server. A backend added later (NATS JetStream, RabbitMQ lanes) is one more entry in
+`BACKENDS` with a session fixture for its server.
+"""
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from tests.servers import Cluster, running_cluster, running_server
-from tokenyard.broker import Backend, _whole, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.memory import MemoryBroker
+from tokenyard.broker import Backend, connect
+from tokenyard.broker.core import Clock
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
-BrokerFactory = Callable[..., Backend]
+# backend kind -> the session fixture whose `.url` reaches its server
+BACKENDS = {"valkey": "valkey", "valkey-cluster": "valkey_cluster"}
+# the kinds on the Redis backend: tests of its internals (keys, script cache) run only there
+REDIS_KINDS = frozenset({"valkey", "valkey-cluster"})
+# what `make_backend` runs on unless a module asks for more (a cluster costs three servers):
+# pytestmark = pytest.mark.parametrize("make_backend", list(BACKENDS), indirect=True)
+DEFAULT_BACKENDS = ["valkey"]
 
 
 @pytest.fixture(scope="session")
@@ -29,34 +43,28 @@ def valkey_cluster() -> Iterator[Cluster]:
         yield cluster
 
 
-# "cluster" is opt-in per test (parametrize make_broker indirectly), it costs three servers
-@pytest.fixture(params=["memory", "redis"])
-async def make_broker(
-    request: pytest.FixtureRequest, valkey: EmbeddedServer
-) -> AsyncIterator[BrokerFactory]:
-    """Build brokers with settings overrides; each test gets its own key prefix."""
-    made: list[Backend] = []
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    memory_shared: dict[str, MemoryBroker] = {}
+@dataclass
+class BackendFactory:
+    """Opens backends of one kind on its server, under a key prefix of the test's own: two
+    opened in one test are two clients of the same broker."""
 
-    def factory(**overrides: object) -> Backend:
-        if request.param == "memory":
-            # one in-process store per test, as several clients of one Redis would share it
-            base = memory_shared.get("store")
-            settings = BrokerSettings(url="memory://", prefix=prefix, **overrides)  # type: ignore[arg-type]
-            memory = MemoryBroker(settings, store=base.store if base else None)
-            memory_shared.setdefault("store", memory)
-            broker = _whole(memory)
-        else:
-            url = valkey.url
-            if request.param == "cluster":
-                url = request.getfixturevalue("valkey_cluster").url
-            settings = BrokerSettings(url=url, prefix=prefix, **overrides)  # type: ignore[arg-type]
-            broker = connect(settings)
-        made.append(broker)
-        return broker
+    kind: str
+    url: str
+    prefix: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
+    made: list[Backend] = field(default_factory=list)
 
-    factory.kind = request.param  # type: ignore[attr-defined]
+    def __call__(self, clock: Clock = time.time, **overrides: Any) -> Backend:
+        settings = BrokerSettings(url=self.url, prefix=self.prefix, **overrides)
+        backend = connect(settings, clock=clock)
+        self.made.append(backend)
+        return backend
+
+
+@pytest.fixture(params=DEFAULT_BACKENDS)
+async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[BackendFactory]:
+    """Build backends of the param's kind with settings overrides (and a clock); closed after."""
+    server = request.getfixturevalue(BACKENDS[request.param])
+    factory = BackendFactory(request.param, server.url)
     yield factory
-    for broker in made:
-        await broker.close()
+    for backend in factory.made:
+        await backend.close()

@@ -7,8 +7,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tokenyard.broker.cluster import Cluster, running_cluster
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.cluster import Cluster, running_cluster
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 __all__ = ["Cluster", "alive", "running_cluster", "running_server"]
 

@@ -17,7 +17,9 @@ from tokenyard.errors import FatalError
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Delivery semantics shared by every broker implementation."""
 
-    url: str = "memory://"
+    # redis://, rediss://, unix:// or redis+cluster:// (tokenyard/broker/__init__.py); empty: none
+    # given, so a command that needs a broker says so (`serve` starts its own Valkey instead)
+    url: str = ""
     prefix: str = "ty"
     lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed
     max_deliveries: int = 5  # deliveries (crashes + retries) before the dead-letter stream

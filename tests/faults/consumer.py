@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from tokenyard.broker import connect, wait_until_ready
 from tokenyard.broker.core import Lease
+from tokenyard.broker.redis import connection_of
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import FinishReason, JobResult, JobStatus
@@ -164,7 +165,7 @@ class Consumer:
         accepted = await self.broker.queue.complete_many(results)
         ok = [lease.spec.id for lease, yes in zip(leases, accepted, strict=True) if yes]
         if ok:
-            pipe = self.broker.queue.redis.pipeline(transaction=False)
+            pipe = connection_of(self.broker).client.pipeline(transaction=False)
             for job_id in ok:
                 pipe.hincrby(accepted_key(self.args.prefix), job_id, 1)
             await pipe.execute()

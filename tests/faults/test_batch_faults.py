@@ -17,8 +17,8 @@ import openai
 import pytest
 import redis
 
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import Keys
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

@@ -23,10 +23,11 @@ from typing import cast
 import pytest
 from redis.exceptions import RedisError
 
+from tests.conftest import BackendFactory
 from tests.faults.consumer import accepted_key, result_text
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.redis import connection_of
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
@@ -160,8 +161,9 @@ class Audit:
 
 async def audit(broker: Backend, ids: Sequence[str]) -> Audit:
     result = Audit()
+    # the consumers count accepted completions in a Redis hash of their own (consumer.py)
     key = accepted_key(broker.settings.prefix)
-    raw = cast(dict[bytes, bytes], await broker.queue.redis.hgetall(key))
+    raw = cast(dict[bytes, bytes], await connection_of(broker).client.hgetall(key))
     result.accepted = Counter({k.decode(): int(v) for k, v in raw.items()})
     result.duplicated = {j: n for j, n in result.accepted.items() if n > 1}
     for job_id in ids:
@@ -199,11 +201,11 @@ def new_prefix() -> str:
 
 @pytest.mark.timeout(60)
 async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
-    valkey: EmbeddedServer,
+    make_backend: BackendFactory,
 ) -> None:
     n = 2000
-    prefix = new_prefix()
-    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = make_backend()
+    url, prefix = make_backend.url, make_backend.prefix
     specs = [spec(i) for i in range(n)]
     for chunk in batched(specs, 500):
         await broker.queue.enqueue_many(chunk)
@@ -211,7 +213,7 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
     try:
         # holds everything it claims for far longer than the test runs
         holder = ConsumerProcess(
-            valkey.url, prefix, "holder", slots=n, hold_s=300, lease_s=30, reap_every_s=300
+            url, prefix, "holder", slots=n, hold_s=300, lease_s=30, reap_every_s=300
         )
         procs.append(holder)
         await eventually(lambda: holder.claimed >= n, f"holder claims {n}", procs=procs)
@@ -220,9 +222,7 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
 
         holder.send(signal.SIGKILL)
         holder.proc.wait(5)
-        rescuer = ConsumerProcess(
-            valkey.url, prefix, "rescuer", slots=256, lease_s=1.0, reap_every_s=0.25
-        )
+        rescuer = ConsumerProcess(url, prefix, "rescuer", slots=256, lease_s=1.0, reap_every_s=0.25)
         procs.append(rescuer)
         await eventually(lambda: rescuer.accepted >= n, f"rescuer completes {n}", 25, procs)
 
@@ -242,23 +242,22 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
     finally:
         for p in procs:
             p.stop()
-        await broker.close()
 
 
 @pytest.mark.timeout(60)
 async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
-    valkey: EmbeddedServer,
+    make_backend: BackendFactory,
 ) -> None:
     lease_s, hold_s = 1.0, 1.5
-    prefix = new_prefix()
-    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = make_backend()
+    url, prefix = make_backend.url, make_backend.prefix
     job = spec(0, "the one job")
     await broker.queue.enqueue(job)
     procs: list[ConsumerProcess] = []
     try:
         # renews while it works; once stopped, its lease runs out
         zombie = ConsumerProcess(
-            valkey.url,
+            url,
             prefix,
             "zombie",
             slots=4,
@@ -273,7 +272,7 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
         zombie.send(signal.SIGSTOP)
 
         survivor = ConsumerProcess(
-            valkey.url, prefix, "survivor", slots=4, lease_s=lease_s, reap_every_s=0.1
+            url, prefix, "survivor", slots=4, lease_s=lease_s, reap_every_s=0.1
         )
         procs.append(survivor)
         await eventually(lambda: survivor.accepted >= 1, "survivor completes", procs=procs)
@@ -297,11 +296,11 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
     finally:
         for p in procs:
             p.stop()
-        await broker.close()
 
 
 @pytest.mark.timeout(90)
 async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
+    # Valkey only: a server of its own, killed and restarted on its AOF
     server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
     server.start()
     prefix = new_prefix()
@@ -380,11 +379,11 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
-    valkey: EmbeddedServer,
+    make_backend: BackendFactory,
 ) -> None:
     n, max_deliveries = 200, 3
-    prefix = new_prefix()
-    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
+    broker = make_backend()
+    url, prefix = make_backend.url, make_backend.prefix
     bad = spec(-1, "this one will FAIL every time")
     good = [spec(i) for i in range(n)]
     await broker.queue.enqueue_many([bad, *good[:100]])
@@ -397,7 +396,7 @@ async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
         backoff_base_s=0.05,
         backoff_max_s=0.2,
     )
-    procs = [ConsumerProcess(valkey.url, prefix, f"c{i}", **options) for i in range(2)]
+    procs = [ConsumerProcess(url, prefix, f"c{i}", **options) for i in range(2)]
     try:
 
         async def settled() -> bool:
@@ -424,25 +423,20 @@ async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
     finally:
         for p in procs:
             p.stop()
-        await broker.close()
 
 
 @pytest.mark.timeout(30)
 async def test_resubmitting_an_unanswered_enqueue_without_a_key_runs_the_job_once(
-    valkey: EmbeddedServer,
+    make_backend: BackendFactory,
 ) -> None:
     # What a producer does after BrokerUnavailable when its first try had in fact landed.
-    prefix = new_prefix()
-    broker = connect(BrokerSettings(url=valkey.url, prefix=prefix))
-    try:
-        job = spec(0)
-        await broker.queue.enqueue(job)
-        await broker.queue.enqueue(job)
-        leases = await broker.queue.claim(MODEL, "w", slots=10)
-        accepted = [
-            await broker.queue.complete(x, JobResult(status=JobStatus.SUCCEEDED, text=f"run {i}"))
-            for i, x in enumerate(leases)
-        ]
-        assert accepted.count(True) == 1, f"{len(leases)} leases, accepted {accepted}"
-    finally:
-        await broker.close()
+    broker = make_backend()
+    job = spec(0)
+    await broker.queue.enqueue(job)
+    await broker.queue.enqueue(job)
+    leases = await broker.queue.claim(MODEL, "w", slots=10)
+    accepted = [
+        await broker.queue.complete(x, JobResult(status=JobStatus.SUCCEEDED, text=f"run {i}"))
+        for i, x in enumerate(leases)
+    ]
+    assert accepted.count(True) == 1, f"{len(leases)} leases, accepted {accepted}"

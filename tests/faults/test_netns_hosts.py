@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenyard.broker.embedded import find_server_binary
+from tokenyard.broker.redis.embedded import find_server_binary
 from tokenyard.fleet.launch import wait_ready
 
 pytestmark = pytest.mark.slow

@@ -7,15 +7,12 @@ import os
 import signal
 import subprocess
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
-from tokenyard.config import BrokerSettings
+from tests.conftest import BackendFactory
+from tokenyard.broker import Backend, new_job_id
 from tokenyard.fleet.launch import Launcher, Processes
 from tokenyard.messages import (
     Finished,
@@ -58,8 +55,8 @@ class Workers:
 
 
 @pytest.fixture
-def workers(valkey: EmbeddedServer) -> Iterator[Workers]:
-    pool = Workers(valkey.url, f"f{uuid.uuid4().hex[:8]}")
+def workers(make_backend: BackendFactory) -> Iterator[Workers]:
+    pool = Workers(make_backend.url, make_backend.prefix)
     try:
         yield pool
     finally:
@@ -67,10 +64,8 @@ def workers(valkey: EmbeddedServer) -> Iterator[Workers]:
 
 
 @pytest.fixture
-async def broker(workers: Workers) -> AsyncIterator[Backend]:
-    client = connect(BrokerSettings(url=workers.url, prefix=workers.prefix, lease_s=LEASE_S))
-    yield client
-    await client.close()
+def broker(make_backend: BackendFactory, workers: Workers) -> Backend:
+    return make_backend(lease_s=LEASE_S)
 
 
 def greedy_jobs(n: int, max_tokens: int = 24) -> list[JobSpec]:

@@ -20,7 +20,8 @@ import pytest
 import uvicorn
 
 from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis import connection_of
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineTokenizer
 from tokenyard.engines.sim import SimEngine, SimTokenizer
@@ -95,7 +96,9 @@ class Stack:
 
         async def scan() -> list[str]:
             pattern = broker.queue.keys.job_prefix(model) + "*"
-            found = [k.decode() async for k in broker.queue.redis.scan_iter(match=pattern)]
+            found = [
+                k.decode() async for k in connection_of(broker).client.scan_iter(match=pattern)
+            ]
             return [k.rsplit(":", 1)[-1] for k in found]
 
         ids: list[str] = self.call(scan())

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import MODEL, fast_engine, run_stack
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.base import Engine
 from tokenyard.engines.sim import SimEngine
 

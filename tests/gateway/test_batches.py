@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
 
 

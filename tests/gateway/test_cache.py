@@ -15,7 +15,7 @@ import pytest
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
 from tests.gateway.sse import events
 from tests.gateway.test_disconnect import wait_status
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.messages import JobStatus
 
 STEP_S = 0.05  # the sim worker's decode step: a 30-token job runs 1.5 s

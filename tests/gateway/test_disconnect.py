@@ -9,7 +9,7 @@ import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
 from tests.gateway.sse import events
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.messages import JobStatus
 
 

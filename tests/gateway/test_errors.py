@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.fleet.launch import free_port
 from tokenyard.gateway.auth import KeyRing, Tenant

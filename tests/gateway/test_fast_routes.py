@@ -14,7 +14,7 @@ from starlette.middleware.errors import ServerErrorMiddleware
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker import connect
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.gateway import GatewaySettings, create_app
 from tokenyard.gateway import submit as submit_path
@@ -161,9 +161,12 @@ def test_fast_routes_stay_in_the_openapi_schema(stacks: dict[bool, Stack]) -> No
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_fast_routes_sit_inside_the_metrics_and_body_limit(on: bool) -> None:
+def test_fast_routes_sit_inside_the_metrics_and_body_limit(
+    on: bool, valkey: EmbeddedServer
+) -> None:
     settings = GatewaySettings(models=(MODEL,), tokenizer="sim", fast_routes=on)
-    app = create_app(settings, connect(BrokerSettings()), tokenizers={}, keyring=KeyRing())
+    backend = connect(BrokerSettings(url=valkey.url))  # built, never used: no connection opens
+    app = create_app(settings, backend, tokenizers={}, keyring=KeyRing())
     assert (app.fast_stack is not None) is on
     stacks = [app.build_middleware_stack(), *([app.fast_stack] if app.fast_stack else [])]
     for stack in stacks:  # the full stack and the hot routes' own have the same layers

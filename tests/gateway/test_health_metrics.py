@@ -6,7 +6,7 @@ import re
 import time
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 

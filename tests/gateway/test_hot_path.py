@@ -15,7 +15,7 @@ import redis
 from tests.gateway.conftest import MODEL, run_stack, slow_engine
 from tests.gateway.sse import events
 from tokenyard.broker import connect, new_job_id
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.gateway.events import EventHub

@@ -10,7 +10,7 @@ import httpx
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
 from tests.gateway.sse import events
 from tests.gateway.test_errors import assert_error
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 BODY = {"model": MODEL, "prompt": "tell me", "max_tokens": 8, "temperature": 0.0}
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard import tracing
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.messages import JobRecord
 

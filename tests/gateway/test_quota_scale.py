@@ -23,7 +23,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.cli import app
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 

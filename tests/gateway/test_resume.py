@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.gateway.conftest import MODEL, run_stack, slow_engine
 from tests.gateway.sse import events
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 PROMPT = "The queue holds every request"
 

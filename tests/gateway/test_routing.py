@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.gateway.conftest import run_stack, slow_engine
 from tokenyard.broker import new_job_id
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.messages import JobSpec, SamplingParams
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 STEP_S = 0.1  # one sim decode step
 MAX_TOKENS = 4  # a job: a prefill and a few steps, ~0.4-0.5 s

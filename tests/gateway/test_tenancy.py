@@ -11,7 +11,7 @@ import openai
 from typer.testing import CliRunner
 
 from tests.gateway.conftest import MODEL, run_stack, slow_engine
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.cli import app
 
 runner = CliRunner()

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import run_stack
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

@@ -38,5 +38,4 @@ def test_broker_throughput_benchmark_completes_every_job() -> None:
     by_name = report["commands_per_job_by_name"]
     assert {"evalsha", "xadd", "xreadgroup", "xack"} <= set(by_name)
     assert set(report["cpu_us_per_job"]) == {"producer", "consumer", "server"}
-    assert report["memory"]["completed"] == jobs and report["memory"]["cycle_jobs_per_s"] > 0
     assert report["target_jobs_per_s"] == 10_000 and isinstance(report["meets_target"], bool)

@@ -1,4 +1,5 @@
-"""One behaviour suite, run against the memory broker and the Redis broker on a real Valkey."""
+"""One behaviour suite, run against every backend on a real server (`BACKENDS` in
+tests/conftest.py: Valkey, and a 3-shard Valkey cluster)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import time
 import msgspec
 import pytest
 
-from tests.conftest import BrokerFactory
-from tokenyard.broker import Backend
+from tests.conftest import BACKENDS, REDIS_KINDS, BackendFactory
+from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import CancelOutcome, Lease
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
@@ -33,8 +34,8 @@ from tokenyard.tenancy.records import TenantConfig, key_digest
 
 MODEL = "tiny"
 
-# every behaviour also on a 3-shard Redis Cluster (issue 13): model keys share one slot
-pytestmark = pytest.mark.parametrize("make_broker", ["memory", "redis", "cluster"], indirect=True)
+# every behaviour on every backend, a 3-shard cluster included (issue 13: model keys share a slot)
+pytestmark = pytest.mark.parametrize("make_backend", list(BACKENDS), indirect=True)
 
 
 def job(
@@ -68,8 +69,8 @@ def ok(lease: Lease, text: str = "done") -> JobResult:
     )
 
 
-async def test_enqueue_claim_complete_round_trip(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_enqueue_claim_complete_round_trip(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     spec = job()
     created = await broker.queue.enqueue(spec)
     assert created.created and created.job_id == spec.id
@@ -102,8 +103,8 @@ async def test_enqueue_claim_complete_round_trip(make_broker: BrokerFactory) -> 
     assert MODEL in await broker.queue.models()
 
 
-async def test_second_completion_is_rejected(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_second_completion_is_rejected(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     await broker.queue.enqueue(job())
     [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
     assert await broker.queue.complete(lease, ok(lease, "first"))
@@ -113,8 +114,8 @@ async def test_second_completion_is_rejected(make_broker: BrokerFactory) -> None
     assert record.result.text == "first"
 
 
-async def test_idempotency_key_returns_the_same_job(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_idempotency_key_returns_the_same_job(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     first = await broker.queue.enqueue(job(key="req-1"))
     again = await broker.queue.enqueue(job(key="req-1"))
     other_tenant = await broker.queue.enqueue(job(key="req-1", tenant="other"))
@@ -125,8 +126,8 @@ async def test_idempotency_key_returns_the_same_job(make_broker: BrokerFactory) 
     assert sorted(lease.spec.id for lease in leases) == sorted([first.job_id, other_tenant.job_id])
 
 
-async def test_claim_takes_no_more_than_free_slots(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_claim_takes_no_more_than_free_slots(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     await broker.queue.enqueue_many([job() for _ in range(10)])
     assert len(await broker.queue.claim(MODEL, "w1", slots=3)) == 3
     assert len(await broker.queue.claim(MODEL, "w1", slots=0)) == 0
@@ -135,8 +136,8 @@ async def test_claim_takes_no_more_than_free_slots(make_broker: BrokerFactory) -
     assert sum(lane.in_flight for lane in stats.lanes) == 10
 
 
-async def test_higher_priority_first(make_broker: BrokerFactory) -> None:
-    broker = make_broker(starvation_every=0)
+async def test_higher_priority_first(make_backend: BackendFactory) -> None:
+    broker = make_backend(starvation_every=0)
     low = await broker.queue.enqueue(job(Priority.LOW))
     normal = await broker.queue.enqueue(job(Priority.NORMAL))
     high = await broker.queue.enqueue(job(Priority.HIGH))
@@ -145,9 +146,9 @@ async def test_higher_priority_first(make_broker: BrokerFactory) -> None:
 
 
 async def test_low_priority_progresses_under_sustained_high_load(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(starvation_every=4)
+    broker = make_backend(starvation_every=4)
     await broker.queue.enqueue_many([job(Priority.LOW) for _ in range(5)])
     await broker.queue.enqueue_many([job(Priority.NORMAL) for _ in range(5)])
     served: list[Priority] = []
@@ -161,9 +162,9 @@ async def test_low_priority_progresses_under_sustained_high_load(
     assert served.count(Priority.HIGH) >= 30
 
 
-async def test_blocking_claim_wakes_on_enqueue(make_broker: BrokerFactory) -> None:
-    consumer = make_broker()
-    producer = make_broker()
+async def test_blocking_claim_wakes_on_enqueue(make_backend: BackendFactory) -> None:
+    consumer = make_backend()
+    producer = make_backend()
     await consumer.queue.claim(MODEL, "w", slots=1)  # lanes exist before the waiter blocks
 
     async def enqueue_later() -> str:
@@ -183,10 +184,10 @@ async def test_blocking_claim_wakes_on_enqueue(make_broker: BrokerFactory) -> No
 
 
 async def test_claim_after_an_idle_claim_sees_work_that_came_meanwhile(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    consumer = make_broker(starvation_every=0)
-    producer = make_broker()
+    consumer = make_backend(starvation_every=0)
+    producer = make_backend()
     assert await consumer.queue.claim(MODEL, "w", slots=1, block_s=0.05) == []  # idle: lanes known
     low = await producer.queue.enqueue(job(Priority.LOW))
     high = await producer.queue.enqueue(job(Priority.HIGH))
@@ -209,8 +210,8 @@ async def test_claim_after_an_idle_claim_sees_work_that_came_meanwhile(
     assert time.monotonic() - started < 2.0
 
 
-async def test_completing_a_batch_across_lanes(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_completing_a_batch_across_lanes(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     specs = [job(p) for p in Priority for _ in range(3)]
     await broker.queue.enqueue_many(specs)
     leases = await broker.queue.claim(MODEL, "w", slots=len(specs))
@@ -226,8 +227,8 @@ async def test_completing_a_batch_across_lanes(make_broker: BrokerFactory) -> No
         assert [type(e) for _, e in events] == [Finished]
 
 
-async def test_fenced_batches_may_mix_models(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_fenced_batches_may_mix_models(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     other = "other-model"
     first = job()
     second = JobSpec(id=new_job_id(other), model=other, prompt="hi")
@@ -243,9 +244,9 @@ async def test_fenced_batches_may_mix_models(make_broker: BrokerFactory) -> None
 
 
 async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(lease_s=0.2)
+    broker = make_backend(lease_s=0.2)
     spec = job()
     await broker.queue.enqueue(spec)
     [zombie] = await broker.queue.claim(MODEL, "w1", slots=1)
@@ -270,8 +271,8 @@ async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
     assert tokens == []
 
 
-async def test_renewed_lease_is_not_reclaimed(make_broker: BrokerFactory) -> None:
-    broker = make_broker(lease_s=0.3)
+async def test_renewed_lease_is_not_reclaimed(make_backend: BackendFactory) -> None:
+    broker = make_backend(lease_s=0.3)
     await broker.queue.enqueue(job())
     [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
     for _ in range(4):
@@ -282,9 +283,9 @@ async def test_renewed_lease_is_not_reclaimed(make_broker: BrokerFactory) -> Non
 
 
 async def test_lease_expiring_past_delivery_limit_goes_to_dead_letters(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(lease_s=0.1, max_deliveries=2)
+    broker = make_backend(lease_s=0.1, max_deliveries=2)
     spec = job()
     bystander = job()
     await broker.queue.enqueue_many([spec, bystander])
@@ -313,9 +314,9 @@ async def test_lease_expiring_past_delivery_limit_goes_to_dead_letters(
 
 
 async def test_retry_backs_off_then_dead_letters_with_last_error(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(max_deliveries=3, backoff_base_s=0.05, backoff_max_s=0.1)
+    broker = make_backend(max_deliveries=3, backoff_base_s=0.05, backoff_max_s=0.1)
     spec = job()
     await broker.queue.enqueue(spec)
     attempts = []
@@ -338,8 +339,8 @@ async def test_retry_backs_off_then_dead_letters_with_last_error(
     assert stats.dead_letters == 1 and stats.delayed == 0
 
 
-async def test_retry_is_delayed_by_backoff(make_broker: BrokerFactory) -> None:
-    broker = make_broker(backoff_base_s=0.4, backoff_max_s=0.4)
+async def test_retry_is_delayed_by_backoff(make_backend: BackendFactory) -> None:
+    broker = make_backend(backoff_base_s=0.4, backoff_max_s=0.4)
     spec = job()
     await broker.queue.enqueue(spec)
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
@@ -352,8 +353,8 @@ async def test_retry_is_delayed_by_backoff(make_broker: BrokerFactory) -> None:
     assert [x.spec.id for x in leases] == [spec.id] and leases[0].spec.attempt == 1
 
 
-async def test_forced_dead_letter(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_forced_dead_letter(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     spec = job()
     await broker.queue.enqueue(spec)
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
@@ -363,9 +364,9 @@ async def test_forced_dead_letter(make_broker: BrokerFactory) -> None:
     assert not await broker.queue.complete(lease, ok(lease))
 
 
-async def test_events_are_appended_and_read_from_an_id(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
-    reader = make_broker()
+async def test_events_are_appended_and_read_from_an_id(make_backend: BackendFactory) -> None:
+    broker = make_backend()
+    reader = make_backend()
     spec = job()
     await broker.queue.enqueue(spec)
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
@@ -392,9 +393,9 @@ async def test_events_are_appended_and_read_from_an_id(make_broker: BrokerFactor
     assert await reader.queue.read_events(spec.id, after=ids[-1], block_s=0.1) == []
 
 
-async def test_events_of_many_jobs_are_read_in_one_call(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
-    reader = make_broker()
+async def test_events_of_many_jobs_are_read_in_one_call(make_backend: BackendFactory) -> None:
+    broker = make_backend()
+    reader = make_backend()
     specs = [job() for _ in range(3)]
     await broker.queue.enqueue_many(specs)
     leases = {lease.spec.id: lease for lease in await broker.queue.claim(MODEL, "w", slots=3)}
@@ -426,8 +427,8 @@ async def test_events_of_many_jobs_are_read_in_one_call(make_broker: BrokerFacto
     assert await reader.queue.read_events_many({b: last_b}, block_s=0.1) == []
 
 
-async def test_cancel_waiting_job_ends_it_at_once(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_cancel_waiting_job_ends_it_at_once(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     spec = job()
     keep = job()
     await broker.queue.enqueue_many([spec, keep])
@@ -442,8 +443,8 @@ async def test_cancel_waiting_job_ends_it_at_once(make_broker: BrokerFactory) ->
     assert await broker.queue.cancel(new_job_id(MODEL)) is CancelOutcome.NOT_FOUND
 
 
-async def test_cancel_running_job_signals_its_worker(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_cancel_running_job_signals_its_worker(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     a, b = job(), job()
     await broker.queue.enqueue_many([a, b])
     leases = await broker.queue.claim(MODEL, "w", slots=2)
@@ -457,8 +458,8 @@ async def test_cancel_running_job_signals_its_worker(make_broker: BrokerFactory)
     assert await broker.queue.cancelled(MODEL, [a.id, b.id]) == set()
 
 
-async def test_cancel_during_retry_backoff(make_broker: BrokerFactory) -> None:
-    broker = make_broker(backoff_base_s=5.0, backoff_max_s=5.0)
+async def test_cancel_during_retry_backoff(make_backend: BackendFactory) -> None:
+    broker = make_backend(backoff_base_s=5.0, backoff_max_s=5.0)
     spec = job()
     await broker.queue.enqueue(spec)
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
@@ -468,9 +469,9 @@ async def test_cancel_during_retry_backoff(make_broker: BrokerFactory) -> None:
 
 
 async def test_deadline_passed_before_start_expires_without_delivery(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     late = job(deadline=time.time() - 1)
     fine = job(deadline=time.time() + 60)
     await broker.queue.enqueue_many([late, fine])
@@ -483,8 +484,8 @@ async def test_deadline_passed_before_start_expires_without_delivery(
     assert (await broker.queue.stats(MODEL)).expired == 1
 
 
-async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_stats_report_depth_age_and_in_flight(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     await broker.queue.enqueue_many([job(Priority.HIGH) for _ in range(3)] + [job(Priority.LOW)])
     await asyncio.sleep(0.05)
     await broker.queue.claim(MODEL, "w", slots=1)
@@ -498,8 +499,8 @@ async def test_stats_report_depth_age_and_in_flight(make_broker: BrokerFactory) 
     assert await broker.queue.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
-async def test_backlog_counts_each_tenants_staged_jobs(make_broker: BrokerFactory) -> None:
-    broker = make_broker(fair_window=2)
+async def test_backlog_counts_each_tenants_staged_jobs(make_backend: BackendFactory) -> None:
+    broker = make_backend(fair_window=2)
     heavy = [job(tenant="acme") for _ in range(6)]
     light = [msgspec.structs.replace(job(tenant="other"), weight=2.0) for _ in range(4)]
     await broker.queue.enqueue_many([job(Priority.HIGH), *heavy, *light])
@@ -517,8 +518,8 @@ async def test_backlog_counts_each_tenants_staged_jobs(make_broker: BrokerFactor
     assert all(not lane.tenants and lane.queued == lane.in_flight == 0 for lane in lanes[2:])
 
 
-async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) -> None:
-    broker = make_broker(max_queue_depth=3)
+async def test_full_lane_refuses_and_adds_nothing(make_backend: BackendFactory) -> None:
+    broker = make_backend(max_queue_depth=3)
     await broker.queue.enqueue_many([job() for _ in range(3)])
     with pytest.raises(QueueFull) as raised:
         await broker.queue.enqueue(job())
@@ -528,9 +529,9 @@ async def test_full_lane_refuses_and_adds_nothing(make_broker: BrokerFactory) ->
 
 
 async def test_release_hands_jobs_back_without_charging_a_delivery(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     spec = job()
     await broker.queue.enqueue(spec)
     [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
@@ -540,8 +541,8 @@ async def test_release_hands_jobs_back_without_charging_a_delivery(
     assert again.spec.id == spec.id and again.spec.attempt == 0
 
 
-async def test_worker_heartbeats_lapse(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_worker_heartbeats_lapse(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     info = WorkerInfo(
         consumer="h:1:0", model=MODEL, engine="sim", host="h", pid=1, started_at=time.time()
     )
@@ -554,8 +555,8 @@ async def test_worker_heartbeats_lapse(make_broker: BrokerFactory) -> None:
     assert await broker.registry.workers(MODEL) == []
 
 
-async def test_resent_enqueue_of_a_known_job_adds_nothing(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_resent_enqueue_of_a_known_job_adds_nothing(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     spec = job()
     assert (await broker.queue.enqueue(spec)).created
     again = await broker.queue.enqueue(spec)  # e.g. resent after a timeout; the first one landed
@@ -569,9 +570,9 @@ async def test_resent_enqueue_of_a_known_job_adds_nothing(make_broker: BrokerFac
 
 
 async def test_batch_is_all_or_nothing_when_a_lane_would_overflow(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(max_queue_depth=3)
+    broker = make_backend(max_queue_depth=3)
     with pytest.raises(QueueFull):
         await broker.queue.enqueue_many([job() for _ in range(5)])
     assert await broker.queue.claim(MODEL, "w", slots=10) == []
@@ -582,8 +583,8 @@ async def test_batch_is_all_or_nothing_when_a_lane_would_overflow(
     assert len(await broker.queue.claim(MODEL, "w", slots=10)) == 2
 
 
-async def test_completion_can_carry_the_last_tokens(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_completion_can_carry_the_last_tokens(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     spec = job()
     await broker.queue.enqueue(spec)
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
@@ -596,8 +597,8 @@ async def test_completion_can_carry_the_last_tokens(make_broker: BrokerFactory) 
     assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == "ab"
 
 
-async def test_lease_says_whether_earlier_tokens_exist(make_broker: BrokerFactory) -> None:
-    broker = make_broker(lease_s=0.1)
+async def test_lease_says_whether_earlier_tokens_exist(make_backend: BackendFactory) -> None:
+    broker = make_backend(lease_s=0.1)
     spec = job()
     await broker.queue.enqueue(spec)
     [first] = await broker.queue.claim(MODEL, "w1", slots=1)
@@ -609,14 +610,15 @@ async def test_lease_says_whether_earlier_tokens_exist(make_broker: BrokerFactor
     assert second.resumable and second.spec.attempt == 1
 
 
-async def test_scripts_survive_a_flushed_script_cache(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
-    if make_broker.kind == "memory":  # type: ignore[attr-defined]
+async def test_scripts_survive_a_flushed_script_cache(make_backend: BackendFactory) -> None:
+    broker = make_backend()
+    if make_backend.kind not in REDIS_KINDS:
         pytest.skip("a Redis server's script cache")
     await broker.queue.enqueue(job())
-    await broker.queue.redis.script_flush()  # what a server restart does to loaded scripts
+    client = connection_of(broker).client
+    await client.script_flush()  # what a server restart does to loaded scripts
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
-    await broker.queue.redis.script_flush()
+    await client.script_flush()
     assert await broker.queue.complete(lease, ok(lease))
 
 
@@ -626,8 +628,8 @@ def collapsing(key: str = "digest-1") -> JobSpec:
     return spec
 
 
-async def test_identical_request_in_flight_joins_the_job(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_identical_request_in_flight_joins_the_job(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     first = await broker.queue.enqueue(collapsing())
     joined = await broker.queue.enqueue(collapsing())
     in_batch = await broker.queue.enqueue_many([collapsing("digest-2"), collapsing("digest-2")])
@@ -649,8 +651,8 @@ async def test_identical_request_in_flight_joins_the_job(make_broker: BrokerFact
     assert after.created and after.job_id != first.job_id
 
 
-async def test_a_refused_batch_joins_nothing(make_broker: BrokerFactory) -> None:
-    broker = make_broker(max_queue_depth=2)
+async def test_a_refused_batch_joins_nothing(make_backend: BackendFactory) -> None:
+    broker = make_backend(max_queue_depth=2)
     first = await broker.queue.enqueue(collapsing())
     with pytest.raises(QueueFull):
         await broker.queue.enqueue_many([collapsing(), job(), job()])
@@ -659,9 +661,9 @@ async def test_a_refused_batch_joins_nothing(make_broker: BrokerFactory) -> None
 
 
 async def test_collapsed_job_is_cancelled_only_when_its_last_follower_leaves(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     first = await broker.queue.enqueue(collapsing())
     for _ in range(2):
         await broker.queue.enqueue(collapsing())
@@ -681,9 +683,9 @@ async def test_collapsed_job_is_cancelled_only_when_its_last_follower_leaves(
 
 
 async def test_response_cache_entries_expire_and_stay_under_the_byte_bound(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     assert await broker.responses.cache_get(MODEL, "a") is None
     await broker.responses.cache_put(MODEL, "a", b"x" * 40, ttl_s=60, max_bytes=100)
     await broker.responses.cache_put(MODEL, "b", b"y" * 40, ttl_s=60, max_bytes=100)
@@ -703,8 +705,8 @@ async def test_response_cache_entries_expire_and_stay_under_the_byte_bound(
     assert await broker.responses.cache_get(MODEL, "short") is None
 
 
-async def test_size_pools_split_lanes_by_estimated_tokens(make_broker: BrokerFactory) -> None:
-    broker = make_broker(size_pools="10,100", lease_s=0.2)
+async def test_size_pools_split_lanes_by_estimated_tokens(make_backend: BackendFactory) -> None:
+    broker = make_backend(size_pools="10,100", lease_s=0.2)
     small, medium, large = job(), job(), job()  # "hello": ~2 tokens + max_tokens 4 -> pool 0
     medium.sampling = SamplingParams(max_tokens=50, temperature=0.0)
     large.sampling = SamplingParams(max_tokens=500, temperature=0.0)
@@ -729,8 +731,8 @@ async def test_size_pools_split_lanes_by_estimated_tokens(make_broker: BrokerFac
     assert await broker.queue.depth(MODEL) == 0
 
 
-async def test_records_reads_many_jobs_at_once(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_records_reads_many_jobs_at_once(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     a, b = await broker.queue.enqueue(job()), await broker.queue.enqueue(job())
     [lease] = await broker.queue.claim(MODEL, "w", slots=1)
     await broker.queue.complete(lease, ok(lease))
@@ -744,8 +746,8 @@ async def test_records_reads_many_jobs_at_once(make_broker: BrokerFactory) -> No
     assert await broker.queue.records([]) == []
 
 
-async def test_batch_lane_is_last_but_never_starved(make_broker: BrokerFactory) -> None:
-    broker = make_broker(starvation_every=4)
+async def test_batch_lane_is_last_but_never_starved(make_backend: BackendFactory) -> None:
+    broker = make_backend(starvation_every=4)
     await broker.queue.enqueue_many([job(Priority.BATCH) for _ in range(5)])
     await broker.queue.enqueue(job(Priority.LOW))
     [first] = await broker.queue.claim(MODEL, "w", slots=1)
@@ -760,8 +762,8 @@ async def test_batch_lane_is_last_but_never_starved(make_broker: BrokerFactory) 
     assert served.count(Priority.NORMAL) >= 30
 
 
-async def test_batch_room_caps_the_batch_lane_only(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_batch_room_caps_the_batch_lane_only(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     await broker.queue.enqueue_many([job(Priority.BATCH) for _ in range(6)])
     await broker.queue.enqueue_many([job(Priority.NORMAL) for _ in range(2)])
     first = await broker.queue.claim(MODEL, "w", slots=8, batch_room=2)
@@ -779,11 +781,11 @@ async def test_batch_room_caps_the_batch_lane_only(make_broker: BrokerFactory) -
     assert len(await broker.queue.claim(MODEL, "w", slots=8, block_s=1.0)) == 1
 
 
-async def test_batch_store(make_broker: BrokerFactory) -> None:
+async def test_batch_store(make_backend: BackendFactory) -> None:
 
-    broker = make_broker()
+    broker = make_backend()
     store = broker.batches
-    other = make_broker().batches  # another gateway on the same broker
+    other = make_backend().batches  # another gateway on the same broker
     rec = BatchRecord(
         id="batch_1",
         tenant="acme",
@@ -826,8 +828,8 @@ async def test_batch_store(make_broker: BrokerFactory) -> None:
     assert await other.get("batch_missing") is None
 
 
-async def test_directory_of_tenants_and_keys_is_shared(make_broker: BrokerFactory) -> None:
-    admin, gateway = make_broker(), make_broker()  # two clients of one store
+async def test_directory_of_tenants_and_keys_is_shared(make_backend: BackendFactory) -> None:
+    admin, gateway = make_backend(), make_backend()  # two clients of one store
     assert not await gateway.directory.has_api_keys()
     assert (
         await gateway.directory.tenant("acme") is None and await gateway.directory.tenants() == []
@@ -865,8 +867,8 @@ def held_job(tenant: str = "acme", deadline: float | None = None) -> JobSpec:
     return spec
 
 
-async def test_request_quota_is_exact_across_clients(make_broker: BrokerFactory) -> None:
-    one, two = make_broker(), make_broker()
+async def test_request_quota_is_exact_across_clients(make_backend: BackendFactory) -> None:
+    one, two = make_backend(), make_backend()
     quota = Quota(rpm=3)
     decisions = []
     for i in range(6):
@@ -881,9 +883,9 @@ async def test_request_quota_is_exact_across_clients(make_broker: BrokerFactory)
 
 
 async def test_token_quota_reserves_then_settles_to_the_real_count(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     quota = Quota(tpm=100)
     first, second = await broker.quotas.reserve("acme", quota, [("j1", 60), ("j2", 60)])
     assert first.admitted and first.tokens is not None and first.tokens[1] == 40
@@ -898,9 +900,9 @@ async def test_token_quota_reserves_then_settles_to_the_real_count(
 
 
 async def test_concurrency_is_released_at_every_terminal_state(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(lease_s=0.1, max_deliveries=1)
+    broker = make_backend(lease_s=0.1, max_deliveries=1)
     quota = Quota(max_concurrent=1)
 
     async def admit(spec: JobSpec) -> bool:
@@ -961,9 +963,9 @@ async def drain_order(broker: Backend, jobs: int, slots: int = 4) -> list[str]:
 
 
 async def test_a_tenants_backlog_delays_another_by_a_bounded_amount(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(fair_window=4)
+    broker = make_backend(fair_window=4)
     for _ in range(10):
         await broker.queue.enqueue_many([tenant_job("a") for _ in range(200)])
     await broker.queue.enqueue_many([tenant_job("b") for _ in range(20)])
@@ -978,16 +980,16 @@ async def test_a_tenants_backlog_delays_another_by_a_bounded_amount(
     assert sum(lane.waiting for lane in stats.lanes) == 2020 - 60
 
 
-async def test_weights_split_a_lane_by_token_cost(make_broker: BrokerFactory) -> None:
-    broker = make_broker(fair_window=1)
+async def test_weights_split_a_lane_by_token_cost(make_backend: BackendFactory) -> None:
+    broker = make_backend(fair_window=1)
     await broker.queue.enqueue_many([tenant_job("a", 1.0) for _ in range(100)])
     await broker.queue.enqueue_many([tenant_job("b", 3.0) for _ in range(100)])
     order = (await drain_order(broker, 81, slots=1))[1:]  # past the one in the stream
     assert abs(order.count("b") / len(order) - 0.75) <= 0.05
 
 
-async def test_earliest_deadline_first_within_a_tenant(make_broker: BrokerFactory) -> None:
-    broker = make_broker(fair_window=1)
+async def test_earliest_deadline_first_within_a_tenant(make_backend: BackendFactory) -> None:
+    broker = make_backend(fair_window=1)
     now = time.time()
     late = [tenant_job("a", deadline=now + 300 + i) for i in range(3)]
     none = tenant_job("a")
@@ -1024,9 +1026,9 @@ async def run_prefix(broker: Backend, worker: str, prefix: str = "sys-a") -> Non
 
 
 async def test_prefix_affinity_holds_a_job_for_the_worker_that_ran_its_prefix(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(affinity_wait_s=30.0)
+    broker = make_backend(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
     await beat(broker, "w2")
     held, plain, other = prefixed(), job(), prefixed("sys-b")
@@ -1057,9 +1059,9 @@ async def test_prefix_affinity_holds_a_job_for_the_worker_that_ran_its_prefix(
 
 
 async def test_a_held_job_goes_to_any_worker_after_the_affinity_wait(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(affinity_wait_s=0.3)
+    broker = make_backend(affinity_wait_s=0.3)
     await run_prefix(broker, "w1")  # w1 owns the prefix, then is busy (or hangs)
     spec = prefixed()
     await broker.queue.enqueue(spec)
@@ -1079,9 +1081,9 @@ async def test_a_held_job_goes_to_any_worker_after_the_affinity_wait(
 
 
 async def test_no_job_waits_for_a_worker_whose_heartbeat_lapsed(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(affinity_wait_s=30.0)
+    broker = make_backend(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
     await beat(broker, "w1", ttl_s=0.2)
     await asyncio.sleep(0.3)  # w1 died: its heartbeat lapsed
@@ -1100,9 +1102,9 @@ async def test_no_job_waits_for_a_worker_whose_heartbeat_lapsed(
 
 
 async def test_the_preferred_worker_wakes_for_a_job_held_for_it(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(affinity_wait_s=30.0)
+    broker = make_backend(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
     assert await broker.queue.claim(MODEL, "w1", slots=1) == []  # idle: the next claim waits
     waiter = asyncio.create_task(broker.queue.claim(MODEL, "w1", slots=1, block_s=5.0))
@@ -1117,9 +1119,9 @@ async def test_the_preferred_worker_wakes_for_a_job_held_for_it(
 
 
 async def test_an_affinity_lease_is_reaped_and_released_like_any_other(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(affinity_wait_s=30.0, lease_s=0.2)
+    broker = make_backend(affinity_wait_s=30.0, lease_s=0.2)
     await run_prefix(broker, "w1")
     spec = prefixed()
     await broker.queue.enqueue(spec)
@@ -1145,8 +1147,8 @@ async def test_an_affinity_lease_is_reaped_and_released_like_any_other(
     assert await broker.queue.depth(MODEL) == 0
 
 
-async def test_at_most_max_held_jobs_wait_for_one_worker(make_broker: BrokerFactory) -> None:
-    broker = make_broker(affinity_wait_s=30.0, affinity_max_held=2)
+async def test_at_most_max_held_jobs_wait_for_one_worker(make_backend: BackendFactory) -> None:
+    broker = make_backend(affinity_wait_s=30.0, affinity_max_held=2)
     await run_prefix(broker, "w1")
     specs = [prefixed() for _ in range(4)]
     await broker.queue.enqueue_many(specs)
@@ -1157,8 +1159,8 @@ async def test_at_most_max_held_jobs_wait_for_one_worker(make_broker: BrokerFact
     assert [lease.spec.id for lease in mine] == [s.id for s in specs[:2]]
 
 
-async def test_a_held_job_cancelled_while_waiting_never_runs(make_broker: BrokerFactory) -> None:
-    broker = make_broker(affinity_wait_s=30.0)
+async def test_a_held_job_cancelled_while_waiting_never_runs(make_backend: BackendFactory) -> None:
+    broker = make_backend(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
     spec = prefixed()
     await broker.queue.enqueue(spec)
@@ -1179,9 +1181,9 @@ async def audit_of(broker: Backend, since: float = 0.0, **filters: str) -> list[
 
 
 async def test_audit_trail_records_receipts_and_terminal_states(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker(fair_window=1)
+    broker = make_backend(fair_window=1)
     start = time.time() - 1
     done, dead, gone = job(tenant="acme"), job(tenant="acme"), job(tenant="bob")
     for spec in (done, dead, gone):
@@ -1218,9 +1220,9 @@ async def test_audit_trail_records_receipts_and_terminal_states(
 
 
 async def test_audit_trail_records_a_job_that_expired_in_the_queue(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     start = time.time() - 1
     late = job(tenant="late", deadline=time.time() + 0.05)
     await broker.queue.enqueue(late)
@@ -1232,25 +1234,25 @@ async def test_audit_trail_records_a_job_that_expired_in_the_queue(
     ]
 
 
-async def test_audit_trail_is_bounded(make_broker: BrokerFactory) -> None:
-    broker = make_broker(audit_max_len=10)
+async def test_audit_trail_is_bounded(make_backend: BackendFactory) -> None:
+    broker = make_backend(audit_max_len=10)
     for _ in range(5):
         await broker.queue.enqueue_many([job() for _ in range(100)])
     kept = await audit_of(broker)
     # MAXLEN ~ trims whole stream nodes (100 entries each by default): near the bound
     assert 10 <= len(kept) <= 10 + 100
-    off = make_broker(audit_max_len=0)
+    off = make_backend(audit_max_len=0)
     before = len(await audit_of(off))
     await off.queue.enqueue(job())
     assert len(await audit_of(off)) == before
 
 
 async def test_token_budget_per_period_reserves_settles_and_resets(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
     from datetime import UTC, datetime
 
-    broker = make_broker()
+    broker = make_backend()
     now = [datetime(2026, 2, 15, 12, tzinfo=UTC).timestamp()]
     broker.quotas.clock = lambda: now[0]  # injected time: the scripts take it instead of TIME
     quota = Quota(token_budget=100, budget_period="month", rpm=1000)
@@ -1299,8 +1301,8 @@ async def test_token_budget_per_period_reserves_settles_and_resets(
 
 
 # -- the queue's hot path (issue 16 item 2): fewer commands, the same behaviour ----------------
-async def test_a_lease_naming_another_consumer_is_fenced(make_broker: BrokerFactory) -> None:
-    broker = make_broker()
+async def test_a_lease_naming_another_consumer_is_fenced(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     await broker.queue.enqueue(job())
     [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
     forged = msgspec.structs.replace(lease, consumer="w2")
@@ -1310,11 +1312,11 @@ async def test_a_lease_naming_another_consumer_is_fenced(make_broker: BrokerFact
 
 
 async def test_jobs_enqueued_one_at_a_time_take_the_same_fair_turns(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
     """A lone job into an idle lane skips staging (enqueue.lua's fast path) but leaves its
     tenant's tag as staging would: the turns that follow are the staged path's."""
-    broker = make_broker(fair_window=1)
+    broker = make_backend(fair_window=1)
     order = []
     first = tenant_job("a")
     await broker.queue.enqueue(first)  # idle lane: straight into the stream
@@ -1335,11 +1337,11 @@ async def test_jobs_enqueued_one_at_a_time_take_the_same_fair_turns(
 
 
 async def test_a_waiting_claim_wakes_for_work_in_any_lane_after_others_took_the_rest(
-    make_broker: BrokerFactory,
+    make_backend: BackendFactory,
 ) -> None:
     """A claim's wait hint may skip lanes with nothing after it (claim.lua's `after`): work
     another worker took meanwhile, or work that lands in any lane later, changes nothing."""
-    waiter, other = make_broker(), make_broker()
+    waiter, other = make_backend(), make_backend()
     assert await waiter.queue.claim(MODEL, "w1", slots=2, block_s=0.05) == []  # idle: hints known
     taken = job()
     await other.queue.enqueue(taken)

@@ -13,8 +13,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.servers import running_server
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.channel import Channel
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis import connection_of
+from tokenyard.broker.redis.channel import Channel
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 
@@ -27,7 +28,7 @@ async def broker(valkey: EmbeddedServer) -> AsyncIterator[Backend]:
 
 
 def channel_of(broker: Backend) -> Channel:
-    channel = broker.queue._channel
+    channel = connection_of(broker).channel
     assert isinstance(channel, Channel)
     return channel
 
@@ -76,7 +77,7 @@ async def test_a_restarted_server_fails_calls_in_flight_then_serves_again() -> N
 async def test_an_idle_connection_the_server_closed_is_not_reused(broker: Backend) -> None:
     channel = channel_of(broker)
     [own_id] = await channel.execute([("CLIENT", "ID")])
-    await broker.queue.redis.execute_command("CLIENT", "KILL", "ID", own_id)
+    await connection_of(broker).client.execute_command("CLIENT", "KILL", "ID", own_id)
     await asyncio.sleep(0.1)  # the close reaches the idle connection
     replies = await asyncio.wait_for(channel.execute([("ECHO", "again")]), 5.0)
     assert replies == [b"again"]
@@ -102,7 +103,7 @@ async def test_no_commands_is_no_exchange(broker: Backend) -> None:
 
 def test_deadlines_hold_on_a_second_event_loop(valkey: EmbeddedServer) -> None:
     broker = connect(BrokerSettings(url=valkey.url, prefix=f"ch{uuid.uuid4().hex[:6]}"))
-    channel = broker.queue._channel
+    channel = connection_of(broker).channel
     assert channel is not None
     stream = f"{broker.settings.prefix}:s"
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.servers import alive
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 from tokenyard.fleet.launch import tokenyard_command as tokenyard
 

@@ -15,7 +15,7 @@ import pytest
 from redis.crc import key_slot
 
 from tests.servers import Cluster
-from tokenyard.broker.keys import Keys
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 from tokenyard.fleet.launch import tokenyard_command as tokenyard
 

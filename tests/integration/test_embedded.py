@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from tests.servers import alive, running_server
-from tokenyard.broker.embedded import EmbeddedServer, EmbeddedServerError, find_server_binary
+from tokenyard.broker.redis.embedded import EmbeddedServer, EmbeddedServerError, find_server_binary
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +172,7 @@ def test_server_outlives_the_thread_that_started_it() -> None:
 def test_server_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
-        "from tokenyard.broker.embedded import EmbeddedServer\n"
+        "from tokenyard.broker.redis.embedded import EmbeddedServer\n"
         "s = EmbeddedServer(sys.argv[1]).start()\n"
         "print(s.pid, flush=True)\n"
         "time.sleep(60)\n"

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["valkey", "memory"])
-def url(request: pytest.FixtureRequest, valkey: EmbeddedServer) -> str:
-    return valkey.url if request.param == "valkey" else "memory://"
+@pytest.fixture
+def url(valkey: EmbeddedServer) -> str:
+    return valkey.url
 
 
 def fair_share(url: str, scenario: str, *args: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobSpec, JobStatus, Priority

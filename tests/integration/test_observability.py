@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Processes, free_port, wait_ready
 from tokenyard.fleet.launch import tokenyard_command as tokenyard
 

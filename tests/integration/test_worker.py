@@ -7,9 +7,8 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from tests.conftest import BrokerFactory
-from tokenyard.broker import Backend
-from tokenyard.broker.keys import new_job_id
+from tests.conftest import BackendFactory
+from tokenyard.broker import Backend, new_job_id
 from tokenyard.config import WorkerSettings
 from tokenyard.engines import EngineRequest
 from tokenyard.engines.sim import SimEngine
@@ -57,7 +56,7 @@ RunWorker = Callable[..., Worker]
 
 
 @pytest.fixture
-async def run_worker(make_broker: BrokerFactory) -> AsyncIterator[RunWorker]:
+async def run_worker(make_backend: BackendFactory) -> AsyncIterator[RunWorker]:
     """Start workers in the background; drain and join them at teardown."""
     started: list[tuple[Worker, asyncio.Task[None]]] = []
 
@@ -67,7 +66,7 @@ async def run_worker(make_broker: BrokerFactory) -> AsyncIterator[RunWorker]:
         engine = engine or SimEngine(decode_base=0.002, decode_per_seq=1e-4, prefill_base=0.001)
         options: dict[str, object] = {"model": MODEL, "engine": "sim", "heartbeat_s": 0.2}
         options.update(settings)
-        worker = Worker(broker or make_broker(lease_s=2.0), engine, WorkerSettings(**options))  # type: ignore[arg-type]
+        worker = Worker(broker or make_backend(lease_s=2.0), engine, WorkerSettings(**options))  # type: ignore[arg-type]
         started.append((worker, asyncio.create_task(worker.run())))
         return worker
 
@@ -84,9 +83,9 @@ async def run_worker(make_broker: BrokerFactory) -> AsyncIterator[RunWorker]:
 
 
 async def test_many_concurrent_jobs_complete_in_shared_steps(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     engine = SimEngine(decode_base=0.003, decode_per_seq=1e-4)
     worker = run_worker(engine=engine, max_seqs=32)
     lengths = [4 + (i % 13) for i in range(64)]
@@ -108,11 +107,11 @@ async def test_many_concurrent_jobs_complete_in_shared_steps(
 
 
 async def test_events_are_coalesced_per_engine_step(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
     """One broker round trip per engine step carries every job's new tokens."""
-    broker = make_broker()
-    worker_broker = make_broker()
+    broker = make_backend()
+    worker_broker = make_backend()
     calls: list[int] = []
     append = worker_broker.queue.append_events
 
@@ -134,9 +133,9 @@ async def test_events_are_coalesced_per_engine_step(
 
 
 async def test_cancel_mid_generation_frees_the_slot(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     run_worker(engine=SimEngine(decode_base=0.01), max_seqs=1, claim_ahead=0)  # no reserve
     long, queued = spec("long", 2000), spec("short", 5)
     await broker.queue.enqueue(long)
@@ -154,9 +153,9 @@ async def test_cancel_mid_generation_frees_the_slot(
 
 
 async def test_failing_engine_retries_then_dead_letters(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
-    broker = make_broker(max_deliveries=2, backoff_base_s=0.01, backoff_max_s=0.02)
+    broker = make_backend(max_deliveries=2, backoff_base_s=0.01, backoff_max_s=0.02)
     run_worker(broker=broker)
     bad, good = spec("please [[fail]] now"), spec("fine")
     await broker.queue.enqueue_many([bad, good])
@@ -168,9 +167,9 @@ async def test_failing_engine_retries_then_dead_letters(
 
 
 async def test_prompt_too_long_fails_without_retry(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     run_worker(engine=SimEngine(max_model_len=64))
     job = spec("x" * 60, max_tokens=10)
     await broker.queue.enqueue(job)
@@ -181,10 +180,10 @@ async def test_prompt_too_long_fails_without_retry(
 
 
 async def test_resumed_job_continues_after_streamed_tokens(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
     """A redelivered job picks up the tokens its dead predecessor streamed; none repeat."""
-    broker = make_broker(lease_s=0.3)
+    broker = make_backend(lease_s=0.3)
     direct = SimEngine(decode_base=0.0)
     await direct.start()
     prompt_ids = direct.tokenizer.encode("resume me")
@@ -213,9 +212,9 @@ async def test_resumed_job_continues_after_streamed_tokens(
 
 
 async def test_drain_finishes_in_flight_work_and_stops_claiming(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     first = run_worker(engine=SimEngine(decode_base=0.005), max_seqs=4)
     specs = [spec(f"d{i}", 30) for i in range(12)]
     await broker.queue.enqueue_many(specs)
@@ -233,9 +232,9 @@ async def test_drain_finishes_in_flight_work_and_stops_claiming(
 
 
 async def test_drain_timeout_hands_unfinished_jobs_back(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
-    broker = make_broker()
+    broker = make_backend()
     first = run_worker(engine=SimEngine(decode_base=0.01), max_seqs=2, drain_timeout_s=0.2)
     specs = [spec(f"slow{i}", 400) for i in range(2)]
     await broker.queue.enqueue_many(specs)
@@ -258,10 +257,10 @@ async def test_drain_timeout_hands_unfinished_jobs_back(
 
 
 async def test_the_engine_fills_to_capacity_within_a_few_steps(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
     """With more jobs waiting than slots, the running batch reaches max_seqs almost at once."""
-    broker = make_broker()
+    broker = make_backend()
     await broker.queue.enqueue_many([spec(f"fill{i}", 40) for i in range(40)])
     engine = SimEngine(decode_base=0.005)
     worker = run_worker(engine=engine, max_seqs=16)
@@ -276,7 +275,7 @@ async def test_the_engine_fills_to_capacity_within_a_few_steps(
 
 
 async def test_a_long_job_never_reaches_a_short_worker(
-    make_broker: BrokerFactory, run_worker: RunWorker
+    make_backend: BackendFactory, run_worker: RunWorker
 ) -> None:
     def engine(context: int) -> SimEngine:
         return SimEngine(
@@ -284,9 +283,9 @@ async def test_a_long_job_never_reaches_a_short_worker(
         )
 
     pools = {"size_pools": "64", "lease_s": 2.0}
-    broker = make_broker(**pools)
-    short = run_worker(engine=engine(64), broker=make_broker(**pools), max_seqs=4)
-    long = run_worker(engine=engine(4096), broker=make_broker(**pools), max_seqs=4)
+    broker = make_backend(**pools)
+    short = run_worker(engine=engine(64), broker=make_backend(**pools), max_seqs=4)
+    long = run_worker(engine=engine(4096), broker=make_backend(**pools), max_seqs=4)
     assert (short.pools, long.pools) == ([0], [1, 0])
     shorts = [spec("hi", max_tokens=8) for _ in range(24)]  # ~10 tokens: pool 0
     longs = [spec("long", max_tokens=100) for _ in range(8)]  # ~102 tokens: pool 1

@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.test_worker import wait_all
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.embedded import EmbeddedServer
-from tokenyard.broker.keys import new_job_id
+from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import EngineRequest
 from tokenyard.engines.hf import HFEngine

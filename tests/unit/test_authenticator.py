@@ -1,11 +1,11 @@
-"""The gateway's key lookups: bootstrap file first, the broker's directory cached for a TTL."""
+"""The gateway's key lookups: bootstrap file first, the broker's directory (a real Valkey)
+cached for a TTL."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenyard.broker import connect
-from tokenyard.config import BrokerSettings
+from tests.conftest import BackendFactory
 from tokenyard.gateway.auth import DEFAULT_TENANT, Authenticator, KeyRing, Tenant
 from tokenyard.gateway.errors import ApiError
 from tokenyard.messages import Priority
@@ -28,8 +28,10 @@ async def refused(auth: Authenticator, header: str | None) -> str | None:
     return error.value.code
 
 
-async def test_auth_is_off_until_a_key_exists_then_keys_are_cached() -> None:
-    broker = connect(BrokerSettings())
+async def test_auth_is_off_until_a_key_exists_then_keys_are_cached(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
     clock = Clock()
     auth = Authenticator(KeyRing(), broker.directory, ttl_s=1.0, clock=clock)
     assert await auth.tenant_for(None) == DEFAULT_TENANT and DEFAULT_TENANT.admin
@@ -51,8 +53,10 @@ async def test_auth_is_off_until_a_key_exists_then_keys_are_cached() -> None:
     assert await refused(auth, f"Bearer {key}") == "invalid_api_key"
 
 
-async def test_file_keys_come_first_and_a_key_without_tenant_config_gets_defaults() -> None:
-    broker = connect(BrokerSettings())
+async def test_file_keys_come_first_and_a_key_without_tenant_config_gets_defaults(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
     ring = KeyRing({"sk-root": Tenant("ops", admin=True)})
     auth = Authenticator(ring, broker.directory, ttl_s=1.0, clock=Clock())
     key, _ = await create_key(broker.directory, "bob", now=0.0)

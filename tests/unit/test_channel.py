@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 
-from tokenyard.broker.channel import Command, pack
+from tokenyard.broker.redis.channel import Command, pack
 
 _args = st.one_of(
     st.text(max_size=20),

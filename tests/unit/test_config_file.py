@@ -68,7 +68,7 @@ def test_config_show_prints_values_and_sources(toml: Path, monkeypatch: pytest.M
         for section, rows in json.loads(result.output).items()
     }
     assert shown["broker"]["lease_s"] == (7.5, f"file {toml}")
-    assert shown["broker"]["url"] == ("memory://", "default")
+    assert shown["broker"]["url"] == ("", "default")  # no broker unless one is named
     assert shown["gateway"]["port"] == (9002, "TOKENYARD_GATEWAY_PORT")
     assert shown["gateway"]["models"] == (["a", "b"], f"file {toml}")
     assert shown["worker"]["remote_api_key"] == ("***", "TOKENYARD_WORKER_REMOTE_API_KEY")

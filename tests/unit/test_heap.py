@@ -6,13 +6,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
+
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
-    import asyncio, gc
+    import asyncio, gc, sys
     from tokenyard.broker import connect
     from tokenyard.config import BrokerSettings, WorkerSettings
     from tokenyard.engines.sim import SimEngine
@@ -20,12 +23,14 @@ SCRIPT = textwrap.dedent(
     from tokenyard.gateway.settings import gateway_settings
     from tokenyard.worker.worker import Worker
 
+    URL, PREFIX = sys.argv[1:]
+
     async def frozen_after_worker_start(freeze: bool) -> int:
-        broker = connect(BrokerSettings(url="memory://"))
+        broker = connect(BrokerSettings(url=URL, prefix=PREFIX))
         worker = Worker(broker, SimEngine(), WorkerSettings(model="sim", engine="sim"),
                         freeze_heap=freeze)
         running = asyncio.create_task(worker.run())
-        await asyncio.sleep(0.5)  # a sim engine on the memory broker is up in milliseconds
+        await asyncio.sleep(0.5)  # a sim engine on a local Valkey is up in milliseconds
         count = gc.get_freeze_count()
         worker.drain()
         await running
@@ -34,7 +39,7 @@ SCRIPT = textwrap.dedent(
 
     async def frozen_after_gateway_start(freeze: bool) -> int:
         app = create_app(gateway_settings(models="sim", tokenizer="sim"),
-                         connect(BrokerSettings(url="memory://")), freeze_heap=freeze)
+                         connect(BrokerSettings(url=URL, prefix=PREFIX)), freeze_heap=freeze)
         async with app.router.lifespan_context(app):
             count = gc.get_freeze_count()
         gc.unfreeze()
@@ -46,9 +51,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_worker_and_gateway_freeze_their_heap_only_when_they_own_the_process() -> None:
+def test_worker_and_gateway_freeze_their_heap_only_when_they_own_the_process(
+    valkey: EmbeddedServer,
+) -> None:
+    prefix = f"heap{uuid.uuid4().hex[:6]}"
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", SCRIPT, valkey.url, prefix],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 0, run.stderr
     worker_off, worker_on, gateway_off, gateway_on = map(int, run.stdout.split())

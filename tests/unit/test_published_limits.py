@@ -1,11 +1,10 @@
-"""The gateway's view of its workers' limits and weights revision (memory broker, injected
+"""The gateway's view of its workers' limits and weights revision (a real Valkey, injected
 clock): the revision keys the response cache and collapsing, so a heartbeat that lapses for a
 moment must not turn them off, while a worker with other weights must."""
 
 from __future__ import annotations
 
-from tokenyard.broker import connect
-from tokenyard.config import BrokerSettings
+from tests.conftest import BackendFactory
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.gateway.limits import PublishedLimits
 from tokenyard.messages import ModelLimits, WorkerInfo
@@ -26,9 +25,11 @@ def beat(consumer: str, revision: str) -> WorkerInfo:
     )
 
 
-async def test_revision_outlives_a_lapsed_heartbeat_until_other_weights_show() -> None:
+async def test_revision_outlives_a_lapsed_heartbeat_until_other_weights_show(
+    make_backend: BackendFactory,
+) -> None:
     now = [0.0]
-    broker = connect(BrokerSettings(), clock=lambda: now[0])
+    broker = make_backend(clock=lambda: now[0])
     limits = PublishedLimits(broker.registry, ttl_s=1.0, clock=lambda: now[0])
     tokenizer = SimTokenizer()
 

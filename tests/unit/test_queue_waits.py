@@ -1,15 +1,14 @@
 """The gateway's queue-wait snapshot: one read per period shared by every request, a stale one
-answered at once while the next read runs (on the memory broker, injected clock)."""
+answered at once while the next read runs (a real Valkey, injected clock)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 
-from tokenyard.broker import connect
+from tests.conftest import BackendFactory
+from tokenyard.broker import new_job_id
 from tokenyard.broker.core import LaneBacklog
-from tokenyard.broker.keys import new_job_id
-from tokenyard.config import BrokerSettings
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.messages import JobSpec, SamplingParams
 
@@ -31,8 +30,8 @@ def staged(lanes: Sequence[LaneBacklog]) -> int:
     return sum(lane.queued + sum(t.staged for t in lane.tenants) for lane in lanes)
 
 
-async def test_reads_are_shared_counted_and_refreshed() -> None:
-    broker = connect(BrokerSettings())
+async def test_reads_are_shared_counted_and_refreshed(make_backend: BackendFactory) -> None:
+    broker = make_backend()
     now = [0.0]
     waits = QueueWaits(broker.queue, broker.registry, ttl_s=0.25, clock=lambda: now[0])
     await broker.queue.enqueue_many([spec() for _ in range(3)])

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import pytest
 
-from tokenyard.broker import scripts
-from tokenyard.broker.scripts import SCRIPTS, Empty, ScriptSpec
+from tokenyard.broker.redis import scripts
+from tokenyard.broker.redis.scripts import SCRIPTS, Empty, ScriptSpec
 
 
 class Fixed(NamedTuple):
@@ -30,7 +30,7 @@ SPEC = ScriptSpec("example", Fixed, Empty, ItemKeys, ItemArgs)
 
 
 def lua(name: str) -> str:
-    return resources.files("tokenyard.broker").joinpath(f"lua/{name}.lua").read_text()
+    return resources.files("tokenyard.broker.redis").joinpath(f"lua/{name}.lua").read_text()
 
 
 def header(source: str) -> tuple[str, str]:
@@ -108,7 +108,7 @@ def test_script_bodies_use_declared_names_only(
 def test_every_script_file_has_a_table() -> None:
     files = {
         p.name.removesuffix(".lua")
-        for p in resources.files("tokenyard.broker").joinpath("lua").iterdir()
+        for p in resources.files("tokenyard.broker.redis").joinpath("lua").iterdir()
         if p.name.endswith(".lua")
     }
     assert files == {spec.name for spec in SCRIPTS}

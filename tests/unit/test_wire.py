@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard.broker.keys import Keys, model_tag, new_job_id, tag_of_job
+from tokenyard.broker.ids import model_tag, new_job_id, tag_of_job
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.errors import FatalError
 from tokenyard.messages import (

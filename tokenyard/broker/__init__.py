@@ -1,7 +1,8 @@
 """Brokers: a queue core (lanes, leases, fenced results, per-job events) and tables beside it.
 
 `connect(settings)` opens the backend named by `settings.url` and returns a `Backend`: its
-queue core and each table as the role a caller types against.
+queue core and each table as the role a caller types against. The roles are declared in
+core.py and tables.py; each backend lives in a package of its own (redis/).
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tokenyard.broker.core import Clock, QueueCore
-from tokenyard.broker.keys import is_job_id, new_job_id
+from tokenyard.broker.ids import is_job_id, new_job_id
 from tokenyard.broker.tables import (
     Audit,
     BatchStore,
@@ -22,12 +23,9 @@ from tokenyard.broker.tables import (
     WorkerRegistry,
 )
 from tokenyard.config import BrokerSettings
-from tokenyard.errors import BrokerUnavailable
+from tokenyard.errors import BrokerUnavailable, FatalError
 
-if TYPE_CHECKING:
-    from tokenyard.broker.base import Broker
-
-__all__ = ["Backend", "connect", "is_job_id", "new_job_id", "wait_until_ready"]
+__all__ = ["Backend", "check_url", "connect", "is_job_id", "new_job_id", "wait_until_ready"]
 
 
 class Connection(Protocol):
@@ -56,37 +54,34 @@ class Backend:
         return await self.connection.ping()
 
     async def close(self) -> None:
-        """Release every connection."""
+        """Send what the queue still holds back, then release every connection."""
+        await self.queue.close()
         await self.connection.close()
 
 
+# the URLs the Redis backend takes; redis+cluster:// names any node of a Redis Cluster
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+NO_BROKER = (
+    "no broker: give --broker URL or set TOKENYARD_BROKER_URL (e.g. redis://localhost:6379/0)"
+)
+
+
+def check_url(url: str) -> None:
+    """Refuse, in one line, a URL no backend takes (empty: none was given)."""
+    if not url:
+        raise FatalError(NO_BROKER)
+    if not url.startswith(REDIS_SCHEMES):
+        raise FatalError(f"broker URL {url!r}: expected one of {', '.join(REDIS_SCHEMES)}")
+
+
 def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
-    """Open the backend named by `settings.url`: memory://, redis:// / rediss:// / unix://, or
-    redis+cluster://host:port (any node of a Redis Cluster)."""
-    if settings.url.startswith("memory://"):
-        from tokenyard.broker.memory import MemoryBroker
+    """Open the backend named by `settings.url`: redis:// / rediss:// / unix://, or
+    redis+cluster://host:port (any node of a Redis Cluster). `clock` stands in for time.time
+    (tests inject one)."""
+    check_url(settings.url)
+    from tokenyard.broker.redis import open_backend
 
-        return _whole(MemoryBroker(settings, clock=clock))
-    from tokenyard.broker.redis import RedisBroker
-
-    return _whole(RedisBroker(settings, clock=clock))
-
-
-def _whole(broker: Broker) -> Backend:
-    """Transitional: a backend whose one object still plays every role."""
-    from tokenyard.broker.batches import batch_store
-
-    return Backend(
-        settings=broker.settings,
-        queue=broker,
-        directory=broker,
-        quotas=broker,
-        audit=broker,
-        responses=broker,
-        registry=broker,
-        batches=batch_store(broker),
-        connection=broker,
-    )
+    return open_backend(settings, clock)
 
 
 async def wait_until_ready(backend: Backend, timeout_s: float = 10.0) -> None:

@@ -1,8 +1,8 @@
 """The audit trail: one entry when a job is received, one when it reaches a terminal state.
 
 Entries are appended to a bounded stream (Redis: one stream under its own hash tag, trimmed
-with MAXLEN ~ `BrokerSettings.audit_max_len`; the memory broker: a bounded deque). Building an
-entry and parsing `--since` are pure; the brokers write and read them.
+with MAXLEN ~ `BrokerSettings.audit_max_len`, redis/tables.py). Building an entry and parsing
+`--since` are pure; a backend's queue writes them and its audit table reads them.
 """
 
 from __future__ import annotations

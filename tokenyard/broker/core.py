@@ -245,3 +245,8 @@ class QueueCore(Producer, Leases, Events, Records, Cancellation, Stats, Protocol
 
     settings: BrokerSettings
     clock: Clock
+
+    async def close(self) -> None:
+        """Send what it holds back (e.g. group commit's waiting enqueues); the backend's
+        connections stay open for the tables."""
+        ...

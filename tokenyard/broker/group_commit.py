@@ -1,5 +1,6 @@
-"""Group commit: one client's concurrent single-job enqueues reach Redis in one script call per
-model, so a single-job API under load costs what `enqueue_many` costs."""
+"""Group commit: one client's concurrent single-job enqueues reach the broker in one
+`enqueue_many` call per model (on Redis, one script call), so a single-job API under load costs
+what `enqueue_many` costs. It knows only `enqueue_many`: any backend's queue can use it."""
 
 from __future__ import annotations
 

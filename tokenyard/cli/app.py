@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -27,6 +28,7 @@ from tokenyard.config import (
     from_env,
     setting_sources,
 )
+from tokenyard.errors import FatalError
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
@@ -85,14 +87,14 @@ def serve(
     from tokenyard.fleet.serve import Stack
 
     setup_logging("INFO", log_format)
-    settings = broker_settings(broker, prefix)
+    settings = broker_settings(broker, prefix, required=False)
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
     auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
-        external=settings if settings.url != "memory://" else None,
+        external=settings if settings.url else None,
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
@@ -306,7 +308,11 @@ app.add_typer(batch_app, name="batch")
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except FatalError as exc:  # misconfiguration: one line, no traceback
+        print(f"tokenyard: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

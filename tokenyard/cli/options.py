@@ -8,7 +8,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from tokenyard.broker import Backend, connect
+from tokenyard.broker import Backend, check_url, connect
 from tokenyard.config import BrokerSettings, from_env
 
 BrokerOpt = Annotated[
@@ -19,10 +19,14 @@ _T = TypeVar("_T")
 
 
 def broker_settings(
-    broker: str | None, prefix: str | None, lease_s: float | None = None
+    broker: str | None, prefix: str | None, lease_s: float | None = None, required: bool = True
 ) -> BrokerSettings:
-    """The flags, then TOKENYARD_BROKER_*, then the config file, then the defaults."""
-    return from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+    """The flags, then TOKENYARD_BROKER_*, then the config file, then the defaults; a command
+    that needs a broker refuses at once when none is named (before it loads a model)."""
+    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+    if required:
+        check_url(settings.url)
+    return settings
 
 
 def with_broker(

@@ -16,7 +16,7 @@ from typing import Literal, Self
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
 from tokenyard.fleet.autoscale import AutoscaleConfig

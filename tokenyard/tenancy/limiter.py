@@ -1,6 +1,6 @@
 """Pure quota maths: GCRA for requests and tokens per minute, a concurrency cap, and the
 OpenAI rate-limit headers. The broker's reserve/settle scripts do the same arithmetic
-atomically (tokenyard/broker/lua/reserve.lua, settle.lua); tests hold the two together."""
+atomically (tokenyard/broker/redis/lua/reserve.lua, settle.lua); tests hold the two together."""
 
 from __future__ import annotations
 

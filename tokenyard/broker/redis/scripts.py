@@ -84,7 +84,7 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             return "{" + ", ".join(fields) + "}"
 
         lines = [
-            f"-- names of KEYS and ARGV, from tokenyard/broker/scripts.py ({self.name})",
+            f"-- names of KEYS and ARGV, from tokenyard/broker/redis/scripts.py ({self.name})",
             f"local K = {table(self.keys, 'KEYS', '')}",
             f"local A = {table(self.args, 'ARGV', '')}",
         ]
@@ -105,7 +105,7 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
 
     def source(self) -> str:
         """The script as sent to the server: prologue, then the file."""
-        lua = resources.files("tokenyard.broker").joinpath("lua")
+        lua = resources.files("tokenyard.broker.redis").joinpath("lua")
         libraries = "".join(lua.joinpath(f"lib/{name}.lua").read_text() for name in self.libraries)
         return self.prologue() + libraries + lua.joinpath(f"{self.name}.lua").read_text()
 

@@ -1,41 +1,16 @@
 """Every Redis key name, in one place.
 
 All keys of one model share a `{hash tag}` so a model's scripts run on one Redis Cluster slot.
-Job ids start with that tag, so any key of a job is derived from its id alone.
+Job ids start with that tag (tokenyard/broker/ids.py), so any key of a job is derived from its
+id alone.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import re
-import uuid
-
+from tokenyard.broker.ids import model_tag, tag_of_job
 from tokenyard.messages import Priority
 
 GROUP = "workers"
-_JOB_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{32}")
-
-
-@functools.lru_cache(maxsize=1024)  # every key of a job goes through it
-def model_tag(model: str) -> str:
-    return hashlib.blake2s(model.encode(), digest_size=4).hexdigest()
-
-
-def new_job_id(model: str) -> str:
-    return f"{model_tag(model)}-{uuid.uuid4().hex}"
-
-
-def tag_of_job(job_id: str) -> str:
-    tag, sep, _ = job_id.partition("-")
-    if not sep or len(tag) != 8:
-        raise ValueError(f"malformed job id {job_id!r}")
-    return tag
-
-
-def is_job_id(job_id: str) -> bool:
-    """Whether `job_id` has the shape `new_job_id` gives (a model tag, a dash, a uuid)."""
-    return _JOB_ID.fullmatch(job_id) is not None
 
 
 class Keys:
@@ -197,7 +172,7 @@ class Keys:
         """Hash of key digest -> ApiKeyRecord."""
         return f"{self.prefix}:{{directory}}:apikeys"
 
-    # -- offline batches (tokenyard.broker.batches): a batch's keys share its own {tag} --------
+    # -- offline batches (redis/batches.py): a batch's keys share its own {tag} -------------
     def batch(self, batch_id: str, part: str) -> str:
         """A batch's keys: `rec` (hash: record, cancel flag), `jobs`, `ok`, `failed`, `lease`."""
         return f"{self.prefix}:{{{batch_id}}}:{part}"

@@ -5,7 +5,7 @@
 -- active tenant with the smallest start tag (start-time fair queueing): a job of cost c
 -- advances its tenant's tag by c / weight, and a tenant that becomes active starts at the
 -- lane's virtual time, so one tenant's backlog delays another's job by at most the window
--- plus one job. The same rule runs in memory.py (_Fair).
+-- plus one job. Cost and order come from tokenyard/broker/policy.py (fair_cost, staging_score).
 -- <lane>:fair hash: stream (staged jobs moved into the stream and not yet read), staged, seq,
 -- v (virtual time), S:<tenant> (tag of a tenant with nothing staged), w:<tenant> (weight).
 -- <lane>:active zset: tenants with staged jobs, by start tag.

@@ -1,6 +1,6 @@
 """A local Valkey cluster from the embedded binary: primaries only, slots split evenly.
 
-For tests and benchmarks of `redis+cluster://` (RedisBroker on redis-py's RedisCluster).
+For tests and benchmarks of `redis+cluster://` (the Redis backend on redis-py's RedisCluster).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from tokenyard.broker.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import EmbeddedServer
 
 
 class Cluster:

@@ -3,8 +3,9 @@
 Measured on the 2-core box (docs/benchmarks.md): a command through redis-py's client and
 `BlockingConnectionPool` costs ~240 µs of CPU, through a redis-py connection of its own ~170 µs,
 through a bare asyncio protocol that hiredis parses ~105 µs; an `asyncio.timeout` per exchange
-adds ~30 µs more. Scripts, wake-ups and event reads (every request crosses them several times)
-go through a `Channel`; everything else keeps the client.
+adds ~30 µs more. The backend's raw commands (scripts, wake-ups, event reads, polled reads: every
+request crosses them several times) go through a `Channel` (connection.py); commands whose
+replies redis-py parses (HGETALL, XRANGE, XINFO GROUPS) keep the client.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ Command = Sequence[str | bytes | int | float]
 WATCH_TICK_S = 0.5
 
 # The error replies the broker tells apart, as redis-py classes them; any other is a
-# ResponseError (`_retry_missing` reloads scripts on NOSCRIPT; LOADING, a server starting, is
-# a connection error, so the broker answers unavailable).
+# ResponseError (`RedisConnection.results_of` reloads scripts on NOSCRIPT; LOADING, a server
+# starting, is a connection error, so the broker answers unavailable).
 _ERRORS: dict[str, type[Exception]] = {
     "NOSCRIPT": NoScriptError,
     "LOADING": BusyLoadingError,

@@ -1,0 +1,55 @@
+"""The Redis Streams backend (Redis >= 6.2, Valkey >= 7.2, Redis Cluster).
+
+`open_backend` builds it: one connection layer (connection.py), the queue core (queue.py) and
+the tables (tables.py, batches.py) over it. Beside them: the Lua scripts (lua/, declared in
+scripts.py), key names (keys.py), the hot path's channel, and an embedded Valkey (and cluster)
+for `serve`, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenyard.broker import Backend
+from tokenyard.broker.core import Clock
+from tokenyard.broker.redis.batches import RedisBatches
+from tokenyard.broker.redis.connection import RedisConnection
+from tokenyard.broker.redis.keys import Keys
+from tokenyard.broker.redis.queue import RedisQueue
+from tokenyard.broker.redis.tables import (
+    RedisAudit,
+    RedisDirectory,
+    RedisQuotas,
+    RedisRegistry,
+    RedisResponses,
+)
+from tokenyard.config import BrokerSettings
+
+__all__ = ["RedisConnection", "RedisQueue", "connection_of", "open_backend"]
+
+
+def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
+    """The queue core and every table on the server `settings.url` names (`redis://`,
+    `rediss://`, `unix://`, or `redis+cluster://` any node)."""
+    conn = RedisConnection(settings)
+    keys = Keys(settings.prefix)
+    quotas = RedisQuotas(conn, keys, clock)
+    audit = RedisAudit(conn, keys, settings.audit_max_len)
+    return Backend(
+        settings=settings,
+        queue=RedisQueue(settings, conn, keys, quotas, audit, clock),
+        directory=RedisDirectory(conn, keys),
+        quotas=quotas,
+        audit=audit,
+        responses=RedisResponses(conn, keys, clock),
+        registry=RedisRegistry(conn, keys, clock),
+        batches=RedisBatches(conn, keys, clock),
+        connection=conn,
+    )
+
+
+def connection_of(backend: Backend) -> RedisConnection:
+    """The Redis connection under `backend`, for the tests and benchmarks that read keys."""
+    if not isinstance(backend.connection, RedisConnection):
+        raise TypeError(f"not a Redis backend: {backend.settings.url}")
+    return backend.connection

@@ -1,0 +1,305 @@
+"""The tables beside the Redis queue: directory, quotas, audit trail, response cache, worker
+registry (the batch store is in batches.py). Each is a small class over the one connection.
+
+Quotas and the audit trail also hand the queue what its terminal paths send in their own round
+trip (`RedisQuotas.settle_calls`, `RedisAudit.appends`), so ending a job costs no extra one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from tokenyard.broker import audit
+from tokenyard.broker.audit import AuditEntry
+from tokenyard.broker.core import Clock
+from tokenyard.broker.redis import scripts
+from tokenyard.broker.redis.channel import Command
+from tokenyard.broker.redis.connection import RedisConnection, ms, text
+from tokenyard.broker.redis.keys import Keys
+from tokenyard.broker.redis.scripts import Call, Empty
+from tokenyard.broker.tables import (
+    Audit,
+    Directory,
+    Quotas,
+    ResponseStore,
+    Settlement,
+    WorkerRegistry,
+    settlement,
+)
+from tokenyard.messages import Finished, JobSpec, JobStatus, WorkerInfo, decode, encode
+from tokenyard.tenancy.limiter import Decision, Quota
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
+
+log = logging.getLogger(__name__)
+
+_SWEEP_BATCH = 500  # held reservations looked at per tenant per sweep
+
+
+class RedisDirectory(Directory):
+    """Tenants and API keys: one hash each under the `{directory}` tag."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys) -> None:
+        self.conn = conn
+        self.keys = keys
+
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        await self.conn.one(("HSET", self.keys.tenants(), tenant.name, encode(tenant)))
+
+    async def tenant(self, name: str) -> TenantConfig | None:
+        raw = await self.conn.one(("HGET", self.keys.tenants(), name))
+        return None if raw is None else decode(raw, TenantConfig)
+
+    async def tenants(self) -> list[TenantConfig]:
+        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.tenants())
+        return sorted((decode(raw, TenantConfig) for raw in rows.values()), key=lambda t: t.name)
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        await self.conn.one(("HSET", self.keys.api_keys(), record.digest, encode(record)))
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        raw = await self.conn.one(("HGET", self.keys.api_keys(), digest))
+        return None if raw is None else decode(raw, ApiKeyRecord)
+
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.api_keys())
+        records = (decode(raw, ApiKeyRecord) for raw in rows.values())
+        return sorted(records, key=lambda r: (r.created_at, r.digest))
+
+    async def has_api_keys(self) -> bool:
+        return bool(await self.conn.one(("EXISTS", self.keys.api_keys())))
+
+
+def _decision(quota: Quota, row: list[Any]) -> Decision:
+    admitted, reason, retry, rrem, rreset, trem, treset = row
+    retry_s = float(text(retry))
+    return Decision(
+        admitted=admitted == 1,
+        reason=text(reason),
+        retry_after_s=float("inf") if retry_s < 0 else retry_s,
+        requests=(quota.rpm, int(rrem), float(text(rreset))) if quota.rpm else None,
+        tokens=(quota.tpm, int(trem), float(text(treset))) if quota.tpm else None,
+    )
+
+
+class RedisQuotas(Quotas):
+    """Per-tenant quotas (lua/reserve.lua, settle.lua), each tenant under its own hash tag."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys, clock: Clock) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.clock = clock
+        self._sweep_cursor: dict[str, int] = {}
+
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        if not items:
+            return []
+        call = scripts.RESERVE.call(
+            scripts.QuotaKeys(quota=self.keys.quota(tenant), held=self.keys.quota_held(tenant)),
+            scripts.ReserveArgs(
+                # an injected clock (tests) is used as given; otherwise the server's TIME
+                now="" if self.clock is time.time else repr(self.clock()),
+                rpm=quota.rpm,
+                tpm=quota.tpm,
+                max_concurrent=quota.max_concurrent,
+                budget=quota.token_budget,
+                budget_period=quota.budget_period,
+            ),
+            [(Empty(), scripts.ReserveItemArgs(job_id, tokens)) for job_id, tokens in items],
+        )
+        _, reply = await self.conn.pipelined(
+            [("SADD", self.keys.quota_tenants(), tenant), self.conn.evalsha(call)]
+        )
+        rows = (await self.conn.results_of([call], [reply]))[0]
+        return [_decision(quota, row) for row in rows]
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        if not items:
+            return 0
+        return sum(int(n) for n in await self.conn.eval_many(self.settle_calls(items)))
+
+    def settle_calls(self, items: Sequence[Settlement]) -> list[Call]:
+        """The script calls that settle `items`, one per tenant: the queue's terminal paths
+        send them in their own round trip."""
+        by_tenant: dict[str, list[Settlement]] = defaultdict(list)
+        for item in items:
+            by_tenant[item.tenant].append(item)
+        return [
+            scripts.SETTLE.call(
+                scripts.QuotaKeys(quota=self.keys.quota(t), held=self.keys.quota_held(t)),
+                Empty(),
+                [(Empty(), scripts.SettleItemArgs(s.job_id, s.actual)) for s in group],
+            )
+            for t, group in by_tenant.items()
+        ]
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        now = self.clock()
+        released = 0
+        tenants: set[bytes] = await self.conn.parsed("SMEMBERS", self.keys.quota_tenants())
+        for raw_tenant in tenants:
+            tenant = text(raw_tenant)
+            cursor, held = await self.conn.parsed(
+                "HSCAN",
+                self.keys.quota_held(tenant),
+                self._sweep_cursor.get(tenant, 0),
+                "COUNT",
+                _SWEEP_BATCH,
+            )
+            self._sweep_cursor[tenant] = int(cursor)
+            if not held:
+                continue
+            ids = [text(j) for j in held]
+            # the jobs' records: reservations end with the job, which the queue's records say
+            pipe = self.conn.pipeline()
+            for job_id in ids:
+                pipe.hmget(self.keys.job(job_id), "status", "result", "spec")
+            rows = await self.conn.execute(pipe)
+            done: list[Settlement] = []
+            for job_id, (status, result, spec) in zip(ids, rows, strict=True):
+                reserved_at = float(text(held[job_id.encode()]).split("|")[2])
+                if status is None:
+                    if now - reserved_at > grace_s:  # its enqueue never landed
+                        done.append(Settlement(tenant, job_id, 0))
+                elif JobStatus(text(status)).terminal:
+                    finished = decode(result, Finished).result if result else None
+                    done.append(settlement(decode(spec, JobSpec), finished))
+            released += await self.settle(done)
+        return released
+
+
+class RedisAudit(Audit):
+    """The audit trail: one stream under its own `{audit}` tag, trimmed with MAXLEN ~.
+
+    Its tag keeps it out of the scripts (Cluster), so the queue pipelines `appends` beside the
+    scripts whose state change they record."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys, max_len: int) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.max_len = max_len
+
+    def appends(self, entries: Sequence[AuditEntry]) -> list[Command]:
+        """The XADDs that write `entries` (none while the trail is off)."""
+        if self.max_len <= 0:
+            return []
+        key = self.keys.audit()
+        return [("XADD", key, "MAXLEN", "~", self.max_len, "*", "e", encode(e)) for e in entries]
+
+    def written(self, entries: Sequence[AuditEntry], replies: Sequence[Any]) -> list[str | None]:
+        """Each entry's stream id from its XADD's reply (None where the XADD failed, or the
+        trail is off: logged, the state change stands)."""
+        if not replies:
+            return [None] * len(entries)
+        ids: list[str | None] = []
+        for entry, reply in zip(entries, replies, strict=True):
+            if isinstance(reply, Exception):
+                log.error("audit entry of job %s not written: %s", entry.job_id, reply)
+                ids.append(None)
+            else:
+                ids.append(text(reply))
+        return ids
+
+    async def take_back(self, ids: Sequence[str | None]) -> None:
+        """Delete entries whose state change did not happen (a fenced completion, a job that
+        was not created): rare paths, so the extra round trip stays off the hot one."""
+        found = [i for i in ids if i is not None]
+        if found:
+            await self.conn.one(("XDEL", self.keys.audit(), *found))
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        # stream ids are the server's ms: `since` starts the range, later filtered exactly
+        start = f"({cursor}" if cursor else f"{max(0, int(since * 1000) - 1000)}-0"
+        rows: list[tuple[bytes, dict[bytes, bytes]]] = await self.conn.parsed(
+            "XRANGE", self.keys.audit(), start, "+", "COUNT", count
+        )
+        found = [decode(fields[b"e"], AuditEntry) for _, fields in rows]
+        found = [e for e in found if audit.matches(e, since, tenant, model)]
+        return (text(rows[-1][0]) if len(rows) == count else None), found
+
+
+class RedisResponses(ResponseStore):
+    """The response cache's shared tier: one key per entry, per-model size bound
+    (lua/cache_put.lua evicts the soonest to expire)."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys, clock: Clock) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.clock = clock
+
+    async def cache_get(self, model: str, digest: str) -> bytes | None:
+        value = await self.conn.parsed("GET", self.keys.cache(model, digest))
+        return None if value is None else bytes(value)
+
+    async def cache_put(
+        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
+    ) -> None:
+        call = scripts.CACHE_PUT.call(
+            scripts.CachePutKeys(
+                entry=self.keys.cache(model, digest),
+                by_expiry=self.keys.cache_index(model),
+                sizes=self.keys.cache_sizes(model),
+                counters=self.keys.counters(model),
+            ),
+            scripts.CachePutArgs(
+                digest=digest,
+                value=value,
+                ttl_ms=ms(ttl_s),
+                now_ms=int(self.clock() * 1000),
+                max_bytes=max_bytes,
+                entry_prefix=self.keys.cache_prefix(model),
+            ),
+        )
+        await self.conn.run(call)
+
+
+class RedisRegistry(WorkerRegistry):
+    """Live workers: a key per worker with the heartbeat's TTL, and a set per model scored by
+    when each lapses."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys, clock: Clock) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.clock = clock
+
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        now = self.clock()
+        workers = self.keys.workers(info.model)
+        me = self.keys.worker(info.model, info.consumer)
+        await self.conn.checked(
+            [
+                ("SET", me, encode(info), "PX", ms(ttl_s)),
+                ("ZADD", workers, repr(now + ttl_s), info.consumer),
+                ("ZREMRANGEBYSCORE", workers, "-inf", repr(now)),
+                ("SADD", self.keys.models(), info.model),
+            ]
+        )
+
+    async def deregister(self, model: str, consumer: str) -> None:
+        await self.conn.checked(
+            [
+                ("DEL", self.keys.worker(model, consumer)),
+                ("ZREM", self.keys.workers(model), consumer),
+            ]
+        )
+
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        live = await self.conn.one(
+            ("ZRANGEBYSCORE", self.keys.workers(model), repr(self.clock()), "+inf")
+        )
+        if not live:
+            return []
+        blobs = await self.conn.one(("MGET", *(self.keys.worker(model, text(c)) for c in live)))
+        return [decode(b, WorkerInfo) for b in blobs if b]
