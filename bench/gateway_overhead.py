@@ -194,15 +194,15 @@ def worker_main(
     the engine's per-sequence stamps are written to `stamps`."""
     from tokenyard.broker import connect
     from tokenyard.worker.run import run_worker
+    from tokenyard.worker.worker import Worker
 
     apply_patches([p for p in patches if p in WORKER_PATCHES])
     engine = StampedSimEngine(**costs.engine_options())
 
     async def serve() -> None:
         broker = connect(BrokerSettings(url=url, prefix=prefix))
-        await run_worker(
-            broker, engine, WorkerSettings(model=MODEL, engine="sim"), freeze_heap=True
-        )
+        settings = WorkerSettings(model=MODEL, engine="sim")
+        await run_worker(broker, Worker(broker, engine, settings, freeze_heap=True))
 
     asyncio.run(serve())
     if stamps is not None:

@@ -98,6 +98,7 @@ def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int
     """One worker on the mode's engine; SIGTERM drains it."""
     from tokenyard.broker import connect
     from tokenyard.worker.run import run_worker
+    from tokenyard.worker.worker import Worker
 
     async def serve() -> None:
         engine = make_engine(mode, concurrency, threads)
@@ -105,7 +106,7 @@ def worker_main(url: str, prefix: str, mode: str, concurrency: int, threads: int
             model=MODEL, engine=engine.name, max_seqs=engine.capacity.max_seqs, threads=threads
         )
         broker = connect(BrokerSettings(url=url, prefix=prefix))
-        await run_worker(broker, engine, settings)
+        await run_worker(broker, Worker(broker, engine, settings))
 
     asyncio.run(serve())
 

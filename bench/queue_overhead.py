@@ -70,6 +70,7 @@ from tokenyard.messages import (
     SamplingParams,
 )
 from tokenyard.worker.run import run_worker
+from tokenyard.worker.worker import Worker
 
 TOKENYARD = ("tokenyard", "tokenyard-broker")
 HTTP = "tokenyard-http"
@@ -278,7 +279,7 @@ def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> 
             max_seqs=settings["max_seqs"],
             claim_block_s=settings["claim_block_s"],
         )
-        await run_worker(broker, engine, worker_settings, freeze_heap=True)
+        await run_worker(broker, Worker(broker, engine, worker_settings, freeze_heap=True))
 
     _profiled(main, profile)
 

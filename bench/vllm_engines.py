@@ -63,6 +63,7 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
     from tokenyard.config import BrokerSettings, WorkerSettings
     from tokenyard.engines import make_engine
     from tokenyard.worker.run import run_worker
+    from tokenyard.worker.worker import Worker
 
     c = opts.concurrency
     if engine_name == "vllm":
@@ -75,7 +76,7 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
     async def serve() -> None:
         settings = WorkerSettings(model=MODEL, engine=engine_name, max_seqs=c)
         broker = connect(BrokerSettings(url=url, prefix=prefix))
-        await run_worker(broker, engine, settings)
+        await run_worker(broker, Worker(broker, engine, settings))
 
     asyncio.run(serve())
 

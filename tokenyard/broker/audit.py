@@ -58,16 +58,12 @@ def received(spec: JobSpec, now: float) -> AuditEntry:
 
 def terminal(spec: JobSpec, result: JobResult, now: float) -> AuditEntry:
     """A job's terminal state, with its real token counts and timings."""
-    return AuditEntry(
+    # the job's identity and request as its receipt recorded them; the rest is the outcome
+    return msgspec.structs.replace(
+        received(spec, now),
         event=TERMINAL,
-        at=now,
-        job_id=spec.id,
-        tenant=spec.tenant,
-        model=spec.model,
-        priority=spec.priority.name.lower(),
         status=result.status.value,
         prompt_tokens=result.prompt_tokens or len(spec.prompt_token_ids or ()),
-        max_tokens=spec.sampling.max_tokens,
         completion_tokens=result.completion_tokens,
         received_at=spec.created_at,
         queued_s=result.queued_s,

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,13 @@ import httpx
 import uvicorn
 from starlette.types import ASGIApp
 
+# free_port is re-exported: the tests and benchmarks take it from here with the rest
+from tokenyard.children import free_port as free_port
 from tokenyard.children import spawn_tied
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def tokenyard_command(*args: str) -> list[str]:

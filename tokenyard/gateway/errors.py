@@ -141,27 +141,21 @@ async def _request_validation(request: Request, exc: Exception) -> Response:
     return error_response(_of_user_error(validation_error(list(exc.errors()))))
 
 
+def _retry_later(request: Request, status: int, message: str, code: str) -> Response:
+    """A refusal the client may retry after the gateway's `retry_after_s`."""
+    headers = {"Retry-After": str(_retry_after(request))}
+    return error_response(ApiError(status, message, code=code, headers=headers))
+
+
 async def _queue_full(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, QueueFull)
-    return error_response(
-        ApiError(
-            429,
-            "The queue for this model is full; retry later",
-            code="queue_full",
-            headers={"Retry-After": str(_retry_after(request))},
-        )
-    )
+    return _retry_later(request, 429, "The queue for this model is full; retry later", "queue_full")
 
 
 async def _broker_down(request: Request, exc: Exception) -> Response:
     log.warning("broker unavailable: %s", exc)
-    return error_response(
-        ApiError(
-            503,
-            "The job queue is unavailable; retry later",
-            code="broker_unavailable",
-            headers={"Retry-After": str(_retry_after(request))},
-        )
+    return _retry_later(
+        request, 503, "The job queue is unavailable; retry later", "broker_unavailable"
     )
 
 

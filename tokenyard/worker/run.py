@@ -9,27 +9,16 @@ import signal
 from tokenyard import tracing
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
-from tokenyard.engines import Engine, build_engine
+from tokenyard.engines import build_engine
 from tokenyard.metrics import WorkerMetrics
 from tokenyard.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-async def run_worker(
-    backend: Backend,
-    engine: Engine,
-    settings: WorkerSettings,
-    consumer: str | None = None,
-    metrics: WorkerMetrics | None = None,
-    *,
-    freeze_heap: bool = False,
-) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain; the backend is closed at the end.
-    `freeze_heap`: the worker owns its process (see `tokenyard.heap`)."""
-    worker = Worker(
-        backend, engine, settings, consumer=consumer, metrics=metrics, freeze_heap=freeze_heap
-    )
+async def run_worker(backend: Backend, worker: Worker) -> None:
+    """Run `worker` until SIGTERM/SIGINT, then drain; `backend`, the one it was built on, is
+    closed at the end."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.drain)
@@ -53,8 +42,9 @@ async def serve_worker(
     tracing.configure("tokenyard-worker")
     try:
         engine = build_engine(settings)
-        await run_worker(
-            connect(broker_settings), engine, settings, consumer, metrics, freeze_heap=True
-        )
+        backend = connect(broker_settings)
+        # the worker owns its process, so it may freeze the heap (see `tokenyard.heap`)
+        worker = Worker(backend, engine, settings, consumer, metrics, freeze_heap=True)
+        await run_worker(backend, worker)
     finally:
         tracing.shutdown()

@@ -5,7 +5,6 @@ For tests and benchmarks of `redis+cluster://` (the Redis backend on redis-py's 
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ from typing import Any
 import redis
 
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.children import free_port
 
 
 class Cluster:
@@ -36,12 +36,6 @@ def _cluster(client: redis.Redis, *args: str | int) -> Any:
     return client.execute_command("CLUSTER", *args)  # type: ignore[no-untyped-call]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def running_cluster(shards: int = 3, timeout_s: float = 30.0) -> Iterator[Cluster]:
     """Start `shards` cluster-enabled servers, split the 16384 slots evenly, MEET, wait for ok."""
@@ -49,7 +43,7 @@ def running_cluster(shards: int = 3, timeout_s: float = 30.0) -> Iterator[Cluste
     bus_ports: list[int] = []
     try:
         for _ in range(shards):
-            bus_ports.append(_free_port())
+            bus_ports.append(free_port())
             config = {
                 "cluster-enabled": "yes",
                 "cluster-config-file": "nodes.conf",

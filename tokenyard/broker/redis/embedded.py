@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,7 +24,7 @@ from typing import Literal, Self
 import redis
 import redis.exceptions
 
-from tokenyard.children import spawn_tied
+from tokenyard.children import free_port, spawn_tied
 from tokenyard.errors import TokenyardError
 
 __all__ = ["AppendFsync", "EmbeddedServer", "EmbeddedServerError", "find_server_binary"]
@@ -98,13 +97,6 @@ def _wheel_binary() -> Path | None:
 def _quote(value: str) -> str:
     escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{escaped}"'
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _new_temp_dir() -> Path:
@@ -222,7 +214,7 @@ class EmbeddedServer:
         attempts = 1 if fixed_port else _PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
             if not fixed_port:
-                self._port = _free_port(self._host)
+                self._port = free_port(self._host)
             try:
                 self._launch(data_dir, timeout)
                 return self

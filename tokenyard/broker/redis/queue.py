@@ -13,6 +13,8 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from redis.asyncio.client import Pipeline
+
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.core import (
@@ -700,11 +702,7 @@ class RedisQueue(QueueCore):
         """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
         now = self.clock()
         pools = self.settings.pool_count
-        lanes = self.keys.lanes(model, pools)
-        pipe = self.conn.pipeline()
-        for lane in lanes:
-            pipe.xlen(lane)
-            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
+        lanes, pipe = self._lanes_read(model)
         for lane in lanes:
             pipe.hget(self.keys.fair(lane), "staged")  # waiting for their turn (fair share)
         for lane in lanes:
@@ -724,10 +722,7 @@ class RedisQueue(QueueCore):
                 raise reply
         sizes: list[tuple[int, int, str]] = []  # total, pending, last delivered id
         for i in range(len(lanes)):
-            total, groups = replies[2 * i], replies[2 * i + 1]
-            group = None
-            if not isinstance(groups, Exception):
-                group = next((g for g in groups if text(g["name"]) == GROUP), None)
+            total, group = replies[2 * i], _our_group(replies[2 * i + 1])
             # no group yet: no claim has read the lane, so all of it waits
             pending, last = (
                 (0, "0-0")
@@ -788,23 +783,18 @@ class RedisQueue(QueueCore):
         # 1: each lane's length, its group (delivered and pending) and its active tenants;
         # 2: each active tenant's staged count and weight
         pools = self.settings.pool_count
-        lanes = self.keys.lanes(model, pools)
-        pipe = self.conn.pipeline()
+        lanes, pipe = self._lanes_read(model)
         for lane in lanes:
-            pipe.xlen(lane)
-            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
             pipe.zrange(self.keys.fair_active(lane), 0, -1)
         replies: list[Any] = await self.conn.execute(pipe, raise_on_error=False)
         sizes: list[tuple[int, int]] = []
         actives: list[list[str]] = []
         for i in range(len(lanes)):
-            total, groups, active = replies[3 * i : 3 * i + 3]
+            total, group = replies[2 * i], _our_group(replies[2 * i + 1])
+            active = replies[2 * len(lanes) + i]
             if isinstance(total, Exception) or isinstance(active, Exception):
                 raise total if isinstance(total, Exception) else active
-            pending = 0
-            if not isinstance(groups, Exception):
-                group = next((g for g in groups if text(g["name"]) == GROUP), None)
-                pending = 0 if group is None else int(group["pending"])
+            pending = 0 if group is None else int(group["pending"])
             sizes.append((int(total), pending))
             actives.append([text(t) for t in active])
         pipe = self.conn.pipeline()
@@ -829,6 +819,16 @@ class RedisQueue(QueueCore):
             out.append(LaneBacklog(priority, queued, in_flight, waiting))
         return out
 
+    def _lanes_read(self, model: str) -> tuple[list[str], Pipeline]:
+        """`model`'s lanes, and a pipeline that opens with each lane's length and groups
+        (`_our_group` reads the latter)."""
+        lanes = self.keys.lanes(model, self.settings.pool_count)
+        pipe = self.conn.pipeline()
+        for lane in lanes:
+            pipe.xlen(lane)
+            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
+        return lanes, pipe
+
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         rows: list[tuple[bytes, dict[bytes, bytes]]] = await self.conn.parsed(
             "XRANGE", self.keys.dead_letters(model), "-", "+", "COUNT", count
@@ -851,6 +851,13 @@ class RedisQueue(QueueCore):
     async def models(self) -> list[str]:
         members: set[bytes] = await self.conn.parsed("SMEMBERS", self.keys.models())
         return sorted(text(m) for m in members)
+
+
+def _our_group(groups: Any) -> Any:
+    """The workers' group from an XINFO GROUPS reply; None before a claim has created it."""
+    if isinstance(groups, Exception):  # no lane yet
+        return None
+    return next((g for g in groups if text(g["name"]) == GROUP), None)
 
 
 def _record_of_hash(h: Any) -> JobRecord | None:
