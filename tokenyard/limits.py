@@ -60,16 +60,8 @@ def refusal(
     return None
 
 
-def check(
-    prompt_tokens: int,
-    params: SamplingParams,
-    limits: ModelLimits,
-    param: str = "prompt",
-    *,
-    token_ids: Sequence[int] = (),
-) -> None:
-    """Raise the refusal, if any."""
-    error = refusal(prompt_tokens, params, limits, param, token_ids=token_ids)
+def check(error: InvalidRequest | None) -> None:
+    """Raise a refusal (`check(refusal(...))`), where the caller's answer to one is to raise."""
     if error is not None:
         raise error
 

@@ -15,7 +15,7 @@ from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.limits import resolve_max_tokens
 from tokenyard.gateway.live import Abandonment
-from tokenyard.limits import check
+from tokenyard.limits import check, refusal
 from tokenyard.messages import ModelLimits, Priority, SamplingParams
 
 
@@ -53,7 +53,7 @@ def test_max_tokens_resolution() -> None:
     def resolve(requested: int | None, prompt: int) -> int:
         # the default and the cap are the gateway's; whether it fits is the one limits rule
         max_tokens = resolve_max_tokens(requested, 16, 100, prompt_tokens=prompt, context=20)
-        check(prompt, SamplingParams(max_tokens=max_tokens), limits)
+        check(refusal(prompt, SamplingParams(max_tokens=max_tokens), limits))
         return max_tokens
 
     assert resolve(None, 10) == 10

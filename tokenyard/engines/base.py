@@ -276,7 +276,7 @@ def open_seq(
     seq_id, prompt, params = request.seq_id, request.prompt_token_ids, request.params
     if not seq_id:
         raise EngineError("seq_id must be non-empty")
-    limits.check(len(prompt), params, model_limits)
+    limits.check(limits.refusal(len(prompt), params, model_limits))
     decoder = SequenceDecoder(
         decode,
         params,

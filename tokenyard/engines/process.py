@@ -235,7 +235,7 @@ class ProcessEngine(ChannelEngine):
         seq_id, prompt_tokens = request.seq_id, len(request.prompt_token_ids)
         if not seq_id:
             raise EngineError("seq_id must be non-empty")
-        limits.check(prompt_tokens, request.params, self.limits())
+        limits.check(limits.refusal(prompt_tokens, request.params, self.limits()))
         data = _encoder.encode(_Add(request))
         with self._lock:
             if self._stopping:

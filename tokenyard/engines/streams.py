@@ -62,7 +62,7 @@ class StreamEngine(Engine):
         self, prompt_ids: list[int], params: SamplingParams, resume_ids: Sequence[int]
     ) -> SequenceDecoder:
         """Check the request by the one rule (raises InvalidRequest) and build its decoder."""
-        limits.check(len(prompt_ids), params, self.limits(), token_ids=prompt_ids)
+        limits.check(limits.refusal(len(prompt_ids), params, self.limits(), token_ids=prompt_ids))
         tok = self.tokenizer
         return SequenceDecoder(
             tok.decode,

@@ -117,7 +117,7 @@ async def admit(
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
     )
-    limits.check(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
+    limits.check(limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied))
     return JobSpec(
         id=new_job_id(model),
         model=model,

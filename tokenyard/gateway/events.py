@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from tokenyard.broker import core
 from tokenyard.errors import BrokerUnavailable
@@ -20,6 +21,7 @@ def event_order(event_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+@dataclass(eq=False)
 class Follow:
     """One caller's place in one job's event stream; the hub fills it, the caller drains it.
 
@@ -27,26 +29,18 @@ class Follow:
     handed to `on_tokens` (a count) as they are read, without waking the caller.
     """
 
-    def __init__(
-        self,
-        job_id: str,
-        model: str,
-        after: str,
-        *,
-        tokens: bool = True,
-        on_tokens: Callable[[int], None] | None = None,
-    ) -> None:
-        self.job_id = job_id
-        self.model = model
-        self.cursor = after
-        self.tokens = tokens
-        self.on_tokens = on_tokens
-        self.ended = False  # its Finished event was read, or it left
-        # what the hub delivered and the caller has not taken, and a future the caller waits on
-        # while there is none: a queue's get() would cost wait_for a task per wait
-        self._ready: Events = []
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
+    job_id: str
+    model: str
+    cursor: str  # the last event id delivered (at first: the one to read after)
+    _: KW_ONLY
+    tokens: bool = True
+    on_tokens: Callable[[int], None] | None = None
+    ended: bool = field(default=False, init=False)  # its Finished event was read, or it left
+    # what the hub delivered and the caller has not taken, and a future the caller waits on
+    # while there is none: a queue's get() would cost wait_for a task per wait
+    _ready: Events = field(default_factory=list, init=False)
+    _error: BaseException | None = field(default=None, init=False)
+    _waiter: asyncio.Future[None] | None = field(default=None, init=False)
 
     def _deliver(self, events: Events) -> None:
         floor = event_order(self.cursor)

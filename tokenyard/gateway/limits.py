@@ -103,7 +103,7 @@ def resolve_max_tokens(
 ) -> int:
     """The max_tokens a job gets: the request's, else a default that fits the context.
 
-    A request over the cap is refused; whether it fits the model is `tokenyard.limits.check`.
+    A request over the cap is refused; whether it fits the model is `tokenyard.limits.refusal`.
     """
     if requested is not None and requested > cap:
         raise InvalidRequest(

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -158,29 +158,21 @@ class Abandonment:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+@dataclass(eq=False)
 class LiveCall:
     """One caller following one job: its events, the call's timing, and the job's cancellation
     when the caller leaves. `result` serves a sync caller, `stream` a streaming one."""
 
-    def __init__(
-        self,
-        state: GatewayState,
-        job_id: str,
-        model: str,
-        *,
-        timer: CallTimer | None = None,
-        after: str = "0",
-        fresh: bool = False,
-    ) -> None:
-        self.state = state
-        self.job_id = job_id
-        self.model = model
-        self.timer = timer
-        self.after = after
-        self.fresh = fresh  # just enqueued by this call: it cannot have ended yet
-        self.collapsed = False  # joined an identical job in flight (see tokenyard/gateway/cache.py)
-        # called with the job's result when this caller sees it (the response cache)
-        self.on_result: Callable[[JobResult], None] | None = None
+    state: GatewayState
+    job_id: str
+    model: str
+    _: KW_ONLY
+    timer: CallTimer | None = None
+    after: str = "0"
+    fresh: bool = False  # just enqueued by this call: it cannot have ended yet
+    collapsed: bool = False  # joined an identical job in flight (see gateway/cache.py)
+    # called with the job's result when this caller sees it (the response cache)
+    on_result: Callable[[JobResult], None] | None = None
 
     @classmethod
     def following(
@@ -190,8 +182,14 @@ class LiveCall:
         one in flight); the job is cancelled if they leave and no other caller follows it."""
         state.abandonment.own(entered.job_id)
         timer = CallTimer(state.metrics, spec.model, started=started)
-        call = cls(state, entered.job_id, spec.model, timer=timer, fresh=entered.created)
-        call.collapsed = entered.collapsed
+        call = cls(
+            state,
+            entered.job_id,
+            spec.model,
+            timer=timer,
+            fresh=entered.created,
+            collapsed=entered.collapsed,
+        )
         if entered.collapsed:
             state.metrics.collapsed.labels(spec.model).inc()
         return call

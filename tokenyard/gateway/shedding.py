@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -43,25 +44,18 @@ class Snapshot(msgspec.Struct):
     rate: float | None
 
 
+@dataclass(eq=False)
 class QueueWaits:
     """Each model's snapshot, read at most every `ttl_s` (one read however many requests)."""
 
-    def __init__(
-        self,
-        stats: Stats,
-        registry: WorkerRegistry,
-        ttl_s: float = 0.25,
-        halflife_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.stats = stats
-        self.registry = registry
-        self.ttl_s = ttl_s
-        self.halflife_s = halflife_s
-        self.clock = clock
-        self._known: dict[str, tuple[float, Snapshot]] = {}
-        self._rates: dict[str, ServiceRate] = {}
-        self._reading: dict[str, asyncio.Future[Snapshot]] = {}
+    stats: Stats
+    registry: WorkerRegistry
+    ttl_s: float = 0.25
+    halflife_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    _known: dict[str, tuple[float, Snapshot]] = field(default_factory=dict, init=False)
+    _rates: dict[str, ServiceRate] = field(default_factory=dict, init=False)
+    _reading: dict[str, asyncio.Future[Snapshot]] = field(default_factory=dict, init=False)
 
     async def of(self, model: str) -> Snapshot:
         """The model's snapshot. A stale one (up to `_STALE_TTLS` reads old) is answered at once
