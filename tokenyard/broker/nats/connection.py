@@ -1,0 +1,267 @@
+"""The NATS backend's one connection: a nats-py client opened on first use, JetStream, the
+streams and KV buckets it has made sure of, and the one place where connection trouble
+becomes `BrokerUnavailable` (HTTP 503).
+
+`connect()` is synchronous while nats-py connects asynchronously, so the client is opened by
+the first call that needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+from nats.js.kv import KeyValue
+
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import BrokerUnavailable, FatalError
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("nats://", "tls://")
+REQUEST_TIMEOUT_S = 5.0
+
+# what "the server cannot be reached (or has no JetStream just now)" looks like from nats-py
+_TROUBLE: tuple[type[BaseException], ...] = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoServersError,
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionDrainingError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+    OSError,
+)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What a nats:// URL names: the servers, and how many replicas streams get."""
+
+    servers: list[str]
+    replicas: int = 1
+
+
+def parse_url(url: str) -> Endpoint:
+    """`nats://host:port[,host:port...][?replicas=N]` (tls:// too)."""
+    scheme, _, rest = url.partition("://")
+    if f"{scheme}://" not in SCHEMES or not rest:
+        raise FatalError(f"broker URL {url!r}: expected nats://host:port[,host:port][?replicas=N]")
+    hosts, _, query = rest.partition("?")
+    servers = [f"{scheme}://{h}" for h in hosts.rstrip("/").split(",") if h]
+    try:
+        replicas = int(parse_qs(query).get("replicas", ["1"])[0])
+        for server in servers:
+            urlsplit(server).port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise FatalError(f"broker URL {url!r}: {exc}") from exc
+    if not servers or not 1 <= replicas <= 5:
+        raise FatalError(f"broker URL {url!r}: give a server, and replicas between 1 and 5")
+    return Endpoint(servers, replicas)
+
+
+def unavailable(exc: BaseException) -> BrokerUnavailable:
+    return BrokerUnavailable(f"NATS: {exc}" if str(exc) else f"NATS: {type(exc).__name__}")
+
+
+async def sent(exchange: Awaitable[_T]) -> _T:
+    """Every exchange with the server is awaited here: connection trouble comes out as
+    BrokerUnavailable, never a nats-py error."""
+    try:
+        return await exchange
+    except _TROUBLE as exc:
+        raise unavailable(exc) from exc
+
+
+class NatsConnection:
+    """One client per process side (gateway, worker, CLI) and what it made sure of."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.settings = settings
+        self.endpoint = parse_url(settings.url)
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._opening = asyncio.Lock()
+        self._streams: set[str] = set()
+        self._kvs: dict[str, KeyValue] = {}
+        self._closed = False
+
+    @property
+    def replicas(self) -> int:
+        return self.endpoint.replicas
+
+    async def client(self) -> Client:
+        if self._nc is not None and not self._nc.is_closed:
+            return self._nc
+        async with self._opening:
+            if self._nc is None or self._nc.is_closed:
+                if self._closed:
+                    raise BrokerUnavailable("NATS: connection closed")
+                self._nc = await sent(self._open())
+                self._js = self._nc.jetstream(timeout=REQUEST_TIMEOUT_S)
+        return self._nc
+
+    async def _open(self) -> Client:
+        async def quiet(exc: Exception) -> None:
+            # nats-py reports every failed reconnect; one line at debug is enough, the calls
+            # that meet the outage raise BrokerUnavailable
+            log.debug("nats: %s", exc)
+
+        return await nats.connect(
+            servers=self.endpoint.servers,
+            connect_timeout=2,
+            reconnect_time_wait=0.2,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+            error_cb=quiet,
+            # a publish while disconnected waits in the client's buffer for the reconnect;
+            # bounded, so an outage is felt as errors rather than memory
+            pending_size=16 * 1024 * 1024,
+        )
+
+    async def js(self) -> JetStreamContext:
+        await self.client()
+        assert self._js is not None
+        return self._js
+
+    async def stream(self, config: StreamConfig) -> str:
+        """Make sure the stream exists (once per process); returns its name."""
+        name = config.name
+        assert name is not None
+        if name in self._streams:
+            return name
+        js = await self.js()
+        config.num_replicas = self.replicas
+        try:
+            await sent(js.add_stream(config))
+        except nats.js.errors.BadRequestError as exc:
+            # made by another process with other limits (e.g. another lane bound): use it as is
+            if exc.err_code != 10058:  # stream name already in use with a different config
+                raise
+            await sent(js.update_stream(config))
+        self._streams.add(name)
+        return name
+
+    async def kv(self, bucket: str, ttl_s: float | None = None, history: int = 1) -> KeyValue:
+        """The KV bucket, made on first use."""
+        found = self._kvs.get(bucket)
+        if found is not None:
+            return found
+        js = await self.js()
+        try:
+            kv = await sent(js.key_value(bucket))
+        except nats.js.errors.BucketNotFoundError:
+            from nats.js.api import KeyValueConfig
+
+            kv = await sent(
+                js.create_key_value(
+                    KeyValueConfig(
+                        bucket=bucket,
+                        history=history,
+                        ttl=ttl_s,
+                        replicas=self.replicas,
+                    )
+                )
+            )
+        self._kvs[bucket] = kv
+        return kv
+
+    async def request(
+        self, subject: str, payload: bytes, timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> Msg:
+        nc = await self.client()
+        return await sent(nc.request(subject, payload, timeout=timeout_s))
+
+    async def api(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A JetStream API request ($JS.API.<subject>); an error reply raises APIError."""
+        reply = await self.request(f"$JS.API.{subject}", json.dumps(body).encode())
+        answer: dict[str, Any] = json.loads(reply.data)
+        if "error" in answer:
+            raise nats.js.errors.APIError.from_error(answer["error"])
+        return answer
+
+    async def get_batch(
+        self, stream: str, subject: str, after: int, count: int
+    ) -> list[tuple[int, bytes, dict[str, str]]]:
+        """Up to `count` messages of `subject` with sequence > `after`, in one direct get
+        (NATS >= 2.11): (sequence, data, headers)."""
+        nc = await self.client()
+        inbox = nc.new_inbox()
+        got: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def take(msg: Msg) -> None:
+            got.put_nowait(msg)
+
+        sub = await sent(nc.subscribe(inbox, cb=take))
+        out: list[tuple[int, bytes, dict[str, str]]] = []
+        try:
+            body = {"seq": after + 1, "next_by_subj": subject, "batch": count}
+            await sent(
+                nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=inbox)
+            )
+            while True:
+                msg = await sent(asyncio.wait_for(got.get(), REQUEST_TIMEOUT_S))
+                headers = msg.headers or {}
+                status = headers.get("Status")
+                if status is not None:  # 204: end of batch; 404: nothing after `after`
+                    if status not in ("204", "404"):
+                        raise nats.js.errors.APIError.from_msg(msg)
+                    return out
+                out.append((int(headers["Nats-Sequence"]), msg.data, headers))
+                if len(out) >= count:
+                    # the end-of-batch message follows, but nothing else can
+                    return out
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def ping(self) -> bool:
+        try:
+            nc = await self.client()
+            await sent(nc.flush(timeout=2))
+            await sent((await self.js()).account_info())
+        except (BrokerUnavailable, nats.errors.Error):
+            return False
+        return True
+
+    @contextlib.asynccontextmanager
+    async def subscription(self, subject: str) -> AsyncIterator[asyncio.Queue[Msg]]:
+        """A core subscription as a queue of messages, for as long as the block lasts."""
+        nc = await self.client()
+        got: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def take(msg: Msg) -> None:
+            got.put_nowait(msg)
+
+        sub = await sent(nc.subscribe(subject, cb=take))
+        try:
+            yield got
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def close(self) -> None:
+        self._closed = True
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.drain(), 5.0)
+            with contextlib.suppress(Exception):
+                await nc.close()

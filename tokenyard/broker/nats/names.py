@@ -1,0 +1,121 @@
+"""Every stream, subject, consumer and KV key of the NATS backend, built (and parsed) here only.
+
+A prefix (`BrokerSettings.prefix`) starts each name, so brokers sharing one server stay apart.
+Names from outside (tenants, workers, idempotency and prefix keys) become hex digests: subjects
+and KV keys allow only a few characters.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+from tokenyard.broker.ids import model_tag, tag_of_job
+from tokenyard.messages import Priority
+
+
+@functools.lru_cache(maxsize=4096)
+def token(name: str) -> str:
+    """A subject- and key-safe stand-in for any name."""
+    return hashlib.blake2s(name.encode(), digest_size=8).hexdigest()
+
+
+class Names:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    # -- lanes: one work-queue stream per (model, priority, size pool) --------------------
+    def lane_stream(self, model: str, priority: Priority, pool: int) -> str:
+        return f"{self.prefix}_lane_{model_tag(model)}_{int(priority)}_{pool}"
+
+    def lane_subjects(self, model: str, priority: Priority, pool: int) -> str:
+        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}.>"
+
+    def tenant_subject(self, model: str, priority: Priority, pool: int, tenant: str) -> str:
+        """A tenant's share of a lane: fair share picks among these subjects."""
+        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}.t.{token(tenant)}"
+
+    def held_subject(self, model: str, priority: Priority, pool: int, worker: str) -> str:
+        """Jobs held for one worker (prefix affinity)."""
+        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}.a.{token(worker)}"
+
+    @staticmethod
+    def subject_kind(subject: str) -> tuple[str, str]:
+        """('t', tenant token) or ('a', worker token) of a lane subject."""
+        parts = subject.split(".")
+        return parts[-2], parts[-1]
+
+    @staticmethod
+    def consumer(subject: str) -> str:
+        """The durable pull consumer that serves one lane subject."""
+        kind, tok = Names.subject_kind(subject)
+        return f"{kind}{tok}"
+
+    # -- per-job events, dead letters, wake-ups ------------------------------------------
+    @property
+    def events_stream(self) -> str:
+        return f"{self.prefix}_events"
+
+    def events(self, job_id: str) -> str:
+        return f"{self.prefix}.ev.{job_id}"
+
+    def job_of_events(self, subject: str) -> str:
+        return subject.rsplit(".", 1)[-1]
+
+    def events_of_model(self, model: str) -> str:
+        return f"{self.prefix}.ev.{model_tag(model)}-*"
+
+    @property
+    def dead_stream(self) -> str:
+        return f"{self.prefix}_dead"
+
+    def dead(self, model: str) -> str:
+        return f"{self.prefix}.dead.{model_tag(model)}"
+
+    def wake(self, model: str) -> str:
+        """Core subject (no stream): enqueues ping it so blocked claims look again."""
+        return f"{self.prefix}.wake.{model_tag(model)}"
+
+    # -- KV buckets and keys ---------------------------------------------------------------
+    @property
+    def jobs_bucket(self) -> str:
+        """Job records (key: the job id), idempotency and collapse keys, prefix owners."""
+        return f"{self.prefix}_jobs"
+
+    @staticmethod
+    def job(job_id: str) -> str:
+        tag_of_job(job_id)  # refuses a malformed id before it reaches the server
+        return f"j.{job_id}"
+
+    @staticmethod
+    def idempotency(model: str, tenant: str, key: str) -> str:
+        return f"i.{model_tag(model)}.{token(tenant)}.{token(key)}"
+
+    @staticmethod
+    def collapse(model: str, key: str) -> str:
+        return f"c.{model_tag(model)}.{token(key)}"
+
+    @staticmethod
+    def prefix_owner(model: str, prefix_key: str) -> str:
+        return f"p.{model_tag(model)}.{token(prefix_key)}"
+
+    @staticmethod
+    def counter(model: str, name: str) -> str:
+        return f"n.{model_tag(model)}.{name}"
+
+    @staticmethod
+    def cancels(model: str) -> str:
+        return f"x.{model_tag(model)}"
+
+    @property
+    def tables_bucket(self) -> str:
+        """The tables: directory, quotas, response cache, registry, batches, model list."""
+        return f"{self.prefix}_tables"
+
+    @property
+    def audit_stream(self) -> str:
+        return f"{self.prefix}_audit"
+
+    @property
+    def audit_subject(self) -> str:
+        return f"{self.prefix}.audit"
