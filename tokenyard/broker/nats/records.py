@@ -1,0 +1,56 @@
+"""A job's record as the NATS backend stores it: one KV entry per job, changed only by
+compare-and-set on its revision, so every state change (claim, terminal write, cancel) is
+fenced against a concurrent one."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenyard.messages import JobRecord, JobResult, JobSpec, JobStatus, decode, encode
+
+
+class StoredJob(msgspec.Struct, kw_only=True):
+    spec: JobSpec
+    status: JobStatus
+    deliveries: int = 0
+    enqueued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None  # the consumer holding (or that last held) its lease
+    last_error: str | None = None
+    cancel: bool = False  # a client asked to cancel it while it ran
+    result: JobResult | None = None
+    lane: str = ""  # the lane stream and subject its message waits on, and its sequence
+    subject: str = ""
+    seq: int = 0
+    followers: int = 1  # live callers following it (collapsed requests join)
+    lease_until: float = 0.0  # the lease's end as the holder's clock saw it at claim or renew
+    affinity: bool = False  # taken from a worker's held subject (prefix affinity)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+    def record(self) -> JobRecord:
+        spec = self.spec
+        spec.attempt = max(0, self.deliveries - 1)
+        return JobRecord(
+            spec=spec,
+            status=self.status,
+            deliveries=self.deliveries,
+            enqueued_at=self.enqueued_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            worker=self.worker,
+            last_error=self.last_error,
+            cancel_requested=self.cancel,
+            result=self.result,
+        )
+
+
+def decode_job(raw: bytes) -> StoredJob:
+    return decode(raw, StoredJob)
+
+
+def encode_job(job: StoredJob) -> bytes:
+    return encode(job)
