@@ -86,6 +86,10 @@ async def sent(exchange: Awaitable[_T]) -> _T:
     BrokerUnavailable, never a nats-py error."""
     try:
         return await exchange
+    except nats.js.errors.ServiceUnavailableError as exc:
+        if exc.err_code is not None:  # a real answer, e.g. a full stream (10077)
+            raise
+        raise unavailable(exc) from exc
     except _TROUBLE as exc:
         raise unavailable(exc) from exc
 

@@ -45,6 +45,11 @@ class Names:
         parts = subject.split(".")
         return parts[-2], parts[-1]
 
+    def stream_of_subject(self, subject: str) -> str:
+        """The lane stream a lane subject belongs to."""
+        _, _, tag, priority, pool, _, _ = subject.split(".")
+        return f"{self.prefix}_lane_{tag}_{priority}_{pool}"
+
     @staticmethod
     def consumer(subject: str) -> str:
         """The durable pull consumer that serves one lane subject."""
@@ -102,6 +107,15 @@ class Names:
     @staticmethod
     def counter(model: str, name: str) -> str:
         return f"n.{model_tag(model)}.{name}"
+
+    @property
+    def models_key(self) -> str:
+        return "models"
+
+    @staticmethod
+    def delayed(model: str) -> str:
+        """Jobs waiting out a retry backoff; the job id is appended."""
+        return f"d.{model_tag(model)}"
 
     @staticmethod
     def cancels(model: str) -> str:

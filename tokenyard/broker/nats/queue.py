@@ -1,0 +1,1355 @@
+"""The NATS JetStream queue core.
+
+Lanes are work-queue streams, one per (model, priority, size pool), bounded by `max_msgs` with
+`discard: new` (the server refuses a job past the bound, atomically). Inside a lane each tenant
+has a subject and a durable pull consumer, so a claim can pick tenants by fair share; jobs held
+for a worker (prefix affinity) wait on that worker's subject. `AckWait` is the lease and
+`+WPI` renews it. A job's record is a KV entry changed only by compare-and-set, and its events a
+subject of the events stream: a holder appends with `Nats-Expected-Last-Subject-Sequence`, and a
+new holder first appends a claim marker, so a zombie's late append or result is rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import (
+    ConsumerConfig,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
+
+from tokenyard.broker import audit
+from tokenyard.broker.core import (
+    BrokerStats,
+    CancelOutcome,
+    Clock,
+    EnqueueResult,
+    LaneBacklog,
+    LaneStats,
+    Lease,
+    QueueCore,
+    ReapReport,
+    TenantBacklog,
+)
+from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.nats.connection import NatsConnection, sent
+from tokenyard.broker.nats.names import Names, token
+from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
+from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
+from tokenyard.broker.policy import (
+    backoff_delay,
+    claim_order,
+    estimated_tokens,
+    fair_cost,
+    hold_for,
+    overdue,
+    size_pool,
+    staging_score,
+)
+from tokenyard.broker.tables import settlement
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import QueueFull
+from tokenyard.messages import (
+    DeadLetter,
+    Finished,
+    JobEvent,
+    JobRecord,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    Priority,
+    TokenChunk,
+    decode,
+    decode_event,
+    encode,
+)
+
+EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
+MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
+REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
+_WRONG_LAST = 10071  # JetStream: wrong last sequence
+_FULL = (10077, 10078)  # JetStream: maximum messages (or bytes) exceeded
+POLL_S = 0.1  # a blocked claim looks again at least this often (retries, expired leases)
+TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
+
+
+class _Fenced(Exception):
+    """The lease is no longer ours: another holder, or the job ended."""
+
+
+@dataclass
+class _LaneView:
+    """What a worker knows of one lane: its subjects with messages, and fair-share clocks."""
+
+    subjects: dict[str, int] = field(default_factory=dict)
+    read_at: float = 0.0
+    vtime: dict[str, float] = field(default_factory=dict)  # tenant subject -> served cost/weight
+    weight: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Holding:
+    """This process's knowledge of a lease it holds: the record's revision and the events
+    subject's last sequence (both are fences)."""
+
+    revision: int
+    last_seq: int
+
+
+class NatsQueue(QueueCore):
+    """The queue core on NATS JetStream (nats-server >= 2.11)."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        conn: NatsConnection,
+        names: Names,
+        quotas: NatsQuotas,
+        audit_trail: NatsAudit,
+        registry: NatsRegistry,
+        clock: Clock = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.conn = conn
+        self.names = names
+        self.quotas = quotas
+        self.audit = audit_trail
+        self.registry = registry
+        self._rng = rng or random.Random()
+        self._rounds: dict[str, int] = defaultdict(int)
+        self._lanes: dict[str, _LaneView] = defaultdict(_LaneView)
+        self._consumers: set[tuple[str, str]] = set()
+        self._holding: dict[str, _Holding] = {}  # lease entry id -> what fences it
+        self._wakes: dict[str, asyncio.Event] = {}
+        self._wake_subs: dict[str, Any] = {}
+        self._models: set[str] = set()
+        self._live: tuple[float, str, set[str]] = (0.0, "", set())
+        self._group = GroupCommit(
+            self.enqueue_many,
+            max_batch=settings.enqueue_batch,
+            window_s=settings.enqueue_window_s,
+        )
+
+    async def close(self) -> None:
+        await self._group.close()
+        for sub in self._wake_subs.values():
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._wake_subs.clear()
+
+    # -- streams, consumers, KV -------------------------------------------------------------
+    async def _jobs(self) -> KeyValue:
+        ttl = max(self.settings.record_ttl_s, self.settings.idempotency_ttl_s)
+        return await self.conn.kv(self.names.jobs_bucket, ttl_s=ttl)
+
+    async def _lane(self, model: str, priority: Priority, pool: int) -> str:
+        return await self.conn.stream(
+            StreamConfig(
+                name=self.names.lane_stream(model, priority, pool),
+                subjects=[self.names.lane_subjects(model, priority, pool)],
+                retention=RetentionPolicy.WORK_QUEUE,
+                allow_direct=True,
+                max_msgs=self.settings.max_queue_depth,
+                discard=DiscardPolicy.NEW,
+                storage=StorageType.FILE,
+                duplicate_window=120.0,
+            )
+        )
+
+    async def _events_stream(self) -> str:
+        return await self.conn.stream(
+            StreamConfig(
+                name=self.names.events_stream,
+                subjects=[f"{self.names.prefix}.ev.>"],
+                retention=RetentionPolicy.LIMITS,
+                max_age=self.settings.record_ttl_s,
+                storage=StorageType.FILE,
+                allow_direct=True,
+            )
+        )
+
+    async def _dead_stream(self) -> str:
+        return await self.conn.stream(
+            StreamConfig(
+                name=self.names.dead_stream,
+                subjects=[f"{self.names.prefix}.dead.>"],
+                retention=RetentionPolicy.LIMITS,
+                max_age=self.settings.record_ttl_s,
+                storage=StorageType.FILE,
+                allow_direct=True,
+            )
+        )
+
+    async def _consumer(self, stream: str, subject: str) -> str:
+        name = Names.consumer(subject)
+        if (stream, name) in self._consumers:
+            return name
+        js = await self.conn.js()
+        await sent(
+            js.add_consumer(
+                stream,
+                ConsumerConfig(
+                    durable_name=name,
+                    filter_subject=subject,
+                    ack_wait=self.settings.lease_s,
+                    max_deliver=-1,  # the record counts deliveries (a hand-back is none)
+                    max_ack_pending=-1,
+                    # a tenant that stopped sending leaves no consumer behind for ever
+                    inactive_threshold=max(3600.0, self.settings.lease_s * 4),
+                ),
+            )
+        )
+        self._consumers.add((stream, name))
+        return name
+
+    async def _pull(self, stream: str, consumer: str, batch: int) -> list[Msg]:
+        """Up to `batch` messages now, without waiting (one request)."""
+        nc = await self.conn.client()
+        inbox = nc.new_inbox()
+        got: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def take(msg: Msg) -> None:
+            got.put_nowait(msg)
+
+        sub = await sent(nc.subscribe(inbox, cb=take))
+        out: list[Msg] = []
+        try:
+            body = json.dumps({"batch": batch, "no_wait": True}).encode()
+            await sent(
+                nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", body, reply=inbox)
+            )
+            while len(out) < batch:
+                msg = await sent(asyncio.wait_for(got.get(), 5.0))
+                if msg.headers and msg.headers.get("Status"):
+                    break  # 404 no messages, 408 request expired, 409 consumer gone
+                out.append(msg)
+        except nats.js.errors.NotFoundError:
+            self._consumers.discard((stream, consumer))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return out
+
+    async def _ack(self, reply: str, verb: bytes = b"+ACK") -> None:
+        nc = await self.conn.client()
+        await sent(nc.publish(reply, verb))
+
+    async def _wake(self, model: str, worker: str = "") -> None:
+        nc = await self.conn.client()
+        await sent(nc.publish(self.names.wake(model), worker.encode()))
+
+    async def _wake_event(self, model: str) -> asyncio.Event:
+        event = self._wakes.get(model)
+        if event is None:
+            event = self._wakes[model] = asyncio.Event()
+            nc = await self.conn.client()
+
+            async def on_wake(_: Msg) -> None:
+                event.set()
+
+            self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
+        return event
+
+    # -- records ----------------------------------------------------------------------------
+    async def _get(self, job_id: str) -> tuple[StoredJob, int] | None:
+        kv = await self._jobs()
+        try:
+            entry = await sent(kv.get(Names.job(job_id)))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return decode_job(entry.value), entry.revision or 0
+
+    async def _cas(self, job: StoredJob, revision: int) -> int | None:
+        """Write the record if it is still at `revision`; its new revision, None if not."""
+        kv = await self._jobs()
+        try:
+            return int(
+                await sent(kv.update(Names.job(job.spec.id), encode_job(job), last=revision))
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == _WRONG_LAST:
+                return None
+            raise
+
+    async def _publish_event(
+        self, job_id: str, data: bytes, expect: int | None, marker: bool = False
+    ) -> int:
+        """Append to a job's events; raises _Fenced when `expect` is no longer the last."""
+        js = await self.conn.js()
+        await self._events_stream()
+        headers = {} if expect is None else {EXPECT_LAST: str(expect)}
+        if marker:
+            headers[MARKER] = "1"
+        try:
+            ack = await sent(js.publish(self.names.events(job_id), data, headers=headers or None))
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == _WRONG_LAST:
+                raise _Fenced from exc
+            raise
+        return int(ack.seq)
+
+    async def _last_event(self, job_id: str) -> tuple[int, bytes | None, bool]:
+        """The events subject's last (sequence, data, is a marker); (0, None, False) if none."""
+        stream = await self._events_stream()
+        js = await self.conn.js()
+        try:
+            msg = await sent(js.get_last_msg(stream, self.names.events(job_id), direct=True))
+        except nats.js.errors.NotFoundError:
+            return 0, None, False
+        marker = bool(msg.headers and msg.headers.get(MARKER))
+        return int(msg.seq or 0), msg.data, marker
+
+    async def _end(
+        self,
+        job: StoredJob,
+        revision: int,
+        result: JobResult,
+        reason: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """A terminal write by the broker itself (cancel, expiry, dead letter): the record by
+        compare-and-set, then its Finished event, its lane message gone, quota and audit."""
+        now = self.clock()
+        job.status = result.status
+        job.result = result
+        job.finished_at = now
+        if await self._cas(job, revision) is None:
+            return False
+        try:
+            await self._publish_event(job.spec.id, encode(Finished(result=result)), None)
+        finally:
+            await self._drop_message(job)
+        if reason is not None:
+            await self._dead_letter_entry(job, reason, error)
+        await self._settle([(job.spec, result)])
+        return True
+
+    async def _drop_message(self, job: StoredJob) -> None:
+        if not job.lane or not job.seq:
+            return
+        js = await self.conn.js()
+        try:
+            await sent(js.delete_msg(job.lane, job.seq))
+        except nats.js.errors.APIError:
+            pass  # already acknowledged (taken) or gone
+
+    async def _dead_letter_entry(self, job: StoredJob, reason: str, error: str | None) -> None:
+        js = await self.conn.js()
+        await self._dead_stream()
+        entry = DeadLetter(
+            job_id=job.spec.id,
+            model=job.spec.model,
+            priority=job.spec.priority,
+            reason=reason,
+            error=error,
+            deliveries=job.deliveries,
+            at=self.clock(),
+        )
+        await sent(js.publish(self.names.dead(job.spec.model), encode(entry)))
+
+    async def _settle(self, ended: Sequence[tuple[JobSpec, JobResult]]) -> None:
+        """Quota settlement and terminal audit entries of jobs that just ended."""
+        held = [settlement(spec, result) for spec, result in ended if spec.quota]
+        now = self.clock()
+        entries = [audit.terminal(spec, result, now) for spec, result in ended]
+        await asyncio.gather(
+            self.quotas.settle(held) if held else asyncio.sleep(0),
+            self.audit.append(entries),
+        )
+
+    # -- producing --------------------------------------------------------------------------
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        return await self._group.enqueue(spec)
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """Per model all-or-nothing against the lane bounds: a refused job takes back the
+        model's jobs this call added."""
+        now = self.clock()
+        bounds = self.settings.pool_bounds
+        by_model: dict[str, list[int]] = defaultdict(list)
+        for index, spec in enumerate(specs):
+            if not spec.created_at:
+                spec.created_at = now
+            spec.pool = size_pool(estimated_tokens(spec), bounds)
+            by_model[spec.model].append(index)
+        results: list[EnqueueResult | None] = [None] * len(specs)
+        for model, indexes in by_model.items():
+            await self._note_model(model)
+            outcomes = await asyncio.gather(
+                *(self._enqueue_one(specs[i], now) for i in indexes), return_exceptions=True
+            )
+            full = next((o for o in outcomes if isinstance(o, QueueFull)), None)
+            if full is not None:
+                await self._take_back(
+                    [(specs[i], o) for i, o in zip(indexes, outcomes, strict=True)]
+                )
+                raise full
+            for i, outcome in zip(indexes, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[i] = outcome[0]
+            if any(isinstance(o, tuple) and o[1] for o in outcomes):
+                await self._wake(model)
+        created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
+        if created and self.settings.audit_max_len:
+            await self.audit.append([audit.received(spec, now) for spec in created])
+        return [r for r in results if r is not None]
+
+    async def _note_model(self, model: str) -> None:
+        if model in self._models:
+            return
+        await self._mark(self.names.models_key, model, True)
+        self._models.add(model)
+
+    async def _take_back(
+        self, outcomes: Sequence[tuple[JobSpec, tuple[EnqueueResult, bool] | BaseException]]
+    ) -> None:
+        """Undo the jobs of a refused batch that were added (their record and message)."""
+        kv = await self._jobs()
+        for spec, outcome in outcomes:
+            if isinstance(outcome, tuple) and outcome[0].created and not outcome[0].collapsed:
+                found = await self._get(spec.id)
+                if found is not None:
+                    await self._drop_message(found[0])
+                try:
+                    await sent(kv.purge(Names.job(spec.id)))
+                    if spec.idempotency_key:
+                        key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+                        await sent(kv.purge(key))
+                    if spec.collapse_key:
+                        await sent(kv.purge(Names.collapse(spec.model, spec.collapse_key)))
+                except nats.js.errors.APIError:
+                    pass
+
+    async def _claim_key(self, kv: KeyValue, key: str, job_id: str) -> str | None:
+        """Create `key` -> `job_id`; the job id it already names when it exists."""
+        try:
+            await sent(kv.create(key, job_id.encode()))
+            return None
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        try:
+            entry = await sent(kv.get(key))
+        except nats.js.errors.KeyNotFoundError:
+            return None  # gone meanwhile: take it
+        return entry.value.decode() if entry.value else None
+
+    async def _enqueue_one(self, spec: JobSpec, now: float) -> tuple[EnqueueResult, bool]:
+        """(result, published): the job's record, its keys, then its lane message."""
+        kv = await self._jobs()
+        if spec.idempotency_key:
+            key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+            other = await self._claim_key(kv, key, spec.id)
+            if other is not None and other != spec.id:
+                return EnqueueResult(job_id=other, created=False), False
+        if spec.collapse_key:
+            joined = await self._join(kv, spec)
+            if joined is not None:
+                return EnqueueResult(job_id=joined, created=False, collapsed=True), False
+        owner = await self._owner_for(spec)
+        stream = await self._lane(spec.model, spec.priority, spec.pool)
+        if owner is not None:
+            subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+        else:
+            subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        job = StoredJob(
+            spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
+        )
+        try:
+            revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return EnqueueResult(job_id=spec.id, created=False), False  # a resent enqueue
+        js = await self.conn.js()
+        try:
+            ack = await sent(
+                js.publish(
+                    subject,
+                    encode(spec),
+                    headers={"Nats-Msg-Id": spec.id, REVISION: str(revision)},
+                )
+            )
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in _FULL:
+                await sent(kv.purge(Names.job(spec.id)))
+                lane = f"{spec.model}/{spec.priority.name.lower()}"
+                raise QueueFull(
+                    lane, self.settings.max_queue_depth, self.settings.max_queue_depth
+                ) from exc
+            raise
+        job.seq = int(ack.seq)
+        # the sequence lets a cancel or expiry delete the waiting message; best effort
+        await self._cas(job, revision)
+        if owner is not None:
+            await self._wake(spec.model, owner)
+        return EnqueueResult(job_id=spec.id, created=True), True
+
+    async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
+        """The job in flight this identical request joins (one more follower), if any."""
+        assert spec.collapse_key
+        key = Names.collapse(spec.model, spec.collapse_key)
+        for _ in range(8):
+            other = await self._claim_key(kv, key, spec.id)
+            if other is None or other == spec.id:
+                return None
+            found = await self._get(other)
+            if found is None or found[0].terminal:
+                # its job ended: this request takes the key over
+                try:
+                    entry = await sent(kv.get(key))
+                    await sent(kv.update(key, spec.id.encode(), last=entry.revision))
+                    return None
+                except nats.js.errors.Error:
+                    continue
+            job, revision = found
+            job.followers += 1
+            if await self._cas(job, revision) is not None:
+                return other
+        return None
+
+    async def _live_workers(self, model: str) -> set[str]:
+        at, of, live = self._live
+        now = self.clock()
+        if of == model and now - at < 0.2:
+            return live
+        live = {w.consumer for w in await self.registry.workers(model)}
+        self._live = (now, model, live)
+        return live
+
+    async def _owner_for(self, spec: JobSpec) -> str | None:
+        """The live worker a job with a known prefix is held for, if any."""
+        if not spec.prefix_key:
+            return None
+        kv = await self._jobs()
+        try:
+            entry = await sent(kv.get(Names.prefix_owner(spec.model, spec.prefix_key)))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        owner, _, until = (entry.value or b"").decode().partition(" ")
+        if not owner or float(until or 0) <= self.clock():
+            return None
+        if owner not in await self._live_workers(spec.model):
+            return None
+        stream = await self._lane(spec.model, spec.priority, spec.pool)
+        subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+        held = (await self._subjects(stream)).get(subject, 0)
+        return owner if hold_for(owner, held, self.settings.affinity_max_held) else None
+
+    # -- consuming --------------------------------------------------------------------------
+    async def _subjects(self, stream: str) -> dict[str, int]:
+        """Messages per subject of a lane stream (waiting and in flight)."""
+        try:
+            answer = await self.conn.api(f"STREAM.INFO.{stream}", {"subjects_filter": ">"})
+        except nats.js.errors.NotFoundError:
+            return {}
+        subjects: dict[str, int] = answer.get("state", {}).get("subjects") or {}
+        return subjects
+
+    async def claim(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
+    ) -> list[Lease]:
+        if slots <= 0:
+            return []
+        give_up_at = time.monotonic() + block_s
+        woke = await self._wake_event(model) if block_s > 0 else None
+        while True:
+            if woke is not None:
+                woke.clear()
+            leases = await self._claim_once(model, consumer, slots, pools, batch_room)
+            left = give_up_at - time.monotonic()
+            if leases or left <= 0 or woke is None:
+                return leases
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woke.wait(), min(left, POLL_S))
+
+    async def _claim_once(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        pools: Sequence[int],
+        batch_room: int | None,
+    ) -> list[Lease]:
+        order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
+        self._rounds[model] += 1
+        lanes = [(Priority(p), pool) for p in order for pool in pools]
+        streams = await asyncio.gather(*(self._lane(model, p, pool) for p, pool in lanes))
+        views = await asyncio.gather(*(self._view(s) for s in streams))
+        leases: list[Lease] = []
+        mine = token(consumer)
+        for (priority, _), stream, view in zip(lanes, streams, views, strict=True):
+            room = slots - len(leases)
+            if priority is Priority.BATCH and batch_room is not None:
+                taken = sum(1 for lease in leases if lease.priority is Priority.BATCH)
+                room = min(room, max(0, batch_room) - taken)
+            if room <= 0:
+                continue
+            if not view.subjects:
+                continue
+            got = await self._claim_lane(model, stream, view, consumer, mine, room)
+            leases += got
+            if len(leases) >= slots:
+                break
+        return leases
+
+    async def _view(self, stream: str) -> _LaneView:
+        view = self._lanes[stream]
+        now = time.monotonic()
+        if now - view.read_at > TENANT_REFRESH_S or not view.subjects:
+            view.subjects = {s: n for s, n in (await self._subjects(stream)).items() if n > 0}
+            view.read_at = now
+        return view
+
+    async def _claim_lane(
+        self, model: str, stream: str, view: _LaneView, consumer: str, mine: str, room: int
+    ) -> list[Lease]:
+        leases: list[Lease] = []
+        held = [s for s in view.subjects if Names.subject_kind(s)[0] == "a"]
+        own = [s for s in held if Names.subject_kind(s)[1] == mine]
+        for subject in own:  # jobs held for this worker first
+            msgs = await self._pull(
+                stream, await self._consumer(stream, subject), room - len(leases)
+            )
+            leases += await self._take(msgs, consumer, affinity=True)
+        now = self.clock()
+        for subject in held:  # then jobs another worker kept waiting too long
+            if subject in own or len(leases) >= room:
+                continue
+            name = await self._consumer(stream, subject)
+            while len(leases) < room:
+                msgs = await self._pull(stream, name, 1)
+                if not msgs:
+                    break
+                spec = decode(msgs[0].data, JobSpec)
+                if not overdue(spec.created_at, now, self.settings.affinity_wait_s):
+                    await self._ack(msgs[0].reply or "", b"-NAK")
+                    break
+                leases += await self._take(msgs, consumer, affinity=True)
+        tenants = [s for s in view.subjects if Names.subject_kind(s)[0] == "t"]
+        exhausted: set[str] = set()
+        while len(leases) < room:
+            candidates = [s for s in tenants if s not in exhausted]
+            if not candidates:
+                break
+            floor = min((view.vtime.get(s, 0.0) for s in candidates), default=0.0)
+            for s in candidates:
+                # a tenant that was idle starts at the lane's clock: no credit for idleness
+                view.vtime[s] = max(view.vtime.get(s, floor), floor)
+            plan = _fair_plan(candidates, view, room - len(leases))
+            pulled = await asyncio.gather(
+                *(self._pull_tenant(stream, s, n) for s, n in plan.items())
+            )
+            got_any = False
+            for (subject, wanted), msgs in zip(plan.items(), pulled, strict=True):
+                if len(msgs) < wanted:
+                    exhausted.add(subject)
+                taken = await self._take(msgs, consumer, affinity=False)
+                for lease in taken:
+                    weight = max(lease.spec.weight, 1e-6)
+                    view.weight[subject] = weight
+                    view.vtime[subject] = (
+                        view.vtime.get(subject, 0.0) + fair_cost(lease.spec) / weight
+                    )
+                got_any = got_any or bool(msgs)
+                leases += taken
+            if not got_any:
+                break
+        if not leases:
+            view.read_at = 0.0  # look at the lane afresh next time
+        return leases
+
+    async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[Msg]:
+        msgs = await self._pull(stream, await self._consumer(stream, subject), n)
+        # within what one pull takes: earliest deadline first, then arrival
+        return sorted(msgs, key=lambda m: staging_score(decode(m.data, JobSpec)))
+
+    async def _take(self, msgs: Sequence[Msg], consumer: str, affinity: bool) -> list[Lease]:
+        outcomes = await asyncio.gather(*(self._take_one(m, consumer, affinity) for m in msgs))
+        return [lease for lease in outcomes if lease is not None]
+
+    async def _take_one(self, msg: Msg, consumer: str, affinity: bool) -> Lease | None:
+        """Turn a delivered message into a lease: the record says running under this consumer
+        (compare-and-set), and a claim marker fences the events subject."""
+        reply = msg.reply or ""
+        spec = decode(msg.data, JobSpec)
+        revision = int((msg.headers or {}).get(REVISION, "0"))
+        job: StoredJob | None = None
+        for _ in range(6):
+            if job is None:
+                found = await self._get(spec.id)
+                if found is None:
+                    await self._ack(reply, b"+TERM")  # its record expired: nothing to run
+                    return None
+                job, revision = found
+            if job.terminal:
+                await self._ack(reply)
+                return None
+            now = self.clock()
+            if job.spec.deadline is not None and job.spec.deadline <= now:
+                if await self._end(job, revision, expired_result()):
+                    await self._ack(reply)
+                    await self._count(spec.model, "expired")
+                    return None
+                job = None
+                continue
+            if job.deliveries >= self.settings.max_deliveries:
+                error = f"lease expired on each of {self.settings.max_deliveries} deliveries"
+                if await self._end(job, revision, dead_result(error), "lease_expired", error):
+                    await self._ack(reply)
+                    return None
+                job = None
+                continue
+            if job.last_error is not None and job.status is JobStatus.QUEUED:
+                await self._mark(Names.delayed(spec.model), spec.id, False)
+            job.status = JobStatus.RUNNING
+            job.deliveries += 1
+            job.worker = consumer
+            job.started_at = job.started_at or now
+            job.lease_until = now + self.settings.lease_s
+            job.affinity = affinity
+            job.seq = int(msg.metadata.sequence.stream)
+            job.lane = msg.metadata.stream
+            new_revision = await self._cas(job, revision)
+            if new_revision is None:
+                job = None
+                continue
+            break
+        else:
+            await self._ack(reply, b"-NAK")
+            return None
+        assert job is not None
+        last, resumable = await self._fence_events(job.spec.id)
+        self._holding[reply] = _Holding(new_revision, last)
+        if job.spec.prefix_key:
+            await self._own_prefix(job.spec, consumer)
+        lease_spec = job.spec
+        lease_spec.attempt = job.deliveries - 1
+        return Lease(
+            spec=lease_spec,
+            entry_id=reply,
+            consumer=consumer,
+            resumable=resumable,
+            affinity=affinity,
+        )
+
+    async def _fence_events(self, job_id: str) -> tuple[int, bool]:
+        """Append the claim marker; (its sequence, whether earlier events exist)."""
+        try:
+            return await self._publish_event(job_id, b"", 0, marker=True), False
+        except _Fenced:
+            pass
+        for _ in range(8):
+            last, _, _ = await self._last_event(job_id)
+            try:
+                return await self._publish_event(job_id, b"", last, marker=True), True
+            except _Fenced:
+                continue
+        raise _Fenced
+
+    async def _own_prefix(self, spec: JobSpec, consumer: str) -> None:
+        """This worker owns the prefix now, unless another live worker does (sticky)."""
+        assert spec.prefix_key
+        kv = await self._jobs()
+        key = Names.prefix_owner(spec.model, spec.prefix_key)
+        try:
+            entry = await sent(kv.get(key))
+            owner, _, until = (entry.value or b"").decode().partition(" ")
+            if (
+                owner
+                and owner != consumer
+                and float(until or 0) > self.clock()
+                and owner in await self._live_workers(spec.model)
+            ):
+                return
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        until = self.clock() + self.settings.affinity_ttl_s
+        await sent(kv.put(key, f"{consumer} {until!r}".encode()))
+
+    async def _count(self, model: str, name: str) -> None:
+        kv = await self._jobs()
+        key = Names.counter(model, name)
+        for _ in range(16):
+            try:
+                entry = await sent(kv.get(key))
+                value = int(entry.value or b"0") + 1
+                await sent(kv.update(key, str(value).encode(), last=entry.revision))
+                return
+            except nats.js.errors.KeyNotFoundError:
+                try:
+                    await sent(kv.create(key, b"1"))
+                    return
+                except nats.js.errors.Error:
+                    continue
+            except nats.js.errors.Error:
+                continue
+
+    async def _counter(self, model: str, name: str) -> int:
+        kv = await self._jobs()
+        try:
+            return int((await sent(kv.get(Names.counter(model, name)))).value or b"0")
+        except nats.js.errors.KeyNotFoundError:
+            return 0
+
+    # -- holding a lease --------------------------------------------------------------------
+    async def _ours(self, lease: Lease) -> tuple[StoredJob, int] | None:
+        """The record, if the lease still holds it (running, this consumer, this delivery)."""
+        found = await self._get(lease.spec.id)
+        if found is None:
+            return None
+        job, revision = found
+        if (
+            job.status is not JobStatus.RUNNING
+            or job.worker != lease.consumer
+            or job.deliveries != lease.spec.attempt + 1
+        ):
+            return None
+        return job, revision
+
+    async def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        async def one(lease: Lease) -> bool:
+            if await self._ours(lease) is None:
+                return False
+            await self._ack(lease.entry_id, b"+WPI")
+            return True
+
+        return list(await asyncio.gather(*(one(lease) for lease in leases)))
+
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        """In order per job; a job's later events are not tried once one was fenced."""
+        flags = [False] * len(events)
+        by_job: dict[str, list[int]] = defaultdict(list)
+        for i, (lease, _) in enumerate(events):
+            by_job[lease.entry_id].append(i)
+
+        async def job_events(entry: str, indexes: list[int]) -> None:
+            holding = self._holding.get(entry)
+            if holding is None:
+                return
+            for i in indexes:
+                lease, event = events[i]
+                try:
+                    holding.last_seq = await self._publish_event(
+                        lease.spec.id, encode(event), holding.last_seq
+                    )
+                except _Fenced:
+                    await self._count(lease.spec.model, "fenced")
+                    return
+                flags[i] = True
+
+        await asyncio.gather(*(job_events(e, ix) for e, ix in by_job.items()))
+        return flags
+
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
+        outcomes = await asyncio.gather(
+            *(
+                self._complete(lease, result, None if tails is None else tails[i])
+                for i, (lease, result) in enumerate(items)
+            )
+        )
+        ended = [(items[i][0].spec, items[i][1]) for i, ok in enumerate(outcomes) if ok]
+        if ended:
+            await self._settle(ended)
+        return list(outcomes)
+
+    async def _complete(self, lease: Lease, result: JobResult, tail: TokenChunk | None) -> bool:
+        holding = self._holding.get(lease.entry_id)
+        found = await self._ours(lease)
+        if holding is None or found is None:
+            await self._count(lease.spec.model, "fenced")
+            return False
+        job, revision = found
+        try:
+            if tail is not None:
+                holding.last_seq = await self._publish_event(
+                    lease.spec.id, encode(tail), holding.last_seq
+                )
+            finished = encode(Finished(result=result))
+            holding.last_seq = await self._publish_event(lease.spec.id, finished, holding.last_seq)
+        except _Fenced:
+            await self._count(lease.spec.model, "fenced")
+            return False
+        # the Finished event is in: the record follows (a crash here is mended by the next claim)
+        for _ in range(8):
+            job.status = result.status
+            job.result = result
+            job.finished_at = self.clock()
+            if await self._cas(job, revision) is not None:
+                break
+            again = await self._ours(lease)
+            if again is None:
+                break
+            job, revision = again
+        self._holding.pop(lease.entry_id, None)
+        await self._ack(lease.entry_id)
+        if job.cancel:
+            await self._mark(Names.cancels(job.spec.model), job.spec.id, False)
+        await self._forget_collapse(job.spec)
+        return True
+
+    async def _forget_collapse(self, spec: JobSpec) -> None:
+        if not spec.collapse_key:
+            return
+        kv = await self._jobs()
+        key = Names.collapse(spec.model, spec.collapse_key)
+        try:
+            entry = await sent(kv.get(key))
+            if entry.value == spec.id.encode():
+                await sent(kv.delete(key, last=entry.revision))
+        except nats.js.errors.Error:
+            pass  # someone took it over, or it is gone
+
+    async def retry(self, lease: Lease, error: str) -> bool:
+        return await self._fail(lease, error, "failed", force_dead=False) == 1
+
+    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
+        return await self._fail(lease, error or reason, reason, force_dead=True) == 0
+
+    async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
+        """1: retried after backoff; 0: dead-lettered (at the delivery limit, or forced);
+        -1: the lease was lost."""
+        found = await self._ours(lease)
+        if found is None:
+            return -1
+        job, revision = found
+        if force_dead or job.deliveries >= self.settings.max_deliveries:
+            job.last_error = error
+            if not await self._end(job, revision, dead_result(f"{reason}: {error}"), reason, error):
+                return -1
+            self._holding.pop(lease.entry_id, None)
+            await self._ack(lease.entry_id)
+            return 0
+        delay = backoff_delay(
+            lease.spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
+        )
+        job.status = JobStatus.QUEUED
+        job.last_error = error
+        job.worker = None
+        if await self._cas(job, revision) is None:
+            return -1
+        self._holding.pop(lease.entry_id, None)
+        await self._mark(Names.delayed(job.spec.model), job.spec.id, True)
+        nak = json.dumps({"delay": int(delay * 1e9)}).encode()
+        await self._ack(lease.entry_id, b"-NAK " + nak)
+        return 1
+
+    async def release(self, leases: Sequence[Lease]) -> int:
+        """Hand jobs back at once, charging no delivery; an affinity job goes to its lane."""
+
+        async def one(lease: Lease) -> bool:
+            found = await self._ours(lease)
+            if found is None:
+                return False
+            job, revision = found
+            job.status = JobStatus.QUEUED
+            job.deliveries -= 1
+            job.worker = None
+            if lease.affinity:
+                return await self._requeue(job, revision, lease.entry_id)
+            if await self._cas(job, revision) is None:
+                return False
+            self._holding.pop(lease.entry_id, None)
+            await self._ack(lease.entry_id, b"-NAK")
+            return True
+
+        released = sum(await asyncio.gather(*(one(lease) for lease in leases)))
+        if released:
+            await self._wake(leases[0].spec.model)
+        return released
+
+    async def _requeue(self, job: StoredJob, revision: int, reply: str | None) -> bool:
+        """Move a job from a held subject to its tenant's subject of the lane."""
+        spec = job.spec
+        job.affinity = False
+        job.subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        old_seq = job.seq
+        new_revision = await self._cas(job, revision)
+        if new_revision is None:
+            return False
+        js = await self.conn.js()
+        ack = await sent(
+            js.publish(job.subject, encode(spec), headers={REVISION: str(new_revision)})
+        )
+        if reply:
+            self._holding.pop(reply, None)
+            await self._ack(reply)
+        elif old_seq:
+            with contextlib.suppress(nats.js.errors.APIError):
+                await sent(js.delete_msg(job.lane, old_seq))
+        job.seq = int(ack.seq)
+        await self._cas(job, new_revision)
+        return True
+
+    async def reap(self, model: str) -> ReapReport:
+        """JetStream redelivers an expired lease by itself (AckWait); reaping moves expired
+        affinity leases back to their lane and dead-letters jobs at the delivery limit."""
+        now = self.clock()
+        requeued: list[str] = []
+        dead: list[str] = []
+        kv = await self._jobs()
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                stream = await self._lane(model, priority, pool)
+                for subject, n in (await self._subjects(stream)).items():
+                    if n <= 0:
+                        continue
+                    requeued += await self._reap_subject(kv, stream, subject, now, dead)
+        return ReapReport(requeued=requeued, dead=dead)
+
+    async def _reap_subject(
+        self, kv: KeyValue, stream: str, subject: str, now: float, dead: list[str]
+    ) -> list[str]:
+        """Jobs of one subject whose lease lapsed: requeued (their ids) or dead-lettered."""
+        out: list[str] = []
+        seq = 0
+        for _ in range(100):
+            batch = await self.conn.get_batch(stream, subject, seq, 256)
+            if not batch:
+                break
+            for seq, data, _ in batch:
+                spec = decode(data, JobSpec)
+                found = await self._get(spec.id)
+                if found is None:
+                    continue
+                job, revision = found
+                if job.status is not JobStatus.RUNNING or job.lease_until > now:
+                    continue
+                if job.deliveries >= self.settings.max_deliveries:
+                    error = f"lease expired on each of {self.settings.max_deliveries} deliveries"
+                    if await self._end(job, revision, dead_result(error), "lease_expired", error):
+                        dead.append(spec.id)
+                    continue
+                job.status = JobStatus.QUEUED
+                job.worker = None
+                if Names.subject_kind(subject)[0] == "a":
+                    if await self._requeue(job, revision, None):
+                        out.append(spec.id)
+                elif await self._cas(job, revision) is not None:
+                    out.append(spec.id)
+            if len(batch) < 256:
+                break
+        return out
+
+    # -- cancellation -----------------------------------------------------------------------
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        return await self._cancel(job_id, 0)
+
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        return await self._cancel(job_id, max(1, followers))
+
+    async def _cancel(self, job_id: str, leaving: int) -> CancelOutcome:
+        for _ in range(16):
+            found = await self._get(job_id)
+            if found is None:
+                return CancelOutcome.NOT_FOUND
+            job, revision = found
+            if job.terminal:
+                return CancelOutcome.ALREADY_FINISHED
+            if leaving:
+                job.followers -= leaving
+                if job.followers > 0:
+                    if await self._cas(job, revision) is not None:
+                        return CancelOutcome.FOLLOWED
+                    continue
+            if job.status is JobStatus.RUNNING:
+                job.cancel = True
+                if await self._cas(job, revision) is None:
+                    continue
+                await self._mark(Names.cancels(job.spec.model), job_id, True)
+                return CancelOutcome.SIGNALLED
+            if await self._end(job, revision, cancelled_result()):
+                await self._mark(Names.delayed(job.spec.model), job_id, False)
+                await self._forget_collapse(job.spec)
+                return CancelOutcome.CANCELLED
+        return CancelOutcome.NOT_FOUND
+
+    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        return await self._marked(Names.cancels(model)) & set(job_ids)
+
+    # -- events and records -----------------------------------------------------------------
+    async def read_events(
+        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
+    ) -> list[tuple[str, JobEvent]]:
+        found = await self.read_events_many({job_id: after}, block_s, count)
+        return [(eid, event) for _, eid, event in found]
+
+    async def read_events_many(
+        self,
+        cursors: Mapping[str, str],
+        block_s: float = 0.0,
+        count: int = 1000,
+    ) -> list[tuple[str, str, JobEvent]]:
+        if not cursors:
+            return []
+        stream = await self._events_stream()
+        if block_s <= 0:
+            return await self._read(stream, cursors, count)
+        subjects = {self.names.events(j): j for j in cursors}
+        nc = await self.conn.client()
+        woke = asyncio.Event()
+
+        async def on_event(msg: Msg) -> None:
+            if msg.subject in subjects:
+                woke.set()
+
+        # subscribe before reading, so an event appended in between wakes the wait
+        subs = [await sent(nc.subscribe(s, cb=on_event)) for s in subjects]
+        try:
+            give_up = time.monotonic() + block_s
+            while True:
+                woke.clear()
+                found = await self._read(stream, cursors, count)
+                left = give_up - time.monotonic()
+                if found or left <= 0:
+                    return found
+                try:
+                    await asyncio.wait_for(woke.wait(), left)
+                except TimeoutError:
+                    return []
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def _read(
+        self, stream: str, cursors: Mapping[str, str], count: int
+    ) -> list[tuple[str, str, JobEvent]]:
+        async def one(job_id: str, after: str) -> list[tuple[str, str, JobEvent]]:
+            rows = await self.conn.get_batch(stream, self.names.events(job_id), _seq(after), count)
+            return [
+                (job_id, str(seq), decode_event(data))
+                for seq, data, headers in rows
+                if not headers.get(MARKER)
+            ]
+
+        parts = await asyncio.gather(*(one(j, a) for j, a in cursors.items()))
+        return [row for part in parts for row in part]
+
+    async def record(self, job_id: str) -> JobRecord | None:
+        found = await self._get(job_id)
+        return None if found is None else found[0].record()
+
+    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        return list(await asyncio.gather(*(self.record(j) for j in job_ids)))
+
+    # -- introspection ----------------------------------------------------------------------
+    async def _lane_counts(
+        self, model: str
+    ) -> list[tuple[Priority, int, dict[str, int], dict[str, Any]]]:
+        """Per lane: (priority, pool, subject counts, consumers' info by subject)."""
+        out = []
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                stream = await self._lane(model, priority, pool)
+                subjects = await self._subjects(stream)
+                infos = await self._consumer_infos(stream)
+                out.append((priority, pool, subjects, infos))
+        return out
+
+    async def _consumer_infos(self, stream: str) -> dict[str, Any]:
+        js = await self.conn.js()
+        try:
+            infos = await sent(js.consumers_info(stream))
+        except nats.js.errors.NotFoundError:
+            return {}
+        return {info.config.filter_subject or "": info for info in infos}
+
+    async def stats(self, model: str) -> BrokerStats:
+        now = self.clock()
+        waiting: dict[Priority, int] = defaultdict(int)
+        in_flight: dict[Priority, int] = defaultdict(int)
+        oldest: dict[Priority, float] = {}
+        for priority, _, subjects, infos in await self._lane_counts(model):
+            for subject, n in subjects.items():
+                info = infos.get(subject)
+                pending = int(info.num_ack_pending) if info is not None else 0
+                in_flight[priority] += pending
+                waiting[priority] += max(0, n - pending)
+        delayed = await self._delayed(model)
+        jobs = await self._waiting_ages(model, now)
+        for priority, age in jobs.items():
+            oldest[priority] = age
+        lanes = [
+            LaneStats(
+                model,
+                p,
+                waiting=waiting[p],
+                in_flight=in_flight[p],
+                oldest_waiting_age_s=oldest.get(p) if waiting[p] else None,
+            )
+            for p in Priority
+        ]
+        dead = await self._dead_count(model)
+        return BrokerStats(
+            model=model,
+            lanes=lanes,
+            delayed=delayed,
+            dead_letters=dead,
+            fenced_completions=await self._counter(model, "fenced"),
+            expired=await self._counter(model, "expired"),
+        )
+
+    async def _waiting_ages(self, model: str, now: float) -> dict[Priority, float]:
+        """Per priority, the age of its oldest message (the first in each lane stream)."""
+        js = await self.conn.js()
+        out: dict[Priority, float] = {}
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                stream = self.names.lane_stream(model, priority, pool)
+                try:
+                    info = await sent(js.stream_info(stream))
+                except nats.js.errors.NotFoundError:
+                    continue
+                if not info.state.messages:
+                    continue
+                try:
+                    msg = await sent(js.get_msg(stream, info.state.first_seq))
+                except nats.js.errors.NotFoundError:
+                    continue
+                spec = decode(msg.data or b"", JobSpec)
+                out[priority] = max(out.get(priority, 0.0), max(0.0, now - spec.created_at))
+        return out
+
+    async def _marked(self, key: str) -> set[str]:
+        """The members of a small set kept in one KV entry (cancels asked, retries waiting)."""
+        kv = await self._jobs()
+        try:
+            entry = await sent(kv.get(key))
+        except nats.js.errors.KeyNotFoundError:
+            return set()
+        return set(decode(entry.value, list[str])) if entry.value else set()
+
+    async def _mark(self, key: str, member: str, on: bool) -> None:
+        """Add or remove a member, by compare-and-set."""
+        kv = await self._jobs()
+        for _ in range(32):
+            try:
+                entry = await sent(kv.get(key))
+                members = set(decode(entry.value, list[str])) if entry.value else set()
+                revision: int | None = entry.revision
+            except nats.js.errors.KeyNotFoundError:
+                members, revision = set(), None
+            if (member in members) == on:
+                return
+            members = members | {member} if on else members - {member}
+            value = encode(sorted(members))
+            try:
+                if revision is None:
+                    await sent(kv.create(key, value))
+                else:
+                    await sent(kv.update(key, value, last=revision))
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+
+    async def _delayed(self, model: str) -> int:
+        return len(await self._marked(Names.delayed(model)))
+
+    async def _dead_count(self, model: str) -> int:
+        stream = await self._dead_stream()
+        subjects = await self._subjects(stream)
+        return int(subjects.get(self.names.dead(model), 0))
+
+    async def depth(self, model: str) -> int:
+        total = 0
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                stream = await self._lane(model, priority, pool)
+                total += sum((await self._subjects(stream)).values())
+        return total
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        out = []
+        per: dict[Priority, tuple[int, int, dict[str, TenantBacklog]]] = {}
+        for priority, _, subjects, infos in await self._lane_counts(model):
+            queued, flying, tenants = per.get(priority, (0, 0, {}))
+            for subject, n in subjects.items():
+                info = infos.get(subject)
+                pending = int(info.num_ack_pending) if info is not None else 0
+                flying += pending
+                waiting = max(0, n - pending)
+                queued += waiting
+                kind, _ = Names.subject_kind(subject)
+                if kind == "t" and waiting > 0:
+                    tenant, weight = await self._tenant_of(subject, subjects, infos)
+                    was = tenants.get(tenant)
+                    tenants[tenant] = TenantBacklog(
+                        tenant, waiting + (was.staged if was else 0), weight
+                    )
+            per[priority] = (queued, flying, tenants)
+        for priority in Priority:
+            queued, flying, tenants = per.get(priority, (0, 0, {}))
+            out.append(LaneBacklog(priority, queued, flying, list(tenants.values())))
+        return out
+
+    async def _tenant_of(
+        self, subject: str, subjects: Mapping[str, int], infos: Mapping[str, Any]
+    ) -> tuple[str, float]:
+        """A tenant subject's tenant name and weight, from its first message."""
+        del subjects, infos
+        stream = self.names.stream_of_subject(subject)
+        rows = await self.conn.get_batch(stream, subject, 0, 1)
+        if not rows:
+            return Names.subject_kind(subject)[1], 1.0
+        spec = decode(rows[0][1], JobSpec)
+        return spec.tenant, spec.weight
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
+        stream = await self._dead_stream()
+        rows = await self.conn.get_batch(stream, self.names.dead(model), 0, count)
+        return [decode(data, DeadLetter) for _, data, _ in rows]
+
+    async def models(self) -> list[str]:
+        return sorted(await self._marked(self.names.models_key))
+
+
+def _seq(after: str) -> int:
+    """An event id (a stream sequence) from a cursor; '0' or '' reads from the start."""
+    try:
+        return max(0, int(after.split("-")[0] or 0))
+    except ValueError:
+        return 0
+
+
+def _fair_plan(subjects: Sequence[str], view: _LaneView, room: int) -> dict[str, int]:
+    """How many jobs to pull from each tenant: slot by slot, the least served (cost over
+    weight) first; a job's cost is guessed from the tenant's last (1 before any)."""
+    clocks = {s: view.vtime.get(s, 0.0) for s in subjects}
+    plan: dict[str, int] = defaultdict(int)
+    for _ in range(room):
+        subject = min(subjects, key=lambda s: (clocks[s], s))
+        plan[subject] += 1
+        clocks[subject] += 1.0 / max(view.weight.get(subject, 1.0), 1e-6)
+    return dict(plan)
