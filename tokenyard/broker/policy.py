@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenyard.messages import JobSpec
 
@@ -68,6 +68,27 @@ def pools_served(context: int, bounds: Sequence[int]) -> list[int]:
 def fair_cost(spec: JobSpec) -> int:
     """What a job counts against its tenant's share of a lane: the tokens it may use."""
     return len(spec.prompt_token_ids or ()) + spec.sampling.max_tokens
+
+
+# start-time fair queueing inside a lane: each tenant with waiting jobs has a start tag; the
+# smallest tag (then the name) goes next and advances by the job's cost over its weight; a
+# tenant that becomes active starts at the lane's virtual time (the last tag served), so idling
+# earns no credit. Redis runs the same rule in lua/lib/fair.lua.
+
+
+def active_tag(idle_tag: float, virtual: float) -> float:
+    """The start tag of a tenant whose jobs start waiting again."""
+    return max(idle_tag, virtual)
+
+
+def next_turn(tags: Mapping[str, float]) -> str:
+    """Whose job goes next among the active tenants' tags."""
+    return min(tags, key=lambda name: (tags[name], name))
+
+
+def advanced(tag: float, cost: float, weight: float) -> float:
+    """A tenant's tag after one of its jobs of `cost` went."""
+    return tag + cost / max(weight, 1e-9)
 
 
 def staging_score(spec: JobSpec) -> float:

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 
 from tokenyard.broker.ids import model_tag, tag_of_job
 from tokenyard.messages import Priority
 
+_SAFE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 
 @functools.lru_cache(maxsize=4096)
 def token(name: str) -> str:
-    """A subject- and key-safe stand-in for any name."""
-    return hashlib.blake2s(name.encode(), digest_size=8).hexdigest()
+    """A subject- and key-safe stand-in for any name: the name itself when it is safe ('n'
+    before it), else a digest ('h'), so two names never share a token."""
+    if _SAFE.fullmatch(name):
+        return f"n{name}"
+    return "h" + hashlib.blake2s(name.encode(), digest_size=8).hexdigest()
 
 
 class Names:

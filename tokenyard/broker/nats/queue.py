@@ -31,7 +31,6 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.kv import KeyValue
-from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
 
 from tokenyard.broker import audit
 from tokenyard.broker.core import (
@@ -50,13 +49,17 @@ from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.nats.connection import NatsConnection, sent
 from tokenyard.broker.nats.names import Names, token
 from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
+from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
+    active_tag,
+    advanced,
     backoff_delay,
     claim_order,
     estimated_tokens,
     fair_cost,
     hold_for,
+    next_turn,
     overdue,
     size_pool,
     staging_score,
@@ -98,8 +101,13 @@ class _LaneView:
 
     subjects: dict[str, int] = field(default_factory=dict)
     read_at: float = 0.0
-    vtime: dict[str, float] = field(default_factory=dict)  # tenant subject -> served cost/weight
+    # fair share (policy.py): tenant subject -> start tag; those with jobs waiting; each
+    # tenant's weight and last job's cost (to plan a claim of many); the virtual time
+    tags: dict[str, float] = field(default_factory=dict)
+    active: set[str] = field(default_factory=set)
     weight: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, float] = field(default_factory=dict)
+    virtual: float = 0.0
 
 
 @dataclass
@@ -140,7 +148,6 @@ class NatsQueue(QueueCore):
         self._wakes: dict[str, asyncio.Event] = {}
         self._wake_subs: dict[str, Any] = {}
         self._models: set[str] = set()
-        self._live: tuple[float, str, set[str]] = (0.0, "", set())
         self._group = GroupCommit(
             self.enqueue_many,
             max_batch=settings.enqueue_batch,
@@ -251,17 +258,27 @@ class NatsQueue(QueueCore):
         nc = await self.conn.client()
         await sent(nc.publish(reply, verb))
 
-    async def _wake(self, model: str, worker: str = "") -> None:
+    async def _wake(self, model: str, subjects: Sequence[str]) -> None:
+        """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
         nc = await self.conn.client()
-        await sent(nc.publish(self.names.wake(model), worker.encode()))
+        for subject in set(subjects):
+            await sent(nc.publish(self.names.wake(model), subject.encode()))
 
     async def _wake_event(self, model: str) -> asyncio.Event:
+        """Set on every wake of the model; each wake also marks its subject in the lane view,
+        so a claim sees a new tenant without reading the stream's subjects."""
         event = self._wakes.get(model)
         if event is None:
             event = self._wakes[model] = asyncio.Event()
             nc = await self.conn.client()
 
-            async def on_wake(_: Msg) -> None:
+            async def on_wake(msg: Msg) -> None:
+                subject = msg.data.decode()
+                try:
+                    view = self._lanes[self.names.stream_of_subject(subject)]
+                except ValueError:
+                    return
+                view.subjects[subject] = view.subjects.get(subject, 0) + 1
                 event.set()
 
             self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
@@ -396,8 +413,15 @@ class NatsQueue(QueueCore):
         results: list[EnqueueResult | None] = [None] * len(specs)
         for model, indexes in by_model.items():
             await self._note_model(model)
+            # who each prefixed job is held for, in order: the batch's own holds count
+            assigned: dict[str, int] = defaultdict(int)
+            owners = [await self._owner_for(specs[i], assigned) for i in indexes]
             outcomes = await asyncio.gather(
-                *(self._enqueue_one(specs[i], now) for i in indexes), return_exceptions=True
+                *(
+                    self._enqueue_one(specs[i], now, o)
+                    for i, o in zip(indexes, owners, strict=True)
+                ),
+                return_exceptions=True,
             )
             full = next((o for o in outcomes if isinstance(o, QueueFull)), None)
             if full is not None:
@@ -409,8 +433,9 @@ class NatsQueue(QueueCore):
                 if isinstance(outcome, BaseException):
                     raise outcome
                 results[i] = outcome[0]
-            if any(isinstance(o, tuple) and o[1] for o in outcomes):
-                await self._wake(model)
+            published = [o[1] for o in outcomes if isinstance(o, tuple) and o[1]]
+            if published:
+                await self._wake(model, published)
         created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
         if created and self.settings.audit_max_len:
             await self.audit.append([audit.received(spec, now) for spec in created])
@@ -423,11 +448,13 @@ class NatsQueue(QueueCore):
         self._models.add(model)
 
     async def _take_back(
-        self, outcomes: Sequence[tuple[JobSpec, tuple[EnqueueResult, bool] | BaseException]]
+        self, outcomes: Sequence[tuple[JobSpec, tuple[EnqueueResult, str] | BaseException]]
     ) -> None:
         """Undo the jobs of a refused batch that were added (their record and message)."""
         kv = await self._jobs()
         for spec, outcome in outcomes:
+            if isinstance(outcome, tuple) and outcome[0].collapsed:
+                await self._unjoin(outcome[0].job_id)
             if isinstance(outcome, tuple) and outcome[0].created and not outcome[0].collapsed:
                 found = await self._get(spec.id)
                 if found is not None:
@@ -442,6 +469,17 @@ class NatsQueue(QueueCore):
                 except nats.js.errors.APIError:
                     pass
 
+    async def _unjoin(self, job_id: str) -> None:
+        """One follower fewer, without cancelling (its join was taken back)."""
+        for _ in range(16):
+            found = await self._get(job_id)
+            if found is None:
+                return
+            job, revision = found
+            job.followers = max(1, job.followers - 1)
+            if await self._cas(job, revision) is not None:
+                return
+
     async def _claim_key(self, kv: KeyValue, key: str, job_id: str) -> str | None:
         """Create `key` -> `job_id`; the job id it already names when it exists."""
         try:
@@ -455,19 +493,21 @@ class NatsQueue(QueueCore):
             return None  # gone meanwhile: take it
         return entry.value.decode() if entry.value else None
 
-    async def _enqueue_one(self, spec: JobSpec, now: float) -> tuple[EnqueueResult, bool]:
-        """(result, published): the job's record, its keys, then its lane message."""
+    async def _enqueue_one(
+        self, spec: JobSpec, now: float, owner: str | None
+    ) -> tuple[EnqueueResult, str]:
+        """(result, the subject it was published on or ''): the job's record, its keys, then
+        its lane message."""
         kv = await self._jobs()
         if spec.idempotency_key:
             key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
             other = await self._claim_key(kv, key, spec.id)
             if other is not None and other != spec.id:
-                return EnqueueResult(job_id=other, created=False), False
+                return EnqueueResult(job_id=other, created=False), ""
         if spec.collapse_key:
             joined = await self._join(kv, spec)
             if joined is not None:
-                return EnqueueResult(job_id=joined, created=False, collapsed=True), False
-        owner = await self._owner_for(spec)
+                return EnqueueResult(job_id=joined, created=False, collapsed=True), ""
         stream = await self._lane(spec.model, spec.priority, spec.pool)
         if owner is not None:
             subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
@@ -479,7 +519,7 @@ class NatsQueue(QueueCore):
         try:
             revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
         except nats.js.errors.KeyWrongLastSequenceError:
-            return EnqueueResult(job_id=spec.id, created=False), False  # a resent enqueue
+            return EnqueueResult(job_id=spec.id, created=False), ""  # a resent enqueue
         js = await self.conn.js()
         try:
             ack = await sent(
@@ -500,9 +540,7 @@ class NatsQueue(QueueCore):
         job.seq = int(ack.seq)
         # the sequence lets a cancel or expiry delete the waiting message; best effort
         await self._cas(job, revision)
-        if owner is not None:
-            await self._wake(spec.model, owner)
-        return EnqueueResult(job_id=spec.id, created=True), True
+        return EnqueueResult(job_id=spec.id, created=True), subject
 
     async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
         """The job in flight this identical request joins (one more follower), if any."""
@@ -527,16 +565,11 @@ class NatsQueue(QueueCore):
                 return other
         return None
 
-    async def _live_workers(self, model: str) -> set[str]:
-        at, of, live = self._live
-        now = self.clock()
-        if of == model and now - at < 0.2:
-            return live
-        live = {w.consumer for w in await self.registry.workers(model)}
-        self._live = (now, model, live)
-        return live
+    async def _is_live(self, model: str, worker: str) -> bool:
+        """Whether the worker's heartbeat holds."""
+        return worker in {w.consumer for w in await self.registry.workers(model)}
 
-    async def _owner_for(self, spec: JobSpec) -> str | None:
+    async def _owner_for(self, spec: JobSpec, assigned: dict[str, int]) -> str | None:
         """The live worker a job with a known prefix is held for, if any."""
         if not spec.prefix_key:
             return None
@@ -548,12 +581,15 @@ class NatsQueue(QueueCore):
         owner, _, until = (entry.value or b"").decode().partition(" ")
         if not owner or float(until or 0) <= self.clock():
             return None
-        if owner not in await self._live_workers(spec.model):
+        if not await self._is_live(spec.model, owner):
             return None
         stream = await self._lane(spec.model, spec.priority, spec.pool)
         subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
-        held = (await self._subjects(stream)).get(subject, 0)
-        return owner if hold_for(owner, held, self.settings.affinity_max_held) else None
+        held = (await self._subjects(stream)).get(subject, 0) + assigned[subject]
+        if not hold_for(owner, held, self.settings.affinity_max_held):
+            return None
+        assigned[subject] += 1
+        return owner
 
     # -- consuming --------------------------------------------------------------------------
     async def _subjects(self, stream: str) -> dict[str, int]:
@@ -577,7 +613,8 @@ class NatsQueue(QueueCore):
         if slots <= 0:
             return []
         give_up_at = time.monotonic() + block_s
-        woke = await self._wake_event(model) if block_s > 0 else None
+        event = await self._wake_event(model)
+        woke = event if block_s > 0 else None
         while True:
             if woke is not None:
                 woke.clear()
@@ -595,12 +632,13 @@ class NatsQueue(QueueCore):
         slots: int,
         pools: Sequence[int],
         batch_room: int | None,
+        fresh: bool = False,
     ) -> list[Lease]:
         order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
         self._rounds[model] += 1
         lanes = [(Priority(p), pool) for p in order for pool in pools]
         streams = await asyncio.gather(*(self._lane(model, p, pool) for p, pool in lanes))
-        views = await asyncio.gather(*(self._view(s) for s in streams))
+        views = await asyncio.gather(*(self._view(s, fresh) for s in streams))
         leases: list[Lease] = []
         mine = token(consumer)
         for (priority, _), stream, view in zip(lanes, streams, views, strict=True):
@@ -616,12 +654,16 @@ class NatsQueue(QueueCore):
             leases += got
             if len(leases) >= slots:
                 break
+        if not leases and not fresh:
+            # the views may be older than work that came meanwhile: look once more, afresh
+            self._rounds[model] -= 1
+            return await self._claim_once(model, consumer, slots, pools, batch_room, True)
         return leases
 
-    async def _view(self, stream: str) -> _LaneView:
+    async def _view(self, stream: str, fresh: bool = False) -> _LaneView:
         view = self._lanes[stream]
         now = time.monotonic()
-        if now - view.read_at > TENANT_REFRESH_S or not view.subjects:
+        if fresh or now - view.read_at > TENANT_REFRESH_S or not view.subjects:
             view.subjects = {s: n for s, n in (await self._subjects(stream)).items() if n > 0}
             view.read_at = now
         return view
@@ -652,33 +694,35 @@ class NatsQueue(QueueCore):
                     break
                 leases += await self._take(msgs, consumer, affinity=True)
         tenants = [s for s in view.subjects if Names.subject_kind(s)[0] == "t"]
-        exhausted: set[str] = set()
-        while len(leases) < room:
-            candidates = [s for s in tenants if s not in exhausted]
-            if not candidates:
-                break
-            floor = min((view.vtime.get(s, 0.0) for s in candidates), default=0.0)
-            for s in candidates:
-                # a tenant that was idle starts at the lane's clock: no credit for idleness
-                view.vtime[s] = max(view.vtime.get(s, floor), floor)
-            plan = _fair_plan(candidates, view, room - len(leases))
+        for subject in tenants:
+            if subject not in view.active:
+                view.tags[subject] = active_tag(view.tags.get(subject, 0.0), view.virtual)
+                view.active.add(subject)
+        while len(leases) < room and view.active:
+            plan = _fair_plan(view, room - len(leases))
             pulled = await asyncio.gather(
                 *(self._pull_tenant(stream, s, n) for s, n in plan.items())
             )
-            got_any = False
+            taken: dict[str, list[Lease]] = {}
+            drained = False
             for (subject, wanted), msgs in zip(plan.items(), pulled, strict=True):
                 if len(msgs) < wanted:
-                    exhausted.add(subject)
-                taken = await self._take(msgs, consumer, affinity=False)
-                for lease in taken:
-                    weight = max(lease.spec.weight, 1e-6)
-                    view.weight[subject] = weight
-                    view.vtime[subject] = (
-                        view.vtime.get(subject, 0.0) + fair_cost(lease.spec) / weight
-                    )
-                got_any = got_any or bool(msgs)
-                leases += taken
-            if not got_any:
+                    drained = True
+                    view.active.discard(subject)  # drained: it keeps its tag while idle
+                    view.subjects.pop(subject, None)
+                taken[subject] = await self._take(msgs, consumer, affinity=False)
+            # the tags move in turn order, by what each job really costs
+            while any(taken.values()):
+                subject = next_turn({s: view.tags[s] for s, got in taken.items() if got})
+                lease = taken[subject].pop(0)
+                view.weight[subject] = lease.spec.weight
+                view.cost[subject] = float(fair_cost(lease.spec))
+                view.virtual = view.tags[subject]
+                view.tags[subject] = advanced(
+                    view.tags[subject], fair_cost(lease.spec), lease.spec.weight
+                )
+                leases.append(lease)
+            if not any(pulled) and not drained:
                 break
         if not leases:
             view.read_at = 0.0  # look at the lane afresh next time
@@ -707,10 +751,15 @@ class NatsQueue(QueueCore):
                     await self._ack(reply, b"+TERM")  # its record expired: nothing to run
                     return None
                 job, revision = found
-            if job.terminal:
-                await self._ack(reply)
+            if job.terminal or (job.seq and job.seq != msg.metadata.sequence.stream):
+                await self._ack(reply)  # ended, or moved (requeued) since this message
                 return None
             now = self.clock()
+            if job.status is JobStatus.RUNNING and job.lease_until > now:
+                # redelivered while its holder's lease (as renewed) still runs: not ours yet
+                delay = int((job.lease_until - now) * 1e9)
+                await self._ack(reply, b"-NAK " + json.dumps({"delay": delay}).encode())
+                return None
             if job.spec.deadline is not None and job.spec.deadline <= now:
                 if await self._end(job, revision, expired_result()):
                     await self._ack(reply)
@@ -784,7 +833,7 @@ class NatsQueue(QueueCore):
                 owner
                 and owner != consumer
                 and float(until or 0) > self.clock()
-                and owner in await self._live_workers(spec.model)
+                and await self._is_live(spec.model, owner)
             ):
                 return
         except nats.js.errors.KeyNotFoundError:
@@ -834,7 +883,12 @@ class NatsQueue(QueueCore):
 
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         async def one(lease: Lease) -> bool:
-            if await self._ours(lease) is None:
+            found = await self._ours(lease)
+            if found is None:
+                return False
+            job, revision = found
+            job.lease_until = self.clock() + self.settings.lease_s
+            if await self._cas(job, revision) is None:
                 return False
             await self._ack(lease.entry_id, b"+WPI")
             return True
@@ -859,7 +913,6 @@ class NatsQueue(QueueCore):
                         lease.spec.id, encode(event), holding.last_seq
                     )
                 except _Fenced:
-                    await self._count(lease.spec.model, "fenced")
                     return
                 flags[i] = True
 
@@ -983,12 +1036,15 @@ class NatsQueue(QueueCore):
             return True
 
         released = sum(await asyncio.gather(*(one(lease) for lease in leases)))
-        if released:
-            await self._wake(leases[0].spec.model)
+        for lease in leases:
+            spec = lease.spec
+            subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+            await self._wake(spec.model, [subject])
         return released
 
     async def _requeue(self, job: StoredJob, revision: int, reply: str | None) -> bool:
-        """Move a job from a held subject to its tenant's subject of the lane."""
+        """Put a job again at the back of its tenant's subject of the lane (a new message; the
+        old one is acknowledged by `reply`, or deleted)."""
         spec = job.spec
         job.affinity = False
         job.subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
@@ -1008,6 +1064,7 @@ class NatsQueue(QueueCore):
                 await sent(js.delete_msg(job.lane, old_seq))
         job.seq = int(ack.seq)
         await self._cas(job, new_revision)
+        await self._wake(spec.model, [job.subject])
         return True
 
     async def reap(self, model: str) -> ReapReport:
@@ -1036,7 +1093,8 @@ class NatsQueue(QueueCore):
             batch = await self.conn.get_batch(stream, subject, seq, 256)
             if not batch:
                 break
-            for seq, data, _ in batch:
+            seq = batch[-1][0]
+            for _, data, _ in batch:
                 spec = decode(data, JobSpec)
                 found = await self._get(spec.id)
                 if found is None:
@@ -1051,10 +1109,9 @@ class NatsQueue(QueueCore):
                     continue
                 job.status = JobStatus.QUEUED
                 job.worker = None
-                if Names.subject_kind(subject)[0] == "a":
-                    if await self._requeue(job, revision, None):
-                        out.append(spec.id)
-                elif await self._cas(job, revision) is not None:
+                # to the back of its tenant's subject, as a new message (an affinity job too:
+                # any worker may take it now)
+                if await self._requeue(job, revision, None):
                     out.append(spec.id)
             if len(batch) < 256:
                 break
@@ -1300,9 +1357,10 @@ class NatsQueue(QueueCore):
                 pending = int(info.num_ack_pending) if info is not None else 0
                 flying += pending
                 waiting = max(0, n - pending)
-                queued += waiting
                 kind, _ = Names.subject_kind(subject)
-                if kind == "t" and waiting > 0:
+                if kind != "t":
+                    queued += waiting  # held for a worker; a tenant's are staged by tenant
+                elif waiting > 0:
                     tenant, weight = await self._tenant_of(subject, subjects, infos)
                     was = tenants.get(tenant)
                     tenants[tenant] = TenantBacklog(
@@ -1343,13 +1401,15 @@ def _seq(after: str) -> int:
         return 0
 
 
-def _fair_plan(subjects: Sequence[str], view: _LaneView, room: int) -> dict[str, int]:
-    """How many jobs to pull from each tenant: slot by slot, the least served (cost over
-    weight) first; a job's cost is guessed from the tenant's last (1 before any)."""
-    clocks = {s: view.vtime.get(s, 0.0) for s in subjects}
+def _fair_plan(view: _LaneView, room: int) -> dict[str, int]:
+    """How many jobs to pull from each active tenant, turn by turn as policy.py orders them,
+    guessing each job's cost from the tenant's last one."""
+    tags = {s: view.tags[s] for s in view.active}
     plan: dict[str, int] = defaultdict(int)
     for _ in range(room):
-        subject = min(subjects, key=lambda s: (clocks[s], s))
+        subject = next_turn(tags)
         plan[subject] += 1
-        clocks[subject] += 1.0 / max(view.weight.get(subject, 1.0), 1e-6)
+        tags[subject] = advanced(
+            tags[subject], view.cost.get(subject, 1.0), view.weight.get(subject, 1.0)
+        )
     return dict(plan)
