@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import nats.js.errors
 import pytest
 
 from tokenyard.broker import new_job_id
@@ -45,6 +46,7 @@ from tokenyard.messages import (
     Priority,
     SamplingParams,
     WorkerInfo,
+    encode,
 )
 from tokenyard.tenancy.admin import create_key, revoke_key
 from tokenyard.tenancy.limiter import Quota
@@ -242,6 +244,18 @@ async def test_directory_of_tenants_and_keys_is_shared(make_tables: TablesFactor
     assert await gateway.directory.has_api_keys()  # revoked keys keep auth on
 
 
+async def test_tables_made_by_another_client_without_direct_gets_are_listed(
+    make_tables: TablesFactory,
+) -> None:
+    early = make_tables()
+    # made as NatsConnection.kv makes buckets (no direct gets): listing turns them on
+    kv = await early.conn.kv(early.names.tables_bucket)
+    await kv.put(Names.tenant("acme"), encode(TenantConfig(name="acme")))
+    broker = make_tables()
+    assert [t.name for t in await broker.directory.tenants()] == ["acme"]
+    assert await broker.directory.tenant("acme") is not None
+
+
 async def test_request_quota_is_exact_across_clients(make_tables: TablesFactory) -> None:
     one, two = make_tables(), make_tables()
     quota = Quota(rpm=3)
@@ -335,6 +349,20 @@ async def test_concurrency_is_released_at_every_terminal_state(
     # 25 tokens held (5 used by the job that succeeded, 10 each by the last two), give or
     # take what the limiter regained while the test ran
     assert full.tokens is not None and 975 <= full.tokens[1] < 990
+
+
+async def test_reservations_before_any_job_record_are_released_after_the_grace(
+    make_tables: TablesFactory,
+) -> None:
+    broker = make_tables()
+    [decision] = await broker.quotas.reserve("acme", Quota(max_concurrent=1), [("j1", 10)])
+    assert decision.admitted
+    assert await broker.quotas.settle_finished(grace_s=60.0) == 0
+    assert await broker.quotas.settle_finished(grace_s=0.0) == 1
+    # the sweep looked the queue's bucket up without making it (the queue sets it up)
+    js = await broker.conn.js()
+    with pytest.raises(nats.js.errors.BucketNotFoundError):
+        await js.key_value(broker.names.jobs_bucket)
 
 
 async def test_token_budget_per_period_reserves_settles_and_resets(

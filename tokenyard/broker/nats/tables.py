@@ -233,6 +233,7 @@ class NatsQuotas(Quotas):
         self.names = names
         self.bucket = Bucket(conn, names)
         self.clock = clock
+        self._jobs: KeyValue | None = None
 
     async def reserve(
         self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
@@ -289,7 +290,7 @@ class NatsQuotas(Quotas):
     async def settle_finished(self, grace_s: float = 30.0) -> int:
         now = self.clock()
         rows = await self.bucket.listing(Names.ALL_QUOTAS)
-        jobs = await self.conn.kv(self.names.jobs_bucket)
+        jobs = await self._job_records()
         done: list[Settlement] = []
         for _, raw in rows:
             entry = decode(raw, QuotaEntry)
@@ -306,8 +307,21 @@ class NatsQuotas(Quotas):
                         done.append(settlement(record.spec, record.result))
         return await self.settle(done)
 
+    async def _job_records(self) -> KeyValue | None:
+        """The queue's bucket of job records, None before the queue made it: looked up, never
+        made here, so the queue's own settings (its records' TTL) are the ones it gets."""
+        if self._jobs is None:
+            js = await self.conn.js()
+            try:
+                self._jobs = await sent(js.key_value(self.names.jobs_bucket))
+            except nats.js.errors.BucketNotFoundError:
+                return None
+        return self._jobs
 
-async def _job(jobs: KeyValue, job_id: str) -> StoredJob | None:
+
+async def _job(jobs: KeyValue | None, job_id: str) -> StoredJob | None:
+    if jobs is None:
+        return None
     try:
         key = Names.job(job_id)
     except ValueError:
