@@ -132,6 +132,70 @@ class Names:
         """The tables: directory, quotas, response cache, registry, batches, model list."""
         return f"{self.prefix}_tables"
 
+    # -- keys of the tables bucket: each table under its own first token --------------------
+    @staticmethod
+    def tenant(name: str) -> str:
+        return f"d.t.{token(name)}"
+
+    ALL_TENANTS = "d.t.*"
+
+    @staticmethod
+    def api_key(digest: str) -> str:
+        return f"d.k.{token(digest)}"
+
+    ALL_API_KEYS = "d.k.*"
+
+    @staticmethod
+    def quota(tenant: str) -> str:
+        """A tenant's quota state and the jobs it holds reservations for."""
+        return f"q.{token(tenant)}"
+
+    ALL_QUOTAS = "q.*"
+
+    @staticmethod
+    def cache_slot(digest: str) -> str:
+        """A cache entry's name within its model (the index keeps these, short)."""
+        return token(digest)
+
+    @staticmethod
+    def cache_entry(model: str, slot: str) -> str:
+        return f"r.{model_tag(model)}.{slot}"
+
+    @staticmethod
+    def cache_index(model: str) -> str:
+        """A model's cache entries by digest: when each expires, its size."""
+        return f"ri.{model_tag(model)}"
+
+    @staticmethod
+    def workers(model: str) -> str:
+        """A model's live workers, each with when its heartbeat lapses."""
+        return f"w.{model_tag(model)}"
+
+    @staticmethod
+    def batch(batch_id: str, part: str = "") -> str:
+        """A batch's record; `part`: x (cancel asked), l (runner lease), o (outcomes)."""
+        return f"b.{token(batch_id)}.{part}" if part else f"b.{token(batch_id)}"
+
+    @staticmethod
+    def batch_jobs(batch_id: str, first_line: int | None = None) -> str:
+        """One `set_jobs` call's job ids, by its first line; None: the pattern of them all."""
+        return f"b.{token(batch_id)}.j.{'*' if first_line is None else first_line}"
+
+    @staticmethod
+    def tenant_batches(tenant: str) -> str:
+        return f"bt.{token(tenant)}"
+
+    ACTIVE_BATCHES = "ba"
+
+    @staticmethod
+    def kv_stream(bucket: str) -> str:
+        """The stream behind a KV bucket (nats-py's and the server's convention)."""
+        return f"KV_{bucket}"
+
+    @staticmethod
+    def kv_subject(bucket: str, key: str) -> str:
+        return f"$KV.{bucket}.{key}"
+
     @property
     def audit_stream(self) -> str:
         return f"{self.prefix}_audit"

@@ -1,0 +1,532 @@
+"""The tables of the NATS backend: directory, quotas, audit trail, response cache, worker
+registry (the batch store is in batches.py).
+
+Every table but the audit trail lives in one KV bucket (`Names.tables_bucket`), each entry
+changed by compare-and-set on its revision, so a read-modify-write is as exact across
+gateways as a Redis script. The audit trail is a bounded stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import TypeVar
+
+import msgspec
+import nats.js.errors
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StreamConfig
+from nats.js.kv import KeyValue
+
+from tokenyard.broker import audit
+from tokenyard.broker.audit import AuditEntry
+from tokenyard.broker.core import Clock
+from tokenyard.broker.nats.connection import NatsConnection, sent
+from tokenyard.broker.nats.names import Names
+from tokenyard.broker.nats.records import StoredJob, decode_job
+from tokenyard.broker.tables import (
+    Audit,
+    Directory,
+    Quotas,
+    ResponseStore,
+    Settlement,
+    WorkerRegistry,
+    settlement,
+)
+from tokenyard.errors import BrokerUnavailable
+from tokenyard.messages import WorkerInfo, decode, encode
+from tokenyard.tenancy.limiter import PERIOD_S, Decision, Quota, QuotaState, admit, settle
+from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+_PAGE = 256  # entries per batched direct get when listing keys
+_SWEEP_BATCH = 500  # job records read at once when sweeping held reservations
+_CAS_ATTEMPTS = 1000  # a compare-and-set retried this often meets more than contention
+# One KV value holds a tenant's held jobs (<= 1 MB, a server's default max payload), so a
+# tenant holds at most this many reservations at once; more wait as over a concurrency cap.
+MAX_HELD = 10_000
+# One KV value indexes a model's cache entries: at most this many, whatever the byte bound.
+MAX_CACHED = 10_000
+_DELETED = ("DEL", "PURGE")
+
+
+class Bucket:
+    """The tables' KV bucket: reads, writes by compare-and-set, listing by key pattern."""
+
+    def __init__(self, conn: NatsConnection, names: Names) -> None:
+        self.conn = conn
+        self.names = names
+        self.name = names.tables_bucket
+        self._kv: KeyValue | None = None
+
+    async def kv(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await self._open()
+        return self._kv
+
+    async def _open(self) -> KeyValue:
+        # listing reads the bucket's stream with batched direct gets, which the stream must
+        # allow: made here with them on (NatsConnection.kv makes buckets without)
+        js = await self.conn.js()
+        try:
+            info = await sent(js.stream_info(Names.kv_stream(self.name)))
+        except nats.js.errors.NotFoundError:
+            config = KeyValueConfig(bucket=self.name, direct=True, replicas=self.conn.replicas)
+            await sent(js.create_key_value(config))
+        else:
+            if not info.config.allow_direct:
+                info.config.allow_direct = True
+                await sent(js.update_stream(info.config))
+        return await self.conn.kv(self.name)
+
+    async def entry(self, key: str) -> tuple[bytes | None, int]:
+        """The value (None: absent or deleted) and the revision to change it from."""
+        kv = await self.kv()
+        try:
+            found = await sent(kv.get(key))
+        except nats.js.errors.KeyNotFoundError as exc:
+            marker = exc.entry  # a delete marker: a change must name its revision
+            return None, (marker.revision or 0) if marker is not None else 0
+        return found.value or b"", found.revision or 0
+
+    async def get(self, key: str) -> bytes | None:
+        return (await self.entry(key))[0]
+
+    async def put(self, key: str, value: bytes) -> None:
+        kv = await self.kv()
+        await sent(kv.put(key, value))
+
+    async def write(self, key: str, value: bytes, revision: int) -> None:
+        """Write only over `revision` (0: only where nothing is); KeyWrongLastSequenceError
+        when another write came first."""
+        kv = await self.kv()
+        if revision:
+            await sent(kv.update(key, value, last=revision))
+        else:
+            await sent(kv.create(key, value))
+
+    async def change(self, key: str, fn: Callable[[bytes | None], tuple[bytes | None, _R]]) -> _R:
+        """Read-modify-write by compare-and-set: `fn` maps the value (None: absent) to the new
+        one (None: leave it) and a result; rerun on the latest value when another came first."""
+        for _ in range(_CAS_ATTEMPTS):
+            raw, revision = await self.entry(key)
+            new, result = fn(raw)
+            if new is None:
+                return result
+            try:
+                await self.write(key, new, revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            return result
+        raise BrokerUnavailable(f"NATS: {key} changed by others {_CAS_ATTEMPTS} times in a row")
+
+    async def delete(self, key: str, revision: int = 0) -> None:
+        """Delete (only at `revision`, when given): a conflict is left to its winner."""
+        kv = await self.kv()
+        try:
+            await sent(kv.delete(key, last=revision or None))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        except nats.js.errors.APIError as exc:
+            if exc.err_code not in (10071, 10164):  # wrong last sequence, as a bare APIError
+                raise
+
+    async def purge(self, key: str) -> None:
+        """Remove a key; its marker lapses too (the key's name is not kept)."""
+        kv = await self.kv()
+        await sent(kv.purge(key, msg_ttl=1))
+
+    async def put_expiring(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Overwrite with a server-side TTL: the server drops the entry once it lapses."""
+        await self.kv()
+        js = await self.conn.js()
+        subject = Names.kv_subject(self.name, key)
+        await sent(js.publish(subject, value, msg_ttl=max(1, math.ceil(ttl_s))))
+
+    async def listing(self, pattern: str) -> list[tuple[str, bytes]]:
+        """(key, value) of every live key matching `pattern`, oldest change first."""
+        await self.kv()
+        stream = Names.kv_stream(self.name)
+        prefix = Names.kv_subject(self.name, "")
+        subject = Names.kv_subject(self.name, pattern)
+        out: list[tuple[str, bytes]] = []
+        after = 0
+        while True:
+            rows = await self.conn.get_batch(stream, subject, after, _PAGE)
+            for _, data, headers in rows:
+                if headers.get("KV-Operation") not in _DELETED:
+                    out.append((headers["Nats-Subject"].removeprefix(prefix), data))
+            if len(rows) < _PAGE:
+                return out
+            after = rows[-1][0]
+
+
+class NatsDirectory(Directory):
+    """Tenants and API keys: one entry each."""
+
+    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
+        self.bucket = Bucket(conn, names)
+        self.clock = clock
+
+    async def put_tenant(self, tenant: TenantConfig) -> None:
+        await self.bucket.put(Names.tenant(tenant.name), encode(tenant))
+
+    async def tenant(self, name: str) -> TenantConfig | None:
+        raw = await self.bucket.get(Names.tenant(name))
+        found = None if raw is None else decode(raw, TenantConfig)
+        # a digest names the entry: the record says whose it is
+        return found if found is not None and found.name == name else None
+
+    async def tenants(self) -> list[TenantConfig]:
+        rows = await self.bucket.listing(Names.ALL_TENANTS)
+        return sorted((decode(raw, TenantConfig) for _, raw in rows), key=lambda t: t.name)
+
+    async def put_api_key(self, record: ApiKeyRecord) -> None:
+        await self.bucket.put(Names.api_key(record.digest), encode(record))
+
+    async def api_key(self, digest: str) -> ApiKeyRecord | None:
+        raw = await self.bucket.get(Names.api_key(digest))
+        found = None if raw is None else decode(raw, ApiKeyRecord)
+        return found if found is not None and found.digest == digest else None
+
+    async def api_keys(self) -> list[ApiKeyRecord]:
+        rows = await self.bucket.listing(Names.ALL_API_KEYS)
+        records = (decode(raw, ApiKeyRecord) for _, raw in rows)
+        return sorted(records, key=lambda r: (r.created_at, r.digest))
+
+    async def has_api_keys(self) -> bool:
+        # keys are replaced (revoked), never deleted: the first one found answers
+        await self.bucket.kv()
+        stream = Names.kv_stream(self.bucket.name)
+        subject = Names.kv_subject(self.bucket.name, Names.ALL_API_KEYS)
+        return bool(await self.bucket.conn.get_batch(stream, subject, 0, 1))
+
+
+class Held(msgspec.Struct, array_like=True, frozen=True):
+    """One admitted job's reservation, as reserve.lua keeps it in Redis."""
+
+    tokens: int
+    per_token: float  # the tokens limiter's seconds per token when reserved (0: no tpm)
+    at: float  # when it was reserved
+    budget_start: float | None  # the budget period it counts in (None: no budget)
+
+
+class QuotaEntry(msgspec.Struct):
+    """A tenant's quota state and held reservations: one KV entry, changed by CAS."""
+
+    tenant: str
+    state: QuotaState = msgspec.field(default_factory=QuotaState)
+    held: dict[str, Held] = msgspec.field(default_factory=dict)
+
+
+class NatsQuotas(Quotas):
+    """Per-tenant quotas: tenancy/limiter.py's rules applied to one entry per tenant by CAS,
+    a tenant's whole list of jobs decided in one write."""
+
+    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
+        self.conn = conn
+        self.names = names
+        self.bucket = Bucket(conn, names)
+        self.clock = clock
+        self._jobs: KeyValue | None = None
+
+    async def reserve(
+        self, tenant: str, quota: Quota, items: Sequence[tuple[str, int]]
+    ) -> list[Decision]:
+        if not items:
+            return []
+        capped = quota
+        if not 0 < quota.max_concurrent <= MAX_HELD:
+            capped = msgspec.structs.replace(quota, max_concurrent=MAX_HELD)
+        per_token = PERIOD_S / quota.tpm if quota.tpm else 0.0
+
+        def decide(raw: bytes | None) -> tuple[bytes | None, list[Decision]]:
+            entry = QuotaEntry(tenant) if raw is None else decode(raw, QuotaEntry)
+            now = self.clock()
+            decisions = []
+            for job_id, tokens in items:
+                decision = admit(entry.state, capped, tokens, now)
+                if decision.admitted:
+                    start = entry.state.budget_start if quota.token_budget else None
+                    entry.held[job_id] = Held(tokens, per_token, now, start)
+                decisions.append(decision)
+            # a refusal takes nothing: no write when nothing was admitted
+            changed = any(d.admitted for d in decisions)
+            return (encode(entry) if changed else None), decisions
+
+        return await self.bucket.change(Names.quota(tenant), decide)
+
+    async def settle(self, items: Sequence[Settlement]) -> int:
+        if not items:
+            return 0
+        by_tenant: dict[str, list[Settlement]] = defaultdict(list)
+        for item in items:
+            by_tenant[item.tenant].append(item)
+        counts = await asyncio.gather(*(self._settle(t, g) for t, g in by_tenant.items()))
+        return sum(counts)
+
+    async def _settle(self, tenant: str, items: list[Settlement]) -> int:
+        def release(raw: bytes | None) -> tuple[bytes | None, int]:
+            if raw is None:
+                return None, 0
+            entry = decode(raw, QuotaEntry)
+            released = 0
+            for item in items:
+                # only the write that removes a held job changes the counters: idempotent
+                held = entry.held.pop(item.job_id, None)
+                if held is None:
+                    continue
+                released += 1
+                settle(entry.state, held.per_token, held.tokens, item.actual, held.budget_start)
+            return (encode(entry) if released else None), released
+
+        return await self.bucket.change(Names.quota(tenant), release)
+
+    async def settle_finished(self, grace_s: float = 30.0) -> int:
+        now = self.clock()
+        rows = await self.bucket.listing(Names.ALL_QUOTAS)
+        jobs = await self._job_records()
+        done: list[Settlement] = []
+        for _, raw in rows:
+            entry = decode(raw, QuotaEntry)
+            ids = list(entry.held)
+            for start in range(0, len(ids), _SWEEP_BATCH):
+                chunk = ids[start : start + _SWEEP_BATCH]
+                # reservations end with the job, which the queue's records say
+                records = await asyncio.gather(*(_job(jobs, j) for j in chunk))
+                for job_id, record in zip(chunk, records, strict=True):
+                    if record is None:
+                        if now - entry.held[job_id].at > grace_s:  # its enqueue never landed
+                            done.append(Settlement(entry.tenant, job_id, 0))
+                    elif record.terminal:
+                        done.append(settlement(record.spec, record.result))
+        return await self.settle(done)
+
+    async def _job_records(self) -> KeyValue | None:
+        """The queue's bucket of job records, None before the queue made it: looked up, never
+        made here, so the queue's own settings (its records' TTL) are the ones it gets."""
+        if self._jobs is None:
+            js = await self.conn.js()
+            try:
+                self._jobs = await sent(js.key_value(self.names.jobs_bucket))
+            except nats.js.errors.BucketNotFoundError:
+                return None
+        return self._jobs
+
+
+async def _job(jobs: KeyValue | None, job_id: str) -> StoredJob | None:
+    if jobs is None:
+        return None
+    try:
+        key = Names.job(job_id)
+    except ValueError:
+        return None  # not a job id: no enqueue of it can ever land
+    try:
+        found = await sent(jobs.get(key))
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return None if found.value is None else decode_job(found.value)
+
+
+class NatsAudit(Audit):
+    """The audit trail: one stream, limits retention at `max_len` messages (0: off); the
+    stream sequence is the read cursor."""
+
+    def __init__(self, conn: NatsConnection, names: Names, max_len: int) -> None:
+        self.conn = conn
+        self.names = names
+        self.max_len = max_len
+
+    async def _stream(self) -> str:
+        return await self.conn.stream(
+            StreamConfig(
+                name=self.names.audit_stream,
+                subjects=[self.names.audit_subject],
+                retention=RetentionPolicy.LIMITS,
+                discard=DiscardPolicy.OLD,
+                max_msgs=self.max_len,
+                allow_direct=True,
+            )
+        )
+
+    async def append(self, entries: Sequence[AuditEntry]) -> None:
+        """Write `entries` (nothing while the trail is off); one that fails is logged, the
+        state change it records stands."""
+        if self.max_len <= 0 or not entries:
+            return
+        stream = await self._stream()
+        js = await self.conn.js()
+        subject = self.names.audit_subject
+        acks = await asyncio.gather(
+            *(sent(js.publish(subject, encode(e), stream=stream)) for e in entries),
+            return_exceptions=True,
+        )
+        for entry, ack in zip(entries, acks, strict=True):
+            if isinstance(ack, BaseException):
+                log.error("audit entry of job %s not written: %s", entry.job_id, ack)
+
+    async def audit_entries(
+        self,
+        since: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        cursor: str | None = None,
+        count: int = 1000,
+    ) -> tuple[str | None, list[AuditEntry]]:
+        if self.max_len <= 0:
+            return None, []
+        stream = await self._stream()
+        if cursor:
+            after = int(cursor)
+        else:
+            # the server's stamps start the range (a second early for clock skew); the
+            # entries' own times are filtered exactly
+            first = await self._first_at(stream, since - 1.0)
+            if first is None:
+                return None, []
+            after = first - 1
+        rows = await self.conn.get_batch(stream, self.names.audit_subject, after, count)
+        found = [decode(data, AuditEntry) for _, data, _ in rows]
+        found = [e for e in found if audit.matches(e, since, tenant, model)]
+        return (str(rows[-1][0]) if len(rows) == count else None), found
+
+    async def _first_at(self, stream: str, at: float) -> int | None:
+        """The sequence of the first entry the server stored at or after `at`."""
+        if at <= 0:
+            return 1
+        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+        try:
+            reply = await self.conn.api(f"STREAM.MSG.GET.{stream}", {"start_time": stamp})
+        except nats.js.errors.NotFoundError:
+            return None
+        return int(reply["message"]["seq"])
+
+
+class Cached(msgspec.Struct, array_like=True):
+    digest: str  # the entry's key is a digest of it: the value says whose it is
+    value: bytes
+    until: float
+
+
+class CacheIndex(msgspec.Struct):
+    """A model's cache entries by slot: (when it expires, its size)."""
+
+    entries: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
+
+
+class NatsResponses(ResponseStore):
+    """The response cache's shared tier: an entry per digest (its expiry in the value, and
+    the server's TTL to drop it), and a per-model index by CAS that keeps the byte bound."""
+
+    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
+        self.bucket = Bucket(conn, names)
+        self.clock = clock
+
+    async def cache_get(self, model: str, digest: str) -> bytes | None:
+        raw = await self.bucket.get(Names.cache_entry(model, Names.cache_slot(digest)))
+        if raw is None:
+            return None
+        cached = decode(raw, Cached)
+        if cached.digest != digest or cached.until <= self.clock():
+            return None
+        return cached.value
+
+    async def cache_put(
+        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
+    ) -> None:
+        size = len(value)
+        if size > max_bytes:
+            return  # too big for the bound: not stored, nothing evicted for it
+        now = self.clock()
+        until = now + ttl_s
+        slot = Names.cache_slot(digest)
+        # the entry first: an index naming it can then always evict it
+        await self.bucket.put_expiring(
+            Names.cache_entry(model, slot), encode(Cached(digest, value, until)), ttl_s + 1
+        )
+
+        def bound(raw: bytes | None) -> tuple[bytes | None, list[str]]:
+            index = CacheIndex() if raw is None else decode(raw, CacheIndex)
+            # lapsed entries leave the index (the server drops the entries themselves)
+            entries = {s: e for s, e in index.entries.items() if e[0] > now and s != slot}
+            entries[slot] = (until, size)
+            total = sum(e[1] for e in entries.values())
+            evicted: list[str] = []
+            for victim in sorted(entries, key=lambda s: entries[s][0]):
+                if total <= max_bytes and len(entries) <= MAX_CACHED:
+                    break
+                total -= entries.pop(victim)[1]
+                evicted.append(victim)
+            return encode(CacheIndex(entries)), evicted
+
+        evicted = await self.bucket.change(Names.cache_index(model), bound)
+        await asyncio.gather(*(self.bucket.purge(Names.cache_entry(model, s)) for s in evicted))
+
+
+class Live(msgspec.Struct, array_like=True):
+    info: WorkerInfo
+    until: float  # when its heartbeat lapses
+
+
+class LiveWorkers(msgspec.Struct):
+    """A model's workers by consumer: one entry per model, changed by CAS."""
+
+    workers: dict[str, Live] = msgspec.field(default_factory=dict)
+
+
+class NatsRegistry(WorkerRegistry):
+    """Live workers: one entry per model holding each worker with when it lapses; lapsed
+    ones are dropped by the next write."""
+
+    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
+        self.bucket = Bucket(conn, names)
+        self.clock = clock
+
+    @staticmethod
+    def _drop_lapsed(live: LiveWorkers, now: float) -> bool:
+        """Drop the workers whose heartbeat lapsed; whether there were any."""
+        before = len(live.workers)
+        live.workers = {c: w for c, w in live.workers.items() if w.until > now}
+        return len(live.workers) < before
+
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        def beat(raw: bytes | None) -> tuple[bytes | None, None]:
+            now = self.clock()
+            live = LiveWorkers() if raw is None else decode(raw, LiveWorkers)
+            self._drop_lapsed(live, now)
+            live.workers[info.consumer] = Live(info, now + ttl_s)
+            return encode(live), None
+
+        await self.bucket.change(Names.workers(info.model), beat)
+
+    async def deregister(self, model: str, consumer: str) -> None:
+        def leave(raw: bytes | None) -> tuple[bytes | None, None]:
+            if raw is None:
+                return None, None
+            live = decode(raw, LiveWorkers)
+            lapsed = self._drop_lapsed(live, self.clock())
+            gone = live.workers.pop(consumer, None) is not None
+            return (encode(live) if lapsed or gone else None), None
+
+        await self.bucket.change(Names.workers(model), leave)
+
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        raw = await self.bucket.get(Names.workers(model))
+        if raw is None:
+            return []
+        live = decode(raw, LiveWorkers)
+        if self._drop_lapsed(live, self.clock()):
+            # lapsed ones leave now rather than at the model's next heartbeat
+            def forget(raw: bytes | None) -> tuple[bytes | None, None]:
+                if raw is None:
+                    return None, None
+                stored = decode(raw, LiveWorkers)
+                return (encode(stored) if self._drop_lapsed(stored, self.clock()) else None), None
+
+            await self.bucket.change(Names.workers(model), forget)
+        return [w.info for w in sorted(live.workers.values(), key=lambda w: w.until)]
