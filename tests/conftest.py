@@ -1,8 +1,8 @@
 """Shared fixtures: private servers for the session, and backends of every kind over them.
 
 `make_backend` is parametrized over backend kinds: each kind names the session fixture that
-starts its server. A backend added later (NATS JetStream, RabbitMQ lanes) is one more entry in
-`BACKENDS` with a session fixture for its server.
+starts its server. A backend added later (RabbitMQ lanes) is one more entry in `BACKENDS` with
+a session fixture for its server.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import pytest
 from tests.servers import Cluster, running_cluster, running_server
 from tokenyard.broker import Backend, connect
 from tokenyard.broker.core import Clock
+from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
 # backend kind -> the session fixture whose `.url` reaches its server
-BACKENDS = {"valkey": "valkey", "valkey-cluster": "valkey_cluster"}
+BACKENDS = {"valkey": "valkey", "valkey-cluster": "valkey_cluster", "nats": "nats_server"}
 # the kinds on the Redis backend: tests of its internals (keys, script cache) run only there
 REDIS_KINDS = frozenset({"valkey", "valkey-cluster"})
 # what `make_backend` runs on unless a module asks for more (a cluster costs three servers):
@@ -41,6 +42,13 @@ def valkey_cluster() -> Iterator[Cluster]:
     """Three primaries sharing the slots; started only by tests that ask for it."""
     with running_cluster(3) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """One nats-server with JetStream; tests keep apart by their own name prefix."""
+    with EmbeddedNats(tmp_path_factory.mktemp("nats")) as server:
+        yield server
 
 
 @dataclass

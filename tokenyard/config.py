@@ -17,8 +17,9 @@ from tokenyard.errors import FatalError
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Delivery semantics shared by every broker implementation."""
 
-    # redis://, rediss://, unix:// or redis+cluster:// (tokenyard/broker/__init__.py); empty: none
-    # given, so a command that needs a broker says so (`serve` starts its own Valkey instead)
+    # redis://, rediss://, unix://, redis+cluster://, nats:// or tls:// (tokenyard/broker/
+    # __init__.py); empty: none given, so a command that needs a broker says so (`serve` starts
+    # its own Valkey instead; `nats` or `valkey`: serve's own server of that kind)
     url: str = ""
     prefix: str = "ty"
     lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed

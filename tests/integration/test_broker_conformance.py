@@ -1,5 +1,5 @@
 """One behaviour suite, run against every backend on a real server (`BACKENDS` in
-tests/conftest.py: Valkey, and a 3-shard Valkey cluster)."""
+tests/conftest.py: Valkey, a 3-shard Valkey cluster, and NATS JetStream)."""
 
 from __future__ import annotations
 

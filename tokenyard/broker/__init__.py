@@ -2,7 +2,7 @@
 
 `connect(settings)` opens the backend named by `settings.url` and returns a `Backend`: its
 queue core and each table as the role a caller types against. The roles are declared in
-core.py and tables.py; each backend lives in a package of its own (redis/).
+core.py and tables.py; each backend lives in a package of its own (redis/, nats/).
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ class Backend:
 
 # the URLs the Redis backend takes; redis+cluster:// names any node of a Redis Cluster
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+# the URLs the NATS JetStream backend takes (nats/connection.py parses them)
+NATS_SCHEMES = ("nats://", "tls://")
 NO_BROKER = (
-    "no broker: give --broker URL or set TOKENYARD_BROKER_URL (e.g. redis://localhost:6379/0)"
+    "no broker: give --broker URL or set TOKENYARD_BROKER_URL (e.g. redis://localhost:6379/0 "
+    "or nats://localhost:4222)"
 )
 
 
@@ -70,18 +73,23 @@ def check_url(url: str) -> None:
     """Refuse, in one line, a URL no backend takes (empty: none was given)."""
     if not url:
         raise FatalError(NO_BROKER)
-    if not url.startswith(REDIS_SCHEMES):
-        raise FatalError(f"broker URL {url!r}: expected one of {', '.join(REDIS_SCHEMES)}")
+    if not url.startswith(REDIS_SCHEMES + NATS_SCHEMES):
+        schemes = ", ".join(REDIS_SCHEMES + NATS_SCHEMES)
+        raise FatalError(f"broker URL {url!r}: expected one of {schemes}")
 
 
 def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
-    """Open the backend named by `settings.url`: redis:// / rediss:// / unix://, or
-    redis+cluster://host:port (any node of a Redis Cluster). `clock` stands in for time.time
-    (tests inject one)."""
+    """Open the backend named by `settings.url`: redis:// / rediss:// / unix://,
+    redis+cluster://host:port (any node of a Redis Cluster), or nats:// / tls:// (NATS
+    JetStream). `clock` stands in for time.time (tests inject one)."""
     check_url(settings.url)
-    from tokenyard.broker.redis import open_backend
+    if settings.url.startswith(NATS_SCHEMES):
+        from tokenyard.broker.nats import open_backend as open_nats
 
-    return open_backend(settings, clock)
+        return open_nats(settings, clock)
+    from tokenyard.broker.redis import open_backend as open_redis
+
+    return open_redis(settings, clock)
 
 
 async def wait_until_ready(backend: Backend, timeout_s: float = 10.0) -> None:

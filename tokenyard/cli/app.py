@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import Backend
+from tokenyard.broker import Backend, check_url
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
@@ -61,9 +61,19 @@ def _options(
         os.environ[CONFIG_ENV] = str(config)
 
 
+ServeBrokerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--broker",
+        help="a broker URL (redis://, nats://, ...), or `nats` / `valkey` for a private server "
+        "in --data-dir; default: TOKENYARD_BROKER_URL, else a private Valkey",
+    ),
+]
+
+
 @app.command()
 def serve(
-    broker: BrokerOpt = None,
+    broker: ServeBrokerOpt = None,
     prefix: PrefixOpt = None,
     model: ModelOpt = None,
     engine: EngineOpt = None,
@@ -71,43 +81,50 @@ def serve(
     port: Annotated[int | None, typer.Option(help="gateway port")] = None,
     workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
-    data_dir: Annotated[Path, typer.Option(help="embedded Valkey's data (AOF) directory")] = Path(
-        ".tokenyard/valkey"
-    ),
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="the private server's data; default .tokenyard/valkey or /nats"),
+    ] = None,
     min_workers: Annotated[int | None, typer.Option("--min", help="auto: warm pool")] = None,
     max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
-    """Everything on one machine: a private Valkey (unless --broker), workers and the gateway.
+    """Everything on one machine: a private Valkey (or with `--broker nats` a private
+    nats-server; none when --broker names a URL), workers and the gateway.
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_*;
     every worker's metrics are served with the gateway's on its /metrics.
     """
     from tokenyard.cli.autoscale import autoscale_config
-    from tokenyard.fleet.serve import Stack
+    from tokenyard.fleet.serve import EMBEDDED, Stack
 
     setup_logging("INFO", log_format)
     settings = broker_settings(broker, prefix, required=False)
+    # a URL named anywhere (flag, env, file) is used; a bare `nats` / `valkey`, or nothing,
+    # names the private server serve runs itself
+    private = next((kind for kind in EMBEDDED if kind == (settings.url or "valkey")), None)
+    if private is None:
+        check_url(settings.url)
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
     auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
-        # a broker named anywhere (flag, env, file) is used; else serve runs its own Valkey
-        external=settings if settings.url else None,
+        external=settings if private is None else None,
+        embedded=private or "valkey",
         prefix=settings.prefix,
         model=worker_settings.model,
         engine=worker_settings.engine,
         n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
-        data_dir=data_dir,
+        data_dir=data_dir or Path(".tokenyard", private or "valkey"),
         appendfsync=settings.appendfsync,
         autoscale=auto,
         log_format=log_format,
     )
     gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
     # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
-    # that unwinds the stack (workers drain, Valkey stops) instead of killing the process
+    # that unwinds the stack (workers drain, the private server stops) instead of killing it
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with stack:
         console.print(

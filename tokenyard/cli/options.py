@@ -12,9 +12,12 @@ from tokenyard.broker import Backend, check_url, connect
 from tokenyard.config import BrokerSettings, from_env
 
 BrokerOpt = Annotated[
-    str | None, typer.Option("--broker", help="redis://host:port/db; default: TOKENYARD_BROKER_URL")
+    str | None,
+    typer.Option(
+        "--broker", help="redis://host:port/db or nats://host:port; default: TOKENYARD_BROKER_URL"
+    ),
 ]
-PrefixOpt = Annotated[str | None, typer.Option(help="key prefix, to share one Redis")]
+PrefixOpt = Annotated[str | None, typer.Option(help="name prefix, to share one Redis or NATS")]
 _T = TypeVar("_T")
 
 

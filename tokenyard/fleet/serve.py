@@ -1,4 +1,5 @@
-"""`tokenyard serve`: a private Valkey, worker processes and the gateway on one machine."""
+"""`tokenyard serve`: a private Valkey (or nats-server), worker processes and the gateway on one
+machine."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Literal, Self
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
@@ -23,12 +25,16 @@ from tokenyard.fleet.autoscale import AutoscaleConfig
 from tokenyard.fleet.launch import stop_processes, tokenyard_command
 from tokenyard.metrics import add_worker_metrics
 
+# what `--broker` may name instead of a URL: the private server serve starts
+Embedded = Literal["valkey", "nats"]
+EMBEDDED: tuple[Embedded, ...] = ("valkey", "nats")
+
 
 @dataclass(kw_only=True, eq=False)
 class Stack:
     """Starts what `serve` needs in order and stops it in reverse; workers drain on the way out."""
 
-    external: BrokerSettings | None  # a broker to use; None: a private Valkey in `data_dir`
+    external: BrokerSettings | None  # a broker to use; None: a private `embedded` in `data_dir`
     prefix: str
     model: str
     engine: str
@@ -40,7 +46,8 @@ class Stack:
     # --workers auto: a supervisor thread sizes `workers`; its gauges join the gateway's
     autoscale: AutoscaleConfig | None = None
     log_format: str = "text"
-    server: EmbeddedServer | None = field(default=None, init=False)
+    embedded: Embedded = "valkey"
+    server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry, init=False)
     # workers write their metrics here (prometheus_client's multiprocess mode); `registry`,
@@ -68,9 +75,14 @@ class Stack:
         if self.external is None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             # the data dir is kept: jobs accepted before a restart are still there after it
-            self.server = EmbeddedServer(
-                self.data_dir, keep_data=True, appendfsync=self.appendfsync
-            ).start()
+            if self.embedded == "nats":
+                self.server = EmbeddedNats(
+                    self.data_dir, keep_data=True, sync=self.appendfsync
+                ).start()
+            else:
+                self.server = EmbeddedServer(
+                    self.data_dir, keep_data=True, appendfsync=self.appendfsync
+                ).start()
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="tokenyard-metrics-"))
         add_worker_metrics(self.registry, self.metrics_dir)
         self._worker_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}

@@ -1,0 +1,52 @@
+"""The NATS JetStream backend (nats-server >= 2.11): no Redis anywhere.
+
+`open_backend` builds it: one connection (connection.py), the queue core (queue.py: lanes as
+work-queue streams with durable pull consumers, job records in KV by compare-and-set, per-job
+event subjects) and the tables in KV (tables.py, batches.py). Every name is built in names.py;
+embedded.py runs a private nats-server for `serve`, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenyard.broker import Backend
+from tokenyard.broker.core import Clock
+from tokenyard.config import BrokerSettings
+
+__all__ = ["open_backend"]
+
+
+def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
+    """The queue core and every table on the server(s) `settings.url` names
+    (`nats://host:port[,host:port][?replicas=N]`, or `tls://`)."""
+    # imported here, not above: `serve` and the tests start the embedded server (embedded.py)
+    # without loading the client library and the whole backend
+    from tokenyard.broker.nats.batches import NatsBatches
+    from tokenyard.broker.nats.connection import NatsConnection
+    from tokenyard.broker.nats.names import Names
+    from tokenyard.broker.nats.queue import NatsQueue
+    from tokenyard.broker.nats.tables import (
+        NatsAudit,
+        NatsDirectory,
+        NatsQuotas,
+        NatsRegistry,
+        NatsResponses,
+    )
+
+    conn = NatsConnection(settings)
+    names = Names(settings.prefix)
+    quotas = NatsQuotas(conn, names, clock)
+    audit = NatsAudit(conn, names, settings.audit_max_len)
+    registry = NatsRegistry(conn, names, clock)
+    return Backend(
+        settings=settings,
+        queue=NatsQueue(settings, conn, names, quotas, audit, registry, clock),
+        directory=NatsDirectory(conn, names),
+        quotas=quotas,
+        audit=audit,
+        responses=NatsResponses(conn, names, clock),
+        registry=registry,
+        batches=NatsBatches(conn, names, clock),
+        connection=conn,
+    )
