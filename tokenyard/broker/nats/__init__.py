@@ -42,7 +42,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     return Backend(
         settings=settings,
         queue=NatsQueue(settings, conn, names, quotas, audit, registry, clock),
-        directory=NatsDirectory(conn, names),
+        directory=NatsDirectory(conn, names, clock),
         quotas=quotas,
         audit=audit,
         responses=NatsResponses(conn, names, clock),

@@ -366,10 +366,8 @@ class NatsQueue(QueueCore):
         if not job.lane or not job.seq:
             return
         js = await self.conn.js()
-        try:
+        with contextlib.suppress(nats.js.errors.APIError):  # acknowledged (taken), or gone
             await sent(js.delete_msg(job.lane, job.seq))
-        except nats.js.errors.APIError:
-            pass  # already acknowledged (taken) or gone
 
     async def _dead_letter_entry(self, job: StoredJob, reason: str, error: str | None) -> None:
         js = await self.conn.js()
@@ -838,8 +836,8 @@ class NatsQueue(QueueCore):
                 return
         except nats.js.errors.KeyNotFoundError:
             pass
-        until = self.clock() + self.settings.affinity_ttl_s
-        await sent(kv.put(key, f"{consumer} {until!r}".encode()))
+        expires = self.clock() + self.settings.affinity_ttl_s
+        await sent(kv.put(key, f"{consumer} {expires!r}".encode()))
 
     async def _count(self, model: str, name: str) -> None:
         kv = await self._jobs()
