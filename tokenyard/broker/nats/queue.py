@@ -766,8 +766,7 @@ class NatsQueue(QueueCore):
                 job = None
                 continue
             if job.deliveries >= self.settings.max_deliveries:
-                error = f"lease expired on each of {self.settings.max_deliveries} deliveries"
-                if await self._end(job, revision, dead_result(error), "lease_expired", error):
+                if await self._lapsed_for_good(job, revision):
                     await self._ack(reply)
                     return None
                 job = None
@@ -1066,54 +1065,47 @@ class NatsQueue(QueueCore):
         return True
 
     async def reap(self, model: str) -> ReapReport:
-        """JetStream redelivers an expired lease by itself (AckWait); reaping moves expired
-        affinity leases back to their lane and dead-letters jobs at the delivery limit."""
+        """Requeue (to the back of its tenant's subject) each job whose lease lapsed, and
+        dead-letter those at the delivery limit. Only the messages each consumer has out
+        (between its ack floor and its last delivery) are looked at."""
         now = self.clock()
         requeued: list[str] = []
         dead: list[str] = []
-        kv = await self._jobs()
-        for priority in Priority:
-            for pool in range(self.settings.pool_count):
-                stream = await self._lane(model, priority, pool)
-                for subject, n in (await self._subjects(stream)).items():
-                    if n <= 0:
+        lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
+        streams = await asyncio.gather(*(self._lane(model, p, pool) for p, pool in lanes))
+        for stream, infos in zip(
+            streams, await asyncio.gather(*(self._consumer_infos(s) for s in streams)), strict=True
+        ):
+            for subject, info in infos.items():
+                if not info.num_ack_pending:
+                    continue
+                floor = info.ack_floor.stream_seq if info.ack_floor else 0
+                last = info.delivered.stream_seq if info.delivered else 0
+                rows = await self.conn.get_batch(stream, subject, floor, max(1, last - floor))
+                specs = [decode(data, JobSpec) for seq, data, _ in rows if seq <= last]
+                found = await asyncio.gather(*(self._get(spec.id) for spec in specs))
+                for spec, hit in zip(specs, found, strict=True):
+                    if hit is None:
                         continue
-                    requeued += await self._reap_subject(kv, stream, subject, now, dead)
+                    job, revision = hit
+                    if job.status is not JobStatus.RUNNING or job.lease_until > now:
+                        continue
+                    if job.deliveries >= self.settings.max_deliveries:
+                        error = (
+                            f"lease expired on each of {self.settings.max_deliveries} deliveries"
+                        )
+                        if await self._end(
+                            job, revision, dead_result(error), "lease_expired", error
+                        ):
+                            dead.append(spec.id)
+                        continue
+                    job.status = JobStatus.QUEUED
+                    job.worker = None
+                    # a new message at the back of its tenant's subject (an affinity job's too:
+                    # any worker may take it now)
+                    if await self._requeue(job, revision, None):
+                        requeued.append(spec.id)
         return ReapReport(requeued=requeued, dead=dead)
-
-    async def _reap_subject(
-        self, kv: KeyValue, stream: str, subject: str, now: float, dead: list[str]
-    ) -> list[str]:
-        """Jobs of one subject whose lease lapsed: requeued (their ids) or dead-lettered."""
-        out: list[str] = []
-        seq = 0
-        for _ in range(100):
-            batch = await self.conn.get_batch(stream, subject, seq, 256)
-            if not batch:
-                break
-            seq = batch[-1][0]
-            for _, data, _ in batch:
-                spec = decode(data, JobSpec)
-                found = await self._get(spec.id)
-                if found is None:
-                    continue
-                job, revision = found
-                if job.status is not JobStatus.RUNNING or job.lease_until > now:
-                    continue
-                if job.deliveries >= self.settings.max_deliveries:
-                    error = f"lease expired on each of {self.settings.max_deliveries} deliveries"
-                    if await self._end(job, revision, dead_result(error), "lease_expired", error):
-                        dead.append(spec.id)
-                    continue
-                job.status = JobStatus.QUEUED
-                job.worker = None
-                # to the back of its tenant's subject, as a new message (an affinity job too:
-                # any worker may take it now)
-                if await self._requeue(job, revision, None):
-                    out.append(spec.id)
-            if len(batch) < 256:
-                break
-        return out
 
     # -- cancellation -----------------------------------------------------------------------
     async def cancel(self, job_id: str) -> CancelOutcome:
@@ -1338,12 +1330,10 @@ class NatsQueue(QueueCore):
         return int(subjects.get(self.names.dead(model), 0))
 
     async def depth(self, model: str) -> int:
-        total = 0
-        for priority in Priority:
-            for pool in range(self.settings.pool_count):
-                stream = await self._lane(model, priority, pool)
-                total += sum((await self._subjects(stream)).values())
-        return total
+        lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
+        streams = await asyncio.gather(*(self._lane(model, p, pool) for p, pool in lanes))
+        counts = await asyncio.gather(*(self._subjects(s) for s in streams))
+        return sum(sum(c.values()) for c in counts)
 
     async def backlog(self, model: str) -> list[LaneBacklog]:
         out = []
