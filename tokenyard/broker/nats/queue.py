@@ -1091,12 +1091,7 @@ class NatsQueue(QueueCore):
                     if job.status is not JobStatus.RUNNING or job.lease_until > now:
                         continue
                     if job.deliveries >= self.settings.max_deliveries:
-                        error = (
-                            f"lease expired on each of {self.settings.max_deliveries} deliveries"
-                        )
-                        if await self._end(
-                            job, revision, dead_result(error), "lease_expired", error
-                        ):
+                        if await self._lapsed_for_good(job, revision):
                             dead.append(spec.id)
                         continue
                     job.status = JobStatus.QUEUED
@@ -1106,6 +1101,11 @@ class NatsQueue(QueueCore):
                     if await self._requeue(job, revision, None):
                         requeued.append(spec.id)
         return ReapReport(requeued=requeued, dead=dead)
+
+    async def _lapsed_for_good(self, job: StoredJob, revision: int) -> bool:
+        """Dead-letter a job whose lease lapsed on its last allowed delivery."""
+        error = f"lease expired on each of {self.settings.max_deliveries} deliveries"
+        return await self._end(job, revision, dead_result(error), "lease_expired", error)
 
     # -- cancellation -----------------------------------------------------------------------
     async def cancel(self, job_id: str) -> CancelOutcome:
