@@ -1349,7 +1349,7 @@ class NatsQueue(QueueCore):
                 if kind != "t":
                     queued += waiting  # held for a worker; a tenant's are staged by tenant
                 elif waiting > 0:
-                    tenant, weight = await self._tenant_of(subject, subjects, infos)
+                    tenant, weight = await self._tenant_of(subject)
                     was = tenants.get(tenant)
                     tenants[tenant] = TenantBacklog(
                         tenant, waiting + (was.staged if was else 0), weight
@@ -1360,11 +1360,8 @@ class NatsQueue(QueueCore):
             out.append(LaneBacklog(priority, queued, flying, list(tenants.values())))
         return out
 
-    async def _tenant_of(
-        self, subject: str, subjects: Mapping[str, int], infos: Mapping[str, Any]
-    ) -> tuple[str, float]:
+    async def _tenant_of(self, subject: str) -> tuple[str, float]:
         """A tenant subject's tenant name and weight, from its first message."""
-        del subjects, infos
         stream = self.names.stream_of_subject(subject)
         rows = await self.conn.get_batch(stream, subject, 0, 1)
         if not rows:
