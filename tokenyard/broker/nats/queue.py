@@ -17,7 +17,7 @@ import json
 import random
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,9 +112,10 @@ class _LaneView:
 
 @dataclass
 class _Holding:
-    """This process's knowledge of a lease it holds: the record's revision and the events
-    subject's last sequence (both are fences)."""
+    """This process's knowledge of a lease it holds: the record as it wrote it and its
+    revision, and the events subject's last sequence (both are fences)."""
 
+    job: StoredJob
     revision: int
     last_seq: int
 
@@ -156,6 +157,7 @@ class NatsQueue(QueueCore):
 
     async def close(self) -> None:
         await self._group.close()
+        await self.audit.flush()
         for sub in self._wake_subs.values():
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -363,11 +365,30 @@ class NatsQueue(QueueCore):
         return True
 
     async def _drop_message(self, job: StoredJob) -> None:
-        if not job.lane or not job.seq:
+        """Delete the job's waiting message from its lane (it ended before a claim)."""
+        if not job.lane:
             return
+        if not job.seq:
+            job.seq = await self._find_message(job)
+            if not job.seq:
+                return
         js = await self.conn.js()
         with contextlib.suppress(nats.js.errors.APIError):  # acknowledged (taken), or gone
             await sent(js.delete_msg(job.lane, job.seq))
+
+    async def _find_message(self, job: StoredJob, limit: int = 100_000) -> int:
+        """The sequence of the job's message on its subject (0: none), by a scan: only cancels
+        and expiries of waiting jobs come here."""
+        after = 0
+        while after < limit:
+            rows = await self.conn.get_batch(job.lane, job.subject, after, 1000)
+            for seq, data, _ in rows:
+                if decode(data, JobSpec).id == job.spec.id:
+                    return seq
+            if len(rows) < 1000:
+                return 0
+            after = rows[-1][0]
+        return 0
 
     async def _dead_letter_entry(self, job: StoredJob, reason: str, error: str | None) -> None:
         js = await self.conn.js()
@@ -387,11 +408,9 @@ class NatsQueue(QueueCore):
         """Quota settlement and terminal audit entries of jobs that just ended."""
         held = [settlement(spec, result) for spec, result in ended if spec.quota]
         now = self.clock()
-        entries = [audit.terminal(spec, result, now) for spec, result in ended]
-        await asyncio.gather(
-            self.quotas.settle(held) if held else asyncio.sleep(0),
-            self.audit.append(entries),
-        )
+        self.audit.append_soon([audit.terminal(spec, result, now) for spec, result in ended])
+        if held:
+            await self.quotas.settle(held)
 
     # -- producing --------------------------------------------------------------------------
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
@@ -435,8 +454,8 @@ class NatsQueue(QueueCore):
             if published:
                 await self._wake(model, published)
         created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
-        if created and self.settings.audit_max_len:
-            await self.audit.append([audit.received(spec, now) for spec in created])
+        if created:
+            self.audit.append_soon([audit.received(spec, now) for spec in created])
         return [r for r in results if r is not None]
 
     async def _note_model(self, model: str) -> None:
@@ -535,9 +554,9 @@ class NatsQueue(QueueCore):
                     lane, self.settings.max_queue_depth, self.settings.max_queue_depth
                 ) from exc
             raise
-        job.seq = int(ack.seq)
-        # the sequence lets a cancel or expiry delete the waiting message; best effort
-        await self._cas(job, revision)
+        # the record does not learn the message's sequence (a write more per job): a cancel or
+        # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
+        del ack
         return EnqueueResult(job_id=spec.id, created=True), subject
 
     async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
@@ -791,7 +810,7 @@ class NatsQueue(QueueCore):
             return None
         assert job is not None
         last, resumable = await self._fence_events(job.spec.id)
-        self._holding[reply] = _Holding(new_revision, last)
+        self._holding[reply] = _Holding(job, new_revision, last)
         if job.spec.prefix_key:
             await self._own_prefix(job.spec, consumer)
         lease_spec = job.spec
@@ -870,22 +889,16 @@ class NatsQueue(QueueCore):
         if found is None:
             return None
         job, revision = found
-        if (
-            job.status is not JobStatus.RUNNING
-            or job.worker != lease.consumer
-            or job.deliveries != lease.spec.attempt + 1
-        ):
+        if job.status is not JobStatus.RUNNING or not _names(job, lease):
             return None
         return job, revision
 
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
-        async def one(lease: Lease) -> bool:
-            found = await self._ours(lease)
-            if found is None:
-                return False
-            job, revision = found
+        def extend(job: StoredJob) -> None:
             job.lease_until = self.clock() + self.settings.lease_s
-            if await self._cas(job, revision) is None:
+
+        async def one(lease: Lease) -> bool:
+            if not await self._write_held(lease, extend):
                 return False
             await self._ack(lease.entry_id, b"+WPI")
             return True
@@ -932,39 +945,50 @@ class NatsQueue(QueueCore):
             await self._settle(ended)
         return list(outcomes)
 
+    async def _write_held(self, lease: Lease, change: Callable[[StoredJob], None]) -> bool:
+        """Apply `change` to the held record by compare-and-set; when someone else wrote it
+        meanwhile (a cancel request), read it again and retry while the lease is ours."""
+        holding = self._holding.get(lease.entry_id)
+        if holding is None or not _names(holding.job, lease):
+            return False
+        job, revision = holding.job, holding.revision
+        for _ in range(8):
+            change(job)
+            written = await self._cas(job, revision)
+            if written is not None:
+                holding.job, holding.revision = job, written
+                return True
+            found = await self._ours(lease)
+            if found is None:
+                return False
+            job, revision = found
+        return False
+
     async def _complete(self, lease: Lease, result: JobResult, tail: TokenChunk | None) -> bool:
         holding = self._holding.get(lease.entry_id)
-        found = await self._ours(lease)
-        if holding is None or found is None:
-            await self._count(lease.spec.model, "fenced")
-            return False
-        job, revision = found
-        try:
-            if tail is not None:
-                holding.last_seq = await self._publish_event(
-                    lease.spec.id, encode(tail), holding.last_seq
-                )
-            finished = encode(Finished(result=result))
-            holding.last_seq = await self._publish_event(lease.spec.id, finished, holding.last_seq)
-        except _Fenced:
-            await self._count(lease.spec.model, "fenced")
-            return False
-        # the Finished event is in: the record follows (a crash here is mended by the next claim)
-        for _ in range(8):
+
+        def end(job: StoredJob) -> None:
             job.status = result.status
             job.result = result
             job.finished_at = self.clock()
-            if await self._cas(job, revision) is not None:
-                break
-            again = await self._ours(lease)
-            if again is None:
-                break
-            job, revision = again
+
+        if holding is None or not await self._write_held(lease, end):
+            await self._count(lease.spec.model, "fenced")
+            return False
+        # the record is terminal, so no holder can append any more: the tail and the Finished
+        # event go in one round trip (a crash before they land is answered from the record,
+        # gateway/live.py `_ended`)
+        js = await self.conn.js()
+        await self._events_stream()
+        subject = self.names.events(lease.spec.id)
+        pending = [await sent(js.publish_async(subject, encode(tail)))] if tail else []
+        pending.append(await sent(js.publish_async(subject, encode(Finished(result=result)))))
+        await sent(asyncio.gather(*pending))
         self._holding.pop(lease.entry_id, None)
         await self._ack(lease.entry_id)
-        if job.cancel:
-            await self._mark(Names.cancels(job.spec.model), job.spec.id, False)
-        await self._forget_collapse(job.spec)
+        if holding.job.cancel:
+            await self._mark(Names.cancels(lease.spec.model), lease.spec.id, False)
+        await self._forget_collapse(lease.spec)
         return True
 
     async def _forget_collapse(self, spec: JobSpec) -> None:
@@ -1376,6 +1400,11 @@ class NatsQueue(QueueCore):
 
     async def models(self) -> list[str]:
         return sorted(await self._marked(self.names.models_key))
+
+
+def _names(job: StoredJob, lease: Lease) -> bool:
+    """Whether the record names the lease's holder and delivery."""
+    return job.worker == lease.consumer and job.deliveries == lease.spec.attempt + 1
 
 
 def _seq(after: str) -> int:

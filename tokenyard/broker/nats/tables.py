@@ -341,6 +341,21 @@ class NatsAudit(Audit):
         self.conn = conn
         self.names = names
         self.max_len = max_len
+        self._writing: set[asyncio.Task[None]] = set()
+
+    def append_soon(self, entries: Sequence[AuditEntry]) -> None:
+        """`append` off the caller's path (a job's state change never waits on its audit);
+        this process's reads of the trail wait for what it is still writing."""
+        if self.max_len <= 0 or not entries:
+            return
+        task = asyncio.create_task(self.append(entries))
+        self._writing.add(task)
+        task.add_done_callback(self._writing.discard)
+
+    async def flush(self) -> None:
+        """Wait for the entries this process is still writing."""
+        if self._writing:
+            await asyncio.gather(*list(self._writing), return_exceptions=True)
 
     async def _stream(self) -> str:
         return await self.conn.stream(
@@ -380,6 +395,7 @@ class NatsAudit(Audit):
     ) -> tuple[str | None, list[AuditEntry]]:
         if self.max_len <= 0:
             return None, []
+        await self.flush()
         stream = await self._stream()
         if cursor:
             after = int(cursor)
