@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import (
@@ -85,9 +86,10 @@ from tokenyard.messages import (
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
 REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
+ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the record whole)
 _WRONG_LAST = 10071  # JetStream: wrong last sequence
 _FULL = (10077, 10078)  # JetStream: maximum messages (or bytes) exceeded
-POLL_S = 0.1  # a blocked claim looks again at least this often (retries, expired leases)
+POLL_S = 0.2  # a blocked claim looks afresh at least this often (retries, expired leases)
 TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
 
 
@@ -543,7 +545,11 @@ class NatsQueue(QueueCore):
                 js.publish(
                     subject,
                     encode(spec),
-                    headers={"Nats-Msg-Id": spec.id, REVISION: str(revision)},
+                    headers={
+                        "Nats-Msg-Id": spec.id,
+                        REVISION: str(revision),
+                        ENQUEUED_AT: repr(now),
+                    },
                 )
             )
         except nats.js.errors.APIError as exc:
@@ -630,17 +636,25 @@ class NatsQueue(QueueCore):
         if slots <= 0:
             return []
         give_up_at = time.monotonic() + block_s
-        event = await self._wake_event(model)
-        woke = event if block_s > 0 else None
+        woke = await self._wake_event(model)
+        # what this worker knows of the lanes (kept current by wake-ups) first; a claim that
+        # found nothing there looks afresh, and a blocked one does at each poll, for work no
+        # wake-up announced (a redelivery after a lapsed lease, a retry's backoff ending)
+        fresh = False
         while True:
-            if woke is not None:
-                woke.clear()
-            leases = await self._claim_once(model, consumer, slots, pools, batch_room)
+            woke.clear()
+            leases = await self._claim_once(model, consumer, slots, pools, batch_room, fresh)
             left = give_up_at - time.monotonic()
-            if leases or left <= 0 or woke is None:
+            if leases or (fresh and left <= 0):
                 return leases
-            with contextlib.suppress(TimeoutError):
+            if left <= 0:
+                fresh = True
+                continue
+            try:
                 await asyncio.wait_for(woke.wait(), min(left, POLL_S))
+                fresh = False
+            except TimeoutError:
+                fresh = True
 
     async def _claim_once(
         self,
@@ -671,16 +685,12 @@ class NatsQueue(QueueCore):
             leases += got
             if len(leases) >= slots:
                 break
-        if not leases and not fresh:
-            # the views may be older than work that came meanwhile: look once more, afresh
-            self._rounds[model] -= 1
-            return await self._claim_once(model, consumer, slots, pools, batch_room, True)
         return leases
 
     async def _view(self, stream: str, fresh: bool = False) -> _LaneView:
         view = self._lanes[stream]
         now = time.monotonic()
-        if fresh or now - view.read_at > TENANT_REFRESH_S or not view.subjects:
+        if fresh or now - view.read_at > TENANT_REFRESH_S:
             view.subjects = {s: n for s, n in (await self._subjects(stream)).items() if n > 0}
             view.read_at = now
         return view
@@ -759,7 +769,10 @@ class NatsQueue(QueueCore):
         (compare-and-set), and a claim marker fences the events subject."""
         reply = msg.reply or ""
         spec = decode(msg.data, JobSpec)
-        revision = int((msg.headers or {}).get(REVISION, "0"))
+        fast = await self._take_first(msg, spec, consumer, affinity)
+        if fast is not None:
+            return fast
+        revision = 0
         job: StoredJob | None = None
         for _ in range(6):
             if job is None:
@@ -810,17 +823,62 @@ class NatsQueue(QueueCore):
             return None
         assert job is not None
         last, resumable = await self._fence_events(job.spec.id)
-        self._holding[reply] = _Holding(job, new_revision, last)
+        return await self._leased(reply, job, new_revision, last, resumable)
+
+    async def _take_first(
+        self, msg: Msg, spec: JobSpec, consumer: str, affinity: bool
+    ) -> Lease | None:
+        """The common case in one round trip: a first delivery of a job whose record is as
+        enqueued (the message names its revision). The record is written from the message, and
+        the claim marker goes beside it (a marker expecting no events lands only on a job no
+        one ever held). None: take the general path."""
+        headers = msg.headers or {}
+        now = self.clock()
+        if REVISION not in headers or (spec.deadline is not None and spec.deadline <= now):
+            return None
+        job = StoredJob(
+            spec=spec,
+            status=JobStatus.RUNNING,
+            deliveries=1,
+            enqueued_at=float(headers.get(ENQUEUED_AT, "0")),
+            started_at=now,
+            worker=consumer,
+            lane=msg.metadata.stream,
+            subject=msg.subject,
+            seq=int(msg.metadata.sequence.stream),
+            lease_until=now + self.settings.lease_s,
+            affinity=affinity,
+        )
+        written, marker = await asyncio.gather(
+            self._cas(job, int(headers[REVISION])), self._first_marker(spec.id)
+        )
+        if written is None:
+            return None
+        if marker is None:
+            last, resumable = await self._fence_events(spec.id)
+        else:
+            last, resumable = marker, False
+        return await self._leased(msg.reply or "", job, written, last, resumable)
+
+    async def _first_marker(self, job_id: str) -> int | None:
+        try:
+            return await self._publish_event(job_id, b"", 0, marker=True)
+        except _Fenced:
+            return None
+
+    async def _leased(
+        self, reply: str, job: StoredJob, revision: int, last: int, resumable: bool
+    ) -> Lease:
+        self._holding[reply] = _Holding(job, revision, last)
         if job.spec.prefix_key:
-            await self._own_prefix(job.spec, consumer)
-        lease_spec = job.spec
-        lease_spec.attempt = job.deliveries - 1
+            await self._own_prefix(job.spec, job.worker or "")
+        lease_spec = msgspec.structs.replace(job.spec, attempt=job.deliveries - 1)
         return Lease(
             spec=lease_spec,
             entry_id=reply,
-            consumer=consumer,
+            consumer=job.worker or "",
             resumable=resumable,
-            affinity=affinity,
+            affinity=job.affinity,
         )
 
     async def _fence_events(self, job_id: str) -> tuple[int, bool]:
@@ -1074,9 +1132,8 @@ class NatsQueue(QueueCore):
         if new_revision is None:
             return False
         js = await self.conn.js()
-        ack = await sent(
-            js.publish(job.subject, encode(spec), headers={REVISION: str(new_revision)})
-        )
+        # no revision header: a requeued job's claim reads its record (deliveries and all)
+        ack = await sent(js.publish(job.subject, encode(spec)))
         if reply:
             self._holding.pop(reply, None)
             await self._ack(reply)
