@@ -1249,23 +1249,32 @@ class NatsQueue(QueueCore):
         woke = asyncio.Event()
 
         async def on_event(msg: Msg) -> None:
-            if msg.subject in subjects:
+            # a claim marker is no event for a reader
+            if msg.subject in subjects and not (msg.headers and msg.headers.get(MARKER)):
                 woke.set()
 
         # subscribe before reading, so an event appended in between wakes the wait
         subs = [await sent(nc.subscribe(s, cb=on_event)) for s in subjects]
         try:
             give_up = time.monotonic() + block_s
+            settle = 0.0
             while True:
                 woke.clear()
                 found = await self._read(stream, cursors, count)
                 left = give_up - time.monotonic()
                 if found or left <= 0:
                     return found
+                if settle and settle < 0.05:
+                    # a core subscriber hears of a message before a direct get can read it back
+                    # from the stream: after a wake-up, read again shortly before waiting on
+                    await asyncio.sleep(settle)
+                    settle *= 2
+                    continue
                 try:
                     await asyncio.wait_for(woke.wait(), left)
                 except TimeoutError:
                     return []
+                settle = 0.001
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):
