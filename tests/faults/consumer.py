@@ -1,9 +1,9 @@
-"""A standalone test consumer process on the real Redis backend, driven by the fault tests.
+"""A standalone test consumer process on any backend's broker URL, driven by the fault tests.
 
 Run as ``python -m tests.faults.consumer --url URL --prefix P --model M ...``. It prints one
 line per event (``ready``, ``claimed``, ``completed``, ``retried``, ``lost``...), flushed, so a
-test can wait on its progress. Every completion the broker accepted is also counted per job in
-a hash outside the broker's keys (:func:`accepted_key`), which is how tests spot duplicates.
+test can wait on its progress. Every completion the broker accepted is also appended to a log
+outside the broker (:func:`accepted_log`), which is how tests spot duplicates.
 """
 
 from __future__ import annotations
@@ -15,20 +15,44 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenyard.broker import connect, wait_until_ready
 from tokenyard.broker.core import Lease
-from tokenyard.broker.redis import connection_of
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import FinishReason, JobResult, JobStatus
 
+# where the accepted logs go (a test's tmp dir); consumers inherit it from the test
+ACCEPTED_DIR_ENV = "TOKENYARD_FAULTS_ACCEPTED_DIR"
 
-def accepted_key(prefix: str) -> str:
-    """Hash of job id -> completions the broker accepted, kept apart from the broker's keys."""
-    return f"{prefix}:faults:accepted"
+
+def accepted_log(prefix: str) -> Path:
+    """File of job ids, one line per completion the broker accepted, shared by the consumers
+    of one prefix; a file, not the broker, so it outlives a broker crash on any backend."""
+    folder = os.environ.get(ACCEPTED_DIR_ENV) or tempfile.gettempdir()
+    return Path(folder) / f"tokenyard-faults-{prefix}.accepted"
+
+
+def read_accepted(prefix: str) -> Counter[str]:
+    """Job id -> completions the broker accepted, as the consumers logged them."""
+    try:
+        return Counter(accepted_log(prefix).read_text().split())
+    except FileNotFoundError:
+        return Counter()
+
+
+def log_accepted(prefix: str, job_ids: Sequence[str]) -> None:
+    """Append `job_ids` in one O_APPEND write, so consumers sharing the file never interleave."""
+    fd = os.open(accepted_log(prefix), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(f"{job_id}\n" for job_id in job_ids).encode())
+    finally:
+        os.close(fd)
 
 
 def result_text(consumer: str, prompt: str | None) -> str:
@@ -165,10 +189,7 @@ class Consumer:
         accepted = await self.broker.queue.complete_many(results)
         ok = [lease.spec.id for lease, yes in zip(leases, accepted, strict=True) if yes]
         if ok:
-            pipe = connection_of(self.broker).client.pipeline(transaction=False)
-            for job_id in ok:
-                pipe.hincrby(accepted_key(self.args.prefix), job_id, 1)
-            await pipe.execute()
+            log_accepted(self.args.prefix, ok)
         self.accepted += len(ok)
         self.fenced += len(leases) - len(ok)
         emit("completed", len(ok), len(leases) - len(ok), self.accepted, self.fenced)

@@ -1,7 +1,8 @@
 """Fault tests on real processes: consumers and servers are killed, stopped and restarted.
 
 Each test counts lost jobs (no terminal record at the end) and duplicated ones (a completion
-the broker accepted more than once, counted by the consumers in a hash of their own).
+the broker accepted more than once, counted by the consumers in a log of their own). The tests
+that take `make_backend` run on Valkey and NATS alike; a server crash has one test per server.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import pytest
 from redis.exceptions import RedisError
 
 from tests.conftest import BackendFactory
-from tests.faults.consumer import accepted_key, result_text
+from tests.faults.consumer import ACCEPTED_DIR_ENV, read_accepted, result_text
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.redis import connection_of
+from tokenyard.broker.nats.connection import REQUEST_TIMEOUT_S
+from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
@@ -40,12 +41,20 @@ from tokenyard.messages import (
 )
 
 pytestmark = pytest.mark.fault
+# the kinds a consumer fault runs on: a cluster would only add servers, not another behaviour
+KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats"], indirect=True)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "faulty"
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def accepted_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumers' accepted logs go to the test's tmp dir (they inherit the environment)."""
+    monkeypatch.setenv(ACCEPTED_DIR_ENV, str(tmp_path))
 
 
 class ConsumerProcess:
@@ -161,10 +170,8 @@ class Audit:
 
 async def audit(broker: Backend, ids: Sequence[str]) -> Audit:
     result = Audit()
-    # the consumers count accepted completions in a Redis hash of their own (consumer.py)
-    key = accepted_key(broker.settings.prefix)
-    raw = cast(dict[bytes, bytes], await connection_of(broker).client.hgetall(key))
-    result.accepted = Counter({k.decode(): int(v) for k, v in raw.items()})
+    # the consumers log accepted completions in a file of their own (consumer.py)
+    result.accepted = read_accepted(broker.settings.prefix)
     result.duplicated = {j: n for j, n in result.accepted.items() if n > 1}
     for job_id in ids:
         record = await broker.queue.record(job_id)
@@ -199,6 +206,7 @@ def new_prefix() -> str:
 # -- tests ---------------------------------------------------------------------------------
 
 
+@KINDS
 @pytest.mark.timeout(60)
 async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
     make_backend: BackendFactory,
@@ -211,9 +219,12 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
         await broker.queue.enqueue_many(chunk)
     procs: list[ConsumerProcess] = []
     try:
-        # holds everything it claims for far longer than the test runs
+        # holds everything it claims for far longer than the test runs, never renewing. The
+        # lease a rescuer waits out is the holder's own on NATS (AckWait and the record's
+        # deadline are set at claim) but the reaper's idle threshold on Redis: long enough
+        # that the holder claims all before any lapses, short enough for the rescue below
         holder = ConsumerProcess(
-            url, prefix, "holder", slots=n, hold_s=300, lease_s=30, reap_every_s=300
+            url, prefix, "holder", slots=n, hold_s=300, lease_s=5, reap_every_s=300
         )
         procs.append(holder)
         await eventually(lambda: holder.claimed >= n, f"holder claims {n}", procs=procs)
@@ -244,6 +255,7 @@ async def test_sigkill_consumer_holding_2000_jobs_loses_and_duplicates_nothing(
             p.stop()
 
 
+@KINDS
 @pytest.mark.timeout(60)
 async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
     make_backend: BackendFactory,
@@ -298,13 +310,13 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
             p.stop()
 
 
-@pytest.mark.timeout(90)
-async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
-    # Valkey only: a server of its own, killed and restarted on its AOF
-    server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
-    server.start()
+async def crash_and_restart_under_enqueues(
+    url: str, kill: Callable[[], object], start: Callable[[], object], down_s: float = 0.1
+) -> None:
+    """Producers enqueue while the server at `url` is SIGKILLed (`kill`) and brought back on
+    its store (`start`) `down_s` later; then every acknowledged job must run, once."""
     prefix = new_prefix()
-    broker = connect(BrokerSettings(url=server.url, prefix=prefix))
+    broker = connect(BrokerSettings(url=url, prefix=prefix))
     acknowledged: list[str] = []
     before_crash: list[str] = []
     errors: Counter[str] = Counter()
@@ -341,10 +353,10 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
     try:
         await eventually(lambda: len(acknowledged) >= 500, "500 enqueues before the crash")
         # off the event loop, so the producer keeps going while the server dies and comes back
-        await asyncio.to_thread(server.kill)
+        await asyncio.to_thread(kill)
         before_crash = list(acknowledged)
-        await asyncio.sleep(0.1)
-        await asyncio.to_thread(server.start)
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(start)
         await eventually(
             lambda: len(acknowledged) >= len(before_crash) + 300, "enqueues after the restart"
         )
@@ -353,7 +365,7 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
         assert errors, "the crash never reached the producer"
         assert len(set(acknowledged)) == len(acknowledged)
 
-        consumer = ConsumerProcess(server.url, prefix, "after", slots=256, lease_s=5)
+        consumer = ConsumerProcess(url, prefix, "after", slots=256, lease_s=5)
         procs.append(consumer)
         await eventually(
             lambda: consumer.accepted >= len(acknowledged), "every acknowledged job", 30, procs
@@ -374,9 +386,34 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
         for p in procs:
             p.stop()
         await broker.close()
+
+
+@pytest.mark.timeout(90)
+async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
+    # a Valkey of its own, killed and restarted on its AOF
+    server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
+    server.start()
+    try:
+        await crash_and_restart_under_enqueues(server.url, server.kill, server.start)
+    finally:
         server.stop()
 
 
+@pytest.mark.timeout(90)
+async def test_nats_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
+    # a nats-server of its own, killed and restarted on its JetStream store and port
+    server = EmbeddedNats(tmp_path / "nats", sync="always")
+    server.start()
+    # nats-py holds calls across a short outage and sends them on reconnect: the crash reaches
+    # the producer (BrokerUnavailable) only once the server stays down past a request's timeout
+    down_s = REQUEST_TIMEOUT_S + 1.0
+    try:
+        await crash_and_restart_under_enqueues(server.url, server.kill, server.start, down_s)
+    finally:
+        server.stop()
+
+
+@KINDS
 @pytest.mark.timeout(60)
 async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
     make_backend: BackendFactory,
@@ -425,6 +462,7 @@ async def test_always_failing_job_is_dead_lettered_and_the_others_succeed(
             p.stop()
 
 
+@KINDS
 @pytest.mark.timeout(30)
 async def test_resubmitting_an_unanswered_enqueue_without_a_key_runs_the_job_once(
     make_backend: BackendFactory,

@@ -1,4 +1,4 @@
-"""Worker processes killed and drained for real, serving the tiny model through a real Valkey."""
+"""Worker processes killed and drained for real, serving the tiny model through a real broker."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from tokenyard.messages import (
 from tokenyard.tenancy.limiter import Quota
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
+# the tests shown to hold on NATS too (the others are yet to be run there)
+KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats"], indirect=True)
 
 MODEL = "tiny"
 LEASE_S = 2.0
@@ -172,6 +174,7 @@ async def test_sigterm_under_load_drains_without_loss_or_duplicates(
     assert sum(lane.waiting + lane.in_flight for lane in stats.lanes) == 0
 
 
+@KINDS
 async def test_worker_process_exits_cleanly_on_sigterm_when_idle(
     workers: Workers, broker: Backend
 ) -> None:

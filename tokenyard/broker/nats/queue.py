@@ -535,10 +535,18 @@ class NatsQueue(QueueCore):
         job = StoredJob(
             spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
         )
+        created = True
         try:
             revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
         except nats.js.errors.KeyWrongLastSequenceError:
-            return EnqueueResult(job_id=spec.id, created=False), ""  # a resent enqueue
+            # A resent enqueue. Its first try may have died between the record and the message
+            # (a broker crash): a message not yet confirmed is published again, on the record's
+            # subject, and Nats-Msg-Id drops it if the first had landed after all.
+            found = await self._get(spec.id)
+            if found is None or found[0].status is not JobStatus.QUEUED:
+                return EnqueueResult(job_id=spec.id, created=False), ""
+            job, revision = found
+            subject, created = job.subject, False
         js = await self.conn.js()
         try:
             ack = await sent(
@@ -563,7 +571,7 @@ class NatsQueue(QueueCore):
         # the record does not learn the message's sequence (a write more per job): a cancel or
         # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
         del ack
-        return EnqueueResult(job_id=spec.id, created=True), subject
+        return EnqueueResult(job_id=spec.id, created=created), subject
 
     async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
         """The job in flight this identical request joins (one more follower), if any."""
