@@ -166,7 +166,12 @@ async def run_load(
             pytest.fail(f"{len(stuck)} jobs never ended, e.g. {stuck[:5]}")
         await asyncio.sleep(0.5)
 
-    assert {r.status for r in records if r is not None} == {JobStatus.SUCCEEDED}
+    odd = [
+        (j, r.status, r.result and (r.result.finish_reason, r.result.worker, r.result.error))
+        for j, r in zip(accepted, records, strict=True)
+        if r is not None and r.status is not JobStatus.SUCCEEDED
+    ]
+    assert not odd, f"{len(odd)} jobs did not succeed: {odd[:5]}"
     for job_id, record in zip(accepted, records, strict=True):
         assert record is not None and record.result is not None
         events = [
