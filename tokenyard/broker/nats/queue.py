@@ -517,7 +517,13 @@ class NatsQueue(QueueCore):
         try:
             revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
         except nats.js.errors.KeyWrongLastSequenceError:
-            return EnqueueResult(job_id=spec.id, created=False), ""  # a resent enqueue
+            found = await self._get(spec.id)
+            if found is None or found[0].seq or found[0].status is not JobStatus.QUEUED:
+                return EnqueueResult(job_id=spec.id, created=False), ""  # a resent enqueue
+            # resent after its record went in but its lane message was not acknowledged (the
+            # broker failed over in between): send that again, the Nats-Msg-Id dedups it
+            job, revision = found
+            subject = job.subject
         js = await self.conn.js()
         try:
             ack = await sent(
