@@ -45,6 +45,8 @@ _TROUBLE: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionDrainingError,
     nats.js.errors.ServiceUnavailableError,
+    # a publish no stream leader answered: in a cluster, while a dead node's streams elect
+    nats.js.errors.NoStreamResponseError,
     asyncio.TimeoutError,
     OSError,
 )

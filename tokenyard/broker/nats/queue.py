@@ -830,7 +830,10 @@ class NatsQueue(QueueCore):
             await self._ack(reply, b"-NAK")
             return None
         assert job is not None
-        last, resumable = await self._fence_events(job.spec.id)
+        last, resumable, finished = await self._fence_events(job.spec.id)
+        if finished is not None:
+            await self._mend(job, new_revision, finished, reply)
+            return None
         return await self._leased(reply, job, new_revision, last, resumable)
 
     async def _take_first(
@@ -863,7 +866,10 @@ class NatsQueue(QueueCore):
         if written is None:
             return None
         if marker is None:
-            last, resumable = await self._fence_events(spec.id)
+            last, resumable, finished = await self._fence_events(spec.id)
+            if finished is not None:
+                await self._mend(job, written, finished, msg.reply or "")
+                return None
         else:
             last, resumable = marker, False
         return await self._leased(msg.reply or "", job, written, last, resumable)
@@ -889,19 +895,39 @@ class NatsQueue(QueueCore):
             affinity=job.affinity,
         )
 
-    async def _fence_events(self, job_id: str) -> tuple[int, bool]:
-        """Append the claim marker; (its sequence, whether earlier events exist)."""
+    async def _fence_events(self, job_id: str) -> tuple[int, bool, JobResult | None]:
+        """Append the claim marker; (its sequence, whether earlier events exist, None). A job
+        whose events end with its Finished gets no marker: (0, True, that result)."""
         try:
-            return await self._publish_event(job_id, b"", 0, marker=True), False
+            return await self._publish_event(job_id, b"", 0, marker=True), False, None
         except _Fenced:
             pass
         for _ in range(8):
-            last, _, _ = await self._last_event(job_id)
+            last, data, marker = await self._last_event(job_id)
+            if data is not None and not marker:
+                event = decode_event(data)
+                if isinstance(event, Finished):
+                    return 0, True, event.result
             try:
-                return await self._publish_event(job_id, b"", last, marker=True), True
+                return await self._publish_event(job_id, b"", last, marker=True), True, None
             except _Fenced:
                 continue
         raise _Fenced
+
+    async def _mend(self, job: StoredJob, revision: int, result: JobResult, reply: str) -> None:
+        """The record of a job whose Finished is in but whose worker never wrote the record
+        (it died, or the broker failed over, in between): terminal now, not run again."""
+        job.status = result.status
+        job.result = result
+        job.finished_at = self.clock()
+        if await self._cas(job, revision) is None:
+            await self._ack(reply, b"-NAK")  # changed meanwhile: the redelivery looks again
+            return
+        await self._ack(reply)
+        if job.cancel:
+            await self._mark(Names.cancels(job.spec.model), job.spec.id, False)
+        await self._forget_collapse(job.spec)
+        await self._settle([(job.spec, result)])
 
     async def _own_prefix(self, spec: JobSpec, consumer: str) -> None:
         """This worker owns the prefix now, unless another live worker does (sticky)."""
