@@ -67,7 +67,7 @@ from tokenyard.broker.policy import (
 )
 from tokenyard.broker.tables import settlement
 from tokenyard.config import BrokerSettings
-from tokenyard.errors import QueueFull
+from tokenyard.errors import BrokerUnavailable, QueueFull
 from tokenyard.messages import (
     DeadLetter,
     Finished,
@@ -85,6 +85,8 @@ from tokenyard.messages import (
 
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
+MSG_ID = "Nats-Msg-Id"
+RESEND_S = 5.0  # how long an event whose publish may have been lost is sent again
 REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
 ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the record whole)
 _WRONG_LAST = 10071  # JetStream: wrong last sequence
@@ -120,6 +122,7 @@ class _Holding:
     job: StoredJob
     revision: int
     last_seq: int
+    appended: int = 0  # events appended, numbering their message ids
 
 
 class NatsQueue(QueueCore):
@@ -314,32 +317,57 @@ class NatsQueue(QueueCore):
             raise
 
     async def _publish_event(
-        self, job_id: str, data: bytes, expect: int | None, marker: bool = False
+        self,
+        job_id: str,
+        data: bytes,
+        expect: int | None,
+        marker: bool = False,
+        msg_id: str | None = None,
     ) -> int:
-        """Append to a job's events; raises _Fenced when `expect` is no longer the last."""
+        """Append to a job's events; raises _Fenced when `expect` is no longer the last.
+
+        With a `msg_id`, a publish the server may or may not have stored (a timeout, a
+        failover) is sent again for up to RESEND_S: JetStream drops a duplicate, and a retry
+        fenced by its own stored first try is recognised by the id.
+        """
         js = await self.conn.js()
         await self._events_stream()
         headers = {} if expect is None else {EXPECT_LAST: str(expect)}
         if marker:
             headers[MARKER] = "1"
-        try:
-            ack = await sent(js.publish(self.names.events(job_id), data, headers=headers or None))
-        except nats.js.errors.APIError as exc:
-            if exc.err_code == _WRONG_LAST:
+        if msg_id:
+            headers[MSG_ID] = msg_id
+        give_up, pause, uncertain = time.monotonic() + RESEND_S, 0.05, False
+        while True:
+            try:
+                ack = await sent(
+                    js.publish(self.names.events(job_id), data, headers=headers or None)
+                )
+                return int(ack.seq)
+            except BrokerUnavailable:
+                if msg_id is None or time.monotonic() > give_up:
+                    raise
+                uncertain = True
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != _WRONG_LAST:
+                    raise
+                if uncertain:
+                    last, _, last_headers = await self._last_event(job_id)
+                    if last_headers.get(MSG_ID) == msg_id:
+                        return last
                 raise _Fenced from exc
-            raise
-        return int(ack.seq)
 
-    async def _last_event(self, job_id: str) -> tuple[int, bytes | None, bool]:
-        """The events subject's last (sequence, data, is a marker); (0, None, False) if none."""
+    async def _last_event(self, job_id: str) -> tuple[int, bytes | None, dict[str, str]]:
+        """The events subject's last (sequence, data, headers); (0, None, {}) if none."""
         stream = await self._events_stream()
         js = await self.conn.js()
         try:
             msg = await sent(js.get_last_msg(stream, self.names.events(job_id), direct=True))
         except nats.js.errors.NotFoundError:
-            return 0, None, False
-        marker = bool(msg.headers and msg.headers.get(MARKER))
-        return int(msg.seq or 0), msg.data, marker
+            return 0, None, {}
+        return int(msg.seq or 0), msg.data, dict(msg.headers or {})
 
     async def _end(
         self,
@@ -830,7 +858,7 @@ class NatsQueue(QueueCore):
             await self._ack(reply, b"-NAK")
             return None
         assert job is not None
-        last, resumable, finished = await self._fence_events(job.spec.id)
+        last, resumable, finished = await self._fence_events(job.spec.id, job.deliveries)
         if finished is not None:
             await self._mend(job, new_revision, finished, reply)
             return None
@@ -861,12 +889,12 @@ class NatsQueue(QueueCore):
             affinity=affinity,
         )
         written, marker = await asyncio.gather(
-            self._cas(job, int(headers[REVISION])), self._first_marker(spec.id)
+            self._cas(job, int(headers[REVISION])), self._first_marker(spec.id, 1)
         )
         if written is None:
             return None
         if marker is None:
-            last, resumable, finished = await self._fence_events(spec.id)
+            last, resumable, finished = await self._fence_events(spec.id, 1)
             if finished is not None:
                 await self._mend(job, written, finished, msg.reply or "")
                 return None
@@ -874,9 +902,11 @@ class NatsQueue(QueueCore):
             last, resumable = marker, False
         return await self._leased(msg.reply or "", job, written, last, resumable)
 
-    async def _first_marker(self, job_id: str) -> int | None:
+    async def _first_marker(self, job_id: str, delivery: int) -> int | None:
         try:
-            return await self._publish_event(job_id, b"", 0, marker=True)
+            return await self._publish_event(
+                job_id, b"", 0, marker=True, msg_id=_event_id(job_id, delivery, "m")
+            )
         except _Fenced:
             return None
 
@@ -895,21 +925,26 @@ class NatsQueue(QueueCore):
             affinity=job.affinity,
         )
 
-    async def _fence_events(self, job_id: str) -> tuple[int, bool, JobResult | None]:
+    async def _fence_events(self, job_id: str, delivery: int) -> tuple[int, bool, JobResult | None]:
         """Append the claim marker; (its sequence, whether earlier events exist, None). A job
         whose events end with its Finished gets no marker: (0, True, that result)."""
+        msg_id = _event_id(job_id, delivery, "m")
         try:
-            return await self._publish_event(job_id, b"", 0, marker=True), False, None
+            first = await self._publish_event(job_id, b"", 0, marker=True, msg_id=msg_id)
+            return first, False, None
         except _Fenced:
             pass
         for _ in range(8):
-            last, data, marker = await self._last_event(job_id)
-            if data is not None and not marker:
+            last, data, headers = await self._last_event(job_id)
+            if headers.get(MSG_ID) == msg_id:
+                return last, True, None  # ours, from a try whose answer was lost
+            if data is not None and not headers.get(MARKER):
                 event = decode_event(data)
                 if isinstance(event, Finished):
                     return 0, True, event.result
             try:
-                return await self._publish_event(job_id, b"", last, marker=True), True, None
+                marker = await self._publish_event(job_id, b"", last, marker=True, msg_id=msg_id)
+                return marker, True, None
             except _Fenced:
                 continue
         raise _Fenced
@@ -1010,9 +1045,11 @@ class NatsQueue(QueueCore):
                 return
             for i in indexes:
                 lease, event = events[i]
+                holding.appended += 1
+                msg_id = _event_id(lease.spec.id, holding.job.deliveries, str(holding.appended))
                 try:
                     holding.last_seq = await self._publish_event(
-                        lease.spec.id, encode(event), holding.last_seq
+                        lease.spec.id, encode(event), holding.last_seq, msg_id=msg_id
                     )
                 except _Fenced:
                     return
@@ -1039,14 +1076,27 @@ class NatsQueue(QueueCore):
 
     async def _write_held(self, lease: Lease, change: Callable[[StoredJob], None]) -> bool:
         """Apply `change` to the held record by compare-and-set; when someone else wrote it
-        meanwhile (a cancel request), read it again and retry while the lease is ours."""
+        meanwhile (a cancel request), read it again and retry while the lease is ours. A write
+        whose answer was lost (a failover) counts when the record reads as written."""
         holding = self._holding.get(lease.entry_id)
         if holding is None or not _names(holding.job, lease):
             return False
         job, revision = holding.job, holding.revision
-        for _ in range(8):
+        give_up, pause = time.monotonic() + RESEND_S, 0.05
+        for _ in range(64):
             change(job)
-            written = await self._cas(job, revision)
+            try:
+                written = await self._cas(job, revision)
+            except BrokerUnavailable:
+                if time.monotonic() > give_up:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+                found = await self._get(job.spec.id)
+                if found is not None and encode_job(found[0]) == encode_job(job):
+                    holding.job, holding.revision = found
+                    return True
+                continue
             if written is not None:
                 holding.job, holding.revision = job, written
                 return True
@@ -1070,12 +1120,22 @@ class NatsQueue(QueueCore):
         # the record is terminal, so no holder can append any more: the tail and the Finished
         # event go in one round trip (a crash before they land is answered from the record,
         # gateway/live.py `_ended`)
+        job_id, delivery = lease.spec.id, holding.job.deliveries
+        last = [(encode(tail), _event_id(job_id, delivery, "t"))] if tail else []
+        last.append((encode(Finished(result=result)), _event_id(job_id, delivery, "f")))
         js = await self.conn.js()
         await self._events_stream()
-        subject = self.names.events(lease.spec.id)
-        pending = [await sent(js.publish_async(subject, encode(tail)))] if tail else []
-        pending.append(await sent(js.publish_async(subject, encode(Finished(result=result)))))
-        await sent(asyncio.gather(*pending))
+        subject = self.names.events(job_id)
+        try:
+            pending = [
+                await sent(js.publish_async(subject, data, headers={MSG_ID: msg_id}))
+                for data, msg_id in last
+            ]
+            await sent(asyncio.gather(*pending))
+        except BrokerUnavailable:
+            # stored or not, send them again in order: the ids drop what is in already
+            for data, msg_id in last:
+                await self._publish_event(job_id, data, None, msg_id=msg_id)
         self._holding.pop(lease.entry_id, None)
         await self._ack(lease.entry_id)
         if holding.job.cancel:
@@ -1500,6 +1560,11 @@ class NatsQueue(QueueCore):
 
     async def models(self) -> list[str]:
         return sorted(await self._marked(self.names.models_key))
+
+
+def _event_id(job_id: str, delivery: int, n: str) -> str:
+    """An event's message id: its job, the delivery that wrote it, and its place in it."""
+    return f"{job_id}.{delivery}.{n}"
 
 
 def _names(job: StoredJob, lease: Lease) -> bool:
