@@ -86,7 +86,7 @@ from tokenyard.messages import (
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
 MSG_ID = "Nats-Msg-Id"
-RESEND_S = 5.0  # how long an event whose publish may have been lost is sent again
+RESEND_S = 20.0  # how long a write whose answer was lost is sent again (a cluster electing)
 REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
 ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the record whole)
 _WRONG_LAST = 10071  # JetStream: wrong last sequence
