@@ -9,28 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Self
+from typing import Literal
 
-from tokenyard.children import spawn_tied
+from tokenyard.broker.embedded import EmbeddedProcess
 from tokenyard.errors import FatalError
 
 __all__ = ["ClusterRoutes", "EmbeddedNats", "EmbeddedNatsError", "find_nats_binary"]
-
-log = logging.getLogger(__name__)
 
 Sync = Literal["always", "everysec", "no"]
 
@@ -109,12 +103,16 @@ class ClusterRoutes:
     routes: Sequence[str] = ()
 
 
-def _new_temp_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="tokenyard-nats-")).resolve()
-
-
-class EmbeddedNats:
+class EmbeddedNats(EmbeddedProcess):
     """A private nats-server with JetStream, its store in `data_dir`; a sync context manager."""
+
+    _error = EmbeddedNatsError
+    _kind = "nats-server"
+    _log_name = _LOG_NAME
+    _temp_prefix = "tokenyard-nats-"
+    # 503 from /healthz while JetStream recovers its store
+    _probe_errors = (urllib.error.URLError, OSError)
+    _not_ready_yet = "no ports file yet"
 
     def __init__(
         self,
@@ -133,34 +131,14 @@ class EmbeddedNats:
         server picks a free one on first start and keeps it for restarts."""
         if sync not in _SYNC_INTERVAL:
             raise ValueError(f"sync must be always, everysec or no, not {sync!r}")
-        self._binary = find_nats_binary(binary)
-        self._owns_dir = data_dir is None
-        self._data_dir = (
-            _new_temp_dir() if data_dir is None else Path(data_dir).expanduser().resolve()
+        super().__init__(
+            find_nats_binary(binary), data_dir, keep_data=keep_data, host=host, port=port
         )
-        self._dir_removed = False
-        self._keep_data = keep_data
         self._sync: Sync = sync
-        self._host = host
-        self._fixed_port = port
-        self._port = port
         self._name = name
         self._cluster = cluster
         self._extra_config = dict(config or {})
         self._monitor_url: str | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    # --- properties ---
-
-    @property
-    def binary(self) -> Path:
-        """The server executable in use."""
-        return self._binary
-
-    @property
-    def data_dir(self) -> Path:
-        """The data directory; after `stop()` an owned temp dir is gone (a new one on start)."""
-        return self._data_dir
 
     @property
     def store_dir(self) -> Path:
@@ -168,113 +146,46 @@ class EmbeddedNats:
         return self._data_dir
 
     @property
-    def log_path(self) -> Path:
-        """The server's log file (also receives its stdout/stderr)."""
-        return self._data_dir / _LOG_NAME
-
-    @property
-    def port(self) -> int | None:
-        """The client port; None before the first `start()` unless one was given."""
-        return self._port
-
-    @property
-    def pid(self) -> int | None:
-        """The server's pid while it runs, else None."""
-        return self._proc.pid if self.running and self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the server process is alive (it may not be ready yet)."""
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
     def url(self) -> str:
         """The nats:// URL clients connect to."""
-        if self._port is None:
-            raise EmbeddedNatsError("the server has no port yet; call start() first")
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"nats://{host}:{self._port}"
+        return f"nats://{self._address()}"
 
     @property
     def monitor_url(self) -> str | None:
         """The HTTP monitoring endpoint while it runs (`/healthz`, `/jsz`, `/varz`)."""
         return self._monitor_url if self.running else None
 
-    # --- lifecycle ---
+    # --- hooks ---
 
-    def start(self, timeout: float = 30.0) -> Self:
-        """Start the server and wait until JetStream answers healthy."""
-        if self.running:
-            raise EmbeddedNatsError(f"nats-server already running (pid {self.pid})")
-        self._reap()
-        data_dir = self._ensure_data_dir()
+    def _launch(self, data_dir: Path, timeout: float) -> None:
         conf = data_dir / _CONF_NAME
         conf.write_text(self._config_text(data_dir))
         ports_dir = data_dir / _PORTS_DIR
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):  # left by a killed server; a pid may recur
             stale.unlink(missing_ok=True)
-        log_path = data_dir / _LOG_NAME
-        try:
-            # stdout/stderr append to the log too (errors before it is open land there); a new
-            # session keeps a terminal's Ctrl-C away from the server, leaving shutdown to
-            # stop(); an orphaned server would hold its port and store, so it dies with us
-            with open(log_path, "ab") as out:
-                self._proc = spawn_tied(
-                    [str(self._binary), "-c", str(conf), "-l", str(log_path)],
-                    signal.SIGKILL,
-                    cwd=data_dir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        except OSError as exc:
-            raise EmbeddedNatsError(f"cannot run {self._binary}: {exc}") from exc
-        try:
-            self._wait_ready(timeout, ports_dir)
-        except BaseException:
-            self.kill()
-            raise
-        return self
+        argv = [str(self._binary), "-c", str(conf), "-l", str(self.log_path)]
+        self._run(argv, data_dir, timeout)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Shut down gracefully (SIGKILL after `timeout`); remove an owned temp dir."""
-        self._terminate(timeout)
-        self._port = self._fixed_port
-        if self._owns_dir and not self._keep_data and not self._dir_removed:
-            shutil.rmtree(self._data_dir, ignore_errors=True)
-            self._dir_removed = True
+    @contextlib.contextmanager
+    def _readiness(self) -> Iterator[Callable[[], bool]]:
+        # the server writes its listening ports once every listener is up (it picks them
+        # itself), then answers /healthz 200 once JetStream has its streams back
+        assert self._proc is not None
+        ports_file = self._data_dir / _PORTS_DIR / f"{self._binary.name}_{self._proc.pid}.ports"
 
-    def kill(self) -> None:
-        """SIGKILL the server, leaving store and port as they are (for fault tests)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        self._reap()
+        def ready() -> bool:
+            if self._monitor_url is None:
+                with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+                    self._read_ports(ports_file)
+            if self._monitor_url is None:
+                return False
+            with urllib.request.urlopen(f"{self._monitor_url}/healthz", timeout=2.0) as r:
+                return bool(r.status == 200)
 
-    def restart(self, timeout: float = 30.0) -> Self:
-        """Stop gracefully if running, then start over the same store and port."""
-        self._terminate(timeout)
-        return self.start(timeout)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"<EmbeddedNats {self._host}:{self._port} pid={self.pid} dir={self._data_dir}>"
+        yield ready
 
     # --- internals ---
-
-    def _ensure_data_dir(self) -> Path:
-        if self._dir_removed:
-            self._data_dir = _new_temp_dir()
-            self._dir_removed = False
-        else:
-            self._data_dir.mkdir(parents=True, exist_ok=True)
-        return self._data_dir
 
     def _config_text(self, data_dir: Path) -> str:
         jetstream: dict[str, object] = {"store_dir": str(data_dir)}
@@ -302,81 +213,15 @@ class EmbeddedNats:
         settings.update(self._extra_config)
         return "".join(f"{key}: {_value(value)}\n" for key, value in settings.items())
 
-    def _wait_ready(self, timeout: float, ports_dir: Path) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + timeout
-        delay = 0.01
-        last_error = "no ports file yet"
-        # the server writes its listening ports once every listener is up (it picks them
-        # itself), then answers /healthz 200 once JetStream has its streams back
-        ports_file = ports_dir / f"{self._binary.name}_{self._proc.pid}.ports"
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise EmbeddedNatsError(
-                    f"nats-server exited with code {code} during startup\n{self._log_tail()}"
-                )
-            if self._monitor_url is None:
-                with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
-                    self._read_ports(ports_file)
-            if self._monitor_url is not None:
-                try:
-                    with urllib.request.urlopen(f"{self._monitor_url}/healthz", timeout=2.0) as r:
-                        if r.status == 200:
-                            return
-                except (urllib.error.URLError, OSError) as exc:
-                    last_error = str(exc)  # 503 while JetStream recovers its store
-            if time.monotonic() >= deadline:
-                raise EmbeddedNatsError(
-                    f"nats-server (pid {self._proc.pid}) not ready after {timeout:.1f}s "
-                    f"(last error: {last_error})\n{self._log_tail()}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
     def _read_ports(self, ports_file: Path) -> None:
         ports = json.loads(ports_file.read_text())
         client = str(ports["nats"][0])
         self._port = int(client.rsplit(":", 1)[1])
         self._monitor_url = str(ports["monitoring"][0])
 
-    def _terminate(self, timeout: float) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            # SIGTERM: a clean shutdown that flushes JetStream's store
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    "nats-server pid %s ignored SIGTERM for %.1fs; sending SIGKILL",
-                    proc.pid,
-                    timeout,
-                )
-                proc.kill()
-        self._reap()
-
     def _reap(self) -> None:
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=10.0)
-            self._proc = None
+        super()._reap()
         self._monitor_url = None
-
-    def _log_tail(self, lines: int = 30) -> str:
-        path = self.log_path
-        if not path.exists():
-            return "(no server log)"
-        try:
-            with path.open("rb") as f:
-                f.seek(max(0, path.stat().st_size - 16384))
-                text = f.read().decode("utf-8", "replace")
-        except OSError as exc:
-            return f"(cannot read {path}: {exc})"
-        tail = text.splitlines()[-lines:]
-        return f"--- last {len(tail)} lines of {path} ---\n" + "\n".join(tail)
 
 
 def _value(value: object) -> str:
