@@ -116,6 +116,7 @@ async def wait_for_tokens(broker: Backend, ids: list[str], at_least: int) -> Non
     raise AssertionError("workers never started streaming")
 
 
+@KINDS
 async def test_sigkill_mid_generation_resumes_to_identical_text(
     workers: Workers, broker: Backend
 ) -> None:
@@ -150,6 +151,7 @@ async def test_sigkill_mid_generation_resumes_to_identical_text(
     assert len(resumed) >= len(mid_flight)
 
 
+@KINDS
 async def test_sigterm_under_load_drains_without_loss_or_duplicates(
     workers: Workers, broker: Backend
 ) -> None:
@@ -188,6 +190,7 @@ async def test_worker_process_exits_cleanly_on_sigterm_when_idle(
     assert not await broker.registry.workers(MODEL)
 
 
+@KINDS
 async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
     workers: Workers, broker: Backend
 ) -> None:
@@ -236,6 +239,7 @@ async def test_poison_jobs_end_failed_or_dead_and_no_worker_restarts(
     assert {w.consumer for w in await broker.registry.workers(MODEL)} == consumers
 
 
+@KINDS
 async def test_sigkill_while_holding_a_concurrency_slot_does_not_leak_it(
     workers: Workers, broker: Backend
 ) -> None:

@@ -1375,3 +1375,24 @@ async def test_a_waiting_claim_wakes_for_work_in_any_lane_after_others_took_the_
     [retried] = await waiter.queue.claim(MODEL, "w1", slots=1, block_s=5.0)
     assert retried.spec.id == again.id and retried.spec.attempt == 1
     assert await waiter.queue.complete(retried, ok(retried))
+
+
+async def test_reading_one_event_at_a_time_sees_every_event(make_backend: BackendFactory) -> None:
+    """A reader asking for one event gets the first one, whatever a backend keeps beside the
+    events (NATS: the claim marker each delivery appends first)."""
+    broker = make_backend()
+    spec = job()
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    await broker.queue.append_events([(lease, TokenChunk(token_ids=[1], text="a"))])
+    assert await broker.queue.complete(lease, ok(lease), TokenChunk(token_ids=[2], text="b"))
+    seen, after = [], "0"
+    while True:
+        found = await broker.queue.read_events(spec.id, after=after, count=1)
+        if not found:
+            break
+        assert len(found) == 1
+        after = found[0][0]
+        seen.append(found[0][1])
+    assert [e.text for e in seen if isinstance(e, TokenChunk)] == ["a", "b"]
+    assert isinstance(seen[-1], Finished) and len(seen) == 3

@@ -1378,12 +1378,21 @@ class NatsQueue(QueueCore):
         self, stream: str, cursors: Mapping[str, str], count: int
     ) -> list[tuple[str, str, JobEvent]]:
         async def one(job_id: str, after: str) -> list[tuple[str, str, JobEvent]]:
-            rows = await self.conn.get_batch(stream, self.names.events(job_id), _seq(after), count)
-            return [
-                (job_id, str(seq), decode_event(data))
-                for seq, data, headers in rows
-                if not headers.get(MARKER)
-            ]
+            # claim markers take places in a batch but are no events: read on past them
+            out: list[tuple[str, str, JobEvent]] = []
+            seq = _seq(after)
+            while len(out) < count:
+                want = count - len(out)
+                rows = await self.conn.get_batch(stream, self.names.events(job_id), seq, want)
+                out += [
+                    (job_id, str(n), decode_event(data))
+                    for n, data, headers in rows
+                    if not headers.get(MARKER)
+                ]
+                if len(rows) < want:
+                    break
+                seq = rows[-1][0]
+            return out
 
         parts = await asyncio.gather(*(one(j, a) for j, a in cursors.items()))
         return [row for part in parts for row in part]
