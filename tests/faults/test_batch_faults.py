@@ -1,7 +1,9 @@
-"""A batch survives its gateway and a worker being killed for real (SIGKILL) mid-run."""
+"""A batch survives its gateway and a worker being killed for real (SIGKILL) mid-run, on
+Valkey and on NATS."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -13,11 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import openai
 import pytest
 import redis
 
-from tokenyard.broker.redis.embedded import EmbeddedServer
+from tests.conftest import BACKENDS
+from tokenyard.broker.nats.names import Names
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
@@ -57,9 +61,10 @@ class Procs:
         self.processes.stop(timeout_s=10, sig=signal.SIGKILL)
 
 
-@pytest.fixture
-def procs(valkey: EmbeddedServer, tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(valkey.url, tmp_path)
+@pytest.fixture(params=["valkey", "nats"])
+def procs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Procs]:
+    server = request.getfixturevalue(BACKENDS[request.param])
+    pool = Procs(server.url, tmp_path)
     try:
         yield pool
     finally:
@@ -120,7 +125,26 @@ def test_gateway_and_worker_killed_mid_batch(procs: Procs) -> None:
     assert all(x["response"]["status_code"] == 200 for x in out)
     # one job per request: a resubmit after the restart found the same job
     assert len({x["response"]["request_id"] for x in out}) == N
+    assert _job_records(procs) == N
+
+
+def _job_records(procs: Procs) -> int:
+    """How many job records the broker holds under the test's prefix."""
+    if procs.url.startswith("nats://"):
+        return asyncio.run(_nats_job_records(procs))
     client = redis.Redis.from_url(procs.url)
     pattern = Keys(procs.prefix).job_prefix(MODEL) + "*"
-    assert len(list(client.scan_iter(match=pattern, count=1000))) == N
-    client.close()
+    try:
+        return len(list(client.scan_iter(match=pattern, count=1000)))
+    finally:
+        client.close()
+
+
+async def _nats_job_records(procs: Procs) -> int:
+    nc = await nats.connect(procs.url)
+    try:
+        bucket = Names(procs.prefix).jobs_bucket
+        info = await nc.jetstream().stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.j.*")
+        return len(info.state.subjects or {})
+    finally:
+        await nc.close()
