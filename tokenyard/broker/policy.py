@@ -54,6 +54,20 @@ def size_pool(tokens: int, bounds: Sequence[int]) -> int:
     return bisect.bisect_left(bounds, tokens)
 
 
+def stamp_by_model(
+    specs: Sequence[JobSpec], now: float, bounds: Sequence[int]
+) -> dict[str, list[int]]:
+    """Stamp each new job (its arrival, unless given, and its size pool) and group the batch's
+    indexes by model: every backend enqueues a model's jobs together."""
+    by_model: dict[str, list[int]] = {}
+    for index, spec in enumerate(specs):
+        if not spec.created_at:
+            spec.created_at = now
+        spec.pool = size_pool(estimated_tokens(spec), bounds)
+        by_model.setdefault(spec.model, []).append(index)
+    return by_model
+
+
 def pools_served(context: int, bounds: Sequence[int]) -> list[int]:
     """The pools a worker whose longest sequence is `context` claims from, in order: the largest
     pool whose every job it can hold, then each smaller one (an idle pool takes smaller work).

@@ -57,13 +57,12 @@ from tokenyard.broker.policy import (
     advanced,
     backoff_delay,
     claim_order,
-    estimated_tokens,
     fair_cost,
     hold_for,
     next_turn,
     overdue,
-    size_pool,
     staging_score,
+    stamp_by_model,
 )
 from tokenyard.broker.tables import settlement
 from tokenyard.config import BrokerSettings
@@ -450,13 +449,7 @@ class NatsQueue(QueueCore):
         """Per model all-or-nothing against the lane bounds: a refused job takes back the
         model's jobs this call added."""
         now = self.clock()
-        bounds = self.settings.pool_bounds
-        by_model: dict[str, list[int]] = defaultdict(list)
-        for index, spec in enumerate(specs):
-            if not spec.created_at:
-                spec.created_at = now
-            spec.pool = size_pool(estimated_tokens(spec), bounds)
-            by_model[spec.model].append(index)
+        by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         results: list[EnqueueResult | None] = [None] * len(specs)
         for model, indexes in by_model.items():
             await self._note_model(model)

@@ -34,10 +34,9 @@ from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_res
 from tokenyard.broker.policy import (
     backoff_delay,
     claim_order,
-    estimated_tokens,
     fair_cost,
-    size_pool,
     staging_score,
+    stamp_by_model,
 )
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.channel import Command
@@ -154,13 +153,7 @@ class RedisQueue(QueueCore):
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """All-or-nothing per model: one script call admits a model's whole batch."""
         now = self.clock()
-        bounds = self.settings.pool_bounds
-        by_model: dict[str, list[int]] = defaultdict(list)
-        for index, spec in enumerate(specs):
-            if not spec.created_at:
-                spec.created_at = now
-            spec.pool = size_pool(estimated_tokens(spec), bounds)
-            by_model[spec.model].append(index)
+        by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         calls = [
             self._enqueue_call([specs[i] for i in indexes], now) for indexes in by_model.values()
         ]
