@@ -147,6 +147,7 @@ class NatsQueue(QueueCore):
         self.registry = registry
         self._rng = rng or random.Random()
         self._rounds: dict[str, int] = defaultdict(int)
+        self._idle: dict[str, bool] = {}  # per model: the last claim found nothing
         self._lanes: dict[str, _LaneView] = defaultdict(_LaneView)
         self._consumers: set[tuple[str, str]] = set()
         self._holding: dict[str, _Holding] = {}  # lease entry id -> what fences it
@@ -666,24 +667,24 @@ class NatsQueue(QueueCore):
             return []
         give_up_at = time.monotonic() + block_s
         woke = await self._wake_event(model)
-        # what this worker knows of the lanes (kept current by wake-ups) first; a claim that
-        # found nothing there looks afresh, and a blocked one does at each poll, for work no
-        # wake-up announced (a redelivery after a lapsed lease, a retry's backoff ending)
-        fresh = False
+        # While claims keep finding work, what this worker knows of the lanes (kept current by
+        # wake-ups) is enough. After an idle claim, and after each wait, a claim reads the lanes
+        # afresh: wake-ups of two lanes may arrive out of order (strict priority would slip),
+        # and some work announces itself with none (a redelivery after a lapsed lease, a
+        # retry's backoff ending).
+        fresh = self._idle.get(model, True)
         while True:
             woke.clear()
             leases = await self._claim_once(model, consumer, slots, pools, batch_room, fresh)
             left = give_up_at - time.monotonic()
+            self._idle[model] = not leases
             if leases or (fresh and left <= 0):
                 return leases
-            if left <= 0:
+            if not fresh:
                 fresh = True
                 continue
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woke.wait(), min(left, POLL_S))
-                fresh = False
-            except TimeoutError:
-                fresh = True
 
     async def _claim_once(
         self,
