@@ -457,10 +457,12 @@ class NatsQueue(QueueCore):
             # who each prefixed job is held for, in order: the batch's own holds count
             assigned: dict[str, int] = defaultdict(int)
             owners = [await self._owner_for(specs[i], assigned) for i in indexes]
+            # the records go in together; the lane messages in the batch's order (a turn each)
+            turns = [asyncio.Event() for _ in indexes]
             outcomes = await asyncio.gather(
                 *(
-                    self._enqueue_one(specs[i], now, o)
-                    for i, o in zip(indexes, owners, strict=True)
+                    self._enqueue_one(specs[i], now, o, turns[k - 1] if k else None, turns[k])
+                    for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
                 ),
                 return_exceptions=True,
             )
@@ -535,10 +537,28 @@ class NatsQueue(QueueCore):
         return entry.value.decode() if entry.value else None
 
     async def _enqueue_one(
-        self, spec: JobSpec, now: float, owner: str | None
+        self,
+        spec: JobSpec,
+        now: float,
+        owner: str | None,
+        after: asyncio.Event | None,
+        turn: asyncio.Event,
     ) -> tuple[EnqueueResult, str]:
         """(result, the subject it was published on or ''): the job's record, its keys, then
-        its lane message."""
+        its lane message, sent once the job before it in the batch sent its own (`after`)."""
+        try:
+            return await self._enqueue_in_turn(spec, now, owner, after, turn)
+        finally:
+            turn.set()
+
+    async def _enqueue_in_turn(
+        self,
+        spec: JobSpec,
+        now: float,
+        owner: str | None,
+        after: asyncio.Event | None,
+        turn: asyncio.Event,
+    ) -> tuple[EnqueueResult, str]:
         kv = await self._jobs()
         if spec.idempotency_key:
             key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
@@ -569,19 +589,14 @@ class NatsQueue(QueueCore):
                 return EnqueueResult(job_id=spec.id, created=False), ""
             job, revision = found
             subject, created = job.subject, False
-        js = await self.conn.js()
+        headers = {MSG_ID: spec.id, REVISION: str(revision), ENQUEUED_AT: repr(now)}
+        if after is not None:
+            await after.wait()
         try:
-            ack = await sent(
-                js.publish(
-                    subject,
-                    encode(spec),
-                    headers={
-                        "Nats-Msg-Id": spec.id,
-                        REVISION: str(revision),
-                        ENQUEUED_AT: repr(now),
-                    },
-                )
-            )
+            # written to the connection in turn; its answer is awaited after the turn passes
+            pending = await self.conn.publish_soon(subject, encode(spec), headers)
+            turn.set()
+            await self.conn.acked(pending)
         except nats.js.errors.APIError as exc:
             if exc.err_code in _FULL:
                 await sent(kv.purge(Names.job(spec.id)))
@@ -592,7 +607,6 @@ class NatsQueue(QueueCore):
             raise
         # the record does not learn the message's sequence (a write more per job): a cancel or
         # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
-        del ack
         return EnqueueResult(job_id=spec.id, created=created), subject
 
     async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
@@ -1117,15 +1131,15 @@ class NatsQueue(QueueCore):
         job_id, delivery = lease.spec.id, holding.job.deliveries
         last = [(encode(tail), _event_id(job_id, delivery, "t"))] if tail else []
         last.append((encode(Finished(result=result)), _event_id(job_id, delivery, "f")))
-        js = await self.conn.js()
         await self._events_stream()
         subject = self.names.events(job_id)
         try:
             pending = [
-                await sent(js.publish_async(subject, data, headers={MSG_ID: msg_id}))
+                await self.conn.publish_soon(subject, data, {MSG_ID: msg_id})
                 for data, msg_id in last
             ]
-            await sent(asyncio.gather(*pending))
+            for answer in pending:
+                await self.conn.acked(answer)
         except BrokerUnavailable:
             # stored or not, send them again in order: the ids drop what is in already
             for data, msg_id in last:
