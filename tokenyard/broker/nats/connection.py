@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
@@ -94,6 +94,47 @@ async def sent(exchange: Awaitable[_T]) -> _T:
         raise unavailable(exc) from exc
     except _TROUBLE as exc:
         raise unavailable(exc) from exc
+
+
+CAS_ATTEMPTS = 1000  # a compare-and-set retried this often meets more than contention
+_R = TypeVar("_R")
+
+
+async def kv_entry(kv: KeyValue, key: str) -> tuple[bytes | None, int]:
+    """A key's value (None: absent or deleted) and the revision to change it from."""
+    try:
+        found = await sent(kv.get(key))
+    except nats.js.errors.KeyNotFoundError as exc:
+        marker = exc.entry  # a delete marker: a change must name its revision
+        return None, (marker.revision or 0) if marker is not None else 0
+    return found.value or b"", found.revision or 0
+
+
+async def kv_write(kv: KeyValue, key: str, value: bytes, revision: int) -> None:
+    """Write only over `revision` (0: only where nothing is); KeyWrongLastSequenceError when
+    another write came first."""
+    if revision:
+        await sent(kv.update(key, value, last=revision))
+    else:
+        await sent(kv.create(key, value))
+
+
+async def kv_change(
+    kv: KeyValue, key: str, fn: Callable[[bytes | None], tuple[bytes | None, _R]]
+) -> _R:
+    """Read-modify-write by compare-and-set: `fn` maps the value (None: absent) to the new one
+    (None: leave it) and a result; rerun on the latest value when another came first."""
+    for _ in range(CAS_ATTEMPTS):
+        raw, revision = await kv_entry(kv, key)
+        new, result = fn(raw)
+        if new is None:
+            return result
+        try:
+            await kv_write(kv, key, new, revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue
+        return result
+    raise BrokerUnavailable(f"NATS: {key} changed by others {CAS_ATTEMPTS} times in a row")
 
 
 class NatsConnection:

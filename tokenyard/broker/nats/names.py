@@ -67,18 +67,20 @@ class Names:
     def events_stream(self) -> str:
         return f"{self.prefix}_events"
 
+    @property
+    def events_subjects(self) -> str:
+        return f"{self.prefix}.ev.>"
+
     def events(self, job_id: str) -> str:
         return f"{self.prefix}.ev.{job_id}"
-
-    def job_of_events(self, subject: str) -> str:
-        return subject.rsplit(".", 1)[-1]
-
-    def events_of_model(self, model: str) -> str:
-        return f"{self.prefix}.ev.{model_tag(model)}-*"
 
     @property
     def dead_stream(self) -> str:
         return f"{self.prefix}_dead"
+
+    @property
+    def dead_subjects(self) -> str:
+        return f"{self.prefix}.dead.>"
 
     def dead(self, model: str) -> str:
         return f"{self.prefix}.dead.{model_tag(model)}"

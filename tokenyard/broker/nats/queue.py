@@ -47,7 +47,7 @@ from tokenyard.broker.core import (
     TenantBacklog,
 )
 from tokenyard.broker.group_commit import GroupCommit
-from tokenyard.broker.nats.connection import NatsConnection, sent
+from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry, sent
 from tokenyard.broker.nats.names import Names, token
 from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
 from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
@@ -188,22 +188,17 @@ class NatsQueue(QueueCore):
         )
 
     async def _events_stream(self) -> str:
-        return await self.conn.stream(
-            StreamConfig(
-                name=self.names.events_stream,
-                subjects=[f"{self.names.prefix}.ev.>"],
-                retention=RetentionPolicy.LIMITS,
-                max_age=self.settings.record_ttl_s,
-                storage=StorageType.FILE,
-                allow_direct=True,
-            )
-        )
+        return await self._kept_stream(self.names.events_stream, self.names.events_subjects)
 
     async def _dead_stream(self) -> str:
+        return await self._kept_stream(self.names.dead_stream, self.names.dead_subjects)
+
+    async def _kept_stream(self, name: str, subjects: str) -> str:
+        """A stream of what a job left behind (events, dead letters), kept `record_ttl_s`."""
         return await self.conn.stream(
             StreamConfig(
-                name=self.names.dead_stream,
-                subjects=[f"{self.names.prefix}.dead.>"],
+                name=name,
+                subjects=[subjects],
                 retention=RetentionPolicy.LIMITS,
                 max_age=self.settings.record_ttl_s,
                 storage=StorageType.FILE,
@@ -993,29 +988,14 @@ class NatsQueue(QueueCore):
         await sent(kv.put(key, f"{consumer} {expires!r}".encode()))
 
     async def _count(self, model: str, name: str) -> None:
-        kv = await self._jobs()
-        key = Names.counter(model, name)
-        for _ in range(16):
-            try:
-                entry = await sent(kv.get(key))
-                value = int(entry.value or b"0") + 1
-                await sent(kv.update(key, str(value).encode(), last=entry.revision))
-                return
-            except nats.js.errors.KeyNotFoundError:
-                try:
-                    await sent(kv.create(key, b"1"))
-                    return
-                except nats.js.errors.Error:
-                    continue
-            except nats.js.errors.Error:
-                continue
+        def plus_one(raw: bytes | None) -> tuple[bytes, None]:
+            return str(int(raw or b"0") + 1).encode(), None
+
+        await kv_change(await self._jobs(), Names.counter(model, name), plus_one)
 
     async def _counter(self, model: str, name: str) -> int:
-        kv = await self._jobs()
-        try:
-            return int((await sent(kv.get(Names.counter(model, name)))).value or b"0")
-        except nats.js.errors.KeyNotFoundError:
-            return 0
+        raw, _ = await kv_entry(await self._jobs(), Names.counter(model, name))
+        return int(raw or b"0")
 
     # -- holding a lease --------------------------------------------------------------------
     async def _ours(self, lease: Lease) -> tuple[StoredJob, int] | None:
@@ -1492,35 +1472,19 @@ class NatsQueue(QueueCore):
 
     async def _marked(self, key: str) -> set[str]:
         """The members of a small set kept in one KV entry (cancels asked, retries waiting)."""
-        kv = await self._jobs()
-        try:
-            entry = await sent(kv.get(key))
-        except nats.js.errors.KeyNotFoundError:
-            return set()
-        return set(decode(entry.value, list[str])) if entry.value else set()
+        raw, _ = await kv_entry(await self._jobs(), key)
+        return set(decode(raw, list[str])) if raw else set()
 
     async def _mark(self, key: str, member: str, on: bool) -> None:
         """Add or remove a member, by compare-and-set."""
-        kv = await self._jobs()
-        for _ in range(32):
-            try:
-                entry = await sent(kv.get(key))
-                members = set(decode(entry.value, list[str])) if entry.value else set()
-                revision: int | None = entry.revision
-            except nats.js.errors.KeyNotFoundError:
-                members, revision = set(), None
+
+        def marked(raw: bytes | None) -> tuple[bytes | None, None]:
+            members = set(decode(raw, list[str])) if raw else set()
             if (member in members) == on:
-                return
-            members = members | {member} if on else members - {member}
-            value = encode(sorted(members))
-            try:
-                if revision is None:
-                    await sent(kv.create(key, value))
-                else:
-                    await sent(kv.update(key, value, last=revision))
-                return
-            except nats.js.errors.KeyWrongLastSequenceError:
-                continue
+                return None, None
+            return encode(sorted(members | {member} if on else members - {member})), None
+
+        await kv_change(await self._jobs(), key, marked)
 
     async def _delayed(self, model: str) -> int:
         return len(await self._marked(Names.delayed(model)))

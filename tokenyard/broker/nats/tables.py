@@ -24,7 +24,13 @@ from nats.js.kv import KeyValue
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.core import Clock
-from tokenyard.broker.nats.connection import NatsConnection, sent
+from tokenyard.broker.nats.connection import (
+    NatsConnection,
+    kv_change,
+    kv_entry,
+    kv_write,
+    sent,
+)
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, decode_job
 from tokenyard.broker.tables import (
@@ -36,7 +42,6 @@ from tokenyard.broker.tables import (
     WorkerRegistry,
     settlement,
 )
-from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import WorkerInfo, decode, encode
 from tokenyard.tenancy.limiter import PERIOD_S, Decision, Quota, QuotaState, admit, settle
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
@@ -46,7 +51,6 @@ log = logging.getLogger(__name__)
 _R = TypeVar("_R")
 _PAGE = 256  # entries per batched direct get when listing keys
 _SWEEP_BATCH = 500  # job records read at once when sweeping held reservations
-_CAS_ATTEMPTS = 1000  # a compare-and-set retried this often meets more than contention
 # One KV value holds a tenant's held jobs (<= 1 MB, a server's default max payload), so a
 # tenant holds at most this many reservations at once; more wait as over a concurrency cap.
 MAX_HELD = 10_000
@@ -86,13 +90,7 @@ class Bucket:
 
     async def entry(self, key: str) -> tuple[bytes | None, int]:
         """The value (None: absent or deleted) and the revision to change it from."""
-        kv = await self.kv()
-        try:
-            found = await sent(kv.get(key))
-        except nats.js.errors.KeyNotFoundError as exc:
-            marker = exc.entry  # a delete marker: a change must name its revision
-            return None, (marker.revision or 0) if marker is not None else 0
-        return found.value or b"", found.revision or 0
+        return await kv_entry(await self.kv(), key)
 
     async def get(self, key: str) -> bytes | None:
         return (await self.entry(key))[0]
@@ -104,26 +102,11 @@ class Bucket:
     async def write(self, key: str, value: bytes, revision: int) -> None:
         """Write only over `revision` (0: only where nothing is); KeyWrongLastSequenceError
         when another write came first."""
-        kv = await self.kv()
-        if revision:
-            await sent(kv.update(key, value, last=revision))
-        else:
-            await sent(kv.create(key, value))
+        await kv_write(await self.kv(), key, value, revision)
 
     async def change(self, key: str, fn: Callable[[bytes | None], tuple[bytes | None, _R]]) -> _R:
-        """Read-modify-write by compare-and-set: `fn` maps the value (None: absent) to the new
-        one (None: leave it) and a result; rerun on the latest value when another came first."""
-        for _ in range(_CAS_ATTEMPTS):
-            raw, revision = await self.entry(key)
-            new, result = fn(raw)
-            if new is None:
-                return result
-            try:
-                await self.write(key, new, revision)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                continue
-            return result
-        raise BrokerUnavailable(f"NATS: {key} changed by others {_CAS_ATTEMPTS} times in a row")
+        """Read-modify-write by compare-and-set (connection.kv_change)."""
+        return await kv_change(await self.kv(), key, fn)
 
     async def delete(self, key: str, revision: int = 0) -> None:
         """Delete (only at `revision`, when given): a conflict is left to its winner."""
