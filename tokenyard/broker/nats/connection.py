@@ -294,11 +294,12 @@ class NatsConnection:
             raise nats.js.errors.APIError.from_error(answer["error"])
         return answer
 
-    async def get_batch(
-        self, stream: str, subject: str, after: int, count: int
-    ) -> list[tuple[int, bytes, dict[str, str]]]:
-        """Up to `count` messages of `subject` with sequence > `after`, in one direct get
-        (NATS >= 2.11): (sequence, data, headers)."""
+    async def replies(
+        self, subject: str, body: dict[str, Any], limit: int
+    ) -> tuple[list[Msg], Msg | None]:
+        """One request answered by many messages (a batched direct get, a pull): the data
+        messages, at most `limit`, and the status message that ended them (None: `limit`
+        reached)."""
         nc = await self.client()
         inbox = nc.new_inbox()
         got: asyncio.Queue[Msg] = asyncio.Queue()
@@ -307,27 +308,33 @@ class NatsConnection:
             got.put_nowait(msg)
 
         sub = await sent(nc.subscribe(inbox, cb=take))
-        out: list[tuple[int, bytes, dict[str, str]]] = []
+        out: list[Msg] = []
         try:
-            body = {"seq": after + 1, "next_by_subj": subject, "batch": count}
-            await sent(
-                nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=inbox)
-            )
-            while True:
+            await sent(nc.publish(subject, json.dumps(body).encode(), reply=inbox))
+            while len(out) < limit:
                 msg = await sent(asyncio.wait_for(got.get(), REQUEST_TIMEOUT_S))
-                headers = msg.headers or {}
-                status = headers.get("Status")
-                if status is not None:  # 204: end of batch; 404: nothing after `after`
-                    if status not in ("204", "404"):
-                        raise nats.js.errors.APIError.from_msg(msg)
-                    return out
-                out.append((int(headers["Nats-Sequence"]), msg.data, headers))
-                if len(out) >= count:
-                    # the end-of-batch message follows, but nothing else can
-                    return out
+                if (msg.headers or {}).get("Status") is not None:
+                    return out, msg
+                out.append(msg)
+            return out, None  # an end-of-batch message may follow; nothing else can
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def get_batch(
+        self, stream: str, subject: str, after: int, count: int
+    ) -> list[tuple[int, bytes, dict[str, str]]]:
+        """Up to `count` messages of `subject` with sequence > `after`, in one direct get
+        (NATS >= 2.11): (sequence, data, headers). 204 ends a batch, 404 finds none."""
+        body = {"seq": after + 1, "next_by_subj": subject, "batch": count}
+        msgs, end = await self.replies(f"$JS.API.DIRECT.GET.{stream}", body, count)
+        if end is not None and (end.headers or {}).get("Status") not in ("204", "404"):
+            raise nats.js.errors.APIError.from_msg(end)
+        out = []
+        for msg in msgs:
+            headers = msg.headers or {}
+            out.append((int(headers["Nats-Sequence"]), msg.data, headers))
+        return out
 
     async def ping(self) -> bool:
         try:

@@ -229,32 +229,11 @@ class NatsQueue(QueueCore):
         return name
 
     async def _pull(self, stream: str, consumer: str, batch: int) -> list[Msg]:
-        """Up to `batch` messages now, without waiting (one request)."""
-        nc = await self.conn.client()
-        inbox = nc.new_inbox()
-        got: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def take(msg: Msg) -> None:
-            got.put_nowait(msg)
-
-        sub = await sent(nc.subscribe(inbox, cb=take))
-        out: list[Msg] = []
-        try:
-            body = json.dumps({"batch": batch, "no_wait": True}).encode()
-            await sent(
-                nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", body, reply=inbox)
-            )
-            while len(out) < batch:
-                msg = await sent(asyncio.wait_for(got.get(), 5.0))
-                if msg.headers and msg.headers.get("Status"):
-                    break  # 404 no messages, 408 request expired, 409 consumer gone
-                out.append(msg)
-        except nats.js.errors.NotFoundError:
-            self._consumers.discard((stream, consumer))
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return out
+        """Up to `batch` messages now, without waiting (one request; a 404 says there are
+        none, 408 the request expired, 409 the consumer is gone)."""
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        msgs, _ = await self.conn.replies(subject, {"batch": batch, "no_wait": True}, batch)
+        return msgs
 
     async def _ack(self, reply: str, verb: bytes = b"+ACK") -> None:
         nc = await self.conn.client()
