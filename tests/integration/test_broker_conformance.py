@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import BACKENDS, REDIS_KINDS, BackendFactory
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import CancelOutcome, Lease
+from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
 from tokenyard.errors import QueueFull
@@ -1396,3 +1397,24 @@ async def test_reading_one_event_at_a_time_sees_every_event(make_backend: Backen
         seen.append(found[0][1])
     assert [e.text for e in seen if isinstance(e, TokenChunk)] == ["a", "b"]
     assert isinstance(seen[-1], Finished) and len(seen) == 3
+
+
+async def test_a_tenant_consumer_the_server_removed_is_made_again(
+    make_backend: BackendFactory,
+) -> None:
+    """NATS removes a tenant's pull consumer idle past its inactive threshold; a worker that
+    made it before still takes that tenant's next job."""
+    if make_backend.kind != "nats":
+        pytest.skip("NATS's pull consumers")
+    broker = make_backend()
+    await broker.queue.enqueue(job())
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.complete(lease, ok(lease))
+    queue = broker.queue
+    assert isinstance(queue, NatsQueue)
+    js = await queue.conn.js()
+    for stream, name in list(queue._consumers):
+        await js.delete_consumer(stream, name)  # as the server does once it idles too long
+    spec = job()
+    await queue.enqueue(spec)
+    assert [x.spec.id for x in await queue.claim(MODEL, "w1", slots=1, block_s=1.0)] == [spec.id]

@@ -228,12 +228,18 @@ class NatsQueue(QueueCore):
         self._consumers.add((stream, name))
         return name
 
-    async def _pull(self, stream: str, consumer: str, batch: int) -> list[Msg]:
-        """Up to `batch` messages now, without waiting (one request; a 404 says there are
-        none, 408 the request expired, 409 the consumer is gone)."""
-        subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-        msgs, _ = await self.conn.replies(subject, {"batch": batch, "no_wait": True}, batch)
-        return msgs
+    async def _pull(self, stream: str, subject: str, batch: int) -> list[Msg]:
+        """Up to `batch` messages of a lane subject now, without waiting (one request; 404
+        says there are none, 408 the request expired). A consumer the server removed (idle past
+        its inactive threshold: 409, or no responder at all) is made again and asked once more."""
+        for _ in range(2):
+            consumer = await self._consumer(stream, subject)
+            request = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+            msgs, end = await self.conn.replies(request, {"batch": batch, "no_wait": True}, batch)
+            if msgs or end is None or (end.headers or {}).get("Status") not in ("409", "503"):
+                return msgs
+            self._consumers.discard((stream, consumer))
+        return []
 
     async def _ack(self, reply: str, verb: bytes = b"+ACK") -> None:
         nc = await self.conn.client()
@@ -720,17 +726,14 @@ class NatsQueue(QueueCore):
         held = [s for s in view.subjects if Names.subject_kind(s)[0] == "a"]
         own = [s for s in held if Names.subject_kind(s)[1] == mine]
         for subject in own:  # jobs held for this worker first
-            msgs = await self._pull(
-                stream, await self._consumer(stream, subject), room - len(leases)
-            )
+            msgs = await self._pull(stream, subject, room - len(leases))
             leases += await self._take(msgs, consumer, affinity=True)
         now = self.clock()
         for subject in held:  # then jobs another worker kept waiting too long
             if subject in own or len(leases) >= room:
                 continue
-            name = await self._consumer(stream, subject)
             while len(leases) < room:
-                msgs = await self._pull(stream, name, 1)
+                msgs = await self._pull(stream, subject, 1)
                 if not msgs:
                     break
                 spec = decode(msgs[0].data, JobSpec)
@@ -774,7 +777,7 @@ class NatsQueue(QueueCore):
         return leases
 
     async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[Msg]:
-        msgs = await self._pull(stream, await self._consumer(stream, subject), n)
+        msgs = await self._pull(stream, subject, n)
         # within what one pull takes: earliest deadline first, then arrival
         return sorted(msgs, key=lambda m: staging_score(decode(m.data, JobSpec)))
 
