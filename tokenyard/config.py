@@ -17,10 +17,13 @@ from tokenyard.errors import FatalError
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Delivery semantics shared by every broker implementation."""
 
-    # redis://, rediss://, unix://, redis+cluster://, nats:// or tls:// (tokenyard/broker/
+    # redis://, rediss://, unix://, redis+cluster://, nats://, tls://, amqp:// or amqps:// (broker/
     # __init__.py); empty: none given, so a command that needs a broker says so (`serve` starts
     # its own Valkey instead; `nats` or `valkey`: serve's own server of that kind)
     url: str = ""
+    # RabbitMQ lanes (amqp:// above) keep records, events and every table on this Redis/Valkey
+    # URL; `serve` starts its own Valkey for them when none is given
+    tables_url: str = ""
     prefix: str = "ty"
     lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed
     max_deliveries: int = 5  # deliveries (crashes + retries) before the dead-letter stream

@@ -8,8 +8,12 @@ from typing import NamedTuple
 
 import pytest
 
+from tokenyard.broker.amqp import scripts as amqp_scripts
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.scripts import SCRIPTS, Empty, ScriptSpec
+
+# the Redis backend's scripts and those of RabbitMQ lanes' tables (their own lua/)
+ALL = (*SCRIPTS, *amqp_scripts.SCRIPTS)
 
 
 class Fixed(NamedTuple):
@@ -29,8 +33,8 @@ class ItemArgs(NamedTuple):
 SPEC = ScriptSpec("example", Fixed, Empty, ItemKeys, ItemArgs)
 
 
-def lua(name: str) -> str:
-    return resources.files("tokenyard.broker.redis").joinpath(f"lua/{name}.lua").read_text()
+def lua(name: str, package: str = "tokenyard.broker.redis") -> str:
+    return resources.files(package).joinpath(f"lua/{name}.lua").read_text()
 
 
 def header(source: str) -> tuple[str, str]:
@@ -85,18 +89,18 @@ def test_an_items_keys_and_args_need_distinct_names() -> None:
         ScriptSpec("clash", Empty, Empty, ItemKeys, Clash)
 
 
-@pytest.mark.parametrize("spec", SCRIPTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.id)
 def test_each_header_comment_repeats_its_table(
     spec: ScriptSpec[Fixed, Empty, Empty, Empty],
 ) -> None:
-    assert header(lua(spec.name)) == spec.header()
+    assert header(lua(spec.name, spec.package)) == spec.header()
 
 
-@pytest.mark.parametrize("spec", SCRIPTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.id)
 def test_script_bodies_use_declared_names_only(
     spec: ScriptSpec[Fixed, Empty, Empty, Empty],
 ) -> None:
-    body = lua(spec.name)
+    body = lua(spec.name, spec.package)
     assert "KEYS[" not in body and "ARGV[" not in body  # no positions: names only
     assert set(re.findall(r"\bK\.(\w+)", body)) <= set(spec.keys)
     assert set(re.findall(r"\bA\.(\w+)", body)) <= set(spec.args)
@@ -105,11 +109,15 @@ def test_script_bodies_use_declared_names_only(
     assert set(re.findall(r"item\(i\)\.(\w+)", body)) <= set(spec.item_keys)
 
 
-def test_every_script_file_has_a_table() -> None:
+@pytest.mark.parametrize("table", [SCRIPTS, amqp_scripts.SCRIPTS], ids=["redis", "amqp"])
+def test_every_script_file_has_a_table(
+    table: tuple[ScriptSpec[Fixed, Empty, Empty, Empty]],
+) -> None:
+    package = table[0].package
     files = {
         p.name.removesuffix(".lua")
-        for p in resources.files("tokenyard.broker.redis").joinpath("lua").iterdir()
+        for p in resources.files(package).joinpath("lua").iterdir()
         if p.name.endswith(".lua")
     }
-    assert files == {spec.name for spec in SCRIPTS}
+    assert files == {spec.name for spec in table}
     assert scripts.CLAIM.item_keys == ("lane", "fair", "active", "held", "mine", "aff")

@@ -2,7 +2,7 @@
 
 `connect(settings)` opens the backend named by `settings.url` and returns a `Backend`: its
 queue core and each table as the role a caller types against. The roles are declared in
-core.py and tables.py; each backend lives in a package of its own (redis/, nats/).
+core.py and tables.py; each backend lives in a package of its own (redis/, nats/, amqp/).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class Backend:
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
 # the URLs the NATS JetStream backend takes (nats/connection.py parses them)
 NATS_SCHEMES = ("nats://", "tls://")
+# RabbitMQ lanes (amqp/), with the tables on a Redis URL beside them (`tables_url`)
+AMQP_SCHEMES = ("amqp://", "amqps://")
+SCHEMES = REDIS_SCHEMES + NATS_SCHEMES + AMQP_SCHEMES
 NO_BROKER = (
     "no broker: give --broker URL or set TOKENYARD_BROKER_URL (e.g. redis://localhost:6379/0 "
     "or nats://localhost:4222)"
@@ -73,16 +76,21 @@ def check_url(url: str) -> None:
     """Refuse, in one line, a URL no backend takes (empty: none was given)."""
     if not url:
         raise FatalError(NO_BROKER)
-    if not url.startswith(REDIS_SCHEMES + NATS_SCHEMES):
-        schemes = ", ".join(REDIS_SCHEMES + NATS_SCHEMES)
+    if not url.startswith(SCHEMES):
+        schemes = ", ".join(SCHEMES)
         raise FatalError(f"broker URL {url!r}: expected one of {schemes}")
 
 
 def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     """Open the backend named by `settings.url`: redis:// / rediss:// / unix://,
-    redis+cluster://host:port (any node of a Redis Cluster), or nats:// / tls:// (NATS
-    JetStream). `clock` stands in for time.time (tests inject one)."""
+    redis+cluster://host:port (any node of a Redis Cluster), nats:// / tls:// (NATS
+    JetStream), or amqp:// / amqps:// (RabbitMQ lanes, tables at `settings.tables_url`).
+    `clock` stands in for time.time (tests inject one)."""
     check_url(settings.url)
+    if settings.url.startswith(AMQP_SCHEMES):
+        from tokenyard.broker.amqp import open_backend as open_amqp
+
+        return open_amqp(settings, clock)
     if settings.url.startswith(NATS_SCHEMES):
         from tokenyard.broker.nats import open_backend as open_nats
 

@@ -93,7 +93,13 @@ def _client(settings: BrokerSettings) -> aioredis.Redis:
 class RedisConnection:
     """Every command the backend sends, whichever role sends it."""
 
-    def __init__(self, settings: BrokerSettings, client: aioredis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        client: aioredis.Redis | None = None,
+        extra_scripts: Sequence[scripts.ScriptSpec[Any, Any, Any, Any]] = (),
+    ) -> None:
+        """`extra_scripts`: another backend's scripts on this server (RabbitMQ lanes' tables)."""
         self.client: aioredis.Redis = client or _client(settings)
         # a cluster client routes each command by slot itself: it keeps every call
         pool = getattr(self.client, "connection_pool", None)
@@ -102,7 +108,7 @@ class RedisConnection:
             if isinstance(pool, aioredis.ConnectionPool)
             else None
         )
-        self._sources = {spec.name: spec.source() for spec in scripts.SCRIPTS}
+        self._sources = {spec.id: spec.source() for spec in (*scripts.SCRIPTS, *extra_scripts)}
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }

@@ -42,6 +42,22 @@ class Keys:
         """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
         return f"{lane}:tq:"
 
+    # -- RabbitMQ lanes (broker/amqp/): the lane lives in RabbitMQ, its bookkeeping here
+    @staticmethod
+    def waiting(lane: str) -> str:
+        """Sorted set of a lane's queued jobs by when they started waiting."""
+        return f"{lane}:waiting"
+
+    @staticmethod
+    def leases(lane: str) -> str:
+        """Sorted set of a lane's running jobs by when their lease runs out."""
+        return f"{lane}:leases"
+
+    def lane_wake(self, model: str) -> str:
+        """Stream a model's enqueues add to once their messages are on the lanes; blocked
+        claims wait on it (RabbitMQ lanes)."""
+        return f"{self._model(model_tag(model))}:lanewake"
+
     # -- prefix affinity (broker/policy.py); every key hangs off the lane or the model tag
     @staticmethod
     def affinity_held(lane: str) -> str:

@@ -20,7 +20,7 @@ _A = TypeVar("_A", bound=tuple[Any, ...])
 _IK = TypeVar("_IK", bound=tuple[Any, ...])
 _IA = TypeVar("_IA", bound=tuple[Any, ...])
 
-Call = tuple[str, list[str], list[Arg]]  # script name, KEYS, ARGV
+Call = tuple[str, list[str], list[Arg]]  # script id, KEYS, ARGV
 
 
 def _fields(kind: type[tuple[Any, ...]]) -> tuple[str, ...]:
@@ -39,9 +39,13 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
         item_keys: type[_IK],
         item_args: type[_IA],
         libraries: tuple[str, ...] = (),
+        package: str = "tokenyard.broker.redis",
     ) -> None:
         self.name = name
         self.libraries = libraries  # lua/lib/<name>.lua, prepended to the body
+        self.package = package  # whose lua/ holds the body (another backend's Redis scripts)
+        # what a call names it by: another package's script may share a file name with ours
+        self.id = name if package == "tokenyard.broker.redis" else f"{package}:{name}"
         self.keys = _fields(keys)
         self.args = _fields(args)
         self.item_keys = _fields(item_keys)
@@ -56,7 +60,7 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
         for item_keys, item_args in items:
             flat_keys += item_keys
             flat_args += item_args
-        return self.name, flat_keys, flat_args
+        return self.id, flat_keys, flat_args
 
     def header(self) -> tuple[str, str]:
         """The KEYS and ARGV lines of the script's header comment, unwrapped."""
@@ -104,10 +108,17 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:
-        """The script as sent to the server: prologue, then the file."""
-        lua = resources.files("tokenyard.broker.redis").joinpath("lua")
-        libraries = "".join(lua.joinpath(f"lib/{name}.lua").read_text() for name in self.libraries)
-        return self.prologue() + libraries + lua.joinpath(f"{self.name}.lua").read_text()
+        """The script as sent to the server: prologue, libraries, then the file. A library is
+        looked up in the script's own package, then in this one's."""
+        own = resources.files(self.package).joinpath("lua")
+        shared = resources.files("tokenyard.broker.redis").joinpath("lua")
+
+        def library(name: str) -> str:
+            path = own.joinpath(f"lib/{name}.lua")
+            return (path if path.is_file() else shared.joinpath(f"lib/{name}.lua")).read_text()
+
+        libraries = "".join(library(name) for name in self.libraries)
+        return self.prologue() + libraries + own.joinpath(f"{self.name}.lua").read_text()
 
 
 class Empty(NamedTuple):
@@ -156,7 +167,12 @@ class EnqueueKeys(NamedTuple):
 
 
 ENQUEUE = ScriptSpec(
-    "enqueue", EnqueueKeys, EnqueueArgs, EnqueueItemKeys, EnqueueItemArgs, libraries=("fair",)
+    "enqueue",
+    EnqueueKeys,
+    EnqueueArgs,
+    EnqueueItemKeys,
+    EnqueueItemArgs,
+    libraries=("admit", "fair"),
 )
 
 

@@ -23,38 +23,15 @@ local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}
 local taken_inflight, joins = {}, {}
 for i = 1, N do
   local k, a = ks[i], as[i]
-  local use_idem = a.use_idem == '1'
-  local existing = nil
-  local joined = 0
-  if use_idem then existing = taken_keys[k.idem] or redis.call('GET', k.idem) end
-  if not existing and (taken_ids[a.job_id] or redis.call('EXISTS', k.job) == 1) then
-    existing = a.job_id  -- a resent enqueue whose first attempt did land
-  end
-  if not existing and a.use_inflight == '1' then
-    -- collapsing: a key whose job has ended (or is gone) is ignored, and overwritten below
-    local jid = taken_inflight[k.inflight]
-    if not jid then
-      jid = redis.call('GET', k.inflight)
-      if jid then
-        local status = redis.call('HGET', A.job_prefix .. jid, 'status')
-        if status ~= 'queued' and status ~= 'running' then jid = nil end
-      end
-    end
-    if jid then
-      existing, joined = jid, 1
-      joins[jid] = (joins[jid] or 0) + 1
-    end
-  end
+  local existing, joined = admitted(k, a, taken_ids, taken_keys, taken_inflight)
   if existing then
     results[i] = {0, existing, joined}
+    if joined == 1 then joins[existing] = (joins[existing] or 0) + 1 end
   else
     results[i] = {1, a.job_id, 0}
     fresh[#fresh + 1] = i
     adding[k.lane] = (adding[k.lane] or 0) + 1
     first_item[k.lane] = first_item[k.lane] or i
-    taken_ids[a.job_id] = true
-    if use_idem then taken_keys[k.idem] = a.job_id end
-    if a.use_inflight == '1' then taken_inflight[k.inflight] = a.job_id end
   end
 end
 local max_depth, window = tonumber(A.max_depth), tonumber(A.window)

@@ -1,0 +1,84 @@
+"""RabbitMQ lanes with the tables on Redis/Valkey beside them (as Celery pairs a broker with a
+result backend): `--broker amqp://user:pass@host:5672/vhost --tables redis://host:6379/0`.
+
+`open_backend` builds it: the lanes (queue.py: quorum queues, basic.get claims, delay queues for
+retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
+named in names.py; records, leases, events and every table on the Redis connection, by the Redis
+backend's own classes and the scripts in lua/ (declared in scripts.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from tokenyard.broker import REDIS_SCHEMES, Backend
+from tokenyard.broker.amqp import scripts
+from tokenyard.broker.amqp.connection import AmqpConnection
+from tokenyard.broker.amqp.names import Names
+from tokenyard.broker.amqp.queue import AmqpQueue
+from tokenyard.broker.core import Clock
+from tokenyard.broker.redis.batches import RedisBatches
+from tokenyard.broker.redis.connection import RedisConnection
+from tokenyard.broker.redis.keys import Keys
+from tokenyard.broker.redis.tables import (
+    RedisAudit,
+    RedisDirectory,
+    RedisQuotas,
+    RedisRegistry,
+    RedisResponses,
+)
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import FatalError
+
+__all__ = ["open_backend"]
+
+NO_TABLES = (
+    "RabbitMQ lanes keep their tables (records, events, keys, quotas) on Redis/Valkey: give "
+    "--tables redis://host:6379/0 or set TOKENYARD_BROKER_TABLES_URL"
+)
+
+
+class _Connections:
+    """The backend's two connections, answering as one."""
+
+    def __init__(self, amqp: AmqpConnection, redis: RedisConnection) -> None:
+        self.amqp = amqp
+        self.redis = redis
+
+    async def ping(self) -> bool:
+        lanes, tables = await asyncio.gather(self.amqp.ping(), self.redis.ping())
+        return lanes and tables
+
+    async def close(self) -> None:
+        await self.amqp.close()
+        await self.redis.close()
+
+
+def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
+    """Lanes on the RabbitMQ server `settings.url` names, tables on `settings.tables_url`."""
+    if not settings.tables_url:
+        raise FatalError(NO_TABLES)
+    if not settings.tables_url.startswith(REDIS_SCHEMES):
+        schemes = ", ".join(REDIS_SCHEMES)
+        raise FatalError(f"tables URL {settings.tables_url!r}: expected one of {schemes}")
+    conn = RedisConnection(
+        msgspec.structs.replace(settings, url=settings.tables_url), extra_scripts=scripts.SCRIPTS
+    )
+    amqp = AmqpConnection(settings.url)
+    keys = Keys(settings.prefix)
+    quotas = RedisQuotas(conn, keys, clock)
+    audit = RedisAudit(conn, keys, settings.audit_max_len)
+    return Backend(
+        settings=settings,
+        queue=AmqpQueue(settings, conn, keys, quotas, audit, amqp, Names(settings.prefix), clock),
+        directory=RedisDirectory(conn, keys),
+        quotas=quotas,
+        audit=audit,
+        responses=RedisResponses(conn, keys, clock),
+        registry=RedisRegistry(conn, keys, clock),
+        batches=RedisBatches(conn, keys, clock),
+        connection=_Connections(amqp, conn),
+    )

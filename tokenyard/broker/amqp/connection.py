@@ -1,0 +1,126 @@
+"""The RabbitMQ side of the backend: one lazily (re)opened connection, a confirming channel for
+publishes and one for basic.get, and the one mapping of its failures onto tokenyard's errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+from aio_pika.exceptions import ChannelPreconditionFailed, DeliveryError
+
+from tokenyard.errors import BrokerUnavailable, FatalError
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 5.0  # one operation's bound: a broker that answers nothing within it is unavailable
+Arguments = Mapping[str, Any]
+
+
+class Refused(Exception):
+    """RabbitMQ refused a publish (nack): the queue is at its length bound (reject-publish)."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(queue)
+        self.queue = queue
+
+
+class AmqpConnection:
+    """Every AMQP operation the backend sends. A lost connection is opened again on next use;
+    the deliveries the old one held are RabbitMQ's to redeliver."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._conn: AbstractConnection | None = None
+        self._publisher: AbstractChannel | None = None
+        self._getter: AbstractChannel | None = None
+        self._opening = asyncio.Lock()
+        self._declared: set[str] = set()
+
+    async def _channels(self) -> tuple[AbstractChannel, AbstractChannel]:
+        async with self._opening:
+            if self._conn is None or self._conn.is_closed:
+                self._conn = await aio_pika.connect(self.url, timeout=TIMEOUT_S)
+                self._publisher = self._getter = None
+            if self._publisher is None or self._publisher.is_closed:
+                self._publisher = await self._conn.channel(publisher_confirms=True)
+            if self._getter is None or self._getter.is_closed:
+                self._getter = await self._conn.channel(publisher_confirms=False)
+            return self._publisher, self._getter
+
+    @contextlib.asynccontextmanager
+    async def _sent(self, what: str) -> AsyncIterator[None]:
+        """Map RabbitMQ's failures: a refused publish to Refused, an argument clash to a
+        FatalError, anything else of the connection to BrokerUnavailable."""
+        try:
+            async with asyncio.timeout(TIMEOUT_S):
+                yield
+        except DeliveryError as exc:
+            raise Refused(what) from exc
+        except ChannelPreconditionFailed as exc:
+            raise FatalError(
+                f"RabbitMQ queue {what!r} exists with other arguments (a changed bound or delivery "
+                f"limit?): delete it or keep the settings it was made with ({exc})"
+            ) from exc
+        except (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError) as exc:
+            # RuntimeError: aiormq's "closed" state errors; the next call opens a new connection
+            raise BrokerUnavailable(f"RabbitMQ {self._where()}: {what}: {exc!r}") from exc
+
+    def _where(self) -> str:
+        return self.url.rsplit("@", 1)[-1]  # never the credentials
+
+    async def declare(self, name: str, arguments: Arguments) -> int:
+        """Declare a durable queue (once per process) and return how many messages are ready."""
+        async with self._sent(name):
+            _, channel = await self._channels()
+            queue = await channel.declare_queue(name, durable=True, arguments=dict(arguments))
+            self._declared.add(name)
+            result = queue.declaration_result
+            return int(result.message_count or 0)
+
+    def declared(self, name: str) -> bool:
+        return name in self._declared
+
+    async def publish(self, queue: str, body: bytes, message_id: str) -> None:
+        """Publish persistently to `queue` and wait for RabbitMQ's confirm; Refused on a nack."""
+        async with self._sent(queue):
+            channel, _ = await self._channels()
+            message = aio_pika.Message(
+                body, message_id=message_id, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+            )
+            await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
+
+    async def get(self, queue: str) -> AbstractIncomingMessage | None:
+        """basic.get: one ready message, held unacked on this connection, or None."""
+        async with self._sent(queue):
+            _, channel = await self._channels()
+            q = await channel.get_queue(queue, ensure=False)
+            return await q.get(no_ack=False, fail=False, timeout=TIMEOUT_S)
+
+    async def ack(self, message: AbstractIncomingMessage) -> bool:
+        """Ack a delivery; False where its channel is gone (RabbitMQ requeued it already)."""
+        try:
+            await message.ack()
+        except (aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
+            return False
+        except (OSError, RuntimeError):
+            return False
+        return True
+
+    async def ping(self) -> bool:
+        try:
+            await self._channels()
+        except (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError):
+            return False
+        return True
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed:
+            with contextlib.suppress(Exception):
+                await conn.close()

@@ -1,0 +1,44 @@
+-- Admit a batch of one model's jobs for RabbitMQ lanes: a record per new job, idempotency keys
+-- and collapsing as enqueue.lua, and the lane bound (its waiting set; RabbitMQ's own length
+-- bound overshoots under concurrent publishes). All of the batch, or none if a lane would
+-- overflow. The caller then publishes each new job's message, whose id the record names
+-- (`msg`): a message the record does not name is stale (take.lua drops it).
+-- KEYS: none; per item: job, idem, inflight, waiting
+-- ARGV: now, idem_ttl_ms, job_prefix, max_depth; per item: job_id, spec, deadline, use_idem,
+--   use_inflight, msg, lane
+-- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}}, or {-1, {item, depth}} when that
+-- item's lane is full.
+local results, fresh, adding, first_item = {}, {}, {}, {}
+local taken_ids, taken_keys, taken_inflight, joins = {}, {}, {}, {}
+for i = 1, N do
+  local k, a = item(i)
+  local existing, joined = admitted(k, a, taken_ids, taken_keys, taken_inflight)
+  if existing then
+    results[i] = {0, existing, joined}
+    if joined == 1 then joins[existing] = (joins[existing] or 0) + 1 end
+  else
+    results[i] = {1, a.job_id, 0}
+    fresh[#fresh + 1] = i
+    adding[k.waiting] = (adding[k.waiting] or 0) + 1
+    first_item[k.waiting] = first_item[k.waiting] or i
+  end
+end
+for waiting, count in pairs(adding) do
+  local depth = redis.call('ZCARD', waiting)
+  if depth + count > tonumber(A.max_depth) then return {-1, {first_item[waiting], depth}} end
+end
+for _, i in ipairs(fresh) do
+  local k, a = item(i)
+  local fields = {'spec', a.spec, 'status', 'queued', 'lane', a.lane, 'deliveries', 0,
+    'enq_at', A.now, 'deadline', a.deadline, 'msg', a.msg}
+  if a.use_inflight == '1' then fields[#fields + 1], fields[#fields + 2] = 'followers', 1 end
+  redis.call('HSET', k.job, unpack(fields))
+  redis.call('ZADD', k.waiting, A.now, a.job_id)
+  if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
+  if a.use_inflight == '1' then redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms) end
+end
+-- counted only now: a batch refused for a full lane joins nothing
+for jid, count in pairs(joins) do
+  redis.call('HINCRBY', A.job_prefix .. jid, 'followers', count)
+end
+return {1, results}

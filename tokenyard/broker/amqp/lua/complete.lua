@@ -1,0 +1,26 @@
+-- Fenced completion of a batch: a job's lease must still be the caller's; its terminal result
+-- is written once, then the lease is gone (a second completion is fenced off too).
+-- KEYS: cancels, counters; per item: job, events, leases
+-- ARGV: now, ttl_ms; per item: consumer, token, job_id, status, finished, tail
+-- `finished` is the Finished event, stored as the record's result too; `tail` the last token
+-- chunk, or ''. Returns one flag per item: 1 accepted, 0 fenced off.
+local accepted = {}
+for i = 1, N do
+  local k, a = item(i)
+  if not holds(k.job, a.consumer, a.token) then
+    redis.call('HINCRBY', K.counters, 'fenced', 1)
+    accepted[i] = 0
+  else
+    local cancel = redis.call('HGET', k.job, 'cancel')
+    redis.call('HSET', k.job, 'status', a.status, 'result', a.finished, 'end_at', A.now,
+      'lease', '')
+    if a.tail ~= '' then redis.call('XADD', k.events, '*', 'e', a.tail) end
+    redis.call('XADD', k.events, '*', 'e', a.finished)
+    redis.call('PEXPIRE', k.job, A.ttl_ms)
+    redis.call('PEXPIRE', k.events, A.ttl_ms)
+    redis.call('ZREM', k.leases, a.job_id)
+    if cancel == '1' then redis.call('SREM', K.cancels, a.job_id) end
+    accepted[i] = 1
+  end
+end
+return accepted

@@ -1,0 +1,32 @@
+-- Put held jobs back under the new message the caller already published (to the lane, or to a
+-- delay queue for a retry): the record names that message, so the old one is stale; the lease
+-- ends. Fenced by the lease token; with `expired_by` > 0 only a lease whose deadline is still
+-- past (the reaper's: a renewal that came meanwhile wins).
+-- KEYS: delayed; per item: job, waiting, leases
+-- ARGV: now, expired_by; per item: consumer, token, job_id, msg, uncharge, error, due_at
+-- `uncharge` 1 hands a delivery back (drain); `due_at` > 0 is a retry's, else it waits now.
+-- Returns one flag per item: 1 requeued, 0 fenced off.
+local done = {}
+for i = 1, N do
+  local k, a = item(i)
+  local ok = holds(k.job, a.consumer, a.token)
+  if ok and tonumber(A.expired_by) > 0 then
+    local deadline = redis.call('ZSCORE', k.leases, a.job_id)
+    ok = deadline and tonumber(deadline) <= tonumber(A.expired_by)
+  end
+  if ok then
+    redis.call('HSET', k.job, 'status', 'queued', 'msg', a.msg, 'lease', '')
+    if a.error ~= '' then redis.call('HSET', k.job, 'last_error', a.error) end
+    if a.uncharge == '1' then redis.call('HINCRBY', k.job, 'deliveries', -1) end
+    redis.call('ZREM', k.leases, a.job_id)
+    if tonumber(a.due_at) > 0 then
+      redis.call('ZADD', K.delayed, a.due_at, a.job_id)
+    else
+      redis.call('ZADD', k.waiting, A.now, a.job_id)
+    end
+    done[i] = 1
+  else
+    done[i] = 0
+  end
+end
+return done

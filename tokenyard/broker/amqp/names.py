@@ -1,0 +1,36 @@
+"""Every RabbitMQ queue name of the backend, in one place."""
+
+from __future__ import annotations
+
+import hashlib
+
+from tokenyard.messages import Priority
+
+# AMQP names are at most 255 bytes; a longer model name goes by its digest
+_MAX_NAME = 200
+
+
+def _safe(model: str) -> str:
+    if len(model.encode()) <= _MAX_NAME // 2:
+        return model
+    return "h" + hashlib.sha256(model.encode()).hexdigest()[:32]
+
+
+class Names:
+    """Queue names under one prefix (the same prefix names the tables' Redis keys)."""
+
+    def __init__(self, prefix: str = "ty") -> None:
+        self.prefix = prefix
+
+    def lane(self, model: str, priority: Priority, pool: int = 0) -> str:
+        tail = f".p{pool}" if pool else ""
+        return f"{self.prefix}.lane.{_safe(model)}.{priority.name.lower()}{tail}"
+
+    @staticmethod
+    def delay(lane: str, delay_ms: int) -> str:
+        """A lane's retries waiting `delay_ms` (message TTL) before they return to it."""
+        return f"{lane}.delay.{delay_ms}ms"
+
+    def dead(self, model: str) -> str:
+        """Where RabbitMQ dead-letters a model's messages past the delivery limit."""
+        return f"{self.prefix}.dead.{_safe(model)}"

@@ -1,0 +1,907 @@
+"""The queue core on RabbitMQ lanes, with its records, leases and events in the Redis tables.
+
+RabbitMQ holds the lanes: a quorum queue per (model, priority, pool) bounded with
+`x-max-length` + `reject-publish` (a full lane is a 429), `x-delivery-limit` and a dead-letter
+queue per model for a message whose holders keep dying. A claim takes messages with basic.get,
+so a worker holds exactly as many deliveries as it has free slots and RabbitMQ pushes it none
+ahead (back-pressure). Everything else is the Redis backend's, by the same scripts' rules: the
+record (one hash), events (one stream per job), cancellation, quotas and audit in the same round
+trip as each state change.
+
+Fencing: a job's record names its one live message (`msg`) and, while it runs, its lease token.
+A claim takes a message only while the record names it, so a copy made stale by a requeue,
+retry or withdrawal is dropped; a worker writes only while the record names its token, so a
+zombie whose lease was reaped, or whose connection died and whose message RabbitMQ gave to
+another worker, is fenced off. A requeue publishes its new message before the record names it:
+a crash in between leaves a stale copy, never a job with no message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from tokenyard.broker import audit
+from tokenyard.broker.amqp import scripts
+from tokenyard.broker.amqp.connection import AmqpConnection, Arguments, Refused
+from tokenyard.broker.amqp.names import Names
+from tokenyard.broker.core import (
+    BrokerStats,
+    CancelOutcome,
+    Clock,
+    EnqueueResult,
+    LaneBacklog,
+    LaneStats,
+    Lease,
+    ReapReport,
+)
+from tokenyard.broker.outcomes import dead_result, expired_result
+from tokenyard.broker.policy import backoff_delay, claim_order, stamp_by_model
+from tokenyard.broker.redis.connection import MAX_BLOCK_S, SOCKET_TIMEOUT_S, RedisConnection, ms
+from tokenyard.broker.redis.connection import text as as_text
+from tokenyard.broker.redis.keys import Keys
+from tokenyard.broker.redis.queue import RedisQueue
+from tokenyard.broker.redis.scripts import Call, Empty
+from tokenyard.broker.redis.tables import RedisAudit, RedisQuotas
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import QueueFull
+from tokenyard.messages import (
+    Finished,
+    JobEvent,
+    JobResult,
+    JobSpec,
+    Priority,
+    TokenChunk,
+    decode,
+    encode,
+)
+
+# A retry waits in the delay queue whose TTL is the first of these at or above its backoff
+# (rounded up: never sooner than the backoff asks); each lane has one queue per delay used.
+DELAYS_MS = (50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 30_000, 60_000, 120_000)
+# A blocked claim looks at the lanes at least this often: RabbitMQ requeues a lost holder's
+# messages and expires retries into the lanes without a wake-up in the tables.
+WAKE_CAP_S = 1.0
+REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
+
+
+_PRIORITIES = list(Priority)  # claim_order's lane indexes, highest priority first
+
+
+def _delay_ms(delay_s: float) -> int:
+    wanted = delay_s * 1000
+    return next((d for d in DELAYS_MS if d >= wanted), DELAYS_MS[-1])
+
+
+def _new_msg() -> str:
+    return secrets.token_hex(8)
+
+
+class _Held(NamedTuple):
+    """A delivery a lease of this process runs under, acked when the job is settled."""
+
+    job_id: str
+    msg: str
+    message: AbstractIncomingMessage
+
+
+class AmqpQueue(RedisQueue):
+    """RabbitMQ lanes; the Redis queue's records, events, cancellation and introspection rules
+    (inherited) over the tables' server."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        conn: RedisConnection,
+        keys: Keys,
+        quotas: RedisQuotas,
+        audit_trail: RedisAudit,
+        amqp: AmqpConnection,
+        names: Names,
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__(settings, conn, keys, quotas, audit_trail, clock)
+        self.amqp = amqp
+        self.names = names
+        self._held: dict[str, _Held] = {}  # lease token -> its delivery
+        self._token_of: dict[str, str] = {}  # job id -> the token this process holds it under
+        self._wake_ids: dict[str, str] = {}  # model -> the last wake-up id a claim has seen
+        self._encoded_expired = encode(Finished(result=expired_result()))
+
+    # -- lanes -----------------------------------------------------------------------------
+    def _lane_key(self, model: str, priority: Priority, pool: int) -> str:
+        """The Redis key the lane's bookkeeping hangs off (waiting and lease sets)."""
+        return self.keys.lane(model, priority, pool)
+
+    def _lane_args(self, model: str) -> Arguments:
+        return {
+            "x-queue-type": "quorum",
+            "x-max-length": self.settings.max_queue_depth,
+            "x-overflow": "reject-publish",
+            # RabbitMQ's own count of returns (a holder's connection died): past it the message
+            # goes to the model's dead queue, which reap() drains into the dead-letter stream
+            "x-delivery-limit": self.settings.max_deliveries,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": self.names.dead(model),
+            "x-dead-letter-strategy": "at-least-once",
+        }
+
+    async def _lanes(self, model: str) -> None:
+        """Declare the model's lanes and dead queue, once per process."""
+        dead = self.names.dead(model)
+        if self.amqp.declared(dead):
+            return
+        await self.amqp.declare(dead, {"x-queue-type": "quorum"})
+        args = self._lane_args(model)
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                await self.amqp.declare(self.names.lane(model, priority, pool), args)
+
+    async def _delay_queue(self, spec: JobSpec, delay_ms: int) -> str:
+        lane = self.names.lane(spec.model, spec.priority, spec.pool)
+        name = self.names.delay(lane, delay_ms)
+        if not self.amqp.declared(name):
+            await self.amqp.declare(
+                name,
+                {
+                    "x-queue-type": "quorum",
+                    "x-message-ttl": delay_ms,
+                    "x-overflow": "reject-publish",
+                    "x-dead-letter-exchange": "",
+                    "x-dead-letter-routing-key": lane,
+                    "x-dead-letter-strategy": "at-least-once",
+                },
+            )
+        return name
+
+    async def _wake(self, models: Sequence[str]) -> None:
+        """Tell blocked claims that messages are on the lanes (after RabbitMQ confirmed them)."""
+        if models:
+            await self.conn.checked(
+                [("XADD", self.keys.lane_wake(m), "MAXLEN", "~", 64, "*", "n", 1) for m in models]
+            )
+
+    # -- producing -------------------------------------------------------------------------
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """Records first (one script per model, with the receipts), then each new job's message,
+        confirmed; a refused one withdraws the whole batch (QueueFull: nothing added)."""
+        now = self.clock()
+        by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
+        for model in by_model:
+            await self._lanes(model)
+        msgs = [_new_msg() for _ in specs]
+        calls = []
+        for model, indexes in by_model.items():
+            items = []
+            for i in indexes:
+                spec = specs[i]
+                items.append(
+                    (
+                        self._job_keys(spec),
+                        scripts.AdmitItemArgs(
+                            job_id=spec.id,
+                            spec=encode(spec),
+                            deadline="" if spec.deadline is None else repr(spec.deadline),
+                            use_idem="1" if spec.idempotency_key else "0",
+                            use_inflight="1" if spec.collapse_key else "0",
+                            msg=msgs[i],
+                            lane=self._lane_key(spec.model, spec.priority, spec.pool),
+                        ),
+                    )
+                )
+            calls.append(
+                scripts.ADMIT.call(
+                    Empty(),
+                    scripts.AdmitArgs(
+                        now=repr(now),
+                        idem_ttl_ms=ms(self.settings.idempotency_ttl_s),
+                        job_prefix=self.keys.job_prefix(model),
+                        max_depth=self.settings.max_queue_depth,
+                    ),
+                    items,
+                )
+            )
+        receipts = [audit.received(spec, now) for spec in specs]
+        replies, ids = await self._eval_audited(calls, receipts)
+        new_models = set(by_model) - self._known_models
+        if new_models:
+            await self.conn.one(("SADD", self.keys.models(), *new_models))
+            self._known_models |= new_models
+        results: list[EnqueueResult] = [EnqueueResult(job_id="", created=False)] * len(specs)
+        full: QueueFull | None = None
+        for indexes, (code, rows) in zip(by_model.values(), replies, strict=True):
+            if code == -1:  # none of this model's jobs was added
+                item, depth = rows
+                spec = specs[indexes[int(item) - 1]]
+                lane = f"{spec.model}/{spec.priority.name.lower()}"
+                full = QueueFull(lane, int(depth), self.settings.max_queue_depth)
+                continue
+            for i, (created, job_id, joined) in zip(indexes, rows, strict=True):
+                results[i] = EnqueueResult(
+                    job_id=as_text(job_id), created=created == 1, collapsed=joined == 1
+                )
+        if full is not None:  # the other models' jobs are withdrawn: all or nothing
+            await self._withdraw(specs, results, by_model)
+            await self.audit.take_back(ids)
+            raise full
+        fresh = [i for i, r in enumerate(results) if r.created]
+        sent = await asyncio.gather(
+            *(
+                self.amqp.publish(
+                    self.names.lane(specs[i].model, specs[i].priority, specs[i].pool),
+                    specs[i].id.encode(),
+                    msgs[i],
+                )
+                for i in fresh
+            ),
+            return_exceptions=True,
+        )
+        failed = [outcome for outcome in sent if isinstance(outcome, BaseException)]
+        if failed:
+            await self._withdraw(specs, results, by_model)
+            await self.audit.take_back(ids)
+            refused = next((f for f in failed if isinstance(f, Refused)), None)
+            if refused is not None:
+                raise QueueFull(
+                    refused.queue, self.settings.max_queue_depth, self.settings.max_queue_depth
+                )
+            raise failed[0]
+        await self.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
+        await self._wake([m for m, idx in by_model.items() if any(results[i].created for i in idx)])
+        return results
+
+    def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
+        job = self.keys.job(spec.id)
+        return scripts.JobKeys(
+            job=job,
+            idem=(
+                self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+                if spec.idempotency_key
+                else job
+            ),
+            inflight=(
+                self.keys.inflight(spec.model, spec.collapse_key) if spec.collapse_key else job
+            ),
+            waiting=self.keys.waiting(self._lane_key(spec.model, spec.priority, spec.pool)),
+        )
+
+    async def _withdraw(
+        self,
+        specs: Sequence[JobSpec],
+        results: Sequence[EnqueueResult],
+        by_model: dict[str, list[int]],
+    ) -> None:
+        calls = [
+            scripts.WITHDRAW.call(
+                Empty(),
+                scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model)),
+                [
+                    (
+                        self._job_keys(specs[i]),
+                        scripts.WithdrawItemArgs(
+                            job_id=specs[i].id,
+                            created="1" if results[i].created else "0",
+                            joined=results[i].job_id if results[i].collapsed else "",
+                        ),
+                    )
+                    for i in indexes
+                ],
+            )
+            for model, indexes in by_model.items()
+        ]
+        await self.conn.eval_many(calls)
+
+    # -- consuming -------------------------------------------------------------------------
+    async def claim(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
+    ) -> list[Lease]:
+        """basic.get from the lanes in claim order (strict priority, anti-starvation rounds),
+        at most `slots`; when none is ready, wait on the model's wake-up stream."""
+        if slots <= 0:
+            return []
+        await self._lanes(model)
+        give_up_at = time.monotonic() + block_s
+        if block_s > 0 and model not in self._wake_ids:
+            self._wake_ids[model] = await self._wake_tail(model)
+        while True:
+            order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
+            self._rounds[model] += 1
+            got: list[tuple[Priority, int, AbstractIncomingMessage]] = []
+            batch_left = slots if batch_room is None else max(0, batch_room)
+            for p in order:
+                priority = _PRIORITIES[p]
+                for pool in pools:
+                    room = slots - len(got)
+                    if priority is Priority.BATCH:
+                        room = min(room, batch_left)
+                    lane = self.names.lane(model, priority, pool)
+                    while room > 0:
+                        message = await self.amqp.get(lane)
+                        if message is None:
+                            break
+                        got.append((priority, pool, message))
+                        room -= 1
+                        if priority is Priority.BATCH:
+                            batch_left -= 1
+                        if not message.message_count:
+                            break  # basic.get-ok said it was the lane's last ready message
+            if got:
+                leases = await self._take(model, consumer, got)
+                if leases:
+                    return leases
+                continue  # only stale copies: they are gone now, look again at once
+            wait = give_up_at - time.monotonic()
+            if wait <= 0:
+                return []
+            await self._wait(model, min(wait, WAKE_CAP_S))
+
+    async def _wake_tail(self, model: str) -> str:
+        rows = await self.conn.parsed("XREVRANGE", self.keys.lane_wake(model), "+", "-", "COUNT", 1)
+        return as_text(rows[0][0]) if rows else "0-0"
+
+    async def _wait(self, model: str, wait_s: float) -> None:
+        """Block on the wake-up stream after the last id seen, or until the next retry is due."""
+        first_due = await self.conn.parsed("ZRANGE", self.keys.delayed(model), 0, 0, "WITHSCORES")
+        if first_due:
+            due_in = float(first_due[0][1]) - self.clock()
+            wait_s = min(wait_s, max(0.005, due_in + 0.02))
+        key = self.keys.lane_wake(model)
+        after = self._wake_ids.get(model) or await self._wake_tail(model)
+        block_ms = max(1, int(min(wait_s, MAX_BLOCK_S) * 1000))
+        (reply,) = await self.conn.checked(
+            [("XREAD", "COUNT", 64, "BLOCK", block_ms, "STREAMS", key, after)],
+            timeout_s=block_ms / 1000 + SOCKET_TIMEOUT_S,
+        )
+        streams = reply.items() if isinstance(reply, dict) else (reply or ())
+        for _, entries in streams:
+            if entries:
+                self._wake_ids[model] = as_text(entries[-1][0])
+
+    async def _take(
+        self,
+        model: str,
+        consumer: str,
+        got: Sequence[tuple[Priority, int, AbstractIncomingMessage]],
+    ) -> list[Lease]:
+        """Lease what the records still name; ack what is stale, expired or dead."""
+        now = self.clock()
+        items, pending = [], []
+        for priority, pool, message in got:
+            job_id = message.body.decode()
+            msg = message.message_id or ""
+            mine = self._token_of.get(job_id)
+            if mine is not None and self._held[mine].msg == msg:
+                # our own running job, redelivered after our channel dropped: run on under it
+                self._held[mine] = _Held(job_id, msg, message)
+                continue
+            token = secrets.token_hex(8)
+            lane = self._lane_key(model, priority, pool)
+            pending.append((message, job_id, msg, token))
+            items.append(
+                (
+                    scripts.LeaseItemKeys(
+                        job=self.keys.job(job_id),
+                        events=self.keys.events(job_id),
+                        waiting=self.keys.waiting(lane),
+                        leases=self.keys.leases(lane),
+                    ),
+                    scripts.TakeItemArgs(
+                        job_id=job_id, msg=msg, token=token, priority=priority.name
+                    ),
+                )
+            )
+        if not items:
+            return []
+        dead_error = f"lease lost on each of {self.settings.max_deliveries} deliveries"
+        call = scripts.TAKE.call(
+            scripts.TakeKeys(
+                counters=self.keys.counters(model),
+                dlq=self.keys.dead_letters(model),
+                delayed=self.keys.delayed(model),
+            ),
+            scripts.TakeArgs(
+                now=repr(now),
+                consumer=consumer,
+                lease_s=repr(self.settings.lease_s),
+                max_deliveries=self.settings.max_deliveries,
+                ttl_ms=self._ttl_ms,
+                expired_event=self._encoded_expired,
+                dead_event=encode(Finished(result=dead_result(dead_error))),
+                dead_error=dead_error,
+            ),
+            items,
+        )
+        rows = await self.conn.run(call)
+        leases: list[Lease] = []
+        ended: list[tuple[JobSpec, JobResult | None]] = []
+        for (message, job_id, msg, token), (code, spec_bytes, attempt, resumable) in zip(
+            pending, rows, strict=True
+        ):
+            if code == 1:
+                spec = decode(spec_bytes, JobSpec)
+                spec.attempt = int(attempt)
+                self._held[token] = _Held(job_id, msg, message)
+                self._token_of[job_id] = token
+                leases.append(
+                    Lease(spec=spec, entry_id=token, consumer=consumer, resumable=resumable == 1)
+                )
+                continue
+            await self.amqp.ack(message)
+            if code == 2:
+                ended.append((decode(spec_bytes, JobSpec), expired_result()))
+            elif code == 3:
+                ended.append((decode(spec_bytes, JobSpec), dead_result(dead_error)))
+        if ended:  # rare: their end goes to the audit trail (and settles any quota)
+            await self._settle_specs(ended)
+        # a lane is FIFO: within each lane, what one claim took runs earliest deadline first
+        rank = {lane: i for i, lane in enumerate(dict.fromkeys((p, pool) for p, pool, _ in got))}
+        leases.sort(
+            key=lambda lease: (
+                rank[lease.spec.priority, lease.spec.pool],
+                lease.spec.deadline is None,
+                lease.spec.deadline or 0.0,
+            )
+        )
+        return leases
+
+    def _lease_keys(self, lease: Lease) -> tuple[str, str]:
+        """(job key, the lane's lease set) of a lease."""
+        spec = lease.spec
+        lane = self._lane_key(spec.model, spec.priority, spec.pool)
+        return self.keys.job(spec.id), self.keys.leases(lane)
+
+    async def _let_go(self, leases: Sequence[Lease]) -> None:
+        """Ack the deliveries these leases ran under: the job is settled (or the lease lost)."""
+        for lease in leases:
+            held = self._held.pop(lease.entry_id, None)
+            if held is None:
+                continue
+            if self._token_of.get(held.job_id) == lease.entry_id:
+                del self._token_of[held.job_id]
+            await self.amqp.ack(held.message)
+
+    # -- settling --------------------------------------------------------------------------
+    async def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        deadline = repr(self.clock() + self.settings.lease_s)
+
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                job, lease_set = self._lease_keys(leases[i])
+                items.append(
+                    (
+                        scripts.RenewItemKeys(job=job, leases=lease_set),
+                        scripts.HolderItemArgs(
+                            consumer=leases[i].consumer,
+                            token=leases[i].entry_id,
+                            job_id=leases[i].spec.id,
+                        ),
+                    )
+                )
+            return scripts.RENEW.call(Empty(), scripts.DeadlineArg(deadline=deadline), items)
+
+        return await self._flags_per_model([lease.spec.model for lease in leases], call)
+
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                lease, event = events[i]
+                items.append(
+                    (
+                        scripts.EventKeys(
+                            job=self.keys.job(lease.spec.id), events=self.keys.events(lease.spec.id)
+                        ),
+                        scripts.EmitItemArgs(
+                            consumer=lease.consumer, token=lease.entry_id, event=encode(event)
+                        ),
+                    )
+                )
+            return scripts.EMIT.call(Empty(), Empty(), items)
+
+        return await self._flags_per_model([lease.spec.model for lease, _ in events], call)
+
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
+        if not items:
+            return []
+        now = repr(self.clock())
+        by_model: dict[str, list[int]] = defaultdict(list)
+        for index, (lease, _) in enumerate(items):
+            by_model[lease.spec.model].append(index)
+        calls: list[Call] = []
+        for model, indexes in by_model.items():
+            batch = []
+            for i in indexes:
+                lease, result = items[i]
+                job, lease_set = self._lease_keys(lease)
+                tail = None if tails is None else tails[i]
+                batch.append(
+                    (
+                        scripts.CompleteItemKeys(
+                            job=job, events=self.keys.events(lease.spec.id), leases=lease_set
+                        ),
+                        scripts.CompleteItemArgs(
+                            consumer=lease.consumer,
+                            token=lease.entry_id,
+                            job_id=lease.spec.id,
+                            status=result.status.value,
+                            finished=encode(Finished(result=result)),
+                            tail=b"" if tail is None else encode(tail),
+                        ),
+                    )
+                )
+            calls.append(
+                scripts.COMPLETE.call(
+                    scripts.CompleteKeys(
+                        cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+                    ),
+                    scripts.CompleteArgs(now=now, ttl_ms=self._ttl_ms),
+                    batch,
+                )
+            )
+        when = self.clock()
+        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
+        replies, ids = await self._eval_audited(calls, entries)
+        accepted = [False] * len(items)
+        for indexes, flags in zip(by_model.values(), replies, strict=True):
+            for i, flag in zip(indexes, flags, strict=True):
+                accepted[i] = bool(flag)
+        await self.audit.take_back([ids[i] for i in range(len(items)) if not accepted[i]])
+        # fenced or not, the delivery is done with: a fenced one's message is stale or gone
+        await self._let_go([lease for lease, _ in items])
+        await self._settle_specs(
+            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
+            audited=False,
+        )
+        return accepted
+
+    async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
+        """1 retrying (after backoff, through a delay queue), 0 dead-lettered, -1 fenced."""
+        spec = lease.spec
+        if force_dead or spec.attempt + 1 >= self.settings.max_deliveries:
+            buried = await self._bury([lease], reason, error)
+            await self._let_go([lease])
+            return 0 if buried else -1
+        delay = backoff_delay(
+            spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
+        )
+        delay_ms = _delay_ms(delay)
+        msg = _new_msg()
+        await self.amqp.publish(await self._delay_queue(spec, delay_ms), spec.id.encode(), msg)
+        [requeued] = await self._requeue(
+            [(lease, msg)], error=error, due_at=self.clock() + delay_ms / 1000
+        )
+        await self._let_go([lease])
+        return 1 if requeued else -1
+
+    async def _bury(self, leases: Sequence[Lease], reason: str, error: str) -> list[bool]:
+        """Dead-letter jobs whose lease the caller holds; settles those that were."""
+        if not leases:
+            return []
+        dead = dead_result(f"{reason}: {error}")
+        finished = encode(Finished(result=dead))
+
+        def call(batch: list[int]) -> Call:
+            model = leases[batch[0]].spec.model
+            items = []
+            for i in batch:
+                lease = leases[i]
+                job, lease_set = self._lease_keys(lease)
+                spec = lease.spec
+                items.append(
+                    (
+                        scripts.BuryItemKeys(
+                            job=job,
+                            events=self.keys.events(spec.id),
+                            leases=lease_set,
+                            waiting=self.keys.waiting(
+                                self._lane_key(spec.model, spec.priority, spec.pool)
+                            ),
+                        ),
+                        scripts.BuryItemArgs(
+                            job_id=spec.id,
+                            consumer=lease.consumer,
+                            token=lease.entry_id,
+                            msg="",
+                            reason=reason,
+                            error=error,
+                            finished=finished,
+                            priority=spec.priority.name,
+                        ),
+                    )
+                )
+            return scripts.BURY.call(self._bury_keys(model), self._times(), items)
+
+        flags = await self._flags_per_model([lease.spec.model for lease in leases], call)
+        await self._settle_specs(
+            [(lease.spec, dead) for lease, f in zip(leases, flags, strict=True) if f]
+        )
+        return flags
+
+    def _bury_keys(self, model: str) -> scripts.BuryKeys:
+        return scripts.BuryKeys(
+            dlq=self.keys.dead_letters(model),
+            counters=self.keys.counters(model),
+            cancels=self.keys.cancels(model),
+            delayed=self.keys.delayed(model),
+        )
+
+    def _times(self) -> scripts.CompleteArgs:
+        return scripts.CompleteArgs(now=repr(self.clock()), ttl_ms=self._ttl_ms)
+
+    async def _requeue(
+        self,
+        moved: Sequence[tuple[Lease, str]],
+        error: str = "",
+        due_at: float = 0.0,
+        uncharge: bool = False,
+        expired_by: float = 0.0,
+    ) -> list[bool]:
+        """Point held jobs' records at the new messages already published (see requeue.lua)."""
+        if not moved:
+            return []
+        now = repr(self.clock())
+
+        def call(batch: list[int]) -> Call:
+            model = moved[batch[0]][0].spec.model
+            items = []
+            for i in batch:
+                lease, msg = moved[i]
+                spec = lease.spec
+                job, lease_set = self._lease_keys(lease)
+                items.append(
+                    (
+                        scripts.RequeueItemKeys(
+                            job=job,
+                            waiting=self.keys.waiting(
+                                self._lane_key(spec.model, spec.priority, spec.pool)
+                            ),
+                            leases=lease_set,
+                        ),
+                        scripts.RequeueItemArgs(
+                            consumer=lease.consumer,
+                            token=lease.entry_id,
+                            job_id=spec.id,
+                            msg=msg,
+                            uncharge="1" if uncharge else "0",
+                            error=error,
+                            due_at=repr(due_at),
+                        ),
+                    )
+                )
+            return scripts.REQUEUE.call(
+                scripts.DelayedKey(delayed=self.keys.delayed(model)),
+                scripts.RequeueArgs(now=now, expired_by=repr(expired_by)),
+                items,
+            )
+
+        return await self._flags_per_model([lease.spec.model for lease, _ in moved], call)
+
+    async def _republish(self, leases: Sequence[Lease]) -> list[tuple[Lease, str]]:
+        """A new message on each lease's lane (confirmed), for a requeue to point the record at."""
+        moved = [(lease, _new_msg()) for lease in leases]
+        await asyncio.gather(
+            *(
+                self.amqp.publish(
+                    self.names.lane(lease.spec.model, lease.spec.priority, lease.spec.pool),
+                    lease.spec.id.encode(),
+                    msg,
+                )
+                for lease, msg in moved
+            )
+        )
+        return moved
+
+    async def release(self, leases: Sequence[Lease]) -> int:
+        """Hand jobs back (drain): a new message each, then the records point at it, uncharged."""
+        if not leases:
+            return 0
+        flags = await self._requeue(await self._republish(leases), uncharge=True)
+        await self._let_go(leases)
+        await self._wake(sorted({lease.spec.model for lease in leases}))
+        return sum(flags)
+
+    async def reap(self, model: str) -> ReapReport:
+        """Leases past their deadline: dead-letter those at the delivery limit, requeue the
+        rest under new messages; then move what RabbitMQ dead-lettered into the stream."""
+        await self._lanes(model)
+        now = self.clock()
+        lanes = [
+            self._lane_key(model, p, pool)
+            for p in Priority
+            for pool in range(self.settings.pool_count)
+        ]
+        call = scripts.EXPIRED.call(
+            Empty(),
+            scripts.ExpiredArgs(
+                now=repr(now), max_entries=REAP_BATCH, job_prefix=self.keys.job_prefix(model)
+            ),
+            [(scripts.LeasesKey(leases=self.keys.leases(lane)), Empty()) for lane in lanes],
+        )
+        rows = [row for lane_rows in await self.conn.run(call) for row in lane_rows]
+        found = await self.records([as_text(row[0]) for row in rows])
+        at_limit: list[Lease] = []
+        again: list[Lease] = []
+        for (_, consumer, token, deliveries), rec in zip(rows, found, strict=True):
+            if rec is None:
+                continue
+            lease = Lease(spec=rec.spec, entry_id=as_text(token), consumer=as_text(consumer))
+            (at_limit if int(deliveries) >= self.settings.max_deliveries else again).append(lease)
+        dead_ids: list[str] = []
+        if at_limit:
+            reason = "lease expired on each of {} deliveries"
+            for lease in at_limit:
+                # one by one: each names its own count
+                [ok] = await self._bury(
+                    [lease], "lease_expired", reason.format(lease.spec.attempt + 1)
+                )
+                if ok:
+                    dead_ids.append(lease.spec.id)
+        requeued: list[str] = []
+        if again:
+            flags = await self._requeue(await self._republish(again), expired_by=now)
+            requeued = [lease.spec.id for lease, ok in zip(again, flags, strict=True) if ok]
+            await self._wake([model])
+        dead_ids += await self._drain_dead(model)
+        return ReapReport(requeued=requeued, dead=dead_ids)
+
+    async def _drain_dead(self, model: str) -> list[str]:
+        """Messages RabbitMQ dead-lettered (their holders' connections died past the delivery
+        limit): the jobs they still speak for are dead letters, with RabbitMQ's reason."""
+        dead: list[str] = []
+        queue = self.names.dead(model)
+        for _ in range(REAP_BATCH):
+            message = await self.amqp.get(queue)
+            if message is None:
+                break
+            job_id = message.body.decode()
+            rec = await self.record(job_id)
+            if rec is not None:
+                why = str((message.headers or {}).get("x-first-death-reason", "delivery_limit"))
+                error = f"RabbitMQ dead-lettered its message ({why})"
+                spec = rec.spec
+                finished = encode(Finished(result=dead_result(f"{why}: {error}")))
+                call = scripts.BURY.call(
+                    self._bury_keys(model),
+                    self._times(),
+                    [
+                        (
+                            scripts.BuryItemKeys(
+                                job=self.keys.job(job_id),
+                                events=self.keys.events(job_id),
+                                leases=self.keys.leases(
+                                    self._lane_key(model, spec.priority, spec.pool)
+                                ),
+                                waiting=self.keys.waiting(
+                                    self._lane_key(model, spec.priority, spec.pool)
+                                ),
+                            ),
+                            scripts.BuryItemArgs(
+                                job_id=job_id,
+                                consumer="",
+                                token="",
+                                msg=message.message_id or "",
+                                reason=why,
+                                error=error,
+                                finished=finished,
+                                priority=spec.priority.name,
+                            ),
+                        )
+                    ],
+                )
+                [ok] = await self.conn.run(call)
+                if ok:
+                    dead.append(job_id)
+                    await self._settle_specs([(spec, dead_result(error))])
+            await self.amqp.ack(message)
+            if not message.message_count:
+                break
+        return dead
+
+    # -- cancellation ----------------------------------------------------------------------
+    async def _cancel(self, job_id: str, leaving: int) -> CancelOutcome:
+        outcome = await super()._cancel(job_id, leaving)
+        if outcome is CancelOutcome.CANCELLED:
+            # its message stays on the lane until a claim drops it; it no longer waits
+            lane = await self.conn.one(("HGET", self.keys.job(job_id), "lane"))
+            if lane:
+                await self.conn.one(("ZREM", self.keys.waiting(as_text(lane)), job_id))
+        return outcome
+
+    # -- introspection ---------------------------------------------------------------------
+    async def _lane_counts(self, model: str) -> tuple[list[str], list[Any]]:
+        """Each lane's (waiting, oldest waiting, in flight), then delayed, dead, counters: one
+        round trip to the tables."""
+        lanes = self.keys.lanes(model, self.settings.pool_count)
+        commands: list[tuple[Any, ...]] = []
+        for lane in lanes:
+            commands += [
+                ("ZCARD", self.keys.waiting(lane)),
+                ("ZRANGE", self.keys.waiting(lane), 0, 0, "WITHSCORES"),
+                ("ZCARD", self.keys.leases(lane)),
+            ]
+        commands += [
+            ("ZCARD", self.keys.delayed(model)),
+            ("XLEN", self.keys.dead_letters(model)),
+            ("HGETALL", self.keys.counters(model)),
+        ]
+        return lanes, await self.conn.checked(commands)
+
+    async def stats(self, model: str) -> BrokerStats:
+        now = self.clock()
+        pools = self.settings.pool_count
+        lanes, replies = await self._lane_counts(model)
+        stats = []
+        for p, priority in enumerate(Priority):
+            waiting = in_flight = 0
+            ages: list[float] = []
+            for i in range(p * pools, (p + 1) * pools):
+                count, oldest, running = replies[3 * i : 3 * i + 3]
+                waiting += int(count)
+                in_flight += int(running)
+                if oldest:
+                    first = oldest[0]
+                    score = first[1] if isinstance(first, (list, tuple)) else oldest[1]
+                    ages.append(max(0.0, now - float(score)))
+            stats.append(
+                LaneStats(
+                    model,
+                    priority,
+                    waiting=waiting,
+                    in_flight=in_flight,
+                    oldest_waiting_age_s=max(ages) if ages else None,
+                )
+            )
+        delayed, dead, counters = replies[3 * len(lanes) :]
+        counters = (
+            {as_text(k): v for k, v in (counters or {}).items()}
+            if isinstance(counters, dict)
+            else dict(zip(map(as_text, counters[::2]), counters[1::2], strict=True))
+        )
+        return BrokerStats(
+            model=model,
+            lanes=stats,
+            delayed=int(delayed),
+            dead_letters=int(dead),
+            fenced_completions=int(counters.get("fenced", 0)),
+            expired=int(counters.get("expired", 0)),
+        )
+
+    async def depth(self, model: str) -> int:
+        commands: list[tuple[Any, ...]] = []
+        for lane in self.keys.lanes(model, self.settings.pool_count):
+            commands += [("ZCARD", self.keys.waiting(lane)), ("ZCARD", self.keys.leases(lane))]
+        return sum(int(n or 0) for n in await self.conn.checked(commands))
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        """FIFO within a lane (no fair-share staging): every waiting job is queued."""
+        pools = self.settings.pool_count
+        _, replies = await self._lane_counts(model)
+        out = []
+        for p, priority in enumerate(Priority):
+            mine = range(p * pools, (p + 1) * pools)
+            out.append(
+                LaneBacklog(
+                    priority,
+                    queued=sum(int(replies[3 * i]) for i in mine),
+                    in_flight=sum(int(replies[3 * i + 2]) for i in mine),
+                    tenants=[],
+                )
+            )
+        return out

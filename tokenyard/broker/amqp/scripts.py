@@ -1,0 +1,265 @@
+"""The Redis scripts of RabbitMQ lanes' tables: records, leases and events beside the lanes.
+
+Declared as the Redis backend's are (tokenyard/broker/redis/scripts.py); the bodies live in
+lua/ here. `holds` (lua/lib/holds.lua) is every lease holder's fence; `admit` the Redis
+backend's own idempotency and collapsing rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from tokenyard.broker.redis.scripts import Empty, ScriptSpec
+
+PACKAGE = "tokenyard.broker.amqp"
+
+
+class JobKeys(NamedTuple):
+    job: str
+    idem: str
+    inflight: str
+    waiting: str
+
+
+class AdmitArgs(NamedTuple):
+    now: str
+    idem_ttl_ms: int
+    job_prefix: str
+    max_depth: int
+
+
+class AdmitItemArgs(NamedTuple):
+    job_id: str
+    spec: bytes
+    deadline: str
+    use_idem: str
+    use_inflight: str
+    msg: str
+    lane: str
+
+
+ADMIT = ScriptSpec(
+    "admit", Empty, AdmitArgs, JobKeys, AdmitItemArgs, libraries=("admit",), package=PACKAGE
+)
+
+
+class JobPrefixArg(NamedTuple):
+    job_prefix: str
+
+
+class WithdrawItemArgs(NamedTuple):
+    job_id: str
+    created: str
+    joined: str
+
+
+WITHDRAW = ScriptSpec("withdraw", Empty, JobPrefixArg, JobKeys, WithdrawItemArgs, package=PACKAGE)
+
+
+class TakeKeys(NamedTuple):
+    counters: str
+    dlq: str
+    delayed: str
+
+
+class LeaseItemKeys(NamedTuple):
+    job: str
+    events: str
+    waiting: str
+    leases: str
+
+
+class TakeArgs(NamedTuple):
+    now: str
+    consumer: str
+    lease_s: str
+    max_deliveries: int
+    ttl_ms: int
+    expired_event: bytes
+    dead_event: bytes
+    dead_error: str
+
+
+class TakeItemArgs(NamedTuple):
+    job_id: str
+    msg: str
+    token: str
+    priority: str
+
+
+TAKE = ScriptSpec("take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, package=PACKAGE)
+
+
+class EventKeys(NamedTuple):
+    job: str
+    events: str
+
+
+class EmitItemArgs(NamedTuple):
+    consumer: str
+    token: str
+    event: bytes
+
+
+EMIT = ScriptSpec(
+    "emit", Empty, Empty, EventKeys, EmitItemArgs, libraries=("holds",), package=PACKAGE
+)
+
+
+class RenewItemKeys(NamedTuple):
+    job: str
+    leases: str
+
+
+class DeadlineArg(NamedTuple):
+    deadline: str
+
+
+class HolderItemArgs(NamedTuple):
+    consumer: str
+    token: str
+    job_id: str
+
+
+RENEW = ScriptSpec(
+    "renew",
+    Empty,
+    DeadlineArg,
+    RenewItemKeys,
+    HolderItemArgs,
+    libraries=("holds",),
+    package=PACKAGE,
+)
+
+
+class CompleteKeys(NamedTuple):
+    cancels: str
+    counters: str
+
+
+class CompleteItemKeys(NamedTuple):
+    job: str
+    events: str
+    leases: str
+
+
+class CompleteArgs(NamedTuple):
+    now: str
+    ttl_ms: int
+
+
+class CompleteItemArgs(NamedTuple):
+    consumer: str
+    token: str
+    job_id: str
+    status: str
+    finished: bytes
+    tail: bytes
+
+
+COMPLETE = ScriptSpec(
+    "complete",
+    CompleteKeys,
+    CompleteArgs,
+    CompleteItemKeys,
+    CompleteItemArgs,
+    libraries=("holds",),
+    package=PACKAGE,
+)
+
+
+class DelayedKey(NamedTuple):
+    delayed: str
+
+
+class RequeueItemKeys(NamedTuple):
+    job: str
+    waiting: str
+    leases: str
+
+
+class RequeueArgs(NamedTuple):
+    now: str
+    expired_by: str
+
+
+class RequeueItemArgs(NamedTuple):
+    consumer: str
+    token: str
+    job_id: str
+    msg: str
+    uncharge: str
+    error: str
+    due_at: str
+
+
+REQUEUE = ScriptSpec(
+    "requeue",
+    DelayedKey,
+    RequeueArgs,
+    RequeueItemKeys,
+    RequeueItemArgs,
+    libraries=("holds",),
+    package=PACKAGE,
+)
+
+
+class BuryKeys(NamedTuple):
+    dlq: str
+    counters: str
+    cancels: str
+    delayed: str
+
+
+class BuryItemKeys(NamedTuple):
+    job: str
+    events: str
+    leases: str
+    waiting: str
+
+
+class BuryItemArgs(NamedTuple):
+    job_id: str
+    consumer: str
+    token: str
+    msg: str
+    reason: str
+    error: str
+    finished: bytes
+    priority: str
+
+
+BURY = ScriptSpec(
+    "bury",
+    BuryKeys,
+    CompleteArgs,
+    BuryItemKeys,
+    BuryItemArgs,
+    libraries=("holds",),
+    package=PACKAGE,
+)
+
+
+class LeasesKey(NamedTuple):
+    leases: str
+
+
+class ExpiredArgs(NamedTuple):
+    now: str
+    max_entries: int
+    job_prefix: str
+
+
+EXPIRED = ScriptSpec("expired", Empty, ExpiredArgs, LeasesKey, Empty, package=PACKAGE)
+
+SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
+    ADMIT,
+    WITHDRAW,
+    TAKE,
+    EMIT,
+    RENEW,
+    COMPLETE,
+    REQUEUE,
+    BURY,
+    EXPIRED,
+)

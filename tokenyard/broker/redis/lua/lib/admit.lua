@@ -1,0 +1,29 @@
+-- Whether a job of the batch is known already: its idempotency key's job, itself (a resent
+-- enqueue whose first attempt landed), or, with a collapse key, an identical job still queued
+-- or running, which it joins. Returns (that job's id, joined 1|0), or (nil, 0) for a new job,
+-- noted in the taken_* tables so the batch's later duplicates find it.
+local function admitted(k, a, taken_ids, taken_keys, taken_inflight)
+  local use_idem = a.use_idem == '1'
+  local existing = nil
+  if use_idem then existing = taken_keys[k.idem] or redis.call('GET', k.idem) end
+  if not existing and (taken_ids[a.job_id] or redis.call('EXISTS', k.job) == 1) then
+    existing = a.job_id
+  end
+  if not existing and a.use_inflight == '1' then
+    -- a key whose job has ended (or is gone) is ignored, and overwritten by the new job
+    local jid = taken_inflight[k.inflight]
+    if not jid then
+      jid = redis.call('GET', k.inflight)
+      if jid then
+        local status = redis.call('HGET', A.job_prefix .. jid, 'status')
+        if status ~= 'queued' and status ~= 'running' then jid = nil end
+      end
+    end
+    if jid then return jid, 1 end
+  end
+  if existing then return existing, 0 end
+  taken_ids[a.job_id] = true
+  if use_idem then taken_keys[k.idem] = a.job_id end
+  if a.use_inflight == '1' then taken_inflight[k.inflight] = a.job_id end
+  return nil, 0
+end
