@@ -73,6 +73,7 @@ class Consumer:
         self.broker = connect(
             BrokerSettings(
                 url=args.url,
+                tables_url=args.tables,
                 prefix=args.prefix,
                 lease_s=args.lease_s,
                 max_deliveries=args.max_deliveries,
@@ -198,6 +199,11 @@ class Consumer:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--url", required=True)
+    p.add_argument(
+        "--tables",
+        default=os.environ.get("TOKENYARD_BROKER_TABLES_URL", ""),
+        help="amqp:// lanes: their tables' Redis URL",
+    )
     p.add_argument("--prefix", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--name", default=None, help="consumer name (default host:pid:start)")

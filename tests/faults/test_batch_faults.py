@@ -34,12 +34,13 @@ N = 300
 class Procs:
     """Real gateway and worker processes on one Valkey; everything is killed at the end."""
 
-    def __init__(self, url: str, files_dir: Path) -> None:
+    def __init__(self, url: str, files_dir: Path, tables_url: str = "") -> None:
         self.url = url
+        self.tables_url = tables_url  # RabbitMQ lanes' tables
         self.prefix = f"bf{uuid.uuid4().hex[:8]}"
         self.files_dir = files_dir
         self.processes = Processes(files_dir / "logs")
-        self.launcher = Launcher(self.processes, url, self.prefix)
+        self.launcher = Launcher(self.processes, url, self.prefix, tables_url)
 
     def gateway(self, port: int) -> subprocess.Popen[bytes]:
         env = {
@@ -61,10 +62,11 @@ class Procs:
         self.processes.stop(timeout_s=10, sig=signal.SIGKILL)
 
 
-@pytest.fixture(params=["valkey", "nats"])
+@pytest.fixture(params=["valkey", "nats", "rabbitmq"])
 def procs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Procs]:
     server = request.getfixturevalue(BACKENDS[request.param])
-    pool = Procs(server.url, tmp_path)
+    tables = request.getfixturevalue("valkey").url if request.param == "rabbitmq" else ""
+    pool = Procs(server.url, tmp_path, tables)
     try:
         yield pool
     finally:
@@ -132,7 +134,7 @@ def _job_records(procs: Procs) -> int:
     """How many job records the broker holds under the test's prefix."""
     if procs.url.startswith("nats://"):
         return asyncio.run(_nats_job_records(procs))
-    client = redis.Redis.from_url(procs.url)
+    client = redis.Redis.from_url(procs.tables_url or procs.url)
     pattern = Keys(procs.prefix).job_prefix(MODEL) + "*"
     try:
         return len(list(client.scan_iter(match=pattern, count=1000)))

@@ -42,7 +42,7 @@ from tokenyard.messages import (
 
 pytestmark = pytest.mark.fault
 # the kinds a consumer fault runs on: a cluster would only add servers, not another behaviour
-KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats"], indirect=True)
+KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "faulty"

@@ -25,8 +25,8 @@ from tokenyard.messages import (
 from tokenyard.tenancy.limiter import Quota
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
-# the tests shown to hold on NATS too (the others are yet to be run there)
-KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats"], indirect=True)
+# every worker fault on each queue core (RabbitMQ lanes' run under `make test-rabbitmq`)
+KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True)
 
 MODEL = "tiny"
 LEASE_S = 2.0
@@ -35,11 +35,11 @@ LEASE_S = 2.0
 class Workers:
     """Spawns `python -m tokenyard worker` processes and kills them all at the end."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, tables_url: str = "") -> None:
         self.url = url
         self.prefix = prefix
         self.processes = Processes()
-        self.launcher = Launcher(self.processes, url, prefix)
+        self.launcher = Launcher(self.processes, url, prefix, tables_url)
 
     def start(
         self, *extra: str, engine: str = "hf", env: dict[str, str] | None = None
@@ -58,7 +58,7 @@ class Workers:
 
 @pytest.fixture
 def workers(make_backend: BackendFactory) -> Iterator[Workers]:
-    pool = Workers(make_backend.url, make_backend.prefix)
+    pool = Workers(make_backend.url, make_backend.prefix, make_backend.tables_url)
     try:
         yield pool
     finally:

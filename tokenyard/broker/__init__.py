@@ -25,7 +25,15 @@ from tokenyard.broker.tables import (
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, FatalError
 
-__all__ = ["Backend", "check_url", "connect", "is_job_id", "new_job_id", "wait_until_ready"]
+__all__ = [
+    "Backend",
+    "check_url",
+    "connect",
+    "is_job_id",
+    "new_job_id",
+    "redacted",
+    "wait_until_ready",
+]
 
 
 class Connection(Protocol):
@@ -79,6 +87,15 @@ def check_url(url: str) -> None:
     if not url.startswith(SCHEMES):
         schemes = ", ".join(SCHEMES)
         raise FatalError(f"broker URL {url!r}: expected one of {schemes}")
+
+
+def redacted(url: str) -> str:
+    """A broker URL fit to print: its password replaced."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
 
 
 def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:

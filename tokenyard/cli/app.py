@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import Backend, check_url
+from tokenyard.broker import Backend, check_url, redacted
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app
-from tokenyard.cli.options import BrokerOpt, PrefixOpt, broker_settings, with_broker
+from tokenyard.cli.options import BrokerOpt, PrefixOpt, TablesOpt, broker_settings, with_broker
 from tokenyard.config import (
     CONFIG_ENV,
     BrokerSettings,
@@ -65,8 +65,8 @@ ServeBrokerOpt = Annotated[
     str | None,
     typer.Option(
         "--broker",
-        help="a broker URL (redis://, nats://, ...), or `nats` / `valkey` for a private server "
-        "in --data-dir; default: TOKENYARD_BROKER_URL, else a private Valkey",
+        help="a broker URL (redis://, nats://, amqp://...), or `nats` / `valkey` for a private "
+        "server in --data-dir; default: TOKENYARD_BROKER_URL, else a private Valkey",
     ),
 ]
 
@@ -74,6 +74,7 @@ ServeBrokerOpt = Annotated[
 @app.command()
 def serve(
     broker: ServeBrokerOpt = None,
+    tables: TablesOpt = None,
     prefix: PrefixOpt = None,
     model: ModelOpt = None,
     engine: EngineOpt = None,
@@ -90,7 +91,8 @@ def serve(
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Everything on one machine: a private Valkey (or with `--broker nats` a private
-    nats-server; none when --broker names a URL), workers and the gateway.
+    nats-server; none when --broker names a URL, except a private Valkey for the tables of
+    amqp:// lanes given no --tables), workers and the gateway.
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_*;
     every worker's metrics are served with the gateway's on its /metrics.
@@ -99,7 +101,7 @@ def serve(
     from tokenyard.fleet.serve import EMBEDDED, Stack
 
     setup_logging("INFO", log_format)
-    settings = broker_settings(broker, prefix, required=False)
+    settings = broker_settings(broker, prefix, required=False, tables=tables)
     # a URL named anywhere (flag, env, file) is used; a bare `nats` / `valkey`, or nothing,
     # names the private server serve runs itself
     private = next((kind for kind in EMBEDDED if kind == (settings.url or "valkey")), None)
@@ -127,9 +129,10 @@ def serve(
     # that unwinds the stack (workers drain, the private server stops) instead of killing it
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with stack:
+        tables_note = f" · tables {stack.tables_url}" if stack.tables_url else ""
         console.print(
-            f"[bold]tokenyard[/] broker {stack.broker_url} · model {worker_settings.model} "
-            f"({worker_settings.engine})"
+            f"[bold]tokenyard[/] broker {redacted(stack.broker_url)}{tables_note} · "
+            f"model {worker_settings.model} ({worker_settings.engine})"
         )
         console.print(f"OpenAI API on http://{gw.host}:{gw.port}/v1 — Ctrl-C stops")
         _run_gateway(stack.broker_settings, gw, stack.registry)
@@ -183,6 +186,7 @@ def _run_gateway(
 @app.command()
 def gateway(
     broker: BrokerOpt = None,
+    tables: TablesOpt = None,
     prefix: PrefixOpt = None,
     model: Annotated[
         str | None, typer.Option(help="models served (comma list); their tokenizers are loaded")
@@ -197,7 +201,10 @@ def gateway(
     Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
     """
     setup_logging("INFO", log_format)
-    _run_gateway(broker_settings(broker, prefix), _gateway_settings(model, engine, host, port))
+    _run_gateway(
+        broker_settings(broker, prefix, tables=tables),
+        _gateway_settings(model, engine, host, port),
+    )
 
 
 @app.command()
@@ -232,6 +239,7 @@ def submit(
 @app.command()
 def worker(
     broker: BrokerOpt = None,
+    tables: TablesOpt = None,
     prefix: PrefixOpt = None,
     model: ModelOpt = None,
     engine: EngineOpt = None,
@@ -265,7 +273,7 @@ def worker(
         drain_timeout_s=drain_timeout_s,
         metrics_port=metrics_port,
     )
-    queue = broker_settings(broker, prefix, lease_s=lease_s)
+    queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables)
     asyncio.run(serve_worker(queue, settings, consumer=consumer))
 
 

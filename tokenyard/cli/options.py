@@ -14,7 +14,17 @@ from tokenyard.config import BrokerSettings, from_env
 BrokerOpt = Annotated[
     str | None,
     typer.Option(
-        "--broker", help="redis://host:port/db or nats://host:port; default: TOKENYARD_BROKER_URL"
+        "--broker",
+        help="redis://host:port/db, nats://host:port or amqp://user:pass@host:port/vhost; "
+        "default: TOKENYARD_BROKER_URL",
+    ),
+]
+TablesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tables",
+        help="with amqp:// lanes: the Redis/Valkey URL of their tables (records, events, keys, "
+        "quotas); default: TOKENYARD_BROKER_TABLES_URL",
     ),
 ]
 PrefixOpt = Annotated[str | None, typer.Option(help="name prefix, to share one Redis or NATS")]
@@ -22,11 +32,17 @@ _T = TypeVar("_T")
 
 
 def broker_settings(
-    broker: str | None, prefix: str | None, lease_s: float | None = None, required: bool = True
+    broker: str | None,
+    prefix: str | None,
+    lease_s: float | None = None,
+    required: bool = True,
+    tables: str | None = None,
 ) -> BrokerSettings:
     """The flags, then TOKENYARD_BROKER_*, then the config file, then the defaults; a command
     that needs a broker refuses at once when none is named (before it loads a model)."""
-    settings = from_env(BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s)
+    settings = from_env(
+        BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s, tables_url=tables
+    )
     if required:
         check_url(settings.url)
     return settings

@@ -179,10 +179,12 @@ class Launcher:
     processes: Processes
     broker_url: str
     prefix: str
+    tables_url: str = ""  # amqp:// lanes: their tables' Redis URL
 
     @property
     def broker_args(self) -> list[str]:
-        return ["--broker", self.broker_url, "--prefix", self.prefix]
+        tables = ["--tables", self.tables_url] if self.tables_url else []
+        return ["--broker", self.broker_url, "--prefix", self.prefix, *tables]
 
     def gateway(
         self,

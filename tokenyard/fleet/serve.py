@@ -1,5 +1,5 @@
-"""`tokenyard serve`: a private Valkey (or nats-server), worker processes and the gateway on one
-machine."""
+"""`tokenyard serve`: a private Valkey (or nats-server; or RabbitMQ lanes given by URL, their
+tables on a private Valkey), worker processes and the gateway on one machine."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Literal, Self
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from tokenyard.broker import AMQP_SCHEMES
 from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
@@ -48,6 +49,8 @@ class Stack:
     log_format: str = "text"
     embedded: Embedded = "valkey"
     server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
+    # amqp:// lanes given no tables URL: a private Valkey in `data_dir` holds their tables
+    tables_server: EmbeddedServer | None = field(default=None, init=False)
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry, init=False)
     # workers write their metrics here (prometheus_client's multiprocess mode); `registry`,
@@ -67,11 +70,24 @@ class Stack:
         return self.server.url
 
     @property
+    def tables_url(self) -> str:
+        """Where amqp:// lanes keep their tables ('' for every other broker)."""
+        if self.tables_server is not None:
+            return self.tables_server.url
+        return self.external.tables_url if self.external is not None else ""
+
+    @property
     def broker_settings(self) -> BrokerSettings:
         base = self.external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
-        return msgspec.structs.replace(base, url=self.broker_url)
+        return msgspec.structs.replace(base, url=self.broker_url, tables_url=self.tables_url)
 
     def start(self) -> None:
+        external = self.external
+        if external and external.url.startswith(AMQP_SCHEMES) and not external.tables_url:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.tables_server = EmbeddedServer(
+                self.data_dir, keep_data=True, appendfsync=self.appendfsync
+            ).start()
         if self.external is None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             # the data dir is kept: jobs accepted before a restart are still there after it
@@ -137,6 +153,8 @@ class Stack:
             "--drain-timeout-s", str(self.drain_timeout_s),
             "--log-format", self.log_format,
         )  # fmt: skip
+        if self.tables_url:
+            cmd += ["--tables", self.tables_url]
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
         return cmd
@@ -151,6 +169,9 @@ class Stack:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.tables_server is not None:
+            self.tables_server.stop()
+            self.tables_server = None
 
     def __enter__(self) -> Self:
         try:

@@ -14,7 +14,8 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from aio_pika.exceptions import ChannelPreconditionFailed, DeliveryError
 
-from tokenyard.errors import BrokerUnavailable, FatalError
+from tokenyard.broker import redacted
+from tokenyard.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,10 @@ class Refused(Exception):
     def __init__(self, queue: str) -> None:
         super().__init__(queue)
         self.queue = queue
+
+
+class _Clash(Exception):
+    """A queue exists with other arguments than a declare asked for (PRECONDITION_FAILED)."""
 
 
 class AmqpConnection:
@@ -55,33 +60,35 @@ class AmqpConnection:
 
     @contextlib.asynccontextmanager
     async def _sent(self, what: str) -> AsyncIterator[None]:
-        """Map RabbitMQ's failures: a refused publish to Refused, an argument clash to a
-        FatalError, anything else of the connection to BrokerUnavailable."""
+        """Map RabbitMQ's failures: a refused publish to Refused, an argument clash to _Clash,
+        anything else of the connection to BrokerUnavailable."""
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 yield
         except DeliveryError as exc:
             raise Refused(what) from exc
         except ChannelPreconditionFailed as exc:
-            raise FatalError(
-                f"RabbitMQ queue {what!r} exists with other arguments (a changed bound or delivery "
-                f"limit?): delete it or keep the settings it was made with ({exc})"
-            ) from exc
+            raise _Clash(str(exc)) from exc
         except (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError) as exc:
             # RuntimeError: aiormq's "closed" state errors; the next call opens a new connection
-            raise BrokerUnavailable(f"RabbitMQ {self._where()}: {what}: {exc!r}") from exc
+            raise BrokerUnavailable(f"RabbitMQ {redacted(self.url)}: {what}: {exc!r}") from exc
 
-    def _where(self) -> str:
-        return self.url.rsplit("@", 1)[-1]  # never the credentials
-
-    async def declare(self, name: str, arguments: Arguments) -> int:
-        """Declare a durable queue (once per process) and return how many messages are ready."""
-        async with self._sent(name):
-            _, channel = await self._channels()
-            queue = await channel.declare_queue(name, durable=True, arguments=dict(arguments))
-            self._declared.add(name)
-            result = queue.declaration_result
-            return int(result.message_count or 0)
+    async def declare(self, name: str, arguments: Arguments) -> None:
+        """Declare a durable queue, once per process. One that exists with other arguments
+        (made under other settings) is used as it is, with a warning: the lane bound and the
+        delivery limit that count are the tables' (queue.py); RabbitMQ's are a backstop."""
+        try:
+            async with self._sent(name):
+                _, channel = await self._channels()
+                await channel.declare_queue(name, durable=True, arguments=dict(arguments))
+        except _Clash as clash:
+            log.warning(
+                "RabbitMQ queue %s exists with other arguments; using it as it is: %s", name, clash
+            )
+            async with self._sent(name):
+                _, channel = await self._channels()  # the refusal closed the channel
+                await channel.declare_queue(name, passive=True)
+        self._declared.add(name)
 
     def declared(self, name: str) -> bool:
         return name in self._declared

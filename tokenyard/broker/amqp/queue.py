@@ -227,7 +227,7 @@ class AmqpQueue(RedisQueue):
                     job_id=as_text(job_id), created=created == 1, collapsed=joined == 1
                 )
         if full is not None:  # the other models' jobs are withdrawn: all or nothing
-            await self._withdraw(specs, results, by_model)
+            await self._withdraw(specs, results, by_model, msgs)
             await self.audit.take_back(ids)
             raise full
         fresh = [i for i, r in enumerate(results) if r.created]
@@ -244,7 +244,7 @@ class AmqpQueue(RedisQueue):
         )
         failed = [outcome for outcome in sent if isinstance(outcome, BaseException)]
         if failed:
-            await self._withdraw(specs, results, by_model)
+            await self._withdraw(specs, results, by_model, msgs)
             await self.audit.take_back(ids)
             refused = next((f for f in failed if isinstance(f, Refused)), None)
             if refused is not None:
@@ -276,6 +276,7 @@ class AmqpQueue(RedisQueue):
         specs: Sequence[JobSpec],
         results: Sequence[EnqueueResult],
         by_model: dict[str, list[int]],
+        msgs: Sequence[str],
     ) -> None:
         calls = [
             scripts.WITHDRAW.call(
@@ -288,6 +289,7 @@ class AmqpQueue(RedisQueue):
                             job_id=specs[i].id,
                             created="1" if results[i].created else "0",
                             joined=results[i].job_id if results[i].collapsed else "",
+                            msg=msgs[i],
                         ),
                     )
                     for i in indexes

@@ -51,6 +51,7 @@ class WithdrawItemArgs(NamedTuple):
     job_id: str
     created: str
     joined: str
+    msg: str
 
 
 WITHDRAW = ScriptSpec("withdraw", Empty, JobPrefixArg, JobKeys, WithdrawItemArgs, package=PACKAGE)

@@ -1,11 +1,14 @@
--- Undo an admission whose messages RabbitMQ refused (a full lane): the batch's new jobs are
--- forgotten (their published messages become stale) and the jobs it joined lose a follower.
+-- Undo an admission whose messages RabbitMQ refused or did not confirm: the batch's new jobs
+-- are forgotten (a message of theirs that landed is stale) and the jobs it joined lose a
+-- follower. A job a worker took already (its message landed, the confirm was lost) stays: it
+-- runs once, and a resend with its idempotency key finds it.
 -- KEYS: none; per item: job, idem, inflight, waiting
--- ARGV: job_prefix; per item: job_id, created, joined
+-- ARGV: job_prefix; per item: job_id, created, joined, msg
 -- Returns nothing.
 for i = 1, N do
   local k, a = item(i)
-  if a.created == '1' then
+  local h = redis.call('HMGET', k.job, 'status', 'msg')
+  if a.created == '1' and h[1] == 'queued' and h[2] == a.msg then
     redis.call('DEL', k.job)
     redis.call('ZREM', k.waiting, a.job_id)
     if redis.call('GET', k.idem) == a.job_id then redis.call('DEL', k.idem) end
