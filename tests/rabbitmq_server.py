@@ -126,6 +126,15 @@ class RabbitServer(EmbeddedProcess):
     def _launch(self, data_dir: Path, timeout: float) -> None:
         # ports picked once and kept, so a restart after kill() finds the same node; a pick
         # racing with another process shows up as a failed start, not a wrong server
+        first = self._port is None
+        try:
+            self._launch_on_ports(data_dir, timeout)
+        except BaseException:
+            if first:  # a retry picks new ports
+                self._port = self._dist_port = None
+            raise
+
+    def _launch_on_ports(self, data_dir: Path, timeout: float) -> None:
         if self._port is None:
             self._port = free_port(self._host)
         if self._dist_port is None:
