@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm
+.PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm rabbitmq \
+	test-rabbitmq
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,18 @@ install-vllm: $(VLLM_VENV)/.installed
 # The benchmark's smoke test also runs an hf worker, under $(VENV).
 test-vllm: install install-vllm
 	VLLM_CPU_KVCACHE_SPACE=2 $(VPY) -m pytest -q -p no:cacheprovider tests/vllm
+
+# Debian's rabbitmq-server (as root; its service stays off). The tests in tests/rabbitmq start
+# private nodes on free loopback ports; plain `make test` leaves them out (pyproject's addopts).
+RABBITMQ_BIN ?= /usr/lib/rabbitmq/bin
+
+rabbitmq:
+	RABBITMQ_BIN=$(RABBITMQ_BIN) ./.ci/install-rabbitmq
+
+test-rabbitmq: install
+	@test -x $(RABBITMQ_BIN)/rabbitmq-server || \
+	  { echo "no $(RABBITMQ_BIN)/rabbitmq-server: run 'make rabbitmq' as root (Debian)"; exit 1; }
+	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider tests/rabbitmq
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

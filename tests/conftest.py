@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import Cluster, running_cluster, running_server
+from tests.servers import Cluster, RabbitServer, running_cluster, running_server
 from tokenyard.broker import Backend, connect
 from tokenyard.broker.core import Clock
 from tokenyard.broker.nats.embedded import EmbeddedNats
@@ -48,6 +48,14 @@ def valkey_cluster() -> Iterator[Cluster]:
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
     """One nats-server with JetStream; tests keep apart by their own name prefix."""
     with EmbeddedNats(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rabbitmq() -> Iterator[RabbitServer]:
+    """One RabbitMQ node (Debian's rabbitmq-server, 15-20 s to start) in a temp dir of its own,
+    removed after; tests keep apart by their own queue names."""
+    with RabbitServer() as server:
         yield server
 
 

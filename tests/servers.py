@@ -1,4 +1,4 @@
-"""Helpers for tests that need a real valkey/redis server."""
+"""Helpers for tests that need a real valkey/redis server, or RabbitMQ (tests/rabbitmq_server)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker.redis.cluster import Cluster, running_cluster
 from tokenyard.broker.redis.embedded import EmbeddedServer
 
-__all__ = ["Cluster", "alive", "running_cluster", "running_server"]
+__all__ = ["Cluster", "RabbitServer", "alive", "running_cluster", "running_server"]
 
 
 @contextmanager
