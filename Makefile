@@ -21,8 +21,9 @@ lint: install
 	$(PY) -m ruff format --check tokenyard tests bench
 	$(PY) -m mypy tokenyard
 
+# what needs RabbitMQ (marked `rabbitmq` by tests/conftest.py) runs in test-rabbitmq
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not rabbitmq"
 
 unit: install
 	$(PY) -m pytest -q tests/unit
@@ -63,8 +64,9 @@ install-vllm: $(VLLM_VENV)/.installed
 test-vllm: install install-vllm
 	VLLM_CPU_KVCACHE_SPACE=2 $(VPY) -m pytest -q -p no:cacheprovider tests/vllm
 
-# Debian's rabbitmq-server (as root; its service stays off). The tests in tests/rabbitmq start
-# private nodes on free loopback ports; plain `make test` leaves them out (pyproject's addopts).
+# Debian's rabbitmq-server (as root; its service stays off). The tests marked `rabbitmq` (the
+# conformance and fault suites on RabbitMQ lanes, tests/rabbitmq) start private nodes on free
+# loopback ports; `make test` leaves them out.
 RABBITMQ_BIN ?= /usr/lib/rabbitmq/bin
 
 rabbitmq:
@@ -73,7 +75,7 @@ rabbitmq:
 test-rabbitmq: install
 	@test -x $(RABBITMQ_BIN)/rabbitmq-server || \
 	  { echo "no $(RABBITMQ_BIN)/rabbitmq-server: run 'make rabbitmq' as root (Debian)"; exit 1; }
-	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider tests/rabbitmq
+	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider -m rabbitmq
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -23,12 +23,26 @@ from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
 
 # backend kind -> the session fixture whose `.url` reaches its server
-BACKENDS = {"valkey": "valkey", "valkey-cluster": "valkey_cluster", "nats": "nats_server"}
+BACKENDS = {
+    "valkey": "valkey",
+    "valkey-cluster": "valkey_cluster",
+    "nats": "nats_server",
+    "rabbitmq": "rabbitmq",
+}
 # the kinds on the Redis backend: tests of its internals (keys, script cache) run only there
 REDIS_KINDS = frozenset({"valkey", "valkey-cluster"})
 # what `make_backend` runs on unless a module asks for more (a cluster costs three servers):
 # pytestmark = pytest.mark.parametrize("make_backend", list(BACKENDS), indirect=True)
 DEFAULT_BACKENDS = ["valkey"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark what needs RabbitMQ (`make test-rabbitmq` runs it; `make test` leaves it out)."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        kinds = set(params.params.values()) if params is not None else set()
+        if "rabbitmq" in kinds or "rabbitmq" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.rabbitmq)
 
 
 @pytest.fixture(scope="session")
@@ -66,21 +80,32 @@ class BackendFactory:
 
     kind: str
     url: str
+    tables_url: str = ""  # RabbitMQ lanes' tables (a Valkey)
     prefix: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
     made: list[Backend] = field(default_factory=list)
 
     def __call__(self, clock: Clock = time.time, **overrides: Any) -> Backend:
-        settings = BrokerSettings(url=self.url, prefix=self.prefix, **overrides)
+        settings = BrokerSettings(
+            url=self.url, tables_url=self.tables_url, prefix=self.prefix, **overrides
+        )
         backend = connect(settings, clock=clock)
         self.made.append(backend)
         return backend
 
 
 @pytest.fixture(params=DEFAULT_BACKENDS)
-async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[BackendFactory]:
-    """Build backends of the param's kind with settings overrides (and a clock); closed after."""
+async def make_backend(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[BackendFactory]:
+    """Build backends of the param's kind with settings overrides (and a clock); closed after.
+    RabbitMQ lanes keep their tables on the session's Valkey, named in the environment too, so
+    the processes a test starts (workers, gateways, consumers) find them."""
     server = request.getfixturevalue(BACKENDS[request.param])
-    factory = BackendFactory(request.param, server.url)
+    tables = ""
+    if request.param == "rabbitmq":
+        tables = request.getfixturevalue("valkey").url
+        monkeypatch.setenv("TOKENYARD_BROKER_TABLES_URL", tables)
+    factory = BackendFactory(request.param, server.url, tables)
     yield factory
     for backend in factory.made:
         await backend.close()

@@ -17,7 +17,7 @@ from pamqp.common import FieldTable
 
 from tests.servers import RabbitServer, alive
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 
 
 def _quorum(more: FieldTable | None = None) -> FieldTable:
