@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from tests.conftest import BackendFactory
 from tests.faults.consumer import ACCEPTED_DIR_ENV, read_accepted, result_text
+from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.nats.connection import REQUEST_TIMEOUT_S
 from tokenyard.broker.nats.embedded import EmbeddedNats
@@ -311,12 +312,18 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
 
 
 async def crash_and_restart_under_enqueues(
-    url: str, kill: Callable[[], object], start: Callable[[], object], down_s: float = 0.1
+    url: str,
+    kill: Callable[[], object],
+    start: Callable[[], object],
+    down_s: float = 0.1,
+    tables_url: str = "",
+    mid_run: Callable[[], object] | None = None,
 ) -> None:
     """Producers enqueue while the server at `url` is SIGKILLed (`kill`) and brought back on
-    its store (`start`) `down_s` later; then every acknowledged job must run, once."""
+    its store (`start`) `down_s` later; then every acknowledged job must run, once. With
+    `mid_run` (called once the lanes exist) a consumer runs throughout, crash included."""
     prefix = new_prefix()
-    broker = connect(BrokerSettings(url=url, prefix=prefix))
+    broker = connect(BrokerSettings(url=url, tables_url=tables_url, prefix=prefix))
     acknowledged: list[str] = []
     before_crash: list[str] = []
     errors: Counter[str] = Counter()
@@ -348,8 +355,13 @@ async def crash_and_restart_under_enqueues(
             already_there += sum(not r.created for r in results)
             acknowledged.extend(r.job_id for r in results)
 
-    producer = asyncio.create_task(produce())
     procs: list[ConsumerProcess] = []
+    if mid_run is not None:
+        # the lanes exist before the crash
+        acknowledged.append((await broker.queue.enqueue(spec(-1, key="first"))).job_id)
+        await asyncio.to_thread(mid_run)
+        procs.append(ConsumerProcess(url, prefix, "during", slots=64, lease_s=5, tables=tables_url))
+    producer = asyncio.create_task(produce())
     try:
         await eventually(lambda: len(acknowledged) >= 500, "500 enqueues before the crash")
         # off the event loop, so the producer keeps going while the server dies and comes back
@@ -365,10 +377,13 @@ async def crash_and_restart_under_enqueues(
         assert errors, "the crash never reached the producer"
         assert len(set(acknowledged)) == len(acknowledged)
 
-        consumer = ConsumerProcess(url, prefix, "after", slots=256, lease_s=5)
-        procs.append(consumer)
+        if mid_run is None:
+            procs.append(ConsumerProcess(url, prefix, "after", slots=256, lease_s=5))
         await eventually(
-            lambda: consumer.accepted >= len(acknowledged), "every acknowledged job", 30, procs
+            lambda: sum(p.accepted for p in procs) >= len(acknowledged),
+            "every acknowledged job",
+            60,
+            procs,
         )
         found = await audit(broker, acknowledged)
         assert found.lost == [], (
@@ -397,6 +412,26 @@ async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -
         await crash_and_restart_under_enqueues(server.url, server.kill, server.start)
     finally:
         server.stop()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.timeout(240)
+async def test_rabbitmq_sigkill_mid_run_answers_every_acknowledged_job_once(
+    valkey: EmbeddedServer,
+) -> None:
+    # a RabbitMQ node of its own, killed and restarted on its store and ports while a consumer
+    # works and producers enqueue; the lanes' tables stay up on the session's Valkey
+    with RabbitServer() as server:
+        await crash_and_restart_under_enqueues(
+            server.url,
+            server.kill,
+            server.start,
+            down_s=1.0,
+            tables_url=valkey.url,
+            # a quorum queue declared just before a kill -9 can come back empty (RabbitMQ 3.10
+            # writes its queue registry on a timer): the lanes are declared, then synced
+            mid_run=server.sync_metadata,
+        )
 
 
 @pytest.mark.timeout(90)

@@ -18,6 +18,8 @@ from tokenyard.broker import redacted
 from tokenyard.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
+# aiormq logs a lost connection with its traceback; the backend reports it as BrokerUnavailable
+logging.getLogger("aiormq.connection").setLevel(logging.ERROR)
 
 TIMEOUT_S = 5.0  # one operation's bound: a broker that answers nothing within it is unavailable
 Arguments = Mapping[str, Any]
@@ -46,6 +48,7 @@ class AmqpConnection:
         self._getter: AbstractChannel | None = None
         self._opening = asyncio.Lock()
         self._declared: set[str] = set()
+        self._closing: set[asyncio.Future[None]] = set()
 
     async def _channels(self) -> tuple[AbstractChannel, AbstractChannel]:
         async with self._opening:
@@ -70,7 +73,9 @@ class AmqpConnection:
         except ChannelPreconditionFailed as exc:
             raise _Clash(str(exc)) from exc
         except (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError) as exc:
-            # RuntimeError: aiormq's "closed" state errors; the next call opens a new connection
+            # RuntimeError: aiormq's "closed" state errors. A connection that failed is not
+            # trusted again (it may not know it is dead): the next call opens a new one
+            self._drop()
             raise BrokerUnavailable(f"RabbitMQ {redacted(self.url)}: {what}: {exc!r}") from exc
 
     async def declare(self, name: str, arguments: Arguments) -> None:
@@ -126,8 +131,23 @@ class AmqpConnection:
             return False
         return True
 
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        self._publisher = self._getter = None
+        if conn is not None and not conn.is_closed:
+            # closed in the background: a dead peer may never answer
+            task = asyncio.ensure_future(_quietly_close(conn))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed:
             with contextlib.suppress(Exception):
                 await conn.close()
+
+
+async def _quietly_close(conn: AbstractConnection) -> None:
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(TIMEOUT_S):
+            await conn.close()
