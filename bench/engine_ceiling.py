@@ -16,7 +16,8 @@ host the gateway, Valkey and the load generator take cores the offline engine ha
 `--threads N` gives the engine N torch threads in every run, so the others can have the rest.
 
     python -m bench.engine_ceiling [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
-        [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--quick]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--log-dir DIR]
+        [--quick]
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def offline_transformers(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
     wall = time.perf_counter() - start
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
     del model
+    if opts.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory it finds
     return {
         "requests": n,
         "tokens": tokens,
@@ -263,12 +266,13 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)  # the offline runs get what the worker's engine gets
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
+        logs = Path(opts.log_dir or tmp)  # the gateway's, worker's and Valkey's logs
         for c in opts.concurrency:
             n = max(c, opts.requests_per_slot * c)
             cell: dict[str, Any] = {}
             cell["transformers"] = await asyncio.to_thread(offline_transformers, opts, c, n)
             cell["engine"] = await offline_engine(opts, c, n)
-            cell["http"] = await http_path(opts, c, n, Path(tmp))
+            cell["http"] = await http_path(opts, c, n, logs)
             ceiling = max(cell["transformers"]["tok_s"], cell["engine"]["tok_s"])
             cell["http_over_offline_max"] = round(cell["http"]["tok_s"] / ceiling, 3)
             cell["engine_over_transformers"] = round(
@@ -309,6 +313,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads for the engine, offline and in the worker (default: torch's)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", help="keep the processes' logs here (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: C=4, 8 tokens")
     opts = parser.parse_args(argv)
     opts.concurrency = [int(x) for x in str(opts.concurrency).split(",")]
