@@ -17,7 +17,7 @@ host the gateway, Valkey and the load generator take cores the offline engine ha
 
     python -m bench.engine_ceiling [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--log-dir DIR]
-        [--quick]
+        [--no-cuda-graphs] [--quick]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def offline_transformers(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
         num_blocks=c * (-(-longest // page) + 1),
         max_batch_tokens=opts.max_batch_tokens or max(512, c),
         max_requests_per_batch=c,
-        use_cuda_graph=opts.device.startswith("cuda"),
+        use_cuda_graph=opts.device.startswith("cuda") and opts.cuda_graphs,
     )
     model.generate_batch(inputs[: min(8, n)], config, cb, progress_bar=False)  # warm-up
     start = time.perf_counter()
@@ -115,7 +115,14 @@ async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
     from tokenyard.engines import make_engine
     from tokenyard.messages import SamplingParams
 
-    engine = make_engine("hf", model=opts.model, device=opts.device, dtype=opts.dtype, max_seqs=c)
+    engine = make_engine(
+        "hf",
+        model=opts.model,
+        device=opts.device,
+        dtype=opts.dtype,
+        max_seqs=c,
+        cuda_graphs=opts.cuda_graphs,
+    )
     await engine.start()
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=0.0, ignore_eos=True)
     inputs = prompts(opts, n, engine.tokenizer.encode)
@@ -180,6 +187,7 @@ class Stack:
             "TOKENYARD_WORKER_DTYPE": opts.dtype,
             "TOKENYARD_WORKER_TOKEN_BUDGET": str(c * (4 * opts.prompt_words + opts.max_tokens)),
             "TOKENYARD_WORKER_ENGINE_PROCESS": "1" if opts.engine_process else "0",
+            "TOKENYARD_WORKER_CUDA_GRAPHS": "true" if opts.cuda_graphs else "false",
         }
         if opts.threads:
             env["TOKENYARD_WORKER_THREADS"] = str(opts.threads)
@@ -288,6 +296,7 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": opts.max_tokens,
         "torch_threads": opts.threads,
         "engine_process": opts.engine_process,
+        "cuda_graphs": opts.cuda_graphs,
         "cores": os.cpu_count(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "goal": {"http_over_offline_max": 0.9},
@@ -306,6 +315,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-process", action="store_true")
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="CUDA: run every forward pass eagerly, offline and in the worker",
+    )
     parser.add_argument(
         "--threads",
         type=int,

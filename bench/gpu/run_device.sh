@@ -12,7 +12,8 @@
 # [vllm.json] summary.json run.log logs.tar.gz. The summary table is printed last.
 #
 # Knobs (environment): PY=python3 DEVICE=cuda SIZE=1b DTYPE=bfloat16 CONCURRENCY="64 256"
-# MAX_TOKENS=64 PROMPT_WORDS=32 TOTAL_S=440 WHEELS=1 (0: use PY's own packages, for a CPU run).
+# MAX_TOKENS=64 PROMPT_WORDS=32 TOTAL_S=440 WHEELS=1 (0: use PY's own packages, for a CPU run)
+# CUDA_GRAPHS=1 (0: eager forward passes everywhere, should graph capture fail).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 REPO=$PWD
@@ -26,6 +27,7 @@ MAX_TOKENS=${MAX_TOKENS:-64}
 PROMPT_WORDS=${PROMPT_WORDS:-32}
 TOTAL_S=${TOTAL_S:-440}
 WHEELS=${WHEELS:-1}
+CUDA_GRAPHS=${CUDA_GRAPHS:-1}
 WORK=${WORK:-/tmp/ty-gpu}
 mkdir -p "$OUT" "$WORK/logs"
 START=$(date +%s)
@@ -132,12 +134,15 @@ if step model 180 "$PY" -m bench.gpu.make_model --out "$MODEL" --size "$SIZE" --
   cat "$OUT/model.json"
   # The last (slowest) level gets whatever time is left.
   levels=($CONCURRENCY)
+  graphs=()
+  [[ $CUDA_GRAPHS == 1 ]] || graphs=(--no-cuda-graphs)
   for c in "${levels[@]}"; do
     limit=200
     [[ $c == "${levels[-1]}" ]] && limit=600
     step "ceiling-c$c" "$limit" "$PY" -m bench.engine_ceiling --model "$MODEL" \
       --device "$DEVICE" --dtype "$DTYPE" --concurrency "$c" --max-tokens "$MAX_TOKENS" \
-      --prompt-words "$PROMPT_WORDS" --log-dir "$WORK/logs/c$c" >"$WORK/ceiling-c$c.json"
+      --prompt-words "$PROMPT_WORDS" --log-dir "$WORK/logs/c$c" "${graphs[@]}" \
+      >"$WORK/ceiling-c$c.json"
     reap
     # a JSON document only when the run finished: a killed run leaves a partial or empty file
     "$PY" -c 'import json,sys; json.load(open(sys.argv[1]))' "$WORK/ceiling-c$c.json" 2>/dev/null &&
