@@ -16,7 +16,8 @@ host the gateway, Valkey and the load generator take cores the offline engine ha
 `--threads N` gives the engine N torch threads in every run, so the others can have the rest.
 
     python -m bench.engine_ceiling [--concurrency 64,256] [--max-tokens 64] [--prompt-words 32]
-        [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--quick]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--model tiny|/path] [--log-dir DIR]
+        [--no-cuda-graphs] [--quick]
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def offline_transformers(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
         num_blocks=c * (-(-longest // page) + 1),
         max_batch_tokens=opts.max_batch_tokens or max(512, c),
         max_requests_per_batch=c,
-        use_cuda_graph=opts.device.startswith("cuda"),
+        use_cuda_graph=opts.device.startswith("cuda") and opts.cuda_graphs,
     )
     model.generate_batch(inputs[: min(8, n)], config, cb, progress_bar=False)  # warm-up
     start = time.perf_counter()
@@ -99,6 +100,8 @@ def offline_transformers(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
     wall = time.perf_counter() - start
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
     del model
+    if opts.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory it finds
     return {
         "requests": n,
         "tokens": tokens,
@@ -112,7 +115,14 @@ async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
     from tokenyard.engines import make_engine
     from tokenyard.messages import SamplingParams
 
-    engine = make_engine("hf", model=opts.model, device=opts.device, dtype=opts.dtype, max_seqs=c)
+    engine = make_engine(
+        "hf",
+        model=opts.model,
+        device=opts.device,
+        dtype=opts.dtype,
+        max_seqs=c,
+        cuda_graphs=opts.cuda_graphs,
+    )
     await engine.start()
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=0.0, ignore_eos=True)
     inputs = prompts(opts, n, engine.tokenizer.encode)
@@ -177,6 +187,7 @@ class Stack:
             "TOKENYARD_WORKER_DTYPE": opts.dtype,
             "TOKENYARD_WORKER_TOKEN_BUDGET": str(c * (4 * opts.prompt_words + opts.max_tokens)),
             "TOKENYARD_WORKER_ENGINE_PROCESS": "1" if opts.engine_process else "0",
+            "TOKENYARD_WORKER_CUDA_GRAPHS": "true" if opts.cuda_graphs else "false",
         }
         if opts.threads:
             env["TOKENYARD_WORKER_THREADS"] = str(opts.threads)
@@ -263,12 +274,13 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)  # the offline runs get what the worker's engine gets
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
+        logs = Path(opts.log_dir or tmp)  # the gateway's, worker's and Valkey's logs
         for c in opts.concurrency:
             n = max(c, opts.requests_per_slot * c)
             cell: dict[str, Any] = {}
             cell["transformers"] = await asyncio.to_thread(offline_transformers, opts, c, n)
             cell["engine"] = await offline_engine(opts, c, n)
-            cell["http"] = await http_path(opts, c, n, Path(tmp))
+            cell["http"] = await http_path(opts, c, n, logs)
             ceiling = max(cell["transformers"]["tok_s"], cell["engine"]["tok_s"])
             cell["http_over_offline_max"] = round(cell["http"]["tok_s"] / ceiling, 3)
             cell["engine_over_transformers"] = round(
@@ -284,6 +296,7 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": opts.max_tokens,
         "torch_threads": opts.threads,
         "engine_process": opts.engine_process,
+        "cuda_graphs": opts.cuda_graphs,
         "cores": os.cpu_count(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "goal": {"http_over_offline_max": 0.9},
@@ -303,12 +316,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-process", action="store_true")
     parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="CUDA: run every forward pass eagerly, offline and in the worker",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
         help="torch threads for the engine, offline and in the worker (default: torch's)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", help="keep the processes' logs here (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: C=4, 8 tokens")
     opts = parser.parse_args(argv)
     opts.concurrency = [int(x) for x in str(opts.concurrency).split(",")]
