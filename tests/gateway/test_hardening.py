@@ -77,9 +77,17 @@ def test_the_edges_of_the_seed_range_are_served(shared: Stack) -> None:
     assert refused.value.param == "seed"
 
 
-def test_top_k_past_64_bits_is_400(http: httpx.Client) -> None:
-    response = post(http, "/v1/completions", json.dumps({**OK, "top_k": 2**64}).encode())
-    assert assert_error(response, 400, "invalid_value")["param"] == "top_k"
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        (json.dumps({**OK, "top_k": 2**64}).encode(), "top_k"),
+        (b'{"model": "sim-model", "prompt": "hi", "deadline": 1e400}', "deadline"),  # inf
+    ],
+)
+def test_other_values_out_of_range_are_400(http: httpx.Client, content: bytes, param: str) -> None:
+    assert (
+        assert_error(post(http, "/v1/completions", content), 400, "invalid_value")["param"] == param
+    )
 
 
 async def test_bad_seeds_among_valid_jobs_of_other_tenants_fail_only_themselves(

@@ -76,7 +76,7 @@ class _Common(_Request):
     return_token_ids: bool = False
     # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
     priority: Literal["high", "normal", "low"] | None = None
-    deadline: float | None = None
+    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
     # tokenyard: false opts a deterministic request out of the response cache and collapsing
     cache: bool | None = None
 
