@@ -1,5 +1,6 @@
 """Group commit in the Redis broker: concurrent single-job enqueues share script calls, a full
-lane refuses only its own jobs, and a caller that leaves does not take the batch with it."""
+lane refuses only its own jobs, a job that cannot be encoded fails alone (on NATS too), and a
+caller that leaves does not take the batch with it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import uuid
 
 import pytest
 
+from tests.conftest import BackendFactory
 from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.core import EnqueueResult
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
-from tokenyard.errors import QueueFull
-from tokenyard.messages import JobSpec, JobStatus, Priority
+from tokenyard.errors import InvalidRequest, QueueFull
+from tokenyard.messages import JobSpec, JobStatus, Priority, SamplingParams
 
 MODEL = "m"
 
@@ -77,3 +80,37 @@ async def test_a_caller_that_leaves_does_not_cancel_the_batch(valkey: EmbeddedSe
             assert record is not None and record.status is JobStatus.QUEUED
     finally:
         await broker.close()
+
+
+def bad(i: int) -> JobSpec:
+    """A job no backend can encode: an int past 64 bits (the gateway refuses such a seed)."""
+    if (i // 20) % 2:
+        return JobSpec(id=new_job_id(MODEL), model=MODEL, prompt_token_ids=[5, 2**70])
+    sampling = SamplingParams(seed=2**64 + i)
+    return JobSpec(id=new_job_id(MODEL), model=MODEL, prompt="x", sampling=sampling)
+
+
+@pytest.mark.parametrize("make_backend", ["valkey", "nats"], indirect=True)
+async def test_a_job_that_cannot_be_encoded_fails_alone(make_backend: BackendFactory) -> None:
+    broker = make_backend(max_queue_depth=1000)
+    first = asyncio.create_task(broker.queue.enqueue(spec()))
+    await asyncio.sleep(0)  # its call is in flight: the jobs below batch up behind it
+    jobs = [
+        bad(i) if i % 20 == 7 else JobSpec(id=new_job_id(MODEL), model=MODEL, prompt="x")
+        for i in range(60)
+    ]
+    for i, job in enumerate(jobs):
+        job.tenant = f"tenant{i % 3}"
+    outcomes = await asyncio.gather(
+        *(broker.queue.enqueue(j) for j in jobs), return_exceptions=True
+    )
+    assert (await first).created
+    for job, outcome in zip(jobs, outcomes, strict=True):
+        if job.prompt is None or job.sampling.seed is not None:
+            assert isinstance(outcome, InvalidRequest), outcome
+            assert outcome.code == "invalid_value"
+            assert await broker.queue.record(job.id) is None
+        else:
+            assert isinstance(outcome, EnqueueResult) and outcome.created, outcome
+    assert await broker.queue.depth(MODEL) == 1 + 57
+    assert broker.queue._group.calls < 1 + 57  # the good ones still went in batches

@@ -80,3 +80,11 @@ def test_dir_file_store(tmp_path: Any) -> None:
     assert store.content(fixed) == b"v2" and len(store.list("acme")) == 2
     assert store.get("../../etc/passwd") is None
     assert store.delete(a.id) and store.get(a.id) is None and not store.delete(a.id)
+
+
+def test_a_line_nested_too_deep_or_not_utf8_is_a_line_error() -> None:
+    deep = b'{"custom_id": "d", "body": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    data = b"\n".join([_line(0), deep, _line(2).replace(b'"hi"', b'"caf\xe9"'), _line(3)])
+    lines, errors = parse_lines(data, CHAT, 10)
+    assert [line.custom_id for line in lines] == ["r0", "r3"]
+    assert [(e.line, e.code) for e in errors] == [(2, "json_too_deep"), (3, "invalid_json")]

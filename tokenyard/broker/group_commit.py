@@ -1,6 +1,11 @@
 """Group commit: one client's concurrent single-job enqueues reach the broker in one
 `enqueue_many` call per model (on Redis, one script call), so a single-job API under load costs
-what `enqueue_many` costs. It knows only `enqueue_many`: any backend's queue can use it."""
+what `enqueue_many` costs. It knows only `enqueue_many`: any backend's queue can use it.
+
+Jobs of many requests (and tenants) share a call, so one request's failure must stay its own:
+each job is encoded before it joins a batch, so what fails a call is the call's (the broker
+down), or a full lane, which is retried job by job.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,11 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import msgspec
+
 from tokenyard.broker.core import EnqueueResult
-from tokenyard.errors import QueueFull
-from tokenyard.messages import JobSpec
+from tokenyard.errors import InvalidRequest, QueueFull
+from tokenyard.messages import JobSpec, encode
 
 EnqueueMany = Callable[[Sequence[JobSpec]], Awaitable[list[EnqueueResult]]]
 
@@ -41,7 +48,9 @@ class GroupCommit:
 
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
         """Enqueue one job with whatever else is waiting. A caller cancelled meanwhile does not
-        cancel a batch its job rides in; either way its job may still be added."""
+        cancel a batch its job rides in; either way its job may still be added. A job that
+        cannot be encoded is refused here (InvalidRequest), before it meets any other."""
+        _check_encodable(spec)
         model = spec.model
         if not self._in_flight[model] and not self._pending.get(model):
             # light load: the call goes from the caller's own task (no hop through another);
@@ -91,7 +100,9 @@ class GroupCommit:
                 _settle(batch[0][1], full)
             else:
                 await self._one_by_one(batch)
-        except BaseException as exc:  # BrokerUnavailable, or shutdown: every caller hears it
+        except BaseException as exc:
+            # BrokerUnavailable, or shutdown: the call's failure, every caller's (what one job
+            # alone fails on, its encoding, `enqueue` checked before the job joined the batch)
             for _, done in batch:
                 _settle(done, exc)
             if not isinstance(exc, Exception):
@@ -117,6 +128,17 @@ class GroupCommit:
             self._flush(model)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _check_encodable(spec: JobSpec) -> None:
+    # Backends encode a batch's jobs together, so a job that cannot be encoded (an int past 64
+    # bits, say) would fail every job in its batch; it fails alone, in its caller's task.
+    try:
+        encode(spec)
+    except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+        raise InvalidRequest(
+            f"The job cannot be encoded for the queue: {exc}", code="invalid_value"
+        ) from exc
 
 
 def _settle(done: asyncio.Future[EnqueueResult], outcome: EnqueueResult | BaseException) -> None:

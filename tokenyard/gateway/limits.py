@@ -18,23 +18,50 @@ from tokenyard.gateway.refresh import RefreshAhead
 from tokenyard.limits import context_length_exceeded, loosest
 from tokenyard.messages import ModelLimits
 
+# How much of an oversize body is read (and dropped) before its 413 goes out. A server that
+# answers and closes with the body still arriving makes the kernel reset the connection, and a
+# client that sends its whole body before it reads (most do) then sees the reset, not the 413.
+DRAIN_BYTES = 16 << 20
+
 
 class BodyTooLarge(HTTPException):
-    """Raised from receive(); FastAPI re-raises HTTPExceptions met while reading a body."""
+    """Raised from receive(); FastAPI re-raises HTTPExceptions met while reading a body.
+    `close`: the rest of the body was left unread, so the connection must close."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"Request body exceeds {limit} bytes")
+    def __init__(self, limit: int, *, close: bool = False) -> None:
+        headers = {"Connection": "close"} if close else None
+        super().__init__(413, f"Request body exceeds {limit} bytes", headers=headers)
+
+
+async def _drain(receive: Receive, more: bool, budget: int) -> bool:
+    """Read and drop the rest of a request body, up to `budget` bytes; whether it all came."""
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False  # the client left
+        budget -= len(message.get("body", b""))
+        more = bool(message.get("more_body", False))
+        if more and budget < 0:
+            return False
+    return True
 
 
 class BodyLimitMiddleware:
-    """Refuses bodies over `max_bytes`: by Content-Length up front, else while they stream in."""
+    """Refuses bodies over `max_bytes` with 413: by Content-Length up front, else while they
+    stream in. Up to `drain_bytes` more of the body are read first, so the client that is still
+    sending gets its answer, and the connection survives when the body ends within them."""
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        per_path: dict[str, int] | None = None,
+        drain_bytes: int = DRAIN_BYTES,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.per_path = per_path or {}  # exact paths with their own limit (file uploads)
+        self.drain_bytes = drain_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -42,15 +69,21 @@ class BodyLimitMiddleware:
             return
         max_bytes = self.per_path.get(scope.get("path", ""), self.max_bytes)
         declared: bytes | None = None
-        chunked = False
+        chunked = expects_continue = False
         for name, value in scope.get("headers") or ():
             if name == b"content-length":
                 declared = value
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name == b"expect":
+                expects_continue = value.lower() == b"100-continue"
         if declared is not None and declared.isdigit():
             if int(declared) > max_bytes:
-                await _send_413(send, max_bytes)
+                # a client waiting for 100 Continue has sent no body: nothing to drain
+                drained = not expects_continue and int(declared) <= max_bytes + self.drain_bytes
+                if drained:
+                    drained = await _drain(receive, True, int(declared))
+                await _send_413(send, max_bytes, close=not drained)
                 return
             if not chunked:
                 # the server frames the body by Content-Length: it cannot grow past it
@@ -64,13 +97,15 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > max_bytes:
-                    raise BodyTooLarge(max_bytes)
+                    more = bool(message.get("more_body", False))
+                    drained = await _drain(receive, more, self.drain_bytes)
+                    raise BodyTooLarge(max_bytes, close=not drained)
             return message
 
         await self.app(scope, limited, send)
 
 
-async def _send_413(send: Send, limit: int) -> None:
+async def _send_413(send: Send, limit: int, *, close: bool) -> None:
     body = json.dumps(
         error_body(
             f"Request body exceeds {limit} bytes",
@@ -86,7 +121,7 @@ async def _send_413(send: Send, limit: int) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
+                *([(b"connection", b"close")] if close else []),
             ],
         }
     )

@@ -11,10 +11,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body, unsupported, validation_error
+from tokenyard.gateway.jsonbody import check_json
 from tokenyard.messages import (
     FinishReason,
     JobRecord,
@@ -26,6 +28,20 @@ from tokenyard.messages import (
 )
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _int64(value: int) -> int:
+    # the job crosses the broker as msgpack and engines take 64-bit seeds: a wider value would
+    # fail later, in encoding or in a worker, instead of here as the client's own error
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise PydanticCustomError(
+            "int64_range", "must be a signed 64-bit integer (from -2**63 to 2**63 - 1)"
+        )
+    return value
+
+
+Int64 = Annotated[int, AfterValidator(_int64)]
 
 
 class _Request(BaseModel):
@@ -47,20 +63,20 @@ class _Common(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # extensions vLLM also accepts
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[Int64, Field(ge=0)] | None = None
     ignore_eos: bool = False
     # vLLM's extension: each choice also carries the generated token ids (the remote engine
     # of another tokenyard needs them to decode, resume and count exactly)
     return_token_ids: bool = False
     # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
     priority: Literal["high", "normal", "low"] | None = None
-    deadline: float | None = None
+    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
     # tokenyard: false opts a deterministic request out of the response cache and collapsing
     cache: bool | None = None
 
@@ -213,12 +229,15 @@ class ChatCompletionRequest(_Common):
         return out
 
 
-def parse(kind: type[_Request], body: bytes) -> Any:
-    """Validate a JSON body into `kind`; malformed JSON or an invalid value is 400."""
+def parse(kind: type[_Request], body: bytes, *, checked: bool = False) -> Any:
+    """Validate a JSON body into `kind`; malformed JSON or an invalid value is 400. `checked`:
+    the caller already passed `body` through `check_json`."""
     if not body.strip():
         raise InvalidRequest(
             "The request body is empty; a JSON object is required", code="invalid_json"
         )
+    if not checked:
+        check_json(body)
     try:
         return kind.model_validate_json(body)
     except ValidationError as exc:

@@ -163,11 +163,27 @@ class EventStreamResponse(StreamingResponse):
                 await self._generator.aclose()
 
 
+_EVENT_ID_PART_MAX = (1 << 64) - 1  # each part of a broker event id is an unsigned 64-bit int
+
+
+def _event_id_part(text: str) -> bool:
+    # str.isdigit() also says yes to other scripts' digits (and int() reads them)
+    return text.isascii() and text.isdigit() and int(text) <= _EVENT_ID_PART_MAX
+
+
 def last_event_id(request: Request, after: str | None) -> str:
-    """Resume point: the Last-Event-ID header, else an `after` query value, else the start."""
-    value = request.headers.get("last-event-id") or after or "0"
-    value = value.strip()
+    """Resume point: the Last-Event-ID header, else an `after` query value, else the start.
+    Anything but an event id (`ms` or `ms-seq`, each part an unsigned 64-bit int) is 400,
+    answered before the stream starts."""
+    header = request.headers.get("last-event-id")
+    param = "Last-Event-ID" if header else "after"
+    value = (header or after or "0").strip()
     ms, dash, seq = value.partition("-")
-    if value == "0" or (ms.isdigit() and (not dash or seq.isdigit())):
+    if _event_id_part(ms) and (not dash or _event_id_part(seq)):
         return value
-    raise InvalidRequest(f"malformed Last-Event-ID {value!r}", param="Last-Event-ID")
+    raise InvalidRequest(
+        f"{param} must be an event id: 'ms' or 'ms-seq', each part an unsigned 64-bit "
+        f"integer in ASCII digits, not {value[:80]!r}",
+        param=param,
+        code="invalid_value",
+    )

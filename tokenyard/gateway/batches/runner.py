@@ -241,6 +241,7 @@ class _Drive:
         body: Any = protocol.parse(
             protocol.ChatCompletionRequest if line.kind == "chat" else protocol.CompletionRequest,
             line.body,
+            checked=True,  # `parse_lines` checked it
         )
         body.deadline = float(rec.expires_at)
         # nobody follows a batch line's tokens: the runner reads only its result

@@ -9,6 +9,7 @@ import msgspec
 from tokenyard.errors import UserError
 from tokenyard.gateway import protocol
 from tokenyard.gateway.batches.types import ENDPOINTS
+from tokenyard.gateway.jsonbody import check_json
 from tokenyard.messages import LineError
 
 Kind = Literal["completion", "chat"]
@@ -64,6 +65,10 @@ def parse_lines(
 
 
 def _check_line(raw: bytes, number: int, endpoint: str, seen: set[str]) -> BatchLine | LineError:
+    try:
+        check_json(raw)
+    except UserError as exc:
+        return _line_error(exc.code or "invalid_json_line", exc.message, number)
     try:
         obj: Any = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:

@@ -15,6 +15,7 @@ from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.batches.service import batches_of
 from tokenyard.gateway.batches.types import ENDPOINTS, batch_body, new_batch_id
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.jsonbody import check_json
 from tokenyard.messages import BatchRecord, BatchStatus
 
 router = APIRouter()
@@ -43,8 +44,10 @@ async def _own_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchSt
 @router.post("/v1/batches")
 async def create_batch(request: Request, tenant: TenantDep) -> JSONResponse:
     service = batches_of(request)
+    raw = await request.body()
+    check_json(raw)
     try:
-        body = msgspec.json.decode(await request.body(), type=CreateBatch)
+        body = msgspec.json.decode(raw, type=CreateBatch)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidRequest(f"Invalid request body: {exc}", code="invalid_request") from exc
     if body.endpoint not in ENDPOINTS:

@@ -16,6 +16,7 @@ from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
@@ -74,6 +75,8 @@ async def submit_job(request: Request, tenant: Tenant, idempotency_key: str | No
     """The handler of POST /v1/jobs, also called by `gateway/fast.py`."""
     state = gateway(request)
     raw = await request.body()
+    if raw.strip():
+        check_json(raw)  # before the first parser sees it
     try:
         decoded = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:
@@ -83,7 +86,7 @@ async def submit_job(request: Request, tenant: Tenant, idempotency_key: str | No
     is_chat = isinstance(decoded, dict) and "messages" in decoded
     kind: protocol.Kind = "chat" if is_chat else "completion"
     model = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
-    body = protocol.parse(model, raw)
+    body = protocol.parse(model, raw, checked=True)
     if body.stream:
         raise InvalidRequest(
             "'stream' is not allowed here; follow GET /v1/jobs/{id}/events", param="stream"
