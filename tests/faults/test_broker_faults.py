@@ -360,7 +360,9 @@ async def crash_and_restart_under_enqueues(
         # the lanes exist before the crash
         acknowledged.append((await broker.queue.enqueue(spec(-1, key="first"))).job_id)
         await asyncio.to_thread(mid_run)
-        procs.append(ConsumerProcess(url, prefix, "during", slots=64, lease_s=5, tables=tables_url))
+        during = ConsumerProcess(url, prefix, "during", slots=64, lease_s=5, tables=tables_url)
+        procs.append(during)
+        await eventually(lambda: during.ready, "the consumer is ready", 30, procs)
     producer = asyncio.create_task(produce())
     try:
         await eventually(lambda: len(acknowledged) >= 500, "500 enqueues before the crash")

@@ -18,8 +18,9 @@ from tokenyard.broker import redacted
 from tokenyard.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
-# aiormq logs a lost connection with its traceback; the backend reports it as BrokerUnavailable
-logging.getLogger("aiormq.connection").setLevel(logging.ERROR)
+# aiormq logs a lost or refused connection itself, a traceback each time; the backend reports
+# every such failure as BrokerUnavailable, which its callers log once
+logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)
 
 TIMEOUT_S = 5.0  # one operation's bound: a broker that answers nothing within it is unavailable
 Arguments = Mapping[str, Any]
