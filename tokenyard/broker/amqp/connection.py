@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aio_pika
@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 # every such failure as BrokerUnavailable, which its callers log once
 logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)
 
+GETTERS = 8  # basic.get channels: how many messages one claim takes at once
 TIMEOUT_S = 5.0  # one operation's bound: a broker that answers nothing within it is unavailable
 Arguments = Mapping[str, Any]
 
@@ -46,21 +47,28 @@ class AmqpConnection:
         self.url = url
         self._conn: AbstractConnection | None = None
         self._publisher: AbstractChannel | None = None
-        self._getter: AbstractChannel | None = None
+        # basic.get is synchronous per channel: several let one claim take messages at once
+        self._getters: list[AbstractChannel] = []
         self._opening = asyncio.Lock()
         self._declared: set[str] = set()
         self._closing: set[asyncio.Future[None]] = set()
+        # which connection this is: a consumer made on an earlier one is gone with it
+        self.generation = 0
 
-    async def _channels(self) -> tuple[AbstractChannel, AbstractChannel]:
+    async def _channels(self, getters: int = 1) -> tuple[AbstractChannel, list[AbstractChannel]]:
+        """The publishing channel and at least `getters` channels for basic.get."""
         async with self._opening:
             if self._conn is None or self._conn.is_closed:
                 self._conn = await aio_pika.connect(self.url, timeout=TIMEOUT_S)
-                self._publisher = self._getter = None
+                self.generation += 1
+                self._publisher = None
+                self._getters = []
             if self._publisher is None or self._publisher.is_closed:
                 self._publisher = await self._conn.channel(publisher_confirms=True)
-            if self._getter is None or self._getter.is_closed:
-                self._getter = await self._conn.channel(publisher_confirms=False)
-            return self._publisher, self._getter
+            self._getters = [g for g in self._getters if not g.is_closed]
+            while len(self._getters) < getters:
+                self._getters.append(await self._conn.channel(publisher_confirms=False))
+            return self._publisher, self._getters
 
     @contextlib.asynccontextmanager
     async def _sent(self, what: str) -> AsyncIterator[None]:
@@ -85,14 +93,14 @@ class AmqpConnection:
         delivery limit that count are the tables' (queue.py); RabbitMQ's are a backstop."""
         try:
             async with self._sent(name):
-                _, channel = await self._channels()
+                _, (channel, *_) = await self._channels()
                 await channel.declare_queue(name, durable=True, arguments=dict(arguments))
         except _Clash as clash:
             log.warning(
                 "RabbitMQ queue %s exists with other arguments; using it as it is: %s", name, clash
             )
             async with self._sent(name):
-                _, channel = await self._channels()  # the refusal closed the channel
+                _, (channel, *_) = await self._channels()  # the refusal closed the channel
                 await channel.declare_queue(name, passive=True)
         self._declared.add(name)
 
@@ -108,12 +116,55 @@ class AmqpConnection:
             )
             await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
 
-    async def get(self, queue: str) -> AbstractIncomingMessage | None:
-        """basic.get: one ready message, held unacked on this connection, or None."""
+    async def get(self, queue: str, most: int = 1) -> list[AbstractIncomingMessage]:
+        """basic.get up to `most` ready messages, held unacked on this connection: one, then
+        as many more as its get-ok said were ready (at most GETTERS at a time, one channel
+        each). Empty when the queue had none."""
         async with self._sent(queue):
-            _, channel = await self._channels()
+            _, getters = await self._channels()
+            first = await self._get_on(getters[0], queue)
+            if first is None:
+                return []
+            got = [first]
+            ready = int(first.message_count or 0)
+            while len(got) < most and ready > 0:
+                wave = min(most - len(got), ready, GETTERS)
+                _, getters = await self._channels(wave)
+                more = await asyncio.gather(*(self._get_on(g, queue) for g in getters[:wave]))
+                found = [m for m in more if m is not None]
+                got += found
+                if len(found) < wave:
+                    break  # another consumer took the rest
+                ready = min(int(m.message_count or 0) for m in found)
+            return got
+
+    async def consume(
+        self, queue: str, prefetch: int, deliver: Callable[[AbstractIncomingMessage], None]
+    ) -> int:
+        """A consumer of `queue` on a channel of its own whose prefetch is `prefetch`: RabbitMQ
+        pushes it messages while fewer than that are unacked. Returns the connection's
+        generation (the consumer lives as long as that connection)."""
+        async with self._sent(queue):
+            await self._channels()
+            assert self._conn is not None
+            channel = await self._conn.channel(publisher_confirms=False)
+            await channel.set_qos(prefetch_count=prefetch)
             q = await channel.get_queue(queue, ensure=False)
-            return await q.get(no_ack=False, fail=False, timeout=TIMEOUT_S)
+
+            async def on_message(message: AbstractIncomingMessage) -> None:
+                deliver(message)
+
+            await q.consume(on_message, no_ack=False)
+            return self.generation
+
+    def alive(self, generation: int) -> bool:
+        """Whether the connection of that generation is still the one in use and open."""
+        return generation == self.generation and self._conn is not None and not self._conn.is_closed
+
+    @staticmethod
+    async def _get_on(channel: AbstractChannel, queue: str) -> AbstractIncomingMessage | None:
+        q = await channel.get_queue(queue, ensure=False)
+        return await q.get(no_ack=False, fail=False, timeout=TIMEOUT_S)
 
     async def ack(self, message: AbstractIncomingMessage) -> bool:
         """Ack a delivery; False where its channel is gone (RabbitMQ requeued it already)."""
@@ -134,7 +185,8 @@ class AmqpConnection:
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
-        self._publisher = self._getter = None
+        self._publisher = None
+        self._getters = []
         if conn is not None and not conn.is_closed:
             # closed in the background: a dead peer may never answer
             task = asyncio.ensure_future(_quietly_close(conn))

@@ -19,9 +19,10 @@ a crash in between leaves a stale copy, never a job with no message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +44,7 @@ from tokenyard.broker.core import (
 )
 from tokenyard.broker.outcomes import dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, claim_order, stamp_by_model
-from tokenyard.broker.redis.connection import MAX_BLOCK_S, SOCKET_TIMEOUT_S, RedisConnection, ms
+from tokenyard.broker.redis.connection import RedisConnection, ms
 from tokenyard.broker.redis.connection import text as as_text
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.queue import RedisQueue
@@ -65,8 +66,8 @@ from tokenyard.messages import (
 # A retry waits in the delay queue whose TTL is the first of these at or above its backoff
 # (rounded up: never sooner than the backoff asks); each lane has one queue per delay used.
 DELAYS_MS = (50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 30_000, 60_000, 120_000)
-# A blocked claim looks at the lanes at least this often: RabbitMQ requeues a lost holder's
-# messages and expires retries into the lanes without a wake-up in the tables.
+# A blocked claim looks at the lanes at least this often: a lane whose whole prefetch this
+# process holds gets no pushes, so its new messages are found by basic.get only.
 WAKE_CAP_S = 1.0
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
 
@@ -79,8 +80,34 @@ def _delay_ms(delay_s: float) -> int:
     return next((d for d in DELAYS_MS if d >= wanted), DELAYS_MS[-1])
 
 
+def _room(lane: _Lane, left: int, batch_left: int) -> int:
+    """How many more a claim with `left` free slots takes from `lane` (the batch lane: capped)."""
+    return min(left, batch_left) if lane.priority is Priority.BATCH else left
+
+
 def _new_msg() -> str:
     return secrets.token_hex(8)
+
+
+class _Lane:
+    """A lane this process consumes: what RabbitMQ pushed that no claim took yet."""
+
+    def __init__(self, name: str, priority: Priority, pool: int) -> None:
+        self.name = name
+        self.priority = priority
+        self.pool = pool
+        self.buffer: deque[AbstractIncomingMessage] = deque()
+        self.unacked = 0  # pushed and not acked yet: the buffer, and the leases taken from it
+
+
+class _Feed:
+    """A model's lanes as this process consumes them, each with the same prefetch."""
+
+    def __init__(self, prefetch: int) -> None:
+        self.prefetch = prefetch
+        self.lanes: dict[tuple[Priority, int], _Lane] = {}
+        self.arrived = asyncio.Event()
+        self.generation = -1  # the AMQP connection its consumers live on
 
 
 class _Held(NamedTuple):
@@ -89,6 +116,7 @@ class _Held(NamedTuple):
     job_id: str
     msg: str
     message: AbstractIncomingMessage
+    lane: _Lane | None  # the lane whose consumer it came from; None: basic.get
 
 
 class AmqpQueue(RedisQueue):
@@ -111,7 +139,7 @@ class AmqpQueue(RedisQueue):
         self.names = names
         self._held: dict[str, _Held] = {}  # lease token -> its delivery
         self._token_of: dict[str, str] = {}  # job id -> the token this process holds it under
-        self._wake_ids: dict[str, str] = {}  # model -> the last wake-up id a claim has seen
+        self._feeds: dict[str, _Feed] = {}  # model -> its lanes' consumers
         self._encoded_expired = encode(Finished(result=expired_result()))
 
     # -- lanes -----------------------------------------------------------------------------
@@ -159,13 +187,6 @@ class AmqpQueue(RedisQueue):
                 },
             )
         return name
-
-    async def _wake(self, models: Sequence[str]) -> None:
-        """Tell blocked claims that messages are on the lanes (after RabbitMQ confirmed them)."""
-        if models:
-            await self.conn.checked(
-                [("XADD", self.keys.lane_wake(m), "MAXLEN", "~", 64, "*", "n", 1) for m in models]
-            )
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
@@ -253,7 +274,6 @@ class AmqpQueue(RedisQueue):
                 )
             raise failed[0]
         await self.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
-        await self._wake([m for m, idx in by_model.items() if any(results[i].created for i in idx)])
         return results
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
@@ -309,88 +329,103 @@ class AmqpQueue(RedisQueue):
         pools: Sequence[int] = (0,),
         batch_room: int | None = None,
     ) -> list[Lease]:
-        """basic.get from the lanes in claim order (strict priority, anti-starvation rounds),
-        at most `slots`; when none is ready, wait on the model's wake-up stream."""
+        """What RabbitMQ pushed to this process's lane consumers, in claim order (strict
+        priority, anti-starvation rounds), at most `slots`; topped up with basic.get where a
+        push cannot bring more now; else wait for a push up to `block_s`. Consumers are made by
+        the first blocking claim (a worker's): a claim that may not wait, with none made, takes
+        exactly what is ready by basic.get alone."""
         if slots <= 0:
             return []
         await self._lanes(model)
+        feed = self._feeds.get(model)
+        if block_s > 0 or feed is not None:
+            feed = await self._feed(model, pools, slots)
         give_up_at = time.monotonic() + block_s
-        if block_s > 0 and model not in self._wake_ids:
-            self._wake_ids[model] = await self._wake_tail(model)
         while True:
+            if feed is not None:
+                feed.arrived.clear()  # before the buffers are read: a push after it wakes us
             order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
             self._rounds[model] += 1
-            got: list[tuple[Priority, int, AbstractIncomingMessage]] = []
+            lanes = [
+                feed.lanes[_PRIORITIES[p], pool]
+                if feed is not None
+                else _Lane(self.names.lane(model, _PRIORITIES[p], pool), _PRIORITIES[p], pool)
+                for p in order
+                for pool in pools
+            ]
             batch_left = slots if batch_room is None else max(0, batch_room)
-            for p in order:
-                priority = _PRIORITIES[p]
-                for pool in pools:
-                    room = slots - len(got)
-                    if priority is Priority.BATCH:
-                        room = min(room, batch_left)
-                    lane = self.names.lane(model, priority, pool)
-                    while room > 0:
-                        message = await self.amqp.get(lane)
-                        if message is None:
-                            break
-                        got.append((priority, pool, message))
-                        room -= 1
-                        if priority is Priority.BATCH:
-                            batch_left -= 1
-                        if not message.message_count:
-                            break  # basic.get-ok said it was the lane's last ready message
+            got: list[tuple[_Lane, AbstractIncomingMessage, bool]] = []
+            for lane in lanes:
+                while lane.buffer and _room(lane, slots - len(got), batch_left) > 0:
+                    got.append((lane, lane.buffer.popleft(), True))
+                    if lane.priority is Priority.BATCH:
+                        batch_left -= 1
+            # basic.get (slow on quorum queues: one Raft command each) only where a push cannot
+            # bring more now: a claim that may not wait, or a lane whose whole prefetch this
+            # process holds
+            for lane in lanes:
+                room = _room(lane, slots - len(got), batch_left)
+                full = feed is not None and lane.unacked >= feed.prefetch
+                if room > 0 and (block_s <= 0 or full):
+                    pulled = await self.amqp.get(lane.name, room)
+                    got += [(lane, message, False) for message in pulled]
+                    if lane.priority is Priority.BATCH:
+                        batch_left -= len(pulled)
             if got:
                 leases = await self._take(model, consumer, got)
                 if leases:
                     return leases
                 continue  # only stale copies: they are gone now, look again at once
             wait = give_up_at - time.monotonic()
-            if wait <= 0:
+            if wait <= 0 or feed is None:
                 return []
-            await self._wait(model, min(wait, WAKE_CAP_S))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(feed.arrived.wait(), min(wait, WAKE_CAP_S))
 
-    async def _wake_tail(self, model: str) -> str:
-        rows = await self.conn.parsed("XREVRANGE", self.keys.lane_wake(model), "+", "-", "COUNT", 1)
-        return as_text(rows[0][0]) if rows else "0-0"
+    async def _feed(self, model: str, pools: Sequence[int], slots: int) -> _Feed:
+        """The model's lane consumers (made by the first claim, prefetch = its slots: a
+        worker's first claim asks for all of them); made again after a lost connection."""
+        feed = self._feeds.get(model)
+        if feed is not None and feed.lanes and not self.amqp.alive(feed.generation):
+            feed = None  # its consumers died with their connection: RabbitMQ redelivers
+        if feed is None:
+            feed = self._feeds[model] = _Feed(max(1, slots))
+        for priority in Priority:
+            for pool in pools:
+                if (priority, pool) in feed.lanes:
+                    continue
+                lane = _Lane(self.names.lane(model, priority, pool), priority, pool)
 
-    async def _wait(self, model: str, wait_s: float) -> None:
-        """Block on the wake-up stream after the last id seen, or until the next retry is due."""
-        first_due = await self.conn.parsed("ZRANGE", self.keys.delayed(model), 0, 0, "WITHSCORES")
-        if first_due:
-            due_in = float(first_due[0][1]) - self.clock()
-            wait_s = min(wait_s, max(0.005, due_in + 0.02))
-        key = self.keys.lane_wake(model)
-        after = self._wake_ids.get(model) or await self._wake_tail(model)
-        block_ms = max(1, int(min(wait_s, MAX_BLOCK_S) * 1000))
-        (reply,) = await self.conn.checked(
-            [("XREAD", "COUNT", 64, "BLOCK", block_ms, "STREAMS", key, after)],
-            timeout_s=block_ms / 1000 + SOCKET_TIMEOUT_S,
-        )
-        streams = reply.items() if isinstance(reply, dict) else (reply or ())
-        for _, entries in streams:
-            if entries:
-                self._wake_ids[model] = as_text(entries[-1][0])
+                def deliver(message: AbstractIncomingMessage, lane: _Lane = lane) -> None:
+                    lane.buffer.append(message)
+                    lane.unacked += 1
+                    feed.arrived.set()
+
+                feed.generation = await self.amqp.consume(lane.name, feed.prefetch, deliver)
+                feed.lanes[priority, pool] = lane
+        return feed
 
     async def _take(
         self,
         model: str,
         consumer: str,
-        got: Sequence[tuple[Priority, int, AbstractIncomingMessage]],
+        got: Sequence[tuple[_Lane, AbstractIncomingMessage, bool]],
     ) -> list[Lease]:
         """Lease what the records still name; ack what is stale, expired or dead."""
         now = self.clock()
         items, pending = [], []
-        for priority, pool, message in got:
+        for source, message, pushed in got:
             job_id = message.body.decode()
             msg = message.message_id or ""
+            via = source if pushed else None
             mine = self._token_of.get(job_id)
             if mine is not None and self._held[mine].msg == msg:
                 # our own running job, redelivered after our channel dropped: run on under it
-                self._held[mine] = _Held(job_id, msg, message)
+                self._held[mine] = _Held(job_id, msg, message, via)
                 continue
             token = secrets.token_hex(8)
-            lane = self._lane_key(model, priority, pool)
-            pending.append((message, job_id, msg, token))
+            lane = self._lane_key(model, source.priority, source.pool)
+            pending.append((message, job_id, msg, token, via))
             items.append(
                 (
                     scripts.LeaseItemKeys(
@@ -400,7 +435,7 @@ class AmqpQueue(RedisQueue):
                         leases=self.keys.leases(lane),
                     ),
                     scripts.TakeItemArgs(
-                        job_id=job_id, msg=msg, token=token, priority=priority.name
+                        job_id=job_id, msg=msg, token=token, priority=source.priority.name
                     ),
                 )
             )
@@ -428,19 +463,19 @@ class AmqpQueue(RedisQueue):
         rows = await self.conn.run(call)
         leases: list[Lease] = []
         ended: list[tuple[JobSpec, JobResult | None]] = []
-        for (message, job_id, msg, token), (code, spec_bytes, attempt, resumable) in zip(
+        for (message, job_id, msg, token, via), (code, spec_bytes, attempt, resumable) in zip(
             pending, rows, strict=True
         ):
             if code == 1:
                 spec = decode(spec_bytes, JobSpec)
                 spec.attempt = int(attempt)
-                self._held[token] = _Held(job_id, msg, message)
+                self._held[token] = _Held(job_id, msg, message, via)
                 self._token_of[job_id] = token
                 leases.append(
                     Lease(spec=spec, entry_id=token, consumer=consumer, resumable=resumable == 1)
                 )
                 continue
-            await self.amqp.ack(message)
+            await self._ack(message, via)
             if code == 2:
                 ended.append((decode(spec_bytes, JobSpec), expired_result()))
             elif code == 3:
@@ -448,7 +483,10 @@ class AmqpQueue(RedisQueue):
         if ended:  # rare: their end goes to the audit trail (and settles any quota)
             await self._settle_specs(ended)
         # a lane is FIFO: within each lane, what one claim took runs earliest deadline first
-        rank = {lane: i for i, lane in enumerate(dict.fromkeys((p, pool) for p, pool, _ in got))}
+        rank = {
+            lane: i
+            for i, lane in enumerate(dict.fromkeys((src.priority, src.pool) for src, _, _ in got))
+        }
         leases.sort(
             key=lambda lease: (
                 rank[lease.spec.priority, lease.spec.pool],
@@ -466,13 +504,21 @@ class AmqpQueue(RedisQueue):
 
     async def _let_go(self, leases: Sequence[Lease]) -> None:
         """Ack the deliveries these leases ran under: the job is settled (or the lease lost)."""
+        acks = []
         for lease in leases:
             held = self._held.pop(lease.entry_id, None)
             if held is None:
                 continue
             if self._token_of.get(held.job_id) == lease.entry_id:
                 del self._token_of[held.job_id]
-            await self.amqp.ack(held.message)
+            acks.append(self._ack(held.message, held.lane))
+        await asyncio.gather(*acks)
+
+    async def _ack(self, message: AbstractIncomingMessage, lane: _Lane | None) -> None:
+        """Ack a delivery; one its lane's consumer got frees a place in that prefetch."""
+        if lane is not None:
+            lane.unacked -= 1
+        await self.amqp.ack(message)
 
     # -- settling --------------------------------------------------------------------------
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
@@ -716,7 +762,6 @@ class AmqpQueue(RedisQueue):
             return 0
         flags = await self._requeue(await self._republish(leases), uncharge=True)
         await self._let_go(leases)
-        await self._wake(sorted({lease.spec.model for lease in leases}))
         return sum(flags)
 
     async def reap(self, model: str) -> ReapReport:
@@ -759,7 +804,6 @@ class AmqpQueue(RedisQueue):
         if again:
             flags = await self._requeue(await self._republish(again), expired_by=now)
             requeued = [lease.spec.id for lease, ok in zip(again, flags, strict=True) if ok]
-            await self._wake([model])
         dead_ids += await self._drain_dead(model)
         return ReapReport(requeued=requeued, dead=dead_ids)
 
@@ -768,10 +812,7 @@ class AmqpQueue(RedisQueue):
         limit): the jobs they still speak for are dead letters, with RabbitMQ's reason."""
         dead: list[str] = []
         queue = self.names.dead(model)
-        for _ in range(REAP_BATCH):
-            message = await self.amqp.get(queue)
-            if message is None:
-                break
+        for message in await self.amqp.get(queue, REAP_BATCH):
             job_id = message.body.decode()
             rec = await self.record(job_id)
             if rec is not None:
@@ -812,8 +853,6 @@ class AmqpQueue(RedisQueue):
                     dead.append(job_id)
                     await self._settle_specs([(spec, dead_result(error))])
             await self.amqp.ack(message)
-            if not message.message_count:
-                break
         return dead
 
     # -- cancellation ----------------------------------------------------------------------
