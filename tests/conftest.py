@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark what needs RabbitMQ (`make test-rabbitmq` runs it; `make test` leaves it out)."""
     for item in items:
         params = getattr(item, "callspec", None)
-        kinds = set(params.params.values()) if params is not None else set()
-        if "rabbitmq" in kinds or "rabbitmq" in getattr(item, "fixturenames", ()):
+        values = params.params.values() if params is not None else ()
+        if any(v == "rabbitmq" for v in values) or "rabbitmq" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.rabbitmq)
 
 

@@ -67,7 +67,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     conn = RedisConnection(
         msgspec.structs.replace(settings, url=settings.tables_url), extra_scripts=scripts.SCRIPTS
     )
-    amqp = AmqpConnection(settings.url)
+    amqp = AmqpConnection(settings.url, heartbeat_s=settings.lease_s / 2)
     keys = Keys(settings.prefix)
     quotas = RedisQuotas(conn, keys, clock)
     audit = RedisAudit(conn, keys, settings.audit_max_len)

@@ -43,8 +43,16 @@ class AmqpConnection:
     """Every AMQP operation the backend sends. A lost connection is opened again on next use;
     the deliveries the old one held are RabbitMQ's to redeliver."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, heartbeat_s: float = 60.0) -> None:
         self.url = url
+        # RabbitMQ closes a connection silent for about two heartbeats and redelivers what it
+        # held: a stopped or hung worker gives its deliveries back within about its lease
+        query = url.partition("?")[2]
+        if any(part.startswith("heartbeat=") for part in query.split("&")):
+            self._open_url = url
+        else:
+            beat = f"heartbeat={max(1, round(heartbeat_s))}"
+            self._open_url = f"{url}{'&' if query else '?'}{beat}"
         self._conn: AbstractConnection | None = None
         self._publisher: AbstractChannel | None = None
         # basic.get is synchronous per channel: several let one claim take messages at once
@@ -59,7 +67,7 @@ class AmqpConnection:
         """The publishing channel and at least `getters` channels for basic.get."""
         async with self._opening:
             if self._conn is None or self._conn.is_closed:
-                self._conn = await aio_pika.connect(self.url, timeout=TIMEOUT_S)
+                self._conn = await aio_pika.connect(self._open_url, timeout=TIMEOUT_S)
                 self.generation += 1
                 self._publisher = None
                 self._getters = []
