@@ -48,6 +48,7 @@ class Stack:
     autoscale: AutoscaleConfig | None = None
     log_format: str = "text"
     embedded: Embedded = "valkey"
+    audit_kafka: str = ""  # the Kafka audit log every process of the stack writes to
     server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
     # amqp:// lanes given no tables URL: a private Valkey in `data_dir` holds their tables
     tables_server: EmbeddedServer | None = field(default=None, init=False)
@@ -79,7 +80,9 @@ class Stack:
     @property
     def broker_settings(self) -> BrokerSettings:
         base = self.external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
-        return msgspec.structs.replace(base, url=self.broker_url, tables_url=self.tables_url)
+        return msgspec.structs.replace(
+            base, url=self.broker_url, tables_url=self.tables_url, audit_kafka=self.audit_kafka
+        )
 
     def start(self) -> None:
         external = self.external
@@ -157,6 +160,8 @@ class Stack:
             cmd += ["--tables", self.tables_url]
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
+        if self.audit_kafka:
+            cmd += ["--audit-kafka", self.audit_kafka]
         return cmd
 
     def stop(self) -> None:
