@@ -114,6 +114,8 @@ async def test_entries_of_real_jobs_arrive_keyed_by_tenant(
         (e.job_id, e.event, e.status) for e in written
     )
     assert all(key == entry.tenant.encode() for key, entry in got)
+    for tenant in (b"acme", b"bob"):  # a tenant's entries share one partition: one order
+        assert len({r.partition for r in records if r.key == tenant}) == 1
     assert broker.audit_log.sent == 7 and broker.audit_log.dropped == 0
 
 
