@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -27,6 +30,7 @@ from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.kafka import KafkaAuditLog, KafkaTarget
 from tokenyard.children import free_port
 from tokenyard.errors import FatalError
+from tokenyard.fleet.launch import Processes, tokenyard_command, wait_ready
 from tokenyard.metrics import AuditLogMetrics
 
 # Tansu 0.6's memory engine refuses InitProducerId v0, the only version aiokafka sends, so
@@ -243,3 +247,49 @@ def test_the_url_names_servers_and_one_topic() -> None:
         with pytest.raises(FatalError):
             KafkaTarget.parse(bad)
     assert KafkaAuditLog(target).idempotent  # on unless a setting turns it off
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_sends_the_gateways_and_workers_entries(tansu: Tansu, tmp_path: Path) -> None:
+    """`serve --audit-kafka`: the gateway writes the receipt, the worker the end; both reach
+    the topic, and /metrics counts both processes' sends."""
+    url, port = tansu.url(topic()), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
+    env |= {"TOKENYARD_WORKER_ENGINE": "sim", "TOKENYARD_BROKER_AUDIT_KAFKA_IDEMPOTENT": "false"}
+    with Processes(tmp_path) as procs:
+        serve = procs.start(
+            "serve",
+            tokenyard_command("serve", "--port", str(port), "--data-dir", str(tmp_path / "v"),
+                              "--audit-kafka", url),
+            env=env, cwd=tmp_path,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base + "/readyz", procs, timeout_s=120, interval_s=0.2)
+        reply = httpx.post(
+            base + "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        sent: dict[str, float] = {}
+        deadline = time.monotonic() + 20
+        while (len(sent) < 2 or min(sent.values()) < 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            sent = {
+                name: float(value)
+                for line in httpx.get(base + "/metrics").text.splitlines()
+                for name, _, value in [line.partition(" ")]
+                if name.endswith("audit_kafka_sent_total")
+            }
+        assert sent == {
+            "tokenyard_audit_kafka_sent_total": 1.0,  # the gateway: the receipt
+            "tokenyard_worker_audit_kafka_sent_total": 1.0,  # the worker: the end
+        }
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+    replayed = cli("--from", url, "--since", "1h")
+    assert [(e["event"], e["status"]) for e in replayed] == [
+        ("received", "queued"),
+        ("terminal", "succeeded"),
+    ]

@@ -255,7 +255,7 @@ class KafkaAuditLog(AuditSink):
         if not self._outage:
             self._outage = True
             log.warning(
-                "audit log: %s unreachable (%r); entries wait in the buffer (%d of %d)",
+                "audit log: cannot produce to %s (%r); entries wait in the buffer (%d of %d)",
                 self.target,
                 exc,
                 len(self._buffer),

@@ -133,7 +133,7 @@ def serve(
         appendfsync=settings.appendfsync,
         autoscale=auto,
         log_format=log_format,
-        audit_kafka=settings.audit_kafka,
+        given=settings,
     )
     gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
     # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit

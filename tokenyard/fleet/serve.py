@@ -48,7 +48,9 @@ class Stack:
     autoscale: AutoscaleConfig | None = None
     log_format: str = "text"
     embedded: Embedded = "valkey"
-    audit_kafka: str = ""  # the Kafka audit log every process of the stack writes to
+    # the settings serve was given (flags, env, file): the gateway of a private server takes
+    # them too (the Kafka audit log's, ...), with that server's URL
+    given: BrokerSettings | None = None
     server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
     # amqp:// lanes given no tables URL: a private Valkey in `data_dir` holds their tables
     tables_server: EmbeddedServer | None = field(default=None, init=False)
@@ -79,10 +81,12 @@ class Stack:
 
     @property
     def broker_settings(self) -> BrokerSettings:
-        base = self.external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
-        return msgspec.structs.replace(
-            base, url=self.broker_url, tables_url=self.tables_url, audit_kafka=self.audit_kafka
+        base = (
+            self.external
+            or self.given
+            or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
         )
+        return msgspec.structs.replace(base, url=self.broker_url, tables_url=self.tables_url)
 
     def start(self) -> None:
         external = self.external
@@ -160,8 +164,9 @@ class Stack:
             cmd += ["--tables", self.tables_url]
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
-        if self.audit_kafka:
-            cmd += ["--audit-kafka", self.audit_kafka]
+        audit_kafka = (self.external or self.given or BrokerSettings()).audit_kafka
+        if audit_kafka:  # the workers read the rest of it from the environment they inherit
+            cmd += ["--audit-kafka", audit_kafka]
         return cmd
 
     def stop(self) -> None:
