@@ -182,17 +182,21 @@ class RedisAudit(Audit, Mirrored):
     scripts whose state change they record.
 
     With a sink (`mirror_to`), the entries a task wrote are held until that task's next
-    `take_back` says which stood (or it writes again, or `HOLD_S` passes: the paths that take
-    nothing back), so a sink never sees an entry the stream lost again."""
+    `take_back` says which stood, or it writes again; a path that takes nothing back (a dead
+    letter, an expiry) is mirrored then or at most `HOLD_S` later. So a sink never sees an
+    entry the stream lost again, unless its path took it back later than that."""
 
-    HOLD_S = 0.5
+    HOLD_S = 5.0
 
     def __init__(self, conn: RedisConnection, keys: Keys, max_len: int) -> None:
         self.conn = conn
         self.keys = keys
         self.max_len = max_len
         self.sink: AuditSink | None = None
-        self._held: dict[asyncio.Task[Any] | None, list[tuple[str, AuditEntry]]] = {}
+        # per task: until when its last write is held, and that write's (stream id, entry)s
+        self._held: dict[asyncio.Task[Any] | None, tuple[float, list[tuple[str, AuditEntry]]]]
+        self._held = {}
+        self._sweep: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 
     def mirror_to(self, sink: AuditSink) -> None:
         self.sink = sink
@@ -238,20 +242,30 @@ class RedisAudit(Audit, Mirrored):
         task = asyncio.current_task()
         self._release(task)  # what this task wrote before stood: it took nothing back since
         batch = [(i, e) for i, e in zip(ids, entries, strict=True) if i is not None]
-        if batch:
-            self._held[task] = batch
-            asyncio.get_running_loop().call_later(self.HOLD_S, self._expire, task, batch)
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        self._held[task] = (loop.time() + self.HOLD_S, batch)
+        if self._sweep is None or self._sweep[0] is not loop:  # one timer, not one per write
+            self._sweep = (loop, loop.call_later(self.HOLD_S, self._expire))
 
-    def _expire(self, task: asyncio.Task[Any] | None, batch: list[tuple[str, AuditEntry]]) -> None:
-        if self._held.get(task) is batch:
-            self._release(task)
+    def _expire(self) -> None:
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for task, (until, _) in list(self._held.items()):
+            if until <= now:
+                self._release(task)
+        if self._held:
+            soonest = min(until for until, _ in self._held.values())
+            self._sweep = (loop, loop.call_later(max(0.0, soonest - now), self._expire))
 
     def _release(
         self, task: asyncio.Task[Any] | None, taken_back: frozenset[str] = frozenset()
     ) -> None:
-        batch = self._held.pop(task, None)
-        if batch and self.sink is not None:
-            stood = [e for i, e in batch if i not in taken_back]
+        held = self._held.pop(task, None)
+        if held is not None and self.sink is not None:
+            stood = [e for i, e in held[1] if i not in taken_back]
             if stood:
                 self.sink.offer(stood)
 
