@@ -51,10 +51,11 @@ async def fetch(servers: str, name: str, expect: int, timeout_s: float = 20.0) -
     try:
         give_up = time.monotonic() + timeout_s
         parts: set[int] | None = None
-        while parts is None and time.monotonic() < give_up:
+        while not parts and time.monotonic() < give_up:
+            # a topic being created may be listed before its partitions are
             if name in await consumer.topics():
                 parts = consumer.partitions_for_topic(name)
-            else:
+            if not parts:
                 await asyncio.sleep(0.1)
         if not parts:
             return records

@@ -309,9 +309,14 @@ async def replay(
     found: list[AuditEntry] = []
     decoder = msgspec.json.Decoder(AuditEntry)
     try:
-        if target.topic not in await consumer.topics():
-            return []
-        parts = sorted(consumer.partitions_for_topic(target.topic) or ())
+        parts: list[int] = []
+        for _ in range(50):  # a topic being created may be listed before its partitions are
+            if target.topic not in await consumer.topics():
+                return []
+            parts = sorted(consumer.partitions_for_topic(target.topic) or ())
+            if parts:
+                break
+            await asyncio.sleep(0.1)
         tps = [kafka.TopicPartition(target.topic, p) for p in parts]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
