@@ -16,7 +16,7 @@ from typing import IO, Any, Self
 from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker.redis.cluster import Cluster, running_cluster
 from tokenyard.broker.redis.embedded import EmbeddedServer
-from tokenyard.children import free_port
+from tokenyard.children import free_port, spawn_tied
 
 __all__ = ["Cluster", "RabbitServer", "Tansu", "alive", "running_cluster", "running_server"]
 
@@ -70,9 +70,11 @@ class Tansu:
     def start(self, timeout_s: float = 10.0) -> Self:
         listener = f"tcp://127.0.0.1:{self.port}"
         self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
+        # tied to this process: a test run killed outright leaves no broker behind
+        self.proc = spawn_tied(
             [str(tansu_binary()), "broker", "--listener-url", listener,
              "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"],
+            signal.SIGKILL,
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         give_up = time.monotonic() + timeout_s
