@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import Cluster, RabbitServer, running_cluster, running_server
+from tests.servers import Cluster, RabbitServer, Tansu, running_cluster, running_server
 from tokenyard.broker import Backend, connect
 from tokenyard.broker.core import Clock
 from tokenyard.broker.nats.embedded import EmbeddedNats
@@ -70,6 +70,14 @@ def rabbitmq() -> Iterator[RabbitServer]:
     """One RabbitMQ node (Debian's rabbitmq-server, 15-20 s to start) in a temp dir of its own,
     removed after; tests keep apart by their own queue names."""
     with RabbitServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tansu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tansu]:
+    """One Tansu broker (the Kafka protocol) for the Kafka audit log; tests keep apart by
+    topic."""
+    with Tansu(tmp_path_factory.mktemp("tansu") / "tansu.log") as server:
         yield server
 
 

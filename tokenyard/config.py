@@ -55,6 +55,15 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_max_held: int = 8
     # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
     audit_max_len: int = 200_000  # ~100,000 jobs; an entry is ~0.3 kB in Valkey
+    # the audit trail's entries also go to this Kafka topic (kafka://host:9092[,host2]/topic;
+    # broker/kafka.py), off the request's path: at most `audit_kafka_buffer` entries wait in
+    # the process while Kafka is away, the rest are dropped and counted. Empty: off
+    audit_kafka: str = ""
+    audit_kafka_buffer: int = 100_000
+    audit_kafka_linger_ms: int = 20
+    # an idempotent producer (no duplicates from the producer's own retries); off only for a
+    # broker that refuses InitProducerId v0, as Tansu 0.6's memory engine does
+    audit_kafka_idempotent: bool = True
 
     @property
     def pool_bounds(self) -> tuple[int, ...]:

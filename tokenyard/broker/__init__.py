@@ -3,6 +3,7 @@
 `connect(settings)` opens the backend named by `settings.url` and returns a `Backend`: its
 queue core and each table as the role a caller types against. The roles are declared in
 core.py and tables.py; each backend lives in a package of its own (redis/, nats/, amqp/).
+With `settings.audit_kafka`, its audit trail is mirrored to Kafka (kafka.py).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from tokenyard.broker.audit import Mirrored
 from tokenyard.broker.core import Clock, QueueCore
 from tokenyard.broker.ids import is_job_id, new_job_id
 from tokenyard.broker.tables import (
@@ -24,6 +26,9 @@ from tokenyard.broker.tables import (
 )
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, FatalError
+
+if TYPE_CHECKING:
+    from tokenyard.broker.kafka import KafkaAuditLog
 
 __all__ = [
     "Backend",
@@ -57,13 +62,20 @@ class Backend:
     registry: WorkerRegistry
     batches: BatchStore
     connection: Connection
+    # the Kafka audit log the audit trail is mirrored to (settings.audit_kafka); None: off
+    audit_log: KafkaAuditLog | None = None
 
     async def ping(self) -> bool:
         return await self.connection.ping()
 
     async def close(self) -> None:
-        """Send what the queue still holds back, then release every connection."""
+        """Send what the queue and the audit log still hold back, then release every
+        connection."""
         await self.queue.close()
+        if self.audit_log is not None:
+            if isinstance(self.audit, Mirrored):
+                await self.audit.flush_mirror()
+            await self.audit_log.close()
         await self.connection.close()
 
 
@@ -107,14 +119,20 @@ def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     if settings.url.startswith(AMQP_SCHEMES):
         from tokenyard.broker.amqp import open_backend as open_amqp
 
-        return open_amqp(settings, clock)
-    if settings.url.startswith(NATS_SCHEMES):
+        backend = open_amqp(settings, clock)
+    elif settings.url.startswith(NATS_SCHEMES):
         from tokenyard.broker.nats import open_backend as open_nats
 
-        return open_nats(settings, clock)
-    from tokenyard.broker.redis import open_backend as open_redis
+        backend = open_nats(settings, clock)
+    else:
+        from tokenyard.broker.redis import open_backend as open_redis
 
-    return open_redis(settings, clock)
+        backend = open_redis(settings, clock)
+    if settings.audit_kafka:
+        from tokenyard.broker.kafka import attach
+
+        backend = attach(backend)
+    return backend
 
 
 async def wait_until_ready(backend: Backend, timeout_s: float = 10.0) -> None:

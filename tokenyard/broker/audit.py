@@ -2,14 +2,17 @@
 
 Entries are appended to a bounded stream (Redis: one stream under its own hash tag, trimmed
 with MAXLEN ~ `BrokerSettings.audit_max_len`, redis/tables.py). Building an entry and parsing
-`--since` are pure; a backend's queue writes them and its audit table reads them.
+`--since` are pure; a backend's queue writes them and its audit table reads them. An audit
+table can also hand what was written to an `AuditSink` (the Kafka audit log, kafka.py).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -38,6 +41,23 @@ class AuditEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_s: float | None = None  # receipt to terminal state
     finish_reason: str | None = None
     error: str | None = None
+
+
+class AuditSink(Protocol):
+    """Takes the entries an audit table wrote; never blocks nor fails its caller."""
+
+    def offer(self, entries: Sequence[AuditEntry]) -> None: ...
+
+
+@runtime_checkable
+class Mirrored(Protocol):
+    """An audit table that hands each entry whose state change stood to a sink as well."""
+
+    def mirror_to(self, sink: AuditSink) -> None: ...
+
+    async def flush_mirror(self) -> None:
+        """Hand over at once what is still held back (at shutdown)."""
+        ...
 
 
 def received(spec: JobSpec, now: float) -> AuditEntry:

@@ -20,7 +20,14 @@ from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app
-from tokenyard.cli.options import BrokerOpt, PrefixOpt, TablesOpt, broker_settings, with_broker
+from tokenyard.cli.options import (
+    AuditKafkaOpt,
+    BrokerOpt,
+    PrefixOpt,
+    TablesOpt,
+    broker_settings,
+    with_broker,
+)
 from tokenyard.config import (
     CONFIG_ENV,
     BrokerSettings,
@@ -88,6 +95,7 @@ def serve(
     ] = None,
     min_workers: Annotated[int | None, typer.Option("--min", help="auto: warm pool")] = None,
     max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
+    audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Everything on one machine: a private Valkey (or with `--broker nats` a private
@@ -101,7 +109,9 @@ def serve(
     from tokenyard.fleet.serve import EMBEDDED, Stack
 
     setup_logging("INFO", log_format)
-    settings = broker_settings(broker, prefix, required=False, tables=tables)
+    settings = broker_settings(
+        broker, prefix, required=False, tables=tables, audit_kafka=audit_kafka
+    )
     # a URL named anywhere (flag, env, file) is used; a bare `nats` / `valkey`, or nothing,
     # names the private server serve runs itself
     private = next((kind for kind in EMBEDDED if kind == (settings.url or "valkey")), None)
@@ -123,6 +133,7 @@ def serve(
         appendfsync=settings.appendfsync,
         autoscale=auto,
         log_format=log_format,
+        given=settings,
     )
     gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
     # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
@@ -194,6 +205,7 @@ def gateway(
     engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
+    audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Run one gateway (OpenAI API) against a shared broker; start as many as you like.
@@ -202,7 +214,7 @@ def gateway(
     """
     setup_logging("INFO", log_format)
     _run_gateway(
-        broker_settings(broker, prefix, tables=tables),
+        broker_settings(broker, prefix, tables=tables, audit_kafka=audit_kafka),
         _gateway_settings(model, engine, host, port),
     )
 
@@ -253,6 +265,7 @@ def worker(
         int | None, typer.Option(help="serve Prometheus metrics on this port; 0: off")
     ] = None,
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+    audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:
     """Run one worker: claim jobs for MODEL and run them; SIGTERM drains.
@@ -273,7 +286,7 @@ def worker(
         drain_timeout_s=drain_timeout_s,
         metrics_port=metrics_port,
     )
-    queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables)
+    queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables, audit_kafka=audit_kafka)
     asyncio.run(serve_worker(queue, settings, consumer=consumer))
 
 

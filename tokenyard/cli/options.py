@@ -28,6 +28,14 @@ TablesOpt = Annotated[
     ),
 ]
 PrefixOpt = Annotated[str | None, typer.Option(help="name prefix, to share one Redis or NATS")]
+AuditKafkaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--audit-kafka",
+        help="also send the audit trail to kafka://host:9092/topic; default: "
+        "TOKENYARD_BROKER_AUDIT_KAFKA",
+    ),
+]
 _T = TypeVar("_T")
 
 
@@ -37,14 +45,26 @@ def broker_settings(
     lease_s: float | None = None,
     required: bool = True,
     tables: str | None = None,
+    audit_kafka: str | None = None,
 ) -> BrokerSettings:
     """The flags, then TOKENYARD_BROKER_*, then the config file, then the defaults; a command
-    that needs a broker refuses at once when none is named (before it loads a model)."""
+    that needs a broker refuses at once when none is named (before it loads a model), and
+    a Kafka audit log URL that is not one."""
     settings = from_env(
-        BrokerSettings, "broker", url=broker, prefix=prefix, lease_s=lease_s, tables_url=tables
+        BrokerSettings,
+        "broker",
+        url=broker,
+        prefix=prefix,
+        lease_s=lease_s,
+        tables_url=tables,
+        audit_kafka=audit_kafka,
     )
     if required:
         check_url(settings.url)
+    if settings.audit_kafka:
+        from tokenyard.broker.kafka import KafkaTarget
+
+        KafkaTarget.parse(settings.audit_kafka)
     return settings
 
 

@@ -48,6 +48,9 @@ class Stack:
     autoscale: AutoscaleConfig | None = None
     log_format: str = "text"
     embedded: Embedded = "valkey"
+    # the settings serve was given (flags, env, file): the gateway of a private server takes
+    # them too (the Kafka audit log's, ...), with that server's URL
+    given: BrokerSettings | None = None
     server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
     # amqp:// lanes given no tables URL: a private Valkey in `data_dir` holds their tables
     tables_server: EmbeddedServer | None = field(default=None, init=False)
@@ -78,7 +81,11 @@ class Stack:
 
     @property
     def broker_settings(self) -> BrokerSettings:
-        base = self.external or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
+        base = (
+            self.external
+            or self.given
+            or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
+        )
         return msgspec.structs.replace(base, url=self.broker_url, tables_url=self.tables_url)
 
     def start(self) -> None:
@@ -157,6 +164,9 @@ class Stack:
             cmd += ["--tables", self.tables_url]
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
+        audit_kafka = (self.external or self.given or BrokerSettings()).audit_kafka
+        if audit_kafka:  # the workers read the rest of it from the environment they inherit
+            cmd += ["--audit-kafka", audit_kafka]
         return cmd
 
     def stop(self) -> None:

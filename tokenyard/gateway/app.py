@@ -36,7 +36,7 @@ from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tokenizers import load_tokenizers
-from tokenyard.metrics import GatewayMetrics
+from tokenyard.metrics import AuditLogMetrics, GatewayMetrics
 
 # Traces are tokenyard's own (tokenyard/tracing.py, carried inside the job). FastAPI >= 0.142's
 # native OpenTelemetry would add spans of its own and checks the global providers per request.
@@ -129,6 +129,8 @@ def create_app(
                 prefixes=PrefixKeys(settings.affinity_prefix_tokens),
             )
             app.state.gateway = state
+            if active.audit_log is not None and active.audit_log.metrics is None:
+                active.audit_log.observe(AuditLogMetrics("tokenyard", metrics.registry))
             app.state.batches = BatchService.start(state, files)
             if freeze_heap:
                 heap.freeze()

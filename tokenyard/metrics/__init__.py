@@ -342,6 +342,29 @@ class WorkerMetrics:
             self.accelerator_utilization.labels(self.model, accelerator[0]).set(accelerator[1])
 
 
+class AuditLogMetrics:
+    """The Kafka audit log's counters in one process (broker/kafka.py); `prefix` keeps a
+    gateway's and its workers' apart under `serve`, which shows both on one /metrics."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
+        self.sent = Counter(
+            f"{prefix}_audit_kafka_sent",
+            "Audit entries Kafka acknowledged.",
+            registry=registry,
+        )
+        self.dropped = Counter(
+            f"{prefix}_audit_kafka_dropped",
+            "Audit entries dropped because the buffer in front of Kafka was full.",
+            registry=registry,
+        )
+        self.buffered = Gauge(
+            f"{prefix}_audit_kafka_buffered",
+            "Audit entries waiting for Kafka's acknowledgement.",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+
+
 def accelerator_utilization(device: str) -> tuple[str, float] | None:
     """(device, 0..1) of the CUDA device a worker uses; None on CPU or when it cannot be read
     (torch.cuda.utilization needs pynvml / nvidia-ml-py)."""

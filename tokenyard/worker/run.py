@@ -10,7 +10,7 @@ from tokenyard import tracing
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import build_engine
-from tokenyard.metrics import WorkerMetrics
+from tokenyard.metrics import AuditLogMetrics, WorkerMetrics
 from tokenyard.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ async def serve_worker(
     try:
         engine = build_engine(settings)
         backend = connect(broker_settings)
+        if backend.audit_log is not None:
+            backend.audit_log.observe(AuditLogMetrics("tokenyard_worker", metrics.registry))
         # the worker owns its process, so it may freeze the heap (see `tokenyard.heap`)
         worker = Worker(backend, engine, settings, consumer, metrics, freeze_heap=True)
         await run_worker(backend, worker)

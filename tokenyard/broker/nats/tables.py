@@ -22,7 +22,7 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StreamCo
 from nats.js.kv import KeyValue
 
 from tokenyard.broker import audit
-from tokenyard.broker.audit import AuditEntry
+from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
 from tokenyard.broker.core import Clock
 from tokenyard.broker.nats.connection import (
     NatsConnection,
@@ -316,15 +316,23 @@ async def _job(jobs: KeyValue | None, job_id: str) -> StoredJob | None:
     return None if found.value is None else decode_job(found.value)
 
 
-class NatsAudit(Audit):
+class NatsAudit(Audit, Mirrored):
     """The audit trail: one stream, limits retention at `max_len` messages (0: off); the
-    stream sequence is the read cursor."""
+    stream sequence is the read cursor. With a sink, each entry the stream took goes there
+    too (the Kafka audit log)."""
 
     def __init__(self, conn: NatsConnection, names: Names, max_len: int) -> None:
         self.conn = conn
         self.names = names
         self.max_len = max_len
+        self.sink: AuditSink | None = None
         self._writing: set[asyncio.Task[None]] = set()
+
+    def mirror_to(self, sink: AuditSink) -> None:
+        self.sink = sink
+
+    async def flush_mirror(self) -> None:
+        await self.flush()
 
     def append_soon(self, entries: Sequence[AuditEntry]) -> None:
         """`append` off the caller's path (a job's state change never waits on its audit);
@@ -367,6 +375,12 @@ class NatsAudit(Audit):
         for entry, ack in zip(entries, acks, strict=True):
             if isinstance(ack, BaseException):
                 log.error("audit entry of job %s not written: %s", entry.job_id, ack)
+        if self.sink is not None:
+            stood = [
+                e for e, a in zip(entries, acks, strict=True) if not isinstance(a, BaseException)
+            ]
+            if stood:
+                self.sink.offer(stood)
 
     async def audit_entries(
         self,

@@ -3,10 +3,12 @@ registry (the batch store is in batches.py). Each is a small class over the one 
 
 Quotas and the audit trail also hand the queue what its terminal paths send in their own round
 trip (`RedisQuotas.settle_calls`, `RedisAudit.appends`), so ending a job costs no extra one.
+The audit trail mirrors what stood to a sink when one is set (the Kafka audit log).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenyard.broker import audit
-from tokenyard.broker.audit import AuditEntry
+from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
 from tokenyard.broker.core import Clock
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.channel import Command
@@ -173,16 +175,35 @@ class RedisQuotas(Quotas):
         return released
 
 
-class RedisAudit(Audit):
+class RedisAudit(Audit, Mirrored):
     """The audit trail: one stream under its own `{audit}` tag, trimmed with MAXLEN ~.
 
     Its tag keeps it out of the scripts (Cluster), so the queue pipelines `appends` beside the
-    scripts whose state change they record."""
+    scripts whose state change they record.
+
+    With a sink (`mirror_to`), the entries a task wrote are held until that task's next
+    `take_back` says which stood, or it writes again; a path that takes nothing back (a dead
+    letter, an expiry) is mirrored then or at most `HOLD_S` later. So a sink never sees an
+    entry the stream lost again, unless its path took it back later than that."""
+
+    HOLD_S = 5.0
 
     def __init__(self, conn: RedisConnection, keys: Keys, max_len: int) -> None:
         self.conn = conn
         self.keys = keys
         self.max_len = max_len
+        self.sink: AuditSink | None = None
+        # per task: until when its last write is held, and that write's (stream id, entry)s
+        self._held: dict[asyncio.Task[Any] | None, tuple[float, list[tuple[str, AuditEntry]]]]
+        self._held = {}
+        self._sweep: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+
+    def mirror_to(self, sink: AuditSink) -> None:
+        self.sink = sink
+
+    async def flush_mirror(self) -> None:
+        for task in list(self._held):
+            self._release(task)
 
     def appends(self, entries: Sequence[AuditEntry]) -> list[Command]:
         """The XADDs that write `entries` (none while the trail is off)."""
@@ -203,14 +224,50 @@ class RedisAudit(Audit):
                 ids.append(None)
             else:
                 ids.append(text(reply))
+        if self.sink is not None:
+            self._hold(entries, ids)
         return ids
 
     async def take_back(self, ids: Sequence[str | None]) -> None:
         """Delete entries whose state change did not happen (a fenced completion, a job that
         was not created): rare paths, so the extra round trip stays off the hot one."""
         found = [i for i in ids if i is not None]
+        if self.sink is not None:
+            # before any await: the rest of what this task wrote stood
+            self._release(asyncio.current_task(), frozenset(found))
         if found:
             await self.conn.one(("XDEL", self.keys.audit(), *found))
+
+    def _hold(self, entries: Sequence[AuditEntry], ids: Sequence[str | None]) -> None:
+        task = asyncio.current_task()
+        self._release(task)  # what this task wrote before stood: it took nothing back since
+        batch = [(i, e) for i, e in zip(ids, entries, strict=True) if i is not None]
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        self._held[task] = (loop.time() + self.HOLD_S, batch)
+        if self._sweep is None or self._sweep[0] is not loop:  # one timer, not one per write
+            self._sweep = (loop, loop.call_later(self.HOLD_S, self._expire))
+
+    def _expire(self) -> None:
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for task, (until, _) in list(self._held.items()):
+            if until <= now:
+                self._release(task)
+        if self._held:
+            soonest = min(until for until, _ in self._held.values())
+            self._sweep = (loop, loop.call_later(max(0.0, soonest - now), self._expire))
+
+    def _release(
+        self, task: asyncio.Task[Any] | None, taken_back: frozenset[str] = frozenset()
+    ) -> None:
+        held = self._held.pop(task, None)
+        if held is not None and self.sink is not None:
+            stood = [e for i, e in held[1] if i not in taken_back]
+            if stood:
+                self.sink.offer(stood)
 
     async def audit_entries(
         self,
