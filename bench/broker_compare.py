@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -41,7 +41,6 @@ from bench.peers.base import PREFIX, in_flight
 from bench.queue_overhead import MODEL, NOT_WORK, SETTINGS, finished, noop_spec, succeeded
 from tokenyard.broker import connect, new_job_id, wait_until_ready
 from tokenyard.broker.redis.embedded import EmbeddedServer
-from tokenyard.broker.redis.keys import Keys
 from tokenyard.config import BrokerSettings
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
@@ -59,12 +58,6 @@ def per(value: float, n: int, digits: int = 2) -> float:
     return round(value / max(n, 1), digits)
 
 
-def depth_commands(per_lane: int) -> int:
-    """Valkey commands one queue.depth(MODEL) sends: `per_lane` for each of the model's lanes."""
-    settings = BrokerSettings()
-    return per_lane * len(Keys(PREFIX).lanes(MODEL, settings.pool_count))
-
-
 # -- servers ---------------------------------------------------------------------------------
 
 
@@ -77,7 +70,6 @@ class Snapshot:
 class Server(Protocol):
     url: str
     tables_url: str  # "" but for a broker whose tables live on a Redis URL of their own
-    depth_commands: int  # Valkey commands of one depth poll: taken out of the counts
 
     def snapshot(self, before: bool) -> Snapshot:
         """`before`: at the start of a measured window (a costly probe goes first, its CPU
@@ -85,6 +77,10 @@ class Server(Protocol):
         ...
 
     def version(self) -> str: ...
+
+    def valkey_commands(self) -> int | None:
+        """Commands the Valkey that depth polls reach has run (None: polls reach no Valkey)."""
+        ...
 
     def counts(
         self, d: dict[str, int], sent: int | None, polled: tuple[int, int], n: int
@@ -105,7 +101,6 @@ def valkey_counts(label: str, d: dict[str, int], polls: tuple[int, int], n: int)
 class ValkeyServer:
     """The embedded Valkey: tokenyard's lanes and tables, or the tables beside amqp lanes."""
 
-    depth_commands = depth_commands(3)  # XLEN, HGET staged, ZCARD held (broker/redis/queue.py)
     tables_url = ""
 
     def __init__(self, server: EmbeddedServer) -> None:
@@ -124,6 +119,9 @@ class ValkeyServer:
 
     def snapshot(self, before: bool) -> Snapshot:
         return Snapshot({"server": self.cpu_s()}, self.counters())
+
+    def valkey_commands(self) -> int | None:
+        return self.counters()["commands"]
 
     def version(self) -> str:
         info: dict[str, Any] = self.admin.info("server")
@@ -174,7 +172,8 @@ class TokenyardProducer:
         )
         self.broker = connect(settings)
         self.poller = connect(settings)
-        self.depth_commands = srv.depth_commands
+        self.srv = srv
+        self.depth_commands = 0
         self.enqueued = 0
         self.polls = 0
         self.job_ids: dict[str, str] = {}
@@ -182,6 +181,20 @@ class TokenyardProducer:
     async def open(self) -> None:
         await wait_until_ready(self.broker)
         await wait_until_ready(self.poller)
+        await self.calibrate()
+
+    async def calibrate(self) -> None:
+        """Count the Valkey commands one depth poll sends, to take them out: the fewest of a few
+        tries (the consumer may send some of its own meanwhile)."""
+        seen: list[int] = []
+        for _ in range(3):
+            before = self.srv.valkey_commands()
+            await self.poller.queue.depth(MODEL)
+            after = self.srv.valkey_commands()
+            if before is None or after is None:
+                return
+            seen.append(after - before)
+        self.depth_commands = min(seen)
 
     async def enqueue(self, job_id: str) -> None:
         spec = noop_spec(new_job_id(MODEL))
@@ -236,7 +249,6 @@ class Broker:
     distributions: tuple[str, ...]  # reported versions
     goal: float | None = None  # tokenyard on the broker: at least this share of plain's rate
     producer: Callable[[Server], QueueProducer] = TokenyardProducer
-    extra_config: dict[str, Any] = field(default_factory=dict)
 
 
 # -- consumer processes ----------------------------------------------------------------------
@@ -587,7 +599,6 @@ async def run(broker: Broker, args: argparse.Namespace) -> dict[str, Any]:
             "http_requests": args.http_requests,
             "max_tokens": args.tokens,
             "fsync": broker.fsync,
-            **broker.extra_config,
         },
         "cpus": os.cpu_count(),
         "versions": versions(broker.distributions),

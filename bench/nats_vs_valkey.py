@@ -45,7 +45,6 @@ GOAL = 0.8  # tokenyard on NATS: at least this share of plain nats-py's rate on 
 
 
 class NatsServer:
-    depth_commands = 0  # depth polls go to NATS: their messages are the poller's own counters
     tables_url = ""
 
     def __init__(self, server: EmbeddedNats) -> None:
@@ -65,6 +64,9 @@ class NatsServer:
 
     def version(self) -> str:
         return f"nats-server {self.varz()['version']}"
+
+    def valkey_commands(self) -> int | None:
+        return None  # depth polls go to NATS: their messages are the poller's own counters
 
     def counts(
         self, d: dict[str, int], sent: int | None, polled: tuple[int, int], n: int

@@ -44,8 +44,6 @@ from tests.rabbitmq_server import RabbitServer
 class RabbitLanes:
     """A RabbitMQ node for the lanes and a Valkey beside it for the tables."""
 
-    depth_commands = bc.depth_commands(2)  # ZCARD waiting, ZCARD leases (broker/amqp/queue.py)
-
     def __init__(self, rabbit: RabbitServer, tables: bc.ValkeyServer) -> None:
         self.rabbit = rabbit
         self.tables = tables
@@ -75,6 +73,9 @@ class RabbitLanes:
             return bc.Snapshot(self.cpu_s(), counters)
         cpu = self.cpu_s()
         return bc.Snapshot(cpu, self.tables.counters() | self.amqp_counters())
+
+    def valkey_commands(self) -> int | None:
+        return self.tables.valkey_commands()  # depth polls read the tables
 
     def version(self) -> str:
         found = self.rabbit.ctl("eval", "rabbit_misc:version().").strip().strip('"')
