@@ -260,11 +260,18 @@ class HttpProducer(TokenyardProducer):
 # -- consumers (run with --serve in their own process) -------------------------------------
 
 
-def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> None:
+def consumer_settings(url: str, tables_url: str) -> BrokerSettings:
+    """A consumer's broker; `tables_url`: the tables' Redis URL beside amqp:// lanes."""
+    return BrokerSettings(url=url, tables_url=tables_url, prefix=PREFIX, max_queue_depth=1_000_000)
+
+
+def serve_tokenyard(
+    url: str, profile: str | None, settings: dict[str, Any], tables_url: str = ""
+) -> None:
     """The real worker on a SimEngine whose every cost is 0."""
 
     async def main() -> None:
-        broker = connect(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
+        broker = connect(consumer_settings(url, tables_url))
         await wait_until_ready(broker)
         engine = SimEngine(
             max_seqs=settings["max_seqs"],
@@ -284,14 +291,14 @@ def serve_tokenyard(url: str, profile: str | None, settings: dict[str, Any]) -> 
     _profiled(main, profile)
 
 
-def serve_tokenyard_broker(url: str, profile: str | None) -> None:
+def serve_tokenyard_broker(url: str, profile: str | None, tables_url: str = "") -> None:
     settings = SETTINGS["tokenyard-broker"]
     result = JobResult(
         status=JobStatus.SUCCEEDED, finish_reason=FinishReason.LENGTH, worker="bench"
     )
 
     async def main() -> None:
-        broker = connect(BrokerSettings(url=url, prefix=PREFIX, max_queue_depth=1_000_000))
+        broker = connect(consumer_settings(url, tables_url))
         await wait_until_ready(broker)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -321,13 +328,13 @@ def _profiled(main: Callable[[], Any], profile: str | None) -> None:
             profiler.dump_stats(profile)
 
 
-def serve(system: str, url: str, profile: str | None) -> None:
+def serve(system: str, url: str, profile: str | None, tables_url: str = "") -> None:
     """Entry point of a consumer process."""
     logging.basicConfig(level=logging.WARNING)
     if system in ("tokenyard", HTTP):
-        serve_tokenyard(url, profile, SETTINGS[system])
+        serve_tokenyard(url, profile, SETTINGS[system], tables_url)
     elif system == "tokenyard-broker":
-        serve_tokenyard_broker(url, profile)
+        serve_tokenyard_broker(url, profile, tables_url)
     else:
         PEERS[system].serve(url)
 
@@ -793,11 +800,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--serve", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--settings-json", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--tables", default="", help=argparse.SUPPRESS)
     p.add_argument("--profile-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         SETTINGS[args.serve].update(json.loads(args.settings_json or "{}"))
-        serve(args.serve, args.url, args.profile_out)
+        serve(args.serve, args.url, args.profile_out, args.tables)
         return 0
     sizes = (args.jobs, args.http_jobs, args.in_flight, args.latency_jobs, args.batch)
     if min(*sizes, args.repeats, args.tokens_per_job) < 1:
