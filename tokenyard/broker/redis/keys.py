@@ -53,11 +53,6 @@ class Keys:
         """Sorted set of a lane's running jobs by when their lease runs out."""
         return f"{lane}:leases"
 
-    def lane_wake(self, model: str) -> str:
-        """Stream a model's enqueues add to once their messages are on the lanes; blocked
-        claims wait on it (RabbitMQ lanes)."""
-        return f"{self._model(model_tag(model))}:lanewake"
-
     # -- prefix affinity (broker/policy.py); every key hangs off the lane or the model tag
     @staticmethod
     def affinity_held(lane: str) -> str:
