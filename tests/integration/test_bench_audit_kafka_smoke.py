@@ -6,7 +6,7 @@ import pytest
 
 from tests.integration.test_bench_http_smoke import run_bench
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]  # `make test-brokers`
 
 
 @pytest.mark.timeout(120)

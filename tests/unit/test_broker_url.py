@@ -26,10 +26,11 @@ def test_every_backend_scheme_is_taken(url: str) -> None:
 
 def test_another_scheme_is_refused_naming_the_ones_taken() -> None:
     with pytest.raises(FatalError) as refused:
-        check_url("amqp://rabbit:5672")
+        check_url("mqtt://broker:1883")
     line = str(refused.value)
-    assert "\n" not in line and "'amqp://rabbit:5672'" in line
-    for scheme in ("redis://", "rediss://", "unix://", "redis+cluster://", "nats://", "tls://"):
+    assert "\n" not in line and "'mqtt://broker:1883'" in line
+    taken = ("redis://", "rediss://", "unix://", "redis+cluster://", "nats://", "tls://", "amqp://")
+    for scheme in (*taken, "amqps://"):
         assert scheme in line
 
 

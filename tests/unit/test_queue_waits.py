@@ -45,8 +45,10 @@ async def test_reads_are_shared_counted_and_refreshed(make_backend: BackendFacto
     # one to two periods old: answered at once, refreshed behind
     now[0] = 0.3
     assert staged((await waits.of(MODEL)).lanes) == 4
-    for _ in range(50):  # let the background read finish
-        await asyncio.sleep(0)
+    for _ in range(200):  # let the background read finish (a busy machine: up to 2 s)
+        if staged((await waits.of(MODEL)).lanes) == 5:
+            break
+        await asyncio.sleep(0.01)
     assert staged((await waits.of(MODEL)).lanes) == 5
     # older: the read is awaited
     await broker.queue.enqueue(spec())

@@ -2,9 +2,11 @@
 
 RabbitMQ holds the lanes: a quorum queue per (model, priority, pool) bounded with
 `x-max-length` + `reject-publish` (a full lane is a 429), `x-delivery-limit` and a dead-letter
-queue per model for a message whose holders keep dying. A claim takes messages with basic.get,
-so a worker holds exactly as many deliveries as it has free slots and RabbitMQ pushes it none
-ahead (back-pressure). Everything else is the Redis backend's, by the same scripts' rules: the
+queue per model for a message whose holders keep dying. A worker's blocking claim consumes each
+lane with prefetch = its capacity: what it runs stays unacked, so RabbitMQ pushes it at most its
+free slots (back-pressure); a claim takes what was pushed in claim order, and basic.get (one
+Raft command per message on a quorum queue) tops up only a claim that may not wait or a lane
+whose prefetch is full. Everything else is the Redis backend's, by the same scripts' rules: the
 record (one hash), events (one stream per job), cancellation, quotas and audit in the same round
 trip as each state change.
 
