@@ -20,16 +20,9 @@ from tokenyard.broker.amqp.connection import AmqpConnection
 from tokenyard.broker.amqp.names import Names
 from tokenyard.broker.amqp.queue import AmqpQueue
 from tokenyard.broker.core import Clock
-from tokenyard.broker.redis.batches import RedisBatches
+from tokenyard.broker.redis import backend_on
 from tokenyard.broker.redis.connection import RedisConnection
 from tokenyard.broker.redis.keys import Keys
-from tokenyard.broker.redis.tables import (
-    RedisAudit,
-    RedisDirectory,
-    RedisQuotas,
-    RedisRegistry,
-    RedisResponses,
-)
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import FatalError
 
@@ -69,16 +62,12 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     )
     amqp = AmqpConnection(settings.url, heartbeat_s=settings.lease_s / 2)
     keys = Keys(settings.prefix)
-    quotas = RedisQuotas(conn, keys, clock)
-    audit = RedisAudit(conn, keys, settings.audit_max_len)
-    return Backend(
-        settings=settings,
-        queue=AmqpQueue(settings, conn, keys, quotas, audit, amqp, Names(settings.prefix), clock),
-        directory=RedisDirectory(conn, keys),
-        quotas=quotas,
-        audit=audit,
-        responses=RedisResponses(conn, keys, clock),
-        registry=RedisRegistry(conn, keys, clock),
-        batches=RedisBatches(conn, keys, clock),
+    names = Names(settings.prefix)
+    return backend_on(
+        settings,
+        conn,
+        keys,
+        lambda quotas, audit: AmqpQueue(settings, conn, keys, quotas, audit, amqp, names, clock),
+        clock,
         connection=_Connections(amqp, conn),
     )

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -563,63 +563,39 @@ class AmqpQueue(RedisQueue):
 
         return await self._flags_per_model([lease.spec.model for lease, _ in events], call)
 
-    async def complete_many(
-        self,
-        items: Sequence[tuple[Lease, JobResult]],
-        tails: Sequence[TokenChunk | None] | None = None,
-    ) -> list[bool]:
-        if not items:
-            return []
-        now = repr(self.clock())
-        by_model: dict[str, list[int]] = defaultdict(list)
-        for index, (lease, _) in enumerate(items):
-            by_model[lease.spec.model].append(index)
-        calls: list[Call] = []
-        for model, indexes in by_model.items():
-            batch = []
-            for i in indexes:
-                lease, result = items[i]
-                job, lease_set = self._lease_keys(lease)
-                tail = None if tails is None else tails[i]
-                batch.append(
-                    (
-                        scripts.CompleteItemKeys(
-                            job=job, events=self.keys.events(lease.spec.id), leases=lease_set
-                        ),
-                        scripts.CompleteItemArgs(
-                            consumer=lease.consumer,
-                            token=lease.entry_id,
-                            job_id=lease.spec.id,
-                            status=result.status.value,
-                            finished=encode(Finished(result=result)),
-                            tail=b"" if tail is None else encode(tail),
-                        ),
-                    )
-                )
-            calls.append(
-                scripts.COMPLETE.call(
-                    scripts.CompleteKeys(
-                        cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+    def _complete_call(
+        self, model: str, batch: Sequence[tuple[Lease, JobResult, TokenChunk | None]], now: str
+    ) -> Call:
+        """The completion of one model's jobs, fenced by their lease tokens."""
+        items = []
+        for lease, result, tail in batch:
+            job, lease_set = self._lease_keys(lease)
+            items.append(
+                (
+                    scripts.CompleteItemKeys(
+                        job=job, events=self.keys.events(lease.spec.id), leases=lease_set
                     ),
-                    scripts.CompleteArgs(now=now, ttl_ms=self._ttl_ms),
-                    batch,
+                    scripts.CompleteItemArgs(
+                        consumer=lease.consumer,
+                        token=lease.entry_id,
+                        job_id=lease.spec.id,
+                        status=result.status.value,
+                        finished=encode(Finished(result=result)),
+                        tail=b"" if tail is None else encode(tail),
+                    ),
                 )
             )
-        when = self.clock()
-        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
-        replies, ids = await self._eval_audited(calls, entries)
-        accepted = [False] * len(items)
-        for indexes, flags in zip(by_model.values(), replies, strict=True):
-            for i, flag in zip(indexes, flags, strict=True):
-                accepted[i] = bool(flag)
-        await self.audit.take_back([ids[i] for i in range(len(items)) if not accepted[i]])
-        # fenced or not, the delivery is done with: a fenced one's message is stale or gone
-        await self._let_go([lease for lease, _ in items])
-        await self._settle_specs(
-            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
-            audited=False,
+        return scripts.COMPLETE.call(
+            scripts.CompleteKeys(
+                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+            ),
+            scripts.CompleteArgs(now=now, ttl_ms=self._ttl_ms),
+            items,
         )
-        return accepted
+
+    async def _completed(self, leases: Sequence[Lease]) -> None:
+        # fenced or not, the delivery is done with: a fenced one's message is stale or gone
+        await self._let_go(leases)
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         """1 retrying (after backoff, through a delay queue), 0 dead-lettered, -1 fenced."""

@@ -9,9 +9,10 @@ for `serve`, tests and benchmarks.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from tokenyard.broker import Backend
-from tokenyard.broker.core import Clock
+from tokenyard.broker import Backend, Connection
+from tokenyard.broker.core import Clock, QueueCore
 from tokenyard.broker.redis.batches import RedisBatches
 from tokenyard.broker.redis.connection import RedisConnection
 from tokenyard.broker.redis.keys import Keys
@@ -25,7 +26,7 @@ from tokenyard.broker.redis.tables import (
 )
 from tokenyard.config import BrokerSettings
 
-__all__ = ["RedisConnection", "RedisQueue", "connection_of", "open_backend"]
+__all__ = ["RedisConnection", "RedisQueue", "backend_on", "connection_of", "open_backend"]
 
 
 def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
@@ -33,18 +34,37 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     `rediss://`, `unix://`, or `redis+cluster://` any node)."""
     conn = RedisConnection(settings)
     keys = Keys(settings.prefix)
+    return backend_on(
+        settings,
+        conn,
+        keys,
+        lambda quotas, audit: RedisQueue(settings, conn, keys, quotas, audit, clock),
+        clock,
+    )
+
+
+def backend_on(
+    settings: BrokerSettings,
+    conn: RedisConnection,
+    keys: Keys,
+    queue_of: Callable[[RedisQuotas, RedisAudit], QueueCore],
+    clock: Clock,
+    connection: Connection | None = None,
+) -> Backend:
+    """Every table on `conn`, and the queue core `queue_of` builds over its quotas and audit
+    trail (this backend's, or RabbitMQ lanes'); `connection` answers for the whole backend."""
     quotas = RedisQuotas(conn, keys, clock)
     audit = RedisAudit(conn, keys, settings.audit_max_len)
     return Backend(
         settings=settings,
-        queue=RedisQueue(settings, conn, keys, quotas, audit, clock),
+        queue=queue_of(quotas, audit),
         directory=RedisDirectory(conn, keys),
         quotas=quotas,
         audit=audit,
         responses=RedisResponses(conn, keys, clock),
         registry=RedisRegistry(conn, keys, clock),
         batches=RedisBatches(conn, keys, clock),
-        connection=conn,
+        connection=connection or conn,
     )
 
 

@@ -415,45 +415,22 @@ class RedisQueue(QueueCore):
         items: Sequence[tuple[Lease, JobResult]],
         tails: Sequence[TokenChunk | None] | None = None,
     ) -> list[bool]:
+        """One fenced script call per model, the terminal audit entries in the same round trip;
+        then the quotas of the accepted ones are settled."""
         if not items:
             return []
         now = repr(self.clock())
         by_model: dict[str, list[int]] = defaultdict(list)
         for index, (lease, _) in enumerate(items):
             by_model[lease.spec.model].append(index)
-        calls: list[Call] = []
-        for model, indexes in by_model.items():
-            batch = []
-            for i in indexes:
-                lease, result = items[i]
-                job_id = lease.spec.id
-                tail = None if tails is None else tails[i]
-                batch.append(
-                    (
-                        scripts.CompleteItemKeys(
-                            lane=self._lane(lease),
-                            job=self.keys.job(job_id),
-                            events=self.keys.events(job_id),
-                        ),
-                        scripts.CompleteItemArgs(
-                            consumer=lease.consumer,
-                            entry_id=lease.entry_id,
-                            job_id=job_id,
-                            status=result.status.value,
-                            finished=encode(Finished(result=result)),
-                            tail=b"" if tail is None else encode(tail),
-                        ),
-                    )
-                )
-            calls.append(
-                scripts.COMPLETE.call(
-                    scripts.CompleteKeys(
-                        cancels=self.keys.cancels(model), counters=self.keys.counters(model)
-                    ),
-                    scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self._ttl_ms),
-                    batch,
-                )
+        calls = [
+            self._complete_call(
+                model,
+                [(*items[i], None if tails is None else tails[i]) for i in indexes],
+                now,
             )
+            for model, indexes in by_model.items()
+        ]
         accepted = [False] * len(items)
         when = self.clock()
         entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
@@ -462,11 +439,45 @@ class RedisQueue(QueueCore):
             for i, flag in zip(indexes, flags, strict=True):
                 accepted[i] = bool(flag)
         await self.audit.take_back([ids[i] for i in range(len(items)) if not accepted[i]])
+        await self._completed([lease for lease, _ in items])
         await self._settle_specs(
             [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
             audited=False,
         )
         return accepted
+
+    def _complete_call(
+        self, model: str, batch: Sequence[tuple[Lease, JobResult, TokenChunk | None]], now: str
+    ) -> Call:
+        """The fenced completion of one model's jobs (complete.lua)."""
+        return scripts.COMPLETE.call(
+            scripts.CompleteKeys(
+                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+            ),
+            scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self._ttl_ms),
+            [
+                (
+                    scripts.CompleteItemKeys(
+                        lane=self._lane(lease),
+                        job=self.keys.job(lease.spec.id),
+                        events=self.keys.events(lease.spec.id),
+                    ),
+                    scripts.CompleteItemArgs(
+                        consumer=lease.consumer,
+                        entry_id=lease.entry_id,
+                        job_id=lease.spec.id,
+                        status=result.status.value,
+                        finished=encode(Finished(result=result)),
+                        tail=b"" if tail is None else encode(tail),
+                    ),
+                )
+                for lease, result, tail in batch
+            ],
+        )
+
+    async def _completed(self, leases: Sequence[Lease]) -> None:
+        """After a completion, accepted or fenced: nothing to do here (the script acked the
+        entries); a backend whose deliveries live elsewhere lets them go."""
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         now = self.clock()
