@@ -72,6 +72,9 @@ DELAYS_MS = (50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 30_000, 60_
 # process holds gets no pushes, so its new messages are found by basic.get only.
 WAKE_CAP_S = 1.0
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
+# A resend republishes a job still queued and unpublished only once it is this old: its first
+# producer may still be publishing it
+RESEND_AFTER_S = 2.0
 
 
 _PRIORITIES = list(Priority)  # claim_order's lane indexes, highest priority first
@@ -226,6 +229,7 @@ class AmqpQueue(RedisQueue):
                         idem_ttl_ms=ms(self.settings.idempotency_ttl_s),
                         job_prefix=self.keys.job_prefix(model),
                         max_depth=self.settings.max_queue_depth,
+                        resend_after_s=repr(RESEND_AFTER_S),
                     ),
                     items,
                 )
@@ -237,6 +241,7 @@ class AmqpQueue(RedisQueue):
             await self.conn.one(("SADD", self.keys.models(), *new_models))
             self._known_models |= new_models
         results: list[EnqueueResult] = [EnqueueResult(job_id="", created=False)] * len(specs)
+        publish: list[int] = []  # the new jobs, and resent ones whose message never went out
         full: QueueFull | None = None
         for indexes, (code, rows) in zip(by_model.values(), replies, strict=True):
             if code == -1:  # none of this model's jobs was added
@@ -245,23 +250,24 @@ class AmqpQueue(RedisQueue):
                 lane = f"{spec.model}/{spec.priority.name.lower()}"
                 full = QueueFull(lane, int(depth), self.settings.max_queue_depth)
                 continue
-            for i, (created, job_id, joined) in zip(indexes, rows, strict=True):
+            for i, (created, job_id, joined, again) in zip(indexes, rows, strict=True):
                 results[i] = EnqueueResult(
                     job_id=as_text(job_id), created=created == 1, collapsed=joined == 1
                 )
+                if again == 1:
+                    publish.append(i)
         if full is not None:  # the other models' jobs are withdrawn: all or nothing
             await self._withdraw(specs, results, by_model, msgs)
             await self.audit.take_back(ids)
             raise full
-        fresh = [i for i, r in enumerate(results) if r.created]
         sent = await asyncio.gather(
             *(
                 self.amqp.publish(
                     self.names.lane(specs[i].model, specs[i].priority, specs[i].pool),
-                    specs[i].id.encode(),
+                    results[i].job_id.encode(),
                     msgs[i],
                 )
-                for i in fresh
+                for i in publish
             ),
             return_exceptions=True,
         )
@@ -276,6 +282,10 @@ class AmqpQueue(RedisQueue):
                 )
             raise failed[0]
         await self.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
+        if publish:  # confirmed: a resend of these finds them published
+            await self.conn.checked(
+                [("HSET", self.keys.job(results[i].job_id), "pub", 1) for i in publish]
+            )
         return results
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:

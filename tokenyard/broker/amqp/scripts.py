@@ -26,6 +26,7 @@ class AdmitArgs(NamedTuple):
     idem_ttl_ms: int
     job_prefix: str
     max_depth: int
+    resend_after_s: str
 
 
 class AdmitItemArgs(NamedTuple):

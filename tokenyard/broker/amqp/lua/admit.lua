@@ -2,22 +2,36 @@
 -- and collapsing as enqueue.lua, and the lane bound (its waiting set; RabbitMQ's own length
 -- bound overshoots under concurrent publishes). All of the batch, or none if a lane would
 -- overflow. The caller then publishes each new job's message, whose id the record names
--- (`msg`): a message the record does not name is stale (take.lua drops it).
+-- (`msg`): a message the record does not name is stale (take.lua drops it); once RabbitMQ
+-- confirmed it, the caller marks the record published (`pub`). A resend that finds its job
+-- still queued, unpublished and older than `resend_after_s` (its producer died between the
+-- record and the message) names the resend's message instead, for the caller to publish.
 -- KEYS: none; per item: job, idem, inflight, waiting
--- ARGV: now, idem_ttl_ms, job_prefix, max_depth; per item: job_id, spec, deadline, use_idem,
---   use_inflight, msg, lane
--- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}}, or {-1, {item, depth}} when that
--- item's lane is full.
+-- ARGV: now, idem_ttl_ms, job_prefix, max_depth, resend_after_s; per item: job_id, spec,
+--   deadline, use_idem, use_inflight, msg, lane
+-- Returns {1, {{created 1|0, job_id, joined 1|0, publish 1|0}, ...}}, or {-1, {item, depth}}
+-- when that item's lane is full.
 local results, fresh, adding, first_item = {}, {}, {}, {}
 local taken_ids, taken_keys, taken_inflight, joins = {}, {}, {}, {}
 for i = 1, N do
   local k, a = item(i)
   local existing, joined = admitted(k, a, taken_ids, taken_keys, taken_inflight)
   if existing then
-    results[i] = {0, existing, joined}
-    if joined == 1 then joins[existing] = (joins[existing] or 0) + 1 end
+    local again = 0
+    if joined == 1 then
+      joins[existing] = (joins[existing] or 0) + 1
+    else
+      local jk = A.job_prefix .. existing
+      local h = redis.call('HMGET', jk, 'status', 'pub', 'enq_at')
+      if h[1] == 'queued' and h[2] == '0'
+        and tonumber(h[3] or '0') + tonumber(A.resend_after_s) <= tonumber(A.now) then
+        redis.call('HSET', jk, 'msg', a.msg)
+        again = 1
+      end
+    end
+    results[i] = {0, existing, joined, again}
   else
-    results[i] = {1, a.job_id, 0}
+    results[i] = {1, a.job_id, 0, 1}
     fresh[#fresh + 1] = i
     adding[k.waiting] = (adding[k.waiting] or 0) + 1
     first_item[k.waiting] = first_item[k.waiting] or i
@@ -30,7 +44,7 @@ end
 for _, i in ipairs(fresh) do
   local k, a = item(i)
   local fields = {'spec', a.spec, 'status', 'queued', 'lane', a.lane, 'deliveries', 0,
-    'enq_at', A.now, 'deadline', a.deadline, 'msg', a.msg}
+    'enq_at', A.now, 'deadline', a.deadline, 'msg', a.msg, 'pub', 0}
   if a.use_inflight == '1' then fields[#fields + 1], fields[#fields + 2] = 'followers', 1 end
   redis.call('HSET', k.job, unpack(fields))
   redis.call('ZADD', k.waiting, A.now, a.job_id)

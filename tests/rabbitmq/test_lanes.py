@@ -1,0 +1,63 @@
+"""RabbitMQ lanes beyond the conformance suite: what only a queue that keeps its records apart
+from its messages must handle."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.conftest import BackendFactory
+from tests.integration.test_broker_conformance import MODEL, job, ok
+from tokenyard.broker.amqp import queue as amqp_queue
+from tokenyard.broker.amqp.queue import AmqpQueue
+
+pytestmark = [
+    pytest.mark.rabbitmq,
+    pytest.mark.parametrize("make_backend", ["rabbitmq"], indirect=True),
+]
+
+
+async def test_a_resend_publishes_a_job_whose_producer_died_before_its_message(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = make_backend()
+    queue = broker.queue
+    assert isinstance(queue, AmqpQueue)
+    first = job(key="k1")
+    stuck = asyncio.Event()
+
+    async def never(*_: Any) -> None:
+        await stuck.wait()
+
+    monkeypatch.setattr(queue.amqp, "publish", never)
+    producer = asyncio.create_task(queue.enqueue_many([first]))
+    for _ in range(200):
+        if await queue.record(first.id) is not None:
+            break
+        await asyncio.sleep(0.01)
+    producer.cancel()  # the producer dies between the record and its message
+    await asyncio.gather(producer, return_exceptions=True)
+    monkeypatch.undo()
+    assert await queue.claim(MODEL, "w", slots=1) == []  # no message: nothing would run it
+
+    monkeypatch.setattr(amqp_queue, "RESEND_AFTER_S", 0.0)
+    [again] = await queue.enqueue_many([job(key="k1")])  # the client's resend, same key
+    assert again.job_id == first.id and not again.created
+    [lease] = await queue.claim(MODEL, "w", slots=1)
+    assert lease.spec.id == first.id
+    assert await queue.complete(lease, ok(lease))
+
+
+async def test_a_resend_of_a_published_job_adds_no_message(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = make_backend().queue
+    monkeypatch.setattr(amqp_queue, "RESEND_AFTER_S", 0.0)
+    first = await queue.enqueue(job(key="k2"))
+    again = await queue.enqueue(job(key="k2"))
+    assert again.job_id == first.job_id and not again.created
+    leases = await queue.claim(MODEL, "w", slots=5)
+    assert [lease.spec.id for lease in leases] == [first.job_id]
+    assert await queue.claim(MODEL, "w", slots=5) == []
