@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aio_pika
 import pytest
 
 from tests.conftest import BackendFactory
 from tests.integration.test_broker_conformance import MODEL, job, ok
+from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker.amqp import queue as amqp_queue
 from tokenyard.broker.amqp.queue import AmqpQueue
+from tokenyard.messages import JobStatus
 
 pytestmark = [
     pytest.mark.rabbitmq,
@@ -61,3 +64,32 @@ async def test_a_resend_of_a_published_job_adds_no_message(
     leases = await queue.claim(MODEL, "w", slots=5)
     assert [lease.spec.id for lease in leases] == [first.job_id]
     assert await queue.claim(MODEL, "w", slots=5) == []
+
+
+async def test_a_message_rabbitmq_dead_letters_becomes_a_dead_letter_with_its_reason(
+    make_backend: BackendFactory, rabbitmq: RabbitServer
+) -> None:
+    """Past `x-delivery-limit` returns (holders whose channels died, or a client's nack),
+    RabbitMQ moves the message to the model's dead queue; reap records it in the stream."""
+    broker = make_backend(max_deliveries=2)
+    queue = broker.queue
+    assert isinstance(queue, AmqpQueue)
+    spec = job()
+    await queue.enqueue(spec)
+    lane = queue.names.lane(MODEL, spec.priority, spec.pool)
+    connection = await aio_pika.connect(rabbitmq.url)
+    try:
+        channel = await connection.channel()
+        raw = await channel.get_queue(lane, ensure=False)
+        for _ in range(3):  # returned past the limit of 2, behind tokenyard's back
+            message = await raw.get(no_ack=False, timeout=5)
+            await message.nack(requeue=True)
+        assert await raw.get(no_ack=False, fail=False, timeout=5) is None
+    finally:
+        await connection.close()
+    report = await queue.reap(MODEL)
+    assert report.dead == [spec.id]
+    [letter] = await queue.dead_letters(MODEL)
+    assert letter.job_id == spec.id and letter.reason == "delivery_limit"
+    record = await queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.DEAD
