@@ -72,6 +72,7 @@ DELAYS_MS = (50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 30_000, 60_
 # process holds gets no pushes, so its new messages are found by basic.get only.
 WAKE_CAP_S = 1.0
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
+DELIVERY_LIMIT_FACTOR = 4  # RabbitMQ's delivery limit, over tokenyard's (see _lane_args)
 # A resend republishes a job still queued and unpublished only once it is this old: its first
 # producer may still be publishing it
 RESEND_AFTER_S = 2.0
@@ -152,14 +153,21 @@ class AmqpQueue(RedisQueue):
         """The Redis key the lane's bookkeeping hangs off (waiting and lease sets)."""
         return self.keys.lane(model, priority, pool)
 
+    @property
+    def delivery_limit(self) -> int:
+        """RabbitMQ's `x-delivery-limit` on the lanes: a multiple of `max_deliveries`."""
+        return DELIVERY_LIMIT_FACTOR * self.settings.max_deliveries
+
     def _lane_args(self, model: str) -> Arguments:
         return {
             "x-queue-type": "quorum",
             "x-max-length": self.settings.max_queue_depth,
             "x-overflow": "reject-publish",
-            # RabbitMQ's own count of returns (a holder's connection died): past it the message
-            # goes to the model's dead queue, which reap() drains into the dead-letter stream
-            "x-delivery-limit": self.settings.max_deliveries,
+            # RabbitMQ's own count of returns: past it the message goes to the model's dead
+            # queue, which reap() drains into the dead-letter stream. It also counts what a
+            # worker was pushed and gave back unrun (its connection closed), so it is a backstop
+            # above tokenyard's own count of deliveries (take.lua), not the limit itself
+            "x-delivery-limit": self.delivery_limit,
             "x-dead-letter-exchange": "",
             "x-dead-letter-routing-key": self.names.dead(model),
             "x-dead-letter-strategy": "at-least-once",
