@@ -157,7 +157,8 @@ async def test_abort_frees_slot() -> None:
     with pytest.raises(EngineError):
         engine.add(EngineRequest("short", [6], SamplingParams(max_tokens=2, temperature=0.0)))
     first = await engine.outputs()
-    assert [o.seq_id for o in first] == ["long"]
+    # one step's output or more (the engine may step again before this task reads): all "long"
+    assert {o.seq_id for o in first} == {"long"}
     assert engine.stats().running == 1
     engine.abort("long")
     engine.abort("nobody")  # unknown ids are ignored
