@@ -54,9 +54,10 @@ def test_rabbitmq_vs_valkey_benchmark_reports_every_cell() -> None:
         assert ours["tables_cpu_us_per_job"] >= 0
         for system in ("tokenyard-broker", "aio-pika"):
             cell = report["queue"]["rabbitmq"][system][mode]
-            # every job is at least a publish read by the node and a delivery it writes
-            assert cell["server_socket_reads_per_job"] >= 1.0, (system, mode)
-            assert cell["server_socket_writes_per_job"] >= 1.0, (system, mode)
+            # the node reads and writes for every job, though one socket write may carry
+            # several pushed deliveries (a consumer's prefetch)
+            assert cell["server_socket_reads_per_job"] > 0, (system, mode)
+            assert cell["server_socket_writes_per_job"] > 0, (system, mode)
     for broker in ("valkey", "rabbitmq"):
         http = report["http"][broker]
         assert "error" not in http, http
