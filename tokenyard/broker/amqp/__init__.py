@@ -1,8 +1,8 @@
 """RabbitMQ lanes with the tables on Redis/Valkey beside them (as Celery pairs a broker with a
 result backend): `--broker amqp://user:pass@host:5672/vhost --tables redis://host:6379/0`.
 
-`open_backend` builds it: the lanes (queue.py: quorum queues, basic.get claims, delay queues for
-retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
+`open_backend` builds it: the lanes (queue.py: quorum queues a worker consumes, delay queues
+for retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
 named in names.py; records, leases, events and every table on the Redis connection, by the Redis
 backend's own classes and the scripts in lua/ (declared in scripts.py).
 """

@@ -1,5 +1,6 @@
 """The RabbitMQ side of the backend: one lazily (re)opened connection, a confirming channel for
-publishes and one for basic.get, and the one mapping of its failures onto tokenyard's errors."""
+publishes, consumers on channels of their own, channels for basic.get, and the one mapping of
+its failures onto tokenyard's errors."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 # every such failure as BrokerUnavailable, which its callers log once
 logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)
 
+# what a lost or broken connection raises (RuntimeError: aiormq's "closed" state errors)
+_TROUBLE = (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError)
 GETTERS = 8  # basic.get channels: how many messages one claim takes at once
 TIMEOUT_S = 5.0  # one operation's bound: a broker that answers nothing within it is unavailable
 Arguments = Mapping[str, Any]
@@ -89,9 +92,9 @@ class AmqpConnection:
             raise Refused(what) from exc
         except ChannelPreconditionFailed as exc:
             raise _Clash(str(exc)) from exc
-        except (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError) as exc:
-            # RuntimeError: aiormq's "closed" state errors. A connection that failed is not
-            # trusted again (it may not know it is dead): the next call opens a new one
+        except _TROUBLE as exc:
+            # a connection that failed is not trusted again (it may not know it is dead): the
+            # next call opens a new one
             self._drop()
             raise BrokerUnavailable(f"RabbitMQ {redacted(self.url)}: {what}: {exc!r}") from exc
 
@@ -178,16 +181,14 @@ class AmqpConnection:
         """Ack a delivery; False where its channel is gone (RabbitMQ requeued it already)."""
         try:
             await message.ack()
-        except (aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError):
-            return False
-        except (OSError, RuntimeError):
+        except _TROUBLE:  # ChannelInvalidStateError is a RuntimeError
             return False
         return True
 
     async def ping(self) -> bool:
         try:
             await self._channels()
-        except (aiormq.exceptions.AMQPError, OSError, TimeoutError, RuntimeError):
+        except _TROUBLE:
             return False
         return True
 
@@ -203,9 +204,10 @@ class AmqpConnection:
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
+        self._publisher = None
+        self._getters = []
         if conn is not None and not conn.is_closed:
-            with contextlib.suppress(Exception):
-                await conn.close()
+            await _quietly_close(conn)
 
 
 async def _quietly_close(conn: AbstractConnection) -> None:

@@ -6,12 +6,13 @@ import hashlib
 
 from tokenyard.messages import Priority
 
-# AMQP names are at most 255 bytes; a longer model name goes by its digest
-_MAX_NAME = 200
+# AMQP names are at most 255 bytes: a model name longer than this goes by its digest, leaving
+# room for the prefix and the rest of the name
+_MAX_MODEL = 100
 
 
 def _safe(model: str) -> str:
-    if len(model.encode()) <= _MAX_NAME // 2:
+    if len(model.encode()) <= _MAX_MODEL:
         return model
     return "h" + hashlib.sha256(model.encode()).hexdigest()[:32]
 

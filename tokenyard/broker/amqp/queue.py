@@ -244,19 +244,13 @@ class AmqpQueue(RedisQueue):
             )
         receipts = [audit.received(spec, now) for spec in specs]
         replies, ids = await self._eval_audited(calls, receipts)
-        new_models = set(by_model) - self._known_models
-        if new_models:
-            await self.conn.one(("SADD", self.keys.models(), *new_models))
-            self._known_models |= new_models
+        await self._note_models(by_model)
         results: list[EnqueueResult] = [EnqueueResult(job_id="", created=False)] * len(specs)
         publish: list[int] = []  # the new jobs, and resent ones whose message never went out
         full: QueueFull | None = None
         for indexes, (code, rows) in zip(by_model.values(), replies, strict=True):
             if code == -1:  # none of this model's jobs was added
-                item, depth = rows
-                spec = specs[indexes[int(item) - 1]]
-                lane = f"{spec.model}/{spec.priority.name.lower()}"
-                full = QueueFull(lane, int(depth), self.settings.max_queue_depth)
+                full = self._lane_full(specs, indexes, rows)
                 continue
             for i, (created, job_id, joined, again) in zip(indexes, rows, strict=True):
                 results[i] = EnqueueResult(
@@ -297,19 +291,8 @@ class AmqpQueue(RedisQueue):
         return results
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
-        job = self.keys.job(spec.id)
-        return scripts.JobKeys(
-            job=job,
-            idem=(
-                self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
-                if spec.idempotency_key
-                else job
-            ),
-            inflight=(
-                self.keys.inflight(spec.model, spec.collapse_key) if spec.collapse_key else job
-            ),
-            waiting=self.keys.waiting(self._lane_key(spec.model, spec.priority, spec.pool)),
-        )
+        job, idem, inflight = self._admission_keys(spec)
+        return scripts.JobKeys(job=job, idem=idem, inflight=inflight, waiting=self._sets(spec)[0])
 
     async def _withdraw(
         self,
@@ -516,11 +499,14 @@ class AmqpQueue(RedisQueue):
         )
         return leases
 
+    def _sets(self, spec: JobSpec) -> tuple[str, str]:
+        """(waiting set, lease set) of the job's lane."""
+        lane = self._lane_key(spec.model, spec.priority, spec.pool)
+        return self.keys.waiting(lane), self.keys.leases(lane)
+
     def _lease_keys(self, lease: Lease) -> tuple[str, str]:
         """(job key, the lane's lease set) of a lease."""
-        spec = lease.spec
-        lane = self._lane_key(spec.model, spec.priority, spec.pool)
-        return self.keys.job(spec.id), self.keys.leases(lane)
+        return self.keys.job(lease.spec.id), self._sets(lease.spec)[1]
 
     async def _let_go(self, leases: Sequence[Lease]) -> None:
         """Ack the deliveries these leases ran under: the job is settled (or the lease lost)."""
@@ -619,7 +605,7 @@ class AmqpQueue(RedisQueue):
         """1 retrying (after backoff, through a delay queue), 0 dead-lettered, -1 fenced."""
         spec = lease.spec
         if force_dead or spec.attempt + 1 >= self.settings.max_deliveries:
-            buried = await self._bury([lease], reason, error)
+            [buried] = await self._bury([(lease, error)], reason)
             await self._let_go([lease])
             return 0 if buried else -1
         delay = backoff_delay(
@@ -634,49 +620,57 @@ class AmqpQueue(RedisQueue):
         await self._let_go([lease])
         return 1 if requeued else -1
 
-    async def _bury(self, leases: Sequence[Lease], reason: str, error: str) -> list[bool]:
-        """Dead-letter jobs whose lease the caller holds; settles those that were."""
-        if not leases:
+    async def _bury(self, dying: Sequence[tuple[Lease, str]], reason: str) -> list[bool]:
+        """Dead-letter jobs whose lease the caller holds, each with its error; settles those
+        that were."""
+        if not dying:
             return []
-        dead = dead_result(f"{reason}: {error}")
-        finished = encode(Finished(result=dead))
+        ends = [dead_result(f"{reason}: {error}") for _, error in dying]
 
         def call(batch: list[int]) -> Call:
-            model = leases[batch[0]].spec.model
             items = []
             for i in batch:
-                lease = leases[i]
-                job, lease_set = self._lease_keys(lease)
-                spec = lease.spec
-                items.append(
-                    (
-                        scripts.BuryItemKeys(
-                            job=job,
-                            events=self.keys.events(spec.id),
-                            leases=lease_set,
-                            waiting=self.keys.waiting(
-                                self._lane_key(spec.model, spec.priority, spec.pool)
-                            ),
-                        ),
-                        scripts.BuryItemArgs(
-                            job_id=spec.id,
-                            consumer=lease.consumer,
-                            token=lease.entry_id,
-                            msg="",
-                            reason=reason,
-                            error=error,
-                            finished=finished,
-                            priority=spec.priority.name,
-                        ),
-                    )
-                )
-            return scripts.BURY.call(self._bury_keys(model), self._times(), items)
+                lease, error = dying[i]
+                items.append(self._bury_item(lease.spec, reason, error, ends[i], lease=lease))
+            return scripts.BURY.call(
+                self._bury_keys(dying[batch[0]][0].spec.model), self._times(), items
+            )
 
-        flags = await self._flags_per_model([lease.spec.model for lease in leases], call)
+        flags = await self._flags_per_model([lease.spec.model for lease, _ in dying], call)
         await self._settle_specs(
-            [(lease.spec, dead) for lease, f in zip(leases, flags, strict=True) if f]
+            [(lease.spec, end) for (lease, _), end, f in zip(dying, ends, flags, strict=True) if f]
         )
         return flags
+
+    def _bury_item(
+        self,
+        spec: JobSpec,
+        reason: str,
+        error: str,
+        end: JobResult,
+        lease: Lease | None = None,
+        msg: str = "",
+    ) -> tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]:
+        """bury.lua's item for a job, fenced by the `lease` held or else by its message `msg`."""
+        waiting, leases = self._sets(spec)
+        return (
+            scripts.BuryItemKeys(
+                job=self.keys.job(spec.id),
+                events=self.keys.events(spec.id),
+                leases=leases,
+                waiting=waiting,
+            ),
+            scripts.BuryItemArgs(
+                job_id=spec.id,
+                consumer="" if lease is None else lease.consumer,
+                token="" if lease is None else lease.entry_id,
+                msg=msg,
+                reason=reason,
+                error=error,
+                finished=encode(Finished(result=end)),
+                priority=spec.priority.name,
+            ),
+        )
 
     def _bury_keys(self, model: str) -> scripts.BuryKeys:
         return scripts.BuryKeys(
@@ -712,11 +706,7 @@ class AmqpQueue(RedisQueue):
                 items.append(
                     (
                         scripts.RequeueItemKeys(
-                            job=job,
-                            waiting=self.keys.waiting(
-                                self._lane_key(spec.model, spec.priority, spec.pool)
-                            ),
-                            leases=lease_set,
+                            job=job, waiting=self._sets(spec)[0], leases=lease_set
                         ),
                         scripts.RequeueItemArgs(
                             consumer=lease.consumer,
@@ -788,14 +778,9 @@ class AmqpQueue(RedisQueue):
             (at_limit if int(deliveries) >= self.settings.max_deliveries else again).append(lease)
         dead_ids: list[str] = []
         if at_limit:
-            reason = "lease expired on each of {} deliveries"
-            for lease in at_limit:
-                # one by one: each names its own count
-                [ok] = await self._bury(
-                    [lease], "lease_expired", reason.format(lease.spec.attempt + 1)
-                )
-                if ok:
-                    dead_ids.append(lease.spec.id)
+            errors = [f"lease expired on each of {x.spec.attempt + 1} deliveries" for x in at_limit]
+            flags = await self._bury(list(zip(at_limit, errors, strict=True)), "lease_expired")
+            dead_ids = [lease.spec.id for lease, ok in zip(at_limit, flags, strict=True) if ok]
         requeued: list[str] = []
         if again:
             flags = await self._requeue(await self._republish(again), expired_by=now)
@@ -804,52 +789,32 @@ class AmqpQueue(RedisQueue):
         return ReapReport(requeued=requeued, dead=dead_ids)
 
     async def _drain_dead(self, model: str) -> list[str]:
-        """Messages RabbitMQ dead-lettered (their holders' connections died past the delivery
-        limit): the jobs they still speak for are dead letters, with RabbitMQ's reason."""
-        dead: list[str] = []
-        queue = self.names.dead(model)
-        for message in await self.amqp.get(queue, REAP_BATCH):
-            job_id = message.body.decode()
-            rec = await self.record(job_id)
+        """Messages RabbitMQ dead-lettered (returned past `x-delivery-limit`): the jobs they
+        still speak for are dead letters, with RabbitMQ's reason. One records read and one
+        script for the lot."""
+        messages = await self.amqp.get(self.names.dead(model), REAP_BATCH)
+        if not messages:
+            return []
+        found = await self.records([m.body.decode() for m in messages])
+        items, ended = [], []
+        for message, rec in zip(messages, found, strict=True):
             if rec is not None:
                 why = str((message.headers or {}).get("x-first-death-reason", "delivery_limit"))
                 error = f"RabbitMQ dead-lettered its message ({why})"
-                spec = rec.spec
-                finished = encode(Finished(result=dead_result(f"{why}: {error}")))
-                call = scripts.BURY.call(
-                    self._bury_keys(model),
-                    self._times(),
-                    [
-                        (
-                            scripts.BuryItemKeys(
-                                job=self.keys.job(job_id),
-                                events=self.keys.events(job_id),
-                                leases=self.keys.leases(
-                                    self._lane_key(model, spec.priority, spec.pool)
-                                ),
-                                waiting=self.keys.waiting(
-                                    self._lane_key(model, spec.priority, spec.pool)
-                                ),
-                            ),
-                            scripts.BuryItemArgs(
-                                job_id=job_id,
-                                consumer="",
-                                token="",
-                                msg=message.message_id or "",
-                                reason=why,
-                                error=error,
-                                finished=finished,
-                                priority=spec.priority.name,
-                            ),
-                        )
-                    ],
+                end = dead_result(f"{why}: {error}")
+                items.append(
+                    self._bury_item(rec.spec, why, error, end, msg=message.message_id or "")
                 )
-                [ok] = await self.conn.run(call)
-                if ok:
-                    dead.append(job_id)
-                    await self._settle_specs([(spec, dead_result(error))])
-            await self.amqp.ack(message)
-        return dead
+                ended.append((rec.spec, end))
+        flags: list[int] = []
+        if items:  # buried before the acks: a crash between leaves them to drain again
+            flags = await self.conn.run(
+                scripts.BURY.call(self._bury_keys(model), self._times(), items)
+            )
+        await asyncio.gather(*(self.amqp.ack(m) for m in messages))
+        buried = [(spec, end) for (spec, end), ok in zip(ended, flags, strict=True) if ok]
+        await self._settle_specs(buried)
+        return [spec.id for spec, _ in buried]
 
     # -- cancellation ----------------------------------------------------------------------
     async def _cancel(self, job_id: str, leaving: int) -> CancelOutcome:

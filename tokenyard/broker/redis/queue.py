@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from redis.asyncio.client import Pipeline
@@ -159,19 +159,13 @@ class RedisQueue(QueueCore):
         ]
         receipts = [audit.received(spec, now) for spec in specs]
         replies, ids = await self._eval_audited(calls, receipts)
-        new_models = set(by_model) - self._known_models
-        if new_models:
-            await self.conn.one(("SADD", self.keys.models(), *new_models))
-            self._known_models |= new_models
+        await self._note_models(by_model)
         results: list[EnqueueResult | None] = [None] * len(specs)
         for indexes, (code, payload) in zip(by_model.values(), replies, strict=False):
             if code == -1:
                 # the other models' batches stand; none of this model's jobs was added
                 await self.audit.take_back([ids[i] for i in indexes])
-                item, depth = payload
-                full = specs[indexes[int(item) - 1]]
-                lane = f"{full.model}/{full.priority.name.lower()}"
-                raise QueueFull(lane, int(depth), self.settings.max_queue_depth)
+                raise self._lane_full(specs, indexes, payload)
             for i, (created, job_id, joined) in zip(indexes, payload, strict=True):
                 results[i] = EnqueueResult(
                     job_id=text(job_id), created=created == 1, collapsed=joined == 1
@@ -179,15 +173,37 @@ class RedisQueue(QueueCore):
         await self.audit.take_back([ids[i] for i, r in enumerate(results) if r and not r.created])
         return [r for r in results if r is not None]
 
+    async def _note_models(self, models: Iterable[str]) -> None:
+        """Add models this process has not enqueued for yet to the set `models()` reads."""
+        new_models = set(models) - self._known_models
+        if new_models:
+            await self.conn.one(("SADD", self.keys.models(), *new_models))
+            self._known_models |= new_models
+
+    def _lane_full(
+        self, specs: Sequence[JobSpec], indexes: Sequence[int], refusal: Any
+    ) -> QueueFull:
+        """The QueueFull an enqueue script's `{item, depth}` refusal stands for."""
+        item, depth = refusal
+        full = specs[indexes[int(item) - 1]]
+        lane = f"{full.model}/{full.priority.name.lower()}"
+        return QueueFull(lane, int(depth), self.settings.max_queue_depth)
+
+    def _admission_keys(self, spec: JobSpec) -> tuple[str, str, str]:
+        """A job's record, idempotency and in-flight keys (the job's own key stands in for
+        those it has no key for: lib/admit.lua reads them only when the job asks)."""
+        job = self.keys.job(spec.id)
+        idem = inflight = job
+        if spec.idempotency_key:
+            idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+        if spec.collapse_key:
+            inflight = self.keys.inflight(spec.model, spec.collapse_key)
+        return job, idem, inflight
+
     def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
         items = []
         for spec in specs:
-            job = self.keys.job(spec.id)
-            idem = inflight = job
-            if spec.idempotency_key:
-                idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
-            if spec.collapse_key:
-                inflight = self.keys.inflight(spec.model, spec.collapse_key)
+            job, idem, inflight = self._admission_keys(spec)
             lane = self.keys.lane(spec.model, spec.priority, spec.pool)
             items.append(
                 (
