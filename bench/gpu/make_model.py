@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenyard.bench.workload import WORDS
-from tokenyard.engines.tiny import BOS, CHAT_TEMPLATE, EOS, PAD
+from tokenyard.engines import tiny
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SEED = 1234
 
 # Llama shapes. "1b" is TinyLlama-1.1B's (GQA: 32 query heads, 4 KV heads of 64); "tiny" is for
@@ -64,31 +63,7 @@ def corpus(seed: int) -> list[str]:
 
 def train_tokenizer(vocab_size: int, seed: int = SEED) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of `vocab_size` entries with tokenyard's tiny specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[PAD, BOS, EOS, *ROLE_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(seed), trainer=trainer)
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=list(ROLE_TOKENS),
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=2048,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
+    return tiny.train_tokenizer(corpus(seed), vocab_size, min_frequency=2)
 
 
 def build(opts: argparse.Namespace) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,21 +132,28 @@ def ensure_tiny_model(
 
 
 def _build_tokenizer() -> PreTrainedTokenizerFast:
+    lines = [line for line in _CORPUS.splitlines() if line.strip()]
+    return train_tokenizer(lines, VOCAB_SIZE, min_frequency=1)
+
+
+def train_tokenizer(
+    lines: Iterable[str], vocab_size: int, min_frequency: int
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `lines`, with the tiny model's special tokens and
+    chat template (also what bench/gpu/make_model.py's larger random models use)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [PAD, BOS, EOS, *_ROLE_TOKENS]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=specials,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[PAD, BOS, EOS, *_ROLE_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = [line for line in _CORPUS.splitlines() if line.strip()]
     tok.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
