@@ -46,14 +46,16 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def _nats_servers(pid: int) -> set[int]:
+def children_running(pid: int, program: str) -> set[int]:
+    """The descendants of `pid` running the program named `program`."""
     found = set()
     for child in _children(pid):
         try:
             argv0 = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]
         except FileNotFoundError:
             continue
-        if Path(argv0.decode()).name == "nats-server":
+        # a server may retitle itself ("valkey-server 127.0.0.1:port"): the first word names it
+        if Path(argv0.decode()).name.split(" ")[0] == program:
             found.add(child)
     return found
 
@@ -78,7 +80,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url + "/readyz", procs, timeout_s=180, interval_s=0.5)
-        servers = _nats_servers(serve.pid)
+        servers = children_running(serve.pid, "nats-server")
         if BROKER == "nats":
             assert len(servers) == 1, "serve runs one private nats-server"
         yield Served(url, tmp / BROKER, procs)

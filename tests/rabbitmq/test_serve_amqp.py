@@ -8,14 +8,13 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.integration.test_serve_nats import (
     MODEL,
     Served,
-    _children,
+    children_running,
     test_a_small_batch_through_files_and_batches,
     test_job_events_resume_from_last_event_id,
     test_streamed_chat_equals_the_whole_answer,
@@ -34,18 +33,6 @@ __all__ = [
     "test_streamed_chat_equals_the_whole_answer",
     "test_sync_completion",
 ]
-
-
-def _valkeys(pid: int) -> set[int]:
-    found = set()
-    for child in _children(pid):
-        try:
-            argv0 = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]
-        except FileNotFoundError:
-            continue
-        if Path(argv0.decode()).name.startswith("valkey-server"):
-            found.add(child)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +56,7 @@ def served(rabbitmq: RabbitServer, tmp_path_factory: pytest.TempPathFactory) -> 
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url + "/readyz", procs, timeout_s=180, interval_s=0.5)
-        tables = _valkeys(serve.pid)
+        tables = children_running(serve.pid, "valkey-server")
         assert len(tables) == 1, "serve runs one private Valkey for the lanes' tables"
         yield Served(url, tmp / "tables", procs)
         # SIGINT: the workers drain, then the Valkey stops, then serve exits cleanly
