@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats.js.errors
@@ -91,6 +91,10 @@ ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the
 _WRONG_LAST = 10071  # JetStream: wrong last sequence
 _FULL = (10077, 10078)  # JetStream: maximum messages (or bytes) exceeded
 POLL_S = 0.2  # a blocked claim looks afresh at least this often (retries, expired leases)
+DUPLICATE_WINDOW_S = 120.0  # a lane drops a message whose Nats-Msg-Id it saw this recently
+# how long a resend waits for the record of the job its idempotency key names (the other try
+# may be between the key and the record) before taking the key over
+RECORD_GRACE_S = 2.0
 TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
 
 
@@ -183,7 +187,7 @@ class NatsQueue(QueueCore):
                 max_msgs=self.settings.max_queue_depth,
                 discard=DiscardPolicy.NEW,
                 storage=StorageType.FILE,
-                duplicate_window=120.0,
+                duplicate_window=DUPLICATE_WINDOW_S,
             )
         )
 
@@ -540,35 +544,48 @@ class NatsQueue(QueueCore):
         turn: asyncio.Event,
     ) -> tuple[EnqueueResult, str]:
         kv = await self._jobs()
+        resend: tuple[StoredJob, int] | None = None
         if spec.idempotency_key:
             key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
             other = await self._claim_key(kv, key, spec.id)
             if other is not None and other != spec.id:
-                return EnqueueResult(job_id=other, created=False), ""
-        if spec.collapse_key:
+                first = await self._first_try(kv, key, other, spec.id)
+                if first == "stands":
+                    return EnqueueResult(job_id=other, created=False), ""
+                if first != "taken over":
+                    resend = first
+        if resend is not None:
+            # the key's first try may have died between its record and its message
+            (job, revision), created = resend, False
+            spec, subject = job.spec, job.subject
+        elif spec.collapse_key:
             joined = await self._join(kv, spec)
             if joined is not None:
                 return EnqueueResult(job_id=joined, created=False, collapsed=True), ""
-        stream = await self._lane(spec.model, spec.priority, spec.pool)
-        if owner is not None:
-            subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
-        else:
-            subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
-        job = StoredJob(
-            spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
-        )
-        created = True
-        try:
-            revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            # A resent enqueue. Its first try may have died between the record and the message
-            # (a broker crash): a message not yet confirmed is published again, on the record's
-            # subject, and Nats-Msg-Id drops it if the first had landed after all.
-            found = await self._get(spec.id)
-            if found is None or found[0].status is not JobStatus.QUEUED:
-                return EnqueueResult(job_id=spec.id, created=False), ""
-            job, revision = found
-            subject, created = job.subject, False
+        if resend is None:
+            stream = await self._lane(spec.model, spec.priority, spec.pool)
+            if owner is not None:
+                subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+            else:
+                subject = self.names.tenant_subject(
+                    spec.model, spec.priority, spec.pool, spec.tenant
+                )
+            job = StoredJob(
+                spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
+            )
+            created = True
+            try:
+                revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                # A resent enqueue (same job id): its first try may have died between the
+                # record and the message (a broker crash).
+                found = await self._get(spec.id)
+                if found is None or not await self._maybe_unpublished(found[0]):
+                    return EnqueueResult(job_id=spec.id, created=False), ""
+                job, revision = found
+                subject, created = job.subject, False
+        # a message published again on the record's subject: Nats-Msg-Id drops it if the first
+        # had landed after all
         headers = {MSG_ID: spec.id, REVISION: str(revision), ENQUEUED_AT: repr(now)}
         if after is not None:
             await after.wait()
@@ -588,6 +605,36 @@ class NatsQueue(QueueCore):
         # the record does not learn the message's sequence (a write more per job): a cancel or
         # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
         return EnqueueResult(job_id=spec.id, created=created), subject
+
+    async def _first_try(
+        self, kv: KeyValue, key: str, other: str, job_id: str
+    ) -> tuple[StoredJob, int] | Literal["stands", "taken over"]:
+        """What a resend finds under an idempotency key another try claimed: that job stands;
+        its record (queued and maybe never published: publish it again); or no record came
+        (that try died between the key and the record) and the key now names `job_id`."""
+        for _ in range(int(RECORD_GRACE_S / 0.1)):
+            found = await self._get(other)
+            if found is not None:
+                return found if await self._maybe_unpublished(found[0]) else "stands"
+            await asyncio.sleep(0.1)  # the other try may be between its key and its record
+        try:
+            entry = await sent(kv.get(key))
+            if entry.value != other.encode():
+                return "stands"
+            await sent(kv.update(key, job_id.encode(), last=entry.revision))
+        except nats.js.errors.Error:
+            return "stands"  # changed meanwhile: a later resend looks again
+        return "taken over"
+
+    async def _maybe_unpublished(self, job: StoredJob) -> bool:
+        """Whether the queued job's lane message may never have been published: never taken,
+        and (past the lane's duplicate window, where a resend would not be dropped) not found
+        on its subject."""
+        if job.status is not JobStatus.QUEUED or job.seq or job.deliveries or job.last_error:
+            return False
+        if self.clock() - job.enqueued_at < DUPLICATE_WINDOW_S * 0.9:
+            return True
+        return not await self._find_message(job)
 
     async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
         """The job in flight this identical request joins (one more follower), if any."""
