@@ -131,9 +131,11 @@ def test_job_events_resume_from_last_event_id(served: Served) -> None:
     body = {
         "model": MODEL,
         "prompt": "Every request waits in the queue",
-        "max_tokens": 24,
+        # the worker sends what the engine made since its last write, so a busy machine
+        # coalesces tokens: 128 of them leave several events to drop the stream between
+        "max_tokens": 128,
         "temperature": 0.0,
-        "ignore_eos": True,  # 24 tokens: enough to drop the stream midway
+        "ignore_eos": True,
     }
     with httpx.Client(base_url=served.url, timeout=60) as http:
         job = http.post("/v1/jobs", json=body)
@@ -148,8 +150,7 @@ def test_job_events_resume_from_last_event_id(served: Served) -> None:
                 assert ev.event == "tokens" and ev.id is not None
                 seen.append(ev.json()["text"])
                 ids.append(ev.id)
-                if len(seen) == 3:
-                    break  # drop the connection midway
+                break  # drop the connection after the first
 
         finish = None
         with http.stream(
@@ -163,7 +164,7 @@ def test_job_events_resume_from_last_event_id(served: Served) -> None:
                 seen.append(ev.json()["text"])
                 ids.append(ev.id)
         assert finish is not None and finish["status"] == "succeeded"
-        assert len(seen) > 3  # the resumed stream carried the rest, from where the first left
+        assert len(seen) > 1  # the resumed stream carried the rest, from where the first left
         assert "".join(seen) == finish["text"]
 
         record = http.get(f"/v1/jobs/{job_id}").json()
