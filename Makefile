@@ -22,9 +22,13 @@ lint: install
 	$(PY) -m mypy tokenyard
 
 # what needs RabbitMQ or Tansu (marked `rabbitmq` / `kafka`, tests/conftest.py) runs in
-# test-brokers
+# test-brokers. Two pytest processes: most tests wait on servers and subprocesses, not the CPU;
+# tests/conftest.py keeps each file in one process and the fault tests in one queue.
+TEST_PROCS ?= 2
+
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -m "not rabbitmq and not kafka"
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --dist loadgroup \
+	  -m "not rabbitmq and not kafka"
 
 unit: install
 	$(PY) -m pytest -q tests/unit

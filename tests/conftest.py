@@ -38,8 +38,12 @@ DEFAULT_BACKENDS = ["valkey"]
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark what needs RabbitMQ or a Kafka broker (`make test-brokers` runs it; `make test`
-    leaves it out)."""
+    leaves it out). Under pytest-xdist (`--dist loadgroup`) a file's tests stay together (its
+    module fixtures start once) and the fault tests, which kill real processes against time
+    budgets, run one after another in one worker."""
     for item in items:
+        group = "faults" if item.get_closest_marker("fault") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
         if "tansu" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kafka)
         params = getattr(item, "callspec", None)
