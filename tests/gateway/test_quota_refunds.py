@@ -31,7 +31,8 @@ from tokenyard.tenancy.limiter import Quota
 TENANT = "solo"
 KEY = {"Authorization": "Bearer sk-solo"}
 OTHER = {"Authorization": "Bearer sk-other"}
-QUOTA = Quota(max_concurrent=1, tpm=100_000, token_budget=1_000_000)
+# six requests a minute: a request still counted leaves the limiter 10 s ahead of now
+QUOTA = Quota(max_concurrent=1, rpm=6, tpm=100_000, token_budget=1_000_000)
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0.0}
 
 
@@ -50,16 +51,19 @@ def held(stack: Stack, url: str, tenant: str = TENANT) -> dict[str, Any]:
             "active": int(counters.get("active", 0)),
             "budget_used": int(counters.get("budget_used", 0)),
             "tpm_tat": float(counters.get("tpm_tat", 0)),
+            "rpm_tat": float(counters.get("rpm_tat", 0)),
             "held": r.hkeys(keys.quota_held(tenant)),
         }
 
 
-def assert_nothing_held(stack: Stack, url: str) -> None:
-    """Slot free, no reservation held, budget and tokens-per-minute all given back."""
+def assert_nothing_held(stack: Stack, url: str, *, request_back: bool) -> None:
+    """Slot free, no reservation held, budget and tokens-per-minute all given back, and with
+    `request_back` (the job never entered) the request too."""
     state = held(stack, url)
     assert state["active"] == 0 and state["held"] == [] and state["budget_used"] == 0, state
-    # GCRA: a theoretical arrival time not past now means no token is still counted
+    # GCRA: a theoretical arrival time not past now means nothing is still counted
     assert state["tpm_tat"] <= time.time(), state
+    assert (state["rpm_tat"] <= time.time()) == request_back, state
 
 
 def next_is_admitted(http: httpx.Client) -> None:
@@ -97,7 +101,7 @@ def test_enqueue_refused_by_the_broker_answers_500_and_refunds(
             answer = http.post(path, json=BODY, headers=KEY)
             assert answer.status_code == 500, answer.text
             assert answer.json()["error"]["type"] == "server_error"
-            assert_nothing_held(bare, valkey.url)
+            assert_nothing_held(bare, valkey.url, request_back=True)
         with redis.Redis.from_url(valkey.url) as r:
             r.delete(lane)
         next_is_admitted(http)
@@ -114,7 +118,7 @@ def test_full_lane_answers_429_and_refunds(valkey: EmbeddedServer) -> None:
         answer = http.post("/v1/jobs", json=BODY, headers=KEY)
         assert answer.status_code == 429, answer.text
         assert answer.json()["error"]["code"] == "queue_full"
-        assert_nothing_held(stack, valkey.url)
+        assert_nothing_held(stack, valkey.url, request_back=True)
 
 
 def test_replayed_request_holds_nothing_of_its_own(bare: Stack, valkey: EmbeddedServer) -> None:
@@ -136,7 +140,7 @@ def test_cancelled_job_frees_its_slot_in_the_same_call(bare: Stack, valkey: Embe
         refused = http.post("/v1/jobs", json=BODY, headers=KEY)
         assert refused.status_code == 429  # the one slot is held
         assert http.delete(f"/v1/jobs/{job['id']}", headers=KEY).status_code == 200
-        assert_nothing_held(bare, valkey.url)
+        assert_nothing_held(bare, valkey.url, request_back=False)
         next_is_admitted(http)
 
 
@@ -152,13 +156,17 @@ def test_client_leaving_a_queued_call_frees_its_slot(bare: Stack, valkey: Embedd
             for _ in answer.iter_bytes():
                 pass
         until(lambda: held(bare, valkey.url)["active"] == 0)
-        assert_nothing_held(bare, valkey.url)
+        assert_nothing_held(bare, valkey.url, request_back=False)
 
 
 def test_failed_job_answers_500_and_the_next_call_is_admitted_at_once(
     valkey: EmbeddedServer,
 ) -> None:
-    with run_stack(valkey, engines=[fast_engine], keyring=keyring()) as stack:
+    # a failing job is retried, then dead: retried without a wait here
+    fast_retries = {"backoff_base_s": 0.001, "backoff_max_s": 0.001}
+    with run_stack(
+        valkey, engines=[fast_engine], keyring=keyring(), broker_options=fast_retries
+    ) as stack:
         with stack.client() as http:
             failed = http.post("/v1/completions", json={**BODY, "prompt": "[[fail]]"}, headers=KEY)
             assert failed.status_code == 500, failed.text
@@ -253,5 +261,5 @@ def test_broker_unreachable_at_enqueue_answers_503_and_refunds_when_it_answers(
         back = time.monotonic()
         until(lambda: held(stack, valkey.url)["held"] == [], within_s=3.0)
         assert time.monotonic() - back < 2.0  # not the sweep's 30 s
-        assert_nothing_held(stack, valkey.url)
+        assert_nothing_held(stack, valkey.url, request_back=True)
         next_is_admitted(http)

@@ -62,11 +62,12 @@ class Enqueuer:
         except Exception as exc:
             if isinstance(exc, QueueFull):
                 self.metrics.rejections.labels("queue_full").inc()
-            await self._refunded(spec)
+            await self._refunded(spec, request=True)
             raise
         if not result.created:
-            # the job it follows (or its key named) holds its own reservation
-            await self._refunded(spec)
+            # the job it follows (or its key named) holds its own reservation; the request
+            # was answered, so it counts
+            await self._refunded(spec, request=False)
         else:
             self.recent.append(result.job_id)
         return result
@@ -80,34 +81,37 @@ class Enqueuer:
         if not entering.cancelled() and entering.exception() is None:
             entered = entering.result()
         if entered is None or not entered.created:
-            self._track(self._refund(spec))
+            self._track(self._refund(spec, request=entered is None))
         if live and entered is not None and (entered.created or entered.collapsed):
             self._track(self._cancel(entered.job_id))
 
-    async def _refunded(self, spec: JobSpec) -> None:
+    async def _refunded(self, spec: JobSpec, *, request: bool) -> None:
         """Refund now, shielded from the caller's own cancel; a broker that does not answer
-        leaves it to a task that tries again, so the caller's answer does not wait."""
-        if spec.quota and not await asyncio.shield(self._track(self._refund_once(spec))):
-            self._track(self._refund(spec))
+        leaves it to a task that tries again, so the caller's answer does not wait. `request`:
+        the job never entered, so the request is given back too (requests per minute)."""
+        if not spec.quota:
+            return
+        if not await asyncio.shield(self._track(self._refund_once(spec, request))):
+            self._track(self._refund(spec, request))
 
-    async def _refund(self, spec: JobSpec) -> None:
+    async def _refund(self, spec: JobSpec, request: bool) -> None:
         """Give back `spec`'s reservation, trying again while the broker does not answer, for
         up to REFUND_RETRY_S (not past the gateway's close)."""
         if not spec.quota:
             return
         give_up = time.monotonic() + REFUND_RETRY_S
         wait, longest = _REFUND_BACKOFF_S
-        while not await self._refund_once(spec):
+        while not await self._refund_once(spec, request):
             if self._closing or time.monotonic() + wait > give_up:
                 log.warning("job %s's reservation is left to the quota sweep", spec.id)
                 return
             await asyncio.sleep(wait)
             wait = min(longest, wait * 2)
 
-    async def _refund_once(self, spec: JobSpec) -> bool:
+    async def _refund_once(self, spec: JobSpec, request: bool) -> bool:
         """One try (idempotent per job); False when the broker did not answer."""
         try:
-            await self.quotas.settle([Settlement(spec.tenant, spec.id, 0)])
+            await self.quotas.settle([Settlement(spec.tenant, spec.id, 0, request)])
         except BrokerUnavailable:
             return False
         except Exception:
