@@ -182,7 +182,10 @@ class Worker:
             # swallowed, so neither is cancelled halfway through a broker write
             self._stopping.set()
             await self.engine.stop()  # the output loop ends with EngineClosed
-            _, pending = await asyncio.wait({outputs, upkeep}, timeout=30.0)
+            loops = {outputs, upkeep}
+            if self._resending is not None:  # it ends at its next try, as the loops do
+                loops.add(self._resending)
+            _, pending = await asyncio.wait(loops, timeout=30.0)
             for task in pending:
                 log.error("%s did not stop; cancelling it", task.get_name())
                 task.cancel()
