@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from tests.conftest import BackendFactory
 from tests.faults.consumer import ACCEPTED_DIR_ENV, read_accepted, result_text
+from tests.netfault import Relay
 from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.nats.connection import REQUEST_TIMEOUT_S
@@ -554,6 +555,73 @@ async def test_jobs_in_flight_finish_seconds_after_a_nats_restart(tmp_path: Path
     finally:
         server.stop()
     assert took < RESTART_LEASE_S / 4
+
+
+@pytest.mark.timeout(60)
+async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: EmbeddedServer) -> None:
+    # the worker reaches Valkey through a relay; while the link is cut its leases are taken
+    # back (reaped and requeued), so what it kept must be refused, and the jobs run again
+    prefix = new_prefix()
+    with Relay(valkey.port or 0) as relay:
+        direct = connect(BrokerSettings(url=valkey.url, prefix=prefix, lease_s=0.05))
+        through = connect(BrokerSettings(url=relay.url, prefix=prefix, lease_s=RESTART_LEASE_S))
+        engine = SimEngine(
+            prefill_base=0.001, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.0
+        )
+        options = WorkerSettings(
+            model=MODEL, engine="sim", max_seqs=16, heartbeat_s=0.5, claim_block_s=0.2
+        )
+        worker = Worker(through, engine, options, consumer="cut-off")
+        running = asyncio.create_task(worker.run())
+        try:
+            specs = [
+                JobSpec(
+                    id=new_job_id(MODEL),
+                    model=MODEL,
+                    prompt=f"prompt {i}",
+                    stream=True,
+                    sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                )
+                for i in range(8)
+            ]
+            await direct.queue.enqueue_many(specs)
+            ids = [s.id for s in specs]
+
+            async def all_streaming() -> bool:
+                return all([bool(await direct.queue.read_events(j, count=1)) for j in ids])
+
+            await eventually(all_streaming, "every job streaming")
+            relay.sever(down_s=0.5)
+            await asyncio.sleep(0.2)  # idle past the direct client's 50 ms lease
+            report = await direct.queue.reap(MODEL)
+            assert sorted(report.requeued) == sorted(ids)
+
+            async def all_ended() -> bool:
+                records = await direct.queue.records(ids)
+                return all(r is not None and r.status.terminal for r in records)
+
+            await eventually(all_ended, "every job ends", within_s=RESTART_LEASE_S / 2)
+            # each job's kept writes were refused: dropped when its renewal was refused (still
+            # running), or its completion fenced off (it had ended while the link was cut)
+            sample = worker.metrics.registry.get_sample_value
+            lost = sample("tokenyard_worker_leases_lost_total", {"model": MODEL})
+            fenced = sample("tokenyard_worker_fenced_completions_total", {"model": MODEL})
+            assert (lost or 0) + (fenced or 0) == len(ids), (lost, fenced)
+            for job_id in ids:
+                record = await direct.queue.record(job_id)
+                assert record is not None and record.result is not None
+                assert record.status is JobStatus.SUCCEEDED and record.deliveries == 2
+                assert record.result.completion_tokens == 40
+                events = [e for _, e in await direct.queue.read_events(job_id, count=10_000)]
+                chunks = [e for e in events if isinstance(e, TokenChunk)]
+                # the kept events of the lost lease were refused: no token twice
+                assert sum(len(c.token_ids) for c in chunks) == 40, job_id
+                assert "".join(c.text for c in chunks) == record.result.text
+        finally:
+            worker.drain()
+            await asyncio.wait_for(running, 30)
+            await through.close()
+            await direct.close()
 
 
 @KINDS

@@ -8,11 +8,8 @@ a worker run no quota sweep (workers run it), so nothing here is released by the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +19,7 @@ import pytest
 import redis
 
 from tests.gateway.conftest import MODEL, Stack, fast_engine, run_stack
+from tests.netfault import Relay
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
@@ -178,86 +176,22 @@ def test_failed_job_answers_500_and_the_next_call_is_admitted_at_once(
         assert state["budget_used"] == used  # the failed job's tokens all came back
 
 
-class CuttingProxy:
-    """A TCP relay in front of a real Valkey that breaks the connection carrying a chosen
-    command and refuses connections for `down_s` after: the broker becomes unreachable exactly
-    between two of the gateway's calls, as a network fault would make it."""
-
-    def __init__(self, upstream_port: int, cut_on: bytes, down_s: float) -> None:
-        self.upstream_port = upstream_port
-        self.cut_on = cut_on
-        self.down_s = down_s
-        self.armed = False
-        self.cut_at: float | None = None
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, daemon=True)
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> CuttingProxy:
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0, family=socket.AF_INET)
-        )
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self.loop.run_forever()
-
-    def down(self) -> bool:
-        return self.cut_at is not None and time.monotonic() < self.cut_at + self.down_s
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.down():
-            writer.close()
-            return
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, cut: bool) -> None:
-            while data := await src.read(65536):
-                if cut and self.armed and self.cut_on in data:
-                    self.armed = False
-                    self.cut_at = time.monotonic()
-                    break
-                if self.down():
-                    break
-                dst.write(data)
-                await dst.drain()
-            for w in (writer, up_writer):
-                w.close()
-
-        with contextlib.suppress(OSError):
-            await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
-
-
 def test_broker_unreachable_at_enqueue_answers_503_and_refunds_when_it_answers(
     valkey: EmbeddedServer,
 ) -> None:
     enqueue_sha = hashlib.sha1(scripts.ENQUEUE.source().encode()).hexdigest().encode()
     with (
-        CuttingProxy(valkey.port or 0, enqueue_sha, down_s=1.0) as proxy,
-        run_stack(valkey, engines=[], keyring=keyring(), broker_url=proxy.url) as stack,
+        Relay(valkey.port or 0, cut_on=enqueue_sha, down_s=1.0) as relay,
+        run_stack(valkey, engines=[], keyring=keyring(), broker_url=relay.url) as stack,
         stack.client() as http,
     ):
-        proxy.armed = True
+        relay.armed = True
         answer = http.post("/v1/completions", json=BODY, headers=KEY)
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["code"] == "broker_unavailable"
-        assert proxy.cut_at is not None
+        assert relay.cut_at is not None
         # the refund could not be sent while the broker was away; it lands once it is back
-        until(lambda: not proxy.down())
+        until(lambda: not relay.down())
         back = time.monotonic()
         until(lambda: held(stack, valkey.url)["held"] == [], within_s=3.0)
         assert time.monotonic() - back < 2.0  # not the sweep's 30 s

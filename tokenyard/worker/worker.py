@@ -23,7 +23,7 @@ from tokenyard.broker.core import Cancellation, Events, Lease, Leases
 from tokenyard.broker.policy import pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
-from tokenyard.engines.base import Engine, EngineRequest
+from tokenyard.engines.base import Engine, EngineRequest, StepOutput
 from tokenyard.errors import BrokerUnavailable, EngineClosed, EngineError, UserError
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
@@ -136,6 +136,7 @@ class Worker:
         self._unsent: deque[_Writes] = deque()
         self._publishing = asyncio.Lock()
         self._resending: asyncio.Task[None] | None = None
+        self._dropped_runs: set[str] = set()  # jobs whose dropped run's end is still to come
         self.metrics = metrics if metrics is not None else WorkerMetrics(self.model)
         # None when tracing is off: each hook below is then one test
         self.spans = JobSpans(self.consumer) if tracing_enabled() else None
@@ -224,6 +225,11 @@ class Worker:
                 continue
             if not leases:
                 continue
+            if self.scheduler.running or self.scheduler.waiting:
+                for lease in leases:
+                    # a job of ours delivered again (reaped while the broker was out of reach):
+                    # the run under its old lease is over, that lease being gone
+                    self._drop(lease.spec.id, "delivered again", under=None)
             self.metrics.claims.inc(len(leases))
             self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
@@ -426,8 +432,8 @@ class Worker:
         if kept > MAX_UNSENT:
             log.error("the broker is away (%s): giving up %d kept writes", exc, kept)
             for writes in self._unsent:
-                for job_id in writes.job_ids():
-                    self._drop(job_id, "its writes were given up while the broker was away")
+                for lease in writes.all_leases():
+                    self._drop(lease.spec.id, "its writes were given up", under=lease)
             self._unsent.clear()
             return
         if not self._resend_pending:
@@ -493,7 +499,7 @@ class Worker:
         kept = await self.queue.append_events(events)
         for (lease, _), ours in zip(events, kept, strict=True):
             if not ours:
-                self._drop(lease.spec.id, "lease lost")
+                self._drop(lease.spec.id, "lease lost", under=lease)
 
     # -- outputs ---------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -506,6 +512,8 @@ class Worker:
                 return
             waited = time.monotonic() - waited
             self.metrics.engine_delivered(self.engine.stats(), waited if busy else None)
+            if self._dropped_runs:
+                outputs = self._not_dropped(outputs)
             update = self.scheduler.update(outputs, time.monotonic())
             # refill the engine before any broker write, so it never idles on a round trip
             ended = update.finished or update.failed or update.refused
@@ -555,15 +563,35 @@ class Worker:
             decode_s=job.decode_s,
         )
 
-    def _drop(self, job_id: str, why: str) -> None:
-        if self.scheduler.remove(job_id) is None:
-            return
+    def _drop(self, job_id: str, why: str, *, under: Lease | None) -> None:
+        """Stop the job's run held `under` that lease (None: whichever this worker holds)."""
+        held = next((job for job in self.scheduler.jobs() if job.job_id == job_id), None)
+        if held is None or (under is not None and held.handle is not under):
+            return  # not held, or held under a newer delivery than the lease that was lost
+        in_engine = self.scheduler.get(job_id) is not None
+        self.scheduler.remove(job_id)
         log.warning("dropping %s: %s", job_id, why, extra=job_fields(job_id))
         self.metrics.leases_lost.inc()
         if self.spans is not None:
             self.spans.forget(job_id)
-        self.engine.abort(job_id)  # its CANCELLED output finds no job and is ignored
+        if in_engine:
+            # its outputs up to its end (the abort's CANCELLED, or an end already on its way)
+            # are the dropped run's: a later delivery of the same job here must not get them
+            self._dropped_runs.add(job_id)
+        self.engine.abort(job_id)
         self._capacity_freed.set()
+
+    def _not_dropped(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """`outputs` less those of dropped runs (see `_drop`); the engine delivers in order,
+        so a run's end comes before anything of a new run of the same job."""
+        kept = []
+        for out in outputs:
+            if out.seq_id in self._dropped_runs:
+                if out.finish_reason is not None:
+                    self._dropped_runs.discard(out.seq_id)
+                continue
+            kept.append(out)
+        return kept
 
     # -- upkeep ----------------------------------------------------------------------------
     async def _upkeep_loop(self) -> None:
@@ -604,7 +632,7 @@ class Worker:
         for lease, ours in zip(held, renewed, strict=True):
             if not ours:
                 # lost, or completed while the renewal was on its way (then it is gone already)
-                self._drop(lease.spec.id, "lease lost")
+                self._drop(lease.spec.id, "lease lost", under=lease)
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -668,9 +696,8 @@ class _Writes:
         """Leases of jobs whose last word (completion or retry) is among these writes."""
         return [lease for lease, _ in self.results] + [job.handle for job, _ in self.failed]
 
-    def job_ids(self) -> set[str]:
-        ids = {lease.spec.id for lease, _ in (*self.events, *self.results)}
-        return ids | {job.job_id for job, _ in self.failed}
+    def all_leases(self) -> list[Lease]:
+        return [lease for lease, _ in self.events] + self.leases()
 
 
 def _streamed(job: Job[Lease]) -> bool:
