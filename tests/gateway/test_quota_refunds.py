@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from tests.gateway.conftest import MODEL, Stack, fast_engine, run_stack
+from tests.gateway.conftest import MODEL, Stack, fast_engine, run_stack, slow_engine
 from tests.netfault import Relay
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.embedded import EmbeddedServer
@@ -105,6 +105,20 @@ def test_enqueue_refused_by_the_broker_answers_500_and_refunds(
         next_is_admitted(http)
 
 
+def test_job_that_cannot_be_encoded_answers_400_and_refunds(
+    bare: Stack, valkey: EmbeddedServer
+) -> None:
+    # a seed past 64 bits passes the request's parsing but not the queue's encoding, which
+    # comes after the reservation
+    with bare.client() as http:
+        for path in ("/v1/completions", "/v1/jobs"):
+            answer = http.post(path, json={**BODY, "seed": 2**64 + 1}, headers=KEY)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["code"] == "invalid_value"
+            assert_nothing_held(bare, valkey.url, request_back=True)
+        next_is_admitted(http)
+
+
 def test_full_lane_answers_429_and_refunds(valkey: EmbeddedServer) -> None:
     full = {"max_queue_depth": 1}
     with (
@@ -174,6 +188,37 @@ def test_failed_job_answers_500_and_the_next_call_is_admitted_at_once(
         state = held(stack, valkey.url)
         assert state["active"] == 0 and state["held"] == [], state
         assert state["budget_used"] == used  # the failed job's tokens all came back
+
+
+def test_job_expired_in_its_lane_frees_its_slot_when_found(valkey: EmbeddedServer) -> None:
+    # one slot and one claimed ahead, both taken by another tenant's jobs for ~1 s: the
+    # tenant's job, due in 0.3 s, is found expired when the worker reaches it, and its
+    # reservation goes with that
+    with (
+        run_stack(
+            valkey,
+            engines=[slow_engine(0.05)],
+            keyring=keyring(),
+            worker_options={"max_seqs": 1, "claim_ahead": 1},
+        ) as stack,
+        stack.client() as http,
+    ):
+        blockers = [
+            http.post("/v1/jobs", json={**BODY, "max_tokens": 20}, headers=OTHER).json()["id"]
+            for _ in range(2)
+        ]
+
+        def claimed(job_id: str) -> bool:
+            return http.get(f"/v1/jobs/{job_id}", headers=OTHER).json()["status"] != "queued"
+
+        until(lambda: all(claimed(b) for b in blockers))  # the lane holds only the next one
+        due = {**BODY, "deadline": time.time() + 0.3}
+        queued = http.post("/v1/jobs", json=due, headers=KEY)
+        assert queued.status_code == 202, queued.text
+        job = queued.json()
+        until(lambda: http.get(f"/v1/jobs/{job['id']}", headers=KEY).json()["status"] == "expired")
+        assert_nothing_held(stack, valkey.url, request_back=False)
+        next_is_admitted(http)
 
 
 def test_broker_unreachable_at_enqueue_answers_503_and_refunds_when_it_answers(
