@@ -226,10 +226,12 @@ class Worker:
             if not leases:
                 continue
             if self.scheduler.running or self.scheduler.waiting:
+                held = {job.job_id for job in self.scheduler.jobs()}
                 for lease in leases:
-                    # a job of ours delivered again (reaped while the broker was out of reach):
-                    # the run under its old lease is over, that lease being gone
-                    self._drop(lease.spec.id, "delivered again", under=None)
+                    if lease.spec.id in held:
+                        # a job of ours delivered again (reaped while the broker was out of
+                        # reach): the run under its old lease is over, that lease being gone
+                        self._drop(lease.spec.id, "delivered again", under=None)
             self.metrics.claims.inc(len(leases))
             self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
