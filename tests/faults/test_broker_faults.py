@@ -25,12 +25,14 @@ from redis.exceptions import RedisError
 
 from tests.conftest import BackendFactory
 from tests.faults.consumer import ACCEPTED_DIR_ENV, read_accepted, result_text
+from tests.netfault import Relay
 from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.nats.connection import REQUEST_TIMEOUT_S
 from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
-from tokenyard.config import BrokerSettings
+from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.engines.sim import SimEngine
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
     Finished,
@@ -39,7 +41,9 @@ from tokenyard.messages import (
     JobSpec,
     JobStatus,
     SamplingParams,
+    TokenChunk,
 )
+from tokenyard.worker.worker import Worker
 
 pytestmark = pytest.mark.fault
 # the kinds a consumer fault runs on: a cluster would only add servers, not another behaviour
@@ -450,6 +454,174 @@ async def test_nats_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Pa
         await crash_and_restart_under_enqueues(server.url, server.kill, server.start, down_s)
     finally:
         server.stop()
+
+
+# A lease long enough that a job coming back by lease expiry could not pass for one resumed.
+RESTART_LEASE_S = 20.0
+
+
+async def jobs_in_flight_across_a_restart(
+    url: str, kill: Callable[[], object], start: Callable[[], object], down_s: float
+) -> float:
+    """A real worker streams jobs while the server at `url` is SIGKILLed and brought back on
+    its store `down_s` later; every job must finish once, on its first delivery, with every
+    token in its event stream once. Returns seconds from the restart to the last job's end."""
+    prefix = new_prefix()
+    settings = BrokerSettings(url=url, prefix=prefix, lease_s=RESTART_LEASE_S)
+    broker, worker_broker = connect(settings), connect(settings)
+    # 40 tokens a job at 20 ms a step: each job runs 0.8 s, 64 at once, 96 in all
+    engine = SimEngine(
+        prefill_base=0.001, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.0
+    )
+    options = WorkerSettings(
+        model=MODEL, engine="sim", max_seqs=64, heartbeat_s=0.5, claim_block_s=0.2
+    )
+    worker = Worker(worker_broker, engine, options, consumer="steady")
+    running = asyncio.create_task(worker.run())
+    try:
+        specs = [
+            JobSpec(
+                id=new_job_id(MODEL),
+                model=MODEL,
+                prompt=f"prompt {i}",
+                stream=True,
+                sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+            )
+            for i in range(96)
+        ]
+        await broker.queue.enqueue_many(specs)
+        ids = [s.id for s in specs]
+
+        async def streaming() -> bool:
+            return sum([bool(await broker.queue.read_events(j, count=1)) for j in ids]) >= 32
+
+        await eventually(streaming, "jobs streaming before the crash")
+        await asyncio.to_thread(kill)
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(start)
+        restarted = time.monotonic()
+
+        async def all_ended() -> bool:
+            try:
+                records = await broker.queue.records(ids)
+            except BrokerUnavailable:
+                return False
+            return all(r is not None and r.status.terminal for r in records)
+
+        await eventually(all_ended, "every job ends", within_s=2 * RESTART_LEASE_S)
+        took = time.monotonic() - restarted
+        print(f"{url.split(':')[0]}: in-flight jobs ended {took:.2f} s after the restart")
+        for job_id in ids:
+            record = await broker.queue.record(job_id)
+            assert record is not None and record.result is not None
+            assert record.status is JobStatus.SUCCEEDED, record.result.error
+            assert record.deliveries == 1  # resumed by the same worker, not redelivered
+            assert record.result.completion_tokens == 40
+            events = [e for _, e in await broker.queue.read_events(job_id, count=10_000)]
+            chunks = [e for e in events if isinstance(e, TokenChunk)]
+            assert sum(len(c.token_ids) for c in chunks) == 40, job_id  # none lost, none twice
+            assert "".join(c.text for c in chunks) == record.result.text
+            assert sum(isinstance(e, Finished) for e in events) == 1
+        return took
+    finally:
+        worker.drain()
+        await asyncio.wait_for(running, 30)
+        await worker_broker.close()
+        await broker.close()
+
+
+@pytest.mark.timeout(60)
+async def test_jobs_in_flight_finish_seconds_after_a_valkey_restart(tmp_path: Path) -> None:
+    server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
+    server.start()
+    try:
+        took = await jobs_in_flight_across_a_restart(server.url, server.kill, server.start, 1.0)
+    finally:
+        server.stop()
+    # the worker kept what it could not publish and sent it once the server answered: no job
+    # waited out its lease
+    assert took < RESTART_LEASE_S / 4
+
+
+@pytest.mark.timeout(60)
+async def test_jobs_in_flight_finish_seconds_after_a_nats_restart(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "nats", sync="always")
+    server.start()
+    # nats-py holds calls across a short outage and sends them on reconnect: the worker meets
+    # BrokerUnavailable only once the server stays down past a request's timeout
+    down_s = REQUEST_TIMEOUT_S + 1.0
+    try:
+        took = await jobs_in_flight_across_a_restart(server.url, server.kill, server.start, down_s)
+    finally:
+        server.stop()
+    assert took < RESTART_LEASE_S / 4
+
+
+@pytest.mark.timeout(60)
+async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: EmbeddedServer) -> None:
+    # the worker reaches Valkey through a relay; while the link is cut its leases are taken
+    # back (reaped and requeued), so what it kept must be refused, and the jobs run again
+    prefix = new_prefix()
+    with Relay(valkey.port or 0) as relay:
+        direct = connect(BrokerSettings(url=valkey.url, prefix=prefix, lease_s=0.05))
+        through = connect(BrokerSettings(url=relay.url, prefix=prefix, lease_s=RESTART_LEASE_S))
+        engine = SimEngine(
+            prefill_base=0.001, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.0
+        )
+        options = WorkerSettings(
+            model=MODEL, engine="sim", max_seqs=16, heartbeat_s=0.5, claim_block_s=0.2
+        )
+        worker = Worker(through, engine, options, consumer="cut-off")
+        running = asyncio.create_task(worker.run())
+        try:
+            specs = [
+                JobSpec(
+                    id=new_job_id(MODEL),
+                    model=MODEL,
+                    prompt=f"prompt {i}",
+                    stream=True,
+                    sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                )
+                for i in range(8)
+            ]
+            await direct.queue.enqueue_many(specs)
+            ids = [s.id for s in specs]
+
+            async def all_streaming() -> bool:
+                return all([bool(await direct.queue.read_events(j, count=1)) for j in ids])
+
+            await eventually(all_streaming, "every job streaming")
+            relay.sever(down_s=0.5)
+            await asyncio.sleep(0.2)  # idle past the direct client's 50 ms lease
+            report = await direct.queue.reap(MODEL)
+            assert sorted(report.requeued) == sorted(ids)
+
+            async def all_ended() -> bool:
+                records = await direct.queue.records(ids)
+                return all(r is not None and r.status.terminal for r in records)
+
+            await eventually(all_ended, "every job ends", within_s=RESTART_LEASE_S / 2)
+            # each job's kept writes were refused: dropped when its renewal was refused (still
+            # running), or its completion fenced off (it had ended while the link was cut)
+            sample = worker.metrics.registry.get_sample_value
+            lost = sample("tokenyard_worker_leases_lost_total", {"model": MODEL})
+            fenced = sample("tokenyard_worker_fenced_completions_total", {"model": MODEL})
+            assert (lost or 0) + (fenced or 0) == len(ids), (lost, fenced)
+            for job_id in ids:
+                record = await direct.queue.record(job_id)
+                assert record is not None and record.result is not None
+                assert record.status is JobStatus.SUCCEEDED and record.deliveries == 2
+                assert record.result.completion_tokens == 40
+                events = [e for _, e in await direct.queue.read_events(job_id, count=10_000)]
+                chunks = [e for e in events if isinstance(e, TokenChunk)]
+                # the kept events of the lost lease were refused: no token twice
+                assert sum(len(c.token_ids) for c in chunks) == 40, job_id
+                assert "".join(c.text for c in chunks) == record.result.text
+        finally:
+            worker.drain()
+            await asyncio.wait_for(running, 30)
+            await through.close()
+            await direct.close()
 
 
 @KINDS

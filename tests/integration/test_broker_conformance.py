@@ -915,6 +915,23 @@ async def test_request_quota_is_exact_across_clients(make_backend: BackendFactor
     assert other.admitted
 
 
+async def test_a_job_never_entered_gives_its_request_back_once(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
+    quota = Quota(rpm=2)
+    first, second = await broker.quotas.reserve("acme", quota, [("j1", 1), ("j2", 1)])
+    assert first.admitted and second.admitted
+    # j1 ended (it counts as a request), j2 never entered (its request comes back, once)
+    assert await broker.quotas.settle([Settlement("acme", "j1", 1)]) == 1
+    assert await broker.quotas.settle([Settlement("acme", "j2", 0, request=True)]) == 1
+    assert await broker.quotas.settle([Settlement("acme", "j2", 0, request=True)]) == 0
+    [third] = await broker.quotas.reserve("acme", quota, [("j3", 1)])
+    assert third.admitted and third.requests is not None and third.requests[1] == 0
+    [fourth] = await broker.quotas.reserve("acme", quota, [("j4", 1)])
+    assert not fourth.admitted and fourth.reason == "requests"
+
+
 async def test_token_quota_reserves_then_settles_to_the_real_count(
     make_backend: BackendFactory,
 ) -> None:

@@ -69,11 +69,13 @@ class Directory(Protocol):
 
 
 class Settlement(msgspec.Struct, frozen=True):
-    """A job of `tenant` reached a terminal state having used `actual` tokens (0: refunded)."""
+    """A job of `tenant` reached a terminal state having used `actual` tokens (0: refunded),
+    or (`request`) was never entered: then its request is given back too (requests/minute)."""
 
     tenant: str
     job_id: str
     actual: int = 0
+    request: bool = False
 
 
 def settlement(spec: JobSpec, result: JobResult | None) -> Settlement:

@@ -111,7 +111,7 @@ def create_app(
                 tokenizers=loaded,
                 auth=Authenticator(keys, active.directory, settings.auth_cache_s),
                 metrics=metrics,
-                enqueuer=Enqueuer(active.queue, metrics),
+                enqueuer=Enqueuer(active.queue, metrics, active.quotas),
                 events=EventHub(active.queue, settings.event_block_s, settings.max_blocking_reads),
                 limits=PublishedLimits(active.registry, settings.limits_ttl_s),
                 abandonment=Abandonment(active.queue, settings.stream_resume_grace_s),

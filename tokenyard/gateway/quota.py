@@ -3,7 +3,6 @@ OpenAI rate-limit headers the answer carries."""
 
 from __future__ import annotations
 
-from tokenyard.broker.tables import Settlement
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.errors import RateLimited
 from tokenyard.gateway.state import GatewayState
@@ -27,7 +26,8 @@ def reserved_tokens(spec: JobSpec) -> int:
 
 async def reserve(state: GatewayState, tenant: Tenant, spec: JobSpec) -> dict[str, str]:
     """Reserve the job's share of the tenant's quota; the rate-limit headers to answer with.
-    Refused: 429 with Retry-After. A reserved job is marked so its terminal state settles it."""
+    Refused: 429 with Retry-After. A reserved job is marked so its terminal state settles it;
+    where no job of its own was added, the enqueuer refunds it (gateway/enqueue.py)."""
     if not tenant.quota.enabled:
         return {}
     [decision] = await state.backend.quotas.reserve(
@@ -43,9 +43,3 @@ async def reserve(state: GatewayState, tenant: Tenant, spec: JobSpec) -> dict[st
         )
     spec.quota = True
     return headers
-
-
-async def refund(state: GatewayState, spec: JobSpec) -> None:
-    """Give back a reservation whose job was not added (a full lane, an idempotent replay)."""
-    if spec.quota:
-        await state.backend.quotas.settle([Settlement(spec.tenant, spec.id, 0)])

@@ -126,15 +126,9 @@ async def submit(
     if how.headers is not None:
         tracing.carry(spec, how.headers)
     with _span(how.headers, "tokenyard.enqueue", **{"tokenyard.job_id": spec.id}):
-        try:
-            entered = await state.enqueuer.submit(spec, live=live)
-        except QueueFull:
-            await quota.refund(state, spec)
-            raise
-    if not entered.created:
-        # no job of its own (it joined one in flight, or its idempotency key named one): the
-        # job it follows holds its own reservation
-        await quota.refund(state, spec)
+        # from here the enqueuer gives the reservation back on every path where no job of
+        # this call's own holds it (see Enqueuer.submit)
+        entered = await state.enqueuer.submit(spec, live=live)
     if isinstance(how, Later):
         return Queued(spec, entered.job_id, entered.created, headers)
     call = LiveCall.following(state, spec, entered, how.started)

@@ -157,10 +157,13 @@ def settle(
     reserved: int,
     actual: int,
     budget_start: float | None = None,
+    request_interval: float = 0.0,
 ) -> None:
     """Release a job's concurrency slot and refund the tokens it reserved but did not use (to
-    the budget too, if the job was reserved against it in the period still counting)."""
+    the budget too, if the job was reserved against it in the period still counting), and
+    with a `request_interval` (a job never entered) its request."""
     state.active = max(0, state.active - 1)
+    state.rpm_tat -= request_interval
     if quota_tpm_interval > 0 and actual < reserved:
         state.tpm_tat -= (reserved - actual) * quota_tpm_interval
     if budget_start is not None and budget_start == state.budget_start and actual < reserved:

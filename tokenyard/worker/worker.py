@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,8 +23,8 @@ from tokenyard.broker.core import Cancellation, Events, Lease, Leases
 from tokenyard.broker.policy import pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
-from tokenyard.engines.base import Engine, EngineRequest
-from tokenyard.errors import EngineClosed, EngineError, UserError
+from tokenyard.engines.base import Engine, EngineRequest, StepOutput
+from tokenyard.errors import BrokerUnavailable, EngineClosed, EngineError, UserError
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
     FinishReason,
@@ -55,6 +56,10 @@ CANCEL_POLL_S = 0.02
 # Tokenizing a long text prompt (from a producer that sent no token ids) would stall the loop.
 _INLINE_CHARS = 4096
 _BATCH_FULL_BLOCK_S = 0.02  # a claim's wait while the batch share is held
+# Writes kept while the broker does not answer (events, completions, retries), at most this many
+# items: past it they are given up and their jobs come back by lease, as a crash would leave them.
+MAX_UNSENT = 100_000
+_RESEND_S = (0.05, 0.5)  # first and longest wait between tries to send kept writes
 
 Finishing = tuple[Job[Lease], FinishReason, TokenChunk | None]
 
@@ -127,6 +132,11 @@ class Worker:
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
         self._cancel_checked_at = 0.0
+        # steps' broker writes not sent yet, oldest first (see `_publish`)
+        self._unsent: deque[_Writes] = deque()
+        self._publishing = asyncio.Lock()
+        self._resending: asyncio.Task[None] | None = None
+        self._dropped_runs: set[str] = set()  # jobs whose dropped run's end is still to come
         self.metrics = metrics if metrics is not None else WorkerMetrics(self.model)
         # None when tracing is off: each hook below is then one test
         self.spans = JobSpans(self.consumer) if tracing_enabled() else None
@@ -166,12 +176,17 @@ class Worker:
             await self._claim_loop()
             await self._finish_in_flight()
         finally:
+            with contextlib.suppress(Exception):  # best effort: what is not sent comes back
+                await self._publish()  # by lease
             await self._release_leftovers()
             # both loops end on their own: a cancel landing inside a redis-py call can be
             # swallowed, so neither is cancelled halfway through a broker write
             self._stopping.set()
             await self.engine.stop()  # the output loop ends with EngineClosed
-            _, pending = await asyncio.wait({outputs, upkeep}, timeout=30.0)
+            loops = {outputs, upkeep}
+            if self._resending is not None:  # it ends at its next try, as the loops do
+                loops.add(self._resending)
+            _, pending = await asyncio.wait(loops, timeout=30.0)
             for task in pending:
                 log.error("%s did not stop; cancelling it", task.get_name())
                 task.cancel()
@@ -210,6 +225,13 @@ class Worker:
                 continue
             if not leases:
                 continue
+            if self.scheduler.running or self.scheduler.waiting:
+                held = {job.job_id for job in self.scheduler.jobs()}
+                for lease in leases:
+                    if lease.spec.id in held:
+                        # a job of ours delivered again (reaped while the broker was out of
+                        # reach): the run under its old lease is over, that lease being gone
+                        self._drop(lease.spec.id, "delivered again", under=None)
             self.metrics.claims.inc(len(leases))
             self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
@@ -362,14 +384,11 @@ class Worker:
         """Carry out the broker side of a step and of a scheduling pass, fewest round trips."""
         finishing = list(outcome.finishing)
         failed = list(outcome.failed)
+        events: list[tuple[Lease, JobEvent]] = []
         if update is not None:
             self._tokens_seen += update.tokens
             # a job nobody streams keeps its tokens until its result (see JobSpec.stream)
-            events: list[tuple[Lease, JobEvent]] = [
-                (job.handle, chunk) for job, chunk in update.events if _streamed(job)
-            ]
-            if events:
-                await self._append(events)
+            events = [(job.handle, chunk) for job, chunk in update.events if _streamed(job)]
             finishing += update.finished
             failed += update.failed
             outcome.results += [(job.handle, _failure(error)) for job, error in update.refused]
@@ -379,29 +398,97 @@ class Worker:
         ]
         tails: list[TokenChunk | None] = [None] * len(outcome.results)
         tails += [tail if _streamed(job) else None for job, _, tail in finishing]
-        if results:
+        times: list[tuple[float | None, float | None]] = [(None, None)] * len(outcome.results)
+        times += [(job.first_token_at, job.last_token_at) for job, _, _ in finishing]
+        if events or results or failed:
+            self._unsent.append(_Writes(events, results, tails, times, failed))
+            if not self._resend_pending:  # else they go after the kept ones, from its task
+                await self._publish()
+        if results or failed:
+            self._capacity_freed.set()
+
+    async def _publish(self) -> None:
+        """Send the kept writes, oldest first. While the broker does not answer they stay kept
+        (bounded by MAX_UNSENT) and a task sends them again as soon as it answers, so the
+        jobs' leases hold and nothing waits for one to expire; a lease really lost meanwhile
+        fences the kept writes off (they are refused and dropped)."""
+        async with self._publishing:
+            while self._unsent:
+                writes = self._unsent[0]
+                try:
+                    await self._send(writes)
+                except BrokerUnavailable as exc:
+                    self._keep(exc)
+                    return
+                except Exception:
+                    self._unsent.popleft()  # not the broker's absence: sending it again is no cure
+                    raise
+                self._unsent.popleft()
+
+    @property
+    def _resend_pending(self) -> bool:
+        return self._resending is not None and not self._resending.done()
+
+    def _keep(self, exc: BrokerUnavailable) -> None:
+        kept = sum(w.size for w in self._unsent)
+        if kept > MAX_UNSENT:
+            log.error("the broker is away (%s): giving up %d kept writes", exc, kept)
+            for writes in self._unsent:
+                for lease in writes.all_leases():
+                    self._drop(lease.spec.id, "its writes were given up", under=lease)
+            self._unsent.clear()
+            return
+        if not self._resend_pending:
+            log.warning("the broker is away (%s): keeping %d writes to send again", exc, kept)
+            self._resending = asyncio.create_task(self._resend(), name="resend")
+
+    async def _resend(self) -> None:
+        """Until the kept writes are sent: renew the leases held (theirs included) and send
+        them, backing off while the broker does not answer."""
+        wait, longest = _RESEND_S
+        while self._unsent and not self._stopping.is_set():
+            await asyncio.sleep(wait)
+            wait = min(longest, wait * 2)
+            try:
+                await self._renew()
+            except BrokerUnavailable:
+                continue
+            except Exception:
+                log.exception("renewing leases failed")
+            try:
+                await self._publish()
+            except Exception:
+                log.exception("sending kept writes failed")
+        if not self._unsent:
+            log.info("the broker answers again: kept writes sent")
+
+    async def _send(self, writes: _Writes) -> None:
+        """One step's writes: events, then completions, then retries; each part is cleared
+        once the broker took it, so a send cut short resumes where it stopped."""
+        if writes.events:
+            await self._append(writes.events)
+            writes.events = []
+        if writes.results:
+            results = writes.results
             complete_start = time.time()
-            accepted = await self.queue.complete_many(results, tails)
+            accepted = await self.queue.complete_many(results, writes.tails)
+            writes.results = []
             self._jobs_done += sum(accepted)
             self._count_results(results, accepted)
             if self.spans is not None:
-                times: list[tuple[float | None, float | None]] = [(None, None)] * len(
-                    outcome.results
-                )
-                times += [(job.first_token_at, job.last_token_at) for job, _, _ in finishing]
                 items = [
                     (lease.spec, result, first, last)
-                    for (lease, result), (first, last) in zip(results, times, strict=True)
+                    for (lease, result), (first, last) in zip(results, writes.times, strict=True)
                 ]
                 self.spans.settled(items, accepted, complete_start, time.time())
-        for job, error in failed:
-            self.metrics.retries.inc()
+        while writes.failed:
+            job, error = writes.failed[0]
             if not await self.queue.retry(job.handle, error):
                 self.metrics.dead_letters.inc()
+            writes.failed.pop(0)
+            self.metrics.retries.inc()
             if self.spans is not None:
                 self.spans.forget(job.job_id)
-        if results or failed:
-            self._capacity_freed.set()
 
     def _count_results(self, results: list[tuple[Lease, JobResult]], accepted: list[bool]) -> None:
         for (_, result), ours in zip(results, accepted, strict=True):
@@ -414,7 +501,7 @@ class Worker:
         kept = await self.queue.append_events(events)
         for (lease, _), ours in zip(events, kept, strict=True):
             if not ours:
-                self._drop(lease.spec.id, "lease lost")
+                self._drop(lease.spec.id, "lease lost", under=lease)
 
     # -- outputs ---------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -427,6 +514,8 @@ class Worker:
                 return
             waited = time.monotonic() - waited
             self.metrics.engine_delivered(self.engine.stats(), waited if busy else None)
+            if self._dropped_runs:
+                outputs = self._not_dropped(outputs)
             update = self.scheduler.update(outputs, time.monotonic())
             # refill the engine before any broker write, so it never idles on a round trip
             ended = update.finished or update.failed or update.refused
@@ -441,6 +530,8 @@ class Worker:
                 await asyncio.sleep(0.1)
 
     async def _check_cancellations(self) -> None:
+        if self._resend_pending:
+            return  # the broker is away: asked again once it answers
         now = time.monotonic()
         if now - self._cancel_checked_at < CANCEL_POLL_S:
             return
@@ -474,15 +565,35 @@ class Worker:
             decode_s=job.decode_s,
         )
 
-    def _drop(self, job_id: str, why: str) -> None:
-        if self.scheduler.remove(job_id) is None:
-            return
+    def _drop(self, job_id: str, why: str, *, under: Lease | None) -> None:
+        """Stop the job's run held `under` that lease (None: whichever this worker holds)."""
+        held = next((job for job in self.scheduler.jobs() if job.job_id == job_id), None)
+        if held is None or (under is not None and held.handle is not under):
+            return  # not held, or held under a newer delivery than the lease that was lost
+        in_engine = self.scheduler.get(job_id) is not None
+        self.scheduler.remove(job_id)
         log.warning("dropping %s: %s", job_id, why, extra=job_fields(job_id))
         self.metrics.leases_lost.inc()
         if self.spans is not None:
             self.spans.forget(job_id)
-        self.engine.abort(job_id)  # its CANCELLED output finds no job and is ignored
+        if in_engine:
+            # its outputs up to its end (the abort's CANCELLED, or an end already on its way)
+            # are the dropped run's: a later delivery of the same job here must not get them
+            self._dropped_runs.add(job_id)
+        self.engine.abort(job_id)
         self._capacity_freed.set()
+
+    def _not_dropped(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """`outputs` less those of dropped runs (see `_drop`); the engine delivers in order,
+        so a run's end comes before anything of a new run of the same job."""
+        kept = []
+        for out in outputs:
+            if out.seq_id in self._dropped_runs:
+                if out.finish_reason is not None:
+                    self._dropped_runs.discard(out.seq_id)
+                continue
+            kept.append(out)
+        return kept
 
     # -- upkeep ----------------------------------------------------------------------------
     async def _upkeep_loop(self) -> None:
@@ -515,13 +626,15 @@ class Worker:
                 log.exception("upkeep failed; retrying")
 
     async def _renew(self) -> None:
+        # jobs the engine still runs, and those whose completion or retry is kept unsent
         held = [job.handle for job in self.scheduler.jobs()]
+        held += [lease for writes in self._unsent for lease in writes.leases()]
         renewed = await self.queue.renew(held)
         self.metrics.lease_renewals.inc(sum(renewed))
         for lease, ours in zip(held, renewed, strict=True):
             if not ours:
                 # lost, or completed while the renewal was on its way (then it is gone already)
-                self._drop(lease.spec.id, "lease lost")
+                self._drop(lease.spec.id, "lease lost", under=lease)
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -565,6 +678,28 @@ class _Outcome:
     finishing: list[Finishing] = field(default_factory=list)
     failed: list[tuple[Job[Lease], str]] = field(default_factory=list)  # engine faults: retried
     freed: bool = False
+
+
+@dataclass
+class _Writes:
+    """One step's broker writes, in the order they go: events, completions, retries."""
+
+    events: list[tuple[Lease, JobEvent]]
+    results: list[tuple[Lease, JobResult]]
+    tails: list[TokenChunk | None]
+    times: list[tuple[float | None, float | None]]  # first and last token, for the spans
+    failed: list[tuple[Job[Lease], str]]
+
+    @property
+    def size(self) -> int:
+        return len(self.events) + len(self.results) + len(self.failed)
+
+    def leases(self) -> list[Lease]:
+        """Leases of jobs whose last word (completion or retry) is among these writes."""
+        return [lease for lease, _ in self.results] + [job.handle for job, _ in self.failed]
+
+    def all_leases(self) -> list[Lease]:
+        return [lease for lease, _ in self.events] + self.leases()
 
 
 def _streamed(job: Job[Lease]) -> bool:

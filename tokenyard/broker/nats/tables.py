@@ -197,6 +197,7 @@ class Held(msgspec.Struct, array_like=True, frozen=True):
     per_token: float  # the tokens limiter's seconds per token when reserved (0: no tpm)
     at: float  # when it was reserved
     budget_start: float | None  # the budget period it counts in (None: no budget)
+    per_request: float = 0.0  # the requests limiter's seconds per request (0: no rpm)
 
 
 class QuotaEntry(msgspec.Struct):
@@ -227,6 +228,7 @@ class NatsQuotas(Quotas):
         if not 0 < quota.max_concurrent <= MAX_HELD:
             capped = msgspec.structs.replace(quota, max_concurrent=MAX_HELD)
         per_token = PERIOD_S / quota.tpm if quota.tpm else 0.0
+        per_request = PERIOD_S / quota.rpm if quota.rpm else 0.0
 
         def decide(raw: bytes | None) -> tuple[bytes | None, list[Decision]]:
             entry = QuotaEntry(tenant) if raw is None else decode(raw, QuotaEntry)
@@ -236,7 +238,7 @@ class NatsQuotas(Quotas):
                 decision = admit(entry.state, capped, tokens, now)
                 if decision.admitted:
                     start = entry.state.budget_start if quota.token_budget else None
-                    entry.held[job_id] = Held(tokens, per_token, now, start)
+                    entry.held[job_id] = Held(tokens, per_token, now, start, per_request)
                 decisions.append(decision)
             # a refusal takes nothing: no write when nothing was admitted
             changed = any(d.admitted for d in decisions)
@@ -265,7 +267,14 @@ class NatsQuotas(Quotas):
                 if held is None:
                     continue
                 released += 1
-                settle(entry.state, held.per_token, held.tokens, item.actual, held.budget_start)
+                settle(
+                    entry.state,
+                    held.per_token,
+                    held.tokens,
+                    item.actual,
+                    held.budget_start,
+                    held.per_request if item.request else 0.0,
+                )
             return (encode(entry) if released else None), released
 
         return await self.bucket.change(Names.quota(tenant), release)
@@ -285,7 +294,7 @@ class NatsQuotas(Quotas):
                 for job_id, record in zip(chunk, records, strict=True):
                     if record is None:
                         if now - entry.held[job_id].at > grace_s:  # its enqueue never landed
-                            done.append(Settlement(entry.tenant, job_id, 0))
+                            done.append(Settlement(entry.tenant, job_id, 0, request=True))
                     elif record.terminal:
                         done.append(settlement(record.spec, record.result))
         return await self.settle(done)

@@ -432,6 +432,7 @@ RESERVE = ScriptSpec("reserve", QuotaKeys, ReserveArgs, Empty, ReserveItemArgs)
 class SettleItemArgs(NamedTuple):
     job_id: str
     actual: int
+    request: int  # 1: refund the request too (the job never entered)
 
 
 SETTLE = ScriptSpec("settle", QuotaKeys, Empty, Empty, SettleItemArgs)

@@ -135,7 +135,10 @@ class RedisQuotas(Quotas):
             scripts.SETTLE.call(
                 scripts.QuotaKeys(quota=self.keys.quota(t), held=self.keys.quota_held(t)),
                 Empty(),
-                [(Empty(), scripts.SettleItemArgs(s.job_id, s.actual)) for s in group],
+                [
+                    (Empty(), scripts.SettleItemArgs(s.job_id, s.actual, int(s.request)))
+                    for s in group
+                ],
             )
             for t, group in by_tenant.items()
         ]
@@ -167,7 +170,7 @@ class RedisQuotas(Quotas):
                 reserved_at = float(text(held[job_id.encode()]).split("|")[2])
                 if status is None:
                     if now - reserved_at > grace_s:  # its enqueue never landed
-                        done.append(Settlement(tenant, job_id, 0))
+                        done.append(Settlement(tenant, job_id, 0, request=True))
                 elif JobStatus(text(status)).terminal:
                     finished = decode(result, Finished).result if result else None
                     done.append(settlement(decode(spec, JobSpec), finished))

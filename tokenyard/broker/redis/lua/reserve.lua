@@ -2,8 +2,8 @@
 -- is the same maths in Python): concurrency cap, then GCRA on requests and on tokens per minute,
 -- then the token budget of the current period (day | month: UTC calendar; seconds: windows
 -- aligned to the epoch). An admitted job is held
--- (job -> "reserved tokens|seconds per token|reserved at|budget period start or ''") until
--- settle.lua releases it.
+-- (job -> "reserved tokens|seconds per token|reserved at|budget period start or ''|seconds
+-- per request") until settle.lua releases it.
 -- KEYS: quota, held
 -- ARGV: now, rpm, tpm, max_concurrent, budget, budget_period; per item: job_id, tokens
 -- Time is the server's TIME, one clock for every gateway (their own may be skewed); `now` is
@@ -106,15 +106,16 @@ for i = 1, N do
   end
   if admitted == 1 then
     rtat, ttat, active = rnew, tnew, active + 1
-    local per_token = 0
+    local per_token, per_request = 0, 0
     if tpm > 0 then per_token = period / tpm end
+    if rpm > 0 then per_request = period / rpm end
     local bmark = ''
     if budget > 0 then
       used = used + tokens
       bmark = f(bstart)
     end
     redis.call('HSET', K.held, a.job_id,
-      tokens .. '|' .. f(per_token) .. '|' .. f(now) .. '|' .. bmark)
+      tokens .. '|' .. f(per_token) .. '|' .. f(now) .. '|' .. bmark .. '|' .. f(per_request))
   else
     -- a refusal takes nothing: what remains is what remained before it
     if rpm > 0 then rrem, rreset = remaining_before(rtat, rpm) end
