@@ -123,6 +123,10 @@ class Keys:
     def cache(self, model: str, digest: str) -> str:
         return self.cache_prefix(model) + digest
 
+    def stored_response(self, response_id: str) -> str:
+        """A stored response's record (/v1/responses), with its retention as TTL."""
+        return f"{self.prefix}:resp:{response_id}"
+
     def cache_index(self, model: str) -> str:
         """Sorted set of a model's cache digests, scored by when each entry expires."""
         return f"{self._model(model_tag(model))}:cacheidx"

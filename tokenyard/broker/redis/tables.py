@@ -29,6 +29,7 @@ from tokenyard.broker.tables import (
     Quotas,
     ResponseStore,
     Settlement,
+    StoredResponses,
     WorkerRegistry,
     settlement,
 )
@@ -320,6 +321,30 @@ class RedisResponses(ResponseStore):
             ),
         )
         await self.conn.run(call)
+
+
+class RedisStoredResponses(StoredResponses):
+    """Stored responses: one key per response, its retention as the key's TTL."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys) -> None:
+        self.conn = conn
+        self.keys = keys
+
+    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        await self.conn.parsed(
+            "SET", self.keys.stored_response(response_id), value, "PX", ms(ttl_s)
+        )
+
+    async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
+        key = self.keys.stored_response(response_id)
+        return await self.conn.parsed("SET", key, value, "PX", ms(ttl_s), "XX") is not None
+
+    async def get(self, response_id: str) -> bytes | None:
+        value = await self.conn.parsed("GET", self.keys.stored_response(response_id))
+        return None if value is None else bytes(value)
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self.conn.parsed("DEL", self.keys.stored_response(response_id)))
 
 
 class RedisRegistry(WorkerRegistry):

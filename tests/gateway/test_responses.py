@@ -1,0 +1,232 @@
+"""OpenAI's Responses API with the official openai client against a real gateway and sim workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.gateway.auth import KeyRing, Tenant
+
+PROMPT = "The yard sorts every car"
+
+
+def client(stack: Stack, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def slow(valkey: EmbeddedServer) -> Iterator[Stack]:
+    """One stack for the module: a sim worker slow enough to catch a response mid-run."""
+    with run_stack(valkey, engines=[slow_engine(0.01)]) as s:
+        yield s
+
+
+def _text(events: list[ResponseStreamEvent]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def _done(c: openai.OpenAI, response_id: str, timeout_s: float = 20.0) -> Response:
+    give_up = time.monotonic() + timeout_s
+    while (r := c.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < give_up, r
+        time.sleep(0.02)
+    return r
+
+
+def test_sync_and_stream_agree_with_sequence_numbers(slow: Stack) -> None:
+    c = client(slow)
+    whole = c.responses.create(
+        model=MODEL,
+        input=PROMPT,
+        instructions="be brief",
+        max_output_tokens=12,
+        temperature=0.0,
+        metadata={"run": "1"},
+    )
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "incomplete"  # it stopped at max_output_tokens
+    assert whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert len(whole.output_text) == 12  # the sim tokenizer is byte-level
+    assert whole.usage is not None and whole.usage.output_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 12
+    assert whole.metadata == {"run": "1"} and whole.instructions == "be brief"
+
+    events = list(
+        c.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": PROMPT}],
+            instructions="be brief",
+            max_output_tokens=12,
+            temperature=0.0,
+            stream=True,
+        )
+    )
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert _text(events) == whole.output_text
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.output_text == whole.output_text
+    # the stored response answers the same
+    again = c.responses.retrieve(last.response.id)
+    assert again.output_text == whole.output_text and again.status == "incomplete"
+
+
+def test_input_item_shape_and_previous_response_id(slow: Stack) -> None:
+    c = client(slow)
+    first = c.responses.create(
+        model=MODEL,
+        input=[
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "one "},
+                    {"type": "input_text", "text": "two"},
+                ],
+            }
+        ],
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    plain = c.responses.create(model=MODEL, input="one two", max_output_tokens=6, temperature=0.0)
+    assert first.output_text == plain.output_text  # the same conversation, the same prompt
+    second = c.responses.create(
+        model=MODEL,
+        input="three",
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert second.previous_response_id == first.id
+    assert second.usage is not None and first.usage is not None
+    # the earlier input and output are the context: the prompt grew by them
+    explicit = c.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "one two"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "three"},
+        ],
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert second.usage.input_tokens == explicit.usage.input_tokens  # type: ignore[union-attr]
+    assert second.output_text == explicit.output_text
+
+
+def test_background_poll_stream_resume_cancel_and_delete(slow: Stack) -> None:
+    c = client(slow)
+    queued = c.responses.create(
+        model=MODEL, input=PROMPT, max_output_tokens=40, temperature=0.0, background=True
+    )
+    assert queued.status == "queued" and queued.background
+    events: list[ResponseStreamEvent] = []
+    for event in c.responses.retrieve(queued.id, stream=True):
+        events.append(event)
+        if event.type == "response.output_text.delta" and len(events) == 8:
+            break  # drop the stream midway
+    cut = events[-1].sequence_number
+    rest = list(c.responses.retrieve(queued.id, stream=True, starting_after=cut))
+    assert rest[0].sequence_number == cut + 1
+    whole = events + rest
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    done = _done(c, queued.id)
+    assert done.status == "incomplete" and _text(whole) == done.output_text
+    assert len(done.output_text) == 40
+    # a stream resumed past its end ends at once
+    assert list(c.responses.retrieve(queued.id, stream=True, starting_after=10_000)) == []
+
+    running = c.responses.create(
+        model=MODEL, input=PROMPT, max_output_tokens=2000, background=True, temperature=0.0
+    )
+    for event in c.responses.retrieve(running.id, stream=True):
+        if event.type == "response.output_text.delta":
+            break  # it runs
+    cancelled = c.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert c.responses.retrieve(running.id).status == "cancelled"
+
+    c.responses.delete(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(queued.id)
+
+
+def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> None:
+    c = client(slow)
+    gone = c.responses.create(model=MODEL, input="hi", max_output_tokens=4, store=False)
+    assert gone.status == "incomplete" and len(gone.output_text) == 4
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(gone.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.responses.create(model=MODEL, input="hi", previous_response_id=gone.id)
+    assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    kept = c.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(kept.id)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"temperature": 3}, "temperature"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        ({"background": True, "store": False}, "store"),
+        ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
+    ],
+)
+def test_refusals_name_the_parameter(slow: Stack, extra: dict[str, object], param: str) -> None:
+    with slow.client() as http:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", **extra})
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_another_tenant_gets_404(valkey: EmbeddedServer) -> None:
+    keys = KeyRing({"sk-a": Tenant("a"), "sk-b": Tenant("b")})
+    with run_stack(valkey, keyring=keys) as stack:
+        a, b = client(stack, "sk-a"), client(stack, "sk-b")
+        mine = a.responses.create(model=MODEL, input="hi", max_output_tokens=4, background=True)
+        assert _done(a, mine.id).status == "incomplete"
+        for call in (
+            lambda: b.responses.retrieve(mine.id),
+            lambda: b.responses.cancel(mine.id),
+            lambda: b.responses.delete(mine.id),
+            lambda: b.responses.create(model=MODEL, input="x", previous_response_id=mine.id),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert a.responses.retrieve(mine.id).status == "incomplete"
+        with httpx.Client(base_url=stack.url) as http:
+            assert http.get(f"/v1/responses/{mine.id}").status_code == 401
