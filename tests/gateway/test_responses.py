@@ -13,6 +13,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.tenancy.limiter import Quota
+from tokenyard.tenancy.records import TenantConfig
 
 PROMPT = "The yard sorts every car"
 
@@ -213,10 +215,17 @@ def test_refusals_name_the_parameter(slow: Stack, extra: dict[str, object], para
     assert r.json()["error"]["param"] == param, r.text
 
 
-def test_another_tenant_gets_404(valkey: EmbeddedServer) -> None:
+def test_tenant_scope_quota_and_audit(valkey: EmbeddedServer) -> None:
+    """Another tenant's response is 404 on every route; responses count against the tenant's
+    quota and are in the audit trail, as every job."""
     keys = KeyRing({"sk-a": Tenant("a"), "sk-b": Tenant("b")})
     with run_stack(valkey, keyring=keys) as stack:
+        limited = TenantConfig(name="b", quota=Quota(rpm=1))
+        stack.call(stack.gateway_broker.directory.put_tenant(limited))
         a, b = client(stack, "sk-a"), client(stack, "sk-b")
+        b.responses.create(model=MODEL, input="x", max_output_tokens=1, background=True)
+        with pytest.raises(openai.RateLimitError):
+            b.responses.create(model=MODEL, input="x", max_output_tokens=1, background=True)
         mine = a.responses.create(model=MODEL, input="hi", max_output_tokens=4, background=True)
         assert _done(a, mine.id).status == "incomplete"
         for call in (
@@ -230,3 +239,9 @@ def test_another_tenant_gets_404(valkey: EmbeddedServer) -> None:
         assert a.responses.retrieve(mine.id).status == "incomplete"
         with httpx.Client(base_url=stack.url) as http:
             assert http.get(f"/v1/responses/{mine.id}").status_code == 401
+        _, trail = stack.call(stack.gateway_broker.audit.audit_entries(0.0, tenant="a"))
+        job_id = mine.id.removeprefix("resp_")
+        assert [(e.event, e.status) for e in trail if e.job_id == job_id] == [
+            ("received", "queued"),
+            ("terminal", "succeeded"),
+        ]
