@@ -159,6 +159,16 @@ def test_background_poll_stream_resume_cancel_and_delete(slow: Stack) -> None:
     # a stream resumed past its end ends at once
     assert list(c.responses.retrieve(queued.id, stream=True, starting_after=10_000)) == []
 
+    streamed = list(
+        c.responses.create(
+            model=MODEL, input=PROMPT, max_output_tokens=40, temperature=0.0, background=True,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert streamed[0].type == "response.created" and streamed[-1].type == "response.incomplete"
+    assert _text(streamed) == done.output_text
+    assert c.responses.retrieve(streamed[-1].response.id).output_text == done.output_text
+
     running = c.responses.create(
         model=MODEL, input=PROMPT, max_output_tokens=2000, background=True, temperature=0.0
     )
