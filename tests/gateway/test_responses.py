@@ -205,6 +205,8 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
     [
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"prompt_cache_key": "k"}, "prompt_cache_key"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
@@ -223,6 +225,26 @@ def test_refusals_name_the_parameter(slow: Stack, extra: dict[str, object], para
         r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", **extra})
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_openai_fields_are_taken(slow: Stack) -> None:
+    neutral = {
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "include": [],
+        "user": "u1",
+        "reasoning": None,
+    }
+    with slow.client() as http:
+        r = http.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "hi", "max_output_tokens": 2, **neutral},
+        )
+    assert r.status_code == 200, r.text
+    assert Response.model_validate(r.json()).status == "incomplete"
 
 
 def test_tenant_scope_quota_and_audit(valkey: EmbeddedServer) -> None:

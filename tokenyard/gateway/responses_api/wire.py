@@ -46,6 +46,19 @@ class ResponseRequest(_Request):
     store: bool = True
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
     previous_response_id: NonEmptyStr | None = None
+    # OpenAI's, taken only at their neutral value (clients and frameworks send them so)
+    user: str | None = None
+    safety_identifier: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    top_logprobs: int | None = None
+    stream_options: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field or combination this server does not take."""
@@ -56,6 +69,31 @@ class ResponseRequest(_Request):
                 param=name,
                 code="unknown_parameter",
             )
+        if self.tools:
+            raise unsupported("tools", "(tool calling)")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice")
+        if self.text not in (None, {}, {"format": {"type": "text"}}):
+            raise unsupported("text", "other than {'format': {'type': 'text'}}")
+        if self.truncation not in (None, "disabled"):
+            raise unsupported("truncation", "other than 'disabled'")
+        if self.include:
+            raise unsupported("include")
+        if self.reasoning:
+            raise unsupported("reasoning")
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported("service_tier")
+        if self.top_logprobs:
+            raise unsupported("top_logprobs")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidRequest(
+                    "'stream_options' is only allowed when 'stream' is true",
+                    param="stream_options",
+                )
+            for name in sorted(self.stream_options):
+                if name != "include_obfuscation":  # no obfuscation padding is ever sent
+                    raise unsupported(f"stream_options.{name}")
         if self.background and not self.store:
             raise InvalidRequest(
                 "Background mode requires 'store' to be true (it is read later)", param="store"
