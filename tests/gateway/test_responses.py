@@ -11,8 +11,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
+from tokenyard.broker import new_job_id
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.messages import StoredResponse, Turn, encode
 from tokenyard.tenancy.limiter import Quota
 from tokenyard.tenancy.records import TenantConfig
 
@@ -277,3 +279,22 @@ def test_tenant_scope_quota_and_audit(valkey: EmbeddedServer) -> None:
             ("received", "queued"),
             ("terminal", "succeeded"),
         ]
+
+
+def test_a_response_whose_job_record_lapsed_unseen_reads_failed(slow: Stack) -> None:
+    """Its job's record (record_ttl_s) went before any gateway stored the job's result."""
+    job_id = new_job_id(MODEL)
+    stored = StoredResponse(
+        id=f"resp_{job_id}",
+        job_id=job_id,
+        tenant="default",
+        model=MODEL,
+        created_at=time.time(),
+        context=[Turn("user", "hi")],
+        background=True,
+    )
+    table = slow.gateway_broker.stored_responses
+    slow.call(table.put(stored.id, encode(stored), 60))
+    lapsed = client(slow).responses.retrieve(stored.id)
+    assert lapsed.status == "failed" and lapsed.error is not None
+    assert "record_ttl_s" in lapsed.error.message

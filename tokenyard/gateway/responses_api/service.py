@@ -30,6 +30,10 @@ from tokenyard.messages import (
 )
 
 log = logging.getLogger(__name__)
+_LAPSED = JobResult(
+    status=JobStatus.DEAD,
+    error="the job's record lapsed before a gateway stored its result (record_ttl_s)",
+)
 
 
 def not_found(raw_id: str, param: str | None = None) -> NotFound:
@@ -81,12 +85,14 @@ class ResponseService:
 
     async def current(self, stored: StoredResponse) -> tuple[StoredResponse, JobStatus | None]:
         """The stored response with its job's result when the job has ended, else the job's
-        state (None: its record is gone, so it can no longer end)."""
+        state."""
         if stored.result is not None:
             return stored, None
         record: JobRecord | None = await self.state.backend.queue.record(stored.job_id)
         if record is None:
-            return stored, None
+            # entered before the response was stored, so its record lapsed (record_ttl_s)
+            # with no gateway having seen it end: its outcome is lost, and says so
+            return await self.finish(stored, _LAPSED), None
         if record.status.terminal and record.result is not None:
             return await self.finish(stored, record.result), record.status
         return stored, record.status

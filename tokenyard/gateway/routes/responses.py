@@ -3,6 +3,7 @@ resumed after a sequence number), cancel and delete; each response is one chat j
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Annotated, Any
 
@@ -92,7 +93,12 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
     )
     headers = {"X-Job-Id": job_id, **outcome.headers}
     if isinstance(outcome, Queued):
-        await service.create(stored)
+        try:
+            await service.create(stored)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the caller's answer
+                await state.backend.queue.cancel(job_id)  # its caller heard it failed
+            raise
         service.watch(stored)
         if body.stream:
             # no caller owns a background job: its stream's reader may leave and come back
