@@ -14,7 +14,7 @@ from tokenyard import tracing
 from tokenyard.broker.core import CancelOutcome
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
-from tokenyard.gateway.auth import TenantDep
+from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.responses_api.service import ResponseService
@@ -29,7 +29,7 @@ from tokenyard.gateway.responses_api.wire import (
 from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Later, Live, Queued, submit
-from tokenyard.messages import JobStatus, StoredResponse, Turn
+from tokenyard.messages import JobSpec, JobStatus, StoredResponse, Turn
 
 router = APIRouter()
 CANCEL_WAIT_S = 10.0  # a running job ends at its next engine step; the answer waits for it
@@ -55,27 +55,39 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
     with tracing.server_span("POST /v1/responses", request.headers):
         body = protocol.parse(ResponseRequest, await request.body())
         body.refuse_unsupported()
-        context: list[Turn] = []
-        if body.previous_response_id is not None:
-            earlier = await service.get(body.previous_response_id, tenant, "previous_response_id")
-            earlier, _ = await service.current(earlier)
-            if earlier.result is None or earlier.result.status is not JobStatus.SUCCEEDED:
-                raise InvalidRequest(
-                    f"The previous response '{earlier.id}' has not completed",
-                    param="previous_response_id",
-                )
-            context = [*earlier.context, Turn("assistant", earlier.result.text)]
-        context += body.turns()
-        chat = body.chat_request(context)
+        context = [*await _earlier(service, body, tenant), *body.turns()]
         how = Later(None, request.headers) if body.background else Live(request.headers, started)
         try:
-            outcome = await submit(state, "chat", chat, tenant, how)
+            outcome = await submit(state, "chat", body.chat_request(context), tenant, how)
         except InvalidRequest as exc:
             raise renamed(exc) from None
     assert not isinstance(outcome, Hit)  # a response never takes part in the cache
-    spec = outcome.spec
     job_id = outcome.job_id if isinstance(outcome, Queued) else outcome.call.job_id
-    stored = StoredResponse(
+    stored = _stored(body, tenant, outcome.spec, job_id, context)
+    headers = {"X-Job-Id": job_id, **outcome.headers}
+    if isinstance(outcome, Queued):
+        return await _background(request, body, stored, headers)
+    return await _live(request, body, stored, outcome.call, headers)
+
+
+async def _earlier(service: ResponseService, body: ResponseRequest, tenant: Tenant) -> list[Turn]:
+    """The conversation a `previous_response_id` continues: its context, then its output."""
+    if body.previous_response_id is None:
+        return []
+    earlier = await service.get(body.previous_response_id, tenant, "previous_response_id")
+    earlier, _ = await service.current(earlier)
+    if earlier.result is None or earlier.result.status is not JobStatus.SUCCEEDED:
+        raise InvalidRequest(
+            f"The previous response '{earlier.id}' has not completed",
+            param="previous_response_id",
+        )
+    return [*earlier.context, Turn("assistant", earlier.result.text)]
+
+
+def _stored(
+    body: ResponseRequest, tenant: Tenant, spec: JobSpec, job_id: str, context: list[Turn]
+) -> StoredResponse:
+    return StoredResponse(
         id=response_id(job_id),
         job_id=job_id,
         tenant=tenant.name,
@@ -91,25 +103,40 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
         background=body.background,
         store=body.store,
     )
-    headers = {"X-Job-Id": job_id, **outcome.headers}
-    if isinstance(outcome, Queued):
-        try:
-            await service.create(stored)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the first error is the caller's answer
-                await state.backend.queue.cancel(job_id)  # its caller heard it failed
-            raise
-        service.watch(stored)
-        if body.stream:
-            # no caller owns a background job: its stream's reader may leave and come back
-            call = LiveCall(state, job_id, spec.model, fresh=True)
-            return await call.stream(ResponseEvents(stored), headers)
-        return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
-    call = outcome.call
+
+
+async def _background(
+    request: Request, body: ResponseRequest, stored: StoredResponse, headers: dict[str, str]
+) -> Response:
+    """A queued job, read later: its stored response now (or its events, when streamed)."""
+    state, service = gateway(request), _service(request)
     try:
         await service.create(stored)
     except BaseException:
-        await state.abandonment.cancel_now(job_id)  # no caller will follow it
+        with contextlib.suppress(Exception):  # the first error is the caller's answer
+            await state.backend.queue.cancel(stored.job_id)  # its caller heard it failed
+        raise
+    service.watch(stored)
+    if body.stream:
+        # no caller owns a background job: its stream's reader may leave and come back
+        call = LiveCall(state, stored.job_id, stored.model, fresh=True)
+        return await call.stream(ResponseEvents(stored), headers)
+    return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
+
+
+async def _live(
+    request: Request,
+    body: ResponseRequest,
+    stored: StoredResponse,
+    call: LiveCall,
+    headers: dict[str, str],
+) -> Response:
+    """A job its caller follows now, as the chat routes do: SSE, or the response when done."""
+    state, service = gateway(request), _service(request)
+    try:
+        await service.create(stored)
+    except BaseException:
+        await state.abandonment.cancel_now(stored.job_id)  # no caller will follow it
         raise
     if body.stream:
         call.on_result = lambda result: service.keep(stored, result)
