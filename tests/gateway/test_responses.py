@@ -298,3 +298,17 @@ def test_a_response_whose_job_record_lapsed_unseen_reads_failed(slow: Stack) -> 
     lapsed = client(slow).responses.retrieve(stored.id)
     assert lapsed.status == "failed" and lapsed.error is not None
     assert "record_ttl_s" in lapsed.error.message
+
+
+def test_cancel_and_delete_of_queued_background_responses(valkey: EmbeddedServer) -> None:
+    """No worker: the jobs wait, so a cancel ends one at once and a delete cancels its job."""
+    with run_stack(valkey, engines=[]) as stack:
+        c = client(stack)
+        waiting = c.responses.create(model=MODEL, input="hi", background=True)
+        assert c.responses.retrieve(waiting.id).status == "queued"
+        assert c.responses.cancel(waiting.id).status == "cancelled"
+        assert c.responses.retrieve(waiting.id).status == "cancelled"
+        doomed = c.responses.create(model=MODEL, input="hi", background=True)
+        c.responses.delete(doomed.id)
+        record = stack.call(stack.gateway_broker.queue.record(doomed.id.removeprefix("resp_")))
+        assert record is not None and record.status.value == "cancelled"

@@ -183,7 +183,7 @@ async def cancel_response(request: Request, response_id: str, tenant: TenantDep)
     stored, _ = await service.current(stored)
     if stored.result is None:
         outcome = await state.backend.queue.cancel(stored.job_id)
-        if outcome in (CancelOutcome.CANCELLED, CancelOutcome.SIGNALLED):
+        if outcome is CancelOutcome.SIGNALLED:  # a waiting job is terminal already
             stored = await service.wait(stored, CANCEL_WAIT_S)
     stored, job = await service.current(stored)
     return FastJSONResponse(response_body(stored, stored.result, job))
