@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from tokenyard.errors import InvalidRequest
-from tokenyard.gateway.errors import error_body, unsupported
+from tokenyard.gateway.errors import unsupported
 from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, _Request
 from tokenyard.gateway.streaming import frame
 from tokenyard.messages import FinishReason, JobResult, JobStatus, StoredResponse, TokenChunk, Turn
@@ -335,6 +335,5 @@ class ResponseEvents:
 
     def failure(self, message: str, code: str, status: int) -> list[bytes]:
         # a transport failure, not an event of the job: it takes no number from the stream
-        error = error_body(message, "server_error", None, code)["error"]
         body = {"type": "error", "sequence_number": self.next, "code": code, "message": message}
-        return [frame({**body, "param": error["param"]}, event="error")]
+        return [frame({**body, "param": None}, event="error")]
