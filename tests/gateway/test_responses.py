@@ -14,7 +14,7 @@ from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
 from tokenyard.broker import new_job_id
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
-from tokenyard.messages import StoredResponse, Turn, encode
+from tokenyard.messages import StoredResponse, Turn, decode, encode
 from tokenyard.tenancy.limiter import Quota
 from tokenyard.tenancy.records import TenantConfig
 
@@ -27,8 +27,9 @@ def client(stack: Stack, key: str = "unused") -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def slow(valkey: EmbeddedServer) -> Iterator[Stack]:
-    """One stack for the module: a sim worker slow enough to catch a response mid-run."""
-    with run_stack(valkey, engines=[slow_engine(0.01)]) as s:
+    """One stack for the module: a sim worker slow enough to catch a response mid-run; the
+    gateway sweeps pending stored responses often."""
+    with run_stack(valkey, engines=[slow_engine(0.01)], responses_sweep_s=0.1) as s:
         yield s
 
 
@@ -312,3 +313,30 @@ def test_cancel_and_delete_of_queued_background_responses(valkey: EmbeddedServer
         c.responses.delete(doomed.id)
         record = stack.call(stack.gateway_broker.queue.record(doomed.id.removeprefix("resp_")))
         assert record is not None and record.status.value == "cancelled"
+
+
+def test_a_sweep_stores_what_no_gateway_watched(slow: Stack) -> None:
+    """A background response whose creating gateway died before its job ended: the job runs
+    on, and any gateway's sweep copies its result into the stored response."""
+    with slow.client() as http:
+        job = http.post(
+            "/v1/jobs",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        ).json()
+    stored = StoredResponse(
+        id=f"resp_{job['id']}",
+        job_id=job["id"],
+        tenant="default",
+        model=MODEL,
+        created_at=time.time(),
+        context=[Turn("user", "hi")],
+        background=True,
+    )
+    table = slow.gateway_broker.stored_responses
+    slow.call(table.put(stored.id, encode(stored), 60))  # as the dead gateway left it
+    give_up = time.monotonic() + 10
+    while (kept := decode(slow.call(table.get(stored.id)), StoredResponse)).result is None:
+        assert time.monotonic() < give_up, "no sweep stored the result"
+        time.sleep(0.05)
+    assert kept.result.completion_tokens == 3
+    assert stored.id not in slow.call(table.pending(1000))

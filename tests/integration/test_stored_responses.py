@@ -39,3 +39,17 @@ async def test_entries_lapse_after_their_ttl(make_backend: BackendFactory) -> No
         await asyncio.sleep(0.1)
     assert await table.get("resp_short") is None
     assert await table.get("resp_long") == b"y"
+
+
+async def test_new_records_are_pending_until_settled(make_backend: BackendFactory) -> None:
+    table = make_backend().stored_responses
+    assert await table.pending(10) == []
+    for name in ("resp_a", "resp_b", "resp_c"):
+        await table.put(name, b"x", 60)
+    assert sorted(await table.pending(10)) == ["resp_a", "resp_b", "resp_c"]
+    assert len(await table.pending(2)) == 2
+    await table.settle(["resp_a"])
+    await table.settle([])
+    assert await table.replace("resp_b", b"y", 60)  # a rewrite alone settles nothing
+    assert await table.delete("resp_c")  # a delete settles
+    assert await table.pending(10) == ["resp_b"]

@@ -33,9 +33,12 @@ class ResponseStore(Protocol):
 
 
 class StoredResponses(Protocol):
-    """Stored responses (/v1/responses) by id: encoded records that lapse after a TTL."""
+    """Stored responses (/v1/responses) by id: encoded records that lapse after a TTL. A new
+    one is `pending` (its job's result not yet in it) until it is `settled`."""
 
-    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None: ...
+    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        """Store a new record, then mark it pending."""
+        ...
 
     async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
         """Overwrite only a record that is still there (a deleted one stays deleted)."""
@@ -44,7 +47,15 @@ class StoredResponses(Protocol):
     async def get(self, response_id: str) -> bytes | None: ...
 
     async def delete(self, response_id: str) -> bool:
-        """Remove the record; False when there was none."""
+        """Remove the record (settling it); False when there was none."""
+        ...
+
+    async def pending(self, limit: int) -> list[str]:
+        """Up to `limit` ids of records not yet settled (any of them, in no set order)."""
+        ...
+
+    async def settle(self, response_ids: Sequence[str]) -> None:
+        """No longer pending: the result is in the record, or the record is gone."""
         ...
 
 

@@ -490,7 +490,11 @@ class NatsStoredResponses(StoredResponses):
         self.conn = conn
 
     async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        # the record first: a sweep settles a pending id it finds no record for; the mark
+        # lapses with the record at the latest
         await self.bucket.put_expiring(Names.stored_response(response_id), value, ttl_s)
+        mark = Names.pending_response(response_id)
+        await self.bucket.put_expiring(mark, response_id.encode(), ttl_s)
 
     async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
         key = Names.stored_response(response_id)
@@ -515,11 +519,20 @@ class NatsStoredResponses(StoredResponses):
         return await self.bucket.get(Names.stored_response(response_id))
 
     async def delete(self, response_id: str) -> bool:
+        await self.settle([response_id])
         key = Names.stored_response(response_id)
         if await self.bucket.get(key) is None:
             return False
         await self.bucket.purge(key)
         return True
+
+    async def pending(self, limit: int) -> list[str]:
+        marks = await self.bucket.listing(Names.PENDING_RESPONSES)
+        return [value.decode() for _, value in marks[:limit]]
+
+    async def settle(self, response_ids: Sequence[str]) -> None:
+        keys = [Names.pending_response(r) for r in response_ids]
+        await asyncio.gather(*(self.bucket.purge(k) for k in keys))
 
 
 class Live(msgspec.Struct, array_like=True):

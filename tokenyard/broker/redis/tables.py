@@ -331,9 +331,10 @@ class RedisStoredResponses(StoredResponses):
         self.keys = keys
 
     async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
-        await self.conn.parsed(
-            "SET", self.keys.stored_response(response_id), value, "PX", ms(ttl_s)
-        )
+        # the record first: a sweep settles a pending id it finds no record for
+        key = self.keys.stored_response(response_id)
+        await self.conn.parsed("SET", key, value, "PX", ms(ttl_s))
+        await self.conn.parsed("SADD", self.keys.pending_responses(), response_id)
 
     async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
         key = self.keys.stored_response(response_id)
@@ -344,7 +345,16 @@ class RedisStoredResponses(StoredResponses):
         return None if value is None else bytes(value)
 
     async def delete(self, response_id: str) -> bool:
+        await self.settle([response_id])
         return bool(await self.conn.parsed("DEL", self.keys.stored_response(response_id)))
+
+    async def pending(self, limit: int) -> list[str]:
+        found = await self.conn.parsed("SRANDMEMBER", self.keys.pending_responses(), limit)
+        return [text(x) for x in found or ()]
+
+    async def settle(self, response_ids: Sequence[str]) -> None:
+        if response_ids:
+            await self.conn.parsed("SREM", self.keys.pending_responses(), *response_ids)
 
 
 class RedisRegistry(WorkerRegistry):

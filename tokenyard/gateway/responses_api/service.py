@@ -1,9 +1,10 @@
 """Stored responses: kept in the broker's `StoredResponses` table beside their jobs.
 
-A stored response is written when its job is entered, and its job's result is copied into it
-by the first gateway that sees the job end: the caller of a sync or streaming response, the
-watcher of a background one on the gateway that created it, or any later read. The job's own
-record lapses after `record_ttl_s`, the stored response after `response_ttl_s` from creation.
+A stored response is written (pending) when its job is entered, and its job's result is copied
+into it by the first gateway that sees the job end: the caller of a sync or streaming response,
+the watcher of a background one on the gateway that created it, any later read, or, when that
+gateway died, any gateway's sweep of the pending ones. The job's own record lapses after
+`record_ttl_s`, the stored response after `response_ttl_s` from creation.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from tokenyard.broker import is_job_id
 from tokenyard.errors import NotFound
@@ -30,6 +33,7 @@ from tokenyard.messages import (
 )
 
 log = logging.getLogger(__name__)
+SWEEP_BATCH = 256  # pending stored responses looked at per sweep
 _LAPSED = JobResult(
     status=JobStatus.DEAD,
     error="the job's record lapsed before a gateway stored its result (record_ttl_s)",
@@ -48,6 +52,13 @@ class ResponseService:
         self.table = state.backend.stored_responses
         self.ttl_s = state.backend.settings.response_ttl_s
         self._tasks: set[asyncio.Task[None]] = set()
+        if state.settings.responses_sweep_s > 0:
+            self._spawn(self._sweeping(state.settings.responses_sweep_s), "response-sweep")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _left_s(self, stored: StoredResponse) -> float:
         # retention counts from creation, however often the record is rewritten
@@ -81,6 +92,7 @@ class ResponseService:
         stored.completed_at = time.time()
         if stored.store:
             await self.table.replace(stored.id, encode(stored), self._left_s(stored))
+            await self.table.settle([stored.id])
         return stored
 
     async def current(self, stored: StoredResponse) -> tuple[StoredResponse, JobStatus | None]:
@@ -99,15 +111,41 @@ class ResponseService:
 
     def watch(self, stored: StoredResponse) -> None:
         """Follow a background response's job to its end and store its result."""
-        task = asyncio.create_task(self._watch(stored), name="response-watch")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._watch(stored), "response-watch")
 
     def keep(self, stored: StoredResponse, result: JobResult) -> None:
         """Store a result a live call saw, without holding the call up."""
-        task = asyncio.create_task(self._keep(stored, result), name="response-keep")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._keep(stored, result), "response-keep")
+
+    async def sweep(self, limit: int = SWEEP_BATCH) -> int:
+        """Copy the result of ended jobs into their pending stored responses (read once per
+        job, one round trip for all records); returns how many were settled."""
+        ids = await self.table.pending(limit)
+        found = await asyncio.gather(*(self.table.get(i) for i in ids))
+        gone = [i for i, raw in zip(ids, found, strict=True) if raw is None]
+        open_ = [decode(raw, StoredResponse) for raw in found if raw is not None]
+        done = [s.id for s in open_ if s.result is not None]
+        await self.table.settle(gone + done)
+        waiting = [s for s in open_ if s.result is None]
+        records = await self.state.backend.queue.records([s.job_id for s in waiting])
+        settled = len(gone) + len(done)
+        for stored, record in zip(waiting, records, strict=True):
+            if record is None:
+                await self.finish(stored, _LAPSED)
+            elif record.status.terminal and record.result is not None:
+                await self.finish(stored, record.result)
+            else:
+                continue
+            settled += 1
+        return settled
+
+    async def _sweeping(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep()
+            except Exception:
+                log.warning("sweeping stored responses failed", exc_info=True)
 
     async def _keep(self, stored: StoredResponse, result: JobResult) -> None:
         try:
