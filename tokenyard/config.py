@@ -34,6 +34,9 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     enqueue_window_s: float = 0.0005
     record_ttl_s: float = 24 * 3600.0  # terminal records and event streams
     idempotency_ttl_s: float = 24 * 3600.0
+    # stored responses (/v1/responses with `store`): how long each stays retrievable, and
+    # usable as a `previous_response_id`, after it was created (OpenAI keeps them 30 days)
+    response_ttl_s: float = 30 * 24 * 3600.0
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
     starvation_every: int = 8  # every Nth claim round serves lower lanes first

@@ -294,3 +294,39 @@ class EngineStats(msgspec.Struct):
     @property
     def mean_batch(self) -> float:
         return self.sequences_stepped / self.steps if self.steps else 0.0
+
+
+# -- stored responses (OpenAI's Responses API): what the broker keeps of one response ------
+
+
+class Turn(msgspec.Struct, array_like=True, frozen=True):
+    """One message of a conversation as the chat template takes it."""
+
+    role: str  # system | user | assistant
+    content: str
+
+
+class StoredResponse(msgspec.Struct, kw_only=True):
+    """A response of /v1/responses: its request, its job, and once seen its job's result.
+
+    `context` is the conversation its job was given (a `previous_response_id`'s context and
+    output, then this input), so a later response can continue it after its job is gone.
+    """
+
+    v: int = WIRE_VERSION
+    id: str  # "resp_" + the job id
+    job_id: str
+    tenant: str
+    model: str
+    created_at: float
+    context: list[Turn]
+    instructions: str | None = None
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    background: bool = False
+    store: bool = True
+    result: JobResult | None = None  # the job's terminal result, once a gateway saw it
+    completed_at: float | None = None

@@ -46,6 +46,26 @@ def test_tiny_model_chat_and_completion(valkey: EmbeddedServer) -> None:
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
+        # a response is the same chat job: same prompt, same greedy text, streamed or not
+        response = client.responses.create(
+            model="tiny",
+            input=messages,
+            max_output_tokens=12,
+            temperature=0.0,  # type: ignore[arg-type]
+        )
+        assert response.output_text == text
+        assert response.usage is not None
+        assert response.usage.input_tokens == whole.usage.prompt_tokens
+        events = client.responses.create(
+            model="tiny",
+            input="Once upon a time",
+            max_output_tokens=12,
+            temperature=0.0,
+            stream=True,
+        )
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert "".join(deltas) == text
+
         completion = client.completions.create(
             model="tiny", prompt="The queue holds", max_tokens=8, temperature=0.0
         )

@@ -22,6 +22,7 @@ from tokenyard.broker.tables import (
     Directory,
     Quotas,
     ResponseStore,
+    StoredResponses,
     WorkerRegistry,
 )
 from tokenyard.config import BrokerSettings
@@ -61,6 +62,7 @@ class Backend:
     responses: ResponseStore
     registry: WorkerRegistry
     batches: BatchStore
+    stored_responses: StoredResponses
     connection: Connection
     # the Kafka audit log the audit trail is mirrored to (settings.audit_kafka); None: off
     audit_log: KafkaAuditLog | None = None

@@ -1,7 +1,8 @@
 """The tables beside the queue core: small stores the gateway, workers and CLIs share.
 
-Directory (keys, tenants), quotas, the audit trail, the response cache, the worker registry
-and the batch store. A backend may keep them on its own server (Redis) or beside it.
+Directory (keys, tenants), quotas, the audit trail, the response cache, the worker registry,
+the batch store and stored responses (/v1/responses). A backend may keep them on its own
+server (Redis) or beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,33 @@ class ResponseStore(Protocol):
     ) -> None:
         """Store with a TTL; the model's entries stay under `max_bytes` (the soonest to expire
         are evicted first)."""
+        ...
+
+
+class StoredResponses(Protocol):
+    """Stored responses (/v1/responses) by id: encoded records that lapse after a TTL. A new
+    one is `pending` (its job's result not yet in it) until it is `settled`."""
+
+    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        """Store a new record, then mark it pending."""
+        ...
+
+    async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
+        """Overwrite only a record that is still there (a deleted one stays deleted)."""
+        ...
+
+    async def get(self, response_id: str) -> bytes | None: ...
+
+    async def delete(self, response_id: str) -> bool:
+        """Remove the record (settling it); False when there was none."""
+        ...
+
+    async def pending(self, limit: int) -> list[str]:
+        """Up to `limit` ids of records not yet settled (any of them, in no set order)."""
+        ...
+
+    async def settle(self, response_ids: Sequence[str]) -> None:
+        """No longer pending: the result is in the record, or the record is gone."""
         ...
 
 

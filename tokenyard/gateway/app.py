@@ -30,6 +30,7 @@ from tokenyard.gateway.fast import FastRoutes, fast_routes
 from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
 from tokenyard.gateway.live import Abandonment
+from tokenyard.gateway.responses_api.service import ResponseService
 from tokenyard.gateway.routes import ROUTERS
 from tokenyard.gateway.routing import LaneDepths, RoutingRules
 from tokenyard.gateway.settings import GatewaySettings
@@ -132,12 +133,14 @@ def create_app(
             if active.audit_log is not None and active.audit_log.metrics is None:
                 active.audit_log.observe(AuditLogMetrics("tokenyard", metrics.registry))
             app.state.batches = BatchService.start(state, files)
+            app.state.responses = ResponseService(state)
             if freeze_heap:
                 heap.freeze()
             try:
                 yield
             finally:
                 await app.state.batches.close()
+                await app.state.responses.close()
                 await state.close()
         finally:
             if owned:

@@ -274,6 +274,11 @@ class LiveCall:
             raise JobGone(self.job_id)
         return record.result
 
+    async def wait(self) -> JobResult:
+        """The job's result, however long it takes: no caller leaves, no job is cancelled
+        (a background response's watcher)."""
+        return await self._result()
+
     async def result(self, disconnected: Callable[[], Awaitable[None]]) -> JobResult:
         """Wait for the job's result; if the client leaves or time runs out, cancel the job.
 

@@ -68,6 +68,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     batch_runner: bool = True  # this gateway drives batches (any gateway may)
     # what `completion_window: "24h"` lasts; shorter only for tests and drills of expiry
     batch_window_s: float = 24 * 3600.0
+    # stored responses (/v1/responses) whose job ended with no gateway watching (the one that
+    # created it died) get their result copied in by any gateway's sweep, this often; 0: off
+    responses_sweep_s: float = 30.0
 
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:

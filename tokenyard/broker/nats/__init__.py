@@ -32,6 +32,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         NatsQuotas,
         NatsRegistry,
         NatsResponses,
+        NatsStoredResponses,
     )
 
     conn = NatsConnection(settings)
@@ -48,5 +49,6 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         responses=NatsResponses(conn, names, clock),
         registry=registry,
         batches=NatsBatches(conn, names, clock),
+        stored_responses=NatsStoredResponses(conn, names),
         connection=conn,
     )

@@ -164,6 +164,18 @@ class Names:
         return f"r.{model_tag(model)}.{slot}"
 
     @staticmethod
+    def stored_response(response_id: str) -> str:
+        """A stored response's record (/v1/responses), with its retention as the entry's TTL."""
+        return f"resp.{token(response_id)}"
+
+    @staticmethod
+    def pending_response(response_id: str) -> str:
+        """Marks a stored response whose job's result is not yet in it; holds its id."""
+        return f"resp.p.{token(response_id)}"
+
+    PENDING_RESPONSES = "resp.p.*"
+
+    @staticmethod
     def cache_index(model: str) -> str:
         """A model's cache entries by digest: when each expires, its size."""
         return f"ri.{model_tag(model)}"

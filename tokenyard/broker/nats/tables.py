@@ -39,6 +39,7 @@ from tokenyard.broker.tables import (
     Quotas,
     ResponseStore,
     Settlement,
+    StoredResponses,
     WorkerRegistry,
     settlement,
 )
@@ -488,6 +489,59 @@ class NatsResponses(ResponseStore):
 
         evicted = await self.bucket.change(Names.cache_index(model), bound)
         await asyncio.gather(*(self.bucket.purge(Names.cache_entry(model, s)) for s in evicted))
+
+
+class NatsStoredResponses(StoredResponses):
+    """Stored responses: one KV entry per response, its retention as the entry's server TTL."""
+
+    def __init__(self, conn: NatsConnection, names: Names) -> None:
+        self.bucket = Bucket(conn, names)
+        self.conn = conn
+
+    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        # the record first: a sweep settles a pending id it finds no record for; the mark
+        # lapses with the record at the latest
+        await self.bucket.put_expiring(Names.stored_response(response_id), value, ttl_s)
+        mark = Names.pending_response(response_id)
+        await self.bucket.put_expiring(mark, response_id.encode(), ttl_s)
+
+    async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
+        key = Names.stored_response(response_id)
+        raw, revision = await self.bucket.entry(key)
+        if raw is None:
+            return False
+        js = await self.conn.js()
+        subject = Names.kv_subject(self.bucket.name, key)
+        # over the revision read: a delete in between wins, as Redis's SET XX lets it
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
+        try:
+            await sent(
+                js.publish(subject, value, headers=headers, msg_ttl=max(1, math.ceil(ttl_s)))
+            )
+        except nats.js.errors.APIError as exc:
+            if exc.err_code not in (10071, 10164):  # wrong last sequence
+                raise
+            return False
+        return True
+
+    async def get(self, response_id: str) -> bytes | None:
+        return await self.bucket.get(Names.stored_response(response_id))
+
+    async def delete(self, response_id: str) -> bool:
+        await self.settle([response_id])
+        key = Names.stored_response(response_id)
+        if await self.bucket.get(key) is None:
+            return False
+        await self.bucket.purge(key)
+        return True
+
+    async def pending(self, limit: int) -> list[str]:
+        marks = await self.bucket.listing(Names.PENDING_RESPONSES)
+        return [value.decode() for _, value in marks[:limit]]
+
+    async def settle(self, response_ids: Sequence[str]) -> None:
+        keys = [Names.pending_response(r) for r in response_ids]
+        await asyncio.gather(*(self.bucket.purge(k) for k in keys))
 
 
 class Live(msgspec.Struct, array_like=True):

@@ -23,6 +23,7 @@ from tokenyard.broker.redis.tables import (
     RedisQuotas,
     RedisRegistry,
     RedisResponses,
+    RedisStoredResponses,
 )
 from tokenyard.config import BrokerSettings
 
@@ -64,6 +65,7 @@ def backend_on(
         responses=RedisResponses(conn, keys, clock),
         registry=RedisRegistry(conn, keys, clock),
         batches=RedisBatches(conn, keys, clock),
+        stored_responses=RedisStoredResponses(conn, keys),
         connection=connection or conn,
     )
 

@@ -123,6 +123,14 @@ class Keys:
     def cache(self, model: str, digest: str) -> str:
         return self.cache_prefix(model) + digest
 
+    def stored_response(self, response_id: str) -> str:
+        """A stored response's record (/v1/responses), with its retention as TTL."""
+        return f"{self.prefix}:resp:{response_id}"
+
+    def pending_responses(self) -> str:
+        """Set of the stored responses whose job's result is not yet in them."""
+        return f"{self.prefix}:resp-pending"
+
     def cache_index(self, model: str) -> str:
         """Sorted set of a model's cache digests, scored by when each entry expires."""
         return f"{self._model(model_tag(model))}:cacheidx"

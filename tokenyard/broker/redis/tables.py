@@ -29,6 +29,7 @@ from tokenyard.broker.tables import (
     Quotas,
     ResponseStore,
     Settlement,
+    StoredResponses,
     WorkerRegistry,
     settlement,
 )
@@ -323,6 +324,40 @@ class RedisResponses(ResponseStore):
             ),
         )
         await self.conn.run(call)
+
+
+class RedisStoredResponses(StoredResponses):
+    """Stored responses: one key per response, its retention as the key's TTL."""
+
+    def __init__(self, conn: RedisConnection, keys: Keys) -> None:
+        self.conn = conn
+        self.keys = keys
+
+    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        # the record first: a sweep settles a pending id it finds no record for
+        key = self.keys.stored_response(response_id)
+        await self.conn.parsed("SET", key, value, "PX", ms(ttl_s))
+        await self.conn.parsed("SADD", self.keys.pending_responses(), response_id)
+
+    async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
+        key = self.keys.stored_response(response_id)
+        return await self.conn.parsed("SET", key, value, "PX", ms(ttl_s), "XX") is not None
+
+    async def get(self, response_id: str) -> bytes | None:
+        value = await self.conn.parsed("GET", self.keys.stored_response(response_id))
+        return None if value is None else bytes(value)
+
+    async def delete(self, response_id: str) -> bool:
+        await self.settle([response_id])
+        return bool(await self.conn.parsed("DEL", self.keys.stored_response(response_id)))
+
+    async def pending(self, limit: int) -> list[str]:
+        found = await self.conn.parsed("SRANDMEMBER", self.keys.pending_responses(), limit)
+        return [text(x) for x in found or ()]
+
+    async def settle(self, response_ids: Sequence[str]) -> None:
+        if response_ids:
+            await self.conn.parsed("SREM", self.keys.pending_responses(), *response_ids)
 
 
 class RedisRegistry(WorkerRegistry):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenyard.gateway.routes import batches, dashboard, files, health, jobs, openai
+from tokenyard.gateway.routes import batches, dashboard, files, health, jobs, openai, responses
 
 ROUTERS = (
     openai.router,
@@ -11,4 +11,5 @@ ROUTERS = (
     dashboard.router,
     files.router,
     batches.router,
+    responses.router,
 )

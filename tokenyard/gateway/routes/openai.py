@@ -80,7 +80,7 @@ async def _serve(
             token_ids=body.return_token_ids,
         )
         return await call.stream(renderer, headers, timeout_s=state.settings.request_timeout_s)
-    result = await call.result(lambda: _until_disconnect(request))
+    result = await call.result(lambda: until_disconnect(request))
     failed = protocol.result_error(result)
     if failed is not None:
         return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
@@ -92,7 +92,7 @@ async def _serve(
     )
 
 
-async def _until_disconnect(request: Request) -> None:
+async def until_disconnect(request: Request) -> None:
     # The body is already read, so the next message the server hands us is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass

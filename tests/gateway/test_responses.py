@@ -1,0 +1,342 @@
+"""OpenAI's Responses API with the official openai client against a real gateway and sim workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
+from tokenyard.broker import new_job_id
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.messages import StoredResponse, Turn, decode, encode
+from tokenyard.tenancy.limiter import Quota
+from tokenyard.tenancy.records import TenantConfig
+
+PROMPT = "The yard sorts every car"
+
+
+def client(stack: Stack, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def slow(valkey: EmbeddedServer) -> Iterator[Stack]:
+    """One stack for the module: a sim worker slow enough to catch a response mid-run; the
+    gateway sweeps pending stored responses often."""
+    with run_stack(valkey, engines=[slow_engine(0.01)], responses_sweep_s=0.1) as s:
+        yield s
+
+
+def _text(events: list[ResponseStreamEvent]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def _done(c: openai.OpenAI, response_id: str, timeout_s: float = 20.0) -> Response:
+    give_up = time.monotonic() + timeout_s
+    while (r := c.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < give_up, r
+        time.sleep(0.02)
+    return r
+
+
+def test_sync_and_stream_agree_with_sequence_numbers(slow: Stack) -> None:
+    c = client(slow)
+    whole = c.responses.create(
+        model=MODEL,
+        input=PROMPT,
+        instructions="be brief",
+        max_output_tokens=12,
+        temperature=0.0,
+        metadata={"run": "1"},
+    )
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "incomplete"  # it stopped at max_output_tokens
+    assert whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert len(whole.output_text) == 12  # the sim tokenizer is byte-level
+    assert whole.usage is not None and whole.usage.output_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 12
+    assert whole.metadata == {"run": "1"} and whole.instructions == "be brief"
+
+    events = list(
+        c.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": PROMPT}],
+            instructions="be brief",
+            max_output_tokens=12,
+            temperature=0.0,
+            stream=True,
+        )
+    )
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert _text(events) == whole.output_text
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.output_text == whole.output_text
+    # the stored response answers the same
+    again = c.responses.retrieve(last.response.id)
+    assert again.output_text == whole.output_text and again.status == "incomplete"
+
+
+def test_input_item_shape_and_previous_response_id(slow: Stack) -> None:
+    c = client(slow)
+    first = c.responses.create(
+        model=MODEL,
+        input=[
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "one "},
+                    {"type": "input_text", "text": "two"},
+                ],
+            }
+        ],
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    plain = c.responses.create(model=MODEL, input="one two", max_output_tokens=6, temperature=0.0)
+    assert first.output_text == plain.output_text  # the same conversation, the same prompt
+    second = c.responses.create(
+        model=MODEL,
+        input="three",
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert second.previous_response_id == first.id
+    assert second.usage is not None and first.usage is not None
+    # the earlier input and output are the context: the prompt grew by them
+    explicit = c.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "one two"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "three"},
+        ],
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert second.usage.input_tokens == explicit.usage.input_tokens  # type: ignore[union-attr]
+    assert second.output_text == explicit.output_text
+
+
+def test_background_poll_stream_resume_cancel_and_delete(slow: Stack) -> None:
+    c = client(slow)
+    queued = c.responses.create(
+        model=MODEL, input=PROMPT, max_output_tokens=40, temperature=0.0, background=True
+    )
+    assert queued.status == "queued" and queued.background
+    events: list[ResponseStreamEvent] = []
+    for event in c.responses.retrieve(queued.id, stream=True):
+        events.append(event)
+        if event.type == "response.output_text.delta" and len(events) == 8:
+            break  # drop the stream midway
+    cut = events[-1].sequence_number
+    rest = list(c.responses.retrieve(queued.id, stream=True, starting_after=cut))
+    assert rest[0].sequence_number == cut + 1
+    whole = events + rest
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    done = _done(c, queued.id)
+    assert done.status == "incomplete" and _text(whole) == done.output_text
+    assert len(done.output_text) == 40
+    # a stream resumed past its end ends at once
+    assert list(c.responses.retrieve(queued.id, stream=True, starting_after=10_000)) == []
+
+    streamed = list(
+        c.responses.create(
+            model=MODEL, input=PROMPT, max_output_tokens=40, temperature=0.0, background=True,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert streamed[0].type == "response.created" and streamed[-1].type == "response.incomplete"
+    assert _text(streamed) == done.output_text
+    assert c.responses.retrieve(streamed[-1].response.id).output_text == done.output_text
+
+    running = c.responses.create(
+        model=MODEL, input=PROMPT, max_output_tokens=2000, background=True, temperature=0.0
+    )
+    for event in c.responses.retrieve(running.id, stream=True):
+        if event.type == "response.output_text.delta":
+            break  # it runs
+    cancelled = c.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert c.responses.retrieve(running.id).status == "cancelled"
+
+    c.responses.delete(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(queued.id)
+
+
+def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> None:
+    c = client(slow)
+    gone = c.responses.create(model=MODEL, input="hi", max_output_tokens=4, store=False)
+    assert gone.status == "incomplete" and len(gone.output_text) == 4
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(gone.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.responses.create(model=MODEL, input="hi", previous_response_id=gone.id)
+    assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    kept = c.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(kept.id)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"prompt_cache_key": "k"}, "prompt_cache_key"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"temperature": 3}, "temperature"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        ({"background": True, "store": False}, "store"),
+        ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
+    ],
+)
+def test_refusals_name_the_parameter(slow: Stack, extra: dict[str, object], param: str) -> None:
+    with slow.client() as http:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", **extra})
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_neutral_values_of_openai_fields_are_taken(slow: Stack) -> None:
+    neutral = {
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "include": [],
+        "user": "u1",
+        "reasoning": None,
+    }
+    with slow.client() as http:
+        r = http.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "hi", "max_output_tokens": 2, **neutral},
+        )
+    assert r.status_code == 200, r.text
+    assert Response.model_validate(r.json()).status == "incomplete"
+
+
+def test_tenant_scope_quota_and_audit(valkey: EmbeddedServer) -> None:
+    """Another tenant's response is 404 on every route; responses count against the tenant's
+    quota and are in the audit trail, as every job."""
+    keys = KeyRing({"sk-a": Tenant("a"), "sk-b": Tenant("b")})
+    with run_stack(valkey, keyring=keys) as stack:
+        limited = TenantConfig(name="b", quota=Quota(rpm=1))
+        stack.call(stack.gateway_broker.directory.put_tenant(limited))
+        a, b = client(stack, "sk-a"), client(stack, "sk-b")
+        b.responses.create(model=MODEL, input="x", max_output_tokens=1, background=True)
+        with pytest.raises(openai.RateLimitError):
+            b.responses.create(model=MODEL, input="x", max_output_tokens=1, background=True)
+        mine = a.responses.create(model=MODEL, input="hi", max_output_tokens=4, background=True)
+        assert _done(a, mine.id).status == "incomplete"
+        for call in (
+            lambda: b.responses.retrieve(mine.id),
+            lambda: b.responses.cancel(mine.id),
+            lambda: b.responses.delete(mine.id),
+            lambda: b.responses.create(model=MODEL, input="x", previous_response_id=mine.id),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert a.responses.retrieve(mine.id).status == "incomplete"
+        with httpx.Client(base_url=stack.url) as http:
+            assert http.get(f"/v1/responses/{mine.id}").status_code == 401
+        _, trail = stack.call(stack.gateway_broker.audit.audit_entries(0.0, tenant="a"))
+        job_id = mine.id.removeprefix("resp_")
+        assert [(e.event, e.status) for e in trail if e.job_id == job_id] == [
+            ("received", "queued"),
+            ("terminal", "succeeded"),
+        ]
+
+
+def test_a_response_whose_job_record_lapsed_unseen_reads_failed(slow: Stack) -> None:
+    """Its job's record (record_ttl_s) went before any gateway stored the job's result."""
+    job_id = new_job_id(MODEL)
+    stored = StoredResponse(
+        id=f"resp_{job_id}",
+        job_id=job_id,
+        tenant="default",
+        model=MODEL,
+        created_at=time.time(),
+        context=[Turn("user", "hi")],
+        background=True,
+    )
+    table = slow.gateway_broker.stored_responses
+    slow.call(table.put(stored.id, encode(stored), 60))
+    lapsed = client(slow).responses.retrieve(stored.id)
+    assert lapsed.status == "failed" and lapsed.error is not None
+    assert "record_ttl_s" in lapsed.error.message
+
+
+def test_cancel_and_delete_of_queued_background_responses(valkey: EmbeddedServer) -> None:
+    """No worker: the jobs wait, so a cancel ends one at once and a delete cancels its job."""
+    with run_stack(valkey, engines=[]) as stack:
+        c = client(stack)
+        waiting = c.responses.create(model=MODEL, input="hi", background=True)
+        assert c.responses.retrieve(waiting.id).status == "queued"
+        assert c.responses.cancel(waiting.id).status == "cancelled"
+        assert c.responses.retrieve(waiting.id).status == "cancelled"
+        doomed = c.responses.create(model=MODEL, input="hi", background=True)
+        c.responses.delete(doomed.id)
+        record = stack.call(stack.gateway_broker.queue.record(doomed.id.removeprefix("resp_")))
+        assert record is not None and record.status.value == "cancelled"
+
+
+def test_a_sweep_stores_what_no_gateway_watched(slow: Stack) -> None:
+    """A background response whose creating gateway died before its job ended: the job runs
+    on, and any gateway's sweep copies its result into the stored response."""
+    with slow.client() as http:
+        job = http.post(
+            "/v1/jobs",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        ).json()
+    stored = StoredResponse(
+        id=f"resp_{job['id']}",
+        job_id=job["id"],
+        tenant="default",
+        model=MODEL,
+        created_at=time.time(),
+        context=[Turn("user", "hi")],
+        background=True,
+    )
+    table = slow.gateway_broker.stored_responses
+    slow.call(table.put(stored.id, encode(stored), 60))  # as the dead gateway left it
+    give_up = time.monotonic() + 10
+    while (kept := decode(slow.call(table.get(stored.id)), StoredResponse)).result is None:
+        assert time.monotonic() < give_up, "no sweep stored the result"
+        time.sleep(0.05)
+    assert kept.result.completion_tokens == 3
+    assert stored.id not in slow.call(table.pending(1000))

@@ -1,0 +1,72 @@
+"""The Responses API's wire shapes parse with the official openai types, for every ending."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from tokenyard.gateway.responses_api.wire import ResponseEvents, response_body
+from tokenyard.messages import FinishReason, JobResult, JobStatus, StoredResponse, TokenChunk, Turn
+
+EVENTS: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+STORED = StoredResponse(
+    id="resp_j", job_id="j", tenant="t", model="m", created_at=1.0, context=[Turn("user", "hi")]
+)
+
+
+def _parse(frames: list[bytes]) -> list[ResponseStreamEvent]:
+    out = []
+    for raw in frames:
+        event, data = raw.decode().strip().split("\n")
+        parsed = EVENTS.validate_python(json.loads(data.removeprefix("data: ")))
+        assert event == f"event: {parsed.type}"
+        out.append(parsed)
+    return out
+
+
+def _run(result: JobResult, starting_after: int = -1) -> list[ResponseStreamEvent]:
+    events = ResponseEvents(STORED, starting_after)
+    frames = events.start()
+    for text in ("a", "", "b"):  # "": an incomplete UTF-8 character takes no number
+        frames += events.tokens("1-0", TokenChunk(token_ids=[1], text=text))
+    return _parse(frames + events.finish("2-0", result))
+
+
+@pytest.mark.parametrize(
+    ("result", "status", "last"),
+    [
+        (JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text="ab"),
+         "completed", "response.completed"),
+        (JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.LENGTH, text="ab"),
+         "incomplete", "response.incomplete"),
+        (JobResult(status=JobStatus.DEAD, error="boom"), "failed", "response.failed"),
+        (JobResult(status=JobStatus.FAILED, error="bad"), "failed", "response.failed"),
+        (JobResult(status=JobStatus.CANCELLED), "cancelled", "response.failed"),
+    ],
+)  # fmt: skip
+def test_every_ending_parses(result: JobResult, status: str, last: str) -> None:
+    events = _run(result)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == last
+    body = Response.model_validate(response_body(STORED, result))
+    assert body.status == status
+    if result.status is JobStatus.SUCCEEDED:
+        assert body.output_text == "ab" and len(events) == 10
+    else:
+        assert body.output == [] and len(events) == 7
+
+
+def test_starting_after_drops_exactly_the_events_up_to_it() -> None:
+    result = JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text="ab")
+    whole = _run(result)
+    for n in range(-1, len(whole) + 1):
+        assert _run(result, n) == whole[n + 1 :]
+
+
+def test_queued_and_running_bodies() -> None:
+    assert Response.model_validate(response_body(STORED, None)).status == "queued"
+    running = response_body(STORED, None, JobStatus.RUNNING)
+    assert Response.model_validate(running).status == "in_progress"

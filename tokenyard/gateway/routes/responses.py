@@ -1,0 +1,200 @@
+"""OpenAI's Responses API: create (sync, SSE, background), retrieve (polled, or its events
+resumed after a sequence number), cancel and delete; each response is one chat job."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
+
+from tokenyard import tracing
+from tokenyard.broker.core import CancelOutcome
+from tokenyard.errors import InvalidRequest
+from tokenyard.gateway import protocol
+from tokenyard.gateway.auth import Tenant, TenantDep
+from tokenyard.gateway.live import LiveCall
+from tokenyard.gateway.responses import FastJSONResponse
+from tokenyard.gateway.responses_api.service import ResponseService
+from tokenyard.gateway.responses_api.wire import (
+    ResponseEvents,
+    ResponseRequest,
+    deleted_body,
+    renamed,
+    response_body,
+    response_id,
+)
+from tokenyard.gateway.routes.openai import until_disconnect
+from tokenyard.gateway.state import gateway
+from tokenyard.gateway.submit import Hit, Later, Live, Queued, submit
+from tokenyard.messages import JobSpec, JobStatus, StoredResponse, Turn
+
+router = APIRouter()
+CANCEL_WAIT_S = 10.0  # a running job ends at its next engine step; the answer waits for it
+_FAILED = (JobStatus.FAILED, JobStatus.DEAD, JobStatus.EXPIRED)
+_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ResponseRequest.model_json_schema()}},
+    }
+}
+
+
+def _service(request: Request) -> ResponseService:
+    service: ResponseService = request.app.state.responses
+    return service
+
+
+@router.post("/v1/responses", openapi_extra=_BODY)
+async def create_response(request: Request, tenant: TenantDep) -> Response:
+    """A response: answered when done, streamed as events, or (`background`) queued at once."""
+    started = time.monotonic()
+    state, service = gateway(request), _service(request)
+    with tracing.server_span("POST /v1/responses", request.headers):
+        body = protocol.parse(ResponseRequest, await request.body())
+        body.refuse_unsupported()
+        context = [*await _earlier(service, body, tenant), *body.turns()]
+        how = Later(None, request.headers) if body.background else Live(request.headers, started)
+        try:
+            outcome = await submit(state, "chat", body.chat_request(context), tenant, how)
+        except InvalidRequest as exc:
+            raise renamed(exc) from None
+    assert not isinstance(outcome, Hit)  # a response never takes part in the cache
+    job_id = outcome.job_id if isinstance(outcome, Queued) else outcome.call.job_id
+    stored = _stored(body, tenant, outcome.spec, job_id, context)
+    headers = {"X-Job-Id": job_id, **outcome.headers}
+    if isinstance(outcome, Queued):
+        return await _background(request, body, stored, headers)
+    return await _live(request, body, stored, outcome.call, headers)
+
+
+async def _earlier(service: ResponseService, body: ResponseRequest, tenant: Tenant) -> list[Turn]:
+    """The conversation a `previous_response_id` continues: its context, then its output."""
+    if body.previous_response_id is None:
+        return []
+    earlier = await service.get(body.previous_response_id, tenant, "previous_response_id")
+    earlier, _ = await service.current(earlier)
+    if earlier.result is None or earlier.result.status is not JobStatus.SUCCEEDED:
+        raise InvalidRequest(
+            f"The previous response '{earlier.id}' has not completed",
+            param="previous_response_id",
+        )
+    return [*earlier.context, Turn("assistant", earlier.result.text)]
+
+
+def _stored(
+    body: ResponseRequest, tenant: Tenant, spec: JobSpec, job_id: str, context: list[Turn]
+) -> StoredResponse:
+    return StoredResponse(
+        id=response_id(job_id),
+        job_id=job_id,
+        tenant=tenant.name,
+        model=spec.model,
+        created_at=spec.created_at,
+        context=context,
+        instructions=body.instructions,
+        metadata=body.metadata,
+        previous_response_id=body.previous_response_id,
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        background=body.background,
+        store=body.store,
+    )
+
+
+async def _background(
+    request: Request, body: ResponseRequest, stored: StoredResponse, headers: dict[str, str]
+) -> Response:
+    """A queued job, read later: its stored response now (or its events, when streamed)."""
+    state, service = gateway(request), _service(request)
+    try:
+        await service.create(stored)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first error is the caller's answer
+            await state.backend.queue.cancel(stored.job_id)  # its caller heard it failed
+        raise
+    service.watch(stored)
+    if body.stream:
+        # no caller owns a background job: its stream's reader may leave and come back
+        call = LiveCall(state, stored.job_id, stored.model, fresh=True)
+        return await call.stream(ResponseEvents(stored), headers)
+    return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
+
+
+async def _live(
+    request: Request,
+    body: ResponseRequest,
+    stored: StoredResponse,
+    call: LiveCall,
+    headers: dict[str, str],
+) -> Response:
+    """A job its caller follows now, as the chat routes do: SSE, or the response when done."""
+    state, service = gateway(request), _service(request)
+    try:
+        await service.create(stored)
+    except BaseException:
+        await state.abandonment.cancel_now(stored.job_id)  # no caller will follow it
+        raise
+    if body.stream:
+        call.on_result = lambda result: service.keep(stored, result)
+        timeout = state.settings.request_timeout_s
+        return await call.stream(ResponseEvents(stored), headers, timeout_s=timeout)
+    result = await call.result(lambda: until_disconnect(request))
+    await service.finish(stored, result)
+    if result.status in _FAILED:
+        failed = protocol.result_error(result)
+        assert failed is not None
+        return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
+    return FastJSONResponse(response_body(stored, result), headers=headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(
+    request: Request,
+    response_id: str,
+    tenant: TenantDep,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=-1)] = None,
+) -> Response:
+    """The response now; with `stream`, its events after `starting_after`, to its end."""
+    state, service = gateway(request), _service(request)
+    stored = await service.get(response_id, tenant)
+    if not stream:
+        stored, job = await service.current(stored)
+        return FastJSONResponse(response_body(stored, stored.result, job))
+    call = LiveCall(state, stored.job_id, stored.model)
+    if stored.result is None:
+        call.on_result = lambda result: service.keep(stored, result)
+    after = -1 if starting_after is None else starting_after
+    return await call.stream(ResponseEvents(stored, after), {"X-Job-Id": stored.job_id})
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str, tenant: TenantDep) -> Response:
+    """Cancel a background response: a queued job ends at once, a running one at its next
+    engine step; answers the response as it then stands."""
+    state, service = gateway(request), _service(request)
+    stored = await service.get(response_id, tenant)
+    if not stored.background:
+        raise InvalidRequest("Only responses created with background=true can be cancelled")
+    stored, _ = await service.current(stored)
+    if stored.result is None:
+        outcome = await state.backend.queue.cancel(stored.job_id)
+        if outcome is CancelOutcome.SIGNALLED:  # a waiting job is terminal already
+            stored = await service.wait(stored, CANCEL_WAIT_S)
+    stored, job = await service.current(stored)
+    return FastJSONResponse(response_body(stored, stored.result, job))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str, tenant: TenantDep) -> Response:
+    """Forget a stored response (its job is cancelled if it still runs)."""
+    state, service = gateway(request), _service(request)
+    stored = await service.get(response_id, tenant)
+    if stored.result is None:
+        await state.backend.queue.cancel(stored.job_id)
+    await service.delete(stored)
+    return FastJSONResponse(deleted_body(stored.id))
