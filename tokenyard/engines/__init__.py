@@ -20,7 +20,15 @@ if TYPE_CHECKING:
 ENGINE_NAMES = ("sim", "hf", "hf-static", "hf-embed", "vllm", "remote")
 # what the embeddings engine takes of the hf engine's options (`make_engine("hf", ...)` builds it
 # for a model directory with no generative head)
-_EMBED_OPTIONS = ("model", "device", "dtype", "threads", "max_seqs", "max_tokens", "max_batch_tokens")
+_EMBED_OPTIONS = (
+    "model",
+    "device",
+    "dtype",
+    "threads",
+    "max_seqs",
+    "max_tokens",
+    "max_batch_tokens",
+)
 STATIC_BATCH_SIZE = 32  # hf-static's batch when max_seqs is not set
 
 __all__ = [
@@ -98,7 +106,10 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "max_tokens": settings.token_budget,
         }
         if settings.engine == "hf-embed":
-            options |= {"max_seqs": settings.max_seqs, "max_batch_tokens": settings.max_batch_tokens}
+            options |= {
+                "max_seqs": settings.max_seqs,
+                "max_batch_tokens": settings.max_batch_tokens,
+            }
         elif settings.engine == "hf-static":
             # A batch as large as the worker may hold; the engine queues one more behind it.
             options["batch_size"] = settings.max_seqs or STATIC_BATCH_SIZE

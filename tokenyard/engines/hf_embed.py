@@ -14,9 +14,10 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -166,7 +167,9 @@ class HFEmbedEngine(ChannelEngine):
         self.threads = threads
         self.pooling = read_pooling(self.model_path)
         self.tokenizer: HFTokenizer = load_hf_tokenizer(self.model_path)
-        default_batch = CUDA_MAX_BATCH_TOKENS if self.device.type == "cuda" else CPU_MAX_BATCH_TOKENS
+        default_batch = (
+            CUDA_MAX_BATCH_TOKENS if self.device.type == "cuda" else CPU_MAX_BATCH_TOKENS
+        )
         self.max_batch_tokens = max_batch_tokens or default_batch
         self._cond = threading.Condition(self._lock)
         self._jobs: dict[str, _Job] = {}
@@ -205,9 +208,7 @@ class HFEmbedEngine(ChannelEngine):
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # process-wide, as the hf engine does
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        model = AutoModel.from_pretrained(
-            self.model_path, dtype=self.dtype, local_files_only=True
-        )
+        model = AutoModel.from_pretrained(self.model_path, dtype=self.dtype, local_files_only=True)
         model.to(self.device)
         model.eval()
         self._model = model
@@ -305,7 +306,7 @@ class HFEmbedEngine(ChannelEngine):
                         outputs.append(job.output(FinishReason.STOP))
             self._channel.deliver(outputs)
 
-    def _fail(self, jobs: Any, exc: Exception) -> None:
+    def _fail(self, jobs: Iterable[_Job], exc: Exception) -> None:
         outputs: list[StepOutput] = []
         with self._cond:
             for job in jobs:
@@ -328,6 +329,6 @@ class HFEmbedEngine(ChannelEngine):
             mask[row, : len(tokens)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         hidden = self._model(input_ids=ids, attention_mask=mask).last_hidden_state
-        pooled = cast(torch.Tensor, pool(hidden, mask, self.pooling)).cpu().numpy()
+        pooled = pool(hidden, mask, self.pooling).cpu().numpy()
         out = np.ascontiguousarray(pooled, dtype="<f4")
         return [row.tobytes() for row in out]
