@@ -178,14 +178,14 @@ class HFEmbedEngine(ChannelEngine):
         self._thread: threading.Thread | None = None
         self._model: Any = None
         self._limits: ModelLimits | None = None
-        self.revision_ = (
+        self._revision = (
             f"{self.name}:{weights_fingerprint(self.model_path)}:{self.dtype}:"
             f"{self.pooling.mode}:{int(self.pooling.normalize)}"
         ).replace("torch.", "")
 
     @property
     def revision(self) -> str:
-        return self.revision_
+        return self._revision
 
     def limits(self) -> ModelLimits:
         if self._limits is None:
@@ -231,9 +231,9 @@ class HFEmbedEngine(ChannelEngine):
     def add(self, request: EngineRequest) -> None:
         prompt, lengths = request.prompt_token_ids, request.input_lengths
         model_limits = self.limits()
-        if lengths is None:
+        if lengths is None:  # a completion: the rule refuses it, as this model does not generate
             limits.check(limits.refusal(len(prompt), request.params, model_limits))
-            raise EngineError("unreachable: a model that does not generate refused it")
+            raise EngineError("a completion reached an engine that only embeds")
         limits.check(limits.embedding_refusal(lengths, model_limits, token_ids=prompt))
         if sum(lengths) != len(prompt):
             raise InvalidRequest("input lengths do not add up to the token ids", param="input")
