@@ -166,7 +166,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How a worker claims, batches and drains, and the engine it runs (`engines.build_engine`)."""
 
     model: str = "tiny"
-    engine: str = "hf"  # hf | hf-static | sim | vllm | remote
+    engine: str = "hf"  # hf | hf-static | hf-embed | sim | vllm | remote
     # Capacity: None takes the engine's own, sized from the device (KV cache memory on CUDA).
     max_seqs: int | None = None  # sequences running at once
     token_budget: int | None = None  # prompt + max_tokens over running sequences

@@ -40,13 +40,16 @@ def refusal(
     `token_ids`, when given, are the prompt's ids: one the model's embedding does not have
     would fail every sequence batched with it, so it is refused here.
     """
+    if not limits.generates:
+        return InvalidRequest(
+            "This model serves embeddings only (POST /v1/embeddings)",
+            param="model",
+            code="model_not_supported",
+        )
     if prompt_tokens < 1:
         return InvalidRequest("The prompt is empty", param=param)
-    vocab = limits.vocab_size
-    if token_ids and (min(token_ids) < 0 or (vocab and max(token_ids) >= vocab)):
-        return InvalidRequest(
-            f"token ids must be in [0, {vocab or 'vocab size'})", param=param, code="invalid_prompt"
-        )
+    if (bad := _bad_ids(token_ids, limits, param)) is not None:
+        return bad
     if params.max_tokens < 1:
         return InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if params.temperature < 0:
@@ -57,6 +60,51 @@ def refusal(
         return InvalidRequest("top_k must not be negative", param="top_k")
     if prompt_tokens + params.max_tokens > limits.context:
         return context_length_exceeded(prompt_tokens, params.max_tokens, limits.context, param)
+    return None
+
+
+def _bad_ids(token_ids: Sequence[int], limits: ModelLimits, param: str) -> InvalidRequest | None:
+    vocab = limits.vocab_size
+    if token_ids and (min(token_ids) < 0 or (vocab and max(token_ids) >= vocab)):
+        return InvalidRequest(
+            f"token ids must be in [0, {vocab or 'vocab size'})", param=param, code="invalid_prompt"
+        )
+    return None
+
+
+def embedding_refusal(
+    input_lengths: Sequence[int],
+    limits: ModelLimits,
+    param: str = "input",
+    *,
+    token_ids: Sequence[int] = (),
+) -> InvalidRequest | None:
+    """Why an embeddings job (inputs of these lengths) cannot run on a model with these
+    limits, or None: each input must fit the context, all of them the token budget."""
+    if not limits.embeds:
+        return InvalidRequest(
+            "This model does not serve embeddings", param="model", code="model_not_supported"
+        )
+    if not input_lengths or min(input_lengths) < 1:
+        return InvalidRequest("An input is empty", param=param)
+    if (bad := _bad_ids(token_ids, limits, param)) is not None:
+        return bad
+    longest = max(input_lengths)
+    if longest > limits.max_model_len:
+        return InvalidRequest(
+            f"This model's maximum context length is {limits.max_model_len} tokens, however "
+            f"an input has {longest} tokens. Please reduce the input.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    total = sum(input_lengths)
+    if total > limits.token_budget:
+        return InvalidRequest(
+            f"The inputs have {total} tokens together; this model takes at most "
+            f"{limits.token_budget} in one request",
+            param=param,
+            code="context_length_exceeded",
+        )
     return None
 
 
@@ -76,4 +124,6 @@ def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
         max_seqs=max(x.max_seqs for x in every),
         token_budget=max(x.token_budget for x in every),
         vocab_size=min(x.vocab_size for x in every),
+        generates=any(x.generates for x in every),
+        embeds=any(x.embeds for x in every),
     )

@@ -85,6 +85,9 @@ class JobSpec(msgspec.Struct, kw_only=True):
     # prefix affinity: hash of the prompt's first blocks (tokenyard.gateway.affinity.prefix_key); a
     # job with one prefers the worker that last ran that prefix, for a bounded wait
     prefix_key: str = ""
+    # an embeddings job (/v1/embeddings): `prompt_token_ids` holds its inputs one after another,
+    # of these lengths; its result carries one vector per input and no tokens
+    input_lengths: list[int] | None = None
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):
@@ -109,6 +112,8 @@ class JobResult(msgspec.Struct, kw_only=True):
     queued_s: float | None = None  # enqueue to the start of the delivery that finished it
     # first to last token of that delivery: a reader that saw no token events times with it
     decode_s: float | None = None
+    # an embeddings job's vectors, one per input: float32, little-endian (OpenAI's base64 bytes)
+    embeddings: list[bytes] | None = None
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):
@@ -158,6 +163,8 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     token_budget: int  # prompt + max_tokens reserved over all running sequences
     vocab_size: int = 0  # token ids must be below it; 0: not known
     revision: str = ""  # what identifies the weights (response cache key); "": not known
+    generates: bool = True  # runs completions (an embedding-only model does not)
+    embeds: bool = False  # runs embeddings jobs
 
     @property
     def context(self) -> int:

@@ -129,7 +129,7 @@ def test_malformed_file_fails_with_line_errors(bstack: Stack) -> None:
         [
             json.dumps(good).encode() + b"\n",
             b"{not json\n",
-            json.dumps({**_request(2), "url": "/v1/embeddings"}).encode() + b"\n",
+            json.dumps({**_request(2), "url": "/v1/moderations"}).encode() + b"\n",
             json.dumps({k: v for k, v in _request(3).items() if k != "custom_id"}).encode() + b"\n",
             json.dumps(good).encode() + b"\n",  # duplicate custom_id
             json.dumps({**_request(5), "url": "/v1/completions"}).encode() + b"\n",

@@ -106,3 +106,13 @@ def test_local_tier_evicts_least_recently_used_past_its_bytes_and_expires() -> N
     assert lru.get("big") is None and lru.bytes == 8
     now[0] = 5.0
     assert lru.get("a") is None and lru.bytes == 4
+
+
+def test_embeddings_inputs_split_differently_are_different_answers() -> None:
+    greedy = SamplingParams(max_tokens=0, temperature=0.0)
+    ids = [5, 6, 7]
+    keys = {
+        cache_key("m", "r", "*", ids, greedy, lengths)
+        for lengths in (None, [3], [1, 2], [2, 1], [1, 1, 1])
+    }
+    assert len(keys) == 5

@@ -193,3 +193,40 @@ def test_batch_jobs_hold_at_most_their_share_of_the_slots() -> None:
         ).batch_slots
         == 1
     )
+
+
+EMBEDS = ModelLimits(
+    max_model_len=8, max_seqs=4, token_budget=20, generates=False, embeds=True, vocab_size=100
+)
+
+
+def embed_job(name: str, lengths: list[int]) -> Job[str]:
+    ids = [1] * sum(lengths)
+    params = SamplingParams(max_tokens=0, temperature=0.0)
+    return Job(name, f"lease-{name}", ids, params, 0.0, input_lengths=lengths)
+
+
+def test_an_embeddings_job_runs_holds_its_tokens_and_carries_its_vectors() -> None:
+    s = Scheduler[str](EMBEDS)
+    s.offer(embed_job("e", [3, 5]))
+    plan = s.schedule()
+    assert names(plan.start) == ["e"] and not plan.done  # max_tokens 0 is not "already done"
+    assert s.tokens_in_use == 8
+    end = StepOutput("e", [], "", FinishReason.STOP, 8, 0, embeddings=[b"a", b"b"])
+    [(finished, reason, tail)] = s.update([end]).finished
+    assert (reason, tail, finished.embeddings) == (FinishReason.STOP, None, [b"a", b"b"])
+    assert s.tokens_in_use == 0
+
+
+def test_the_one_rule_refuses_embeddings_and_completions_by_what_the_model_runs() -> None:
+    s = Scheduler[str](EMBEDS)
+    s.offer(embed_job("long", [3, 9]))  # one input past the context
+    s.offer(embed_job("many", [8, 8, 8]))  # all together past the budget
+    s.offer(job("gen", prompt=2, max_tokens=2))  # this model does not generate
+    refused = {j.job_id: e for j, e in s.schedule().refused}
+    assert refused["long"].code == refused["many"].code == "context_length_exceeded"
+    assert refused["gen"].code == "model_not_supported"
+    gen = Scheduler[str](LIMITS)
+    gen.offer(embed_job("e", [2]))
+    [(_, error)] = gen.schedule().refused
+    assert error.code == "model_not_supported" and error.param == "model"

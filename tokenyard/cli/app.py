@@ -46,7 +46,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
 
 ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
-EngineOpt = Annotated[str | None, typer.Option(help="hf | hf-static | sim")]
+EngineOpt = Annotated[str | None, typer.Option(help="hf | hf-static | hf-embed | sim")]
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
 ]

@@ -17,7 +17,18 @@ from tokenyard.messages import EngineStats
 if TYPE_CHECKING:
     from tokenyard.config import WorkerSettings
 
-ENGINE_NAMES = ("sim", "hf", "hf-static", "vllm", "remote")
+ENGINE_NAMES = ("sim", "hf", "hf-static", "hf-embed", "vllm", "remote")
+# what the embeddings engine takes of the hf engine's options (`make_engine("hf", ...)` builds it
+# for a model directory with no generative head)
+_EMBED_OPTIONS = (
+    "model",
+    "device",
+    "dtype",
+    "threads",
+    "max_seqs",
+    "max_tokens",
+    "max_batch_tokens",
+)
 STATIC_BATCH_SIZE = 32  # hf-static's batch when max_seqs is not set
 
 __all__ = [
@@ -35,7 +46,8 @@ __all__ = [
 
 
 def make_engine(name: str, **options: Any) -> Engine:
-    """Build an engine by name: "sim", "hf" (model path or "tiny") or "hf-static".
+    """Build an engine by name: "sim", "hf" (model path or "tiny"), "hf-static", "hf-embed"
+    (embeddings; "hf" picks it for an embedding model's directory), "vllm" or "remote".
 
     torch/transformers are imported only for the hf engines.
     """
@@ -43,6 +55,10 @@ def make_engine(name: str, **options: Any) -> Engine:
         from tokenyard.engines.sim import SimEngine
 
         return SimEngine(**options)
+    if name == "hf-embed" or (name == "hf" and _embeds(options.get("model"))):
+        from tokenyard.engines.hf_embed import HFEmbedEngine
+
+        return HFEmbedEngine(**{k: v for k, v in options.items() if k in _EMBED_OPTIONS})
     if name == "hf":
         from tokenyard.engines.hf import HFEngine
 
@@ -60,6 +76,14 @@ def make_engine(name: str, **options: Any) -> Engine:
 
         return RemoteEngine(**options)
     raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")
+
+
+def _embeds(model: Any) -> bool:
+    if model is None:
+        return False
+    from tokenyard.engines.hf_embed import is_embedding_model
+
+    return is_embedding_model(model)
 
 
 def engine_options(settings: WorkerSettings) -> dict[str, Any]:
@@ -81,7 +105,12 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "threads": settings.threads,
             "max_tokens": settings.token_budget,
         }
-        if settings.engine == "hf-static":
+        if settings.engine == "hf-embed":
+            options |= {
+                "max_seqs": settings.max_seqs,
+                "max_batch_tokens": settings.max_batch_tokens,
+            }
+        elif settings.engine == "hf-static":
             # A batch as large as the worker may hold; the engine queues one more behind it.
             options["batch_size"] = settings.max_seqs or STATIC_BATCH_SIZE
         else:

@@ -34,6 +34,9 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     params: SamplingParams
     resume_token_ids: Sequence[int] = ()
     priority: int = Priority.NORMAL
+    # an embeddings request: `prompt_token_ids` are its inputs one after another, of these
+    # lengths (engines that do not embed refuse it: see `limits.embedding_refusal`)
+    input_lengths: Sequence[int] | None = None
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
@@ -56,6 +59,8 @@ class StepOutput(msgspec.Struct):
     # with ERROR: the request itself is at fault (a remote upstream's 4xx, a value the runtime
     # refuses), so the job fails as InvalidRequest would, without a retry
     refused: bool = False
+    # an embeddings request's vectors, one per input (float32, little-endian), with STOP
+    embeddings: list[bytes] | None = None
 
 
 class EngineTokenizer(Protocol):

@@ -39,7 +39,7 @@ from tokenyard.engines.base import (
     footprint,
 )
 from tokenyard.errors import EngineClosed, EngineError
-from tokenyard.messages import EngineStats, FinishReason
+from tokenyard.messages import EngineStats, FinishReason, ModelLimits
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +104,16 @@ _to_parent = msgspec.msgpack.Decoder(_ToParent)
 
 def engine_frontend(
     name: str, options: Mapping[str, Any]
-) -> tuple[str, EngineTokenizer, EngineCapacity]:
-    """The engine's name, tokenizer and capacity, from an engine that is built but not started.
+) -> tuple[str, EngineTokenizer, EngineCapacity, ModelLimits]:
+    """The engine's name, tokenizer, capacity and limits, from an engine that is built but not
+    started.
 
     Constructors only read the model's config and tokenizer; weights load in `start()`.
     """
     from tokenyard.engines import make_engine
 
     shell = make_engine(name, **options)
-    return shell.name, shell.tokenizer, shell.capacity
+    return shell.name, shell.tokenizer, shell.capacity, shell.limits()
 
 
 class ProcessEngine(ChannelEngine):
@@ -132,7 +133,7 @@ class ProcessEngine(ChannelEngine):
         except (TypeError, NotImplementedError) as exc:
             # Fail here, not in the child: options must be plain data to cross the pipe.
             raise TypeError(f"engine options cannot be sent to a process: {exc}") from exc
-        self.name, self.tokenizer, capacity = engine_frontend(name, opts)
+        self.name, self.tokenizer, capacity, self._shell_limits = engine_frontend(name, opts)
         # The ledger is the child's capacity as the parent accounts for it; the stats are the
         # child's, as attached to its last step.
         super().__init__(capacity)
@@ -235,7 +236,10 @@ class ProcessEngine(ChannelEngine):
         seq_id, prompt_tokens = request.seq_id, len(request.prompt_token_ids)
         if not seq_id:
             raise EngineError("seq_id must be non-empty")
-        limits.check(limits.refusal(prompt_tokens, request.params, self.limits()))
+        if request.input_lengths is None:
+            limits.check(limits.refusal(prompt_tokens, request.params, self.limits()))
+        else:
+            limits.check(limits.embedding_refusal(request.input_lengths, self.limits()))
         data = _encoder.encode(_Add(request))
         with self._lock:
             if self._stopping:
@@ -248,6 +252,16 @@ class ProcessEngine(ChannelEngine):
             # Registered before sending: if the child dies first, this one gets its ERROR too.
             self._running[seq_id] = [prompt_tokens, len(request.resume_token_ids)]
         self._send(data)
+
+    def limits(self) -> ModelLimits:
+        # the child's capacity, and what its engine runs: its context, and which tasks
+        shell = self._shell_limits
+        return msgspec.structs.replace(
+            super().limits(),
+            max_model_len=shell.max_model_len,
+            generates=shell.generates,
+            embeds=shell.embeds,
+        )
 
     def abort(self, seq_id: str) -> None:
         with self._lock:

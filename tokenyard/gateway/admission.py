@@ -13,7 +13,12 @@ from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.limits import resolve_max_tokens
-from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest, Kind
+from tokenyard.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Kind,
+)
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import JobSpec, SamplingParams
@@ -132,4 +137,55 @@ async def admit(
         created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
+    )
+
+
+async def admit_embeddings(
+    state: GatewayState,
+    body: EmbeddingRequest,
+    tenant: Tenant,
+    *,
+    live: bool,
+    idempotency_key: str | None = None,
+) -> JobSpec:
+    """An embeddings job for a validated request: its inputs' token ids one after another (the
+    worker does not tokenize again), checked by the one rule against the model's limits."""
+    body.refuse_unsupported()
+    inputs = body.inputs()
+    model = resolve_alias(state.routing, body.model)
+    tokenizer = tokenizer_for(state, model)
+    supplied: list[int] = []  # ids the client sent: checked against the vocabulary
+    texts = [x for x in inputs if isinstance(x, str)]
+    if not texts:
+        ids = [x for x in inputs if isinstance(x, list)]
+        supplied = [i for x in ids for i in x]
+    elif sum(map(len, texts)) <= _INLINE_CHARS:
+        ids = [tokenizer.encode(text) for text in texts]
+    else:
+        ids = await anyio.to_thread.run_sync(lambda: [tokenizer.encode(t) for t in texts])
+    lengths = [len(x) for x in ids]
+    rule = Rule.ALIAS if model != body.model else Rule.REQUESTED
+    state.metrics.routed.labels(body.model, model, rule.value).inc()
+    model_limits = await state.limits.of(model, tokenizer)
+    limits.check(limits.embedding_refusal(lengths, model_limits, "input", token_ids=supplied))
+    now = time.time()
+    deadline = body.deadline
+    if deadline is not None and deadline <= now:
+        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
+    if deadline is None and live:
+        deadline = now + state.settings.request_timeout_s
+    return JobSpec(
+        id=new_job_id(model),
+        model=model,
+        tenant=tenant.name,
+        weight=tenant.weight,
+        priority=tenant.lane_priority(body.priority_class),
+        prompt_token_ids=supplied or [i for x in ids for i in x],
+        input_lengths=lengths,
+        # nothing is generated: greedy marks the job deterministic (the response cache's rule)
+        sampling=SamplingParams(max_tokens=0, temperature=0.0),
+        deadline=deadline,
+        idempotency_key=idempotency_key,
+        created_at=now,
+        stream=False,  # no tokens to follow: every reader reads the result
     )

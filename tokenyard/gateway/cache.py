@@ -22,7 +22,7 @@ from tokenyard.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-KEY_VERSION = 1  # bump when what the key covers changes: old entries then simply miss
+KEY_VERSION = 2  # bump when what the key covers changes: old entries then simply miss
 SHARED_SCOPE = "*"
 
 
@@ -35,6 +35,7 @@ class _KeyParts(msgspec.Struct, array_like=True, frozen=True):
     scope: str
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams
+    input_lengths: Sequence[int] | None  # an embeddings job's: where each input ends
 
 
 def deterministic(sampling: SamplingParams) -> bool:
@@ -53,9 +54,13 @@ def cache_key(
     scope: str,
     prompt_token_ids: Sequence[int],
     sampling: SamplingParams,
+    input_lengths: Sequence[int] | None = None,
 ) -> str:
     """The digest naming one deterministic answer; any change of an input changes it."""
-    parts = _KeyParts(KEY_VERSION, model, revision, scope, list(prompt_token_ids), sampling)
+    lengths = None if input_lengths is None else list(input_lengths)
+    parts = _KeyParts(
+        KEY_VERSION, model, revision, scope, list(prompt_token_ids), sampling, lengths
+    )
     return hashlib.blake2b(encode(parts), digest_size=16).hexdigest()
 
 

@@ -21,7 +21,7 @@ _OPT_OUT = ("no-cache", "no-store")
 def cache_digest(
     state: GatewayState,
     spec: JobSpec,
-    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+    body: protocol.CompletionRequest | protocol.ChatCompletionRequest | protocol.EmbeddingRequest,
     headers: Mapping[str, str],
 ) -> str | None:
     """The request's cache key, or None when it takes no part: not deterministic, opted out
@@ -39,7 +39,9 @@ def cache_digest(
     if revision is None:
         return None
     scope = cache_scope(spec.tenant, settings.cache_shared)
-    return cache_key(spec.model, revision, scope, spec.prompt_token_ids, spec.sampling)
+    return cache_key(
+        spec.model, revision, scope, spec.prompt_token_ids, spec.sampling, spec.input_lengths
+    )
 
 
 def cached_response(

@@ -175,8 +175,13 @@ class PublishedLimits:
         if published is not None:
             return published
         own = tokenizer.max_model_len
+        # until a worker says what it runs, either task is admitted; its worker decides
         return ModelLimits(
-            max_model_len=own, max_seqs=1, token_budget=own, vocab_size=tokenizer.vocab_size
+            max_model_len=own,
+            max_seqs=1,
+            token_budget=own,
+            vocab_size=tokenizer.vocab_size,
+            embeds=True,
         )
 
     async def _read(self, model: str) -> ModelLimits | None:

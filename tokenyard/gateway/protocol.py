@@ -7,6 +7,9 @@ they hold their neutral value.
 
 from __future__ import annotations
 
+import array
+import base64
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -46,6 +49,9 @@ Int64 = Annotated[int, AfterValidator(_int64)]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+Request = _Request  # the base of every request model, for callers that pick one by endpoint
 
 
 class StreamOptions(_Request):
@@ -452,3 +458,85 @@ def cancel_body(job_id: str, status: str) -> dict[str, Any]:
 def models_body(models: Sequence[str], created: int) -> dict[str, Any]:
     """GET /v1/models."""
     return {"object": "list", "data": [model_card(m, created) for m in models]}
+
+
+# -- embeddings -------------------------------------------------------------------------------
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings: one input or many, as text or token ids."""
+
+    model: NonEmptyStr
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # tokenyard, as on the completions routes: lane priority, deadline, cache opt-out
+    priority: Literal["high", "normal", "low"] | None = None
+    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    cache: bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise 400 naming the first field this server does not implement."""
+        if self.model_extra:
+            name = sorted(self.model_extra)[0]
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
+            )
+        if self.dimensions is not None:
+            raise unsupported("dimensions", "(the model's own size only)")
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs, each text or token ids; an empty input or too many are refused."""
+        raw = self.input
+        if isinstance(raw, str):
+            raw = [raw]
+        if not raw:
+            raise InvalidRequest("'input' must not be empty", param="input")
+        if all(isinstance(x, int) for x in raw):
+            return [[x for x in raw if isinstance(x, int)]]
+        if len(raw) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequest(
+                f"'input' has {len(raw)} items; at most {MAX_EMBEDDING_INPUTS} are allowed",
+                param="input",
+            )
+        if any(not x for x in raw):
+            raise InvalidRequest("'input' must not contain an empty input", param="input")
+        return raw  # type: ignore[return-value]
+
+    @property
+    def priority_class(self) -> Priority | None:
+        return None if self.priority is None else Priority[self.priority.upper()]
+
+
+def _vector(data: bytes) -> list[float]:
+    values = array.array("f")
+    values.frombytes(data)
+    if sys.byteorder == "big":  # the bytes are little-endian, as OpenAI's base64 is
+        values.byteswap()
+    return values.tolist()
+
+
+def embedding_body(model: str, result: JobResult, encoding_format: str = "float") -> dict[str, Any]:
+    """An embeddings job's answer, in OpenAI's shape: a vector per input, in input order."""
+    vectors = result.embeddings or []
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": base64.b64encode(v).decode()
+            if encoding_format == "base64"
+            else _vector(v),
+        }
+        for i, v in enumerate(vectors)
+    ]
+    tokens = result.prompt_tokens
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }

@@ -11,26 +11,34 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import msgspec
 
 from tokenyard import tracing
 from tokenyard.errors import QueueFull
 from tokenyard.gateway import quota, shedding
-from tokenyard.gateway.admission import admit
+from tokenyard.gateway.admission import admit, admit_embeddings
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.cache import collapse_key
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest
 from tokenyard.gateway.errors import RateLimited
 from tokenyard.gateway.live import LiveCall
-from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest, Kind
+from tokenyard.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Kind,
+)
 from tokenyard.gateway.state import GatewayState
 from tokenyard.messages import JobResult, JobSpec
 
 # A full lane, the tenant's quota, the queue's estimated wait: 429 to an HTTP caller, a tick's
 # wait to a batch line (its window is long; the same line is submitted again).
 RETRY_LATER = (QueueFull, RateLimited)
+
+Body = CompletionRequest | ChatCompletionRequest | EmbeddingRequest
+Task = Kind | Literal["embedding"]  # what a request asks for: its body's type says the same
 
 
 class Live(msgspec.Struct, frozen=True):
@@ -79,8 +87,8 @@ class Queued(msgspec.Struct, frozen=True):
 @overload
 async def submit(
     state: GatewayState,
-    kind: Kind,
-    body: CompletionRequest | ChatCompletionRequest,
+    kind: Task,
+    body: Body,
     tenant: Tenant,
     how: Live,
 ) -> Hit | Following: ...
@@ -89,8 +97,8 @@ async def submit(
 @overload
 async def submit(
     state: GatewayState,
-    kind: Kind,
-    body: CompletionRequest | ChatCompletionRequest,
+    kind: Task,
+    body: Body,
     tenant: Tenant,
     how: Later,
 ) -> Queued: ...
@@ -98,8 +106,8 @@ async def submit(
 
 async def submit(
     state: GatewayState,
-    kind: Kind,
-    body: CompletionRequest | ChatCompletionRequest,
+    kind: Task,
+    body: Body,
     tenant: Tenant,
     how: Live | Later,
 ) -> Hit | Following | Queued:
@@ -109,7 +117,11 @@ async def submit(
     digest: str | None = None
     with _span(how.headers, "tokenyard.admission"):
         key = how.idempotency_key if isinstance(how, Later) else None
-        spec = await admit(state, kind, body, tenant, live=live, idempotency_key=key)
+        if isinstance(body, EmbeddingRequest):
+            spec = await admit_embeddings(state, body, tenant, live=live, idempotency_key=key)
+        else:
+            assert kind != "embedding"
+            spec = await admit(state, kind, body, tenant, live=live, idempotency_key=key)
         if isinstance(how, Later):
             spec.stream = how.tokens
         else:

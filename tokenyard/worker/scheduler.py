@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 from tokenyard.engines.base import StepOutput, footprint
 from tokenyard.errors import InvalidRequest
-from tokenyard.limits import refusal
+from tokenyard.limits import embedding_refusal, refusal
 from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams, TokenChunk
 
 H = TypeVar("H")  # the worker's handle on a job (its lease); opaque here
@@ -37,6 +37,9 @@ class Job(Generic[H]):
     first_token_at: float | None = None  # of this delivery, on the clock `update` is given
     last_token_at: float | None = None
     priority: Priority = Priority.NORMAL  # its lane's: waiting jobs start by priority
+    # an embeddings job: `prompt_ids` are its inputs one after another, of these lengths
+    input_lengths: list[int] | None = None
+    embeddings: list[bytes] | None = None  # its vectors, once the engine made them
 
     @property
     def decode_s(self) -> float | None:
@@ -156,10 +159,15 @@ class Scheduler(Generic[H]):
         plan: Plan[H] = Plan()
         while self._fresh:
             job = self._fresh.popleft()
-            error = refusal(len(job.prompt_ids), job.params, self.limits, token_ids=job.prompt_ids)
+            if job.input_lengths is not None:
+                error = embedding_refusal(job.input_lengths, self.limits, token_ids=job.prompt_ids)
+            else:
+                error = refusal(
+                    len(job.prompt_ids), job.params, self.limits, token_ids=job.prompt_ids
+                )
             if error is not None:
                 plan.refused.append((job, error))
-            elif len(job.token_ids) >= job.params.max_tokens:
+            elif job.input_lengths is None and len(job.token_ids) >= job.params.max_tokens:
                 plan.done.append(job)
             else:
                 self._expected_footprint = moving_average(self._expected_footprint, job.footprint)
@@ -259,6 +267,7 @@ class Scheduler(Generic[H]):
                 (update.refused if end.refused else update.failed).append((job, error))
             else:
                 assert reason is not None
+                job.embeddings = end.embeddings
                 # the last tokens ride with the completion: one write instead of two
                 update.finished.append((job, reason, chunk))
         return update

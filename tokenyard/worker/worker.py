@@ -305,7 +305,13 @@ class Worker:
     def _fresh(lease: Lease, prompt_ids: list[int]) -> Job[Lease]:
         spec = lease.spec
         return Job(
-            spec.id, lease, list(prompt_ids), spec.sampling, time.time(), priority=spec.priority
+            spec.id,
+            lease,
+            list(prompt_ids),
+            spec.sampling,
+            time.time(),
+            priority=spec.priority,
+            input_lengths=spec.input_lengths,
         )
 
     async def _load_resumed_tokens(self, job: Job[Lease]) -> None:
@@ -345,6 +351,7 @@ class Worker:
                 job.params,
                 tuple(job.token_ids),
                 job.handle.spec.priority,
+                job.input_lengths,
             )
             try:
                 self.engine.add(request)
@@ -563,6 +570,7 @@ class Worker:
             worker=self.consumer,
             queued_s=max(0.0, job.claimed_at - job.handle.spec.created_at),
             decode_s=job.decode_s,
+            embeddings=job.embeddings,
         )
 
     def _drop(self, job_id: str, why: str, *, under: Lease | None) -> None:

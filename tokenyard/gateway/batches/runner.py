@@ -27,11 +27,19 @@ from tokenyard.errors import UserError
 from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.batches.files import FileStore, new_file_id
-from tokenyard.gateway.batches.validate import BatchLine, parse_lines
+from tokenyard.gateway.batches.validate import REQUEST_OF, BatchLine, parse_lines
 from tokenyard.gateway.errors import status_of
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.submit import RETRY_LATER, Later, submit
-from tokenyard.messages import BatchRecord, BatchStatus, JobRecord, JobStatus, LineError, Priority
+from tokenyard.messages import (
+    BatchRecord,
+    BatchStatus,
+    JobRecord,
+    JobResult,
+    JobStatus,
+    LineError,
+    Priority,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +247,7 @@ class _Drive:
         """Submit one line as any request is (quota, queue wait, lane bound), in the batch's
         window; its job id."""
         body: Any = protocol.parse(
-            protocol.ChatCompletionRequest if line.kind == "chat" else protocol.CompletionRequest,
+            REQUEST_OF[line.kind],
             line.body,
             checked=True,  # `parse_lines` checked it
         )
@@ -307,9 +315,7 @@ class _Drive:
             result = record.result
             failure = protocol.result_error(result)
             if failure is None:
-                body = protocol.completion_body(
-                    line.kind, job, record.spec.model, int(record.spec.created_at), result
-                )
+                body = _response_body(line, job, record, result)
                 out.append(_line(f"batch_req_{job}", line.custom_id, 200, job, body, None))
             elif result.status is JobStatus.CANCELLED and ending is BatchStatus.CANCELLING:
                 continue  # cancelled with the batch: it never ran
@@ -343,6 +349,15 @@ class _Drive:
             lambda: files.put(tenant, "batch_output", name, data, file_id)
         )
         return file_id
+
+
+def _response_body(line: BatchLine, job: str, record: JobRecord, result: JobResult) -> Any:
+    """The body a successful line's request would have been answered with over HTTP."""
+    spec = record.spec
+    if line.kind == "embedding":
+        encoding = msgspec.json.decode(line.body).get("encoding_format") or "float"
+        return protocol.embedding_body(spec.model, result, encoding)
+    return protocol.completion_body(line.kind, job, spec.model, int(spec.created_at), result)
 
 
 def _refusal(job: str) -> bool:

@@ -9,7 +9,7 @@ import msgspec
 
 from tokenyard.messages import BatchRecord, BatchStatus
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 def new_batch_id() -> str:

@@ -12,8 +12,17 @@ from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.messages import LineError
 
-Kind = Literal["completion", "chat"]
-KIND_OF_URL: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+Kind = Literal["completion", "chat", "embedding"]
+KIND_OF_URL: dict[str, Kind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+    "/v1/embeddings": "embedding",
+}
+REQUEST_OF: dict[Kind, type[protocol.Request]] = {
+    "completion": protocol.CompletionRequest,
+    "chat": protocol.ChatCompletionRequest,
+    "embedding": protocol.EmbeddingRequest,
+}
 
 
 class BatchLine(msgspec.Struct, kw_only=True):
@@ -107,15 +116,10 @@ def _check_line(raw: bytes, number: int, endpoint: str, seen: set[str]) -> Batch
     if not isinstance(body, dict):
         return _line_error("invalid_body", "'body' must be a JSON object", number, "body")
     encoded = msgspec.json.encode(body)
-    model = (
-        protocol.ChatCompletionRequest
-        if url == "/v1/chat/completions"
-        else protocol.CompletionRequest
-    )
     try:
-        parsed = protocol.parse(model, encoded)
+        parsed = protocol.parse(REQUEST_OF[KIND_OF_URL[url]], encoded)
         parsed.refuse_unsupported()
-        if parsed.stream:
+        if getattr(parsed, "stream", False):
             raise UserError("'stream' is not allowed in a batch", param="stream")
     except UserError as exc:
         return _line_error(exc.code or "invalid_body", exc.message, number, exc.param or "body")

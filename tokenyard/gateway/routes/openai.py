@@ -11,7 +11,7 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
-from tokenyard.gateway.cached import cached_response
+from tokenyard.gateway.cached import CACHE_HEADER, cached_response
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
@@ -96,3 +96,26 @@ async def until_disconnect(request: Request) -> None:
     # The body is already read, so the next message the server hands us is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request, tenant: TenantDep) -> Response:
+    """An embeddings job followed live, or its cached answer (vectors depend only on inputs)."""
+    started = time.monotonic()
+    with tracing.server_span("POST /v1/embeddings", request.headers):
+        body = protocol.parse(protocol.EmbeddingRequest, await request.body())
+        state = gateway(request)
+        outcome = await submit(state, "embedding", body, tenant, Live(request.headers, started))
+        if isinstance(outcome, Hit):
+            content = protocol.embedding_body(
+                outcome.spec.model, outcome.result, body.encoding_format
+            )
+            return FastJSONResponse(content, headers={CACHE_HEADER: "hit"})
+        call = outcome.call
+        headers = {"X-Job-Id": call.job_id, **outcome.headers}
+        result = await call.result(lambda: _until_disconnect(request))
+        failed = protocol.result_error(result)
+        if failed is not None:
+            return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
+        content = protocol.embedding_body(outcome.spec.model, result, body.encoding_format)
+        return FastJSONResponse(content, headers=headers)
