@@ -113,7 +113,7 @@ async def embeddings(request: Request, tenant: TenantDep) -> Response:
             return FastJSONResponse(content, headers={CACHE_HEADER: "hit"})
         call = outcome.call
         headers = {"X-Job-Id": call.job_id, **outcome.headers}
-        result = await call.result(lambda: _until_disconnect(request))
+        result = await call.result(lambda: until_disconnect(request))
         failed = protocol.result_error(result)
         if failed is not None:
             return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
