@@ -113,7 +113,7 @@ class RemoteEngine(StreamEngine):
             # resumed and already streamed tokens continue the prompt, as in an unbroken run;
             # a retry after a dropped connection continues the same way
             "prompt": seq.prompt_ids + seq.generated,
-            "max_tokens": seq.decoder.remaining,
+            "max_tokens": seq.remaining,
             "temperature": p.temperature,
             "top_p": p.top_p,
             "stream": True,

@@ -1,5 +1,6 @@
 """Engines whose runtime is asyncio-native (vLLM's AsyncLLM, an HTTP upstream): one task per
-sequence on the worker's event loop, outputs of one loop iteration coalesced into one delivery.
+sequence (or embeddings job) on the worker's event loop, outputs of one loop iteration coalesced
+into one delivery.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tokenyard import limits
 from tokenyard.engines.base import Engine, EngineRequest, OutputChannel, StepOutput
 from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
-from tokenyard.errors import EngineError
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import EngineStats, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -24,17 +25,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StreamSeq:
-    """One sequence: its prompt, the decoder that applies its params, and its task."""
+    """One sequence: its prompt, the decoder that applies its params, and its task; or one
+    embeddings job: its `inputs` and no decoder."""
 
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    decoder: SequenceDecoder
+    decoder: SequenceDecoder | None
     priority: int
     generated: list[int] = field(default_factory=list)  # resumed + produced so far
+    inputs: list[list[int]] | None = None  # an embeddings job's inputs (`prompt_ids`, split)
     extra: Any = None  # what the subclass prepared in `prepare`
     task: asyncio.Task[None] | None = None
     done: bool = False
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate before LENGTH (none for an embeddings job)."""
+        return self.decoder.remaining if self.decoder is not None else 0
 
 
 class StreamEngine(Engine):
@@ -80,6 +88,11 @@ class StreamEngine(Engine):
     async def generate(self, seq: StreamSeq) -> None:
         """Run the sequence, calling `feed` with new token ids and `close` at the end."""
 
+    async def embed(self, seq: StreamSeq) -> list[bytes]:
+        """An embeddings job's vectors, one per input (float32, little-endian); only engines
+        whose `limits()` say they embed are asked. InvalidRequest: the job is at fault."""
+        raise EngineError(f"the {self.name} engine does not embed")
+
     async def open(self) -> None:
         """Start the runtime (called by `start`, on the loop)."""
 
@@ -115,10 +128,14 @@ class StreamEngine(Engine):
 
     def add(self, request: EngineRequest) -> None:
         seq_id, prompt, params = request.seq_id, request.prompt_token_ids, request.params
-        decoder = self.make_decoder(prompt, params, request.resume_token_ids)
-        resumed = list(request.resume_token_ids)
-        seq = StreamSeq(seq_id, list(prompt), params, decoder, int(request.priority), resumed)
-        seq.extra = self.prepare(seq)
+        if request.input_lengths is None:
+            decoder = self.make_decoder(prompt, params, request.resume_token_ids)
+            resumed = list(request.resume_token_ids)
+            seq = StreamSeq(seq_id, list(prompt), params, decoder, int(request.priority), resumed)
+            seq.extra = self.prepare(seq)
+        else:
+            seq = StreamSeq(seq_id, list(prompt), params, None, int(request.priority))
+            seq.inputs = self._split_inputs(prompt, request.input_lengths)
         with self._lock:
             if self._stopping:
                 raise EngineError("engine is stopped")
@@ -144,6 +161,17 @@ class StreamEngine(Engine):
             return
         loop.call_soon_threadsafe(self._cancel, seq)
 
+    def _split_inputs(self, prompt: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+        """An embeddings job's inputs, checked by the one rule (raises InvalidRequest)."""
+        limits.check(limits.embedding_refusal(lengths, self.limits(), token_ids=prompt))
+        if sum(lengths) != len(prompt):
+            raise InvalidRequest("input lengths do not add up to the token ids", param="input")
+        inputs, at = [], 0
+        for n in lengths:
+            inputs.append(list(prompt[at : at + n]))
+            at += n
+        return inputs
+
     async def outputs(self) -> list[StepOutput]:
         return await self._channel.get()
 
@@ -155,7 +183,7 @@ class StreamEngine(Engine):
     # -- for subclasses, on the loop --------------------------------------------------------
     def feed(self, seq: StreamSeq, ids: Sequence[int]) -> None:
         """New tokens from the runtime; stop strings, EOS and the length limit apply here."""
-        if seq.done or not ids:
+        if seq.done or not ids or seq.decoder is None:
             return
         seq.generated += ids
         delta = seq.decoder.feed(ids)
@@ -165,7 +193,7 @@ class StreamEngine(Engine):
 
     def close(self, seq: StreamSeq, reason: FinishReason) -> None:
         """The runtime ended the sequence (EOS, length) without our decoder having seen it."""
-        if seq.done:
+        if seq.done or seq.decoder is None:
             return
         delta = seq.decoder.close(reason)
         self._emit(seq, [], delta.text, delta.finish_reason)
@@ -178,11 +206,12 @@ class StreamEngine(Engine):
     def _launch(self, seq: StreamSeq) -> None:
         if seq.done:
             return
-        if seq.decoder.finish_reason is not None:
+        if seq.decoder is not None and seq.decoder.finish_reason is not None:
             # The resumed tokens already complete the sequence: nothing left to run.
             self._emit(seq, [], "", seq.decoder.finish_reason)
             return
-        seq.task = asyncio.get_running_loop().create_task(self._run(seq))
+        run = self._run(seq) if seq.inputs is None else self._run_embed(seq)
+        seq.task = asyncio.get_running_loop().create_task(run)
 
     def _cancel(self, seq: StreamSeq) -> None:
         if seq.done:
@@ -202,6 +231,20 @@ class StreamEngine(Engine):
             log.exception("%s sequence %s failed", self.name, seq.seq_id)
             self.fail(seq, f"{self.name} engine: {exc}")
 
+    async def _run_embed(self, seq: StreamSeq) -> None:
+        try:
+            vectors = await self.embed(seq)
+        except asyncio.CancelledError:
+            raise
+        except InvalidRequest as exc:  # the job itself is at fault: no retry
+            self.fail(seq, str(exc), refused=True)
+            return
+        except Exception as exc:  # one broken job fails alone; the worker goes on
+            log.exception("%s embeddings job %s failed", self.name, seq.seq_id)
+            self.fail(seq, f"{self.name} engine: {exc}")
+            return
+        self._emit(seq, [], "", FinishReason.STOP, embeddings=vectors)
+
     def _emit(
         self,
         seq: StreamSeq,
@@ -210,6 +253,7 @@ class StreamEngine(Engine):
         reason: FinishReason | None,
         error: str | None = None,
         refused: bool = False,
+        embeddings: list[bytes] | None = None,
     ) -> None:
         if seq.done:
             return
@@ -224,9 +268,10 @@ class StreamEngine(Engine):
                 text=text,
                 finish_reason=reason,
                 prompt_tokens=len(seq.prompt_ids),
-                completion_tokens=seq.decoder.completion_tokens,
+                completion_tokens=seq.decoder.completion_tokens if seq.decoder else 0,
                 error=error,
                 refused=refused,
+                embeddings=embeddings,
             )
         )
         if self._loop is None:

