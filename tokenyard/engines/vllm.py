@@ -94,7 +94,17 @@ class VLLMEngine(StreamEngine):
         length = int(args.get("max_model_len") or min(tok.max_model_len, seq_length or 1 << 62))
         self.tokenizer: HFTokenizer = HFTokenizer(tok.hf, length, sorted(tok.eos_token_ids))
         seqs = int(args.get("max_num_seqs") or 256)
-        self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=seqs * length)
+        self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=self._token_budget(seqs * length))
+
+    def _token_budget(self, kv_tokens: int) -> int:
+        """Tokens of the jobs held at once: a completion's stay in the KV cache; an embeddings
+        input holds KV blocks (an encoder has none) only while it is prefilled, and vLLM queues
+        the rest as token ids, so embeddings get hf-embed's budget."""
+        if not self.embeds:
+            return kv_tokens
+        from tokenyard.engines.hf_embed import DEFAULT_TOKEN_BUDGET
+
+        return max(kv_tokens, DEFAULT_TOKEN_BUDGET)
 
     def limits(self) -> ModelLimits:
         own = super().limits()
@@ -117,7 +127,7 @@ class VLLMEngine(StreamEngine):
         blocks = config.cache_config.num_gpu_blocks
         # The KV cache is what bounds the tokens of all running sequences together.
         kv_tokens = int(blocks) * int(config.cache_config.block_size) if blocks else seqs * length
-        self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=kv_tokens)
+        self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=self._token_budget(kv_tokens))
         tok = self.tokenizer
         self.tokenizer = HFTokenizer(tok.hf, length, sorted(tok.eos_token_ids))
         log.info("vLLM engine up: %d sequences, %d KV tokens, context %d", seqs, kv_tokens, length)
