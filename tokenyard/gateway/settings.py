@@ -43,9 +43,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # bootstrap keys, JSON {key: {"tenant": ..., "priority": ..., "admin": false}}; auth is on
     # when this file or the broker (`tokenyard keys create`) holds any key
     api_keys_file: str = ""
-    # /openapi.json, /docs, /redoc and the /dashboard page (its data still needs an admin key)
-    # answer without an API key; false: they need one, like every route but /healthz, /readyz
-    docs_public: bool = False
+    # /openapi.json, /docs, /redoc and the /dashboard page (a shell: its data needs an admin
+    # key) answer without an API key, so a browser can open them; false: they need a key too,
+    # like every route but /healthz and /readyz
+    docs_public: bool = True
     auth_cache_s: float = 1.0  # key lookups are cached this long: a revoked key dies within it
     require_workers: bool = True  # /readyz needs a live worker for every served model
     # response cache and in-flight collapsing of deterministic (greedy or seeded) requests;
