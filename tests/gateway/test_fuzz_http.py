@@ -218,7 +218,7 @@ def _assert_answer(reply: httpx.Response, body: bytes) -> None:
 
 
 @settings(
-    max_examples=120,
+    max_examples=100,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
