@@ -265,10 +265,12 @@ def main() -> None:
     parser.add_argument("--heartbeat-s", type=float, help="TOKENYARD_WORKER_HEARTBEAT_S")
     parser.add_argument("--compare-s", type=float, default=5.0, help="seconds without shedding")
     parser.add_argument("--no-compare", dest="compare", action="store_false")
-    parser.add_argument("--quick", action="store_true", help="smoke sizes")
+    parser.add_argument("--quick", action="store_true", help="smoke sizes (and --slo 2)")
     args = parser.parse_args()
     if args.quick:
         args.factor, args.duration, args.warmup_s, args.compare_s = 5.0, 4.0, 3.0, 3.0
+        # 4 s at 5x capacity queue ~16 s of work: a smoke run needs an SLO it reaches
+        args.slo = 2.0 if args.slo is None else args.slo
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer() as valkey:
         report = asyncio.run(run(args, valkey.url, Path(tmp)))
     print(json.dumps(report, indent=2))
