@@ -1,7 +1,7 @@
 """The OpenAPI document says what the server does: the request bodies the routes really
 validate (they read raw bytes, so FastAPI cannot see them), every status each route can answer
-with OpenAI's error shape, and `/openapi.json`, `/docs`, `/redoc` behind the same key as the API
-unless `docs_public`.
+with OpenAI's error shape; `/openapi.json`, `/docs` and `/redoc` need a key like the API unless
+`docs_public` (the default) opens them to browsers.
 
 Routes name their own statuses (`answers(...)`) and bodies (`json_body(...)`); `install` adds
 what every operation shares (400 for a bad parameter, 401 and 503 from the key lookup, 413 for
@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from tokenyard.gateway.auth import authenticate
@@ -24,7 +25,6 @@ from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.settings import GatewaySettings
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
-IDEMPOTENCY_KEY_MAX = 256  # characters
 
 _REASONS = {
     400: "Invalid request: a parameter's value, malformed JSON, an unsupported field",
@@ -283,8 +283,6 @@ _PUBLIC = ("/healthz", "/readyz")  # no key, ever (probes)
 def document(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> dict[str, Any]:
     """The OpenAPI document of `app`: FastAPI's, with the bodies and statuses routes declare,
     the shared statuses on every operation, and FastAPI's unused 422 gone."""
-    from fastapi.openapi.utils import get_openapi
-
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
@@ -297,7 +295,7 @@ def document(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> 
             responses.pop("422", None)
             shared = [] if path in _PUBLIC else list(_SHARED)
             if "requestBody" in operation:
-                shared += [400, 413]
+                shared.append(413)
             for status in shared:
                 responses.setdefault(str(status), answers(status)[status])
     return doc
