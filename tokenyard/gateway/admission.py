@@ -70,6 +70,15 @@ async def admit(
                 f"cannot apply the chat template: {exc}", param="messages"
             ) from exc
         requested, default = body.requested_max_tokens, settings.default_max_tokens
+        cap = settings.max_tokens_cap
+        if body.max_completion_tokens is not None and body.max_completion_tokens > cap:
+            # held to the cap even beside a max_tokens, which wins
+            raise InvalidRequest(
+                f"max_completion_tokens is {body.max_completion_tokens}, above this server's "
+                f"limit of {cap}",
+                param="max_completion_tokens",
+                code="max_tokens_exceeded",
+            )
         param = "messages"
     else:
         single = body.single_prompt()
