@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from tokenyard.gateway.auth import authenticate
 from tokenyard.gateway.batches.types import ENDPOINTS
+from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
 from tokenyard.gateway.settings import GatewaySettings
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
@@ -267,11 +268,110 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "output_expires_after": _nullable({"type": "object"}),
         },
     }
+    tokenyard = {name: common[name] for name in ("priority", "deadline", "cache")}
+    embedding = {
+        "type": "object",
+        "required": ["model", "input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": common["model"],
+            "input": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "minItems": 1,
+                        "maxItems": MAX_EMBEDDING_INPUTS,
+                    },
+                    token_ids,
+                    {
+                        "type": "array",
+                        "items": token_ids,
+                        "minItems": 1,
+                        "maxItems": MAX_EMBEDDING_INPUTS,
+                    },
+                ],
+                "description": "each input within the model's context",
+            },
+            "encoding_format": {"enum": ["float", "base64"], "default": "float"},
+            "dimensions": _neutral(None),
+            "user": common["user"],
+            **tokenyard,
+        },
+    }
+    input_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
+    }
+    input_message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "type": {"const": "message"},
+            "role": {"enum": ["system", "developer", "user", "assistant"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
+        },
+    }
+    response = {
+        "type": "object",
+        "required": ["model", "input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": common["model"],
+            "input": {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": input_message, "minItems": 1},
+                ]
+            },
+            "instructions": _nullable({"type": "string"}),
+            "max_output_tokens": _nullable(max_tokens),
+            "temperature": common["temperature"],
+            "top_p": common["top_p"],
+            "stream": {"type": "boolean", "default": False},
+            "background": {"type": "boolean", "default": False},
+            "store": {"type": "boolean", "default": True},
+            "metadata": chat["properties"]["metadata"],
+            "previous_response_id": _nullable(
+                {"type": "string", "minLength": 1, "description": "a stored response's id"}
+            ),
+            "user": common["user"],
+            "safety_identifier": _nullable({"type": "string"}),
+            "tools": _neutral(None, []),
+            "tool_choice": _neutral(None, "none", "auto"),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "text": _neutral(None, {}, {"format": {"type": "text"}}),
+            "truncation": _neutral(None, "disabled"),
+            "include": _neutral(None, []),
+            "reasoning": _neutral(None, {}),
+            "service_tier": _neutral(None, "auto", "default"),
+            "top_logprobs": _neutral(None, 0),
+            "stream_options": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"include_obfuscation": {"type": "boolean"}},
+                    "description": "only with stream: true",
+                }
+            ),
+        },
+        "allOf": [
+            stream_rule,
+            {  # a background response is read later: it must be stored
+                "if": {"required": ["background"], "properties": {"background": {"const": True}}},
+                "then": {"properties": {"store": {"const": True}}},
+            },
+        ],
+    }
     return {
         "CompletionRequest": completion,
         "ChatCompletionRequest": chat,
         "JobRequest": job,
         "CreateBatchRequest": batch,
+        "EmbeddingRequest": embedding,
+        "ResponseRequest": response,
     }
 
 

@@ -112,7 +112,11 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-@router.post("/v1/embeddings")
+@router.post(
+    "/v1/embeddings",
+    responses=answers(404, 429, 500, 503, 504),
+    openapi_extra=json_body("EmbeddingRequest"),
+)
 async def embeddings(request: Request, tenant: TenantDep) -> Response:
     """An embeddings job followed live, or its cached answer (vectors depend only on inputs)."""
     started = time.monotonic()
