@@ -117,11 +117,7 @@ async def admit(
         requested, default, settings.max_tokens_cap, prompt_tokens, model_limits.context, param
     )
     now = time.time()
-    deadline = body.deadline
-    if deadline is not None and deadline <= now:
-        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
-    if deadline is None and live:
-        deadline = now + settings.request_timeout_s
+    deadline = _deadline(body.deadline, now, live, settings.request_timeout_s)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -178,11 +174,7 @@ async def admit_embeddings(
     model_limits = await state.limits.of(model, tokenizer)
     limits.check(limits.embedding_refusal(lengths, model_limits, "input", token_ids=supplied))
     now = time.time()
-    deadline = body.deadline
-    if deadline is not None and deadline <= now:
-        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
-    if deadline is None and live:
-        deadline = now + state.settings.request_timeout_s
+    deadline = _deadline(body.deadline, now, live, state.settings.request_timeout_s)
     return JobSpec(
         id=new_job_id(model),
         model=model,
@@ -198,3 +190,12 @@ async def admit_embeddings(
         created_at=now,
         stream=False,  # no tokens to follow: every reader reads the result
     )
+
+
+def _deadline(asked: float | None, now: float, live: bool, timeout_s: float) -> float | None:
+    """The job's deadline: the caller's (in the future), else a live call's request timeout."""
+    if asked is not None and asked <= now:
+        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
+    if asked is None and live:
+        return now + timeout_s
+    return asked
