@@ -1,7 +1,8 @@
 """Overload: offered load at a multiple of the fleet's capacity; does shedding hold the SLO?
 
-Starts a private Valkey, a gateway subprocess with `TOKENYARD_GATEWAY_QUEUE_SLO_S` and one
-sim-engine worker subprocess. Capacity is measured first (closed loop, --max-seqs requests in
+Starts a private Valkey, a gateway subprocess with its default settings (its default
+`TOKENYARD_GATEWAY_QUEUE_SLO_S`, unless --slo names another) and one sim-engine worker
+subprocess. Capacity is measured first (closed loop, --max-seqs requests in
 flight: completions per second and the unloaded latency, which is also the warm-up the gateway
 needs to measure the worker's service rate). Then open-loop arrivals at --factor x capacity for
 --duration seconds: every answer is counted (200, 429 with Retry-After and an OpenAI-shaped
@@ -10,7 +11,7 @@ SLO + one job's unloaded service time), and the gateway's RSS is sampled through
 With --compare (default) the same load runs again for --compare-s seconds on a fresh stack
 with shedding off, to show what the SLO would have been without it. Prints one JSON document.
 
-    python -m bench.overload [--factor 10] [--duration 60] [--slo 2.0] [--max-seqs 4]
+    python -m bench.overload [--factor 10] [--duration 60] [--slo S] [--max-seqs 4]
         [--tokens 64] [--fixed-tokens] [--compare-s 5] [--no-compare] [--quick]
 """
 
@@ -34,6 +35,7 @@ import httpx
 from bench.common import loadavg, percentile
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
+from tokenyard.gateway.settings import gateway_settings
 
 MODEL = "sim-overload"
 
@@ -146,14 +148,19 @@ def _ms(x: float | None) -> float | None:
 
 
 async def _run_stack(
-    args: argparse.Namespace, url: str, tmp: Path, slo_s: float, seconds: float, name: str
+    args: argparse.Namespace, url: str, tmp: Path, slo_s: float | None, seconds: float, name: str
 ) -> dict[str, Any]:
+    """One stack under the load; `slo_s` None: the gateway's default SLO."""
     procs = Processes(tmp / f"logs-{name}")
     port = free_port()
     prefix = f"ov{uuid.uuid4().hex[:8]}"
     common = ["--model", MODEL, "--engine", "sim"]
     env_before = dict(os.environ)
-    os.environ["TOKENYARD_GATEWAY_QUEUE_SLO_S"] = str(slo_s)
+    if slo_s is None:
+        os.environ.pop("TOKENYARD_GATEWAY_QUEUE_SLO_S", None)
+        slo_s = gateway_settings().queue_slo_s
+    else:
+        os.environ["TOKENYARD_GATEWAY_QUEUE_SLO_S"] = str(slo_s)
     os.environ["TOKENYARD_GATEWAY_TOKENIZER"] = "sim"
     if args.heartbeat_s is not None:
         os.environ["TOKENYARD_WORKER_HEARTBEAT_S"] = str(args.heartbeat_s)
@@ -244,7 +251,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--factor", type=float, default=10.0, help="offered load / capacity")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of overload")
-    parser.add_argument("--slo", type=float, default=2.0, help="TOKENYARD_GATEWAY_QUEUE_SLO_S")
+    parser.add_argument(
+        "--slo",
+        type=float,
+        help="TOKENYARD_GATEWAY_QUEUE_SLO_S (default: the gateway's own default)",
+    )
     parser.add_argument("--max-seqs", type=int, default=4, help="the worker's slots")
     parser.add_argument("--tokens", type=int, default=64, help="mean max_tokens of a request")
     parser.add_argument(
@@ -254,10 +265,12 @@ def main() -> None:
     parser.add_argument("--heartbeat-s", type=float, help="TOKENYARD_WORKER_HEARTBEAT_S")
     parser.add_argument("--compare-s", type=float, default=5.0, help="seconds without shedding")
     parser.add_argument("--no-compare", dest="compare", action="store_false")
-    parser.add_argument("--quick", action="store_true", help="smoke sizes")
+    parser.add_argument("--quick", action="store_true", help="smoke sizes (and --slo 2)")
     args = parser.parse_args()
     if args.quick:
         args.factor, args.duration, args.warmup_s, args.compare_s = 5.0, 4.0, 3.0, 3.0
+        # 4 s at 5x capacity queue ~16 s of work: a smoke run needs an SLO it reaches
+        args.slo = 2.0 if args.slo is None else args.slo
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer() as valkey:
         report = asyncio.run(run(args, valkey.url, Path(tmp)))
     print(json.dumps(report, indent=2))

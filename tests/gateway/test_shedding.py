@@ -17,6 +17,7 @@ import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.gateway import GatewaySettings
 
 STEP_S = 0.1  # one sim decode step
 MAX_TOKENS = 4  # a job: a prefill and a few steps, ~0.4-0.5 s
@@ -157,6 +158,16 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_submit(shedding_stack: S
         # an already-expired deadline is still a 400 (never treated as most urgent)
         past = http.post("/v1/jobs", json={**BODY, "deadline": time.time() - 1})
         assert past.status_code == 400 and past.json()["error"]["param"] == "deadline"
+        # the SLO holds interactive calls only: a job without a deadline queues behind the
+        # backlog (up to the lane bound), while a sync call behind it is shed
+        assert http.post("/v1/jobs", json=BODY).status_code == 202
+        shed = http.post("/v1/completions", json=BODY)
+        assert shed.status_code == 429 and shed.json()["error"]["code"] == "queue_wait_exceeded"
+
+
+def test_interactive_calls_are_shed_by_default() -> None:
+    # on unless a deployment turns it off: a flood gets 429s, not answers minutes late
+    assert GatewaySettings().queue_slo_s == 30.0
 
 
 def test_a_batch_line_the_window_cannot_fit_waits_instead_of_entering(

@@ -70,6 +70,15 @@ async def admit(
                 f"cannot apply the chat template: {exc}", param="messages"
             ) from exc
         requested, default = body.requested_max_tokens, settings.default_max_tokens
+        cap = settings.max_tokens_cap
+        if body.max_completion_tokens is not None and body.max_completion_tokens > cap:
+            # held to the cap even beside a max_tokens, which wins
+            raise InvalidRequest(
+                f"max_completion_tokens is {body.max_completion_tokens}, above this server's "
+                f"limit of {cap}",
+                param="max_completion_tokens",
+                code="max_tokens_exceeded",
+            )
         param = "messages"
     else:
         single = body.single_prompt()
@@ -108,11 +117,7 @@ async def admit(
         requested, default, settings.max_tokens_cap, prompt_tokens, model_limits.context, param
     )
     now = time.time()
-    deadline = body.deadline
-    if deadline is not None and deadline <= now:
-        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
-    if deadline is None and live:
-        deadline = now + settings.request_timeout_s
+    deadline = _deadline(body.deadline, now, live, settings.request_timeout_s)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -169,11 +174,7 @@ async def admit_embeddings(
     model_limits = await state.limits.of(model, tokenizer)
     limits.check(limits.embedding_refusal(lengths, model_limits, "input", token_ids=supplied))
     now = time.time()
-    deadline = body.deadline
-    if deadline is not None and deadline <= now:
-        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
-    if deadline is None and live:
-        deadline = now + state.settings.request_timeout_s
+    deadline = _deadline(body.deadline, now, live, state.settings.request_timeout_s)
     return JobSpec(
         id=new_job_id(model),
         model=model,
@@ -189,3 +190,12 @@ async def admit_embeddings(
         created_at=now,
         stream=False,  # no tokens to follow: every reader reads the result
     )
+
+
+def _deadline(asked: float | None, now: float, live: bool, timeout_s: float) -> float | None:
+    """The job's deadline: the caller's (in the future), else a live call's request timeout."""
+    if asked is not None and asked <= now:
+        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
+    if asked is None and live:
+        return now + timeout_s
+    return asked

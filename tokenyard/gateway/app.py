@@ -30,6 +30,7 @@ from tokenyard.gateway.fast import FastRoutes, fast_routes
 from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
 from tokenyard.gateway.live import Abandonment
+from tokenyard.gateway.openapi import install as install_openapi
 from tokenyard.gateway.responses_api.service import ResponseService
 from tokenyard.gateway.routes import ROUTERS
 from tokenyard.gateway.routing import LaneDepths, RoutingRules
@@ -146,10 +147,20 @@ def create_app(
             if owned:
                 await active.close()
 
-    app = GatewayApp(title="tokenyard gateway", version="0.1.0", lifespan=lifespan, **_NO_OTEL)
+    app = GatewayApp(
+        title="tokenyard gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        # served by gateway/openapi.py, behind a key unless `docs_public`
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        **_NO_OTEL,
+    )
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    install_openapi(app, settings, [*settings.models, *routing.aliases])
     # uploads have their own limit; the multipart framing adds a little
     per_path = {"/v1/files": settings.batch_max_file_bytes + (1 << 16)}
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, per_path=per_path)

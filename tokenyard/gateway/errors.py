@@ -9,7 +9,7 @@ here once); `ApiError` carries only answers that exist at the HTTP edge (401, 40
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from tokenyard.errors import BrokerUnavailable, InvalidRequest, NotFound, QueueFull, UserError
 from tokenyard.gateway.responses import FastJSONResponse
@@ -128,12 +129,34 @@ async def _http_error(request: Request, exc: Exception) -> Response:
             f"Method {request.method} is not allowed on {request.url.path}",
             code="method_not_allowed",
         )
+        headers["Allow"] = ", ".join(_allowed(request))
     elif exc.status_code == 413:
         err = ApiError(413, str(exc.detail), code="request_too_large")
     else:
         err = ApiError(exc.status_code, str(exc.detail))
     err.headers.update(headers)
     return error_response(err)
+
+
+def _allowed(request: Request) -> list[str]:
+    """Every method some route serves on the request's path: Starlette's 405 names only the
+    first route that matched the path (GET /v1/batches hid POST)."""
+    scope = {**request.scope, "method": ""}
+    methods: set[str] = set()
+    for route in _leaves(request.app.router.routes):
+        if route.matches(scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
+def _leaves(routes: Iterable[Any]) -> Iterator[Any]:
+    # FastAPI >= 0.160 keeps an included router whole (its `original_router`), not its routes
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _leaves(inner.routes)
+        else:
+            yield route
 
 
 async def _request_validation(request: Request, exc: Exception) -> Response:

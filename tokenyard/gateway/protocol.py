@@ -47,18 +47,27 @@ def _int64(value: int) -> int:
 Int64 = Annotated[int, AfterValidator(_int64)]
 
 
-class _Request(BaseModel):
+class Request(BaseModel):
+    """The base of every request model: unknown fields are kept, to be refused by name."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
+    def refuse_unknown(self) -> None:
+        """Raise 400 naming the first field this server does not know."""
+        if self.model_extra:
+            name = sorted(self.model_extra)[0]
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {name}",
+                param=name,
+                code="unknown_parameter",
+            )
 
-Request = _Request  # the base of every request model, for callers that pick one by endpoint
 
-
-class StreamOptions(_Request):
+class StreamOptions(Request):
     include_usage: bool = False
 
 
-class _Common(_Request):
+class _Common(Request):
     """Fields shared by completions and chat completions."""
 
     model: NonEmptyStr
@@ -88,13 +97,7 @@ class _Common(_Request):
 
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""
-        if self.model_extra:
-            name = sorted(self.model_extra)[0]
-            raise InvalidRequest(
-                f"Unrecognized request argument supplied: {name}",
-                param=name,
-                code="unknown_parameter",
-            )
+        self.refuse_unknown()
         if self.n != 1:
             raise unsupported("n", "other than 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -155,12 +158,12 @@ class CompletionRequest(_Common):
         return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
 
 
-class TextPart(_Request):
+class TextPart(Request):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -235,7 +238,7 @@ class ChatCompletionRequest(_Common):
         return out
 
 
-def parse(kind: type[_Request], body: bytes, *, checked: bool = False) -> Any:
+def parse(kind: type[Request], body: bytes, *, checked: bool = False) -> Any:
     """Validate a JSON body into `kind`; malformed JSON or an invalid value is 400. `checked`:
     the caller already passed `body` through `check_json`."""
     if not body.strip():
@@ -464,7 +467,7 @@ def models_body(models: Sequence[str], created: int) -> dict[str, Any]:
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(Request):
     """POST /v1/embeddings: one input or many, as text or token ids."""
 
     model: NonEmptyStr
@@ -479,13 +482,7 @@ class EmbeddingRequest(_Request):
 
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""
-        if self.model_extra:
-            name = sorted(self.model_extra)[0]
-            raise InvalidRequest(
-                f"Unrecognized request argument supplied: {name}",
-                param=name,
-                code="unknown_parameter",
-            )
+        self.refuse_unknown()
         if self.dimensions is not None:
             raise unsupported("dimensions", "(the model's own size only)")
 

@@ -33,15 +33,20 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # routing and dependency injection (gateway/fast.py); false: through FastAPI, same answers
     fast_routes: bool = True
     retry_after_s: int = 1  # Retry-After on 429
-    # overload shedding: a request without its own deadline is refused (429 + Retry-After) when
-    # its estimated queue wait exceeds this many seconds; 0 = off (the right bound is the
-    # deployment's latency target, which the server cannot guess; a request's own deadline is
-    # always held to the same estimate)
-    queue_slo_s: float = 0.0
+    # overload shedding of interactive calls (sync and streamed completions and chat): one
+    # without its own deadline is refused (429 + Retry-After) when its estimated queue wait
+    # exceeds this many seconds, so a flood gets fast refusals instead of answers minutes late;
+    # 0 = off. Jobs and batch lines are read later: they queue up to the lane bound, held only
+    # to their own deadline (as is every request that carries one)
+    queue_slo_s: float = 30.0
     queue_wait_ttl_s: float = 0.25  # the lanes and workers behind the estimate: read this often
     # bootstrap keys, JSON {key: {"tenant": ..., "priority": ..., "admin": false}}; auth is on
     # when this file or the broker (`tokenyard keys create`) holds any key
     api_keys_file: str = ""
+    # /openapi.json, /docs, /redoc and the /dashboard page (a shell: its data needs an admin
+    # key) answer without an API key, so a browser can open them; false: they need a key too,
+    # like every route but /healthz and /readyz
+    docs_public: bool = True
     auth_cache_s: float = 1.0  # key lookups are cached this long: a revoked key dies within it
     require_workers: bool = True  # /readyz needs a live worker for every served model
     # response cache and in-flight collapsing of deterministic (greedy or seeded) requests;

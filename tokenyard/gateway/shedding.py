@@ -1,7 +1,8 @@
 """Refuse at submit what the queue cannot serve in time: a deadline the estimated wait misses,
-or (with `queue_slo_s`) a wait past the SLO. The estimate is `tokenyard/gateway/admission_wait.py`;
-this is its I/O edge: each model's backlog and workers are read at most every `ttl_s`, one
-read shared by every request of this gateway, never one per request."""
+or, for an interactive call, a wait past the SLO (`queue_slo_s`). The estimate is
+`tokenyard/gateway/admission_wait.py`; this is its I/O edge: each model's backlog and workers
+are read at most every `ttl_s`, one read shared by every request of this gateway, never one
+per request."""
 
 from __future__ import annotations
 
@@ -111,12 +112,13 @@ _REASONS = {
 }
 
 
-async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool) -> None:
-    """Refuse `spec` (429) when its estimated wait misses its own deadline or, with the SLO
-    on, exceeds the queue-wait SLO (or a live call's request timeout, if shorter). With the
-    SLO off, only requests that carry a deadline cost a (shared) read."""
+async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool, live: bool) -> None:
+    """Refuse `spec` (429) when its estimated wait misses its own deadline or, for a live call
+    with the SLO on, exceeds the queue-wait SLO (or the call's request timeout, if shorter).
+    A job read later is held only to its own deadline: it queues up to the lane bound. Only
+    requests held to something cost a (shared) read."""
     now = time.time()
-    slo: float | None = state.settings.queue_slo_s or None
+    slo: float | None = (state.settings.queue_slo_s or None) if live else None
     deadline = spec.deadline if own_deadline else None
     if slo is not None and not own_deadline and spec.deadline is not None:
         slo = min(slo, spec.deadline - now)  # the live call's timeout

@@ -131,7 +131,7 @@ async def submit(
                 hit = await state.cache.get(spec.model, digest)
                 if hit is not None:
                     return Hit(spec, hit)
-        await shedding.check(state, spec, own_deadline=body.deadline is not None)
+        await shedding.check(state, spec, own_deadline=body.deadline is not None, live=live)
         headers = await quota.reserve(state, tenant, spec)
     if digest is not None and state.settings.collapse:
         spec.collapse_key = collapse_key(digest, spec.stream)

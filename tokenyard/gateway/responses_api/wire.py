@@ -13,7 +13,7 @@ from pydantic import Field
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import unsupported
-from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, _Request
+from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, Request
 from tokenyard.gateway.streaming import frame
 from tokenyard.messages import FinishReason, JobResult, JobStatus, StoredResponse, TokenChunk, Turn
 
@@ -32,7 +32,7 @@ def job_id_of(raw: str) -> str | None:
     return raw[len(ID_PREFIX) :] if raw.startswith(ID_PREFIX) else None
 
 
-class ResponseRequest(_Request):
+class ResponseRequest(Request):
     """POST /v1/responses; every field OpenAI defines that is not here is refused by name."""
 
     model: NonEmptyStr
@@ -62,13 +62,7 @@ class ResponseRequest(_Request):
 
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field or combination this server does not take."""
-        if self.model_extra:
-            name = sorted(self.model_extra)[0]
-            raise InvalidRequest(
-                f"Unrecognized request argument supplied: {name}",
-                param=name,
-                code="unknown_parameter",
-            )
+        self.refuse_unknown()
         if self.tools:
             raise unsupported("tools", "(tool calling)")
         if self.tool_choice not in (None, "none", "auto"):

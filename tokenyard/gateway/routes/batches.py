@@ -16,6 +16,7 @@ from tokenyard.gateway.batches.service import batches_of
 from tokenyard.gateway.batches.types import ENDPOINTS, batch_body, new_batch_id
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.jsonbody import check_json
+from tokenyard.gateway.openapi import answers, json_body
 from tokenyard.messages import BatchRecord, BatchStatus
 
 router = APIRouter()
@@ -41,7 +42,7 @@ async def _own_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchSt
     return state
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", responses=answers(404), openapi_extra=json_body("CreateBatchRequest"))
 async def create_batch(request: Request, tenant: TenantDep) -> JSONResponse:
     service = batches_of(request)
     raw = await request.body()
@@ -91,12 +92,12 @@ async def create_batch(request: Request, tenant: TenantDep) -> JSONResponse:
     return JSONResponse(batch_body(record, 0, 0, False))
 
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", responses=answers(404))
 async def retrieve_batch(request: Request, batch_id: str, tenant: TenantDep) -> JSONResponse:
     return JSONResponse(_view(await _own_batch(request, batch_id, tenant)))
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", responses=answers(404, 409))
 async def cancel_batch(request: Request, batch_id: str, tenant: TenantDep) -> JSONResponse:
     service = batches_of(request)
     state = await _own_batch(request, batch_id, tenant)

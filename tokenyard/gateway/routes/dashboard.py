@@ -12,6 +12,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from tokenyard.broker.core import BrokerStats
 from tokenyard.gateway.auth import AdminDep, Tenant
+from tokenyard.gateway.openapi import DocsDep, answers
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.messages import JobRecord, WorkerInfo
 
@@ -31,13 +32,14 @@ DashboardDep = Annotated[Tenant, Depends(dashboard_access)]
 
 
 @router.get("/dashboard", include_in_schema=False)
-async def dashboard_page() -> HTMLResponse:
-    """The page shell; it holds no data (the data route is the one that checks the key)."""
+async def dashboard_page(_: DocsDep) -> HTMLResponse:
+    """The page shell; it holds no data (the data route checks for an admin key), so it is
+    public with the docs (`docs_public`)."""
     page = resources.files("tokenyard.gateway").joinpath("static/dashboard.html")
     return HTMLResponse(page.read_text(encoding="utf-8"))
 
 
-@router.get("/dashboard/data")
+@router.get("/dashboard/data", responses=answers(403))
 async def dashboard_data(request: Request, _: DashboardDep) -> JSONResponse:
     """Lanes, workers and dead letters per model, and this gateway's recent jobs."""
     state = gateway(request)

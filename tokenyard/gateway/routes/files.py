@@ -14,6 +14,7 @@ from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.batches.files import FileObject
 from tokenyard.gateway.batches.service import batches_of
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.openapi import answers
 
 router = APIRouter()
 _PURPOSES = ("batch",)
@@ -26,12 +27,12 @@ def _own_file(request: Request, file_id: str, tenant: Tenant) -> FileObject:
     return obj
 
 
-@router.post("/v1/files")
+@router.post("/v1/files", responses=answers(413))
 async def upload_file(
     request: Request,
     tenant: TenantDep,
     file: Annotated[UploadFile, File()],
-    purpose: Annotated[str, Form()],
+    purpose: Annotated[str, Form(json_schema_extra={"enum": list(_PURPOSES)})],
 ) -> JSONResponse:
     service = batches_of(request)
     if purpose not in _PURPOSES:
@@ -75,12 +76,18 @@ async def list_files(
     )
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", responses=answers(404))
 async def retrieve_file(request: Request, file_id: str, tenant: TenantDep) -> JSONResponse:
     return JSONResponse(_own_file(request, file_id, tenant).body())
 
 
-@router.get("/v1/files/{file_id}/content")
+@router.get(
+    "/v1/files/{file_id}/content",
+    responses={
+        **answers(404),
+        200: {"description": "The file's bytes", "content": {"application/octet-stream": {}}},
+    },
+)
 async def file_content(request: Request, file_id: str, tenant: TenantDep) -> Response:
     _own_file(request, file_id, tenant)
     data = await anyio.to_thread.run_sync(batches_of(request).files.content, file_id)
@@ -89,7 +96,7 @@ async def file_content(request: Request, file_id: str, tenant: TenantDep) -> Res
     return Response(data, media_type="application/octet-stream")
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", responses=answers(404))
 async def delete_file(request: Request, file_id: str, tenant: TenantDep) -> JSONResponse:
     _own_file(request, file_id, tenant)
     await anyio.to_thread.run_sync(batches_of(request).files.delete, file_id)

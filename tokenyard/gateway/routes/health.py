@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from tokenyard.gateway.auth import ScrapeDep
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.openapi import answers
 from tokenyard.gateway.state import GatewayState, gateway
 
 router = APIRouter()
@@ -22,7 +23,7 @@ async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=answers(503))
 async def readyz(request: Request) -> JSONResponse:
     """Ready when the broker answers and every served model has a live worker."""
     state = gateway(request)
@@ -51,7 +52,14 @@ async def _sample_queues(state: GatewayState) -> None:
         m.live_workers.labels(model).set(len(await backend.registry.workers(model)))
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={
+        **answers(403),
+        200: {"description": "Prometheus text format", "content": {"text/plain": {}}},
+    },
+)
 async def metrics(request: Request, _: ScrapeDep) -> Response:
     """Prometheus text format; queue gauges are sampled from the broker on each scrape.
     Fleet-wide, so with keys configured it needs an admin key (a scrape's bearer token)."""

@@ -18,6 +18,7 @@ from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.live import LiveCall
+from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.gateway.streaming import JobRenderer, OpenAIRenderer, Renderer, last_event_id
@@ -61,7 +62,15 @@ def _same_request(a: JobSpec, b: JobSpec) -> bool:
     )
 
 
-@router.post("/v1/jobs")
+@router.post(
+    "/v1/jobs",
+    responses={
+        **answers(404, 409, 429),
+        200: {"description": "The job this Idempotency-Key already made (Idempotent-Replayed)"},
+        202: {"description": "Queued: the job, and its Location"},
+    },
+    openapi_extra=json_body("JobRequest"),
+)
 async def create_job(
     request: Request,
     tenant: TenantDep,
@@ -114,13 +123,16 @@ async def submit_job(request: Request, tenant: Tenant, idempotency_key: str | No
     )
 
 
-@router.get("/v1/jobs/{job_id}")
+@router.get("/v1/jobs/{job_id}", responses=answers(404))
 async def get_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
     record, bare = await _record_of(gateway(request), job_id, tenant)
     return JSONResponse(protocol.job_body(bare, record))
 
 
-@router.get("/v1/jobs/{job_id}/events")
+@router.get(
+    "/v1/jobs/{job_id}/events",
+    responses={**answers(404), 200: {"description": "The job's events", "content": SSE}},
+)
 async def job_events(
     request: Request,
     job_id: str,
@@ -150,7 +162,10 @@ async def job_events(
     return await call.stream(renderer, {"X-Job-Id": bare})
 
 
-@router.delete("/v1/jobs/{job_id}")
+@router.delete(
+    "/v1/jobs/{job_id}",
+    responses={**answers(404, 409), 202: {"description": "Running: cancelling"}},
+)
 async def cancel_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
     state = gateway(request)
     _, bare = await _record_of(state, job_id, tenant)

@@ -12,12 +12,22 @@ from tokenyard import tracing
 from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cached_response
+from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
 from tokenyard.gateway.submit import Hit, Live, submit
 
 router = APIRouter()
+# a completion: its JSON, or its chunks as SSE with `stream`; 409 a cancelled job, 500 a job
+# that failed on every attempt, 503 one that expired in the queue, 504 the request timeout
+_COMPLETION = {
+    **answers(404, 409, 429, 500, 503, 504),
+    200: {
+        "description": "The completion (JSON), or its chunks (SSE) with `stream`",
+        "content": SSE,
+    },
+}
 
 
 @router.get("/v1/models")
@@ -26,12 +36,16 @@ async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
     return JSONResponse(protocol.models_body(state.settings.models, int(state.started_at)))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=_COMPLETION, openapi_extra=json_body("CompletionRequest"))
 async def completions(request: Request, tenant: TenantDep) -> Response:
     return await create_completion(request, tenant)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    responses=_COMPLETION,
+    openapi_extra=json_body("ChatCompletionRequest"),
+)
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     return await create_chat_completion(request, tenant)
 
@@ -98,7 +112,11 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-@router.post("/v1/embeddings")
+@router.post(
+    "/v1/embeddings",
+    responses=answers(404, 429, 500, 503, 504),
+    openapi_extra=json_body("EmbeddingRequest"),
+)
 async def embeddings(request: Request, tenant: TenantDep) -> Response:
     """An embeddings job followed live, or its cached answer (vectors depend only on inputs)."""
     started = time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
@@ -16,6 +16,7 @@ from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.live import LiveCall
+from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.responses_api.service import ResponseService
 from tokenyard.gateway.responses_api.wire import (
@@ -34,11 +35,14 @@ from tokenyard.messages import JobSpec, JobStatus, StoredResponse, Turn
 router = APIRouter()
 CANCEL_WAIT_S = 10.0  # a running job ends at its next engine step; the answer waits for it
 _FAILED = (JobStatus.FAILED, JobStatus.DEAD, JobStatus.EXPIRED)
-_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": ResponseRequest.model_json_schema()}},
-    }
+# a response: its JSON, or its events (SSE) with `stream`; 409, 500, 503, 504 as a completion's
+_CREATED = {
+    **answers(404, 409, 429, 500, 503, 504),
+    200: {"description": "The response (JSON), or its events (SSE) with `stream`", "content": SSE},
+}
+_STORED = {
+    **answers(404),
+    200: {"description": "The response (JSON), or its events (SSE) with `stream`", "content": SSE},
 }
 
 
@@ -47,7 +51,7 @@ def _service(request: Request) -> ResponseService:
     return service
 
 
-@router.post("/v1/responses", openapi_extra=_BODY)
+@router.post("/v1/responses", responses=_CREATED, openapi_extra=json_body("ResponseRequest"))
 async def create_response(request: Request, tenant: TenantDep) -> Response:
     """A response: answered when done, streamed as events, or (`background`) queued at once."""
     started = time.monotonic()
@@ -151,7 +155,7 @@ async def _live(
     return FastJSONResponse(response_body(stored, result), headers=headers)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}", responses=_STORED)
 async def retrieve_response(
     request: Request,
     response_id: str,
@@ -172,7 +176,7 @@ async def retrieve_response(
     return await call.stream(ResponseEvents(stored, after), {"X-Job-Id": stored.job_id})
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@router.post("/v1/responses/{response_id}/cancel", responses=answers(404))
 async def cancel_response(request: Request, response_id: str, tenant: TenantDep) -> Response:
     """Cancel a background response: a queued job ends at once, a running one at its next
     engine step; answers the response as it then stands."""
@@ -189,7 +193,7 @@ async def cancel_response(request: Request, response_id: str, tenant: TenantDep)
     return FastJSONResponse(response_body(stored, stored.result, job))
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}", responses=answers(404))
 async def delete_response(request: Request, response_id: str, tenant: TenantDep) -> Response:
     """Forget a stored response (its job is cancelled if it still runs)."""
     state, service = gateway(request), _service(request)

@@ -1,0 +1,440 @@
+"""The OpenAPI document says what the server does: the request bodies the routes really
+validate (they read raw bytes, so FastAPI cannot see them), every status each route can answer
+with OpenAI's error shape; `/openapi.json`, `/docs` and `/redoc` need a key like the API unless
+`docs_public` (the default) opens them to browsers.
+
+Routes name their own statuses (`answers(...)`) and bodies (`json_body(...)`); `install` adds
+what every operation shares (400 for a bad parameter, 401 and 503 from the key lookup, 413 for
+a body) and drops FastAPI's 422, which this server never sends (invalid input is 400, as OpenAI
+answers). What JSON Schema cannot say is in the descriptions: a prompt and its `max_tokens` must
+fit the model's context, token ids its vocabulary, and a `deadline` must lie in the future.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from tokenyard.gateway.auth import authenticate
+from tokenyard.gateway.batches.types import ENDPOINTS
+from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
+from tokenyard.gateway.settings import GatewaySettings
+
+INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
+
+_REASONS = {
+    400: "Invalid request: a parameter's value, malformed JSON, an unsupported field",
+    401: "No API key, or an unknown or revoked one (when keys are configured)",
+    403: "The route needs an admin API key",
+    404: "No such model, job, file or batch (another tenant's is as invisible as none)",
+    405: "Method not allowed on this path (Allow names the ones that are)",
+    409: "Conflict with the resource's state",
+    413: "The request body is larger than the gateway admits",
+    429: "Rate limited: the tenant's quota, a full queue, or an estimated queue wait past the "
+    "deadline or the queue-wait SLO (Retry-After says when to retry, where a retry can pass)",
+    499: "The client closed the request",
+    500: "The job failed on every attempt",
+    503: "The broker is unavailable, the job expired in the queue, or not ready",
+    504: "The request timed out",
+}
+
+
+def _error_ref() -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+
+
+def answers(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The error statuses a route answers besides the shared ones, as FastAPI `responses`."""
+    return {s: {"description": _REASONS[s], "content": _error_ref()} for s in statuses}
+
+
+# each server-sent event, as a client parses it
+SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {"type": "string"},
+                "id": {"type": "string"},
+                "event": {"type": "string"},
+            },
+        }
+    }
+}
+
+
+def json_body(schema: str) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads a JSON body of the named component itself."""
+    ref = {"$ref": f"#/components/schemas/{schema}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _neutral(*values: Any) -> dict[str, Any]:
+    # a field OpenAI defines that this server refuses unless it holds its neutral value
+    return {"enum": list(values), "description": "Not supported; only its neutral value"}
+
+
+def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The request bodies, as the routes validate them under these settings; `models`: the
+    names a request may give (served models and aliases; any other is 404)."""
+    max_tokens = {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": settings.max_tokens_cap,
+        "description": "with the prompt, at most the model's context",
+    }
+    common: dict[str, Any] = {
+        "model": {"enum": list(models)},
+        "max_tokens": _nullable(max_tokens),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "n": _neutral(1),
+        "stream": {"type": "boolean", "default": False},
+        "stream_options": _nullable(
+            {
+                "type": "object",
+                "properties": {"include_usage": {"type": "boolean"}},
+                "description": "only with stream: true",
+            }
+        ),
+        "stop": _nullable(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "maxItems": 16,
+                    },
+                ]
+            }
+        ),
+        "seed": _nullable(INT64),
+        "user": _nullable({"type": "string"}),
+        "presence_penalty": _neutral(0, None),
+        "frequency_penalty": _neutral(0, None),
+        "logit_bias": _neutral(None, {}),
+        "top_k": _nullable({**INT64, "minimum": 0}),
+        "ignore_eos": {"type": "boolean", "default": False},
+        "return_token_ids": {"type": "boolean", "default": False},
+        "priority": _nullable({"enum": ["high", "normal", "low"]}),
+        "deadline": _nullable(
+            {"type": "number", "description": "unix seconds, in the future: the latest start"}
+        ),
+        "cache": _nullable({"type": "boolean"}),
+    }
+    # stream_options is refused unless stream is true
+    stream_rule = {
+        "if": {
+            "required": ["stream_options"],
+            "properties": {"stream_options": {"type": "object"}},
+        },
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+    }
+    token_ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0},
+        "minItems": 1,
+        "description": "token ids, each in the model's vocabulary",
+    }
+    completion: dict[str, Any] = {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "additionalProperties": False,
+        "properties": {
+            **common,
+            "prompt": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "minItems": 1,
+                        "maxItems": 1,
+                    },
+                    token_ids,
+                    {"type": "array", "items": token_ids, "minItems": 1, "maxItems": 1},
+                ]
+            },
+            "echo": _neutral(False),
+            "logprobs": _neutral(None),
+            "best_of": _neutral(None, 1),
+            "suffix": _neutral(None, ""),
+        },
+        **stream_rule,
+    }
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "additionalProperties": False,
+        "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
+            "name": _nullable({"type": "string"}),
+        },
+    }
+    chat: dict[str, Any] = {
+        "type": "object",
+        "required": ["model", "messages"],
+        "additionalProperties": False,
+        "properties": {
+            **common,
+            "messages": {"type": "array", "items": message, "minItems": 1},
+            "max_completion_tokens": _nullable(max_tokens),
+            "logprobs": _neutral(False),
+            "top_logprobs": _neutral(None),
+            "tools": _neutral(None, []),
+            "functions": _neutral(None, []),
+            "tool_choice": _neutral(None, "none"),
+            "function_call": _neutral(None, "none"),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "response_format": _nullable(
+                {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"const": "text"}},
+                }
+            ),
+            "store": _nullable({"type": "boolean"}),
+            "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
+            "service_tier": _nullable({"type": "string"}),
+            "reasoning_effort": _neutral(None, "none"),
+            "modalities": _neutral(None, ["text"]),
+            "audio": _neutral(None),
+            "prediction": _neutral(None),
+        },
+        **stream_rule,
+    }
+    job = {
+        "description": "a completions or a chat body (chosen by `messages`), without `stream`",
+        "oneOf": [
+            {**chat, "properties": {**chat["properties"], "stream": {"const": False}}},
+            {
+                **completion,
+                "properties": {**completion["properties"], "stream": {"const": False}},
+                "not": {"required": ["messages"]},
+            },
+        ],
+    }
+    batch = {
+        "type": "object",
+        "required": ["input_file_id", "endpoint", "completion_window"],
+        "additionalProperties": False,
+        "properties": {
+            "input_file_id": {"type": "string"},
+            "endpoint": {"enum": list(ENDPOINTS)},
+            "completion_window": {"const": "24h"},
+            "metadata": _nullable(
+                {
+                    "type": "object",
+                    "maxProperties": 16,
+                    "propertyNames": {"maxLength": 64},
+                    "additionalProperties": {"type": "string", "maxLength": 512},
+                }
+            ),
+            "output_expires_after": _nullable({"type": "object"}),
+        },
+    }
+    tokenyard = {name: common[name] for name in ("priority", "deadline", "cache")}
+    embedding = {
+        "type": "object",
+        "required": ["model", "input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": common["model"],
+            "input": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "minItems": 1,
+                        "maxItems": MAX_EMBEDDING_INPUTS,
+                    },
+                    token_ids,
+                    {
+                        "type": "array",
+                        "items": token_ids,
+                        "minItems": 1,
+                        "maxItems": MAX_EMBEDDING_INPUTS,
+                    },
+                ],
+                "description": "each input within the model's context",
+            },
+            "encoding_format": {"enum": ["float", "base64"], "default": "float"},
+            "dimensions": _neutral(None),
+            "user": common["user"],
+            **tokenyard,
+        },
+    }
+    input_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
+    }
+    input_message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "type": {"const": "message"},
+            "role": {"enum": ["system", "developer", "user", "assistant"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
+        },
+    }
+    response = {
+        "type": "object",
+        "required": ["model", "input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": common["model"],
+            "input": {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": input_message, "minItems": 1},
+                ]
+            },
+            "instructions": _nullable({"type": "string"}),
+            "max_output_tokens": _nullable(max_tokens),
+            "temperature": common["temperature"],
+            "top_p": common["top_p"],
+            "stream": {"type": "boolean", "default": False},
+            "background": {"type": "boolean", "default": False},
+            "store": {"type": "boolean", "default": True},
+            "metadata": chat["properties"]["metadata"],
+            "previous_response_id": _nullable(
+                {"type": "string", "minLength": 1, "description": "a stored response's id"}
+            ),
+            "user": common["user"],
+            "safety_identifier": _nullable({"type": "string"}),
+            "tools": _neutral(None, []),
+            "tool_choice": _neutral(None, "none", "auto"),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "text": _neutral(None, {}, {"format": {"type": "text"}}),
+            "truncation": _neutral(None, "disabled"),
+            "include": _neutral(None, []),
+            "reasoning": _neutral(None, {}),
+            "service_tier": _neutral(None, "auto", "default"),
+            "top_logprobs": _neutral(None, 0),
+            "stream_options": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"include_obfuscation": {"type": "boolean"}},
+                    "description": "only with stream: true",
+                }
+            ),
+        },
+        "allOf": [
+            stream_rule,
+            {  # a background response is read later: it must be stored
+                "if": {"required": ["background"], "properties": {"background": {"const": True}}},
+                "then": {"properties": {"store": {"const": True}}},
+            },
+        ],
+    }
+    return {
+        "CompletionRequest": completion,
+        "ChatCompletionRequest": chat,
+        "JobRequest": job,
+        "CreateBatchRequest": batch,
+        "EmbeddingRequest": embedding,
+        "ResponseRequest": response,
+    }
+
+
+# what every operation may answer besides its own: a parameter's value, and the key lookup
+_SHARED = (400, 401, 503)
+_PUBLIC = ("/healthz", "/readyz")  # no key, ever (probes)
+
+
+def document(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> dict[str, Any]:
+    """The OpenAPI document of `app`: FastAPI's, with the bodies and statuses routes declare,
+    the shared statuses on every operation, and FastAPI's unused 422 gone."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    schemas["Error"] = ERROR
+    schemas.update(request_schemas(settings, models))
+    for path, operations in doc["paths"].items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            shared = [] if path in _PUBLIC else list(_SHARED)
+            if "requestBody" in operation:
+                shared.append(413)
+            for status in shared:
+                responses.setdefault(str(status), answers(status)[status])
+    return doc
+
+
+async def _docs_reader(request: Request) -> None:
+    """Who may read the API's description: anyone with `docs_public`, else a caller with a key
+    (when keys are configured), as for the API it describes."""
+    if not request.app.state.gateway.settings.docs_public:
+        await authenticate(request)
+
+
+DocsDep = Annotated[None, Depends(_docs_reader)]
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/openapi.json")
+async def openapi_json(request: Request, _: DocsDep) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+@router.get("/docs")
+async def swagger(request: Request, _: DocsDep) -> HTMLResponse:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{request.app.title} - docs")
+
+
+@router.get("/redoc")
+async def redoc(request: Request, _: DocsDep) -> HTMLResponse:
+    return get_redoc_html(openapi_url="/openapi.json", title=f"{request.app.title} - ReDoc")
+
+
+def install(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> None:
+    """Serve the document (built once, on first read) and its pages behind `_docs_reader`."""
+    cached: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        if not cached:
+            cached.update(document(app, settings, models))
+        return cached
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.include_router(router)
