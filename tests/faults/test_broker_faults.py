@@ -36,6 +36,7 @@ from tokenyard.engines.sim import SimEngine
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
     Finished,
+    JobEvent,
     JobRecord,
     JobResult,
     JobSpec,
@@ -458,6 +459,43 @@ async def test_nats_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Pa
 
 # A lease long enough that a job coming back by lease expiry could not pass for one resumed.
 RESTART_LEASE_S = 20.0
+TOKENS = 40  # each job's length in the restart tests
+
+
+def _stepping_engine() -> SimEngine:
+    """20 ms a decode step whatever the batch: a job of TOKENS tokens runs 0.8 s."""
+    return SimEngine(
+        prefill_base=0.001, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.0
+    )
+
+
+def _streamed_jobs(n: int) -> list[JobSpec]:
+    """`n` streamed jobs that each run their whole TOKENS tokens (ignore_eos)."""
+    return [
+        JobSpec(
+            id=new_job_id(MODEL),
+            model=MODEL,
+            prompt=f"prompt {i}",
+            stream=True,
+            sampling=SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
+
+
+async def _ran_once(broker: Backend, job_id: str, deliveries: int) -> list[JobEvent]:
+    """Assert the job succeeded on its `deliveries`-th delivery and its event stream carries
+    each of its tokens once (none lost, none twice); its events."""
+    record = await broker.queue.record(job_id)
+    assert record is not None and record.result is not None
+    assert record.status is JobStatus.SUCCEEDED, record.result.error
+    assert record.deliveries == deliveries
+    assert record.result.completion_tokens == TOKENS
+    events = [e for _, e in await broker.queue.read_events(job_id, count=10_000)]
+    chunks = [e for e in events if isinstance(e, TokenChunk)]
+    assert sum(len(c.token_ids) for c in chunks) == TOKENS, job_id
+    assert "".join(c.text for c in chunks) == record.result.text
+    return events
 
 
 async def jobs_in_flight_across_a_restart(
@@ -469,26 +507,14 @@ async def jobs_in_flight_across_a_restart(
     prefix = new_prefix()
     settings = BrokerSettings(url=url, prefix=prefix, lease_s=RESTART_LEASE_S)
     broker, worker_broker = connect(settings), connect(settings)
-    # 40 tokens a job at 20 ms a step: each job runs 0.8 s, 64 at once, 96 in all
-    engine = SimEngine(
-        prefill_base=0.001, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.0
-    )
+    # 64 jobs at once, 96 in all
     options = WorkerSettings(
         model=MODEL, engine="sim", max_seqs=64, heartbeat_s=0.5, claim_block_s=0.2
     )
-    worker = Worker(worker_broker, engine, options, consumer="steady")
+    worker = Worker(worker_broker, _stepping_engine(), options, consumer="steady")
     running = asyncio.create_task(worker.run())
     try:
-        specs = [
-            JobSpec(
-                id=new_job_id(MODEL),
-                model=MODEL,
-                prompt=f"prompt {i}",
-                stream=True,
-                sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-            )
-            for i in range(96)
-        ]
+        specs = _streamed_jobs(96)
         await broker.queue.enqueue_many(specs)
         ids = [s.id for s in specs]
 
@@ -512,15 +538,8 @@ async def jobs_in_flight_across_a_restart(
         took = time.monotonic() - restarted
         print(f"{url.split(':')[0]}: in-flight jobs ended {took:.2f} s after the restart")
         for job_id in ids:
-            record = await broker.queue.record(job_id)
-            assert record is not None and record.result is not None
-            assert record.status is JobStatus.SUCCEEDED, record.result.error
-            assert record.deliveries == 1  # resumed by the same worker, not redelivered
-            assert record.result.completion_tokens == 40
-            events = [e for _, e in await broker.queue.read_events(job_id, count=10_000)]
-            chunks = [e for e in events if isinstance(e, TokenChunk)]
-            assert sum(len(c.token_ids) for c in chunks) == 40, job_id  # none lost, none twice
-            assert "".join(c.text for c in chunks) == record.result.text
+            # resumed by the same worker, not redelivered
+            events = await _ran_once(broker, job_id, deliveries=1)
             assert sum(isinstance(e, Finished) for e in events) == 1
         return took
     finally:
@@ -565,25 +584,13 @@ async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: Embe
     with Relay(valkey.port or 0) as relay:
         direct = connect(BrokerSettings(url=valkey.url, prefix=prefix, lease_s=0.05))
         through = connect(BrokerSettings(url=relay.url, prefix=prefix, lease_s=RESTART_LEASE_S))
-        engine = SimEngine(
-            prefill_base=0.001, prefill_per_token=0.0, decode_base=0.02, decode_per_seq=0.0
-        )
         options = WorkerSettings(
             model=MODEL, engine="sim", max_seqs=16, heartbeat_s=0.5, claim_block_s=0.2
         )
-        worker = Worker(through, engine, options, consumer="cut-off")
+        worker = Worker(through, _stepping_engine(), options, consumer="cut-off")
         running = asyncio.create_task(worker.run())
         try:
-            specs = [
-                JobSpec(
-                    id=new_job_id(MODEL),
-                    model=MODEL,
-                    prompt=f"prompt {i}",
-                    stream=True,
-                    sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                )
-                for i in range(8)
-            ]
+            specs = _streamed_jobs(8)
             await direct.queue.enqueue_many(specs)
             ids = [s.id for s in specs]
 
@@ -608,15 +615,8 @@ async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: Embe
             fenced = sample("tokenyard_worker_fenced_completions_total", {"model": MODEL})
             assert (lost or 0) + (fenced or 0) == len(ids), (lost, fenced)
             for job_id in ids:
-                record = await direct.queue.record(job_id)
-                assert record is not None and record.result is not None
-                assert record.status is JobStatus.SUCCEEDED and record.deliveries == 2
-                assert record.result.completion_tokens == 40
-                events = [e for _, e in await direct.queue.read_events(job_id, count=10_000)]
-                chunks = [e for e in events if isinstance(e, TokenChunk)]
-                # the kept events of the lost lease were refused: no token twice
-                assert sum(len(c.token_ids) for c in chunks) == 40, job_id
-                assert "".join(c.text for c in chunks) == record.result.text
+                # run again; the kept events of the lost lease were refused: no token twice
+                await _ran_once(direct, job_id, deliveries=2)
         finally:
             worker.drain()
             await asyncio.wait_for(running, 30)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import msgspec
 import pytest
 
 from tests.conftest import BACKENDS, REDIS_KINDS, BackendFactory
 from tokenyard.broker import Backend, new_job_id
-from tokenyard.broker.core import CancelOutcome, Lease
+from tokenyard.broker.core import CancelOutcome, Lease, QueueCore
 from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
@@ -92,6 +93,32 @@ def ok(lease: Lease, text: str = "done") -> JobResult:
         completion_tokens=2,
         worker=lease.consumer,
     )
+
+
+async def dies_before_its_message(
+    queue: QueueCore,
+    spec: JobSpec,
+    publisher: object,
+    publish: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Enqueue `spec` while the backend's `publisher.publish` never answers, and kill the
+    producer once the job's record is in: a producer dead between its record and its message
+    (backends that write them apart: NATS, RabbitMQ lanes)."""
+    stuck = asyncio.Event()
+
+    async def never(*_: Any) -> None:
+        await stuck.wait()
+
+    with monkeypatch.context() as patched:
+        patched.setattr(publisher, publish, never)
+        producer = asyncio.create_task(queue.enqueue_many([spec]))
+        for _ in range(200):
+            if await queue.record(spec.id) is not None:
+                break
+            await asyncio.sleep(0.01)
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
 
 
 async def test_enqueue_claim_complete_round_trip(make_backend: BackendFactory) -> None:

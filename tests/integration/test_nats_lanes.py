@@ -4,13 +4,10 @@ the client's resend (same idempotency key, a new job id) must finish."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import pytest
 
 from tests.conftest import BackendFactory
-from tests.integration.test_broker_conformance import MODEL, job, ok
+from tests.integration.test_broker_conformance import MODEL, dies_before_its_message, job, ok
 from tokenyard.broker.nats import queue as nats_queue
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.queue import NatsQueue
@@ -24,20 +21,7 @@ async def test_a_resend_publishes_a_job_whose_producer_died_before_its_message(
     queue = make_backend().queue
     assert isinstance(queue, NatsQueue)
     first = job(key="k1")
-    stuck = asyncio.Event()
-
-    async def never(*_: Any) -> None:
-        await stuck.wait()
-
-    monkeypatch.setattr(queue.conn, "publish_soon", never)
-    producer = asyncio.create_task(queue.enqueue_many([first]))
-    for _ in range(200):
-        if await queue.record(first.id) is not None:
-            break
-        await asyncio.sleep(0.01)
-    producer.cancel()  # the producer dies between the record and its message
-    await asyncio.gather(producer, return_exceptions=True)
-    monkeypatch.undo()
+    await dies_before_its_message(queue, first, queue.conn, "publish_soon", monkeypatch)
     assert await queue.claim(MODEL, "w", slots=1) == []  # no message: nothing would run it
 
     [again] = await queue.enqueue_many([job(key="k1")])  # the client's resend, same key

@@ -3,14 +3,11 @@ from its messages must handle."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import aio_pika
 import pytest
 
 from tests.conftest import BackendFactory
-from tests.integration.test_broker_conformance import MODEL, job, ok
+from tests.integration.test_broker_conformance import MODEL, dies_before_its_message, job, ok
 from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker.amqp import queue as amqp_queue
 from tokenyard.broker.amqp.queue import AmqpQueue
@@ -29,20 +26,7 @@ async def test_a_resend_publishes_a_job_whose_producer_died_before_its_message(
     queue = broker.queue
     assert isinstance(queue, AmqpQueue)
     first = job(key="k1")
-    stuck = asyncio.Event()
-
-    async def never(*_: Any) -> None:
-        await stuck.wait()
-
-    monkeypatch.setattr(queue.amqp, "publish", never)
-    producer = asyncio.create_task(queue.enqueue_many([first]))
-    for _ in range(200):
-        if await queue.record(first.id) is not None:
-            break
-        await asyncio.sleep(0.01)
-    producer.cancel()  # the producer dies between the record and its message
-    await asyncio.gather(producer, return_exceptions=True)
-    monkeypatch.undo()
+    await dies_before_its_message(queue, first, queue.amqp, "publish", monkeypatch)
     assert await queue.claim(MODEL, "w", slots=1) == []  # no message: nothing would run it
 
     monkeypatch.setattr(amqp_queue, "RESEND_AFTER_S", 0.0)
