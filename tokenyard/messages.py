@@ -188,6 +188,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     tokens_per_s: float = 0.0
     mean_batch: float = 0.0
     jobs_done: int = 0
+    busy_s: float = 0.0  # slot-seconds its running jobs have held since it started
     limits: ModelLimits | None = None
     at: float = 0.0
 

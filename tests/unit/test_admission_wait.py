@@ -11,6 +11,7 @@ from tokenyard.gateway.admission_wait import (
     MAX_RETRY_AFTER_S,
     Refusal,
     ServiceRate,
+    Shortfall,
     jobs_ahead,
     queue_wait,
     refusal,
@@ -146,6 +147,19 @@ def test_a_saturated_workers_completion_rate_is_its_capacity() -> None:
     assert rate.observe([beat("w", 4.0, 20, 3)], saturated=False) == pytest.approx(20 / 3)
 
 
+def test_slot_seconds_give_the_mean_held_not_two_instants() -> None:
+    rate = ServiceRate(halflife_s=0.0)
+    rate.observe([beat("w", 0.0, 0, 0, busy_s=0.0)])  # type: ignore[arg-type]
+    # 4 jobs in 2 s while it held 2 on average (4 slot-seconds), though both heartbeats
+    # caught it between jobs (0 running): a full worker does 4 · 2 / 2 = 4 jobs/s
+    got = rate.observe([beat("w", 2.0, 4, 0, busy_s=4.0)])  # type: ignore[arg-type]
+    assert got == pytest.approx(4.0)
+    # sampled at the instants instead (1 and 0 running), it would claim 4 · 2 / 1 = 8
+    sampled = ServiceRate(halflife_s=0.0)
+    sampled.observe([beat("w", 0.0, 0, 1)])
+    assert sampled.observe([beat("w", 2.0, 4, 0)]) == pytest.approx(8.0)
+
+
 def test_service_rate_smooths() -> None:
     rate = ServiceRate(halflife_s=2.0)
     rate.observe([beat("w", 0.0, 0, 4)])
@@ -161,3 +175,21 @@ def test_admitted_jobs_count_until_the_next_read() -> None:
     twice = with_admitted(once, "b", 2.0, Priority.NORMAL)
     assert twice[1].tenants == [TenantBacklog("a", 3, 1.0), TenantBacklog("b", 1, 2.0)]
     assert lanes[1].tenants == [TenantBacklog("a", 2, 1.0)]  # the input is not changed
+
+
+def test_shortfall_scales_estimates_by_how_far_they_fell_short() -> None:
+    short = Shortfall(window=20, quantile=0.95, floor_s=1.0)
+    assert short.scaled(10.0) == 10.0 and short.scaled(None) is None  # nothing seen: as is
+    short.observe(0.5, 2.0)  # under the floor: one job's discreteness, not the estimate's error
+    assert short.factor == 1.0
+    for _ in range(19):
+        short.observe(10.0, 10.0)  # right
+    short.observe(10.0, 11.0)  # one in twenty 10 % short: the 95th percentile
+    assert short.factor == pytest.approx(1.1)
+    assert short.scaled(28.0) == pytest.approx(30.8)  # a 28 s estimate now misses a 30 s SLO
+    for _ in range(20):
+        short.observe(10.0, 8.0)  # estimates too long never loosen admission past them
+    assert short.factor == 1.0
+    for _ in range(20):
+        short.observe(1.0, 10.0)  # and a broken estimate tightens it at most `cap`-fold
+    assert short.factor == 2.0

@@ -54,3 +54,17 @@ async def test_reads_are_shared_counted_and_refreshed(make_backend: BackendFacto
     await broker.queue.enqueue(spec())
     now[0] = 5.0
     assert staged((await waits.of(MODEL)).lanes) == 6
+
+
+def test_a_followed_calls_queue_time_teaches_the_shortfall(make_backend: BackendFactory) -> None:
+    broker = make_backend()
+    waits = QueueWaits(broker.queue, broker.registry)
+    followed, unfollowed = spec(), spec()
+    waits.admitted(followed, 10.0)
+    waits.admitted(unfollowed)  # an async job: its outcome is not watched here
+    waits.observed(unfollowed.id, 30.0)
+    assert waits.shortfall.factor == 1.0
+    waits.observed(followed.id, 12.0)
+    assert waits.shortfall.factor == 1.2
+    waits.observed(followed.id, 50.0)  # reported once
+    assert waits.shortfall.factor == 1.2

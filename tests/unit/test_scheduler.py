@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenyard.engines.base import StepOutput
 from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams
-from tokenyard.worker.scheduler import Job, Scheduler
+from tokenyard.worker.scheduler import Job, Occupancy, Scheduler
 
 LIMITS = ModelLimits(max_model_len=1000, max_seqs=4, token_budget=1000)
 
@@ -230,3 +230,12 @@ def test_the_one_rule_refuses_embeddings_and_completions_by_what_the_model_runs(
     gen.offer(embed_job("e", [2]))
     [(_, error)] = gen.schedule().refused
     assert error.code == "model_not_supported" and error.param == "model"
+
+
+def test_occupancy_integrates_the_running_count() -> None:
+    held = Occupancy(since=10.0)
+    assert held.level(2, 10.0) == 0.0  # two start at 10 s
+    assert held.level(3, 11.0) == 2.0  # a third at 11 s
+    assert held.level(0, 12.5) == 6.5  # all end at 12.5 s: 2·1 + 3·1.5
+    assert held.level(0, 20.0) == 6.5  # idle time holds nothing
+    assert held.level(1, 19.0) == 6.5  # a clock read out of order adds nothing

@@ -16,6 +16,7 @@ are counted, not tokens: the completion rate is measured in jobs of the current 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
 import msgspec
@@ -116,6 +117,33 @@ def refusal(
     return None
 
 
+class Shortfall:
+    """How far recent estimates fell short of the waits that followed: the `quantile` of
+    actual / estimated over the last `window` live calls estimated to wait at least `floor_s`
+    (shorter estimates are dominated by one job's discreteness). Admission scales estimates by
+    it, never below 1 and at most `cap`: under overload the queue sits at the SLO's edge, so an
+    estimate a few percent short would put the tail of admitted calls a few percent past it."""
+
+    def __init__(
+        self, window: int = 200, quantile: float = 0.95, floor_s: float = 1.0, cap: float = 2.0
+    ) -> None:
+        self.quantile, self.floor_s, self.cap = quantile, floor_s, cap
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.factor = 1.0
+
+    def observe(self, estimated_s: float, actual_s: float) -> None:
+        """A live call's estimated wait at admission and the wait it had."""
+        if estimated_s < self.floor_s:
+            return
+        self._ratios.append(actual_s / estimated_s)
+        ranked = sorted(self._ratios)
+        at = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+        self.factor = min(self.cap, max(1.0, at))
+
+    def scaled(self, wait_s: float | None) -> float | None:
+        return None if wait_s is None else wait_s * self.factor
+
+
 def _ema(old: float | None, new: float, dt: float, halflife_s: float) -> float:
     if old is None:
         return new
@@ -127,6 +155,7 @@ class _Beat(msgspec.Struct):
     at: float
     jobs_done: int
     slots_used: int
+    busy_s: float
     capacity: float | None = None  # jobs/s this worker completes with all its slots busy
 
 
@@ -135,12 +164,12 @@ class ServiceRate:
 
     Between two heartbeats of one worker, `jobs_done` grew by `n` over `dt`: it completed
     n/dt jobs/s. While jobs wait for the workers (`saturated`) that is all it can do, so it
-    is its capacity as measured. Otherwise it held `busy` jobs on average, and with all
-    `slots` busy it would do about slots·(n/dt)/busy (Little's law, as autoscale.Estimator);
-    scaling a saturated worker's rate this way would overestimate it, as its running count
-    dips between a job's end and the next one's start. The fleet's rate is the sum over live,
-    non-draining workers of their smoothed capacities. A worker not measured yet counts as the
-    mean of those that are.
+    is its capacity as measured. Otherwise it held `busy` jobs on average (its slot-seconds
+    over dt), and with all `slots` busy it would do about slots·(n/dt)/busy (Little's law, as
+    autoscale.Estimator); scaling a saturated worker's rate this way would overestimate it, as
+    its running count dips between a job's end and the next one's start. The fleet's rate is
+    the sum over live, non-draining workers of their smoothed capacities. A worker not measured
+    yet counts as the mean of those that are.
     """
 
     def __init__(self, halflife_s: float = 5.0) -> None:
@@ -155,7 +184,7 @@ class ServiceRate:
         beats: dict[str, _Beat] = {}
         for info in workers:
             last = self._beats.get(info.consumer)
-            beat = _Beat(info.at, info.jobs_done, info.slots_used)
+            beat = _Beat(info.at, info.jobs_done, info.slots_used, info.busy_s)
             if last is None:
                 beats[info.consumer] = beat
                 continue
@@ -165,7 +194,10 @@ class ServiceRate:
             if dt <= 0:  # the same heartbeat again: keep the interval's start
                 beats[info.consumer] = last
                 continue
-            busy = (info.slots_used + last.slots_used) / 2
+            held = info.busy_s - last.busy_s
+            # the slots held on average: exact from the worker's slot-seconds; a worker that
+            # does not report them is sampled at its two heartbeats
+            busy = held / dt if held > 0 else (info.slots_used + last.slots_used) / 2
             if done > 0 and (busy > 0 or saturated):
                 sample = done / dt
                 if not saturated:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -46,6 +47,8 @@ class CallTimer:
     metrics: GatewayMetrics
     model: str
     started: float = field(default_factory=time.monotonic)
+    # told the job's queue time when it ends (the admission's estimate learns from it)
+    queued: Callable[[float | None], None] | None = None
     _last: float | None = None
 
     def tokens(self, count: int) -> None:
@@ -74,6 +77,8 @@ class CallTimer:
         m.generation_tokens.labels(model).inc(result.completion_tokens)
         if result.queued_s is not None:
             m.request_queue_time.labels(model).observe(result.queued_s)
+        if self.queued is not None:
+            self.queued(result.queued_s)
 
 
 class Abandonment:
@@ -181,7 +186,12 @@ class LiveCall:
         """The call of a caller whose job just entered the queue (or who joined an identical
         one in flight); the job is cancelled if they leave and no other caller follows it."""
         state.abandonment.own(entered.job_id)
-        timer = CallTimer(state.metrics, spec.model, started=started)
+        timer = CallTimer(
+            state.metrics,
+            spec.model,
+            started=started,
+            queued=functools.partial(state.waits.observed, entered.job_id),
+        )
         call = cls(
             state,
             entered.job_id,

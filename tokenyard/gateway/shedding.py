@@ -20,6 +20,7 @@ from tokenyard.broker.tables import WorkerRegistry
 from tokenyard.gateway.admission_wait import (
     Refusal,
     ServiceRate,
+    Shortfall,
     queue_wait,
     refusal,
     with_admitted,
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # how many read periods old a snapshot may be and still answer while the next read runs
 _STALE_TTLS = 2
+# admitted live calls whose estimate waits for their outcome (older ones are forgotten)
+_FOLLOWED = 10_000
 
 
 class Snapshot(msgspec.Struct):
@@ -54,6 +57,8 @@ class QueueWaits:
     ttl_s: float = 0.25
     halflife_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
+    shortfall: Shortfall = field(default_factory=Shortfall)
+    _estimates: dict[str, float] = field(default_factory=dict, init=False)
     _known: dict[str, tuple[float, Snapshot]] = field(default_factory=dict, init=False)
     _rates: dict[str, ServiceRate] = field(default_factory=dict, init=False)
     _reading: dict[str, asyncio.Future[Snapshot]] = field(default_factory=dict, init=False)
@@ -87,12 +92,23 @@ class QueueWaits:
             snap.lanes, spec.tenant, spec.weight, spec.priority, slots=snap.slots, rate=snap.rate
         )
 
-    def admitted(self, spec: JobSpec) -> None:
-        """Count a job admitted here since the last read (see `with_admitted`)."""
+    def admitted(self, spec: JobSpec, followed: float | None = None) -> None:
+        """Count a job admitted here since the last read (see `with_admitted`); `followed`:
+        its estimated wait, for a live call whose outcome `observed` will report."""
         known = self._known.get(spec.model)
         if known is not None:
             snap = known[1]
             snap.lanes = with_admitted(snap.lanes, spec.tenant, spec.weight, spec.priority)
+        if followed is not None:
+            if len(self._estimates) >= _FOLLOWED:
+                del self._estimates[next(iter(self._estimates))]
+            self._estimates[spec.id] = followed
+
+    def observed(self, job_id: str, queued_s: float | None) -> None:
+        """A live call's job started after `queued_s` in the queue (None: unknown)."""
+        estimated = self._estimates.pop(job_id, None)
+        if estimated is not None and queued_s is not None:
+            self.shortfall.observe(estimated, queued_s)
 
     async def _read(self, model: str) -> Snapshot:
         lanes, workers = await asyncio.gather(
@@ -113,8 +129,9 @@ _REASONS = {
 
 
 async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool, live: bool) -> None:
-    """Refuse `spec` (429) when its estimated wait misses its own deadline or, for a live call
-    with the SLO on, exceeds the queue-wait SLO (or the call's request timeout, if shorter).
+    """Refuse `spec` (429) when its estimated wait (scaled by how far recent estimates fell
+    short, see `Shortfall`) misses its own deadline or, for a live call with the SLO on, exceeds
+    the queue-wait SLO (or the call's request timeout, if shorter).
     A job read later is held only to its own deadline: it queues up to the lane bound. Only
     requests held to something cost a (shared) read."""
     now = time.time()
@@ -125,9 +142,9 @@ async def check(state: GatewayState, spec: JobSpec, *, own_deadline: bool, live:
     if deadline is None and slo is None:
         return  # nothing to hold it to: no read
     wait = await state.waits.wait(spec)
-    refused = refusal(wait, now=now, deadline=deadline, slo_s=slo)
+    refused = refusal(state.waits.shortfall.scaled(wait), now=now, deadline=deadline, slo_s=slo)
     if refused is None:
-        state.waits.admitted(spec)
+        state.waits.admitted(spec, wait if live else None)
         return
     state.metrics.rejections.labels(f"wait_{refused.reason}").inc()
     raise _error(refused, spec, now, slo)

@@ -77,6 +77,22 @@ class Update(Generic[H]):
     tokens: int = 0
 
 
+@dataclass
+class Occupancy:
+    """The time integral of the running count (slot-seconds held): jobs done over it is the
+    mean time a job holds a slot, exactly, where sampling the count at heartbeats is not."""
+
+    since: float
+    running: int = 0
+    total: float = 0.0
+
+    def level(self, running: int, now: float) -> float:
+        """The count is `running` from `now` on; the slot-seconds held up to `now`."""
+        self.total += self.running * max(0.0, now - self.since)
+        self.running, self.since = running, now
+        return self.total
+
+
 def moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
     """Exponential moving average; the first sample seeds it."""
     return sample if previous <= 0 else previous + weight * (sample - previous)

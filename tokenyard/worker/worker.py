@@ -38,7 +38,7 @@ from tokenyard.messages import (
 from tokenyard.metrics import WorkerMetrics, accelerator_utilization
 from tokenyard.tracing import JobSpans
 from tokenyard.tracing import enabled as tracing_enabled
-from tokenyard.worker.scheduler import Job, Plan, Scheduler, Update, moving_average
+from tokenyard.worker.scheduler import Job, Occupancy, Plan, Scheduler, Update, moving_average
 
 log = logging.getLogger(__name__)
 _QUOTA_SWEEP_S = 2.0  # how soon a reservation of an expired job is released at the latest
@@ -128,6 +128,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._capacity_freed = asyncio.Event()
         self._jobs_done = 0
+        self._occupancy = Occupancy(time.monotonic())
         self._tokens_seen = 0
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
@@ -337,7 +338,12 @@ class Worker:
             if not outcome.freed:
                 break
             outcome.freed = False  # a job that could not start left room: schedule again
+        self._occupied()
         return outcome
+
+    def _occupied(self) -> float:
+        """Slot-seconds held so far; called whenever the running count may have changed."""
+        return self._occupancy.level(self.scheduler.running, time.monotonic())
 
     def _carry_out(self, plan: Plan[Lease], outcome: _Outcome) -> None:
         for job, error in plan.refused:
@@ -524,6 +530,7 @@ class Worker:
             if self._dropped_runs:
                 outputs = self._not_dropped(outputs)
             update = self.scheduler.update(outputs, time.monotonic())
+            self._occupied()
             # refill the engine before any broker write, so it never idles on a round trip
             ended = update.finished or update.failed or update.refused
             outcome = self._start_fitting() if ended else _Outcome()
@@ -580,6 +587,7 @@ class Worker:
             return  # not held, or held under a newer delivery than the lease that was lost
         in_engine = self.scheduler.get(job_id) is not None
         self.scheduler.remove(job_id)
+        self._occupied()
         log.warning("dropping %s: %s", job_id, why, extra=job_fields(job_id))
         self.metrics.leases_lost.inc()
         if self.spans is not None:
@@ -672,6 +680,7 @@ class Worker:
             tokens_per_s=round(self._tokens_per_s, 2),
             mean_batch=round(stats.mean_batch, 3),
             jobs_done=self._jobs_done,
+            busy_s=round(self._occupied(), 3),
             limits=self.limits,
             at=time.time(),
         )
