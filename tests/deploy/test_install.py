@@ -17,7 +17,8 @@ from tests.deploy.dockerfile import ROOT, build_context
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Processes, free_port, wait_ready
 
-pytestmark = pytest.mark.install
+# a torch install takes minutes, more than the suite's per-test limit
+pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]
 
 
 def test_install_steps_give_a_working_tokenyard(tmp_path: Path, valkey: EmbeddedServer) -> None:

@@ -187,6 +187,9 @@ def test_autoscaling_modes_render_their_objects() -> None:
     assert "HorizontalPodAutoscaler" in kinds("external-broker-hpa")
     assert "ScaledObject" not in kinds("external-broker-hpa")
     none = RENDERED["external-secret-none"]
+    # the count is the autoscaler's when there is one: an upgrade leaves it alone
+    assert [w["spec"]["replicas"] for w in promises.workers(none.manifests)] == [1]
+    assert all("replicas" not in w["spec"] for w in promises.workers(RENDERED["default"].manifests))
     assert not {"ScaledObject", "HorizontalPodAutoscaler"} & kinds("external-secret-none")
     assert not [d for d in none.of_kind("Deployment") if "autoscale" in d["metadata"]["name"]]
     # KEDA with minReplicas 0 scales to zero; the autoscaler sizes both models
