@@ -4,6 +4,9 @@ It interprets the chart's own Go templates (the subset the chart uses: if / else
 with / define / include, variables, pipelines and the functions in `FUNCS`) with Helm's
 values merge and whitespace rules. An unknown function or an unsupported construct raises, so
 what renders here renders under Helm; a missing map key is nil, as in Go.
+Cross-checked against Helm v4's own engine (libhelm, from the helm-sdkpy wheel, which needs
+Python >= 3.12 and so is no dependency here): `helm lint` clean and the same objects, field for
+field, for every values case in test_chart.py.
 """
 
 from __future__ import annotations
