@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 	test-brokers test-deploy
 
 # torch comes from pip's default index: on Linux, PyPI's torch is the CUDA build (~20 nvidia-*
-# packages, several GB) unless a local CPU wheel is found first. `make TORCH_INDEX=
-# https://download.pytorch.org/whl/cpu` takes the CPU-only build (for .venv and .venv-vllm).
+# packages, several GB) unless a local CPU wheel is found first. The CPU-only build, for .venv
+# and .venv-vllm alike:  make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 TORCH_PIP = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 
