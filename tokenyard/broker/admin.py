@@ -17,7 +17,7 @@ from typing import Protocol
 import msgspec
 
 from tokenyard.broker.core import Clock, Producer, Records, Stats
-from tokenyard.broker.ids import tag_of_job
+from tokenyard.broker.ids import is_job_id, tag_of_job
 from tokenyard.broker.tables import WorkerRegistry
 from tokenyard.messages import DeadLetter, JobStatus
 
@@ -59,7 +59,7 @@ async def requeue_dead(queue: AdminQueue, job_id: str, clock: Clock = time.time)
     """Queue a dead job again as a new job of the same spec (tenant, lane, sampling), its
     deadline as far from now as it was from its creation. It takes no quota reservation: an
     operator's requeue is not the tenant's new request."""
-    record = await queue.record(job_id)
+    record = await queue.record(job_id) if is_job_id(job_id) else None
     if record is None:
         return Requeue(RequeueOutcome.NOT_FOUND, job_id)
     if record.status is not JobStatus.DEAD:
