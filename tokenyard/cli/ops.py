@@ -8,15 +8,12 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from tokenyard.broker import Backend, admin
 from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
 from tokenyard.errors import QueueFull
 
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list them, requeue one.")
-console = Console()
 ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="models to list; default all")]
 
 
@@ -37,25 +34,21 @@ def dlq_list(
 
 
 async def _list(broker: Backend, models: list[str], limit: int) -> None:
-    table = Table(title="dead letters")
-    for column in ("job", "model", "reason", "error", "deliveries", "at", "requeued as"):
-        table.add_column(column, overflow="fold")
+    # tab-separated, a line each: fit for grep, cut and `column -t`
+    rows = []
     for name in models or await broker.queue.models():
         for d in await admin.dead_letters(broker.queue, name, limit):
             e = d.entry
-            table.add_row(
-                e.job_id,
-                e.model,
-                e.reason,
-                e.error or "",
-                str(e.deliveries),
-                datetime.fromtimestamp(e.at, UTC).strftime("%Y-%m-%d %H:%M:%SZ"),
-                d.requeued_as or "",
+            at = datetime.fromtimestamp(e.at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            error = (e.error or "").replace("\t", " ").replace("\n", " ")
+            rows.append(
+                [e.job_id, e.model, e.reason, str(e.deliveries), at, d.requeued_as or "-", error]
             )
-    if table.row_count:
-        console.print(table, width=max(console.width, 160))
-    else:
-        console.print("no dead letters")
+    if not rows:
+        print("no dead letters")
+        return
+    for row in [["job", "model", "reason", "deliveries", "at", "requeued_as", "error"], *rows]:
+        print("\t".join(row))
 
 
 @dlq_app.command("requeue")
