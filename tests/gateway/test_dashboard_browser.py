@@ -22,6 +22,7 @@ from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
 
 IDLE = "idle-model"  # served with no worker: its jobs stay queued, to be cancelled
+pytestmark = pytest.mark.slow
 ADMIN_KEY, TENANT_KEY = "sk-ops", "sk-acme"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
@@ -86,7 +87,7 @@ def test_the_dashboard_charts_the_fleet_and_its_actions_work(ops: Stack, tmp_pat
     with chromium(tmp_path / "profile") as browser:
         browser.set_window_size(1400, 2600)
         try:
-            browser.get(f"{ops.url}/dashboard")
+            browser.get(f"{ops.url}/dashboard?poll=0.5")  # points come at most 1/s (MIN_STEP_S)
             # no key yet: the page asks for one
             until(lambda: browser.find_element(By.ID, "auth").is_displayed(), what="key box")
             browser.find_element(By.ID, "key").send_keys(ADMIN_KEY)

@@ -1,12 +1,11 @@
 """`tokenyard dlq list|requeue` and `tokenyard drain WORKER` through subprocess, on Valkey:
-exit codes, output, and their effects on the broker and on a real worker process."""
+exit codes, output, and their effects on the broker and on a running worker."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,10 +13,11 @@ import pytest
 
 from tokenyard.broker import Backend, connect, new_job_id
 from tokenyard.broker.redis.embedded import EmbeddedServer
-from tokenyard.config import BrokerSettings
-from tokenyard.fleet.launch import Processes
+from tokenyard.config import BrokerSettings, WorkerSettings
+from tokenyard.engines.sim import SimEngine
 from tokenyard.fleet.launch import tokenyard_command as tokenyard
 from tokenyard.messages import JobSpec, JobStatus
+from tokenyard.worker.worker import Worker
 
 pytestmark = pytest.mark.slow
 MODEL = "ops-model"
@@ -87,29 +87,26 @@ async def test_dlq_lists_dead_letters_and_requeues_them_once(broker: Backend) ->
 
 
 async def test_drain_stops_a_running_worker_by_its_name(broker: Backend) -> None:
-    settings = broker.settings
-    with Processes() as procs:
-        worker = procs.start(
-            "worker",
-            tokenyard("worker", "--broker", settings.url, "--prefix", settings.prefix,
-                      "--model", MODEL, "--engine", "sim"),
-            env={**env(), "TOKENYARD_WORKER_HEARTBEAT_S": "0.2"},
-        )  # fmt: skip
+    settings = WorkerSettings(model=MODEL, engine="sim", heartbeat_s=0.2, claim_block_s=0.2)
+    worker_broker = connect(broker.settings)
+    worker = Worker(worker_broker, SimEngine(), settings, consumer=f"ops-{uuid.uuid4().hex[:6]}")
+    running = asyncio.create_task(worker.run())
+    try:
         # while it starts: what a fresh broker answers
         nobody, empty = await asyncio.gather(
             cli(broker, "drain", "no-such-worker"), cli(broker, "dlq", "list")
         )
-        assert empty.returncode == 0 and empty.stdout.strip() == "no dead letters"
         assert nobody.returncode == 1
         assert nobody.stderr.strip() == "tokenyard: no live worker named 'no-such-worker'"
-        give_up = time.monotonic() + 60
-        while not (live := await broker.registry.workers(MODEL)):
-            assert worker.poll() is None and time.monotonic() < give_up, procs.log_tail("worker")
-            await asyncio.sleep(0.1)
-        name = live[0].consumer
-        drained = await cli(broker, "drain", name)
+        assert empty.returncode == 0 and empty.stdout.strip() == "no dead letters"
+        assert [w.consumer for w in await broker.registry.workers(MODEL)] == [worker.consumer]
+        drained = await cli(broker, "drain", worker.consumer)
         assert drained.returncode == 0, drained.stderr
-        assert drained.stdout.strip() == f"draining {name} (model {MODEL})"
-        # it reads the request at its next heartbeat, drains and exits cleanly
-        assert await asyncio.to_thread(worker.wait, 30) == 0
+        assert drained.stdout.strip() == f"draining {worker.consumer} (model {MODEL})"
+        # it reads the request at its next heartbeat, drains and returns (a process exits)
+        await asyncio.wait_for(running, 20)
         assert await broker.registry.workers(MODEL) == []
+    finally:
+        worker.drain()
+        await asyncio.wait_for(running, 20)
+        await worker_broker.close()
