@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -13,11 +13,11 @@ from tokenyard.broker import Backend, admin
 from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
 from tokenyard.errors import QueueFull
 
-dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list them, requeue one.")
+dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list them, requeue them.")
 ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="models to list; default all")]
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"tokenyard: {message}", file=sys.stderr)
     raise typer.Exit(1)
 
