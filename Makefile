@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm rabbitmq \
-	test-brokers test-deploy
+	test-brokers test-deploy chromium vendor-uplot
 
 # torch comes from pip's default index: on Linux, PyPI's torch is the CUDA build (~20 nvidia-*
 # packages, several GB) unless a local CPU wheel is found first. The CPU-only build, for .venv
@@ -97,6 +97,20 @@ test-brokers: install
 	  { echo "no $(RABBITMQ_BIN)/rabbitmq-server: run 'make rabbitmq' as root (Debian)"; exit 1; }
 	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider \
 	  -m "rabbitmq or kafka"
+
+# Headless Chromium and its driver for the dashboard's browser test (Debian, as root); CI sets
+# TOKENYARD_REQUIRE_CHROMIUM=1 so that test fails rather than skips without them.
+chromium:
+	apt-get update -qq && apt-get install -y -qq chromium chromium-driver
+
+# The dashboard's charting library, vendored from npm (tokenyard/gateway/static/vendor/README.md)
+UPLOT_VERSION ?= 1.6.32
+UPLOT_DIR := tokenyard/gateway/static/vendor
+
+vendor-uplot:
+	tmp=$$(mktemp -d) && cd $$tmp && npm pack -q uplot@$(UPLOT_VERSION) && tar xzf uplot-*.tgz && \
+	  cd - >/dev/null && cp $$tmp/package/dist/uPlot.iife.min.js $$tmp/package/dist/uPlot.min.css \
+	  $(UPLOT_DIR)/ && cp $$tmp/package/LICENSE $(UPLOT_DIR)/uPlot.LICENSE && rm -rf $$tmp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

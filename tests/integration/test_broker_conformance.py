@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from tests.conftest import BACKENDS, REDIS_KINDS, BackendFactory
-from tokenyard.broker import Backend, new_job_id
+from tokenyard.broker import Backend, admin, new_job_id
 from tokenyard.broker.core import CancelOutcome, Lease, QueueCore
 from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.broker.redis import connection_of
@@ -613,6 +613,67 @@ async def test_worker_heartbeats_lapse(make_backend: BackendFactory) -> None:
     await broker.registry.heartbeat(info, ttl_s=5)
     await broker.registry.deregister(MODEL, "h:1:0")
     assert await broker.registry.workers(MODEL) == []
+
+
+async def test_an_operator_asks_one_live_worker_to_drain_at_its_heartbeat(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
+
+    def beat(consumer: str) -> WorkerInfo:
+        return WorkerInfo(
+            consumer=consumer, model=MODEL, engine="sim", host="h", pid=1, started_at=time.time()
+        )
+
+    assert not await broker.registry.heartbeat(beat("h:1:0"), ttl_s=5)
+    assert not await broker.registry.heartbeat(beat("h:2:0"), ttl_s=0.3)
+    assert not await broker.registry.request_drain(MODEL, "h:9:0")  # no such worker
+    assert not await broker.registry.request_drain("other-model", "h:1:0")
+    assert await broker.registry.request_drain(MODEL, "h:1:0")
+    assert await broker.registry.heartbeat(beat("h:1:0"), ttl_s=5)
+    assert await broker.registry.heartbeat(beat("h:1:0"), ttl_s=5)  # until it leaves
+    assert [w.consumer for w in await broker.registry.workers(MODEL)] == ["h:2:0", "h:1:0"]
+    await asyncio.sleep(0.4)
+    assert not await broker.registry.request_drain(MODEL, "h:2:0")  # its heartbeat lapsed
+    assert not await broker.registry.heartbeat(beat("h:3:0"), ttl_s=5)
+
+
+async def test_a_dead_letter_is_requeued_once_as_a_new_job_of_its_request(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
+    spec = job(prompt="poison", deadline=time.time() + 60)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.dead_letter(lease, "poison_pill", "boom")
+    [listed] = await admin.dead_letters(broker.queue, MODEL)
+    assert (listed.entry.job_id, listed.entry.reason, listed.requeued_as) == (
+        spec.id,
+        "poison_pill",
+        None,
+    )
+    done = await admin.requeue_dead(broker.queue, spec.id)
+    assert done.outcome is admin.RequeueOutcome.REQUEUED and done.requeued_as
+    again = await admin.requeue_dead(broker.queue, spec.id)
+    assert again == admin.Requeue(admin.RequeueOutcome.ALREADY_REQUEUED, spec.id, done.requeued_as)
+    [listed] = await admin.dead_letters(broker.queue, MODEL)
+    assert listed.requeued_as == done.requeued_as
+    dead = await broker.queue.record(spec.id)
+    assert dead is not None and dead.status is JobStatus.DEAD  # it stays dead: a new job runs
+    [new] = await broker.queue.claim(MODEL, "w2", slots=1)
+    assert new.spec.id == done.requeued_as and new.spec.id != spec.id
+    assert (new.spec.prompt, new.spec.tenant, new.spec.attempt) == ("poison", "acme", 0)
+    assert new.spec.deadline is not None and new.spec.deadline > time.time() + 30
+    running = await admin.requeue_dead(broker.queue, new.spec.id)
+    assert running.outcome is admin.RequeueOutcome.NOT_DEAD
+    assert running.status is JobStatus.RUNNING
+    assert (await admin.requeue_dead(broker.queue, new_job_id(MODEL))).outcome is (
+        admin.RequeueOutcome.NOT_FOUND
+    )
+    assert (await admin.requeue_dead(broker.queue, "nonsense")).outcome is (
+        admin.RequeueOutcome.NOT_FOUND
+    )
+    assert await broker.queue.claim(MODEL, "w3", slots=5) == []  # one new job, not two
 
 
 async def test_resent_enqueue_of_a_known_job_adds_nothing(make_backend: BackendFactory) -> None:

@@ -60,10 +60,16 @@ class StoredResponses(Protocol):
 
 
 class WorkerRegistry(Protocol):
-    """Live workers, by heartbeat."""
+    """Live workers, by heartbeat; an operator may ask one to drain (`tokenyard drain`)."""
 
-    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        """Register or refresh a worker; it counts as live for `ttl_s` seconds."""
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
+        """Register or refresh a worker; it counts as live for `ttl_s` seconds. True once an
+        operator asked it to drain (`request_drain`)."""
+        ...
+
+    async def request_drain(self, model: str, consumer: str) -> bool:
+        """Ask a live worker to drain, read by its next heartbeat; False when none of that
+        name is live."""
         ...
 
     async def deregister(self, model: str, consumer: str) -> None: ...

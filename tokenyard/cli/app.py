@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenyard.broker import Backend, check_url, redacted
+from tokenyard.cli import ops
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
@@ -343,6 +344,8 @@ app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(batch_app, name="batch")
+app.add_typer(ops.dlq_app, name="dlq")
+app.command("drain")(ops.drain)
 
 
 def main() -> None:

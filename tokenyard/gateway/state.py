@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -12,6 +12,7 @@ from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator
 from tokenyard.gateway.cache import ResponseCache
+from tokenyard.gateway.charts import Charts
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.limits import PublishedLimits
@@ -39,6 +40,7 @@ class GatewayState:
     waits: QueueWaits  # estimated queue wait: deadline refusal and overload shedding
     started_at: float  # unix seconds; the `created` of /v1/models
     prefixes: PrefixKeys  # each job's prefix key (prefix affinity)
+    charts: Charts = field(default_factory=Charts)  # the dashboard's, sampled as it polls
 
     async def close(self) -> None:
         await self.enqueuer.close()

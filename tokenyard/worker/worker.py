@@ -684,7 +684,10 @@ class Worker:
             limits=self.limits,
             at=time.time(),
         )
-        await self.registry.heartbeat(info, ttl_s=max(3 * self.settings.heartbeat_s, 1.0))
+        asked = await self.registry.heartbeat(info, ttl_s=max(3 * self.settings.heartbeat_s, 1.0))
+        if asked and not self._draining.is_set():
+            log.info("draining: an operator asked (tokenyard drain %s)", self.consumer)
+            self.drain()
 
 
 @dataclass

@@ -547,6 +547,7 @@ class NatsStoredResponses(StoredResponses):
 class Live(msgspec.Struct, array_like=True):
     info: WorkerInfo
     until: float  # when its heartbeat lapses
+    drain: bool = False  # an operator asked it to drain (`request_drain`)
 
 
 class LiveWorkers(msgspec.Struct):
@@ -570,15 +571,31 @@ class NatsRegistry(WorkerRegistry):
         live.workers = {c: w for c, w in live.workers.items() if w.until > now}
         return len(live.workers) < before
 
-    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        def beat(raw: bytes | None) -> tuple[bytes | None, None]:
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
+        def beat(raw: bytes | None) -> tuple[bytes | None, bool]:
             now = self.clock()
             live = LiveWorkers() if raw is None else decode(raw, LiveWorkers)
             self._drop_lapsed(live, now)
-            live.workers[info.consumer] = Live(info, now + ttl_s)
-            return encode(live), None
+            was = live.workers.get(info.consumer)
+            drain = was is not None and was.drain
+            live.workers[info.consumer] = Live(info, now + ttl_s, drain)
+            return encode(live), drain
 
-        await self.bucket.change(Names.workers(info.model), beat)
+        return await self.bucket.change(Names.workers(info.model), beat)
+
+    async def request_drain(self, model: str, consumer: str) -> bool:
+        def ask(raw: bytes | None) -> tuple[bytes | None, bool]:
+            if raw is None:
+                return None, False
+            live = decode(raw, LiveWorkers)
+            self._drop_lapsed(live, self.clock())
+            worker = live.workers.get(consumer)
+            if worker is None:
+                return None, False
+            worker.drain = True
+            return encode(live), True
+
+        return await self.bucket.change(Names.workers(model), ask)
 
     async def deregister(self, model: str, consumer: str) -> None:
         def leave(raw: bytes | None) -> tuple[bytes | None, None]:

@@ -158,6 +158,10 @@ class Keys:
     def worker(self, model: str, consumer: str) -> str:
         return f"{self._model(model_tag(model))}:worker:{consumer}"
 
+    def drain(self, model: str, consumer: str) -> str:
+        """Set while an operator's request that this worker drain waits for its heartbeat."""
+        return f"{self._model(model_tag(model))}:drain:{consumer}"
+
     def audit(self) -> str:
         """The audit stream (receipts and terminal states): its own hash tag, written in the
         same pipelined round trip as the state change it records (tokenyard/broker/audit.py)."""

@@ -40,6 +40,7 @@ from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 log = logging.getLogger(__name__)
 
 _SWEEP_BATCH = 500  # held reservations looked at per tenant per sweep
+DRAIN_KEPT_S = 3600.0  # a drain request outlives its worker this long (the key's TTL)
 
 
 class RedisDirectory(Directory):
@@ -369,18 +370,28 @@ class RedisRegistry(WorkerRegistry):
         self.keys = keys
         self.clock = clock
 
-    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
         now = self.clock()
         workers = self.keys.workers(info.model)
         me = self.keys.worker(info.model, info.consumer)
-        await self.conn.checked(
+        replies = await self.conn.checked(
             [
                 ("SET", me, encode(info), "PX", ms(ttl_s)),
                 ("ZADD", workers, repr(now + ttl_s), info.consumer),
                 ("ZREMRANGEBYSCORE", workers, "-inf", repr(now)),
                 ("SADD", self.keys.models(), info.model),
+                ("EXISTS", self.keys.drain(info.model, info.consumer)),
             ]
         )
+        return bool(replies[-1])
+
+    async def request_drain(self, model: str, consumer: str) -> bool:
+        lapses = await self.conn.one(("ZSCORE", self.keys.workers(model), consumer))
+        if lapses is None or float(lapses) <= self.clock():
+            return False
+        # kept a while after the worker leaves; a consumer name is not reused
+        await self.conn.one(("SET", self.keys.drain(model, consumer), b"1", "PX", ms(DRAIN_KEPT_S)))
+        return True
 
     async def deregister(self, model: str, consumer: str) -> None:
         await self.conn.checked(

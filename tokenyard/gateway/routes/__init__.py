@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from tokenyard.gateway.routes import batches, dashboard, files, health, jobs, openai, responses
+from tokenyard.gateway.routes import (
+    admin,
+    batches,
+    dashboard,
+    files,
+    health,
+    jobs,
+    openai,
+    responses,
+)
 
 ROUTERS = (
     openai.router,
     jobs.router,
     health.router,
     dashboard.router,
+    admin.router,
     files.router,
     batches.router,
     responses.router,

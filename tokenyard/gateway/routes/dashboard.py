@@ -1,4 +1,7 @@
-"""`/dashboard`: a live status page (static HTML polling `/dashboard/data`), no build step."""
+"""`/dashboard`: a live status page (static HTML polling `/dashboard/data`), no build step.
+
+Its charts are drawn by uPlot, vendored in static/vendor/ (see its README) and served here.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +10,25 @@ import time
 from importlib import resources
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from tokenyard.broker import admin
 from tokenyard.broker.core import BrokerStats
+from tokenyard.errors import NotFound
+from tokenyard.gateway import charts
 from tokenyard.gateway.auth import AdminDep, Tenant
 from tokenyard.gateway.openapi import DocsDep, answers
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.messages import JobRecord, WorkerInfo
+from tokenyard.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 router = APIRouter()
 
 SHOWN_JOBS = 25
-SHOWN_ERRORS = 10
+SHOWN_ERRORS = 50
+# what the page loads besides itself; nothing else is served from static/vendor
+VENDORED = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css"}
 
 
 async def dashboard_access(tenant: AdminDep) -> Tenant:
@@ -39,20 +48,43 @@ async def dashboard_page(_: DocsDep) -> HTMLResponse:
     return HTMLResponse(page.read_text(encoding="utf-8"))
 
 
+@router.get("/dashboard/vendor/{name}", include_in_schema=False)
+async def dashboard_vendor(name: str, _: DocsDep) -> Response:
+    """The charting library the page loads, served from the package (no CDN)."""
+    media = VENDORED.get(name)
+    if media is None:
+        raise NotFound(f"No file '{name}'")
+    body = resources.files("tokenyard.gateway").joinpath(f"static/vendor/{name}").read_bytes()
+    return Response(body, media_type=media, headers={"Cache-Control": "max-age=3600"})
+
+
 @router.get("/dashboard/data", responses=answers(403))
-async def dashboard_data(request: Request, _: DashboardDep) -> JSONResponse:
-    """Lanes, workers and dead letters per model, and this gateway's recent jobs."""
+async def dashboard_data(
+    request: Request, _: DashboardDep, since: Annotated[float, Query()] = 0.0
+) -> JSONResponse:
+    """Lanes, workers and dead letters per model, their chart points after `since` (unix s),
+    and this gateway's recent jobs."""
     state = gateway(request)
     now = time.time()
-    models = await asyncio.gather(*(_model_view(state, m, now) for m in state.settings.models))
+    models = await asyncio.gather(
+        *(_model_view(state, m, now, since) for m in state.settings.models)
+    )
     return JSONResponse({"at": now, "models": models, "jobs": await _recent_jobs(state, now)})
 
 
-async def _model_view(state: GatewayState, model: str, now: float) -> dict[str, Any]:
+async def _model_view(state: GatewayState, model: str, now: float, since: float) -> dict[str, Any]:
     queue, registry = state.backend.queue, state.backend.registry
     stats, workers, dead = await asyncio.gather(
-        queue.stats(model), registry.workers(model), queue.dead_letters(model, SHOWN_ERRORS)
+        queue.stats(model), registry.workers(model), admin.dead_letters(queue, model, SHOWN_ERRORS)
     )
+    chart = state.charts.of(model)
+    if chart.due(now):
+        m = state.metrics
+        ttft = charts.histogram_counts(m.time_to_first_token, model, TTFT_BUCKETS)
+        e2e = charts.histogram_counts(m.e2e_request_latency, model, REQUEST_LATENCY_BUCKETS)
+        chart.add(
+            charts.sample(now, stats, workers, ttft, e2e), TTFT_BUCKETS, REQUEST_LATENCY_BUCKETS
+        )
     return {
         "model": model,
         **_lanes(stats),
@@ -60,14 +92,16 @@ async def _model_view(state: GatewayState, model: str, now: float) -> dict[str, 
         "jobs_done": sum(info.jobs_done for info in workers),
         "dead": [
             {
-                "job_id": d.job_id,
-                "reason": d.reason,
-                "error": d.error,
-                "deliveries": d.deliveries,
-                "at": d.at,
+                "job_id": d.entry.job_id,
+                "reason": d.entry.reason,
+                "error": d.entry.error,
+                "deliveries": d.entry.deliveries,
+                "at": d.entry.at,
+                "requeued_as": d.requeued_as,
             }
             for d in dead
         ],
+        "chart": chart.since(since),
     }
 
 

@@ -169,6 +169,11 @@ async def job_events(
 async def cancel_job(request: Request, job_id: str, tenant: TenantDep) -> JSONResponse:
     state = gateway(request)
     _, bare = await _record_of(state, job_id, tenant)
+    return await cancel_reply(state, bare, job_id)
+
+
+async def cancel_reply(state: GatewayState, bare: str, job_id: str) -> JSONResponse:
+    """Cancel a job (the caller checked it may) and answer as DELETE /v1/jobs/{id} does."""
     outcome = await state.backend.queue.cancel(bare)
     if outcome is CancelOutcome.NOT_FOUND:
         raise _no_job(job_id)

@@ -1,0 +1,186 @@
+"""/dashboard in headless Chromium with an admin key: charts drawn from live data, per-worker
+rows, a dead letter with its reason, a new job appearing, and the three actions (cancel a
+queued job, requeue a dead letter, drain a worker) checked through the API. Screenshots go to
+the test artefacts (tests/browser.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.browser import artefacts, chromium, screenshot
+from tests.gateway.conftest import MODEL, Stack, run_stack
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.gateway.auth import KeyRing, Tenant
+
+IDLE = "idle-model"  # served with no worker: its jobs stay queued, to be cancelled
+pytestmark = pytest.mark.slow
+ADMIN_KEY, TENANT_KEY = "sk-ops", "sk-acme"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
+
+
+@pytest.fixture
+def ops(valkey: EmbeddedServer) -> Iterator[Stack]:
+    keyring = KeyRing({ADMIN_KEY: Tenant("ops", admin=True), TENANT_KEY: Tenant("acme")})
+    with run_stack(
+        valkey, keyring=keyring, models=(MODEL, IDLE), broker_options={"max_deliveries": 1}
+    ) as stack:
+        yield stack
+
+
+def until(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
+    """Poll `check` until it is truthy, ignoring page elements not rendered yet or
+    re-rendered under it (each poll redraws the tables)."""
+    from selenium.common.exceptions import (
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
+
+    give_up = time.monotonic() + timeout_s
+    while True:
+        try:
+            if value := check():
+                return value
+        except (NoSuchElementException, StaleElementReferenceException):
+            pass
+        assert time.monotonic() < give_up, f"timed out waiting for {what or check}"
+        time.sleep(0.1)
+
+
+def load(url: str, stop: threading.Event) -> None:
+    """Completions, streamed and not, until `stop`: the charts' data."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=TENANT_KEY, max_retries=0)
+
+    def one(i: int) -> None:
+        if i % 2:
+            for _ in client.completions.create(
+                model=MODEL, prompt=f"load {i}", max_tokens=16, stream=True
+            ):
+                pass
+        else:
+            client.completions.create(model=MODEL, prompt=f"load {i}", max_tokens=16)
+
+    with ThreadPoolExecutor(4) as pool:
+        i = 0
+        while not stop.is_set():
+            list(pool.map(one, range(i, i + 8)))
+            i += 8
+
+
+def test_the_dashboard_charts_the_fleet_and_its_actions_work(ops: Stack, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    where = artefacts(tmp_path)
+    extra = ops.start_worker()  # the one to drain
+    api = httpx.Client(base_url=ops.url, timeout=30)
+    stop = threading.Event()
+    loader = threading.Thread(target=load, args=(ops.url, stop), daemon=True)
+    with chromium(tmp_path / "profile") as browser:
+        browser.set_window_size(1400, 2600)
+        try:
+            browser.get(f"{ops.url}/dashboard?poll=0.5")  # points come at most 1/s (MIN_STEP_S)
+            # no key yet: the page asks for one
+            until(lambda: browser.find_element(By.ID, "auth").is_displayed(), what="key box")
+            browser.find_element(By.ID, "key").send_keys(ADMIN_KEY)
+            browser.find_element(By.ID, "save").click()
+            models = browser.find_element(By.ID, "models")
+            until(lambda: MODEL in models.text and IDLE in models.text, what="both models")
+
+            def section(model: str) -> Any:
+                return browser.find_element(By.CSS_SELECTOR, f'section[data-model="{model}"]')
+
+            # per-worker rows: the stack's worker and the extra one
+            until(
+                lambda: len(section(MODEL).find_elements(By.CSS_SELECTOR, "tr.worker")) == 2,
+                what="two worker rows",
+            )
+            # a new job appears, without a reload
+            queued = api.post(
+                "/v1/jobs", json={"model": IDLE, "prompt": "wait", "max_tokens": 4}, headers=TENANT
+            ).json()["id"]
+            until(lambda: queued in browser.find_element(By.ID, "jobs").text, what="new job")
+            # a dead letter, listed with its reason
+            dead = api.post(
+                "/v1/jobs",
+                json={"model": MODEL, "prompt": "[[fail]]", "max_tokens": 4},
+                headers=TENANT,
+            ).json()["id"]
+            until(
+                lambda: any(
+                    dead in r.text and "failed" in r.text
+                    for r in section(MODEL).find_elements(By.CSS_SELECTOR, "tr.dead")
+                ),
+                what="the dead letter with its reason",
+            )
+            # charts drawn from data: five per model, a canvas each, the load's points in them
+            loader.start()
+            assert len(browser.find_elements(By.CSS_SELECTOR, ".uplot canvas")) == 10
+            drawn = (
+                "const d = window.dashboard.views[arguments[0]].data;"
+                "const some = (id, i) => d[id][i].some((v) => v != null && v > 0);"
+                "return d.jobs[0].length > 2 && some('jobs', 1) && some('tokens', 1) &&"
+                " some('latency', 1) && some('latency', 4) && some('batch', 1);"
+            )
+            until(lambda: browser.execute_script(drawn, MODEL), 30, "every chart's data")
+            rate = section(MODEL).find_element(By.CSS_SELECTOR, ".rate").text
+            assert float(rate) > 0
+            screenshot(browser, where, "dashboard.png")
+            stop.set()
+            loader.join(30)
+
+            def click(action: str, target: str) -> None:
+                css = f'button[data-action="{action}"][data-id="{target}"]'
+                until(lambda: browser.find_element(By.CSS_SELECTOR, css).click() or True)
+
+            # the load's jobs pushed it off the recent list: a new one to cancel
+            queued = api.post(
+                "/v1/jobs", json={"model": IDLE, "prompt": "wait", "max_tokens": 4}, headers=TENANT
+            ).json()["id"]
+            # cancel a queued job (another tenant's): the tenant sees it cancelled
+            click("cancel", queued)
+            until(
+                lambda: (
+                    api.get(f"/v1/jobs/{queued}", headers=TENANT).json()["status"] == "cancelled"
+                ),
+                what="the job cancelled",
+            )
+            # requeue the dead letter: a new job, shown beside it
+            click("requeue", dead)
+
+            def requeued() -> str | None:
+                rows = api.get("/admin/dead_letters", headers=ADMIN).json()["data"]
+                found: str | None = {r["job_id"]: r["requeued_as"] for r in rows}.get(dead)
+                return found
+
+            new = until(requeued, what="the dead letter requeued")
+            assert api.get(f"/v1/jobs/{new}", headers=TENANT).status_code == 200
+            until(lambda: "requeued as" in section(MODEL).text, what="requeued shown")
+            # drain the extra worker: it leaves the registry, the stack's worker stays
+            click("drain", extra.consumer)
+
+            def consumers() -> set[str]:
+                data = api.get("/dashboard/data", headers=ADMIN).json()
+                return {w["consumer"] for m in data["models"] for w in m["workers"]}
+
+            until(lambda: extra.consumer not in consumers(), what="the worker drained")
+            assert len(consumers()) == 1
+            until(
+                lambda: len(section(MODEL).find_elements(By.CSS_SELECTOR, "tr.worker")) == 1,
+                what="one worker row",
+            )
+            assert "draining" in browser.find_element(By.ID, "notice").text
+            screenshot(browser, where, "dashboard-after-actions.png")
+        finally:
+            stop.set()
+            if loader.is_alive():
+                loader.join(30)
+            api.close()
