@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
+import json
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
@@ -101,6 +106,83 @@ def test_one_trace_from_the_clients_traceparent_to_the_worker(
     job = spans["tokenyard.job"]
     assert job.attributes is not None and job.attributes["tokenyard.completion_tokens"] == 4
     assert spans["tokenyard.queue_wait"].end_time <= spans["tokenyard.prefill"].start_time  # type: ignore[operator]
+
+
+def _console_spans(text: str) -> list[dict[str, Any]]:
+    """The spans the console exporter printed: JSON objects one after another."""
+    decoder, spans, at = json.JSONDecoder(), [], 0
+    while (at := _skip_space(text, at)) < len(text):
+        span, at = decoder.raw_decode(text, at)
+        spans.append(span)
+    return spans
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def test_every_span_lies_inside_its_parent_in_the_console_exporters_output(
+    valkey: EmbeddedServer,
+) -> None:
+    """An idle worker waits in a blocking claim that began before the request came (the case
+    that gave `tokenyard.queue_wait` a negative length): every child starts inside its parent.
+
+    Within a process every child also ends inside its parent: the gateway's admission and
+    enqueue inside its request span, the worker's steps inside `tokenyard.job`. Across the
+    queue, the worker's `queue_wait` and `job` hang under the request span as a message's
+    consumer does (async): they start inside it and may end after it, since a stream's headers
+    and a 202 leave before the job ends, and even a sync answer may leave before the worker
+    hears that its completion was written. Only a sync call's queue wait ends inside it.
+    """
+    out = io.StringIO()
+    tracing.configure("tokenyard-test", ConsoleSpanExporter(out=out), batch=False)
+    body = {"model": MODEL, "prompt": "nested", "max_tokens": 4, "ignore_eos": True}
+    try:
+        with run_stack(valkey) as stack, stack.client() as client:
+            calls = {
+                "sync": client.post("/v1/completions", json=body),
+                "stream": client.post("/v1/completions", json={**body, "stream": True}),
+                "job": client.post("/v1/jobs", json=body),
+            }
+            assert [r.status_code for r in calls.values()] == [200, 200, 202]
+            give_up = time.monotonic() + 10
+            while out.getvalue().count('"name": "tokenyard.job"') < len(calls):
+                assert time.monotonic() < give_up, out.getvalue()
+                time.sleep(0.02)
+    finally:
+        tracing.shutdown()
+    spans = _console_spans(out.getvalue())
+    by_id = {s["context"]["span_id"]: s for s in spans}
+    for span in spans:
+        span["start"] = datetime.fromisoformat(span["start_time"])
+        span["end"] = datetime.fromisoformat(span["end_time"])
+        assert span["start"] <= span["end"], span["name"]
+    async_children = {"tokenyard.queue_wait", "tokenyard.job"}
+    checked = 0
+    for child in spans:
+        parent = by_id.get(child["parent_id"])
+        if parent is None:
+            continue  # a root: the request span
+        name = child["name"]
+        assert parent["start"] <= child["start"], (parent["name"], name)
+        if name not in async_children:
+            assert child["end"] <= parent["end"], (parent["name"], name)
+        checked += 1
+    assert checked >= 3 * 6  # admission, enqueue, queue wait, job, claim, complete per call
+    sync_job = next(
+        s
+        for s in spans
+        if s["attributes"].get("tokenyard.job_id") == calls["sync"].headers["x-job-id"]
+    )
+    request = by_id[sync_job["parent_id"]]
+    [wait] = [
+        s
+        for s in spans
+        if s["name"] == "tokenyard.queue_wait" and s["parent_id"] == request["context"]["span_id"]
+    ]
+    assert wait["end"] <= request["end"]
 
 
 def test_tracing_off_still_carries_the_callers_traceparent(stack: Stack) -> None:
