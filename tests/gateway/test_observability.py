@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard import tracing
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.logs import Fields, JsonFormatter, TextFormatter
 from tokenyard.messages import JobRecord
 
 
@@ -232,3 +234,49 @@ def test_dashboard_data_needs_a_valid_key_when_keys_are_configured(
 def test_dashboard_data_route_is_in_the_openapi_schema(stack: Stack) -> None:
     schema = httpx.get(f"{stack.url}/openapi.json").json()
     assert "/dashboard/data" in schema["paths"] and "/dashboard" not in schema["paths"]
+
+
+def test_one_access_line_per_request_with_its_tenant_job_times_and_tokens(
+    valkey: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenyard.access")
+    keyring = KeyRing({"sk-acme": Tenant("acme")})
+    key = {"Authorization": "Bearer sk-acme"}
+    body = {"model": MODEL, "prompt": "logged", "max_tokens": 4, "ignore_eos": True}
+    with run_stack(valkey, keyring=keyring) as stack, stack.client(headers=key) as client:
+        sync = client.post("/v1/completions", json=body)
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        job = client.post("/v1/jobs", json=body).json()["id"]
+        missing = client.get("/v1/jobs/nope")
+        assert (sync.status_code, streamed.status_code, missing.status_code) == (200, 200, 404)
+        assert client.get("/healthz").status_code == 200  # a probe: DEBUG, not INFO
+        # each line is written once its answer has gone, streams included
+        give_up = time.monotonic() + 10
+        while len(lines := [r for r in caplog.records if r.name == "tokenyard.access"]) < 4:
+            assert time.monotonic() < give_up, [r.getMessage() for r in lines]
+            time.sleep(0.01)
+    assert len(lines) == 4 and all(isinstance(r.msg, Fields) for r in lines)
+    values = [r.msg.values for r in lines if isinstance(r.msg, Fields)]
+    by_call = {(v["method"], v["path"], v["status"]): v for v in values}
+    assert set(by_call) == {
+        ("POST", "/v1/completions", 200),
+        ("POST", "/v1/jobs", 202),
+        ("GET", "/v1/jobs/nope", 404),
+    }
+    # the two completions: the sync one and the stream, told apart by their job ids
+    calls = {v["job_id"]: v for v in values if v["path"] == "/v1/completions"}
+    assert set(calls) == {sync.headers["x-job-id"], streamed.headers["x-job-id"]}
+    for v in calls.values():
+        assert v["tenant"] == "acme"
+        assert v["prompt_tokens"] > 0 and v["completion_tokens"] == 4
+        assert v["queue_ms"] >= 0 and 0 < v["ttft_ms"] <= v["total_ms"]
+    queued = by_call["POST", "/v1/jobs", 202]
+    assert queued["job_id"] == job and queued["tenant"] == "acme" and queued["ttft_ms"] is None
+    assert {r.levelno for r in lines} == {logging.INFO}
+    sync_id = sync.headers["x-job-id"]
+    [sync_line] = [r for r in lines if f"job_id={sync_id} " in r.getMessage()]
+    text = TextFormatter().format(sync_line)
+    assert f"tokenyard.access POST /v1/completions 200 tenant=acme job_id={sync_id} " in text
+    out = json.loads(JsonFormatter().format(sync_line))
+    assert out["message"] == "POST /v1/completions 200" and out["logger"] == "tokenyard.access"
+    assert out["status"] == 200 and out["completion_tokens"] == 4 and out["total_ms"] > 0
