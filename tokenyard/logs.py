@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from tokenyard import tracing
 from tokenyard.errors import FatalError
 
 _IDS = ("job_id", "trace_id", "span_id")
@@ -67,8 +68,6 @@ class IdsFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "trace_id", None) is None:
-            from tokenyard import tracing
-
             ids = tracing.current_ids()
             if ids is not None:
                 record.trace_id, record.span_id = ids
