@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -117,8 +118,13 @@ def current_ids() -> tuple[str, str] | None:
 _OFF: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable and reentrant
 
 
+# Request spans begun in this request's task end when its response has gone (see `hold`).
+_held: ContextVar[list[Span] | None] = ContextVar("tokenyard_held_spans", default=None)
+
+
 def server_span(name: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
-    """The request's span, continuing the caller's `traceparent` when it sent one."""
+    """The request's span, continuing the caller's `traceparent` when it sent one; after
+    `hold`, it ends with the response rather than with the handler."""
     tracer = _state.tracer
     if tracer is None:
         return _OFF
@@ -126,7 +132,46 @@ def server_span(name: str, headers: Mapping[str, str]) -> AbstractContextManager
     from opentelemetry.trace import SpanKind
 
     parent = extract({k: headers[k] for k in _W3C if k in headers})
-    return tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
+    span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
+    return _current_until_end(span, _held.get())
+
+
+@contextlib.contextmanager
+def _current_until_end(span: Span, held: list[Span] | None) -> Iterator[Span]:
+    from opentelemetry.trace import use_span
+
+    try:
+        with use_span(span, end_on_exit=False, record_exception=True):
+            yield span
+    finally:
+        if held is None:
+            span.end()
+        else:
+            held.append(span)
+
+
+class Held:
+    """Request spans waiting for their response to end (see `hold`)."""
+
+    __slots__ = ("spans", "token")
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.token = _held.set(self.spans)
+
+
+def hold() -> Held | None:
+    """For the HTTP edge, as a request comes in: its request spans end at `release`, once the
+    response has gone. A handler returns a stream before its first byte, so a span ended with
+    the handler would say a streamed call took a few milliseconds, and its job's spans would
+    outlive it. None (one test) when tracing is off."""
+    return None if _state.tracer is None else Held()
+
+
+def release(held: Held) -> None:
+    _held.reset(held.token)
+    for span in held.spans:
+        span.end()
 
 
 def span(name: str, **attributes: Any) -> AbstractContextManager[Span | None]:

@@ -134,9 +134,9 @@ def test_every_span_lies_inside_its_parent_in_the_console_exporters_output(
     Within a process every child also ends inside its parent: the gateway's admission and
     enqueue inside its request span, the worker's steps inside `tokenyard.job`. Across the
     queue, the worker's `queue_wait` and `job` hang under the request span as a message's
-    consumer does (async): they start inside it and may end after it, since a stream's headers
-    and a 202 leave before the job ends, and even a sync answer may leave before the worker
-    hears that its completion was written. Only a sync call's queue wait ends inside it.
+    consumer does (async): they start inside it and may end after it, since a 202 leaves before
+    the job ends, and even a live call's answer may leave before the worker hears that its
+    completion was written. A live call's queue wait and tokens lie inside its request span.
     """
     out = io.StringIO()
     tracing.configure("tokenyard-test", ConsoleSpanExporter(out=out), batch=False)
@@ -173,18 +173,23 @@ def test_every_span_lies_inside_its_parent_in_the_console_exporters_output(
             assert child["end"] <= parent["end"], (parent["name"], name)
         checked += 1
     assert checked >= 3 * 6  # admission, enqueue, queue wait, job, claim, complete per call
-    sync_job = next(
-        s
-        for s in spans
-        if s["attributes"].get("tokenyard.job_id") == calls["sync"].headers["x-job-id"]
-    )
-    request = by_id[sync_job["parent_id"]]
-    [wait] = [
-        s
-        for s in spans
-        if s["name"] == "tokenyard.queue_wait" and s["parent_id"] == request["context"]["span_id"]
-    ]
-    assert wait["end"] <= request["end"]
+    # a live call's request span lasts until its answer has gone, the stream's last token
+    # included: the job was picked and its tokens made inside it
+    for call in ("sync", "stream"):
+        job_id = calls[call].headers["x-job-id"]
+        [job] = [
+            s
+            for s in spans
+            if s["name"] == "tokenyard.job" and s["attributes"]["tokenyard.job_id"] == job_id
+        ]
+        request = by_id[job["parent_id"]]
+        steps = {
+            s["name"]: s
+            for s in spans
+            if s["parent_id"] in (request["context"]["span_id"], job["context"]["span_id"])
+        }
+        assert steps["tokenyard.queue_wait"]["end"] <= request["end"], call
+        assert steps["tokenyard.decode"]["end"] <= request["end"], call
 
 
 def test_tracing_off_still_carries_the_callers_traceparent(stack: Stack) -> None:

@@ -1,5 +1,5 @@
 """Every HTTP answer, once, at its end (streams included): counted by route template and status,
-and logged as one access line (an ASGI middleware)."""
+logged as one access line, and its request span ended (an ASGI middleware)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenyard import tracing
 from tokenyard.logs import Fields
 from tokenyard.metrics import GatewayMetrics
 
@@ -81,6 +82,7 @@ class RequestMetricsMiddleware:
         level = logging.DEBUG if scope["path"] in _POLLED else logging.INFO
         access = Access(time.monotonic()) if ACCESS_LOG.isEnabledFor(level) else None
         token = None if access is None else _current.set(access)
+        held = tracing.hold()
 
         async def watch(message: Message) -> None:
             nonlocal status
@@ -96,6 +98,8 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, watch)
         finally:
+            if held is not None:
+                tracing.release(held)
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             self.metrics.requests.labels(scope.get("method", ""), template, str(status)).inc()
