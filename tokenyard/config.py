@@ -176,6 +176,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     batch_share: float = 0.5
     claim_block_s: float = 0.5
     heartbeat_s: float = 2.0
+    # a stats line (running, waiting, tokens/s, KV use) this often at INFO, as vLLM's; 0: off.
+    # Logged at a heartbeat, so at most heartbeat_s late
+    log_stats_s: float = 10.0
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # serve this worker's Prometheus metrics on it (0/None: off)
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda | cuda:N

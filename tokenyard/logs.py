@@ -1,7 +1,8 @@
 """Logging setup for every process: text or JSON lines, each carrying job and trace ids.
 
 A log call names its job with `extra=job_fields(job_id, trace_context)`; a line logged inside
-an OpenTelemetry span also carries that span's trace id.
+an OpenTelemetry span also carries that span's trace id. A line of named values (the gateway's
+access line, the worker's stats line) is logged as `Fields`: `key=value`s in text, keys in JSON.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import sys
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from tokenyard import tracing
+from tokenyard.errors import FatalError
 
 _IDS = ("job_id", "trace_id", "span_id")
 
@@ -39,13 +43,31 @@ def job_fields(job_id: str, trace_context: Mapping[str, str] | None = None) -> d
     return fields
 
 
+class Fields:
+    """A log message of named values, rendered only when a handler emits it: text reads
+    `title head... key=value ...` (None left out), JSON keeps every value under its own key."""
+
+    __slots__ = ("head", "title", "values")
+
+    def __init__(self, title: str, values: dict[str, Any], head: tuple[str, ...] = ()) -> None:
+        self.title = title
+        self.values = values
+        self.head = head  # keys whose values lead the text bare, as an access log's do
+
+    def headline(self) -> str:
+        lead = [str(self.values[k]) for k in self.head]
+        return " ".join([self.title, *lead] if self.title else lead)
+
+    def __str__(self) -> str:
+        rest = (f"{k}={v}" for k, v in self.values.items() if v is not None and k not in self.head)
+        return " ".join((self.headline(), *rest))
+
+
 class IdsFilter(logging.Filter):
     """Fills trace_id/span_id from the current OpenTelemetry span when the call gave none."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "trace_id", None) is None:
-            from tokenyard import tracing
-
             ids = tracing.current_ids()
             if ids is not None:
                 record.trace_id, record.span_id = ids
@@ -66,14 +88,18 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: ts, level, logger, message, the ids, and any exception."""
 
     def format(self, record: logging.LogRecord) -> str:
+        fields = record.msg if isinstance(record.msg, Fields) else None
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": record.getMessage() if fields is None else fields.headline(),
             "pid": record.process,
         }
+        if fields is not None:
+            for key, value in fields.values.items():
+                out.setdefault(key, value)  # never over ts, level, logger, message
         for key in _IDS:
             value = getattr(record, key, None)
             if value:
@@ -85,6 +111,9 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(level: str = "INFO", fmt: LogFormat | str = LogFormat.TEXT) -> None:
     """Replace the root handlers with one stderr handler in the chosen format."""
+    name = level.upper()
+    if name not in logging.getLevelNamesMapping():
+        raise FatalError(f"unknown log level {level!r}: DEBUG, INFO, WARNING, ERROR or CRITICAL")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if LogFormat(fmt) is LogFormat.JSON else TextFormatter())
     handler.addFilter(IdsFilter())
@@ -92,4 +121,4 @@ def setup_logging(level: str = "INFO", fmt: LogFormat | str = LogFormat.TEXT) ->
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level.upper())
+    root.setLevel(name)

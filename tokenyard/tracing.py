@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -117,8 +118,13 @@ def current_ids() -> tuple[str, str] | None:
 _OFF: contextlib.nullcontext[None] = contextlib.nullcontext()  # reusable and reentrant
 
 
+# Request spans begun in this request's task end when its response has gone (see `hold`).
+_held: ContextVar[list[Span] | None] = ContextVar("tokenyard_held_spans", default=None)
+
+
 def server_span(name: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
-    """The request's span, continuing the caller's `traceparent` when it sent one."""
+    """The request's span, continuing the caller's `traceparent` when it sent one; after
+    `hold`, it ends with the response rather than with the handler."""
     tracer = _state.tracer
     if tracer is None:
         return _OFF
@@ -126,7 +132,46 @@ def server_span(name: str, headers: Mapping[str, str]) -> AbstractContextManager
     from opentelemetry.trace import SpanKind
 
     parent = extract({k: headers[k] for k in _W3C if k in headers})
-    return tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
+    span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER)
+    return _current_until_end(span, _held.get())
+
+
+@contextlib.contextmanager
+def _current_until_end(span: Span, held: list[Span] | None) -> Iterator[Span]:
+    from opentelemetry.trace import use_span
+
+    try:
+        with use_span(span, end_on_exit=False, record_exception=True):
+            yield span
+    finally:
+        if held is None:
+            span.end()
+        else:
+            held.append(span)
+
+
+class Held:
+    """Request spans waiting for their response to end (see `hold`)."""
+
+    __slots__ = ("spans", "token")
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.token = _held.set(self.spans)
+
+
+def hold() -> Held | None:
+    """For the HTTP edge, as a request comes in: its request spans end at `release`, once the
+    response has gone. A handler returns a stream before its first byte, so a span ended with
+    the handler would say a streamed call took a few milliseconds, and its job's spans would
+    outlive it. None (one test) when tracing is off."""
+    return None if _state.tracer is None else Held()
+
+
+def release(held: Held) -> None:
+    _held.reset(held.token)
+    for span in held.spans:
+        span.end()
 
 
 def span(name: str, **attributes: Any) -> AbstractContextManager[Span | None]:
@@ -204,9 +249,17 @@ class JobSpans:
             if times is None or not spec.trace_context:
                 continue
             parent = extract(spec.trace_context)
+            at = job_timeline(
+                created=spec.created_at,
+                claim=(times.claim_start, times.claim_end),
+                started=times.started,
+                first=None if first is None else first + to_wall,
+                last=None if last is None else last + to_wall,
+                complete=(start, end),
+            )
             ns = _ns
-            tracer.start_span("tokenyard.queue_wait", parent, start_time=ns(spec.created_at)).end(
-                ns(times.claim_start)
+            tracer.start_span("tokenyard.queue_wait", parent, start_time=ns(at.created)).end(
+                ns(at.picked)
             )
             attrs: dict[str, str | int | bool] = {
                 "tokenyard.job_id": spec.id,
@@ -223,25 +276,79 @@ class JobSpans:
                 parent,
                 kind=SpanKind.CONSUMER,
                 attributes=attrs,
-                start_time=ns(times.claim_start),
+                start_time=ns(at.picked),
             )
             inside = set_span_in_context(job)
-            tracer.start_span("tokenyard.claim", inside, start_time=ns(times.claim_start)).end(
-                ns(times.claim_end)
+            tracer.start_span("tokenyard.claim", inside, start_time=ns(at.picked)).end(
+                ns(at.claimed)
             )
-            if times.started is not None:
-                first_wall = end if first is None else first + to_wall
-                tracer.start_span("tokenyard.prefill", inside, start_time=ns(times.started)).end(
-                    ns(first_wall)
+            if at.started is not None:
+                prefill_end = at.complete_start if at.first is None else at.first
+                tracer.start_span("tokenyard.prefill", inside, start_time=ns(at.started)).end(
+                    ns(prefill_end)
                 )
-                if first is not None and last is not None:
-                    tracer.start_span(
-                        "tokenyard.decode", inside, start_time=ns(first + to_wall)
-                    ).end(ns(last + to_wall))
-            tracer.start_span("tokenyard.complete", inside, start_time=ns(start)).end(ns(end))
+                if at.first is not None and at.last is not None:
+                    tracer.start_span("tokenyard.decode", inside, start_time=ns(at.first)).end(
+                        ns(at.last)
+                    )
+            tracer.start_span("tokenyard.complete", inside, start_time=ns(at.complete_start)).end(
+                ns(at.complete_end)
+            )
             if result.error or not ours:
                 job.set_status(Status(StatusCode.ERROR, result.error or "lease lost"))
-            job.end(ns(end))
+            job.end(ns(at.complete_end))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One delivery of a job, in the order it happened; unix seconds."""
+
+    created: float  # admitted at the gateway
+    picked: float  # delivered to this worker: the queue wait ends, the job's span begins
+    claimed: float  # the claim call returned
+    started: float | None  # handed to the engine (None: it never ran)
+    first: float | None  # first and last token
+    last: float | None
+    complete_start: float  # the completion's write
+    complete_end: float
+
+
+def job_timeline(
+    *,
+    created: float,
+    claim: tuple[float, float],
+    started: float | None,
+    first: float | None,
+    last: float | None,
+    complete: tuple[float, float],
+) -> Timeline:
+    """The spans' times, each no earlier than the one before, so every child lies inside its
+    parent and no span has a negative length.
+
+    Two readings break that order otherwise. A claim is a blocking read: an idle worker starts
+    it before the job exists, so its start is not when the job was picked (a queue wait of
+    -476 ms when the span ended there): the job is picked at the later of the two. And
+    `created` is the gateway's clock, the rest the worker's: a worker whose clock runs behind
+    would date its spans before the request that caused them, so they start no earlier than
+    the job's creation, which lies inside the gateway's span.
+    """
+    picked = max(created, claim[0])
+    claimed = max(picked, claim[1])
+    started = None if started is None else max(claimed, started)
+    floor = claimed if started is None else started
+    first = None if first is None else max(floor, first)
+    last = None if last is None or first is None else max(first, last)
+    complete_start = max(t for t in (floor, first, last, complete[0]) if t is not None)
+    return Timeline(
+        created=created,
+        picked=picked,
+        claimed=claimed,
+        started=started,
+        first=first,
+        last=last,
+        complete_start=complete_start,
+        complete_end=max(complete_start, complete[1]),
+    )
 
 
 def _ns(unix_s: float) -> int:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
@@ -15,6 +21,7 @@ from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard import tracing
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.logs import Fields, JsonFormatter, TextFormatter
 from tokenyard.messages import JobRecord
 
 
@@ -103,6 +110,88 @@ def test_one_trace_from_the_clients_traceparent_to_the_worker(
     assert spans["tokenyard.queue_wait"].end_time <= spans["tokenyard.prefill"].start_time  # type: ignore[operator]
 
 
+def _console_spans(text: str) -> list[dict[str, Any]]:
+    """The spans the console exporter printed: JSON objects one after another."""
+    decoder, spans, at = json.JSONDecoder(), [], 0
+    while (at := _skip_space(text, at)) < len(text):
+        span, at = decoder.raw_decode(text, at)
+        spans.append(span)
+    return spans
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def test_every_span_lies_inside_its_parent_in_the_console_exporters_output(
+    valkey: EmbeddedServer,
+) -> None:
+    """An idle worker waits in a blocking claim that began before the request came (the case
+    that gave `tokenyard.queue_wait` a negative length): every child starts inside its parent.
+
+    Within a process every child also ends inside its parent: the gateway's admission and
+    enqueue inside its request span, the worker's steps inside `tokenyard.job`. Across the
+    queue, the worker's `queue_wait` and `job` hang under the request span as a message's
+    consumer does (async): they start inside it and may end after it, since a 202 leaves before
+    the job ends, and even a live call's answer may leave before the worker hears that its
+    completion was written. A live call's queue wait and tokens lie inside its request span.
+    """
+    out = io.StringIO()
+    tracing.configure("tokenyard-test", ConsoleSpanExporter(out=out), batch=False)
+    body = {"model": MODEL, "prompt": "nested", "max_tokens": 4, "ignore_eos": True}
+    try:
+        with run_stack(valkey) as stack, stack.client() as client:
+            calls = {
+                "sync": client.post("/v1/completions", json=body),
+                "stream": client.post("/v1/completions", json={**body, "stream": True}),
+                "job": client.post("/v1/jobs", json=body),
+            }
+            assert [r.status_code for r in calls.values()] == [200, 200, 202]
+            give_up = time.monotonic() + 10
+            while out.getvalue().count('"name": "tokenyard.job"') < len(calls):
+                assert time.monotonic() < give_up, out.getvalue()
+                time.sleep(0.02)
+    finally:
+        tracing.shutdown()
+    spans = _console_spans(out.getvalue())
+    by_id = {s["context"]["span_id"]: s for s in spans}
+    for span in spans:
+        span["start"] = datetime.fromisoformat(span["start_time"])
+        span["end"] = datetime.fromisoformat(span["end_time"])
+        assert span["start"] <= span["end"], span["name"]
+    async_children = {"tokenyard.queue_wait", "tokenyard.job"}
+    checked = 0
+    for child in spans:
+        parent = by_id.get(child["parent_id"])
+        if parent is None:
+            continue  # a root: the request span
+        name = child["name"]
+        assert parent["start"] <= child["start"], (parent["name"], name)
+        if name not in async_children:
+            assert child["end"] <= parent["end"], (parent["name"], name)
+        checked += 1
+    assert checked >= 3 * 6  # admission, enqueue, queue wait, job, claim, complete per call
+    # a live call's request span lasts until its answer has gone, the stream's last token
+    # included: the job was picked and its tokens made inside it
+    for call in ("sync", "stream"):
+        job_id = calls[call].headers["x-job-id"]
+        [job] = [
+            s
+            for s in spans
+            if s["name"] == "tokenyard.job" and s["attributes"]["tokenyard.job_id"] == job_id
+        ]
+        request = by_id[job["parent_id"]]
+        steps = {
+            s["name"]: s
+            for s in spans
+            if s["parent_id"] in (request["context"]["span_id"], job["context"]["span_id"])
+        }
+        assert steps["tokenyard.queue_wait"]["end"] <= request["end"], call
+        assert steps["tokenyard.decode"]["end"] <= request["end"], call
+
+
 def test_tracing_off_still_carries_the_callers_traceparent(stack: Stack) -> None:
     assert not tracing.enabled()
     traceparent = f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"
@@ -150,3 +239,49 @@ def test_dashboard_data_needs_a_valid_key_when_keys_are_configured(
 def test_dashboard_data_route_is_in_the_openapi_schema(stack: Stack) -> None:
     schema = httpx.get(f"{stack.url}/openapi.json").json()
     assert "/dashboard/data" in schema["paths"] and "/dashboard" not in schema["paths"]
+
+
+def test_one_access_line_per_request_with_its_tenant_job_times_and_tokens(
+    valkey: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenyard.access")
+    keyring = KeyRing({"sk-acme": Tenant("acme")})
+    key = {"Authorization": "Bearer sk-acme"}
+    body = {"model": MODEL, "prompt": "logged", "max_tokens": 4, "ignore_eos": True}
+    with run_stack(valkey, keyring=keyring) as stack, stack.client(headers=key) as client:
+        sync = client.post("/v1/completions", json=body)
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        job = client.post("/v1/jobs", json=body).json()["id"]
+        missing = client.get("/v1/jobs/nope")
+        assert (sync.status_code, streamed.status_code, missing.status_code) == (200, 200, 404)
+        assert client.get("/healthz").status_code == 200  # a probe: DEBUG, not INFO
+        # each line is written once its answer has gone, streams included
+        give_up = time.monotonic() + 10
+        while len(lines := [r for r in caplog.records if r.name == "tokenyard.access"]) < 4:
+            assert time.monotonic() < give_up, [r.getMessage() for r in lines]
+            time.sleep(0.01)
+    assert len(lines) == 4 and all(isinstance(r.msg, Fields) for r in lines)
+    values = [r.msg.values for r in lines if isinstance(r.msg, Fields)]
+    by_call = {(v["method"], v["path"], v["status"]): v for v in values}
+    assert set(by_call) == {
+        ("POST", "/v1/completions", 200),
+        ("POST", "/v1/jobs", 202),
+        ("GET", "/v1/jobs/nope", 404),
+    }
+    # the two completions: the sync one and the stream, told apart by their job ids
+    calls = {v["job_id"]: v for v in values if v["path"] == "/v1/completions"}
+    assert set(calls) == {sync.headers["x-job-id"], streamed.headers["x-job-id"]}
+    for v in calls.values():
+        assert v["tenant"] == "acme"
+        assert v["prompt_tokens"] > 0 and v["completion_tokens"] == 4
+        assert v["queue_ms"] >= 0 and 0 < v["ttft_ms"] <= v["total_ms"]
+    queued = by_call["POST", "/v1/jobs", 202]
+    assert queued["job_id"] == job and queued["tenant"] == "acme" and queued["ttft_ms"] is None
+    assert {r.levelno for r in lines} == {logging.INFO}
+    sync_id = sync.headers["x-job-id"]
+    [sync_line] = [r for r in lines if f"job_id={sync_id} " in r.getMessage()]
+    text = TextFormatter().format(sync_line)
+    assert f"tokenyard.access POST /v1/completions 200 tenant=acme job_id={sync_id} " in text
+    out = json.loads(JsonFormatter().format(sync_line))
+    assert out["message"] == "POST /v1/completions 200" and out["logger"] == "tokenyard.access"
+    assert out["status"] == 200 and out["completion_tokens"] == 4 and out["total_ms"] > 0

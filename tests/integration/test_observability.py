@@ -123,7 +123,8 @@ def live(valkey: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> It
     config = tmp / "tokenyard.toml"  # serve's workers inherit TOKENYARD_CONFIG and read it too
     config.write_text(
         "[broker]\nmax_deliveries = 2\nbackoff_base_s = 0.05\n"
-        "[worker]\nengine = 'sim'\nheartbeat_s = 0.5\nmodel = 'overridden-by-env'\n"
+        "[worker]\nengine = 'sim'\nheartbeat_s = 0.5\nlog_stats_s = 0.5\n"
+        "model = 'overridden-by-env'\n"
     )
     env.update(
         TOKENYARD_CONFIG=str(config),
@@ -136,7 +137,13 @@ def live(valkey: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> It
         OTEL_BSP_SCHEDULE_DELAY="200",
     )
     procs = Processes()
-    procs.start("serve", tokenyard("serve", "--data-dir", str(tmp / "valkey")), env=env)
+    with (tmp / "serve.log").open("wb") as serve_log:
+        procs.start(
+            "serve",
+            tokenyard("serve", "--data-dir", str(tmp / "valkey")),
+            env=env,
+            stderr=serve_log,
+        )
     with (tmp / "worker.log").open("wb") as worker_log:
         procs.start(
             "worker",
@@ -242,6 +249,9 @@ def test_one_trace_spans_gateway_and_worker_over_otlp(live: Live) -> None:
     for child in ("tokenyard.claim", "tokenyard.prefill", "tokenyard.decode"):
         assert spans[child]["parent"] == spans["tokenyard.job"]["span_id"]
     assert spans["tokenyard.prefill"]["end"] <= spans["tokenyard.decode"]["end"]
+    # across processes too, the worker's spans start inside the request's, none lasting < 0
+    wait, job = spans["tokenyard.queue_wait"], spans["tokenyard.job"]
+    assert server["start"] <= wait["start"] <= wait["end"] <= job["start"] <= job["end"]
 
 
 def test_standalone_worker_serves_metrics_and_json_logs(live: Live) -> None:
@@ -251,6 +261,28 @@ def test_standalone_worker_serves_metrics_and_json_logs(live: Live) -> None:
     assert "tokenyard_worker_batch_size_bucket" in text
     lines = [ln for ln in (live.tmp / "worker.log").read_text().splitlines() if ln.strip()]
     assert lines and all(json.loads(ln)["level"] for ln in lines)
+
+
+def test_gateway_and_workers_say_they_started_and_log_each_request_and_their_stats(
+    live: Live,
+) -> None:
+    _load(live.base, 2)
+    port = live.base.rsplit(":", 1)[1]
+    give_up = time.monotonic() + 20
+    while True:  # a request's line is written once its answer has gone; stats every 0.5 s
+        serve = (live.tmp / "serve.log").read_text()
+        worker = [json.loads(ln) for ln in (live.tmp / "worker.log").read_text().splitlines()]
+        stats = [ln for ln in worker if ln["logger"] == "tokenyard.worker.stats"]
+        if "tokenyard.access POST /v1/completions 200 " in serve and stats:
+            break
+        assert time.monotonic() < give_up, serve + str(worker)
+        time.sleep(0.1)
+    assert f"tokenyard.gateway gateway started on http://127.0.0.1:{port}: models {MODEL}" in serve
+    assert "worker " in serve and f"started: model {MODEL}, engine sim" in serve  # serve's own
+    assert any(ln["message"].endswith(f"started: model {MODEL}, engine sim, 64 slots")
+               for ln in worker)  # fmt: skip
+    assert stats[0]["message"] == "stats" and stats[0]["level"] == "INFO"
+    assert {"running", "waiting", "generation_tokens_per_s", "worker"} <= set(stats[0])
 
 
 def _query(prom: str, expr: str) -> list[dict[str, Any]]:

@@ -10,7 +10,17 @@ import pytest
 
 from tokenyard import tracing
 from tokenyard.cli.app import _gateway_settings
-from tokenyard.logs import JsonFormatter, LogFormat, TextFormatter, job_fields, setup_logging
+from tokenyard.errors import FatalError
+from tokenyard.logs import (
+    Fields,
+    JsonFormatter,
+    LogFormat,
+    TextFormatter,
+    job_fields,
+    setup_logging,
+)
+from tokenyard.messages import EngineStats
+from tokenyard.worker.stats import StatsLine
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -110,3 +120,70 @@ def test_worker_metrics_fold_engine_counters_per_delivery() -> None:
     assert value("tokenyard_worker_running_sequences", labels) == 3
     assert value("tokenyard_worker_kv_cache_usage_ratio", labels) == 0.25
     assert value("tokenyard_accelerator_utilization_ratio", {**labels, "device": "cuda:0"}) == 0.5
+
+
+def test_fields_read_as_key_values_in_text_and_as_keys_in_json() -> None:
+    values = {"method": "GET", "path": "/v1/models", "status": 200, "tenant": "acme", "x": None}
+    logger = logging.getLogger("tokenyard.test")
+    record = logger.makeRecord(
+        logger.name, logging.INFO, __file__, 1, Fields("", values, ("method", "path", "status")),
+        (), None,
+    )  # fmt: skip
+    assert TextFormatter().format(record).endswith(" GET /v1/models 200 tenant=acme")
+    out = json.loads(JsonFormatter().format(record))
+    assert out["message"] == "GET /v1/models 200" and out["logger"] == "tokenyard.test"
+    assert (out["status"], out["tenant"], out["x"]) == (200, "acme", None)
+
+
+def test_an_unknown_log_level_is_one_clear_error() -> None:
+    with pytest.raises(FatalError, match="unknown log level 'loud'"):
+        setup_logging("loud")
+
+
+def test_the_stats_line_reports_each_interval_and_quiets_when_idle() -> None:
+    line = StatsLine("w1", 10.0, now=100.0)
+    assert not line.due(109.9) and line.due(110.0)
+    stats = EngineStats(steps=10, sequences_stepped=30, tokens_generated=300, prefill_tokens=50)
+    level, fields = line.take(110.0, stats, running=3, waiting=2, jobs_done=7)
+    assert level == logging.INFO
+    assert str(fields) == (
+        "stats running=3 waiting=2 prompt_tokens_per_s=5.0 generation_tokens_per_s=30.0 "
+        "mean_batch=3.0 jobs_done=7 worker=w1"
+    )  # no KV column: this engine never reported a KV cache; no prefix cache either
+    level, fields = line.take(120.0, stats, running=0, waiting=0, jobs_done=7)
+    assert level == logging.INFO  # the first idle interval still says so
+    assert fields.values["generation_tokens_per_s"] == 0.0
+    level, _ = line.take(130.0, stats, running=0, waiting=0, jobs_done=7)
+    assert level == logging.DEBUG  # idle again: quiet at INFO
+    busy = EngineStats(
+        steps=11,
+        sequences_stepped=31,
+        tokens_generated=310,
+        prefill_tokens=50,
+        kv_cache_usage=0.125,
+        prefix_cache_queries=8,
+        prefix_cache_hits=2,
+    )
+    level, fields = line.take(135.0, busy, running=1, waiting=0, jobs_done=8)
+    assert level == logging.INFO
+    assert fields.values["generation_tokens_per_s"] == 2.0
+    assert (fields.values["kv_usage_pct"], fields.values["prefix_hit_pct"]) == (12.5, 25.0)
+    assert not StatsLine("w1", 0.0, now=0.0).due(1e9)  # 0: off
+
+
+def test_job_timeline_orders_a_claim_begun_before_the_job_and_a_clock_behind() -> None:
+    # the worker's claim was blocking 0.5 s before the gateway created the job
+    at = tracing.job_timeline(
+        created=100.0, claim=(99.5, 100.02), started=100.03, first=100.05, last=100.2,
+        complete=(100.21, 100.22),
+    )  # fmt: skip
+    assert (at.created, at.picked, at.claimed) == (100.0, 100.0, 100.02)
+    assert (at.started, at.first, at.last, at.complete_end) == (100.03, 100.05, 100.2, 100.22)
+    # a worker whose clock is 1 s behind the gateway's: nothing dates before the creation
+    skewed = tracing.job_timeline(
+        created=100.0, claim=(99.0, 99.02), started=99.03, first=None, last=None,
+        complete=(99.04, 99.05),
+    )  # fmt: skip
+    times = [skewed.created, skewed.picked, skewed.claimed, skewed.started or 0.0,
+             skewed.complete_start, skewed.complete_end]  # fmt: skip
+    assert times == sorted(times) and min(times) == 100.0

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -50,6 +53,13 @@ ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
 EngineOpt = Annotated[str | None, typer.Option(help="hf | hf-static | hf-embed | sim")]
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
+]
+LogLevelOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="TOKENYARD_LOG_LEVEL",
+        help="INFO: a line per request and a worker's stats; WARNING: neither; DEBUG: probes too",
+    ),
 ]
 
 
@@ -98,6 +108,7 @@ def serve(
     max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
+    log_level: LogLevelOpt = "INFO",
 ) -> None:
     """Everything on one machine: a private Valkey (or with `--broker nats` a private
     nats-server; none when --broker names a URL, except a private Valkey for the tables of
@@ -109,7 +120,7 @@ def serve(
     from tokenyard.cli.autoscale import autoscale_config
     from tokenyard.fleet.serve import EMBEDDED, Stack
 
-    setup_logging("INFO", log_format)
+    setup_logging(log_level, log_format)
     settings = broker_settings(
         broker, prefix, required=False, tables=tables, audit_kafka=audit_kafka
     )
@@ -134,6 +145,7 @@ def serve(
         appendfsync=settings.appendfsync,
         autoscale=auto,
         log_format=log_format,
+        log_level=log_level,
         given=settings,
     )
     gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
@@ -182,17 +194,37 @@ def _run_gateway(
     gateway_app = create_app(
         settings, broker_settings=broker_settings, registry=registry, freeze_heap=True
     )
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: the one line that says so (uvicorn's are WARNING+)
+                logging.getLogger("tokenyard.gateway").info(
+                    "gateway started on http://%s:%d: models %s, broker %s",
+                    settings.host,
+                    settings.port,
+                    ",".join(settings.models),
+                    redacted(broker_settings.url),
+                )
+
+    # tokenyard logs each request itself (gateway/instrument.py), so uvicorn's access log is
+    # off; log_config=None sends uvicorn's own lines through our handler and format
+    config = uvicorn.Config(
+        gateway_app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,
+    )
+    server = Server(config)
     try:
-        # access lines are below the log level anyway; off, uvicorn skips formatting them
-        uvicorn.run(
-            gateway_app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-            access_log=False,
-        )
+        with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
+            server.run()
     finally:
         tracing.shutdown()
+    if not server.started:
+        raise SystemExit(3)  # uvicorn.run's STARTUP_FAILURE
 
 
 @app.command()
@@ -208,12 +240,13 @@ def gateway(
     port: Annotated[int | None, typer.Option()] = None,
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
+    log_level: LogLevelOpt = "INFO",
 ) -> None:
     """Run one gateway (OpenAI API) against a shared broker; start as many as you like.
 
     Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
     """
-    setup_logging("INFO", log_format)
+    setup_logging(log_level, log_format)
     _run_gateway(
         broker_settings(broker, prefix, tables=tables, audit_kafka=audit_kafka),
         _gateway_settings(model, engine, host, port),
@@ -265,7 +298,7 @@ def worker(
     metrics_port: Annotated[
         int | None, typer.Option(help="serve Prometheus metrics on this port; 0: off")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
+    log_level: LogLevelOpt = "INFO",
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
 ) -> None:

@@ -47,6 +47,7 @@ class Stack:
     # --workers auto: a supervisor thread sizes `workers`; its gauges join the gateway's
     autoscale: AutoscaleConfig | None = None
     log_format: str = "text"
+    log_level: str = "INFO"
     embedded: Embedded = "valkey"
     # the settings serve was given (flags, env, file): the gateway of a private server takes
     # them too (the Kafka audit log's, ...), with that server's URL
@@ -158,7 +159,7 @@ class Stack:
             "--broker", self.broker_url, "--prefix", self.prefix,
             "--model", self.model, "--engine", self.engine,
             "--drain-timeout-s", str(self.drain_timeout_s),
-            "--log-format", self.log_format,
+            "--log-format", self.log_format, "--log-level", self.log_level,
         )  # fmt: skip
         if self.tables_url:
             cmd += ["--tables", self.tables_url]

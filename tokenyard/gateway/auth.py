@@ -19,6 +19,7 @@ from fastapi import Depends, Request
 from tokenyard.broker.tables import Directory
 from tokenyard.errors import BrokerUnavailable, FatalError
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.instrument import current_access
 from tokenyard.gateway.refresh import RefreshAhead
 from tokenyard.messages import Priority
 from tokenyard.tenancy.limiter import Quota
@@ -183,7 +184,11 @@ class Authenticator:
 async def authenticate(request: Request) -> Tenant:
     """FastAPI dependency: the calling tenant."""
     auth: Authenticator = request.app.state.gateway.auth
-    return await auth.tenant_for(request.headers.get("authorization"))
+    tenant = await auth.tenant_for(request.headers.get("authorization"))
+    access = current_access()
+    if access is not None:
+        access.tenant = tenant.name
+    return tenant
 
 
 TenantDep = Annotated[Tenant, Depends(authenticate)]

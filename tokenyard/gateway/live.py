@@ -50,11 +50,15 @@ class CallTimer:
     # told the job's queue time when it ends (the admission's estimate learns from it)
     queued: Callable[[float | None], None] | None = None
     _last: float | None = None
+    # what the call's access line reports (gateway/instrument.py)
+    ttft_s: float | None = None
+    result: JobResult | None = None
 
     def tokens(self, count: int) -> None:
         now = time.monotonic()
         if self._last is None:
-            self.metrics.time_to_first_token.labels(self.model).observe(now - self.started)
+            self.ttft_s = now - self.started
+            self.metrics.time_to_first_token.labels(self.model).observe(self.ttft_s)
         elif count:
             # one engine step may carry several tokens; spread the gap over them, as vLLM does
             gap = (now - self._last) / count
@@ -64,10 +68,12 @@ class CallTimer:
     def finished(self, result: JobResult) -> None:
         """End-of-call metrics; the result carries its queue time, so no record is read."""
         m, model = self.metrics, self.model
+        self.result = result
         e2e = time.monotonic() - self.started
         if self._last is None and result.decode_s is not None and result.completion_tokens:
             # a sync call saw no token events (its job streamed none): its worker timed them
-            m.time_to_first_token.labels(model).observe(max(0.0, e2e - result.decode_s))
+            self.ttft_s = max(0.0, e2e - result.decode_s)
+            m.time_to_first_token.labels(model).observe(self.ttft_s)
             gaps = result.completion_tokens - 1
             if gaps:
                 m.inter_token_latency.labels(model).observe_many(result.decode_s / gaps, gaps)

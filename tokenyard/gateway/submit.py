@@ -23,6 +23,7 @@ from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.cache import collapse_key
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest
 from tokenyard.gateway.errors import RateLimited
+from tokenyard.gateway.instrument import current_access
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.protocol import (
     ChatCompletionRequest,
@@ -141,9 +142,14 @@ async def submit(
         # from here the enqueuer gives the reservation back on every path where no job of
         # this call's own holds it (see Enqueuer.submit)
         entered = await state.enqueuer.submit(spec, live=live)
+    access = current_access()
+    if access is not None:
+        access.job_id = entered.job_id
     if isinstance(how, Later):
         return Queued(spec, entered.job_id, entered.created, headers)
     call = LiveCall.following(state, spec, entered, how.started)
+    if access is not None:
+        access.timer = call.timer
     if digest is not None:
         if state.settings.cache:
             call.on_result = lambda result: state.cache.put(spec.model, digest, result)

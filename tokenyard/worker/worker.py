@@ -39,8 +39,10 @@ from tokenyard.metrics import WorkerMetrics, accelerator_utilization
 from tokenyard.tracing import JobSpans
 from tokenyard.tracing import enabled as tracing_enabled
 from tokenyard.worker.scheduler import Job, Occupancy, Plan, Scheduler, Update, moving_average
+from tokenyard.worker.stats import StatsLine
 
 log = logging.getLogger(__name__)
+stats_log = logging.getLogger("tokenyard.worker.stats")
 _QUOTA_SWEEP_S = 2.0  # how soon a reservation of an expired job is released at the latest
 
 _STATUS_OF = {
@@ -132,6 +134,7 @@ class Worker:
         self._tokens_seen = 0
         self._rate_mark = (time.monotonic(), 0)
         self._tokens_per_s = 0.0
+        self._stats_line = StatsLine(self.consumer, settings.log_stats_s, time.monotonic())
         self._cancel_checked_at = 0.0
         # steps' broker writes not sent yet, oldest first (see `_publish`)
         self._unsent: deque[_Writes] = deque()
@@ -170,7 +173,15 @@ class Worker:
         self.scheduler = self._scheduler()
         if self.freeze_heap:  # the engine's model is in: it stays out of every collection
             heap.freeze()
+        self._stats_line = StatsLine(self.consumer, self.settings.log_stats_s, time.monotonic())
         await self._heartbeat()
+        log.info(
+            "worker %s started: model %s, engine %s, %d slots",
+            self.consumer,
+            self.model,
+            self.engine.name,
+            self.limits.max_seqs,
+        )
         outputs = asyncio.create_task(self._output_loop(), name="outputs")
         upkeep = asyncio.create_task(self._upkeep_loop(), name="upkeep")
         try:
@@ -667,6 +678,11 @@ class Worker:
             stats,
             accelerator_utilization(self.settings.device),
         )
+        if self._stats_line.due(now):
+            level, line = self._stats_line.take(
+                now, stats, self.scheduler.running, self.scheduler.waiting, self._jobs_done
+            )
+            stats_log.log(level, line)
         info = WorkerInfo(
             consumer=self.consumer,
             model=self.model,
