@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import httpx
 
-from tokenyard.errors import TokenyardError
+from tokenyard.errors import FAILURE_PREFIX, TokenyardError
+
+__all__ = ["DEBUG_ENV", "FAILURE_PREFIX", "failure_line"]
 
 DEBUG_ENV = "TOKENYARD_DEBUG"
-FAILURE_PREFIX = "tokenyard: "  # how the line starts (`serve` finds its workers' by it)
 _HINT = "(--debug shows the traceback)"
 
 

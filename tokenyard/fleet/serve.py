@@ -22,8 +22,8 @@ from tokenyard.broker import AMQP_SCHEMES
 from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
-from tokenyard.cli.failures import FAILURE_PREFIX
 from tokenyard.config import BrokerSettings
+from tokenyard.errors import FAILURE_PREFIX
 from tokenyard.fleet.autoscale import AutoscaleConfig
 from tokenyard.fleet.launch import stop_processes, tokenyard_command
 from tokenyard.metrics import add_worker_metrics
