@@ -142,18 +142,23 @@ def test_commands_given_no_broker_use_the_local_serve(served: Served) -> None:
 
 
 def test_serve_refuses_at_once_what_it_cannot_run(served: Served, tmp_path: Path) -> None:
-    taken, bad_engine, bad_seqs = run_all(
-        [
-            ("serve", "--engine", "sim", "--port", str(served.port)),  # the served one's
-            ("serve", "--engine", "nope", "--port", str(free_port())),
-            ("serve", "--engine", "sim", "--max-seqs", "-4", "--port", str(free_port())),
-        ],
-        tmp_path,
-        clean_env(),
-    )
+    with socket.socket() as held:  # a broker address nobody answers on
+        held.bind(("127.0.0.1", 0))
+        nobody = f"redis://127.0.0.1:{held.getsockname()[1]}/0"
+        taken, bad_engine, bad_seqs, no_broker = run_all(
+            [
+                ("serve", "--engine", "sim", "--port", str(served.port)),  # the served one's
+                ("serve", "--engine", "nope", "--port", str(free_port())),
+                ("serve", "--engine", "sim", "--max-seqs", "-4", "--port", str(free_port())),
+                ("serve", "--engine", "sim", "--broker", nobody, "--port", str(free_port())),
+            ],
+            tmp_path,
+            clean_env(),
+        )
     assert f"127.0.0.1:{served.port} is taken" in taken.one_failure_line()
     assert "unknown engine 'nope'" in bad_engine.one_failure_line()
     assert "max_seqs = -4" in bad_seqs.one_failure_line()
+    assert f"no answer from the broker at {nobody}" in no_broker.one_failure_line()
     assert not (tmp_path / ".tokenyard").exists()  # nothing was started
 
 
@@ -194,5 +199,5 @@ def test_a_broker_or_gateway_that_does_not_answer_is_one_line(tmp_path: Path) ->
         )
     assert f"no answer from the broker at redis://{nobody}/0" in status.one_failure_line()
     assert f"no answer from the broker at nats://{nobody}" in nats.one_failure_line()
-    assert f"cannot reach http://{nobody}" in submitted.one_failure_line()
+    assert f"no gateway answers at http://{nobody}" in submitted.one_failure_line()
     assert debug.code != 0 and "Traceback" in debug.err and "BrokerUnavailable" in debug.err

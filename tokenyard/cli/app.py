@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import Backend, check_url, redacted
+from tokenyard.broker import AMQP_SCHEMES, Backend, check_url, redacted
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
@@ -30,6 +30,7 @@ from tokenyard.cli.options import (
     PrefixOpt,
     TablesOpt,
     broker_settings,
+    check_reachable,
     with_broker,
 )
 from tokenyard.config import (
@@ -39,7 +40,7 @@ from tokenyard.config import (
     from_env,
     setting_sources,
 )
-from tokenyard.errors import FatalError
+from tokenyard.errors import FatalError, TokenyardError
 from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, forget, record
 from tokenyard.logs import LogFormat, setup_logging
 
@@ -138,6 +139,8 @@ def serve(
     private = next((kind for kind in EMBEDDED if kind == (settings.url or "valkey")), None)
     if private is None:
         check_url(settings.url)
+        if settings.tables_url or not settings.url.startswith(AMQP_SCHEMES):
+            check_reachable(settings)  # (amqp:// lanes' tables on a Valkey serve starts: later)
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
@@ -260,11 +263,19 @@ def _run_gateway(
 
     from tokenyard import tracing
     from tokenyard.gateway.app import create_app
+    from tokenyard.gateway.tokenizers import load_tokenizers
 
     listener = listener or _bind(settings.host, settings.port)
     tracing.configure("tokenyard-gateway")
+    # loaded here rather than in the app's startup: a model that is not there fails the
+    # command in one line, where uvicorn would log a traceback and exit 3
+    tokenizers = load_tokenizers(settings)
     gateway_app = create_app(
-        settings, broker_settings=broker_settings, registry=registry, freeze_heap=True
+        settings,
+        broker_settings=broker_settings,
+        tokenizers=tokenizers,
+        registry=registry,
+        freeze_heap=True,
     )
     # access lines are below the log level anyway; off, uvicorn skips formatting them
     config = uvicorn.Config(
@@ -279,11 +290,11 @@ def _run_gateway(
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
         pass
+    except SystemExit as exc:  # uvicorn's way to say the app's startup failed (it logged why)
+        raise FatalError(f"the gateway did not start (uvicorn exit {exc.code})") from exc
     finally:
         tracing.shutdown()
         listener.close()
-    if not server.started:  # uvicorn logged why (the app's startup failed)
-        raise FatalError("the gateway did not start")
 
 
 @app.command()
@@ -331,6 +342,8 @@ def submit(
     api_key: Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY")] = None,
 ) -> None:
     """Send a prompt and stream the answer to the terminal."""
+    import httpx
+
     from tokenyard.cli.submit import stream_completion
     from tokenyard.fleet.local import find
     from tokenyard.gateway.settings import GatewaySettings, gateway_settings
@@ -345,9 +358,17 @@ def submit(
             url = local.api_url if local and not named_url else _base_url(gw.host, gw.port)
         if model is None:
             model = local.model if local and "models" not in named else gw.models[0]
-    code = asyncio.run(
-        stream_completion(url, model, prompt, max_tokens, temperature, chat, api_key, console.print)
-    )
+    try:
+        code = asyncio.run(
+            stream_completion(
+                url, model, prompt, max_tokens, temperature, chat, api_key, console.print
+            )
+        )
+    except httpx.ConnectError as exc:
+        raise TokenyardError(
+            f"no gateway answers at {url} ({exc}); run `tokenyard serve` in this directory, "
+            "or give --url or TOKENYARD_GATEWAY_HOST/_PORT"
+        ) from exc
     raise typer.Exit(code)
 
 

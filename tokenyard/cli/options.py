@@ -104,6 +104,20 @@ def with_broker(
     return asyncio.run(run())
 
 
+def check_reachable(settings: BrokerSettings) -> None:
+    """Fail in one line, before anything starts, when the broker `settings` names does not
+    answer."""
+
+    async def ping() -> None:
+        active = connect(settings)
+        try:
+            await _reachable(active)
+        finally:
+            await active.close()
+
+    asyncio.run(ping())
+
+
 async def _reachable(backend: Backend) -> None:
     # a client may retry its first connect for ever (nats-py does): a command should not hang
     try:
