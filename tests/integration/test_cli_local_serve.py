@@ -19,7 +19,7 @@ import pytest
 
 from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -192,7 +192,7 @@ def test_a_broker_or_gateway_that_does_not_answer_is_one_line(tmp_path: Path) ->
                 ("status", "--broker", f"redis://{nobody}/0"),
                 ("keys", "list", "--broker", f"nats://{nobody}"),
                 ("submit", "hello"),
-                ("--debug", "tenants", "show", "--broker", f"redis://{nobody}/0"),
+                ("tenants", "show", "--debug", "--broker", f"redis://{nobody}/0"),
             ],
             tmp_path,
             env,

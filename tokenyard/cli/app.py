@@ -472,8 +472,13 @@ app.add_typer(batch_app, name="batch")
 def main() -> None:
     """Run the command; a failure is one line on stderr and a non-zero exit (`--debug`: the
     traceback too)."""
+    args = sys.argv[1:]
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" in args[:end]:  # after the command too (`tokenyard status --debug`)
+        args.remove("--debug")
+        os.environ[DEBUG_ENV] = "1"
     try:
-        app()
+        app(args=args)
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
