@@ -7,11 +7,20 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from tokenyard.errors import FatalError
+
+# what a setting's value may be: msgspec checks these when settings are built from flags, env
+# and the file (`from_env`), so a bad value fails at start, naming the setting and its source
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Count = Annotated[int, msgspec.Meta(ge=1)]  # at least one
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+SecondsOrZero = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,27 +34,27 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # URL; `serve` starts its own Valkey for them when none is given
     tables_url: str = ""
     prefix: str = "ty"
-    lease_s: float = 30.0  # an unrenewed entry older than this is reclaimed
-    max_deliveries: int = 5  # deliveries (crashes + retries) before the dead-letter stream
-    max_queue_depth: int = 100_000  # per lane; enqueue past it raises QueueFull
+    lease_s: Seconds = 30.0  # an unrenewed entry older than this is reclaimed
+    max_deliveries: Count = 5  # deliveries (crashes + retries) before the dead-letter stream
+    max_queue_depth: Count = 100_000  # per lane; enqueue past it raises QueueFull
     # group commit of single-job enqueues (broker/group_commit.py): at most this many jobs per
     # script call; jobs arriving while a call is in flight wait at most the window
-    enqueue_batch: int = 64
-    enqueue_window_s: float = 0.0005
-    record_ttl_s: float = 24 * 3600.0  # terminal records and event streams
-    idempotency_ttl_s: float = 24 * 3600.0
+    enqueue_batch: Count = 64
+    enqueue_window_s: SecondsOrZero = 0.0005
+    record_ttl_s: Seconds = 24 * 3600.0  # terminal records and event streams
+    idempotency_ttl_s: Seconds = 24 * 3600.0
     # stored responses (/v1/responses with `store`): how long each stays retrievable, and
     # usable as a `previous_response_id`, after it was created (OpenAI keeps them 30 days)
-    response_ttl_s: float = 30 * 24 * 3600.0
+    response_ttl_s: Seconds = 30 * 24 * 3600.0
     backoff_base_s: float = 0.5
     backoff_max_s: float = 60.0
-    starvation_every: int = 8  # every Nth claim round serves lower lanes first
+    starvation_every: Count = 8  # every Nth claim round serves lower lanes first
     # fair share: jobs wait per tenant and only this many (beyond the slots a claim asks for)
     # sit in a lane's stream (at least 1: an idle lane's blocked workers wake on it); another
     # tenant's job waits behind at most these
-    fair_window: int = 4
+    fair_window: Count = 4
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
-    max_connections: int = 512  # per process; blocking reads each hold one while they wait
+    max_connections: Count = 512  # per process; blocking reads each hold one while they wait
     # size pools: ascending bounds of estimated tokens (prompt + max_tokens), comma-separated,
     # e.g. "2048,8192": three lanes per model and priority; a worker claims only the pools its
     # context holds (see broker/policy.py). Gateways and workers must agree. Empty: one pool.
@@ -57,7 +66,7 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_ttl_s: float = 60.0
     affinity_max_held: int = 8
     # audit trail: entries kept (receipts + terminal states; MAXLEN ~ on Redis); 0: off
-    audit_max_len: int = 200_000  # ~100,000 jobs; an entry is ~0.3 kB in Valkey
+    audit_max_len: NonNegative = 200_000  # ~100,000 jobs; an entry is ~0.3 kB in Valkey
     # the audit trail's entries also go to this Kafka topic (kafka://host:9092[,host2]/topic;
     # broker/kafka.py), off the request's path: at most `audit_kafka_buffer` entries wait in
     # the process while Kafka is away, the rest are dropped and counted. Empty: off
@@ -92,6 +101,9 @@ def parse_pool_bounds(text: str) -> tuple[int, ...]:
 _S = TypeVar("_S", bound=msgspec.Struct)
 
 CONFIG_ENV = "TOKENYARD_CONFIG"  # path of a TOML file with [broker], [worker], [gateway] tables
+# the config file's tables: one per settings section that reads it (a table named otherwise is
+# a typo, e.g. [workers], refused rather than silently ignored)
+SECTIONS = ("broker", "worker", "gateway", "autoscale")
 DEFAULT = "default"
 
 
@@ -138,9 +150,14 @@ def setting_sources(
 def _config_file(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            found = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise FatalError(f"cannot read the config file {path} ({CONFIG_ENV}): {exc}") from exc
+    unknown = [name for name in found if name not in SECTIONS]
+    if unknown:
+        known = ", ".join(f"[{name}]" for name in SECTIONS)
+        raise FatalError(f"{path}: unknown table [{unknown[0]}]; known: {known}")
+    return found
 
 
 def from_env(
@@ -168,25 +185,27 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "tiny"
     engine: str = "hf"  # hf | hf-static | hf-embed | sim | vllm | remote
     # Capacity: None takes the engine's own, sized from the device (KV cache memory on CUDA).
-    max_seqs: int | None = None  # sequences running at once
-    token_budget: int | None = None  # prompt + max_tokens over running sequences
-    claim_ahead: int | None = None  # jobs claimed beyond free slots; None: max_seqs // 8, >= 1
+    max_seqs: Count | None = None  # sequences running at once
+    token_budget: Count | None = None  # prompt + max_tokens over running sequences
+    claim_ahead: NonNegative | None = (
+        None  # jobs claimed beyond free slots; None: max_seqs // 8, >= 1
+    )
     # share of the slots batch-lane jobs may hold (Files + Batches API); the rest stays free
     # for interactive work, which joins the running batch at the next step
-    batch_share: float = 0.5
-    claim_block_s: float = 0.5
-    heartbeat_s: float = 2.0
+    batch_share: Fraction = 0.5
+    claim_block_s: SecondsOrZero = 0.5
+    heartbeat_s: Seconds = 2.0
     # a stats line (running, waiting, tokens/s, KV use) this often at INFO, as vLLM's; 0: off.
     # Logged at a heartbeat, so at most heartbeat_s late
-    log_stats_s: float = 10.0
-    drain_timeout_s: float = 30.0
-    metrics_port: int | None = None  # serve this worker's Prometheus metrics on it (0/None: off)
+    log_stats_s: SecondsOrZero = 10.0
+    drain_timeout_s: SecondsOrZero = 30.0
+    metrics_port: Port | None = None  # serve this worker's Prometheus metrics on it (0/None: off)
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 CUDA, fp32 CPU
-    threads: int | None = None  # torch CPU threads; None keeps torch's default
+    threads: Count | None = None  # torch CPU threads; None keeps torch's default
     engine_process: bool = False  # run the engine in its own process, off the worker's GIL
-    max_batch_tokens: int | None = None  # hf: tokens per forward pass; None: from the device
-    kv_cache_memory_fraction: float | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
+    max_batch_tokens: Count | None = None  # hf: tokens per forward pass; None: from the device
+    kv_cache_memory_fraction: Fraction | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
     cuda_graphs: bool = True  # hf on CUDA: capture the forward passes as CUDA graphs
     warmup: bool = True  # hf: one short request before serving (CUDA graphs: always at start)
     # what identifies the served weights in the response cache's key; None: the engine's own
@@ -202,13 +221,15 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     vllm_quantization: str | None = None
     vllm_speculative_config: str | None = None  # JSON object, as vllm's --speculative-config
     vllm_enable_prefix_caching: bool | None = None
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: Count = 1
     vllm_enforce_eager: bool = False
     vllm_args: str | None = None  # JSON object of any other AsyncEngineArgs field
     # -- remote engine (engine = "remote"): an OpenAI-compatible server that returns token ids
     remote_url: str = "http://127.0.0.1:8000"
     remote_model: str | None = None  # the upstream's model name; None: the same as `model`
-    remote_concurrency: int = 64  # streams held open at once: the engine's capacity
+    remote_concurrency: Count = 64  # streams held open at once: the engine's capacity
     remote_api_key: str | None = None
-    remote_retries: int = 5  # on connection errors, 408/429 and 5xx, with exponential backoff
-    remote_timeout_s: float = 600.0
+    remote_retries: NonNegative = (
+        5  # on connection errors, 408/429 and 5xx, with exponential backoff
+    )
+    remote_timeout_s: Seconds = 600.0

@@ -12,6 +12,10 @@
 
 from __future__ import annotations
 
+# how a command's one-line failure on stderr starts (cli/app.py `main`); `serve` picks its
+# workers' reasons out of their stderr by it
+FAILURE_PREFIX = "tokenyard: "
+
 
 class TokenyardError(Exception):
     """Base of every error tokenyard raises on purpose."""

@@ -70,6 +70,16 @@ OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
         ("/v1/completions", {**OK, "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
         ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
         ("/v1/completions", {**OK, "frobnicate": True}, 400, "unknown_parameter", "frobnicate"),
+        # no keys, so no tier: `high` is refused, not quietly served at normal
+        ("/v1/completions", {**OK, "priority": "high"}, 400, "priority_not_allowed", "priority"),
+        ("/v1/jobs", {**OK, "priority": "high"}, 400, "priority_not_allowed", "priority"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "priority": "high"},
+            400,
+            "priority_not_allowed",
+            "priority",
+        ),
         (
             "/v1/chat/completions",
             {

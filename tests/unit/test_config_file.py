@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,33 @@ def test_config_show_prints_values_and_sources(toml: Path, monkeypatch: pytest.M
     assert shown["worker"]["remote_api_key"] == ("***", "TOKENYARD_WORKER_REMOTE_API_KEY")
     table = CliRunner().invoke(app, ["--config", str(toml), "config", "show"])
     assert table.exit_code == 0 and "[gateway]" in table.output
+
+
+def test_invalid_values_and_unknown_tables_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CONFIG_ENV, "")  # --config sets it for the process; monkeypatch undoes it
+    bad = tmp_path / "bad.toml"
+    for text, refusal in [
+        ("[gateway]\nport = 99999\n", r"gateway setting port = 99999 \(from file"),
+        ("[worker]\nmax_seqs = -4\n", r"worker setting max_seqs = -4 \(from file"),
+        ("[autoscale]\nmin_workers = 1\n[workers]\nmax_seqs = 4\n", r"unknown table \[workers\]"),
+    ]:
+        bad.write_text(text)
+        result = CliRunner().invoke(app, ["--config", str(bad), "config", "show", "--json"])
+        assert isinstance(result.exception, FatalError), result.output
+        assert re.search(refusal, str(result.exception)), result.exception
+    with pytest.raises(FatalError, match=r"max_seqs = 0 \(from flag\)"):
+        from_env(WorkerSettings, "worker", {}, max_seqs=0)
+
+
+def test_config_show_shows_the_autoscale_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text("[autoscale]\nmax_workers = 7\n")
+    monkeypatch.setenv(CONFIG_ENV, "")
+    result = CliRunner().invoke(app, ["--config", str(good), "config", "show", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = {row["setting"]: row for row in json.loads(result.output)["autoscale"]}
+    assert (shown["max_workers"]["value"], shown["max_workers"]["source"]) == (7, f"file {good}")

@@ -90,7 +90,7 @@ AMQP_SCHEMES = ("amqp://", "amqps://")
 SCHEMES = REDIS_SCHEMES + NATS_SCHEMES + AMQP_SCHEMES
 NO_BROKER = (
     "no broker: give --broker URL or set TOKENYARD_BROKER_URL (e.g. redis://localhost:6379/0 "
-    "or nats://localhost:4222)"
+    "or nats://localhost:4222), or run `tokenyard serve` in this directory first"
 )
 
 

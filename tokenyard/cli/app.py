@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,19 +18,21 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-from tokenyard.broker import Backend, check_url, redacted
+from tokenyard.broker import AMQP_SCHEMES, Backend, check_url, redacted
 from tokenyard.cli import ops
 from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app
+from tokenyard.cli.failures import DEBUG_ENV, FAILURE_PREFIX, failure_line
 from tokenyard.cli.options import (
     AuditKafkaOpt,
     BrokerOpt,
     PrefixOpt,
     TablesOpt,
     broker_settings,
+    check_reachable,
     with_broker,
 )
 from tokenyard.config import (
@@ -39,14 +42,18 @@ from tokenyard.config import (
     from_env,
     setting_sources,
 )
-from tokenyard.errors import FatalError
+from tokenyard.errors import FatalError, TokenyardError
+from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, forget, record
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.cli.tenants import keys_app, tenants_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+# --debug's tracebacks leave out local variables: they may hold API keys and broker passwords
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
+)
 console = Console()
 
 ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
@@ -73,10 +80,18 @@ def _options(
             help="TOML file with [broker] [worker] [gateway] tables; flags > env > file",
         ),
     ] = None,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug", envvar=DEBUG_ENV, help="a failure prints its traceback, not one line"
+        ),
+    ] = False,
 ) -> None:
     if config is not None:
         # every settings lookup reads it from here, and serve's worker processes inherit it
         os.environ[CONFIG_ENV] = str(config)
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # for main() below, and serve's workers
 
 
 ServeBrokerOpt = Annotated[
@@ -102,7 +117,11 @@ def serve(
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[
         Path | None,
-        typer.Option(help="the private server's data; default .tokenyard/valkey or /nats"),
+        typer.Option(
+            envvar=DATA_DIR_ENV,
+            help="the private server's data, and serve.json, by which the other commands "
+            "find this serve; default .tokenyard/valkey or /nats",
+        ),
     ] = None,
     min_workers: Annotated[int | None, typer.Option("--min", help="auto: warm pool")] = None,
     max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
@@ -118,6 +137,7 @@ def serve(
     every worker's metrics are served with the gateway's on its /metrics.
     """
     from tokenyard.cli.autoscale import autoscale_config
+    from tokenyard.engines import ENGINE_NAMES
     from tokenyard.fleet.serve import EMBEDDED, Stack
 
     setup_logging(log_level, log_format)
@@ -129,10 +149,19 @@ def serve(
     private = next((kind for kind in EMBEDDED if kind == (settings.url or "valkey")), None)
     if private is None:
         check_url(settings.url)
+        if settings.tables_url or not settings.url.startswith(AMQP_SCHEMES):
+            check_reachable(settings)  # (amqp:// lanes' tables on a Valkey serve starts: later)
     worker_settings = from_env(
         WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
     )
+    if worker_settings.engine not in ENGINE_NAMES:  # before any process starts
+        names = ", ".join(ENGINE_NAMES)
+        raise FatalError(f"unknown engine {worker_settings.engine!r}; expected one of {names}")
     auto = autoscale_config(workers, min_workers, max_workers)
+    gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
+    # the port before anything starts: one that is taken fails serve at once, in one line
+    listener = _bind(gw.host, gw.port)
+    data_dir = data_dir or Path(".tokenyard", private or "valkey")
     stack = Stack(
         external=settings if private is None else None,
         embedded=private or "valkey",
@@ -141,25 +170,80 @@ def serve(
         engine=worker_settings.engine,
         n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
-        data_dir=data_dir or Path(".tokenyard", private or "valkey"),
+        data_dir=data_dir,
         appendfsync=settings.appendfsync,
         autoscale=auto,
         log_format=log_format,
         log_level=log_level,
         given=settings,
     )
-    gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
     # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
     # that unwinds the stack (workers drain, the private server stops) instead of killing it
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    with stack:
-        tables_note = f" · tables {stack.tables_url}" if stack.tables_url else ""
-        console.print(
-            f"[bold]tokenyard[/] broker {redacted(stack.broker_url)}{tables_note} · "
-            f"model {worker_settings.model} ({worker_settings.engine})"
-        )
-        console.print(f"OpenAI API on http://{gw.host}:{gw.port}/v1 — Ctrl-C stops")
-        _run_gateway(stack.broker_settings, gw, stack.registry)
+    try:
+        with stack:
+            started = LocalServe(
+                pid=os.getpid(),
+                started_at=time.time(),
+                broker_url=stack.broker_url,
+                tables_url=stack.tables_url,
+                prefix=settings.prefix,
+                api_url=_base_url(gw.host, listener.getsockname()[1]),
+                model=worker_settings.model,
+                engine=worker_settings.engine,
+                workers=workers,
+            )
+            record(data_dir, started)
+            try:
+                _print_started(started, data_dir, private)
+                _run_gateway(stack.broker_settings, gw, stack.registry, listener)
+            finally:
+                forget(data_dir)
+    finally:
+        if stack.failure is not None:  # a worker stopped serve: say why, exit non-zero
+            raise FatalError(stack.failure)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound now (uvicorn listens on it later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        taken = exc.errno == errno.EADDRINUSE
+        why = "is taken (another server listens there)" if taken else f"cannot be bound: {exc}"
+        raise FatalError(f"{host}:{port} {why}; pick another with --port") from exc
+    return sock
+
+
+def _base_url(host: str, port: int) -> str:
+    """http://host:port to reach a server bound to `host` from this machine."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _print_started(serve: LocalServe, data_dir: Path, private: str | None) -> None:
+    """What serve started and where, before it serves."""
+    api = serve.api_url
+    n = "auto" if serve.workers == "auto" else serve.workers
+    where = f"private {private} in {data_dir}" if private else "given"
+    lines = [
+        f"[bold]tokenyard serve[/] · model {serve.model} · engine {serve.engine} · workers {n}",
+        f"  API        {api}/v1",
+        f"  dashboard  {api}/dashboard",
+        f"  metrics    {api}/metrics",
+        f"  docs       {api}/docs",
+        f"  broker     {redacted(serve.broker_url)} ({where})",
+    ]
+    if serve.tables_url:
+        lines.append(f"  tables     {redacted(serve.tables_url)}")
+    lines.append(f"other commands here find it by {data_dir / RECORD} · Ctrl-C stops")
+    for line in lines:
+        console.print(line, highlight=False)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -184,15 +268,25 @@ def _run_gateway(
     broker_settings: BrokerSettings,
     settings: GatewaySettings,
     registry: CollectorRegistry | None = None,
+    listener: socket.socket | None = None,
 ) -> None:
     import uvicorn
 
     from tokenyard import tracing
     from tokenyard.gateway.app import create_app
+    from tokenyard.gateway.tokenizers import load_tokenizers
 
+    listener = listener or _bind(settings.host, settings.port)
     tracing.configure("tokenyard-gateway")
+    # loaded here rather than in the app's startup: a model that is not there fails the
+    # command in one line, where uvicorn would log a traceback and exit 3
+    tokenizers = load_tokenizers(settings)
     gateway_app = create_app(
-        settings, broker_settings=broker_settings, registry=registry, freeze_heap=True
+        settings,
+        broker_settings=broker_settings,
+        tokenizers=tokenizers,
+        registry=registry,
+        freeze_heap=True,
     )
 
     class Server(uvicorn.Server):
@@ -219,12 +313,19 @@ def _run_gateway(
     )
     server = Server(config)
     try:
-        with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
-            server.run()
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a clean stop
+        pass
+    except SystemExit as exc:
+        if exc.code in (0, None):  # a signal's clean stop (`_exit_on_signal`)
+            raise
+        # uvicorn's way to say the app's startup failed (it logged why)
+        raise FatalError(f"the gateway did not start (uvicorn exit {exc.code})") from exc
     finally:
         tracing.shutdown()
+        listener.close()
     if not server.started:
-        raise SystemExit(3)  # uvicorn.run's STARTUP_FAILURE
+        raise FatalError("the gateway did not start (its startup failed; see the lines above)")
 
 
 @app.command()
@@ -257,10 +358,15 @@ def gateway(
 def submit(
     prompt: Annotated[str, typer.Argument(help="the prompt")],
     url: Annotated[
-        str | None, typer.Option(help="gateway base URL; default: TOKENYARD_GATEWAY_HOST/_PORT")
+        str | None,
+        typer.Option(
+            help="gateway base URL; default: TOKENYARD_GATEWAY_HOST/_PORT, else the local "
+            "serve's, else http://127.0.0.1:8000"
+        ),
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="default: the first of TOKENYARD_GATEWAY_MODELS")
+        str | None,
+        typer.Option(help="default: the first of TOKENYARD_GATEWAY_MODELS, else the local serve's"),
     ] = None,
     max_tokens: Annotated[int, typer.Option()] = 64,
     temperature: Annotated[float, typer.Option()] = 0.0,
@@ -268,17 +374,33 @@ def submit(
     api_key: Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY")] = None,
 ) -> None:
     """Send a prompt and stream the answer to the terminal."""
+    import httpx
+
     from tokenyard.cli.submit import stream_completion
-    from tokenyard.gateway.settings import gateway_settings
+    from tokenyard.fleet.local import find
+    from tokenyard.gateway.settings import GatewaySettings, gateway_settings
 
     if url is None or model is None:
+        # where the gateway is: named (flag, env, file), else the local serve's, else default
+        named = setting_sources(GatewaySettings, "gateway")
+        local = find()
         gw = gateway_settings()
-        host = "127.0.0.1" if gw.host in ("0.0.0.0", "::", "") else gw.host
-        url = url or f"http://{host}:{gw.port}"
-        model = model or gw.models[0]
-    code = asyncio.run(
-        stream_completion(url, model, prompt, max_tokens, temperature, chat, api_key, console.print)
-    )
+        if url is None:
+            named_url = "host" in named or "port" in named
+            url = local.api_url if local and not named_url else _base_url(gw.host, gw.port)
+        if model is None:
+            model = local.model if local and "models" not in named else gw.models[0]
+    try:
+        code = asyncio.run(
+            stream_completion(
+                url, model, prompt, max_tokens, temperature, chat, api_key, console.print
+            )
+        )
+    except httpx.ConnectError as exc:
+        raise TokenyardError(
+            f"no gateway answers at {url} ({exc}); run `tokenyard serve` in this directory, "
+            "or give --url or TOKENYARD_GATEWAY_HOST/_PORT"
+        ) from exc
     raise typer.Exit(code)
 
 
@@ -382,11 +504,21 @@ app.command("drain")(ops.drain)
 
 
 def main() -> None:
+    """Run the command; a failure is one line on stderr and a non-zero exit (`--debug`: the
+    traceback too)."""
+    args = sys.argv[1:]
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" in args[:end]:  # after the command too (`tokenyard status --debug`)
+        args.remove("--debug")
+        os.environ[DEBUG_ENV] = "1"
     try:
-        app()
-    except FatalError as exc:  # misconfiguration: one line, no traceback
-        print(f"tokenyard: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        app(args=args)
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(FAILURE_PREFIX + failure_line(exc), file=sys.stderr)
+        # 2: misconfiguration, as for a bad flag; 1: anything else
+        raise SystemExit(2 if isinstance(exc, FatalError) else 1) from None
 
 
 if __name__ == "__main__":

@@ -18,9 +18,16 @@ _SECRET = ("key", "password", "token_secret")
 
 
 def sections() -> list[tuple[str, type[msgspec.Struct]]]:
+    """Every table of the config file (`tokenyard.config.SECTIONS`) and its settings."""
+    from tokenyard.fleet.autoscale import AutoscaleConfig
     from tokenyard.gateway.settings import GatewaySettings
 
-    return [("broker", BrokerSettings), ("worker", WorkerSettings), ("gateway", GatewaySettings)]
+    return [
+        ("broker", BrokerSettings),
+        ("worker", WorkerSettings),
+        ("gateway", GatewaySettings),
+        ("autoscale", AutoscaleConfig),
+    ]
 
 
 def effective() -> dict[str, list[dict[str, Any]]]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
+import msgspec
 import typer
 
-from tokenyard.broker import Backend, check_url, connect
-from tokenyard.config import BrokerSettings, from_env
+from tokenyard.broker import Backend, check_url, connect, redacted
+from tokenyard.config import BrokerSettings, from_env, setting_sources
+from tokenyard.errors import BrokerUnavailable
 
 BrokerOpt = Annotated[
     str | None,
@@ -37,6 +39,7 @@ AuditKafkaOpt = Annotated[
     ),
 ]
 _T = TypeVar("_T")
+PING_TIMEOUT_S = 5.0
 
 
 def broker_settings(
@@ -47,18 +50,20 @@ def broker_settings(
     tables: str | None = None,
     audit_kafka: str | None = None,
 ) -> BrokerSettings:
-    """The flags, then TOKENYARD_BROKER_*, then the config file, then the defaults; a command
-    that needs a broker refuses at once when none is named (before it loads a model), and
-    a Kafka audit log URL that is not one."""
-    settings = from_env(
-        BrokerSettings,
-        "broker",
-        url=broker,
-        prefix=prefix,
-        lease_s=lease_s,
-        tables_url=tables,
-        audit_kafka=audit_kafka,
-    )
+    """The flags, then TOKENYARD_BROKER_*, then the config file, then the local `serve`'s
+    broker (`fleet/local.py`), then the defaults; a command that needs a broker refuses at once
+    when there is none (before it loads a model), and a Kafka audit log URL that is not one."""
+    given: dict[str, Any] = {
+        "url": broker,
+        "prefix": prefix,
+        "lease_s": lease_s,
+        "tables_url": tables,
+        "audit_kafka": audit_kafka,
+    }
+    settings = from_env(BrokerSettings, "broker", None, **given)
+    if required and not settings.url:
+        named = setting_sources(BrokerSettings, "broker", None, **given)
+        settings = _local_serve_broker(settings, prefix_named="prefix" in named)
     if required:
         check_url(settings.url)
     if settings.audit_kafka:
@@ -68,17 +73,60 @@ def broker_settings(
     return settings
 
 
+def _local_serve_broker(settings: BrokerSettings, *, prefix_named: bool) -> BrokerSettings:
+    """The running local serve's broker (and its prefix, unless one was given), else no
+    broker, which check_url refuses, naming how to give one."""
+    from tokenyard.fleet.local import find
+
+    serve = find()
+    if serve is None:
+        return settings
+    prefix = settings.prefix if prefix_named else serve.prefix
+    tables = settings.tables_url or serve.tables_url
+    return msgspec.structs.replace(settings, url=serve.broker_url, tables_url=tables, prefix=prefix)
+
+
 def with_broker(
     broker: str | None, prefix: str | None, job: Callable[[Backend], Awaitable[_T]]
 ) -> _T:
-    """Run `job` on the broker the options name, connected for it and closed afterwards."""
+    """Run `job` on the broker the options name, connected for it and closed afterwards; a
+    broker that does not answer within PING_TIMEOUT_S fails the command, naming it."""
     settings = broker_settings(broker, prefix)
 
     async def run() -> _T:
         active = connect(settings)
         try:
+            await _reachable(active)
             return await job(active)
         finally:
             await active.close()
 
     return asyncio.run(run())
+
+
+def check_reachable(settings: BrokerSettings) -> None:
+    """Fail in one line, before anything starts, when the broker `settings` names does not
+    answer."""
+
+    async def ping() -> None:
+        active = connect(settings)
+        try:
+            await _reachable(active)
+        finally:
+            await active.close()
+
+    asyncio.run(ping())
+
+
+async def _reachable(backend: Backend) -> None:
+    # a client may retry its first connect for ever (nats-py does): a command should not hang
+    try:
+        answered = await asyncio.wait_for(backend.ping(), PING_TIMEOUT_S)
+    except TimeoutError:
+        answered = False
+    if not answered:
+        url = redacted(backend.settings.url)
+        raise BrokerUnavailable(
+            f"no answer from the broker at {url}; is it running? (--broker URL or "
+            "TOKENYARD_BROKER_URL names another)"
+        )

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
+from tokenyard.errors import FAILURE_PREFIX
 from tokenyard.fleet.autoscale import AutoscaleConfig
 from tokenyard.fleet.launch import stop_processes, tokenyard_command
 from tokenyard.metrics import add_worker_metrics
@@ -60,6 +62,10 @@ class Stack:
     # workers write their metrics here (prometheus_client's multiprocess mode); `registry`,
     # which the gateway's /metrics serves, reads them
     metrics_dir: Path | None = field(default=None, init=False)
+    # why serve must stop: a worker exited on its own (it could not start, or died); set by
+    # the worker's watcher thread, which then sends SIGTERM to this process
+    failure: str | None = field(default=None, init=False)
+    _stopping: bool = field(default=False, init=False)
     _worker_env: dict[str, str] | None = field(default=None, init=False)
     _supervisor: threading.Thread | None = field(default=None, init=False)
     _supervisor_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = field(
@@ -113,10 +119,35 @@ class Stack:
         if self.autoscale is not None:
             self._start_supervisor(self.autoscale)
             return
-        for _ in range(self.n_workers):
-            self.workers.append(
-                spawn_tied(self._worker_command(), signal.SIGTERM, env=self._worker_env)
-            )
+        for index in range(self.n_workers):
+            self.workers.append(self._spawn_watched(index + 1))
+
+    def _spawn_watched(self, index: int) -> subprocess.Popen[bytes]:
+        """A worker whose stderr passes through this process, and whose exit stops serve: a
+        serve that cannot run its model must not answer 503 and hang its callers."""
+        proc = spawn_tied(
+            self._worker_command(), signal.SIGTERM, env=self._worker_env, stderr=subprocess.PIPE
+        )
+        threading.Thread(
+            target=self._watch, args=(proc, index), name=f"worker-{index}", daemon=True
+        ).start()
+        return proc
+
+    def _watch(self, proc: subprocess.Popen[bytes], index: int) -> None:
+        assert proc.stderr is not None
+        reason = ""
+        for raw in proc.stderr:
+            line = raw.decode(errors="replace")
+            if line.startswith(FAILURE_PREFIX):  # the worker's one line saying why it failed
+                reason = line.removeprefix(FAILURE_PREFIX).strip()
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        code = proc.wait()
+        if self._stopping:
+            return
+        self.failure = f"worker {index} exited (code {code}): {reason or 'see its output above'}"
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _start_supervisor(self, config: AutoscaleConfig) -> None:
         ready = threading.Event()
@@ -171,6 +202,7 @@ class Stack:
         return cmd
 
     def stop(self) -> None:
+        self._stopping = True  # the workers' exits from here on are serve's own doing
         self._stop_supervisor()  # first, so it starts nothing while the workers drain
         stop_processes(self.workers, self.drain_timeout_s + 15)  # SIGTERM: they drain
         self.workers.clear()

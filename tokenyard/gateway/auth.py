@@ -17,7 +17,7 @@ import msgspec
 from fastapi import Depends, Request
 
 from tokenyard.broker.tables import Directory
-from tokenyard.errors import BrokerUnavailable, FatalError
+from tokenyard.errors import BrokerUnavailable, FatalError, InvalidRequest
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.instrument import current_access
 from tokenyard.gateway.refresh import RefreshAhead
@@ -34,16 +34,28 @@ class Tenant(msgspec.Struct, frozen=True):
     admin: bool = False  # may use fleet routes (/metrics, and AdminDep routes)
     quota: Quota = msgspec.field(default_factory=Quota)  # enforced at admission, fleet-wide
     weight: float = 1.0  # fair share of a lane against other tenants
+    keyed: bool = True  # False: the caller of a gateway with no keys, who has no tier
 
     def lane_priority(self, requested: Priority | None) -> Priority:
-        """A request may lower its priority below the tier, never raise it above."""
+        """A request may lower its priority below the tier, never raise it above; a caller
+        without a key asking above `normal` is refused rather than quietly served at it."""
         if requested is None:
             return self.priority
+        if requested < self.priority and not self.keyed:
+            name = requested.name.lower()
+            raise InvalidRequest(
+                f"'priority': {name!r} needs an API key whose tenant's tier allows it "
+                f"(tokenyard tenants set NAME --priority {name}; tokenyard keys create --tenant "
+                f"NAME); without keys every request runs at "
+                f"{self.priority.name.lower()!r} or lower",
+                code="priority_not_allowed",
+                param="priority",
+            )
         return Priority(max(requested, self.priority))
 
 
 # with auth off there is one caller, who owns the fleet
-DEFAULT_TENANT = Tenant("default", admin=True)
+DEFAULT_TENANT = Tenant("default", admin=True, keyed=False)
 
 
 class _KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -7,38 +7,38 @@ from typing import Any, Literal
 
 import msgspec
 
-from tokenyard.config import from_env
+from tokenyard.config import Count, NonNegative, Port, Seconds, SecondsOrZero, from_env
 
 
 class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     """Each field can be set by TOKENYARD_GATEWAY_<FIELD>; lists are comma-separated there."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Port = 8000
     models: tuple[str, ...] = ("tiny",)
     tokenizer: Literal["hf", "sim"] = "hf"  # which tokenizer family the workers' engines use
-    max_body_bytes: int = 1 << 20
-    max_tokens_cap: int = 4096  # a request asking for more is refused, not clamped
-    default_max_tokens: int = 256  # chat requests without max_tokens (completions default 16)
-    request_timeout_s: float = 600.0  # sync and streaming calls: queue wait + generation
+    max_body_bytes: Count = 1 << 20
+    max_tokens_cap: Count = 4096  # a request asking for more is refused, not clamped
+    default_max_tokens: Count = 256  # chat requests without max_tokens (completions default 16)
+    request_timeout_s: Seconds = 600.0  # sync and streaming calls: queue wait + generation
     stream_resume_grace_s: float = 0.0  # how long a dropped stream's job waits for a reconnect
     # longest single wait on a job's events, and so the SSE keep-alive period; the broker caps
     # blocking reads well below its client's read timeout
-    event_block_s: float = 2.0
+    event_block_s: Seconds = 2.0
     # follows of a model's jobs share blocking reads; each holds a broker connection, and at most
     # this many are in flight per model, so enqueue and cancel still find a free connection
-    max_blocking_reads: int = 8
+    max_blocking_reads: Count = 8
     limits_ttl_s: float = 1.0  # how long the limits workers publish are cached
     # POST /v1/completions, /v1/chat/completions and /v1/jobs answered without FastAPI's
     # routing and dependency injection (gateway/fast.py); false: through FastAPI, same answers
     fast_routes: bool = True
-    retry_after_s: int = 1  # Retry-After on 429
+    retry_after_s: NonNegative = 1  # Retry-After on 429
     # overload shedding of interactive calls (sync and streamed completions and chat): one
     # without its own deadline is refused (429 + Retry-After) when its estimated queue wait
     # exceeds this many seconds, so a flood gets fast refusals instead of answers minutes late;
     # 0 = off. Jobs and batch lines are read later: they queue up to the lane bound, held only
     # to their own deadline (as is every request that carries one)
-    queue_slo_s: float = 30.0
+    queue_slo_s: SecondsOrZero = 30.0
     queue_wait_ttl_s: float = 0.25  # the lanes and workers behind the estimate: read this often
     # bootstrap keys, JSON {key: {"tenant": ..., "priority": ..., "admin": false}}; auth is on
     # when this file or the broker (`tokenyard keys create`) holds any key
@@ -65,14 +65,14 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     affinity_prefix_tokens: int = 1024
     # offline batches (/v1/files, /v1/batches); OpenAI's limits by default
     files_dir: str = ".tokenyard/files"  # the file store (uploads and batch outputs)
-    batch_max_requests: int = 50_000
-    batch_max_file_bytes: int = 200 * 1024 * 1024
-    batch_max_in_flight: int = 512  # jobs of one batch queued or running at once
+    batch_max_requests: Count = 50_000
+    batch_max_file_bytes: Count = 200 * 1024 * 1024
+    batch_max_in_flight: Count = 512  # jobs of one batch queued or running at once
     batch_poll_s: float = 0.05  # how often a runner looks at its batches' jobs
     batch_lease_s: float = 10.0  # a runner that stops renewing loses its batches after this
     batch_runner: bool = True  # this gateway drives batches (any gateway may)
     # what `completion_window: "24h"` lasts; shorter only for tests and drills of expiry
-    batch_window_s: float = 24 * 3600.0
+    batch_window_s: Seconds = 24 * 3600.0
     # stored responses (/v1/responses) whose job ended with no gateway watching (the one that
     # created it died) get their result copied in by any gateway's sweep, this often; 0: off
     responses_sweep_s: float = 30.0

@@ -10,6 +10,7 @@ from tokenyard import tracing
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import build_engine
+from tokenyard.errors import FatalError
 from tokenyard.metrics import AuditLogMetrics, WorkerMetrics
 from tokenyard.worker.worker import Worker
 
@@ -41,7 +42,10 @@ async def serve_worker(
         log.info("metrics on :%d/metrics", settings.metrics_port)
     tracing.configure("tokenyard-worker")
     try:
-        engine = build_engine(settings)
+        try:
+            engine = build_engine(settings)
+        except ValueError as exc:  # settings no engine takes: one line, not a traceback
+            raise FatalError(f"worker: {exc}") from exc
         backend = connect(broker_settings)
         if backend.audit_log is not None:
             backend.audit_log.observe(AuditLogMetrics("tokenyard_worker", metrics.registry))

@@ -1,0 +1,203 @@
+"""The command line finds the running `serve` or says so, and fails fast and in one line: the
+commands given no broker use the local serve's; serve refuses a taken port, an unknown engine
+and bad settings before it starts anything, and stops when a worker cannot start; a broker or
+gateway that does not answer is one line (`--debug`: the traceback). One serve for the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any TOKENYARD_ setting: nothing names a broker or a gateway."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
+    return env | extra
+
+
+@dataclass
+class Ran:
+    args: Sequence[str]
+    code: int
+    out: str
+    err: str
+
+    def one_failure_line(self) -> str:
+        """The single stderr line of a command that failed, without a traceback."""
+        assert self.code not in (0, None), self
+        lines = self.err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in self.err, self
+        assert lines[0].startswith("tokenyard: "), self
+        return lines[0]
+
+
+def run_all(
+    commands: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, str], timeout_s: float = 90
+) -> list[Ran]:
+    """Run the commands at once (each is a Python start-up: seconds), wait for them all."""
+    procs = [
+        subprocess.Popen(
+            tokenyard_command(*args),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
+    ran = []
+    for args, proc in zip(commands, procs, strict=True):
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"{args} still ran after {timeout_s} s: {err[-2000:]}")
+        ran.append(Ran(args, proc.returncode, out, err))
+    return ran
+
+
+@dataclass
+class Served:
+    cwd: Path  # serve's working directory: its record is in .tokenyard/valkey/serve.json
+    port: int
+    procs: Processes
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    cwd = tmp_path_factory.mktemp("local-serve")
+    port = free_port()
+    procs = Processes(log_dir=cwd / "logs")
+    serve = procs.start(
+        "serve",
+        tokenyard_command("serve", "--engine", "sim", "--model", "tiny", "--port", str(port)),
+        env=clean_env(),
+        cwd=cwd,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/readyz", procs, timeout_s=120)
+        yield Served(cwd, port, procs)
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+        assert not (cwd / ".tokenyard" / "valkey" / "serve.json").exists()  # serve forgot it
+    finally:
+        procs.stop(timeout_s=30, sig=signal.SIGKILL)
+
+
+def test_serve_says_what_it_started_and_where(served: Served) -> None:
+    started = served.procs.log_tail("serve", chars=100_000)
+    for where in ("/v1", "/dashboard", "/metrics", "/docs"):
+        assert f"{served.url}{where}" in started, started
+    assert "broker     redis://127.0.0.1:" in started
+    assert "engine sim" in started and "workers 1" in started and "model tiny" in started
+    record = json.loads((served.cwd / ".tokenyard" / "valkey" / "serve.json").read_bytes())
+    assert record["api_url"] == served.url and record["broker_url"].startswith("redis://")
+    assert (served.cwd / ".tokenyard" / "valkey" / "serve.json").stat().st_mode & 0o077 == 0
+
+
+def test_commands_given_no_broker_use_the_local_serve(served: Served) -> None:
+    env = clean_env()
+    metrics_port = free_port()
+    autoscale = served.procs.start(
+        "autoscale",
+        tokenyard_command("autoscale", "--port", str(metrics_port), "--host", "127.0.0.1"),
+        env=env,
+        cwd=served.cwd,
+    )
+    (submitted,) = run_all([("submit", "hello yard", "--max-tokens", "4")], served.cwd, env)
+    assert submitted.code == 0 and submitted.out.strip(), submitted  # the serve's gateway
+    status, tenants, audit = run_all(
+        [("status",), ("tenants", "show"), ("audit", "--since", "1h")], served.cwd, env
+    )
+    assert status.code == 0 and "model tiny" in status.out, status
+    assert tenants.code == 0, tenants
+    assert audit.code == 0, audit
+    assert {json.loads(line)["tenant"] for line in audit.out.splitlines()} == {"default"}
+    # autoscale runs until stopped: its gauges show it read the serve's lanes
+    wait_ready(f"http://127.0.0.1:{metrics_port}/metrics", autoscale, timeout_s=60)
+    metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    assert 'tokenyard_desired_workers{model="tiny"}' in metrics
+    autoscale.send_signal(signal.SIGTERM)
+    assert autoscale.wait(30) == 0
+
+
+def test_serve_refuses_at_once_what_it_cannot_run(served: Served, tmp_path: Path) -> None:
+    with socket.socket() as held:  # a broker address nobody answers on
+        held.bind(("127.0.0.1", 0))
+        nobody = f"redis://127.0.0.1:{held.getsockname()[1]}/0"
+        taken, bad_engine, bad_seqs, no_broker = run_all(
+            [
+                ("serve", "--engine", "sim", "--port", str(served.port)),  # the served one's
+                ("serve", "--engine", "nope", "--port", str(free_port())),
+                ("serve", "--engine", "sim", "--max-seqs", "-4", "--port", str(free_port())),
+                ("serve", "--engine", "sim", "--broker", nobody, "--port", str(free_port())),
+            ],
+            tmp_path,
+            clean_env(),
+        )
+    assert f"127.0.0.1:{served.port} is taken" in taken.one_failure_line()
+    assert "unknown engine 'nope'" in bad_engine.one_failure_line()
+    assert "max_seqs = -4" in bad_seqs.one_failure_line()
+    assert f"no answer from the broker at {nobody}" in no_broker.one_failure_line()
+    assert not (tmp_path / ".tokenyard").exists()  # nothing was started
+
+
+def test_a_worker_that_cannot_start_stops_serve(served: Served, tmp_path: Path) -> None:
+    # the worker's metrics port is taken (serve does not read it): only the worker fails
+    env = clean_env(TOKENYARD_WORKER_METRICS_PORT=str(served.port))
+    (ran,) = run_all(
+        [("serve", "--engine", "sim", "--port", str(free_port()))], tmp_path, env, timeout_s=120
+    )
+    lines = ran.err.strip().splitlines()
+    assert ran.code not in (0, None) and "Traceback" not in ran.err, ran
+    assert lines[-1].startswith("tokenyard: worker 1 exited"), ran
+    assert "Address already in use" in lines[-1], ran
+    assert not (tmp_path / ".tokenyard" / "valkey" / "serve.json").exists()
+
+
+def test_config_show_refuses_an_unknown_table(tmp_path: Path) -> None:
+    # its other refusals and the [autoscale] table: tests/unit/test_config_file.py
+    (tmp_path / "tokenyard.toml").write_text("[workers]\nmax_seqs = 4\n")
+    (ran,) = run_all([("--config", "tokenyard.toml", "config", "show")], tmp_path, clean_env())
+    assert "unknown table [workers]" in ran.one_failure_line()
+
+
+def test_a_broker_or_gateway_that_does_not_answer_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as held:  # a port nobody answers on while the commands run
+        held.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{held.getsockname()[1]}"
+        env = clean_env(TOKENYARD_GATEWAY_PORT=str(held.getsockname()[1]))
+        status, nats, submitted, debug = run_all(
+            [
+                ("status", "--broker", f"redis://{nobody}/0"),
+                ("keys", "list", "--broker", f"nats://{nobody}"),
+                ("submit", "hello"),
+                ("tenants", "show", "--debug", "--broker", f"redis://{nobody}/0"),
+            ],
+            tmp_path,
+            env,
+        )
+    assert f"no answer from the broker at redis://{nobody}/0" in status.one_failure_line()
+    assert f"no answer from the broker at nats://{nobody}" in nats.one_failure_line()
+    assert f"no gateway answers at http://{nobody}" in submitted.one_failure_line()
+    assert debug.code != 0 and "Traceback" in debug.err and "BrokerUnavailable" in debug.err
