@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, find, forget
 def serving() -> Iterator[int]:
     """The pid of a live process whose command line names tokenyard, as serve's does."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "tokenyard"])
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    while b"tokenyard" not in cmdline.read_bytes():  # forked, not yet exec'd: the parent's
+        time.sleep(0.01)
     yield proc.pid
     proc.kill()
     proc.wait()
