@@ -20,6 +20,16 @@ from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app
+from tokenyard.cli.engine import (
+    EngineOpt,
+    SimDecodeBaseOpt,
+    SimDecodePerSeqOpt,
+    SimPrefillBaseOpt,
+    SimPrefillPerTokenOpt,
+    engine_choice,
+    export_to_workers,
+    sim_cost,
+)
 from tokenyard.cli.options import (
     AuditKafkaOpt,
     BrokerOpt,
@@ -46,7 +56,6 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
 
 ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
-EngineOpt = Annotated[str | None, typer.Option(help="hf | hf-static | hf-embed | sim")]
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
 ]
@@ -97,6 +106,10 @@ def serve(
     max_workers: Annotated[int | None, typer.Option("--max", help="auto: most workers")] = None,
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
+    sim_prefill_base_s: SimPrefillBaseOpt = None,
+    sim_prefill_per_token_s: SimPrefillPerTokenOpt = None,
+    sim_decode_base_s: SimDecodeBaseOpt = None,
+    sim_decode_per_seq_s: SimDecodePerSeqOpt = None,
 ) -> None:
     """Everything on one machine: a private Valkey (or with `--broker nats` a private
     nats-server; none when --broker names a URL, except a private Valkey for the tables of
@@ -117,16 +130,22 @@ def serve(
     private = next((kind for kind in EMBEDDED if kind == (settings.url or "valkey")), None)
     if private is None:
         check_url(settings.url)
-    worker_settings = from_env(
-        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
+    sim = sim_cost(
+        sim_prefill_base_s, sim_prefill_per_token_s, sim_decode_base_s, sim_decode_per_seq_s
     )
+    worker_settings = from_env(
+        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs, **sim
+    )
+    export_to_workers(sim)
+    # decided once here, so every worker runs the engine the start line names
+    chosen = engine_choice(worker_settings, engine)
     auto = autoscale_config(workers, min_workers, max_workers)
     stack = Stack(
         external=settings if private is None else None,
         embedded=private or "valkey",
         prefix=settings.prefix,
         model=worker_settings.model,
-        engine=worker_settings.engine,
+        engine=chosen.engine,
         n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
         data_dir=data_dir or Path(".tokenyard", private or "valkey"),
@@ -135,7 +154,7 @@ def serve(
         log_format=log_format,
         given=settings,
     )
-    gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
+    gw = _gateway_settings(worker_settings.model, chosen.engine, host, port)
     # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
     # that unwinds the stack (workers drain, the private server stops) instead of killing it
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -143,7 +162,7 @@ def serve(
         tables_note = f" · tables {stack.tables_url}" if stack.tables_url else ""
         console.print(
             f"[bold]tokenyard[/] broker {redacted(stack.broker_url)}{tables_note} · "
-            f"model {worker_settings.model} ({worker_settings.engine})"
+            f"model {worker_settings.model} · engine {chosen.engine} ({chosen.reason})"
         )
         console.print(f"OpenAI API on http://{gw.host}:{gw.port}/v1 — Ctrl-C stops")
         _run_gateway(stack.broker_settings, gw, stack.registry)
@@ -267,6 +286,10 @@ def worker(
     log_level: Annotated[str, typer.Option(help="logging level")] = "INFO",
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
+    sim_prefill_base_s: SimPrefillBaseOpt = None,
+    sim_prefill_per_token_s: SimPrefillPerTokenOpt = None,
+    sim_decode_base_s: SimDecodeBaseOpt = None,
+    sim_decode_per_seq_s: SimDecodePerSeqOpt = None,
 ) -> None:
     """Run one worker: claim jobs for MODEL and run them; SIGTERM drains.
 
@@ -285,6 +308,9 @@ def worker(
         threads=threads,
         drain_timeout_s=drain_timeout_s,
         metrics_port=metrics_port,
+        **sim_cost(
+            sim_prefill_base_s, sim_prefill_per_token_s, sim_decode_base_s, sim_decode_per_seq_s
+        ),
     )
     queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables, audit_kafka=audit_kafka)
     asyncio.run(serve_worker(queue, settings, consumer=consumer))
