@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[VLLMEngine]:
-    eng = make_engine("vllm", model="tiny", dtype="float32", max_seqs=SLOTS, max_model_len=2048)
+    # dtype left to tokenyard's `auto`: float32 on CPU (test_auto_dtype_is_float32_on_cpu)
+    eng = make_engine("vllm", model="tiny", max_seqs=SLOTS, max_model_len=2048)
     assert isinstance(eng, VLLMEngine)
     await eng.start()
     yield eng
@@ -50,6 +51,12 @@ async def test_capacity_comes_from_vllms_scheduler_and_kv_cache(engine: VLLMEngi
     assert engine.capacity.max_tokens >= 2048  # KV cache blocks x block size
     assert engine.tokenizer.max_model_len == 2048
     assert engine.engine_args["scheduling_policy"] == "priority"
+
+
+async def test_auto_dtype_is_float32_on_cpu(engine: VLLMEngine) -> None:
+    # as the README says and the hf engine does; vLLM's own `auto` is bfloat16 on CPU
+    assert engine.engine_args["dtype"] == "float32"
+    assert str(engine._llm.vllm_config.model_config.dtype) == "torch.float32"
 
 
 async def test_priority_orders_waiting_sequences(engine: VLLMEngine) -> None:
@@ -87,3 +94,13 @@ async def test_values_vllm_refuses_are_invalid_requests(engine: VLLMEngine) -> N
     engine.add(EngineRequest("ok", prompt, greedy(2)))
     r = (await collect(engine, 1))["ok"]
     assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+
+
+def test_auto_picks_vllm_here_reading_its_registry_as_vllm_does() -> None:
+    from vllm import ModelRegistry
+
+    from tokenyard.engines.auto import auto_engine, vllm_architectures
+
+    assert vllm_architectures() == frozenset(ModelRegistry.get_supported_archs())
+    choice = auto_engine("tiny")
+    assert choice.engine == "vllm" and "supports LlamaForCausalLM on CPU" in choice.reason

@@ -118,9 +118,12 @@ class VLLMEngine(StreamEngine):
     async def open(self) -> None:
         from vllm.config import PoolerConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = dict(self.engine_args)
+        args["dtype"] = resolved_dtype(str(args["dtype"]), cpu=current_platform.is_cpu())
+        self.engine_args["dtype"] = args["dtype"]
         if isinstance(args.get("pooler_config"), Mapping):
             args["pooler_config"] = PoolerConfig(**args["pooler_config"])
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -133,7 +136,13 @@ class VLLMEngine(StreamEngine):
         self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=self._token_budget(kv_tokens))
         tok = self.tokenizer
         self.tokenizer = HFTokenizer(tok.hf, length, sorted(tok.eos_token_ids))
-        log.info("vLLM engine up: %d sequences, %d KV tokens, context %d", seqs, kv_tokens, length)
+        log.info(
+            "vLLM engine up: %d sequences, %d KV tokens, context %d, %s",
+            seqs,
+            kv_tokens,
+            length,
+            config.model_config.dtype,
+        )
 
     async def close_runtime(self) -> None:
         if self._llm is not None:
@@ -207,6 +216,12 @@ class VLLMEngine(StreamEngine):
                     else:
                         self.close(seq, FinishReason.STOP)
                     return
+
+
+def resolved_dtype(dtype: str, *, cpu: bool) -> str:
+    """tokenyard's `auto` dtype: float32 on CPU, as the hf engine (vLLM's own `auto` would take
+    bfloat16 there); on a GPU vLLM's `auto` (the model's own half precision) stands."""
+    return "float32" if dtype == "auto" and cpu else dtype
 
 
 def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
