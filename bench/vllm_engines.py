@@ -39,13 +39,15 @@ from typing import Any
 import bench.common  # noqa: F401  (its import turns the gateways' cache and collapsing off)
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
-from tokenyard.bench.runner import BenchSettings, Load, run_level
+from tokenyard.bench.runner import BenchSettings, LevelRun, Load, run_level
+from tokenyard.bench.stats import summarize
 from tokenyard.bench.workload import LengthDist, Workload
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"  # the lane and served-model name; the directory is the head-size-32 variant
 TARGETS = ("vllm-serve", "tokenyard-remote", "tokenyard-vllm", "tokenyard-hf")
+LEVELS = ("concurrent", "one_at_a_time", "open_rate")
 
 
 def model_dir() -> Path:
@@ -151,7 +153,9 @@ def settings(opts: argparse.Namespace, base: str, requests: int) -> BenchSetting
     )
 
 
-def brief(level: dict[str, Any]) -> dict[str, Any]:
+def brief(run: LevelRun) -> dict[str, Any]:
+    level = level_report(run)
+    ok = [r for r in run.results if r.ok]
     return {
         "load": level["load"],
         "requests": level["requests"],
@@ -159,6 +163,9 @@ def brief(level: dict[str, Any]) -> dict[str, Any]:
         "throughput": level["throughput"],
         "ttft_ms": level["ttft_ms"],
         "itl_ms": level["itl_ms"],
+        "tpot_ms": level["tpot_ms"],
+        # SSE events with content per request: one per engine step is one per token here
+        "sse_events_per_request": summarize(len(r.chunk_times) for r in ok).as_dict(),
         "errors": level["errors"],
         "error_examples": level["error_examples"],
     }
@@ -169,24 +176,28 @@ async def measure(base: str, opts: argparse.Namespace, rate: float | None) -> di
     c = opts.concurrency
     await run_level(settings(opts, base, c), Load("closed", c), level=100)
     out: dict[str, Any] = {}
-    out["concurrent"] = brief(
-        level_report(await run_level(settings(opts, base, opts.requests), Load("closed", c)))
-    )
-    out["one_at_a_time"] = brief(
-        level_report(await run_level(settings(opts, base, opts.single_requests), Load("closed", 1)))
-    )
-    if rate is None:
-        rate = opts.rate_fraction * out["concurrent"]["throughput"]["requests_per_s"]
-    count = max(opts.min_open_requests, round(rate * opts.open_s))
-    out["open_rate"] = {
-        "rate": round(rate, 3),
-        **brief(level_report(await run_level(settings(opts, base, count), Load("open", rate)))),
-    }
+    if "concurrent" in opts.levels:
+        run = await run_level(settings(opts, base, opts.requests), Load("closed", c))
+        out["concurrent"] = brief(run)
+    if "one_at_a_time" in opts.levels:
+        run = await run_level(settings(opts, base, opts.single_requests), Load("closed", 1))
+        out["one_at_a_time"] = brief(run)
+    if "open_rate" in opts.levels:
+        rate = opts.rate or rate
+        if rate is None:
+            rate = opts.rate_fraction * out["concurrent"]["throughput"]["requests_per_s"]
+        count = max(opts.min_open_requests, round(rate * opts.open_s))
+        run = await run_level(settings(opts, base, count), Load("open", rate))
+        out["open_rate"] = {"rate": round(rate, 3), **brief(run)}
     return out
 
 
 def tokens_per_s(result: dict[str, Any], level: str) -> float:
     return float(result[level]["throughput"]["output_tokens_per_s"])
+
+
+def tpot_p99(result: dict[str, Any]) -> float:
+    return float(result["open_rate"]["tpot_ms"]["p99"])
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -202,8 +213,13 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out[name] = {
                 level: round(tokens_per_s(results[a], level) / tokens_per_s(results[b], level), 3)
                 for level in ("concurrent", "one_at_a_time")
-                if tokens_per_s(results[b], level) > 0
+                if level in results[b] and tokens_per_s(results[b], level) > 0
             }
+            if "open_rate" in results[b] and tpot_p99(results[b]) > 0:
+                # the open rate's TPOT p99 over the baseline's (goal: within 2x)
+                out[name]["open_rate_tpot_p99"] = round(
+                    tpot_p99(results[a]) / tpot_p99(results[b]), 3
+                )
     return out
 
 
@@ -245,6 +261,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": opts.max_tokens,
             "prompt_words": opts.prompt_words,
             "durability": "Valkey AOF everysec",
+            "load_average": [round(x, 2) for x in os.getloadavg()],
         },
         "results": results,
         "ratios": ratios(results),
@@ -259,6 +276,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=256, help="for the concurrent level")
     p.add_argument("--single-requests", type=int, default=16, help="for one at a time")
     p.add_argument("--rate-fraction", type=float, default=0.5)
+    p.add_argument("--rate", type=float, help="the open-loop rate in req/s (default: the fraction)")
+    p.add_argument(
+        "--levels",
+        default=",".join(LEVELS),
+        type=lambda s: s.split(","),
+        help="of " + ", ".join(LEVELS),
+    )
     p.add_argument("--open-s", type=float, default=30.0)
     p.add_argument("--min-open-requests", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the hf worker")
