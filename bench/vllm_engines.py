@@ -141,7 +141,13 @@ def settings(opts: argparse.Namespace, base: str, requests: int) -> BenchSetting
     return BenchSettings(
         base_url=f"{base}/v1",
         options=RequestOptions(
-            endpoint=Endpoint.completions, model=MODEL, ignore_eos=True, temperature=0.0
+            endpoint=Endpoint.completions,
+            model=MODEL,
+            ignore_eos=True,
+            temperature=0.0,
+            # both servers then send every step's tokens, also those whose text is held back
+            # (part of a character): `token_events_per_request` counts them
+            extra_body={"return_token_ids": True},
         ),
         workload=Workload(
             prompt_len=LengthDist(opts.prompt_words, opts.prompt_words),
@@ -164,8 +170,10 @@ def brief(run: LevelRun) -> dict[str, Any]:
         "ttft_ms": level["ttft_ms"],
         "itl_ms": level["itl_ms"],
         "tpot_ms": level["tpot_ms"],
-        # SSE events with content per request: one per engine step is one per token here
+        # SSE events with text per request (a step whose token ends inside a character has none)
         "sse_events_per_request": summarize(len(r.chunk_times) for r in ok).as_dict(),
+        # SSE events carrying tokens: one per engine step (one token each here) when none merge
+        "token_events_per_request": summarize(r.token_events for r in ok).as_dict(),
         "errors": level["errors"],
         "error_examples": level["error_examples"],
     }
@@ -235,15 +243,16 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         valkey = EmbeddedServer(Path(tmp) / "valkey", appendfsync="everysec").start()
         rate: float | None = None
         try:
-            async with vllm_serve(logs / "vllm-serve", opts) as upstream:
-                opts.upstream = upstream
-                if "vllm-serve" in targets:
-                    results["vllm-serve"] = await measure(upstream, opts, None)
-                    rate = results["vllm-serve"]["open_rate"]["rate"]
-                if "tokenyard-remote" in targets:
-                    logs_r = logs / "tokenyard-remote"
-                    async with tokenyard_stack(logs_r, valkey.url, "remote", opts) as base:
-                        results["tokenyard-remote"] = await measure(base, opts, rate)
+            if {"vllm-serve", "tokenyard-remote"} & set(targets):
+                async with vllm_serve(logs / "vllm-serve", opts) as upstream:
+                    opts.upstream = upstream
+                    if "vllm-serve" in targets:
+                        results["vllm-serve"] = await measure(upstream, opts, None)
+                        rate = results["vllm-serve"].get("open_rate", {}).get("rate")
+                    if "tokenyard-remote" in targets:
+                        logs_r = logs / "tokenyard-remote"
+                        async with tokenyard_stack(logs_r, valkey.url, "remote", opts) as base:
+                            results["tokenyard-remote"] = await measure(base, opts, rate)
             for target, engine in (("tokenyard-vllm", "vllm"), ("tokenyard-hf", "hf")):
                 if target in targets:
                     async with tokenyard_stack(logs / target, valkey.url, engine, opts) as base:
