@@ -81,7 +81,9 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
     async def serve() -> None:
         settings = WorkerSettings(model=MODEL, engine=engine_name, max_seqs=c)
         broker = connect(BrokerSettings(url=url, prefix=prefix))
-        await run_worker(broker, Worker(broker, engine, settings))
+        # as `tokenyard worker` runs it: the worker owns its process and freezes its startup
+        # heap (engine included) out of the cycle collector's way
+        await run_worker(broker, Worker(broker, engine, settings, freeze_heap=True))
 
     asyncio.run(serve())
 
