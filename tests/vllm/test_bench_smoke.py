@@ -35,8 +35,10 @@ def test_vllm_engines_quick() -> None:
             cell = result[level]
             assert not cell["errors"], (target, level, cell["error_examples"])
             assert cell["throughput"]["output_tokens_per_s"] > 0, (target, level)
+            assert cell["sse_events_per_request"]["count"] > 0, (target, level)
     assert set(report["ratios"]) == {
         "tokenyard-vllm / vllm-serve",
         "tokenyard-remote / vllm-serve",
         "tokenyard-hf / tokenyard-vllm",
     }
+    assert "open_rate_tpot_p99" in report["ratios"]["tokenyard-vllm / vllm-serve"]

@@ -71,6 +71,9 @@ class RequestResult:
     end_s: float = 0.0
     first_token_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)
+    # events that carried token ids (asked with `return_token_ids`), text or not: one per
+    # engine step on a server that streams every step
+    token_events: int = 0
     output_tokens: int = 0
     prompt_tokens: int | None = None
     usage_reported: bool = False
@@ -132,6 +135,15 @@ class SSEDecoder:
             return None
         data, self._data = "\n".join(self._data), []
         return data
+
+
+def chunk_token_ids(chunk: Mapping[str, Any]) -> int:
+    """Token ids a chunk carries (vLLM's and tokenyard's `return_token_ids`)."""
+    count = 0
+    for choice in chunk.get("choices") or ():
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        count += len(ids) if isinstance(ids, list) else 0
+    return count
 
 
 def chunk_text(chunk: Mapping[str, Any]) -> str:
@@ -267,6 +279,8 @@ class _ChunkReader:
         if "error" in chunk:
             result.fail("stream_error", error_message(data))
             return True
+        if chunk_token_ids(chunk):
+            result.token_events += 1
         if chunk_text(chunk):
             now = self.clock()
             if result.first_token_s is None:

@@ -25,6 +25,16 @@ from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app
+from tokenyard.cli.engine import (
+    EngineOpt,
+    SimDecodeBaseOpt,
+    SimDecodePerSeqOpt,
+    SimPrefillBaseOpt,
+    SimPrefillPerTokenOpt,
+    engine_choice,
+    export_to_workers,
+    sim_cost,
+)
 from tokenyard.cli.failures import DEBUG_ENV, FAILURE_PREFIX, failure_line
 from tokenyard.cli.options import (
     AuditKafkaOpt,
@@ -57,7 +67,6 @@ app = typer.Typer(
 console = Console()
 
 ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
-EngineOpt = Annotated[str | None, typer.Option(help="hf | hf-static | hf-embed | sim")]
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
 ]
@@ -128,6 +137,10 @@ def serve(
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
     log_level: LogLevelOpt = "INFO",
+    sim_prefill_base_s: SimPrefillBaseOpt = None,
+    sim_prefill_per_token_s: SimPrefillPerTokenOpt = None,
+    sim_decode_base_s: SimDecodeBaseOpt = None,
+    sim_decode_per_seq_s: SimDecodePerSeqOpt = None,
 ) -> None:
     """Everything on one machine: a private Valkey (or with `--broker nats` a private
     nats-server; none when --broker names a URL, except a private Valkey for the tables of
@@ -138,6 +151,7 @@ def serve(
     """
     from tokenyard.cli.autoscale import autoscale_config
     from tokenyard.engines import ENGINE_NAMES
+    from tokenyard.engines.auto import AUTO
     from tokenyard.fleet.serve import EMBEDDED, Stack
 
     setup_logging(log_level, log_format)
@@ -151,14 +165,20 @@ def serve(
         check_url(settings.url)
         if settings.tables_url or not settings.url.startswith(AMQP_SCHEMES):
             check_reachable(settings)  # (amqp:// lanes' tables on a Valkey serve starts: later)
-    worker_settings = from_env(
-        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs
+    sim = sim_cost(
+        sim_prefill_base_s, sim_prefill_per_token_s, sim_decode_base_s, sim_decode_per_seq_s
     )
-    if worker_settings.engine not in ENGINE_NAMES:  # before any process starts
-        names = ", ".join(ENGINE_NAMES)
+    worker_settings = from_env(
+        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs, **sim
+    )
+    if worker_settings.engine not in (*ENGINE_NAMES, AUTO):  # before any process starts
+        names = ", ".join((AUTO, *ENGINE_NAMES))
         raise FatalError(f"unknown engine {worker_settings.engine!r}; expected one of {names}")
+    export_to_workers(sim)
+    # decided once here, so every worker runs the engine the start line names
+    chosen = engine_choice(worker_settings, engine)
     auto = autoscale_config(workers, min_workers, max_workers)
-    gw = _gateway_settings(worker_settings.model, worker_settings.engine, host, port)
+    gw = _gateway_settings(worker_settings.model, chosen.engine, host, port)
     # the port before anything starts: one that is taken fails serve at once, in one line
     listener = _bind(gw.host, gw.port)
     data_dir = data_dir or Path(".tokenyard", private or "valkey")
@@ -167,7 +187,7 @@ def serve(
         embedded=private or "valkey",
         prefix=settings.prefix,
         model=worker_settings.model,
-        engine=worker_settings.engine,
+        engine=chosen.engine,
         n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
@@ -190,12 +210,12 @@ def serve(
                 prefix=settings.prefix,
                 api_url=_base_url(gw.host, listener.getsockname()[1]),
                 model=worker_settings.model,
-                engine=worker_settings.engine,
+                engine=chosen.engine,
                 workers=workers,
             )
             record(data_dir, started)
             try:
-                _print_started(started, data_dir, private)
+                _print_started(started, data_dir, private, chosen.reason)
                 _run_gateway(stack.broker_settings, gw, stack.registry, listener)
             finally:
                 forget(data_dir)
@@ -226,13 +246,14 @@ def _base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _print_started(serve: LocalServe, data_dir: Path, private: str | None) -> None:
-    """What serve started and where, before it serves."""
+def _print_started(serve: LocalServe, data_dir: Path, private: str | None, why: str) -> None:
+    """What serve started and where (`why`: why this engine), before it serves."""
     api = serve.api_url
     n = "auto" if serve.workers == "auto" else serve.workers
     where = f"private {private} in {data_dir}" if private else "given"
     lines = [
-        f"[bold]tokenyard serve[/] · model {serve.model} · engine {serve.engine} · workers {n}",
+        f"[bold]tokenyard serve[/] · model {serve.model} · engine {serve.engine} ({why}) · "
+        f"workers {n}",
         f"  API        {api}/v1",
         f"  dashboard  {api}/dashboard",
         f"  metrics    {api}/metrics",
@@ -423,6 +444,10 @@ def worker(
     log_level: LogLevelOpt = "INFO",
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
+    sim_prefill_base_s: SimPrefillBaseOpt = None,
+    sim_prefill_per_token_s: SimPrefillPerTokenOpt = None,
+    sim_decode_base_s: SimDecodeBaseOpt = None,
+    sim_decode_per_seq_s: SimDecodePerSeqOpt = None,
 ) -> None:
     """Run one worker: claim jobs for MODEL and run them; SIGTERM drains.
 
@@ -441,6 +466,9 @@ def worker(
         threads=threads,
         drain_timeout_s=drain_timeout_s,
         metrics_port=metrics_port,
+        **sim_cost(
+            sim_prefill_base_s, sim_prefill_per_token_s, sim_decode_base_s, sim_decode_per_seq_s
+        ),
     )
     queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables, audit_kafka=audit_kafka)
     asyncio.run(serve_worker(queue, settings, consumer=consumer))

@@ -3,7 +3,10 @@ vLLM's AsyncLLM and a remote OpenAI-compatible server."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from tokenyard.engines.base import (
     Engine,
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
     from tokenyard.config import WorkerSettings
 
 ENGINE_NAMES = ("sim", "hf", "hf-static", "hf-embed", "vllm", "remote")
+log = logging.getLogger(__name__)
 # what the embeddings engine takes of the hf engine's options (`make_engine("hf", ...)` builds it
 # for a model directory with no generative head)
 _EMBED_OPTIONS = (
@@ -96,6 +100,10 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "max_seqs": settings.max_seqs,
             "max_tokens": settings.token_budget,
             "prefix_cache_tokens": settings.sim_prefix_cache_tokens or None,
+            "prefill_base": settings.sim_prefill_base_s,
+            "prefill_per_token": settings.sim_prefill_per_token_s,
+            "decode_base": settings.sim_decode_base_s,
+            "decode_per_seq": settings.sim_decode_per_seq_s,
         }
     else:
         options = {
@@ -125,7 +133,14 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
-    """The engine a worker's settings describe, in its own process when `engine_process` is set."""
+    """The engine a worker's settings describe (`auto`: see engines/auto.py), in its own process
+    when `engine_process` is set."""
+    if settings.engine == "auto":
+        from tokenyard.engines.auto import auto_engine
+
+        choice = auto_engine(settings.model, settings.device)
+        log.info("engine %s (auto: %s)", choice.engine, choice.reason)
+        settings = msgspec.structs.replace(settings, engine=choice.engine)
     if settings.engine_process:
         from tokenyard.engines.process import ProcessEngine
 

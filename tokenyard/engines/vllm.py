@@ -1,9 +1,11 @@
 """vLLM engine: vLLM's own AsyncLLM (v1) batches and schedules; tokenyard feeds it and streams.
 
-Each sequence is one `AsyncLLM.generate` call with DELTA outputs and detokenization off:
-text, stop strings, EOS and the length limit are applied by tokenyard's `SequenceDecoder` on
-the token ids, so a redelivered job that resumes from prompt + streamed ids (the prompt given
-to vLLM) reproduces an uninterrupted run, stop strings spanning the resume point included.
+Each sequence is one `AsyncLLM.add_request` with DELTA outputs and detokenization off, fed
+step by step as vLLM's output handler makes its outputs (so each engine step is one delivery
+of every sequence's new tokens: one event per step and job); text, stop strings, EOS and the
+length limit are applied by tokenyard's `SequenceDecoder` on the token ids, so a redelivered
+job that resumes from prompt + streamed ids (the prompt given to vLLM) reproduces an
+uninterrupted run, stop strings spanning the resume point included.
 
 An embedding model (a directory with no generative head, as hf-embed decides, or
 `runner="pooling"` in the engine args) runs on vLLM's pooling runner instead: each input of an
@@ -118,9 +120,12 @@ class VLLMEngine(StreamEngine):
     async def open(self) -> None:
         from vllm.config import PoolerConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = dict(self.engine_args)
+        args["dtype"] = resolved_dtype(str(args["dtype"]), cpu=current_platform.is_cpu())
+        self.engine_args["dtype"] = args["dtype"]
         if isinstance(args.get("pooler_config"), Mapping):
             args["pooler_config"] = PoolerConfig(**args["pooler_config"])
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -133,7 +138,13 @@ class VLLMEngine(StreamEngine):
         self.capacity = EngineCapacity(max_seqs=seqs, max_tokens=self._token_budget(kv_tokens))
         tok = self.tokenizer
         self.tokenizer = HFTokenizer(tok.hf, length, sorted(tok.eos_token_ids))
-        log.info("vLLM engine up: %d sequences, %d KV tokens, context %d", seqs, kv_tokens, length)
+        log.info(
+            "vLLM engine up: %d sequences, %d KV tokens, context %d, %s",
+            seqs,
+            kv_tokens,
+            length,
+            config.model_config.dtype,
+        )
 
     async def close_runtime(self) -> None:
         if self._llm is not None:
@@ -184,29 +195,82 @@ class VLLMEngine(StreamEngine):
         from vllm.inputs import TokensPrompt
 
         assert self._llm is not None, "engine not started"
+        prompt = TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.generated)
         try:
-            await self._generate(seq, TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.generated))
+            collector = await self._llm.add_request(
+                seq.seq_id, prompt, seq.extra, priority=seq.priority
+            )
         except VLLMClientError as exc:
             # vLLM found the request itself wrong: the job fails, it is not retried
             self.fail(seq, f"vLLM refused the request: {exc}", refused=True)
+            return
+        # True once vLLM ended the request, False once tokenyard did (a stop string)
+        ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        step = _Steps(self, seq, ended)
+        try:
+            early = collector.get_nowait()  # a step made before the hand-over below
+        except Exception as exc:  # what vLLM put for the request: its engine died
+            early = exc
+        # vLLM's output handler puts each engine step's output to the request's collector,
+        # which merges outputs its reader has not taken yet (generate() reads it from a task
+        # of its own, woken per step): fed as they are put, every step of every sequence goes
+        # out together, as one delivery, however late this loop runs
+        collector.put = step
+        if early is not None:
+            step(early)
+        try:
+            finished = await ended
+        except asyncio.CancelledError:
+            await self._llm.abort(seq.seq_id)  # as vLLM's generate() does when cancelled
+            raise
+        if not finished:
+            await self._llm.abort(seq.seq_id)
 
-    async def _generate(self, seq: StreamSeq, prompt: Any) -> None:
-        stream = self._llm.generate(prompt, seq.extra, seq.seq_id, priority=seq.priority)
-        # closing the generator (a stop string matched here) makes vLLM abort the request now
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                done = out.outputs[0]
-                self.feed(seq, done.token_ids)
-                if seq.done:
-                    return
-                if out.finished:
-                    if done.finish_reason == "abort":
-                        self.fail(seq, "vLLM aborted the request")
-                    elif done.finish_reason == "length":
-                        self.close(seq, FinishReason.LENGTH)
-                    else:
-                        self.close(seq, FinishReason.STOP)
-                    return
+    def step(self, seq: StreamSeq, out: Any) -> bool:
+        """One engine step's output for `seq`; True when the sequence ended."""
+        if isinstance(out, Exception):
+            self.fail(seq, f"vLLM failed: {out}")
+            return True
+        done = out.outputs[0]
+        self.feed(seq, done.token_ids)
+        if seq.done:
+            return True
+        if out.finished:
+            if done.finish_reason == "abort":
+                self.fail(seq, "vLLM aborted the request")
+            elif done.finish_reason == "length":
+                self.close(seq, FinishReason.LENGTH)
+            else:
+                self.close(seq, FinishReason.STOP)
+            return True
+        return False
+
+
+class _Steps:
+    """A collector's `put` for one sequence: each output to the engine as vLLM makes it."""
+
+    def __init__(self, engine: VLLMEngine, seq: StreamSeq, ended: asyncio.Future[bool]) -> None:
+        self.engine, self.seq, self.ended = engine, seq, ended
+
+    def __call__(self, out: Any) -> None:
+        if self.ended.done():
+            return  # tokenyard ended it; vLLM's abort is on its way
+        try:
+            over = self.engine.step(self.seq, out)
+            # an exception put here is vLLM's end of every request: nothing left to abort
+            finished = isinstance(out, Exception) or bool(out.finished)
+        except Exception as exc:  # raised into vLLM's output handler it would fail every request
+            log.exception("vLLM sequence %s failed", self.seq.seq_id)
+            self.engine.fail(self.seq, f"vllm engine: {exc}")
+            over, finished = True, False
+        if over:
+            self.ended.set_result(finished)
+
+
+def resolved_dtype(dtype: str, *, cpu: bool) -> str:
+    """tokenyard's `auto` dtype: float32 on CPU, as the hf engine (vLLM's own `auto` would take
+    bfloat16 there); on a GPU vLLM's `auto` (the model's own half precision) stands."""
+    return "float32" if dtype == "auto" and cpu else dtype
 
 
 def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:

@@ -241,49 +241,37 @@ class Scheduler(Generic[H]):
     def update(self, outputs: Sequence[StepOutput], now: float = 0.0) -> Update[H]:
         """Fold step outputs into jobs; finished and failed jobs leave the running set.
 
-        Several steps may arrive together: each job yields at most one event, so the worker
-        makes one broker write per job per call, however far the engine ran ahead.
+        Each step's new tokens for a job are one event, also when several steps arrive together
+        (the worker was still publishing the last): readers see the steps as the engine made
+        them, carried by one broker write. A finishing job's last step rides with its result.
         """
         update: Update[H] = Update()
-        pending: dict[str, tuple[Job[H], list[int], list[str]]] = {}
-        ended: dict[str, StepOutput] = {}
         for out in outputs:
             job = self._running.get(out.seq_id)
-            if job is None or out.seq_id in ended:
+            if job is None:
                 continue  # released, removed or already finished: nobody waits for it here
-            entry = pending.get(out.seq_id)
-            if entry is None:
-                entry = pending[out.seq_id] = (job, [], [])
-            entry[1].extend(out.token_ids)
-            entry[2].append(out.text)
-            if out.finish_reason is not None:
-                ended[out.seq_id] = out
-        for job_id, (job, token_ids, texts) in pending.items():
-            text = "".join(texts)
             chunk = None
-            if token_ids:
+            if out.token_ids:
                 if job.first_token_at is None:
                     job.first_token_at = now
                 job.last_token_at = now
-            if token_ids or text:
-                job.token_ids.extend(token_ids)
-                job.text += text
-                update.tokens += len(token_ids)
-                chunk = TokenChunk(token_ids=token_ids, text=text)
-            end = ended.get(job_id)
-            if end is None:
+            if out.token_ids or out.text:
+                job.token_ids.extend(out.token_ids)
+                job.text += out.text
+                update.tokens += len(out.token_ids)
+                chunk = TokenChunk(token_ids=out.token_ids, text=out.text)
+            if out.finish_reason is None:
                 if chunk is not None:
                     update.events.append((job, chunk))
                 continue
-            self.remove(job_id)
-            reason, error = end.finish_reason, end.error or "engine error"
+            self.remove(out.seq_id)
+            reason, error = out.finish_reason, out.error or "engine error"
             if reason is FinishReason.ERROR:
                 if chunk is not None:  # keep what was produced: the retry resumes after it
                     update.events.append((job, chunk))
-                (update.refused if end.refused else update.failed).append((job, error))
+                (update.refused if out.refused else update.failed).append((job, error))
             else:
-                assert reason is not None
-                job.embeddings = end.embeddings
+                job.embeddings = out.embeddings
                 # the last tokens ride with the completion: one write instead of two
                 update.finished.append((job, reason, chunk))
         return update
