@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm rabbitmq \
-	test-brokers test-deploy chromium vendor-uplot
+	test-brokers test-deploy test-faults chromium vendor-uplot
 
 # torch comes from pip's default index: on Linux, PyPI's torch is the CUDA build (~20 nvidia-*
 # packages, several GB) unless a local CPU wheel is found first. The CPU-only build, for .venv
@@ -28,15 +28,18 @@ lint: install
 	$(PY) -m mypy tokenyard
 
 # what needs RabbitMQ or Tansu (marked `rabbitmq` / `kafka`, tests/conftest.py) runs in
-# test-brokers. `make test TEST_PROCS=2` runs two pytest processes (pytest-xdist; tests/conftest.py
-# keeps each file in one and the fault tests in one queue): faster on an idle machine, but the
-# tests that hold latencies to a bound (shedding, fault budgets) then share the CPU, so CI runs
-# one process.
+# test-brokers; the fault tests (marked `fault`: they kill and restart real processes, ~5 min)
+# in test-faults, so `test` stays a quick loop. `make test TEST_PROCS=2` runs two pytest
+# processes (pytest-xdist; tests/conftest.py keeps each file in one): faster on an idle machine,
+# but the tests that hold latencies to a bound (shedding) then share the CPU, so CI runs one.
 TEST_PROCS ?=
 
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider $(if $(TEST_PROCS),-n $(TEST_PROCS) --dist loadgroup) \
-	  -m "not rabbitmq and not kafka and not install"
+	  -m "not rabbitmq and not kafka and not install and not fault"
+
+test-faults: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "fault and not rabbitmq and not kafka"
 
 # The image's install steps (deploy/docker/install.sh) in a fresh venv, then a gateway and a
 # worker from it (tests/deploy/test_install.py): a torch install, so minutes, outside `test`.
