@@ -7,6 +7,7 @@ a session fixture for its server.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -50,6 +51,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         values = params.params.values() if params is not None else ()
         if any(v == "rabbitmq" for v in values) or "rabbitmq" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.rabbitmq)
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """The root logger's handlers and level back as they were, for a test that runs a command's
+    `setup_logging` in this process (its handler writes to a stream the test's capture closes)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,7 @@ def test_sim_cost_model_from_flag_env_and_file(tmp_path: Path) -> None:
         from_env(WorkerSettings, "worker", {"TOKENYARD_WORKER_SIM_DECODE_BASE_S": "-1"})
 
 
+@pytest.mark.usefixtures("root_logging")  # `worker` sets up logging in this process
 def test_sim_cost_flags_of_worker_and_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 

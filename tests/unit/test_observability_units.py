@@ -41,17 +41,12 @@ def test_json_lines_carry_job_and_trace_ids() -> None:
     assert text.endswith("job j1 [job_id=j1]")
 
 
+@pytest.mark.usefixtures("root_logging")
 def test_setup_logging_json_writes_one_object_a_line(monkeypatch: pytest.MonkeyPatch) -> None:
     stream = io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        setup_logging("info", LogFormat.JSON)
-        logging.getLogger("x").info("hello", extra=job_fields("j2"))
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
+    setup_logging("info", LogFormat.JSON)
+    logging.getLogger("x").info("hello", extra=job_fields("j2"))
     [line] = stream.getvalue().splitlines()
     assert json.loads(line)["job_id"] == "j2"
 
