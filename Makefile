@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: install test lint typecheck unit serve bench clean install-vllm test-vllm rabbitmq \
-	test-brokers test-deploy test-faults chromium vendor-uplot
+	test-brokers test-deploy test-faults test-tools vendor-uplot
 
 # torch comes from pip's default index: on Linux, PyPI's torch is the CUDA build (~20 nvidia-*
 # packages, several GB) unless a local CPU wheel is found first. The CPU-only build, for .venv
@@ -101,10 +101,11 @@ test-brokers: install
 	TOKENYARD_RABBITMQ_BIN=$(RABBITMQ_BIN) $(PY) -m pytest -q -p no:cacheprovider \
 	  -m "rabbitmq or kafka"
 
-# Headless Chromium and its driver for the dashboard's browser test (Debian, as root); CI sets
-# TOKENYARD_REQUIRE_CHROMIUM=1 so that test fails rather than skips without them.
-chromium:
-	apt-get update -qq && apt-get install -y -qq chromium chromium-driver
+# What some tests drive, from Debian (as root; services kept off): Chromium and its driver (the
+# dashboard in a browser), Prometheus and promtool (metrics scraped, alert rules). CI sets
+# TOKENYARD_REQUIRE_TOOLS=1 so those tests fail rather than skip without them (tests/tools.py).
+test-tools:
+	./.ci/install-test-tools
 
 # The dashboard's charting library, vendored from npm (tokenyard/gateway/static/vendor/README.md)
 UPLOT_VERSION ?= 1.6.32

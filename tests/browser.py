@@ -1,22 +1,20 @@
 """Headless Chromium for the dashboard's tests (Debian `chromium` and `chromium-driver`, see
-`make chromium`). Without them a test skips, unless TOKENYARD_REQUIRE_CHROMIUM=1 (CI): then it
-fails. Screenshots go to $TOKENYARD_TEST_ARTEFACTS when set, else the test's tmp_path."""
+tests/tools.py). Screenshots go to $TOKENYARD_TEST_ARTEFACTS when set, else the test's
+tmp_path."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
+from tests.tools import tools
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
 
-REQUIRE = "TOKENYARD_REQUIRE_CHROMIUM"
 ARTEFACTS = "TOKENYARD_TEST_ARTEFACTS"
 # as root in a container: no sandbox; nothing fetched behind the test's back
 FLAGS = (
@@ -36,12 +34,7 @@ FLAGS = (
 @contextlib.contextmanager
 def chromium(profile: Path) -> Iterator[WebDriver]:
     """A headless Chromium with a fresh profile in `profile`, quit on exit."""
-    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if binary is None or driver is None:
-        missing = "chromium and chromium-driver are not installed (make chromium, as root)"
-        if os.environ.get(REQUIRE) == "1":
-            pytest.fail(f"{missing}; {REQUIRE}=1 needs them")
-        pytest.skip(missing)
+    binary, driver = tools("chromium", "chromedriver", package="chromium chromium-driver")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -29,6 +28,7 @@ import openai
 import pytest
 
 from tests.browser import artefacts, chromium, screenshot
+from tests.tools import tools
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.fleet.launch import Processes, free_port, wait_ready
 from tokenyard.fleet.launch import tokenyard_command as tokenyard
@@ -298,9 +298,7 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 
 @pytest.fixture(scope="module")
 def prometheus(live: Live) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("the prometheus binary is not installed (Debian package `prometheus`)")
+    [binary] = tools("prometheus", package="prometheus")
     port = free_port()
     gateway, worker = live.base.removeprefix("http://"), live.worker_metrics.removeprefix("http://")
     config = live.tmp / "prometheus.yml"
@@ -368,9 +366,7 @@ def test_prometheus_scrapes_live_metrics_and_every_panel_has_data(
 
 
 def test_alert_rules_pass_promtool_check_and_unit_tests() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (Debian package `prometheus`)")
+    [promtool] = tools("promtool", package="prometheus")
     for command in (["check", "rules", str(ALERTS)], ["test", "rules", str(ALERT_TESTS)]):
         checked = subprocess.run(
             [promtool, *command], capture_output=True, text=True, timeout=60, cwd=ALERTS.parent
