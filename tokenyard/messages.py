@@ -110,6 +110,7 @@ class JobResult(msgspec.Struct, kw_only=True):
     error: str | None = None
     worker: str | None = None
     queued_s: float | None = None  # enqueue to the start of the delivery that finished it
+    attempt: int = 0  # earlier deliveries of the job (retries, redeliveries) before that one
     # first to last token of that delivery: a reader that saw no token events times with it
     decode_s: float | None = None
     # an embeddings job's vectors, one per input: float32, little-endian (OpenAI's base64 bytes)

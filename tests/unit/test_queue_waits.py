@@ -4,13 +4,16 @@ answered at once while the next read runs (a real Valkey, injected clock)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 from tests.conftest import BackendFactory
 from tokenyard.broker import new_job_id
 from tokenyard.broker.core import LaneBacklog
+from tokenyard.gateway.live import CallTimer
 from tokenyard.gateway.shedding import QueueWaits
-from tokenyard.messages import JobSpec, SamplingParams
+from tokenyard.messages import JobResult, JobSpec, JobStatus, SamplingParams
+from tokenyard.metrics import GatewayMetrics
 
 MODEL = "m"
 
@@ -68,3 +71,18 @@ def test_a_followed_calls_queue_time_teaches_the_shortfall(make_backend: Backend
     assert waits.shortfall.factor == 1.2
     waits.observed(followed.id, 50.0)  # reported once
     assert waits.shortfall.factor == 1.2
+
+
+def test_only_a_first_deliverys_queue_time_is_the_estimates_error(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
+    waits = QueueWaits(broker.queue, broker.registry)
+    first, retried = spec(), spec()
+    for job in (first, retried):
+        waits.admitted(job, 10.0)
+    for job, attempt in ((retried, 1), (first, 0)):
+        timer = CallTimer(GatewayMetrics(), MODEL, queued=functools.partial(waits.observed, job.id))
+        timer.finished(JobResult(status=JobStatus.SUCCEEDED, queued_s=40.0, attempt=attempt))
+        # the retried job's wait (a backoff, a lease) teaches nothing, and is forgotten
+        assert waits.shortfall.factor == (1.0 if attempt else 2.0)

@@ -84,7 +84,9 @@ class CallTimer:
         if result.queued_s is not None:
             m.request_queue_time.labels(model).observe(result.queued_s)
         if self.queued is not None:
-            self.queued(result.queued_s)
+            # a retried or redelivered job also waited out a backoff or a lease: not the
+            # estimate's error
+            self.queued(result.queued_s if result.attempt == 0 else None)
 
 
 class Abandonment:

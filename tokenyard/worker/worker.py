@@ -587,6 +587,7 @@ class Worker:
             completion_tokens=len(job.token_ids),
             worker=self.consumer,
             queued_s=max(0.0, job.claimed_at - job.handle.spec.created_at),
+            attempt=job.handle.spec.attempt,
             decode_s=job.decode_s,
             embeddings=job.embeddings,
         )
