@@ -99,7 +99,6 @@ def parse_pool_bounds(text: str) -> tuple[int, ...]:
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)
-_Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 CONFIG_ENV = "TOKENYARD_CONFIG"  # path of a TOML file with [broker], [worker], [gateway] tables
 # the config file's tables: one per settings section that reads it (a table named otherwise is
@@ -218,10 +217,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     sim_prefix_cache_tokens: int = 0
     # sim engine's cost model, in seconds: a prefill costs base + per_token·tokens, a decode
     # step base + per_seq·batch; None keeps the engine's own (engines/sim.py)
-    sim_prefill_base_s: _Seconds | None = None
-    sim_prefill_per_token_s: _Seconds | None = None
-    sim_decode_base_s: _Seconds | None = None
-    sim_decode_per_seq_s: _Seconds | None = None
+    sim_prefill_base_s: SecondsOrZero | None = None
+    sim_prefill_per_token_s: SecondsOrZero | None = None
+    sim_decode_base_s: SecondsOrZero | None = None
+    sim_decode_per_seq_s: SecondsOrZero | None = None
     # -- vllm engine (engine = "vllm"): passed to vLLM's AsyncEngineArgs; max_seqs and dtype
     # above become max_num_seqs and dtype, None keeps vLLM's own default
     vllm_max_model_len: int | None = None
