@@ -3,23 +3,17 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import UTC, datetime
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
 from tokenyard.broker import Backend, admin
 from tokenyard.cli.options import BrokerOpt, PrefixOpt, with_broker
-from tokenyard.errors import QueueFull
+from tokenyard.errors import QueueFull, TokenyardError
 
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list them, requeue them.")
 ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="models to list; default all")]
-
-
-def _fail(message: str) -> NoReturn:
-    print(f"tokenyard: {message}", file=sys.stderr)
-    raise typer.Exit(1)
 
 
 @dlq_app.command("list")
@@ -80,7 +74,8 @@ async def _requeue(broker: Backend, job_ids: list[str]) -> None:
             case admin.RequeueOutcome.NOT_FOUND:
                 failed.append(f"no job {job_id} (or its record lapsed)")
     if failed:
-        _fail("; ".join(failed))
+        # main() prints it as every command's failure: one line, exit 1
+        raise TokenyardError("; ".join(failed))
 
 
 def drain(
@@ -98,5 +93,7 @@ async def _drain(broker: Backend, worker: str, model: str | None) -> None:
     models = [model] if model else await broker.queue.models()
     found = await admin.drain_worker(broker.registry, models, worker)
     if found is None:
-        _fail(f"no live worker named {worker!r}" + (f" for model {model!r}" if model else ""))
+        raise TokenyardError(
+            f"no live worker named {worker!r}" + (f" for model {model!r}" if model else "")
+        )
     print(f"draining {worker} (model {found})")

@@ -91,8 +91,16 @@ def with_broker(
 ) -> _T:
     """Run `job` on the broker the options name, connected for it and closed afterwards; a
     broker that does not answer within PING_TIMEOUT_S fails the command, naming it."""
-    settings = broker_settings(broker, prefix)
+    return _on(broker_settings(broker, prefix), job)
 
+
+def check_reachable(settings: BrokerSettings) -> None:
+    """Fail in one line, before anything starts, when the broker `settings` names does not
+    answer."""
+    _on(settings, _nothing)
+
+
+def _on(settings: BrokerSettings, job: Callable[[Backend], Awaitable[_T]]) -> _T:
     async def run() -> _T:
         active = connect(settings)
         try:
@@ -104,18 +112,8 @@ def with_broker(
     return asyncio.run(run())
 
 
-def check_reachable(settings: BrokerSettings) -> None:
-    """Fail in one line, before anything starts, when the broker `settings` names does not
-    answer."""
-
-    async def ping() -> None:
-        active = connect(settings)
-        try:
-            await _reachable(active)
-        finally:
-            await active.close()
-
-    asyncio.run(ping())
+async def _nothing(_: Backend) -> None:
+    return None
 
 
 async def _reachable(backend: Backend) -> None:
