@@ -4,7 +4,7 @@ the same on the broker (tokenyard/broker/admin.py holds both)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -29,22 +29,24 @@ async def list_dead_letters(
     """Dead letters of one model (default: every served one): job, reason, error, and the job
     a requeue made of it."""
     state = gateway(request)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in [model] if model else state.settings.models:
-        for d in await admin.dead_letters(state.backend.queue, name, limit):
-            rows.append(
-                {
-                    "job_id": d.entry.job_id,
-                    "model": d.entry.model,
-                    "priority": d.entry.priority.name.lower(),
-                    "reason": d.entry.reason,
-                    "error": d.entry.error,
-                    "deliveries": d.entry.deliveries,
-                    "at": d.entry.at,
-                    "requeued_as": d.requeued_as,
-                }
-            )
+        rows += map(dead_letter_body, await admin.dead_letters(state.backend.queue, name, limit))
     return JSONResponse({"object": "list", "data": rows})
+
+
+def dead_letter_body(d: admin.DeadLetterView) -> dict[str, Any]:
+    """A dead letter as the admin API and the dashboard show it."""
+    return {
+        "job_id": d.entry.job_id,
+        "model": d.entry.model,
+        "priority": d.entry.priority.name.lower(),
+        "reason": d.entry.reason,
+        "error": d.entry.error,
+        "deliveries": d.entry.deliveries,
+        "at": d.entry.at,
+        "requeued_as": d.requeued_as,
+    }
 
 
 @router.post("/dead_letters/{job_id}/requeue", responses=answers(403, 404, 409, 429))

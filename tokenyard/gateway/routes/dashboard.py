@@ -19,6 +19,7 @@ from tokenyard.errors import NotFound
 from tokenyard.gateway import charts
 from tokenyard.gateway.auth import AdminDep, Tenant
 from tokenyard.gateway.openapi import DocsDep, answers
+from tokenyard.gateway.routes.admin import dead_letter_body
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.messages import JobRecord, WorkerInfo
 from tokenyard.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
@@ -90,17 +91,7 @@ async def _model_view(state: GatewayState, model: str, now: float, since: float)
         **_lanes(stats),
         "workers": [_worker(info, now) for info in workers],
         "jobs_done": sum(info.jobs_done for info in workers),
-        "dead": [
-            {
-                "job_id": d.entry.job_id,
-                "reason": d.entry.reason,
-                "error": d.entry.error,
-                "deliveries": d.entry.deliveries,
-                "at": d.entry.at,
-                "requeued_as": d.requeued_as,
-            }
-            for d in dead
-        ],
+        "dead": [dead_letter_body(d) for d in dead],
         "chart": chart.since(since),
     }
 
