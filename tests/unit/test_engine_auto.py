@@ -14,9 +14,9 @@ from tokenyard.engines.auto import (
     EngineFacts,
     choose_engine,
     engine_facts,
-    model_architectures,
     settled_engine,
 )
+from tokenyard.engines.pooling import model_architectures
 
 LLAMA = ("LlamaForCausalLM",)
 CPU_VLLM = EngineFacts(

@@ -9,15 +9,14 @@ import ast
 import contextlib
 import importlib.metadata
 import importlib.util
-import json
 from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
 
+from tokenyard.engines.pooling import model_architectures
+
 AUTO = "auto"
-# the architecture of the `tiny` model the vllm engine serves (engines/tiny.py builds a Llama)
-_TINY_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
 class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,18 +91,6 @@ def engine_facts(model: str, device: str) -> EngineFacts:
 def auto_engine(model: str, device: str = AUTO) -> EngineChoice:
     """`--engine auto` for this model on this machine."""
     return choose_engine(engine_facts(model, device))
-
-
-def model_architectures(model: str) -> tuple[str, ...]:
-    """The architectures a local model directory's config.json names ("tiny": a Llama)."""
-    if model == "tiny":
-        return _TINY_ARCHITECTURES
-    config = Path(model).expanduser() / "config.json"
-    try:
-        archs = json.loads(config.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return ()
-    return tuple(str(a) for a in archs)
 
 
 def vllm_architectures() -> frozenset[str]:

@@ -33,9 +33,9 @@ from tokenyard.engines.base import (
 )
 from tokenyard.engines.hf import resolve_device, resolve_dtype
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
-from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, Pooling, read_pooling
+from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, Pooling, read_pooling, split_inputs
 from tokenyard.engines.pooling import is_embedding_model as is_embedding_model
-from tokenyard.errors import EngineError, InvalidRequest
+from tokenyard.errors import EngineError
 from tokenyard.messages import FinishReason, ModelLimits
 
 log = logging.getLogger(__name__)
@@ -185,13 +185,7 @@ class HFEmbedEngine(ChannelEngine):
         if lengths is None:  # a completion: the rule refuses it, as this model does not generate
             limits.check(limits.refusal(len(prompt), request.params, model_limits))
             raise EngineError("a completion reached an engine that only embeds")
-        limits.check(limits.embedding_refusal(lengths, model_limits, token_ids=prompt))
-        if sum(lengths) != len(prompt):
-            raise InvalidRequest("input lengths do not add up to the token ids", param="input")
-        inputs, at = [], 0
-        for n in lengths:
-            inputs.append(prompt[at : at + n])
-            at += n
+        inputs = split_inputs(prompt, lengths, model_limits)
         job = _Job(request.seq_id, inputs, len(prompt), [None] * len(inputs))
         with self._cond:
             if self._closed:

@@ -1,14 +1,20 @@
-"""What a model directory says about embeddings: whether it has a generative head, and how its
-sentence-transformers files pool. Shared by the engines that embed (hf-embed, vllm)."""
+"""What a model directory says about embeddings: its architectures (whether it has a generative
+head), how its sentence-transformers files pool, and an embeddings job's inputs. Shared by the
+engines that embed (hf-embed, vllm) and by `--engine auto`."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+
+from tokenyard import limits
+from tokenyard.errors import InvalidRequest
+from tokenyard.messages import ModelLimits
 
 PoolingMode = Literal["mean", "cls", "max", "last"]
 # sentence-transformers' Pooling config keys, in the order it tries them
@@ -19,6 +25,8 @@ _ST_MODES: tuple[tuple[str, PoolingMode], ...] = (
     ("pooling_mode_lasttoken", "last"),
 )
 _GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+# the architecture of the `tiny` model (engines/tiny.py builds a Llama)
+_TINY_ARCHITECTURES = ("LlamaForCausalLM",)
 # token ids of the embeddings jobs an engine holds at once: they wait as ids, not activations
 DEFAULT_TOKEN_BUDGET = 1 << 20
 
@@ -51,14 +59,35 @@ def read_pooling(path: Path) -> Pooling:
     return Pooling(mode, normalize, max_len)
 
 
+def model_architectures(model: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The architectures a local model directory's config.json names ("tiny": a Llama); ()
+    when it names none or there is none."""
+    if str(model) == "tiny":
+        return _TINY_ARCHITECTURES
+    config = Path(model).expanduser() / "config.json"
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(str(a) for a in archs)
+
+
 def is_embedding_model(model: str | os.PathLike[str]) -> bool:
     """A model directory with no generative head (e.g. BertModel): it serves embeddings."""
-    if str(model) == "tiny":
-        return False
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        return False
-    from transformers import AutoConfig
-
-    archs = AutoConfig.from_pretrained(path, local_files_only=True).architectures or []
+    archs = model_architectures(model)
     return bool(archs) and not any(a.endswith(_GENERATIVE) for a in archs)
+
+
+def split_inputs(
+    prompt: Sequence[int], lengths: Sequence[int], model_limits: ModelLimits
+) -> list[list[int]]:
+    """An embeddings job's inputs (its token ids, one input after another, of `lengths`),
+    checked by the one rule; InvalidRequest when the job is at fault."""
+    limits.check(limits.embedding_refusal(lengths, model_limits, token_ids=prompt))
+    if sum(lengths) != len(prompt):
+        raise InvalidRequest("input lengths do not add up to the token ids", param="input")
+    inputs, at = [], 0
+    for n in lengths:
+        inputs.append(list(prompt[at : at + n]))
+        at += n
+    return inputs

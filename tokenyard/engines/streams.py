@@ -17,6 +17,7 @@ from tokenyard import limits
 from tokenyard.engines.base import Engine, EngineRequest, OutputChannel, StepOutput
 from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
+from tokenyard.engines.pooling import split_inputs
 from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import EngineStats, FinishReason, SamplingParams
 
@@ -135,7 +136,7 @@ class StreamEngine(Engine):
             seq.extra = self.prepare(seq)
         else:
             seq = StreamSeq(seq_id, list(prompt), params, None, int(request.priority))
-            seq.inputs = self._split_inputs(prompt, request.input_lengths)
+            seq.inputs = split_inputs(prompt, request.input_lengths, self.limits())
         with self._lock:
             if self._stopping:
                 raise EngineError("engine is stopped")
@@ -160,17 +161,6 @@ class StreamEngine(Engine):
             self._emit(seq, [], "", FinishReason.CANCELLED)
             return
         loop.call_soon_threadsafe(self._cancel, seq)
-
-    def _split_inputs(self, prompt: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
-        """An embeddings job's inputs, checked by the one rule (raises InvalidRequest)."""
-        limits.check(limits.embedding_refusal(lengths, self.limits(), token_ids=prompt))
-        if sum(lengths) != len(prompt):
-            raise InvalidRequest("input lengths do not add up to the token ids", param="input")
-        inputs, at = [], 0
-        for n in lengths:
-            inputs.append(list(prompt[at : at + n]))
-            at += n
-        return inputs
 
     async def outputs(self) -> list[StepOutput]:
         return await self._channel.get()
