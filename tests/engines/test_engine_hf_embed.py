@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 import torch
 
+from tests.embeddings import request, vectors
 from tokenyard.engines import make_engine
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
 from tokenyard.engines.hf_embed import (
@@ -25,13 +26,6 @@ from tokenyard.engines.hf_embed import (
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
-EMBED = SamplingParams(max_tokens=0, temperature=0.0)
-
-
-def request(seq_id: str, inputs: list[list[int]]) -> EngineRequest:
-    flat = [i for x in inputs for i in x]
-    return EngineRequest(seq_id, flat, EMBED, (), 1, [len(x) for x in inputs])
-
 
 async def collect(engine: Engine, count: int) -> dict[str, StepOutput]:
     got: dict[str, StepOutput] = {}
@@ -39,11 +33,6 @@ async def collect(engine: Engine, count: int) -> dict[str, StepOutput]:
         for out in await engine.outputs():
             got[out.seq_id] = out
     return got
-
-
-def vectors(out: StepOutput) -> np.ndarray:
-    assert out.embeddings is not None
-    return np.stack([np.frombuffer(v, "<f4") for v in out.embeddings])
 
 
 async def test_jobs_added_together_share_one_pass_and_match_alone(tiny_model_path: Path) -> None:

