@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import ModelLimits, SamplingParams
+from tokenyard.messages import Feature, ModelLimits, SamplingParams
 
 
 def context_length_exceeded(
@@ -58,9 +58,63 @@ def refusal(
         return InvalidRequest("top_p must be in (0, 1]", param="top_p")
     if params.top_k < 0:
         return InvalidRequest("top_k must not be negative", param="top_k")
+    if (bad := _bad_decoding(params, limits)) is not None:
+        return bad
     if prompt_tokens + params.max_tokens > limits.context:
         return context_length_exceeded(prompt_tokens, params.max_tokens, limits.context, param)
     return None
+
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and vLLM's default max_logprobs
+
+
+def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest | None:
+    """The optional decoding parameters: in range, and implemented by the model's engine."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(params, name) <= 2.0:
+            return InvalidRequest(f"{name} must be in [-2, 2]", param=name)
+    if not 0.0 < params.repetition_penalty <= 2.0:
+        return InvalidRequest("repetition_penalty must be in (0, 2]", param="repetition_penalty")
+    vocab = limits.vocab_size
+    for token_id, bias in params.logit_bias:
+        if token_id < 0 or (vocab and token_id >= vocab):
+            return InvalidRequest(
+                f"logit_bias names token {token_id}, not in [0, {vocab or 'vocab size'})",
+                param="logit_bias",
+            )
+        if not -100.0 <= bias <= 100.0:
+            return InvalidRequest("logit_bias values must be in [-100, 100]", param="logit_bias")
+    if params.min_tokens < 0 or params.min_tokens > params.max_tokens:
+        return InvalidRequest(
+            f"min_tokens must be in [0, max_tokens] ({params.max_tokens})", param="min_tokens"
+        )
+    if any(t < 0 or (vocab and t >= vocab) for t in params.stop_token_ids):
+        return InvalidRequest(
+            f"stop_token_ids must be in [0, {vocab or 'vocab size'})", param="stop_token_ids"
+        )
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        return InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    missing = params.features - limits.features
+    if missing:
+        feature = min(missing)
+        engine = f"the {limits.engine} engine" if limits.engine else "this model's engine"
+        return InvalidRequest(
+            f"{feature.value} is not supported by {engine} serving this model",
+            param=_FEATURE_PARAM[feature],
+            code="unsupported_parameter",
+        )
+    return None
+
+
+# the request parameter a refusal of each feature names
+_FEATURE_PARAM = {
+    Feature.PENALTIES: "presence_penalty",
+    Feature.LOGIT_BIAS: "logit_bias",
+    Feature.MIN_TOKENS: "min_tokens",
+    Feature.STOP_TOKEN_IDS: "stop_token_ids",
+    Feature.LOGPROBS: "logprobs",
+    Feature.STRUCTURED_OUTPUTS: "response_format",
+}
 
 
 def _bad_ids(token_ids: Sequence[int], limits: ModelLimits, param: str) -> InvalidRequest | None:
@@ -126,4 +180,6 @@ def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
         vocab_size=min(x.vocab_size for x in every),
         generates=any(x.generates for x in every),
         embeds=any(x.embeds for x in every),
+        engine=every[0].engine if len({x.engine for x in every}) == 1 else "",
+        features=frozenset().union(*(x.features for x in every)),
     )

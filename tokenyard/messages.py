@@ -41,8 +41,40 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+class Feature(enum.StrEnum):
+    """Optional decoding features; each engine declares those it implements (workers publish
+    them in `ModelLimits.features`) and a request needing another is refused at admission."""
+
+    PENALTIES = "penalties"  # presence_penalty, frequency_penalty, repetition_penalty
+    LOGIT_BIAS = "logit_bias"
+    MIN_TOKENS = "min_tokens"
+    STOP_TOKEN_IDS = "stop_token_ids"
+    LOGPROBS = "logprobs"  # logprobs / top_logprobs
+    STRUCTURED_OUTPUTS = "structured_outputs"  # response_format, structured_outputs, tools
+
+
+class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A constraint on what may be generated (structured outputs), compiled by xgrammar.
+
+    Exactly one field is set, as in vLLM's `StructuredOutputsParams`: a JSON schema (as JSON
+    text, so it hashes and crosses the wire as one value), any JSON object, a regex, one of
+    fixed strings, or an EBNF grammar in xgrammar's dialect.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to decode; top_k == 0 and top_p == 1.0 disable those filters."""
+    """How to decode; top_k == 0 and top_p == 1.0 disable those filters.
+
+    Penalties follow vLLM's formulas (OpenAI's presence/frequency over the generated tokens,
+    the CTRL repetition penalty over prompt and output); `logit_bias` holds (token id, bias)
+    pairs sorted by id; `logprobs` asks for each chosen token's log-probability and that many
+    of the most likely alternatives (None: no logprobs)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -51,10 +83,46 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    guide: Guide | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """What of an engine's optional features decoding with these params needs."""
+        wanted: set[Feature] = set()
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
+            wanted.add(Feature.PENALTIES)
+        if self.logit_bias:
+            wanted.add(Feature.LOGIT_BIAS)
+        if self.min_tokens:
+            wanted.add(Feature.MIN_TOKENS)
+        if self.stop_token_ids:
+            wanted.add(Feature.STOP_TOKEN_IDS)
+        if self.logprobs is not None:
+            wanted.add(Feature.LOGPROBS)
+        if self.guide is not None:
+            wanted.add(Feature.STRUCTURED_OUTPUTS)
+        return frozenset(wanted)
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One generated token's log-probability under the model (before any penalty, bias or
+    temperature, as vLLM's default `raw_logprobs`), and the `SamplingParams.logprobs` most
+    likely tokens at that position as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class JobSpec(msgspec.Struct, kw_only=True):
@@ -91,10 +159,12 @@ class JobSpec(msgspec.Struct, kw_only=True):
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):
-    """Tokens produced by one engine step for one job."""
+    """Tokens produced by one engine step for one job; `logprobs`, when the job asked for
+    them, has one entry per token id."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class JobResult(msgspec.Struct, kw_only=True):
@@ -115,6 +185,7 @@ class JobResult(msgspec.Struct, kw_only=True):
     decode_s: float | None = None
     # an embeddings job's vectors, one per input: float32, little-endian (OpenAI's base64 bytes)
     embeddings: list[bytes] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the job asked
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):
@@ -166,6 +237,8 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     revision: str = ""  # what identifies the weights (response cache key); "": not known
     generates: bool = True  # runs completions (an embedding-only model does not)
     embeds: bool = False  # runs embeddings jobs
+    engine: str = ""  # the engine's name, for a refusal to name it
+    features: frozenset[Feature] = frozenset()  # the optional decoding features it implements
 
     @property
     def context(self) -> int:

@@ -13,7 +13,7 @@ from tokenyard.gateway.cache import (
     collapse_key,
     deterministic,
 )
-from tokenyard.messages import SamplingParams
+from tokenyard.messages import Guide, SamplingParams
 
 _text = st.text(min_size=1, max_size=8)
 sampling_params = st.builds(
@@ -51,6 +51,20 @@ def _changed(field: str, value: object, draw: st.DrawFn) -> object:
             "seed": st.none() | st.integers(0, 2**32),
             "stop": st.lists(_text, max_size=3).map(tuple),
             "ignore_eos": st.booleans(),
+            "presence_penalty": st.sampled_from([-1.0, 0.0, 0.5, 2.0]),
+            "frequency_penalty": st.sampled_from([-1.0, 0.0, 0.5, 2.0]),
+            "repetition_penalty": st.sampled_from([0.5, 1.0, 1.2]),
+            "logit_bias": st.lists(
+                st.tuples(st.integers(0, 1000), st.sampled_from([-100.0, 1.0])), max_size=2
+            ).map(tuple),
+            "min_tokens": st.integers(0, 8),
+            "stop_token_ids": st.lists(st.integers(0, 1000), max_size=2).map(tuple),
+            "logprobs": st.none() | st.integers(0, 20),
+            "guide": st.none()
+            | st.builds(Guide, json=st.sampled_from(['{"type": "object"}', '{"type": "array"}']))
+            | st.builds(Guide, regex=st.sampled_from(["a+", "[0-9]{3}"]))
+            | st.builds(Guide, choice=st.lists(_text, min_size=1, max_size=3).map(tuple))
+            | st.just(Guide(json_object=True)),
         }[name]
         new = draw(strategy.filter(lambda v: v != getattr(value, name)))
         return msgspec.structs.replace(value, **{name: new})

@@ -22,7 +22,15 @@ import msgspec
 from tokenyard import limits
 from tokenyard.engines.detok import Delta, SequenceDecoder
 from tokenyard.errors import EngineClosed, EngineError
-from tokenyard.messages import EngineStats, FinishReason, ModelLimits, Priority, SamplingParams
+from tokenyard.messages import (
+    EngineStats,
+    Feature,
+    FinishReason,
+    ModelLimits,
+    Priority,
+    SamplingParams,
+    TokenLogprob,
+)
 
 
 class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -61,6 +69,8 @@ class StepOutput(msgspec.Struct):
     refused: bool = False
     # an embeddings request's vectors, one per input (float32, little-endian), with STOP
     embeddings: list[bytes] | None = None
+    # one per token id, when the request's params ask for logprobs
+    logprobs: list[TokenLogprob] | None = None
 
 
 class EngineTokenizer(Protocol):
@@ -94,6 +104,9 @@ class Engine(abc.ABC):
     name: str
     capacity: EngineCapacity
     tokenizer: EngineTokenizer
+    # the optional decoding features it implements: a request needing another is refused at
+    # admission, naming the parameter and this engine (never accepted and ignored)
+    features: frozenset[Feature] = frozenset()
 
     @property
     def revision(self) -> str:
@@ -142,6 +155,8 @@ class Engine(abc.ABC):
             token_budget=self.capacity.max_tokens,
             vocab_size=self.tokenizer.vocab_size,
             revision=self.revision,
+            engine=self.name,
+            features=self.features,
         )
 
 

@@ -18,7 +18,14 @@ from typing import Generic, TypeVar
 from tokenyard.engines.base import StepOutput, footprint
 from tokenyard.errors import InvalidRequest
 from tokenyard.limits import embedding_refusal, refusal
-from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams, TokenChunk
+from tokenyard.messages import (
+    FinishReason,
+    ModelLimits,
+    Priority,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprob,
+)
 
 H = TypeVar("H")  # the worker's handle on a job (its lease); opaque here
 
@@ -40,6 +47,7 @@ class Job(Generic[H]):
     # an embeddings job: `prompt_ids` are its inputs one after another, of these lengths
     input_lengths: list[int] | None = None
     embeddings: list[bytes] | None = None  # its vectors, once the engine made them
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
 
     @property
     def decode_s(self) -> float | None:
@@ -259,7 +267,10 @@ class Scheduler(Generic[H]):
                 job.token_ids.extend(out.token_ids)
                 job.text += out.text
                 update.tokens += len(out.token_ids)
-                chunk = TokenChunk(token_ids=out.token_ids, text=out.text)
+                if out.logprobs is not None:
+                    job.logprobs = job.logprobs if job.logprobs is not None else []
+                    job.logprobs.extend(out.logprobs)
+                chunk = TokenChunk(token_ids=out.token_ids, text=out.text, logprobs=out.logprobs)
             if out.finish_reason is None:
                 if chunk is not None:
                     update.events.append((job, chunk))

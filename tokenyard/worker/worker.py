@@ -337,6 +337,9 @@ class Worker:
                 if isinstance(event, TokenChunk):
                     job.token_ids.extend(event.token_ids)
                     job.text += event.text
+                    if event.logprobs is not None:
+                        job.logprobs = job.logprobs if job.logprobs is not None else []
+                        job.logprobs.extend(event.logprobs)
 
     # -- scheduling ------------------------------------------------------------------------
     def _start_fitting(self) -> _Outcome:
@@ -590,6 +593,7 @@ class Worker:
             attempt=job.handle.spec.attempt,
             decode_s=job.decode_s,
             embeddings=job.embeddings,
+            logprobs=job.logprobs,
         )
 
     def _drop(self, job_id: str, why: str, *, under: Lease | None) -> None:
