@@ -24,8 +24,10 @@ import pytest
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tests.gateway.featured import alternatives, featured_engine, made_up_logprob
 from tests.gateway.sse import events
+from tests.gateway.test_disconnect import wait_status
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.sim import SimTokenizer
+from tokenyard.messages import JobStatus
 
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
 TOK = SimTokenizer()
@@ -602,3 +604,42 @@ def test_the_document_describes_the_new_fields(featured: Stack, tmp_path: Path) 
     ):
         assert name in chat and "enum" not in chat[name], name
     assert "echo" in completion and "best_of" in completion
+
+
+# -- the client leaving -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slow(valkey: EmbeddedServer) -> Iterator[Stack]:
+    # 20 tokens/s: a 200-token choice would run 10 s
+    with run_stack(valkey, engines=[featured_engine(step_s=0.05)]) as s:
+        _wait_for_worker(s)
+        yield s
+
+
+def test_leaving_a_streamed_call_cancels_every_choice(slow: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "stream me",
+        "max_tokens": 200,
+        "n": 3,
+        "seed": 1,
+        "stream": True,
+    }
+    with slow.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        jobs = response.headers["x-job-id"].split(",")
+        assert len(jobs) == 3
+        for ev in events(response):
+            assert ev.id is None  # several jobs' events: no one id resumes the stream
+            break
+    for job in jobs:
+        wait_status(slow, job, JobStatus.CANCELLED, timeout=5.0)
+
+
+def test_leaving_a_whole_call_cancels_every_choice(slow: Stack) -> None:
+    body = {"model": MODEL, "prompt": "wait for me", "max_tokens": 200, "n": 2, "seed": 9}
+    before = set(slow.job_ids())
+    with slow.client(timeout=0.6) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body)
+    jobs = set(slow.job_ids()) - before
+    assert len(jobs) == 2
+    for job in jobs:
+        wait_status(slow, job, JobStatus.CANCELLED, timeout=5.0)

@@ -208,10 +208,13 @@ async def merged(
             yield f
     finally:
         for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for child in children:  # one whose task never ran still holds its job: let it go
-            await child.aclose()
+            task.cancel()  # once: a second cancel would cut short its job's cancellation
+        # the response's cancel scope cancels every await here again and again, and a
+        # cancelled gather cancels the tasks it gathers: shield the wait for their cleanup
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for child in children:  # one whose task never ran still holds its job
+                await child.aclose()
 
 
 class JobRenderer:

@@ -228,8 +228,10 @@ async def _results(outcomes: Sequence[Hit | Following], request: Request) -> lis
     finally:
         watcher.cancel()
         for task in waits.values():
-            task.cancel()  # an unfinished wait, cancelled, leaves its job
-        await asyncio.gather(watcher, *waits.values(), return_exceptions=True)
+            task.cancel()  # an unfinished wait, cancelled once, leaves its job
+        # a cancelled gather would cancel them again, cutting that short
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(watcher, *waits.values(), return_exceptions=True)
 
 
 async def until_disconnect(request: Request) -> None:
