@@ -160,3 +160,30 @@ def test_a_slow_conversion_is_refused_in_bounded_time(monkeypatch: pytest.Monkey
     assert time.monotonic() - started < 1.5
     assert refused.value.param == "structured_outputs.regex"
     assert "longer than" in refused.value.message
+
+
+def test_the_schema_openai_parse_sends_compiles() -> None:
+    # client.chat.completions.parse(response_format=Model) sends this strict schema
+    from typing import Literal
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        answer: Literal["yes", "no"]
+        count: int
+        tags: list[str]
+
+    body = _chat(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "Answer",
+                "schema": to_strict_json_schema(Answer),
+                "strict": True,
+            },
+        }
+    )
+    found = structured.guide_of(body)
+    assert found is not None
+    anyio.run(structured.check, *found)
