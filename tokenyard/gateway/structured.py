@@ -10,13 +10,15 @@ check runs in a thread with a time bound, so a pathological schema cannot hold t
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import logging
 import re
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import unsupported
@@ -151,14 +153,27 @@ def _schema_text(schema: Any, param: str, *, text: bool = True) -> str:
 
 
 async def check(guide: Guide, param: str) -> None:
-    """400 naming `param` unless xgrammar converts the constraint within `CHECK_TIMEOUT_S`."""
-    with anyio.move_on_after(CHECK_TIMEOUT_S) as scope:
-        problem = await anyio.to_thread.run_sync(
-            _problem, guide, abandon_on_cancel=True, limiter=_CHECKS
-        )
-    if scope.cancelled_caught:
+    """400 naming `param` unless xgrammar converts the constraint within `CHECK_TIMEOUT_S`.
+
+    Verdicts are remembered by the constraint's digest (applications send the same schema with
+    every request), a timeout too: the same pathological schema is refused at once, not given
+    another thread."""
+    key = hashlib.blake2b(msgspec.msgpack.encode(guide), digest_size=16).digest()
+    if key in _verdicts:
+        _verdicts.move_to_end(key)
+        problem = _verdicts[key]
+    else:
+        problem = _TIMED_OUT
+        with anyio.move_on_after(CHECK_TIMEOUT_S):
+            problem = await anyio.to_thread.run_sync(
+                _problem, guide, abandon_on_cancel=True, limiter=_CHECKS
+            )
+        _verdicts[key] = problem
+        if len(_verdicts) > _VERDICTS_KEPT:
+            _verdicts.popitem(last=False)
+    if problem == _TIMED_OUT:
         raise InvalidRequest(
-            f"'{param}' took longer than {CHECK_TIMEOUT_S:g}s to compile; simplify it",
+            f"'{param}' could not be compiled within {CHECK_TIMEOUT_S:g}s; simplify it",
             param=param,
             code="invalid_value",
         )
@@ -166,14 +181,16 @@ async def check(guide: Guide, param: str) -> None:
         raise InvalidRequest(f"Invalid '{param}': {problem}", param=param, code="invalid_value")
 
 
+# digest of a constraint -> why xgrammar refused it (None: it did not); the event loop's alone
+_verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+_VERDICTS_KEPT = 4096
+_TIMED_OUT = "\0timed out"  # no message of xgrammar's starts with a NUL
 # xgrammar's messages start with a timestamp and its C++ source position
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-@functools.lru_cache(maxsize=1024)
 def _problem(guide: Guide) -> str | None:
-    """Why xgrammar cannot convert the constraint, or None; cached, since applications send
-    the same schema with every request."""
+    """Why xgrammar cannot convert the constraint, or None."""
     try:
         import xgrammar
     except ImportError:  # a gateway without the hf extra: the engine compiles and refuses
