@@ -118,5 +118,5 @@ def test_models_and_errors_map_to_openai_exceptions(stack: Stack) -> None:
         c.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=1)
     assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as unsupported:
-        c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2)
-    assert unsupported.value.code == "unsupported_parameter"
+        c.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=1)
+    assert unsupported.value.code == "unsupported_parameter"  # the sim engine has no logprobs

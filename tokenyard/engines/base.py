@@ -91,6 +91,11 @@ class EngineTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs name it (vLLM's decoded token): special tokens
+        included, a partial UTF-8 character as U+FFFD."""
+        ...
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
 
 

@@ -29,6 +29,7 @@ class HFTokenizer:
         # concurrent calls from the engine thread and the event loop can fail: serialise them.
         self._lock = threading.Lock()
         self._max_model_len = max_model_len
+        self._texts: dict[int, str] = {}  # token_text's answers; at most the vocabulary
         ids = {int(i) for i in eos_ids}
         if tok.eos_token_id is not None:
             ids.add(int(tok.eos_token_id))
@@ -66,6 +67,16 @@ class HFTokenizer:
             )
         assert isinstance(out, str)
         return out
+
+    def token_text(self, token_id: int) -> str:
+        # vLLM's decoded token: the piece's string (byte-level BPE's 'Ġ' is a space)
+        text = self._texts.get(token_id)
+        if text is None:
+            with self._lock:
+                piece = self.hf.convert_ids_to_tokens(token_id)
+                text = self.hf.convert_tokens_to_string([piece]) if isinstance(piece, str) else ""
+            self._texts[token_id] = text
+        return text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         with self._lock:

@@ -46,6 +46,11 @@ class SimTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        if token_id < self.OFFSET:
+            return ("<pad>", "<s>", "</s>")[token_id] if token_id >= 0 else ""
+        return self.decode([token_id])
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return f"{turns}<assistant>"

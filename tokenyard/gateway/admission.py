@@ -11,6 +11,7 @@ from tokenyard import limits
 from tokenyard.broker import new_job_id
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest, NotFound
+from tokenyard.gateway import structured
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.limits import resolve_max_tokens
 from tokenyard.gateway.protocol import (
@@ -51,10 +52,22 @@ async def admit(
     *,
     live: bool,
     idempotency_key: str | None = None,
+    choice: int = 0,
 ) -> JobSpec:
     """A JobSpec for a validated request, carrying its prompt's token ids (the worker does not
-    tokenize again); `live` calls get the request timeout as deadline."""
+    tokenize again); `live` calls get the request timeout as deadline. `choice`: which of the
+    request's `n` choices this job makes (a seeded request's choice i samples with seed + i,
+    as vLLM seeds its child requests)."""
     body.refuse_unsupported()
+    if not live:
+        body.refuse_choices("for a job read later (one job per id)")
+    elif body.n > state.settings.max_n:
+        raise InvalidRequest(
+            f"n is {body.n}, above this server's limit of {state.settings.max_n}",
+            param="n",
+            code="invalid_value",
+        )
+    guide = structured.guide_of(body)
     model = resolve_alias(state.routing, body.model)
     tokenizer = tokenizer_for(state, model)
     settings = state.settings
@@ -123,11 +136,23 @@ async def admit(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
-        seed=body.seed,
+        seed=None if body.seed is None else _child_seed(body.seed, choice),
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=body.logit_bias_ids,
+        min_tokens=body.min_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=body.logprobs_count,
+        guide=None if guide is None else guide[0],
     )
     limits.check(limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied))
+    if guide is not None:
+        # after the limits rule: a model whose engine has no structured outputs refuses the
+        # request by name without the gateway compiling anything
+        await structured.check(*guide)
     return JobSpec(
         id=new_job_id(model),
         model=model,
@@ -190,6 +215,11 @@ async def admit_embeddings(
         created_at=now,
         stream=False,  # no tokens to follow: every reader reads the result
     )
+
+
+def _child_seed(seed: int, choice: int) -> int:
+    """seed + choice, wrapped into the signed 64-bit range engines take."""
+    return (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _deadline(asked: float | None, now: float, live: bool, timeout_s: float) -> float | None:

@@ -22,7 +22,7 @@ from tokenyard.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-KEY_VERSION = 2  # bump when what the key covers changes: old entries then simply miss
+KEY_VERSION = 3  # bump when what the key covers changes: old entries then simply miss
 SHARED_SCOPE = "*"
 
 

@@ -49,32 +49,27 @@ def cached_response(
     body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
     spec: JobSpec,
     result: JobResult,
+    how: protocol.Rendering = protocol.PLAIN,
 ) -> Response:
-    """A cached answer, shaped as a fresh run's; its id is new, no job stands behind it."""
+    """A cached answer of one choice, shaped as a fresh run's; its id is new, no job stands
+    behind it."""
     created = int(spec.created_at)
     headers = {CACHE_HEADER: "hit"}
     if not body.stream:
-        content = protocol.completion_body(
-            kind, spec.id, spec.model, created, result, token_ids=body.return_token_ids
-        )
+        content = protocol.completion_body(kind, spec.id, spec.model, created, [result], how)
         return FastJSONResponse(content, headers=headers)
     renderer = OpenAIRenderer(
-        kind,
-        spec.id,
-        spec.model,
-        created,
-        include_usage=body.include_usage,
-        resumed=False,
-        token_ids=body.return_token_ids,
+        kind, spec.id, spec.model, created, include_usage=body.include_usage, resumed=False, how=how
     )
-    return EventStreamResponse(_replay(renderer, result), headers)
+    return EventStreamResponse(replay(renderer, result), headers)
 
 
-async def _replay(renderer: OpenAIRenderer, result: JobResult) -> AsyncGenerator[bytes, None]:
-    # the whole answer in one chunk: the same text, ids and end as the run that made it
+async def replay(renderer: OpenAIRenderer, result: JobResult) -> AsyncGenerator[bytes, None]:
+    """A cached result as the frames of a stream: the whole answer in one chunk, with the same
+    text, ids, logprobs and end as the run that made it."""
     for f in renderer.start():
         yield f
-    chunk = TokenChunk(token_ids=result.token_ids, text=result.text)
+    chunk = TokenChunk(token_ids=result.token_ids, text=result.text, logprobs=result.logprobs)
     for f in renderer.tokens("0-1", chunk):
         yield f
     for f in renderer.finish("0-2", result):

@@ -16,7 +16,7 @@ from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body
 from tokenyard.gateway.refresh import RefreshAhead
 from tokenyard.limits import context_length_exceeded, loosest
-from tokenyard.messages import ModelLimits
+from tokenyard.messages import Feature, ModelLimits
 
 # How much of an oversize body is read (and dropped) before its 413 goes out. A server that
 # answers and closes with the body still arriving makes the kernel reset the connection, and a
@@ -175,13 +175,15 @@ class PublishedLimits:
         if published is not None:
             return published
         own = tokenizer.max_model_len
-        # until a worker says what it runs, either task is admitted; its worker decides
+        # until a worker says what it runs, either task and every optional feature is
+        # admitted; its worker decides (its scheduler applies the same rule to its own limits)
         return ModelLimits(
             max_model_len=own,
             max_seqs=1,
             token_budget=own,
             vocab_size=tokenizer.vocab_size,
             embeds=True,
+            features=frozenset(Feature),
         )
 
     async def _read(self, model: str) -> ModelLimits | None:

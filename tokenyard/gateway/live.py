@@ -341,8 +341,14 @@ class LiveCall:
         self, renderer: Renderer, headers: dict[str, str], timeout_s: float | None = None
     ) -> EventStreamResponse:
         """An SSE response of the job's events; leaving early detaches (and may cancel) it."""
-        frames = await primed(self._frames(renderer, timeout_s))
-        return EventStreamResponse(frames, headers)
+        return EventStreamResponse(await self.frames(renderer, timeout_s), headers)
+
+    async def frames(
+        self, renderer: Renderer, timeout_s: float | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """The job's events as SSE frames, already following the job (one of a call's several
+        choices, merged by `streaming.merged`); closing it detaches (and may cancel) the job."""
+        return await primed(self._frames(renderer, timeout_s))
 
     async def _frames(
         self, renderer: Renderer, timeout_s: float | None

@@ -24,6 +24,7 @@ from tokenyard.gateway.auth import authenticate
 from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
 from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.limits import MAX_LOGPROBS
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
 
@@ -111,12 +112,67 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         "maximum": settings.max_tokens_cap,
         "description": "with the prompt, at most the model's context",
     }
+    # what JSON Schema cannot say: a model's engine implements a feature or refuses it (400
+    # naming the parameter and the engine); a constraint must compile (xgrammar), one at most
+    feature = "refused (400) unless the model's engine implements it"
+    guide = "one structured output constraint per request, which must compile; " + feature
+    penalty = {"type": "number", "minimum": -2, "maximum": 2, "description": feature}
+    response_format = {
+        "oneOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"const": "json_object"}},
+            },
+            {
+                "type": "object",
+                "required": ["type", "json_schema"],
+                "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                            "schema": {"type": ["object", "boolean"]},
+                            "strict": {"type": ["boolean", "null"]},
+                        },
+                    },
+                },
+            },
+        ],
+        "description": "json_object or json_schema: " + guide,
+    }
+    structured_outputs = {
+        "type": "object",
+        "properties": {
+            "json": {"type": ["string", "object", "boolean", "null"]},
+            "regex": {"type": ["string", "null"], "minLength": 1},
+            "choice": {
+                "type": ["array", "null"],
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+            },
+            "grammar": {"type": ["string", "null"], "minLength": 1},
+            "json_object": {"type": ["boolean", "null"]},
+        },
+        # vLLM's other switches (whitespace, backend, structural tags) only unset
+        "additionalProperties": {"enum": [None, False, ""]},
+        "description": "vLLM's: " + guide,
+    }
     common: dict[str, Any] = {
         "model": {"enum": list(models)},
         "max_tokens": _nullable(max_tokens),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-        "n": _neutral(1),
+        "n": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": settings.max_n,
+            "default": 1,
+            "description": "choices, each its own job; 1 only on /v1/jobs and in batches",
+        },
         "stream": {"type": "boolean", "default": False},
         "stream_options": _nullable(
             {
@@ -139,9 +195,48 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         ),
         "seed": _nullable(INT64),
         "user": _nullable({"type": "string"}),
-        "presence_penalty": _neutral(0, None),
-        "frequency_penalty": _neutral(0, None),
-        "logit_bias": _neutral(None, {}),
+        "presence_penalty": _nullable(penalty),
+        "frequency_penalty": _nullable(penalty),
+        "repetition_penalty": _nullable(
+            {"type": "number", "exclusiveMinimum": 0, "maximum": 2, "description": feature}
+        ),
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[+-]?[0-9]{1,19}$"},
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                "description": "token id (in the model's vocabulary) to bias; " + feature,
+            }
+        ),
+        "min_tokens": {
+            "type": "integer",
+            "minimum": 0,
+            "default": 0,
+            "description": "at most max_tokens; " + feature,
+        },
+        "stop_token_ids": _nullable(
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0},
+                "description": "token ids in the model's vocabulary; " + feature,
+            }
+        ),
+        "response_format": _nullable(response_format),
+        "structured_outputs": _nullable(structured_outputs),
+        "guided_json": _nullable({"type": ["string", "object"], "description": guide}),
+        "guided_regex": _nullable({"type": "string", "minLength": 1, "description": guide}),
+        "guided_choice": _nullable(
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "description": guide,
+            }
+        ),
+        "guided_grammar": _nullable({"type": "string", "minLength": 1, "description": guide}),
+        "include_stop_str_in_output": _neutral(False),
+        "skip_special_tokens": _neutral(True),
+        "spaces_between_special_tokens": _neutral(True),
         "top_k": _nullable({**INT64, "minimum": 0}),
         "ignore_eos": {"type": "boolean", "default": False},
         "return_token_ids": {"type": "boolean", "default": False},
@@ -158,6 +253,21 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "properties": {"stream_options": {"type": "object"}},
         },
         "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+    }
+    # top_logprobs needs logprobs: true; echo cannot come with logprobs (no prompt logprobs)
+    top_logprobs_rule = {
+        "if": {
+            "required": ["top_logprobs"],
+            "properties": {"top_logprobs": {"type": "integer"}},
+        },
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    }
+    echo_rule = {
+        "if": {
+            "required": ["echo", "logprobs"],
+            "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+        },
+        "then": False,
     }
     token_ids = {
         "type": "array",
@@ -184,12 +294,20 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
                     {"type": "array", "items": token_ids, "minItems": 1, "maxItems": 1},
                 ]
             },
-            "echo": _neutral(False),
-            "logprobs": _neutral(None),
-            "best_of": _neutral(None, 1),
+            "echo": {
+                "type": "boolean",
+                "default": False,
+                "description": "the prompt's text before each choice's; not with logprobs",
+            },
+            "logprobs": _nullable(
+                {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": feature}
+            ),
+            "best_of": _nullable(
+                {"type": "integer", "minimum": 1, "description": "equal to n when given"}
+            ),
             "suffix": _neutral(None, ""),
         },
-        **stream_rule,
+        "allOf": [stream_rule, echo_rule],
     }
     text_part = {
         "type": "object",
@@ -214,20 +332,20 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             **common,
             "messages": {"type": "array", "items": message, "minItems": 1},
             "max_completion_tokens": _nullable(max_tokens),
-            "logprobs": _neutral(False),
-            "top_logprobs": _neutral(None),
+            "logprobs": {"type": "boolean", "default": False, "description": feature},
+            "top_logprobs": _nullable(
+                {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": MAX_LOGPROBS,
+                    "description": "only with logprobs: true",
+                }
+            ),
             "tools": _neutral(None, []),
             "functions": _neutral(None, []),
             "tool_choice": _neutral(None, "none"),
             "function_call": _neutral(None, "none"),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "response_format": _nullable(
-                {
-                    "type": "object",
-                    "required": ["type"],
-                    "properties": {"type": {"const": "text"}},
-                }
-            ),
             "store": _nullable({"type": "boolean"}),
             "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
             "service_tier": _nullable({"type": "string"}),
@@ -236,15 +354,17 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "audio": _neutral(None),
             "prediction": _neutral(None),
         },
-        **stream_rule,
+        "allOf": [stream_rule, top_logprobs_rule],
     }
+    one_job = {"stream": {"const": False}, "n": {"const": 1}}
     job = {
-        "description": "a completions or a chat body (chosen by `messages`), without `stream`",
+        "description": "a completions or a chat body (chosen by `messages`), without `stream`"
+        ", one choice (a job per id)",
         "oneOf": [
-            {**chat, "properties": {**chat["properties"], "stream": {"const": False}}},
+            {**chat, "properties": {**chat["properties"], **one_job}},
             {
                 **completion,
-                "properties": {**completion["properties"], "stream": {"const": False}},
+                "properties": {**completion["properties"], **one_job},
                 "not": {"required": ["messages"]},
             },
         ],

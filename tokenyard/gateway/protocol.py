@@ -11,15 +11,18 @@ import array
 import base64
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body, unsupported, validation_error
 from tokenyard.gateway.jsonbody import check_json
+from tokenyard.limits import MAX_LOGPROBS
 from tokenyard.messages import (
     FinishReason,
     JobRecord,
@@ -28,6 +31,7 @@ from tokenyard.messages import (
     JobStatus,
     Priority,
     TokenChunk,
+    TokenLogprob,
 )
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -74,18 +78,34 @@ class _Common(Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # choices per call: each its own job (see routes/openai.py), bounded by the gateway's max_n
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     seed: Int64 | None = None
     user: str | None = None
+    # the ranges of these are checked once, with the model's vocabulary, in tokenyard.limits
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's, and vLLM's (see gateway/structured.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # extensions vLLM also accepts
     top_k: Annotated[Int64, Field(ge=0)] | None = None
     ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # vLLM's detokenization switches: the worker decodes, so only their defaults are served
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's extension: each choice also carries the generated token ids (the remote engine
     # of another tokenyard needs them to decode, resume and count exactly)
     return_token_ids: bool = False
@@ -98,17 +118,39 @@ class _Common(Request):
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""
         self.refuse_unknown()
-        if self.n != 1:
-            raise unsupported("n", "other than 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise unsupported(name)
-        if self.logit_bias:
-            raise unsupported("logit_bias")
+        if self.include_stop_str_in_output:
+            raise unsupported("include_stop_str_in_output", "other than false")
+        if not self.skip_special_tokens:
+            raise unsupported("skip_special_tokens", "other than true")
+        if not self.spaces_between_special_tokens:
+            raise unsupported("spaces_between_special_tokens", "other than true")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
+
+    def refuse_choices(self, why: str) -> None:
+        """Raise 400 unless one choice is asked: a job read later is one job per id."""
+        if self.n != 1:
+            raise unsupported("n", f"other than 1 {why}")
+
+    @property
+    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) sorted by id; a key that is not an integer is 400
+        (the ids' and biases' ranges are the limits rule's)."""
+        if not self.logit_bias:
+            return ()
+        pairs: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            digits = key[1:] if key[:1] in "+-" else key
+            if not (digits.isascii() and digits.isdigit()) or len(digits) > 19:
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids (integers), not {key[:40]!r}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            pairs[int(key)] = float(bias)
+        return tuple(sorted(pairs.items()))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -128,20 +170,25 @@ class _Common(Request):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise unsupported("echo")
-        if self.logprobs is not None:
-            raise unsupported("logprobs")
-        if self.best_of not in (None, 1):
-            raise unsupported("best_of", "other than 1")
+        if self.echo and self.logprobs is not None:
+            # the engines return the generated tokens' logprobs only, not the prompt's
+            raise unsupported("logprobs", "together with 'echo' (no prompt logprobs)")
+        if self.best_of is not None and self.best_of != self.n:
+            # every choice is returned: there is no ranking among more candidates than n
+            raise unsupported("best_of", "other than equal to 'n'")
         if self.suffix:
             raise unsupported("suffix")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """How many alternatives per token the request asks for; None: no logprobs."""
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids; several prompts in one call are refused."""
@@ -195,13 +242,12 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -212,18 +258,20 @@ class ChatCompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise unsupported("logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise unsupported(name, "(tool calling)")
         for name in ("tool_choice", "function_call", "audio", "prediction", "reasoning_effort"):
             if getattr(self, name) not in (None, "none"):
                 raise unsupported(name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "other than {'type': 'text'}")
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "other than ['text']")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -272,11 +320,120 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
 
 
 def usage(result: JobResult) -> dict[str, int]:
+    return usage_of_choices([result])
+
+
+def usage_of_choices(results: Sequence[JobResult]) -> dict[str, int]:
+    """One call's usage: its choices share the prompt, counted once (as OpenAI counts it)."""
+    prompt = results[0].prompt_tokens if results else 0
+    completion = sum(r.completion_tokens for r in results)
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How a request asked its choices to be shown, the same for every choice: with token ids
+    (vLLM's `return_token_ids`), with logprobs (`token_text` names their tokens), with the
+    prompt's text before the output (completions' `echo`)."""
+
+    token_ids: bool = False
+    token_text: Callable[[int], str] | None = None
+    echo: str | None = None
+
+
+PLAIN = Rendering()
+
+
+def rendering(
+    spec: JobSpec, tokenizer: EngineTokenizer | None, *, echo: bool, token_ids: bool
+) -> Rendering:
+    """How a job's choices are shown, from its spec and the request's `echo` and
+    `return_token_ids`: logprobs when the job asked for them, named by the tokenizer of the
+    model that ran it (an alias or the fast path may have chosen another than the one named);
+    the echoed prompt as its text (token ids decoded)."""
+    text = None
+    if echo:
+        if spec.prompt is not None:
+            text = spec.prompt
+        elif tokenizer is not None:
+            text = tokenizer.decode(spec.prompt_token_ids or [])
+    logprobs = spec.sampling.logprobs is not None and tokenizer is not None
+    return Rendering(
+        token_ids=token_ids,
+        token_text=tokenizer.token_text if logprobs and tokenizer is not None else None,
+        echo=text,
+    )
+
+
+# the floor of a shown logprob: JSON has no -inf (vLLM shows the same floor)
+_LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, _LOGPROB_FLOOR)
+
+
+def _named(text: Callable[[int], str], token_id: int, logprob: float) -> dict[str, Any]:
+    token = text(token_id)
+    return {
+        "token": token,
+        "logprob": _logprob(logprob),
+        "bytes": list(token.encode("utf-8", errors="replace")),
+    }
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], text: Callable[[int], str]) -> dict[str, Any]:
+    """A chat choice's `logprobs`, as OpenAI shows them: each token with its alternatives."""
+    return {
+        "content": [
+            {
+                **_named(text, lp.token_id, lp.logprob),
+                "top_logprobs": [_named(text, i, v) for i, v in lp.top],
+            }
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], text: Callable[[int], str], offset: int = 0
+) -> dict[str, Any]:
+    """A completion choice's `logprobs`, as OpenAI's legacy shape: parallel lists, each
+    position's alternatives as {token: logprob} (the chosen token among them, as vLLM), and
+    each token's offset in the choice's text starting from `offset`."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float]] = []
+    for lp in logprobs:
+        token = text(lp.token_id)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+        top = {text(i): _logprob(v) for i, v in lp.top}
+        top.setdefault(token, _logprob(lp.logprob))
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def choice_logprobs(
+    kind: Kind, logprobs: Sequence[TokenLogprob] | None, how: Rendering, offset: int = 0
+) -> dict[str, Any] | None:
+    """A choice's (or a chunk's) `logprobs` in the shape of its endpoint; None unless asked."""
+    if how.token_text is None:
+        return None
+    if kind == "chat":
+        return chat_logprobs(logprobs or (), how.token_text)
+    return completion_logprobs(logprobs or (), how.token_text, offset)
 
 
 def completion_body(
@@ -284,32 +441,32 @@ def completion_body(
     job_id: str,
     model: str,
     created: int,
-    result: JobResult,
-    *,
-    token_ids: bool = False,
+    results: Sequence[JobResult],
+    how: Rendering = PLAIN,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": openai_finish_reason(result.finish_reason),
-    }
-    if token_ids:
-        choice["token_ids"] = result.token_ids
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": result.text}
-        obj = "chat.completion"
-    else:
-        choice["text"] = result.text
-        obj = "text_completion"
+    """A whole (non-streamed) completion or chat completion: a choice per result, in order."""
+    choices: list[dict[str, Any]] = []
+    for index, result in enumerate(results):
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": choice_logprobs(kind, result.logprobs, how),
+            "finish_reason": openai_finish_reason(result.finish_reason),
+        }
+        if how.token_ids:
+            choice["token_ids"] = result.token_ids
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = (how.echo or "") + result.text
+        choices.append(choice)
     return {
         "id": response_id(kind, job_id),
-        "object": obj,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [choice],
-        "usage": usage(result),
+        "choices": choices,
+        "usage": usage_of_choices(results),
     }
 
 
@@ -319,17 +476,23 @@ def chunk_body(
     model: str,
     created: int,
     *,
+    index: int = 0,
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
-    usage_of: JobResult | None = None,
+    usage_of: Sequence[JobResult] | None = None,
     no_choices: bool = False,
     token_ids: list[int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; `no_choices` is the trailing usage-only chunk."""
+    """One streamed chunk of choice `index`; `no_choices` is the trailing usage-only chunk."""
     choices: list[dict[str, Any]] = []
     if not no_choices:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         if token_ids is not None:
             choice["token_ids"] = token_ids
         if kind == "chat":
@@ -350,7 +513,7 @@ def chunk_body(
         "model": model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": None if usage_of is None else usage(usage_of),
+        "usage": None if usage_of is None else usage_of_choices(usage_of),
     }
 
 
@@ -402,9 +565,15 @@ def model_card(model: str, created: int | None = None) -> dict[str, Any]:
     }
 
 
-def token_event_body(chunk: TokenChunk) -> dict[str, Any]:
-    """The `tokens` event of a job's own event stream."""
-    return {"text": chunk.text, "token_ids": chunk.token_ids}
+def token_event_body(
+    chunk: TokenChunk, token_text: Callable[[int], str] | None = None
+) -> dict[str, Any]:
+    """The `tokens` event of a job's own event stream; with the job's logprobs, when it asked
+    for them, in the chat shape (`token_text` names the tokens)."""
+    body: dict[str, Any] = {"text": chunk.text, "token_ids": chunk.token_ids}
+    if chunk.logprobs is not None and token_text is not None:
+        body["logprobs"] = chat_logprobs(chunk.logprobs, token_text)["content"]
+    return body
 
 
 def job_body(job_id: str, record: JobRecord) -> dict[str, Any]:

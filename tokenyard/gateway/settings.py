@@ -19,6 +19,7 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer: Literal["hf", "sim"] = "hf"  # which tokenizer family the workers' engines use
     max_body_bytes: Count = 1 << 20
     max_tokens_cap: Count = 4096  # a request asking for more is refused, not clamped
+    max_n: Count = 16  # choices one completions call may ask for (`n`): a job each
     default_max_tokens: Count = 256  # chat requests without max_tokens (completions default 16)
     request_timeout_s: Seconds = 600.0  # sync and streaming calls: queue wait + generation
     stream_resume_grace_s: float = 0.0  # how long a dropped stream's job waits for a reconnect

@@ -3,8 +3,9 @@ a frame is the broker event id."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -52,7 +53,8 @@ class Renderer(Protocol):
 
 
 class OpenAIRenderer:
-    """OpenAI completion or chat chunks, then `data: [DONE]`."""
+    """OpenAI completion or chat chunks of choice `index`, then `data: [DONE]`; one of a call's
+    several choices renders into their `Choices`, which ends the merged stream instead."""
 
     def __init__(
         self,
@@ -63,57 +65,171 @@ class OpenAIRenderer:
         *,
         include_usage: bool,
         resumed: bool,
-        token_ids: bool = False,
+        how: protocol.Rendering = protocol.PLAIN,
+        index: int = 0,
+        choices: Choices | None = None,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.include_usage = include_usage
         self.resumed = resumed
-        self.token_ids = token_ids
+        self.how = how
+        self.index = index
+        self.choices = choices
+        self.offset = 0  # completions' text_offset: where the next token's text starts
 
     def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
-        body = protocol.chunk_body(self.kind, self.job_id, self.model, self.created, **fields)
-        return frame(body, event_id)
+        body = protocol.chunk_body(
+            self.kind, self.job_id, self.model, self.created, index=self.index, **fields
+        )
+        # a merged stream interleaves several jobs' events: no one event id resumes it
+        return frame(body, None if self.choices is not None else event_id)
 
     def start(self) -> list[bytes]:
         # the role chunk precedes every event, so a resumed stream has already had it
-        if self.kind == "chat" and not self.resumed:
+        if self.resumed:
+            return []
+        if self.kind == "chat":
             return [self._chunk(None, role=True)]
+        if self.how.echo:
+            return [self._chunk(None, text=self.how.echo)]
         return []
 
     def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
-        if self.token_ids:
-            return [self._chunk(event_id, text=chunk.text, token_ids=chunk.token_ids)]
-        if not chunk.text:
+        logprobs = protocol.choice_logprobs(self.kind, chunk.logprobs, self.how, self.offset)
+        if logprobs is not None and self.kind == "completion":
+            self.offset += sum(map(len, logprobs["tokens"]))
+        if self.how.token_ids:
+            return [
+                self._chunk(event_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs)
+            ]
+        if not chunk.text and logprobs is None:
             return []  # an incomplete UTF-8 character; its text arrives with a later event
-        return [self._chunk(event_id, text=chunk.text)]
+        return [self._chunk(event_id, text=chunk.text, logprobs=logprobs)]
 
     def finish(self, event_id: str, result: JobResult) -> list[bytes]:
         failed = protocol.result_error(result)
         if failed is not None:
-            return [frame(failed[1], event_id), DONE_FRAME]
+            return self._failed(frame(failed[1], event_id))
         reason = protocol.openai_finish_reason(result.finish_reason)
-        ids: list[int] | None = [] if self.token_ids else None
+        ids: list[int] | None = [] if self.how.token_ids else None
         frames = [self._chunk(event_id, finish_reason=reason, token_ids=ids)]
+        if self.choices is not None:
+            self.choices.results[self.index] = result
+            return frames
         if self.include_usage:
-            frames.append(self._chunk(None, usage_of=result, no_choices=True))
+            frames.append(self._chunk(None, usage_of=[result], no_choices=True))
         return [*frames, DONE_FRAME]
 
     def ended(self) -> list[bytes]:
-        return [DONE_FRAME]
+        return [] if self.choices is not None else [DONE_FRAME]
 
     def failure(self, message: str, code: str, status: int) -> list[bytes]:
         type_ = "timeout_error" if status == 504 else "server_error"
-        return [frame(error_body(message, type_, None, code)), DONE_FRAME]
+        return self._failed(frame(error_body(message, type_, None, code)))
+
+    def _failed(self, error: bytes) -> list[bytes]:
+        if self.choices is not None:
+            self.choices.fail(error)
+            return []
+        return [error, DONE_FRAME]
+
+
+class Choices:
+    """The `n` choices of one streamed call, each its own job: their results (the usage chunk
+    sums them) and the first failure, which fails the whole call."""
+
+    def __init__(
+        self,
+        kind: protocol.Kind,
+        job_id: str,
+        model: str,
+        created: int,
+        n: int,
+        *,
+        include_usage: bool,
+    ) -> None:
+        self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
+        self.n = n
+        self.include_usage = include_usage
+        self.results: dict[int, JobResult] = {}
+        self.failure: bytes | None = None
+
+    def fail(self, error: bytes) -> None:
+        if self.failure is None:
+            self.failure = error
+
+    def end(self) -> list[bytes]:
+        """The frames after the last choice's: the error, or the summed usage; then [DONE]."""
+        if self.failure is not None:
+            return [self.failure, DONE_FRAME]
+        frames: list[bytes] = []
+        if self.include_usage and len(self.results) == self.n:
+            results = [self.results[i] for i in range(self.n)]
+            body = protocol.chunk_body(
+                self.kind,
+                self.job_id,
+                self.model,
+                self.created,
+                usage_of=results,
+                no_choices=True,
+            )
+            frames.append(frame(body))
+        return [*frames, DONE_FRAME]
+
+
+async def merged(
+    children: Sequence[AsyncGenerator[bytes, None]], choices: Choices
+) -> AsyncGenerator[bytes, None]:
+    """One SSE stream of several choices' frames, as they come; the first failure ends it
+    (and every other choice's job is left, so cancelled), as does the client leaving. Prime
+    it with `primed`: its first item is an empty frame."""
+    inbox: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: a child ended
+
+    async def pump(frames: AsyncGenerator[bytes, None]) -> None:
+        try:
+            async for f in frames:
+                inbox.put_nowait(f)
+        finally:
+            inbox.put_nowait(None)
+
+    # tasks of their own, not a task group: the response closes this generator from another
+    # task than the one that iterated it, which a cancel scope held across a yield forbids
+    tasks = [asyncio.create_task(pump(child)) for child in children]
+    try:
+        yield b""
+        running = len(tasks)
+        while running and choices.failure is None:
+            f = await inbox.get()
+            if f is None:
+                running -= 1
+            elif f:
+                yield f
+        for f in choices.end():
+            yield f
+    finally:
+        for task in tasks:
+            task.cancel()  # once: a second cancel would cut short its job's cancellation
+        # the response's cancel scope cancels every await here again and again, and a
+        # cancelled gather cancels the tasks it gathers: shield the wait for their cleanup
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for child in children:  # one whose task never ran still holds its job
+                await child.aclose()
 
 
 class JobRenderer:
-    """The job's own events: `event: tokens` and a final `event: finish` with the result."""
+    """The job's own events: `event: tokens` and a final `event: finish` with the result;
+    `token_text` names the tokens of a job's logprobs."""
+
+    def __init__(self, token_text: Callable[[int], str] | None = None) -> None:
+        self.token_text = token_text
 
     def start(self) -> list[bytes]:
         return []
 
     def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
-        return [frame(protocol.token_event_body(chunk), event_id, "tokens")]
+        body = protocol.token_event_body(chunk, self.token_text)
+        return [frame(body, event_id, "tokens")]
 
     def finish(self, event_id: str, result: JobResult) -> list[bytes]:
         return [frame(protocol.result_json(result), event_id, "finish")]

@@ -92,6 +92,7 @@ async def submit(
     body: Body,
     tenant: Tenant,
     how: Live,
+    choice: int = 0,
 ) -> Hit | Following: ...
 
 
@@ -102,6 +103,7 @@ async def submit(
     body: Body,
     tenant: Tenant,
     how: Later,
+    choice: int = 0,
 ) -> Queued: ...
 
 
@@ -111,9 +113,11 @@ async def submit(
     body: Body,
     tenant: Tenant,
     how: Live | Later,
+    choice: int = 0,
 ) -> Hit | Following | Queued:
     """Make `body` a job and enter it, or answer it from the cache; a reservation whose job
-    was not entered is refunded on every path."""
+    was not entered is refunded on every path. `choice`: which of a live call's `n` choices
+    (each its own job, cache entry and reservation)."""
     live = isinstance(how, Live)
     digest: str | None = None
     with _span(how.headers, "tokenyard.admission"):
@@ -122,7 +126,9 @@ async def submit(
             spec = await admit_embeddings(state, body, tenant, live=live, idempotency_key=key)
         else:
             assert kind != "embedding"
-            spec = await admit(state, kind, body, tenant, live=live, idempotency_key=key)
+            spec = await admit(
+                state, kind, body, tenant, live=live, idempotency_key=key, choice=choice
+            )
         if isinstance(how, Later):
             spec.stream = how.tokens
         else:

@@ -316,7 +316,7 @@ class _Drive:
             result = record.result
             failure = protocol.result_error(result)
             if failure is None:
-                body = _response_body(line, job, record, result)
+                body = _response_body(line, job, record, result, self.r.state)
                 out.append(_line(f"batch_req_{job}", line.custom_id, 200, job, body, None))
             elif result.status is JobStatus.CANCELLED and ending is BatchStatus.CANCELLING:
                 continue  # cancelled with the batch: it never ran
@@ -352,13 +352,22 @@ class _Drive:
         return file_id
 
 
-def _response_body(line: BatchLine, job: str, record: JobRecord, result: JobResult) -> Any:
+def _response_body(
+    line: BatchLine, job: str, record: JobRecord, result: JobResult, state: GatewayState
+) -> Any:
     """The body a successful line's request would have been answered with over HTTP."""
     spec = record.spec
+    asked = msgspec.json.decode(line.body)
     if line.kind == "embedding":
-        encoding = msgspec.json.decode(line.body).get("encoding_format") or "float"
+        encoding = asked.get("encoding_format") or "float"
         return protocol.embedding_body(spec.model, result, encoding)
-    return protocol.completion_body(line.kind, job, spec.model, int(spec.created_at), result)
+    how = protocol.rendering(
+        spec,
+        state.tokenizers.get(spec.model),
+        echo=line.kind == "completion" and asked.get("echo") is True,
+        token_ids=asked.get("return_token_ids") is True,
+    )
+    return protocol.completion_body(line.kind, job, spec.model, int(spec.created_at), [result], how)
 
 
 def _refusal(job: str) -> bool:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import msgspec
 
 from tokenyard.errors import UserError
-from tokenyard.gateway import protocol
+from tokenyard.gateway import protocol, structured
 from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.messages import LineError
@@ -121,6 +121,10 @@ def _check_line(raw: bytes, number: int, endpoint: str, seen: set[str]) -> Batch
         parsed.refuse_unsupported()
         if getattr(parsed, "stream", False):
             raise UserError("'stream' is not allowed in a batch", param="stream")
+        if isinstance(parsed, protocol.CompletionRequest | protocol.ChatCompletionRequest):
+            parsed.refuse_choices("in a batch (one job per line)")
+            # the constraint's shape now; whether xgrammar compiles it, when the line is run
+            structured.guide_of(parsed)
     except UserError as exc:
         return _line_error(exc.code or "invalid_body", exc.message, number, exc.param or "body")
     return BatchLine(custom_id=custom_id, url=url, body=encoded)

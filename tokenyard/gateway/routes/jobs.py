@@ -147,8 +147,12 @@ async def job_events(
     start = last_event_id(request, after)
     _, kind = split_id(job_id)
     renderer: Renderer
+    # a job that asked for logprobs shows them, named by its model's tokenizer
+    how = protocol.rendering(
+        record.spec, state.tokenizers.get(record.spec.model), echo=False, token_ids=False
+    )
     if kind is None:
-        renderer = JobRenderer()
+        renderer = JobRenderer(how.token_text)
     else:
         renderer = OpenAIRenderer(
             kind,
@@ -157,6 +161,7 @@ async def job_events(
             int(record.spec.created_at),
             include_usage=include_usage,
             resumed=start != "0",
+            how=how,
         )
     call = LiveCall(state, bare, record.spec.model, after=start)
     return await call.stream(renderer, {"X-Job-Id": bare})

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenyard import tracing
 from tokenyard.gateway import protocol
+from tokenyard.gateway.admission import tokenizer_for
 from tokenyard.gateway.auth import Tenant, TenantDep
-from tokenyard.gateway.cached import CACHE_HEADER, cached_response
+from tokenyard.gateway.cached import CACHE_HEADER, cached_response, replay
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.state import gateway
-from tokenyard.gateway.streaming import OpenAIRenderer
-from tokenyard.gateway.submit import Hit, Live, submit
+from tokenyard.gateway.state import GatewayState, gateway
+from tokenyard.gateway.streaming import (
+    Choices,
+    EventStreamResponse,
+    OpenAIRenderer,
+    merged,
+    primed,
+)
+from tokenyard.gateway.submit import Following, Hit, Live, submit
+from tokenyard.messages import JobResult, JobSpec
 
 router = APIRouter()
 # a completion: its JSON, or its chunks as SSE with `stream`; 409 a cancelled job, 500 a job
@@ -74,36 +85,153 @@ async def _serve(
     started: float,
 ) -> Response:
     """Both endpoints' answer: the cached one, or the job (its own, or an identical one in
-    flight) followed live, as SSE or as the result's JSON."""
+    flight) followed live, as SSE or as the result's JSON. `n` choices are n jobs, each
+    admitted, cached and collapsed on its own, answered together."""
     state = gateway(request)
-    outcome = await submit(state, kind, body, tenant, Live(request.headers, started))
-    if isinstance(outcome, Hit):
-        return cached_response(kind, body, outcome.spec, outcome.result)
-    spec, call = outcome.spec, outcome.call
+    outcomes = await _submit_choices(state, kind, body, tenant, Live(request.headers, started))
+    first = outcomes[0]
+    spec = first.spec
+    how = _rendering(state, kind, body, spec)
+    if len(outcomes) == 1 and isinstance(first, Hit):
+        return cached_response(kind, body, spec, first.result, how)
     created = int(spec.created_at)
-    job_id = call.job_id  # a collapsed call's is the job it joined
-    headers = {"X-Job-Id": job_id, **outcome.headers}
+    job_id = _job_id(first)  # a collapsed call's is the job it joined
+    headers = _headers(outcomes)
     if body.stream:
-        renderer = OpenAIRenderer(
-            kind,
-            job_id,
-            spec.model,
-            created,
-            include_usage=body.include_usage,
-            resumed=False,
-            token_ids=body.return_token_ids,
+        timeout_s = state.settings.request_timeout_s
+        if len(outcomes) == 1 and isinstance(first, Following):
+            renderer = OpenAIRenderer(
+                kind,
+                job_id,
+                spec.model,
+                created,
+                include_usage=body.include_usage,
+                resumed=False,
+                how=how,
+            )
+            return await first.call.stream(renderer, headers, timeout_s=timeout_s)
+        choices = Choices(
+            kind, job_id, spec.model, created, len(outcomes), include_usage=body.include_usage
         )
-        return await call.stream(renderer, headers, timeout_s=state.settings.request_timeout_s)
-    result = await call.result(lambda: until_disconnect(request))
-    failed = protocol.result_error(result)
+        children = []
+        for index, outcome in enumerate(outcomes):
+            renderer = OpenAIRenderer(
+                kind,
+                job_id,
+                spec.model,
+                created,
+                include_usage=False,
+                resumed=False,
+                how=how,
+                index=index,
+                choices=choices,
+            )
+            if isinstance(outcome, Hit):
+                children.append(replay(renderer, outcome.result))
+            else:
+                children.append(await outcome.call.frames(renderer, timeout_s))
+        return EventStreamResponse(await primed(merged(children, choices)), headers)
+    results = await _results(outcomes, request)
+    failed = next(filter(None, map(protocol.result_error, results)), None)
     if failed is not None:
         return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
     return FastJSONResponse(
-        protocol.completion_body(
-            kind, job_id, spec.model, created, result, token_ids=body.return_token_ids
-        ),
+        protocol.completion_body(kind, job_id, spec.model, created, results, how),
         headers=headers,
     )
+
+
+async def _submit_choices(
+    state: GatewayState,
+    kind: protocol.Kind,
+    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+    tenant: Tenant,
+    how: Live,
+) -> list[Hit | Following]:
+    """A job (or a cached answer) per choice; if one is refused, the jobs already entered for
+    the others are left (so cancelled) and the refusal is the call's answer."""
+    outcomes: list[Hit | Following] = []
+    try:
+        for choice in range(body.n):
+            outcomes.append(await submit(state, kind, body, tenant, how, choice=choice))
+    except BaseException:
+        await _leave(state, outcomes)
+        raise
+    return outcomes
+
+
+async def _leave(state: GatewayState, outcomes: Sequence[Hit | Following]) -> None:
+    # choices that collapsed onto one job are one job to leave
+    for job_id in dict.fromkeys(o.call.job_id for o in outcomes if isinstance(o, Following)):
+        await state.abandonment.cancel_now(job_id)
+
+
+def _rendering(
+    state: GatewayState,
+    kind: protocol.Kind,
+    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+    spec: JobSpec,
+) -> protocol.Rendering:
+    echo = isinstance(body, protocol.CompletionRequest) and body.echo
+    tokenizer = tokenizer_for(state, spec.model)
+    return protocol.rendering(spec, tokenizer, echo=echo, token_ids=body.return_token_ids)
+
+
+def _job_id(outcome: Hit | Following) -> str:
+    return outcome.spec.id if isinstance(outcome, Hit) else outcome.call.job_id
+
+
+def _headers(outcomes: Sequence[Hit | Following]) -> dict[str, str]:
+    """The call's headers: every choice's job id, and the cache's word on the first choice
+    that ran (hit only when every choice was cached)."""
+    following = [o for o in outcomes if isinstance(o, Following)]
+    job_ids = dict.fromkeys(o.call.job_id for o in following)
+    if not following:
+        return {"X-Job-Id": ",".join(o.spec.id for o in outcomes), CACHE_HEADER: "hit"}
+    return {**following[0].headers, "X-Job-Id": ",".join(job_ids)}
+
+
+async def _results(outcomes: Sequence[Hit | Following], request: Request) -> list[JobResult]:
+    """Every choice's result. One choice waits in the caller's own task (the hot path);
+    several wait together, and the first that fails (or the client leaving) ends the wait,
+    leaving the others' jobs."""
+    if len(outcomes) == 1:
+        only = outcomes[0]
+        if isinstance(only, Hit):
+            return [only.result]
+        return [await only.call.result(lambda: until_disconnect(request))]
+    gone = anyio.Event()
+
+    async def watch() -> None:
+        await until_disconnect(request)
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
+    waits = {
+        i: asyncio.ensure_future(o.call.result(gone.wait))
+        for i, o in enumerate(outcomes)
+        if isinstance(o, Following)
+    }
+    results: dict[int, JobResult] = {
+        i: o.result for i, o in enumerate(outcomes) if isinstance(o, Hit)
+    }
+    try:
+        pending = set(waits.values())
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                result = task.result()  # a 499 or 504 of one choice is the call's
+                if protocol.result_error(result) is not None:
+                    return [result]
+        results.update((i, task.result()) for i, task in waits.items())
+        return [results[i] for i in range(len(outcomes))]
+    finally:
+        watcher.cancel()
+        for task in waits.values():
+            task.cancel()  # an unfinished wait, cancelled once, leaves its job
+        # a cancelled gather would cancel them again, cutting that short
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(watcher, *waits.values(), return_exceptions=True)
 
 
 async def until_disconnect(request: Request) -> None:
