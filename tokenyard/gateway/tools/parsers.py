@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tokenyard.errors import InvalidRequest
-
 # vLLM's names for --tool-call-parser, and `auto` (chosen from the chat template's text)
 PARSER_NAMES = ("auto", "hermes", "llama3_json", "mistral")
 ParserName = Literal["hermes", "llama3_json", "mistral"]
@@ -635,5 +633,5 @@ def tool_call_stream(
     if named is not None:
         return NamedCallStream(named, make_id)
     if parser not in _FORMATS:
-        raise InvalidRequest(f"unknown tool call parser {parser!r}")
+        raise ToolParserError(f"unknown tool call parser {parser!r}")
     return ToolCallStream(parser, make_id)
