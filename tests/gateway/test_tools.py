@@ -4,8 +4,11 @@ shows), the gateway reads them, whole and streamed."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -285,3 +288,36 @@ def test_auto_needs_a_template_that_shows_the_format(valkey: EmbeddedServer) -> 
                 json={"model": MODEL, "messages": ASK, "max_tokens": 4, "tools": TOOLS},
             )
         assert reply.status_code == 200, reply.text
+
+
+def test_batch_lines_read_tool_calls(valkey: EmbeddedServer, tmp_path: Path) -> None:
+    engine = ScriptedEngine(SCRIPT)
+    with run_stack(valkey, engines=[lambda: engine], files_dir=str(tmp_path)) as stack:
+        client = client_of(stack)
+        row = {
+            "custom_id": "r1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 300},
+        }
+        data = json.dumps(row).encode() + b"\n"
+        upload = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        end = time.monotonic() + 60
+        while (batch := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < end and batch.status in (
+                "validating",
+                "in_progress",
+                "finalizing",
+            )
+            time.sleep(0.05)
+        assert batch.output_file_id is not None
+        line = json.loads(client.files.content(batch.output_file_id).text)
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [
+            "get_weather",
+            "get_time",
+        ]
