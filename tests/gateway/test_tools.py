@@ -321,3 +321,64 @@ def test_batch_lines_read_tool_calls(valkey: EmbeddedServer, tmp_path: Path) -> 
             "get_weather",
             "get_time",
         ]
+
+
+# -- the Responses API's function tools ----------------------------------------------------------
+FLAT_TOOLS: list[Any] = [
+    {"type": "function", **WEATHER["function"]},
+    {"type": "function", "name": "get_time", "parameters": {"type": "object"}},
+]
+
+
+def test_responses_output_function_calls(scripted: tuple[Stack, ScriptedEngine]) -> None:
+    stack, _ = scripted
+    client = client_of(stack)
+    response = client.responses.create(
+        model=MODEL, input="Weather in Paris and the time?", tools=FLAT_TOOLS
+    )
+    kinds = [item.type for item in response.output]
+    assert kinds == ["message", "function_call", "function_call"]
+    assert response.output_text == "Let me look."
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {}),
+    ]
+    assert response.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    # read again: the same items, the same call ids
+    again = client.responses.retrieve(response.id)
+    assert [i.model_dump() for i in again.output] == [i.model_dump() for i in response.output]
+
+    # streamed: the same output, built from the events
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Weather in Paris and the time?", tools=FLAT_TOOLS, stream=True
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final.type == "response.completed"
+    streamed = final.response.output
+    assert [i.type for i in streamed] == kinds
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(args.split("}", 1)[0] + "}") == {"city": "Paris", "days": 2}
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == kinds
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Let me look."
+
+    # the outputs answer the calls in a next response
+    outputs: list[Any] = [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "18C"} for c in calls
+    ]
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=response.id, input=outputs, tools=FLAT_TOOLS
+    )
+    assert follow.status == "completed"
+    # or the whole conversation given as input items
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+    ]
+    assert client.responses.create(model=MODEL, input=items).status == "completed"

@@ -24,6 +24,7 @@ partial marker, a block not yet known to be a call) is held back, never sent as 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import secrets
 import string
@@ -41,6 +42,26 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 def new_call_id() -> str:
     """`call_` and 24 random letters and digits, as OpenAI's tool call ids look."""
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def stable_call_ids(seed: str) -> Callable[[], str]:
+    """Call ids drawn from `seed` (a job id): every reading of one answer names its calls
+    alike, so a stream resumed on another gateway, or a stored answer read again, keeps
+    the ids a client already has."""
+    count = 0
+
+    def make() -> str:
+        nonlocal count
+        digest = hashlib.sha256(f"{seed}:{count}".encode()).digest()
+        count += 1
+        number = int.from_bytes(digest, "big")
+        chars = []
+        for _ in range(24):
+            number, at = divmod(number, len(_ID_ALPHABET))
+            chars.append(_ID_ALPHABET[at])
+        return "call_" + "".join(chars)
+
+    return make
 
 
 @dataclass
