@@ -325,4 +325,7 @@ def answer_reader(
         parser = choose_parser(parser_setting, chat_template)
     except ToolParserError as exc:
         raise InvalidRequest(str(exc), param="tool_choice", code="tool_parser_unknown") from exc
-    return tool_call_stream(parser, make_id=make_id)
+    stream = tool_call_stream(parser, make_id=make_id)
+    if not tools.parallel and isinstance(stream, ToolCallStream):
+        stream.max_calls = 1
+    return stream
