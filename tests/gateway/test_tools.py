@@ -382,3 +382,36 @@ def test_responses_output_function_calls(scripted: tuple[Stack, ScriptedEngine])
         {"type": "function_call_output", "call_id": "c1", "output": "18C"},
     ]
     assert client.responses.create(model=MODEL, input=items).status == "completed"
+
+
+def test_required_and_named_answers_stream_as_calls(valkey: EmbeddedServer) -> None:
+    # what constrained decoding writes: a JSON array of calls, or the named one's arguments
+    array = (
+        '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    for script, choice, expected in (
+        (array, "required", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+        (
+            '{"city": "Lima", "days": 3}',
+            {"type": "function", "function": {"name": "get_weather"}},
+            [("get_weather", {"city": "Lima", "days": 3})],
+        ),
+    ):
+        engine = ScriptedEngine(script)
+        with run_stack(valkey, engines=[lambda e=engine: e]) as stack:  # type: ignore[misc]
+            client = client_of(stack)
+            with client.chat.completions.stream(
+                model=MODEL,
+                messages=ASK,  # type: ignore[arg-type]
+                tools=TOOLS,
+                tool_choice=choice,  # type: ignore[arg-type]
+                max_tokens=300,
+            ) as stream:
+                final = stream.get_final_completion()
+            choice_ = final.choices[0]
+            assert choice_.finish_reason == "tool_calls"
+            calls = choice_.message.tool_calls or []
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # type: ignore[union-attr]
+            assert got == expected
+            assert not choice_.message.content
