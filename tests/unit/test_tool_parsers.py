@@ -6,8 +6,11 @@ import itertools
 import json
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenyard.gateway.tools import (
     CallDelta,
@@ -137,6 +140,7 @@ def test_streams_split_anywhere_give_the_whole_answer(
         ("hermes", 'Hi <tool_call>{"name": "a", "arguments": {"x": 1,}}</tool_call>'),
         ("hermes", 'Hi <tool_call>{"name": "a", "arguments": {"x": 1'),  # cut by max_tokens
         ("llama3_json", '{"name": "a", "parameters": {"x": tru}}'),
+        ("llama3_json", '{"name": "a", "parameters": {"x": 1}}; {"answer": 42}'),
         ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name"'),
     ],
 )
@@ -250,3 +254,54 @@ def test_without_parallel_calls_only_the_first_is_kept() -> None:
     assert isinstance(stream, ToolCallStream)
     stream.max_calls = 1
     assert calls_of(parse_whole(stream, text[:-20])) == [("a", "{}")]
+
+
+# -- property: any calls, written in any format, read back whole and streamed alike ------------
+json_leaf = st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=6)
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+call_lists = st.lists(
+    st.tuples(
+        st.from_regex(r"[a-zA-Z0-9_-]{1,12}", fullmatch=True),
+        st.dictionaries(st.text(max_size=5), json_value, max_size=3),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def _written(parser: str, calls: list[tuple[str, dict[str, Any]]], spaced: bool) -> str:
+    sep = "\n" if spaced else ""
+    key = "parameters" if parser in ("llama3_json", "required") else "arguments"
+    objects = [json.dumps({"name": n, key: a}, ensure_ascii=False) for n, a in calls]
+    if parser == "hermes":
+        return "".join(f"{sep}<tool_call>{sep}{o}{sep}</tool_call>" for o in objects)
+    if parser == "llama3_json":
+        return f";{sep}".join(objects)
+    body = "[" + f",{sep}".join(objects) + "]"
+    return "[TOOL_CALLS]" + body if parser == "mistral" else body
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    parser=st.sampled_from(["hermes", "llama3_json", "mistral", "required"]),
+    calls=call_lists,
+    spaced=st.booleans(),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+def test_any_calls_read_back_whole_and_streamed(
+    parser: str, calls: list[tuple[str, dict[str, Any]]], spaced: bool, cuts: list[int]
+) -> None:
+    text = _written(parser, calls, spaced)
+    parsed = whole(parser, text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
+    assert parsed.content is None
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    content, got, _ = streamed(parser, pieces)
+    assert got == calls_of(parsed) and content == ""

@@ -364,7 +364,7 @@ class ToolCallStream:
     make_id: Callable[[], str] = new_call_id
     max_calls: int | None = None
     _calls: list[_Announced] = field(default_factory=list)
-    _cut: bool = False  # the answer ended inside a block, in a call not yet announced
+    _cut: bool = False  # a block with calls went wrong outside any announced call
     _buf: str = ""
     _pos: int = 0  # where reading _buf is
     _pending: str = ""  # outside text not yet sent as content
@@ -518,7 +518,9 @@ class ToolCallStream:
                 self._keep(ch)
             self._announce(obj, out)
             if obj.failed:
-                if self._block_announced:  # the call stays incomplete: broken
+                if self._block_announced:
+                    # an announced call stays incomplete; one not announced breaks the block
+                    self._cut = self._cut or obj.call is None
                     self._mode, self._raw = _Mode.SKIP, ""
                 else:
                     self._give_back(out, "" if consumed else ch)
