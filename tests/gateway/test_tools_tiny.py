@@ -45,6 +45,9 @@ TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
+# constrained, the random weights still choose the whitespace JSON allows between tokens (with
+# xgrammar's any_whitespace, as vLLM's default): room for it, within the 2048-token context
+MAX_TOKENS = 1300  # the tools prompt is ~650 tokens
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -57,7 +60,7 @@ def stack(valkey: EmbeddedServer) -> Iterator[Stack]:
         valkey,
         model=MODEL,
         tokenizer=load_tokenizer("hf", MODEL),
-        engines=[lambda: make_engine("hf", model=MODEL, max_seqs=8, max_tokens=8192)],
+        engines=[lambda: make_engine("hf", model=MODEL, max_seqs=8, max_tokens=16384)],
         worker_options={"engine": "hf"},
     ) as s:
         yield s
@@ -140,12 +143,14 @@ def test_required_calls_validate_for_every_seed(stack: Stack) -> None:
     client = client_of(stack)
 
     def one(seed: int) -> list[tuple[str, str]]:
+        # one call: random weights would go on adding calls to an open-ended array
         whole = client.chat.completions.create(
             model=MODEL,
             messages=ASK,  # type: ignore[arg-type]
             tools=TOOLS,
             tool_choice="required",
-            max_tokens=200,
+            parallel_tool_calls=False,
+            max_tokens=MAX_TOKENS,
             temperature=1.0,
             seed=seed,
         )
@@ -172,7 +177,7 @@ def test_named_calls_validate_for_every_seed(stack: Stack) -> None:
             messages=ASK,  # type: ignore[arg-type]
             tools=TOOLS,
             tool_choice=choice,
-            max_tokens=200,
+            max_tokens=MAX_TOKENS,
             temperature=1.0,
             seed=seed,
         )
@@ -196,7 +201,7 @@ def test_streamed_required_calls_reassemble(stack: Stack) -> None:
             tools=TOOLS,
             tool_choice="required",
             parallel_tool_calls=False,
-            max_tokens=200,
+            max_tokens=MAX_TOKENS,
             seed=seed,
         ) as stream:
             final = stream.get_final_completion()
