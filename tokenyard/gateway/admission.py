@@ -4,6 +4,7 @@ check it against the model's published limits, build the job."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 
@@ -22,7 +23,8 @@ from tokenyard.gateway.protocol import (
 )
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
-from tokenyard.messages import JobSpec, SamplingParams
+from tokenyard.gateway.tools import CallStream, Tools, answer_reader
+from tokenyard.messages import Guide, JobSpec, SamplingParams
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
 _INLINE_CHARS = 4096
@@ -67,21 +69,20 @@ async def admit(
             param="n",
             code="invalid_value",
         )
-    guide = structured.guide_of(body)
+    asked = structured.guide_of(body)
     model = resolve_alias(state.routing, body.model)
     tokenizer = tokenizer_for(state, model)
     settings = state.settings
     prompt: str | None
     token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: Tools | None = None
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
-        try:
-            prompt = tokenizer.apply_chat_template(messages)
-        except Exception as exc:  # a template may reject e.g. the order of roles
-            raise InvalidRequest(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
+        tools = body.tool_spec()
+        # refused now if the answer cannot be read for calls (a template of unknown format)
+        answer_reader(tools, settings.tool_call_parser, tokenizer.chat_template)
+        prompt = _chat_prompt(tokenizer, messages, tools)
         requested, default = body.requested_max_tokens, settings.default_max_tokens
         cap = settings.max_tokens_cap
         if body.max_completion_tokens is not None and body.max_completion_tokens > cap:
@@ -121,10 +122,13 @@ async def admit(
             small = tokenizer_for(state, model)
             if small is not tokenizer:  # its own template and vocabulary
                 if isinstance(body, ChatCompletionRequest):
-                    prompt = small.apply_chat_template(body.template_messages())
+                    assert messages is not None and tools is not None
+                    answer_reader(tools, settings.tool_call_parser, small.chat_template)
+                    prompt = _chat_prompt(small, messages, tools)
                 tokenizer, token_ids = small, await _tokenize(small, prompt)
                 prompt_tokens = len(token_ids)
     state.metrics.routed.labels(body.model, model, rule.value).inc()
+    guide = _one_guide(asked, tools)
     model_limits = await state.limits.of(model, tokenizer)
     max_tokens = resolve_max_tokens(
         requested, default, settings.max_tokens_cap, prompt_tokens, model_limits.context, param
@@ -148,10 +152,14 @@ async def admit(
         logprobs=body.logprobs_count,
         guide=None if guide is None else guide[0],
     )
-    limits.check(limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied))
-    if guide is not None:
+    refused = limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
+    if refused is not None and guide is not None:
+        refused = _as_guided_by(refused, guide[1])
+    limits.check(refused)
+    if guide is not None and guide[1] != "tool_choice":
         # after the limits rule: a model whose engine has no structured outputs refuses the
-        # request by name without the gateway compiling anything
+        # request by name without the gateway compiling anything (the tools' own schemas are
+        # built here, from parameters checked as JSON schemas when the request was read)
         await structured.check(*guide)
     return JobSpec(
         id=new_job_id(model),
@@ -168,6 +176,53 @@ async def admit(
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
     )
+
+
+def tool_reader(
+    state: GatewayState, body: CompletionRequest | ChatCompletionRequest, model: str
+) -> CallStream | None:
+    """What reads a chat answer for tool calls (None: the answer is all content), in the
+    format of the model that ran it (`model`: the job's); admission refused what it cannot
+    read."""
+    if not isinstance(body, ChatCompletionRequest) or not body.tools:
+        return None
+    tokenizer = state.tokenizers[model]
+    return answer_reader(body.tool_spec(), state.settings.tool_call_parser, tokenizer.chat_template)
+
+
+def _chat_prompt(tokenizer: EngineTokenizer, messages: list[dict[str, Any]], tools: Tools) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools.template())
+    except Exception as exc:  # a template may reject e.g. the order of roles
+        raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def _one_guide(asked: tuple[Guide, str] | None, tools: Tools | None) -> tuple[Guide, str] | None:
+    """The request's one decoding constraint and the parameter that asked for it: a structured
+    output, or the tools' (`tool_choice` required or named); both at once are 400."""
+    by_tools = None if tools is None else tools.guide()
+    if by_tools is None:
+        return asked
+    if asked is not None:
+        raise InvalidRequest(
+            f"Only one structured output constraint is allowed per request; got "
+            f"'{asked[1]}' and 'tool_choice'",
+            param=asked[1],
+        )
+    return by_tools, "tool_choice"
+
+
+def _as_guided_by(refused: InvalidRequest, param: str) -> InvalidRequest:
+    """A refusal of constrained decoding naming the parameter that asked for it (the one rule
+    names `response_format`, the usual way to ask; tools, `structured_outputs` and vLLM's
+    `guided_*` ask too)."""
+    if refused.param != "response_format" or param == "response_format":
+        return refused
+    if param == "tool_choice":
+        message = f"tool_choice 'required' or a named function needs structured outputs: {refused}"
+    else:
+        message = f"{param} needs structured outputs: {refused}"
+    return InvalidRequest(message, param=param, code=refused.code)
 
 
 async def admit_embeddings(

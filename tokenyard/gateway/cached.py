@@ -12,6 +12,7 @@ from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer
+from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
 
 CACHE_HEADER = "X-Cache"  # hit | miss | collapsed | bypass
@@ -50,16 +51,27 @@ def cached_response(
     spec: JobSpec,
     result: JobResult,
     how: protocol.Rendering = protocol.PLAIN,
+    tools: CallStream | None = None,
 ) -> Response:
     """A cached answer of one choice, shaped as a fresh run's; its id is new, no job stands
-    behind it."""
+    behind it. `tools` reads a chat answer for tool calls."""
     created = int(spec.created_at)
     headers = {CACHE_HEADER: "hit"}
     if not body.stream:
-        content = protocol.completion_body(kind, spec.id, spec.model, created, [result], how)
+        parsed = [None if tools is None else parse_whole(tools, result.text)]
+        content = protocol.completion_body(
+            kind, spec.id, spec.model, created, [result], how, parsed=parsed
+        )
         return FastJSONResponse(content, headers=headers)
     renderer = OpenAIRenderer(
-        kind, spec.id, spec.model, created, include_usage=body.include_usage, resumed=False, how=how
+        kind,
+        spec.id,
+        spec.model,
+        created,
+        include_usage=body.include_usage,
+        resumed=False,
+        how=how,
+        tools=tools,
     )
     return EventStreamResponse(replay(renderer, result), headers)
 

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
 from tokenyard.gateway.errors import error_body
+from tokenyard.gateway.tools import CallStream, ContentDelta, Delta
 from tokenyard.messages import JobResult, TokenChunk
 
 _json = msgspec.json.Encoder()
@@ -68,6 +69,7 @@ class OpenAIRenderer:
         how: protocol.Rendering = protocol.PLAIN,
         index: int = 0,
         choices: Choices | None = None,
+        tools: CallStream | None = None,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.include_usage = include_usage
@@ -76,6 +78,8 @@ class OpenAIRenderer:
         self.index = index
         self.choices = choices
         self.offset = 0  # completions' text_offset: where the next token's text starts
+        # reads the chat answer for tool calls (a fresh stream: one renderer, one answer)
+        self.tools = tools
 
     def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
         body = protocol.chunk_body(
@@ -98,6 +102,9 @@ class OpenAIRenderer:
         logprobs = protocol.choice_logprobs(self.kind, chunk.logprobs, self.how, self.offset)
         if logprobs is not None and self.kind == "completion":
             self.offset += sum(map(len, logprobs["tokens"]))
+        if self.tools is not None:
+            deltas = self.tools.feed(chunk.text)
+            return self._tool_chunks(event_id, deltas, chunk.token_ids, logprobs)
         if self.how.token_ids:
             return [
                 self._chunk(event_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs)
@@ -112,13 +119,42 @@ class OpenAIRenderer:
             return self._failed(frame(failed[1], event_id))
         reason = protocol.openai_finish_reason(result.finish_reason)
         ids: list[int] | None = [] if self.how.token_ids else None
-        frames = [self._chunk(event_id, finish_reason=reason, token_ids=ids)]
+        frames = []
+        if self.tools is not None:
+            # text held back as maybe a call's start is content after all
+            frames = self._tool_chunks(None, self.tools.finish(), None, None)
+            if self.tools.calls:
+                reason = protocol.tool_calls_finish_reason(reason)
+        frames.append(self._chunk(event_id, finish_reason=reason, token_ids=ids))
         if self.choices is not None:
             self.choices.results[self.index] = result
             return frames
         if self.include_usage:
             frames.append(self._chunk(None, usage_of=[result], no_choices=True))
         return [*frames, DONE_FRAME]
+
+    def _tool_chunks(
+        self,
+        event_id: str | None,
+        deltas: list[Delta],
+        token_ids: list[int] | None,
+        logprobs: dict[str, Any] | None,
+    ) -> list[bytes]:
+        """A chunk per piece of content or of a call; the event id (the resume point), the
+        token ids and their logprobs go on the last, which may carry nothing else (its text is
+        held back)."""
+        pieces: list[dict[str, Any]] = [
+            {"text": d.text} if isinstance(d, ContentDelta) else {"tool_calls": [d.openai()]}
+            for d in deltas
+        ]
+        if self.how.token_ids and token_ids is not None:
+            pieces = pieces or [{}]
+            pieces[-1]["token_ids"] = token_ids
+        if logprobs is not None:
+            pieces = pieces or [{}]
+            pieces[-1]["logprobs"] = logprobs
+        last = len(pieces) - 1
+        return [self._chunk(event_id if i == last else None, **p) for i, p in enumerate(pieces)]
 
     def ended(self) -> list[bytes]:
         return [] if self.choices is not None else [DONE_FRAME]

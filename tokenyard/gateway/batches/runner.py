@@ -25,12 +25,14 @@ import msgspec
 from tokenyard.broker.tables import BatchStore
 from tokenyard.errors import UserError
 from tokenyard.gateway import protocol
+from tokenyard.gateway.admission import tool_reader
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.batches.files import FileStore, new_file_id
 from tokenyard.gateway.batches.validate import REQUEST_OF, BatchLine, parse_lines
 from tokenyard.gateway.errors import status_of
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.submit import RETRY_LATER, Later, submit
+from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import (
     BatchRecord,
     BatchStatus,
@@ -258,6 +260,16 @@ class _Drive:
         queued = await submit(self.r.state, line.kind, body, tenant, how)
         return queued.job_id
 
+    def _tools(self, line: BatchLine, record: JobRecord) -> CallStream | None:
+        """What reads a chat line's answer for tool calls (None: all content)."""
+        if line.kind != "chat" or b'"tools"' not in line.body:
+            return None
+        body: Any = protocol.parse(REQUEST_OF["chat"], line.body, checked=True)
+        try:
+            return tool_reader(self.r.state, body, record.spec.model)
+        except UserError:  # the gateway's parser setting changed since the line was admitted
+            return None
+
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())
         records = await self.r.state.backend.queue.records([j for _, j in items])
@@ -316,7 +328,9 @@ class _Drive:
             result = record.result
             failure = protocol.result_error(result)
             if failure is None:
-                body = _response_body(line, job, record, result, self.r.state)
+                body = _response_body(
+                    line, job, record, result, self.r.state, self._tools(line, record)
+                )
                 out.append(_line(f"batch_req_{job}", line.custom_id, 200, job, body, None))
             elif result.status is JobStatus.CANCELLED and ending is BatchStatus.CANCELLING:
                 continue  # cancelled with the batch: it never ran
@@ -353,9 +367,15 @@ class _Drive:
 
 
 def _response_body(
-    line: BatchLine, job: str, record: JobRecord, result: JobResult, state: GatewayState
+    line: BatchLine,
+    job: str,
+    record: JobRecord,
+    result: JobResult,
+    state: GatewayState,
+    tools: CallStream | None = None,
 ) -> Any:
-    """The body a successful line's request would have been answered with over HTTP."""
+    """The body a successful line's request would have been answered with over HTTP; `tools`
+    reads a chat answer for tool calls."""
     spec = record.spec
     asked = msgspec.json.decode(line.body)
     if line.kind == "embedding":
@@ -367,7 +387,10 @@ def _response_body(
         echo=line.kind == "completion" and asked.get("echo") is True,
         token_ids=asked.get("return_token_ids") is True,
     )
-    return protocol.completion_body(line.kind, job, spec.model, int(spec.created_at), [result], how)
+    parsed = [None if tools is None else parse_whole(tools, result.text)]
+    return protocol.completion_body(
+        line.kind, job, spec.model, int(spec.created_at), [result], how, parsed=parsed
+    )
 
 
 def _refusal(job: str) -> bool:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from tokenyard import tracing
 from tokenyard.gateway import protocol
-from tokenyard.gateway.admission import tokenizer_for
+from tokenyard.gateway.admission import tokenizer_for, tool_reader
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cached_response, replay
 from tokenyard.gateway.openapi import SSE, answers, json_body
@@ -27,6 +27,7 @@ from tokenyard.gateway.streaming import (
     primed,
 )
 from tokenyard.gateway.submit import Following, Hit, Live, submit
+from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import JobResult, JobSpec
 
 router = APIRouter()
@@ -92,8 +93,12 @@ async def _serve(
     first = outcomes[0]
     spec = first.spec
     how = _rendering(state, kind, body, spec)
+
+    def tools() -> CallStream | None:  # each choice's answer is read on its own
+        return tool_reader(state, body, spec.model)
+
     if len(outcomes) == 1 and isinstance(first, Hit):
-        return cached_response(kind, body, spec, first.result, how)
+        return cached_response(kind, body, spec, first.result, how, tools())
     created = int(spec.created_at)
     job_id = _job_id(first)  # a collapsed call's is the job it joined
     headers = _headers(outcomes)
@@ -108,6 +113,7 @@ async def _serve(
                 include_usage=body.include_usage,
                 resumed=False,
                 how=how,
+                tools=tools(),
             )
             return await first.call.stream(renderer, headers, timeout_s=timeout_s)
         choices = Choices(
@@ -125,6 +131,7 @@ async def _serve(
                 how=how,
                 index=index,
                 choices=choices,
+                tools=tools(),
             )
             if isinstance(outcome, Hit):
                 children.append(replay(renderer, outcome.result))
@@ -136,7 +143,15 @@ async def _serve(
     if failed is not None:
         return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
     return FastJSONResponse(
-        protocol.completion_body(kind, job_id, spec.model, created, results, how),
+        protocol.completion_body(
+            kind,
+            job_id,
+            spec.model,
+            created,
+            results,
+            how,
+            parsed=[None if (t := tools()) is None else parse_whole(t, r.text) for r in results],
+        ),
         headers=headers,
     )
 
