@@ -11,7 +11,7 @@ from tokenyard.gateway import protocol
 from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
-from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer
+from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer, Renderer
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
 
 CACHE_HEADER = "X-Cache"  # hit | miss | collapsed | bypass
@@ -67,10 +67,15 @@ def cached_response(
         resumed=False,
         token_ids=body.return_token_ids,
     )
-    return EventStreamResponse(_replay(renderer, result), headers)
+    return replayed(renderer, result)
 
 
-async def _replay(renderer: OpenAIRenderer, result: JobResult) -> AsyncGenerator[bytes, None]:
+def replayed(renderer: Renderer, result: JobResult) -> EventStreamResponse:
+    """A cached result streamed in `renderer`'s wire format."""
+    return EventStreamResponse(_replay(renderer, result), {CACHE_HEADER: "hit"})
+
+
+async def _replay(renderer: Renderer, result: JobResult) -> AsyncGenerator[bytes, None]:
     # the whole answer in one chunk: the same text, ids and end as the run that made it
     for f in renderer.start():
         yield f

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from tokenyard.errors import InvalidRequest
+from tokenyard.gateway import errors
 from tokenyard.gateway.errors import unsupported
 from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, Request
 from tokenyard.gateway.streaming import frame
@@ -169,11 +170,7 @@ _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "in
 
 def renamed(exc: InvalidRequest) -> InvalidRequest:
     """An admission error with the parameter named as the Responses API calls it."""
-    if exc.param in _PARAMS:
-        name = _PARAMS[exc.param]
-        message = exc.message.replace(f"'{exc.param}'", f"'{name}'").replace(exc.param, name)
-        return InvalidRequest(message, param=name, code=exc.code)
-    return exc
+    return errors.renamed(exc, _PARAMS)
 
 
 # -- the response object ------------------------------------------------------------------------

@@ -1,0 +1,313 @@
+"""The official anthropic package (sync, streaming, errors) against a real gateway: Anthropic's
+Messages API over the same chat jobs as the OpenAI routes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from tests.gateway.conftest import MODEL, Stack, run_stack
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.gateway.auth import KeyRing, Tenant
+
+HI = [{"role": "user", "content": "hi"}]
+# this client sends no sampling fields of its own any more (newer models take none); the API
+# still defines them, and tokenyard's sim model is deterministic only when greedy
+GREEDY = {"temperature": 0.0}
+
+
+@contextlib.contextmanager
+def client(stack: Stack, api_key: str = "unused") -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=stack.url, api_key=api_key, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def c(stack: Stack) -> Iterator[anthropic.Anthropic]:
+    with client(stack) as c:
+        yield c
+
+
+def _error(response: httpx.Response, status: int, type_: str) -> str:
+    """The message of an error in Anthropic's shape."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body) == {"type", "error"}, body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == type_, body
+    message: str = body["error"]["message"]
+    assert message and "Traceback" not in message
+    return message
+
+
+def test_message_sync_and_stream_agree(c: anthropic.Anthropic) -> None:
+    system = "be brief"
+    whole = c.messages.create(
+        model=MODEL,
+        max_tokens=10,
+        messages=HI,
+        system=system,
+        extra_body=GREEDY,  # type: ignore[arg-type]
+    )
+    assert whole.id.startswith("msg_") and whole.type == "message" and whole.role == "assistant"
+    assert whole.model == MODEL
+    assert len(whole.content) == 1 and whole.content[0].type == "text"
+    text = whole.content[0].text
+    assert len(text) == 10  # the sim tokenizer is byte-level
+    assert whole.stop_reason == "max_tokens" and whole.stop_sequence is None
+    # the prompt is the sim tokenizer's chat template: <role>content\n ... <assistant>
+    prompt = "<system>be brief\n<user>hi\n<assistant>"
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(prompt), 10)
+
+    with c.messages.stream(
+        model=MODEL,
+        max_tokens=10,
+        messages=HI,  # type: ignore[arg-type]
+        system=[{"type": "text", "text": system}],
+        extra_body=GREEDY,
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text
+    assert final.content[0].type == "text" and final.content[0].text == text
+    assert final.stop_reason == "max_tokens" and final.stop_sequence is None
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt), 10)
+    assert final.id.startswith("msg_")
+
+
+def test_the_stream_events_come_in_anthropics_order(stack: Stack) -> None:
+    body = {"model": MODEL, "max_tokens": 4, "messages": HI, "stream": True, "temperature": 0.0}
+    with stack.client() as http, http.stream("POST", "/v1/messages", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events: list[tuple[str, dict[str, Any]]] = []
+    for block in raw.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        data = json.loads(lines["data"])
+        assert data["type"] == lines["event"]
+        events.append((lines["event"], data))
+    kinds = [kind for kind, _ in events]
+    assert kinds[:3] == ["message_start", "content_block_start", "ping"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[3:-3]) == {"content_block_delta"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert events[1][1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    assert all(e["delta"]["type"] == "text_delta" for k, e in events if k == "content_block_delta")
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 4
+
+
+def test_stop_sequences(c: anthropic.Anthropic) -> None:
+    full = c.messages.create(model=MODEL, max_tokens=12, messages=HI, extra_body=GREEDY)  # type: ignore[arg-type]
+    text = full.content[0].text  # type: ignore[union-attr]
+    stop = text[4:6]
+    cut = text[: text.index(stop)]
+    stopped = c.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        messages=HI,  # type: ignore[arg-type]
+        extra_body=GREEDY,
+        stop_sequences=["never-generated", stop],
+    )
+    assert stopped.content[0].text == cut  # type: ignore[union-attr]
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    with c.messages.stream(
+        model=MODEL,
+        max_tokens=12,
+        messages=HI,  # type: ignore[arg-type]
+        extra_body=GREEDY,
+        stop_sequences=[stop],
+    ) as stream:
+        assert "".join(stream.text_stream) == cut
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    # a stop sequence that never comes: the length ends it
+    long = c.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        messages=HI,
+        extra_body=GREEDY,
+        stop_sequences=["\x00"],  # type: ignore[arg-type]
+    )
+    assert long.stop_reason == "max_tokens" and long.stop_sequence is None
+
+
+def test_a_multi_turn_history_renders(c: anthropic.Anthropic) -> None:
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "one"}]},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"},
+    ]
+    message = c.messages.create(model=MODEL, max_tokens=3, messages=history)  # type: ignore[arg-type]
+    prompt = "<user>one\n<assistant>two\n<user>three\n<assistant>"
+    assert message.usage.input_tokens == len(prompt)
+
+
+def test_tool_use_history_renders(stack: Stack) -> None:
+    pytest.importorskip("tokenyard.gateway.tools", reason="tool calling lands from branch tools")
+    c = client(stack)
+    tools = [
+        {
+            "name": "weather",
+            "description": "the weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    history = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "weather",
+                    "input": {"city": "Paris"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "sunny"}],
+                },
+                {"type": "text", "text": "and tomorrow?"},
+            ],
+        },
+    ]
+    message = c.messages.create(
+        model=MODEL,
+        max_tokens=3,
+        messages=history,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice={"type": "none"},
+    )
+    assert message.stop_reason in ("max_tokens", "end_turn")
+    assert message.usage.input_tokens > len("weather in Paris?sunnyand tomorrow?")
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"model": MODEL, "messages": HI}, "max_tokens"),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": HI, "frequency_penalty": 1},
+            "frequency_penalty",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "AA==",
+                                },
+                            },
+                        ],
+                    }
+                ],
+            },
+            "messages.0.content.1",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": HI,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+            },
+            "thinking",
+        ),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
+            "role",
+        ),
+        ({"model": MODEL, "max_tokens": 4, "messages": HI, "temperature": 1.5}, "temperature"),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": HI, "tool_choice": {"type": "any"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_input_is_anthropics_400(
+    stack: Stack, c: anthropic.Anthropic, body: dict[str, Any], named: str
+) -> None:
+    with stack.client() as http:
+        message = _error(http.post("/v1/messages", json=body), 400, "invalid_request_error")
+    assert named in message
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        # the raw post: this client's create() checks its own arguments before sending
+        c.post("/v1/messages", body=body, cast_to=anthropic.types.Message)
+    assert caught.value.status_code == 400 and named in caught.value.message
+
+
+def test_unknown_model_and_path_are_anthropics_404(stack: Stack, c: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        c.messages.create(model="no-such-model", max_tokens=4, messages=HI)  # type: ignore[arg-type]
+    assert caught.value.body == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": "The model 'no-such-model' does not exist",
+        },
+    }
+    with stack.client() as http:
+        _error(http.post("/v1/messages/batches/x", json={}), 404, "not_found_error")
+        _error(http.get("/v1/messages"), 405, "invalid_request_error")
+        # the other APIs keep OpenAI's shape
+        assert set(http.post("/v1/chat/completions", json={}).json()) == {"error"}
+
+
+def test_a_prompt_past_the_context_is_400(c: anthropic.Anthropic) -> None:
+    long = [{"role": "user", "content": "x" * 5000}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        c.messages.create(model=MODEL, max_tokens=4, messages=long)  # type: ignore[arg-type]
+    assert "maximum context length" in caught.value.message
+
+
+def test_keys_by_x_api_key_or_bearer_and_anthropics_401(valkey: EmbeddedServer) -> None:
+    keys = KeyRing({"sk-anthropic": Tenant("acme")})
+    with (
+        run_stack(valkey, keyring=keys) as stack,
+        client(stack, "sk-anthropic") as keyed,
+        client(stack, "sk-wrong") as wrong,
+        anthropic.Anthropic(base_url=stack.url, auth_token="sk-anthropic", max_retries=0) as bearer,
+    ):
+        ok = keyed.messages.create(model=MODEL, max_tokens=2, messages=HI)  # type: ignore[arg-type]
+        assert ok.usage.output_tokens == 2
+        again = bearer.messages.create(model=MODEL, max_tokens=2, messages=HI)  # type: ignore[arg-type]
+        assert again.usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            wrong.messages.create(model=MODEL, max_tokens=2, messages=HI)  # type: ignore[arg-type]
+        assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        with stack.client() as http:
+            _error(http.post("/v1/messages", json={}), 401, "authentication_error")
+            headers = {"x-api-key": "sk-anthropic", "anthropic-version": "2023-06-01"}
+            big = b"{" + b" " * (2 << 20) + b"}"
+            _error(
+                http.post("/v1/messages", content=big, headers=headers), 413, "request_too_large"
+            )

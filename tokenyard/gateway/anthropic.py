@@ -1,0 +1,449 @@
+"""Anthropic's Messages API on the wire: the request body (as the chat request it runs as), the
+message that answers it and its SSE events.
+
+Pure: no I/O. A message is one chat job admitted as the OpenAI chat route's are (the request is
+translated into a `ChatCompletionRequest`); only its shapes are Anthropic's. Errors take
+Anthropic's shape at the HTTP edge (`gateway/errors.py`, by path).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
+
+from tokenyard.errors import InvalidRequest
+from tokenyard.gateway.errors import anthropic_error, renamed, unsupported, validation_error
+from tokenyard.gateway.protocol import ChatCompletionRequest, Int64, NonEmptyStr, Request
+from tokenyard.gateway.protocol import result_error as openai_result_error
+from tokenyard.gateway.streaming import frame
+from tokenyard.messages import FinishReason, JobResult, TokenChunk
+
+ID_PREFIX = "msg_"
+STOP_SEQUENCES_MAX = 16  # the job's stop strings' bound (the chat request's `stop`)
+# a tool's name, as Anthropic (and OpenAI, for a function) allows it
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+# Admission names the chat request's fields; the client sent these.
+PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id", "prompt": "messages"}
+
+Decode = Callable[[Sequence[int]], str]
+M = TypeVar("M", bound=BaseModel)
+
+
+def message_id(job_id: str) -> str:
+    return ID_PREFIX + job_id
+
+
+class Metadata(Request):
+    user_id: str | None = None
+
+
+class ToolChoice(Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: NonEmptyStr | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Message(Request):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class TextBlock(Request):
+    type: Literal["text"]
+    text: str
+    # a prompt-caching hint: tokenyard's engines cache prefixes by themselves
+    cache_control: dict[str, Any] | None = None
+    citations: None = None  # what a client sends back of an answer's text block
+
+
+class ToolUseBlock(Request):
+    type: Literal["tool_use"]
+    id: NonEmptyStr
+    name: NonEmptyStr
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(Request):
+    type: Literal["tool_result"]
+    tool_use_id: NonEmptyStr
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+
+class Tool(Request):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # the others are Anthropic's server tools
+    cache_control: dict[str, Any] | None = None
+
+
+_BLOCKS: Mapping[str, type[Request]] = {
+    "text": TextBlock,
+    "tool_use": ToolUseBlock,
+    "tool_result": ToolResultBlock,
+}
+
+
+def _validate(model: type[M], data: Any, where: str) -> M:
+    """`data` as `model`, an invalid value or an unknown field refused naming its place."""
+    try:
+        value = model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": (*where.split("."), *e["loc"])} for e in exc.errors()]
+        raise validation_error(errors) from exc
+    if value.model_extra:
+        raise unsupported(f"{where}.{sorted(value.model_extra)[0]}")
+    return value
+
+
+def _block(part: Any, where: str) -> Request:
+    """One content block: text, tool_use or tool_result; any other (image, document,
+    thinking, ...) is refused by its type."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    model = _BLOCKS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise unsupported(where, f"of type {kind!r}")
+    return _validate(model, part, where)
+
+
+def _texts(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """Content that may hold only text (the system prompt, a tool result) as one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        block = _block(part, f"{where}.{j}")
+        if not isinstance(block, TextBlock):
+            raise unsupported(f"{where}.{j}", f"of type {part['type']!r} (only text here)")
+        texts.append(block.text)
+    return "".join(texts)
+
+
+def _turns(message: Message, where: str) -> list[dict[str, Any]]:
+    """One message as chat messages: a user's tool results are `tool` messages (before its
+    text, as Anthropic orders them), an assistant's tool uses its `tool_calls`."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, part in enumerate(message.content):
+        block, at = _block(part, f"{where}.content.{j}"), f"{where}.content.{j}"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            if message.role != "assistant":
+                raise InvalidRequest(f"'{at}': tool_use blocks are the assistant's", param=at)
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            function = {"name": block.name, "arguments": arguments}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        else:
+            assert isinstance(block, ToolResultBlock)
+            if message.role != "user":
+                raise InvalidRequest(f"'{at}': tool_result blocks are the user's", param=at)
+            text = _texts(block.content, f"{at}.content")
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+    turns = results
+    if message.role == "assistant":
+        turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            turn["tool_calls"] = calls
+        else:
+            turn["content"] = turn["content"] or ""
+        turns.append(turn)
+    elif texts or not results:
+        turns.append({"role": "user", "content": "".join(texts)})
+    return turns
+
+
+def _function(tool: Tool) -> dict[str, Any]:
+    """A tool as OpenAI's function."""
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return function
+
+
+class MessageRequest(Request):
+    """POST /v1/messages; every field Anthropic defines that is not here is refused by name."""
+
+    model: NonEmptyStr
+    max_tokens: Annotated[int, Field(ge=1)]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: Annotated[list[NonEmptyStr], Field(max_length=STOP_SEQUENCES_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[Int64, Field(ge=0)] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    # Anthropic's, taken only at its neutral value
+    thinking: dict[str, Any] | None = None
+    # tokenyard: a lane priority (capped by the tenant's tier), a deadline (unix seconds), and
+    # false opts a deterministic request out of the response cache and collapsing
+    priority: Literal["high", "normal", "low"] | None = None
+    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    cache: bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise 400 naming the first field this server does not take."""
+        self.refuse_unknown()
+        if self.thinking not in (None, {"type": "disabled"}):
+            raise unsupported("thinking", "(extended thinking)")
+        for i, message in enumerate(self.messages):
+            if message.model_extra:
+                raise unsupported(f"messages.{i}.{sorted(message.model_extra)[0]}")
+        for name in ("metadata", "tool_choice"):
+            value = getattr(self, name)
+            if value is not None and value.model_extra:
+                raise unsupported(f"{name}.{sorted(value.model_extra)[0]}")
+        choice = self.tool_choice
+        if choice is not None:
+            if (choice.type == "tool") != (choice.name is not None):
+                raise InvalidRequest(
+                    "'tool_choice.name' names the tool of tool_choice type 'tool', and only it",
+                    param="tool_choice.name",
+                )
+            if choice.type in ("any", "tool") and not self.tools:
+                raise InvalidRequest(
+                    f"tool_choice type {choice.type!r} needs 'tools'", param="tool_choice"
+                )
+
+    def tool_list(self) -> list[Tool]:
+        tools: list[Tool] = []
+        for i, raw in enumerate(self.tools or ()):
+            kind = raw.get("type") if isinstance(raw, dict) else None
+            if kind not in (None, "custom"):
+                raise unsupported(f"tools.{i}", f"of type {kind!r} (only custom tools)")
+            tools.append(_validate(Tool, raw, f"tools.{i}"))
+        return tools
+
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the model may answer with tool calls (its output is then parsed for them)."""
+        choice = self.tool_choice
+        return bool(self.tools) and (choice is None or choice.type != "none")
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat completion this message runs as: the system prompt first, then the turns;
+        tool uses and results as OpenAI's tool calls and tool messages."""
+        self.refuse_unsupported()
+        messages: list[dict[str, Any]] = []
+        if self.system is not None:
+            system = _texts(self.system, "system")
+            if system:
+                messages.append({"role": "system", "content": system})
+        for i, message in enumerate(self.messages):
+            messages.extend(_turns(message, f"messages.{i}"))
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+        }
+        tools = self.tool_list()
+        if tools:
+            body["tools"] = [{"type": "function", "function": _function(t)} for t in tools]
+        choice = self.tool_choice
+        if choice is not None and tools:
+            if choice.type == "tool":
+                if choice.name not in {t.name for t in tools}:
+                    raise InvalidRequest(
+                        f"'tool_choice.name': {choice.name!r} is none of the tools",
+                        param="tool_choice.name",
+                    )
+                body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            else:
+                body["tool_choice"] = {"auto": "auto", "any": "required"}.get(choice.type, "none")
+            if choice.disable_parallel_tool_use is not None:
+                body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        for name, value in (
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k),
+            ("stop", self.stop_sequences),
+            ("user", self.metadata.user_id if self.metadata is not None else None),
+            ("priority", self.priority),
+            ("deadline", self.deadline),
+            ("cache", self.cache),
+        ):
+            if value is not None:
+                body[name] = value
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise renamed(validation_error(exc.errors()), PARAMS) from exc
+
+
+# -- the message ------------------------------------------------------------------------------
+
+
+def matched_stop(stops: Sequence[str], result: JobResult, decode: Decode) -> str | None:
+    """The stop sequence that ended `result`, or None (an end of turn, or no stop sequences).
+
+    The job's result says only that it stopped, and its text leaves the stop string out; its
+    tokens still hold it. No stop string occurs in the emitted text (the first occurrence ends
+    it), so the earliest one in the tokens' full text is the one that matched; of several
+    starting there, the shortest, which a stream completes first."""
+    if not stops or result.finish_reason is not FinishReason.STOP or not result.token_ids:
+        return None
+    full = decode(result.token_ids)
+    found = [(at, len(s), s) for s in stops if (at := full.find(s)) >= 0]
+    return min(found)[2] if found else None
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+
+
+def result_error(result: JobResult) -> tuple[int, dict[str, Any]] | None:
+    """The status and Anthropic error of a result that is not a success, else None."""
+    failed = openai_result_error(result)
+    if failed is None:
+        return None
+    return anthropic_error(failed[0], failed[1]["error"]["message"])
+
+
+class Reply:
+    """How one message answers from its job: its id and model, its input tokens (known at
+    admission), and what its stop reason needs (the stop sequences, the model's decode)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        model: str,
+        input_tokens: int,
+        *,
+        stops: Sequence[str] = (),
+        decode: Decode | None = None,
+    ) -> None:
+        self.id = message_id(job_id)
+        self.model = model
+        self.input_tokens = input_tokens
+        self.stops = tuple(stops)
+        self.decode = decode
+
+    def content(self, text: str) -> list[dict[str, Any]]:
+        """The answer's content blocks."""
+        return [{"type": "text", "text": text}]
+
+    def stop(self, result: JobResult, content: list[dict[str, Any]]) -> tuple[str, str | None]:
+        """The stop reason and the stop sequence that matched, if one did."""
+        if any(block["type"] == "tool_use" for block in content):
+            return "tool_use", None
+        if result.finish_reason is FinishReason.LENGTH:
+            return "max_tokens", None
+        matched = None
+        if self.decode is not None:
+            matched = matched_stop(self.stops, result, self.decode)
+        return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
+
+    def message(
+        self,
+        content: list[dict[str, Any]],
+        stop_reason: str | None = None,
+        stop_sequence: str | None = None,
+        output_tokens: int = 0,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": usage(self.input_tokens, output_tokens),
+        }
+
+    def body(self, result: JobResult) -> dict[str, Any]:
+        """The message of a succeeded job."""
+        content = self.content(result.text)
+        reason, sequence = self.stop(result, content)
+        return self.message(content, reason, sequence, result.completion_tokens)
+
+
+# -- the event stream ---------------------------------------------------------------------------
+
+
+def _event(type_: str, **body: Any) -> bytes:
+    return frame({"type": type_, **body}, event=type_)
+
+
+class MessageEvents:
+    """A message's SSE events (a `Renderer`): message_start, then its content blocks (each
+    content_block_start, its deltas, content_block_stop), message_delta with the stop reason
+    and usage, message_stop; a ping after the start, and `error` for a failure.
+
+    Text streams as it comes, in one text block. When tools are offered, the output is held
+    until the job ends: only the whole output says whether it is text or tool calls, and its
+    blocks then go out at once (tool input as one input_json_delta)."""
+
+    def __init__(self, reply: Reply, *, hold: bool = False) -> None:
+        self.reply = reply
+        self.hold = hold
+        self.opened = False  # the streamed text block was started
+
+    def start(self) -> list[bytes]:
+        frames = [_event("message_start", message=self.reply.message([]))]
+        if not self.hold:
+            frames.append(self._open(0, {"type": "text", "text": ""}))
+            self.opened = True
+        return [*frames, _event("ping")]
+
+    @staticmethod
+    def _open(index: int, block: dict[str, Any]) -> bytes:
+        return _event("content_block_start", index=index, content_block=block)
+
+    def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
+        if self.hold or not chunk.text:
+            return []  # held, or an incomplete UTF-8 character (its text comes later)
+        delta = {"type": "text_delta", "text": chunk.text}
+        return [_event("content_block_delta", index=0, delta=delta)]
+
+    def finish(self, event_id: str, result: JobResult) -> list[bytes]:
+        failed = result_error(result)
+        if failed is not None:
+            return [_event("error", error=failed[1]["error"])]
+        content = self.reply.content(result.text)
+        frames: list[bytes] = []
+        if self.opened:
+            frames.append(_event("content_block_stop", index=0))
+        else:
+            for index, block in enumerate(content):
+                frames.extend(self._block(index, block))
+        reason, sequence = self.reply.stop(result, content)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        used = usage(self.reply.input_tokens, result.completion_tokens)
+        frames.append(_event("message_delta", delta=delta, usage=used))
+        frames.append(_event("message_stop"))
+        return frames
+
+    def _block(self, index: int, block: dict[str, Any]) -> list[bytes]:
+        """A whole block: its start (empty), its one delta, its stop."""
+        if block["type"] == "text":
+            opened: dict[str, Any] = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            opened = {**block, "input": {}}
+            partial = json.dumps(block["input"], ensure_ascii=False)
+            delta = {"type": "input_json_delta", "partial_json": partial}
+        return [
+            self._open(index, opened),
+            _event("content_block_delta", index=index, delta=delta),
+            _event("content_block_stop", index=index),
+        ]
+
+    def ended(self) -> list[bytes]:
+        return []  # a message stream is never resumed: its end is always seen
+
+    def failure(self, message: str, code: str, status: int) -> list[bytes]:
+        return [_event("error", error=anthropic_error(status, message)[1]["error"])]
