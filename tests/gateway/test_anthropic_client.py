@@ -64,13 +64,16 @@ def test_message_sync_and_stream_agree(c: anthropic.Anthropic) -> None:
     prompt = "<system>be brief\n<user>hi\n<assistant>"
     assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(prompt), 10)
 
+    # the same request again would be a cache hit: this one runs a job, streamed live
+    live = {**GREEDY, "cache": False}
     with c.messages.stream(
         model=MODEL,
         max_tokens=10,
         messages=HI,  # type: ignore[arg-type]
         system=[{"type": "text", "text": system}],
-        extra_body=GREEDY,
+        extra_body=live,
     ) as stream:
+        assert "x-cache" not in stream.response.headers
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == text
@@ -78,6 +81,26 @@ def test_message_sync_and_stream_agree(c: anthropic.Anthropic) -> None:
     assert final.stop_reason == "max_tokens" and final.stop_sequence is None
     assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt), 10)
     assert final.id.startswith("msg_")
+
+
+def test_a_cached_message_answers_as_its_run_did(c: anthropic.Anthropic) -> None:
+    once: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": "cache me"}],
+        "extra_body": GREEDY,
+    }
+    first = c.messages.with_raw_response.create(**once)
+    again = c.messages.with_raw_response.create(**once)
+    assert (first.headers["x-cache"], again.headers["x-cache"]) == ("miss", "hit")
+    run, hit = first.parse(), again.parse()
+    assert hit.id != run.id  # no job stands behind a hit: its id is new
+    assert hit.model_dump(exclude={"id"}) == run.model_dump(exclude={"id"})
+    with c.messages.stream(**once) as stream:
+        assert stream.response.headers["x-cache"] == "hit"
+        assert "".join(stream.text_stream) == run.content[0].text  # type: ignore[union-attr]
+        final = stream.get_final_message()
+    assert final.model_dump(exclude={"id"}) == run.model_dump(exclude={"id"})
 
 
 def test_the_stream_events_come_in_anthropics_order(stack: Stack) -> None:
@@ -127,8 +150,8 @@ def test_stop_sequences(c: anthropic.Anthropic) -> None:
         model=MODEL,
         max_tokens=12,
         messages=HI,  # type: ignore[arg-type]
-        extra_body=GREEDY,
-        stop_sequences=[stop],
+        extra_body={**GREEDY, "cache": False},  # live, not the hit of the one above
+        stop_sequences=["never-generated", stop],
     ) as stream:
         assert "".join(stream.text_stream) == cut
         final = stream.get_final_message()
@@ -311,3 +334,50 @@ def test_keys_by_x_api_key_or_bearer_and_anthropics_401(valkey: EmbeddedServer) 
             _error(
                 http.post("/v1/messages", content=big, headers=headers), 413, "request_too_large"
             )
+
+
+@pytest.mark.slow
+def test_the_tiny_model_answers_messages(valkey: EmbeddedServer) -> None:
+    pytest.importorskip("transformers")
+    from tokenyard.engines import make_engine
+    from tokenyard.gateway.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer("hf", "tiny")
+    with (
+        run_stack(
+            valkey,
+            model="tiny",
+            tokenizer=tokenizer,
+            engines=[lambda: make_engine("hf", model="tiny", max_seqs=4, max_tokens=4096)],
+            worker_options={"engine": "hf"},
+        ) as stack,
+        client(stack) as c,
+    ):
+        turn = [{"role": "user", "content": "Once upon a time"}]
+        whole = c.messages.create(model="tiny", max_tokens=12, messages=turn, extra_body=GREEDY)  # type: ignore[arg-type]
+        assert whole.content[0].type == "text"
+        text = whole.content[0].text
+        assert whole.stop_reason in ("max_tokens", "end_turn")
+        assert whole.usage.input_tokens == len(
+            tokenizer.encode(tokenizer.apply_chat_template(turn))
+        )
+        assert 1 <= whole.usage.output_tokens <= 12
+        live = {**GREEDY, "cache": False}
+        with c.messages.stream(model="tiny", max_tokens=12, messages=turn, extra_body=live) as s:  # type: ignore[arg-type]
+            assert "".join(s.text_stream) == text
+            final = s.get_final_message()
+        assert final.content[0].text == text and final.stop_reason == whole.stop_reason  # type: ignore[union-attr]
+        assert final.usage == whole.usage
+
+        # a stop sequence from the text: a real tokenizer's tokens span it
+        stop = text.strip()[1:3]
+        assert stop, text
+        stopped = c.messages.create(
+            model="tiny",
+            max_tokens=12,
+            messages=turn,
+            extra_body=GREEDY,
+            stop_sequences=[stop],  # type: ignore[arg-type]
+        )
+        assert stopped.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
