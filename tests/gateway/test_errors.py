@@ -88,8 +88,8 @@ OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
                 "tools": [{"type": "function"}],
             },
             400,
-            "unsupported_parameter",
-            "tools",
+            None,
+            "tools.0.function",
         ),
         (
             "/v1/chat/completions",
@@ -109,7 +109,7 @@ OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
     ],
 )
 def test_bad_input(
-    stack: Stack, path: str, content: Any, status: int, code: str, param: str | None
+    stack: Stack, path: str, content: Any, status: int, code: str | None, param: str | None
 ) -> None:
     raw = content if isinstance(content, bytes) else json.dumps(content).encode()
     with stack.client() as http:

@@ -113,6 +113,16 @@ ServeBrokerOpt = Annotated[
 ]
 
 
+ToolCallParserOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="how chat answers' tool calls are read: hermes, llama3_json, mistral, or auto "
+        "(the one the model's chat template shows); default TOKENYARD_GATEWAY_TOOL_CALL_PARSER"
+        ", else auto",
+    ),
+]
+
+
 @app.command()
 def serve(
     broker: ServeBrokerOpt = None,
@@ -122,6 +132,7 @@ def serve(
     engine: EngineOpt = None,
     host: Annotated[str | None, typer.Option(help="gateway address")] = None,
     port: Annotated[int | None, typer.Option(help="gateway port")] = None,
+    tool_call_parser: ToolCallParserOpt = None,
     workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[
@@ -178,7 +189,7 @@ def serve(
     # decided once here, so every worker runs the engine the start line names
     chosen = engine_choice(worker_settings, engine)
     auto = autoscale_config(workers, min_workers, max_workers)
-    gw = _gateway_settings(worker_settings.model, chosen.engine, host, port)
+    gw = _gateway_settings(worker_settings.model, chosen.engine, host, port, tool_call_parser)
     # the port before anything starts: one that is taken fails serve at once, in one line
     listener = _bind(gw.host, gw.port)
     data_dir = data_dir or Path(".tokenyard", private or "valkey")
@@ -272,7 +283,11 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def _gateway_settings(
-    model: str | None, engine: str | None, host: str | None, port: int | None
+    model: str | None,
+    engine: str | None,
+    host: str | None,
+    port: int | None,
+    tool_call_parser: str | None = None,
 ) -> GatewaySettings:
     """Flags, then TOKENYARD_GATEWAY_*, then the config file, then defaults; the tokenizer
     family follows the workers' engine (flag, env or file) unless the gateway's is set."""
@@ -282,7 +297,13 @@ def _gateway_settings(
     workers = setting_sources(WorkerSettings, "worker", engine=engine)
     if "engine" in workers and "tokenizer" not in setting_sources(GatewaySettings, "gateway"):
         tokenizer = "sim" if workers["engine"][0] == "sim" else "hf"
-    return gateway_settings(models=model, host=host, port=port, tokenizer=tokenizer)
+    return gateway_settings(
+        models=model,
+        host=host,
+        port=port,
+        tokenizer=tokenizer,
+        tool_call_parser=tool_call_parser,
+    )
 
 
 def _run_gateway(
@@ -360,6 +381,7 @@ def gateway(
     engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
+    tool_call_parser: ToolCallParserOpt = None,
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
     log_level: LogLevelOpt = "INFO",
@@ -371,7 +393,7 @@ def gateway(
     setup_logging(log_level, log_format)
     _run_gateway(
         broker_settings(broker, prefix, tables=tables, audit_kafka=audit_kafka),
-        _gateway_settings(model, engine, host, port),
+        _gateway_settings(model, engine, host, port, tool_call_parser),
     )
 
 

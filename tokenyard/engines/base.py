@@ -91,7 +91,21 @@ class EngineTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt of a conversation; `tools` (OpenAI's shape) are offered to the model as
+        its template shows them. Messages may carry `tool_calls` (arguments as dicts) and
+        `tool_call_id`, as transformers' templates take them."""
+        ...
+
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text ("" when it has none): it shows how the model writes
+        tool calls (the gateway's `tool_call_parser` `auto`)."""
+        ...
 
 
 class Engine(abc.ABC):

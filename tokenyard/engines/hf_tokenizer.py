@@ -6,6 +6,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -67,19 +68,36 @@ class HFTokenizer:
         assert isinstance(out, str)
         return out
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         with self._lock:
             out = self.hf.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+                [dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         assert isinstance(out, str)
         return out
 
+    @property
+    def chat_template(self) -> str:
+        template = self.hf.chat_template
+        if isinstance(template, dict):  # named templates (e.g. "default" and "tool_use")
+            return "\n".join(str(t) for t in template.values())
+        return template or ""
+
 
 def resolve_model_path(model: str | os.PathLike[str]) -> Path:
-    """'tiny' builds the local tiny model; anything else must be a local directory."""
+    """'tiny' builds the local tiny model ('tiny-tools': the same with a chat template that
+    shows tools, as Hermes does); anything else must be a local directory."""
     if str(model) == "tiny":
         return ensure_tiny_model()
+    if str(model) == "tiny-tools":
+        return ensure_tiny_model(tools=True)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist (nothing is downloaded)")

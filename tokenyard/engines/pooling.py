@@ -62,7 +62,7 @@ def read_pooling(path: Path) -> Pooling:
 def model_architectures(model: str | os.PathLike[str]) -> tuple[str, ...]:
     """The architectures a local model directory's config.json names ("tiny": a Llama); ()
     when it names none or there is none."""
-    if str(model) == "tiny":
+    if str(model) in ("tiny", "tiny-tools"):
         return _TINY_ARCHITECTURES
     config = Path(model).expanduser() / "config.json"
     try:

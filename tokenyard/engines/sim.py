@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
 from tokenyard.messages import FinishReason
@@ -46,9 +48,26 @@ class SimTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return f"{turns}<assistant>"
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        # tools and calls as Hermes writes them, so the gateway reads its calls as hermes
+        head = f"<tools>{json.dumps(list(tools))}</tools>\n" if tools else ""
+        turns = "".join(f"<{m['role']}>{m['content']}{_calls(m)}\n" for m in messages)
+        return f"{head}{turns}<assistant>"
+
+    @property
+    def chat_template(self) -> str:
+        return "<tools>..</tools> <tool_call>{name, arguments}</tool_call>"
+
+
+def _calls(message: Mapping[str, Any]) -> str:
+    return "".join(
+        f"<tool_call>{json.dumps(c['function'])}</tool_call>"
+        for c in message.get("tool_calls") or ()
+    )
 
 
 @dataclass(eq=False)

@@ -33,6 +33,42 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# The `tiny-tools` variant's template: tools and calls as Hermes and Qwen 2.5 write them (the
+# tools in the system turn inside <tools></tools>, calls as <tool_call>{..}</tool_call>, results
+# as <tool_response>), so a gateway's tool_call_parser `auto` reads its calls as hermes.
+TOOLS_CHAT_TEMPLATE = (
+    # transformers renders with trim_blocks: a newline right after a tag is dropped, so those
+    # are written {{ nl }}
+    "{% set nl = '\\n' %}{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
+    "else none %}"
+    "{% if tools %}"
+    "<|system|>\n{% if system %}{{ system }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ nl }}{{ tool | tojson }}{% endfor %}{{ nl }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|end|>\n'
+    "{% elif system is not none %}<|system|>\n{{ system }}<|end|>{{ nl }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}"
+    "<|assistant|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    '<tool_call>\n{"name": {{ call[\'name\'] | tojson }}, "arguments": '
+    "{{ call['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|end|>{{ nl }}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|user|>\n<tool_response>\n{{ message['content'] }}\n</tool_response><|end|>{{ nl }}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>{{ nl }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ nl }}{% endif %}"
+)
+
 # A small fixed corpus: English prose, code, numbers and some multi-byte UTF-8 so that
 # byte-level tokens split characters (which the incremental detokenizer must handle).
 _CORPUS = """
@@ -82,7 +118,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "tokenyard"
 
 
-def _stamp(head_dim: int | None = None) -> dict[str, object]:
+def _stamp(head_dim: int | None = None, tools: bool = False) -> dict[str, object]:
     stamp: dict[str, object] = {
         "name": TINY_MODEL_NAME,
         "recipe": TINY_RECIPE_VERSION,
@@ -90,40 +126,48 @@ def _stamp(head_dim: int | None = None) -> dict[str, object]:
     }
     if head_dim is not None:
         stamp["head_dim"] = head_dim
+    if tools:
+        stamp["chat_template"] = "tools"
     return stamp
 
 
-def _is_built(path: Path, head_dim: int | None = None) -> bool:
+def _is_built(path: Path, head_dim: int | None = None, tools: bool = False) -> bool:
     try:
-        return bool(json.loads((path / _STAMP).read_text()) == _stamp(head_dim))
+        return bool(json.loads((path / _STAMP).read_text()) == _stamp(head_dim, tools))
     except (OSError, ValueError):
         return False
 
 
 def ensure_tiny_model(
-    path: str | os.PathLike[str] | None = None, *, head_dim: int | None = None
+    path: str | os.PathLike[str] | None = None,
+    *,
+    head_dim: int | None = None,
+    tools: bool = False,
 ) -> Path:
     """Return the tiny model directory, building it once (atomically) if it is missing.
 
     `head_dim` builds a variant with wider attention heads (same tokenizer): vLLM's CPU
-    attention has kernels for head sizes 32 and up, not the default model's 16.
+    attention has kernels for head sizes 32 and up, not the default model's 16. `tools`
+    builds `tiny-tools`: the same weights and vocabulary, with a chat template that shows
+    tools and tool calls as Hermes does (TOOLS_CHAT_TEMPLATE).
     """
     name = TINY_MODEL_NAME if head_dim is None else f"{TINY_MODEL_NAME}-hd{head_dim}"
+    name += "-tools" if tools else ""
     target = Path(path).expanduser() if path is not None else default_cache_dir() / name
-    if _is_built(target, head_dim):
+    if _is_built(target, head_dim, tools):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _build(tmp, head_dim)
-        if target.exists() and not _is_built(target, head_dim):
+        _build(tmp, head_dim, TOOLS_CHAT_TEMPLATE if tools else None)
+        if target.exists() and not _is_built(target, head_dim, tools):
             # A stale or half-written directory from an older recipe: replace it.
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
             # Another process won the race; its build is identical (same seed and corpus).
-            if not _is_built(target, head_dim):
+            if not _is_built(target, head_dim, tools):
                 raise
     finally:
         if tmp.exists():
@@ -168,11 +212,13 @@ def train_tokenizer(
     )
 
 
-def _build(out: Path, head_dim: int | None = None) -> None:
+def _build(out: Path, head_dim: int | None = None, chat_template: str | None = None) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = _build_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     vocab = len(tokenizer)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -205,4 +251,4 @@ def _build(out: Path, head_dim: int | None = None) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     # The stamp is written last: a directory without it is never considered built.
-    (out / _STAMP).write_text(json.dumps(_stamp(head_dim)))
+    (out / _STAMP).write_text(json.dumps(_stamp(head_dim, chat_template is not None)))

@@ -4,6 +4,7 @@ check it against the model's published limits, build the job."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 
@@ -21,6 +22,7 @@ from tokenyard.gateway.protocol import (
 )
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
+from tokenyard.gateway.tools import Tools, answer_reader
 from tokenyard.messages import JobSpec, SamplingParams
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
@@ -60,15 +62,14 @@ async def admit(
     settings = state.settings
     prompt: str | None
     token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: Tools | None = None
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
-        try:
-            prompt = tokenizer.apply_chat_template(messages)
-        except Exception as exc:  # a template may reject e.g. the order of roles
-            raise InvalidRequest(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
+        tools = body.tool_spec()
+        # refused now if the answer cannot be read for calls (a template of unknown format)
+        answer_reader(tools, settings.tool_call_parser, tokenizer.chat_template)
+        prompt = _chat_prompt(tokenizer, messages, tools)
         requested, default = body.requested_max_tokens, settings.default_max_tokens
         cap = settings.max_tokens_cap
         if body.max_completion_tokens is not None and body.max_completion_tokens > cap:
@@ -108,7 +109,9 @@ async def admit(
             small = tokenizer_for(state, model)
             if small is not tokenizer:  # its own template and vocabulary
                 if isinstance(body, ChatCompletionRequest):
-                    prompt = small.apply_chat_template(body.template_messages())
+                    assert messages is not None and tools is not None
+                    answer_reader(tools, settings.tool_call_parser, small.chat_template)
+                    prompt = _chat_prompt(small, messages, tools)
                 tokenizer, token_ids = small, await _tokenize(small, prompt)
                 prompt_tokens = len(token_ids)
     state.metrics.routed.labels(body.model, model, rule.value).inc()
@@ -126,8 +129,12 @@ async def admit(
         seed=body.seed,
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
+        guide=None if tools is None else tools.guide(),
     )
-    limits.check(limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied))
+    refused = limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
+    if refused is not None and tools is not None and tools.guide() is not None:
+        refused = _as_tool_choice(refused)
+    limits.check(refused)
     return JobSpec(
         id=new_job_id(model),
         model=model,
@@ -142,6 +149,25 @@ async def admit(
         created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
+    )
+
+
+def _chat_prompt(tokenizer: EngineTokenizer, messages: list[dict[str, Any]], tools: Tools) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools.template())
+    except Exception as exc:  # a template may reject e.g. the order of roles
+        raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def _as_tool_choice(refused: InvalidRequest) -> InvalidRequest:
+    """A refusal of constrained decoding, for a request that asked for it by `tool_choice`
+    (the one rule names `response_format`, the usual way to ask)."""
+    if refused.param != "response_format":
+        return refused
+    return InvalidRequest(
+        f"tool_choice 'required' or a named function needs structured outputs: {refused}",
+        param="tool_choice",
+        code=refused.code,
     )
 
 

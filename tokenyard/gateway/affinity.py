@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tokenyard.engines.base import EngineTokenizer
 
@@ -75,7 +76,7 @@ class PrefixKeys:
         model: str,
         tokenizer: EngineTokenizer,
         token_ids: Sequence[int],
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         if self.prefix_tokens < self.block:
             return ""
@@ -84,9 +85,9 @@ class PrefixKeys:
         return prefix_key(token_ids, limit, self.block)
 
     def _system_ids(
-        self, model: str, tokenizer: EngineTokenizer, messages: Sequence[dict[str, str]]
+        self, model: str, tokenizer: EngineTokenizer, messages: Sequence[Mapping[str, Any]]
     ) -> list[int] | None:
-        lead: list[dict[str, str]] = []
+        lead: list[Mapping[str, Any]] = []
         for message in messages:  # the leading system messages
             if message["role"] not in _SYSTEM:
                 break

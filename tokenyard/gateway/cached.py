@@ -12,6 +12,7 @@ from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer, Renderer
+from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
 
 CACHE_HEADER = "X-Cache"  # hit | miss | collapsed | bypass
@@ -49,13 +50,21 @@ def cached_response(
     body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
     spec: JobSpec,
     result: JobResult,
+    tools: CallStream | None = None,
 ) -> Response:
-    """A cached answer, shaped as a fresh run's; its id is new, no job stands behind it."""
+    """A cached answer, shaped as a fresh run's; its id is new, no job stands behind it.
+    `tools` reads a chat answer for tool calls."""
     created = int(spec.created_at)
     headers = {CACHE_HEADER: "hit"}
     if not body.stream:
         content = protocol.completion_body(
-            kind, spec.id, spec.model, created, result, token_ids=body.return_token_ids
+            kind,
+            spec.id,
+            spec.model,
+            created,
+            result,
+            token_ids=body.return_token_ids,
+            parsed=None if tools is None else parse_whole(tools, result.text),
         )
         return FastJSONResponse(content, headers=headers)
     renderer = OpenAIRenderer(
@@ -66,6 +75,7 @@ def cached_response(
         include_usage=body.include_usage,
         resumed=False,
         token_ids=body.return_token_ids,
+        tools=tools,
     )
     return replayed(renderer, result)
 

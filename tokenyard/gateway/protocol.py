@@ -20,6 +20,8 @@ from pydantic_core import PydanticCustomError
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import error_body, unsupported, validation_error
 from tokenyard.gateway.jsonbody import check_json
+from tokenyard.gateway.tools.parsers import Parsed
+from tokenyard.gateway.tools.request import History, Tools, read_tools
 from tokenyard.messages import (
     FinishReason,
     JobRecord,
@@ -167,6 +169,8 @@ class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a `tool` message answers
 
     def text(self, index: int) -> str:
         """The message as plain text; only text content parts are accepted."""
@@ -174,9 +178,9 @@ class ChatMessage(Request):
         if self.model_extra:
             name = sorted(self.model_extra)[0]
             raise unsupported(f"messages.{index}.{name}")
-        if self.role == "tool":
-            raise unsupported(f"messages.{index}.role", "'tool' (tool calling)")
         if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""  # an answer that is only calls
             raise InvalidRequest("message content must not be null", param=param)
         if isinstance(self.content, str):
             return self.content
@@ -214,10 +218,9 @@ class ChatCompletionRequest(_Common):
         super().refuse_unsupported()
         if self.logprobs or self.top_logprobs is not None:
             raise unsupported("logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise unsupported(name, "(tool calling)")
-        for name in ("tool_choice", "function_call", "audio", "prediction", "reasoning_effort"):
+        if self.functions:
+            raise unsupported("functions", "(deprecated: use 'tools')")
+        for name in ("function_call", "audio", "prediction", "reasoning_effort"):
             if getattr(self, name) not in (None, "none"):
                 raise unsupported(name)
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -229,12 +232,36 @@ class ChatCompletionRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them; 'developer' is the newer 'system'."""
-        out = []
+    def tool_spec(self) -> Tools:
+        """The request's tools and tool_choice, checked (400 naming the bad one)."""
+        return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them; 'developer' is the newer 'system'. An
+        assistant's tool calls carry their arguments as dicts, a tool's result the id (and
+        function name) of the call it answers, which must be made earlier."""
+        out: list[dict[str, Any]] = []
+        history = History()
         for i, m in enumerate(self.messages):
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text(i)})
+            message: dict[str, Any] = {"role": role, "content": m.text(i)}
+            if m.tool_calls is not None and m.role != "assistant":
+                raise InvalidRequest(
+                    "only assistant messages carry 'tool_calls'", param=f"messages.{i}.tool_calls"
+                )
+            if m.tool_calls:
+                message["tool_calls"] = history.assistant_calls(
+                    m.tool_calls, f"messages.{i}.tool_calls"
+                )
+            if m.role == "tool":
+                name = history.result(m.tool_call_id, f"messages.{i}.tool_call_id")
+                message["tool_call_id"] = m.tool_call_id
+                message["name"] = name
+            elif m.tool_call_id is not None:
+                raise InvalidRequest(
+                    "only tool messages carry 'tool_call_id'", param=f"messages.{i}.tool_call_id"
+                )
+            out.append(message)
         return out
 
 
@@ -271,6 +298,11 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
     return "stop"
 
 
+def tool_calls_finish_reason(reason: str | None) -> str | None:
+    """An answer that ended by itself with tool calls ends for them, as OpenAI says."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def usage(result: JobResult) -> dict[str, int]:
     return {
         "prompt_tokens": result.prompt_tokens,
@@ -287,8 +319,10 @@ def completion_body(
     result: JobResult,
     *,
     token_ids: bool = False,
+    parsed: Parsed | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
+    """A whole (non-streamed) completion or chat completion; `parsed`: the chat answer read
+    for tool calls."""
     choice: dict[str, Any] = {
         "index": 0,
         "logprobs": None,
@@ -298,6 +332,13 @@ def completion_body(
         choice["token_ids"] = result.token_ids
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
+        if parsed is not None and parsed.calls:
+            choice["message"] = {
+                "role": "assistant",
+                "content": parsed.content,
+                "tool_calls": [c.openai() for c in parsed.calls],
+            }
+            choice["finish_reason"] = tool_calls_finish_reason(choice["finish_reason"])
         obj = "chat.completion"
     else:
         choice["text"] = result.text
@@ -325,8 +366,10 @@ def chunk_body(
     usage_of: JobResult | None = None,
     no_choices: bool = False,
     token_ids: list[int] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; `no_choices` is the trailing usage-only chunk."""
+    """One streamed chunk; `no_choices` is the trailing usage-only chunk; `tool_calls`: a
+    chat chunk's `delta.tool_calls` items."""
     choices: list[dict[str, Any]] = []
     if not no_choices:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
@@ -339,6 +382,8 @@ def chunk_body(
                 delta["content"] = ""
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -20,6 +20,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: Count = 1 << 20
     max_tokens_cap: Count = 4096  # a request asking for more is refused, not clamped
     default_max_tokens: Count = 256  # chat requests without max_tokens (completions default 16)
+    # how a chat answer's tool calls are read (vLLM's --tool-call-parser names): hermes,
+    # llama3_json, mistral, or auto (the one each model's chat template shows)
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     request_timeout_s: Seconds = 600.0  # sync and streaming calls: queue wait + generation
     stream_resume_grace_s: float = 0.0  # how long a dropped stream's job waits for a reconnect
     # longest single wait on a job's events, and so the SSE keep-alive period; the broker caps

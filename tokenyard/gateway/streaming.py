@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
 from tokenyard.gateway.errors import error_body
+from tokenyard.gateway.tools import CallStream, ContentDelta, Delta
 from tokenyard.messages import JobResult, TokenChunk
 
 _json = msgspec.json.Encoder()
@@ -64,11 +65,14 @@ class OpenAIRenderer:
         include_usage: bool,
         resumed: bool,
         token_ids: bool = False,
+        tools: CallStream | None = None,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.include_usage = include_usage
         self.resumed = resumed
         self.token_ids = token_ids
+        # reads the chat answer for tool calls (a fresh stream: one renderer, one answer)
+        self.tools = tools
 
     def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
         body = protocol.chunk_body(self.kind, self.job_id, self.model, self.created, **fields)
@@ -81,6 +85,8 @@ class OpenAIRenderer:
         return []
 
     def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
+        if self.tools is not None:
+            return self._tool_chunks(event_id, self.tools.feed(chunk.text), chunk.token_ids)
         if self.token_ids:
             return [self._chunk(event_id, text=chunk.text, token_ids=chunk.token_ids)]
         if not chunk.text:
@@ -93,10 +99,31 @@ class OpenAIRenderer:
             return [frame(failed[1], event_id), DONE_FRAME]
         reason = protocol.openai_finish_reason(result.finish_reason)
         ids: list[int] | None = [] if self.token_ids else None
-        frames = [self._chunk(event_id, finish_reason=reason, token_ids=ids)]
+        frames = []
+        if self.tools is not None:
+            # text held back as maybe a call's start is content after all
+            frames = self._tool_chunks(None, self.tools.finish(), None)
+            if self.tools.calls:
+                reason = protocol.tool_calls_finish_reason(reason)
+        frames.append(self._chunk(event_id, finish_reason=reason, token_ids=ids))
         if self.include_usage:
             frames.append(self._chunk(None, usage_of=result, no_choices=True))
         return [*frames, DONE_FRAME]
+
+    def _tool_chunks(
+        self, event_id: str | None, deltas: list[Delta], token_ids: list[int] | None
+    ) -> list[bytes]:
+        """A chunk per piece of content or of a call; the event id (the resume point) and the
+        token ids go on the last, which may carry nothing else (its text is held back)."""
+        pieces: list[dict[str, Any]] = [
+            {"text": d.text} if isinstance(d, ContentDelta) else {"tool_calls": [d.openai()]}
+            for d in deltas
+        ]
+        if self.token_ids and token_ids is not None:
+            pieces = pieces or [{}]
+            pieces[-1]["token_ids"] = token_ids
+        last = len(pieces) - 1
+        return [self._chunk(event_id if i == last else None, **p) for i, p in enumerate(pieces)]
 
     def ended(self) -> list[bytes]:
         return [DONE_FRAME]

@@ -14,9 +14,10 @@ from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cached_response
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.state import gateway
+from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
 from tokenyard.gateway.submit import Hit, Live, submit
+from tokenyard.gateway.tools import CallStream, answer_reader, parse_whole
 
 router = APIRouter()
 # a completion: its JSON, or its chunks as SSE with `stream`; 409 a cancelled job, 500 a job
@@ -77,8 +78,9 @@ async def _serve(
     flight) followed live, as SSE or as the result's JSON."""
     state = gateway(request)
     outcome = await submit(state, kind, body, tenant, Live(request.headers, started))
+    tools = answer_reader_of(state, body, outcome.spec.model)
     if isinstance(outcome, Hit):
-        return cached_response(kind, body, outcome.spec, outcome.result)
+        return cached_response(kind, body, outcome.spec, outcome.result, tools)
     spec, call = outcome.spec, outcome.call
     created = int(spec.created_at)
     job_id = call.job_id  # a collapsed call's is the job it joined
@@ -92,18 +94,39 @@ async def _serve(
             include_usage=body.include_usage,
             resumed=False,
             token_ids=body.return_token_ids,
+            tools=tools,
         )
         return await call.stream(renderer, headers, timeout_s=state.settings.request_timeout_s)
     result = await call.result(lambda: until_disconnect(request))
     failed = protocol.result_error(result)
     if failed is not None:
         return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
+    parsed = None if tools is None else parse_whole(tools, result.text)
     return FastJSONResponse(
         protocol.completion_body(
-            kind, job_id, spec.model, created, result, token_ids=body.return_token_ids
+            kind,
+            job_id,
+            spec.model,
+            created,
+            result,
+            token_ids=body.return_token_ids,
+            parsed=parsed,
         ),
         headers=headers,
     )
+
+
+def answer_reader_of(
+    state: GatewayState,
+    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+    model: str,
+) -> CallStream | None:
+    """What reads a chat answer for tool calls (None: the answer is all content), in the
+    format of the model that runs it; admission already refused what cannot be read."""
+    if not isinstance(body, protocol.ChatCompletionRequest) or not body.tools:
+        return None
+    tokenizer = state.tokenizers[model]
+    return answer_reader(body.tool_spec(), state.settings.tool_call_parser, tokenizer.chat_template)
 
 
 async def until_disconnect(request: Request) -> None:

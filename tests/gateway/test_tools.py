@@ -1,0 +1,287 @@
+"""Tool calling on /v1/chat/completions over real HTTP with the official openai client: a
+scripted sim engine writes the calls (Hermes' format, which the sim tokenizer's template
+shows), the gateway reads them, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.gateway.conftest import MODEL, Stack, run_stack
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.engines.base import EngineRequest
+from tokenyard.engines.sim import SimEngine, SimTokenizer
+from tokenyard.messages import Feature, SamplingParams
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+TOOLS: list[Any] = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "Weather in Paris and the time?"}]
+SCRIPT = (
+    "Let me look.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+class ScriptedEngine(SimEngine):
+    """Writes `script` (a byte a token), then ends; says it does structured outputs (it does
+    not constrain anything) and keeps the sampling params it was given."""
+
+    features = frozenset({Feature.STRUCTURED_OUTPUTS})
+
+    def __init__(self, script: str) -> None:
+        super().__init__(
+            prefill_base=0.001, prefill_per_token=0.0, decode_base=0.0005, decode_per_seq=0.0
+        )
+        self.script = script.encode()
+        self.params: list[SamplingParams] = []
+        self._starts: dict[str, int] = {}
+
+    def add(self, request: EngineRequest) -> None:
+        self.params.append(request.params)
+        super().add(request)
+
+    def _token(self, seq: Any) -> int:
+        at = seq.position - self._starts.setdefault(seq.seq_id, seq.position)
+        if at >= len(self.script):
+            return SimTokenizer.EOS
+        return self.script[at] + SimTokenizer.OFFSET
+
+
+@pytest.fixture
+def scripted(valkey: EmbeddedServer) -> Iterator[tuple[Stack, ScriptedEngine]]:
+    engine = ScriptedEngine(SCRIPT)
+    with run_stack(valkey, engines=[lambda: engine], cache=False, collapse=False) as stack:
+        yield stack, engine
+
+
+def client_of(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_calls_are_read_from_the_answer(scripted: tuple[Stack, ScriptedEngine]) -> None:
+    stack, engine = scripted
+    whole = client_of(stack).chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        max_tokens=300,
+    )
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}  # type: ignore[union-attr]
+    assert json.loads(calls[1].function.arguments) == {}  # type: ignore[union-attr]
+    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls)
+    assert len({c.id for c in calls}) == 2
+    assert engine.params[-1].guide is None  # auto: decoding is free
+
+
+def test_streamed_calls_reassemble_with_the_clients_helper(
+    scripted: tuple[Stack, ScriptedEngine],
+) -> None:
+    stack, _ = scripted
+    client = client_of(stack)
+    with client.chat.completions.stream(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        max_tokens=300,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {}),
+    ]
+    # no piece of a call's markup is ever sent as content
+    content = "".join(e.delta for e in events if e.type == "content.delta")
+    assert content == "Let me look."
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert [e.name for e in done] == ["get_weather", "get_time"]
+
+    # the raw chunks: an announcement with id, type and name, then argument fragments
+    raw = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        max_tokens=300,
+        stream=True,
+    )
+    pieces = [t for c in raw if c.choices for t in c.choices[0].delta.tool_calls or []]
+    heads = [p for p in pieces if p.id is not None]
+    assert [(h.index, h.type, h.function.name, h.function.arguments) for h in heads] == [  # type: ignore[union-attr]
+        (0, "function", "get_weather", ""),
+        (1, "function", "get_time", ""),
+    ]
+    args = "".join(p.function.arguments or "" for p in pieces if p.index == 0)  # type: ignore[union-attr]
+    assert json.loads(args) == {"city": "Paris", "days": 2}
+
+
+def test_tool_choice_none_answers_with_the_text(scripted: tuple[Stack, ScriptedEngine]) -> None:
+    stack, _ = scripted
+    whole = client_of(stack).chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=300,
+    )
+    assert whole.choices[0].message.content == SCRIPT
+    assert whole.choices[0].message.tool_calls is None
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def test_required_and_named_choices_constrain_decoding(
+    scripted: tuple[Stack, ScriptedEngine],
+) -> None:
+    stack, engine = scripted
+    client = client_of(stack)
+    # the scripted engine ignores the constraint: what matters here is the job's guide
+    client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=300,
+    )
+    guide = engine.params[-1].guide
+    assert guide is not None and guide.json is not None
+    schema = json.loads(guide.json)
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [
+        ["get_weather"],
+        ["get_time"],
+    ]
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=300,
+    )
+    guide = engine.params[-1].guide
+    assert guide is not None and json.loads(guide.json or "") == WEATHER["function"]["parameters"]
+    # the whole answer is the named function's arguments (here the script, not JSON)
+    calls = named.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    assert named.choices[0].message.content is None
+
+
+def test_history_with_calls_and_results_renders_through_the_template(
+    scripted: tuple[Stack, ScriptedEngine],
+) -> None:
+    stack, _ = scripted
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
+    ]
+    whole = client_of(stack).chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=300
+    )
+    tokenizer = SimTokenizer()
+    rendered = tokenizer.apply_chat_template(
+        [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                ],
+            },
+            {"role": "tool", "content": "18C and sunny"},
+        ],
+        tools=TOOLS,
+    )
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered))
+
+
+def _bad(stack: Stack, **body: Any) -> dict[str, Any]:
+    with stack.client() as http:
+        reply = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": ASK, "max_tokens": 8, **body},
+        )
+    assert reply.status_code == 400, reply.text
+    error: dict[str, Any] = reply.json()["error"]
+    return error
+
+
+def test_bad_tool_input_is_400_naming_the_param(scripted: tuple[Stack, ScriptedEngine]) -> None:
+    stack, _ = scripted
+    named = {"type": "function", "function": {"name": "get_stock"}}
+    assert _bad(stack, tools=TOOLS, tool_choice=named)["param"] == "tool_choice"
+    nameless = {"type": "function", "function": {"parameters": {"type": "object"}}}
+    assert _bad(stack, tools=[nameless])["param"] == "tools.0.function.name"
+    orphan = [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "18C"}]
+    assert _bad(stack, tools=TOOLS, messages=orphan)["param"] == "messages.1.tool_call_id"
+    bad_args = [
+        *ASK,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
+            ],
+        },
+    ]
+    error = _bad(stack, tools=TOOLS, messages=bad_args)
+    assert error["param"] == "messages.1.tool_calls.0.function.arguments"
+    assert _bad(stack, tool_choice="required")["param"] == "tool_choice"
+
+
+def test_required_on_an_engine_without_structured_outputs_names_the_engine(
+    stack: Stack,
+) -> None:
+    error = _bad(stack, tools=TOOLS, tool_choice="required")
+    assert error["param"] == "tool_choice"
+    assert "sim engine" in error["message"]
+    assert error["code"] == "unsupported_parameter"
+
+
+def test_auto_needs_a_template_that_shows_the_format(valkey: EmbeddedServer) -> None:
+    class Plain(SimTokenizer):
+        @property
+        def chat_template(self) -> str:
+            return "{{ messages }}"
+
+    with run_stack(valkey, tokenizer=Plain()) as plain:
+        error = _bad(plain, tools=TOOLS)
+        assert error["param"] == "tool_choice" and "--tool-call-parser" in error["message"]
+    with run_stack(valkey, tokenizer=Plain(), tool_call_parser="hermes") as chosen:
+        with chosen.client() as http:
+            reply = http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": ASK, "max_tokens": 4, "tools": TOOLS},
+            )
+        assert reply.status_code == 200, reply.text

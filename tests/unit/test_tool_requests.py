@@ -1,0 +1,118 @@
+"""A request's tools, tool_choice and tool history: checked, and read as templates and the
+decoding constraint want them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tokenyard.errors import InvalidRequest
+from tokenyard.gateway.tools import History, NamedCallStream, ToolCallStream, answer_reader
+from tokenyard.gateway.tools import read_tools as read
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+}
+
+
+def tool(name: str, parameters: Any = WEATHER, **extra: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters, **extra}}
+
+
+def refused(param: str, *args: Any) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        read(*args)
+    assert info.value.param == param
+
+
+def test_tools_are_checked_naming_the_bad_field() -> None:
+    refused("tools.0.function.name", [tool("bad name")], None, None)
+    refused("tools.1.function.name", [tool("a"), {"type": "function", "function": {}}], None, None)
+    refused("tools.0.function.name", [tool("x" * 65)], None, None)
+    refused("tools.0.type", [{"type": "code_interpreter"}], None, None)
+    refused("tools.0.function.parameters", [tool("a", {"type": "string"})], None, None)
+    refused("tools.0.function.parameters", [tool("a", [1])], None, None)
+    refused("tools.0.function.strict", [tool("a", strict="yes")], None, None)
+    refused("tools.1.function.name", [tool("a"), tool("a")], None, None)
+    refused("tool_choice", [tool("a")], {"type": "function", "function": {"name": "b"}}, None)
+    refused("tool_choice", [tool("a")], "sometimes", None)
+    refused("tool_choice", None, "required", None)
+
+
+def test_choices() -> None:
+    assert read([tool("a")], None, None).choice == "auto"
+    assert not read([tool("a")], "none", None).parses
+    assert not read(None, None, None).parses
+    named = read([tool("a"), tool("b")], {"type": "function", "function": {"name": "b"}}, None)
+    assert (named.choice, named.named) == ("named", "b")
+    assert read([tool("a")], "required", False).parallel is False
+
+
+def test_a_named_choice_constrains_to_the_functions_arguments() -> None:
+    tools = read([tool("a"), tool("b", {})], {"type": "function", "function": {"name": "a"}}, None)
+    guide = tools.guide()
+    assert guide is not None and guide.json is not None
+    assert json.loads(guide.json) == WEATHER
+    empty = read([tool("b", None)], {"type": "function", "function": {"name": "b"}}, None)
+    assert empty.guide() is not None
+    assert json.loads(empty.guide().json or "") == {"type": "object", "properties": {}}  # type: ignore[union-attr]
+
+
+def test_required_constrains_to_an_array_of_calls_as_vllm_builds_it() -> None:
+    guide = read([tool("a"), tool("b", {})], "required", None).guide()
+    assert guide is not None and guide.json is not None
+    schema = json.loads(guide.json)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    branches = schema["items"]["anyOf"]
+    assert [b["properties"]["name"]["enum"] for b in branches] == [["a"], ["b"]]
+    assert branches[0]["properties"]["parameters"] == WEATHER
+    one = read([tool("a")], "required", False).guide()
+    assert one is not None and json.loads(one.json or "")["maxItems"] == 1
+    assert read([tool("a")], "auto", None).guide() is None
+
+
+def test_templates_get_openai_shaped_tools() -> None:
+    tools = read([tool("a", description="Look up")], None, None)
+    assert tools.template() == [
+        {
+            "type": "function",
+            "function": {"name": "a", "parameters": WEATHER, "description": "Look up"},
+        }
+    ]
+    assert read(None, None, None).template() is None
+
+
+def test_history_parses_arguments_and_matches_results_to_calls() -> None:
+    history = History()
+    calls = history.assistant_calls(
+        [{"id": "c1", "type": "function", "function": {"name": "a", "arguments": '{"x": 1}'}}],
+        "messages.1.tool_calls",
+    )
+    function = {"name": "a", "arguments": {"x": 1}}
+    assert calls == [{"id": "c1", "type": "function", "function": function}]
+    assert history.result("c1", "messages.2.tool_call_id") == "a"
+    with pytest.raises(InvalidRequest) as info:
+        history.result("c2", "messages.3.tool_call_id")
+    assert info.value.param == "messages.3.tool_call_id"
+    with pytest.raises(InvalidRequest) as info:
+        history.assistant_calls(
+            [{"id": "c3", "function": {"name": "a", "arguments": "{oops"}}], "messages.4.tool_calls"
+        )
+    assert info.value.param == "messages.4.tool_calls.0.function.arguments"
+
+
+def test_the_reader_follows_the_choice_and_the_template() -> None:
+    hermes = "... <tool_call> ..."
+    assert answer_reader(read([tool("a")], "none", None), "auto", hermes) is None
+    assert isinstance(answer_reader(read([tool("a")], None, None), "auto", hermes), ToolCallStream)
+    named = read([tool("a")], {"type": "function", "function": {"name": "a"}}, None)
+    assert isinstance(answer_reader(named, "auto", ""), NamedCallStream)
+    required = answer_reader(read([tool("a")], "required", None), "auto", "")
+    assert isinstance(required, ToolCallStream) and required.parser == "required"
+    with pytest.raises(InvalidRequest, match="--tool-call-parser") as info:
+        answer_reader(read([tool("a")], None, None), "auto", "{{ messages }}")
+    assert info.value.param == "tool_choice"
