@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
+from tests.gateway.test_tools import SCRIPT, ScriptedEngine
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.messages import Feature
 
 HI = [{"role": "user", "content": "hi"}]
 # this client sends no sampling fields of its own any more (newer models take none); the API
@@ -178,17 +180,22 @@ def test_a_multi_turn_history_renders(c: anthropic.Anthropic) -> None:
     assert message.usage.input_tokens == len(prompt)
 
 
-def test_tool_use_history_renders(stack: Stack) -> None:
-    pytest.importorskip("tokenyard.gateway.tools", reason="tool calling lands from branch tools")
-    c = client(stack)
-    tools = [
-        {
-            "name": "weather",
-            "description": "the weather in a city",
-            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
-        }
-    ]
-    history = [
+TOOLS: list[Any] = [
+    {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+    {"name": "get_time", "input_schema": {"type": "object"}},
+]
+
+
+def test_a_tool_history_renders_as_the_chat_api_renders_it(c: anthropic.Anthropic) -> None:
+    history: list[Any] = [
         {"role": "user", "content": "weather in Paris?"},
         {
             "role": "assistant",
@@ -197,8 +204,8 @@ def test_tool_use_history_renders(stack: Stack) -> None:
                 {
                     "type": "tool_use",
                     "id": "toolu_1",
-                    "name": "weather",
-                    "input": {"city": "Paris"},
+                    "name": "get_weather",
+                    "input": {"city": "P"},
                 },
             ],
         },
@@ -215,14 +222,98 @@ def test_tool_use_history_renders(stack: Stack) -> None:
         },
     ]
     message = c.messages.create(
-        model=MODEL,
-        max_tokens=3,
-        messages=history,  # type: ignore[arg-type]
-        tools=tools,  # type: ignore[arg-type]
-        tool_choice={"type": "none"},
+        model=MODEL, max_tokens=3, messages=history, tools=TOOLS, tool_choice={"type": "none"}
     )
-    assert message.stop_reason in ("max_tokens", "end_turn")
-    assert message.usage.input_tokens > len("weather in Paris?sunnyand tomorrow?")
+    assert message.stop_reason == "max_tokens"
+    # the same conversation through the OpenAI chat API: the same prompt
+    call = {"name": "get_weather", "arguments": '{"city": "P"}'}
+    chat = {
+        "model": MODEL,
+        "max_tokens": 3,
+        "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "Let me look.",
+                "tool_calls": [{"id": "toolu_1", "type": "function", "function": call}],
+            },
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+            {"role": "user", "content": "and tomorrow?"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "parameters": t["input_schema"],
+                    **({"description": t["description"]} if "description" in t else {}),
+                },
+            }
+            for t in TOOLS
+        ],
+        "tool_choice": "none",
+    }
+    with httpx.Client(base_url=str(c.base_url)) as http:
+        openai = http.post("/v1/chat/completions", json=chat)
+    assert openai.status_code == 200, openai.text
+    assert message.usage.input_tokens == openai.json()["usage"]["prompt_tokens"]
+    assert message.usage.input_tokens > len("weather in Paris?Let me look.sunnyand tomorrow?")
+
+
+@pytest.fixture
+def scripted(valkey: EmbeddedServer) -> Iterator[anthropic.Anthropic]:
+    """A sim engine that writes Hermes tool calls (tests/gateway/test_tools.py's script)."""
+    engine = ScriptedEngine(SCRIPT)
+    with (
+        run_stack(valkey, engines=[lambda: engine], cache=False, collapse=False) as stack,
+        client(stack) as c,
+    ):
+        yield c
+
+
+def test_tool_calls_are_tool_use_blocks_whole_and_streamed(scripted: anthropic.Anthropic) -> None:
+    ask: Any = [{"role": "user", "content": "Weather in Paris and the time?"}]
+    whole = scripted.messages.create(model=MODEL, max_tokens=300, messages=ask, tools=TOOLS)
+    assert whole.stop_reason == "tool_use" and whole.stop_sequence is None
+    kinds = [b.type for b in whole.content]
+    assert kinds == ["text", "tool_use", "tool_use"]
+    text, weather, time = whole.content
+    assert text.type == "text" and text.text == "Let me look."
+    assert weather.type == "tool_use" and time.type == "tool_use"
+    assert (weather.name, weather.input) == ("get_weather", {"city": "Paris", "days": 2})
+    assert (time.name, time.input) == ("get_time", {})
+    assert weather.id != time.id
+
+    with scripted.messages.stream(model=MODEL, max_tokens=300, messages=ask, tools=TOOLS) as stream:
+        kinds_seen = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds_seen  # the client's own event for each input_json_delta
+    assert final.stop_reason == "tool_use"
+
+    def without_ids(message: anthropic.types.Message) -> list[dict[str, Any]]:
+        return [{**b.model_dump(exclude_none=True), "id": None} for b in message.content]
+
+    assert without_ids(final) == without_ids(whole)
+
+    # a tool result answers the call: the next turn goes on from it
+    follow: Any = [
+        *ask,
+        {"role": "assistant", "content": whole.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": weather.id, "content": "sunny"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": time.id,
+                    "content": "noon",
+                    "is_error": False,
+                },
+            ],
+        },
+    ]
+    again = scripted.messages.create(model=MODEL, max_tokens=300, messages=follow, tools=TOOLS)
+    assert again.stop_reason == "tool_use"
 
 
 @pytest.mark.parametrize(
@@ -381,3 +472,78 @@ def test_the_tiny_model_answers_messages(valkey: EmbeddedServer) -> None:
         )
         assert stopped.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
         assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+
+
+@pytest.mark.slow
+def test_tiny_tools_any_and_named_give_tool_use_blocks_that_validate(
+    valkey: EmbeddedServer,
+) -> None:
+    """tool_choice any and tool constrain decoding: whatever the random weights would write,
+    the tool_use blocks' inputs validate (needs the hf engine's structured outputs)."""
+    pytest.importorskip("transformers")
+    jsonschema = pytest.importorskip("jsonschema")
+    from tokenyard.engines import make_engine
+    from tokenyard.engines.hf import HFEngine
+    from tokenyard.gateway.tokenizers import load_tokenizer
+
+    if Feature.STRUCTURED_OUTPUTS not in HFEngine.features:
+        pytest.skip("the hf engine does not constrain decoding (structured outputs) yet")
+    # bounded schemas: a random model constrained to them still ends within max_tokens
+    weather = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    alarm = {
+        "type": "object",
+        "properties": {"on": {"type": "boolean"}, "label": {"type": "string", "maxLength": 8}},
+        "required": ["on", "label"],
+        "additionalProperties": False,
+    }
+    schemas = {"get_weather": weather, "set_alarm": alarm}
+    tools: Any = [{"name": n, "input_schema": s} for n, s in schemas.items()]
+    ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    model = "tiny-tools"
+    with (
+        run_stack(
+            valkey,
+            model=model,
+            tokenizer=load_tokenizer("hf", model),
+            engines=[lambda: make_engine("hf", model=model, max_seqs=8, max_tokens=8192)],
+            worker_options={"engine": "hf"},
+        ) as stack,
+        client(stack) as c,
+    ):
+        for choice in [{"type": "any"}] * 8 + [{"type": "tool", "name": "set_alarm"}] * 4:
+            message = c.messages.create(
+                model=model,
+                max_tokens=200,
+                messages=ask,
+                tools=tools,
+                tool_choice=choice,  # type: ignore[arg-type]
+                extra_body={"temperature": 1.0},
+            )
+            assert message.stop_reason == "tool_use", message
+            uses = [b for b in message.content if b.type == "tool_use"]
+            assert uses, message
+            for use in uses:
+                assert use.type == "tool_use"
+                if choice["type"] == "tool":
+                    assert use.name == "set_alarm"
+                jsonschema.validate(use.input, schemas[use.name])
+        with c.messages.stream(
+            model=model,
+            max_tokens=200,
+            messages=ask,
+            tools=tools,
+            tool_choice={"type": "any"},
+        ) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "tool_use"
+        for use in final.content:
+            if use.type == "tool_use":
+                jsonschema.validate(use.input, schemas[use.name])

@@ -4,6 +4,7 @@ as, its stop reason, and its events; pure, no server."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from tokenyard.engines.sim import SimTokenizer
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.anthropic import MessageEvents, MessageRequest, Reply, matched_stop
 from tokenyard.gateway.errors import anthropic_error
+from tokenyard.gateway.tools import tool_call_stream
 from tokenyard.messages import FinishReason, JobResult, JobStatus, TokenChunk
 
 TOK = SimTokenizer()
@@ -107,7 +109,6 @@ def test_a_history_with_tool_use_becomes_openai_tool_calls_and_tool_messages() -
 def test_tool_choice(choice: dict[str, Any], openai: Any) -> None:
     chat = request(tools=[WEATHER], tool_choice=choice).chat_request()
     assert chat.tool_choice == openai
-    assert request(tools=[WEATHER], tool_choice=choice).offers_tools == (choice["type"] != "none")
 
 
 @pytest.mark.parametrize(
@@ -195,46 +196,75 @@ def events(frames: list[bytes]) -> list[dict[str, Any]]:
     return out
 
 
-class ToolReply(Reply):
-    """A reply whose output parses as one tool call (what the tools parser gives)."""
-
-    def content(self, text: str) -> list[dict[str, Any]]:
-        return [
-            {"type": "text", "text": "Sure."},
-            {"type": "tool_use", "id": "toolu_x", "name": "weather", "input": {"city": "P"}},
-        ]
+SCRIPT = (
+    "Let me look.\n<tool_call>\n"
+    '{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
+)
 
 
-def test_held_events_send_whole_blocks_at_the_end() -> None:
-    renderer = MessageEvents(ToolReply("j", "m", 4), hold=True)
-    start = events(renderer.start())
-    assert [e["type"] for e in start] == ["message_start", "ping"]
-    assert renderer.tokens("1-0", TokenChunk(token_ids=[5], text="x")) == []
-    end = events(renderer.finish("1-1", result("x", completion_tokens=9)))
-    assert [e["type"] for e in end] == [
+def hermes() -> Reply:
+    return Reply("j", "m", 4, reader=lambda: tool_call_stream("hermes", make_id=ids()))
+
+
+def ids() -> Callable[[], str]:
+    made = iter(range(100))
+    return lambda: f"toolu_{next(made)}"
+
+
+def test_tool_calls_are_tool_use_blocks_whole_and_streamed() -> None:
+    done = result(SCRIPT, completion_tokens=9)
+    whole = hermes().body(done)
+    assert whole["content"] == [
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_0", "name": "weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "id": "toolu_1", "name": "time", "input": {}},
+    ]
+    assert (whole["stop_reason"], whole["stop_sequence"]) == ("tool_use", None)
+    # cut off by max_tokens: the length ended it, whatever it holds
+    assert hermes().body(result(SCRIPT, FinishReason.LENGTH))["stop_reason"] == "max_tokens"
+
+    renderer = MessageEvents(hermes())
+    frames = renderer.start()
+    for ch in SCRIPT:  # a byte a token, as the sim engine writes
+        frames += renderer.tokens("1-0", TokenChunk(token_ids=[5], text=ch))
+    streamed = events([*frames, *renderer.finish("1-1", done)])
+    kinds = [e["type"] for e in streamed]
+    assert kinds[:2] == ["message_start", "ping"]
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [e for e in streamed if e["type"] == "content_block_start"]
+    assert [e["content_block"] for e in starts] == [
+        {"type": "text", "text": ""},
+        {"type": "tool_use", "id": "toolu_0", "name": "weather", "input": {}},
+        {"type": "tool_use", "id": "toolu_1", "name": "time", "input": {}},
+    ]
+    stops = [e["index"] for e in streamed if e["type"] == "content_block_stop"]
+    assert stops == [0, 1, 2]
+    deltas = [e for e in streamed if e["type"] == "content_block_delta"]
+    text = "".join(e["delta"]["text"] for e in deltas if e["index"] == 0)
+    assert text == "Let me look."
+    partial = "".join(e["delta"]["partial_json"] for e in deltas if e["index"] == 1)
+    assert json.loads(partial) == {"city": "Paris"}
+    assert {e["delta"]["type"] for e in deltas if e["index"] > 0} == {"input_json_delta"}
+    assert streamed[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert streamed[-2]["usage"] == {"input_tokens": 4, "output_tokens": 9}
+
+
+def test_a_broken_call_is_text_and_no_text_is_an_empty_block() -> None:
+    broken = '<tool_call>\n{"name": "weather", "arguments": {"city"</tool_call>'
+    assert hermes().content(broken) == [{"type": "text", "text": broken}]
+    assert hermes().content("") == [{"type": "text", "text": ""}]
+    renderer = MessageEvents(hermes())
+    quiet = events([*renderer.start(), *renderer.finish("1", result(""))])
+    assert [e["type"] for e in quiet] == [
+        "message_start",
+        "ping",
         "content_block_start",
-        "content_block_delta",
-        "content_block_stop",
-        "content_block_start",
-        "content_block_delta",
         "content_block_stop",
         "message_delta",
         "message_stop",
     ]
-    assert end[1]["delta"] == {"type": "text_delta", "text": "Sure."}
-    assert end[3]["content_block"] == {
-        "type": "tool_use",
-        "id": "toolu_x",
-        "name": "weather",
-        "input": {},
-    }
-    assert end[4] == {
-        "type": "content_block_delta",
-        "index": 1,
-        "delta": {"type": "input_json_delta", "partial_json": '{"city": "P"}'},
-    }
-    assert end[6]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert end[6]["usage"] == {"input_tokens": 4, "output_tokens": 9}
+    assert quiet[-2]["delta"]["stop_reason"] == "end_turn"
 
 
 def test_failures_are_anthropic_error_events() -> None:

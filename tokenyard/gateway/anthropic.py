@@ -19,6 +19,7 @@ from tokenyard.gateway.errors import anthropic_error, renamed, unsupported, vali
 from tokenyard.gateway.protocol import ChatCompletionRequest, Int64, NonEmptyStr, Request
 from tokenyard.gateway.protocol import result_error as openai_result_error
 from tokenyard.gateway.streaming import frame
+from tokenyard.gateway.tools import CallStream, ContentDelta, Delta
 from tokenyard.messages import FinishReason, JobResult, TokenChunk
 
 ID_PREFIX = "msg_"
@@ -226,12 +227,6 @@ class MessageRequest(Request):
             tools.append(_validate(Tool, raw, f"tools.{i}"))
         return tools
 
-    @property
-    def offers_tools(self) -> bool:
-        """Whether the model may answer with tool calls (its output is then parsed for them)."""
-        choice = self.tool_choice
-        return bool(self.tools) and (choice is None or choice.type != "none")
-
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion this message runs as: the system prompt first, then the turns;
         tool uses and results as OpenAI's tool calls and tool messages."""
@@ -312,9 +307,88 @@ def result_error(result: JobResult) -> tuple[int, dict[str, Any]] | None:
     return anthropic_error(failed[0], failed[1]["error"]["message"])
 
 
+def _event(type_: str, **body: Any) -> bytes:
+    return frame({"type": type_, **body}, event=type_)
+
+
+class Blocks:
+    """An answer's content blocks, built from what its parser reads (text, and tool calls
+    announced then their arguments' JSON piece by piece), with the SSE events that stream
+    them; the whole answer is the same machine fed at once, so both carry the same blocks."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._inputs: dict[int, str] = {}  # a tool_use block's index -> its input's JSON text
+        self._of_call: dict[int, int] = {}  # a call's index (the parser's) -> its block's
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        frames = self._stop()
+        self.blocks.append(block)
+        index = len(self.blocks) - 1
+        opened = {**block, "input": {}} if block["type"] == "tool_use" else block
+        frames.append(_event("content_block_start", index=index, content_block=dict(opened)))
+        return frames
+
+    def _stop(self) -> list[bytes]:
+        if not self.blocks:
+            return []
+        return [_event("content_block_stop", index=len(self.blocks) - 1)]
+
+    def open_text(self) -> list[bytes]:
+        return self._start({"type": "text", "text": ""})
+
+    def feed(self, deltas: Sequence[Delta]) -> list[bytes]:
+        frames: list[bytes] = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if not d.text:
+                    continue
+                if not self.blocks or self.blocks[-1]["type"] != "text":
+                    frames.extend(self.open_text())
+                self.blocks[-1]["text"] += d.text
+                delta: dict[str, Any] = {"type": "text_delta", "text": d.text}
+            else:
+                if d.id is not None and d.name is not None:
+                    frames.extend(self._start({"type": "tool_use", "id": d.id, "name": d.name}))
+                    self._of_call[d.index] = len(self.blocks) - 1
+                    self._inputs[len(self.blocks) - 1] = ""
+                if not d.arguments:
+                    continue
+                index = self._of_call[d.index]
+                if index != len(self.blocks) - 1:
+                    continue  # the parsers finish a call before the next: never seen
+                self._inputs[index] += d.arguments
+                delta = {"type": "input_json_delta", "partial_json": d.arguments}
+            frames.append(_event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
+        return frames
+
+    def close(self) -> list[bytes]:
+        """The last block's stop; an answer with no block at all has one empty text block
+        (clients read `content[0]`)."""
+        if not self.blocks:
+            return [*self.open_text(), *self._stop()]
+        return self._stop()
+
+    def content(self) -> list[dict[str, Any]] | None:
+        """The blocks, each tool_use with its input; None when an input is no JSON object."""
+        out: list[dict[str, Any]] = []
+        for index, block in enumerate(self.blocks):
+            if block["type"] == "tool_use":
+                try:
+                    value = json.loads(self._inputs[index] or "{}")
+                except ValueError:
+                    return None
+                if not isinstance(value, dict):
+                    return None
+                block = {**block, "input": value}
+            out.append(block)
+        return out
+
+
 class Reply:
     """How one message answers from its job: its id and model, its input tokens (known at
-    admission), and what its stop reason needs (the stop sequences, the model's decode)."""
+    admission), what reads its tool calls (`reader` makes a fresh parser per answer, None:
+    no tools) and what its stop reason needs (the stop sequences, the model's decode)."""
 
     def __init__(
         self,
@@ -324,23 +398,36 @@ class Reply:
         *,
         stops: Sequence[str] = (),
         decode: Decode | None = None,
+        reader: Callable[[], CallStream | None] | None = None,
     ) -> None:
         self.id = message_id(job_id)
         self.model = model
         self.input_tokens = input_tokens
         self.stops = tuple(stops)
         self.decode = decode
+        self.reader = reader or (lambda: None)
 
     def content(self, text: str) -> list[dict[str, Any]]:
-        """The answer's content blocks."""
-        return [{"type": "text", "text": text}]
+        """The answer's content blocks: its text and the tool calls read from it. A call the
+        parser found broken (malformed, cut off) leaves the whole text as one text block, as
+        the chat API answers it."""
+        reader = self.reader()
+        whole = [{"type": "text", "text": text}]
+        if reader is None:
+            return whole
+        blocks = Blocks()
+        blocks.feed([*reader.feed(text), *reader.finish()])
+        blocks.close()
+        content = blocks.content()
+        return whole if reader.broken or content is None else content
 
     def stop(self, result: JobResult, content: list[dict[str, Any]]) -> tuple[str, str | None]:
-        """The stop reason and the stop sequence that matched, if one did."""
-        if any(block["type"] == "tool_use" for block in content):
-            return "tool_use", None
+        """The stop reason and the stop sequence that matched, if one did. A call cut off by
+        max_tokens still ends for the length, as Anthropic answers it."""
         if result.finish_reason is FinishReason.LENGTH:
             return "max_tokens", None
+        if any(block["type"] == "tool_use" for block in content):
+            return "tool_use", None
         matched = None
         if self.decode is not None:
             matched = matched_stop(self.stops, result, self.decode)
@@ -374,73 +461,44 @@ class Reply:
 # -- the event stream ---------------------------------------------------------------------------
 
 
-def _event(type_: str, **body: Any) -> bytes:
-    return frame({"type": type_, **body}, event=type_)
-
-
 class MessageEvents:
-    """A message's SSE events (a `Renderer`): message_start, then its content blocks (each
-    content_block_start, its deltas, content_block_stop), message_delta with the stop reason
-    and usage, message_stop; a ping after the start, and `error` for a failure.
+    """A message's SSE events (a `Renderer`): message_start, a ping, its content blocks as
+    they come (each content_block_start, its deltas, content_block_stop: text_delta for text,
+    input_json_delta for a tool's input), then message_delta with the stop reason and usage,
+    and message_stop; `error` for a failure.
 
-    Text streams as it comes, in one text block. When tools are offered, the output is held
-    until the job ends: only the whole output says whether it is text or tool calls, and its
-    blocks then go out at once (tool input as one input_json_delta)."""
+    Text-only answers open their one text block at once, as Anthropic's streams do; with
+    tools, a block opens when the parser knows what it is (text held back as maybe a call's
+    start is sent once known)."""
 
-    def __init__(self, reply: Reply, *, hold: bool = False) -> None:
+    def __init__(self, reply: Reply) -> None:
         self.reply = reply
-        self.hold = hold
-        self.opened = False  # the streamed text block was started
+        self.reader = reply.reader()  # one answer, one fresh parser
+        self.blocks = Blocks()
 
     def start(self) -> list[bytes]:
         frames = [_event("message_start", message=self.reply.message([]))]
-        if not self.hold:
-            frames.append(self._open(0, {"type": "text", "text": ""}))
-            self.opened = True
+        if self.reader is None:
+            frames.extend(self.blocks.open_text())
         return [*frames, _event("ping")]
 
-    @staticmethod
-    def _open(index: int, block: dict[str, Any]) -> bytes:
-        return _event("content_block_start", index=index, content_block=block)
-
     def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
-        if self.hold or not chunk.text:
-            return []  # held, or an incomplete UTF-8 character (its text comes later)
-        delta = {"type": "text_delta", "text": chunk.text}
-        return [_event("content_block_delta", index=0, delta=delta)]
+        if self.reader is None:
+            return self.blocks.feed([ContentDelta(chunk.text)])
+        return self.blocks.feed(self.reader.feed(chunk.text))
 
     def finish(self, event_id: str, result: JobResult) -> list[bytes]:
         failed = result_error(result)
         if failed is not None:
             return [_event("error", error=failed[1]["error"])]
-        content = self.reply.content(result.text)
-        frames: list[bytes] = []
-        if self.opened:
-            frames.append(_event("content_block_stop", index=0))
-        else:
-            for index, block in enumerate(content):
-                frames.extend(self._block(index, block))
-        reason, sequence = self.reply.stop(result, content)
+        frames = [] if self.reader is None else self.blocks.feed(self.reader.finish())
+        frames.extend(self.blocks.close())
+        reason, sequence = self.reply.stop(result, self.blocks.blocks)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         used = usage(self.reply.input_tokens, result.completion_tokens)
         frames.append(_event("message_delta", delta=delta, usage=used))
         frames.append(_event("message_stop"))
         return frames
-
-    def _block(self, index: int, block: dict[str, Any]) -> list[bytes]:
-        """A whole block: its start (empty), its one delta, its stop."""
-        if block["type"] == "text":
-            opened: dict[str, Any] = {"type": "text", "text": ""}
-            delta = {"type": "text_delta", "text": block["text"]}
-        else:
-            opened = {**block, "input": {}}
-            partial = json.dumps(block["input"], ensure_ascii=False)
-            delta = {"type": "input_json_delta", "partial_json": partial}
-        return [
-            self._open(index, opened),
-            _event("content_block_delta", index=index, delta=delta),
-            _event("content_block_stop", index=index),
-        ]
 
     def ended(self) -> list[bytes]:
         return []  # a message stream is never resumed: its end is always seen

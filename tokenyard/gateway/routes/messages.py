@@ -18,7 +18,7 @@ from tokenyard.gateway.cached import CACHE_HEADER, replayed
 from tokenyard.gateway.errors import renamed
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.routes.openai import until_disconnect
+from tokenyard.gateway.routes.openai import answer_reader_of, until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Live, submit
 
@@ -56,8 +56,10 @@ async def create_message(request: Request, tenant: Tenant) -> Response:
         len(spec.prompt_token_ids or ()),
         stops=spec.sampling.stop,
         decode=tokenizer_for(state, spec.model).decode,
+        # the chat route's reader of tool calls, in the format of the model that runs it
+        reader=lambda: answer_reader_of(state, chat, spec.model),
     )
-    events = MessageEvents(reply, hold=body.offers_tools) if body.stream else None
+    events = MessageEvents(reply) if body.stream else None
     if isinstance(outcome, Hit):
         if events is not None:
             return replayed(events, outcome.result)
