@@ -169,6 +169,23 @@ def test_stop_sequences(c: anthropic.Anthropic) -> None:
     assert long.stop_reason == "max_tokens" and long.stop_sequence is None
 
 
+def test_tokenyards_fields_and_anthropics_hints_are_taken(c: anthropic.Anthropic) -> None:
+    message = c.messages.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+            }
+        ],
+        metadata={"user_id": "u-1"},
+        extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"},
+        extra_body={"priority": "low", "cache": False, "cache_control": {"type": "ephemeral"}},
+    )
+    assert message.usage.output_tokens == 2
+
+
 def test_a_multi_turn_history_renders(c: anthropic.Anthropic) -> None:
     history = [
         {"role": "user", "content": [{"type": "text", "text": "one"}]},
@@ -365,6 +382,14 @@ def test_tool_calls_are_tool_use_blocks_whole_and_streamed(scripted: anthropic.A
             {"model": MODEL, "max_tokens": 4, "messages": HI, "tool_choice": {"type": "any"}},
             "tool_choice",
         ),
+        # tokenyard's own fields, checked as on the other APIs
+        ({"model": MODEL, "max_tokens": 4, "messages": HI, "priority": "high"}, "priority"),
+        ({"model": MODEL, "max_tokens": 4, "messages": HI, "deadline": 1.0}, "deadline"),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": HI, "stop_sequences": [""]},
+            "stop_sequences",
+        ),
+        ({"model": MODEL, "max_tokens": 100_000, "messages": HI}, "max_tokens"),
     ],
 )
 def test_bad_input_is_anthropics_400(

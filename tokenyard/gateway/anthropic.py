@@ -188,6 +188,8 @@ class MessageRequest(Request):
     tool_choice: ToolChoice | None = None
     # Anthropic's, taken only at its neutral value
     thinking: dict[str, Any] | None = None
+    # a prompt-caching hint for the whole request, as on a block
+    cache_control: dict[str, Any] | None = None
     # tokenyard: a lane priority (capped by the tenant's tier), a deadline (unix seconds), and
     # false opts a deterministic request out of the response cache and collapsing
     priority: Literal["high", "normal", "low"] | None = None

@@ -507,6 +507,7 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
                     "description": "Not supported; only disabled",
                 }
             ),
+            "cache_control": cache_control,
             **{name: common[name] for name in ("priority", "deadline", "cache")},
         },
     }
