@@ -36,6 +36,20 @@ def c(stack: Stack) -> Iterator[anthropic.Anthropic]:
         yield c
 
 
+TOOLS: list[Any] = [
+    {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+    {"name": "get_time", "input_schema": {"type": "object"}},
+]
+
+
 def _error(response: httpx.Response, status: int, type_: str) -> str:
     """The message of an error in Anthropic's shape."""
     assert response.status_code == status, response.text
@@ -195,20 +209,6 @@ def test_a_multi_turn_history_renders(c: anthropic.Anthropic) -> None:
     message = c.messages.create(model=MODEL, max_tokens=3, messages=history)  # type: ignore[arg-type]
     prompt = "<user>one\n<assistant>two\n<user>three\n<assistant>"
     assert message.usage.input_tokens == len(prompt)
-
-
-TOOLS: list[Any] = [
-    {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "input_schema": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-    {"name": "get_time", "input_schema": {"type": "object"}},
-]
 
 
 def test_a_tool_history_renders_as_the_chat_api_renders_it(c: anthropic.Anthropic) -> None:
@@ -381,6 +381,35 @@ def test_tool_calls_are_tool_use_blocks_whole_and_streamed(scripted: anthropic.A
         (
             {"model": MODEL, "max_tokens": 4, "messages": HI, "tool_choice": {"type": "any"}},
             "tool_choice",
+        ),
+        # refusals of the chat request it runs as, named as the client wrote them
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}
+                        ],
+                    }
+                ],
+            },
+            "messages.0.content.0.tool_use_id",
+        ),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": HI, "tools": [TOOLS[1], TOOLS[1]]},
+            "tools.1.name",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": HI,
+                "tools": [{"name": "f", "input_schema": {"type": "string"}}],
+            },
+            "tools.0.input_schema",
         ),
         # tokenyard's own fields, checked as on the other APIs
         ({"model": MODEL, "max_tokens": 4, "messages": HI, "priority": "high"}, "priority"),

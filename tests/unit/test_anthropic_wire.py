@@ -30,7 +30,7 @@ def request(**fields: Any) -> MessageRequest:
 
 
 def test_a_history_with_tool_use_becomes_openai_tool_calls_and_tool_messages() -> None:
-    chat = request(
+    chat, places = request(
         system=[{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
         messages=[
             {"role": "user", "content": "weather in Paris?"},
@@ -93,6 +93,33 @@ def test_a_history_with_tool_use_becomes_openai_tool_calls_and_tool_messages() -
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
     assert (chat.stop, chat.user, chat.top_k, chat.priority) == (["END"], "u1", 5, "low")
     assert chat.max_tokens == 8
+    # a refusal of the chat request names what the client wrote
+    assert [places.name(f"messages.{i}") for i in range(5)] == [
+        "system",
+        "messages.0",
+        "messages.1",
+        "messages.2.content.1",
+        "messages.2",
+    ]
+    assert places.name("messages.3.tool_call_id") == "messages.2.content.1.tool_use_id"
+    assert places.name("messages.2.tool_calls.0.function.arguments") == (
+        "messages.1.content.1.input"
+    )
+    assert places.name("messages.2.tool_calls.0.function.name") == "messages.1.content.1.name"
+    assert places.name("messages.2.tool_calls.0") == "messages.1.content.1"
+    assert places.name("tools.0.function.parameters") == "tools.0.input_schema"
+    assert places.name("tools.1.function.name") == "tools.1.name"
+    assert places.name("tools.0") == "tools.0"
+    assert places.name("stop") == "stop_sequences"
+    assert places.name("parallel_tool_calls") == "tool_choice.disable_parallel_tool_use"
+    assert places.name("max_tokens") == "max_tokens"
+    refused = places.renamed(
+        InvalidRequest("'messages.3.tool_call_id' is bad", param="messages.3.tool_call_id")
+    )
+    assert (refused.param, refused.message) == (
+        "messages.2.content.1.tool_use_id",
+        "'messages.2.content.1.tool_use_id' is bad",
+    )
 
 
 @pytest.mark.parametrize(
@@ -107,7 +134,7 @@ def test_a_history_with_tool_use_becomes_openai_tool_calls_and_tool_messages() -
     ],
 )
 def test_tool_choice(choice: dict[str, Any], openai: Any) -> None:
-    chat = request(tools=[WEATHER], tool_choice=choice).chat_request()
+    chat, _ = request(tools=[WEATHER], tool_choice=choice).chat_request()
     assert chat.tool_choice == openai
 
 

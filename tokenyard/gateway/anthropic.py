@@ -26,8 +26,6 @@ ID_PREFIX = "msg_"
 STOP_SEQUENCES_MAX = 16  # the job's stop strings' bound (the chat request's `stop`)
 # a tool's name, as Anthropic (and OpenAI, for a function) allows it
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-# Admission names the chat request's fields; the client sent these.
-PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id", "prompt": "messages"}
 
 Decode = Callable[[Sequence[int]], str]
 M = TypeVar("M", bound=BaseModel)
@@ -126,14 +124,16 @@ def _texts(content: str | list[dict[str, Any]] | None, where: str) -> str:
     return "".join(texts)
 
 
-def _turns(message: Message, where: str) -> list[dict[str, Any]]:
+def _turns(message: Message, where: str, places: Places) -> list[dict[str, Any]]:
     """One message as chat messages: a user's tool results are `tool` messages (before its
     text, as Anthropic orders them), an assistant's tool uses its `tool_calls`."""
     if isinstance(message.content, str):
+        places.add(where)
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    uses: list[str] = []  # each call's block
     for j, part in enumerate(message.content):
         block, at = _block(part, f"{where}.content.{j}"), f"{where}.content.{j}"
         if isinstance(block, TextBlock):
@@ -144,12 +144,14 @@ def _turns(message: Message, where: str) -> list[dict[str, Any]]:
             arguments = json.dumps(block.input, ensure_ascii=False)
             function = {"name": block.name, "arguments": arguments}
             calls.append({"id": block.id, "type": "function", "function": function})
+            uses.append(at)
         else:
             assert isinstance(block, ToolResultBlock)
             if message.role != "user":
                 raise InvalidRequest(f"'{at}': tool_result blocks are the user's", param=at)
             text = _texts(block.content, f"{at}.content")
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+            places.add(at)
     turns = results
     if message.role == "assistant":
         turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
@@ -158,9 +160,64 @@ def _turns(message: Message, where: str) -> list[dict[str, Any]]:
         else:
             turn["content"] = turn["content"] or ""
         turns.append(turn)
+        places.add(where, uses)
     elif texts or not results:
         turns.append({"role": "user", "content": "".join(texts)})
+        places.add(where)
     return turns
+
+
+# a chat request's field → the message request's (admission names the chat request's)
+PARAMS = {
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "prompt": "messages",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
+# a chat tool call's field → its tool_use block's; a function's → its tool's
+_CALL_FIELDS = {"id": "id", "function.name": "name", "function.arguments": "input"}
+_FUNCTION_FIELDS = {"parameters": "input_schema"}
+
+
+class Places:
+    """Where each chat message (and each of its tool calls) came from in the message request,
+    so that a refusal of the chat request (admission's, the tools package's), which names the
+    chat request's fields, names what the client wrote."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []  # chat message i's source: a message, a block, "system"
+        self.calls: dict[int, list[str]] = {}  # chat message i's calls' tool_use blocks
+
+    def add(self, source: str, calls: Sequence[str] = ()) -> None:
+        if calls:
+            self.calls[len(self.messages)] = list(calls)
+        self.messages.append(source)
+
+    def name(self, param: str) -> str:
+        """The message request's name of the chat request's `param`."""
+        head, _, rest = param.partition(".")
+        index, _, field = rest.partition(".")
+        if head == "messages" and index.isdigit() and int(index) < len(self.messages):
+            i = int(index)
+            if field == "tool_call_id":
+                return f"{self.messages[i]}.tool_use_id"
+            kind, _, tail = field.partition(".")
+            call, _, tail = tail.partition(".")
+            uses = self.calls.get(i, [])
+            if kind == "tool_calls" and call.isdigit() and int(call) < len(uses):
+                use = uses[int(call)]
+                return f"{use}.{_CALL_FIELDS[tail]}" if tail in _CALL_FIELDS else use
+            return self.messages[i]
+        if head == "tools" and index.isdigit():
+            _, _, name = field.partition("function.")
+            name = _FUNCTION_FIELDS.get(name, name)
+            return f"tools.{index}.{name}" if name else f"tools.{index}"
+        return PARAMS.get(param, param)
+
+    def renamed(self, exc: InvalidRequest) -> InvalidRequest:
+        if exc.param is None:
+            return exc
+        return renamed(exc, {exc.param: self.name(exc.param)})
 
 
 def _function(tool: Tool) -> dict[str, Any]:
@@ -229,17 +286,20 @@ class MessageRequest(Request):
             tools.append(_validate(Tool, raw, f"tools.{i}"))
         return tools
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def chat_request(self) -> tuple[ChatCompletionRequest, Places]:
         """The chat completion this message runs as: the system prompt first, then the turns;
-        tool uses and results as OpenAI's tool calls and tool messages."""
+        tool uses and results as OpenAI's tool calls and tool messages. `Places` names a
+        refusal of it as the client wrote the request."""
         self.refuse_unsupported()
         messages: list[dict[str, Any]] = []
+        places = Places()
         if self.system is not None:
             system = _texts(self.system, "system")
             if system:
                 messages.append({"role": "system", "content": system})
+                places.add("system")
         for i, message in enumerate(self.messages):
-            messages.extend(_turns(message, f"messages.{i}"))
+            messages.extend(_turns(message, f"messages.{i}", places))
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -275,9 +335,9 @@ class MessageRequest(Request):
             if value is not None:
                 body[name] = value
         try:
-            return ChatCompletionRequest.model_validate(body)
+            return ChatCompletionRequest.model_validate(body), places
         except ValidationError as exc:
-            raise renamed(validation_error(exc.errors()), PARAMS) from exc
+            raise places.renamed(validation_error(exc.errors())) from exc
 
 
 # -- the message ------------------------------------------------------------------------------

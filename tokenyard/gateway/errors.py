@@ -101,10 +101,16 @@ def anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
-def anthropic_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+def anthropic_error(
+    status: int, message: str, param: str | None = None
+) -> tuple[int, dict[str, Any]]:
     """An error's status and body as Anthropic answers them. A 503 (the broker unreachable, a
     job expired in the queue) is its 529 overloaded_error, which its clients retry; any other
-    4xx is invalid_request_error, as Anthropic's docs say, any other 5xx api_error."""
+    4xx is invalid_request_error, as Anthropic's docs say, any other 5xx api_error. Its body
+    has no `param`: the message leads with the parameter, as Anthropic's do, unless it names
+    it already."""
+    if param and param not in message:
+        message = f"{param}: {message}"
     if status == 503:
         status = 529
     type_ = _ANTHROPIC_TYPES.get(status)
@@ -117,7 +123,7 @@ def error_response(exc: ApiError, path: str = "") -> JSONResponse:
     """The answer to `exc` on a request to `path`: in OpenAI's shape, or Anthropic's there."""
     status, body = exc.status, exc.body()
     if anthropic_path(path):
-        status, body = anthropic_error(status, exc.message)
+        status, body = anthropic_error(status, exc.message, exc.param)
     return FastJSONResponse(body, status_code=status, headers=exc.headers or None)
 
 

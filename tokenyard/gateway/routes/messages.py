@@ -12,10 +12,9 @@ from tokenyard import tracing
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
 from tokenyard.gateway.admission import tokenizer_for
-from tokenyard.gateway.anthropic import PARAMS, MessageEvents, MessageRequest, Reply, result_error
+from tokenyard.gateway.anthropic import MessageEvents, MessageRequest, Reply, result_error
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, replayed
-from tokenyard.gateway.errors import renamed
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.routes.openai import answer_reader_of, until_disconnect
@@ -42,12 +41,12 @@ async def create_message(request: Request, tenant: Tenant) -> Response:
     started = time.monotonic()
     with tracing.server_span("POST /v1/messages", request.headers):
         body = protocol.parse(MessageRequest, await request.body())
-        chat = body.chat_request()
+        chat, places = body.chat_request()
         state = gateway(request)
         try:
             outcome = await submit(state, "chat", chat, tenant, Live(request.headers, started))
         except InvalidRequest as exc:
-            raise renamed(exc, PARAMS) from None
+            raise places.renamed(exc) from None
     spec = outcome.spec
     job_id = spec.id if isinstance(outcome, Hit) else outcome.call.job_id
     reply = Reply(
