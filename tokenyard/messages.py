@@ -384,8 +384,8 @@ class EngineStats(msgspec.Struct):
 class Turn(msgspec.Struct, array_like=True, frozen=True):
     """One message of a conversation as the chat template takes it."""
 
-    role: str  # system | user | assistant
-    content: str
+    role: str  # system | user | assistant, or function_call | function_call_output
+    content: str  # the text; a function call's or its output's item as JSON
 
 
 class StoredResponse(msgspec.Struct, kw_only=True):
@@ -412,3 +412,6 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     store: bool = True
     result: JobResult | None = None  # the job's terminal result, once a gateway saw it
     completed_at: float | None = None
+    # its function tools, tool_choice and parallel_tool_calls (JSON, as the request gave
+    # them): its output is read for calls with them; None: it had none
+    tools: str | None = None

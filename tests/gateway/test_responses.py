@@ -206,7 +206,9 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),
         ({"prompt_cache_key": "k"}, "prompt_cache_key"),
@@ -217,7 +219,10 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input.0.content.0.type",
         ),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        # an output that answers no call made earlier in the conversation
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
         ({"background": True, "store": False}, "store"),
         ({"previous_response_id": "resp_nothing"}, "previous_response_id"),

@@ -4,8 +4,11 @@ shows), the gateway reads them, whole and streamed."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -285,3 +288,130 @@ def test_auto_needs_a_template_that_shows_the_format(valkey: EmbeddedServer) -> 
                 json={"model": MODEL, "messages": ASK, "max_tokens": 4, "tools": TOOLS},
             )
         assert reply.status_code == 200, reply.text
+
+
+def test_batch_lines_read_tool_calls(valkey: EmbeddedServer, tmp_path: Path) -> None:
+    engine = ScriptedEngine(SCRIPT)
+    with run_stack(valkey, engines=[lambda: engine], files_dir=str(tmp_path)) as stack:
+        client = client_of(stack)
+        row = {
+            "custom_id": "r1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 300},
+        }
+        data = json.dumps(row).encode() + b"\n"
+        upload = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        end = time.monotonic() + 60
+        while (batch := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < end and batch.status in (
+                "validating",
+                "in_progress",
+                "finalizing",
+            )
+            time.sleep(0.05)
+        assert batch.output_file_id is not None
+        line = json.loads(client.files.content(batch.output_file_id).text)
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [
+            "get_weather",
+            "get_time",
+        ]
+
+
+# -- the Responses API's function tools ----------------------------------------------------------
+FLAT_TOOLS: list[Any] = [
+    {"type": "function", **WEATHER["function"]},
+    {"type": "function", "name": "get_time", "parameters": {"type": "object"}},
+]
+
+
+def test_responses_output_function_calls(scripted: tuple[Stack, ScriptedEngine]) -> None:
+    stack, _ = scripted
+    client = client_of(stack)
+    response = client.responses.create(
+        model=MODEL, input="Weather in Paris and the time?", tools=FLAT_TOOLS
+    )
+    kinds = [item.type for item in response.output]
+    assert kinds == ["message", "function_call", "function_call"]
+    assert response.output_text == "Let me look."
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {}),
+    ]
+    assert response.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    # read again: the same items, the same call ids
+    again = client.responses.retrieve(response.id)
+    assert [i.model_dump() for i in again.output] == [i.model_dump() for i in response.output]
+
+    # streamed: the same output, built from the events
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Weather in Paris and the time?", tools=FLAT_TOOLS, stream=True
+        )
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final.type == "response.completed"
+    streamed = final.response.output
+    assert [i.type for i in streamed] == kinds
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(args.split("}", 1)[0] + "}") == {"city": "Paris", "days": 2}
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == kinds
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Let me look."
+
+    # the outputs answer the calls in a next response
+    outputs: list[Any] = [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "18C"} for c in calls
+    ]
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=response.id, input=outputs, tools=FLAT_TOOLS
+    )
+    assert follow.status == "completed"
+    # or the whole conversation given as input items
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+    ]
+    assert client.responses.create(model=MODEL, input=items).status == "completed"
+
+
+def test_required_and_named_answers_stream_as_calls(valkey: EmbeddedServer) -> None:
+    # what constrained decoding writes: a JSON array of calls, or the named one's arguments
+    array = (
+        '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    for script, choice, expected in (
+        (array, "required", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+        (
+            '{"city": "Lima", "days": 3}',
+            {"type": "function", "function": {"name": "get_weather"}},
+            [("get_weather", {"city": "Lima", "days": 3})],
+        ),
+    ):
+        engine = ScriptedEngine(script)
+        with run_stack(valkey, engines=[lambda e=engine: e]) as stack:  # type: ignore[misc]
+            client = client_of(stack)
+            with client.chat.completions.stream(
+                model=MODEL,
+                messages=ASK,  # type: ignore[arg-type]
+                tools=TOOLS,
+                tool_choice=choice,  # type: ignore[arg-type]
+                max_tokens=300,
+            ) as stream:
+                final = stream.get_final_completion()
+            choice_ = final.choices[0]
+            assert choice_.finish_reason == "tool_calls"
+            calls = choice_.message.tool_calls or []
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # type: ignore[union-attr]
+            assert got == expected
+            assert not choice_.message.content

@@ -70,3 +70,39 @@ def test_queued_and_running_bodies() -> None:
     assert Response.model_validate(response_body(STORED, None)).status == "queued"
     running = response_body(STORED, None, JobStatus.RUNNING)
     assert Response.model_validate(running).status == "in_progress"
+
+
+def test_function_call_events_parse_with_the_openai_types() -> None:
+    from tokenyard.gateway.responses_api.wire import ToolResponseEvents
+    from tokenyard.gateway.tools import stable_call_ids, tool_call_stream
+
+    stored = StoredResponse(
+        id="resp_j",
+        job_id="j",
+        tenant="t",
+        model="m",
+        created_at=1.0,
+        context=[Turn("user", "hi")],
+        tools=json.dumps(
+            {
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                "tool_choice": "auto",
+                "parallel_tool_calls": None,
+            }
+        ),
+    )
+    events = ToolResponseEvents(stored, tool_call_stream("hermes", make_id=stable_call_ids("j")))
+    frames = events.start()
+    text = 'Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    for piece in (text[:9], text[9:30], text[30:]):
+        frames += events.tokens("1-0", TokenChunk(token_ids=[1], text=piece))
+    result = JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text=text)
+    parsed = _parse(frames + events.finish("2-0", result))
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    final = parsed[-1]
+    assert final.type == "response.completed"
+    assert [i.type for i in final.response.output] == ["message", "function_call"]
+    call = final.response.output[1]
+    assert call.type == "function_call" and call.arguments == '{"a": 1}'
+    assert call.call_id == stable_call_ids("j")()
+    assert final.response.tools[0].name == "f"  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from tokenyard.gateway.tools import (
     ContentDelta,
     Delta,
     Parsed,
+    ToolCallStream,
     ToolParserError,
     choose_parser,
     new_call_id,
@@ -226,3 +227,26 @@ def test_auto_without_a_known_format_says_which_setting_to_pass() -> None:
         choose_parser("auto", "{{ messages }}")
     with pytest.raises(ToolParserError, match="unknown tool call parser"):
         choose_parser("pythonic", "")
+
+
+def test_without_parallel_calls_only_the_first_is_kept() -> None:
+    text = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    )
+    stream = tool_call_stream("hermes", make_id=_ids())
+    assert isinstance(stream, ToolCallStream)
+    stream.max_calls = 1
+    parsed = parse_whole(stream, text)
+    assert parsed.content is None and calls_of(parsed) == [("a", "{}")]
+    stream = tool_call_stream("hermes", make_id=_ids())
+    assert isinstance(stream, ToolCallStream)
+    stream.max_calls = 1
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.finish()
+    assert {d.index for d in deltas if isinstance(d, CallDelta)} == {0}
+    assert not any(isinstance(d, ContentDelta) for d in deltas)
+    # a second call cut short does not break the first
+    stream = tool_call_stream("hermes", make_id=_ids())
+    assert isinstance(stream, ToolCallStream)
+    stream.max_calls = 1
+    assert calls_of(parse_whole(stream, text[:-20])) == [("a", "{}")]

@@ -109,6 +109,8 @@ def test_the_reader_follows_the_choice_and_the_template() -> None:
     hermes = "... <tool_call> ..."
     assert answer_reader(read([tool("a")], "none", None), "auto", hermes) is None
     assert isinstance(answer_reader(read([tool("a")], None, None), "auto", hermes), ToolCallStream)
+    single = answer_reader(read([tool("a")], None, False), "auto", hermes)
+    assert isinstance(single, ToolCallStream) and single.max_calls == 1
     named = read([tool("a")], {"type": "function", "function": {"name": "a"}}, None)
     assert isinstance(answer_reader(named, "auto", ""), NamedCallStream)
     required = answer_reader(read([tool("a")], "required", None), "auto", "")

@@ -22,7 +22,7 @@ from tokenyard.gateway.protocol import (
 )
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
-from tokenyard.gateway.tools import Tools, answer_reader
+from tokenyard.gateway.tools import CallStream, Tools, answer_reader
 from tokenyard.messages import JobSpec, SamplingParams
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
@@ -150,6 +150,18 @@ async def admit(
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
     )
+
+
+def tool_reader(
+    state: GatewayState, body: CompletionRequest | ChatCompletionRequest, model: str
+) -> CallStream | None:
+    """What reads a chat answer for tool calls (None: the answer is all content), in the
+    format of the model that ran it (`model`: the job's); admission refused what it cannot
+    read."""
+    if not isinstance(body, ChatCompletionRequest) or not body.tools:
+        return None
+    tokenizer = state.tokenizers[model]
+    return answer_reader(body.tool_spec(), state.settings.tool_call_parser, tokenizer.chat_template)
 
 
 def _chat_prompt(tokenizer: EngineTokenizer, messages: list[dict[str, Any]], tools: Tools) -> str:

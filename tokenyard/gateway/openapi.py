@@ -215,16 +215,50 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     }
-    message = {
+    tool_call = {
         "type": "object",
-        "required": ["role", "content"],
-        "additionalProperties": False,
+        "required": ["id", "function"],
         "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant"]},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
-            "name": _nullable({"type": "string"}),
+            "id": {"type": "string", "minLength": 1},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name", "arguments"],
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "arguments": {
+                        "anyOf": [{"type": "string"}, {"type": "object"}],
+                        "description": "a JSON object (as JSON text)",
+                    },
+                },
+            },
         },
     }
+    message = {
+        "type": "object",
+        "required": ["role"],
+        "additionalProperties": False,
+        "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": _nullable(
+                {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+            ),
+            "name": _nullable({"type": "string"}),
+            "tool_calls": _nullable(
+                {"type": "array", "items": tool_call, "description": "an assistant's calls"}
+            ),
+            "tool_call_id": _nullable(
+                {"type": "string", "description": "a tool message: the call it answers"}
+            ),
+        },
+    }
+    function = {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+        "description": _nullable({"type": "string"}),
+        "parameters": _nullable({"type": "object", "description": "a JSON schema of an object"}),
+        "strict": _nullable({"type": "boolean"}),
+    }
+    tool_choices = {"enum": ["none", "auto", "required"]}
     chat: dict[str, Any] = {
         "type": "object",
         "required": ["model", "messages"],
@@ -235,9 +269,45 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "max_completion_tokens": _nullable(max_tokens),
             "logprobs": _neutral(False),
             "top_logprobs": _neutral(None),
-            "tools": _neutral(None, []),
+            "tools": _nullable(
+                {
+                    "type": "array",
+                    "maxItems": 128,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "function"],
+                        "properties": {
+                            "type": {"const": "function"},
+                            "function": {
+                                "type": "object",
+                                "required": ["name"],
+                                "additionalProperties": False,
+                                "properties": function,
+                            },
+                        },
+                    },
+                }
+            ),
             "functions": _neutral(None, []),
-            "tool_choice": _neutral(None, "none"),
+            "tool_choice": _nullable(
+                {
+                    "anyOf": [
+                        tool_choices,
+                        {
+                            "type": "object",
+                            "required": ["type", "function"],
+                            "properties": {
+                                "type": {"const": "function"},
+                                "function": {
+                                    "type": "object",
+                                    "required": ["name"],
+                                    "properties": {"name": {"type": "string"}},
+                                },
+                            },
+                        },
+                    ]
+                }
+            ),
             "function_call": _neutral(None, "none"),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
             "response_format": _nullable(
@@ -333,6 +403,31 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
         },
     }
+    call_item = {
+        "type": "object",
+        "required": ["type", "call_id", "name", "arguments"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "function_call"},
+            "call_id": {"type": "string", "minLength": 1},
+            "name": {"type": "string", "minLength": 1},
+            "arguments": {"type": "string", "minLength": 1},
+            "id": {"type": "string"},
+            "status": {"type": "string"},
+        },
+    }
+    call_output_item = {
+        "type": "object",
+        "required": ["type", "call_id", "output"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "function_call_output"},
+            "call_id": {"type": "string", "minLength": 1},
+            "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
+            "id": {"type": "string"},
+            "status": {"type": "string"},
+        },
+    }
     response = {
         "type": "object",
         "required": ["model", "input"],
@@ -342,7 +437,11 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "input": {
                 "anyOf": [
                     {"type": "string"},
-                    {"type": "array", "items": input_message, "minItems": 1},
+                    {
+                        "type": "array",
+                        "items": {"anyOf": [input_message, call_item, call_output_item]},
+                        "minItems": 1,
+                    },
                 ]
             },
             "instructions": _nullable({"type": "string"}),
@@ -358,8 +457,33 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             ),
             "user": common["user"],
             "safety_identifier": _nullable({"type": "string"}),
-            "tools": _neutral(None, []),
-            "tool_choice": _neutral(None, "none", "auto"),
+            "tools": _nullable(
+                {
+                    "type": "array",
+                    "maxItems": 128,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "name"],
+                        "additionalProperties": False,
+                        "properties": {"type": {"const": "function"}, **function},
+                    },
+                }
+            ),
+            "tool_choice": _nullable(
+                {
+                    "anyOf": [
+                        tool_choices,
+                        {
+                            "type": "object",
+                            "required": ["type", "name"],
+                            "properties": {
+                                "type": {"const": "function"},
+                                "name": {"type": "string"},
+                            },
+                        },
+                    ]
+                }
+            ),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
             "text": _neutral(None, {}, {"format": {"type": "text"}}),
             "truncation": _neutral(None, "disabled"),

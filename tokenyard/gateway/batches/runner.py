@@ -25,12 +25,14 @@ import msgspec
 from tokenyard.broker.tables import BatchStore
 from tokenyard.errors import UserError
 from tokenyard.gateway import protocol
+from tokenyard.gateway.admission import tool_reader
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.batches.files import FileStore, new_file_id
 from tokenyard.gateway.batches.validate import REQUEST_OF, BatchLine, parse_lines
 from tokenyard.gateway.errors import status_of
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.submit import RETRY_LATER, Later, submit
+from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import (
     BatchRecord,
     BatchStatus,
@@ -258,6 +260,16 @@ class _Drive:
         queued = await submit(self.r.state, line.kind, body, tenant, how)
         return queued.job_id
 
+    def _tools(self, line: BatchLine, record: JobRecord) -> CallStream | None:
+        """What reads a chat line's answer for tool calls (None: all content)."""
+        if line.kind != "chat" or b'"tools"' not in line.body:
+            return None
+        body: Any = protocol.parse(REQUEST_OF["chat"], line.body, checked=True)
+        try:
+            return tool_reader(self.r.state, body, record.spec.model)
+        except UserError:  # the gateway's parser setting changed since the line was admitted
+            return None
+
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())
         records = await self.r.state.backend.queue.records([j for _, j in items])
@@ -316,7 +328,7 @@ class _Drive:
             result = record.result
             failure = protocol.result_error(result)
             if failure is None:
-                body = _response_body(line, job, record, result)
+                body = _response_body(line, job, record, result, self._tools(line, record))
                 out.append(_line(f"batch_req_{job}", line.custom_id, 200, job, body, None))
             elif result.status is JobStatus.CANCELLED and ending is BatchStatus.CANCELLING:
                 continue  # cancelled with the batch: it never ran
@@ -352,13 +364,23 @@ class _Drive:
         return file_id
 
 
-def _response_body(line: BatchLine, job: str, record: JobRecord, result: JobResult) -> Any:
-    """The body a successful line's request would have been answered with over HTTP."""
+def _response_body(
+    line: BatchLine,
+    job: str,
+    record: JobRecord,
+    result: JobResult,
+    tools: CallStream | None = None,
+) -> Any:
+    """The body a successful line's request would have been answered with over HTTP; `tools`
+    reads a chat answer for tool calls."""
     spec = record.spec
     if line.kind == "embedding":
         encoding = msgspec.json.decode(line.body).get("encoding_format") or "float"
         return protocol.embedding_body(spec.model, result, encoding)
-    return protocol.completion_body(line.kind, job, spec.model, int(spec.created_at), result)
+    parsed = None if tools is None else parse_whole(tools, result.text)
+    return protocol.completion_body(
+        line.kind, job, spec.model, int(spec.created_at), result, parsed=parsed
+    )
 
 
 def _refusal(job: str) -> bool:

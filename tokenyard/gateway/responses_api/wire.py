@@ -7,6 +7,7 @@ any `sequence_number`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import Field
@@ -16,6 +17,17 @@ from tokenyard.gateway import errors
 from tokenyard.gateway.errors import unsupported
 from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, Request
 from tokenyard.gateway.streaming import frame
+from tokenyard.gateway.tools import (
+    CallStream,
+    ContentDelta,
+    Delta,
+    Parsed,
+    ToolCall,
+    Tools,
+    parse_whole,
+    read_function,
+    read_tools,
+)
 from tokenyard.messages import FinishReason, JobResult, JobStatus, StoredResponse, TokenChunk, Turn
 
 ID_PREFIX = "resp_"
@@ -64,10 +76,7 @@ class ResponseRequest(Request):
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field or combination this server does not take."""
         self.refuse_unknown()
-        if self.tools:
-            raise unsupported("tools", "(tool calling)")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice")
+        self.tool_spec()  # function tools and tool_choice, checked
         if self.text not in (None, {}, {"format": {"type": "text"}}):
             raise unsupported("text", "other than {'format': {'type': 'text'}}")
         if self.truncation not in (None, "disabled"):
@@ -109,9 +118,24 @@ class ResponseRequest(Request):
             raise InvalidRequest("'input' must not be empty", param="input")
         return [_turn(item, f"input.{i}") for i, item in enumerate(self.input)]
 
+    def tool_spec(self) -> Tools:
+        """The function tools, tool_choice and parallel_tool_calls, checked."""
+        return response_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def stored_tools(self) -> str | None:
+        """The tool fields as a stored response keeps them (None: no tools)."""
+        if not self.tools:
+            return None
+        fields = {
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        return json.dumps(fields)
+
     def chat_request(self, context: list[Turn]) -> ChatCompletionRequest:
         """The chat completion this response runs as: instructions first, then the context."""
-        messages = [{"role": t.role, "content": t.content} for t in context]
+        messages = chat_messages(context)
         if self.instructions is not None:
             messages.insert(0, {"role": "system", "content": self.instructions})
         body: dict[str, Any] = {
@@ -128,14 +152,110 @@ class ResponseRequest(Request):
         ):
             if value is not None:
                 body[name] = value
+        tools = self.tool_spec()
+        if tools.functions:
+            body["tools"] = tools.template()
+            body["tool_choice"] = _chat_choice(tools)
+            body["parallel_tool_calls"] = tools.parallel
         return ChatCompletionRequest.model_validate(body)
+
+
+# -- function tools -----------------------------------------------------------------------------
+# the context's turns that carry a function call, or its output, as their item's JSON
+CALL, CALL_OUTPUT = "function_call", "function_call_output"
+
+
+def response_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> Tools:
+    """The Responses API's tool fields (flat function tools: `{"type": "function", "name",
+    "parameters", ...}`), checked as chat's are; 400 naming the field as the client sent it."""
+    functions = []
+    for i, tool in enumerate(tools or ()):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"'{where}' must be an object", param=where)
+        if tool.get("type") != "function":
+            raise unsupported(f"{where}.type", f"{tool.get('type')!r} (only function tools)")
+        definition = {k: v for k, v in tool.items() if k != "type"}
+        functions.append(
+            {
+                "type": "function",
+                "function": read_function(definition, where).template()["function"],
+            }
+        )
+    choice = tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif isinstance(choice, dict):
+        raise unsupported("tool_choice", f"of type {choice.get('type')!r}")
+    return read_tools(functions, choice, parallel)
+
+
+def _chat_choice(tools: Tools) -> Any:
+    if tools.choice == "named":
+        return {"type": "function", "function": {"name": tools.named}}
+    return tools.choice
+
+
+def chat_messages(context: list[Turn]) -> list[dict[str, Any]]:
+    """A context as chat messages: function calls join the assistant message before them
+    (as its `tool_calls`), their outputs are `tool` messages."""
+    messages: list[dict[str, Any]] = []
+    for turn in context:
+        if turn.role == CALL:
+            item = json.loads(turn.content)
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif turn.role == CALL_OUTPUT:
+            item = json.loads(turn.content)
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+        else:
+            messages.append({"role": turn.role, "content": turn.content})
+    return messages
+
+
+def call_turn(call_id: str, name: str, arguments: str) -> Turn:
+    return Turn(CALL, json.dumps({"call_id": call_id, "name": name, "arguments": arguments}))
+
+
+def _call_item(item: dict[str, Any], param: str) -> Turn:
+    """A `function_call` input item (a call the model made earlier) or its output."""
+    kind = item["type"]
+    fields = ("call_id", "name", "arguments") if kind == CALL else ("call_id", "output")
+    for name in sorted(item):
+        if name not in (*fields, "type", "id", "status"):
+            raise unsupported(f"{param}.{name}")
+    values = {}
+    for name in fields:
+        value = item.get(name)
+        if name == "output" and isinstance(value, list):
+            value = _text_of(value, f"{param}.output")
+        if not isinstance(value, str) or (name != "output" and not value):
+            raise InvalidRequest(f"'{param}.{name}' must be a string", param=f"{param}.{name}")
+        values[name] = value
+    if kind == CALL:
+        return call_turn(values["call_id"], values["name"], values["arguments"])
+    return Turn(CALL_OUTPUT, json.dumps(values))
 
 
 def _turn(item: dict[str, Any], param: str) -> Turn:
     """One input item: a message, as EasyInputMessage or the `type: "message"` item."""
     kind = item.get("type", "message")
+    if kind in (CALL, CALL_OUTPUT):
+        return _call_item(item, param)
     if kind != "message":
-        raise unsupported(f"{param}.type", f"{kind!r} (only messages)")
+        raise unsupported(
+            f"{param}.type", f"{kind!r} (only messages, function calls and their outputs)"
+        )
     for name in sorted(item):
         if name not in ("type", "role", "content", "id", "status"):
             raise unsupported(f"{param}.{name}")
@@ -151,9 +271,13 @@ def _turn(item: dict[str, Any], param: str) -> Turn:
         raise InvalidRequest(
             f"'{param}.content' must be a string or a list of text parts", param=f"{param}.content"
         )
+    return Turn(_ROLES[role], _text_of(content, f"{param}.content"))
+
+
+def _text_of(parts: list[Any], param: str) -> str:
     texts: list[str] = []
-    for j, part in enumerate(content):
-        where = f"{param}.content.{j}"
+    for j, part in enumerate(parts):
+        where = f"{param}.{j}"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
             raise unsupported(f"{where}.type", f"{kind!r} (only text parts)")
@@ -161,7 +285,7 @@ def _turn(item: dict[str, Any], param: str) -> Turn:
         if not isinstance(text, str):
             raise InvalidRequest(f"'{where}.text' must be a string", param=f"{where}.text")
         texts.append(text)
-    return Turn(_ROLES[role], "".join(texts))
+    return "".join(texts)
 
 
 # Admission names the chat request's fields; the client sent these.
@@ -170,6 +294,9 @@ _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "in
 
 def renamed(exc: InvalidRequest) -> InvalidRequest:
     """An admission error with the parameter named as the Responses API calls it."""
+    if exc.param is not None and exc.param.startswith("messages."):
+        # a message's field: its index counts the instructions and merged calls
+        return InvalidRequest(exc.message, param="input", code=exc.code)
     return errors.renamed(exc, _PARAMS)
 
 
@@ -224,15 +351,48 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def function_call_item(job_id: str, index: int, call: ToolCall, status: str) -> dict[str, Any]:
+    """An output item: a call the model made (its `call_id` answers in a later input)."""
+    return {
+        "id": f"fc_{job_id}_{index}",
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+def _message_id(job_id: str, index: int) -> str:
+    return "msg_" + job_id if index == 0 else f"msg_{job_id}_{index}"
+
+
+def output_items(job_id: str, parsed: Parsed, status: str) -> list[dict[str, Any]]:
+    """The output of an answer read for calls: its text (if any), then its calls."""
+    items = []
+    if parsed.content or not parsed.calls:
+        items.append(message_item(job_id, parsed.content or "", status))
+    items += [function_call_item(job_id, i, c, status) for i, c in enumerate(parsed.calls)]
+    return items
+
+
 def response_body(
-    stored: StoredResponse, result: JobResult | None, job: JobStatus | None = None
+    stored: StoredResponse,
+    result: JobResult | None,
+    job: JobStatus | None = None,
+    reader: CallStream | None = None,
 ) -> dict[str, Any]:
-    """The response object: its request's settings, and its output once the job ended."""
+    """The response object: its request's settings, and its output once the job ended;
+    `reader` (fresh) reads the output for function calls."""
     status = status_of(result, job)
     output: list[dict[str, Any]] = []
     if result is not None and result.status is JobStatus.SUCCEEDED:
         item_status = "incomplete" if status == "incomplete" else "completed"
-        output.append(message_item(stored.job_id, result.text, item_status))
+        if reader is None:
+            output.append(message_item(stored.job_id, result.text, item_status))
+        else:
+            output = output_items(stored.job_id, parse_whole(reader, result.text), item_status)
+    tools = json.loads(stored.tools) if stored.tools else {}
     return {
         "id": stored.id,
         "object": "response",
@@ -247,17 +407,28 @@ def response_body(
         "metadata": stored.metadata or {},
         "model": stored.model,
         "output": output,
-        "parallel_tool_calls": False,
+        "parallel_tool_calls": tools.get("parallel_tool_calls") is not False if tools else False,
         "previous_response_id": stored.previous_response_id,
         "store": stored.store,
         "temperature": stored.temperature,
         "text": {"format": {"type": "text"}},
-        "tool_choice": "none",
-        "tools": [],
+        "tool_choice": (tools.get("tool_choice") or "auto") if tools else "none",
+        "tools": [_function_tool(t) for t in tools.get("tools", [])],
         "top_p": stored.top_p,
         "truncation": "disabled",
         "usage": None if result is None else usage(result),
         "user": None,
+    }
+
+
+def _function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    # as OpenAI echoes a function tool: every field present
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict"),
     }
 
 
@@ -328,3 +499,117 @@ class ResponseEvents:
         # a transport failure, not an event of the job: it takes no number from the stream
         body = {"type": "error", "sequence_number": self.next, "code": code, "message": message}
         return [frame({**body, "param": None}, event="error")]
+
+
+class ToolResponseEvents(ResponseEvents):
+    """The events of a response whose output is read for function calls: items open as the
+    answer shows them (a message at its first text, a `function_call` at each call's name,
+    its arguments as `response.function_call_arguments.delta`), numbered as `ResponseEvents`
+    numbers (the same job events always give the same items and numbers)."""
+
+    def __init__(self, stored: StoredResponse, reader: CallStream, starting_after: int = -1):
+        super().__init__(stored, starting_after)
+        self.reader = reader
+        self.items: list[dict[str, Any]] = []  # the closed output items
+        self.open: dict[str, Any] | None = None
+        self.text = ""  # of the open message
+        self.calls = 0
+
+    def start(self) -> list[bytes]:
+        opened = response_body(self.stored, None, JobStatus.RUNNING)
+        return [
+            *self._event("response.created", {"response": {**opened, "status": "in_progress"}}),
+            *self._event("response.in_progress", {"response": opened}),
+        ]
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
+
+    def _open_message(self) -> list[bytes]:
+        job = self.stored.job_id
+        self.open = {
+            **message_item(job, "", "in_progress"),
+            "id": _message_id(job, len(self.items)),
+        }
+        self.text = ""
+        return [
+            *self._event(
+                "response.output_item.added", {"output_index": len(self.items), "item": self.open}
+            ),
+            *self._event(
+                "response.content_part.added",
+                {**self._where(), "content_index": 0, "part": _text_part("")},
+            ),
+        ]
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        item = self.open
+        if item is None:
+            return []
+        where = self._where()
+        if item["type"] == "message":
+            done = {**item, "status": status, "content": [_text_part(self.text)]}
+            frames = [
+                *self._event(
+                    "response.output_text.done",
+                    {**where, "content_index": 0, "text": self.text, "logprobs": []},
+                ),
+                *self._event(
+                    "response.content_part.done",
+                    {**where, "content_index": 0, "part": _text_part(self.text)},
+                ),
+            ]
+        else:
+            done = {**item, "status": status}
+            frames = self._event(
+                "response.function_call_arguments.done", {**where, "arguments": item["arguments"]}
+            )
+        frames += self._event(
+            "response.output_item.done", {"output_index": len(self.items), "item": done}
+        )
+        self.items.append(done)
+        self.open = None
+        return frames
+
+    def _deltas(self, deltas: list[Delta]) -> list[bytes]:
+        frames: list[bytes] = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if self.open is None or self.open["type"] != "message":
+                    frames += self._close() + self._open_message()
+                self.text += d.text
+                frames += self._event(
+                    "response.output_text.delta",
+                    {**self._where(), "content_index": 0, "delta": d.text, "logprobs": []},
+                )
+            elif d.id is not None and d.name is not None:
+                frames += self._close()
+                call = ToolCall(d.id, d.name, "")
+                self.open = function_call_item(self.stored.job_id, d.index, call, "in_progress")
+                frames += self._event(
+                    "response.output_item.added",
+                    {"output_index": len(self.items), "item": self.open},
+                )
+            elif self.open is not None and self.open["type"] == "function_call":
+                self.open["arguments"] += d.arguments
+                frames += self._event(
+                    "response.function_call_arguments.delta",
+                    {**self._where(), "delta": d.arguments},
+                )
+        return frames
+
+    def tokens(self, event_id: str, chunk: TokenChunk) -> list[bytes]:
+        return self._deltas(self.reader.feed(chunk.text))
+
+    def finish(self, event_id: str, result: JobResult) -> list[bytes]:
+        body = response_body(self.stored, result)
+        if result.status is not JobStatus.SUCCEEDED:
+            return self._event("response.failed", {"response": body})
+        status = "incomplete" if body["status"] == "incomplete" else "completed"
+        frames = self._deltas(self.reader.finish())
+        if not self.items and self.open is None:
+            frames += self._open_message()  # an empty answer is one empty message
+        frames += self._close(status)
+        body["output"] = self.items
+        return [*frames, *self._event(f"response.{body['status']}", {"response": body})]

@@ -11,13 +11,13 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
-from tokenyard.gateway.admission import tokenizer_for
+from tokenyard.gateway.admission import tokenizer_for, tool_reader
 from tokenyard.gateway.anthropic import MessageEvents, MessageRequest, Reply, result_error
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, replayed
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.routes.openai import answer_reader_of, until_disconnect
+from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Live, submit
 
@@ -56,7 +56,7 @@ async def create_message(request: Request, tenant: Tenant) -> Response:
         stops=spec.sampling.stop,
         decode=tokenizer_for(state, spec.model).decode,
         # the chat route's reader of tool calls, in the format of the model that runs it
-        reader=lambda: answer_reader_of(state, chat, spec.model),
+        reader=lambda: tool_reader(state, chat, spec.model),
     )
     events = MessageEvents(reply) if body.stream else None
     if isinstance(outcome, Hit):

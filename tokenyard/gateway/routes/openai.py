@@ -10,14 +10,15 @@ from starlette.responses import Response
 
 from tokenyard import tracing
 from tokenyard.gateway import protocol
+from tokenyard.gateway.admission import tool_reader
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cached_response
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.state import GatewayState, gateway
+from tokenyard.gateway.state import gateway
 from tokenyard.gateway.streaming import OpenAIRenderer
 from tokenyard.gateway.submit import Hit, Live, submit
-from tokenyard.gateway.tools import CallStream, answer_reader, parse_whole
+from tokenyard.gateway.tools import parse_whole
 
 router = APIRouter()
 # a completion: its JSON, or its chunks as SSE with `stream`; 409 a cancelled job, 500 a job
@@ -78,7 +79,7 @@ async def _serve(
     flight) followed live, as SSE or as the result's JSON."""
     state = gateway(request)
     outcome = await submit(state, kind, body, tenant, Live(request.headers, started))
-    tools = answer_reader_of(state, body, outcome.spec.model)
+    tools = tool_reader(state, body, outcome.spec.model)
     if isinstance(outcome, Hit):
         return cached_response(kind, body, outcome.spec, outcome.result, tools)
     spec, call = outcome.spec, outcome.call
@@ -114,19 +115,6 @@ async def _serve(
         ),
         headers=headers,
     )
-
-
-def answer_reader_of(
-    state: GatewayState,
-    body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
-    model: str,
-) -> CallStream | None:
-    """What reads a chat answer for tool calls (None: the answer is all content), in the
-    format of the model that runs it; admission already refused what cannot be read."""
-    if not isinstance(body, protocol.ChatCompletionRequest) or not body.tools:
-        return None
-    tokenizer = state.tokenizers[model]
-    return answer_reader(body.tool_spec(), state.settings.tool_call_parser, tokenizer.chat_template)
 
 
 async def until_disconnect(request: Request) -> None:

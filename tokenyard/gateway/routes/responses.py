@@ -4,6 +4,7 @@ resumed after a sequence number), cancel and delete; each response is one chat j
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Annotated
 
@@ -22,14 +23,18 @@ from tokenyard.gateway.responses_api.service import ResponseService
 from tokenyard.gateway.responses_api.wire import (
     ResponseEvents,
     ResponseRequest,
+    ToolResponseEvents,
+    call_turn,
     deleted_body,
     renamed,
     response_body,
     response_id,
+    response_tools,
 )
 from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Later, Live, Queued, submit
+from tokenyard.gateway.tools import CallStream, answer_reader, parse_whole, stable_call_ids
 from tokenyard.messages import JobSpec, JobStatus, StoredResponse, Turn
 
 router = APIRouter()
@@ -59,7 +64,7 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
     with tracing.server_span("POST /v1/responses", request.headers):
         body = protocol.parse(ResponseRequest, await request.body())
         body.refuse_unsupported()
-        context = [*await _earlier(service, body, tenant), *body.turns()]
+        context = [*await _earlier(request, service, body, tenant), *body.turns()]
         how = Later(None, request.headers) if body.background else Live(request.headers, started)
         try:
             outcome = await submit(state, "chat", body.chat_request(context), tenant, how)
@@ -74,7 +79,9 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
     return await _live(request, body, stored, outcome.call, headers)
 
 
-async def _earlier(service: ResponseService, body: ResponseRequest, tenant: Tenant) -> list[Turn]:
+async def _earlier(
+    request: Request, service: ResponseService, body: ResponseRequest, tenant: Tenant
+) -> list[Turn]:
     """The conversation a `previous_response_id` continues: its context, then its output."""
     if body.previous_response_id is None:
         return []
@@ -85,7 +92,41 @@ async def _earlier(service: ResponseService, body: ResponseRequest, tenant: Tena
             f"The previous response '{earlier.id}' has not completed",
             param="previous_response_id",
         )
-    return [*earlier.context, Turn("assistant", earlier.result.text)]
+    reader = _reader(request, earlier)
+    if reader is None:
+        return [*earlier.context, Turn("assistant", earlier.result.text)]
+    # its calls as the client saw them (same ids), so their outputs can answer them
+    parsed = parse_whole(reader, earlier.result.text)
+    said = [Turn("assistant", parsed.content or "")] if parsed.content or not parsed.calls else []
+    calls = [call_turn(c.id, c.name, c.arguments) for c in parsed.calls]
+    return [*earlier.context, *said, *calls]
+
+
+def _reader(request: Request, stored: StoredResponse) -> CallStream | None:
+    """What reads a stored response's output for function calls (None: it had no tools);
+    its call ids come from the job id, the same on every reading."""
+    if stored.tools is None:
+        return None
+    fields = json.loads(stored.tools)
+    state = gateway(request)
+    tokenizer = state.tokenizers.get(stored.model)
+    try:
+        tools = response_tools(
+            fields["tools"], fields["tool_choice"], fields["parallel_tool_calls"]
+        )
+        template = "" if tokenizer is None else tokenizer.chat_template
+        return answer_reader(
+            tools, state.settings.tool_call_parser, template, stable_call_ids(stored.job_id)
+        )
+    except InvalidRequest:  # no longer readable here (the parser setting changed)
+        return None
+
+
+def _events(request: Request, stored: StoredResponse, after: int = -1) -> ResponseEvents:
+    reader = _reader(request, stored)
+    if reader is None:
+        return ResponseEvents(stored, after)
+    return ToolResponseEvents(stored, reader, after)
 
 
 def _stored(
@@ -106,6 +147,7 @@ def _stored(
         top_p=body.top_p,
         background=body.background,
         store=body.store,
+        tools=body.stored_tools(),
     )
 
 
@@ -124,7 +166,7 @@ async def _background(
     if body.stream:
         # no caller owns a background job: its stream's reader may leave and come back
         call = LiveCall(state, stored.job_id, stored.model, fresh=True)
-        return await call.stream(ResponseEvents(stored), headers)
+        return await call.stream(_events(request, stored), headers)
     return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
 
 
@@ -145,14 +187,16 @@ async def _live(
     if body.stream:
         call.on_result = lambda result: service.keep(stored, result)
         timeout = state.settings.request_timeout_s
-        return await call.stream(ResponseEvents(stored), headers, timeout_s=timeout)
+        return await call.stream(_events(request, stored), headers, timeout_s=timeout)
     result = await call.result(lambda: until_disconnect(request))
     await service.finish(stored, result)
     if result.status in _FAILED:
         failed = protocol.result_error(result)
         assert failed is not None
         return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
-    return FastJSONResponse(response_body(stored, result), headers=headers)
+    return FastJSONResponse(
+        response_body(stored, result, reader=_reader(request, stored)), headers=headers
+    )
 
 
 @router.get("/v1/responses/{response_id}", responses=_STORED)
@@ -168,12 +212,13 @@ async def retrieve_response(
     stored = await service.get(response_id, tenant)
     if not stream:
         stored, job = await service.current(stored)
-        return FastJSONResponse(response_body(stored, stored.result, job))
+        reader = _reader(request, stored)
+        return FastJSONResponse(response_body(stored, stored.result, job, reader))
     call = LiveCall(state, stored.job_id, stored.model)
     if stored.result is None:
         call.on_result = lambda result: service.keep(stored, result)
     after = -1 if starting_after is None else starting_after
-    return await call.stream(ResponseEvents(stored, after), {"X-Job-Id": stored.job_id})
+    return await call.stream(_events(request, stored, after), {"X-Job-Id": stored.job_id})
 
 
 @router.post("/v1/responses/{response_id}/cancel", responses=answers(404))
@@ -190,7 +235,7 @@ async def cancel_response(request: Request, response_id: str, tenant: TenantDep)
         if outcome is CancelOutcome.SIGNALLED:  # a waiting job is terminal already
             stored = await service.wait(stored, CANCEL_WAIT_S)
     stored, job = await service.current(stored)
-    return FastJSONResponse(response_body(stored, stored.result, job))
+    return FastJSONResponse(response_body(stored, stored.result, job, _reader(request, stored)))
 
 
 @router.delete("/v1/responses/{response_id}", responses=answers(404))

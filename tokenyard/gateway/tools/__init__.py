@@ -16,6 +16,7 @@ from tokenyard.gateway.tools.parsers import (
     choose_parser,
     new_call_id,
     parse_whole,
+    stable_call_ids,
     tool_call_stream,
 )
 from tokenyard.gateway.tools.request import (
@@ -49,5 +50,6 @@ __all__ = [
     "parse_whole",
     "read_function",
     "read_tools",
+    "stable_call_ids",
     "tool_call_stream",
 ]

@@ -24,6 +24,7 @@ partial marker, a block not yet known to be a call) is held back, never sent as 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import secrets
 import string
@@ -41,6 +42,26 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 def new_call_id() -> str:
     """`call_` and 24 random letters and digits, as OpenAI's tool call ids look."""
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def stable_call_ids(seed: str) -> Callable[[], str]:
+    """Call ids drawn from `seed` (a job id): every reading of one answer names its calls
+    alike, so a stream resumed on another gateway, or a stored answer read again, keeps
+    the ids a client already has."""
+    count = 0
+
+    def make() -> str:
+        nonlocal count
+        digest = hashlib.sha256(f"{seed}:{count}".encode()).digest()
+        count += 1
+        number = int.from_bytes(digest, "big")
+        chars = []
+        for _ in range(24):
+            number, at = divmod(number, len(_ID_ALPHABET))
+            chars.append(_ID_ALPHABET[at])
+        return "call_" + "".join(chars)
+
+    return make
 
 
 @dataclass
@@ -334,14 +355,16 @@ class _Announced:
 class ToolCallStream:
     """The incremental parser of one answer: `feed` each text delta, then `finish`.
 
-    `make_id` names calls (tests pass a deterministic one). `broken`: a call was announced
-    but its text turned out not to be a valid call (cut by max_tokens, or malformed).
+    `make_id` names calls (tests pass a deterministic one). `max_calls` keeps only the first
+    calls (`parallel_tool_calls` false: vLLM keeps the first); the others are still read, so
+    their text is no content.
     """
 
     parser: str
     make_id: Callable[[], str] = new_call_id
-    broken: bool = False
+    max_calls: int | None = None
     _calls: list[_Announced] = field(default_factory=list)
+    _cut: bool = False  # the answer ended inside a block, in a call not yet announced
     _buf: str = ""
     _pos: int = 0  # where reading _buf is
     _pending: str = ""  # outside text not yet sent as content
@@ -357,13 +380,27 @@ class ToolCallStream:
 
     @property
     def calls(self) -> list[ToolCall]:
-        return [a.call for a in self._calls]
+        return [a.call for a in self._calls[: self.max_calls]]
+
+    @property
+    def broken(self) -> bool:
+        """A call was announced but its text turned out not to be a valid call (cut by
+        max_tokens, or malformed)."""
+        kept = self._calls[: self.max_calls]
+        more = self.max_calls is None or len(self._calls) < self.max_calls
+        return any(not a.complete for a in kept) or (self._cut and more)
 
     def feed(self, text: str) -> list[Delta]:
         self._push_back("", text)
         out: list[Delta] = []
         self._run(out, final=False)
-        return _merged(out)
+        return self._kept(out)
+
+    def _kept(self, deltas: list[Delta]) -> list[Delta]:
+        limit = self.max_calls
+        if limit is not None:
+            deltas = [d for d in deltas if not isinstance(d, CallDelta) or d.index < limit]
+        return _merged(deltas)
 
     def finish(self) -> list[Delta]:
         """The end of the answer: held text is content, an unfinished call breaks."""
@@ -371,7 +408,7 @@ class ToolCallStream:
         self._run(out, final=True)
         if self._mode in (_Mode.OBJECT, _Mode.ARRAY_OPEN):
             if self._block_announced:
-                self.broken = True
+                self._cut = True
             else:
                 self._give_back(out, "")
                 self._run(out, final=True)
@@ -379,9 +416,7 @@ class ToolCallStream:
         held, self._pending = self._pending, ""
         if held and (not self._calls or held.strip()):
             out.append(ContentDelta(held.rstrip() if self._calls else held))
-        if any(not a.complete for a in self._calls):
-            self.broken = True
-        return _merged(out)
+        return self._kept(out)
 
     def _push_back(self, text: str, then: str = "") -> None:
         self._buf = text + self._buf[self._pos :] + then
@@ -483,8 +518,7 @@ class ToolCallStream:
                 self._keep(ch)
             self._announce(obj, out)
             if obj.failed:
-                if self._block_announced:
-                    self.broken = True
+                if self._block_announced:  # the call stays incomplete: broken
                     self._mode, self._raw = _Mode.SKIP, ""
                 else:
                     self._give_back(out, "" if consumed else ch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ from tokenyard.gateway.tools.parsers import (
     ToolCallStream,
     ToolParserError,
     choose_parser,
+    new_call_id,
     tool_call_stream,
 )
 from tokenyard.messages import Guide
@@ -302,7 +303,10 @@ def parse_arguments(arguments: Any, param: str) -> dict[str, Any]:
 
 
 def answer_reader(
-    tools: Tools, parser_setting: str, chat_template: str
+    tools: Tools,
+    parser_setting: str,
+    chat_template: str,
+    make_id: Callable[[], str] = new_call_id,
 ) -> ToolCallStream | NamedCallStream | None:
     """What reads the answer of a request with these tools: None when it is not read for
     calls (no tools, or `tool_choice` none); else a fresh stream (use it once).
@@ -314,11 +318,14 @@ def answer_reader(
     if not tools.parses:
         return None
     if tools.choice == "named":
-        return tool_call_stream("", named=tools.named)
+        return tool_call_stream("", named=tools.named, make_id=make_id)
     if tools.choice == "required":
-        return tool_call_stream("required")
+        return tool_call_stream("required", make_id=make_id)
     try:
         parser = choose_parser(parser_setting, chat_template)
     except ToolParserError as exc:
         raise InvalidRequest(str(exc), param="tool_choice", code="tool_parser_unknown") from exc
-    return tool_call_stream(parser)
+    stream = tool_call_stream(parser, make_id=make_id)
+    if not tools.parallel and isinstance(stream, ToolCallStream):
+        stream.max_calls = 1
+    return stream
