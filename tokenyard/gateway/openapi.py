@@ -26,6 +26,7 @@ from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.errors import anthropic_path
 from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
 from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.tools.request import MAX_TOOLS
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
 
@@ -620,7 +621,7 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
                     "properties": {"user_id": _nullable({"type": "string"})},
                 }
             ),
-            "tools": _nullable({"type": "array", "items": tool}),
+            "tools": _nullable({"type": "array", "items": tool, "maxItems": MAX_TOOLS}),
             "tool_choice": _nullable({"anyOf": [*choices, named]}),
             "thinking": _nullable(
                 {
