@@ -15,6 +15,7 @@ import pytest
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tests.gateway.test_tools import SCRIPT, ScriptedEngine
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.fleet.launch import wait_ready
 from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.messages import Feature
 
@@ -572,7 +573,11 @@ def test_tiny_tools_any_and_named_give_tool_use_blocks_that_validate(
         ) as stack,
         client(stack) as c,
     ):
-        for choice in [{"type": "any"}] * 8 + [{"type": "tool", "name": "set_alarm"}] * 4:
+        # its worker's published features (structured outputs) decide admission
+        wait_ready(stack.url + "/readyz", timeout_s=60, interval_s=0.05)
+        # one call each: a random model asked for any number writes arrays past max_tokens
+        one: Any = {"type": "any", "disable_parallel_tool_use": True}
+        for choice in [one] * 8 + [{"type": "tool", "name": "set_alarm"}] * 4:
             message = c.messages.create(
                 model=model,
                 max_tokens=200,
@@ -583,7 +588,7 @@ def test_tiny_tools_any_and_named_give_tool_use_blocks_that_validate(
             )
             assert message.stop_reason == "tool_use", message
             uses = [b for b in message.content if b.type == "tool_use"]
-            assert uses, message
+            assert len(uses) == 1, message
             for use in uses:
                 assert use.type == "tool_use"
                 if choice["type"] == "tool":
@@ -594,7 +599,7 @@ def test_tiny_tools_any_and_named_give_tool_use_blocks_that_validate(
             max_tokens=200,
             messages=ask,
             tools=tools,
-            tool_choice={"type": "any"},
+            tool_choice=one,
         ) as stream:
             final = stream.get_final_message()
         assert final.stop_reason == "tool_use"
