@@ -171,6 +171,10 @@ def test_tool_choice(choice: dict[str, Any], openai: Any) -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "auto", "x": 1}}, "tool_choice.x"),
         ({"metadata": {"user_id": "u", "plan": "pro"}}, "metadata.plan"),
         ({"output_config": {}}, "output_config"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}]},
+            "messages.1",
+        ),
     ],
 )
 def test_what_is_refused_is_named(fields: dict[str, Any], param: str) -> None:

@@ -261,6 +261,11 @@ class MessageRequest(Request):
         for i, message in enumerate(self.messages):
             if message.model_extra:
                 raise unsupported(f"messages.{i}.{sorted(message.model_extra)[0]}")
+        last = len(self.messages) - 1
+        if self.messages[last].role == "assistant":
+            # Anthropic continues a last assistant turn (a prefill); a chat template opens a
+            # new one after it, which would answer something else than was asked
+            raise unsupported(f"messages.{last}", "as an assistant's last turn (a prefill)")
         for name in ("metadata", "tool_choice"):
             value = getattr(self, name)
             if value is not None and value.model_extra:
