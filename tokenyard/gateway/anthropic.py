@@ -70,6 +70,8 @@ class ToolResultBlock(Request):
     type: Literal["tool_result"]
     tool_use_id: NonEmptyStr
     content: str | list[dict[str, Any]] | None = None
+    # taken, not rendered: no chat template has a place for it, the result's text is what
+    # the model reads (an error's text says it failed)
     is_error: bool = False
     cache_control: dict[str, Any] | None = None
 
