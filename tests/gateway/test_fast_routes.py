@@ -32,6 +32,13 @@ CHAT = {
     "temperature": 0.0,
 }
 BIG = json.dumps({**OK, "prompt": "x" * 3000}).encode()
+MESSAGE = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 2,
+    "temperature": 0.0,
+}
+X_KEY = {"x-api-key": "sk-acme", "anthropic-version": "2023-06-01"}
 
 
 def _chunked() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
@@ -60,6 +67,14 @@ CASES: list[tuple[str, str, Any, dict[str, str]]] = [
     ("POST", "/v1/completions", _chunked, KEY),  # 413 while reading
     ("GET", "/v1/completions", None, KEY),  # 405, through FastAPI either way
     ("POST", "/v1/completions/", OK, KEY),  # FastAPI's slash redirect either way
+    # Anthropic's API: its keys, its error shape and statuses
+    ("POST", "/v1/messages", MESSAGE, X_KEY),
+    ("POST", "/v1/messages", {**MESSAGE, "stream": True}, KEY),
+    ("POST", "/v1/messages", MESSAGE, {}),
+    ("POST", "/v1/messages", {**MESSAGE, "max_tokens": None}, X_KEY),
+    ("POST", "/v1/messages", {**MESSAGE, "model": "gpt-9"}, X_KEY),
+    ("POST", "/v1/messages", BIG, X_KEY),
+    ("GET", "/v1/messages", None, X_KEY),
 ]
 _VOLATILE = re.compile(r"[0-9a-f]{8,}[0-9a-f-]*")  # job ids in ids, urls and headers
 _DROPPED_HEADERS = {"date", "content-length", "location", "x-job-id"}
@@ -112,7 +127,10 @@ def test_fast_routes_answer_as_fastapi_does(stacks: dict[bool, Stack]) -> None:
         assert on == off, case[:2]
     statuses = [status for status, _, _ in answers[True]]
     assert statuses == [200, 200, 202, 202, 409, 400, 400, 401, 401, 400, 400, 404, 400, 400,
-                        400, 413, 413, 405, 307]  # fmt: skip
+                        400, 413, 413, 405, 307, 200, 200, 401, 400, 404, 413, 405]  # fmt: skip
+    for status, _, body in answers[True][-6:]:
+        if status != 200:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
 
 
 def test_an_unexpected_error_is_the_same_bare_500_either_way(
@@ -130,6 +148,15 @@ def test_an_unexpected_error_is_the_same_bare_500_either_way(
     status, _, body = answers[True]
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "internals" not in json.dumps(body)
+    for fast, stack in stacks.items():
+        with stack.client() as http:
+            answers[fast] = _answer(http, "POST", "/v1/messages", MESSAGE, KEY)
+    assert answers[True] == answers[False]
+    assert answers[True][0] == 500
+    assert answers[True][2] == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "Internal server error"},
+    }
 
 
 def test_fast_routes_count_under_the_route_template(stacks: dict[bool, Stack]) -> None:

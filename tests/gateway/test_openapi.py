@@ -40,8 +40,10 @@ def test_the_document_declares_bodies_statuses_and_content_types(stack: Stack) -
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "422" not in responses, (method, path)
+            # Anthropic's API answers 529 where the others answer 503
+            unavailable = "529" if path.startswith("/v1/messages") else "503"
             if path not in ("/healthz", "/readyz"):
-                assert {"400", "401", "503"} <= set(responses), (method, path)
+                assert {"400", "401", unavailable} <= set(responses), (method, path)
     completions = paths["/v1/completions"]["post"]
     assert completions["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/CompletionRequest"
@@ -55,6 +57,18 @@ def test_the_document_declares_bodies_statuses_and_content_types(stack: Stack) -
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     error = schemas["Error"]["properties"]["error"]
     assert error["required"] == ["message", "type", "param", "code"]
+    messages = paths["/v1/messages"]["post"]
+    assert messages["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/MessageRequest"
+    }
+    assert "503" not in messages["responses"]
+    anthropic_error = {"$ref": "#/components/schemas/AnthropicError"}
+    for status in ("400", "401", "404", "413", "429", "500", "504", "529"):
+        assert messages["responses"][status]["content"]["application/json"]["schema"] == (
+            anthropic_error
+        ), status
+    assert schemas["AnthropicError"]["required"] == ["type", "error"]
+    assert schemas["MessageRequest"]["required"] == ["model", "max_tokens", "messages"]
 
 
 def test_a_405_allows_every_method_of_the_path(stack: Stack) -> None:

@@ -59,9 +59,16 @@ def test_the_openapi_document_says_what_the_server_does(
     entries = json.loads(har.read_text())["log"]["entries"]
     assert len(entries) > 100
     paths = {e["request"]["url"].split("?")[0].removeprefix(stack.url) for e in entries}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/jobs", "/dashboard/data"} <= paths
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/jobs",
+        "/v1/messages",
+        "/dashboard/data",
+    } <= paths
     accepted = [e for e in entries if e["response"]["status"] == 200]
-    assert any(e["request"]["url"].endswith("/v1/completions") for e in accepted)
+    for path in ("/v1/completions", "/v1/messages"):
+        assert any(e["request"]["url"].endswith(path) for e in accepted), path
     for entry in entries:
         response = entry["response"]
         assert response["status"] < 500, entry

@@ -118,7 +118,7 @@ def bearer_key(authorization: str | None) -> str:
     if scheme.lower() != "bearer" or not key.strip():
         raise ApiError(
             401,
-            "Missing API key: send 'Authorization: Bearer <key>'",
+            "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             code="missing_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -193,10 +193,21 @@ class Authenticator:
         return Tenant(config.name, config.priority, config.admin, config.quota, config.weight)
 
 
+def authorization(request: Request) -> str | None:
+    """The request's credentials as an Authorization header: its own, else Anthropic's
+    `x-api-key` header (what Anthropic's clients send) as a bearer key."""
+    header = request.headers.get("authorization")
+    if header is None:
+        key = request.headers.get("x-api-key")
+        if key is not None:
+            return f"Bearer {key}"
+    return header
+
+
 async def authenticate(request: Request) -> Tenant:
     """FastAPI dependency: the calling tenant."""
     auth: Authenticator = request.app.state.gateway.auth
-    tenant = await auth.tenant_for(request.headers.get("authorization"))
+    tenant = await auth.tenant_for(authorization(request))
     access = current_access()
     if access is not None:
         access.tenant = tenant.name
@@ -223,7 +234,7 @@ async def scrape_caller(request: Request) -> Tenant:
     report `broker_up 0` then. Once auth was seen on, it stays required."""
     auth: Authenticator = request.app.state.gateway.auth
     try:
-        tenant = await auth.tenant_for(request.headers.get("authorization"))
+        tenant = await auth.tenant_for(authorization(request))
     except BrokerUnavailable:
         if auth.keyring.enabled or auth.ever_enabled:
             raise

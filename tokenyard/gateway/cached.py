@@ -11,7 +11,7 @@ from tokenyard.gateway import protocol
 from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
-from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer
+from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer, Renderer
 from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
 
@@ -73,10 +73,15 @@ def cached_response(
         how=how,
         tools=tools,
     )
-    return EventStreamResponse(replay(renderer, result), headers)
+    return replayed(renderer, result)
 
 
-async def replay(renderer: OpenAIRenderer, result: JobResult) -> AsyncGenerator[bytes, None]:
+def replayed(renderer: Renderer, result: JobResult) -> EventStreamResponse:
+    """A cached result streamed in `renderer`'s wire format."""
+    return EventStreamResponse(replay(renderer, result), {CACHE_HEADER: "hit"})
+
+
+async def replay(renderer: Renderer, result: JobResult) -> AsyncGenerator[bytes, None]:
     """A cached result as the frames of a stream: the whole answer in one chunk, with the same
     text, ids, logprobs and end as the run that made it."""
     for f in renderer.start():

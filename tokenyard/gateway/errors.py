@@ -1,5 +1,6 @@
 """The HTTP edge of the error taxonomy: every error leaves as OpenAI's shape,
-{"error": {message, type, param, code}}.
+{"error": {message, type, param, code}}, except on Anthropic's Messages API (`ANTHROPIC_PATH`),
+where it leaves as Anthropic's, {"type": "error", "error": {type, message}}, with its statuses.
 
 Errors that mean something outside HTTP are `tokenyard.errors` classes (raised anywhere, mapped
 here once); `ApiError` carries only answers that exist at the HTTP edge (401, 409, 413, 499,
@@ -79,8 +80,55 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return FastJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+# Anthropic's error type of each status it answers (docs.claude.com/en/api/errors)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether a request path is Anthropic's API, whose errors take Anthropic's shape; decided
+    by path, so the errors raised before a route runs (the key, the body limit) take it too."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error(
+    status: int, message: str, param: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """An error's status and body as Anthropic answers them. A 503 (the broker unreachable, a
+    job expired in the queue) is its 529 overloaded_error, which its clients retry; any other
+    4xx is invalid_request_error, as Anthropic's docs say, any other 5xx api_error. Its body
+    has no `param`: the message leads with the parameter, as Anthropic's do, unless it names
+    it already."""
+    if param and param not in message:
+        message = f"{param}: {message}"
+    if status == 503:
+        status = 529
+    type_ = _ANTHROPIC_TYPES.get(status)
+    if type_ is None:
+        type_ = "api_error" if status >= 500 else "invalid_request_error"
+    return status, {"type": "error", "error": {"type": type_, "message": message}}
+
+
+def error_response(exc: ApiError, path: str = "") -> JSONResponse:
+    """The answer to `exc` on a request to `path`: in OpenAI's shape, or Anthropic's there."""
+    status, body = exc.status, exc.body()
+    if anthropic_path(path):
+        status, body = anthropic_error(status, exc.message, exc.param)
+    return FastJSONResponse(body, status_code=status, headers=exc.headers or None)
+
+
+def _answer(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc, request.scope.get("path", ""))
 
 
 def unsupported(param: str, detail: str = "") -> InvalidRequest:
@@ -88,6 +136,17 @@ def unsupported(param: str, detail: str = "") -> InvalidRequest:
     return InvalidRequest(
         f"{what} is not supported by this server", param=param, code="unsupported_parameter"
     )
+
+
+def renamed(exc: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest:
+    """An admission error (which names the chat request's fields) with its parameter named as
+    the API the client called names it (the Responses and the Messages API)."""
+    name = names.get(exc.param or "")
+    if name is None:
+        return exc
+    assert exc.param is not None
+    message = exc.message.replace(f"'{exc.param}'", f"'{name}'").replace(exc.param, name)
+    return InvalidRequest(message, param=name, code=exc.code)
 
 
 def validation_error(errors: list[Any]) -> InvalidRequest:
@@ -115,7 +174,7 @@ def _retry_after(request: Request) -> int:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc)
+    return _answer(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -135,7 +194,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = ApiError(exc.status_code, str(exc.detail))
     err.headers.update(headers)
-    return error_response(err)
+    return _answer(request, err)
 
 
 def _allowed(request: Request) -> list[str]:
@@ -161,13 +220,13 @@ def _leaves(routes: Iterable[Any]) -> Iterator[Any]:
 
 async def _request_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return error_response(_of_user_error(validation_error(list(exc.errors()))))
+    return _answer(request, _of_user_error(validation_error(list(exc.errors()))))
 
 
 def _retry_later(request: Request, status: int, message: str, code: str) -> Response:
     """A refusal the client may retry after the gateway's `retry_after_s`."""
     headers = {"Retry-After": str(_retry_after(request))}
-    return error_response(ApiError(status, message, code=code, headers=headers))
+    return _answer(request, ApiError(status, message, code=code, headers=headers))
 
 
 async def _queue_full(request: Request, exc: Exception) -> Response:
@@ -195,13 +254,13 @@ def _of_user_error(exc: UserError) -> ApiError:
 
 async def _user_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, UserError)
-    return error_response(_of_user_error(exc))
+    return _answer(request, _of_user_error(exc))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     # The traceback goes to the log, never to the client.
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ApiError(500, "Internal server error", type_="server_error"))
+    return _answer(request, ApiError(500, "Internal server error", type_="server_error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenyard.gateway import routes
 from tokenyard.gateway.auth import authenticate
-from tokenyard.gateway.routes import jobs, openai
+from tokenyard.gateway.routes import jobs, messages, openai
 from tokenyard.gateway.routes.jobs import IDEMPOTENCY_KEY_MAX
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -35,6 +35,10 @@ async def _completions(request: Request) -> Response:
 
 async def _chat_completions(request: Request) -> Response:
     return await openai.create_chat_completion(request, await authenticate(request))
+
+
+async def _messages(request: Request) -> Response:
+    return await messages.create_message(request, await authenticate(request))
 
 
 async def _jobs(request: Request) -> Response:
@@ -60,6 +64,7 @@ _HANDLERS: dict[str, Handler] = {
     "/v1/completions": _completions,
     "/v1/chat/completions": _chat_completions,
     "/v1/jobs": _jobs,
+    "/v1/messages": _messages,
 }
 
 

@@ -3,7 +3,6 @@ default, and the model limits its live workers publish (the rule itself is `toke
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
@@ -13,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenyard.broker.tables import WorkerRegistry
 from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest
-from tokenyard.gateway.errors import error_body
+from tokenyard.gateway.errors import ApiError, error_response
 from tokenyard.gateway.refresh import RefreshAhead
 from tokenyard.limits import context_length_exceeded, loosest
 from tokenyard.messages import Feature, ModelLimits
@@ -83,7 +82,7 @@ class BodyLimitMiddleware:
                 drained = not expects_continue and int(declared) <= max_bytes + self.drain_bytes
                 if drained:
                     drained = await _drain(receive, True, int(declared))
-                await _send_413(send, max_bytes, close=not drained)
+                await _send_413(scope, send, max_bytes, close=not drained)
                 return
             if not chunked:
                 # the server frames the body by Content-Length: it cannot grow past it
@@ -105,27 +104,17 @@ class BodyLimitMiddleware:
         await self.app(scope, limited, send)
 
 
-async def _send_413(send: Send, limit: int, *, close: bool) -> None:
-    body = json.dumps(
-        error_body(
-            f"Request body exceeds {limit} bytes",
-            "invalid_request_error",
-            None,
-            "request_too_large",
-        )
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *([(b"connection", b"close")] if close else []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+async def _send_413(scope: Scope, send: Send, limit: int, *, close: bool) -> None:
+    # in the shape of the path's API, as the exception handlers answer the 413 raised later
+    error = ApiError(413, f"Request body exceeds {limit} bytes", code="request_too_large")
+    if close:
+        error.headers["Connection"] = "close"
+    await error_response(error, scope.get("path", ""))(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    # a JSON response reads nothing; the body was drained (or is left with the connection)
+    return {"type": "http.disconnect"}
 
 
 def resolve_max_tokens(

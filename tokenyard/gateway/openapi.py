@@ -20,10 +20,13 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from tokenyard.gateway.anthropic import STOP_SEQUENCES_MAX, TOOL_NAME
 from tokenyard.gateway.auth import authenticate
 from tokenyard.gateway.batches.types import ENDPOINTS
+from tokenyard.gateway.errors import anthropic_path
 from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
 from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.tools.request import MAX_TOOLS
 from tokenyard.limits import MAX_LOGPROBS
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
@@ -42,6 +45,8 @@ _REASONS = {
     500: "The job failed on every attempt",
     503: "The broker is unavailable, the job expired in the queue, or not ready",
     504: "The request timed out",
+    529: "Overloaded: the broker is unavailable or the job expired in the queue (Anthropic's "
+    "status for what the other APIs answer 503)",
 }
 
 
@@ -90,6 +95,21 @@ ERROR = {
                 "code": {"type": ["string", "null"]},
             },
         }
+    },
+}
+
+
+# Anthropic's error shape, which its API's paths answer (`errors.anthropic_path`)
+ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
     },
 }
 
@@ -616,6 +636,125 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
         "ResponseRequest": response,
+        "MessageRequest": _message_request(common, max_tokens),
+    }
+
+
+def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic's Messages API body, as `gateway/anthropic.py` takes it."""
+    cache_control = _nullable({"type": "object"})
+
+    def block(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "required": ["type", *required],
+            "additionalProperties": False,
+            "properties": {"type": {"const": kind}, **properties, "cache_control": cache_control},
+        }
+
+    text = block("text", ["text"], text={"type": "string"}, citations={"type": "null"})
+    texts = {"anyOf": [{"type": "string"}, {"type": "array", "items": text}]}
+    tool_use = block(
+        "tool_use",
+        ["id", "name", "input"],
+        id={"type": "string", "minLength": 1},
+        name={"type": "string", "minLength": 1},
+        input={"type": "object"},
+    )
+    tool_result = block(
+        "tool_result",
+        ["tool_use_id"],
+        tool_use_id={"type": "string", "minLength": 1},
+        content=_nullable(texts),
+        is_error={"type": "boolean"},
+    )
+
+    def message(role: str, *blocks: dict[str, Any]) -> dict[str, Any]:
+        content = {"type": "array", "items": {"anyOf": list(blocks)}}
+        return {
+            "type": "object",
+            "required": ["role", "content"],
+            "additionalProperties": False,
+            "properties": {
+                "role": {"const": role},
+                "content": {"anyOf": [{"type": "string"}, content]},
+            },
+        }
+
+    tool = {
+        "type": "object",
+        "required": ["name", "input_schema"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "pattern": TOOL_NAME},
+            "description": _nullable({"type": "string"}),
+            "input_schema": {"type": "object"},
+            "type": _nullable({"const": "custom"}),
+            "cache_control": cache_control,
+        },
+    }
+    parallel = _nullable({"type": "boolean"})
+    choices = [
+        {
+            "type": "object",
+            "required": ["type"],
+            "additionalProperties": False,
+            "properties": {"type": {"const": kind}, "disable_parallel_tool_use": parallel},
+        }
+        for kind in ("auto", "any", "none")
+    ]
+    named = {
+        "type": "object",
+        "required": ["type", "name"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "tool"},
+            "name": {"type": "string", "minLength": 1},
+            "disable_parallel_tool_use": parallel,
+        },
+    }
+    turns = [message("user", text, tool_result), message("assistant", text, tool_use)]
+    return {
+        "type": "object",
+        "required": ["model", "max_tokens", "messages"],
+        "additionalProperties": False,
+        "properties": {
+            "model": common["model"],
+            "max_tokens": max_tokens,
+            "messages": {"type": "array", "items": {"anyOf": turns}, "minItems": 1},
+            "system": _nullable(texts),
+            "stop_sequences": _nullable(
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "maxItems": STOP_SEQUENCES_MAX,
+                }
+            ),
+            "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+            "top_p": common["top_p"],
+            "top_k": common["top_k"],
+            "stream": {"type": "boolean", "default": False},
+            "metadata": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"user_id": _nullable({"type": "string"})},
+                }
+            ),
+            "tools": _nullable({"type": "array", "items": tool, "maxItems": MAX_TOOLS}),
+            "tool_choice": _nullable({"anyOf": [*choices, named]}),
+            "thinking": _nullable(
+                {
+                    "type": "object",
+                    "required": ["type"],
+                    "additionalProperties": False,
+                    "properties": {"type": {"const": "disabled"}},
+                    "description": "Not supported; only disabled",
+                }
+            ),
+            "cache_control": cache_control,
+            **{name: common[name] for name in ("priority", "deadline", "cache")},
+        },
     }
 
 
@@ -642,7 +781,22 @@ def document(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> 
                 shared.append(413)
             for status in shared:
                 responses.setdefault(str(status), answers(status)[status])
+            if anthropic_path(path):
+                _anthropic_errors(responses)
+    schemas["AnthropicError"] = ANTHROPIC_ERROR
     return doc
+
+
+def _anthropic_errors(responses: dict[str, Any]) -> None:
+    """An operation of Anthropic's API: its errors in Anthropic's shape, and its 529 where the
+    other APIs answer 503 (`errors.anthropic_error` decides both)."""
+    if "503" in responses:
+        del responses["503"]
+        responses["529"] = answers(529)[529]
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}
+    for status, response in list(responses.items()):
+        if status.isdigit() and int(status) >= 400:
+            responses[status] = {**response, "content": content}
 
 
 async def _docs_reader(request: Request) -> None:

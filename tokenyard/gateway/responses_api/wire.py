@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from tokenyard.errors import InvalidRequest
+from tokenyard.gateway import errors
 from tokenyard.gateway.errors import unsupported
 from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, Request
 from tokenyard.gateway.streaming import frame
@@ -296,11 +297,7 @@ def renamed(exc: InvalidRequest) -> InvalidRequest:
     if exc.param is not None and exc.param.startswith("messages."):
         # a message's field: its index counts the instructions and merged calls
         return InvalidRequest(exc.message, param="input", code=exc.code)
-    if exc.param in _PARAMS:
-        name = _PARAMS[exc.param]
-        message = exc.message.replace(f"'{exc.param}'", f"'{name}'").replace(exc.param, name)
-        return InvalidRequest(message, param=name, code=exc.code)
-    return exc
+    return errors.renamed(exc, _PARAMS)
 
 
 # -- the response object ------------------------------------------------------------------------

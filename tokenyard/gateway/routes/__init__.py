@@ -9,6 +9,7 @@ from tokenyard.gateway.routes import (
     files,
     health,
     jobs,
+    messages,
     openai,
     responses,
 )
@@ -22,4 +23,5 @@ ROUTERS = (
     files.router,
     batches.router,
     responses.router,
+    messages.router,
 )
