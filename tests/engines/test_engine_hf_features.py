@@ -20,7 +20,8 @@ import torch
 
 from tests.engines.outputs import Result, collect
 from tokenyard.engines import EngineRequest
-from tokenyard.engines.hf import HFEngine
+from tokenyard.engines.hf import HFEngine, HFEngineBase
+from tokenyard.engines.hf_static import HFStaticEngine
 from tokenyard.engines.sampling import (
     apply_frequency_presence,
     apply_logit_bias,
@@ -50,15 +51,29 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-async def engine(tiny_model_path: Path) -> AsyncIterator[HFEngine]:
-    eng = HFEngine(str(tiny_model_path), max_seqs=128, max_tokens=65536, threads=1)
+@pytest.fixture(params=["hf", "hf-static"])
+async def engine(
+    tiny_model_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[HFEngineBase]:
+    """Both transformers engines: continuous batching, and static batches (of 32 here)."""
+    eng: HFEngineBase
+    if request.param == "hf":
+        eng = HFEngine(str(tiny_model_path), max_seqs=128, max_tokens=65536, threads=1)
+    else:
+        eng = HFStaticEngine(
+            str(tiny_model_path),
+            batch_size=32,
+            batch_timeout_ms=5,
+            max_seqs=128,
+            max_tokens=65536,
+            threads=1,
+        )
     await eng.start()
     yield eng
     await eng.stop()
 
 
-def forward_logits(engine: HFEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
+def forward_logits(engine: HFEngineBase, prompt: list[int], output: list[int]) -> torch.Tensor:
     """The raw logits that predicted each output token: one plain forward pass (fp32)."""
     assert engine.model is not None
     model: torch.nn.Module = engine.model  # type: ignore[assignment]
@@ -68,15 +83,18 @@ def forward_logits(engine: HFEngine, prompt: list[int], output: list[int]) -> to
 
 
 async def run_one(
-    engine: HFEngine, prompt: list[int], params: SamplingParams, sid: str = "s"
+    engine: HFEngineBase, prompt: list[int], params: SamplingParams, sid: str = "s"
 ) -> Result:
     engine.add(EngineRequest(sid, prompt, params))
     return (await collect(engine, 1))[sid]
 
 
-def test_hf_engine_declares_every_feature(tiny_model_path: Path) -> None:
-    eng = HFEngine(str(tiny_model_path), max_seqs=4, max_tokens=4096, threads=1)
-    assert eng.limits().features == frozenset(Feature)
+def test_both_engines_declare_every_feature(tiny_model_path: Path) -> None:
+    for eng in (
+        HFEngine(str(tiny_model_path), max_seqs=4, max_tokens=4096, threads=1),
+        HFStaticEngine(str(tiny_model_path), threads=1),
+    ):
+        assert eng.limits().features == frozenset(Feature)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +115,7 @@ def test_hf_engine_declares_every_feature(tiny_model_path: Path) -> None:
     ids=["rep>1", "rep<1", "freq", "presence", "bias", "all"],
 )
 async def test_penalties_and_bias_follow_the_formulas(
-    engine: HFEngine, kw: dict[str, object]
+    engine: HFEngineBase, kw: dict[str, object]
 ) -> None:
     """Each greedy token is the argmax of the raw logits of a plain forward pass adjusted by
     vLLM's formulas over the prompt and the tokens before it; and the output changed."""
@@ -128,7 +146,7 @@ async def test_penalties_and_bias_follow_the_formulas(
         assert int(row.argmax()) == tok, f"token {i}"
 
 
-async def test_min_tokens_holds_back_eos_and_stop_token_ids(engine: HFEngine) -> None:
+async def test_min_tokens_holds_back_eos_and_stop_token_ids(engine: HFEngineBase) -> None:
     tok = engine.tokenizer
     eos = min(tok.eos_token_ids)
     prompt = tok.encode(PROMPTS[0])
@@ -148,7 +166,7 @@ async def test_min_tokens_holds_back_eos_and_stop_token_ids(engine: HFEngine) ->
     assert r.finish is not None and r.finish.finish_reason is FinishReason.STOP
 
 
-async def test_stop_token_ids_end_with_stop(engine: HFEngine) -> None:
+async def test_stop_token_ids_end_with_stop(engine: HFEngineBase) -> None:
     tok = engine.tokenizer
     prompt = tok.encode(PROMPTS[1])
     ref = (await run_one(engine, prompt, greedy(24), "ref")).token_ids
@@ -160,7 +178,7 @@ async def test_stop_token_ids_end_with_stop(engine: HFEngine) -> None:
     assert r.finish.completion_tokens == k + 1
 
 
-async def test_greedy_logprobs_match_a_forward_pass(engine: HFEngine) -> None:
+async def test_greedy_logprobs_match_a_forward_pass(engine: HFEngineBase) -> None:
     tok = engine.tokenizer
     for i, p in enumerate(PROMPTS):
         engine.add(EngineRequest(f"g{i}", tok.encode(p), greedy(12, logprobs=5)))
@@ -186,7 +204,7 @@ async def test_greedy_logprobs_match_a_forward_pass(engine: HFEngine) -> None:
     assert res["plain"].token_ids == res["none"].token_ids
 
 
-async def test_sampled_logprobs_are_raw_and_of_the_chosen_token(engine: HFEngine) -> None:
+async def test_sampled_logprobs_are_raw_and_of_the_chosen_token(engine: HFEngineBase) -> None:
     prompt = engine.tokenizer.encode(PROMPTS[2])
     params = SamplingParams(max_tokens=12, temperature=1.5, seed=3, ignore_eos=True, logprobs=2)
     params_pen = SamplingParams(
@@ -211,7 +229,7 @@ def sampled(seed: int, guide: Guide, max_tokens: int = SCHEMA_TOKENS) -> Samplin
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, guide=guide)
 
 
-async def test_json_schema_outputs_validate_100_of_100(engine: HFEngine) -> None:
+async def test_json_schema_outputs_validate_100_of_100(engine: HFEngineBase) -> None:
     guide = Guide(json=json.dumps(SCHEMA))
     tok = engine.tokenizer
     n = 100
@@ -227,7 +245,7 @@ async def test_json_schema_outputs_validate_100_of_100(engine: HFEngine) -> None
     assert len(texts) > n // 2  # sampled: the seeds give different objects
 
 
-async def test_regex_choice_grammar_and_json_object(engine: HFEngine) -> None:
+async def test_regex_choice_grammar_and_json_object(engine: HFEngineBase) -> None:
     tok = engine.tokenizer
     prompt = tok.encode(PROMPTS[0])
     guides = {
@@ -256,7 +274,7 @@ async def test_regex_choice_grammar_and_json_object(engine: HFEngine) -> None:
             assert obj.text.startswith("{")
 
 
-async def test_resumed_constrained_sequence_continues_and_validates(engine: HFEngine) -> None:
+async def test_resumed_constrained_sequence_continues_and_validates(engine: HFEngineBase) -> None:
     tok = engine.tokenizer
     prompt = tok.encode(PROMPTS[1])
     params = sampled(7, Guide(json=json.dumps(SCHEMA)))
@@ -284,7 +302,7 @@ async def test_resumed_constrained_sequence_continues_and_validates(engine: HFEn
     ],
     ids=["ref", "type", "notjson", "regex", "grammar", "nochoice", "two"],
 )
-async def test_bad_guides_are_invalid_requests(engine: HFEngine, guide: Guide) -> None:
+async def test_bad_guides_are_invalid_requests(engine: HFEngineBase, guide: Guide) -> None:
     prompt = engine.tokenizer.encode(PROMPTS[0])
     with pytest.raises(InvalidRequest) as err:
         engine.add(EngineRequest("bad", prompt, sampled(0, guide)))
@@ -294,7 +312,7 @@ async def test_bad_guides_are_invalid_requests(engine: HFEngine, guide: Guide) -
     assert len(r.token_ids) == 4
 
 
-async def test_constrained_row_leaves_its_batch_unchanged(engine: HFEngine) -> None:
+async def test_constrained_row_leaves_its_batch_unchanged(engine: HFEngineBase) -> None:
     tok = engine.tokenizer
     alone = {}
     for i, p in enumerate(PROMPTS):
