@@ -42,6 +42,7 @@ from tokenyard.engines.base import (
     EngineRequest,
     EngineSeq,
     LocalEngine,
+    StepOutput,
     open_seq,
     weights_fingerprint,
 )
@@ -412,6 +413,12 @@ class HFEngineBase(LocalEngine[HFSeq]):
                     stop_token_ids=self.tokenizer.eos_token_ids,
                 )
             return self._guides
+
+    def _close_locked(self) -> list[StepOutput]:
+        with self._guides_lock:
+            if self._guides is not None:
+                self._guides.close()
+        return super()._close_locked()
 
     def _open(self, request: EngineRequest) -> HFSeq:
         """Check and build a sequence; a structured output compiles here, on the caller's
