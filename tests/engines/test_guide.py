@@ -49,6 +49,19 @@ def test_json_strings_refuse_raw_control_characters(compiler: GuideCompiler) -> 
     assert not accepts(compiler, guide, '"abcde"')
 
 
+def test_json_strings_refuse_utf8_surrogates(
+    compiler: GuideCompiler, tiny_model_path: Path
+) -> None:
+    """ED B0 94 (a surrogate's 3-byte form, not UTF-8) decodes as three U+FFFD: refused."""
+    hf = load_hf_tokenizer(tiny_model_path).hf
+    quote, ed, b0_94 = hf.convert_tokens_to_ids(['"', "í", "°Ķ"])
+    assert hf.decode([ed, b0_94]) == "\ufffd" * 3
+    for schema in ({"type": "string", "maxLength": 4}, {"type": "string"}):
+        matcher = xgr.GrammarMatcher(compiler.compile(Guide(json=json.dumps(schema))))
+        assert matcher.accept_token(quote) and matcher.accept_token(ed)
+        assert not matcher.accept_token(b0_94)
+
+
 def test_json_object_is_an_object(compiler: GuideCompiler) -> None:
     guide = Guide(json_object=True)
     assert accepts(compiler, guide, '{"a": [1, {"b": null}]}')

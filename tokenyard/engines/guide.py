@@ -25,11 +25,12 @@ from tokenyard.messages import Guide
 COMPILE_TIMEOUT_S = 10.0
 _PARAM = "response_format"
 _REMEMBERED = 256  # compilations kept per engine (xgrammar's own cache holds the grammars too)
-# xgrammar (0.2.8) writes a length-bounded JSON string's characters as this class, which lets
-# raw control characters through (invalid JSON: json.loads refuses them); its unbounded strings
-# exclude them, as below.
-_LAX_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+# xgrammar (0.2.8) writes a JSON string's characters as these classes: a length-bounded one
+# lets raw control characters through (invalid JSON: json.loads refuses them), and both let the
+# 3-byte UTF-8 forms of surrogates through (ED A0..BF xx: not UTF-8, decoded as three U+FFFD, so
+# a maxLength counted one character is three). Strict JSON text excludes both.
+_LAX_STRING_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 _ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 
 
@@ -48,9 +49,11 @@ def choice_grammar(choices: Sequence[str]) -> str:
 def json_schema_grammar(schema: str) -> str:
     """The EBNF grammar of a JSON schema: compact JSON (any_whitespace would let a sampled
     model pad with spaces and newlines forever; vLLM turns it off for xgrammar too), strict
-    (no properties beyond the schema's), strings without raw control characters."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-    return str(grammar).replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
+    (no properties beyond the schema's), strings of valid characters (see above)."""
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    for lax in _LAX_STRING_CHARS:
+        grammar = grammar.replace(lax, _JSON_STRING_CHAR)
+    return grammar
 
 
 def guide_kind(guide: Guide) -> str:
