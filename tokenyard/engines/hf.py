@@ -273,6 +273,7 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         self, requests_in_batch: list[FutureRequestState], arg_storage: torch.Tensor
     ) -> torch.Tensor:
         rows = [r.state for r in requests_in_batch if r.has_new_token]
+        self._prepare_features([s.request_id for s in rows])
         if not rows:
             return arg_storage
         n = len(rows)
@@ -287,7 +288,6 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         # the token being sampled, the same with or without a resume.
         keys = sample_keys(seeds, [s.position_offset for s in rows])
         arg_storage[3, :n] = torch.tensor(keys, dtype=torch.int32).to(arg_storage.device)
-        self._prepare_features([s.request_id for s in rows])
         return arg_storage
 
     def __call__(
