@@ -329,3 +329,21 @@ async def test_constrained_row_leaves_its_batch_unchanged(engine: HFEngineBase) 
         assert res[f"b{i}"].token_ids == alone[i]
     jsonschema.validate(json.loads(res["c"].text), SCHEMA)
     assert not math.isnan(sum(lp.logprob for o in res["pen"].outputs for lp in o.logprobs or []))
+
+
+async def test_plain_requests_cost_no_feature_work(tiny_model_path: Path) -> None:
+    """Without a row that uses a feature the CPU engine allocates and fills no buffers; after
+    one, its rows are reset and later plain steps skip them again."""
+    eng = HFEngine(str(tiny_model_path), max_seqs=8, max_tokens=4096, threads=1)
+    await eng.start()
+    try:
+        prompt = eng.tokenizer.encode(PROMPTS[0])
+        plain = (await run_one(eng, prompt, greedy(8), "p")).token_ids
+        processor = eng._processor
+        assert processor is not None and processor._adjust is None
+        await run_one(eng, prompt, greedy(8, presence_penalty=1.0), "f")
+        assert processor._adjust is not None
+        assert (await run_one(eng, prompt, greedy(8), "p2")).token_ids == plain
+        assert not processor._adjust.dirty and not processor._adjusting
+    finally:
+        await eng.stop()

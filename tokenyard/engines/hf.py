@@ -1,7 +1,9 @@
 """transformers continuous batching: the CB manager steps whatever tokenyard's scheduler started.
 
 Sampling is tokenyard's own (`sampling.py`), not transformers' sampler, so greedy is exact and
-seeded sampling survives a resume. The paged KV cache and the engine's capacity are sized from
+seeded sampling survives a resume. Both engines here implement every optional decoding feature:
+penalties, logit_bias and min_tokens by vLLM's formulas, raw logprobs, and structured outputs
+compiled by xgrammar (`guide.py`). The paged KV cache and the engine's capacity are sized from
 the device: free GPU memory after the weights on CUDA, settings (bounded by RAM) on CPU.
 """
 
