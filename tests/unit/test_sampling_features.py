@@ -76,7 +76,7 @@ def test_buffers_apply_every_feature_in_vllm_order() -> None:
         stop_token_ids=(11,),
     )
     f = RowFeatures(params, prompt_ids=[1, 2, 3], output_ids=[3, 4, 4], stop_ids=[0])
-    assert f.adjusts and f.useful
+    assert f.adjusts
     s = logits(3)
     buffers = AdjustBuffers(4, VOCAB, torch.device("cpu"))
     buffers.fill([(1, f)])

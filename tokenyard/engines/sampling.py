@@ -11,6 +11,7 @@ skipped while a graph is being captured.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -177,13 +178,18 @@ class RowFeatures:
         self.repetition = params.repetition_penalty
         self.bias = params.logit_bias
         self.min_tokens = params.min_tokens
-        # what min_tokens holds back: the end-of-sequence ids and the stop token ids
-        self.stop_ids = sorted({*stop_ids, *params.stop_token_ids})
         self.logprobs = params.logprobs
         self.matcher = matcher
-        self.prompt_set = set(prompt_ids) if self.repetition != 1.0 else set()
+        # Host tensors built once, so a step's fill costs per row a few tensor ops, not a
+        # Python loop over the prompt: the bias pairs, what min_tokens holds back (the
+        # end-of-sequence ids and the stop token ids), the prompt's distinct tokens.
+        self.bias_ids = torch.tensor([t for t, _ in self.bias], dtype=torch.int64)
+        self.bias_values = torch.tensor([b for _, b in self.bias], dtype=torch.float32)
+        self.stop_ids = torch.tensor(sorted({*stop_ids, *params.stop_token_ids}), dtype=torch.int64)
+        prompt = prompt_ids if self.repetition != 1.0 else ()
+        self.prompt_ids = torch.tensor(sorted(set(prompt)), dtype=torch.int64)
         self.output: list[int] = []
-        self.counts: dict[int, int] = {}
+        self.counts: dict[int, int] = {}  # output token -> occurrences
         self.push(output_ids)
 
     @property
@@ -203,11 +209,6 @@ class RowFeatures:
         self.output.extend(token_ids)
         for tok in token_ids:
             self.counts[tok] = self.counts.get(tok, 0) + 1
-
-    @property
-    def useful(self) -> bool:
-        """Whether it does anything at all (otherwise the engine does not keep it)."""
-        return self.adjusts or self.logprobs is not None or self.min_tokens > 0
 
 
 class Matcher(Protocol):
@@ -247,33 +248,34 @@ class AdjustBuffers:
             self.factor.index_fill_(0, dirty, 1.0)
             self.post.index_fill_(0, dirty, 0.0)
         self._dirty = [r for r, _ in rows]
-        pre_idx: tuple[list[int], list[int], list[float]] = ([], [], [])
-        rep_idx: tuple[list[int], list[int], list[float]] = ([], [], [])
-        post_idx: tuple[list[int], list[int], list[float]] = ([], [], [])
+        pre: list[_Entries] = []
+        factor: list[_Entries] = []
+        post: list[_Entries] = []
         guided: list[tuple[int, Matcher]] = []
         for r, f in rows:
-            for tok, bias in f.bias:
-                _put(pre_idx, r, tok, bias)
-            if f.repetition != 1.0:
-                for tok in f.prompt_set.union(f.counts):
-                    _put(rep_idx, r, tok, f.repetition)
-            if f.frequency or f.presence:
-                for tok, n in f.counts.items():
-                    _put(post_idx, r, tok, -(f.frequency * n + f.presence))
+            if f.bias:
+                pre.append(_entries(r, f.bias_ids, f.bias_values))
+            if f.repetition != 1.0 or f.frequency or f.presence:
+                out_ids = torch.tensor(list(f.counts), dtype=torch.int64)
+                if f.repetition != 1.0:
+                    ids = torch.cat([f.prompt_ids, out_ids])  # a repeat writes the same value
+                    factor.append(_entries(r, ids, torch.full(ids.shape, f.repetition)))
+                if f.frequency or f.presence:
+                    n = torch.tensor(list(f.counts.values()), dtype=torch.float32)
+                    post.append(_entries(r, out_ids, -(f.frequency * n + f.presence)))
             if len(f.output) < f.min_tokens:
-                for tok in f.stop_ids:
-                    _put(post_idx, r, tok, float("-inf"))
+                post.append(_entries(r, f.stop_ids, torch.full(f.stop_ids.shape, -math.inf)))
             if f.matcher is not None:
                 guided.append((r, f.matcher))
-        for buf, idx, accumulate in (
-            (self.pre, pre_idx, False),
-            (self.factor, rep_idx, False),
-            # a masked token may also be penalised: -inf + x stays -inf
-            (self.post, post_idx, True),
+        for buf, entries, accumulate in (
+            (self.pre, pre, False),
+            (self.factor, factor, False),
+            # a held-back token may also be penalised: -inf + x stays -inf
+            (self.post, post, True),
         ):
-            if idx[0]:
-                where = (torch.tensor(idx[0], device=device), torch.tensor(idx[1], device=device))
-                values = torch.tensor(idx[2], dtype=buf.dtype, device=device)
+            if entries:
+                where = tuple(torch.cat([e[i] for e in entries]).to(device) for i in (0, 1))
+                values = torch.cat([e[2] for e in entries]).to(device, buf.dtype)
                 buf.index_put_(where, values, accumulate=accumulate)
         if guided:
             self._mask_guided(guided)
@@ -295,10 +297,12 @@ class AdjustBuffers:
         return apply_adjustments(scores, self.pre[:n], self.factor[:n], self.post[:n])
 
 
-def _put(idx: tuple[list[int], list[int], list[float]], row: int, tok: int, v: float) -> None:
-    idx[0].append(row)
-    idx[1].append(tok)
-    idx[2].append(v)
+# (rows, token ids, values) to write into a buffer
+_Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _entries(row: int, ids: torch.Tensor, values: torch.Tensor) -> _Entries:
+    return torch.full_like(ids, row), ids, values
 
 
 class LogprobBuffers:
