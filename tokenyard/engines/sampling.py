@@ -6,7 +6,9 @@ Logits are temperature-scaled and top-k/top-p filtered per row, then Gumbel nois
 independent of batch composition, so a resumed sequence continues exactly.
 
 Tensor ops only, so everything is safe inside CUDA graphs; shortcuts that need a host sync are
-skipped while a graph is being captured.
+skipped while a graph is being captured. Penalties, logit_bias, min_tokens and structured-output
+masks (vLLM's formulas and order) reach the logits through dense per-row buffers that the host
+fills before each forward pass (`AdjustBuffers`), and logprobs leave through `LogprobBuffers`.
 """
 
 from __future__ import annotations
