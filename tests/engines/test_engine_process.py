@@ -16,7 +16,7 @@ from tests.engines.outputs import collect
 from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.process import ProcessEngine, make_engine_in_process
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams
 
 # One child per engine kind for the module: spawning one costs seconds (torch import).
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -224,3 +224,21 @@ async def test_stop_is_clean(kind: tuple[str, dict[str, Any]]) -> None:
 async def test_options_must_be_plain_data() -> None:
     with pytest.raises(TypeError, match="cannot be sent"):
         ProcessEngine("sim", {"sleep": lambda s: None})
+
+
+async def test_decoding_features_cross_the_pipe(proc_engine: ProcessEngine) -> None:
+    """The child's features are the parent's; a structured output the child cannot compile
+    comes back as a refused ERROR (the job fails without a retry), and one it can runs."""
+    if proc_engine.name != "hf":
+        assert proc_engine.limits().features == frozenset()
+        return
+    assert proc_engine.limits().features == frozenset(Feature)
+    tok = proc_engine.tokenizer
+    bad = SamplingParams(max_tokens=8, guide=Guide(regex="(unclosed"))
+    proc_engine.add(EngineRequest("bad", tok.encode("hi"), bad))
+    good = SamplingParams(max_tokens=8, temperature=1.0, seed=1, guide=Guide(choice=("yes", "no")))
+    proc_engine.add(EngineRequest("good", tok.encode("hi"), good))
+    res = await collect(proc_engine, 2)
+    finish = res["bad"].finish
+    assert finish is not None and finish.finish_reason is FinishReason.ERROR and finish.refused
+    assert res["good"].text in ("yes", "no")

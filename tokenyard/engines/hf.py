@@ -1,7 +1,9 @@
 """transformers continuous batching: the CB manager steps whatever tokenyard's scheduler started.
 
 Sampling is tokenyard's own (`sampling.py`), not transformers' sampler, so greedy is exact and
-seeded sampling survives a resume. The paged KV cache and the engine's capacity are sized from
+seeded sampling survives a resume. Both engines here implement every optional decoding feature:
+penalties, logit_bias and min_tokens by vLLM's formulas, raw logprobs, and structured outputs
+compiled by xgrammar (`guide.py`). The paged KV cache and the engine's capacity are sized from
 the device: free GPU memory after the weights on CUDA, settings (bounded by RAM) on CPU.
 """
 
@@ -42,14 +44,22 @@ from tokenyard.engines.base import (
     EngineRequest,
     EngineSeq,
     LocalEngine,
+    StepOutput,
     open_seq,
     weights_fingerprint,
 )
 from tokenyard.engines.detok import Delta
+from tokenyard.engines.guide import GuideCompiler
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
-from tokenyard.engines.sampling import process_rows, sample_keys
+from tokenyard.engines.sampling import (
+    AdjustBuffers,
+    LogprobBuffers,
+    RowFeatures,
+    process_rows,
+    sample_keys,
+)
 from tokenyard.errors import FatalError
-from tokenyard.messages import EngineStats, FinishReason
+from tokenyard.messages import EngineStats, Feature, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingManager
@@ -187,16 +197,75 @@ def _as_int32(values: Sequence[float], kind: type) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
-    """tokenyard's sampling as the manager's logits processing: one pass over all arguments."""
+# one logprobs entry from the device: (chosen token, its logprob, the top (id, logprob) pairs)
+_StepLogprob = tuple[int, float, list[tuple[int, float]]]
 
-    def __init__(self) -> None:
+
+class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
+    """tokenyard's sampling as the manager's logits processing: one pass over all arguments.
+
+    Rows whose sequence has `RowFeatures` (penalties, bias, min_tokens, a structured output,
+    logprobs) also go through dense per-row buffers filled on the host before the forward pass
+    (`prepare_tensor_args`), so the device work keeps fixed shapes and addresses (CUDA graphs).
+    Eagerly, a step whose rows use none of them does no extra tensor work; while a CUDA graph is
+    captured, everything is recorded, since the graph replays for any later batch.
+    """
+
+    def __init__(
+        self,
+        features: Callable[[str], RowFeatures | None],
+        *,
+        rows: int,
+        vocab: int,
+        device: torch.device,
+        eager_buffers: bool,
+    ) -> None:
         # Not the parent's constructor: it converts transformers processors, and we have none.
         self.logits_processor = LogitsProcessorList()
         self.tensors_required = len(_ARGS)
         self.supported_keys = {name: kind for name, kind, _ in _ARGS}
         self.ignored_keys: set[str] = set()
         self.do_processing = True
+        self._features = features
+        self._rows, self._vocab, self._device = rows, vocab, device
+        # The buffers cost 3 x rows x vocab floats: made on first use, unless a CUDA graph may
+        # be captured (it must see them from the start).
+        self._adjust: AdjustBuffers | None = None
+        self._logprobs: LogprobBuffers | None = None
+        if eager_buffers:
+            self._adjust, self._logprobs = self._buffers()
+        self._adjusting = False  # this step has rows with adjusted logits
+        self._logprob_rows: dict[str, int] = {}  # request id -> row, this step
+
+    def _buffers(self) -> tuple[AdjustBuffers, LogprobBuffers]:
+        if self._adjust is None or self._logprobs is None:
+            self._adjust = AdjustBuffers(self._rows, self._vocab, self._device)
+            self._logprobs = LogprobBuffers(self._rows, self._vocab, self._device)
+        return self._adjust, self._logprobs
+
+    def _prepare_features(self, request_ids: list[str]) -> None:
+        """Fill the buffers for this step's rows (on the manager thread, before the forward)."""
+        adjust: list[tuple[int, RowFeatures]] = []
+        logprob_rows: dict[str, int] = {}
+        for row, request_id in enumerate(request_ids):
+            f = self._features(request_id)
+            if f is None:
+                continue
+            if f.adjusts:
+                adjust.append((row, f))
+            if f.logprobs is not None:
+                logprob_rows[request_id] = row
+        self._logprob_rows = logprob_rows
+        self._adjusting = bool(adjust)
+        if adjust or (self._adjust is not None and self._adjust.dirty):
+            self._buffers()[0].fill(adjust)
+
+    def step_logprobs(self) -> dict[str, _StepLogprob]:
+        """The last step's logprobs of the rows that asked, by request id (one device read)."""
+        if not self._logprob_rows or self._logprobs is None:
+            return {}
+        rows = self._logprobs.read(max(self._logprob_rows.values()) + 1)
+        return {rid: rows[row] for rid, row in self._logprob_rows.items()}
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         for row, (_, kind, default) in enumerate(_ARGS):
@@ -206,6 +275,7 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         self, requests_in_batch: list[FutureRequestState], arg_storage: torch.Tensor
     ) -> torch.Tensor:
         rows = [r.state for r in requests_in_batch if r.has_new_token]
+        self._prepare_features([s.request_id for s in rows])
         if not rows:
             return arg_storage
         n = len(rows)
@@ -226,13 +296,20 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         self, input_ids: torch.LongTensor, scores: torch.Tensor, logits_processor_args: torch.Tensor
     ) -> torch.Tensor:
         args = logits_processor_args[:, : scores.size(0)]
-        return process_rows(
+        capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
+        raw = scores
+        if self._adjusting or capturing:
+            scores = self._buffers()[0].apply(scores)
+        out = process_rows(
             scores,
             temperature=args[0].view(torch.float32),
             top_k=args[1],
             top_p=args[2].view(torch.float32),
             keys=args[3],
         )
+        if self._logprob_rows or capturing:
+            self._buffers()[1].record(raw, out)
+        return out
 
 
 class _StepRouter(OutputRouter):
@@ -259,6 +336,7 @@ class HFSeq(EngineSeq):
     internal_id: str = ""  # the manager's id: seq_id plus a counter, unique per attempt
     seen: int = 0  # tokens of the CB output already consumed
     aborted: bool = False
+    features: RowFeatures | None = None  # penalties, bias, masks, guide, logprobs: when asked
 
 
 class HFLoadOptions(TypedDict, total=False):
@@ -292,9 +370,14 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self.seed = seed
         self.threads = threads
         self.tokenizer: HFTokenizer = load_hf_tokenizer(self.model_path)
+        self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        # the width of the model's logits (may exceed the tokenizer's vocabulary)
+        self.logits_vocab = int(self.config.get_text_config().vocab_size)
         self.model: CausalLM | None = None
         self._started = False
         self._revision: str | None = None
+        self._guides: GuideCompiler | None = None
+        self._guides_lock = threading.Lock()
 
     @property
     def revision(self) -> str:
@@ -323,15 +406,62 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self.model = cast(CausalLM, loaded)
         return self.model
 
+    def _guide_compiler(self) -> GuideCompiler:
+        with self._guides_lock:
+            if self._guides is None:
+                self._guides = GuideCompiler(
+                    self.tokenizer.hf,
+                    vocab_size=self.logits_vocab,
+                    stop_token_ids=self.tokenizer.eos_token_ids,
+                )
+            return self._guides
+
+    def _close_locked(self) -> list[StepOutput]:
+        with self._guides_lock:
+            if self._guides is not None:
+                self._guides.close()
+        return super()._close_locked()
+
     def _open(self, request: EngineRequest) -> HFSeq:
+        """Check and build a sequence; a structured output compiles here, on the caller's
+        thread (bounded by the compiler's timeout), and replays any resumed tokens."""
         tok = self.tokenizer
-        return open_seq(
+        seq = open_seq(
             HFSeq,
             request,
             decode=tok.decode,
             eos_token_ids=tok.eos_token_ids,
             model_limits=self.limits(),
         )
+        params = seq.params
+        if params.features - {Feature.STOP_TOKEN_IDS}:  # the decoder alone handles those
+            resumed = request.resume_token_ids
+            matcher = None
+            if params.guide is not None:
+                matcher = self._guide_compiler().matcher(params.guide, resumed)
+            seq.features = RowFeatures(
+                params,
+                prompt_ids=request.prompt_token_ids,
+                output_ids=resumed,
+                stop_ids=tok.eos_token_ids,
+                matcher=matcher,
+            )
+        return seq
+
+    def _features_update(self, seq: HFSeq, new: list[int]) -> tuple[str | None, bool]:
+        """Advance a sequence's features past its new tokens: (an error, whether its
+        structured output is complete)."""
+        f = seq.features
+        if f is None:
+            return None, False
+        f.push(new)
+        if f.matcher is None:
+            return None, False
+        for t in new:
+            if not f.matcher.accept(t):
+                # only when nothing was allowed (e.g. min_tokens holds back the one ending)
+                return f"token {t} does not follow the structured output", False
+        return None, f.matcher.terminated
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,6 +479,7 @@ class HFEngine(HFEngineBase):
     """
 
     name = "hf"
+    features = frozenset(Feature)
 
     def __init__(
         self,
@@ -365,7 +496,7 @@ class HFEngine(HFEngineBase):
     ) -> None:
         super().__init__(model, **load)
         cuda = self.device.type == "cuda"
-        config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        config = self.config
         self.page_size = page_size or (256 if cuda else 64)
         default_fraction = CUDA_KV_FRACTION if cuda else CPU_KV_FRACTION
         self.kv_fraction = kv_cache_memory_fraction or default_fraction
@@ -392,6 +523,12 @@ class HFEngine(HFEngineBase):
         self._zombies: OrderedDict[str, None] = OrderedDict()
         self._ids = itertools.count()
         self._warm = threading.Event()
+        self._processor: _SamplingProcessors | None = None
+
+    def _row_features(self, internal_id: str) -> RowFeatures | None:
+        """A running sequence's features (on the manager thread; a dict read needs no lock)."""
+        seq = self._by_internal.get(internal_id)
+        return None if seq is None else seq.features
 
     def _plan(self, kv_tokens: int) -> EngineCapacity:
         max_seqs, max_tokens = self._wanted
@@ -438,6 +575,9 @@ class HFEngine(HFEngineBase):
             max_requests_per_batch=cap.max_seqs,
             use_cuda_graph=self.cuda_graphs and cuda,
             seed=self.seed,
+            # Asynchronous batching prepares step N+1 before step N's token is known: the
+            # penalties and a structured output's mask need that token first.
+            use_async_batching=False,
         )
 
     def _start_sync(self) -> None:
@@ -449,14 +589,22 @@ class HFEngine(HFEngineBase):
             eos_token_id=eos or -1,
             pad_token_id=self.tokenizer.pad_token_id,
         )
+        cb_config = self._cb_config()
         manager = model.init_continuous_batching(
-            generation_config=generation_config, continuous_batching_config=self._cb_config()
+            generation_config=generation_config, continuous_batching_config=cb_config
         )
         # Both must be replaced before the batch processor exists: it picks them up when created.
         # They are manager internals (checked against transformers 5.23), so fail loudly.
         if not (hasattr(manager, "logit_processor") and hasattr(manager, "output_router")):
             raise RuntimeError("unsupported transformers continuous-batching internals")
-        manager.logit_processor = _SamplingProcessors()
+        self._processor = _SamplingProcessors(
+            self._row_features,
+            rows=cb_config.max_requests_per_batch or self.capacity.max_seqs,
+            vocab=self.logits_vocab,
+            device=self.device,
+            eager_buffers=self.cuda_graphs and self.device.type == "cuda",
+        )
+        manager.logit_processor = self._processor
         manager.output_router = _StepRouter(self._on_outputs)
         # Creates the paged cache now, so its real size is known, and with CUDA graphs captures
         # them at the largest batch; `warmup` adds one real request for the smallest shapes.
@@ -565,6 +713,7 @@ class HFEngine(HFEngineBase):
         """Runs on the manager's thread after every forward pass."""
         step = []
         stepped = 0
+        logprobs = self._processor.step_logprobs() if self._processor is not None else {}
         with self._lock:
             for out in outputs:
                 seq = self._by_internal.get(out.request_id)
@@ -579,15 +728,27 @@ class HFEngine(HFEngineBase):
                 seq.seen = len(out.generated_tokens)
                 if new:
                     stepped += 1
+                error, complete = self._features_update(seq, new)
+                if error is not None:
+                    step.append(seq.finish(FinishReason.ERROR, error=error))
+                    self._finish_locked(seq, engine_done=out.is_finished())
+                    continue
                 delta = seq.decoder.feed(new)
-                if delta.finish_reason is None and out.is_finished():
-                    # The manager stopped first (its own length or EOS check): agree with it.
+                if delta.finish_reason is None and (complete or out.is_finished()):
+                    # The grammar is complete, or the manager stopped first (its own length or
+                    # EOS check): agree with it.
                     last_eos = bool(new) and new[-1] in self.tokenizer.eos_token_ids
-                    tail = seq.decoder.close(FinishReason.STOP if last_eos else FinishReason.LENGTH)
+                    stop = complete or last_eos
+                    tail = seq.decoder.close(FinishReason.STOP if stop else FinishReason.LENGTH)
                     delta = Delta(delta.token_ids, delta.text + tail.text, tail.finish_reason)
                 self._stats.tokens_generated += len(delta.token_ids)
                 if delta.token_ids or delta.text or delta.finish_reason is not None:
-                    step.append(seq.output(delta))
+                    output = seq.output(delta)
+                    if seq.params.logprobs is not None and delta.token_ids:
+                        output.logprobs = _token_logprobs(
+                            delta.token_ids, logprobs.get(out.request_id), seq.params.logprobs
+                        )
+                    step.append(output)
                 if delta.finish_reason is not None:
                     self._finish_locked(seq, engine_done=out.is_finished())
             if stepped:
@@ -608,3 +769,19 @@ class HFEngine(HFEngineBase):
             self._zombies.pop(out.request_id, None)
         elif self._manager is not None:
             self._manager.cancel_request(out.request_id)
+
+
+def _token_logprobs(token_ids: list[int], entry: _StepLogprob | None, k: int) -> list[TokenLogprob]:
+    """The logprobs of one step's tokens: the step's entry for its (one) sampled token.
+
+    A sequence gains one token per step, so `token_ids` has one; the entry's own token is the
+    one the manager chose (the same argmax), kept as a check. Without an entry (never expected)
+    the value is NaN rather than a misaligned list.
+    """
+    result = []
+    for i, tok in enumerate(token_ids):
+        if entry is not None and i == len(token_ids) - 1 and entry[0] == tok:
+            result.append(TokenLogprob(tok, entry[1], tuple(entry[2][:k])))
+        else:
+            result.append(TokenLogprob(tok, math.nan))
+    return result

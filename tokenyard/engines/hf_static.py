@@ -20,15 +20,23 @@ from transformers import (
 )
 
 from tokenyard.engines.base import EngineCapacity, EngineRequest, StepOutput
+from tokenyard.engines.detok import Delta
 from tokenyard.engines.hf import HFEngineBase, HFLoadOptions, HFSeq
-from tokenyard.engines.sampling import process_rows, sample_keys
-from tokenyard.messages import EngineStats, FinishReason
+from tokenyard.engines.sampling import (
+    AdjustBuffers,
+    LogprobBuffers,
+    process_rows,
+    sample_keys,
+)
+from tokenyard.messages import EngineStats, Feature, FinishReason, TokenLogprob
 
 
 class _RowSampler(LogitsProcessor):
-    """Per-row sampling inside a padded model.generate: the same maths as continuous batching."""
+    """Per-row sampling inside a padded model.generate: the same maths as continuous batching,
+    penalties, bias, masks and logprobs included (each row's features are advanced by the
+    stopper, which generate calls after each token)."""
 
-    def __init__(self, rows: list[HFSeq], input_len: int, device: torch.device) -> None:
+    def __init__(self, rows: list[HFSeq], input_len: int, vocab: int, device: torch.device) -> None:
         self._input_len = input_len
         self._seeds = [r.noise_seed for r in rows]
         self._base = [len(r.input_ids) for r in rows]
@@ -36,35 +44,52 @@ class _RowSampler(LogitsProcessor):
         self._temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         self._top_k = torch.tensor([r.params.top_k for r in rows], device=device)
         self._top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        self._features = [(i, r.features) for i, r in enumerate(rows) if r.features is not None]
+        self._adjust = AdjustBuffers(len(rows), vocab, device) if self._features else None
+        want = any(f.logprobs is not None for _, f in self._features)
+        self.logprobs = LogprobBuffers(len(rows), vocab, device) if want else None
+        self.done = [False] * len(rows)  # the stopper's: finished rows are left as they are
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if not self._sampled:
-            return scores  # all greedy: generate's argmax is exactly what we want
-        generated = input_ids.shape[1] - self._input_len
-        keys = sample_keys(self._seeds, [b + generated for b in self._base])
-        out = process_rows(
-            scores,
-            self._temperature,
-            self._top_k,
-            self._top_p,
-            torch.tensor(keys, device=scores.device),
-        )
+        raw: torch.Tensor = scores
+        out: torch.Tensor = scores
+        if self._adjust is not None:
+            adjust = [(i, f) for i, f in self._features if f.adjusts and not self.done[i]]
+            if adjust or self._adjust.dirty:
+                self._adjust.fill(adjust)
+                out = self._adjust.apply(out)
+        if self._sampled:
+            generated = input_ids.shape[1] - self._input_len
+            keys = sample_keys(self._seeds, [b + generated for b in self._base])
+            out = process_rows(
+                out,
+                self._temperature,
+                self._top_k,
+                self._top_p,
+                torch.tensor(keys, device=scores.device),
+            )
+        # all greedy: generate's argmax of `out` is exactly what we want
+        if self.logprobs is not None:
+            self.logprobs.record(raw, out)
         return out  # type: ignore[return-value]
 
 
 class _RowStopper(StoppingCriteria):
     """Called after every generate step: streams each row's token, decides per-row stops."""
 
-    def __init__(self, engine: HFStaticEngine, rows: list[HFSeq]) -> None:
+    def __init__(self, engine: HFStaticEngine, rows: list[HFSeq], sampler: _RowSampler) -> None:
         self._engine = engine
         self._rows = rows
-        self.done = [False] * len(rows)
+        self._sampler = sampler
+        self.done = sampler.done
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
         last = input_ids[:, -1].tolist()
-        self._engine._on_static_step(self._rows, self.done, last)
+        lp = self._sampler.logprobs
+        logprobs = lp.read(len(self._rows)) if lp is not None else None
+        self._engine._on_static_step(self._rows, self.done, last, logprobs)
         return torch.tensor(self.done, device=input_ids.device)  # type: ignore[return-value]
 
 
@@ -78,6 +103,7 @@ class HFStaticEngine(HFEngineBase):
     """
 
     name = "hf-static"
+    features = frozenset(Feature)
 
     def __init__(
         self,
@@ -174,7 +200,8 @@ class HFStaticEngine(HFEngineBase):
         mask = [[0] * (width - len(s.input_ids)) + [1] * len(s.input_ids) for s in batch]
         input_ids = torch.tensor(ids, device=self.device)
         attention_mask = torch.tensor(mask, device=self.device)
-        stopper = _RowStopper(self, batch)
+        sampler = _RowSampler(batch, width, self.logits_vocab, self.device)
+        stopper = _RowStopper(self, batch, sampler)
         generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
             do_sample=False,
             max_new_tokens=max(s.decoder.remaining for s in batch),
@@ -184,7 +211,7 @@ class HFStaticEngine(HFEngineBase):
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=generation_config,
-            logits_processor=LogitsProcessorList([_RowSampler(batch, width, self.device)]),
+            logits_processor=LogitsProcessorList([sampler]),
             stopping_criteria=StoppingCriteriaList([stopper]),
         )
         with self._lock:
@@ -195,7 +222,13 @@ class HFStaticEngine(HFEngineBase):
                     outs.append(seq.output(seq.decoder.close(FinishReason.LENGTH)))
             self._deliver(outs)
 
-    def _on_static_step(self, rows: list[HFSeq], done: list[bool], last: list[int]) -> None:
+    def _on_static_step(
+        self,
+        rows: list[HFSeq],
+        done: list[bool],
+        last: list[int],
+        logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None,
+    ) -> None:
         outs: list[StepOutput] = []
         stepped = 0
         with self._lock:
@@ -206,9 +239,23 @@ class HFStaticEngine(HFEngineBase):
                     done[i] = True
                     continue
                 stepped += 1
+                error, complete = self._features_update(seq, [last[i]])
+                if error is not None:
+                    done[i] = True
+                    self._release_locked(seq)
+                    outs.append(seq.finish(FinishReason.ERROR, error))
+                    continue
                 delta = seq.decoder.feed([last[i]])
+                if complete and delta.finish_reason is None:
+                    tail = seq.decoder.close(FinishReason.STOP)
+                    delta = Delta(delta.token_ids, delta.text + tail.text, tail.finish_reason)
                 self._stats.tokens_generated += len(delta.token_ids)
-                outs.append(seq.output(delta))
+                output = seq.output(delta)
+                k = seq.params.logprobs
+                if k is not None and delta.token_ids and logprobs is not None:
+                    chosen, value, top = logprobs[i]
+                    output.logprobs = [TokenLogprob(chosen, value, tuple(top[:k]))]
+                outs.append(output)
                 if delta.finish_reason is not None:
                     done[i] = True
                     self._release_locked(seq)

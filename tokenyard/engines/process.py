@@ -38,7 +38,7 @@ from tokenyard.engines.base import (
     StepOutput,
     footprint,
 )
-from tokenyard.errors import EngineClosed, EngineError
+from tokenyard.errors import EngineClosed, EngineError, UserError
 from tokenyard.messages import EngineStats, FinishReason, ModelLimits
 
 log = logging.getLogger(__name__)
@@ -255,13 +255,15 @@ class ProcessEngine(ChannelEngine):
         self._send(data)
 
     def limits(self) -> ModelLimits:
-        # the child's capacity, and what its engine runs: its context, and which tasks
+        # the child's capacity, and what its engine runs: its context, which tasks, and which
+        # optional decoding features
         shell = self._shell_limits
         return msgspec.structs.replace(
             super().limits(),
             max_model_len=shell.max_model_len,
             generates=shell.generates,
             embeds=shell.embeds,
+            features=shell.features,
         )
 
     def abort(self, seq_id: str) -> None:
@@ -451,7 +453,9 @@ def _add(engine: Engine, request: EngineRequest, send: _Send) -> None:
         engine.add(request)
     except Exception as exc:
         # The parent checked the request and the capacity, so this is the engine's failure
-        # (or a bug): report it as the sequence's ERROR rather than losing it.
+        # (or a bug): report it as the sequence's ERROR rather than losing it. A refusal only
+        # the engine can make (a structured output that does not compile) fails the job as
+        # InvalidRequest would, without a retry.
         out = StepOutput(
             request.seq_id,
             [],
@@ -460,5 +464,6 @@ def _add(engine: Engine, request: EngineRequest, send: _Send) -> None:
             len(request.prompt_token_ids),
             len(request.resume_token_ids),
             error=f"{type(exc).__name__}: {exc}",
+            refused=isinstance(exc, UserError),
         )
         send(_Batch([out], engine.stats()))

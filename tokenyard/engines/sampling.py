@@ -6,14 +6,20 @@ Logits are temperature-scaled and top-k/top-p filtered per row, then Gumbel nois
 independent of batch composition, so a resumed sequence continues exactly.
 
 Tensor ops only, so everything is safe inside CUDA graphs; shortcuts that need a host sync are
-skipped while a graph is being captured.
+skipped while a graph is being captured. Penalties, logit_bias, min_tokens and structured-output
+masks (vLLM's formulas and order) reach the logits through dense per-row buffers that the host
+fills before each forward pass (`AdjustBuffers`), and logprobs leave through `LogprobBuffers`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import torch
+
+from tokenyard.messages import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -102,3 +108,236 @@ def process_rows(
     out = apply_temperature(scores.float(), temperature)
     out = apply_top_k_top_p(out, top_k, top_p)
     return add_gumbel_noise(out, keys)
+
+
+# --------------------------------------------------------------------------------------------
+# Penalties, logit bias, masks and logprobs (vLLM's formulas), per row
+# --------------------------------------------------------------------------------------------
+
+
+def apply_logit_bias(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """OpenAI's logit_bias: a dense [rows, vocab] bias added to the logits."""
+    return scores + bias
+
+
+def apply_repetition_penalty(
+    scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """CTRL's repetition penalty over the tokens `seen` (prompt and output, a bool mask): a
+    positive logit is divided by the row's penalty, any other multiplied by it."""
+    p = penalty.unsqueeze(-1)
+    penalised = torch.where(scores > 0, scores / p, scores * p)
+    return torch.where(seen, penalised, scores)
+
+
+def apply_frequency_presence(
+    scores: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's penalties over the output's token `counts`: minus frequency x count, minus
+    presence once a token occurred."""
+    return (
+        scores
+        - frequency.unsqueeze(-1) * counts
+        - presence.unsqueeze(-1) * (counts > 0).to(scores.dtype)
+    )
+
+
+def apply_adjustments(
+    scores: torch.Tensor, pre: torch.Tensor, factor: torch.Tensor, post: torch.Tensor
+) -> torch.Tensor:
+    """All of the above in vLLM's order from three dense buffers: `pre` (logit_bias) is added,
+    then the repetition `factor` (1: no penalty) applied, then `post` added (frequency and
+    presence penalties, -inf for tokens masked by min_tokens or a structured output)."""
+    s = scores + pre
+    s = torch.where(s > 0, s / factor, s * factor)
+    return s + post
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """xgrammar's packed int32 bitmask ([rows, ceil(vocab / 32)], bit j of word i is token
+    32 i + j) as a bool [rows, vocab] mask of allowed tokens."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.size(0), -1)[:, :vocab].bool()
+
+
+class RowFeatures:
+    """One sequence's decoding state beyond temperature/top-k/top-p: what its penalties,
+    bias and masks need (the output so far), its structured-output matcher, its logprobs."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int] = (),
+        stop_ids: Collection[int] = (),
+        matcher: Matcher | None = None,
+    ) -> None:
+        self.params = params
+        self.presence = params.presence_penalty
+        self.frequency = params.frequency_penalty
+        self.repetition = params.repetition_penalty
+        self.bias = params.logit_bias
+        self.min_tokens = params.min_tokens
+        self.logprobs = params.logprobs
+        self.matcher = matcher
+        # Host tensors built once, so a step's fill costs per row a few tensor ops, not a
+        # Python loop over the prompt: the bias pairs, what min_tokens holds back (the
+        # end-of-sequence ids and the stop token ids), the prompt's distinct tokens.
+        self.bias_ids = torch.tensor([t for t, _ in self.bias], dtype=torch.int64)
+        self.bias_values = torch.tensor([b for _, b in self.bias], dtype=torch.float32)
+        self.stop_ids = torch.tensor(sorted({*stop_ids, *params.stop_token_ids}), dtype=torch.int64)
+        prompt = prompt_ids if self.repetition != 1.0 else ()
+        self.prompt_ids = torch.tensor(sorted(set(prompt)), dtype=torch.int64)
+        self.output: list[int] = []
+        self.counts: dict[int, int] = {}  # output token -> occurrences
+        self.push(output_ids)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether its logits change before sampling (some row buffer is not neutral)."""
+        return bool(
+            self.presence
+            or self.frequency
+            or self.repetition != 1.0
+            or self.bias
+            or self.matcher is not None
+            or len(self.output) < self.min_tokens
+        )
+
+    def push(self, token_ids: Sequence[int]) -> None:
+        """Count generated tokens (resumed ones too)."""
+        self.output.extend(token_ids)
+        for tok in token_ids:
+            self.counts[tok] = self.counts.get(tok, 0) + 1
+
+
+class Matcher(Protocol):
+    """The structured-output matcher a row follows (`tokenyard.engines.guide.GuideMatcher`)."""
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def terminated(self) -> bool: ...
+
+
+class AdjustBuffers:
+    """Dense per-row buffers for `apply_adjustments`, kept neutral (0, 1, 0) outside the rows
+    of the current step that use them, so they can live at fixed addresses (CUDA graphs)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.vocab = vocab
+        self.pre = torch.zeros(rows, vocab, device=device)
+        self.factor = torch.ones(rows, vocab, device=device)
+        self.post = torch.zeros(rows, vocab, device=device)
+        self._dirty: list[int] = []
+        self._bitmask: torch.Tensor | None = None
+
+    @property
+    def dirty(self) -> bool:
+        """Whether some row is not neutral (the last fill wrote rows)."""
+        return bool(self._dirty)
+
+    def fill(self, rows: Sequence[tuple[int, RowFeatures]]) -> None:
+        """Reset last step's rows, then write this step's (row index, features)."""
+        device = self.pre.device
+        if self._dirty:
+            dirty = torch.tensor(self._dirty, device=device)
+            self.pre.index_fill_(0, dirty, 0.0)
+            self.factor.index_fill_(0, dirty, 1.0)
+            self.post.index_fill_(0, dirty, 0.0)
+        self._dirty = [r for r, _ in rows]
+        pre: list[_Entries] = []
+        factor: list[_Entries] = []
+        post: list[_Entries] = []
+        guided: list[tuple[int, Matcher]] = []
+        for r, f in rows:
+            if f.bias:
+                pre.append(_entries(r, f.bias_ids, f.bias_values))
+            if f.repetition != 1.0 or f.frequency or f.presence:
+                out_ids = torch.tensor(list(f.counts), dtype=torch.int64)
+                if f.repetition != 1.0:
+                    ids = torch.cat([f.prompt_ids, out_ids])  # a repeat writes the same value
+                    factor.append(_entries(r, ids, torch.full(ids.shape, f.repetition)))
+                if f.frequency or f.presence:
+                    n = torch.tensor(list(f.counts.values()), dtype=torch.float32)
+                    post.append(_entries(r, out_ids, -(f.frequency * n + f.presence)))
+            if len(f.output) < f.min_tokens:
+                post.append(_entries(r, f.stop_ids, torch.full(f.stop_ids.shape, -math.inf)))
+            if f.matcher is not None:
+                guided.append((r, f.matcher))
+        for buf, entries, accumulate in (
+            (self.pre, pre, False),
+            (self.factor, factor, False),
+            # a held-back token may also be penalised: -inf + x stays -inf
+            (self.post, post, True),
+        ):
+            if entries:
+                where = tuple(torch.cat([e[i] for e in entries]).to(device) for i in (0, 1))
+                values = torch.cat([e[2] for e in entries]).to(device, buf.dtype)
+                buf.index_put_(where, values, accumulate=accumulate)
+        if guided:
+            self._mask_guided(guided)
+
+    def _mask_guided(self, guided: list[tuple[int, Matcher]]) -> None:
+        words = (self.vocab + 31) // 32
+        if self._bitmask is None or self._bitmask.size(0) < len(guided):
+            self._bitmask = torch.empty(self.pre.size(0), words, dtype=torch.int32)
+        bitmask = self._bitmask
+        for i, (_, matcher) in enumerate(guided):
+            matcher.fill(bitmask, i)
+        device = self.post.device
+        rows = torch.tensor([r for r, _ in guided], device=device)
+        allowed = unpack_bitmask(bitmask[: len(guided)].to(device), self.vocab)
+        self.post[rows] = self.post[rows].masked_fill(~allowed, float("-inf"))
+
+    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+        n = scores.size(0)
+        return apply_adjustments(scores, self.pre[:n], self.factor[:n], self.post[:n])
+
+
+# (rows, token ids, values) to write into a buffer
+_Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _entries(row: int, ids: torch.Tensor, values: torch.Tensor) -> _Entries:
+    return torch.full_like(ids, row), ids, values
+
+
+class LogprobBuffers:
+    """Each row's chosen token, its raw logprob and the `MAX_TOP` most likely (id, logprob),
+    written on the device where sampling runs and read by the host after the step."""
+
+    MAX_TOP = 20
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.k = min(self.MAX_TOP, vocab)
+        self.chosen = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.chosen_logprob = torch.zeros(rows, device=device)
+        self.top_ids = torch.zeros(rows, self.k, dtype=torch.int64, device=device)
+        self.top_logprobs = torch.zeros(rows, self.k, device=device)
+
+    def record(self, raw: torch.Tensor, processed: torch.Tensor) -> None:
+        """From the model's raw logits and the scores whose argmax is the next token."""
+        n = raw.size(0)
+        logprobs = raw.float().log_softmax(dim=-1)
+        chosen = processed.argmax(dim=-1)
+        self.chosen[:n].copy_(chosen)
+        self.chosen_logprob[:n].copy_(logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+        top = logprobs.topk(self.k, dim=-1)
+        self.top_ids[:n].copy_(top.indices)
+        self.top_logprobs[:n].copy_(top.values)
+
+    def read(self, n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """The first n rows on the host: (chosen id, its logprob, top (id, logprob) pairs)."""
+        chosen = self.chosen[:n].tolist()
+        lp = self.chosen_logprob[:n].tolist()
+        ids = self.top_ids[:n].tolist()
+        vals = self.top_logprobs[:n].tolist()
+        return [
+            (c, v, list(zip(i, t, strict=True)))
+            for c, v, i, t in zip(chosen, lp, ids, vals, strict=True)
+        ]
