@@ -636,7 +636,15 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
         "ResponseRequest": response,
-        "MessageRequest": _message_request(common, max_tokens),
+        "MessageRequest": {
+            **_message_request(common, max_tokens),
+            # schemathesis' examples phase sends it: one request the server accepts for sure
+            "example": {
+                "model": common["model"]["enum"][0],
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hello"}],
+            },
+        },
     }
 
 
