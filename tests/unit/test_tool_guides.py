@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tokenyard.engines.guide import json_schema_grammar
 from tokenyard.gateway.tools import parse_whole, read_tools, tool_call_stream
 
 xgr = pytest.importorskip("xgrammar")
@@ -82,7 +83,7 @@ def test_required_guides_allow_only_valid_calls(compiler: tuple[Any, Any], paral
     grammar_compiler, tokenizer = compiler
     guide = read_tools(TOOLS, "required", parallel).guide()
     assert guide is not None and guide.json is not None
-    compiled = grammar_compiler.compile_json_schema(guide.json)
+    compiled = grammar_compiler.compile_grammar(json_schema_grammar(guide.json))
     for seed in range(20):
         text = _sample(compiled, tokenizer, seed)
         parsed = parse_whole(tool_call_stream("required"), text)
@@ -97,7 +98,7 @@ def test_named_guides_allow_only_the_functions_arguments(compiler: tuple[Any, An
     choice = {"type": "function", "function": {"name": "set_alarm"}}
     guide = read_tools(TOOLS, choice, None).guide()
     assert guide is not None and guide.json is not None
-    compiled = grammar_compiler.compile_json_schema(guide.json)
+    compiled = grammar_compiler.compile_grammar(json_schema_grammar(guide.json))
     for seed in range(20):
         text = _sample(compiled, tokenizer, seed)
         parsed = parse_whole(tool_call_stream("", named="set_alarm"), text)

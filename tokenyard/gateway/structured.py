@@ -140,8 +140,10 @@ def _vllm_guide(field: str, value: Any, param: str) -> Guide:
 
 
 def _schema_text(schema: Any, param: str, *, text: bool = True) -> str:
-    """A schema as canonical JSON text (sorted keys: the same schema is one cache key); `text`:
-    it may come as JSON text, as vLLM's fields take it (OpenAI's is an object)."""
+    """A schema as compact JSON text, its keys in the request's order: a schema's property order
+    is the order the model writes them in (as vLLM and OpenAI do), so it is part of the
+    answer's cache key; `text`: it may come as JSON text, as vLLM's fields take it (OpenAI's is
+    an object)."""
     if isinstance(schema, str) and text:
         try:
             schema = json.loads(schema)
@@ -149,7 +151,7 @@ def _schema_text(schema: Any, param: str, *, text: bool = True) -> str:
             raise InvalidRequest(f"'{param}' is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, dict) and not (schema is True or schema is False):
         raise InvalidRequest(f"'{param}' must be a JSON Schema (an object)", param=param)
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 async def check(guide: Guide, param: str) -> None:

@@ -106,8 +106,8 @@ def _arguments_schema(function: Function) -> dict[str, Any]:
 
 
 def _dumps(value: Any) -> str:
-    # sorted keys: one schema is one text, so identical requests share a cache key
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    # keys in the request's order: the order the model writes the properties in, as vLLM
+    return json.dumps(value, separators=(",", ":"))
 
 
 def read_tools(
