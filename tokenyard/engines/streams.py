@@ -9,9 +9,11 @@ import abc
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tokenyard import limits
 from tokenyard.engines.base import Engine, EngineRequest, OutputChannel, StepOutput
@@ -19,7 +21,7 @@ from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.engines.pooling import split_inputs
 from tokenyard.errors import EngineError, InvalidRequest
-from tokenyard.messages import EngineStats, FinishReason, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +77,9 @@ class StreamEngine(Engine):
         tok = self.tokenizer
         return SequenceDecoder(
             tok.decode,
-            params,
+            _stop_ids_apart(params),
             prompt_ids=prompt_ids,
-            eos_token_ids=tok.eos_token_ids,
+            eos_token_ids=stop_ids(params, tok.eos_token_ids),
             resume_ids=resume_ids,
         )
 
@@ -171,15 +173,29 @@ class StreamEngine(Engine):
             return EngineStats(s.steps, s.sequences_stepped, s.tokens_generated, len(self._seqs))
 
     # -- for subclasses, on the loop --------------------------------------------------------
-    def feed(self, seq: StreamSeq, ids: Sequence[int]) -> None:
-        """New tokens from the runtime; stop strings, EOS and the length limit apply here."""
+    def feed(
+        self,
+        seq: StreamSeq,
+        ids: Sequence[int],
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> None:
+        """New tokens from the runtime (and, when the params ask, one logprob per id); stop
+        strings, EOS and the length limit apply here."""
         if seq.done or not ids or seq.decoder is None:
             return
         seq.generated += ids
         delta = seq.decoder.feed(ids)
         with self._lock:
             self._stats.tokens_generated += len(delta.token_ids)
-        self._emit(seq, delta.token_ids, delta.text, delta.finish_reason)
+        kept = None
+        if logprobs is not None:
+            # the decoder keeps a prefix of the ids (none after a stop): their logprobs with them
+            kept = list(logprobs[: len(delta.token_ids)])
+            if len(kept) != len(delta.token_ids):
+                raise EngineError(
+                    f"{len(logprobs)} logprobs for {len(ids)} tokens of sequence {seq.seq_id!r}"
+                )
+        self._emit(seq, delta.token_ids, delta.text, delta.finish_reason, logprobs=kept)
 
     def close(self, seq: StreamSeq, reason: FinishReason) -> None:
         """The runtime ended the sequence (EOS, length) without our decoder having seen it."""
@@ -244,6 +260,7 @@ class StreamEngine(Engine):
         error: str | None = None,
         refused: bool = False,
         embeddings: list[bytes] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if seq.done:
             return
@@ -262,6 +279,7 @@ class StreamEngine(Engine):
                 error=error,
                 refused=refused,
                 embeddings=embeddings,
+                logprobs=logprobs,
             )
         )
         if self._loop is None:
@@ -280,3 +298,19 @@ class StreamEngine(Engine):
             self._stats.steps += 1
             self._stats.sequences_stepped += len(outs)
         self._channel.deliver(outs)
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> frozenset[int]:
+    """The token ids that end a sequence, as vLLM ends it: EOS unless `ignore_eos`, and the
+    request's `stop_token_ids` always. Like EOS, such a token is kept in the ids and left out
+    of the text (vLLM's `include_stop_str_in_output=False`)."""
+    eos = () if params.ignore_eos else eos_token_ids
+    return frozenset((*eos, *params.stop_token_ids))
+
+
+def _stop_ids_apart(params: SamplingParams) -> SamplingParams:
+    """`params` for a decoder given `stop_ids` as its EOS set: `ignore_eos` already applied
+    there, so it must not empty that set again (stop_token_ids hold under ignore_eos)."""
+    if not params.ignore_eos or not params.stop_token_ids:
+        return params
+    return msgspec.structs.replace(params, ignore_eos=False)
