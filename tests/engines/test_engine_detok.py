@@ -200,3 +200,24 @@ def test_resume_mid_character_emits_the_character_once() -> None:
     assert resumed.resumed_text == "a"
     assert resumed.push(e_acute[1:]) == "é"
     assert resumed.push(ids("z")) == "z"
+
+
+def test_decoder_stop_token_ids_end_like_eos_even_with_ignore_eos() -> None:
+    stop_id = ids("x")[0]
+    tokens = [*ids("ab"), stop_id, *ids("cd")]
+    for ignore_eos in (False, True):
+        params = SamplingParams(max_tokens=10, stop_token_ids=(stop_id,), ignore_eos=ignore_eos)
+        # the stop token is in the token ids, not in the text
+        assert run(decoder(params), tokens) == ("ab", tokens[:3], FinishReason.STOP)
+
+
+def test_decoder_min_tokens_holds_eos_and_stop_token_ids_back() -> None:
+    stop_id = ids("x")[0]
+    tokens = [EOS, stop_id, *ids("a"), EOS, *ids("b")]
+    params = SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=(stop_id,))
+    # The first two end nothing (fewer than min_tokens so far); the 4th token, EOS, does.
+    text, taken, reason = run(decoder(params), tokens)
+    assert (taken, reason) == (tokens[:4], FinishReason.STOP)
+    assert text.endswith("a")
+    assert decoder(params, resume=[EOS]).finish_reason is None
+    assert decoder(params, resume=[*ids("ab"), EOS]).finish_reason is FinishReason.STOP

@@ -120,10 +120,13 @@ class Delta(msgspec.Struct):
 
 
 class SequenceDecoder:
-    """Applies SamplingParams to one sequence's token stream: text, EOS, stop strings, max_tokens.
+    """Applies SamplingParams to one sequence's token stream: text, EOS, stop token ids, stop
+    strings, max_tokens.
 
     `limit` is the total completion budget (resumed tokens included); engines pass
-    min(max_tokens, context length - prompt length).
+    min(max_tokens, context length - prompt length). EOS and `stop_token_ids` end a sequence
+    with STOP (kept in its token ids, not in its text) once it has `min_tokens` tokens, as
+    vLLM's stop check; ignore_eos leaves the stop token ids in force.
     """
 
     def __init__(
@@ -138,7 +141,8 @@ class SequenceDecoder:
     ) -> None:
         self.params = params
         self.limit = params.max_tokens if limit is None else min(limit, params.max_tokens)
-        self._eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._eos = eos | frozenset(params.stop_token_ids)
         self._detok = IncrementalDetokenizer(decode, prompt_ids, resume_ids)
         self._stops = StopMatcher(params.stop)
         self.completion_tokens = len(resume_ids)
@@ -148,8 +152,12 @@ class SequenceDecoder:
         if self.finish_reason is None and self.completion_tokens >= self.limit:
             self.finish_reason = FinishReason.LENGTH
 
+    def _ends(self, token_id: int) -> bool:
+        """Whether a token just counted in `completion_tokens` ends the sequence."""
+        return token_id in self._eos and self.completion_tokens >= self.params.min_tokens
+
     def _replay_resume(self, resume_ids: Sequence[int]) -> None:
-        if resume_ids[-1] in self._eos:
+        if self._ends(resume_ids[-1]):
             self.finish_reason = FinishReason.STOP
             return
         # Rebuild the stop matcher's held tail, which the earlier attempt had not emitted.
@@ -171,7 +179,7 @@ class SequenceDecoder:
         for tok in token_ids:
             taken.append(tok)
             self.completion_tokens += 1
-            if tok in self._eos:
+            if self._ends(tok):
                 pieces.append(self._close_text())
                 self.finish_reason = FinishReason.STOP
                 break
