@@ -28,7 +28,7 @@ def params(max_tokens: int = 30, **kw: object) -> SamplingParams:
 
 @pytest.fixture
 async def engine() -> AsyncIterator[SimEngine]:
-    eng = SimEngine(sleep=VirtualClock().sleep)
+    eng = SimEngine(sleep=VirtualClock().sleep, logprobs=True)
     await eng.start()
     yield eng
     await eng.stop()
@@ -50,6 +50,12 @@ async def test_it_declares_what_it_implements(engine: SimEngine) -> None:
     assert engine.limits().features == frozenset(Feature)
     assert engine.limits().engine == "sim"
     assert refusal(3, params(logprobs=20), engine.limits()) is None
+    # logprobs of its made-up distribution only where asked for: by default refused by name
+    plain = SimEngine().limits()
+    assert plain.features == frozenset(Feature) - {Feature.LOGPROBS}
+    refused = refusal(3, params(logprobs=1), plain)
+    assert refused is not None and refused.param == "logprobs"
+    assert refusal(3, params(logit_bias=((5, 1.0),), guide=Guide(choice=("a",))), plain) is None
 
 
 async def test_stop_token_ids_end_it_kept_in_ids_not_text(engine: SimEngine) -> None:

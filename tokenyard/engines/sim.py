@@ -4,7 +4,8 @@ Its "model" is one fixed distribution per position (`SimModel`): its letters, sp
 punctuation, EOS at `eos_rate`, and a floor for every other byte; each token is a draw from it
 keyed by prompt, seed and position. What a request may change in a real model it changes
 here too: logit_bias, the penalties and min_tokens reshape that distribution before the draw,
-stop_token_ids end the sequence, logprobs are the distribution's own, and a structured-output
+stop_token_ids end the sequence, logprobs are the distribution's own (with `logprobs=True`:
+see `SimEngine`), and a structured-output
 guide makes it write a text in shape (one of the choices, a JSON value of the schema) as a
 grammar that allows one token at a time would. Regex and grammar guides it cannot follow: it
 refuses them.
@@ -24,10 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
-from tokenyard.engines.streams import stop_ids
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams, TokenLogprob
 
@@ -327,7 +325,6 @@ class SimEngine(LocalEngine[_SimSeq]):
     """
 
     name = "sim"
-    features = frozenset(Feature)
 
     def __init__(
         self,
@@ -345,6 +342,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         max_model_len: int = 4096,
         sleep: Callable[[float], None] | None = None,
         prefix_cache_tokens: int = 0,
+        logprobs: bool = False,
     ) -> None:
         seqs = 64 if max_seqs is None else max_seqs
         # No memory to size from: by default every sequence may use the whole context.
@@ -362,6 +360,11 @@ class SimEngine(LocalEngine[_SimSeq]):
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        # Its logprobs are exact, but of a made-up distribution: served only where asked for
+        # (tests of the logprobs path), so that by default a client asking a sim-served model
+        # for logprobs is refused rather than given numbers that read like a model's.
+        every = frozenset(Feature)
+        self.features = every if logprobs else every - {Feature.LOGPROBS}
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -376,19 +379,13 @@ class SimEngine(LocalEngine[_SimSeq]):
         digest = hashlib.blake2b(digest_size=16)
         digest.update(b"".join(t.to_bytes(4, "little") for t in prompt))
         params = request.params
-        if params.ignore_eos and params.stop_token_ids:
-            # the decoder takes stop_ids() as its EOS set: ignore_eos is applied there already
-            request = msgspec.structs.replace(
-                request, params=msgspec.structs.replace(params, ignore_eos=False)
-            )
         seq = open_seq(
             _SimSeq,
             request,
             decode=tok.decode,
-            eos_token_ids=stop_ids(params, (tok.EOS,)),
+            eos_token_ids=(tok.EOS,),
             model_limits=self.limits(),
         )
-        seq.params = params
         if seq.noise_seed is not None:
             digest.update(seq.noise_seed.to_bytes(8, "little", signed=True))
         seq.key = digest.digest()
@@ -463,7 +460,11 @@ class SimEngine(LocalEngine[_SimSeq]):
         if seq.plan is not None:
             return self._guided(seq)
         if seq.reshaped:
-            stops = stop_ids(seq.params, (SimTokenizer.EOS,))
+            # what min_tokens holds off, as vLLM's: EOS (unless ignored) and the stop ids
+            p = seq.params
+            stops = frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else {SimTokenizer.EOS}
+            )
             return self.model.draw(seq, pick / (_MASK64 + 1), stops)
         eos_draw = int.from_bytes(h[8:], "little") / _MASK64
         if not seq.params.ignore_eos and eos_draw < self.eos_rate:

@@ -9,11 +9,9 @@ import abc
 import asyncio
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from tokenyard import limits
 from tokenyard.engines.base import Engine, EngineRequest, OutputChannel, StepOutput
@@ -77,9 +75,9 @@ class StreamEngine(Engine):
         tok = self.tokenizer
         return SequenceDecoder(
             tok.decode,
-            _stop_ids_apart(params),
+            params,
             prompt_ids=prompt_ids,
-            eos_token_ids=stop_ids(params, tok.eos_token_ids),
+            eos_token_ids=tok.eos_token_ids,
             resume_ids=resume_ids,
         )
 
@@ -298,19 +296,3 @@ class StreamEngine(Engine):
             self._stats.steps += 1
             self._stats.sequences_stepped += len(outs)
         self._channel.deliver(outs)
-
-
-def stop_ids(params: SamplingParams, eos_token_ids: Collection[int]) -> frozenset[int]:
-    """The token ids that end a sequence, as vLLM ends it: EOS unless `ignore_eos`, and the
-    request's `stop_token_ids` always. Like EOS, such a token is kept in the ids and left out
-    of the text (vLLM's `include_stop_str_in_output=False`)."""
-    eos = () if params.ignore_eos else eos_token_ids
-    return frozenset((*eos, *params.stop_token_ids))
-
-
-def _stop_ids_apart(params: SamplingParams) -> SamplingParams:
-    """`params` for a decoder given `stop_ids` as its EOS set: `ignore_eos` already applied
-    there, so it must not empty that set again (stop_token_ids hold under ignore_eos)."""
-    if not params.ignore_eos or not params.stop_token_ids:
-        return params
-    return msgspec.structs.replace(params, ignore_eos=False)
