@@ -1,0 +1,253 @@
+"""The requests today's applications send, to `vllm serve` and to tokenyard (gateway + a
+worker on the vLLM engine) on the same model directory: the answers have the same shape,
+field by field (keys and JSON types, not values), and where decoding is greedy the same text.
+
+Shapes are compared over OpenAI's fields: vLLM's own extras (stop_reason, token_ids,
+prompt_logprobs, ...) and per-response values (id, created, fingerprints) are left out, and a
+field one side sends as null or [] the other may leave out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+import jsonschema
+
+from tests.engines.upstream import process
+from tests.gateway.conftest import Stack, run_stack
+from tests.vllm.test_remote_vllm import vllm_serve_command
+from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.engines.tiny import ensure_tiny_model
+from tokenyard.fleet.launch import free_port, wait_ready
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["ann", "bob"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+CHAT = [{"role": "user", "content": "Tell me about the yard."}]
+
+# (endpoint, body, greedy: the two texts must be equal too)
+REQUESTS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "chat_logprobs": (
+        "chat/completions",
+        {"messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+        True,
+    ),
+    "chat_logprobs_only_chosen": (
+        "chat/completions",
+        {"messages": CHAT, "max_tokens": 4, "temperature": 0, "logprobs": True},
+        True,
+    ),
+    "completions_logprobs": (
+        "completions",
+        {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 3},
+        True,
+    ),
+    "completions_logprobs_echo": (
+        "completions",
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": 2,
+            "echo": True,
+        },
+        True,
+    ),
+    "chat_json_schema": (
+        "chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 60,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+            },
+        },
+        True,
+    ),
+    "chat_json_object": (
+        "chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 40,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+        },
+        True,
+    ),
+    "chat_n2_seed": (
+        "chat/completions",
+        {"messages": CHAT, "max_tokens": 6, "n": 2, "seed": 7, "temperature": 0.9},
+        False,
+    ),
+    "completions_penalties": (
+        "completions",
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "temperature": 0,
+            "presence_penalty": 1.0,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.3,
+        },
+        True,
+    ),
+    "chat_logit_bias": (
+        "chat/completions",
+        {"messages": CHAT, "max_tokens": 5, "temperature": 0, "logit_bias": {"42": 100}},
+        True,
+    ),
+    "completions_min_tokens_stop_ids": (
+        "completions",
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "temperature": 0,
+            "min_tokens": 3,
+            "stop_token_ids": [42],
+            "logit_bias": {"42": 100},
+        },
+        True,
+    ),
+}
+
+# per-response values, and what vLLM adds beyond OpenAI's schema
+IGNORED = {
+    "id",
+    "created",
+    "system_fingerprint",
+    "service_tier",
+    "stop_reason",
+    "token_ids",
+    "prompt_token_ids",
+    "prompt_logprobs",
+    "kv_transfer_params",
+    "reasoning",
+    "reasoning_content",
+    "metrics",
+    "prompt_tokens_details",
+    "completion_tokens_details",
+}
+
+
+def shape(value: Any, key: str = "") -> Any:
+    """A JSON value's shape: objects by key, arrays by their elements' shapes, scalars by type;
+    a completions `top_logprobs` entry (token -> logprob) as a mapping, whatever its tokens."""
+    if isinstance(value, dict):
+        if key == "top_logprobs_entry" and not {"token", "logprob"} <= set(value):
+            return {"<token>": sorted({json.dumps(shape(v)) for v in value.values()})}
+        return {k: shape(v, k) for k, v in value.items() if k not in IGNORED and not empty(v)}
+    if isinstance(value, list):
+        inner = "top_logprobs_entry" if key == "top_logprobs" else ""
+        shapes = {json.dumps(shape(v, inner), sort_keys=True) for v in value}
+        return ["list", *(json.loads(s) for s in sorted(shapes))]
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "null"
+
+
+def empty(value: Any) -> bool:
+    return value is None or value == []
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[str]:
+    port = free_port()
+    cmd = vllm_serve_command(ensure_tiny_model(head_dim=32), port)
+    with process(cmd, f"http://127.0.0.1:{port}", "/v1/models", 300) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def yard(valkey: EmbeddedServer) -> Iterator[Stack]:
+    from tokenyard.engines import make_engine
+    from tokenyard.gateway.tokenizers import load_tokenizer
+
+    path = str(ensure_tiny_model(head_dim=32))
+    with run_stack(
+        valkey,
+        model=MODEL,
+        tokenizer=load_tokenizer("hf", path),
+        engines=[lambda: make_engine("vllm", model="tiny", max_seqs=8, max_model_len=2048)],
+        worker_options={"engine": "vllm"},
+    ) as stack:
+        wait_ready(stack.url + "/readyz", timeout_s=300, interval_s=0.1)
+        yield stack
+
+
+def post(base: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{base}/v1/{endpoint}", json={"model": MODEL, **body}, timeout=300)
+    assert r.status_code == 200, (base, r.text)
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def texts(answer: dict[str, Any]) -> list[str]:
+    return [c.get("text", c.get("message", {}).get("content")) for c in answer["choices"]]
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_same_shape_as_vllm_serve(serve: str, yard: Stack, name: str) -> None:
+    endpoint, body, greedy = REQUESTS[name]
+    theirs = post(serve, endpoint, body)
+    ours = post(yard.url, endpoint, body)
+    assert shape(ours) == shape(theirs), json.dumps([ours, theirs], indent=1)[:6000]
+    assert len(ours["choices"]) == body.get("n", 1)
+    if greedy:
+        assert texts(ours) == texts(theirs)
+    if "response_format" in body:
+        for text in texts(ours):
+            value = json.loads(text)
+            if body["response_format"]["type"] == "json_schema":
+                jsonschema.validate(value, SCHEMA)
+            else:
+                assert isinstance(value, dict)
+
+
+def stream_shapes(base: str, body: dict[str, Any]) -> list[Any]:
+    """The distinct shapes of a streamed chat answer's chunks, in order of first sight."""
+    shapes: list[Any] = []
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/chat/completions",
+        json={"model": MODEL, **body, "stream": True},
+        timeout=300,
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                s = shape(json.loads(line[5:]))
+                if s not in shapes:
+                    shapes.append(s)
+    return shapes
+
+
+def test_streamed_logprobs_have_the_same_shape(serve: str, yard: Stack) -> None:
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    body |= {"top_logprobs": 2, "stream_options": {"include_usage": True}}
+    theirs = stream_shapes(serve, body)
+    ours = stream_shapes(yard.url, body)
+    # every kind of chunk vLLM sends (role, content with logprobs, finish, usage), tokenyard too
+    for s in theirs:
+        assert s in ours, json.dumps([s, ours], indent=1)[:6000]
