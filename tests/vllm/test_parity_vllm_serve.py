@@ -58,6 +58,11 @@ REQUESTS: dict[str, tuple[str, dict[str, Any], bool]] = {
         {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 3},
         True,
     ),
+    "completions_echo": (
+        "completions",
+        {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "echo": True},
+        True,
+    ),
     "completions_logprobs_echo": (
         "completions",
         {
@@ -207,7 +212,23 @@ def texts(answer: dict[str, Any]) -> list[str]:
     return [c.get("text", c.get("message", {}).get("content")) for c in answer["choices"]]
 
 
-@pytest.mark.parametrize("name", list(REQUESTS))
+# what tokenyard does not answer as vLLM does, and why
+KNOWN_GAPS = {
+    # vLLM answers echo + logprobs with the prompt's logprobs too; tokenyard's engines compute
+    # none for the prompt, and the gateway refuses the pair (400) rather than leave them out
+    "completions_logprobs_echo": "no prompt logprobs",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True))
+        if n in KNOWN_GAPS
+        else n
+        for n in REQUESTS
+    ],
+)
 def test_same_shape_as_vllm_serve(serve: str, yard: Stack, name: str) -> None:
     endpoint, body, greedy = REQUESTS[name]
     theirs = post(serve, endpoint, body)

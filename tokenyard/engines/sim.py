@@ -325,6 +325,11 @@ class SimEngine(LocalEngine[_SimSeq]):
     """
 
     name = "sim"
+    # Its logprobs are exact, but of a made-up distribution: served only where asked for
+    # (`logprobs=True`, tests of the logprobs path), so that by default a client asking a
+    # sim-served model for logprobs is refused rather than given numbers that read like a
+    # model's. (A class attribute: a subclass may declare its own.)
+    features = frozenset(Feature) - {Feature.LOGPROBS}
 
     def __init__(
         self,
@@ -360,11 +365,8 @@ class SimEngine(LocalEngine[_SimSeq]):
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
-        # Its logprobs are exact, but of a made-up distribution: served only where asked for
-        # (tests of the logprobs path), so that by default a client asking a sim-served model
-        # for logprobs is refused rather than given numbers that read like a model's.
-        every = frozenset(Feature)
-        self.features = every if logprobs else every - {Feature.LOGPROBS}
+        if logprobs:
+            self.features = frozenset(Feature)
 
     async def start(self) -> None:
         if self._thread is not None:
