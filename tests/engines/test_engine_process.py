@@ -16,7 +16,7 @@ from tests.engines.outputs import collect
 from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.process import ProcessEngine, make_engine_in_process
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import Feature, FinishReason, SamplingParams
 
 # One child per engine kind for the module: spawning one costs seconds (torch import).
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -224,3 +224,23 @@ async def test_stop_is_clean(kind: tuple[str, dict[str, Any]]) -> None:
 async def test_options_must_be_plain_data() -> None:
     with pytest.raises(TypeError, match="cannot be sent"):
         ProcessEngine("sim", {"sleep": lambda s: None})
+
+
+async def test_the_childs_features_and_logprobs_cross_the_pipe() -> None:
+    assert ProcessEngine("sim", SIM).limits().features == frozenset(Feature) - {Feature.LOGPROBS}
+    options = {**SIM, "logprobs": True}
+    eng = ProcessEngine("sim", options)
+    assert eng.limits().features == frozenset(Feature)
+    local = make_engine("sim", **options)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, logit_bias=((70, 3.0),))
+    try:
+        for engine in (eng, local):
+            await engine.start()
+            engine.add(EngineRequest("lp", eng.tokenizer.encode("hello"), params))
+        got, want = await collect(eng, 1), await collect(local, 1)
+        logprobs = [lp for o in got["lp"].outputs for lp in o.logprobs or ()]
+        assert len(logprobs) == 6 and all(len(lp.top) == 2 for lp in logprobs)
+        assert logprobs == [lp for o in want["lp"].outputs for lp in o.logprobs or ()]
+    finally:
+        await eng.stop()
+        await local.stop()
