@@ -214,18 +214,17 @@ class RemoteEngine(StreamEngine):
             alternatives = tops[i] if isinstance(tops, list) and i < len(tops) else None
             if k and isinstance(alternatives, dict):
                 # up to k + 1: the k most likely and the chosen one, wherever it ranks
-                ranked = sorted(
-                    ((float(lp), self._token_id(t, token_id)) for t, lp in alternatives.items()),
-                    key=lambda x: -x[0],
-                )
+                named = ((float(lp), self._token_id(t, token_id)) for t, lp in alternatives.items())
+                # an alternative whose text names no token (a byte rendering) is left out
+                ranked = sorted(((lp, t) for lp, t in named if t is not None), key=lambda x: -x[0])
                 top = tuple((t, lp) for lp, t in ranked[:k])
             out.append(TokenLogprob(token_id, float(chosen[i]), top))
         return out
 
-    def _token_id(self, token: str, chosen: int) -> int:
+    def _token_id(self, token: str, chosen: int) -> int | None:
         """A token as the upstream names it: "token_id:N" (vLLM's `return_tokens_as_token_ids`),
         else its text, looked up among the tokenizer's single-token texts (the chosen token's
-        own text is it)."""
+        own text is it; of several tokens with one text the lowest id); None: no token's."""
         if token.startswith("token_id:"):
             return int(token[len("token_id:") :])
         tok = self.tokenizer
@@ -236,12 +235,7 @@ class RemoteEngine(StreamEngine):
             for i in range(tok.vocab_size - 1, -1, -1):  # the lowest id of a text wins
                 strings[tok.decode([i])] = i
             self._token_strings = strings
-        found = self._token_strings.get(token)
-        if found is None:
-            raise UpstreamError(
-                f"the upstream named a token {token!r} not in the vocabulary", retry=False
-            )
-        return found
+        return self._token_strings.get(token)
 
 
 def replays(params: SamplingParams) -> bool:
