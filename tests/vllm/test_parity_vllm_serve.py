@@ -255,6 +255,12 @@ KNOWN_GAPS = {
     # vLLM answers echo + logprobs with the prompt's logprobs too; tokenyard's engines compute
     # none for the prompt, and the gateway refuses the pair (400) rather than leave them out
     "completions_logprobs_echo": "no prompt logprobs",
+    # the gateway keys a schema by its JSON with sorted keys and hands the engine that text:
+    # xgrammar then writes the properties in sorted order, vLLM (and OpenAI) in the schema's
+    "chat_json_schema": "the schema's properties reach the engine sorted (gateway/structured.py)",
+    # bytes of a character the stop token cut short: vLLM leaves them out of the text,
+    # tokenyard's decoder flushes them as U+FFFD (engines/detok.py, SequenceDecoder._close_text)
+    "completions_min_tokens_stop_ids": "a cut-short character's bytes flushed as U+FFFD",
 }
 
 
