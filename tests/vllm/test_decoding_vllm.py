@@ -22,6 +22,7 @@ import pytest_asyncio
 from tests.engines.outputs import Result, collect
 from tokenyard.engines import EngineRequest, make_engine
 from tokenyard.engines.vllm import VLLMEngine
+from tokenyard.errors import InvalidRequest
 from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -218,3 +219,23 @@ async def test_without_the_processor_a_resumed_guide_would_start_over(engine: VL
     r = (await collect(engine, 1, 120))["naive"]
     assert head + r.token_ids != whole.token_ids
     assert r.text in ("red alert", "green light", "blue moon")
+
+
+def test_the_processor_is_loaded_except_where_vllm_refuses_one() -> None:
+    from tokenyard.engines.vllm import RESUME_PROCESSOR
+
+    plain = make_engine("vllm", model="tiny")
+    assert isinstance(plain, VLLMEngine) and plain.resumes_exactly
+    assert plain.engine_args["logits_processors"] == [RESUME_PROCESSOR]
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    spec = make_engine("vllm", model="tiny", speculative_config=ngram)
+    assert isinstance(spec, VLLMEngine) and not spec.resumes_exactly
+    assert "logits_processors" not in spec.engine_args
+    # there a resume that needs it is refused (the job fails), never continued out of shape
+    prompt = spec.tokenizer.encode("x")
+    guided = greedy(8, guide=Guide(choice=("yes", "no")))
+    with pytest.raises(InvalidRequest, match="logits processor") as info:
+        spec.add(EngineRequest("g", prompt, guided, resume_token_ids=[5]))
+    assert info.value.param == "response_format"
+    with pytest.raises(InvalidRequest, match="logits processor"):
+        spec.add(EngineRequest("p", prompt, greedy(8, presence_penalty=1.0), resume_token_ids=[5]))

@@ -101,17 +101,16 @@ class VLLMEngine(StreamEngine):
         # anything else AsyncEngineArgs takes, as given (the escape hatch for new options)
         args.update(_mapping(engine_args, "engine_args") or {})
         encoder = is_embedding_model(self.model_path)
+        self.embeds = encoder or args.get("runner") == "pooling"
         # A resumed sequence's tokens go to vLLM as prompt; this processor lets its grammar and
         # presence/frequency penalties count them as output still (vllm_resume.py). vLLM takes
-        # no custom processor with speculative decoding: there, such resumes are refused.
-        self.resumes_exactly = not args.get("speculative_config") and not (
-            encoder or args.get("runner") == "pooling"
-        )
+        # no custom processor with speculative decoding (nor on its pooling runner): there,
+        # such resumes are refused.
+        self.resumes_exactly = not args.get("speculative_config") and not self.embeds
         if self.resumes_exactly:
             procs = list(args.get("logits_processors") or ())
             if RESUME_PROCESSOR not in procs:
                 args["logits_processors"] = [*procs, RESUME_PROCESSOR]
-        self.embeds = encoder or args.get("runner") == "pooling"
         seq_length: int | None = None
         if self.embeds:
             seq_length = _pooling_args(args, self.model_path, convert=not encoder)
