@@ -221,7 +221,7 @@ async def test_without_the_processor_a_resumed_guide_would_start_over(engine: VL
     assert r.text in ("red alert", "green light", "blue moon")
 
 
-def test_the_processor_is_loaded_except_where_vllm_refuses_one() -> None:
+async def test_the_processor_is_loaded_except_where_vllm_refuses_one() -> None:
     from tokenyard.engines.vllm import RESUME_PROCESSOR
 
     plain = make_engine("vllm", model="tiny")
