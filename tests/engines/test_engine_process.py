@@ -229,8 +229,8 @@ async def test_options_must_be_plain_data() -> None:
 async def test_decoding_features_cross_the_pipe(proc_engine: ProcessEngine) -> None:
     """The child's features are the parent's; a structured output the child cannot compile
     comes back as a refused ERROR (the job fails without a retry), and one it can runs."""
-    if proc_engine.name != "hf":
-        assert proc_engine.limits().features == frozenset()
+    if proc_engine.name != "hf":  # the sim's: test_the_childs_features_and_logprobs_cross_the_pipe
+        assert proc_engine.limits().features == frozenset(Feature) - {Feature.LOGPROBS}
         return
     assert proc_engine.limits().features == frozenset(Feature)
     tok = proc_engine.tokenizer
@@ -242,3 +242,23 @@ async def test_decoding_features_cross_the_pipe(proc_engine: ProcessEngine) -> N
     finish = res["bad"].finish
     assert finish is not None and finish.finish_reason is FinishReason.ERROR and finish.refused
     assert res["good"].text in ("yes", "no")
+
+
+async def test_the_childs_features_and_logprobs_cross_the_pipe() -> None:
+    assert ProcessEngine("sim", SIM).limits().features == frozenset(Feature) - {Feature.LOGPROBS}
+    options = {**SIM, "logprobs": True}
+    eng = ProcessEngine("sim", options)
+    assert eng.limits().features == frozenset(Feature)
+    local = make_engine("sim", **options)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, logit_bias=((70, 3.0),))
+    try:
+        for engine in (eng, local):
+            await engine.start()
+            engine.add(EngineRequest("lp", eng.tokenizer.encode("hello"), params))
+        got, want = await collect(eng, 1), await collect(local, 1)
+        logprobs = [lp for o in got["lp"].outputs for lp in o.logprobs or ()]
+        assert len(logprobs) == 6 and all(len(lp.top) == 2 for lp in logprobs)
+        assert logprobs == [lp for o in want["lp"].outputs for lp in o.logprobs or ()]
+    finally:
+        await eng.stop()
+        await local.stop()

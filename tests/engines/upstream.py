@@ -1,14 +1,17 @@
-"""Real upstreams for the remote engine: a `tokenyard serve` process, and a TCP proxy that can
-cut a connection mid-stream (to exercise retries against the real server behind it)."""
+"""Upstreams for the remote engine: a `tokenyard serve` process, a TCP proxy that can cut a
+connection mid-stream (to exercise retries against the real server behind it), and a scripted
+one that records what the engine sends (its request bodies) and answers as told."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 
@@ -83,3 +86,52 @@ class CuttingProxy:
             dst.close()
 
         await asyncio.gather(pipe(reader, up_writer, None), pipe(up_reader, writer, limit))
+
+
+Respond = Callable[[dict[str, Any]], Iterable[dict[str, Any]]]
+
+
+class ScriptedUpstream:
+    """A `/v1/completions` upstream that records each request's JSON body and streams the
+    chunks `respond(body)` makes (each a `choices[0]` payload) as SSE; `cut_after`: the first
+    connection is closed after that many chunks, without a finish."""
+
+    def __init__(self, respond: Respond, *, cut_after: int | None = None) -> None:
+        self.respond = respond
+        self.cut_after = cut_after
+        self.bodies: list[dict[str, Any]] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.decode().split("\r\n"):
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            body = json.loads(await reader.readexactly(length))
+            self.bodies.append(body)
+            cut = self.cut_after if len(self.bodies) == 1 else None
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+            )
+            for i, choice in enumerate(self.respond(body)):
+                if cut is not None and i == cut:
+                    break
+                chunk = {"id": "x", "object": "text_completion", "choices": [choice]}
+                writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await writer.drain()
+            else:
+                writer.write(b"data: [DONE]\n\n")
+            await writer.drain()
+        writer.close()

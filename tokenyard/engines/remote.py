@@ -5,6 +5,16 @@ token ids with `return_token_ids`) does the batching; this engine only holds up 
 `concurrency` streams open. Prompts go up as token ids and text is decoded here from the
 token ids that come back, so stop strings, resume and usage are exact whatever the upstream's
 detokenizer does, and a redelivered job continues from prompt + streamed tokens.
+
+The decoding fields go up as vLLM's completions API takes them (OpenAI's penalties,
+logit_bias and logprobs; vLLM's repetition_penalty, min_tokens, stop_token_ids and
+structured_outputs), and logprobs come back as vLLM renders them with
+`return_tokens_as_token_ids` ("token_id:N" for every token, so the alternatives map back to
+ids exactly; an upstream that sends token strings instead has them looked up in the
+tokenizer). A guide or a presence/frequency penalty depends on everything the sequence
+generated, which the upstream cannot be told of a prompt: such a sequence is resumed by
+asking again from its prompt alone and checking that the tokens already sent come back first
+(greedy, or seeded as every sampled sequence here is), never by continuing out of shape.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.errors import UpstreamError
-from tokenyard.messages import FinishReason
+from tokenyard.messages import Feature, FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +40,9 @@ class RemoteEngine(StreamEngine):
     """Streams each sequence from an OpenAI-compatible `/v1/completions`; capacity = concurrency."""
 
     name = "remote"
+    # all of them go to the upstream (a vLLM or tokenyard); one that lacks a field refuses
+    # the request with a 4xx, which fails the job as refused
+    features = frozenset(Feature)
 
     def __init__(
         self,
@@ -59,6 +72,7 @@ class RemoteEngine(StreamEngine):
         self.timeout_s = timeout_s
         self._client: httpx.AsyncClient | None = None
         self._slots = asyncio.Semaphore(concurrency)
+        self._token_strings: dict[str, int] | None = None  # a token's text -> its id
 
     async def open(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -106,14 +120,16 @@ class RemoteEngine(StreamEngine):
                 )
                 await asyncio.sleep(delay)
 
-    def _body(self, seq: StreamSeq) -> dict[str, Any]:
+    def _body(self, seq: StreamSeq, replay: bool) -> dict[str, Any]:
         p = seq.params
+        # resumed and already streamed tokens continue the prompt, as in an unbroken run;
+        # a retry after a dropped connection continues the same way. `replay`: the sequence
+        # starts over from its prompt, to be checked against what it already sent
+        resumed = [] if replay else seq.generated
         body: dict[str, Any] = {
             "model": self.upstream_model,
-            # resumed and already streamed tokens continue the prompt, as in an unbroken run;
-            # a retry after a dropped connection continues the same way
-            "prompt": seq.prompt_ids + seq.generated,
-            "max_tokens": seq.remaining,
+            "prompt": seq.prompt_ids + resumed,
+            "max_tokens": seq.remaining + len(seq.generated) - len(resumed),
             "temperature": p.temperature,
             "top_p": p.top_p,
             "stream": True,
@@ -125,13 +141,17 @@ class RemoteEngine(StreamEngine):
             body["ignore_eos"] = True
         if not p.greedy:
             body["seed"] = p.seed if p.seed is not None else default_seed(seq.seq_id)
+        body.update(decoding_fields(p, len(resumed)))
         # Stop strings are matched here on the decoded tokens (so a stop spanning a resume
         # boundary is still found); the upstream streams until we close the stream.
         return body
 
     async def _stream(self, seq: StreamSeq) -> None:
         assert self._client is not None
-        async with self._client.stream("POST", "/v1/completions", json=self._body(seq)) as resp:
+        # what the upstream must give back first, when the sequence starts over
+        expected = list(seq.generated) if seq.generated and replays(seq.params) else []
+        body = self._body(seq, bool(expected))
+        async with self._client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise _http_error(resp)
@@ -156,15 +176,123 @@ class RemoteEngine(StreamEngine):
                         "`return_token_ids` completions extension (vLLM, tokenyard)",
                         retry=False,
                     )
-                self.feed(seq, [int(t) for t in ids or ()])
+                ids = [int(t) for t in ids or ()]
+                logprobs = None
+                if seq.params.logprobs is not None and ids:
+                    logprobs = self._logprobs(ids, choice.get("logprobs"), seq.params.logprobs)
+                if expected:
+                    ids, logprobs = _replayed(seq, expected, ids, logprobs)
+                self.feed(seq, ids, logprobs)
                 if seq.done:
                     return  # a stop string or the limit: leaving closes the stream upstream
                 if reason is not None:
+                    if expected:
+                        raise UpstreamError(
+                            f"the upstream ended sequence {seq.seq_id!r} before repeating the "
+                            f"{len(expected)} tokens already sent",
+                            retry=False,
+                        )
                     self.close(
                         seq, FinishReason.LENGTH if reason == "length" else FinishReason.STOP
                     )
                     return
         raise httpx.RemoteProtocolError("the upstream stream ended without a finish reason")
+
+    def _logprobs(self, ids: list[int], body: Any, k: int) -> list[TokenLogprob]:
+        """A chunk's completions-style logprobs (`token_logprobs`, `top_logprobs`: per token a
+        dict token -> logprob, the chosen one among them) as tokenyard's, by position."""
+        chosen = body.get("token_logprobs") if isinstance(body, dict) else None
+        tops = body.get("top_logprobs") if isinstance(body, dict) else None
+        if not isinstance(chosen, list) or len(chosen) != len(ids):
+            raise UpstreamError(
+                f"the upstream sent logprobs for {len(chosen or ())} of {len(ids)} tokens",
+                retry=False,
+            )
+        out = []
+        for i, token_id in enumerate(ids):
+            top: tuple[tuple[int, float], ...] = ()
+            alternatives = tops[i] if isinstance(tops, list) and i < len(tops) else None
+            if k and isinstance(alternatives, dict):
+                # up to k + 1: the k most likely and the chosen one, wherever it ranks
+                named = ((float(lp), self._token_id(t, token_id)) for t, lp in alternatives.items())
+                # an alternative whose text names no token (a byte rendering) is left out
+                ranked = sorted(((lp, t) for lp, t in named if t is not None), key=lambda x: -x[0])
+                top = tuple((t, lp) for lp, t in ranked[:k])
+            out.append(TokenLogprob(token_id, float(chosen[i]), top))
+        return out
+
+    def _token_id(self, token: str, chosen: int) -> int | None:
+        """A token as the upstream names it: "token_id:N" (vLLM's `return_tokens_as_token_ids`),
+        else its text, looked up among the tokenizer's single-token texts (the chosen token's
+        own text is it; of several tokens with one text the lowest id); None: no token's."""
+        if token.startswith("token_id:"):
+            return int(token[len("token_id:") :])
+        tok = self.tokenizer
+        if tok.decode([chosen]) == token:
+            return chosen
+        if self._token_strings is None:
+            strings: dict[str, int] = {}
+            for i in range(tok.vocab_size - 1, -1, -1):  # the lowest id of a text wins
+                strings[tok.decode([i])] = i
+            self._token_strings = strings
+        return self._token_strings.get(token)
+
+
+def replays(params: SamplingParams) -> bool:
+    """Decoding that depends on the tokens generated so far: resumed, the sequence is asked
+    again from its prompt (the upstream would take resumed tokens as prompt, not output)."""
+    return bool(params.guide or params.presence_penalty or params.frequency_penalty)
+
+
+def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
+    """The optional decoding fields of a request, as vLLM's completions API takes them;
+    `resumed` tokens of the output are in the prompt, and count towards min_tokens."""
+    body: dict[str, Any] = {}
+    if p.presence_penalty:
+        body["presence_penalty"] = p.presence_penalty
+    if p.frequency_penalty:
+        body["frequency_penalty"] = p.frequency_penalty
+    if p.repetition_penalty != 1.0:
+        body["repetition_penalty"] = p.repetition_penalty
+    if p.logit_bias:
+        body["logit_bias"] = {str(t): bias for t, bias in p.logit_bias}
+    if p.min_tokens > resumed:
+        body["min_tokens"] = p.min_tokens - resumed
+    if p.stop_token_ids:
+        body["stop_token_ids"] = list(p.stop_token_ids)
+    if p.logprobs is not None:
+        body["logprobs"] = p.logprobs
+        body["return_tokens_as_token_ids"] = True
+    if (g := p.guide) is not None:
+        guide: dict[str, Any]
+        if g.json is not None:
+            guide = {"json": json.loads(g.json)}
+        elif g.json_object:
+            guide = {"json_object": True}
+        elif g.regex is not None:
+            guide = {"regex": g.regex}
+        elif g.choice is not None:
+            guide = {"choice": list(g.choice)}
+        else:
+            guide = {"grammar": g.grammar}
+        body["structured_outputs"] = guide
+    return body
+
+
+def _replayed(
+    seq: StreamSeq, expected: list[int], ids: list[int], logprobs: list[TokenLogprob] | None
+) -> tuple[list[int], list[TokenLogprob] | None]:
+    """Of a replayed sequence's new ids, those past the ones already sent; those must match
+    (consumed from `expected`), else the continuation would not follow what the client has."""
+    n = min(len(expected), len(ids))
+    if ids[:n] != expected[:n]:
+        raise UpstreamError(
+            f"sequence {seq.seq_id!r} cannot resume: asked again, the upstream does not repeat "
+            "the tokens already sent, and its guide or penalties depend on them",
+            retry=False,
+        )
+    del expected[:n]
+    return ids[n:], logprobs[n:] if logprobs is not None else None
 
 
 def _http_error(resp: httpx.Response) -> UpstreamError:

@@ -1,20 +1,33 @@
-"""Cost-model engine: real continuous-batching control flow, simulated model time, fake tokens."""
+"""Cost-model engine: real continuous-batching control flow, simulated model time, fake tokens.
+
+Its "model" is one fixed distribution per position (`SimModel`): its letters, spaces and
+punctuation, EOS at `eos_rate`, and a floor for every other byte; each token is a draw from it
+keyed by prompt, seed and position. What a request may change in a real model it changes
+here too: logit_bias, the penalties and min_tokens reshape that distribution before the draw,
+stop_token_ids end the sequence, logprobs are the distribution's own (with `logprobs=True`:
+see `SimEngine`), and a structured-output
+guide makes it write a text in shape (one of the choices, a JSON value of the schema) as a
+grammar that allows one token at a time would. Regex and grammar guides it cannot follow: it
+refuses them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import math
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
-from tokenyard.messages import FinishReason
+from tokenyard.errors import InvalidRequest
+from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams, TokenLogprob
 
 # Generated text is drawn from lowercase letters and spaces so it stays readable ASCII.
 _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     ,."
@@ -81,6 +94,210 @@ class _SimSeq(EngineSeq):
     position: int = 0  # absolute index of the next token
     fail: bool = False
     prefilled: bool = False
+    out_ids: list[int] = field(default_factory=list)  # resumed + generated tokens
+    plan: bytes | None = None  # a guided sequence's text, written one byte token at a time
+
+    @property
+    def reshaped(self) -> bool:
+        """Its draws come from a reshaped distribution (bias, penalties, min_tokens)."""
+        p = self.params
+        return bool(
+            p.logit_bias
+            or p.min_tokens
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1.0
+        )
+
+
+_FLOOR = -50.0  # every byte outside the alphabet: possible (a bias can force it), never drawn
+_LOGIT_SHIFT = 10.0
+
+
+class SimModel:
+    """The sim's next-token distribution, the same at every position: a byte of `_ALPHABET`
+    as often as it occurs there, EOS at `eos_rate` (unless the request ignores EOS), and
+    every other token at a floor (logit -50) that a logit_bias can lift."""
+
+    def __init__(self, eos_rate: float) -> None:
+        self.eos_rate = eos_rate
+        self._base = {eos: self._logprobs(eos) for eos in (False, True)}
+        self._ranked = {
+            eos: sorted(range(SimTokenizer.vocab_size), key=lambda t: (-lp[t], t))
+            for eos, lp in self._base.items()
+        }
+
+    def _logprobs(self, eos: bool) -> list[float]:
+        counts = Counter(_ALPHABET)
+        weights = [0.0] * SimTokenizer.vocab_size
+        rate = self.eos_rate if eos else 0.0
+        logits = [_FLOOR] * SimTokenizer.vocab_size
+        for byte, n in counts.items():
+            weights[byte + SimTokenizer.OFFSET] = (1 - rate) * n / len(_ALPHABET)
+        if rate:
+            weights[SimTokenizer.EOS] = rate
+        for t, w in enumerate(weights):
+            if w:
+                logits[t] = math.log(w)
+        norm = _logsumexp(logits)
+        return [x - norm for x in logits]
+
+    def base(self, params: SamplingParams) -> list[float]:
+        """Log-probabilities over the vocabulary before anything the request asks."""
+        return self._base[self.eos_rate > 0 and not params.ignore_eos]
+
+    def logprob(self, seq: _SimSeq, token: int) -> TokenLogprob:
+        """A drawn token's logprob and the k most likely, as vLLM's raw logprobs: the model's
+        own, before bias, penalties or a guide."""
+        eos = self.eos_rate > 0 and not seq.params.ignore_eos
+        base = self._base[eos]
+        k = seq.params.logprobs or 0
+        return TokenLogprob(token, base[token], tuple((t, base[t]) for t in self._ranked[eos][:k]))
+
+    def draw(self, seq: _SimSeq, u: float, stops: frozenset[int]) -> int:
+        """Inverse-CDF draw at `u` in [0, 1) from the distribution the request reshapes, as
+        vLLM orders it: bias and min_tokens' masks, then the penalties (repetition over prompt
+        and output, presence/frequency over the output)."""
+        p = seq.params
+        # its logits: the log-probabilities shifted up so its own tokens' are positive, as a
+        # real model's likely tokens are (only the repetition penalty, which shrinks positive
+        # logits and grows negative ones, sees the difference)
+        logits = [x + _LOGIT_SHIFT for x in self.base(p)]
+        for t, bias in p.logit_bias:
+            logits[t] += bias
+        if p.ignore_eos:
+            logits[SimTokenizer.EOS] = -math.inf
+        if len(seq.out_ids) < p.min_tokens:
+            for t in stops:
+                logits[t] = -math.inf
+        counts = Counter(seq.out_ids)
+        if p.repetition_penalty != 1.0:
+            r = p.repetition_penalty
+            for t in {*seq.input_ids, *seq.out_ids}:
+                logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
+        for t, n in counts.items():
+            logits[t] -= p.frequency_penalty * n + p.presence_penalty
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        target = u * sum(weights)
+        acc = 0.0
+        for t, w in enumerate(weights):
+            acc += w
+            if w and acc > target:
+                return t
+        return max(range(len(weights)), key=weights.__getitem__)
+
+
+def _logsumexp(xs: Sequence[float]) -> float:
+    top = max(xs)
+    return top + math.log(sum(math.exp(x - top) for x in xs))
+
+
+def guided_text(guide: Guide, pick: int) -> str:
+    """What the sim writes under a guide: one of the choices (by `pick`), or the smallest JSON
+    value of the schema (`{}` for any object); InvalidRequest for a guide it cannot follow."""
+    if guide.choice is not None:
+        if not guide.choice:
+            raise InvalidRequest("choice must not be empty", param="response_format")
+        return guide.choice[pick % len(guide.choice)]
+    if guide.json_object:
+        return "{}"
+    if guide.json is not None:
+        try:
+            schema = json.loads(guide.json)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"the JSON schema is not JSON: {exc}", param="response_format"
+            ) from exc
+        value = _instance(schema, schema, 0)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    what = "a regex" if guide.regex is not None else "a grammar"
+    raise InvalidRequest(
+        f"the sim engine cannot follow {what} guide; only choices and JSON",
+        param="response_format",
+        code="unsupported_parameter",
+    )
+
+
+def _instance(schema: Any, root: Any, depth: int) -> Any:
+    """The smallest value of a JSON schema, for the schemas applications send (objects of
+    required properties, scalars with bounds, enums, arrays, $ref into $defs)."""
+    if depth > 32:
+        raise _unsupported("recursion deeper than 32")
+    if schema is True or schema == {}:
+        return None
+    if not isinstance(schema, dict):
+        raise _unsupported(f"schema {schema!r}")
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            raise _unsupported(f"$ref {ref!r}")
+        target: Any = root
+        for part in ref[2:].split("/"):
+            if not isinstance(target, dict) or part not in target:
+                raise _unsupported(f"$ref {ref!r}")
+            target = target[part]
+        return _instance(target, root, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        if not schema["enum"]:
+            raise _unsupported("an empty enum")
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return _instance(schema[key][0], root, depth + 1)
+    if "allOf" in schema:
+        if len(schema["allOf"]) != 1:
+            raise _unsupported("allOf of several schemas")
+        return _instance(schema["allOf"][0], root, depth + 1)
+    kind = schema.get("type", "object" if "properties" in schema else None)
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        required = schema.get("required", [])
+        props = schema.get("properties", {})
+        return {name: _instance(props.get(name, {}), root, depth + 1) for name in required}
+    if kind == "array":
+        n = int(schema.get("minItems", 0))
+        return [_instance(schema.get("items", {}), root, depth + 1) for _ in range(n)]
+    if kind == "string":
+        if "pattern" in schema or "format" in schema:
+            raise _unsupported("a string pattern or format")
+        n = int(schema.get("minLength", 0))
+        return ("sim" + "s" * n)[: max(n, min(3, int(schema.get("maxLength", 3))))]
+    if kind in ("integer", "number"):
+        return _bounded_integer(schema)
+    if kind == "boolean":
+        return False
+    if kind == "null":
+        return None
+    raise _unsupported(f"type {kind!r}")
+
+
+def _bounded_integer(schema: dict[str, Any]) -> int:
+    """The integer nearest 0 within a number schema's bounds."""
+    lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
+    if "exclusiveMinimum" in schema:
+        lows.append(math.floor(schema["exclusiveMinimum"]) + 1)
+    highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
+    if "exclusiveMaximum" in schema:
+        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1)
+    low, high = max(lows, default=None), min(highs, default=None)
+    value = low if low is not None and low > 0 else high if high is not None and high < 0 else 0
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _unsupported("number bounds no integer meets")
+    if "multipleOf" in schema and value % schema["multipleOf"]:
+        raise _unsupported("multipleOf")
+    return value
+
+
+def _unsupported(what: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"the sim engine cannot write a JSON value for this schema: {what}",
+        param="response_format",
+        code="unsupported_parameter",
+    )
 
 
 class PrefixCache:
@@ -130,6 +347,11 @@ class SimEngine(LocalEngine[_SimSeq]):
     """
 
     name = "sim"
+    # Its logprobs are exact, but of a made-up distribution: served only where asked for
+    # (`logprobs=True`, tests of the logprobs path), so that by default a client asking a
+    # sim-served model for logprobs is refused rather than given numbers that read like a
+    # model's. (A class attribute: a subclass may declare its own.)
+    features = frozenset(Feature) - {Feature.LOGPROBS}
 
     def __init__(
         self,
@@ -147,6 +369,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         max_model_len: int = 4096,
         sleep: Callable[[float], None] | None = None,
         prefix_cache_tokens: int = 0,
+        logprobs: bool = False,
     ) -> None:
         seqs = 64 if max_seqs is None else max_seqs
         # No memory to size from: by default every sequence may use the whole context.
@@ -158,11 +381,14 @@ class SimEngine(LocalEngine[_SimSeq]):
         self.decode_base = decode_base
         self.decode_per_seq = decode_per_seq
         self.eos_rate = eos_rate
+        self.model = SimModel(eos_rate)
         self.fail_rate = fail_rate
         self.fail_marker = fail_marker
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        if logprobs:
+            self.features = frozenset(Feature)
 
     async def start(self) -> None:
         if self._thread is not None:
@@ -176,6 +402,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         prompt = request.prompt_token_ids
         digest = hashlib.blake2b(digest_size=16)
         digest.update(b"".join(t.to_bytes(4, "little") for t in prompt))
+        params = request.params
         seq = open_seq(
             _SimSeq,
             request,
@@ -187,6 +414,10 @@ class SimEngine(LocalEngine[_SimSeq]):
             digest.update(seq.noise_seed.to_bytes(8, "little", signed=True))
         seq.key = digest.digest()
         seq.position = len(seq.input_ids)
+        seq.out_ids = list(request.resume_token_ids)
+        if params.guide is not None:
+            pick = int.from_bytes(seq.key[:8], "little")
+            seq.plan = guided_text(params.guide, pick).encode()
         marker = self.fail_marker
         seq.fail = bool(marker and marker in tok.decode(prompt))
         with self._cond:
@@ -233,9 +464,13 @@ class SimEngine(LocalEngine[_SimSeq]):
                 continue
             token = self._token(seq)
             seq.position += 1
+            seq.out_ids.append(token)
             delta = seq.decoder.feed([token])
             self._stats.tokens_generated += len(delta.token_ids)
-            outputs.append(seq.output(delta))
+            out = seq.output(delta)
+            if seq.params.logprobs is not None:
+                out.logprobs = [self.model.logprob(seq, t) for t in delta.token_ids]
+            outputs.append(out)
             if delta.finish_reason is not None:
                 self._release_locked(seq)
         if stepped:
@@ -246,7 +481,27 @@ class SimEngine(LocalEngine[_SimSeq]):
     def _token(self, seq: _SimSeq) -> int:
         h = hashlib.blake2b(seq.key + seq.position.to_bytes(4, "little"), digest_size=16).digest()
         pick = int.from_bytes(h[:8], "little")
+        if seq.plan is not None:
+            return self._guided(seq)
+        if seq.reshaped:
+            # what min_tokens holds off, as vLLM's: EOS (unless ignored) and the stop ids
+            p = seq.params
+            stops = frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else {SimTokenizer.EOS}
+            )
+            return self.model.draw(seq, pick / (_MASK64 + 1), stops)
         eos_draw = int.from_bytes(h[8:], "little") / _MASK64
         if not seq.params.ignore_eos and eos_draw < self.eos_rate:
             return SimTokenizer.EOS
         return _ALPHABET[pick % len(_ALPHABET)] + SimTokenizer.OFFSET
+
+    def _guided(self, seq: _SimSeq) -> int:
+        """The next byte of the plan; then EOS, once min_tokens allows it (until then spaces,
+        which a JSON value may end with); a request ignoring EOS goes on with spaces."""
+        assert seq.plan is not None
+        i = len(seq.out_ids)
+        if i < len(seq.plan):
+            return seq.plan[i] + SimTokenizer.OFFSET
+        if i < seq.params.min_tokens or seq.params.ignore_eos:
+            return ord(" ") + SimTokenizer.OFFSET
+        return SimTokenizer.EOS

@@ -19,7 +19,7 @@ from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.engines.pooling import split_inputs
 from tokenyard.errors import EngineError, InvalidRequest
-from tokenyard.messages import EngineStats, FinishReason, SamplingParams
+from tokenyard.messages import EngineStats, FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +171,29 @@ class StreamEngine(Engine):
             return EngineStats(s.steps, s.sequences_stepped, s.tokens_generated, len(self._seqs))
 
     # -- for subclasses, on the loop --------------------------------------------------------
-    def feed(self, seq: StreamSeq, ids: Sequence[int]) -> None:
-        """New tokens from the runtime; stop strings, EOS and the length limit apply here."""
+    def feed(
+        self,
+        seq: StreamSeq,
+        ids: Sequence[int],
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> None:
+        """New tokens from the runtime (and, when the params ask, one logprob per id); stop
+        strings, EOS and the length limit apply here."""
         if seq.done or not ids or seq.decoder is None:
             return
         seq.generated += ids
         delta = seq.decoder.feed(ids)
         with self._lock:
             self._stats.tokens_generated += len(delta.token_ids)
-        self._emit(seq, delta.token_ids, delta.text, delta.finish_reason)
+        kept = None
+        if logprobs is not None:
+            # the decoder keeps a prefix of the ids (none after a stop): their logprobs with them
+            kept = list(logprobs[: len(delta.token_ids)])
+            if len(kept) != len(delta.token_ids):
+                raise EngineError(
+                    f"{len(logprobs)} logprobs for {len(ids)} tokens of sequence {seq.seq_id!r}"
+                )
+        self._emit(seq, delta.token_ids, delta.text, delta.finish_reason, logprobs=kept)
 
     def close(self, seq: StreamSeq, reason: FinishReason) -> None:
         """The runtime ended the sequence (EOS, length) without our decoder having seen it."""
@@ -244,6 +258,7 @@ class StreamEngine(Engine):
         error: str | None = None,
         refused: bool = False,
         embeddings: list[bytes] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if seq.done:
             return
@@ -262,6 +277,7 @@ class StreamEngine(Engine):
                 error=error,
                 refused=refused,
                 embeddings=embeddings,
+                logprobs=logprobs,
             )
         )
         if self._loop is None:

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,15 @@ from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, is_embedding_model, 
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.engines.tiny import ensure_tiny_model
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import FinishReason, ModelLimits, SamplingParams
+from tokenyard.limits import MAX_LOGPROBS
+from tokenyard.messages import (
+    Feature,
+    FinishReason,
+    Guide,
+    ModelLimits,
+    SamplingParams,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,8 @@ class VLLMEngine(StreamEngine):
     """tokenyard's Engine over `vllm.v1.engine.async_llm.AsyncLLM`, priority scheduling on."""
 
     name = "vllm"
+    # every decoding field maps onto vLLM's own SamplingParams (see `vllm_sampling_params`)
+    features = frozenset(Feature)
 
     def __init__(
         self,
@@ -73,6 +83,10 @@ class VLLMEngine(StreamEngine):
             # tokenyard's priority lanes map onto vLLM's priority scheduler
             "scheduling_policy": "priority",
             "disable_log_stats": True,
+            # as many alternatives as tokenyard admits (OpenAI's top_logprobs bound), taken
+            # from the model's own distribution before penalties, bias and temperature
+            "max_logprobs": MAX_LOGPROBS,
+            "logprobs_mode": "raw_logprobs",
         }
         optional = {
             "max_num_seqs": max_seqs,
@@ -88,6 +102,15 @@ class VLLMEngine(StreamEngine):
         args.update(_mapping(engine_args, "engine_args") or {})
         encoder = is_embedding_model(self.model_path)
         self.embeds = encoder or args.get("runner") == "pooling"
+        # A resumed sequence's tokens go to vLLM as prompt; this processor lets its grammar and
+        # presence/frequency penalties count them as output still (vllm_resume.py). vLLM takes
+        # no custom processor with speculative decoding (nor on its pooling runner): there,
+        # such resumes are refused.
+        self.resumes_exactly = not args.get("speculative_config") and not self.embeds
+        if self.resumes_exactly:
+            procs = list(args.get("logits_processors") or ())
+            if RESUME_PROCESSOR not in procs:
+                args["logits_processors"] = [*procs, RESUME_PROCESSOR]
         seq_length: int | None = None
         if self.embeds:
             seq_length = _pooling_args(args, self.model_path, convert=not encoder)
@@ -154,7 +177,16 @@ class VLLMEngine(StreamEngine):
     def prepare(self, seq: StreamSeq) -> Any:
         if seq.decoder is None or seq.decoder.finish_reason is not None:
             return None  # the resumed tokens already finish it; vLLM is not asked
-        return vllm_sampling_params(seq.params, seq.decoder.remaining)
+        if seq.generated and not self.resumes_exactly and resume_args(seq.params, 1):
+            # without the processor the continuation would ignore the resumed tokens'
+            # grammar state and penalties: refused rather than answered out of shape
+            raise InvalidRequest(
+                "a resumed sequence with structured outputs or presence/frequency penalties "
+                "needs tokenyard's vLLM logits processor, which vLLM refuses with "
+                "speculative decoding",
+                param="response_format" if seq.params.guide else "presence_penalty",
+            )
+        return vllm_sampling_params(seq.params, seq.decoder.remaining, resumed=seq.generated)
 
     async def embed(self, seq: StreamSeq) -> list[bytes]:
         """Every input as its own vLLM request, all at once: vLLM's scheduler batches them
@@ -232,7 +264,10 @@ class VLLMEngine(StreamEngine):
             self.fail(seq, f"vLLM failed: {out}")
             return True
         done = out.outputs[0]
-        self.feed(seq, done.token_ids)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = token_logprobs(done.token_ids, done.logprobs, seq.params.logprobs)
+        self.feed(seq, done.token_ids, logprobs)
         if seq.done:
             return True
         if out.finished:
@@ -273,19 +308,71 @@ def resolved_dtype(dtype: str, *, cpu: bool) -> str:
     return "float32" if dtype == "auto" and cpu else dtype
 
 
-def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
+# vllm_resume.py's processor, loaded by vLLM's engine core by name (that module imports vLLM)
+RESUME_PROCESSOR = "tokenyard.engines.vllm_resume:ResumedOutputs"
+RESUME_ARG = "tokenyard_resume"  # the key of its arguments in SamplingParams.extra_args
+
+
+def resume_args(params: SamplingParams, resumed: int) -> dict[str, Any] | None:
+    """What `ResumedOutputs` needs of a sequence resumed after `resumed` tokens, or None when
+    its decoding does not depend on the tokens it generated (vLLM alone continues it exactly)."""
+    if not resumed:
+        return None
+    if params.guide is None and not params.presence_penalty and not params.frequency_penalty:
+        return None
+    args: dict[str, Any] = {"resumed": resumed}
+    if params.guide is not None:
+        args["guide"] = _guide_spec(params.guide)
+    if params.presence_penalty:
+        args["presence"] = params.presence_penalty
+    if params.frequency_penalty:
+        args["frequency"] = params.frequency_penalty
+    return args
+
+
+def _guide_spec(guide: Guide) -> list[Any]:
+    """A guide as (kind, spec), as vLLM keys its grammars."""
+    if guide.json is not None:
+        return ["json", guide.json]
+    if guide.json_object:
+        return ["json_object", ""]
+    if guide.regex is not None:
+        return ["regex", guide.regex]
+    if guide.choice is not None:
+        return ["choice", list(guide.choice)]
+    if guide.grammar is not None:
+        return ["grammar", guide.grammar]
+    raise InvalidRequest("a structured-output guide sets none of its fields", param="guide")
+
+
+def vllm_sampling_params(
+    params: SamplingParams, max_tokens: int, *, resumed: Sequence[int] = ()
+) -> Any:
     """vLLM's SamplingParams for a tokenyard request: the same sampling, no text work.
 
     Stop strings are not given to vLLM (tokenyard matches them across resumes); values vLLM
-    refuses raise InvalidRequest with vLLM's reason.
+    refuses raise InvalidRequest with vLLM's reason. `resumed`: tokens an earlier attempt
+    generated, now the end of the prompt: min_tokens counts them, and a guide or
+    presence/frequency penalties go to tokenyard's processor, which counts them as output
+    (vLLM itself would start the grammar afresh after them and not penalise them).
     """
     from vllm import SamplingParams as VSamplingParams
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind
 
+    extra = resume_args(params, len(resumed))
     try:
+        if params.guide is not None and extra is not None:
+            # the processor compiles it with xgrammar, where vLLM's `auto` may have taken
+            # another backend for the first attempt: what xgrammar lacks is refused here,
+            # before vLLM's engine core would meet it
+            from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+            validate_xgrammar_grammar(
+                VSamplingParams(max_tokens=1, structured_outputs=structured_outputs(params.guide))
+            )
         return VSamplingParams(
-            n=1,
+            n=1,  # the gateway fans `n` out into jobs of their own
             max_tokens=max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -293,12 +380,50 @@ def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
             # vLLM seeds per request: an unseeded sampled sequence stays unseeded, as in vLLM
             seed=params.seed,
             ignore_eos=params.ignore_eos,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None,
+            min_tokens=max(0, params.min_tokens - len(resumed)),
+            stop_token_ids=list(params.stop_token_ids),
+            logprobs=params.logprobs,
+            structured_outputs=(
+                structured_outputs(params.guide) if params.guide and extra is None else None
+            ),
+            extra_args={RESUME_ARG: extra} if extra is not None else None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
     except (ValueError, VLLMClientError) as exc:
         param = getattr(exc, "parameter", None)
         raise InvalidRequest(str(exc), param=param if isinstance(param, str) else None) from exc
+
+
+def structured_outputs(guide: Guide) -> Any:
+    """vLLM's StructuredOutputsParams for a guide: the same one field set."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, spec = _guide_spec(guide)
+    return StructuredOutputsParams(**{kind: True if kind == "json_object" else spec})
+
+
+def token_logprobs(ids: Sequence[int], positions: Any, k: int) -> list[TokenLogprob]:
+    """vLLM's sample logprobs (per position a dict token id -> Logprob(logprob, rank): the
+    chosen token and the k most likely) as tokenyard's, the k most likely first."""
+    if positions is None or len(positions) != len(ids):
+        raise RuntimeError(
+            f"vLLM returned logprobs for {len(positions or ())} of {len(ids)} tokens"
+        )
+    out: list[TokenLogprob] = []
+    for token_id, position in zip(ids, positions, strict=True):
+        chosen = position[token_id]
+        # ranks 1..k are the top k; the chosen token's own rank may be beyond them
+        ranked = sorted(
+            (lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None
+        )
+        top = tuple((tid, float(logprob)) for rank, tid, logprob in ranked if rank <= k)
+        out.append(TokenLogprob(int(token_id), float(chosen.logprob), top[:k]))
+    return out
 
 
 # hf-embed's pooling modes as vLLM's pooler names them (vLLM has no max pooling)
