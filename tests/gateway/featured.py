@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.messages import Feature, TokenLogprob
@@ -38,6 +40,11 @@ class FeaturedSim(SimEngine):
     def add(self, request: EngineRequest) -> None:
         if request.params.logprobs is not None:
             self._logprobs[request.seq_id] = request.params.logprobs
+        guide = request.params.guide
+        if guide is not None and (guide.regex is not None or guide.grammar is not None):
+            # the plain sim refuses what it cannot follow; this one honours no guide at all
+            params = msgspec.structs.replace(request.params, guide=None)
+            request = msgspec.structs.replace(request, params=params)
         super().add(request)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:

@@ -18,6 +18,7 @@ from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.base import EngineRequest
 from tokenyard.engines.sim import SimEngine, SimTokenizer
+from tokenyard.fleet.launch import wait_ready
 from tokenyard.messages import Feature, SamplingParams
 
 WEATHER = {
@@ -263,12 +264,19 @@ def test_bad_tool_input_is_400_naming_the_param(scripted: tuple[Stack, ScriptedE
     assert _bad(stack, tool_choice="required")["param"] == "tool_choice"
 
 
+class _BareSim(SimEngine):
+    name = "bare-sim"
+    features = frozenset()  # an engine with no structured outputs
+
+
 def test_required_on_an_engine_without_structured_outputs_names_the_engine(
-    stack: Stack,
+    valkey: EmbeddedServer,
 ) -> None:
-    error = _bad(stack, tools=TOOLS, tool_choice="required")
+    with run_stack(valkey, engines=[_BareSim]) as bare:
+        wait_ready(bare.url + "/readyz", timeout_s=60, interval_s=0.05)  # its limits published
+        error = _bad(bare, tools=TOOLS, tool_choice="required")
     assert error["param"] == "tool_choice"
-    assert "sim engine" in error["message"]
+    assert "bare-sim engine" in error["message"]
     assert error["code"] == "unsupported_parameter"
 
 
