@@ -430,3 +430,5 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     # its function tools, tool_choice and parallel_tool_calls (JSON, as the request gave
     # them): its output is read for calls with them; None: it had none
     tools: str | None = None
+    # its `text.format` (JSON, as the request gave it; None: plain text), shown when read
+    text_format: str | None = None
