@@ -145,7 +145,8 @@ async def job_events(
     include_usage: bool = False,
 ) -> Response:
     """SSE of the job's events; resumes after Last-Event-ID. A cmpl-/chatcmpl- id streams
-    OpenAI chunks, a bare job id the job's own `tokens`/`finish` events."""
+    OpenAI chunks (a chat job that was offered tools shows its calls), a bare job id the
+    job's own `tokens`/`finish` events."""
     state = gateway(request)
     record, bare = await _record_of(state, job_id, tenant)
     start = last_event_id(request, after)
