@@ -115,6 +115,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return frozenset(wanted)
 
 
+class CallReading(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a chat job's answer is read for tool calls, set at admission when its request
+    offered tools (and did not say `tool_choice` none). Every reader of the job builds its
+    parser from this alone: the live call, the jobs API's stream (resumed or not), a batch's
+    output. The tools themselves are not kept: they shaped the prompt and any guide already,
+    and reading needs only the format."""
+
+    parser: str  # hermes, llama3_json or mistral; `required`; `named` (tool_choice's function)
+    function: str | None = None  # the function `tool_choice` names (parser `named`)
+    parallel: bool = True  # parallel_tool_calls false: only the first call is kept
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     """One generated token's log-probability under the model (before any penalty, bias or
     temperature, as vLLM's default `raw_logprobs`), and the `SamplingParams.logprobs` most
@@ -156,6 +168,9 @@ class JobSpec(msgspec.Struct, kw_only=True):
     # an embeddings job (/v1/embeddings): `prompt_token_ids` holds its inputs one after another,
     # of these lengths; its result carries one vector per input and no tokens
     input_lengths: list[int] | None = None
+    # a chat job whose request offered tools: how its answer is read for calls (None: the
+    # answer is all content; so are jobs recorded before this field existed)
+    calls: CallReading | None = None
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):
@@ -415,3 +430,5 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     # its function tools, tool_choice and parallel_tool_calls (JSON, as the request gave
     # them): its output is read for calls with them; None: it had none
     tools: str | None = None
+    # its `text.format` (JSON, as the request gave it; None: plain text), shown when read
+    text_format: str | None = None

@@ -210,7 +210,20 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
         ({"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        # the sim engine has no structured outputs (the message names it: see below)
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+            "text.format.name",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a", "schema": 5}}},
+            "text.format.schema",
+        ),
+        ({"text": {"format": {"type": "text", "name": "a"}}}, "text.format.name"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"prompt_cache_key": "k"}, "prompt_cache_key"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
@@ -233,6 +246,21 @@ def test_refusals_name_the_parameter(slow: Stack, extra: dict[str, object], para
         r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", **extra})
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_json_format_on_an_engine_without_structured_outputs_names_the_engine(
+    slow: Stack,
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    with slow.client() as http:
+        r = http.post(
+            "/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": fmt}}
+        )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("text.format", "unsupported_parameter")
+    assert "sim engine" in error["message"]
 
 
 def test_neutral_values_of_openai_fields_are_taken(slow: Stack) -> None:

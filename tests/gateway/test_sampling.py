@@ -507,6 +507,29 @@ def test_jobs_api_token_events_carry_logprobs_and_resume_with_them(featured: Sta
         assert names == [x["token"] for x in entries]
 
 
+def test_a_resumed_completion_stream_keeps_its_text_offsets(featured: Stack) -> None:
+    body = {"model": MODEL, "prompt": "jobs", "max_tokens": 6, "temperature": 0.0, "logprobs": 1}
+    with httpx.Client(base_url=featured.url, timeout=30) as http:
+        path = f"/v1/jobs/cmpl-{http.post('/v1/jobs', json=body).json()['id']}/events"
+
+        def read(after: str = "0") -> list[tuple[str | None, Any]]:
+            with http.stream("GET", path, headers={"Last-Event-ID": after}) as r:
+                return [(e.id, e.json()) for e in events(r) if e.data != "[DONE]"]
+
+        whole = read()
+        offsets = [
+            o
+            for _, ch in whole
+            if ch["choices"] and ch["choices"][0]["logprobs"]
+            for o in ch["choices"][0]["logprobs"]["text_offset"]
+        ]
+        assert len(offsets) == 6 and offsets == sorted(offsets) and offsets[0] == 0
+        # resumed after any event: the offsets go on from where the text stood, not from 0
+        for at, (event_id, _) in enumerate(whole):
+            if event_id is not None:
+                assert whole[: at + 1] + read(event_id) == whole, event_id
+
+
 def test_batch_lines_carry_the_new_fields(featured: Stack) -> None:
     c = _client(featured)
     rows = [

@@ -174,6 +174,70 @@ def test_json_schema_output_validates(tiny: openai.OpenAI) -> None:
         assert isinstance(json.loads(anything.choices[0].text), dict)
 
 
+def test_responses_text_format_constrains_the_output(tiny: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
+    response = tiny.responses.create(
+        model="tiny",
+        input="Once upon a time",
+        max_output_tokens=200,
+        temperature=0.0,
+        text={"format": fmt},
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    # the stored response shows the format it was asked for
+    kept = tiny.responses.retrieve(response.id)
+    assert kept.text is not None and kept.text.format is not None
+    assert kept.text.format.model_dump(exclude_none=True, by_alias=True) == fmt
+    assert kept.output_text == response.output_text
+
+    parsed = tiny.responses.parse(
+        model="tiny",
+        input="Once upon a time",
+        max_output_tokens=200,
+        temperature=0.0,
+        text_format=Answer,
+    )
+    assert isinstance(parsed.output_parsed, Answer)
+
+    streamed = list(
+        tiny.responses.create(
+            model="tiny",
+            input="Once upon a time",
+            max_output_tokens=200,
+            temperature=0.0,
+            text={"format": fmt},
+            stream=True,
+        )
+    )
+    assert streamed[-1].type == "response.completed"
+    assert streamed[-1].response.output_text == response.output_text
+
+    anything = tiny.responses.create(
+        model="tiny",
+        input="JSON:",
+        max_output_tokens=200,
+        temperature=0.0,
+        text={"format": {"type": "json_object"}},
+    )
+    if anything.status == "completed":
+        assert isinstance(json.loads(anything.output_text), dict)
+    assert tiny.responses.retrieve(anything.id).text.format.type == "json_object"  # type: ignore[union-attr]
+
+
+def test_responses_text_format_that_cannot_compile_is_400(tiny: openai.OpenAI) -> None:
+    bad: Any = {
+        "type": "json_schema",
+        "name": "bad",
+        "schema": {"type": "object", "minProperties": "x"},
+    }
+    with pytest.raises(openai.BadRequestError) as refused:
+        tiny.responses.create(model="tiny", input="hi", text={"format": bad})
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "text.format", error
+    assert "minProperties" in error["message"]
+
+
 def test_choice_and_regex_constrain_the_text(tiny: openai.OpenAI) -> None:
     choice = tiny.completions.create(
         model="tiny",

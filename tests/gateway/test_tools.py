@@ -11,9 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
+from tests.gateway import sse
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.base import EngineRequest
@@ -423,3 +426,83 @@ def test_required_and_named_answers_stream_as_calls(valkey: EmbeddedServer) -> N
             got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # type: ignore[union-attr]
             assert got == expected
             assert not choice_.message.content
+
+
+# -- the jobs API: a chat job with tools, followed and resumed -------------------------------------
+def _chunks(http: httpx.Client, path: str, last_id: str = "0") -> list[tuple[str | None, Any]]:
+    """The stream's chunks (each parsed by the openai client's type) with their event ids."""
+    with http.stream("GET", path, headers={"Last-Event-ID": last_id}) as reply:
+        assert reply.status_code == 200, reply.read()
+        out = []
+        for event in sse.events(reply):
+            if event.data == "[DONE]":
+                break
+            ChatCompletionChunk.model_validate(event.json())
+            out.append((event.id, event.json()))
+        return out
+
+
+def _read(chunks: list[tuple[str | None, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """The content and the calls (id, name, arguments) a stream's chunks add up to."""
+    content = ""
+    calls: list[dict[str, Any]] = []
+    for _, chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for piece in delta.get("tool_calls") or []:
+                if piece.get("id") is not None:
+                    assert piece["index"] == len(calls)
+                    calls.append({"id": piece["id"], "name": piece["function"]["name"]})
+                    calls[-1]["arguments"] = ""
+                calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    return content, calls
+
+
+def test_a_chat_job_with_tools_streams_its_calls_and_resumes_anywhere(
+    scripted: tuple[Stack, ScriptedEngine],
+) -> None:
+    stack, _ = scripted
+    with stack.client() as http:
+        body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 300}
+        queued = http.post("/v1/jobs", json=body)
+        assert queued.status_code == 202, queued.text
+        path = f"/v1/jobs/chatcmpl-{queued.json()['id']}/events"
+        whole = _chunks(http, path)
+        content, calls = _read(whole)
+        assert content == "Let me look."
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris", "days": 2}),
+            ("get_time", {}),
+        ]
+        assert whole[-1][1]["choices"][0]["finish_reason"] == "tool_calls"
+        # read again: the same chunks, the same call ids
+        assert _chunks(http, path) == whole
+        # cut after any event and resumed there: the parse goes on where it stood (held-back
+        # text, call indices, ids), so both halves make the unbroken stream, chunk for chunk
+        ids = [i for i, (event_id, _) in enumerate(whole) if event_id is not None]
+        assert len(ids) > 20
+        for at in ids:
+            event_id = whole[at][0]
+            assert event_id is not None
+            assert whole[: at + 1] + _chunks(http, path, event_id) == whole, event_id
+
+
+def test_the_live_stream_and_the_jobs_stream_name_calls_alike(
+    scripted: tuple[Stack, ScriptedEngine],
+) -> None:
+    stack, _ = scripted
+    raw = client_of(stack).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,
+        max_tokens=300,
+        stream=True,
+    )
+    job_id = raw.headers["X-Job-Id"]
+    live = [(None, chunk.model_dump(exclude_unset=True)) for chunk in raw.parse()]
+    _, live_calls = _read(live)
+    assert [c["name"] for c in live_calls] == ["get_weather", "get_time"]
+    with stack.client() as http:
+        _, calls = _read(_chunks(http, f"/v1/jobs/chatcmpl-{job_id}/events"))
+    assert calls == live_calls

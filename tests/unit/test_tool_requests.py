@@ -9,8 +9,17 @@ from typing import Any
 import pytest
 
 from tokenyard.errors import InvalidRequest
-from tokenyard.gateway.tools import History, NamedCallStream, ToolCallStream, answer_reader
+from tokenyard.gateway.tools import (
+    History,
+    NamedCallStream,
+    ToolCallStream,
+    answer_reader,
+    call_reading,
+    job_reader,
+    parse_whole,
+)
 from tokenyard.gateway.tools import read_tools as read
+from tokenyard.messages import CallReading, JobSpec, decode, encode
 
 WEATHER = {
     "type": "object",
@@ -118,3 +127,32 @@ def test_the_reader_follows_the_choice_and_the_template() -> None:
     with pytest.raises(InvalidRequest, match="--tool-call-parser") as info:
         answer_reader(read([tool("a")], None, None), "auto", "{{ messages }}")
     assert info.value.param == "tool_choice"
+
+
+def test_a_job_keeps_how_its_answer_is_read() -> None:
+    hermes = "... <tool_call> ..."
+    assert call_reading(read([tool("a")], "none", None), "auto", hermes) is None
+    assert call_reading(read([tool("a")], None, False), "auto", hermes) == CallReading(
+        parser="hermes", parallel=False
+    )
+    named = read([tool("a")], {"type": "function", "function": {"name": "a"}}, None)
+    assert call_reading(named, "mistral", "") == CallReading(parser="named", function="a")
+    assert call_reading(read([tool("a")], "required", None), "auto", "").parser == "required"
+    # the reading crosses the wire with the job; a job recorded without it reads as content
+    spec = JobSpec(id="j1", model="m", calls=CallReading(parser="hermes", parallel=False))
+    assert decode(encode(spec), JobSpec).calls == spec.calls
+    assert decode(encode(JobSpec(id="j1", model="m")), JobSpec).calls is None
+    assert job_reader(JobSpec(id="j1", model="m")) is None
+    # every reading of one job names its calls alike; another job's differ
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call>' * 2
+    single = job_reader(spec)
+    assert isinstance(single, ToolCallStream) and single.max_calls == 1
+
+    def ids(job: JobSpec, followed: str | None = None) -> list[str]:
+        reader = job_reader(job, followed)
+        assert reader is not None
+        return [c.id for c in parse_whole(reader, text).calls]
+
+    many = JobSpec(id="j1", model="m", calls=CallReading(parser="hermes"))
+    assert ids(many) == ids(many) and len(set(ids(many))) == 2
+    assert ids(many, "j2") != ids(many) and ids(many, "j1") == ids(many)

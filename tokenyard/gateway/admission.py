@@ -23,8 +23,8 @@ from tokenyard.gateway.protocol import (
 )
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
-from tokenyard.gateway.tools import CallStream, Tools, answer_reader
-from tokenyard.messages import Guide, JobSpec, SamplingParams
+from tokenyard.gateway.tools import Tools, call_reading
+from tokenyard.messages import CallReading, Guide, JobSpec, SamplingParams
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
 _INLINE_CHARS = 4096
@@ -77,11 +77,12 @@ async def admit(
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: Tools | None = None
+    reading: CallReading | None = None
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
         tools = body.tool_spec()
         # refused now if the answer cannot be read for calls (a template of unknown format)
-        answer_reader(tools, settings.tool_call_parser, tokenizer.chat_template)
+        reading = call_reading(tools, settings.tool_call_parser, tokenizer.chat_template)
         prompt = _chat_prompt(tokenizer, messages, tools)
         requested, default = body.requested_max_tokens, settings.default_max_tokens
         cap = settings.max_tokens_cap
@@ -123,7 +124,7 @@ async def admit(
             if small is not tokenizer:  # its own template and vocabulary
                 if isinstance(body, ChatCompletionRequest):
                     assert messages is not None and tools is not None
-                    answer_reader(tools, settings.tool_call_parser, small.chat_template)
+                    reading = call_reading(tools, settings.tool_call_parser, small.chat_template)
                     prompt = _chat_prompt(small, messages, tools)
                 tokenizer, token_ids = small, await _tokenize(small, prompt)
                 prompt_tokens = len(token_ids)
@@ -175,19 +176,8 @@ async def admit(
         created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
+        calls=reading,
     )
-
-
-def tool_reader(
-    state: GatewayState, body: CompletionRequest | ChatCompletionRequest, model: str
-) -> CallStream | None:
-    """What reads a chat answer for tool calls (None: the answer is all content), in the
-    format of the model that ran it (`model`: the job's); admission refused what it cannot
-    read."""
-    if not isinstance(body, ChatCompletionRequest) or not body.tools:
-        return None
-    tokenizer = state.tokenizers[model]
-    return answer_reader(body.tool_spec(), state.settings.tool_call_parser, tokenizer.chat_template)
 
 
 def _chat_prompt(tokenizer: EngineTokenizer, messages: list[dict[str, Any]], tools: Tools) -> str:

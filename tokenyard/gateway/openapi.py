@@ -164,6 +164,33 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         ],
         "description": "json_object or json_schema: " + guide,
     }
+    # the Responses API's `text.format`: chat's response_format with the schema's fields flat
+    text_format = {
+        "oneOf": [
+            *(
+                {
+                    "type": "object",
+                    "required": ["type"],
+                    "additionalProperties": False,
+                    "properties": {"type": {"const": kind}},
+                }
+                for kind in ("text", "json_object")
+            ),
+            {
+                "type": "object",
+                "required": ["type", "name", "schema"],
+                "additionalProperties": False,
+                "properties": {
+                    "type": {"const": "json_schema"},
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "schema": {"type": ["object", "boolean"]},
+                    "strict": {"type": ["boolean", "null"]},
+                    "description": {"type": "string"},
+                },
+            },
+        ],
+        "description": "json_object or json_schema: " + guide,
+    }
     structured_outputs = {
         "type": "object",
         "properties": {
@@ -606,7 +633,13 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
                 }
             ),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "text": _neutral(None, {}, {"format": {"type": "text"}}),
+            "text": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"format": _nullable(text_format)},
+                }
+            ),
             "truncation": _neutral(None, "disabled"),
             "include": _neutral(None, []),
             "reasoning": _neutral(None, {}),

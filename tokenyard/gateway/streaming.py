@@ -81,6 +81,14 @@ class OpenAIRenderer:
         # reads the chat answer for tool calls (a fresh stream: one renderer, one answer)
         self.tools = tools
 
+    @property
+    def carries_state(self) -> bool:
+        """Whether what it renders depends on the events before (a resumed stream must
+        replay them first): a tool parser's progress, completions' `text_offset`."""
+        return self.tools is not None or (
+            self.kind == "completion" and self.how.token_text is not None
+        )
+
     def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
         body = protocol.chunk_body(
             self.kind, self.job_id, self.model, self.created, index=self.index, **fields

@@ -25,14 +25,13 @@ import msgspec
 from tokenyard.broker.tables import BatchStore
 from tokenyard.errors import UserError
 from tokenyard.gateway import protocol
-from tokenyard.gateway.admission import tool_reader
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.batches.files import FileStore, new_file_id
 from tokenyard.gateway.batches.validate import REQUEST_OF, BatchLine, parse_lines
 from tokenyard.gateway.errors import status_of
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.submit import RETRY_LATER, Later, submit
-from tokenyard.gateway.tools import CallStream, parse_whole
+from tokenyard.gateway.tools import CallStream, job_reader, parse_whole
 from tokenyard.messages import (
     BatchRecord,
     BatchStatus,
@@ -260,16 +259,6 @@ class _Drive:
         queued = await submit(self.r.state, line.kind, body, tenant, how)
         return queued.job_id
 
-    def _tools(self, line: BatchLine, record: JobRecord) -> CallStream | None:
-        """What reads a chat line's answer for tool calls (None: all content)."""
-        if line.kind != "chat" or b'"tools"' not in line.body:
-            return None
-        body: Any = protocol.parse(REQUEST_OF["chat"], line.body, checked=True)
-        try:
-            return tool_reader(self.r.state, body, record.spec.model)
-        except UserError:  # the gateway's parser setting changed since the line was admitted
-            return None
-
     async def _collect(self, rec: BatchRecord, pending: dict[int, str], stopping: bool) -> None:
         items = list(pending.items())
         records = await self.r.state.backend.queue.records([j for _, j in items])
@@ -329,7 +318,7 @@ class _Drive:
             failure = protocol.result_error(result)
             if failure is None:
                 body = _response_body(
-                    line, job, record, result, self.r.state, self._tools(line, record)
+                    line, job, record, result, self.r.state, job_reader(record.spec)
                 )
                 out.append(_line(f"batch_req_{job}", line.custom_id, 200, job, body, None))
             elif result.status is JobStatus.CANCELLED and ending is BatchStatus.CANCELLING:

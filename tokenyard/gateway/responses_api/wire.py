@@ -77,8 +77,7 @@ class ResponseRequest(Request):
         """Raise 400 naming the first field or combination this server does not take."""
         self.refuse_unknown()
         self.tool_spec()  # function tools and tool_choice, checked
-        if self.text not in (None, {}, {"format": {"type": "text"}}):
-            raise unsupported("text", "other than {'format': {'type': 'text'}}")
+        self.text_format()  # its shape; its schema is checked (compiled) at admission
         if self.truncation not in (None, "disabled"):
             raise unsupported("truncation", "other than 'disabled'")
         if self.include:
@@ -133,6 +132,46 @@ class ResponseRequest(Request):
         }
         return json.dumps(fields)
 
+    def text_format(self) -> dict[str, Any] | None:
+        """`text.format` (None: plain text), its shape checked. A JSON object or schema goes
+        to admission as chat's `response_format`, which checks the name, `strict` and the
+        schema (xgrammar must compile it) as for chat."""
+        text = self.text or {}
+        for name in sorted(text):
+            if name != "format":
+                raise unsupported(f"text.{name}")
+        fmt = text.get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict):
+            raise InvalidRequest("'text.format' must be an object", param="text.format")
+        kind = fmt.get("type")
+        if kind not in _FORMAT_FIELDS:
+            raise InvalidRequest(
+                "'text.format.type' must be 'text', 'json_object' or 'json_schema'",
+                param="text.format.type",
+            )
+        for name in sorted(fmt):
+            if name not in _FORMAT_FIELDS[kind]:
+                raise unsupported(f"text.format.{name}", f"with type {kind!r}")
+        if kind == "json_schema":
+            if "schema" not in fmt:
+                raise InvalidRequest(
+                    "'text.format.schema' is required with type 'json_schema'",
+                    param="text.format.schema",
+                )
+            if not isinstance(fmt.get("description", ""), str):
+                raise InvalidRequest(
+                    "'text.format.description' must be a string",
+                    param="text.format.description",
+                )
+        return None if kind == "text" else fmt
+
+    def stored_format(self) -> str | None:
+        """`text.format` as a stored response keeps it (JSON; None: plain text)."""
+        fmt = self.text_format()
+        return None if fmt is None else json.dumps(fmt)
+
     def chat_request(self, context: list[Turn]) -> ChatCompletionRequest:
         """The chat completion this response runs as: instructions first, then the context."""
         messages = chat_messages(context)
@@ -152,12 +191,31 @@ class ResponseRequest(Request):
         ):
             if value is not None:
                 body[name] = value
+        fmt = self.text_format()
+        if fmt is not None:
+            body["response_format"] = _response_format(fmt)
         tools = self.tool_spec()
         if tools.functions:
             body["tools"] = tools.template()
             body["tool_choice"] = _chat_choice(tools)
             body["parallel_tool_calls"] = tools.parallel
         return ChatCompletionRequest.model_validate(body)
+
+
+# the fields of each `text.format` type, as OpenAI defines them
+_FORMAT_FIELDS = {
+    "text": ("type",),
+    "json_object": ("type",),
+    "json_schema": ("type", "name", "schema", "strict", "description"),
+}
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    """`text.format` (JSON output) as chat's `response_format`: the same structured output."""
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    fields = ("name", "schema", "strict")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in fields if k in fmt}}
 
 
 # -- function tools -----------------------------------------------------------------------------
@@ -289,7 +347,17 @@ def _text_of(parts: list[Any], param: str) -> str:
 
 
 # Admission names the chat request's fields; the client sent these.
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "prompt": "input",
+    "response_format": "text.format",
+    "response_format.type": "text.format.type",
+    "response_format.json_schema": "text.format",
+    "response_format.json_schema.name": "text.format.name",
+    "response_format.json_schema.strict": "text.format.strict",
+    "response_format.json_schema.schema": "text.format.schema",
+}
 
 
 def renamed(exc: InvalidRequest) -> InvalidRequest:
@@ -411,7 +479,7 @@ def response_body(
         "previous_response_id": stored.previous_response_id,
         "store": stored.store,
         "temperature": stored.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": json.loads(stored.text_format or '{"type": "text"}')},
         "tool_choice": (tools.get("tool_choice") or "auto") if tools else "none",
         "tools": [_function_tool(t) for t in tools.get("tools", [])],
         "top_p": stored.top_p,

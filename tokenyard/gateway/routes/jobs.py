@@ -16,6 +16,7 @@ from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway import protocol
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.errors import ApiError
+from tokenyard.gateway.events import event_order
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.openapi import SSE, answers, json_body
@@ -23,7 +24,8 @@ from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.gateway.streaming import JobRenderer, OpenAIRenderer, Renderer, last_event_id
 from tokenyard.gateway.submit import Later, submit
-from tokenyard.messages import JobRecord, JobSpec
+from tokenyard.gateway.tools import job_reader
+from tokenyard.messages import Finished, JobRecord, JobSpec
 
 router = APIRouter()
 IDEMPOTENCY_KEY_MAX = 256  # characters
@@ -53,12 +55,14 @@ def _no_job(raw_id: str) -> NotFound:
 
 
 def _same_request(a: JobSpec, b: JobSpec) -> bool:
-    return (a.model, a.prompt, a.prompt_token_ids, a.sampling, a.priority) == (
+    # `calls`: tool_choice none and auto make the same prompt, but their answers read apart
+    return (a.model, a.prompt, a.prompt_token_ids, a.sampling, a.priority, a.calls) == (
         b.model,
         b.prompt,
         b.prompt_token_ids,
         b.sampling,
         b.priority,
+        b.calls,
     )
 
 
@@ -141,7 +145,8 @@ async def job_events(
     include_usage: bool = False,
 ) -> Response:
     """SSE of the job's events; resumes after Last-Event-ID. A cmpl-/chatcmpl- id streams
-    OpenAI chunks, a bare job id the job's own `tokens`/`finish` events."""
+    OpenAI chunks (a chat job that was offered tools shows its calls), a bare job id the
+    job's own `tokens`/`finish` events."""
     state = gateway(request)
     record, bare = await _record_of(state, job_id, tenant)
     start = last_event_id(request, after)
@@ -154,7 +159,7 @@ async def job_events(
     if kind is None:
         renderer = JobRenderer(how.token_text)
     else:
-        renderer = OpenAIRenderer(
+        openai = OpenAIRenderer(
             kind,
             bare,
             record.spec.model,
@@ -162,9 +167,32 @@ async def job_events(
             include_usage=include_usage,
             resumed=start != "0",
             how=how,
+            # a chat job whose request offered tools shows its calls, named as the live call
+            # named them
+            tools=job_reader(record.spec, bare) if kind == "chat" else None,
         )
+        if start != "0" and openai.carries_state:
+            await _replay(state, bare, openai, start)
+        renderer = openai
     call = LiveCall(state, bare, record.spec.model, after=start)
     return await call.stream(renderer, {"X-Job-Id": bare})
+
+
+async def _replay(state: GatewayState, job_id: str, renderer: OpenAIRenderer, upto: str) -> None:
+    """Render, and drop, the job's token events up to the resume point `upto`: the reader
+    then stands where it stood when it sent that event (the tool parser's held-back text and
+    call indices, completions' `text_offset`), so the stream goes on as the unbroken one."""
+    end = event_order(upto)
+    after = "0"
+    while True:
+        events = await state.backend.queue.read_events(job_id, after=after)
+        for event_id, event in events:
+            if event_order(event_id) > end or isinstance(event, Finished):
+                return
+            renderer.tokens(event_id, event)
+        if not events:
+            return
+        after = events[-1][0]
 
 
 @router.delete(

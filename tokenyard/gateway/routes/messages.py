@@ -11,7 +11,7 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
-from tokenyard.gateway.admission import tokenizer_for, tool_reader
+from tokenyard.gateway.admission import tokenizer_for
 from tokenyard.gateway.anthropic import MessageEvents, MessageRequest, Reply, result_error
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, replayed
@@ -20,6 +20,7 @@ from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Live, submit
+from tokenyard.gateway.tools import job_reader
 
 router = APIRouter()
 # errors in Anthropic's shape (gateway/openapi.py documents them so on this path)
@@ -55,8 +56,8 @@ async def create_message(request: Request, tenant: Tenant) -> Response:
         len(spec.prompt_token_ids or ()),
         stops=spec.sampling.stop,
         decode=tokenizer_for(state, spec.model).decode,
-        # the chat route's reader of tool calls, in the format of the model that runs it
-        reader=lambda: tool_reader(state, chat, spec.model),
+        # the chat route's reader of tool calls: the admitted job's, its calls named from the job
+        reader=lambda: job_reader(spec, job_id),
     )
     events = MessageEvents(reply) if body.stream else None
     if isinstance(outcome, Hit):

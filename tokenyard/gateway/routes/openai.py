@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from tokenyard import tracing
 from tokenyard.gateway import protocol
-from tokenyard.gateway.admission import tokenizer_for, tool_reader
+from tokenyard.gateway.admission import tokenizer_for
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cached_response, replay
 from tokenyard.gateway.openapi import SSE, answers, json_body
@@ -27,7 +27,7 @@ from tokenyard.gateway.streaming import (
     primed,
 )
 from tokenyard.gateway.submit import Following, Hit, Live, submit
-from tokenyard.gateway.tools import CallStream, parse_whole
+from tokenyard.gateway.tools import CallStream, job_reader, parse_whole
 from tokenyard.messages import JobResult, JobSpec
 
 router = APIRouter()
@@ -94,11 +94,13 @@ async def _serve(
     spec = first.spec
     how = _rendering(state, kind, body, spec)
 
-    def tools() -> CallStream | None:  # each choice's answer is read on its own
-        return tool_reader(state, body, spec.model)
+    def tools(outcome: Hit | Following) -> CallStream | None:
+        # each choice's answer is read on its own, its calls named from its job's id (the
+        # ids GET /v1/jobs/{id}/events shows for that job)
+        return job_reader(outcome.spec, _job_id(outcome))
 
     if len(outcomes) == 1 and isinstance(first, Hit):
-        return cached_response(kind, body, spec, first.result, how, tools())
+        return cached_response(kind, body, spec, first.result, how, tools(first))
     created = int(spec.created_at)
     job_id = _job_id(first)  # a collapsed call's is the job it joined
     headers = _headers(outcomes)
@@ -113,7 +115,7 @@ async def _serve(
                 include_usage=body.include_usage,
                 resumed=False,
                 how=how,
-                tools=tools(),
+                tools=tools(first),
             )
             return await first.call.stream(renderer, headers, timeout_s=timeout_s)
         choices = Choices(
@@ -131,7 +133,7 @@ async def _serve(
                 how=how,
                 index=index,
                 choices=choices,
-                tools=tools(),
+                tools=tools(outcome),
             )
             if isinstance(outcome, Hit):
                 children.append(replay(renderer, outcome.result))
@@ -150,7 +152,10 @@ async def _serve(
             created,
             results,
             how,
-            parsed=[None if (t := tools()) is None else parse_whole(t, r.text) for r in results],
+            parsed=[
+                None if (t := tools(o)) is None else parse_whole(t, r.text)
+                for o, r in zip(outcomes, results, strict=True)
+            ],
         ),
         headers=headers,
     )

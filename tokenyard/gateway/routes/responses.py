@@ -148,6 +148,7 @@ def _stored(
         background=body.background,
         store=body.store,
         tools=body.stored_tools(),
+        text_format=body.stored_format(),
     )
 
 

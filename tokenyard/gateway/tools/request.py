@@ -17,14 +17,15 @@ from typing import Any, Literal
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.tools.parsers import (
-    NamedCallStream,
+    CallStream,
     ToolCallStream,
     ToolParserError,
     choose_parser,
     new_call_id,
+    stable_call_ids,
     tool_call_stream,
 )
-from tokenyard.messages import Guide
+from tokenyard.messages import CallReading, Guide, JobSpec
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_TOOLS = 128  # OpenAI's bound on one request's tools
@@ -302,14 +303,10 @@ def parse_arguments(arguments: Any, param: str) -> dict[str, Any]:
     return arguments
 
 
-def answer_reader(
-    tools: Tools,
-    parser_setting: str,
-    chat_template: str,
-    make_id: Callable[[], str] = new_call_id,
-) -> ToolCallStream | NamedCallStream | None:
-    """What reads the answer of a request with these tools: None when it is not read for
-    calls (no tools, or `tool_choice` none); else a fresh stream (use it once).
+def call_reading(tools: Tools, parser_setting: str, chat_template: str) -> CallReading | None:
+    """How the answer of a request with these tools is read (the one decision; a job keeps
+    it in `JobSpec.calls`): None when it is not read for calls (no tools, or `tool_choice`
+    none).
 
     `auto` needs the model's format: `parser_setting` (the gateway's `tool_call_parser`), or
     with `auto` the one `chat_template` shows; a template that shows none is 400 saying
@@ -318,14 +315,44 @@ def answer_reader(
     if not tools.parses:
         return None
     if tools.choice == "named":
-        return tool_call_stream("", named=tools.named, make_id=make_id)
+        return CallReading(parser="named", function=tools.named)
     if tools.choice == "required":
-        return tool_call_stream("required", make_id=make_id)
+        return CallReading(parser="required", parallel=tools.parallel)
     try:
         parser = choose_parser(parser_setting, chat_template)
     except ToolParserError as exc:
         raise InvalidRequest(str(exc), param="tool_choice", code="tool_parser_unknown") from exc
-    stream = tool_call_stream(parser, make_id=make_id)
-    if not tools.parallel and isinstance(stream, ToolCallStream):
-        stream.max_calls = 1
+    return CallReading(parser=parser, parallel=tools.parallel)
+
+
+def call_reader(reading: CallReading, make_id: Callable[[], str] = new_call_id) -> CallStream:
+    """A fresh stream reading one answer as `reading` says (use it once)."""
+    if reading.parser == "named":
+        assert reading.function is not None
+        return tool_call_stream("", named=reading.function, make_id=make_id)
+    stream = tool_call_stream(reading.parser, make_id=make_id)
+    if not reading.parallel and isinstance(stream, ToolCallStream):
+        stream.max_calls = 1  # (`required`'s schema already allows one call only)
     return stream
+
+
+def job_reader(spec: JobSpec, job_id: str | None = None) -> CallStream | None:
+    """What reads a job's answer for tool calls (None: all content). Its calls are named
+    from the job's id (`job_id`: the job followed, when a call joined another's), so every
+    reading of one answer (the live call, the jobs API's stream and a resume of it, a
+    batch's output) gives the same ids."""
+    if spec.calls is None:
+        return None
+    return call_reader(spec.calls, stable_call_ids(job_id or spec.id))
+
+
+def answer_reader(
+    tools: Tools,
+    parser_setting: str,
+    chat_template: str,
+    make_id: Callable[[], str] = new_call_id,
+) -> CallStream | None:
+    """A fresh stream reading the answer of a request with these tools, None when it is not
+    read for calls (`call_reading`'s rules)."""
+    reading = call_reading(tools, parser_setting, chat_template)
+    return None if reading is None else call_reader(reading, make_id)
