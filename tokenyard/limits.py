@@ -100,21 +100,21 @@ def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest
         engine = f"the {limits.engine} engine" if limits.engine else "this model's engine"
         return InvalidRequest(
             f"{feature.value} is not supported by {engine} serving this model",
-            param=_FEATURE_PARAM[feature],
+            param=_feature_param(feature, params),
             code="unsupported_parameter",
         )
     return None
 
 
-# the request parameter a refusal of each feature names
-_FEATURE_PARAM = {
-    Feature.PENALTIES: "presence_penalty",
-    Feature.LOGIT_BIAS: "logit_bias",
-    Feature.MIN_TOKENS: "min_tokens",
-    Feature.STOP_TOKEN_IDS: "stop_token_ids",
-    Feature.LOGPROBS: "logprobs",
-    Feature.STRUCTURED_OUTPUTS: "response_format",
-}
+def _feature_param(feature: Feature, params: SamplingParams) -> str:
+    """The request parameter that asked for a feature (a penalty: the first one set)."""
+    if feature is Feature.PENALTIES:
+        if params.presence_penalty:
+            return "presence_penalty"
+        return "frequency_penalty" if params.frequency_penalty else "repetition_penalty"
+    if feature is Feature.STRUCTURED_OUTPUTS:
+        return "response_format"  # the usual way to ask; admission names the one used
+    return feature.value
 
 
 def _bad_ids(token_ids: Sequence[int], limits: ModelLimits, param: str) -> InvalidRequest | None:

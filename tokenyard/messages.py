@@ -253,7 +253,9 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     generates: bool = True  # runs completions (an embedding-only model does not)
     embeds: bool = False  # runs embeddings jobs
     engine: str = ""  # the engine's name, for a refusal to name it
-    features: frozenset[Feature] = frozenset()  # the optional decoding features it implements
+    # the optional decoding features it implements (`Feature` values; strings, so a gateway
+    # reads a newer worker's heartbeat whose features it does not know yet)
+    features: frozenset[str] = frozenset()
 
     @property
     def context(self) -> int:

@@ -38,6 +38,14 @@ def fast_engine() -> Engine:
     )
 
 
+class BareSim(SimEngine):
+    """A sim engine with none of the optional decoding features: what a request needing one
+    meets on an engine that lacks it."""
+
+    name = "bare-sim"
+    features = frozenset()
+
+
 def slow_engine(step_s: float = 0.05) -> Callable[[], Engine]:
     return lambda: SimEngine(
         prefill_base=0.001, prefill_per_token=0.0, decode_base=step_s, decode_per_seq=0.0

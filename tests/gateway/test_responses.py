@@ -10,9 +10,10 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tests.gateway.conftest import MODEL, Stack, run_stack, slow_engine
+from tests.gateway.conftest import MODEL, BareSim, Stack, run_stack, slow_engine
 from tokenyard.broker import new_job_id
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.fleet.launch import wait_ready
 from tokenyard.gateway.auth import KeyRing, Tenant
 from tokenyard.messages import StoredResponse, Turn, decode, encode
 from tokenyard.tenancy.limiter import Quota
@@ -211,7 +212,14 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
         ({"tool_choice": "required"}, "tool_choice"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         # the sim engine has no structured outputs (the message names it: see below)
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        (
+            {
+                "text": {
+                    "format": {"type": "json_schema", "name": "a", "schema": {"$ref": "#/$defs/x"}}
+                }
+            },
+            "text.format",
+        ),
         ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         (
@@ -249,18 +257,20 @@ def test_refusals_name_the_parameter(slow: Stack, extra: dict[str, object], para
 
 
 def test_a_json_format_on_an_engine_without_structured_outputs_names_the_engine(
-    slow: Stack,
+    valkey: EmbeddedServer,
 ) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
-    with slow.client() as http:
-        r = http.post(
-            "/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": fmt}}
-        )
+    with run_stack(valkey, engines=[BareSim]) as bare:
+        wait_ready(bare.url + "/readyz", timeout_s=60, interval_s=0.05)  # its limits published
+        with bare.client() as http:
+            r = http.post(
+                "/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": fmt}}
+            )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["param"], error["code"]) == ("text.format", "unsupported_parameter")
-    assert "sim engine" in error["message"]
+    assert "bare-sim engine" in error["message"]
 
 
 def test_neutral_values_of_openai_fields_are_taken(slow: Stack) -> None:

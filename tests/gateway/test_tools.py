@@ -17,7 +17,7 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from tests.gateway import sse
-from tests.gateway.conftest import MODEL, Stack, run_stack
+from tests.gateway.conftest import MODEL, BareSim, Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.engines.base import EngineRequest
 from tokenyard.engines.sim import SimEngine, SimTokenizer
@@ -267,15 +267,20 @@ def test_bad_tool_input_is_400_naming_the_param(scripted: tuple[Stack, ScriptedE
     assert _bad(stack, tool_choice="required")["param"] == "tool_choice"
 
 
-class _BareSim(SimEngine):
-    name = "bare-sim"
-    features = frozenset()  # an engine with no structured outputs
+def test_a_tool_schema_the_engines_cannot_compile_is_refused_before_queueing(
+    scripted: tuple[Stack, ScriptedEngine],
+) -> None:
+    stack, _ = scripted
+    broken = {"type": "object", "properties": {"x": {"$ref": "#/$defs/nope"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": broken}}]
+    error = _bad(stack, tools=tools, tool_choice="required")
+    assert error["param"] == "tools" and error["code"] == "invalid_value"
 
 
 def test_required_on_an_engine_without_structured_outputs_names_the_engine(
     valkey: EmbeddedServer,
 ) -> None:
-    with run_stack(valkey, engines=[_BareSim]) as bare:
+    with run_stack(valkey, engines=[BareSim]) as bare:
         wait_ready(bare.url + "/readyz", timeout_s=60, interval_s=0.05)  # its limits published
         error = _bad(bare, tools=TOOLS, tool_choice="required")
     assert error["param"] == "tool_choice"

@@ -7,14 +7,14 @@ import pytest
 from msgspec.structs import replace
 
 from tokenyard.limits import loosest, refusal
-from tokenyard.messages import Feature, Guide, ModelLimits, SamplingParams
+from tokenyard.messages import Feature, Guide, ModelLimits, SamplingParams, decode, encode
 
 LIMITS = ModelLimits(max_model_len=512, max_seqs=4, token_budget=2048, vocab_size=100)
 
 ASKING = [
     (SamplingParams(presence_penalty=0.5), Feature.PENALTIES, "presence_penalty"),
-    (SamplingParams(frequency_penalty=-0.5), Feature.PENALTIES, "presence_penalty"),
-    (SamplingParams(repetition_penalty=1.2), Feature.PENALTIES, "presence_penalty"),
+    (SamplingParams(frequency_penalty=-0.5), Feature.PENALTIES, "frequency_penalty"),
+    (SamplingParams(repetition_penalty=1.2), Feature.PENALTIES, "repetition_penalty"),
     (SamplingParams(logit_bias=((3, 1.0),)), Feature.LOGIT_BIAS, "logit_bias"),
     (SamplingParams(min_tokens=2), Feature.MIN_TOKENS, "min_tokens"),
     (SamplingParams(stop_token_ids=(7,)), Feature.STOP_TOKEN_IDS, "stop_token_ids"),
@@ -64,3 +64,10 @@ def test_the_loosest_of_several_workers_has_every_feature_any_of_them_has() -> N
     assert merged.features == {Feature.LOGPROBS, Feature.MIN_TOKENS} and merged.engine == ""
     same = loosest([one, one])
     assert same is not None and same.engine == "a"
+
+
+def test_a_heartbeat_naming_a_feature_this_version_does_not_know_still_decodes() -> None:
+    newer = encode(replace(LIMITS, features=frozenset({"logprobs", "speculative_fields"})))
+    limits = decode(newer, ModelLimits)
+    assert "speculative_fields" in limits.features
+    assert refusal(4, SamplingParams(logprobs=1), limits) is None

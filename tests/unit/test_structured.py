@@ -4,6 +4,7 @@ two are refused, and xgrammar's verdict (bounded in time) is the client's 400.""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import structured
+from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tokenyard.messages import Guide
 
@@ -162,7 +164,8 @@ def test_a_slow_conversion_is_refused_in_bounded_time(monkeypatch: pytest.Monkey
     monkeypatch.setattr(structured, "CHECK_TIMEOUT_S", 0.2)
     monkeypatch.setattr(structured, "_problem", slow)
     monkeypatch.setattr(structured, "_verdicts", OrderedDict())
-    for _ in range(2):  # the second time, the remembered verdict: no thread
+    monkeypatch.setattr(structured, "_timeouts", {})
+    for _ in range(2):  # the second time, the remembered timeout: no thread
         started = time.monotonic()
         with pytest.raises(InvalidRequest) as refused:
             anyio.run(structured.check, Guide(regex="a"), "structured_outputs.regex")
@@ -197,3 +200,40 @@ def test_the_schema_openai_parse_sends_compiles() -> None:
     found = structured.guide_of(body)
     assert found is not None
     anyio.run(structured.check, *found)
+
+
+def test_a_timeout_is_remembered_for_a_while_only_and_running_checks_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = threading.Event()
+    calls: list[Guide] = []
+
+    def stuck(guide: Guide) -> None:
+        calls.append(guide)
+        release.wait(10)
+
+    monkeypatch.setattr(structured, "CHECK_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(structured, "TIMEOUT_KEPT_S", 0.0)  # not kept: tried again next time
+    monkeypatch.setattr(structured, "_problem", stuck)
+    monkeypatch.setattr(structured, "_verdicts", OrderedDict())
+    monkeypatch.setattr(structured, "_timeouts", {})
+    monkeypatch.setattr(structured, "_RUNNING", threading.BoundedSemaphore(2))
+    try:
+        for i in range(2):  # two abandoned conversions hold both places
+            with pytest.raises(InvalidRequest):
+                anyio.run(structured.check, Guide(regex=f"a{i}"), "response_format")
+        # no place within the bound: 503 to retry, not another thread
+        with pytest.raises(ApiError) as busy:
+            anyio.run(structured.check, Guide(regex="b"), "response_format")
+        assert busy.value.status == 503
+        assert len(calls) == 2
+    finally:
+        release.set()
+    time.sleep(0.2)  # the abandoned threads end and give their places back
+    release.clear()
+    try:
+        with pytest.raises(InvalidRequest):  # tried again (its timeout was not kept): no 503
+            anyio.run(structured.check, Guide(regex="a0"), "response_format")
+    finally:
+        release.set()
+    assert calls.count(Guide(regex="a0")) == 2

@@ -134,8 +134,6 @@ class ProcessEngine(ChannelEngine):
             # Fail here, not in the child: options must be plain data to cross the pipe.
             raise TypeError(f"engine options cannot be sent to a process: {exc}") from exc
         self.name, self.tokenizer, capacity, self._shell_limits = engine_frontend(name, opts)
-        # what the child's engine implements (its outputs carry their logprobs across as is)
-        self.features = self._shell_limits.features
         # The ledger is the child's capacity as the parent accounts for it; the stats are the
         # child's, as attached to its last step.
         super().__init__(capacity)

@@ -157,11 +157,11 @@ async def admit(
     if refused is not None and guide is not None:
         refused = _as_guided_by(refused, guide[1])
     limits.check(refused)
-    if guide is not None and guide[1] != "tool_choice":
+    if guide is not None:
         # after the limits rule: a model whose engine has no structured outputs refuses the
-        # request by name without the gateway compiling anything (the tools' own schemas are
-        # built here, from parameters checked as JSON schemas when the request was read)
-        await structured.check(*guide)
+        # request by name without the gateway compiling anything; the tools' schema (built
+        # from their `parameters`) is checked as any other, named by `tools`
+        await structured.check(guide[0], "tools" if guide[1] == "tool_choice" else guide[1])
     return JobSpec(
         id=new_job_id(model),
         model=model,

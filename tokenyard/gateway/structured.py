@@ -14,6 +14,8 @@ import hashlib
 import json
 import logging
 import re
+import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,7 @@ import anyio
 import msgspec
 
 from tokenyard.errors import InvalidRequest
-from tokenyard.gateway.errors import unsupported
+from tokenyard.gateway.errors import ApiError, unsupported
 from tokenyard.messages import Guide
 
 if TYPE_CHECKING:
@@ -31,9 +33,10 @@ log = logging.getLogger(__name__)
 
 # xgrammar converts an ordinary schema in milliseconds; past this the request is refused
 CHECK_TIMEOUT_S = 5.0
-# threads a slow conversion may hold at once: a thread cannot be stopped, only abandoned, so
-# conversions that outlive their bound must not use up the pool every other thread shares
-_CHECKS = anyio.CapacityLimiter(4)
+# conversions running at once, abandoned ones included: a thread cannot be stopped, so those
+# that outlive their bound must not add up without limit
+MAX_RUNNING = 4
+_RUNNING = threading.BoundedSemaphore(MAX_RUNNING)
 _VLLM_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED = {
     "guided_json": "json",
@@ -158,21 +161,27 @@ async def check(guide: Guide, param: str) -> None:
     """400 naming `param` unless xgrammar converts the constraint within `CHECK_TIMEOUT_S`.
 
     Verdicts are remembered by the constraint's digest (applications send the same schema with
-    every request), a timeout too: the same pathological schema is refused at once, not given
-    another thread."""
+    every request); a timeout only for `TIMEOUT_KEPT_S`, so a schema that was slow on a busy
+    moment is tried again, while one sent again and again does not take a thread each time.
+    A conversion cannot be stopped, only abandoned: at most `MAX_RUNNING` run at once (an
+    abandoned one keeps its place until it ends), and a check that finds no place within the
+    time bound is 503, to retry."""
     key = hashlib.blake2b(msgspec.msgpack.encode(guide), digest_size=16).digest()
     if key in _verdicts:
         _verdicts.move_to_end(key)
         problem = _verdicts[key]
-    else:
+    elif _timeouts.get(key, 0.0) > time.monotonic():
         problem = _TIMED_OUT
-        with anyio.move_on_after(CHECK_TIMEOUT_S):
-            problem = await anyio.to_thread.run_sync(
-                _problem, guide, abandon_on_cancel=True, limiter=_CHECKS
-            )
-        _verdicts[key] = problem
-        if len(_verdicts) > _VERDICTS_KEPT:
-            _verdicts.popitem(last=False)
+    else:
+        problem = await _convert(guide)
+        if problem == _TIMED_OUT:
+            _timeouts[key] = time.monotonic() + TIMEOUT_KEPT_S
+            if len(_timeouts) > _VERDICTS_KEPT:
+                _timeouts.pop(next(iter(_timeouts)))
+        else:
+            _verdicts[key] = problem
+            if len(_verdicts) > _VERDICTS_KEPT:
+                _verdicts.popitem(last=False)
     if problem == _TIMED_OUT:
         raise InvalidRequest(
             f"'{param}' could not be compiled within {CHECK_TIMEOUT_S:g}s; simplify it",
@@ -183,9 +192,38 @@ async def check(guide: Guide, param: str) -> None:
         raise InvalidRequest(f"Invalid '{param}': {problem}", param=param, code="invalid_value")
 
 
+async def _convert(guide: Guide) -> str | None:
+    """`_problem` in a thread holding one of the `MAX_RUNNING` places, within the time bound
+    (counted from when it holds one); `_TIMED_OUT` past it."""
+    give_up = time.monotonic() + CHECK_TIMEOUT_S
+    while not _RUNNING.acquire(blocking=False):
+        if time.monotonic() > give_up:
+            raise ApiError(
+                503,
+                "too many structured output checks are running; retry shortly",
+                code="structured_output_busy",
+                headers={"Retry-After": "1"},
+            )
+        await anyio.sleep(0.01)
+    problem: str | None = _TIMED_OUT
+    with anyio.move_on_after(CHECK_TIMEOUT_S):
+        problem = await anyio.to_thread.run_sync(_held, guide, abandon_on_cancel=True)
+    return problem
+
+
+def _held(guide: Guide) -> str | None:
+    try:
+        return _problem(guide)
+    finally:
+        _RUNNING.release()  # here, not in the caller: an abandoned conversion keeps its place
+
+
 # digest of a constraint -> why xgrammar refused it (None: it did not); the event loop's alone
 _verdicts: OrderedDict[bytes, str | None] = OrderedDict()
 _VERDICTS_KEPT = 4096
+# digest of a constraint whose conversion timed out -> until when that is the answer
+_timeouts: dict[bytes, float] = {}
+TIMEOUT_KEPT_S = 60.0
 _TIMED_OUT = "\0timed out"  # no message of xgrammar's starts with a NUL
 # xgrammar's messages start with a timestamp and its C++ source position
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
