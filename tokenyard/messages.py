@@ -430,7 +430,11 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     result: JobResult | None = None  # the job's terminal result, once a gateway saw it
     completed_at: float | None = None
     # its function tools, tool_choice and parallel_tool_calls (JSON, as the request gave
-    # them): its output is read for calls with them; None: it had none
+    # them), shown with it; None: it had none
     tools: str | None = None
     # its `text.format` (JSON, as the request gave it; None: plain text), shown when read
     text_format: str | None = None
+    # how its output is read for calls: its job's `JobSpec.calls`, as admission decided it,
+    # so a reading does not hang on the gateway's settings now. None: not read for calls, or
+    # stored before responses kept it (decided again from `tools` then)
+    calls: CallReading | None = None

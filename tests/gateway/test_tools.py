@@ -400,6 +400,48 @@ def test_responses_output_function_calls(scripted: tuple[Stack, ScriptedEngine])
     assert client.responses.create(model=MODEL, input=items).status == "completed"
 
 
+def test_stored_calls_read_alike_after_the_parser_setting_changes(valkey: EmbeddedServer) -> None:
+    # a response's reading is kept with it: a gateway set otherwise (restarted on the same
+    # broker) shows the same calls, and their outputs still answer them in a next response
+    ask = "Weather in Paris and the time?"
+    with run_stack(valkey, engines=[lambda: ScriptedEngine(SCRIPT)]) as first:
+        client = client_of(first)
+        # streamed, so its job's events keep its tokens for a streamed read later
+        created = list(
+            client.responses.create(model=MODEL, input=ask, tools=FLAT_TOOLS, stream=True)
+        )
+        assert created[-1].type == "response.completed"
+        response = client.responses.retrieve(created[-1].response.id)
+    output = [i.model_dump() for i in response.output]
+    assert output == [i.model_dump() for i in created[-1].response.output]
+    assert [i["type"] for i in output] == ["message", "function_call", "function_call"]
+    with run_stack(
+        valkey,
+        engines=[lambda: ScriptedEngine(SCRIPT)],
+        prefix=first.prefix,
+        tool_call_parser="llama3_json",  # would read the Hermes answer as text
+    ) as second:
+        client = client_of(second)
+        again = client.responses.retrieve(response.id)
+        assert [i.model_dump() for i in again.output] == output
+        with (
+            second.client() as http,
+            http.stream("GET", f"/v1/responses/{response.id}", params={"stream": "true"}) as got,
+        ):
+            events = [e.json() for e in sse.events(got)]
+        assert events[-1]["type"] == "response.completed"
+        streamed = events[-1]["response"]["output"]
+        assert [i.get("call_id") for i in streamed] == [i.get("call_id") for i in output]
+        outputs: list[Any] = [
+            {"type": "function_call_output", "call_id": i["call_id"], "output": "18C"}
+            for i in output[1:]
+        ]
+        follow = client.responses.create(
+            model=MODEL, previous_response_id=response.id, input=outputs, tools=FLAT_TOOLS
+        )
+        assert follow.status == "completed"
+
+
 def test_required_and_named_answers_stream_as_calls(valkey: EmbeddedServer) -> None:
     # what constrained decoding writes: a JSON array of calls, or the named one's arguments
     array = (

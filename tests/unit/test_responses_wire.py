@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tokenyard.gateway.responses_api.wire import ResponseEvents, response_body
-from tokenyard.messages import FinishReason, JobResult, JobStatus, StoredResponse, TokenChunk, Turn
+from tokenyard.gateway.responses_api.wire import ResponseEvents, response_body, response_reader
+from tokenyard.gateway.tools import stable_call_ids
+from tokenyard.messages import (
+    CallReading,
+    FinishReason,
+    JobResult,
+    JobStatus,
+    StoredResponse,
+    TokenChunk,
+    Turn,
+    decode,
+    encode,
+)
 
 EVENTS: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
 STORED = StoredResponse(
@@ -106,3 +118,51 @@ def test_function_call_events_parse_with_the_openai_types() -> None:
     assert call.type == "function_call" and call.arguments == '{"a": 1}'
     assert call.call_id == stable_call_ids("j")()
     assert final.response.tools[0].name == "f"  # type: ignore[union-attr]
+
+
+# -- reading a stored response's output for function calls ---------------------------------------
+HERMES_TEMPLATE = "<tool_call>{name, arguments}</tool_call>"  # a template that shows Hermes'
+CALLED = 'Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+
+
+def _with_tools(tool_choice: object = "auto", calls: CallReading | None = None) -> StoredResponse:
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    fields = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": None}
+    return msgspec.structs.replace(STORED, tools=json.dumps(fields), calls=calls)
+
+
+def _read(stored: StoredResponse, setting: str, template: str) -> list[dict[str, object]]:
+    result = JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text=CALLED)
+    reader = response_reader(stored, setting, template)
+    body = response_body(stored, result, reader=reader)
+    Response.model_validate(body)
+    return list(body["output"])
+
+
+def test_a_kept_reading_reads_alike_whatever_the_setting_now() -> None:
+    stored = _with_tools(calls=CallReading(parser="hermes"))
+    read = _read(stored, "auto", HERMES_TEMPLATE)
+    assert [i["type"] for i in read] == ["message", "function_call"]
+    assert read[1]["call_id"] == stable_call_ids("j")()  # from the job id: the same each time
+    # the parser setting changed, or the template shows no format any more: read alike
+    for setting, template in (("llama3_json", HERMES_TEMPLATE), ("mistral", ""), ("auto", "")):
+        assert _read(stored, setting, template) == read
+    # tool_choice none, or no tools: kept as no reading, and all text whatever the setting
+    for plain in (_with_tools("none"), STORED):
+        assert [i["type"] for i in _read(plain, "hermes", HERMES_TEMPLATE)] == ["message"]
+
+
+def test_a_response_stored_before_readings_were_kept_is_decided_from_its_tools() -> None:
+    old = _with_tools()  # no reading kept: decided with the setting and template now
+    assert [i["type"] for i in _read(old, "auto", HERMES_TEMPLATE)] == ["message", "function_call"]
+    assert [i["type"] for i in _read(old, "hermes", "")] == ["message", "function_call"]
+    assert _read(old, "auto", "{{ messages }}")[0]["content"][0]["text"] == CALLED  # type: ignore[index]
+
+
+def test_a_stored_response_written_before_the_reading_was_kept_decodes() -> None:
+    stored = _with_tools(calls=CallReading(parser="required", parallel=False))
+    assert decode(encode(stored), StoredResponse) == stored
+    fields = msgspec.to_builtins(stored)
+    del fields["calls"]  # as a gateway before this field wrote it
+    old = decode(msgspec.msgpack.encode(fields), StoredResponse)
+    assert old == msgspec.structs.replace(stored, calls=None)

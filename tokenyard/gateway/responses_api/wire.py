@@ -24,11 +24,22 @@ from tokenyard.gateway.tools import (
     Parsed,
     ToolCall,
     Tools,
+    call_reader,
+    call_reading,
     parse_whole,
     read_function,
     read_tools,
+    stable_call_ids,
 )
-from tokenyard.messages import FinishReason, JobResult, JobStatus, StoredResponse, TokenChunk, Turn
+from tokenyard.messages import (
+    CallReading,
+    FinishReason,
+    JobResult,
+    JobStatus,
+    StoredResponse,
+    TokenChunk,
+    Turn,
+)
 
 ID_PREFIX = "resp_"
 METADATA_MAX = 16  # pairs, as OpenAI allows
@@ -252,6 +263,37 @@ def _chat_choice(tools: Tools) -> Any:
     if tools.choice == "named":
         return {"type": "function", "function": {"name": tools.named}}
     return tools.choice
+
+
+def response_reader(
+    stored: StoredResponse, parser_setting: str, chat_template: str
+) -> CallStream | None:
+    """A fresh stream reading a stored response's output for function calls (None: it is all
+    text): as its job's `CallReading`, decided at admission and kept with the response, says,
+    whatever the gateway's `tool_call_parser` or the model's template are now; its call ids
+    come from the job id, the same on every reading (as `job_reader`'s). A response stored
+    before the reading was kept is decided from its stored tools with `parser_setting` and
+    `chat_template`, the gateway's now."""
+    reading = stored.calls
+    if reading is None:
+        reading = _reading_of_tools(stored, parser_setting, chat_template)
+    return None if reading is None else call_reader(reading, stable_call_ids(stored.job_id))
+
+
+def _reading_of_tools(
+    stored: StoredResponse, parser_setting: str, chat_template: str
+) -> CallReading | None:
+    # (a response with tools and tool_choice none keeps no reading either: none again here)
+    if stored.tools is None:
+        return None
+    fields = json.loads(stored.tools)
+    try:
+        tools = response_tools(
+            fields["tools"], fields["tool_choice"], fields["parallel_tool_calls"]
+        )
+        return call_reading(tools, parser_setting, chat_template)
+    except InvalidRequest:  # not readable with today's setting and template: its text
+        return None
 
 
 def chat_messages(context: list[Turn]) -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ resumed after a sequence number), cancel and delete; each response is one chat j
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from typing import Annotated
 
@@ -29,12 +28,12 @@ from tokenyard.gateway.responses_api.wire import (
     renamed,
     response_body,
     response_id,
-    response_tools,
+    response_reader,
 )
 from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Later, Live, Queued, submit
-from tokenyard.gateway.tools import CallStream, answer_reader, parse_whole, stable_call_ids
+from tokenyard.gateway.tools import CallStream, parse_whole
 from tokenyard.messages import JobSpec, JobStatus, StoredResponse, Turn
 
 router = APIRouter()
@@ -103,23 +102,13 @@ async def _earlier(
 
 
 def _reader(request: Request, stored: StoredResponse) -> CallStream | None:
-    """What reads a stored response's output for function calls (None: it had no tools);
-    its call ids come from the job id, the same on every reading."""
-    if stored.tools is None:
-        return None
-    fields = json.loads(stored.tools)
+    """What reads a stored response's output for function calls (None: all text): its kept
+    reading (`response_reader`); this gateway's setting and the model's template matter only
+    to a response stored before the reading was kept."""
     state = gateway(request)
     tokenizer = state.tokenizers.get(stored.model)
-    try:
-        tools = response_tools(
-            fields["tools"], fields["tool_choice"], fields["parallel_tool_calls"]
-        )
-        template = "" if tokenizer is None else tokenizer.chat_template
-        return answer_reader(
-            tools, state.settings.tool_call_parser, template, stable_call_ids(stored.job_id)
-        )
-    except InvalidRequest:  # no longer readable here (the parser setting changed)
-        return None
+    template = "" if tokenizer is None else tokenizer.chat_template
+    return response_reader(stored, state.settings.tool_call_parser, template)
 
 
 def _events(request: Request, stored: StoredResponse, after: int = -1) -> ResponseEvents:
@@ -149,6 +138,7 @@ def _stored(
         store=body.store,
         tools=body.stored_tools(),
         text_format=body.stored_format(),
+        calls=spec.calls,  # admission's reading: every later reading of the output uses it
     )
 
 
