@@ -33,7 +33,7 @@ from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resol
 from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, is_embedding_model, read_pooling
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.engines.tiny import ensure_tiny_model
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.limits import MAX_LOGPROBS
 from tokenyard.messages import (
     Feature,
@@ -179,12 +179,12 @@ class VLLMEngine(StreamEngine):
             return None  # the resumed tokens already finish it; vLLM is not asked
         if seq.generated and not self.resumes_exactly and resume_args(seq.params, 1):
             # without the processor the continuation would ignore the resumed tokens'
-            # grammar state and penalties: refused rather than answered out of shape
-            raise InvalidRequest(
+            # grammar state and penalties: failed rather than answered out of shape. The
+            # request is fine (the resume is the server's doing): retried, not the client's 4xx
+            raise EngineError(
                 "a resumed sequence with structured outputs or presence/frequency penalties "
                 "needs tokenyard's vLLM logits processor, which vLLM refuses with "
-                "speculative decoding",
-                param="response_format" if seq.params.guide else "presence_penalty",
+                "speculative decoding"
             )
         return vllm_sampling_params(seq.params, seq.decoder.remaining, resumed=seq.generated)
 
