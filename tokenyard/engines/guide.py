@@ -61,24 +61,7 @@ def json_schema_grammar(schema: str) -> str:
 
 def guide_kind(guide: Guide) -> str:
     """Which one of the guide's fields is set; InvalidRequest unless exactly one is."""
-    set_fields = [
-        name
-        for name, value in (
-            ("json", guide.json),
-            ("json_object", guide.json_object or None),
-            ("regex", guide.regex),
-            ("choice", guide.choice),
-            ("grammar", guide.grammar),
-        )
-        if value is not None
-    ]
-    if len(set_fields) != 1:
-        raise InvalidRequest(
-            f"a structured output needs exactly one of json, json_object, regex, choice, "
-            f"grammar; got {set_fields or 'none'}",
-            param=_PARAM,
-        )
-    return set_fields[0]
+    return guide.field[0]
 
 
 @dataclass
@@ -115,24 +98,21 @@ class GuideCompiler:
 
     def _compile_now(self, guide: Guide, kind: str) -> xgr.CompiledGrammar:
         c = self._compiler
+        _, value = guide.field
         if kind == "json":
-            assert guide.json is not None
             try:
-                json.loads(guide.json)
+                json.loads(value)
             except ValueError as exc:
                 raise InvalidRequest(f"the JSON schema is not JSON: {exc}", param=_PARAM) from exc
-            return c.compile_grammar(json_schema_grammar(guide.json))
+            return c.compile_grammar(json_schema_grammar(value))
         if kind == "json_object":
             # OpenAI's json_object is an object; xgrammar's builtin JSON grammar allows any value
             return c.compile_grammar(json_schema_grammar(_ANY_OBJECT))
         if kind == "regex":
-            assert guide.regex is not None
-            return c.compile_regex(guide.regex)
+            return c.compile_regex(value)
         if kind == "choice":
-            assert guide.choice is not None
-            return c.compile_grammar(choice_grammar(guide.choice))
-        assert guide.grammar is not None
-        return c.compile_grammar(guide.grammar)
+            return c.compile_grammar(choice_grammar(value))
+        return c.compile_grammar(value)
 
     def compile(self, guide: Guide, *, fresh_window: bool = False) -> xgr.CompiledGrammar:
         """The guide's grammar. InvalidRequest when it does not compile; EngineError (the

@@ -241,7 +241,7 @@ class RemoteEngine(StreamEngine):
 def replays(params: SamplingParams) -> bool:
     """Decoding that depends on the tokens generated so far: resumed, the sequence is asked
     again from its prompt (the upstream would take resumed tokens as prompt, not output)."""
-    return bool(params.guide or params.presence_penalty or params.frequency_penalty)
+    return params.depends_on_output
 
 
 def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
@@ -256,26 +256,20 @@ def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
         body["repetition_penalty"] = p.repetition_penalty
     if p.logit_bias:
         body["logit_bias"] = {str(t): bias for t, bias in p.logit_bias}
-    if p.min_tokens > resumed:
-        body["min_tokens"] = p.min_tokens - resumed
+    if min_tokens := p.min_tokens_left(resumed):
+        body["min_tokens"] = min_tokens
     if p.stop_token_ids:
         body["stop_token_ids"] = list(p.stop_token_ids)
     if p.logprobs is not None:
         body["logprobs"] = p.logprobs
         body["return_tokens_as_token_ids"] = True
-    if (g := p.guide) is not None:
-        guide: dict[str, Any]
-        if g.json is not None:
-            guide = {"json": json.loads(g.json)}
-        elif g.json_object:
-            guide = {"json_object": True}
-        elif g.regex is not None:
-            guide = {"regex": g.regex}
-        elif g.choice is not None:
-            guide = {"choice": list(g.choice)}
-        else:
-            guide = {"grammar": g.grammar}
-        body["structured_outputs"] = guide
+    if p.guide is not None:
+        kind, value = p.guide.field
+        if kind == "json":
+            value = json.loads(value)
+        elif kind == "choice":
+            value = list(value)
+        body["structured_outputs"] = {kind: value}
     return body
 
 

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from tokenyard.limits import MAX_LOGPROBS
 from tokenyard.messages import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -308,13 +309,11 @@ def _entries(row: int, ids: torch.Tensor, values: torch.Tensor) -> _Entries:
 
 
 class LogprobBuffers:
-    """Each row's chosen token, its raw logprob and the `MAX_TOP` most likely (id, logprob),
+    """Each row's chosen token, its raw logprob and the `MAX_LOGPROBS` most likely (id, logprob),
     written on the device where sampling runs and read by the host after the step."""
 
-    MAX_TOP = 20
-
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.k = min(self.MAX_TOP, vocab)
+        self.k = min(MAX_LOGPROBS, vocab)  # the most a request may ask for
         self.chosen = torch.zeros(rows, dtype=torch.int64, device=device)
         self.chosen_logprob = torch.zeros(rows, device=device)
         self.top_ids = torch.zeros(rows, self.k, dtype=torch.int64, device=device)

@@ -318,7 +318,7 @@ def resume_args(params: SamplingParams, resumed: int) -> dict[str, Any] | None:
     its decoding does not depend on the tokens it generated (vLLM alone continues it exactly)."""
     if not resumed:
         return None
-    if params.guide is None and not params.presence_penalty and not params.frequency_penalty:
+    if not params.depends_on_output:
         return None
     args: dict[str, Any] = {"resumed": resumed}
     if params.guide is not None:
@@ -332,17 +332,10 @@ def resume_args(params: SamplingParams, resumed: int) -> dict[str, Any] | None:
 
 def _guide_spec(guide: Guide) -> list[Any]:
     """A guide as (kind, spec), as vLLM keys its grammars."""
-    if guide.json is not None:
-        return ["json", guide.json]
-    if guide.json_object:
-        return ["json_object", ""]
-    if guide.regex is not None:
-        return ["regex", guide.regex]
-    if guide.choice is not None:
-        return ["choice", list(guide.choice)]
-    if guide.grammar is not None:
-        return ["grammar", guide.grammar]
-    raise InvalidRequest("a structured-output guide sets none of its fields", param="guide")
+    kind, value = guide.field
+    if kind == "json_object":
+        return [kind, ""]
+    return [kind, list(value) if kind == "choice" else value]
 
 
 def vllm_sampling_params(
@@ -384,7 +377,7 @@ def vllm_sampling_params(
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
             logit_bias=dict(params.logit_bias) or None,
-            min_tokens=max(0, params.min_tokens - len(resumed)),
+            min_tokens=params.min_tokens_left(len(resumed)),
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.logprobs,
             structured_outputs=(
