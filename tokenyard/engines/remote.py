@@ -73,6 +73,7 @@ class RemoteEngine(StreamEngine):
         self._client: httpx.AsyncClient | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._token_strings: dict[str, int] | None = None  # a token's text -> its id
+        self._tabling = asyncio.Lock()  # one thread builds that table
 
     async def open(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -179,7 +180,14 @@ class RemoteEngine(StreamEngine):
                 ids = [int(t) for t in ids or ()]
                 logprobs = None
                 if seq.params.logprobs is not None and ids:
-                    logprobs = self._logprobs(ids, choice.get("logprobs"), seq.params.logprobs)
+                    shown = choice.get("logprobs")
+                    if (
+                        seq.params.logprobs
+                        and self._token_strings is None
+                        and _names_by_text(shown)
+                    ):
+                        await self._table_token_strings()
+                    logprobs = self._logprobs(ids, shown, seq.params.logprobs)
                 if expected:
                     ids, logprobs = _replayed(seq, expected, ids, logprobs)
                 self.feed(seq, ids, logprobs)
@@ -230,12 +238,33 @@ class RemoteEngine(StreamEngine):
         tok = self.tokenizer
         if tok.decode([chosen]) == token:
             return chosen
-        if self._token_strings is None:
-            strings: dict[str, int] = {}
-            for i in range(tok.vocab_size - 1, -1, -1):  # the lowest id of a text wins
-                strings[tok.decode([i])] = i
-            self._token_strings = strings
+        # tabled (off the loop) before a chunk that names tokens by text is read
+        assert self._token_strings is not None, "token texts not tabled"
         return self._token_strings.get(token)
+
+    async def _table_token_strings(self) -> None:
+        """Table every token's text (one decode per vocabulary entry: seconds for a large
+        vocabulary) in a thread, once; `convert_ids_to_tokens` would give the BPE pieces
+        ("Ġthe"), not the texts an upstream names."""
+        async with self._tabling:
+            if self._token_strings is None:
+                self._token_strings = await asyncio.to_thread(_token_strings, self.tokenizer)
+
+
+def _token_strings(tok: HFTokenizer) -> dict[str, int]:
+    """Each single-token text -> its token id (of several tokens with one text, the lowest)."""
+    strings: dict[str, int] = {}
+    for i in range(tok.vocab_size - 1, -1, -1):  # the lowest id of a text wins
+        strings[tok.decode([i])] = i
+    return strings
+
+
+def _names_by_text(logprobs: Any) -> bool:
+    """Whether a chunk's logprobs name alternatives by text rather than as "token_id:N"."""
+    tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    return isinstance(tops, list) and any(
+        isinstance(top, dict) and any(not t.startswith("token_id:") for t in top) for top in tops
+    )
 
 
 def replays(params: SamplingParams) -> bool:
