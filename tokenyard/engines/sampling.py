@@ -321,14 +321,17 @@ class LogprobBuffers:
 
     def record(self, raw: torch.Tensor, processed: torch.Tensor) -> None:
         """From the model's raw logits and the scores whose argmax is the next token."""
+        # log_softmax(x) = x - logsumexp(x), and topk commutes with the shift: only the k + 1
+        # values read are shifted, no rows x vocab log-probabilities are written
         n = raw.size(0)
-        logprobs = raw.float().log_softmax(dim=-1)
+        raw = raw.float()
+        norm = raw.logsumexp(dim=-1, keepdim=True)
         chosen = processed.argmax(dim=-1)
         self.chosen[:n].copy_(chosen)
-        self.chosen_logprob[:n].copy_(logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
-        top = logprobs.topk(self.k, dim=-1)
+        self.chosen_logprob[:n].copy_((raw.gather(-1, chosen.unsqueeze(-1)) - norm).squeeze(-1))
+        top = raw.topk(self.k, dim=-1)
         self.top_ids[:n].copy_(top.indices)
-        self.top_logprobs[:n].copy_(top.values)
+        self.top_logprobs[:n].copy_(top.values - norm)
 
     def read(self, n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """The first n rows on the host: (chosen id, its logprob, top (id, logprob) pairs)."""
