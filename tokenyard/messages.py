@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from tokenyard.errors import InvalidRequest
+
 WIRE_VERSION = 1
 
 
@@ -67,6 +69,30 @@ class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
 
+    @property
+    def field(self) -> tuple[str, Any]:
+        """The one field set, as (name, value): ("json", the schema's text), ("json_object",
+        True), ("regex", text), ("choice", the strings) or ("grammar", EBNF text).
+        InvalidRequest (param response_format) unless exactly one is set."""
+        set_fields = [
+            (name, value)
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(set_fields) != 1:
+            raise InvalidRequest(
+                f"a structured output needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {[name for name, _ in set_fields] or 'none'}",
+                param="response_format",
+            )
+        return set_fields[0]
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to decode; top_k == 0 and top_p == 1.0 disable those filters.
@@ -95,6 +121,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def depends_on_output(self) -> bool:
+        """Decoding depends on the tokens generated so far (a guide's state, presence and
+        frequency penalties): resumed tokens must count as output, not as more prompt."""
+        return self.guide is not None or bool(self.presence_penalty or self.frequency_penalty)
+
+    def min_tokens_left(self, resumed: int) -> int:
+        """min_tokens still owed after `resumed` tokens an earlier attempt generated."""
+        return max(0, self.min_tokens - resumed)
 
     @property
     def features(self) -> frozenset[Feature]:

@@ -4,9 +4,12 @@ pass, and structured outputs (xgrammar) for JSON schemas, regexes, choices and g
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from tokenyard.engines.sampling import (
     apply_logit_bias,
     apply_repetition_penalty,
 )
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams
 
 PROMPTS = ["The queue holds", "Once upon a time there was", "def add(a, b):", "0 1 2 3"]
@@ -304,12 +307,62 @@ async def test_resumed_constrained_sequence_continues_and_validates(engine: HFEn
 )
 async def test_bad_guides_are_invalid_requests(engine: HFEngineBase, guide: Guide) -> None:
     prompt = engine.tokenizer.encode(PROMPTS[0])
+    await engine.ready_for(sampled(0, guide))  # never raises: add does
     with pytest.raises(InvalidRequest) as err:
         engine.add(EngineRequest("bad", prompt, sampled(0, guide)))
     assert err.value.param == "response_format"
     # the engine goes on
     r = await run_one(engine, prompt, greedy(4), "after")
     assert len(r.token_ids) == 4
+
+
+async def test_a_guide_compiles_off_the_loop_and_add_finds_it_done(engine: HFEngineBase) -> None:
+    """`ready_for` compiles in a thread while the loop runs on; `add` then waits for nothing.
+    A compilation that outlives the deadline fails the attempt (retried), never as the
+    client's error, and `add` does not wait the deadline out a second time."""
+    tok = engine.tokenizer
+    compiler = engine._guide_compiler()
+    compile_now = compiler._compile_now
+    release = threading.Event()
+
+    def slow(guide: Guide, kind: str) -> object:
+        release.wait(0.5 if guide.regex == "[0-9]{4}" else 10)
+        return compile_now(guide, kind)
+
+    compiler._compile_now = slow  # type: ignore[method-assign,assignment]
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        params = sampled(3, Guide(regex="[0-9]{4}"), max_tokens=8)
+        await engine.ready_for(params)
+        assert ticks >= 10  # the loop went on while it compiled
+        began = time.monotonic()
+        engine.add(EngineRequest("g", tok.encode(PROMPTS[3]), params))
+        assert time.monotonic() - began < 0.2
+        assert re.fullmatch(r"[0-9]{4}", (await collect(engine, 1))["g"].text)
+
+        compiler.timeout = 0.3
+        stuck = sampled(3, Guide(regex="[a-z]{4}"), max_tokens=8)
+        await engine.ready_for(stuck)  # waits the deadline out, off the loop; never raises
+        began = time.monotonic()
+        with pytest.raises(EngineError, match="did not compile within") as err:
+            engine.add(EngineRequest("s", tok.encode(PROMPTS[3]), stuck))
+        assert not isinstance(err.value, InvalidRequest)
+        assert time.monotonic() - began < 0.2
+        release.set()
+        await engine.ready_for(stuck)  # the retry: compiled by then
+        engine.add(EngineRequest("s", tok.encode(PROMPTS[3]), stuck))
+        assert re.fullmatch(r"[a-z]{4}", (await collect(engine, 1))["s"].text)
+    finally:
+        release.set()
+        ticker.cancel()
 
 
 async def test_constrained_row_leaves_its_batch_unchanged(engine: HFEngineBase) -> None:

@@ -5,7 +5,8 @@ decoding depends on its own output resumes (asked again from its prompt, checked
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -167,6 +168,31 @@ async def test_logprobs_come_back_by_position(engine: RemoteEngine, ids_as_text:
         assert got == [TokenLogprob(t, -0.25, tuple(alternatives(t)[:k])) for t in r.token_ids]
     r = await run(engine, "none", greedy(6))
     assert all(out.logprobs is None for out in r.outputs)
+    await upstream.close()
+
+
+async def test_token_texts_are_looked_up_in_a_table_built_off_the_loop(
+    engine: RemoteEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first upstream that names tokens by text has the vocabulary's texts tabled, one
+    decode per token, in a thread: the loop (every other stream) does not wait for it."""
+    loop_thread = threading.get_ident()
+    on_loop = 0
+    decode = engine.tokenizer.decode
+
+    def counting(ids: Sequence[int]) -> str:
+        nonlocal on_loop
+        on_loop += threading.get_ident() == loop_thread
+        return decode(ids)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", counting)
+    upstream = ScriptedUpstream(Model(engine, ids_as_text=True))
+    await serve(engine, upstream)
+    r = await run(engine, "lp", greedy(6, logprobs=5))
+    got = [lp for out in r.outputs for lp in out.logprobs or ()]
+    assert got == [TokenLogprob(t, -0.25, tuple(alternatives(t)[:5])) for t in r.token_ids]
+    assert engine._token_strings is not None
+    assert on_loop < 100 < engine.tokenizer.vocab_size  # the stream's own tokens, not the table
     await upstream.close()
 
 

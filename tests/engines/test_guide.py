@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import xgrammar as xgr
 
 from tokenyard.engines.guide import GuideCompiler, choice_grammar, json_schema_grammar
 from tokenyard.engines.hf_tokenizer import load_hf_tokenizer
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import Guide
 
 
@@ -73,7 +74,7 @@ def test_a_guide_compiles_once(compiler: GuideCompiler) -> None:
     assert compiler.compile(guide) is compiler.compile(guide)
 
 
-def test_a_slow_compile_is_refused_and_finishes_for_later(tiny_model_path: Path) -> None:
+def test_a_slow_compile_fails_the_attempt_and_finishes_for_later(tiny_model_path: Path) -> None:
     tok = load_hf_tokenizer(tiny_model_path)
     slow = GuideCompiler(tok.hf, vocab_size=1024, stop_token_ids=tok.eos_token_ids, timeout=0.2)
     release = threading.Event()
@@ -85,12 +86,24 @@ def test_a_slow_compile_is_refused_and_finishes_for_later(tiny_model_path: Path)
 
     slow._compile_now = stuck  # type: ignore[method-assign]
     guide = Guide(regex="x+")
-    with pytest.raises(InvalidRequest, match="did not compile within") as err:
+    # the server's slowness, not the client's fault: retried (EngineError), not a 400
+    with pytest.raises(EngineError, match="did not compile within") as err:
         slow.compile(guide)
-    assert err.value.param == "response_format"
+    assert not isinstance(err.value, InvalidRequest)
+    # the window is spent: the next caller (add, after the worker's ready_for) does not wait
+    began = time.monotonic()
+    with pytest.raises(EngineError):
+        slow.compile(guide)
+    assert time.monotonic() - began < 0.1
+    # a retry's first wait (off the loop) gets a fresh window
+    began = time.monotonic()
+    with pytest.raises(EngineError):
+        slow.compile(guide, fresh_window=True)
+    assert time.monotonic() - began >= 0.15
     # other guides still compile meanwhile (another worker), and the stuck one completes later
     slow._compile_now = compile_now  # type: ignore[method-assign]
     assert slow.compile(Guide(regex="y+")) is not None
     release.set()
+    assert slow.compile(guide, fresh_window=True) is not None
     assert slow.compile(guide) is not None
     slow.close()

@@ -15,6 +15,7 @@ from tokenyard.engines.sim import SimEngine
 from tokenyard.messages import (
     Finished,
     FinishReason,
+    Guide,
     JobRecord,
     JobSpec,
     JobStatus,
@@ -296,3 +297,37 @@ async def test_a_long_job_never_reaches_a_short_worker(
     assert {records[s.id].worker for s in longs} == {long.consumer}
     # the long worker, idle once its own pool drained, helped with the short work
     assert {records[s.id].worker for s in shorts} <= {short.consumer, long.consumer}
+
+
+class _CompilingSim(SimEngine):
+    """A sim whose guides "compile" in `ready_for` (off the loop) and must be ready by `add`."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(decode_base=0.002, **options)  # type: ignore[arg-type]
+        self.readied: list[SamplingParams] = []
+        self.unready_adds: list[str] = []
+
+    async def ready_for(self, params: SamplingParams) -> None:
+        self.readied.append(params)
+        await asyncio.sleep(0.5)  # a slow compilation, which the loop does not wait out
+
+    def add(self, request: EngineRequest) -> None:
+        if request.params.guide is not None and request.params not in self.readied:
+            self.unready_adds.append(request.seq_id)
+        super().add(request)
+
+
+async def test_a_guide_is_made_ready_off_the_loop_before_its_job_starts(
+    make_backend: BackendFactory, run_worker: RunWorker
+) -> None:
+    broker = make_backend()
+    engine = _CompilingSim()
+    run_worker(engine=engine, max_seqs=8)
+    guided = spec("pick one", 4, guide=Guide(choice=("yes", "no")))
+    await broker.queue.enqueue(guided)
+    plain = [spec(f"plain {i}", 4) for i in range(3)]
+    await broker.queue.enqueue_many(plain)
+    records = await wait_all(broker, [guided.id, *(s.id for s in plain)])
+    assert {r.status for r in records.values()} == {JobStatus.SUCCEEDED}
+    assert engine.unready_adds == []
+    assert engine.readied == [guided.sampling]  # plain jobs pay no await

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
+from tokenyard.errors import InvalidRequest
 from tokenyard.limits import loosest, refusal
 from tokenyard.messages import Feature, Guide, ModelLimits, SamplingParams, decode, encode
 
@@ -71,3 +72,37 @@ def test_a_heartbeat_naming_a_feature_this_version_does_not_know_still_decodes()
     limits = decode(newer, ModelLimits)
     assert "speculative_fields" in limits.features
     assert refusal(4, SamplingParams(logprobs=1), limits) is None
+
+
+@pytest.mark.parametrize(
+    ("guide", "field"),
+    [
+        (Guide(json='{"type": "object"}'), ("json", '{"type": "object"}')),
+        (Guide(json_object=True), ("json_object", True)),
+        (Guide(regex="a+"), ("regex", "a+")),
+        (Guide(choice=("a", "b")), ("choice", ("a", "b"))),
+        (Guide(choice=()), ("choice", ())),  # set, if empty: the compiler refuses it
+        (Guide(grammar='root ::= "x"'), ("grammar", 'root ::= "x"')),
+    ],
+)
+def test_a_guide_names_its_one_field(guide: Guide, field: tuple[str, object]) -> None:
+    assert guide.field == field
+
+
+@pytest.mark.parametrize("guide", [Guide(), Guide(regex="a", choice=("a",))])
+def test_a_guide_of_none_or_two_fields_is_refused(guide: Guide) -> None:
+    with pytest.raises(InvalidRequest, match="exactly one of") as err:
+        _ = guide.field
+    assert err.value.param == "response_format"
+
+
+def test_what_depends_on_the_output_and_min_tokens_left_after_a_resume() -> None:
+    assert not SamplingParams(repetition_penalty=1.5, logit_bias=((1, 1.0),)).depends_on_output
+    for params in (
+        SamplingParams(guide=Guide(regex="a")),
+        SamplingParams(presence_penalty=0.1),
+        SamplingParams(frequency_penalty=-0.1),
+    ):
+        assert params.depends_on_output
+    params = SamplingParams(min_tokens=5)
+    assert [params.min_tokens_left(n) for n in (0, 3, 5, 9)] == [5, 2, 0, 0]

@@ -151,3 +151,18 @@ def test_logprob_buffers_record_raw_logprobs_of_the_chosen_token() -> None:
     assert c1 == 7 and math.isclose(lp1, float(ref[1, 7]), rel_tol=1e-6)
     assert [t for t, _ in top1] == ref[1].topk(VOCAB).indices.tolist()[: len(top1)]
     assert all(a[1] >= b[1] for a, b in itertools.pairwise(top0))
+    # every recorded value is the full log_softmax's, without computing it
+    for row, (_, _, top) in enumerate(buffers.read(2)):
+        for t, lp in top:
+            assert math.isclose(lp, float(ref[row, t]), rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_logprob_buffers_stay_finite_for_huge_and_half_precision_logits() -> None:
+    raw = (logits(2) * 1e3).half()  # exp would overflow unshifted, in fp16 most of all
+    buffers = LogprobBuffers(2, VOCAB, torch.device("cpu"))
+    buffers.record(raw, raw)
+    ref = raw.float().log_softmax(-1)
+    for row, (c, lp, top) in enumerate(buffers.read(2)):
+        assert math.isclose(lp, float(ref[row, c]), rel_tol=1e-6, abs_tol=1e-4)
+        assert [t for t, _ in top] == ref[row].topk(len(top)).indices.tolist()
+        assert all(math.isfinite(v) for _, v in top)

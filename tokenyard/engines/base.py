@@ -150,6 +150,13 @@ class Engine(abc.ABC):
         engine is stopped: those are the caller's bugs.
         """
 
+    async def ready_for(self, params: SamplingParams) -> None:
+        """Do off the caller's loop what `add` would otherwise do on it for these params
+        (compiling a structured output): the worker awaits it for a claimed job with a guide
+        before the job may start. Never raises: `add` raises what it found (the compiled
+        result is remembered). The default does nothing."""
+        return None
+
     @abc.abstractmethod
     def abort(self, seq_id: str) -> None:
         """Finish a sequence with CANCELLED and free its slot (thread-safe; unknown ids ignored)."""

@@ -1,25 +1,28 @@
 """Structured outputs: a `Guide` compiled by xgrammar for one tokenizer, and the matcher that
 constrains one sequence to it.
 
-Compiling runs on a small pool with a deadline, so a pathological schema is refused instead of
-stalling the caller; the compiler caches grammars, and `GuideCompiler` remembers each guide's
-compilation (its failure too), so a schema compiles once per engine.
+Compiling runs on a small pool with a deadline, so a pathological schema fails the attempt
+(retryably: it goes on compiling for the retry) instead of stalling the caller; the compiler
+caches grammars, and `GuideCompiler` remembers each guide's compilation (its failure too), so a
+schema compiles once per engine.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import Guide
 
 COMPILE_TIMEOUT_S = 10.0
@@ -58,24 +61,15 @@ def json_schema_grammar(schema: str) -> str:
 
 def guide_kind(guide: Guide) -> str:
     """Which one of the guide's fields is set; InvalidRequest unless exactly one is."""
-    set_fields = [
-        name
-        for name, value in (
-            ("json", guide.json),
-            ("json_object", guide.json_object or None),
-            ("regex", guide.regex),
-            ("choice", guide.choice),
-            ("grammar", guide.grammar),
-        )
-        if value is not None
-    ]
-    if len(set_fields) != 1:
-        raise InvalidRequest(
-            f"a structured output needs exactly one of json, json_object, regex, choice, "
-            f"grammar; got {set_fields or 'none'}",
-            param=_PARAM,
-        )
-    return set_fields[0]
+    return guide.field[0]
+
+
+@dataclass
+class _Compilation:
+    """One guide's compilation, and until when its waiters wait for it (monotonic)."""
+
+    future: Future[xgr.CompiledGrammar]
+    deadline: float
 
 
 class GuideCompiler:
@@ -100,47 +94,57 @@ class GuideCompiler:
         # same guide waits on that same compilation instead of starting another.
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenyard-guide")
         self._lock = threading.Lock()
-        self._futures: OrderedDict[Guide, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._compilations: OrderedDict[Guide, _Compilation] = OrderedDict()
 
     def _compile_now(self, guide: Guide, kind: str) -> xgr.CompiledGrammar:
         c = self._compiler
+        _, value = guide.field
         if kind == "json":
-            assert guide.json is not None
             try:
-                json.loads(guide.json)
+                json.loads(value)
             except ValueError as exc:
                 raise InvalidRequest(f"the JSON schema is not JSON: {exc}", param=_PARAM) from exc
-            return c.compile_grammar(json_schema_grammar(guide.json))
+            return c.compile_grammar(json_schema_grammar(value))
         if kind == "json_object":
             # OpenAI's json_object is an object; xgrammar's builtin JSON grammar allows any value
             return c.compile_grammar(json_schema_grammar(_ANY_OBJECT))
         if kind == "regex":
-            assert guide.regex is not None
-            return c.compile_regex(guide.regex)
+            return c.compile_regex(value)
         if kind == "choice":
-            assert guide.choice is not None
-            return c.compile_grammar(choice_grammar(guide.choice))
-        assert guide.grammar is not None
-        return c.compile_grammar(guide.grammar)
+            return c.compile_grammar(choice_grammar(value))
+        return c.compile_grammar(value)
 
-    def compile(self, guide: Guide) -> xgr.CompiledGrammar:
-        """The guide's grammar; InvalidRequest when it does not compile or takes too long."""
+    def compile(self, guide: Guide, *, fresh_window: bool = False) -> xgr.CompiledGrammar:
+        """The guide's grammar. InvalidRequest when it does not compile; EngineError (the
+        attempt fails and is retried, the compilation goes on) when it is not done within
+        `timeout` of when it began.
+
+        Waits at most until the compilation's deadline, so a caller after one that already
+        waited it out (the worker's `Engine.ready_for`, then `add`) does not wait again;
+        `fresh_window` (for a caller off the event loop) gives a compilation still running
+        past its deadline another `timeout`, as a retried job's first wait.
+        """
         kind = guide_kind(guide)
+        now = time.monotonic()
         with self._lock:
-            future = self._futures.get(guide)
-            if future is None:
+            compilation = self._compilations.get(guide)
+            if compilation is None:
                 future = self._pool.submit(self._compile_now, guide, kind)
-                self._futures[guide] = future
-                while len(self._futures) > _REMEMBERED:
-                    self._futures.popitem(last=False)
+                compilation = _Compilation(future, now + self.timeout)
+                self._compilations[guide] = compilation
+                while len(self._compilations) > _REMEMBERED:
+                    self._compilations.popitem(last=False)
             else:
-                self._futures.move_to_end(guide)
+                self._compilations.move_to_end(guide)
+                if fresh_window and compilation.deadline <= now:
+                    compilation.deadline = now + self.timeout
+            future, deadline = compilation.future, compilation.deadline
         try:
-            return future.result(timeout=self.timeout)
+            return future.result(timeout=max(0.0, deadline - now))
         except FutureTimeout:
-            raise InvalidRequest(
-                f"the {kind} structured output did not compile within {self.timeout:g} s",
-                param=_PARAM,
+            raise EngineError(
+                f"the {kind} structured output did not compile within {self.timeout:g} s "
+                f"(it goes on compiling, for a retry)"
             ) from None
         except InvalidRequest:
             raise

@@ -10,6 +10,7 @@ the device: free GPU memory after the weights on CUDA, settings (bounded by RAM)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -59,7 +60,14 @@ from tokenyard.engines.sampling import (
     sample_keys,
 )
 from tokenyard.errors import FatalError
-from tokenyard.messages import EngineStats, Feature, FinishReason, TokenLogprob
+from tokenyard.messages import (
+    EngineStats,
+    Feature,
+    FinishReason,
+    Guide,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from transformers import ContinuousBatchingManager
@@ -416,6 +424,16 @@ class HFEngineBase(LocalEngine[HFSeq]):
                 )
             return self._guides
 
+    async def ready_for(self, params: SamplingParams) -> None:
+        # The first guide also builds the compiler (the vocabulary's token table): off the loop.
+        if params.guide is not None:
+            await asyncio.to_thread(self._precompile, params.guide)
+
+    def _precompile(self, guide: Guide) -> None:
+        # what went wrong is remembered with the compilation: add raises it, at once
+        with contextlib.suppress(Exception):
+            self._guide_compiler().compile(guide, fresh_window=True)
+
     def _close_locked(self) -> list[StepOutput]:
         with self._guides_lock:
             if self._guides is not None:
@@ -424,7 +442,8 @@ class HFEngineBase(LocalEngine[HFSeq]):
 
     def _open(self, request: EngineRequest) -> HFSeq:
         """Check and build a sequence; a structured output compiles here, on the caller's
-        thread (bounded by the compiler's timeout), and replays any resumed tokens."""
+        thread (bounded by the compiler's timeout) unless `ready_for` compiled it already, and
+        replays any resumed tokens."""
         tok = self.tokenizer
         seq = open_seq(
             HFSeq,

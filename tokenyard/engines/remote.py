@@ -73,6 +73,7 @@ class RemoteEngine(StreamEngine):
         self._client: httpx.AsyncClient | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._token_strings: dict[str, int] | None = None  # a token's text -> its id
+        self._tabling = asyncio.Lock()  # one thread builds that table
 
     async def open(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -179,7 +180,14 @@ class RemoteEngine(StreamEngine):
                 ids = [int(t) for t in ids or ()]
                 logprobs = None
                 if seq.params.logprobs is not None and ids:
-                    logprobs = self._logprobs(ids, choice.get("logprobs"), seq.params.logprobs)
+                    shown = choice.get("logprobs")
+                    if (
+                        seq.params.logprobs
+                        and self._token_strings is None
+                        and _names_by_text(shown)
+                    ):
+                        await self._table_token_strings()
+                    logprobs = self._logprobs(ids, shown, seq.params.logprobs)
                 if expected:
                     ids, logprobs = _replayed(seq, expected, ids, logprobs)
                 self.feed(seq, ids, logprobs)
@@ -230,18 +238,39 @@ class RemoteEngine(StreamEngine):
         tok = self.tokenizer
         if tok.decode([chosen]) == token:
             return chosen
-        if self._token_strings is None:
-            strings: dict[str, int] = {}
-            for i in range(tok.vocab_size - 1, -1, -1):  # the lowest id of a text wins
-                strings[tok.decode([i])] = i
-            self._token_strings = strings
+        # tabled (off the loop) before a chunk that names tokens by text is read
+        assert self._token_strings is not None, "token texts not tabled"
         return self._token_strings.get(token)
+
+    async def _table_token_strings(self) -> None:
+        """Table every token's text (one decode per vocabulary entry: seconds for a large
+        vocabulary) in a thread, once; `convert_ids_to_tokens` would give the BPE pieces
+        ("Ġthe"), not the texts an upstream names."""
+        async with self._tabling:
+            if self._token_strings is None:
+                self._token_strings = await asyncio.to_thread(_token_strings, self.tokenizer)
+
+
+def _token_strings(tok: HFTokenizer) -> dict[str, int]:
+    """Each single-token text -> its token id (of several tokens with one text, the lowest)."""
+    strings: dict[str, int] = {}
+    for i in range(tok.vocab_size - 1, -1, -1):  # the lowest id of a text wins
+        strings[tok.decode([i])] = i
+    return strings
+
+
+def _names_by_text(logprobs: Any) -> bool:
+    """Whether a chunk's logprobs name alternatives by text rather than as "token_id:N"."""
+    tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    return isinstance(tops, list) and any(
+        isinstance(top, dict) and any(not t.startswith("token_id:") for t in top) for top in tops
+    )
 
 
 def replays(params: SamplingParams) -> bool:
     """Decoding that depends on the tokens generated so far: resumed, the sequence is asked
     again from its prompt (the upstream would take resumed tokens as prompt, not output)."""
-    return bool(params.guide or params.presence_penalty or params.frequency_penalty)
+    return params.depends_on_output
 
 
 def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
@@ -256,26 +285,20 @@ def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
         body["repetition_penalty"] = p.repetition_penalty
     if p.logit_bias:
         body["logit_bias"] = {str(t): bias for t, bias in p.logit_bias}
-    if p.min_tokens > resumed:
-        body["min_tokens"] = p.min_tokens - resumed
+    if min_tokens := p.min_tokens_left(resumed):
+        body["min_tokens"] = min_tokens
     if p.stop_token_ids:
         body["stop_token_ids"] = list(p.stop_token_ids)
     if p.logprobs is not None:
         body["logprobs"] = p.logprobs
         body["return_tokens_as_token_ids"] = True
-    if (g := p.guide) is not None:
-        guide: dict[str, Any]
-        if g.json is not None:
-            guide = {"json": json.loads(g.json)}
-        elif g.json_object:
-            guide = {"json_object": True}
-        elif g.regex is not None:
-            guide = {"regex": g.regex}
-        elif g.choice is not None:
-            guide = {"choice": list(g.choice)}
-        else:
-            guide = {"grammar": g.grammar}
-        body["structured_outputs"] = guide
+    if p.guide is not None:
+        kind, value = p.guide.field
+        if kind == "json":
+            value = json.loads(value)
+        elif kind == "choice":
+            value = list(value)
+        body["structured_outputs"] = {kind: value}
     return body
 
 

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from tokenyard.limits import MAX_LOGPROBS
 from tokenyard.messages import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -308,13 +309,11 @@ def _entries(row: int, ids: torch.Tensor, values: torch.Tensor) -> _Entries:
 
 
 class LogprobBuffers:
-    """Each row's chosen token, its raw logprob and the `MAX_TOP` most likely (id, logprob),
+    """Each row's chosen token, its raw logprob and the `MAX_LOGPROBS` most likely (id, logprob),
     written on the device where sampling runs and read by the host after the step."""
 
-    MAX_TOP = 20
-
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.k = min(self.MAX_TOP, vocab)
+        self.k = min(MAX_LOGPROBS, vocab)  # the most a request may ask for
         self.chosen = torch.zeros(rows, dtype=torch.int64, device=device)
         self.chosen_logprob = torch.zeros(rows, device=device)
         self.top_ids = torch.zeros(rows, self.k, dtype=torch.int64, device=device)
@@ -322,14 +321,17 @@ class LogprobBuffers:
 
     def record(self, raw: torch.Tensor, processed: torch.Tensor) -> None:
         """From the model's raw logits and the scores whose argmax is the next token."""
+        # log_softmax(x) = x - logsumexp(x), and topk commutes with the shift: only the k + 1
+        # values read are shifted, no rows x vocab log-probabilities are written
         n = raw.size(0)
-        logprobs = raw.float().log_softmax(dim=-1)
+        raw = raw.float()
+        norm = raw.logsumexp(dim=-1, keepdim=True)
         chosen = processed.argmax(dim=-1)
         self.chosen[:n].copy_(chosen)
-        self.chosen_logprob[:n].copy_(logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
-        top = logprobs.topk(self.k, dim=-1)
+        self.chosen_logprob[:n].copy_((raw.gather(-1, chosen.unsqueeze(-1)) - norm).squeeze(-1))
+        top = raw.topk(self.k, dim=-1)
         self.top_ids[:n].copy_(top.indices)
-        self.top_logprobs[:n].copy_(top.values)
+        self.top_logprobs[:n].copy_(top.values - norm)
 
     def read(self, n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """The first n rows on the host: (chosen id, its logprob, top (id, logprob) pairs)."""

@@ -33,7 +33,7 @@ from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resol
 from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, is_embedding_model, read_pooling
 from tokenyard.engines.streams import StreamEngine, StreamSeq
 from tokenyard.engines.tiny import ensure_tiny_model
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.limits import MAX_LOGPROBS
 from tokenyard.messages import (
     Feature,
@@ -179,12 +179,12 @@ class VLLMEngine(StreamEngine):
             return None  # the resumed tokens already finish it; vLLM is not asked
         if seq.generated and not self.resumes_exactly and resume_args(seq.params, 1):
             # without the processor the continuation would ignore the resumed tokens'
-            # grammar state and penalties: refused rather than answered out of shape
-            raise InvalidRequest(
+            # grammar state and penalties: failed rather than answered out of shape. The
+            # request is fine (the resume is the server's doing): retried, not the client's 4xx
+            raise EngineError(
                 "a resumed sequence with structured outputs or presence/frequency penalties "
                 "needs tokenyard's vLLM logits processor, which vLLM refuses with "
-                "speculative decoding",
-                param="response_format" if seq.params.guide else "presence_penalty",
+                "speculative decoding"
             )
         return vllm_sampling_params(seq.params, seq.decoder.remaining, resumed=seq.generated)
 
@@ -318,7 +318,7 @@ def resume_args(params: SamplingParams, resumed: int) -> dict[str, Any] | None:
     its decoding does not depend on the tokens it generated (vLLM alone continues it exactly)."""
     if not resumed:
         return None
-    if params.guide is None and not params.presence_penalty and not params.frequency_penalty:
+    if not params.depends_on_output:
         return None
     args: dict[str, Any] = {"resumed": resumed}
     if params.guide is not None:
@@ -332,17 +332,10 @@ def resume_args(params: SamplingParams, resumed: int) -> dict[str, Any] | None:
 
 def _guide_spec(guide: Guide) -> list[Any]:
     """A guide as (kind, spec), as vLLM keys its grammars."""
-    if guide.json is not None:
-        return ["json", guide.json]
-    if guide.json_object:
-        return ["json_object", ""]
-    if guide.regex is not None:
-        return ["regex", guide.regex]
-    if guide.choice is not None:
-        return ["choice", list(guide.choice)]
-    if guide.grammar is not None:
-        return ["grammar", guide.grammar]
-    raise InvalidRequest("a structured-output guide sets none of its fields", param="guide")
+    kind, value = guide.field
+    if kind == "json_object":
+        return [kind, ""]
+    return [kind, list(value) if kind == "choice" else value]
 
 
 def vllm_sampling_params(
@@ -384,7 +377,7 @@ def vllm_sampling_params(
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
             logit_bias=dict(params.logit_bias) or None,
-            min_tokens=max(0, params.min_tokens - len(resumed)),
+            min_tokens=params.min_tokens_left(len(resumed)),
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.logprobs,
             structured_outputs=(

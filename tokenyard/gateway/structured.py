@@ -236,13 +236,14 @@ def _problem(guide: Guide) -> str | None:
     except ImportError:  # a gateway without the hf extra: the engine compiles and refuses
         log.warning("xgrammar is not installed: structured outputs are checked by the engines")
         return None
+    kind, value = guide.field
     try:
-        if guide.json is not None:
-            xgrammar.Grammar.from_json_schema(guide.json)
-        elif guide.regex is not None:
-            xgrammar.Grammar.from_regex(guide.regex)
-        elif guide.grammar is not None:
-            xgrammar.Grammar.from_ebnf(guide.grammar)
+        if kind == "json":
+            xgrammar.Grammar.from_json_schema(value)
+        elif kind == "regex":
+            xgrammar.Grammar.from_regex(value)
+        elif kind == "grammar":
+            xgrammar.Grammar.from_ebnf(value)
     except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) for bad input
         text = _XGRAMMAR_PREFIX.sub("", str(exc)).strip()
         return text.splitlines()[0][:500] if text else type(exc).__name__

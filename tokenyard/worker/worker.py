@@ -249,8 +249,9 @@ class Worker:
             if self.spans is not None:
                 self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
             # prepared concurrently when some must read (an earlier delivery's tokens, a long
-            # prompt to tokenize); most need neither, and a task each would cost more than them
-            if any(lease.resumable or lease.spec.prompt_token_ids is None for lease in leases):
+            # prompt to tokenize) or compile (a structured output); most need none of that, and
+            # a task each would cost more than them
+            if any(_needs_preparing(lease) for lease in leases):
                 jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
             else:
                 jobs = [self._fresh(lease, lease.spec.prompt_token_ids or []) for lease in leases]
@@ -311,6 +312,9 @@ class Worker:
                     extra=job_fields(spec.id, spec.trace_context),
                 )
                 return None
+        if spec.sampling.guide is not None:
+            # compiled off this loop now, so that `add` (on it) finds it done; never raises
+            await self.engine.ready_for(spec.sampling)
         return job
 
     @staticmethod
@@ -741,6 +745,12 @@ class _Writes:
 
     def all_leases(self) -> list[Lease]:
         return [lease for lease, _ in self.events] + self.leases()
+
+
+def _needs_preparing(lease: Lease) -> bool:
+    """Whether a claimed job needs awaiting before it may start (see `Worker._prepare`)."""
+    spec = lease.spec
+    return lease.resumable or spec.prompt_token_ids is None or spec.sampling.guide is not None
 
 
 def _streamed(job: Job[Lease]) -> bool:
