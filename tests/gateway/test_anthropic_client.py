@@ -541,8 +541,7 @@ def test_tiny_tools_any_and_named_give_tool_use_blocks_that_validate(
     from tokenyard.engines.hf import HFEngine
     from tokenyard.gateway.tokenizers import load_tokenizer
 
-    if Feature.STRUCTURED_OUTPUTS not in HFEngine.features:
-        pytest.skip("the hf engine does not constrain decoding (structured outputs) yet")
+    assert Feature.STRUCTURED_OUTPUTS in HFEngine.features  # what tool_choice any rests on
     # bounded schemas: a random model constrained to them still ends within max_tokens
     weather = {
         "type": "object",

@@ -3,7 +3,7 @@ chat template), over real HTTP with the official openai client.
 
 `tool_choice` required and named constrain decoding to the tools' schemas: whatever the
 random weights would write, the calls' arguments validate (these need the hf engine's
-structured outputs; they skip while it does not publish them)."""
+structured outputs)."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def client_of(stack: Stack) -> openai.OpenAI:
 def needs_structured_outputs() -> None:
     from tokenyard.engines.hf import HFEngine
 
-    if Feature.STRUCTURED_OUTPUTS not in HFEngine.features:
-        pytest.skip("the hf engine does not constrain decoding (structured outputs) yet")
+    # the tests below rest on it: an engine that stopped constraining fails them, not skips
+    assert Feature.STRUCTURED_OUTPUTS in HFEngine.features
 
 
 def test_history_with_calls_and_results_renders_through_the_template(stack: Stack) -> None:
