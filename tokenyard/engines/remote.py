@@ -29,7 +29,7 @@ import httpx
 
 from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
-from tokenyard.engines.streams import StreamEngine, StreamSeq
+from tokenyard.engines.streams import NOT_REPEATED, StreamEngine, StreamSeq, replayed_tail
 from tokenyard.errors import UpstreamError
 from tokenyard.messages import Feature, FinishReason, SamplingParams, TokenLogprob
 
@@ -189,7 +189,12 @@ class RemoteEngine(StreamEngine):
                         await self._table_token_strings()
                     logprobs = self._logprobs(ids, shown, seq.params.logprobs)
                 if expected:
-                    ids, logprobs = _replayed(seq, expected, ids, logprobs)
+                    tail = replayed_tail(expected, ids, logprobs)
+                    if tail is None:
+                        raise UpstreamError(
+                            f"sequence {seq.seq_id!r} cannot resume: {NOT_REPEATED}", retry=False
+                        )
+                    ids, logprobs = tail
                 self.feed(seq, ids, logprobs)
                 if seq.done:
                     return  # a stop string or the limit: leaving closes the stream upstream
@@ -300,22 +305,6 @@ def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
             value = list(value)
         body["structured_outputs"] = {kind: value}
     return body
-
-
-def _replayed(
-    seq: StreamSeq, expected: list[int], ids: list[int], logprobs: list[TokenLogprob] | None
-) -> tuple[list[int], list[TokenLogprob] | None]:
-    """Of a replayed sequence's new ids, those past the ones already sent; those must match
-    (consumed from `expected`), else the continuation would not follow what the client has."""
-    n = min(len(expected), len(ids))
-    if ids[:n] != expected[:n]:
-        raise UpstreamError(
-            f"sequence {seq.seq_id!r} cannot resume: asked again, the upstream does not repeat "
-            "the tokens already sent, and its guide or penalties depend on them",
-            retry=False,
-        )
-    del expected[:n]
-    return ids[n:], logprobs[n:] if logprobs is not None else None
 
 
 def _http_error(resp: httpx.Response) -> UpstreamError:

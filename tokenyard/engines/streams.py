@@ -296,3 +296,22 @@ class StreamEngine(Engine):
             self._stats.steps += 1
             self._stats.sequences_stepped += len(outs)
         self._channel.deliver(outs)
+
+
+NOT_REPEATED = (
+    "asked again from its prompt, the runtime does not repeat the tokens already sent, and its "
+    "guide or penalties depend on them"
+)
+
+
+def replayed_tail(
+    expected: list[int], ids: list[int], logprobs: list[TokenLogprob] | None
+) -> tuple[list[int], list[TokenLogprob] | None] | None:
+    """Of a sequence asked again from its prompt, the new ids past those already sent (each
+    consumed from `expected`); None when they differ from what was sent, whose continuation
+    would then not follow what the client has."""
+    n = min(len(expected), len(ids))
+    if ids[:n] != expected[:n]:
+        return None
+    del expected[:n]
+    return ids[n:], logprobs[n:] if logprobs is not None else None

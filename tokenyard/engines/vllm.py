@@ -28,12 +28,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from tokenyard.engines.base import EngineCapacity
+from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, is_embedding_model, read_pooling
-from tokenyard.engines.streams import StreamEngine, StreamSeq
+from tokenyard.engines.streams import NOT_REPEATED, StreamEngine, StreamSeq, replayed_tail
 from tokenyard.engines.tiny import ensure_tiny_model
-from tokenyard.errors import EngineError, InvalidRequest
+from tokenyard.errors import InvalidRequest
 from tokenyard.limits import MAX_LOGPROBS
 from tokenyard.messages import (
     Feature,
@@ -102,15 +102,6 @@ class VLLMEngine(StreamEngine):
         args.update(_mapping(engine_args, "engine_args") or {})
         encoder = is_embedding_model(self.model_path)
         self.embeds = encoder or args.get("runner") == "pooling"
-        # A resumed sequence's tokens go to vLLM as prompt; this processor lets its grammar and
-        # presence/frequency penalties count them as output still (vllm_resume.py). vLLM takes
-        # no custom processor with speculative decoding (nor on its pooling runner): there,
-        # such resumes are refused.
-        self.resumes_exactly = not args.get("speculative_config") and not self.embeds
-        if self.resumes_exactly:
-            procs = list(args.get("logits_processors") or ())
-            if RESUME_PROCESSOR not in procs:
-                args["logits_processors"] = [*procs, RESUME_PROCESSOR]
         seq_length: int | None = None
         if self.embeds:
             seq_length = _pooling_args(args, self.model_path, convert=not encoder)
@@ -177,16 +168,18 @@ class VLLMEngine(StreamEngine):
     def prepare(self, seq: StreamSeq) -> Any:
         if seq.decoder is None or seq.decoder.finish_reason is not None:
             return None  # the resumed tokens already finish it; vLLM is not asked
-        if seq.generated and not self.resumes_exactly and resume_args(seq.params, 1):
-            # without the processor the continuation would ignore the resumed tokens'
-            # grammar state and penalties: failed rather than answered out of shape. The
-            # request is fine (the resume is the server's doing): retried, not the client's 4xx
-            raise EngineError(
-                "a resumed sequence with structured outputs or presence/frequency penalties "
-                "needs tokenyard's vLLM logits processor, which vLLM refuses with "
-                "speculative decoding"
-            )
-        return vllm_sampling_params(seq.params, seq.decoder.remaining, resumed=seq.generated)
+        # vLLM takes resumed tokens as prompt: exact for most decoding, but a guide would start
+        # afresh after them and presence/frequency penalties would not count them, so such a
+        # sequence is asked again from its prompt and must repeat them first (`step`)
+        replay = bool(seq.generated) and seq.params.depends_on_output
+        resumed = [] if replay else seq.generated
+        params = vllm_sampling_params(
+            seq.params,
+            seq.decoder.remaining + len(seq.generated) - len(resumed),
+            resumed=resumed,
+            seed=request_seed(seq.params, seq.seq_id),
+        )
+        return _Asked(params, resumed, list(seq.generated) if replay else [])
 
     async def embed(self, seq: StreamSeq) -> list[bytes]:
         """Every input as its own vLLM request, all at once: vLLM's scheduler batches them
@@ -227,10 +220,11 @@ class VLLMEngine(StreamEngine):
         from vllm.inputs import TokensPrompt
 
         assert self._llm is not None, "engine not started"
-        prompt = TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.generated)
+        asked: _Asked = seq.extra
+        prompt = TokensPrompt(prompt_token_ids=seq.prompt_ids + asked.resumed)
         try:
             collector = await self._llm.add_request(
-                seq.seq_id, prompt, seq.extra, priority=seq.priority
+                seq.seq_id, prompt, asked.params, priority=seq.priority
             )
         except VLLMClientError as exc:
             # vLLM found the request itself wrong: the job fails, it is not retried
@@ -264,11 +258,22 @@ class VLLMEngine(StreamEngine):
             self.fail(seq, f"vLLM failed: {out}")
             return True
         done = out.outputs[0]
+        ids: list[int] = list(done.token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = token_logprobs(done.token_ids, done.logprobs, seq.params.logprobs)
-        self.feed(seq, done.token_ids, logprobs)
+            logprobs = token_logprobs(ids, done.logprobs, seq.params.logprobs)
+        expected = seq.extra.expected
+        if expected:
+            tail = replayed_tail(expected, ids, logprobs)
+            if tail is None:
+                self.fail(seq, f"sequence {seq.seq_id!r} cannot resume: {NOT_REPEATED}")
+                return True
+            ids, logprobs = tail
+        self.feed(seq, ids, logprobs)
         if seq.done:
+            return True
+        if out.finished and expected:
+            self.fail(seq, f"vLLM ended sequence {seq.seq_id!r} before repeating its tokens")
             return True
         if out.finished:
             if done.finish_reason == "abort":
@@ -308,70 +313,50 @@ def resolved_dtype(dtype: str, *, cpu: bool) -> str:
     return "float32" if dtype == "auto" and cpu else dtype
 
 
-# vllm_resume.py's processor, loaded by vLLM's engine core by name (that module imports vLLM)
-RESUME_PROCESSOR = "tokenyard.engines.vllm_resume:ResumedOutputs"
-RESUME_ARG = "tokenyard_resume"  # the key of its arguments in SamplingParams.extra_args
+class _Asked(msgspec.Struct):
+    """What a sequence asks of vLLM: its params, the resumed tokens given as prompt, and those
+    it must repeat first when it is asked again from its prompt."""
+
+    params: Any
+    resumed: list[int]
+    expected: list[int]
 
 
-def resume_args(params: SamplingParams, resumed: int) -> dict[str, Any] | None:
-    """What `ResumedOutputs` needs of a sequence resumed after `resumed` tokens, or None when
-    its decoding does not depend on the tokens it generated (vLLM alone continues it exactly)."""
-    if not resumed:
-        return None
-    if not params.depends_on_output:
-        return None
-    args: dict[str, Any] = {"resumed": resumed}
-    if params.guide is not None:
-        args["guide"] = _guide_spec(params.guide)
-    if params.presence_penalty:
-        args["presence"] = params.presence_penalty
-    if params.frequency_penalty:
-        args["frequency"] = params.frequency_penalty
-    return args
-
-
-def _guide_spec(guide: Guide) -> list[Any]:
-    """A guide as (kind, spec), as vLLM keys its grammars."""
-    kind, value = guide.field
-    if kind == "json_object":
-        return [kind, ""]
-    return [kind, list(value) if kind == "choice" else value]
+def request_seed(params: SamplingParams, seq_id: str) -> int | None:
+    """The seed vLLM samples a sequence with: the request's; for a sampled sequence whose
+    decoding depends on its own output, one derived from its id, so asked again from its
+    prompt it repeats what it sent (vLLM leaves other unseeded sequences unseeded: per-request
+    generators cost it batch speed)."""
+    if params.seed is not None or params.greedy or not params.depends_on_output:
+        return params.seed
+    return default_seed(seq_id)
 
 
 def vllm_sampling_params(
-    params: SamplingParams, max_tokens: int, *, resumed: Sequence[int] = ()
+    params: SamplingParams,
+    max_tokens: int,
+    *,
+    resumed: Sequence[int] = (),
+    seed: int | None = None,
 ) -> Any:
     """vLLM's SamplingParams for a tokenyard request: the same sampling, no text work.
 
     Stop strings are not given to vLLM (tokenyard matches them across resumes); values vLLM
     refuses raise InvalidRequest with vLLM's reason. `resumed`: tokens an earlier attempt
-    generated, now the end of the prompt: min_tokens counts them, and a guide or
-    presence/frequency penalties go to tokenyard's processor, which counts them as output
-    (vLLM itself would start the grammar afresh after them and not penalise them).
+    generated, now the end of the prompt (min_tokens counts them); `seed`: see `request_seed`.
     """
     from vllm import SamplingParams as VSamplingParams
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind
 
-    extra = resume_args(params, len(resumed))
     try:
-        if params.guide is not None and extra is not None:
-            # the processor compiles it with xgrammar, where vLLM's `auto` may have taken
-            # another backend for the first attempt: what xgrammar lacks is refused here,
-            # before vLLM's engine core would meet it
-            from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
-
-            validate_xgrammar_grammar(
-                VSamplingParams(max_tokens=1, structured_outputs=structured_outputs(params.guide))
-            )
         return VSamplingParams(
             n=1,  # the gateway fans `n` out into jobs of their own
             max_tokens=max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
-            # vLLM seeds per request: an unseeded sampled sequence stays unseeded, as in vLLM
-            seed=params.seed,
+            seed=seed,
             ignore_eos=params.ignore_eos,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
@@ -380,10 +365,7 @@ def vllm_sampling_params(
             min_tokens=params.min_tokens_left(len(resumed)),
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.logprobs,
-            structured_outputs=(
-                structured_outputs(params.guide) if params.guide and extra is None else None
-            ),
-            extra_args={RESUME_ARG: extra} if extra is not None else None,
+            structured_outputs=structured_outputs(params.guide) if params.guide else None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -396,8 +378,10 @@ def structured_outputs(guide: Guide) -> Any:
     """vLLM's StructuredOutputsParams for a guide: the same one field set."""
     from vllm.sampling_params import StructuredOutputsParams
 
-    kind, spec = _guide_spec(guide)
-    return StructuredOutputsParams(**{kind: True if kind == "json_object" else spec})
+    kind, value = guide.field
+    if kind == "choice":
+        value = list(value)
+    return StructuredOutputsParams(**{kind: value})
 
 
 def token_logprobs(ids: Sequence[int], positions: Any, k: int) -> list[TokenLogprob]:
