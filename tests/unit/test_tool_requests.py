@@ -10,10 +10,12 @@ import pytest
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.tools import (
+    CallStream,
     History,
     NamedCallStream,
     ToolCallStream,
-    answer_reader,
+    Tools,
+    call_reader,
     call_reading,
     job_reader,
     parse_whole,
@@ -112,6 +114,12 @@ def test_history_parses_arguments_and_matches_results_to_calls() -> None:
             [{"id": "c3", "function": {"name": "a", "arguments": "{oops"}}], "messages.4.tool_calls"
         )
     assert info.value.param == "messages.4.tool_calls.0.function.arguments"
+
+
+def answer_reader(tools: Tools, setting: str, template: str) -> CallStream | None:
+    """The reader a request's answer gets: the reading decided once, then its stream."""
+    reading = call_reading(tools, setting, template)
+    return None if reading is None else call_reader(reading)
 
 
 def test_the_reader_follows_the_choice_and_the_template() -> None:

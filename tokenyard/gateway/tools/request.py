@@ -344,15 +344,3 @@ def job_reader(spec: JobSpec, job_id: str | None = None) -> CallStream | None:
     if spec.calls is None:
         return None
     return call_reader(spec.calls, stable_call_ids(job_id or spec.id))
-
-
-def answer_reader(
-    tools: Tools,
-    parser_setting: str,
-    chat_template: str,
-    make_id: Callable[[], str] = new_call_id,
-) -> CallStream | None:
-    """A fresh stream reading the answer of a request with these tools, None when it is not
-    read for calls (`call_reading`'s rules)."""
-    reading = call_reading(tools, parser_setting, chat_template)
-    return None if reading is None else call_reader(reading, make_id)
