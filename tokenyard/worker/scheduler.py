@@ -49,6 +49,17 @@ class Job(Generic[H]):
     embeddings: list[bytes] | None = None  # its vectors, once the engine made them
     logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
 
+    def extend(
+        self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None
+    ) -> None:
+        """Append tokens to the output (a step's, or an earlier delivery's from its events)."""
+        self.token_ids.extend(token_ids)
+        self.text += text
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+
     @property
     def decode_s(self) -> float | None:
         """First to last token of this delivery."""
@@ -264,12 +275,8 @@ class Scheduler(Generic[H]):
                     job.first_token_at = now
                 job.last_token_at = now
             if out.token_ids or out.text:
-                job.token_ids.extend(out.token_ids)
-                job.text += out.text
+                job.extend(out.token_ids, out.text, out.logprobs)
                 update.tokens += len(out.token_ids)
-                if out.logprobs is not None:
-                    job.logprobs = job.logprobs if job.logprobs is not None else []
-                    job.logprobs.extend(out.logprobs)
                 chunk = TokenChunk(token_ids=out.token_ids, text=out.text, logprobs=out.logprobs)
             if out.finish_reason is None:
                 if chunk is not None:

@@ -339,11 +339,7 @@ class Worker:
             for event_id, event in events:
                 after = event_id
                 if isinstance(event, TokenChunk):
-                    job.token_ids.extend(event.token_ids)
-                    job.text += event.text
-                    if event.logprobs is not None:
-                        job.logprobs = job.logprobs if job.logprobs is not None else []
-                        job.logprobs.extend(event.logprobs)
+                    job.extend(event.token_ids, event.text, event.logprobs)
 
     # -- scheduling ------------------------------------------------------------------------
     def _start_fitting(self) -> _Outcome:
