@@ -298,7 +298,7 @@ def constrained_jobs(n: int) -> list[JobSpec]:
     ]
 
 
-@pytest.mark.parametrize("make_backend", ["valkey", "nats"], indirect=True)
+@KINDS
 async def test_sigkill_mid_constrained_generation_resumes_to_the_same_valid_json(
     workers: Workers, broker: Backend
 ) -> None:
