@@ -1,0 +1,208 @@
+"""The job state machine's invariants under any sequence of events (a hypothesis stateful
+test): one terminal state that never changes, one Finished per job, fenced holders change
+nothing, deliveries bounded, followers counted."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tokenyard.broker import machine
+from tokenyard.broker.machine import (
+    Ack,
+    DeadLetter,
+    Finish,
+    JobState,
+    Redeliver,
+    Refused,
+    Requeue,
+    Rules,
+    SignalCancel,
+    Step,
+)
+from tokenyard.messages import FinishReason, JobResult, JobStatus
+
+RULES = Rules(lease_s=10.0, max_deliveries=3)
+CONSUMERS = ("a", "b", "c")
+
+
+def ok(text: str) -> JobResult:
+    return JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text=text)
+
+
+class OneJob(RuleBasedStateMachine):
+    """One job, several consumers that may hold stale leases, and a clock that moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = JobState(deadline=None)
+        self.now = 0.0
+        self.finishes = 0
+        self.ended_as: JobState | None = None
+        self.charged = 0  # deliveries taken and not handed back by a release
+
+    def apply(self, outcome: machine.Outcome, before: JobState) -> None:
+        if isinstance(outcome, Refused):
+            return
+        assert isinstance(outcome, Step)
+        after = outcome.state
+        assert before is not after  # a transition never edits the state it was given
+        finishes = [e for e in outcome.effects if isinstance(e, Finish)]
+        self.finishes += len(finishes)
+        if finishes:
+            assert after.terminal and finishes[0].result == after.result
+            assert any(isinstance(e, Ack) for e in outcome.effects)
+            self.ended_as = after
+        elif after.terminal:
+            raise AssertionError("a terminal state written without its Finished event")
+        if any(isinstance(e, DeadLetter) for e in outcome.effects):
+            assert after.status is JobStatus.DEAD
+        if any(isinstance(e, (Redeliver, Requeue)) for e in outcome.effects):
+            assert after.status is JobStatus.QUEUED and after.holder is None
+        if any(isinstance(e, SignalCancel) for e in outcome.effects):
+            assert after.status is JobStatus.RUNNING and after.cancel
+        self.state = after
+
+    @rule(dt=st.floats(min_value=0.0, max_value=15.0))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def take(self, consumer: str) -> None:
+        before = self.state.copy()
+        outcome = machine.take(self.state, consumer, self.now, RULES)
+        if isinstance(outcome, Step) and outcome.state.status is JobStatus.RUNNING:
+            assert outcome.state.deliveries == before.deliveries + 1
+            assert outcome.state.holder == consumer
+            self.charged += 1
+        if before.status is JobStatus.RUNNING and before.lease_until > self.now:
+            assert outcome is Refused.NOT_YET  # a live lease is never taken over
+        self.apply(outcome, before)
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def renew(self, consumer: str) -> None:
+        before = self.state.copy()
+        outcome = machine.renew(self.state, consumer, self.now, RULES)
+        if before.holder != consumer or before.status is not JobStatus.RUNNING:
+            assert outcome is Refused.FENCED
+        self.apply(outcome, before)
+
+    @rule(consumer=st.sampled_from(CONSUMERS), text=st.text(max_size=3))
+    def complete(self, consumer: str, text: str) -> None:
+        before = self.state.copy()
+        outcome = machine.complete(self.state, consumer, ok(text), self.now)
+        if before.holder != consumer or before.status is not JobStatus.RUNNING:
+            assert outcome is Refused.FENCED
+        self.apply(outcome, before)
+
+    @rule(
+        consumer=st.sampled_from(CONSUMERS),
+        reason=st.sampled_from([None, "bad_input"]),
+        delay=st.floats(min_value=0.0, max_value=5.0),
+    )
+    def fail(self, consumer: str, reason: str | None, delay: float) -> None:
+        before = self.state.copy()
+        outcome = machine.fail(self.state, consumer, "boom", self.now, RULES, delay, reason)
+        if isinstance(outcome, Step):
+            dead = [e for e in outcome.effects if isinstance(e, DeadLetter)]
+            at_limit = before.deliveries >= RULES.max_deliveries
+            cancelled = before.cancel and reason is None
+            assert bool(dead) == (reason is not None or (at_limit and not cancelled))
+            if dead:
+                assert dead[0].reason == (reason or machine.Reason.FAILED)
+        self.apply(outcome, before)
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def release(self, consumer: str) -> None:
+        before = self.state.copy()
+        outcome = machine.release(self.state, consumer, self.now)
+        if isinstance(outcome, Step) and not outcome.state.terminal:
+            assert outcome.state.deliveries == before.deliveries - 1
+            self.charged -= 1
+        self.apply(outcome, before)
+
+    @rule(alive=st.booleans())
+    def lapse(self, alive: bool) -> None:
+        before = self.state.copy()
+        outcome = machine.lapse(self.state, self.now, RULES, holder_alive=alive)
+        if alive and before.status is JobStatus.RUNNING and before.lease_until > self.now:
+            assert outcome is Refused.NOT_YET
+        self.apply(outcome, before)
+
+    @rule(leaving=st.integers(min_value=0, max_value=2))
+    def cancel(self, leaving: int) -> None:
+        before = self.state.copy()
+        self.apply(machine.cancel(self.state, self.now, leaving), before)
+
+    @rule()
+    def join(self) -> None:
+        before = self.state.copy()
+        self.apply(machine.join(self.state), before)
+
+    @rule(deadline=st.floats(min_value=0.0, max_value=60.0))
+    @precondition(lambda self: self.state.deadline is None and self.state.deliveries == 0)
+    def set_deadline(self, deadline: float) -> None:
+        self.state.deadline = deadline
+
+    @invariant()
+    def one_terminal_state(self) -> None:
+        assert self.finishes <= 1
+        if self.ended_as is not None:
+            assert self.state == self.ended_as  # nothing changes a terminal job
+        assert self.state.terminal == (self.finishes == 1)
+
+    @invariant()
+    def holder_iff_running(self) -> None:
+        assert (self.state.holder is not None) == (self.state.status is JobStatus.RUNNING)
+
+    @invariant()
+    def deliveries_bounded(self) -> None:
+        assert 0 <= self.state.deliveries <= RULES.max_deliveries
+        assert self.state.deliveries == self.charged
+
+    @invariant()
+    def cancel_only_while_running(self) -> None:
+        if self.state.cancel and not self.state.terminal:
+            assert self.state.status is JobStatus.RUNNING
+
+
+OneJob.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestOneJob = OneJob.TestCase
+
+
+def test_a_job_whose_deliveries_all_lapsed_is_dead_lettered_with_the_one_reason() -> None:
+    state = JobState()
+    for n in range(RULES.max_deliveries):
+        step = machine.take(state, "a", float(n * 20), RULES)
+        assert isinstance(step, Step)
+        state = step.state
+    end = machine.lapse(state, 1000.0, RULES)
+    assert isinstance(end, Step) and end.state.status is JobStatus.DEAD
+    letter = next(e for e in end.effects if isinstance(e, DeadLetter))
+    assert letter.reason == "lease_expired"
+    assert letter.error == "lease expired on each of 3 deliveries"
+    assert end.state.result is not None and end.state.result.error == letter.error
+
+
+def test_a_holder_that_died_loses_its_job_before_the_lease_ends() -> None:
+    step = machine.take(JobState(), "a", 0.0, RULES)
+    assert isinstance(step, Step)
+    assert machine.lapse(step.state, 1.0, RULES) is Refused.NOT_YET
+    moved = machine.lapse(step.state, 1.0, RULES, holder_alive=False)
+    assert isinstance(moved, Step) and moved.effects == (Requeue(),)
+    # the dead holder's late completion is fenced
+    assert machine.complete(moved.state, "a", ok("x"), 2.0) is Refused.FENCED
+
+
+def test_a_job_cancelled_while_running_ends_cancelled_when_its_holder_lets_go() -> None:
+    held = machine.take(JobState(), "a", 0.0, RULES)
+    assert isinstance(held, Step)
+    signalled = machine.cancel(held.state, 1.0)
+    assert isinstance(signalled, Step) and signalled.effects == (SignalCancel(),)
+    for let_go in (
+        machine.lapse(signalled.state, 1.0, RULES, holder_alive=False),
+        machine.fail(signalled.state, "a", "boom", 1.0, RULES, 0.5),
+        machine.release(signalled.state, "a", 1.0),
+    ):
+        assert isinstance(let_go, Step) and let_go.state.status is JobStatus.CANCELLED
