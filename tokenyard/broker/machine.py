@@ -3,11 +3,11 @@
 Each transition is a pure function from (state, what happened, now) to a `Step`: the state
 after and the effects a backend carries out (acknowledge the lane message, redeliver it after
 a delay, dead-letter it, append the Finished event, ...), or a `Refused` (the caller does not
-hold the job, the job ended already, or its holder's lease still runs). Backends keep their own storage and
-round trips: NATS applies a step inside its compare-and-set on the job's record; the Valkey
-and RabbitMQ scripts do the same in Lua for one round trip, and
-tests/integration/test_broker_machine.py holds every backend to this module (random
-operation sequences end in the states this module predicts).
+hold the job, the job ended already, or its holder's lease still runs). Backends keep their
+own storage and round trips: NATS applies a step inside its compare-and-set on the job's
+record; the Valkey and RabbitMQ scripts take the same steps in Lua, one round trip each
+(lua/lib/ends.lua holds their one terminal write), and tests/integration/test_broker_machine.py
+holds every backend to this module: random operation sequences end in the states it predicts.
 
 A job a client asked to cancel while it ran ends cancelled whenever its holder lets go of it
 (fails, releases, dies), rather than running again. No I/O and no clock of its own: `now` is

@@ -44,7 +44,8 @@ from tokenyard.broker.core import (
     Lease,
     ReapReport,
 )
-from tokenyard.broker.outcomes import dead_result, expired_result
+from tokenyard.broker.machine import lapsed_error
+from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, claim_order, stamp_by_model
 from tokenyard.broker.redis.connection import RedisConnection, ms
 from tokenyard.broker.redis.connection import text as as_text
@@ -146,7 +147,6 @@ class AmqpQueue(RedisQueue):
         self._held: dict[str, _Held] = {}  # lease token -> its delivery
         self._token_of: dict[str, str] = {}  # job id -> the token this process holds it under
         self._feeds: dict[str, _Feed] = {}  # model -> its lanes' consumers
-        self._encoded_expired = encode(Finished(result=expired_result()))
 
     # -- lanes -----------------------------------------------------------------------------
     def _lane_key(self, model: str, priority: Priority, pool: int) -> str:
@@ -444,12 +444,13 @@ class AmqpQueue(RedisQueue):
             )
         if not items:
             return []
-        dead_error = f"lease lost on each of {self.settings.max_deliveries} deliveries"
+        dead_error = lapsed_error(self.settings.max_deliveries)
         call = scripts.TAKE.call(
             scripts.TakeKeys(
                 counters=self.keys.counters(model),
                 dlq=self.keys.dead_letters(model),
                 delayed=self.keys.delayed(model),
+                cancels=self.keys.cancels(model),
             ),
             scripts.TakeArgs(
                 now=repr(now),
@@ -457,9 +458,10 @@ class AmqpQueue(RedisQueue):
                 lease_s=repr(self.settings.lease_s),
                 max_deliveries=self.settings.max_deliveries,
                 ttl_ms=self._ttl_ms,
-                expired_event=self._encoded_expired,
+                expired_event=self._expired,
                 dead_event=encode(Finished(result=dead_result(dead_error))),
                 dead_error=dead_error,
+                cancelled=self._cancelled,
             ),
             items,
         )
@@ -483,6 +485,8 @@ class AmqpQueue(RedisQueue):
                 ended.append((decode(spec_bytes, JobSpec), expired_result()))
             elif code == 3:
                 ended.append((decode(spec_bytes, JobSpec), dead_result(dead_error)))
+            elif code == 4:
+                ended.append((decode(spec_bytes, JobSpec), cancelled_result()))
         if ended:  # rare: their end goes to the audit trail (and settles any quota)
             await self._settle_specs(ended)
         # a lane is FIFO: within each lane, what one claim took runs earliest deadline first
@@ -602,27 +606,31 @@ class AmqpQueue(RedisQueue):
         await self._let_go(leases)
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
-        """1 retrying (after backoff, through a delay queue), 0 dead-lettered, -1 fenced."""
+        """1 retrying (after backoff, through a delay queue), 0 dead-lettered, 2 ended
+        cancelled (a client asked while it ran), -1 fenced."""
         spec = lease.spec
         if force_dead or spec.attempt + 1 >= self.settings.max_deliveries:
-            [buried] = await self._bury([(lease, error)], reason)
+            [code] = await self._bury([(lease, error)], reason, cancel_wins=not force_dead)
             await self._let_go([lease])
-            return 0 if buried else -1
+            return {1: 0, 2: 2}.get(code, -1)
         delay = backoff_delay(
             spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
         delay_ms = _delay_ms(delay)
         msg = _new_msg()
         await self.amqp.publish(await self._delay_queue(spec, delay_ms), spec.id.encode(), msg)
-        [requeued] = await self._requeue(
+        [code] = await self._requeue(
             [(lease, msg)], error=error, due_at=self.clock() + delay_ms / 1000
         )
         await self._let_go([lease])
-        return 1 if requeued else -1
+        return {1: 1, 2: 2}.get(code, -1)
 
-    async def _bury(self, dying: Sequence[tuple[Lease, str]], reason: str) -> list[bool]:
-        """Dead-letter jobs whose lease the caller holds, each with its error; settles those
-        that were."""
+    async def _bury(
+        self, dying: Sequence[tuple[Lease, str]], reason: str, cancel_wins: bool = False
+    ) -> list[int]:
+        """Dead-letter jobs whose lease the caller holds, each with its error (with
+        `cancel_wins`, one a client asked to cancel ends cancelled instead); settles those
+        that ended. Per job 1 dead, 2 cancelled, 0 fenced."""
         if not dying:
             return []
         ends = [dead_result(f"{reason}: {error}") for _, error in dying]
@@ -631,16 +639,27 @@ class AmqpQueue(RedisQueue):
             items = []
             for i in batch:
                 lease, error = dying[i]
-                items.append(self._bury_item(lease.spec, reason, error, ends[i], lease=lease))
+                items.append(
+                    self._bury_item(
+                        lease.spec, reason, error, ends[i], lease=lease, cancel_wins=cancel_wins
+                    )
+                )
             return scripts.BURY.call(
                 self._bury_keys(dying[batch[0]][0].spec.model), self._times(), items
             )
 
-        flags = await self._flags_per_model([lease.spec.model for lease, _ in dying], call)
+        codes = [0] * len(dying)
+        for batch, reply in await self._per_model([lease.spec.model for lease, _ in dying], call):
+            for i, code in zip(batch, reply, strict=True):
+                codes[i] = int(code)
         await self._settle_specs(
-            [(lease.spec, end) for (lease, _), end, f in zip(dying, ends, flags, strict=True) if f]
+            [
+                (lease.spec, end if code == 1 else cancelled_result())
+                for (lease, _), end, code in zip(dying, ends, codes, strict=True)
+                if code
+            ]
         )
-        return flags
+        return codes
 
     def _bury_item(
         self,
@@ -650,6 +669,7 @@ class AmqpQueue(RedisQueue):
         end: JobResult,
         lease: Lease | None = None,
         msg: str = "",
+        cancel_wins: bool = False,
     ) -> tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]:
         """bury.lua's item for a job, fenced by the `lease` held or else by its message `msg`."""
         waiting, leases = self._sets(spec)
@@ -669,6 +689,7 @@ class AmqpQueue(RedisQueue):
                 error=error,
                 finished=encode(Finished(result=end)),
                 priority=spec.priority.name,
+                cancelled=self._cancelled if cancel_wins else b"",
             ),
         )
 
@@ -690,8 +711,9 @@ class AmqpQueue(RedisQueue):
         due_at: float = 0.0,
         uncharge: bool = False,
         expired_by: float = 0.0,
-    ) -> list[bool]:
-        """Point held jobs' records at the new messages already published (see requeue.lua)."""
+    ) -> list[int]:
+        """Point held jobs' records at the new messages already published (see requeue.lua):
+        per job 1 requeued, 2 ended cancelled (a client asked; settled here), 0 fenced."""
         if not moved:
             return []
         now = repr(self.clock())
@@ -706,7 +728,10 @@ class AmqpQueue(RedisQueue):
                 items.append(
                     (
                         scripts.RequeueItemKeys(
-                            job=job, waiting=self._sets(spec)[0], leases=lease_set
+                            job=job,
+                            waiting=self._sets(spec)[0],
+                            leases=lease_set,
+                            events=self.keys.events(spec.id),
                         ),
                         scripts.RequeueItemArgs(
                             consumer=lease.consumer,
@@ -720,12 +745,30 @@ class AmqpQueue(RedisQueue):
                     )
                 )
             return scripts.REQUEUE.call(
-                scripts.DelayedKey(delayed=self.keys.delayed(model)),
-                scripts.RequeueArgs(now=now, expired_by=repr(expired_by)),
+                scripts.RequeueKeys(
+                    delayed=self.keys.delayed(model), cancels=self.keys.cancels(model)
+                ),
+                scripts.RequeueArgs(
+                    now=now,
+                    expired_by=repr(expired_by),
+                    ttl_ms=self._ttl_ms,
+                    cancelled=self._cancelled,
+                ),
                 items,
             )
 
-        return await self._flags_per_model([lease.spec.model for lease, _ in moved], call)
+        codes = [0] * len(moved)
+        for batch, reply in await self._per_model([lease.spec.model for lease, _ in moved], call):
+            for i, code in zip(batch, reply, strict=True):
+                codes[i] = int(code)
+        await self._settle_specs(
+            [
+                (lease.spec, cancelled_result())
+                for (lease, _), code in zip(moved, codes, strict=True)
+                if code == 2
+            ]
+        )
+        return codes
 
     async def _republish(self, leases: Sequence[Lease]) -> list[tuple[Lease, str]]:
         """A new message on each lease's lane (confirmed), for a requeue to point the record at."""
@@ -746,9 +789,9 @@ class AmqpQueue(RedisQueue):
         """Hand jobs back (drain): a new message each, then the records point at it, uncharged."""
         if not leases:
             return 0
-        flags = await self._requeue(await self._republish(leases), uncharge=True)
+        codes = await self._requeue(await self._republish(leases), uncharge=True)
         await self._let_go(leases)
-        return sum(flags)
+        return sum(1 for code in codes if code)
 
     async def reap(self, model: str) -> ReapReport:
         """Leases past their deadline: dead-letter those at the delivery limit, requeue the
@@ -778,13 +821,14 @@ class AmqpQueue(RedisQueue):
             (at_limit if int(deliveries) >= self.settings.max_deliveries else again).append(lease)
         dead_ids: list[str] = []
         if at_limit:
-            errors = [f"lease expired on each of {x.spec.attempt + 1} deliveries" for x in at_limit]
-            flags = await self._bury(list(zip(at_limit, errors, strict=True)), "lease_expired")
-            dead_ids = [lease.spec.id for lease, ok in zip(at_limit, flags, strict=True) if ok]
+            errors = [lapsed_error(x.spec.attempt + 1) for x in at_limit]
+            dying = list(zip(at_limit, errors, strict=True))
+            codes = await self._bury(dying, "lease_expired", cancel_wins=True)
+            dead_ids = [lease.spec.id for lease, c in zip(at_limit, codes, strict=True) if c == 1]
         requeued: list[str] = []
         if again:
-            flags = await self._requeue(await self._republish(again), expired_by=now)
-            requeued = [lease.spec.id for lease, ok in zip(again, flags, strict=True) if ok]
+            codes = await self._requeue(await self._republish(again), expired_by=now)
+            requeued = [lease.spec.id for lease, c in zip(again, codes, strict=True) if c == 1]
         dead_ids += await self._drain_dead(model)
         return ReapReport(requeued=requeued, dead=dead_ids)
 

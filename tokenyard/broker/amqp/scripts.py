@@ -62,6 +62,7 @@ class TakeKeys(NamedTuple):
     counters: str
     dlq: str
     delayed: str
+    cancels: str
 
 
 class LeaseItemKeys(NamedTuple):
@@ -80,6 +81,7 @@ class TakeArgs(NamedTuple):
     expired_event: bytes
     dead_event: bytes
     dead_error: str
+    cancelled: bytes
 
 
 class TakeItemArgs(NamedTuple):
@@ -89,7 +91,9 @@ class TakeItemArgs(NamedTuple):
     priority: str
 
 
-TAKE = ScriptSpec("take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, package=PACKAGE)
+TAKE = ScriptSpec(
+    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends",), package=PACKAGE
+)
 
 
 class EventKeys(NamedTuple):
@@ -165,24 +169,28 @@ COMPLETE = ScriptSpec(
     CompleteArgs,
     CompleteItemKeys,
     CompleteItemArgs,
-    libraries=("holds",),
+    libraries=("holds", "ends"),
     package=PACKAGE,
 )
 
 
-class DelayedKey(NamedTuple):
+class RequeueKeys(NamedTuple):
     delayed: str
+    cancels: str
 
 
 class RequeueItemKeys(NamedTuple):
     job: str
     waiting: str
     leases: str
+    events: str
 
 
 class RequeueArgs(NamedTuple):
     now: str
     expired_by: str
+    ttl_ms: int
+    cancelled: bytes
 
 
 class RequeueItemArgs(NamedTuple):
@@ -197,11 +205,11 @@ class RequeueItemArgs(NamedTuple):
 
 REQUEUE = ScriptSpec(
     "requeue",
-    DelayedKey,
+    RequeueKeys,
     RequeueArgs,
     RequeueItemKeys,
     RequeueItemArgs,
-    libraries=("holds",),
+    libraries=("holds", "ends"),
     package=PACKAGE,
 )
 
@@ -229,6 +237,9 @@ class BuryItemArgs(NamedTuple):
     error: str
     finished: bytes
     priority: str
+    # Finished(cancelled result) for a retry past the limit: a job a client asked to cancel
+    # ends cancelled instead; b'' otherwise
+    cancelled: bytes
 
 
 BURY = ScriptSpec(
@@ -237,7 +248,7 @@ BURY = ScriptSpec(
     CompleteArgs,
     BuryItemKeys,
     BuryItemArgs,
-    libraries=("holds",),
+    libraries=("holds", "ends"),
     package=PACKAGE,
 )
 

@@ -30,6 +30,7 @@ from tokenyard.broker.core import (
     TenantBacklog,
 )
 from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
     backoff_delay,
@@ -115,6 +116,7 @@ class RedisQueue(QueueCore):
         self.audit = audit_trail
         # every claim passes the expired outcome along; encode it once, not per claim
         self._expired = encode(Finished(result=expired_result()))
+        self._cancelled = encode(Finished(result=cancelled_result()))
         self._rounds: dict[str, int] = defaultdict(int)
         self._hints: dict[str, _WaitHint] = {}
         self._rng = rng or random.Random()
@@ -526,11 +528,13 @@ class RedisQueue(QueueCore):
                 reason=reason,
                 force_dead="1" if force_dead else "0",
                 priority=lease.spec.priority.name,
+                cancelled=self._cancelled,
             ),
         )
         outcome = int(await self.conn.run(call))
-        if outcome == 0:  # dead: its reservation is refunded, its end audited
-            await self._settle_specs([(lease.spec, dead)])
+        if outcome in (0, 2):  # dead or cancelled: its reservation is refunded, its end audited
+            ended = dead if outcome == 0 else cancelled_result()
+            await self._settle_specs([(lease.spec, ended)])
         return outcome
 
     async def retry(self, lease: Lease, error: str) -> bool:
@@ -540,16 +544,21 @@ class RedisQueue(QueueCore):
         return await self._fail(lease, error or reason, reason, force_dead=True) == 0
 
     async def release(self, leases: Sequence[Lease]) -> int:
+        now = repr(self.clock())
+
         def call(batch: list[int]) -> Call:
             return scripts.RELEASE.call(
-                Empty(),
-                scripts.GroupArg(group=GROUP),
+                scripts.ReleaseKeys(cancels=self.keys.cancels(leases[batch[0]].spec.model)),
+                scripts.ReleaseArgs(
+                    group=GROUP, now=now, ttl_ms=self._ttl_ms, cancelled=self._cancelled
+                ),
                 [
                     (
                         scripts.ReleaseItemKeys(
                             lane=self._lane(leases[i]),
                             job=self.keys.job(leases[i].spec.id),
                             home=self._home(leases[i]),
+                            events=self.keys.events(leases[i].spec.id),
                         ),
                         scripts.ReleaseItemArgs(
                             consumer=leases[i].consumer,
@@ -562,10 +571,17 @@ class RedisQueue(QueueCore):
             )
 
         replies = await self._per_model([lease.spec.model for lease in leases], call)
-        return sum(int(reply) for _, reply in replies)
+        codes = {
+            i: int(code) for batch, reply in replies for i, code in zip(batch, reply, strict=True)
+        }
+        # a job a client asked to cancel ended instead: refunded, its end audited
+        await self._settle_specs(
+            [(leases[i].spec, cancelled_result()) for i, code in codes.items() if code == 2]
+        )
+        return sum(1 for code in codes.values() if code)
 
     async def reap(self, model: str) -> ReapReport:
-        result = dead_result(f"lease expired on each of {self.settings.max_deliveries} deliveries")
+        result = dead_result(lapsed_error(self.settings.max_deliveries))
         call = scripts.REAP.call(
             scripts.ReapKeys(dlq=self.keys.dead_letters(model), counters=self.keys.counters(model)),
             scripts.ReapArgs(

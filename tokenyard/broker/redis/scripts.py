@@ -229,7 +229,9 @@ class ClaimLaneArgs(NamedTuple):
     after: str
 
 
-CLAIM = ScriptSpec("claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair",))
+CLAIM = ScriptSpec(
+    "claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair", "ends")
+)
 
 
 # -- complete: fenced terminal results of a batch --------------------------------------------
@@ -259,7 +261,9 @@ class CompleteItemArgs(NamedTuple):
     tail: bytes  # the last token chunk, or b''
 
 
-COMPLETE = ScriptSpec("complete", CompleteKeys, CompleteArgs, CompleteItemKeys, CompleteItemArgs)
+COMPLETE = ScriptSpec(
+    "complete", CompleteKeys, CompleteArgs, CompleteItemKeys, CompleteItemArgs, libraries=("ends",)
+)
 
 
 # -- fail: retry after backoff, or dead-letter ------------------------------------------------
@@ -287,9 +291,10 @@ class FailArgs(NamedTuple):
     reason: str
     force_dead: str  # '1' | '0'
     priority: str  # the lane's priority name, for the dead-letter entry
+    cancelled: bytes  # Finished(cancelled result): a cancel request ends it instead of a retry
 
 
-FAIL = ScriptSpec("fail", FailKeys, FailArgs, Empty, Empty)
+FAIL = ScriptSpec("fail", FailKeys, FailArgs, Empty, Empty, libraries=("ends",))
 
 
 # -- reap: requeue or dead-letter entries whose lease expired --------------------------------
@@ -341,7 +346,7 @@ class CancelArgs(NamedTuple):
     leaving: int
 
 
-CANCEL = ScriptSpec("cancel", CancelKeys, CancelArgs, Empty, Empty)
+CANCEL = ScriptSpec("cancel", CancelKeys, CancelArgs, Empty, Empty, libraries=("ends",))
 
 
 # -- cache_put: the response cache's Redis tier, bounded by TTL and bytes -------------------
@@ -391,10 +396,22 @@ class HolderArgs(NamedTuple):
 RENEW = ScriptSpec("renew", Empty, GroupArg, LaneKey, HolderArgs)
 
 
+class ReleaseKeys(NamedTuple):
+    cancels: str
+
+
+class ReleaseArgs(NamedTuple):
+    group: str
+    now: str
+    ttl_ms: int
+    cancelled: bytes  # Finished(cancelled result): a cancel request ends the job instead
+
+
 class ReleaseItemKeys(NamedTuple):
     lane: str
     job: str
     home: str  # the lane the job goes back to (`lane` may be its affinity stream)
+    events: str
 
 
 class ReleaseItemArgs(NamedTuple):
@@ -403,7 +420,9 @@ class ReleaseItemArgs(NamedTuple):
     job_id: str
 
 
-RELEASE = ScriptSpec("release", Empty, GroupArg, ReleaseItemKeys, ReleaseItemArgs)
+RELEASE = ScriptSpec(
+    "release", ReleaseKeys, ReleaseArgs, ReleaseItemKeys, ReleaseItemArgs, libraries=("ends",)
+)
 
 
 # -- tenant quotas: one tenant's keys per call (their own hash tag) ---------------------------

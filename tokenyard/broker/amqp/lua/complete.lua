@@ -11,15 +11,9 @@ for i = 1, N do
     redis.call('HINCRBY', K.counters, 'fenced', 1)
     accepted[i] = 0
   else
-    local cancel = redis.call('HGET', k.job, 'cancel')
-    redis.call('HSET', k.job, 'status', a.status, 'result', a.finished, 'end_at', A.now,
-      'lease', '')
-    if a.tail ~= '' then redis.call('XADD', k.events, '*', 'e', a.tail) end
-    redis.call('XADD', k.events, '*', 'e', a.finished)
-    redis.call('PEXPIRE', k.job, A.ttl_ms)
-    redis.call('PEXPIRE', k.events, A.ttl_ms)
+    redis.call('HSET', k.job, 'lease', '')
+    finish(k.job, k.events, K.cancels, a.job_id, a.status, a.finished, A.now, A.ttl_ms, a.tail)
     redis.call('ZREM', k.leases, a.job_id)
-    if cancel == '1' then redis.call('SREM', K.cancels, a.job_id) end
     accepted[i] = 1
   end
 end

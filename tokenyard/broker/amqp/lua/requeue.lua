@@ -2,10 +2,13 @@
 -- delay queue for a retry): the record names that message, so the old one is stale; the lease
 -- ends. Fenced by the lease token; with `expired_by` > 0 only a lease whose deadline is still
 -- past (the reaper's: a renewal that came meanwhile wins).
--- KEYS: delayed; per item: job, waiting, leases
--- ARGV: now, expired_by; per item: consumer, token, job_id, msg, uncharge, error, due_at
--- `uncharge` 1 hands a delivery back (drain); `due_at` > 0 is a retry's, else it waits now.
--- Returns one flag per item: 1 requeued, 0 fenced off.
+-- A job a client asked to cancel while it ran ends cancelled instead (its new message is stale).
+-- KEYS: delayed, cancels; per item: job, waiting, leases, events
+-- ARGV: now, expired_by, ttl_ms, cancelled; per item: consumer, token, job_id, msg, uncharge,
+--   error, due_at
+-- `uncharge` 1 hands a delivery back (drain); `due_at` > 0 is a retry's, else it waits now;
+-- `cancelled` is Finished(cancelled result).
+-- Returns one code per item: 1 requeued, 2 cancelled, 0 fenced off.
 local done = {}
 for i = 1, N do
   local k, a = item(i)
@@ -14,7 +17,12 @@ for i = 1, N do
     local deadline = redis.call('ZSCORE', k.leases, a.job_id)
     ok = deadline and tonumber(deadline) <= tonumber(A.expired_by)
   end
-  if ok then
+  if ok and redis.call('HGET', k.job, 'cancel') == '1' then
+    redis.call('HSET', k.job, 'lease', '')
+    finish(k.job, k.events, K.cancels, a.job_id, 'cancelled', A.cancelled, A.now, A.ttl_ms, '')
+    redis.call('ZREM', k.leases, a.job_id)
+    done[i] = 2
+  elseif ok then
     redis.call('HSET', k.job, 'status', 'queued', 'msg', a.msg, 'lease', '')
     if a.error ~= '' then redis.call('HSET', k.job, 'last_error', a.error) end
     if a.uncharge == '1' then redis.call('HINCRBY', k.job, 'deliveries', -1) end

@@ -2,16 +2,19 @@
 -- (`msg`): one the record does not name, or whose job ended, is stale and dropped. A job past
 -- its deadline expires; one whose holders all lost it `max_deliveries` times is dead; the rest
 -- run under a fresh lease token, the lease's deadline in the lane's lease set (reap.lua).
--- KEYS: counters, dlq, delayed; per item: job, events, waiting, leases
--- ARGV: now, consumer, lease_s, max_deliveries, ttl_ms, expired_event, dead_event, dead_error;
---   per item: job_id, msg, token, priority
--- Returns per item {code, spec, attempt, resumable}: code 1 leased, 0 stale, 2 expired, 3 dead.
+-- KEYS: counters, dlq, delayed, cancels; per item: job, events, waiting, leases
+-- ARGV: now, consumer, lease_s, max_deliveries, ttl_ms, expired_event, dead_event, dead_error,
+--   cancelled; per item: job_id, msg, token, priority
+-- A job redelivered after its holder's connection died ends cancelled if a client asked to
+-- cancel it meanwhile (`cancelled`: Finished(cancelled result)).
+-- Returns per item {code, spec, attempt, resumable}: code 1 leased, 0 stale, 2 expired, 3 dead,
+-- 4 cancelled.
 local now = tonumber(A.now)
 local out = {}
 for i = 1, N do
   local k, a = item(i)
   local h = redis.call('HMGET', k.job, 'status', 'spec', 'msg', 'deadline', 'deliveries',
-    'start_at')
+    'start_at', 'cancel')
   if (h[1] ~= 'queued' and h[1] ~= 'running') or h[3] ~= a.msg then
     out[i] = {0, '', 0, 0}
   else
@@ -19,23 +22,21 @@ for i = 1, N do
     redis.call('ZREM', K.delayed, a.job_id)
     local deliveries = tonumber(h[5] or '0')
     if h[1] == 'queued' and h[4] and h[4] ~= '' and tonumber(h[4]) < now then
-      redis.call('HSET', k.job, 'status', 'expired', 'result', A.expired_event, 'end_at', A.now)
-      redis.call('XADD', k.events, '*', 'e', A.expired_event)
-      redis.call('PEXPIRE', k.job, A.ttl_ms)
-      redis.call('PEXPIRE', k.events, A.ttl_ms)
+      finish(k.job, k.events, nil, a.job_id, 'expired', A.expired_event, A.now, A.ttl_ms, '')
       redis.call('HINCRBY', K.counters, 'expired', 1)
       out[i] = {2, h[2], 0, 0}
+    elseif h[7] == '1' then
+      redis.call('ZREM', k.leases, a.job_id)
+      redis.call('HSET', k.job, 'lease', '')
+      finish(k.job, k.events, K.cancels, a.job_id, 'cancelled', A.cancelled, A.now, A.ttl_ms, '')
+      out[i] = {4, h[2], 0, 0}
     elseif deliveries >= tonumber(A.max_deliveries) then
       -- redelivered after each holder's connection died (RabbitMQ requeued it)
       redis.call('ZREM', k.leases, a.job_id)
-      redis.call('HSET', k.job, 'status', 'dead', 'result', A.dead_event, 'end_at', A.now,
-        'last_error', A.dead_error, 'lease', '')
-      redis.call('XADD', K.dlq, '*', 'job', a.job_id, 'priority', a.priority,
-        'reason', 'lease_expired', 'error', A.dead_error, 'deliveries', deliveries, 'at', A.now)
-      redis.call('XADD', k.events, '*', 'e', A.dead_event)
-      redis.call('PEXPIRE', k.job, A.ttl_ms)
-      redis.call('PEXPIRE', k.events, A.ttl_ms)
-      redis.call('HINCRBY', K.counters, 'dead', 1)
+      redis.call('HSET', k.job, 'last_error', A.dead_error, 'lease', '')
+      finish(k.job, k.events, K.cancels, a.job_id, 'dead', A.dead_event, A.now, A.ttl_ms, '')
+      bury(K.dlq, K.counters, a.job_id, a.priority, 'lease_expired', A.dead_error, deliveries,
+        A.now)
       out[i] = {3, h[2], 0, 0}
     else
       redis.call('HSET', k.job, 'status', 'running', 'start_at', A.now, 'worker', A.consumer,

@@ -18,9 +18,6 @@ end
 if status ~= 'queued' then return 'already_finished' end
 -- its lane entry, if any, is dropped when a worker reads it
 redis.call('ZREM', K.delayed, A.job_id)
-redis.call('HSET', K.job, 'status', 'cancelled', 'cancel', '1', 'result', A.finished,
-  'end_at', A.now)
-redis.call('XADD', K.events, '*', 'e', A.finished)
-redis.call('PEXPIRE', K.job, A.ttl_ms)
-redis.call('PEXPIRE', K.events, A.ttl_ms)
+redis.call('HSET', K.job, 'cancel', '1')
+finish(K.job, K.events, nil, A.job_id, 'cancelled', A.finished, A.now, A.ttl_ms, '')
 return 'cancelled'

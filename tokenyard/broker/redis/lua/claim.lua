@@ -105,11 +105,8 @@ local function take(stream, entries, capped, affinity)
     elseif h[3] and h[3] ~= '' and tonumber(h[3]) < nowf then
       redis.call('XACK', stream, group, eid)
       redis.call('XDEL', stream, eid)
-      redis.call('HSET', jk, 'status', 'expired', 'result', A.expired_event, 'end_at', now)
-      redis.call('PEXPIRE', jk, A.ttl_ms)
-      local ek = A.event_prefix .. jid
-      redis.call('XADD', ek, '*', 'e', A.expired_event)
-      redis.call('PEXPIRE', ek, A.ttl_ms)
+      -- (a waiting job carries no cancel request: cancel.lua ends it at once)
+      finish(jk, A.event_prefix .. jid, nil, jid, 'expired', A.expired_event, now, A.ttl_ms, '')
       redis.call('HINCRBY', K.counters, 'expired', 1)
       expired[#expired + 1] = h[2]  -- its spec: the caller audits its end (another slot)
     else

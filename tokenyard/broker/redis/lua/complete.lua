@@ -20,13 +20,10 @@ for i = 1, N do
     accepted[i] = 0
   else
     if h[1] == 'queued' or h[1] == 'running' then
-      redis.call('HSET', k.job, 'status', a.status, 'result', a.finished, 'end_at', A.now)
-      if a.tail ~= '' then redis.call('XADD', k.events, '*', 'e', a.tail) end
-      redis.call('XADD', k.events, '*', 'e', a.finished)
-      redis.call('PEXPIRE', k.job, A.ttl_ms)
-      redis.call('PEXPIRE', k.events, A.ttl_ms)
+      finish(k.job, k.events, K.cancels, a.job_id, a.status, a.finished, A.now, A.ttl_ms, a.tail)
+    elseif h[2] == '1' then
+      redis.call('SREM', K.cancels, a.job_id)
     end
-    if h[2] == '1' then redis.call('SREM', K.cancels, a.job_id) end
     local ids = by_lane[k.lane]
     if not ids then
       ids = {}
