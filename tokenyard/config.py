@@ -43,6 +43,10 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     enqueue_window_s: SecondsOrZero = 0.0005
     record_ttl_s: Seconds = 24 * 3600.0  # terminal records and event streams
     idempotency_ttl_s: Seconds = 24 * 3600.0
+    # an identical request arriving this long after a collapsed job succeeded still joins it
+    # (answered from its record): it covers the time the answer takes to reach the response
+    # cache, and bounds the joins when no gateway cached it (broker/policy.py `joinable`)
+    collapse_grace_s: Seconds = 10.0
     # stored responses (/v1/responses with `store`): how long each stays retrievable, and
     # usable as a `previous_response_id`, after it was created (OpenAI keeps them 30 days)
     response_ttl_s: Seconds = 30 * 24 * 3600.0

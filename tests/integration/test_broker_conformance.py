@@ -765,11 +765,41 @@ async def test_identical_request_in_flight_joins_the_job(make_backend: BackendFa
     # running jobs are joined too
     running = await broker.queue.enqueue(collapsing())
     assert running.collapsed and running.job_id == first.job_id
+    # a job that failed is not joined: the next identical request runs again
     lease = next(x for x in leases if x.spec.id == first.job_id)
-    assert await broker.queue.complete(lease, ok(lease))
-    # a finished job's key is ignored: the next identical request runs again
+    assert await broker.queue.dead_letter(lease, "engine_error", "boom")
     after = await broker.queue.enqueue(collapsing())
     assert after.created and after.job_id != first.job_id
+
+
+async def test_a_join_after_the_end_before_the_answer_is_cached_gets_the_one_job(
+    make_backend: BackendFactory,
+) -> None:
+    """Issue 36: the end of a collapsed job and its answer in the response cache are two
+    writes; an identical request arriving between them joins the finished job (its answer is
+    in its record) rather than running it again, for `collapse_grace_s` at most: a gateway that
+    died before caching the answer leaves no key that is joined for ever."""
+    now = [time.time()]
+    broker = make_backend(clock=lambda: now[0], collapse_grace_s=5.0)
+    first = await broker.queue.enqueue(collapsing())
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.complete(lease, ok(lease, "the answer"))
+    now[0] += 4.9
+    late = await broker.queue.enqueue_many([collapsing(), collapsing()])
+    assert [(r.job_id, r.created, r.collapsed) for r in late] == [(first.job_id, False, True)] * 2
+    record = await broker.queue.record(first.job_id)
+    assert record is not None and record.result is not None
+    assert record.result.text == "the answer"
+    events = await broker.queue.read_events(first.job_id)
+    finished = events[-1][1]
+    assert isinstance(finished, Finished) and finished.result.text == "the answer"
+    # the cache never got it (its gateway died): past the bound the next one runs again
+    now[0] += 0.2
+    again = await broker.queue.enqueue(collapsing())
+    assert again.created and again.job_id != first.job_id
+    # ...and the key names that new job: identical requests join it, not the old one
+    assert (await broker.queue.enqueue(collapsing())).job_id == again.job_id
+    assert len(await broker.queue.claim(MODEL, "w1", slots=5)) == 1
 
 
 async def test_a_refused_batch_joins_nothing(make_backend: BackendFactory) -> None:

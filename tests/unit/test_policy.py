@@ -11,12 +11,13 @@ from tokenyard.broker.policy import (
     backoff_delay,
     claim_order,
     estimated_tokens,
+    joinable,
     pools_served,
     size_pool,
 )
 from tokenyard.config import parse_pool_bounds
 from tokenyard.errors import FatalError
-from tokenyard.messages import JobSpec, SamplingParams
+from tokenyard.messages import JobSpec, JobStatus, SamplingParams
 
 
 def test_backoff_grows_exponentially_up_to_the_cap() -> None:
@@ -77,3 +78,14 @@ def test_size_pools_by_estimated_tokens() -> None:
     for bad in ("8192,2048", "0,10", "a,b", "5,5"):
         with pytest.raises(FatalError):
             parse_pool_bounds(bad)
+
+
+def test_a_collapse_key_is_joined_in_flight_and_briefly_after_success_only() -> None:
+    for status in (JobStatus.QUEUED, JobStatus.RUNNING):
+        assert joinable(status, None, now=100.0, grace_s=5.0)
+    # succeeded: its answer is in its record until the response cache has it
+    assert joinable(JobStatus.SUCCEEDED, 96.0, now=100.0, grace_s=5.0)
+    assert not joinable(JobStatus.SUCCEEDED, 95.0, now=100.0, grace_s=5.0)
+    assert not joinable(JobStatus.SUCCEEDED, None, now=100.0, grace_s=5.0)
+    for status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED, JobStatus.DEAD):
+        assert not joinable(status, 99.9, now=100.0, grace_s=5.0)

@@ -1,5 +1,6 @@
 """Pure delivery policy every backend shares: retry backoff, the order lanes are claimed in,
-size pools, fair-share cost, and which worker a job with a known prefix is held for."""
+size pools, fair-share cost, which worker a job with a known prefix is held for, and which job
+an identical request joins (collapsing)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import bisect
 import random
 from collections.abc import Mapping, Sequence
 
-from tokenyard.messages import JobSpec
+from tokenyard.messages import JobSpec, JobStatus
 
 # staged jobs without a deadline come after every job with one, in arrival order
 _NO_DEADLINE = 1e10
@@ -123,3 +124,14 @@ def hold_for(owner: str | None, held: int, max_held: int) -> bool:
 def overdue(held_at: float, now: float, wait_s: float) -> bool:
     """A held job any worker may take: it waited `wait_s` for its preferred worker."""
     return now - held_at >= wait_s
+
+
+def joinable(status: JobStatus, ended_at: float | None, now: float, grace_s: float) -> bool:
+    """Whether an identical request joins the job its collapse key names: while it is queued
+    or running, and for `grace_s` after it succeeded, so one arriving between the job's end and
+    its answer reaching the response cache reads the answer from the record instead of running
+    it again. The bound ends that window where no gateway cached the answer (it died first, or
+    the cache is off). Redis and RabbitMQ lanes apply the same rule in lua/lib/admit.lua."""
+    if not status.terminal:
+        return True
+    return status is JobStatus.SUCCEEDED and ended_at is not None and now - ended_at < grace_s

@@ -238,6 +238,7 @@ class AmqpQueue(RedisQueue):
                         job_prefix=self.keys.job_prefix(model),
                         max_depth=self.settings.max_queue_depth,
                         resend_after_s=repr(RESEND_AFTER_S),
+                        collapse_grace_s=repr(self.settings.collapse_grace_s),
                     ),
                     items,
                 )

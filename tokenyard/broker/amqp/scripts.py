@@ -27,6 +27,7 @@ class AdmitArgs(NamedTuple):
     job_prefix: str
     max_depth: int
     resend_after_s: str
+    collapse_grace_s: str
 
 
 class AdmitItemArgs(NamedTuple):

@@ -59,6 +59,7 @@ from tokenyard.broker.policy import (
     claim_order,
     fair_cost,
     hold_for,
+    joinable,
     next_turn,
     overdue,
     staging_score,
@@ -637,27 +638,46 @@ class NatsQueue(QueueCore):
         return not await self._find_message(job)
 
     async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
-        """The job in flight this identical request joins (one more follower), if any."""
+        """The job in flight (or just succeeded: policy `joinable`) this identical request joins
+        (one more follower), if any."""
         assert spec.collapse_key
         key = Names.collapse(spec.model, spec.collapse_key)
         for _ in range(8):
             other = await self._claim_key(kv, key, spec.id)
             if other is None or other == spec.id:
                 return None
-            found = await self._get(other)
-            if found is None or found[0].terminal:
-                # its job ended: this request takes the key over
-                try:
-                    entry = await sent(kv.get(key))
-                    await sent(kv.update(key, spec.id.encode(), last=entry.revision))
-                    return None
-                except nats.js.errors.Error:
+            found = await self._record_of(other)
+            grace = self.settings.collapse_grace_s
+            while found is not None and joinable(
+                found[0].status, found[0].finished_at, self.clock(), grace
+            ):
+                job, revision = found
+                job.followers += 1
+                if await self._cas(job, revision) is not None:
+                    return other
+                # another follower wrote it first (one wins each round): read it again
+                found = await self._get(other)
+            # its job ended (and is not joined any more): this request takes the key over,
+            # unless another one did first
+            try:
+                entry = await sent(kv.get(key))
+                if entry.value != other.encode():
                     continue
-            job, revision = found
-            job.followers += 1
-            if await self._cas(job, revision) is not None:
-                return other
+                await sent(kv.update(key, spec.id.encode(), last=entry.revision))
+                return None
+            except nats.js.errors.Error:
+                continue
         return None
+
+    async def _record_of(self, job_id: str) -> tuple[StoredJob, int] | None:
+        """The record of the job a collapse key names; the job that claimed the key writes its
+        record next, so one not there yet is waited for (RECORD_GRACE_S at most: that try died
+        between the two, or its lane was full)."""
+        give_up, pause = time.monotonic() + RECORD_GRACE_S, 0.005
+        while (found := await self._get(job_id)) is None and time.monotonic() < give_up:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        return found
 
     async def _is_live(self, model: str, worker: str) -> bool:
         """Whether the worker's heartbeat holds."""
@@ -993,7 +1013,6 @@ class NatsQueue(QueueCore):
         await self._ack(reply)
         if job.cancel:
             await self._mark(Names.cancels(job.spec.model), job.spec.id, False)
-        await self._forget_collapse(job.spec)
         await self._settle([(job.spec, result)])
 
     async def _own_prefix(self, spec: JobSpec, consumer: str) -> None:
@@ -1157,20 +1176,7 @@ class NatsQueue(QueueCore):
         await self._ack(lease.entry_id)
         if holding.job.cancel:
             await self._mark(Names.cancels(lease.spec.model), lease.spec.id, False)
-        await self._forget_collapse(lease.spec)
         return True
-
-    async def _forget_collapse(self, spec: JobSpec) -> None:
-        if not spec.collapse_key:
-            return
-        kv = await self._jobs()
-        key = Names.collapse(spec.model, spec.collapse_key)
-        try:
-            entry = await sent(kv.get(key))
-            if entry.value == spec.id.encode():
-                await sent(kv.delete(key, last=entry.revision))
-        except nats.js.errors.Error:
-            pass  # someone took it over, or it is gone
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1
@@ -1328,7 +1334,6 @@ class NatsQueue(QueueCore):
                 return CancelOutcome.SIGNALLED
             if await self._end(job, revision, cancelled_result()):
                 await self._mark(Names.delayed(job.spec.model), job_id, False)
-                await self._forget_collapse(job.spec)
                 return CancelOutcome.CANCELLED
         return CancelOutcome.NOT_FOUND
 

@@ -245,6 +245,7 @@ class RedisQueue(QueueCore):
                 pfx_prefix=self.keys.prefix_owner_prefix(specs[0].model),
                 wake_prefix=self.keys.wake_prefix(specs[0].model),
                 max_held=self.settings.affinity_max_held,
+                collapse_grace_s=repr(self.settings.collapse_grace_s),
             ),
             items,
         )

@@ -135,6 +135,7 @@ class EnqueueArgs(NamedTuple):
     pfx_prefix: str  # prefix affinity: `prefix key -> worker` keys; the key is appended
     wake_prefix: str  # workers' wake streams; the consumer name is appended
     max_held: int  # jobs held for one worker per lane at most
+    collapse_grace_s: str  # a job that succeeded this recently is still joined (lib/admit.lua)
 
 
 class EnqueueItemKeys(NamedTuple):

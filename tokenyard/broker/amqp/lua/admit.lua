@@ -7,8 +7,8 @@
 -- still queued, unpublished and older than `resend_after_s` (its producer died between the
 -- record and the message) names the resend's message instead, for the caller to publish.
 -- KEYS: none; per item: job, idem, inflight, waiting
--- ARGV: now, idem_ttl_ms, job_prefix, max_depth, resend_after_s; per item: job_id, spec,
---   deadline, use_idem, use_inflight, msg, lane
+-- ARGV: now, idem_ttl_ms, job_prefix, max_depth, resend_after_s, collapse_grace_s; per item:
+--   job_id, spec, deadline, use_idem, use_inflight, msg, lane
 -- Returns {1, {{created 1|0, job_id, joined 1|0, publish 1|0}, ...}}, or {-1, {item, depth}}
 -- when that item's lane is full.
 local results, fresh, adding, first_item = {}, {}, {}, {}

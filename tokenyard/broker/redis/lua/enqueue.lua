@@ -1,9 +1,11 @@
 -- Admit a batch of one model's jobs atomically: all of them, or none if a lane would overflow.
 -- A job whose idempotency key or id is already known is not added again; its id is returned.
--- A job with a collapse key whose job is still queued or running joins that job instead
--- (collapsing): its id is returned and the job counts one more follower.
+-- A job with a collapse key whose job is still queued or running (or succeeded within
+-- collapse_grace_s) joins that job instead (collapsing): its id is returned and the job counts
+-- one more follower.
 -- KEYS: workers; per item: lane, job, idem, fair, active, inflight, held
--- ARGV: now, max_depth, idem_ttl_ms, window, job_prefix, pfx_prefix, wake_prefix, max_held;
+-- ARGV: now, max_depth, idem_ttl_ms, window, job_prefix, pfx_prefix, wake_prefix, max_held,
+--   collapse_grace_s;
 --   per item: job_id, spec, deadline, use_idem, tq_prefix, tenant, weight, cost, score,
 --   use_inflight, prefix, affw_prefix
 -- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}} or {-1, {item, depth}} when that

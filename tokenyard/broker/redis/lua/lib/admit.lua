@@ -1,7 +1,8 @@
 -- Whether a job of the batch is known already: its idempotency key's job, itself (a resent
 -- enqueue whose first attempt landed), or, with a collapse key, an identical job still queued
--- or running, which it joins. Returns (that job's id, joined 1|0), or (nil, 0) for a new job,
--- noted in the taken_* tables so the batch's later duplicates find it.
+-- or running, or one that succeeded less than collapse_grace_s ago, which it joins (the rule
+-- is broker/policy.py `joinable`, which NATS applies). Returns (that job's id, joined 1|0), or
+-- (nil, 0) for a new job, noted in the taken_* tables so the batch's later duplicates find it.
 local function admitted(k, a, taken_ids, taken_keys, taken_inflight)
   local use_idem = a.use_idem == '1'
   local existing = nil
@@ -10,13 +11,18 @@ local function admitted(k, a, taken_ids, taken_keys, taken_inflight)
     existing = a.job_id
   end
   if not existing and a.use_inflight == '1' then
-    -- a key whose job has ended (or is gone) is ignored, and overwritten by the new job
+    -- a key whose job has otherwise ended (or is gone) is ignored, and overwritten by the
+    -- new job
     local jid = taken_inflight[k.inflight]
     if not jid then
       jid = redis.call('GET', k.inflight)
       if jid then
-        local status = redis.call('HGET', A.job_prefix .. jid, 'status')
-        if status ~= 'queued' and status ~= 'running' then jid = nil end
+        local h = redis.call('HMGET', A.job_prefix .. jid, 'status', 'end_at')
+        local status = h[1]
+        if status ~= 'queued' and status ~= 'running' and not (status == 'succeeded'
+            and tonumber(A.now) - tonumber(h[2] or '0') < tonumber(A.collapse_grace_s)) then
+          jid = nil
+        end
       end
     end
     if jid then return jid, 1 end
