@@ -47,7 +47,12 @@ def topic() -> str:
 async def fetch(servers: str, name: str, expect: int, timeout_s: float = 20.0) -> list[Any]:
     """Records of topic `name`, read from the start until `expect` came (counted by fetching:
     Tansu's end offsets count batches, not records) or the time is up."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+    # `partitions_for_topic` reads the metadata the consumer cached, which `topics()` leaves
+    # as it is: refreshed every 5 min by default, it would not learn of a topic the producer
+    # creates just after the consumer started (the test failed so ~1 run in 2)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=servers, enable_auto_commit=False, metadata_max_age_ms=100
+    )
     await consumer.start()
     records: list[Any] = []
     try:

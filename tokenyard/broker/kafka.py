@@ -281,6 +281,28 @@ def attach(backend: Backend) -> Backend:
     return dataclasses.replace(backend, audit_log=sink)
 
 
+async def _partitions(target: KafkaTarget, wait_s: float = 5.0) -> list[int]:
+    """The topic's partitions ([] where there is no such topic), from metadata fetched now.
+
+    A consumer's `partitions_for_topic` reads the metadata it cached at start, refreshed only
+    every `metadata_max_age_ms` (5 min): a topic created meanwhile stays unknown to it. And a
+    topic being created may be listed before its partitions are: wait for them a while."""
+    client = _aiokafka().AIOKafkaClient(
+        bootstrap_servers=target.servers.split(","), client_id="tokenyard-audit-replay"
+    )
+    try:
+        await client.bootstrap()
+        give_up = time.monotonic() + wait_s
+        while True:
+            cluster = await client.fetch_all_metadata()
+            parts = cluster.partitions_for_topic(target.topic)
+            if parts or target.topic not in cluster.topics() or time.monotonic() > give_up:
+                return sorted(parts or ())
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+
+
 async def replay(
     url: str,
     since: float,
@@ -295,6 +317,12 @@ async def replay(
     its end offsets, so those alone cannot say when the topic is read)."""
     target = KafkaTarget.parse(url)
     kafka = _aiokafka()
+    try:
+        parts = await _partitions(target)
+    except (kafka.errors.KafkaError, OSError) as exc:
+        raise FatalError(f"cannot reach Kafka at {target.servers}: {exc}") from exc
+    if not parts:
+        return []
     consumer = kafka.AIOKafkaConsumer(
         bootstrap_servers=target.servers.split(","),
         enable_auto_commit=False,
@@ -309,14 +337,6 @@ async def replay(
     found: list[AuditEntry] = []
     decoder = msgspec.json.Decoder(AuditEntry)
     try:
-        parts: list[int] = []
-        for _ in range(50):  # a topic being created may be listed before its partitions are
-            if target.topic not in await consumer.topics():
-                return []
-            parts = sorted(consumer.partitions_for_topic(target.topic) or ())
-            if parts:
-                break
-            await asyncio.sleep(0.1)
         tps = [kafka.TopicPartition(target.topic, p) for p in parts]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
