@@ -77,9 +77,12 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     audit_kafka: str = ""
     audit_kafka_buffer: int = 100_000
     audit_kafka_linger_ms: int = 20
-    # an idempotent producer (no duplicates from the producer's own retries); off only for a
-    # broker that refuses InitProducerId v0, as Tansu 0.6's memory engine does
-    audit_kafka_idempotent: bool = True
+    # the idempotent producer (no duplicates from the producer's own retries). auto: asked
+    # for at each connect; a broker that refuses it (Tansu 0.6's memory engine: InitProducerId
+    # v0) gets acks=all without it, said once in a warning. true: required, a broker that
+    # refuses it gets nothing (an error line each minute; the entries wait, then are dropped
+    # and counted). false: never asked for
+    audit_kafka_idempotent: bool | Literal["auto"] = "auto"
 
     @property
     def pool_bounds(self) -> tuple[int, ...]:

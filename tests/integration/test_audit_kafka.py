@@ -1,6 +1,7 @@
 """The Kafka audit log against a real Kafka-protocol broker (Tansu): entries from the real
 enqueue and terminal paths arrive keyed by tenant, `tokenyard audit --from kafka://` replays
-them with the export's filters, an outage is bridged by the buffer, an overflow is counted."""
+them with the export's filters, an outage is bridged by the buffer, what never reaches Kafka
+is counted, and with the defaults the producer gives up idempotence Tansu refuses, saying so."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ from tokenyard.metrics import AuditLogMetrics
 
 pytestmark = pytest.mark.kafka  # a Tansu server: `make test-brokers`
 
-# Tansu 0.6's memory engine refuses InitProducerId v0, the only version aiokafka sends, so
-# the tests run the producer without idempotence; production keeps the default (on)
-KAFKA = {"audit_kafka_idempotent": False, "audit_kafka_linger_ms": 5}
+# the defaults but a shorter linger: idempotence "auto", which Tansu 0.6's memory engine
+# refuses (InitProducerId v0 answered UNKNOWN), so every sink here falls back to acks=all
+KAFKA = {"audit_kafka_linger_ms": 5}
+REFUSED = "refuses the idempotent producer"
 
 
 def topic() -> str:
@@ -47,7 +49,12 @@ def topic() -> str:
 async def fetch(servers: str, name: str, expect: int, timeout_s: float = 20.0) -> list[Any]:
     """Records of topic `name`, read from the start until `expect` came (counted by fetching:
     Tansu's end offsets count batches, not records) or the time is up."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+    # `partitions_for_topic` reads the metadata the consumer cached, which `topics()` leaves
+    # as it is: refreshed every 5 min by default, it would not learn of a topic the producer
+    # creates just after the consumer started (the test failed so ~1 run in 2)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=servers, enable_auto_commit=False, metadata_max_age_ms=100
+    )
     await consumer.start()
     records: list[Any] = []
     try:
@@ -124,6 +131,56 @@ async def test_entries_of_real_jobs_arrive_keyed_by_tenant(
     for tenant in (b"acme", b"bob"):  # a tenant's entries share one partition: one order
         assert len({r.partition for r in records if r.key == tenant}) == 1
     assert broker.audit_log.sent == 7 and broker.audit_log.dropped == 0
+    assert broker.audit_log.idempotence is False  # Tansu refused it; "auto" went on without
+
+
+async def test_auto_idempotence_falls_back_on_a_broker_refusing_it_and_says_so_once(
+    make_backend: BackendFactory, tansu: Tansu, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = topic()
+    broker = make_backend(audit_kafka=tansu.url(name))  # every Kafka setting its default
+    log = broker.audit_log
+    assert log is not None and log.idempotent == "auto" and log.idempotence is None
+    with caplog.at_level(logging.WARNING, logger="tokenyard.broker.kafka"):
+        ids = []
+        for _ in range(100):
+            spec = job(tenant=f"t{len(ids) % 7}")
+            assert (await broker.queue.enqueue(spec)).created
+            ids.append(spec.id)
+        deadline = time.monotonic() + 20
+        while log.sent < 100 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    assert (log.sent, log.buffered, log.dropped, log.idempotence) == (100, 0, 0, False)
+    got = entries_of(await fetch(tansu.servers, name, 100))
+    assert sorted(e.job_id for _, e in got) == sorted(ids)
+    said = [r for r in caplog.records if REFUSED in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "acks=all" in said[0].getMessage() and tansu.servers in said[0].getMessage()
+
+
+async def test_required_idempotence_refused_sends_nothing_says_so_and_counts_the_loss(
+    make_backend: BackendFactory, tansu: Tansu, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = make_backend(audit_kafka=tansu.url(topic()), audit_kafka_idempotent=True, **KAFKA)
+    log = broker.audit_log
+    assert log is not None
+    registry = CollectorRegistry()
+    log.observe(AuditLogMetrics("tokenyard", registry))
+    with caplog.at_level(logging.WARNING, logger="tokenyard.broker.kafka"):
+        for _ in range(10):
+            assert (await broker.queue.enqueue(job(tenant="t"))).created
+        await asyncio.sleep(3.5)  # several connects refused, one each retry_s (1 s)
+        assert (log.sent, log.buffered, log.dropped, log.idempotence) == (0, 10, 0, True)
+        await log.close(timeout_s=0.5)
+    assert (log.sent, log.buffered, log.dropped) == (0, 0, 10)
+    assert registry.get_sample_value("tokenyard_audit_kafka_dropped_total") == 10
+    assert registry.get_sample_value("tokenyard_audit_kafka_buffered") == 0
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    refused = [(level, text) for level, text in lines if REFUSED in text]
+    assert len(refused) == 1, lines  # one error line a minute, not one per attempt
+    level, text = refused[0]
+    assert level == logging.ERROR and "audit_kafka_idempotent = true requires" in text
+    assert any("10 entries not delivered" in text for _, text in lines)
 
 
 def cli(*args: str) -> list[dict[str, object]]:
@@ -182,9 +239,10 @@ def test_replay_cli_refuses_in_one_line() -> None:
 
 @pytest.mark.slow
 async def test_kafka_away_then_back_loses_nothing(
-    make_backend: BackendFactory, tmp_path: Path
+    make_backend: BackendFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     name = topic()
+    caplog.set_level(logging.WARNING, logger="tokenyard.broker.kafka")
     with Tansu(tmp_path / "tansu.log") as kafka:
         broker = make_backend(audit_kafka=kafka.url(name), **KAFKA)
         log = broker.audit_log
@@ -214,6 +272,8 @@ async def test_kafka_away_then_back_loses_nothing(
         got = entries_of(await fetch(kafka.servers, name, 31))
         outage = {e.job_id for key, e in got if key == b"outage"}
         assert len(outage) == 30  # at least once: a batch resent after the outage may repeat
+    # connected twice (before and after the outage); the refusal was asked and said once
+    assert sum(REFUSED in r.getMessage() for r in caplog.records) == 1
 
 
 async def test_a_full_buffer_drops_counts_and_logs(
@@ -236,7 +296,16 @@ async def test_a_full_buffer_drops_counts_and_logs(
     assert registry.get_sample_value("tokenyard_audit_kafka_sent_total") == 0
     lines = [r.getMessage() for r in caplog.records if "dropping" in r.getMessage()]
     assert len(lines) == 1 and "5 entries wait" in lines[0]  # one line, not one per entry
-    await log.close(timeout_s=0.2)  # what it still holds is said at shutdown
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="tokenyard.broker.kafka"):
+        await log.close(timeout_s=0.2)  # what it still holds is counted and said
+        assert (await broker.queue.enqueue(job(tenant="t"))).created  # and what comes after
+    assert (log.buffered, log.dropped, log.sent) == (0, 21, 0)
+    assert registry.get_sample_value("tokenyard_audit_kafka_dropped_total") == 21
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "5 entries not delivered" in lines[0] and "20 dropped in all" in lines[0]
+    assert "closed, dropping new entries" in lines[1]
 
 
 def test_the_url_names_servers_and_one_topic() -> None:
@@ -249,7 +318,12 @@ def test_the_url_names_servers_and_one_topic() -> None:
     for bad in ("kafka://a:9092", "kafka:///t", "redis://a/t", "kafka://a:9092/t/u"):
         with pytest.raises(FatalError):
             KafkaTarget.parse(bad)
-    assert KafkaAuditLog(target).idempotent  # on unless a setting turns it off
+    sink = KafkaAuditLog(target)  # idempotence asked for, kept where the broker grants it
+    assert (sink.idempotent, sink.idempotence) == ("auto", None)
+    assert (
+        KafkaAuditLog(target, idempotent=False).idempotence,
+        KafkaAuditLog(target, idempotent=True).idempotence,
+    ) == (False, True)
 
 
 @pytest.mark.slow
@@ -259,7 +333,7 @@ def test_serve_sends_the_gateways_and_workers_entries(tansu: Tansu, tmp_path: Pa
     the topic, and /metrics counts both processes' sends."""
     url, port = tansu.url(topic()), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
-    env |= {"TOKENYARD_WORKER_ENGINE": "sim", "TOKENYARD_BROKER_AUDIT_KAFKA_IDEMPOTENT": "false"}
+    env |= {"TOKENYARD_WORKER_ENGINE": "sim"}
     with Processes(tmp_path) as procs:
         serve = procs.start(
             "serve",

@@ -1,11 +1,12 @@
 """The Kafka audit log (aiokafka): a sink that mirrors the audit trail to a topic, and its replay.
 
 The sink stays off the request's path: `offer` appends to a bounded in-process buffer and
-returns; one background task produces (acks=all, idempotent, keyed by tenant, in record
-batches of what arrived within the linger). Entries leave the buffer only once Kafka
-acknowledged them, so an outage the buffer spans loses nothing (at-least-once: a batch sent
-again after a failure may arrive twice); past the buffer, new entries are dropped, counted
-(metric) and logged.
+returns; one background task produces (acks=all, keyed by tenant, in record batches of what
+arrived within the linger; idempotent where the broker grants a producer id, see `_connect`).
+Entries leave the buffer only once Kafka acknowledged them, so an outage the buffer spans
+loses nothing (at-least-once: a batch sent again after a failure may arrive twice); an entry
+that never reaches Kafka (offered past the buffer or after close, or still waiting when close
+gives up) is counted (`dropped`, the metric) and logged, rate-limited.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -38,6 +39,11 @@ logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
 SCHEME = "kafka://"
 _DROP_LOG_EVERY_S = 10.0  # while dropping: one line at the start, then one this often
+_REFUSED_LOG_EVERY_S = 60.0  # idempotence required and refused: one error line this often
+
+
+class IdempotenceRefused(Exception):
+    """The broker refused the idempotent producer that `audit_kafka_idempotent = true` asks."""
 
 
 class KafkaTarget(msgspec.Struct, frozen=True):
@@ -79,24 +85,27 @@ class KafkaAuditLog(AuditSink):
         target: KafkaTarget,
         buffer: int = 100_000,
         linger_ms: int = 20,
-        idempotent: bool = True,
+        idempotent: bool | Literal["auto"] = "auto",
         batch: int = 2000,
         retry_s: float = 1.0,
     ) -> None:
         self.target = target
         self.capacity = max(1, buffer)
         self.linger_ms = linger_ms
-        self.idempotent = idempotent
+        self.idempotent = idempotent  # the setting: "auto" | True (required) | False (off)
+        # what the producer does: None until a connect decided it ("auto")
+        self.idempotence: bool | None = None if idempotent == "auto" else idempotent
         self.batch = batch
         self.retry_s = retry_s
         self.sent = 0  # entries Kafka acknowledged
-        self.dropped = 0  # entries refused because the buffer was full
+        self.dropped = 0  # entries that never reached Kafka: buffer full, closed, shutdown
         self.metrics: AuditLogMetrics | None = None
         self._buffer: deque[AuditEntry] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._outage = False
+        self._refused_logged_at: float | None = None
         self._dropping_since: float | None = None
         self._drop_logged_at = 0.0
         self._encode = msgspec.json.Encoder().encode
@@ -132,53 +141,97 @@ class KafkaAuditLog(AuditSink):
             self._task = asyncio.get_running_loop().create_task(self._run(), name="audit-kafka")
         self._wake.set()
 
-    def _drop(self, count: int) -> None:
+    def _count_dropped(self, count: int) -> None:
         self.dropped += count
         if self.metrics is not None:
             self.metrics.dropped.inc(count)
+
+    def _drop(self, count: int) -> None:
+        self._count_dropped(count)
         now = time.monotonic()
         if self._dropping_since is None or now - self._drop_logged_at >= _DROP_LOG_EVERY_S:
             first = self._dropping_since is None
             self._dropping_since = self._dropping_since or now
             self._drop_logged_at = now
+            why = "closed" if self._closing else "buffer full"
             log.error(
                 "audit log: %s; %d entries wait for %s, %d dropped so far",
-                "buffer full, dropping new entries" if first else "still dropping",
+                f"{why}, dropping new entries" if first else f"{why}, still dropping",
                 len(self._buffer),
                 self.target,
                 self.dropped,
             )
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Deliver what the buffer holds, for at most `timeout_s`; then stop."""
+        """Deliver what the buffer holds, for at most `timeout_s`; then stop. What is left is
+        counted as dropped and said."""
         self._closing = True
         self._wake.set()
-        if self._task is None or self._task.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
-        except TimeoutError:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None and not self._task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except TimeoutError:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+        if self._buffer:
+            left = len(self._buffer)
+            self._buffer.clear()
+            self._count_dropped(left)
             log.error(
-                "audit log: %d entries not delivered to %s at shutdown",
-                len(self._buffer),
+                "audit log: %d entries not delivered to %s at shutdown; %d dropped in all",
+                left,
                 self.target,
+                self.dropped,
             )
+        self._dropping_since = None  # an entry offered from now on is said anew: "closed"
+        if self.metrics is not None:
+            self.metrics.buffered.set(0)
 
-    def _producer(self) -> Any:
+    def _producer(self, idempotent: bool) -> Any:
         return _aiokafka().AIOKafkaProducer(
             bootstrap_servers=self.target.servers.split(","),
             acks="all",
-            enable_idempotence=self.idempotent,
+            enable_idempotence=idempotent,
             linger_ms=0,  # `_run` lingers and hands it whole record batches
             max_batch_size=256 * 1024,
             request_timeout_ms=10_000,
             client_id="tokenyard-audit",
         )
 
+    async def _connect(self) -> Any:
+        """A started producer: idempotent unless the setting turned it off or ("auto") the
+        broker refused it.
+
+        An idempotent producer asks for a producer id (InitProducerId v0) as it starts; the
+        broker's ApiVersions cannot tell whether it will get one (Tansu 0.6 lists v0-v5, then
+        its memory engine answers UNKNOWN; Kafka answers CLUSTER_AUTHORIZATION_FAILED where
+        the client may not IdempotentWrite), so the answer decides. A refusal ("auto"): acks=
+        all alone from then on, said once; `true` raises `IdempotenceRefused` instead."""
+        idempotent = self.idempotence is not False
+        try:
+            producer = await _started(self._producer(idempotent))
+        except Exception as exc:
+            if not idempotent or not _refusal(exc):
+                raise
+            if self.idempotent is True:
+                raise IdempotenceRefused(
+                    f"{self.target} refuses the idempotent producer ({exc!r}) that "
+                    "audit_kafka_idempotent = true requires; nothing is sent (set it to auto "
+                    "or false)"
+                ) from exc
+            self.idempotence = False
+            log.warning(
+                "audit log: %s refuses the idempotent producer (%r); producing with acks=all "
+                "without it, so an entry resent after an error may arrive twice (drop repeats "
+                "by job_id + event)",
+                self.target,
+                exc,
+            )
+            return await _started(self._producer(False))
+        self.idempotence = idempotent
+        return producer
+
     async def _run(self) -> None:
-        errors = _aiokafka().errors
         producer: Any = None
         try:
             while True:
@@ -194,10 +247,9 @@ class KafkaAuditLog(AuditSink):
                 batch = list(islice(self._buffer, self.batch))
                 try:
                     if producer is None:
-                        producer = self._producer()
-                        await producer.start()
+                        producer = await self._connect()
                     await self._send(producer, batch)
-                except (errors.KafkaError, OSError, TimeoutError) as exc:
+                except Exception as exc:  # the entries wait in the buffer whatever it was
                     self._down(exc)
                     await _stop(producer)
                     producer = None  # a new producer id: the old one's sequence broke off
@@ -240,6 +292,7 @@ class KafkaAuditLog(AuditSink):
         if self.metrics is not None:
             self.metrics.sent.inc(count)
             self.metrics.buffered.set(len(self._buffer))
+        self._refused_logged_at = None
         if self._outage:
             self._outage = False
             log.warning(
@@ -252,6 +305,25 @@ class KafkaAuditLog(AuditSink):
     def _down(self, exc: BaseException) -> None:
         if self.metrics is not None:
             self.metrics.buffered.set(len(self._buffer))
+        now = time.monotonic()
+        if isinstance(exc, IdempotenceRefused):  # no outage that ends by itself: keep saying
+            last = self._refused_logged_at
+            if last is None or now - last >= _REFUSED_LOG_EVERY_S:
+                self._refused_logged_at = now
+                log.error("audit log: %s; %d entries wait", exc, len(self._buffer))
+            self._outage = True
+            return
+        if not self._outage and not isinstance(
+            exc, _aiokafka().errors.KafkaError | OSError | TimeoutError
+        ):  # a fault of this module or aiokafka: the traceback says where
+            self._outage = True
+            log.error(
+                "audit log: cannot produce to %s; entries wait in the buffer (%d of %d)",
+                self.target,
+                len(self._buffer),
+                self.capacity,
+                exc_info=exc,
+            )
         if not self._outage:
             self._outage = True
             log.warning(
@@ -261,6 +333,24 @@ class KafkaAuditLog(AuditSink):
                 len(self._buffer),
                 self.capacity,
             )
+
+
+async def _started(producer: Any) -> Any:
+    try:
+        await producer.start()
+    except BaseException:
+        await _stop(producer)
+        raise
+    return producer
+
+
+def _refusal(exc: Exception) -> bool:
+    """Whether `exc`, raised by an idempotent producer's start, is the broker refusing the
+    producer id rather than an outage (no connection, a timeout, an error worth retrying)."""
+    errors = _aiokafka().errors
+    if isinstance(exc, errors.KafkaConnectionError | errors.KafkaTimeoutError | OSError):
+        return False
+    return not isinstance(exc, TimeoutError) and not getattr(exc, "retriable", False)
 
 
 async def _stop(producer: Any) -> None:
@@ -281,6 +371,28 @@ def attach(backend: Backend) -> Backend:
     return dataclasses.replace(backend, audit_log=sink)
 
 
+async def _partitions(target: KafkaTarget, wait_s: float = 5.0) -> list[int]:
+    """The topic's partitions ([] where there is no such topic), from metadata fetched now.
+
+    A consumer's `partitions_for_topic` reads the metadata it cached at start, refreshed only
+    every `metadata_max_age_ms` (5 min): a topic created meanwhile stays unknown to it. And a
+    topic being created may be listed before its partitions are: wait for them a while."""
+    client = _aiokafka().AIOKafkaClient(
+        bootstrap_servers=target.servers.split(","), client_id="tokenyard-audit-replay"
+    )
+    try:
+        await client.bootstrap()
+        give_up = time.monotonic() + wait_s
+        while True:
+            cluster = await client.fetch_all_metadata()
+            parts = cluster.partitions_for_topic(target.topic)
+            if parts or target.topic not in cluster.topics() or time.monotonic() > give_up:
+                return sorted(parts or ())
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+
+
 async def replay(
     url: str,
     since: float,
@@ -295,6 +407,12 @@ async def replay(
     its end offsets, so those alone cannot say when the topic is read)."""
     target = KafkaTarget.parse(url)
     kafka = _aiokafka()
+    try:
+        parts = await _partitions(target)
+    except (kafka.errors.KafkaError, OSError) as exc:
+        raise FatalError(f"cannot reach Kafka at {target.servers}: {exc}") from exc
+    if not parts:
+        return []
     consumer = kafka.AIOKafkaConsumer(
         bootstrap_servers=target.servers.split(","),
         enable_auto_commit=False,
@@ -309,14 +427,6 @@ async def replay(
     found: list[AuditEntry] = []
     decoder = msgspec.json.Decoder(AuditEntry)
     try:
-        parts: list[int] = []
-        for _ in range(50):  # a topic being created may be listed before its partitions are
-            if target.topic not in await consumer.topics():
-                return []
-            parts = sorted(consumer.partitions_for_topic(target.topic) or ())
-            if parts:
-                break
-            await asyncio.sleep(0.1)
         tps = [kafka.TopicPartition(target.topic, p) for p in parts]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)

@@ -354,7 +354,8 @@ class AuditLogMetrics:
         )
         self.dropped = Counter(
             f"{prefix}_audit_kafka_dropped",
-            "Audit entries dropped because the buffer in front of Kafka was full.",
+            "Audit entries that never reached Kafka: offered while the buffer in front of it"
+            " was full or after close, or still waiting when close gave up.",
             registry=registry,
         )
         self.buffered = Gauge(
