@@ -3,10 +3,10 @@
 Each ending (a worker's completion, its dead letter, a cancel, an expiry found by a claim, a
 reap at the delivery limit) runs in a "victim" process side that dies at its k-th write to the
 broker: the k-th send, and every one after it, raises instead of leaving (what SIGKILL does to
-a process at that point). Every k is tried, from 0 until the ending runs through. A real worker on another connection then
-recovers the jobs (redelivery, reap), and readers check each job's record against its events:
-a terminal record must never be read without its whole stream and exactly one Finished, and
-every job must end that way.
+a process at that point). Every k is tried, from 0 until the ending runs through. A real
+worker on another connection then recovers the jobs (redelivery, reap), and readers check each
+job's record against its events: a terminal record must never be read without its whole stream
+and exactly one Finished, and every job must end that way.
 """
 
 from __future__ import annotations

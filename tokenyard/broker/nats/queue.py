@@ -1136,13 +1136,15 @@ class NatsQueue(QueueCore):
             *(job_events(e, ix) for e, ix in by_job.items()), return_exceptions=True
         )
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failed is not None:
-            # the caller sends this call's events again, all of them: each job starts over where
-            # it stood, so they get the same ids and those stored already are found, not doubled
+        if isinstance(failed, BrokerUnavailable):
+            # the caller keeps this call's events and sends them all again: each job starts
+            # over where it stood, so they get the same ids and those stored are found, not
+            # doubled (after any other error nothing is sent again: what is stored stands)
             for entry, (appended, last_seq) in started.items():
                 holding = self._holding.get(entry)
                 if holding is not None:
                     holding.appended, holding.last_seq = appended, last_seq
+        if failed is not None:
             raise failed
         return flags
 
@@ -1513,7 +1515,9 @@ class NatsQueue(QueueCore):
             _, ended = await self._last_finished(job_id)
             if ended is not None:
                 await self._mend(job, revision, ended, None)
-                return await self.record(job_id)
+                found = await self._get(job_id)
+                if found is not None:
+                    job = found[0]
         return job.record()
 
     async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
