@@ -1,8 +1,11 @@
 """NATS lanes beyond the conformance suite: a job's record, its idempotency key and its lane
 message are separate writes, so a producer that dies between them leaves a half-made job that
-the client's resend (same idempotency key, a new job id) must finish."""
+the client's resend (same idempotency key, a new job id) must finish; and a worker's events
+sent again after an unanswered call must be found stored, not stored twice or fenced."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -11,6 +14,8 @@ from tests.integration.test_broker_conformance import MODEL, dies_before_its_mes
 from tokenyard.broker.nats import queue as nats_queue
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.queue import NatsQueue
+from tokenyard.errors import BrokerUnavailable
+from tokenyard.messages import Finished, TokenChunk
 
 pytestmark = pytest.mark.parametrize("make_backend", ["nats"], indirect=True)
 
@@ -59,3 +64,41 @@ async def test_a_resend_of_a_published_job_adds_no_message(make_backend: Backend
     leases = await queue.claim(MODEL, "w", slots=5, block_s=1)
     assert [lease.spec.id for lease in leases] == [first.job_id]
     assert await queue.claim(MODEL, "w", slots=5, block_s=0.5) == []
+
+
+async def test_events_sent_again_after_an_unanswered_call_are_stored_once(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker keeps a step's events while the broker does not answer and sends the whole call
+    # again: one job's events landed meanwhile, the other's last one landed but its answer was
+    # lost. Each must be found stored, under the same id, not appended twice or taken as fenced
+    queue = make_backend().queue
+    assert isinstance(queue, NatsQueue)
+    await queue.enqueue_many([job(), job()])
+    one, other = await queue.claim(MODEL, "w", slots=2, block_s=2)
+    publish = queue._publish_event
+
+    async def answer_lost(job_id: str, *args: Any, **kwargs: Any) -> int:
+        seq = await publish(job_id, *args, **kwargs)
+        if job_id == other.spec.id:
+            raise BrokerUnavailable("NATS: the answer never came")
+        return seq
+
+    steps = [(one, chunk("a")), (one, chunk("b")), (other, chunk("x"))]
+    monkeypatch.setattr(queue, "_publish_event", answer_lost)
+    with pytest.raises(BrokerUnavailable):
+        await queue.append_events(steps)
+    monkeypatch.setattr(queue, "_publish_event", publish)
+    assert await queue.append_events(steps) == [True] * 3
+    assert await queue.append_events([(other, chunk("y"))]) == [True]
+    assert await queue.complete_many([(one, ok(one)), (other, ok(other))]) == [True, True]
+    texts = {}
+    for lease in (one, other):
+        events = [e for _, e in await queue.read_events(lease.spec.id)]
+        texts[lease.spec.id] = "".join(e.text for e in events if isinstance(e, TokenChunk))
+        assert sum(isinstance(e, Finished) for e in events) == 1
+    assert texts == {one.spec.id: "ab", other.spec.id: "xy"}
+
+
+def chunk(text: str) -> TokenChunk:
+    return TokenChunk(token_ids=[ord(c) for c in text], text=text)

@@ -7,6 +7,11 @@ for a worker (prefix affinity) wait on that worker's subject. `AckWait` is the l
 `+WPI` renews it. A job's record is a KV entry changed only by compare-and-set, and its events a
 subject of the events stream: a holder appends with `Nats-Expected-Last-Subject-Sequence`, and a
 new holder first appends a claim marker, so a zombie's late append or result is rejected.
+
+Every ending writes the job's last events (its tail and Finished: one message) before its
+record, so the events are the durable side: a terminal record always has its Finished, and a
+Finished whose record was not written (its writer died in between) is copied into the record
+by whoever meets it (a claim, a broker-side ending, a reader past the holder's lease).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import contextlib
 import json
 import random
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +91,7 @@ from tokenyard.messages import (
 
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
+LAST = "Ty-Last"  # header of a job's last message holding two events: its tail and Finished
 MSG_ID = "Nats-Msg-Id"
 RESEND_S = 20.0  # how long a write whose answer was lost is sent again (a cluster electing)
 REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
@@ -126,7 +133,8 @@ class _Holding:
     job: StoredJob
     revision: int
     last_seq: int
-    appended: int = 0  # events appended, numbering their message ids
+    marker: int  # its claim marker's sequence: names its events, unlike a delivery number
+    appended: int = 0  # events it stored: the next one's place names its id
 
 
 class NatsQueue(QueueCore):
@@ -308,21 +316,26 @@ class NatsQueue(QueueCore):
         expect: int | None,
         marker: bool = False,
         msg_id: str | None = None,
+        last: bool = False,
     ) -> int:
-        """Append to a job's events; raises _Fenced when `expect` is no longer the last.
+        """Append to a job's events (`last`: `data` is its tail and Finished); raises _Fenced
+        when `expect` is no longer the last.
 
         With a `msg_id`, a publish the server may or may not have stored (a timeout, a
-        failover) is sent again for up to RESEND_S: JetStream drops a duplicate, and a retry
-        fenced by its own stored first try is recognised by the id.
+        failover) is sent again for up to RESEND_S, and one refused because `expect` is no
+        longer the last counts as stored when the message right after `expect` has its id (an
+        earlier try of it: this one's, or a call sent again).
         """
         js = await self.conn.js()
         await self._events_stream()
         headers = {} if expect is None else {EXPECT_LAST: str(expect)}
         if marker:
             headers[MARKER] = "1"
+        if last:
+            headers[LAST] = "1"
         if msg_id:
             headers[MSG_ID] = msg_id
-        give_up, pause, uncertain = time.monotonic() + RESEND_S, 0.05, False
+        give_up, pause = time.monotonic() + RESEND_S, 0.05
         while True:
             try:
                 ack = await sent(
@@ -332,17 +345,35 @@ class NatsQueue(QueueCore):
             except BrokerUnavailable:
                 if msg_id is None or time.monotonic() > give_up:
                     raise
-                uncertain = True
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.5)
             except nats.js.errors.APIError as exc:
                 if exc.err_code != _WRONG_LAST:
                     raise
-                if uncertain:
-                    last, _, last_headers = await self._last_event(job_id)
-                    if last_headers.get(MSG_ID) == msg_id:
-                        return last
-                raise _Fenced from exc
+                stored = await self._stored_after(job_id, expect, msg_id)
+                if stored is None:
+                    raise _Fenced from exc
+                return stored
+
+    async def _stored_after(
+        self, job_id: str, expect: int | None, msg_id: str | None
+    ) -> int | None:
+        """The sequence of the job's event right after `expect` if its id is `msg_id`."""
+        if expect is None or not msg_id:
+            return None
+        stream = await self._events_stream()
+        rows = await self.conn.get_batch(stream, self.names.events(job_id), expect, 1)
+        if rows and rows[0][2].get(MSG_ID) == msg_id:
+            return rows[0][0]
+        return None
+
+    async def _last_finished(self, job_id: str) -> tuple[int, JobResult | None]:
+        """The events subject's last sequence, and the job's result if that is its Finished."""
+        last, data, headers = await self._last_event(job_id)
+        if data is None or headers.get(MARKER):
+            return last, None
+        event = _events_of(data, headers)[-1]
+        return last, event.result if isinstance(event, Finished) else None
 
     async def _last_event(self, job_id: str) -> tuple[int, bytes | None, dict[str, str]]:
         """The events subject's last (sequence, data, headers); (0, None, {}) if none."""
@@ -361,23 +392,48 @@ class NatsQueue(QueueCore):
         result: JobResult,
         reason: str | None = None,
         error: str | None = None,
+        expect: int | None = None,
     ) -> bool:
-        """A terminal write by the broker itself (cancel, expiry, dead letter): the record by
-        compare-and-set, then its Finished event, its lane message gone, quota and audit."""
-        now = self.clock()
-        job.status = result.status
-        job.result = result
-        job.finished_at = now
-        if await self._cas(job, revision) is None:
-            return False
+        """A terminal write by the broker itself (cancel, expiry, dead letter): its Finished
+        event after the events' last (`expect`, a holder's own; else read here), then the
+        record, its lane message gone, quota and audit. False when the job moved meanwhile (an
+        event came first, or it had ended: its record now follows its Finished)."""
+        job_id = job.spec.id
+        if expect is None:
+            expect, ended = await self._last_finished(job_id)
+            if ended is not None:
+                await self._mend(job, revision, ended, None)
+                return False
+        # an id of this ending alone: two enders must never pass for one another
+        msg_id = f"{job_id}.e{uuid.uuid4().hex[:16]}"
+        finished = encode(Finished(result=result))
         try:
-            await self._publish_event(job.spec.id, encode(Finished(result=result)), None)
-        finally:
-            await self._drop_message(job)
+            await self._publish_event(job_id, finished, expect, msg_id=msg_id)
+        except _Fenced:
+            return False
+        turned = await self._follow(job, revision, result)
+        await self._drop_message(job)
         if reason is not None:
             await self._dead_letter_entry(job, reason, error)
-        await self._settle([(job.spec, result)])
+        if turned:
+            await self._settle([(job.spec, result)])
         return True
+
+    async def _follow(self, job: StoredJob, revision: int, result: JobResult) -> bool:
+        """Make the record terminal with `result`, whose Finished is in (so no one appends or
+        takes the job any more), whatever it says meanwhile; whether this write did it (the one
+        that does settles the job)."""
+        for _ in range(64):
+            job.status = result.status
+            job.result = result
+            job.finished_at = self.clock()
+            if await self._cas(job, revision) is not None:
+                return True
+            found = await self._get(job.spec.id)
+            if found is None or found[0].terminal:
+                return False
+            job, revision = found
+        return False
 
     async def _drop_message(self, job: StoredJob) -> None:
         """Delete the job's waiting message from its lane (it ended before a claim)."""
@@ -957,7 +1013,7 @@ class NatsQueue(QueueCore):
     async def _first_marker(self, job_id: str, delivery: int) -> int | None:
         try:
             return await self._publish_event(
-                job_id, b"", 0, marker=True, msg_id=_event_id(job_id, delivery, "m")
+                job_id, b"", 0, marker=True, msg_id=_event_id(job_id, delivery, "m0")
             )
         except _Fenced:
             return None
@@ -965,7 +1021,7 @@ class NatsQueue(QueueCore):
     async def _leased(
         self, reply: str, job: StoredJob, revision: int, last: int, resumable: bool
     ) -> Lease:
-        self._holding[reply] = _Holding(job, revision, last)
+        self._holding[reply] = _Holding(job, revision, last, marker=last)
         if job.spec.prefix_key:
             await self._own_prefix(job.spec, job.worker or "")
         lease_spec = msgspec.structs.replace(job.spec, attempt=job.deliveries - 1)
@@ -980,37 +1036,35 @@ class NatsQueue(QueueCore):
     async def _fence_events(self, job_id: str, delivery: int) -> tuple[int, bool, JobResult | None]:
         """Append the claim marker; (its sequence, whether earlier events exist, None). A job
         whose events end with its Finished gets no marker: (0, True, that result)."""
-        msg_id = _event_id(job_id, delivery, "m")
-        try:
-            first = await self._publish_event(job_id, b"", 0, marker=True, msg_id=msg_id)
-            return first, False, None
-        except _Fenced:
-            pass
+        expect = 0
         for _ in range(8):
-            last, data, headers = await self._last_event(job_id)
-            if headers.get(MSG_ID) == msg_id:
-                return last, True, None  # ours, from a try whose answer was lost
-            if data is not None and not headers.get(MARKER):
-                event = decode_event(data)
-                if isinstance(event, Finished):
-                    return 0, True, event.result
+            # named by the place it expects: a try whose answer was lost is found there
+            msg_id = _event_id(job_id, delivery, f"m{expect}")
             try:
-                marker = await self._publish_event(job_id, b"", last, marker=True, msg_id=msg_id)
-                return marker, True, None
+                marker = await self._publish_event(job_id, b"", expect, marker=True, msg_id=msg_id)
+                return marker, expect > 0, None
             except _Fenced:
-                continue
+                pass
+            expect, ended = await self._last_finished(job_id)
+            if ended is not None:
+                return 0, True, ended
         raise _Fenced
 
-    async def _mend(self, job: StoredJob, revision: int, result: JobResult, reply: str) -> None:
-        """The record of a job whose Finished is in but whose worker never wrote the record
-        (it died, or the broker failed over, in between): terminal now, not run again."""
+    async def _mend(
+        self, job: StoredJob, revision: int, result: JobResult, reply: str | None
+    ) -> None:
+        """The record of a job whose Finished is in but whose writer never wrote the record
+        (it died, or the broker failed over, in between): terminal now, not run again. `reply`:
+        the lane message a claim holds (None: a reader or a broker-side ending met it)."""
         job.status = result.status
         job.result = result
         job.finished_at = self.clock()
         if await self._cas(job, revision) is None:
-            await self._ack(reply, b"-NAK")  # changed meanwhile: the redelivery looks again
+            if reply:
+                await self._ack(reply, b"-NAK")  # changed meanwhile: the redelivery looks again
             return
-        await self._ack(reply)
+        if reply:
+            await self._ack(reply)
         if job.cancel:
             await self._mark(Names.cancels(job.spec.model), job.spec.id, False)
         await self._settle([(job.spec, result)])
@@ -1075,23 +1129,42 @@ class NatsQueue(QueueCore):
         for i, (lease, _) in enumerate(events):
             by_job[lease.entry_id].append(i)
 
+        started: dict[str, tuple[int, int]] = {}
+
         async def job_events(entry: str, indexes: list[int]) -> None:
             holding = self._holding.get(entry)
             if holding is None:
                 return
+            started[entry] = (holding.appended, holding.last_seq)
             for i in indexes:
                 lease, event = events[i]
-                holding.appended += 1
-                msg_id = _event_id(lease.spec.id, holding.job.deliveries, str(holding.appended))
+                # named by its holder and its place among the holder's events, not by the try:
+                # sent again, it has the same id and is found stored, not taken for a zombie's
+                place = str(holding.appended + 1)
+                msg_id = _event_id(lease.spec.id, holding.marker, place)
                 try:
                     holding.last_seq = await self._publish_event(
                         lease.spec.id, encode(event), holding.last_seq, msg_id=msg_id
                     )
                 except _Fenced:
                     return
+                holding.appended += 1
                 flags[i] = True
 
-        await asyncio.gather(*(job_events(e, ix) for e, ix in by_job.items()))
+        outcomes = await asyncio.gather(
+            *(job_events(e, ix) for e, ix in by_job.items()), return_exceptions=True
+        )
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if isinstance(failed, BrokerUnavailable):
+            # the caller keeps this call's events and sends them all again: each job starts
+            # over where it stood, so they get the same ids and those stored are found, not
+            # doubled (after any other error nothing is sent again: what is stored stands)
+            for entry, (appended, last_seq) in started.items():
+                holding = self._holding.get(entry)
+                if holding is not None:
+                    holding.appended, holding.last_seq = appended, last_seq
+        if failed is not None:
+            raise failed
         return flags
 
     async def complete_many(
@@ -1103,12 +1176,16 @@ class NatsQueue(QueueCore):
             *(
                 self._complete(lease, result, None if tails is None else tails[i])
                 for i, (lease, result) in enumerate(items)
-            )
+            ),
+            return_exceptions=True,  # none still running when the caller sends them again
         )
-        ended = [(items[i][0].spec, items[i][1]) for i, ok in enumerate(outcomes) if ok]
+        ended = [(items[i][0].spec, items[i][1]) for i, ok in enumerate(outcomes) if ok is True]
         if ended:
             await self._settle(ended)
-        return list(outcomes)
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return [ok is True for ok in outcomes]
 
     async def _write_held(self, lease: Lease, change: Callable[[StoredJob], None]) -> bool:
         """Apply `change` to the held record by compare-and-set; when someone else wrote it
@@ -1143,40 +1220,47 @@ class NatsQueue(QueueCore):
         return False
 
     async def _complete(self, lease: Lease, result: JobResult, tail: TokenChunk | None) -> bool:
+        """The tail and the Finished event first, in one message fenced like any append, then
+        the record: a worker dying in between leaves a Finished that the next claim, ending or
+        reader copies into the record, never a terminal record without its last events. True
+        when this write made the record terminal (it settles the job)."""
         holding = self._holding.get(lease.entry_id)
+        if holding is None or not _names(holding.job, lease):
+            await self._count(lease.spec.model, "fenced")
+            return False
+        job_id = lease.spec.id
+        finished = Finished(result=result)
+        data = encode(finished) if tail is None else encode([tail, finished])
+        msg_id = _event_id(job_id, holding.marker, "f")
+        try:
+            await self._publish_event(
+                job_id, data, holding.last_seq, msg_id=msg_id, last=tail is not None
+            )
+        except _Fenced:
+            self._holding.pop(lease.entry_id, None)
+            await self._count(lease.spec.model, "fenced")
+            return False
 
         def end(job: StoredJob) -> None:
             job.status = result.status
             job.result = result
             job.finished_at = self.clock()
 
-        if holding is None or not await self._write_held(lease, end):
-            await self._count(lease.spec.model, "fenced")
-            return False
-        # the record is terminal, so no holder can append any more: the tail and the Finished
-        # event go in one round trip (a crash before they land is answered from the record,
-        # gateway/live.py `_ended`)
-        job_id, delivery = lease.spec.id, holding.job.deliveries
-        last = [(encode(tail), _event_id(job_id, delivery, "t"))] if tail else []
-        last.append((encode(Finished(result=result)), _event_id(job_id, delivery, "f")))
-        await self._events_stream()
-        subject = self.names.events(job_id)
-        try:
-            pending = [
-                await self.conn.publish_soon(subject, data, {MSG_ID: msg_id})
-                for data, msg_id in last
-            ]
-            for answer in pending:
-                await self.conn.acked(answer)
-        except BrokerUnavailable:
-            # stored or not, send them again in order: the ids drop what is in already
-            for data, msg_id in last:
-                await self._publish_event(job_id, data, None, msg_id=msg_id)
+        # the record follows: as held (one write), else whatever it says now (a reap requeued
+        # the job meanwhile; no later holder can run it, its claim meets this Finished)
+        turned = False
+        if not holding.job.terminal:  # else a call sent again: written and settled before
+            turned = await self._write_held(lease, end)
+            if not turned:
+                found = await self._get(job_id)
+                turned = found is not None and await self._follow(*found, result)
         self._holding.pop(lease.entry_id, None)
         await self._ack(lease.entry_id)
         if holding.job.cancel:
             await self._mark(Names.cancels(lease.spec.model), lease.spec.id, False)
-        return True
+        if not turned:
+            await self._count(lease.spec.model, "fenced")
+        return turned
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1
@@ -1193,7 +1277,10 @@ class NatsQueue(QueueCore):
         job, revision = found
         if force_dead or job.deliveries >= self.settings.max_deliveries:
             job.last_error = error
-            if not await self._end(job, revision, dead_result(f"{reason}: {error}"), reason, error):
+            holding = self._holding.get(lease.entry_id)
+            expect = None if holding is None else holding.last_seq
+            result = dead_result(f"{reason}: {error}")
+            if not await self._end(job, revision, result, reason, error, expect):
                 return -1
             self._holding.pop(lease.entry_id, None)
             await self._ack(lease.entry_id)
@@ -1400,28 +1487,43 @@ class NatsQueue(QueueCore):
         self, stream: str, cursors: Mapping[str, str], count: int
     ) -> list[tuple[str, str, JobEvent]]:
         async def one(job_id: str, after: str) -> list[tuple[str, str, JobEvent]]:
-            # claim markers take places in a batch but are no events: read on past them
+            # claim markers take places in a batch but are no events: read on past them. The
+            # cursor's own message is read again: a job's last message holds two events, and
+            # the cursor may be its first
             out: list[tuple[str, str, JobEvent]] = []
-            seq = _seq(after)
+            floor = _cursor(after)
+            seq = max(0, floor[0] - 1)
             while len(out) < count:
                 want = count - len(out)
                 rows = await self.conn.get_batch(stream, self.names.events(job_id), seq, want)
-                out += [
-                    (job_id, str(n), decode_event(data))
-                    for n, data, headers in rows
-                    if not headers.get(MARKER)
-                ]
+                for n, data, headers in rows:
+                    if headers.get(MARKER):
+                        continue
+                    for part, event in enumerate(_events_of(data, headers)):
+                        if (n, part) > floor:
+                            out.append((job_id, f"{n}-{part}" if part else str(n), event))
                 if len(rows) < want:
                     break
                 seq = rows[-1][0]
-            return out
+            return out[:count]
 
         parts = await asyncio.gather(*(one(j, a) for j, a in cursors.items()))
         return [row for part in parts for row in part]
 
     async def record(self, job_id: str) -> JobRecord | None:
         found = await self._get(job_id)
-        return None if found is None else found[0].record()
+        if found is None:
+            return None
+        job, revision = found
+        if job.status is JobStatus.RUNNING and job.lease_until <= self.clock():
+            # its holder may have died between its Finished and the record: follow the events
+            _, ended = await self._last_finished(job_id)
+            if ended is not None:
+                await self._mend(job, revision, ended, None)
+                found = await self._get(job_id)
+                if found is not None:
+                    job = found[0]
+        return job.record()
 
     async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
         return list(await asyncio.gather(*(self.record(j) for j in job_ids)))
@@ -1577,9 +1679,11 @@ class NatsQueue(QueueCore):
         return sorted(await self._marked(self.names.models_key))
 
 
-def _event_id(job_id: str, delivery: int, n: str) -> str:
-    """An event's message id: its job, the delivery that wrote it, and its place in it."""
-    return f"{job_id}.{delivery}.{n}"
+def _event_id(job_id: str, writer: int, n: str) -> str:
+    """An event's message id: its job, who wrote it (a holder's events: its claim marker's
+    sequence; a claim marker: its delivery) and its place (`n`: 1, 2...; `f` the last message;
+    `m<sequence>` a marker expecting that sequence before it)."""
+    return f"{job_id}.{writer}.{n}"
 
 
 def _names(job: StoredJob, lease: Lease) -> bool:
@@ -1587,12 +1691,21 @@ def _names(job: StoredJob, lease: Lease) -> bool:
     return job.worker == lease.consumer and job.deliveries == lease.spec.attempt + 1
 
 
-def _seq(after: str) -> int:
-    """An event id (a stream sequence) from a cursor; '0' or '' reads from the start."""
+def _cursor(after: str) -> tuple[int, int]:
+    """An event id as (stream sequence, place in its message): 'S' the message's first event,
+    'S-1' its second (a job's Finished after its tail); '0' or '' reads from the start."""
+    seq, _, part = after.partition("-")
     try:
-        return max(0, int(after.split("-")[0] or 0))
+        return max(0, int(seq or 0)), max(0, int(part or 0))
     except ValueError:
-        return 0
+        return 0, 0
+
+
+def _events_of(data: bytes, headers: Mapping[str, str]) -> list[JobEvent]:
+    """The events one message of a job's subject holds: one, or its tail and Finished."""
+    if headers.get(LAST):
+        return decode(data, list[JobEvent])
+    return [decode_event(data)]
 
 
 def _fair_plan(view: _LaneView, room: int) -> dict[str, int]:
