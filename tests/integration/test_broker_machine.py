@@ -16,10 +16,7 @@ from tokenyard.broker.core import CancelOutcome, Lease, QueueCore
 from tokenyard.broker.machine import Finish, JobState, Redeliver, Refused, Rules, Step
 from tokenyard.messages import JobRecord, JobStatus
 
-# NATS joins once its transitions are the machine's (the next commit)
-pytestmark = pytest.mark.parametrize(
-    "make_backend", [k for k in BACKENDS if k != "nats"], indirect=True
-)
+pytestmark = pytest.mark.parametrize("make_backend", list(BACKENDS), indirect=True)
 
 RULES = Rules(lease_s=30.0, max_deliveries=3)
 CONSUMERS = ("w1", "w2")

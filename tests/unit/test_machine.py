@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tokenyard.broker import machine
 from tokenyard.broker.machine import (
     Ack,
-    DeadLetter,
+    Bury,
     Finish,
     JobState,
     Redeliver,
@@ -56,7 +56,7 @@ class OneJob(RuleBasedStateMachine):
             self.ended_as = after
         elif after.terminal:
             raise AssertionError("a terminal state written without its Finished event")
-        if any(isinstance(e, DeadLetter) for e in outcome.effects):
+        if any(isinstance(e, Bury) for e in outcome.effects):
             assert after.status is JobStatus.DEAD
         if any(isinstance(e, (Redeliver, Requeue)) for e in outcome.effects):
             assert after.status is JobStatus.QUEUED and after.holder is None
@@ -105,7 +105,7 @@ class OneJob(RuleBasedStateMachine):
         before = self.state.copy()
         outcome = machine.fail(self.state, consumer, "boom", self.now, RULES, delay, reason)
         if isinstance(outcome, Step):
-            dead = [e for e in outcome.effects if isinstance(e, DeadLetter)]
+            dead = [e for e in outcome.effects if isinstance(e, Bury)]
             at_limit = before.deliveries >= RULES.max_deliveries
             cancelled = before.cancel and reason is None
             assert bool(dead) == (reason is not None or (at_limit and not cancelled))
@@ -179,7 +179,7 @@ def test_a_job_whose_deliveries_all_lapsed_is_dead_lettered_with_the_one_reason(
         state = step.state
     end = machine.lapse(state, 1000.0, RULES)
     assert isinstance(end, Step) and end.state.status is JobStatus.DEAD
-    letter = next(e for e in end.effects if isinstance(e, DeadLetter))
+    letter = next(e for e in end.effects if isinstance(e, Bury))
     assert letter.reason == "lease_expired"
     assert letter.error == "lease expired on each of 3 deliveries"
     assert end.state.result is not None and end.state.result.error == letter.error

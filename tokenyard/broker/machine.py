@@ -82,7 +82,9 @@ class Requeue(msgspec.Struct, frozen=True, tag="requeue"):
     """Put the job at the back of its lane again (its holder is gone)."""
 
 
-class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter"):
+class Bury(msgspec.Struct, frozen=True, tag="bury"):
+    """Add the job to its model's dead letters (its record ends with `Finish`)."""
+
     reason: str
     error: str
     deliveries: int
@@ -104,7 +106,7 @@ class Count(msgspec.Struct, frozen=True, tag="count"):
     name: str
 
 
-Effect = Ack | Redeliver | Requeue | DeadLetter | Finish | SignalCancel | Count
+Effect = Ack | Redeliver | Requeue | Bury | Finish | SignalCancel | Count
 
 
 class Step(msgspec.Struct, frozen=True):
@@ -265,7 +267,7 @@ def _lapsed_for_good(state: JobState, now: float) -> Step:
 
 
 def _dead(state: JobState, reason: str, error: str, now: float, message: str) -> Step:
-    letter = DeadLetter(reason=reason, error=error, deliveries=state.deliveries)
+    letter = Bury(reason=reason, error=error, deliveries=state.deliveries)
     step = _end(state, dead_result(message), now, letter, Count("dead"))
     step.state.last_error = error
     return step

@@ -39,7 +39,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from tokenyard.broker import audit
+from tokenyard.broker import audit, machine
 from tokenyard.broker.core import (
     BrokerStats,
     CancelOutcome,
@@ -53,11 +53,11 @@ from tokenyard.broker.core import (
     TenantBacklog,
 )
 from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.machine import Bury, Count, Refused, Step
 from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry, sent
 from tokenyard.broker.nats.names import Names, token
 from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
 from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
-from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
     active_tag,
     advanced,
@@ -159,6 +159,9 @@ class NatsQueue(QueueCore):
         self.audit = audit_trail
         self.registry = registry
         self._rng = rng or random.Random()
+        self._rules = machine.Rules(
+            lease_s=settings.lease_s, max_deliveries=settings.max_deliveries
+        )
         self._rounds: dict[str, int] = defaultdict(int)
         self._idle: dict[str, bool] = {}  # per model: the last claim found nothing
         self._lanes: dict[str, _LaneView] = defaultdict(_LaneView)
@@ -417,6 +420,24 @@ class NatsQueue(QueueCore):
             await self._dead_letter_entry(job, reason, error)
         if turned:
             await self._settle([(job.spec, result)])
+        return True
+
+    async def _ended(
+        self, job: StoredJob, revision: int, step: Step, expect: int | None = None
+    ) -> bool:
+        """Carry out a step of the machine that ends the job (`_end`), with its dead letter
+        and counters."""
+        job.take_on(step.state)
+        assert step.state.result is not None
+        letter = next((e for e in step.effects if isinstance(e, Bury)), None)
+        reason, error = (None, None) if letter is None else (letter.reason, letter.error)
+        if not await self._end(job, revision, step.state.result, reason, error, expect):
+            return False
+        for effect in step.effects:
+            if isinstance(effect, Count) and effect.name != "dead":  # dead: the stream counts
+                await self._count(job.spec.model, effect.name)
+        if step.state.cancel:
+            await self._mark(Names.cancels(job.spec.model), job.spec.id, False)
         return True
 
     async def _follow(self, job: StoredJob, revision: int, result: JobResult) -> bool:
@@ -925,35 +946,29 @@ class NatsQueue(QueueCore):
                     await self._ack(reply, b"+TERM")  # its record expired: nothing to run
                     return None
                 job, revision = found
-            if job.terminal or (job.seq and job.seq != msg.metadata.sequence.stream):
-                await self._ack(reply)  # ended, or moved (requeued) since this message
+            if job.seq and job.seq != msg.metadata.sequence.stream:
+                await self._ack(reply)  # moved (requeued) since this message
                 return None
             now = self.clock()
-            if job.status is JobStatus.RUNNING and job.lease_until > now:
+            taken = machine.take(job.state(), consumer, now, self._rules)
+            if taken is Refused.FINISHED:
+                await self._ack(reply)
+                return None
+            if taken is Refused.NOT_YET:
                 # redelivered while its holder's lease (as renewed) still runs: not ours yet
                 delay = int((job.lease_until - now) * 1e9)
                 await self._ack(reply, b"-NAK " + json.dumps({"delay": delay}).encode())
                 return None
-            if job.spec.deadline is not None and job.spec.deadline <= now:
-                if await self._end(job, revision, expired_result()):
-                    await self._ack(reply)
-                    await self._count(spec.model, "expired")
-                    return None
-                job = None
-                continue
-            if job.deliveries >= self.settings.max_deliveries:
-                if await self._lapsed_for_good(job, revision):
+            assert isinstance(taken, Step)
+            if taken.ended:  # its deadline passed, every delivery was used, or it was cancelled
+                if await self._ended(job, revision, taken):
                     await self._ack(reply)
                     return None
                 job = None
                 continue
             if job.last_error is not None and job.status is JobStatus.QUEUED:
                 await self._mark(Names.delayed(spec.model), spec.id, False)
-            job.status = JobStatus.RUNNING
-            job.deliveries += 1
-            job.worker = consumer
-            job.started_at = job.started_at or now
-            job.lease_until = now + self.settings.lease_s
+            job.take_on(taken.state)
             job.affinity = affinity
             job.seq = int(msg.metadata.sequence.stream)
             job.lane = msg.metadata.stream
@@ -1270,27 +1285,34 @@ class NatsQueue(QueueCore):
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         """1: retried after backoff; 0: dead-lettered (at the delivery limit, or forced);
-        -1: the lease was lost."""
+        2: ended cancelled (a client asked while it ran); -1: the lease was lost."""
         found = await self._ours(lease)
         if found is None:
             return -1
         job, revision = found
-        if force_dead or job.deliveries >= self.settings.max_deliveries:
-            job.last_error = error
-            holding = self._holding.get(lease.entry_id)
-            expect = None if holding is None else holding.last_seq
-            result = dead_result(f"{reason}: {error}")
-            if not await self._end(job, revision, result, reason, error, expect):
-                return -1
-            self._holding.pop(lease.entry_id, None)
-            await self._ack(lease.entry_id)
-            return 0
         delay = backoff_delay(
             lease.spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
-        job.status = JobStatus.QUEUED
-        job.last_error = error
-        job.worker = None
+        step = machine.fail(
+            job.state(),
+            lease.consumer,
+            error,
+            self.clock(),
+            self._rules,
+            delay,
+            reason if force_dead else None,
+        )
+        if not isinstance(step, Step):
+            return -1
+        if step.ended:
+            holding = self._holding.get(lease.entry_id)
+            expect = None if holding is None else holding.last_seq
+            if not await self._ended(job, revision, step, expect):
+                return -1
+            self._holding.pop(lease.entry_id, None)
+            await self._ack(lease.entry_id)
+            return 0 if step.state.status is JobStatus.DEAD else 2
+        job.take_on(step.state)
         if await self._cas(job, revision) is None:
             return -1
         self._holding.pop(lease.entry_id, None)
@@ -1307,9 +1329,18 @@ class NatsQueue(QueueCore):
             if found is None:
                 return False
             job, revision = found
-            job.status = JobStatus.QUEUED
-            job.deliveries -= 1
-            job.worker = None
+            step = machine.release(job.state(), lease.consumer, self.clock())
+            if not isinstance(step, Step):
+                return False
+            if step.ended:  # a client asked to cancel it: it ends here
+                holding = self._holding.get(lease.entry_id)
+                expect = None if holding is None else holding.last_seq
+                if not await self._ended(job, revision, step, expect):
+                    return False
+                self._holding.pop(lease.entry_id, None)
+                await self._ack(lease.entry_id)
+                return True
+            job.take_on(step.state)
             if lease.affinity:
                 return await self._requeue(job, revision, lease.entry_id)
             if await self._cas(job, revision) is None:
@@ -1373,24 +1404,20 @@ class NatsQueue(QueueCore):
                     if hit is None:
                         continue
                     job, revision = hit
-                    if job.status is not JobStatus.RUNNING or job.lease_until > now:
+                    step = machine.lapse(job.state(), now, self._rules)
+                    if not isinstance(step, Step):
                         continue
-                    if job.deliveries >= self.settings.max_deliveries:
-                        if await self._lapsed_for_good(job, revision):
+                    if step.ended:  # its last allowed delivery, or a client asked to cancel
+                        ended = await self._ended(job, revision, step)
+                        if ended and step.state.status is JobStatus.DEAD:
                             dead.append(spec.id)
                         continue
-                    job.status = JobStatus.QUEUED
-                    job.worker = None
+                    job.take_on(step.state)
                     # a new message at the back of its tenant's subject (an affinity job's too:
                     # any worker may take it now)
                     if await self._requeue(job, revision, None):
                         requeued.append(spec.id)
         return ReapReport(requeued=requeued, dead=dead)
-
-    async def _lapsed_for_good(self, job: StoredJob, revision: int) -> bool:
-        """Dead-letter a job whose lease lapsed on its last allowed delivery."""
-        error = f"lease expired on each of {self.settings.max_deliveries} deliveries"
-        return await self._end(job, revision, dead_result(error), "lease_expired", error)
 
     # -- cancellation -----------------------------------------------------------------------
     async def cancel(self, job_id: str) -> CancelOutcome:
@@ -1405,23 +1432,21 @@ class NatsQueue(QueueCore):
             if found is None:
                 return CancelOutcome.NOT_FOUND
             job, revision = found
-            if job.terminal:
+            step = machine.cancel(job.state(), self.clock(), leaving)
+            if not isinstance(step, Step):
                 return CancelOutcome.ALREADY_FINISHED
-            if leaving:
-                job.followers -= leaving
-                if job.followers > 0:
-                    if await self._cas(job, revision) is not None:
-                        return CancelOutcome.FOLLOWED
-                    continue
-            if job.status is JobStatus.RUNNING:
-                job.cancel = True
-                if await self._cas(job, revision) is None:
-                    continue
-                await self._mark(Names.cancels(job.spec.model), job_id, True)
-                return CancelOutcome.SIGNALLED
-            if await self._end(job, revision, cancelled_result()):
-                await self._mark(Names.delayed(job.spec.model), job_id, False)
-                return CancelOutcome.CANCELLED
+            if step.ended:
+                if await self._ended(job, revision, step):
+                    await self._mark(Names.delayed(job.spec.model), job_id, False)
+                    return CancelOutcome.CANCELLED
+                continue
+            job.take_on(step.state)
+            if await self._cas(job, revision) is None:
+                continue
+            if not step.effects:
+                return CancelOutcome.FOLLOWED
+            await self._mark(Names.cancels(job.spec.model), job_id, True)
+            return CancelOutcome.SIGNALLED
         return CancelOutcome.NOT_FOUND
 
     async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:

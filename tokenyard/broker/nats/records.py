@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenyard.broker.machine import JobState
 from tokenyard.messages import JobRecord, JobResult, JobSpec, JobStatus, decode, encode
 
 
@@ -30,6 +31,37 @@ class StoredJob(msgspec.Struct, kw_only=True):
     @property
     def terminal(self) -> bool:
         return self.status.terminal
+
+    def state(self) -> JobState:
+        """What the job state machine decides on (tokenyard/broker/machine.py)."""
+        return JobState(
+            status=self.status,
+            deliveries=self.deliveries,
+            holder=self.worker if self.status is JobStatus.RUNNING else None,
+            lease_until=self.lease_until,
+            deadline=self.spec.deadline,
+            cancel=self.cancel,
+            followers=self.followers,
+            last_error=self.last_error,
+            result=self.result,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+    def take_on(self, state: JobState) -> None:
+        """The machine's state after a step, into this record (the worker that last held an
+        ended job stays named)."""
+        self.status = state.status
+        self.deliveries = state.deliveries
+        if not state.terminal:
+            self.worker = state.holder
+        self.lease_until = state.lease_until
+        self.cancel = state.cancel
+        self.followers = state.followers
+        self.last_error = state.last_error
+        self.result = state.result
+        self.started_at = state.started_at
+        self.finished_at = state.finished_at
 
     def record(self) -> JobRecord:
         spec = self.spec
