@@ -49,7 +49,7 @@ from tokenyard.broker.core import (
 from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry, sent
 from tokenyard.broker.nats.names import Names, token
-from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
+from tokenyard.broker.nats.records import Liveness, StoredJob, decode_job, encode_job
 from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
@@ -59,6 +59,7 @@ from tokenyard.broker.policy import (
     claim_order,
     fair_cost,
     hold_for,
+    lapsed,
     next_turn,
     overdue,
     staging_score,
@@ -1256,13 +1257,28 @@ class NatsQueue(QueueCore):
         await self._wake(spec.model, [job.subject])
         return True
 
-    async def reap(self, model: str) -> ReapReport:
-        """Requeue (to the back of its tenant's subject) each job whose lease lapsed, and
-        dead-letter those at the delivery limit. Only the messages each consumer has out
-        (between its ack floor and its last delivery) are looked at."""
+    async def beat(self, model: str, consumer: str) -> None:
+        until = self.clock() + self.settings.liveness_s
+
+        def beaten(raw: bytes | None) -> tuple[bytes | None, None]:
+            live = Liveness() if raw is None else decode(raw, Liveness)
+            live.until[consumer] = until
+            return encode(live), None
+
+        await kv_change(await self._jobs(), Names.live(model), beaten)
+
+    async def reap(self, model: str, expired: bool = True) -> ReapReport:
+        """Requeue (to the back of its tenant's subject) each job whose holder's liveness
+        lapsed or, with `expired`, whose lease lapsed, and dead-letter those at the delivery
+        limit. Only the messages each consumer has out (between its ack floor and its last
+        delivery) are looked at, and only when there is something to look for."""
         now = self.clock()
         requeued: list[str] = []
         dead: list[str] = []
+        raw, _ = await kv_entry(await self._jobs(), Names.live(model))
+        gone = set(lapsed(decode(raw, Liveness).until, now)) if raw else set()
+        if not (expired or gone):
+            return ReapReport(requeued=requeued, dead=dead)
         lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
         streams = await asyncio.gather(*(self._lane(model, p, pool) for p, pool in lanes))
         for stream, infos in zip(
@@ -1280,7 +1296,9 @@ class NatsQueue(QueueCore):
                     if hit is None:
                         continue
                     job, revision = hit
-                    if job.status is not JobStatus.RUNNING or job.lease_until > now:
+                    if job.status is not JobStatus.RUNNING or (
+                        job.worker not in gone and (not expired or job.lease_until > now)
+                    ):
                         continue
                     if job.deliveries >= self.settings.max_deliveries:
                         if await self._lapsed_for_good(job, revision):
@@ -1292,7 +1310,21 @@ class NatsQueue(QueueCore):
                     # any worker may take it now)
                     if await self._requeue(job, revision, None):
                         requeued.append(spec.id)
+        if gone:
+            await self._forget_lapsed(model, gone, now)
         return ReapReport(requeued=requeued, dead=dead)
+
+    async def _forget_lapsed(self, model: str, gone: set[str], now: float) -> None:
+        """Drop workers whose jobs a reap took over, unless one beat again meanwhile."""
+
+        def forget(raw: bytes | None) -> tuple[bytes | None, None]:
+            live = Liveness() if raw is None else decode(raw, Liveness)
+            still = [w for w in gone if live.until.get(w, now + 1.0) <= now]
+            for worker in still:
+                del live.until[worker]
+            return (encode(live) if still else None), None
+
+        await kv_change(await self._jobs(), Names.live(model), forget)
 
     async def _lapsed_for_good(self, job: StoredJob, revision: int) -> bool:
         """Dead-letter a job whose lease lapsed on its last allowed delivery."""

@@ -564,10 +564,18 @@ class RedisQueue(QueueCore):
         replies = await self._per_model([lease.spec.model for lease in leases], call)
         return sum(int(reply) for _, reply in replies)
 
-    async def reap(self, model: str) -> ReapReport:
+    async def beat(self, model: str, consumer: str) -> None:
+        until = self.clock() + self.settings.liveness_s
+        await self.conn.one(("ZADD", self.keys.live(model), repr(until), consumer))
+
+    async def reap(self, model: str, expired: bool = True) -> ReapReport:
         result = dead_result(f"lease expired on each of {self.settings.max_deliveries} deliveries")
         call = scripts.REAP.call(
-            scripts.ReapKeys(dlq=self.keys.dead_letters(model), counters=self.keys.counters(model)),
+            scripts.ReapKeys(
+                dlq=self.keys.dead_letters(model),
+                counters=self.keys.counters(model),
+                live=self.keys.live(model),
+            ),
             scripts.ReapArgs(
                 group=GROUP,
                 reaper="reaper",
@@ -579,6 +587,7 @@ class RedisQueue(QueueCore):
                 event_prefix=self.keys.events_prefix(model),
                 finished=encode(Finished(result=result)),
                 ttl_ms=self._ttl_ms,
+                expired="1" if expired else "0",
             ),
             [
                 (scripts.ReapItemKeys(lane=stream, home=lane), scripts.ReapItemArgs(p.name))

@@ -292,10 +292,11 @@ class FailArgs(NamedTuple):
 FAIL = ScriptSpec("fail", FailKeys, FailArgs, Empty, Empty)
 
 
-# -- reap: requeue or dead-letter entries whose lease expired --------------------------------
+# -- reap: requeue or dead-letter entries whose lease expired or whose holder lapsed ---------
 class ReapKeys(NamedTuple):
     dlq: str
     counters: str
+    live: str  # the model's workers by when their liveness lapses
 
 
 class ReapArgs(NamedTuple):
@@ -309,6 +310,7 @@ class ReapArgs(NamedTuple):
     event_prefix: str
     finished: bytes  # Finished(dead result)
     ttl_ms: int
+    expired: str  # "1": entries idle past the lease too; "0": lapsed workers' only
 
 
 class ReapItemArgs(NamedTuple):
