@@ -35,6 +35,12 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     tables_url: str = ""
     prefix: str = "ty"
     lease_s: Seconds = 30.0  # an unrenewed entry older than this is reclaimed
+    # a worker not heard from for this long is dead: any worker's reap takes its jobs over
+    # (resumed from their streamed tokens) without waiting for their leases, which stay long
+    # for slow engine steps. A worker beats 4 times in it, so a pause of up to 3/4 of it
+    # passes (broker/policy.py, `beat_period`); a worker that lapsed and comes back has lost
+    # those jobs (its writes are refused) and carries on
+    liveness_s: Seconds = 2.0
     max_deliveries: Count = 5  # deliveries (crashes + retries) before the dead-letter stream
     max_queue_depth: Count = 100_000  # per lane; enqueue past it raises QueueFull
     # group commit of single-job enqueues (broker/group_commit.py): at most this many jobs per

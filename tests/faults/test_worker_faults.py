@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -45,11 +46,15 @@ class Workers:
         self.launcher = Launcher(self.processes, url, prefix, tables_url)
 
     def start(
-        self, *extra: str, engine: str = "hf", env: dict[str, str] | None = None
+        self,
+        *extra: str,
+        engine: str = "hf",
+        env: dict[str, str] | None = None,
+        lease_s: float = LEASE_S,
     ) -> subprocess.Popen[bytes]:
         return self.launcher.worker(
             "--model", MODEL, "--engine", engine, "--max-seqs", "16",
-            "--lease-s", str(LEASE_S), *extra,
+            "--lease-s", str(lease_s), *extra,
             env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -266,6 +271,99 @@ async def test_sigkill_while_holding_a_concurrency_slot_does_not_leak_it(
     done = await results(broker, [job.id], timeout=120)
     assert done[job.id].status is JobStatus.SUCCEEDED
     assert await admitted(new_job_id(MODEL))
+
+
+async def followed(
+    broker: Backend, job_id: str, timeout: float
+) -> list[tuple[float, TokenChunk | Finished]]:
+    """A client's view of a job's stream: each event with when it arrived (monotonic)."""
+    seen: list[tuple[float, TokenChunk | Finished]] = []
+    cursor = "0"
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        for event_id, event in await broker.queue.read_events(job_id, after=cursor, block_s=0.2):
+            cursor = event_id
+            if isinstance(event, TokenChunk | Finished):
+                seen.append((time.monotonic(), event))
+            if isinstance(event, Finished):
+                return seen
+    raise AssertionError(f"{job_id} never finished")
+
+
+@KINDS
+async def test_sigkill_mid_stream_moves_the_job_to_a_live_worker_within_three_seconds(
+    make_backend: BackendFactory, workers: Workers
+) -> None:
+    """With leases as long as slow engine steps need (the default 30 s), a killed worker's
+    job moves by its lapsed liveness: the client's stream stalls at most 3 s, then goes on
+    to the whole answer, nothing lost or repeated."""
+    broker = make_backend()
+    lease_s = broker.queue.settings.lease_s
+    assert lease_s >= 30.0  # the lease is not what moves the job here
+    procs = [workers.start(engine="sim", lease_s=lease_s) for _ in range(2)]
+    give_up = time.monotonic() + 120
+    while len(await broker.registry.workers(MODEL)) < 2:
+        assert time.monotonic() < give_up, "the workers never registered"
+        assert all(p.poll() is None for p in procs)
+        await asyncio.sleep(0.1)
+    # ~10 ms a token on the sim engine, whose tokens are a function of prompt and position:
+    # a resumed run writes what an unbroken one does
+    reference, spec = greedy_jobs(2, max_tokens=800)
+    spec.prompt = reference.prompt
+    await broker.queue.enqueue(reference)
+    whole = (await results(broker, [reference.id], timeout=120))[reference.id]
+    assert whole.status is JobStatus.SUCCEEDED and len(whole.token_ids) == 800
+
+    await broker.queue.enqueue(spec)
+    stream = asyncio.create_task(followed(broker, spec.id, timeout=120))
+    await wait_for_tokens(broker, [spec.id], at_least=1)
+    await asyncio.sleep(1.0)  # well into its stream
+    record = await broker.queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.RUNNING and record.worker
+    holder = int(record.worker.split(":")[-2])  # host:pid:start
+    [victim] = [p for p in procs if p.pid == holder]
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    seen = await stream
+
+    chunks = [(at, e) for at, e in seen if isinstance(e, TokenChunk)]
+    arrivals = [at for at, _ in chunks]
+    assert arrivals[0] <= killed_at < arrivals[-1], "the kill should land mid-stream"
+    stall = max(b - a for a, b in itertools.pairwise(arrivals))
+    assert stall <= 3.0, f"the stream stalled {stall:.2f} s after the kill"
+    [(_, end)] = [(at, e) for at, e in seen if isinstance(e, Finished)]
+    assert isinstance(end, Finished) and end.result.status is JobStatus.SUCCEEDED
+    assert end.result.text == whole.text and end.result.token_ids == whole.token_ids
+    ids = [t for _, e in chunks for t in e.token_ids]
+    assert ids == whole.token_ids  # every token once, in order: none lost, none repeated
+    done = await broker.queue.record(spec.id)
+    assert done is not None and done.deliveries == 2 and done.worker != record.worker
+
+
+@KINDS
+async def test_engine_steps_longer_than_the_liveness_do_not_make_a_worker_dead(
+    make_backend: BackendFactory, workers: Workers
+) -> None:
+    """Engine steps run off the worker's event loop, which keeps beating through a step
+    longer than `liveness_s`: the live worker beside it takes nothing over."""
+    broker = make_backend()
+    step_s = broker.queue.settings.liveness_s * 1.5
+    slow = {"TOKENYARD_WORKER_SIM_DECODE_BASE_S": str(step_s)}
+    procs = [workers.start(engine="sim", lease_s=30.0, env=slow) for _ in range(2)]
+    give_up = time.monotonic() + 120
+    while len(await broker.registry.workers(MODEL)) < 2:
+        assert time.monotonic() < give_up, "the workers never registered"
+        assert all(p.poll() is None for p in procs)
+        await asyncio.sleep(0.1)
+    jobs = greedy_jobs(2, max_tokens=3)
+    await broker.queue.enqueue_many(jobs)
+    done = await results(broker, [j.id for j in jobs], timeout=120)
+    for job in jobs:
+        assert done[job.id].status is JobStatus.SUCCEEDED
+        record = await broker.queue.record(job.id)
+        assert record is not None and record.deliveries == 1
+    assert (await broker.queue.stats(MODEL)).fenced_completions == 0
 
 
 # A constrained (JSON-schema) generation whose worker is killed mid-way resumes to the same

@@ -336,6 +336,78 @@ async def test_renewed_lease_is_not_reclaimed(make_backend: BackendFactory) -> N
     assert await broker.queue.complete(lease, ok(lease))
 
 
+class Shifted:
+    """The wall clock moved on by `ahead` seconds: liveness lapses without a wait."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.ahead
+
+
+async def test_a_lapsed_workers_jobs_move_long_before_their_lease_and_it_is_fenced(
+    make_backend: BackendFactory,
+) -> None:
+    clock = Shifted()
+    broker = make_backend(clock=clock, lease_s=30.0, liveness_s=2.0)
+    spec, other = job(), job()
+    await broker.queue.enqueue_many([spec, other])
+    await broker.queue.beat(MODEL, "w1")
+    await broker.queue.beat(MODEL, "w2")
+    [zombie] = await broker.queue.claim(MODEL, "w1", slots=1)
+    [kept] = await broker.queue.claim(MODEL, "w2", slots=1)
+    assert (zombie.spec.id, kept.spec.id) == (spec.id, other.id)
+    assert await broker.queue.append_events([(zombie, TokenChunk(token_ids=[7], text="a"))]) == [
+        True
+    ]
+    clock.ahead = 1.5  # both beat less than liveness_s ago: nobody's jobs move
+    assert (await broker.queue.reap(MODEL, expired=False)).requeued == []
+    await broker.queue.beat(MODEL, "w2")
+    clock.ahead = 2.5  # w1's last beat lapsed, w2's did not; no lease is anywhere near its end
+    report = await broker.queue.reap(MODEL, expired=False)
+    assert report.requeued == [spec.id] and report.dead == []
+
+    [fresh] = await broker.queue.claim(MODEL, "w3", slots=1, block_s=2.0)
+    assert fresh.spec.id == spec.id and fresh.spec.attempt == 1 and fresh.resumable
+    assert await broker.queue.append_events([(zombie, TokenChunk(token_ids=[9], text="z"))]) == [
+        False
+    ]
+    assert await broker.queue.renew([zombie, kept]) == [False, True]
+    assert not await broker.queue.complete(zombie, ok(zombie, "zombie"))
+    assert await broker.queue.complete(fresh, ok(fresh, "fresh"))
+    assert await broker.queue.complete(kept, ok(kept, "kept"))
+    record = await broker.queue.record(spec.id)
+    assert record is not None and record.result is not None
+    assert record.result.text == "fresh" and record.deliveries == 2
+    tokens = [e for _, e in await broker.queue.read_events(spec.id) if isinstance(e, TokenChunk)]
+    assert [t.text for t in tokens] == ["a"]  # the first holder's, once; the zombie's refused
+
+
+async def test_a_lapsed_worker_that_beats_again_lives_and_one_that_never_beat_keeps_its_jobs(
+    make_backend: BackendFactory,
+) -> None:
+    clock = Shifted()
+    broker = make_backend(clock=clock, lease_s=30.0, liveness_s=2.0)
+    first, second, third = job(), job(), job()
+    await broker.queue.enqueue_many([first, second, third])
+    await broker.queue.beat(MODEL, "w1")
+    [a] = await broker.queue.claim(MODEL, "w1", slots=1)
+    [b] = await broker.queue.claim(MODEL, "quiet", slots=1)  # never beats: only its lease counts
+    clock.ahead = 3.0
+    assert (await broker.queue.reap(MODEL, expired=False)).requeued == [a.spec.id]
+    # w1 comes back: its old job is gone for good, and it is alive again
+    await broker.queue.beat(MODEL, "w1")
+    [c] = await broker.queue.claim(MODEL, "w1", slots=1, block_s=2.0)
+    assert c.spec.id in (first.id, third.id)
+    clock.ahead = 4.0
+    assert (await broker.queue.reap(MODEL, expired=False)).requeued == []
+    assert await broker.queue.renew([a, b, c]) == [False, True, True]
+    clock.ahead = 6.0  # w1 lapsed again: only what it holds now moves
+    assert (await broker.queue.reap(MODEL, expired=False)).requeued == [c.spec.id]
+    assert (await broker.queue.reap(MODEL, expired=False)).requeued == []
+
+
 async def test_lease_expiring_past_delivery_limit_goes_to_dead_letters(
     make_backend: BackendFactory,
 ) -> None:

@@ -1,4 +1,5 @@
-"""Backoff and claim-order policy: pure functions with seeded randomness."""
+"""Backoff, claim-order and liveness policy: pure functions with seeded randomness or
+injected time."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import pytest
 
 from tokenyard.broker.policy import (
     backoff_delay,
+    beat_period,
     claim_order,
     estimated_tokens,
     joinable,
+    lapsed,
+    may_reap,
     pools_served,
     size_pool,
 )
-from tokenyard.config import parse_pool_bounds
+from tokenyard.config import BrokerSettings, parse_pool_bounds
 from tokenyard.errors import FatalError
 from tokenyard.messages import JobSpec, JobStatus, SamplingParams
 
@@ -89,3 +93,54 @@ def test_a_collapse_key_is_joined_in_flight_and_briefly_after_success_only() -> 
     assert not joinable(JobStatus.SUCCEEDED, None, now=100.0, grace_s=5.0)
     for status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED, JobStatus.DEAD):
         assert not joinable(status, 99.9, now=100.0, grace_s=5.0)
+
+
+def _found_dead_at(beats: list[float], liveness_s: float, reaps: list[float]) -> float | None:
+    """The first reap at which a worker beating at `beats` is found dead (as `beat` and
+    `reap` decide it: each beat makes it live until liveness_s later)."""
+    for now in reaps:
+        live = {"w": max((t for t in beats if t <= now), default=-1e9) + liveness_s}
+        if lapsed(live, now) == ["w"]:
+            return now
+    return None
+
+
+def test_a_killed_worker_is_found_dead_within_three_seconds_by_default() -> None:
+    liveness_s = BrokerSettings().liveness_s
+    period = beat_period(liveness_s)
+    ticks = [i * period for i in range(200)]
+    for killed in (10.0, 10.0 + period / 3, 10.0 + period * 0.99):
+        beats = [t for t in ticks if t < killed]
+        # another worker reaps on its own ticks, out of step with the dead one's
+        found = _found_dead_at(beats, liveness_s, [t + period / 7 for t in ticks])
+        assert found is not None and found - killed <= liveness_s + period <= 3.0
+
+
+def test_a_worker_paused_for_up_to_three_quarters_of_its_liveness_is_not_found_dead() -> None:
+    liveness_s = BrokerSettings().liveness_s
+    period = beat_period(liveness_s)
+    reaps = [i * period / 10 for i in range(400)]
+    for pause in (0.5, 1.0, 0.75 * liveness_s - 0.01):
+        # beats every period, then none for `pause` past the next (an event loop stalled by a
+        # GC pause or a long step), then on again
+        beats = [i * period for i in range(20)]
+        beats += [beats[-1] + period + pause + i * period for i in range(20)]
+        assert _found_dead_at(beats, liveness_s, reaps) is None, pause
+    beats = [i * period for i in range(20)]
+    beats += [beats[-1] + liveness_s + 0.1 + i * period for i in range(20)]
+    assert _found_dead_at(beats, liveness_s, reaps) is not None  # a longer silence is death
+
+
+def test_lapsed_names_the_workers_whose_liveness_ended_by_now() -> None:
+    live = {"a": 10.0, "b": 12.0, "c": 9.5}
+    assert lapsed(live, 9.0) == []
+    assert lapsed(live, 10.0) == ["a", "c"]  # lapsing at `now` is lapsed
+    assert lapsed(live, 12.5) == ["a", "b", "c"]
+    assert lapsed({}, 100.0) == []
+
+
+def test_only_a_worker_whose_own_beats_went_through_for_a_full_liveness_reaps() -> None:
+    assert not may_reap(None, 100.0, 2.0)  # its last beat failed: cut off, as others may be
+    assert not may_reap(99.0, 100.0, 2.0)  # back a second ago: the others may not have beaten
+    assert may_reap(98.0, 100.0, 2.0)
+    assert may_reap(10.0, 100.0, 2.0)

@@ -163,8 +163,15 @@ class Leases(Protocol):
         """Hand jobs back for immediate redelivery (drain); returns how many were still ours."""
         ...
 
-    async def reap(self, model: str) -> ReapReport:
-        """Requeue jobs whose lease expired; dead-letter those past the delivery limit."""
+    async def beat(self, model: str, consumer: str) -> None:
+        """This worker lives for `liveness_s` more: until then no reap takes its jobs over
+        unless their leases expire. Only a worker that beat can be found dead this way."""
+        ...
+
+    async def reap(self, model: str, expired: bool = True) -> ReapReport:
+        """Requeue the jobs of workers whose liveness lapsed (then forget those workers) and,
+        with `expired`, the jobs whose lease expired; dead-letter those past the delivery
+        limit. A requeued job resumes from its streamed tokens."""
         ...
 
 

@@ -1,6 +1,6 @@
 """Pure delivery policy every backend shares: retry backoff, the order lanes are claimed in,
-size pools, fair-share cost, which worker a job with a known prefix is held for, and which job
-an identical request joins (collapsing)."""
+size pools, fair-share cost, which worker a job with a known prefix is held for, which job an
+identical request joins (collapsing), and when a worker counts as dead."""
 
 from __future__ import annotations
 
@@ -135,3 +135,26 @@ def joinable(status: JobStatus, ended_at: float | None, now: float, grace_s: flo
     if not status.terminal:
         return True
     return status is JobStatus.SUCCEEDED and ended_at is not None and now - ended_at < grace_s
+
+
+# worker liveness (`BrokerSettings.liveness_s`): a worker's beat says it lives until a moment;
+# once that passed, any worker's reap takes its jobs over, long before their leases run out
+LIVENESS_BEATS = 4  # beats per liveness_s: a pause of up to 3/4 of it passes
+
+
+def beat_period(liveness_s: float) -> float:
+    """How often a worker beats, and reaps: a killed worker's jobs move within
+    liveness_s + this (plus one claim) of its death."""
+    return liveness_s / LIVENESS_BEATS
+
+
+def lapsed(live: Mapping[str, float], now: float) -> list[str]:
+    """The workers of `live` (each mapped to when its last beat lapses) dead by `now`."""
+    return sorted(worker for worker, until in live.items() if until <= now)
+
+
+def may_reap(beating_since: float | None, now: float, liveness_s: float) -> bool:
+    """Whether a worker may reap (take over other workers' jobs): its own beats have gone
+    through for a full liveness_s. One that was just cut off from the broker, as the others
+    likely were too, first waits for them to beat again (None: its last beat failed)."""
+    return beating_since is not None and now - beating_since >= liveness_s

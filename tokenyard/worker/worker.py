@@ -20,7 +20,7 @@ import msgspec
 
 from tokenyard import heap
 from tokenyard.broker.core import Cancellation, Events, Lease, Leases
-from tokenyard.broker.policy import pools_served
+from tokenyard.broker.policy import beat_period, may_reap, pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
@@ -136,6 +136,7 @@ class Worker:
         self._tokens_per_s = 0.0
         self._stats_line = StatsLine(self.consumer, settings.log_stats_s, time.monotonic())
         self._cancel_checked_at = 0.0
+        self._beating_since: float | None = None  # since when every beat went through
         # steps' broker writes not sent yet, oldest first (see `_publish`)
         self._unsent: deque[_Writes] = deque()
         self._publishing = asyncio.Lock()
@@ -175,6 +176,7 @@ class Worker:
             heap.freeze()
         self._stats_line = StatsLine(self.consumer, self.settings.log_stats_s, time.monotonic())
         await self._heartbeat()
+        await self._beat()  # before any claim: a worker that never beat is never found dead
         log.info(
             "worker %s started: model %s, engine %s, %d slots",
             self.consumer,
@@ -184,6 +186,7 @@ class Worker:
         )
         outputs = asyncio.create_task(self._output_loop(), name="outputs")
         upkeep = asyncio.create_task(self._upkeep_loop(), name="upkeep")
+        liveness = asyncio.create_task(self._liveness_loop(), name="liveness")
         try:
             await self._claim_loop()
             await self._finish_in_flight()
@@ -195,7 +198,7 @@ class Worker:
             # swallowed, so neither is cancelled halfway through a broker write
             self._stopping.set()
             await self.engine.stop()  # the output loop ends with EngineClosed
-            loops = {outputs, upkeep}
+            loops = {outputs, upkeep, liveness}
             if self._resending is not None:  # it ends at its next try, as the loops do
                 loops.add(self._resending)
             _, pending = await asyncio.wait(loops, timeout=30.0)
@@ -631,7 +634,7 @@ class Worker:
     async def _upkeep_loop(self) -> None:
         lease_s = self.queue.settings.lease_s
         period = max(0.05, min(lease_s / 3, self.settings.heartbeat_s))
-        next_reap = next_sweep = 0.0
+        next_sweep = 0.0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), period)
@@ -639,14 +642,6 @@ class Worker:
                 return
             try:
                 await self._renew()
-                if time.monotonic() >= next_reap:
-                    next_reap = time.monotonic() + lease_s / 2
-                    report = await self.queue.reap(self.model)
-                    self.metrics.dead_letters.inc(len(report.dead))
-                    if report.requeued or report.dead:
-                        log.info(
-                            "reaped %d, dead-lettered %d", len(report.requeued), len(report.dead)
-                        )
                 if time.monotonic() >= next_sweep:
                     # quota reservations no terminal path settled (expired at claim, a crash
                     # between a terminal write and its settle): idempotent, any worker may
@@ -656,6 +651,51 @@ class Worker:
             except Exception:
                 # a broker failure of any kind must not end upkeep: the next period tries again
                 log.exception("upkeep failed; retrying")
+
+    async def _liveness_loop(self) -> None:
+        """Beat every `beat_period`, and after each beat reap: the jobs of workers whose
+        liveness lapsed each time, those whose lease expired every half lease. A task of its
+        own, so nothing slower (renewals, a long reap) holds the next beat back; engine steps
+        run off this loop (threads, processes), so a long step does not either."""
+        liveness_s = self.queue.settings.liveness_s
+        period = beat_period(liveness_s)
+        next_expired = 0.0
+        reaping: asyncio.Task[None] | None = None
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), period)
+            if self._stopping.is_set():
+                break
+            await self._beat()
+            now = time.monotonic()
+            idle = reaping is None or reaping.done()
+            if idle and may_reap(self._beating_since, now, liveness_s):
+                expired = now >= next_expired
+                if expired:
+                    next_expired = now + self.queue.settings.lease_s / 2
+                reaping = asyncio.create_task(self._reap(expired), name="reap")
+        if reaping is not None:
+            await reaping
+
+    async def _beat(self) -> None:
+        try:
+            await self.queue.beat(self.model, self.consumer)
+        except Exception as exc:  # an outage: upkeep logs its traceback every period already
+            self._beating_since = None
+            log.warning("beat failed (%s); retrying", exc)
+            return
+        if self._beating_since is None:
+            self._beating_since = time.monotonic()
+
+    async def _reap(self, expired: bool) -> None:
+        try:
+            report = await self.queue.reap(self.model, expired=expired)
+        except Exception:
+            log.exception("reap failed; retrying")
+            return
+        self.metrics.dead_letters.inc(len(report.dead))
+        if report.requeued or report.dead:
+            log.info("reaped %d, dead-lettered %d", len(report.requeued), len(report.dead))
 
     async def _renew(self) -> None:
         # jobs the engine still runs, and those whose completion or retry is kept unsent

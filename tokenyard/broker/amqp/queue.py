@@ -794,9 +794,12 @@ class AmqpQueue(RedisQueue):
         await self._let_go(leases)
         return sum(1 for code in codes if code)
 
-    async def reap(self, model: str) -> ReapReport:
-        """Leases past their deadline: dead-letter those at the delivery limit, requeue the
-        rest under new messages; then move what RabbitMQ dead-lettered into the stream."""
+    async def reap(self, model: str, expired: bool = True) -> ReapReport:
+        """Leases whose holder's liveness lapsed and, with `expired`, those past their
+        deadline: dead-letter those at the delivery limit, requeue the rest under new
+        messages; then move what RabbitMQ dead-lettered into the stream. (A holder whose
+        connection closed lost its messages already: RabbitMQ delivers them again and
+        take.lua hands them on.)"""
         await self._lanes(model)
         now = self.clock()
         lanes = [
@@ -805,9 +808,12 @@ class AmqpQueue(RedisQueue):
             for pool in range(self.settings.pool_count)
         ]
         call = scripts.EXPIRED.call(
-            Empty(),
+            scripts.LiveKey(live=self.keys.live(model)),
             scripts.ExpiredArgs(
-                now=repr(now), max_entries=REAP_BATCH, job_prefix=self.keys.job_prefix(model)
+                now=repr(now),
+                max_entries=REAP_BATCH,
+                job_prefix=self.keys.job_prefix(model),
+                expired="1" if expired else "0",
             ),
             [(scripts.LeasesKey(leases=self.keys.leases(lane)), Empty()) for lane in lanes],
         )
@@ -815,11 +821,14 @@ class AmqpQueue(RedisQueue):
         found = await self.records([as_text(row[0]) for row in rows])
         at_limit: list[Lease] = []
         again: list[Lease] = []
-        for (_, consumer, token, deliveries), rec in zip(rows, found, strict=True):
+        lapsed: set[str] = set()  # job ids whose holder lapsed: their deadline need not be past
+        for (_, consumer, token, deliveries, gone), rec in zip(rows, found, strict=True):
             if rec is None:
                 continue
             lease = Lease(spec=rec.spec, entry_id=as_text(token), consumer=as_text(consumer))
             (at_limit if int(deliveries) >= self.settings.max_deliveries else again).append(lease)
+            if int(gone):
+                lapsed.add(rec.spec.id)
         dead_ids: list[str] = []
         if at_limit:
             errors = [lapsed_error(x.spec.attempt + 1) for x in at_limit]
@@ -827,10 +836,15 @@ class AmqpQueue(RedisQueue):
             codes = await self._bury(dying, "lease_expired", cancel_wins=True)
             dead_ids = [lease.spec.id for lease, c in zip(at_limit, codes, strict=True) if c == 1]
         requeued: list[str] = []
-        if again:
-            codes = await self._requeue(await self._republish(again), expired_by=now)
-            requeued = [lease.spec.id for lease, c in zip(again, codes, strict=True) if c == 1]
-        dead_ids += await self._drain_dead(model)
+        for group, by in (
+            ([x for x in again if x.spec.id not in lapsed], now),
+            ([x for x in again if x.spec.id in lapsed], 0.0),
+        ):
+            if group:
+                codes = await self._requeue(await self._republish(group), expired_by=by)
+                requeued += [lease.spec.id for lease, c in zip(group, codes, strict=True) if c == 1]
+        if expired:
+            dead_ids += await self._drain_dead(model)
         return ReapReport(requeued=requeued, dead=dead_ids)
 
     async def _drain_dead(self, model: str) -> list[str]:

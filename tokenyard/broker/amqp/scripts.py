@@ -258,13 +258,18 @@ class LeasesKey(NamedTuple):
     leases: str
 
 
+class LiveKey(NamedTuple):
+    live: str  # the model's workers by when their liveness lapses
+
+
 class ExpiredArgs(NamedTuple):
     now: str
     max_entries: int
     job_prefix: str
+    expired: str  # "1": leases past their deadline too; "0": lapsed workers' only
 
 
-EXPIRED = ScriptSpec("expired", Empty, ExpiredArgs, LeasesKey, Empty, package=PACKAGE)
+EXPIRED = ScriptSpec("expired", LiveKey, ExpiredArgs, LeasesKey, Empty, package=PACKAGE)
 
 SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     ADMIT,

@@ -116,6 +116,11 @@ class Names:
     def counter(model: str, name: str) -> str:
         return f"n.{model_tag(model)}.{name}"
 
+    @staticmethod
+    def live(model: str) -> str:
+        """A model's workers by when their liveness lapses (`NatsQueue.beat`, `reap`)."""
+        return f"l.{model_tag(model)}"
+
     @property
     def models_key(self) -> str:
         return "models"

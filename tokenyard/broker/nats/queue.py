@@ -56,7 +56,7 @@ from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.machine import Bury, Count, Refused, Step
 from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry, sent
 from tokenyard.broker.nats.names import Names, token
-from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
+from tokenyard.broker.nats.records import Liveness, StoredJob, decode_job, encode_job
 from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
 from tokenyard.broker.policy import (
     active_tag,
@@ -66,6 +66,7 @@ from tokenyard.broker.policy import (
     fair_cost,
     hold_for,
     joinable,
+    lapsed,
     next_turn,
     overdue,
     staging_score,
@@ -1380,13 +1381,28 @@ class NatsQueue(QueueCore):
         await self._wake(spec.model, [job.subject])
         return True
 
-    async def reap(self, model: str) -> ReapReport:
-        """Requeue (to the back of its tenant's subject) each job whose lease lapsed, and
-        dead-letter those at the delivery limit. Only the messages each consumer has out
-        (between its ack floor and its last delivery) are looked at."""
+    async def beat(self, model: str, consumer: str) -> None:
+        until = self.clock() + self.settings.liveness_s
+
+        def beaten(raw: bytes | None) -> tuple[bytes | None, None]:
+            live = Liveness() if raw is None else decode(raw, Liveness)
+            live.until[consumer] = until
+            return encode(live), None
+
+        await kv_change(await self._jobs(), Names.live(model), beaten)
+
+    async def reap(self, model: str, expired: bool = True) -> ReapReport:
+        """Requeue (to the back of its tenant's subject) each job whose holder's liveness
+        lapsed or, with `expired`, whose lease lapsed, and dead-letter those at the delivery
+        limit. Only the messages each consumer has out (between its ack floor and its last
+        delivery) are looked at, and only when there is something to look for."""
         now = self.clock()
         requeued: list[str] = []
         dead: list[str] = []
+        raw, _ = await kv_entry(await self._jobs(), Names.live(model))
+        gone = set(lapsed(decode(raw, Liveness).until, now)) if raw else set()
+        if not (expired or gone):
+            return ReapReport(requeued=requeued, dead=dead)
         lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
         streams = await asyncio.gather(*(self._lane(model, p, pool) for p, pool in lanes))
         for stream, infos in zip(
@@ -1404,7 +1420,10 @@ class NatsQueue(QueueCore):
                     if hit is None:
                         continue
                     job, revision = hit
-                    step = machine.lapse(job.state(), now, self._rules)
+                    holder_gone = job.worker in gone
+                    if not (expired or holder_gone):
+                        continue
+                    step = machine.lapse(job.state(), now, self._rules, not holder_gone)
                     if not isinstance(step, Step):
                         continue
                     if step.ended:  # its last allowed delivery, or a client asked to cancel
@@ -1417,7 +1436,21 @@ class NatsQueue(QueueCore):
                     # any worker may take it now)
                     if await self._requeue(job, revision, None):
                         requeued.append(spec.id)
+        if gone:
+            await self._forget_lapsed(model, gone, now)
         return ReapReport(requeued=requeued, dead=dead)
+
+    async def _forget_lapsed(self, model: str, gone: set[str], now: float) -> None:
+        """Drop workers whose jobs a reap took over, unless one beat again meanwhile."""
+
+        def forget(raw: bytes | None) -> tuple[bytes | None, None]:
+            live = Liveness() if raw is None else decode(raw, Liveness)
+            still = [w for w in gone if live.until.get(w, now + 1.0) <= now]
+            for worker in still:
+                del live.until[worker]
+            return (encode(live) if still else None), None
+
+        await kv_change(await self._jobs(), Names.live(model), forget)
 
     # -- cancellation -----------------------------------------------------------------------
     async def cancel(self, job_id: str) -> CancelOutcome:

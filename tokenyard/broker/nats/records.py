@@ -80,6 +80,13 @@ class StoredJob(msgspec.Struct, kw_only=True):
         )
 
 
+class Liveness(msgspec.Struct):
+    """A model's beating workers, each with when its liveness lapses: one entry per model,
+    changed by compare-and-set; a worker leaves it by a reap that took its jobs over."""
+
+    until: dict[str, float] = msgspec.field(default_factory=dict)
+
+
 def decode_job(raw: bytes) -> StoredJob:
     return decode(raw, StoredJob)
 

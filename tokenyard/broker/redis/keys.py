@@ -155,6 +155,11 @@ class Keys:
         """Sorted set of a model's workers, scored by when their heartbeat lapses."""
         return f"{self._model(model_tag(model))}:workers"
 
+    def live(self, model: str) -> str:
+        """Sorted set of a model's workers, scored by when their liveness lapses (`beat`);
+        only a reap that took a lapsed one's jobs over removes it."""
+        return f"{self._model(model_tag(model))}:live"
+
     def worker(self, model: str, consumer: str) -> str:
         return f"{self._model(model_tag(model))}:worker:{consumer}"
 

@@ -581,10 +581,19 @@ class RedisQueue(QueueCore):
         )
         return sum(1 for code in codes.values() if code)
 
-    async def reap(self, model: str) -> ReapReport:
-        result = dead_result(lapsed_error(self.settings.max_deliveries))
+    async def beat(self, model: str, consumer: str) -> None:
+        until = self.clock() + self.settings.liveness_s
+        await self.conn.one(("ZADD", self.keys.live(model), repr(until), consumer))
+
+    async def reap(self, model: str, expired: bool = True) -> ReapReport:
+        error = lapsed_error(self.settings.max_deliveries)
         call = scripts.REAP.call(
-            scripts.ReapKeys(dlq=self.keys.dead_letters(model), counters=self.keys.counters(model)),
+            scripts.ReapKeys(
+                dlq=self.keys.dead_letters(model),
+                counters=self.keys.counters(model),
+                live=self.keys.live(model),
+                cancels=self.keys.cancels(model),
+            ),
             scripts.ReapArgs(
                 group=GROUP,
                 reaper="reaper",
@@ -594,8 +603,11 @@ class RedisQueue(QueueCore):
                 now=repr(self.clock()),
                 job_prefix=self.keys.job_prefix(model),
                 event_prefix=self.keys.events_prefix(model),
-                finished=encode(Finished(result=result)),
+                finished=encode(Finished(result=dead_result(error))),
+                dead_error=error,
+                cancelled=self._cancelled,
                 ttl_ms=self._ttl_ms,
+                expired="1" if expired else "0",
             ),
             [
                 (scripts.ReapItemKeys(lane=stream, home=lane), scripts.ReapItemArgs(p.name))
@@ -606,9 +618,9 @@ class RedisQueue(QueueCore):
                 for stream in (lane, self.keys.affinity_stream(lane))
             ],
         )
-        requeued, dead = await self.conn.run(call)
+        requeued, dead, cancelled = await self.conn.run(call)
         report = ReapReport(requeued=[text(j) for j in requeued], dead=[text(j) for j in dead])
-        await self._settle_ids(report.dead)
+        await self._settle_ids([*report.dead, *(text(j) for j in cancelled)])
         return report
 
     async def _settle_specs(

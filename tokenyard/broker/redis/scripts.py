@@ -298,10 +298,12 @@ class FailArgs(NamedTuple):
 FAIL = ScriptSpec("fail", FailKeys, FailArgs, Empty, Empty, libraries=("ends",))
 
 
-# -- reap: requeue or dead-letter entries whose lease expired --------------------------------
+# -- reap: requeue or dead-letter entries whose lease expired or whose holder lapsed ---------
 class ReapKeys(NamedTuple):
     dlq: str
     counters: str
+    live: str  # the model's workers by when their liveness lapses
+    cancels: str
 
 
 class ReapArgs(NamedTuple):
@@ -314,7 +316,10 @@ class ReapArgs(NamedTuple):
     job_prefix: str
     event_prefix: str
     finished: bytes  # Finished(dead result)
+    dead_error: str
+    cancelled: bytes  # Finished(cancelled result)
     ttl_ms: int
+    expired: str  # "1": entries idle past the lease too; "0": lapsed workers' only
 
 
 class ReapItemArgs(NamedTuple):
@@ -326,7 +331,7 @@ class ReapItemKeys(NamedTuple):
     home: str  # where a requeued job goes: the lane
 
 
-REAP = ScriptSpec("reap", ReapKeys, ReapArgs, ReapItemKeys, ReapItemArgs)
+REAP = ScriptSpec("reap", ReapKeys, ReapArgs, ReapItemKeys, ReapItemArgs, libraries=("ends",))
 
 
 # -- cancel ------------------------------------------------------------------------------------
