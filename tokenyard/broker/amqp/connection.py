@@ -69,16 +69,16 @@ class AmqpConnection:
     async def _channels(self, getters: int = 1) -> tuple[AbstractChannel, list[AbstractChannel]]:
         """The publishing channel and at least `getters` channels for basic.get."""
         async with self._opening:
-            if self._conn is None or self._conn.is_closed:
-                self._conn = await aio_pika.connect(self._open_url, timeout=TIMEOUT_S)
+            conn = self._conn
+            if conn is None or not _open(conn):
+                self._drop()
+                conn = self._conn = await aio_pika.connect(self._open_url, timeout=TIMEOUT_S)
                 self.generation += 1
-                self._publisher = None
-                self._getters = []
             if self._publisher is None or self._publisher.is_closed:
-                self._publisher = await self._conn.channel(publisher_confirms=True)
+                self._publisher = await conn.channel(publisher_confirms=True)
             self._getters = [g for g in self._getters if not g.is_closed]
             while len(self._getters) < getters:
-                self._getters.append(await self._conn.channel(publisher_confirms=False))
+                self._getters.append(await conn.channel(publisher_confirms=False))
             return self._publisher, self._getters
 
     @contextlib.asynccontextmanager
@@ -170,7 +170,7 @@ class AmqpConnection:
 
     def alive(self, generation: int) -> bool:
         """Whether the connection of that generation is still the one in use and open."""
-        return generation == self.generation and self._conn is not None and not self._conn.is_closed
+        return generation == self.generation and _open(self._conn)
 
     @staticmethod
     async def _get_on(channel: AbstractChannel, queue: str) -> AbstractIncomingMessage | None:
@@ -178,12 +178,30 @@ class AmqpConnection:
         return await q.get(no_ack=False, fail=False, timeout=TIMEOUT_S)
 
     async def ack(self, message: AbstractIncomingMessage) -> bool:
-        """Ack a delivery; False where its channel is gone (RabbitMQ requeued it already)."""
+        """Ack a delivery; False where it could not be sent (RabbitMQ requeues the delivery
+        with its channel): the connection it came on, if still in use, is dropped."""
         try:
-            await message.ack()
+            # bounded like every other call: aiormq hands the frame to its writer through a
+            # queue of 10 and waits for it to be written, and on a connection whose peer died
+            # before aiormq saw it the writer is gone: an ack past those 10 would wait for ever
+            async with asyncio.timeout(TIMEOUT_S):
+                await message.ack()
         except _TROUBLE:  # ChannelInvalidStateError is a RuntimeError
+            if self._carries(message):
+                # an ack not sent on an open channel holds a place of its consumer's prefetch
+                # until the connection goes: let it go now, consumers are made on a new one
+                self._drop()
             return False
         return True
+
+    def _carries(self, message: AbstractIncomingMessage) -> bool:
+        """Whether `message` came on an open channel of the connection in use."""
+        transport = None if self._conn is None else self._conn.transport
+        try:
+            channel = message.channel
+        except RuntimeError:  # its channel is closed: RabbitMQ has the delivery back
+            return False
+        return transport is not None and channel.connection is transport.connection
 
     async def ping(self) -> bool:
         try:
@@ -208,6 +226,13 @@ class AmqpConnection:
         self._getters = []
         if conn is not None and not conn.is_closed:
             await _quietly_close(conn)
+
+
+def _open(conn: AbstractConnection | None) -> bool:
+    """Whether `conn` is still open: aio_pika marks a connection closed only when it is closed
+    from this side, so one that RabbitMQ dropped is told by its aiormq connection."""
+    transport = None if conn is None else conn.transport
+    return transport is not None and not transport.connection.is_closed
 
 
 async def _quietly_close(conn: AbstractConnection) -> None:
