@@ -3,8 +3,11 @@
 A stored response is written (pending) when its job is entered, and its job's result is copied
 into it by the first gateway that sees the job end: the caller of a sync or streaming response,
 the watcher of a background one on the gateway that created it, any later read, or, when that
-gateway died, any gateway's sweep of the pending ones. The job's own record lapses after
-`record_ttl_s`, the stored response after `response_ttl_s` from creation.
+gateway died, any gateway's sweep of the pending ones that are due: each is due a sweep period
+after it was stored, then again a period after each look that found its job still running, and a
+sweep reads the due ones in order from the table's due-time index, however many are pending.
+The job's own record lapses after `record_ttl_s`, the stored response after `response_ttl_s`
+from creation.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from tokenyard.messages import (
 )
 
 log = logging.getLogger(__name__)
-SWEEP_BATCH = 256  # pending stored responses looked at per sweep
+SWEEP_BATCH = 256  # due stored responses looked at per round of a sweep
+RECHECK_S = 30.0  # a pending response is looked at this long after it is stored or deferred
 _LAPSED = JobResult(
     status=JobStatus.DEAD,
     error="the job's record lapsed before a gateway stored its result (record_ttl_s)",
@@ -51,6 +55,10 @@ class ResponseService:
         self.state = state
         self.table = state.backend.stored_responses
         self.ttl_s = state.backend.settings.response_ttl_s
+        # the creating gateway's watcher settles a background response when its job ends; a
+        # sweep looks at one only once it is due: this long after it was stored or last looked
+        # at (the sweep's period, so an orphan waits at most about two periods)
+        self.recheck_s = state.settings.responses_sweep_s or RECHECK_S
         self._tasks: set[asyncio.Task[None]] = set()
         if state.settings.responses_sweep_s > 0:
             self._spawn(self._sweeping(state.settings.responses_sweep_s), "response-sweep")
@@ -66,7 +74,8 @@ class ResponseService:
 
     async def create(self, stored: StoredResponse) -> None:
         if stored.store:
-            await self.table.put(stored.id, encode(stored), self._left_s(stored))
+            due = time.time() + self.recheck_s
+            await self.table.put(stored.id, encode(stored), self._left_s(stored), due)
 
     async def get(self, raw_id: str, tenant: Tenant, param: str | None = None) -> StoredResponse:
         """The tenant's stored response; another tenant's is as absent as a missing one."""
@@ -117,10 +126,25 @@ class ResponseService:
         """Store a result a live call saw, without holding the call up."""
         self._spawn(self._keep(stored, result), "response-keep")
 
-    async def sweep(self, limit: int = SWEEP_BATCH) -> int:
-        """Copy the result of ended jobs into their pending stored responses (read once per
-        job, one round trip for all records); returns how many were settled."""
-        ids = await self.table.pending(limit)
+    async def sweep(self, now: float | None = None) -> int:
+        """Look at every pending stored response due by `now`, the earliest due first, in
+        rounds of SWEEP_BATCH: copy in the result of those whose job ended, and defer the
+        others by `recheck_s`; returns how many were settled."""
+        now = time.time() if now is None else now
+        settled = 0
+        seen: set[str] = set()
+        while True:
+            ids = await self.table.due(now, SWEEP_BATCH)
+            fresh = [i for i in ids if i not in seen]
+            if not fresh:  # none due, or only what this sweep could not move (a lost write)
+                return settled
+            seen.update(fresh)
+            settled += await self._look(fresh, now)
+            if len(ids) < SWEEP_BATCH:
+                return settled
+
+    async def _look(self, ids: list[str], now: float) -> int:
+        """One round of a sweep (each job's record read once, one round trip for all)."""
         found = await asyncio.gather(*(self.table.get(i) for i in ids))
         gone = [i for i, raw in zip(ids, found, strict=True) if raw is None]
         open_ = [decode(raw, StoredResponse) for raw in found if raw is not None]
@@ -128,16 +152,18 @@ class ResponseService:
         await self.table.settle(gone + done)
         waiting = [s for s in open_ if s.result is None]
         records = await self.state.backend.queue.records([s.job_id for s in waiting])
-        settled = len(gone) + len(done)
+        ended: list[tuple[StoredResponse, JobResult]] = []
+        later: list[str] = []
         for stored, record in zip(waiting, records, strict=True):
             if record is None:
-                await self.finish(stored, _LAPSED)
+                ended.append((stored, _LAPSED))
             elif record.status.terminal and record.result is not None:
-                await self.finish(stored, record.result)
+                ended.append((stored, record.result))
             else:
-                continue
-            settled += 1
-        return settled
+                later.append(stored.id)
+        await asyncio.gather(*(self.finish(s, r) for s, r in ended))
+        await self.table.defer(later, now + self.recheck_s)
+        return len(gone) + len(done) + len(ended)
 
     async def _sweeping(self, every_s: float) -> None:
         while True:
