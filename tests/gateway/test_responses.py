@@ -431,3 +431,61 @@ def test_thousands_of_orphans_are_settled_within_two_sweeps(
         # the ones whose job waits on are still pending, and read as queued
         kept = decode(stack.call(table.get(waiting[0].id)), StoredResponse)
         assert kept.result is None
+
+
+def test_a_chain_stores_each_link_once_and_reads_back_the_whole_conversation(
+    slow: Stack,
+) -> None:
+    """40 responses, each continuing the one before: what each link stores (its record and its
+    conversation part) does not grow with the chain (a record holding the conversation so far
+    stored 40 * 41 / 2 turns in all), the last one's job is given the whole conversation, and
+    deleting a record in the middle leaves the chain after it whole."""
+    c = client(slow)
+    table = slow.gateway_broker.stored_responses
+
+    def stored_bytes(response_id: str) -> int:
+        part = getattr(table, "part", None)  # parts beside the records
+        record = slow.call(table.get(response_id))
+        return len(record) + (len(slow.call(part(response_id)) or b"") if part else 0)
+
+    turns: list[dict[str, str]] = []
+    links: list[Response] = []
+    for i in range(40):
+        said = f"turn {i:02d}"
+        link = c.responses.create(
+            model=MODEL,
+            input=said,
+            previous_response_id=links[-1].id if links else None,
+            max_output_tokens=2,
+            temperature=0.0,
+        )
+        turns += [
+            {"role": "user", "content": said},
+            {"role": "assistant", "content": link.output_text},
+        ]
+        links.append(link)
+    sizes = [stored_bytes(link.id) for link in links]
+    assert max(sizes[1:]) < 1.3 * sizes[1], sizes  # the 40th stores what the 2nd does
+
+    explicit = c.responses.create(
+        model=MODEL, input=[*turns[:-1]], max_output_tokens=2, temperature=0.0
+    )
+    last = links[-1]
+    assert last.usage is not None and explicit.usage is not None
+    assert last.usage.input_tokens == explicit.usage.input_tokens
+    assert last.output_text == explicit.output_text
+
+    c.responses.delete(links[20].id)
+    after = c.responses.create(
+        model=MODEL, input="more", previous_response_id=last.id, max_output_tokens=2,
+        temperature=0.0,
+    )  # fmt: skip
+    whole = c.responses.create(
+        model=MODEL, input=[*turns, {"role": "user", "content": "more"}], max_output_tokens=2,
+        temperature=0.0,
+    )  # fmt: skip
+    assert after.usage is not None and whole.usage is not None
+    assert after.usage.input_tokens == whole.usage.input_tokens
+    # a response nothing continues leaves nothing behind when deleted
+    c.responses.delete(after.id)
+    assert slow.call(table.part(after.id)) is None

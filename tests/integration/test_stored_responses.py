@@ -91,6 +91,9 @@ async def test_conversation_parts_outlive_their_record(make_backend: BackendFact
     assert await table.part("resp_p") == b"part"
     assert await table.delete("resp_p")
     assert await table.part("resp_p") == b"part"  # a later response's conversation needs it
+    await table.put_part("resp_q", b"other", 60)
+    await table.delete_part("resp_q")
+    assert await table.part("resp_q") is None
     await table.put_part("resp_p", b"kept", 1)
     for _ in range(60):
         if await table.part("resp_p") is None:

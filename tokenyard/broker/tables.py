@@ -74,6 +74,8 @@ class StoredResponses(Protocol):
 
     async def part(self, response_id: str) -> bytes | None: ...
 
+    async def delete_part(self, response_id: str) -> None: ...
+
 
 class WorkerRegistry(Protocol):
     """Live workers, by heartbeat; an operator may ask one to drain (`tokenyard drain`)."""

@@ -636,6 +636,9 @@ class NatsStoredResponses(StoredResponses):
     async def part(self, response_id: str) -> bytes | None:
         return await self.bucket.get(Names.response_part(response_id))
 
+    async def delete_part(self, response_id: str) -> None:
+        await self.bucket.purge(Names.response_part(response_id))
+
 
 class Live(msgspec.Struct, array_like=True):
     info: WorkerInfo

@@ -377,6 +377,9 @@ class RedisStoredResponses(StoredResponses):
         value = await self.conn.parsed("GET", self.keys.response_part(response_id))
         return None if value is None else bytes(value)
 
+    async def delete_part(self, response_id: str) -> None:
+        await self.conn.parsed("DEL", self.keys.response_part(response_id))
+
 
 class RedisRegistry(WorkerRegistry):
     """Live workers: a key per worker with the heartbeat's TTL, and a set per model scored by
