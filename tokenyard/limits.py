@@ -66,6 +66,9 @@ def refusal(
 
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and vLLM's default max_logprobs
+# the smallest `deadline` (unix seconds, 2001-09-09) a request may give: a smaller number is a
+# duration sent as a time (400); a time past it that has passed cannot be met (429)
+DEADLINE_MIN = 1_000_000_000
 
 
 def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest | None:

@@ -441,11 +441,23 @@ class Turn(msgspec.Struct, array_like=True, frozen=True):
     content: str  # the text; a function call's or its output's item as JSON
 
 
+class ConversationPart(msgspec.Struct, kw_only=True):
+    """What one stored response added to the conversation (its predecessor's output, then its
+    own input), kept beside the record for the responses chained after it: a conversation is
+    its parts, walked back through `previous`, so a chain is stored once, not once per link."""
+
+    previous: str | None  # the response whose part comes before (None: this one starts it)
+    turns: list[Turn]
+    depth: int  # parts in the walk back from this one, this one included
+    kept_until: float  # when it lapses (unix seconds): a later link keeps it at least as long
+    continued: bool = False  # a response was chained after it: deleting its record keeps it
+
+
 class StoredResponse(msgspec.Struct, kw_only=True):
     """A response of /v1/responses: its request, its job, and once seen its job's result.
 
-    `context` is the conversation its job was given (a `previous_response_id`'s context and
-    output, then this input), so a later response can continue it after its job is gone.
+    `context` is what it added to the conversation (its `ConversationPart`'s turns) when
+    `chained`; in a record stored before parts it is the whole conversation its job was given.
     """
 
     v: int = WIRE_VERSION
@@ -474,3 +486,6 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     # so a reading does not hang on the gateway's settings now. None: not read for calls, or
     # stored before responses kept it (decided again from `tools` then)
     calls: CallReading | None = None
+    # its context is its part only: the conversation before it is in the parts it refers back
+    # to (False: a record stored before parts, whose context is the whole conversation)
+    chained: bool = False

@@ -14,11 +14,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tests.gateway.test_errors import assert_error
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.gateway.limits import BodyLimitMiddleware
 from tokenyard.messages import Priority
 
 OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
@@ -171,6 +173,57 @@ def test_a_body_of_megabytes_is_413_json(
     content: Any = chunks(big) if chunked else big
     assert_error(http.post(path, content=content, headers=key()), 413, "request_too_large")
     assert http.post("/v1/jobs", json=OK, headers=key()).status_code == 202
+
+
+HUGE_DIGITS = "9" * 5000  # int() refuses more than 4,300 digits with a ValueError
+
+
+@pytest.mark.parametrize("resume", [HUGE_DIGITS, f"1-{HUGE_DIGITS}", f"{HUGE_DIGITS}-1"])
+def test_a_resume_point_of_thousands_of_digits_is_400(
+    http: httpx.Client, finished_job: str, resume: str
+) -> None:
+    for job_id in (finished_job, f"cmpl-{finished_job}"):
+        path = f"/v1/jobs/{job_id}/events"
+        refused = http.get(path, headers={**key(), "Last-Event-ID": resume})
+        assert assert_error(refused, 400, "invalid_value")["param"] == "Last-Event-ID"
+        refused = http.get(path, params={"after": resume}, headers=key())
+        assert assert_error(refused, 400, "invalid_value")["param"].endswith("after")
+
+
+def test_a_response_resumed_after_thousands_of_digits_is_400(http: httpx.Client) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    done = http.post("/v1/responses", json=body, headers=key())
+    assert done.status_code == 200, done.text
+    refused = http.get(
+        f"/v1/responses/{done.json()['id']}",
+        params={"stream": "true", "starting_after": HUGE_DIGITS},
+        headers=key(),
+    )
+    assert assert_error(refused, 400, "invalid_value")["param"].endswith("starting_after")
+
+
+async def test_a_content_length_of_thousands_of_digits_is_413() -> None:
+    """The servers the CLI runs refuse such a header first; the limit does not rely on it."""
+    reached: list[Scope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        reached.append(scope)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    headers = [(b"content-length", HUGE_DIGITS.encode()), (b"content-type", b"application/json")]
+    scope: Scope = {"type": "http", "method": "POST", "path": "/v1/jobs", "headers": headers}
+    await BodyLimitMiddleware(app, 1 << 20)(scope, receive, send)
+    assert not reached
+    assert sent[0]["status"] == 413
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert error["code"] == "request_too_large"
 
 
 def raw_post(url: str, path: str, body: bytes, *, chunked: bool) -> tuple[int, dict[str, Any]]:

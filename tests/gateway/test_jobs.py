@@ -101,7 +101,9 @@ def test_cancel_queued_running_and_finished_jobs(valkey: EmbeddedServer) -> None
 def test_deadlines_and_stream_flag(valkey: EmbeddedServer) -> None:
     with run_stack(valkey, engines=[]) as stack, stack.client() as http:
         assert_error(http.post("/v1/jobs", json={**BODY, "stream": True}), 400)
-        assert_error(http.post("/v1/jobs", json={**BODY, "deadline": time.time() - 1}), 400)
+        assert_error(http.post("/v1/jobs", json={**BODY, "deadline": 30}), 400)  # no time
+        late = http.post("/v1/jobs", json={**BODY, "deadline": time.time() - 1})
+        assert_error(late, 429, "deadline_unmeetable")  # passed: it cannot be met
         job = http.post("/v1/jobs", json={**BODY, "deadline": time.time() + 0.2}).json()
         assert job["deadline"] is not None and job["status"] == "queued"
         time.sleep(0.3)

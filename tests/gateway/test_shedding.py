@@ -156,9 +156,13 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_submit(shedding_stack: S
         assert late.status_code == 429 and late.json()["error"]["code"] == "deadline_unmeetable"
         ok = http.post("/v1/jobs", json={**BODY, "deadline": time.time() + 60})
         assert ok.status_code == 202
-        # an already-expired deadline is still a 400 (never treated as most urgent)
+        # an already-expired deadline cannot be met either (never treated as most urgent); a
+        # number that is no unix time at all is 400
         past = http.post("/v1/jobs", json={**BODY, "deadline": time.time() - 1})
-        assert past.status_code == 400 and past.json()["error"]["param"] == "deadline"
+        assert past.status_code == 429 and past.json()["error"]["code"] == "deadline_unmeetable"
+        assert "retry-after" not in past.headers
+        duration = http.post("/v1/jobs", json={**BODY, "deadline": 30})
+        assert duration.status_code == 400 and duration.json()["error"]["param"] == "deadline"
         # the SLO holds interactive calls only: a job without a deadline queues behind the
         # backlog (up to the lane bound), while a sync call behind it is shed
         assert http.post("/v1/jobs", json=BODY).status_code == 202

@@ -34,10 +34,15 @@ class ResponseStore(Protocol):
 
 class StoredResponses(Protocol):
     """Stored responses (/v1/responses) by id: encoded records that lapse after a TTL. A new
-    one is `pending` (its job's result not yet in it) until it is `settled`."""
+    one is `pending` (its job's result not yet in it) until it is `settled`; a pending one is
+    indexed by when it is next due for a look (`due`), so a sweep reads only the due ones, the
+    earliest first, however many are pending.
 
-    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
-        """Store a new record, then mark it pending."""
+    Beside the records, each response's part of its conversation (`put_part`): what it added to
+    its predecessor's, read back by walking the parts, so a chain is stored once."""
+
+    async def put(self, response_id: str, value: bytes, ttl_s: float, due_at: float) -> None:
+        """Store a new record, then mark it pending, due at `due_at` (unix seconds)."""
         ...
 
     async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
@@ -50,13 +55,26 @@ class StoredResponses(Protocol):
         """Remove the record (settling it); False when there was none."""
         ...
 
-    async def pending(self, limit: int) -> list[str]:
-        """Up to `limit` ids of records not yet settled (any of them, in no set order)."""
+    async def due(self, now: float, limit: int) -> list[str]:
+        """Up to `limit` ids of pending records due by `now`, the earliest due first."""
+        ...
+
+    async def defer(self, response_ids: Sequence[str], due_at: float) -> None:
+        """Still pending: due again at `due_at` (an id settled meanwhile stays settled)."""
         ...
 
     async def settle(self, response_ids: Sequence[str]) -> None:
         """No longer pending: the result is in the record, or the record is gone."""
         ...
+
+    async def put_part(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        """Store (or keep longer) a response's part of its conversation; deleting the record
+        leaves it to the responses chained after it, until it lapses."""
+        ...
+
+    async def part(self, response_id: str) -> bytes | None: ...
+
+    async def delete_part(self, response_id: str) -> None: ...
 
 
 class WorkerRegistry(Protocol):

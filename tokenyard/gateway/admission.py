@@ -14,6 +14,7 @@ from tokenyard.engines.base import EngineTokenizer
 from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway import structured
 from tokenyard.gateway.auth import Tenant
+from tokenyard.gateway.errors import RateLimited
 from tokenyard.gateway.limits import resolve_max_tokens
 from tokenyard.gateway.protocol import (
     ChatCompletionRequest,
@@ -268,9 +269,15 @@ def _child_seed(seed: int, choice: int) -> int:
 
 
 def _deadline(asked: float | None, now: float, live: bool, timeout_s: float) -> float | None:
-    """The job's deadline: the caller's (in the future), else a live call's request timeout."""
+    """The job's deadline: the caller's, else a live call's request timeout. One that has
+    passed cannot be met, however short the queue: 429 as shedding answers one the estimated
+    wait misses (a value that is no unix time at all is 400, `DEADLINE_MIN`)."""
     if asked is not None and asked <= now:
-        raise InvalidRequest("'deadline' is in the past (unix seconds expected)", param="deadline")
+        raise RateLimited(
+            f"'deadline' passed {now - asked:.1f} s ago (unix seconds): the job cannot start by it",
+            code="deadline_unmeetable",
+            headers={},
+        )
     if asked is None and live:
         return now + timeout_s
     return asked

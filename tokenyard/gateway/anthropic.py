@@ -16,7 +16,13 @@ from pydantic import BaseModel, Field, ValidationError
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import anthropic_error, renamed, unsupported, validation_error
-from tokenyard.gateway.protocol import ChatCompletionRequest, Int64, NonEmptyStr, Request
+from tokenyard.gateway.protocol import (
+    ChatCompletionRequest,
+    Deadline,
+    Int64,
+    NonEmptyStr,
+    Request,
+)
 from tokenyard.gateway.protocol import result_error as openai_result_error
 from tokenyard.gateway.streaming import frame
 from tokenyard.gateway.tools import CallStream, ContentDelta, Delta
@@ -252,7 +258,7 @@ class MessageRequest(Request):
     # tokenyard: a lane priority (capped by the tenant's tier), a deadline (unix seconds), and
     # false opts a deterministic request out of the response cache and collapsing
     priority: Literal["high", "normal", "low"] | None = None
-    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    deadline: Deadline | None = None
     cache: bool | None = None
 
     def refuse_unsupported(self) -> None:

@@ -160,7 +160,7 @@ def create_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    install_openapi(app, settings, [*settings.models, *routing.aliases])
+    install_openapi(app, settings, {**{m: m for m in settings.models}, **routing.aliases})
     # uploads have their own limit; the multipart framing adds a little
     per_path = {"/v1/files": settings.batch_max_file_bytes + (1 << 16)}
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, per_path=per_path)

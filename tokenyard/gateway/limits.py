@@ -21,6 +21,7 @@ from tokenyard.messages import Feature, ModelLimits
 # answers and closes with the body still arriving makes the kernel reset the connection, and a
 # client that sends its whole body before it reads (most do) then sees the reset, not the 413.
 DRAIN_BYTES = 16 << 20
+_LENGTH_DIGITS = 20  # a Content-Length of more digits is past 2^64 bytes
 
 
 class BodyTooLarge(HTTPException):
@@ -77,11 +78,13 @@ class BodyLimitMiddleware:
             elif name == b"expect":
                 expects_continue = value.lower() == b"100-continue"
         if declared is not None and declared.isdigit():
-            if int(declared) > max_bytes:
+            # int() refuses more than 4,300 digits; 20 already say more bytes than any limit
+            length = int(declared) if len(declared) <= _LENGTH_DIGITS else 1 << 64
+            if length > max_bytes:
                 # a client waiting for 100 Continue has sent no body: nothing to drain
-                drained = not expects_continue and int(declared) <= max_bytes + self.drain_bytes
+                drained = not expects_continue and length <= max_bytes + self.drain_bytes
                 if drained:
-                    drained = await _drain(receive, True, int(declared))
+                    drained = await _drain(receive, True, length)
                 await _send_413(scope, send, max_bytes, close=not drained)
                 return
             if not chunked:

@@ -12,7 +12,8 @@ fit the model's context, token ids its vocabulary, and a `deadline` must lie in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -26,8 +27,10 @@ from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.errors import anthropic_path
 from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
 from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.state import gateway
 from tokenyard.gateway.tools.request import MAX_TOOLS
-from tokenyard.limits import MAX_LOGPROBS
+from tokenyard.limits import DEADLINE_MIN, MAX_LOGPROBS
+from tokenyard.messages import Feature
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
 
@@ -123,9 +126,59 @@ def _neutral(*values: Any) -> dict[str, Any]:
     return {"enum": list(values), "description": "Not supported; only its neutral value"}
 
 
-def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class Served:
+    """What the models behind the names a request may give can do, as their workers publish
+    it: the names whose model embeds, and for each optional decoding feature the names whose
+    model's engine lacks it (a request asking it of one is 400)."""
+
+    embedders: frozenset[str]
+    lacking: frozenset[tuple[Feature, str]] = frozenset()
+
+
+# each optional feature's request fields (completions, chat) and the values that ask nothing
+_NEUTRAL: dict[Feature, dict[str, dict[str, Any]]] = {
+    Feature.PENALTIES: {
+        "presence_penalty": {"enum": [0, None]},
+        "frequency_penalty": {"enum": [0, None]},
+        "repetition_penalty": {"enum": [1, None]},
+    },
+    Feature.LOGIT_BIAS: {"logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]}},
+    Feature.MIN_TOKENS: {"min_tokens": {"const": 0}},
+    Feature.STOP_TOKEN_IDS: {"stop_token_ids": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}},
+}
+_NEUTRAL_LOGPROBS: dict[str, dict[str, Any]] = {
+    "completion": {"type": "null"},
+    "chat": {"const": False},
+}
+
+
+def _without_lacking(served: Served | None, kind: str) -> list[dict[str, Any]]:
+    """Rules: a model whose engine lacks a feature takes only the neutral values of its fields
+    (structured outputs, whose asking spans several fields, stays in the descriptions)."""
+    rules: list[dict[str, Any]] = []
+    for feature in Feature:
+        names = sorted(n for f, n in (served.lacking if served else ()) if f is feature)
+        neutral = dict(_NEUTRAL.get(feature, {}))
+        if feature is Feature.LOGPROBS:
+            neutral = {"logprobs": _NEUTRAL_LOGPROBS[kind]}
+        if names and neutral:
+            rules.append(
+                {
+                    "if": {"required": ["model"], "properties": {"model": {"enum": names}}},
+                    "then": {"properties": neutral},
+                }
+            )
+    return rules
+
+
+def request_schemas(
+    settings: GatewaySettings, models: Sequence[str], served: Served | None = None
+) -> dict[str, dict[str, Any]]:
     """The request bodies, as the routes validate them under these settings; `models`: the
-    names a request may give (served models and aliases; any other is 404)."""
+    names a request may give (served models and aliases; any other is 404); `served`: what
+    their models can do (None: all of it, as before any worker said)."""
+    embedders = None if served is None else served.embedders
     max_tokens = {
         "type": "integer",
         "minimum": 1,
@@ -289,7 +342,13 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         "return_token_ids": {"type": "boolean", "default": False},
         "priority": _nullable({"enum": ["high", "normal", "low"]}),
         "deadline": _nullable(
-            {"type": "number", "description": "unix seconds, in the future: the latest start"}
+            {
+                "type": "number",
+                "minimum": DEADLINE_MIN,
+                "description": "unix seconds (a time, not a duration): the latest start; one "
+                "that has passed, or that the estimated queue wait misses, is 429 "
+                "deadline_unmeetable",
+            }
         ),
         "cache": _nullable({"type": "boolean"}),
     }
@@ -354,7 +413,7 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             ),
             "suffix": _neutral(None, ""),
         },
-        "allOf": [stream_rule, echo_rule],
+        "allOf": [stream_rule, echo_rule, *_without_lacking(served, "completion")],
     }
     text_part = {
         "type": "object",
@@ -397,6 +456,35 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
                 {"type": "string", "description": "a tool message: the call it answers"}
             ),
         },
+        "allOf": [
+            {  # content may be null (or left out) only in an assistant's message of calls
+                "if": {
+                    "not": {
+                        "required": ["role", "tool_calls"],
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "tool_calls": {"type": "array", "minItems": 1},
+                        },
+                    }
+                },
+                "then": {
+                    "required": ["content"],
+                    "properties": {"content": {"not": {"type": "null"}}},
+                },
+            },
+            {  # a tool message names the call it answers, and only a tool message does
+                "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+                "then": {
+                    "required": ["tool_call_id"],
+                    "properties": {"tool_call_id": {"type": "string", "minLength": 1}},
+                },
+                "else": {"properties": {"tool_call_id": {"type": "null"}}},
+            },
+            {  # only an assistant's message carries calls
+                "if": {"required": ["role"], "properties": {"role": {"const": "assistant"}}},
+                "else": {"properties": {"tool_calls": {"type": "null"}}},
+            },
+        ],
     }
     function = {
         "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
@@ -471,7 +559,7 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
             "audio": _neutral(None),
             "prediction": _neutral(None),
         },
-        "allOf": [stream_rule, top_logprobs_rule],
+        "allOf": [stream_rule, top_logprobs_rule, *_without_lacking(served, "chat")],
     }
     one_job = {"stream": {"const": False}, "n": {"const": 1}}
     job = {
@@ -511,7 +599,7 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
         "required": ["model", "input"],
         "additionalProperties": False,
         "properties": {
-            "model": common["model"],
+            "model": _embedding_models(models, embedders),
             "input": {
                 "anyOf": [
                     {"type": "string", "minLength": 1},
@@ -545,10 +633,13 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
     input_message = {
         "type": "object",
         "required": ["role", "content"],
+        "additionalProperties": False,
         "properties": {
             "type": {"const": "message"},
             "role": {"enum": ["system", "developer", "user", "assistant"]},
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
+            "id": {"type": "string"},
+            "status": {"type": "string"},
         },
     }
     call_item = {
@@ -681,6 +772,14 @@ def request_schemas(settings: GatewaySettings, models: Sequence[str]) -> dict[st
     }
 
 
+def _embedding_models(models: Sequence[str], embedders: Collection[str] | None) -> dict[str, Any]:
+    """The names an embeddings request may give: a model whose workers only generate is 400
+    (`model_not_supported`), as vLLM answers one that does not embed; with none, the operation
+    is left out of the document (`document`)."""
+    names = list(models) if embedders is None else [m for m in models if m in embedders]
+    return {"enum": names or list(models)}
+
+
 def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict[str, Any]:
     """Anthropic's Messages API body, as `gateway/anthropic.py` takes it."""
     cache_control = _nullable({"type": "object"})
@@ -796,6 +895,18 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
             "cache_control": cache_control,
             **{name: common[name] for name in ("priority", "deadline", "cache")},
         },
+        # tool_choice any or tool picks from the tools offered: there must be some
+        "if": {
+            "required": ["tool_choice"],
+            "properties": {
+                "tool_choice": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"enum": ["any", "tool"]}},
+                }
+            },
+        },
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
     }
 
 
@@ -804,15 +915,21 @@ _SHARED = (400, 401, 503)
 _PUBLIC = ("/healthz", "/readyz")  # no key, ever (probes)
 
 
-def document(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> dict[str, Any]:
+def document(
+    app: FastAPI, settings: GatewaySettings, models: Sequence[str], served: Served | None = None
+) -> dict[str, Any]:
     """The OpenAPI document of `app`: FastAPI's, with the bodies and statuses routes declare,
-    the shared statuses on every operation, and FastAPI's unused 422 gone."""
+    the shared statuses on every operation, and FastAPI's unused 422 gone; without `/v1/
+    embeddings` while no model served here embeds (every request to it is refused)."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
     schemas["Error"] = ERROR
-    schemas.update(request_schemas(settings, models))
+    schemas.update(request_schemas(settings, models, served))
+    if served is not None and not served.embedders:
+        doc["paths"].pop("/v1/embeddings", None)
+        schemas.pop("EmbeddingRequest", None)
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
@@ -851,9 +968,31 @@ DocsDep = Annotated[None, Depends(_docs_reader)]
 router = APIRouter(include_in_schema=False)
 
 
+async def _served(request: Request) -> Served:
+    """What the models behind the names can do, by what their workers publish (until one
+    does, everything is admitted: `PublishedLimits.of`)."""
+    state = gateway(request)
+    names: Mapping[str, str] = request.app.state.openapi_served
+    limits = {}
+    for model in set(names.values()):
+        tokenizer = state.tokenizers.get(model)
+        if tokenizer is not None:
+            limits[model] = await state.limits.of(model, tokenizer)
+    return Served(
+        embedders=frozenset(n for n, m in names.items() if m not in limits or limits[m].embeds),
+        lacking=frozenset(
+            (feature, name)
+            for name, model in names.items()
+            if model in limits
+            for feature in Feature
+            if feature not in limits[model].features
+        ),
+    )
+
+
 @router.get("/openapi.json")
 async def openapi_json(request: Request, _: DocsDep) -> JSONResponse:
-    return JSONResponse(request.app.openapi())
+    return JSONResponse(request.app.state.openapi_for(await _served(request)))
 
 
 @router.get("/docs")
@@ -866,14 +1005,20 @@ async def redoc(request: Request, _: DocsDep) -> HTMLResponse:
     return get_redoc_html(openapi_url="/openapi.json", title=f"{request.app.title} - ReDoc")
 
 
-def install(app: FastAPI, settings: GatewaySettings, models: Sequence[str]) -> None:
-    """Serve the document (built once, on first read) and its pages behind `_docs_reader`."""
-    cached: dict[str, Any] = {}
+def install(app: FastAPI, settings: GatewaySettings, served: Mapping[str, str]) -> None:
+    """Serve the document and its pages behind `_docs_reader`; `served`: each name a request
+    may give (models and aliases) with its model. The document is built on first read, and again
+    when what the models can do changes (their workers say it)."""
+    models = list(served)
+    cached: dict[Served | None, dict[str, Any]] = {}
 
-    def openapi() -> dict[str, Any]:
-        if not cached:
-            cached.update(document(app, settings, models))
-        return cached
+    def openapi_for(served: Served | None = None) -> dict[str, Any]:
+        if served not in cached:
+            cached.clear()
+            cached[served] = document(app, settings, models, served)
+        return cached[served]
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi_for  # type: ignore[method-assign]
+    app.state.openapi_for = openapi_for
+    app.state.openapi_served = served
     app.include_router(router)

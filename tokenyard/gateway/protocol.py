@@ -24,7 +24,7 @@ from tokenyard.gateway.errors import error_body, unsupported, validation_error
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.tools.parsers import Parsed
 from tokenyard.gateway.tools.request import History, Tools, read_tools
-from tokenyard.limits import MAX_LOGPROBS
+from tokenyard.limits import DEADLINE_MIN, MAX_LOGPROBS
 from tokenyard.messages import (
     FinishReason,
     JobRecord,
@@ -51,6 +51,8 @@ def _int64(value: int) -> int:
 
 
 Int64 = Annotated[int, AfterValidator(_int64)]
+# unix seconds, a time (the limit says why): a passed one is admission's refusal (429)
+Deadline = Annotated[float, Field(allow_inf_nan=False, ge=DEADLINE_MIN)]
 
 
 class Request(BaseModel):
@@ -113,7 +115,7 @@ class _Common(Request):
     return_token_ids: bool = False
     # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
     priority: Literal["high", "normal", "low"] | None = None
-    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    deadline: Deadline | None = None
     # tokenyard: false opts a deterministic request out of the response cache and collapsing
     cache: bool | None = None
 
@@ -692,7 +694,7 @@ class EmbeddingRequest(Request):
     user: str | None = None
     # tokenyard, as on the completions routes: lane priority, deadline, cache opt-out
     priority: Literal["high", "normal", "low"] | None = None
-    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    deadline: Deadline | None = None
     cache: bool | None = None
 
     def refuse_unsupported(self) -> None:

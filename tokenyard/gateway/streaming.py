@@ -324,11 +324,18 @@ class EventStreamResponse(StreamingResponse):
 
 
 _EVENT_ID_PART_MAX = (1 << 64) - 1  # each part of a broker event id is an unsigned 64-bit int
+_EVENT_ID_PART_DIGITS = len(str(_EVENT_ID_PART_MAX))
 
 
 def _event_id_part(text: str) -> bool:
-    # str.isdigit() also says yes to other scripts' digits (and int() reads them)
-    return text.isascii() and text.isdigit() and int(text) <= _EVENT_ID_PART_MAX
+    # str.isdigit() also says yes to other scripts' digits (and int() reads them); the length
+    # first, as int() refuses a string of more than 4,300 digits with a ValueError
+    return (
+        text.isascii()
+        and text.isdigit()
+        and len(text) <= _EVENT_ID_PART_DIGITS
+        and int(text) <= _EVENT_ID_PART_MAX
+    )
 
 
 def last_event_id(request: Request, after: str | None) -> str:

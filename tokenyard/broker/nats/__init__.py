@@ -49,6 +49,6 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         responses=NatsResponses(conn, names, clock),
         registry=registry,
         batches=NatsBatches(conn, names, clock),
-        stored_responses=NatsStoredResponses(conn, names),
+        stored_responses=NatsStoredResponses(conn, names, clock),
         connection=conn,
     )

@@ -175,8 +175,14 @@ class Names:
 
     @staticmethod
     def pending_response(response_id: str) -> str:
-        """Marks a stored response whose job's result is not yet in it; holds its id."""
+        """Marks a stored response whose job's result is not yet in it: its id, when it is due
+        for a look and when its record lapses."""
         return f"resp.p.{token(response_id)}"
+
+    @staticmethod
+    def response_part(response_id: str) -> str:
+        """A stored response's part of its conversation, with its retention as the TTL."""
+        return f"resp.c.{token(response_id)}"
 
     PENDING_RESPONSES = "resp.p.*"
 

@@ -132,6 +132,31 @@ class Bucket:
         subject = Names.kv_subject(self.name, key)
         await sent(js.publish(subject, value, msg_ttl=max(1, math.ceil(ttl_s))))
 
+    async def scan(
+        self, pattern: str, take: Callable[[bytes], bool], limit: int
+    ) -> list[tuple[int, bytes]]:
+        """(revision, value) of live keys matching `pattern`, oldest change first, up to
+        `limit` or the first whose value `take` refuses: a read of what is at the front."""
+        await self.kv()
+        stream = Names.kv_stream(self.name)
+        subject = Names.kv_subject(self.name, pattern)
+        out: list[tuple[int, bytes]] = []
+        after = 0
+        while len(out) < limit:
+            rows = await self.conn.get_batch(stream, subject, after, min(_PAGE, limit))
+            for seq, data, headers in rows:
+                if headers.get("KV-Operation") in _DELETED:
+                    continue
+                if not take(data):
+                    return out
+                out.append((seq, data))
+                if len(out) == limit:
+                    return out
+            if len(rows) < min(_PAGE, limit):
+                return out
+            after = rows[-1][0]
+        return out
+
     async def listing(self, pattern: str) -> list[tuple[str, bytes]]:
         """(key, value) of every live key matching `pattern`, oldest change first."""
         await self.kv()
@@ -491,25 +516,58 @@ class NatsResponses(ResponseStore):
         await asyncio.gather(*(self.bucket.purge(Names.cache_entry(model, s)) for s in evicted))
 
 
-class NatsStoredResponses(StoredResponses):
-    """Stored responses: one KV entry per response, its retention as the entry's server TTL."""
+class PendingMark(msgspec.Struct, array_like=True):
+    """A pending stored response's mark: its id, when it is next due for a look and when its
+    record lapses (a rewritten mark lapses with it)."""
 
-    def __init__(self, conn: NatsConnection, names: Names) -> None:
+    id: str
+    due_at: float
+    until: float
+
+
+def _mark(raw: bytes) -> PendingMark:
+    try:
+        return msgspec.json.decode(raw, type=PendingMark)
+    except msgspec.DecodeError:  # a mark written before marks said when: the bare id, due now
+        return PendingMark(raw.decode(), 0.0, 0.0)
+
+
+class NatsStoredResponses(StoredResponses):
+    """Stored responses: one KV entry per response, its retention as the entry's server TTL.
+
+    A pending one has a mark, rewritten each time it is deferred. The bucket's stream keeps
+    the marks in the order they were last written, and every mark is written due a fixed delay
+    after its write (the service's), so that order is the order they fall due: `due` reads from
+    the oldest and stops at the first not yet due. A mark out of that order (another gateway's
+    clock, another delay) is read late, never lost: those before it fall due first."""
+
+    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
         self.bucket = Bucket(conn, names)
         self.conn = conn
+        self.clock = clock
+        # the revision each mark had when `due` read it: a defer writes over that one only, so
+        # a settle (its purge) in between stays
+        self._read: dict[str, tuple[int, PendingMark]] = {}
 
-    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+    async def put(self, response_id: str, value: bytes, ttl_s: float, due_at: float) -> None:
         # the record first: a sweep settles a pending id it finds no record for; the mark
         # lapses with the record at the latest
         await self.bucket.put_expiring(Names.stored_response(response_id), value, ttl_s)
-        mark = Names.pending_response(response_id)
-        await self.bucket.put_expiring(mark, response_id.encode(), ttl_s)
+        mark = PendingMark(response_id, due_at, self.clock() + ttl_s)
+        key = Names.pending_response(response_id)
+        await self.bucket.put_expiring(key, msgspec.json.encode(mark), ttl_s)
 
     async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
-        key = Names.stored_response(response_id)
-        raw, revision = await self.bucket.entry(key)
-        if raw is None:
-            return False
+        return await self._publish_over(Names.stored_response(response_id), value, ttl_s, None)
+
+    async def _publish_over(
+        self, key: str, value: bytes, ttl_s: float, revision: int | None
+    ) -> bool:
+        """Write over `revision` of `key` (None: over whatever is there, if anything is)."""
+        if revision is None:
+            raw, revision = await self.bucket.entry(key)
+            if raw is None:
+                return False
         js = await self.conn.js()
         subject = Names.kv_subject(self.bucket.name, key)
         # over the revision read: a delete in between wins, as Redis's SET XX lets it
@@ -535,13 +593,51 @@ class NatsStoredResponses(StoredResponses):
         await self.bucket.purge(key)
         return True
 
-    async def pending(self, limit: int) -> list[str]:
-        marks = await self.bucket.listing(Names.PENDING_RESPONSES)
-        return [value.decode() for _, value in marks[:limit]]
+    async def due(self, now: float, limit: int) -> list[str]:
+        rows = await self.bucket.scan(
+            Names.PENDING_RESPONSES, lambda raw: _mark(raw).due_at <= now, limit
+        )
+        found: list[str] = []
+        for revision, raw in rows:
+            mark = _mark(raw)
+            self._read[mark.id] = (revision, mark)
+            found.append(mark.id)
+        return found
+
+    async def defer(self, response_ids: Sequence[str], due_at: float) -> None:
+        async def one(response_id: str) -> None:
+            key = Names.pending_response(response_id)
+            read = self._read.pop(response_id, None)
+            if read is None:
+                raw, revision = await self.bucket.entry(key)
+                if raw is None:
+                    return  # settled
+                read = (revision, _mark(raw))
+            revision, mark = read
+            # an old mark does not say when its record lapses: it is looked at again in an hour
+            until = mark.until or self.clock() + 3600.0
+            left = until - self.clock()
+            if left <= 0:
+                return  # its record lapsed too: the mark's own TTL takes it
+            moved = PendingMark(mark.id, due_at, until)
+            await self._publish_over(key, msgspec.json.encode(moved), max(left, 1.0), revision)
+
+        await asyncio.gather(*(one(r) for r in response_ids))
 
     async def settle(self, response_ids: Sequence[str]) -> None:
+        for r in response_ids:
+            self._read.pop(r, None)
         keys = [Names.pending_response(r) for r in response_ids]
         await asyncio.gather(*(self.bucket.purge(k) for k in keys))
+
+    async def put_part(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        await self.bucket.put_expiring(Names.response_part(response_id), value, ttl_s)
+
+    async def part(self, response_id: str) -> bytes | None:
+        return await self.bucket.get(Names.response_part(response_id))
+
+    async def delete_part(self, response_id: str) -> None:
+        await self.bucket.purge(Names.response_part(response_id))
 
 
 class Live(msgspec.Struct, array_like=True):

@@ -128,8 +128,14 @@ class Keys:
         return f"{self.prefix}:resp:{response_id}"
 
     def pending_responses(self) -> str:
-        """Set of the stored responses whose job's result is not yet in them."""
-        return f"{self.prefix}:resp-pending"
+        """Sorted set of the stored responses whose job's result is not yet in them, scored by
+        when each is next due for a look (unix ms); a new name, as the set it replaced (a plain
+        set under `resp-pending`) would be the wrong type."""
+        return f"{self.prefix}:resp-due"
+
+    def response_part(self, response_id: str) -> str:
+        """A stored response's part of its conversation, with its retention as TTL."""
+        return f"{self.prefix}:resp-part:{response_id}"
 
     def cache_index(self, model: str) -> str:
         """Sorted set of a model's cache digests, scored by when each entry expires."""

@@ -328,17 +328,18 @@ class RedisResponses(ResponseStore):
 
 
 class RedisStoredResponses(StoredResponses):
-    """Stored responses: one key per response, its retention as the key's TTL."""
+    """Stored responses: one key per response, its retention as the key's TTL; the pending
+    ones in a sorted set scored by when each is due (ms), and a key per conversation part."""
 
     def __init__(self, conn: RedisConnection, keys: Keys) -> None:
         self.conn = conn
         self.keys = keys
 
-    async def put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+    async def put(self, response_id: str, value: bytes, ttl_s: float, due_at: float) -> None:
         # the record first: a sweep settles a pending id it finds no record for
         key = self.keys.stored_response(response_id)
         await self.conn.parsed("SET", key, value, "PX", ms(ttl_s))
-        await self.conn.parsed("SADD", self.keys.pending_responses(), response_id)
+        await self.conn.parsed("ZADD", self.keys.pending_responses(), ms(due_at), response_id)
 
     async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
         key = self.keys.stored_response(response_id)
@@ -352,13 +353,32 @@ class RedisStoredResponses(StoredResponses):
         await self.settle([response_id])
         return bool(await self.conn.parsed("DEL", self.keys.stored_response(response_id)))
 
-    async def pending(self, limit: int) -> list[str]:
-        found = await self.conn.parsed("SRANDMEMBER", self.keys.pending_responses(), limit)
+    async def due(self, now: float, limit: int) -> list[str]:
+        found = await self.conn.parsed(
+            "ZRANGEBYSCORE", self.keys.pending_responses(), "-inf", ms(now), "LIMIT", 0, limit
+        )
         return [text(x) for x in found or ()]
+
+    async def defer(self, response_ids: Sequence[str], due_at: float) -> None:
+        if response_ids:
+            at = ms(due_at)
+            pairs = [part for r in response_ids for part in (at, r)]
+            # XX: a settle in between wins
+            await self.conn.parsed("ZADD", self.keys.pending_responses(), "XX", *pairs)
 
     async def settle(self, response_ids: Sequence[str]) -> None:
         if response_ids:
-            await self.conn.parsed("SREM", self.keys.pending_responses(), *response_ids)
+            await self.conn.parsed("ZREM", self.keys.pending_responses(), *response_ids)
+
+    async def put_part(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        await self.conn.parsed("SET", self.keys.response_part(response_id), value, "PX", ms(ttl_s))
+
+    async def part(self, response_id: str) -> bytes | None:
+        value = await self.conn.parsed("GET", self.keys.response_part(response_id))
+        return None if value is None else bytes(value)
+
+    async def delete_part(self, response_id: str) -> None:
+        await self.conn.parsed("DEL", self.keys.response_part(response_id))
 
 
 class RedisRegistry(WorkerRegistry):

@@ -220,10 +220,11 @@ class _Drive:
         placed: dict[int, str] = {}
         advanced = start
         for i, outcome in zip(range(start, stop), outcomes, strict=True):
-            if isinstance(outcome, RETRY_LATER) or _window_closed(outcome):
+            if isinstance(outcome, RETRY_LATER):
                 # a full lane, the tenant's quota or the queue's wait: this line and the rest
                 # wait a tick (a job a later line made meanwhile is found again by its key);
-                # a window that closed meanwhile expires them on that tick
+                # a window that closed meanwhile (the line's deadline passed: 429 too) expires
+                # them on that tick
                 break
             if isinstance(outcome, UserError):
                 refusal = _AdmissionError(
@@ -423,12 +424,6 @@ def _error_line(line: BatchLine, job: str, status: int, refusal: _AdmissionError
     }
     req = f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, line.custom_id).hex}"
     return _line(req, line.custom_id, status, "", body)
-
-
-def _window_closed(outcome: object) -> bool:
-    """A line refused for a past deadline: the runner gives each line the window's end as its
-    deadline, so the window closed while the line was being submitted (not the line's fault)."""
-    return isinstance(outcome, UserError) and outcome.param == "deadline"
 
 
 def _expired_line(line: BatchLine) -> bytes:

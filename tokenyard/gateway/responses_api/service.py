@@ -3,8 +3,11 @@
 A stored response is written (pending) when its job is entered, and its job's result is copied
 into it by the first gateway that sees the job end: the caller of a sync or streaming response,
 the watcher of a background one on the gateway that created it, any later read, or, when that
-gateway died, any gateway's sweep of the pending ones. The job's own record lapses after
-`record_ttl_s`, the stored response after `response_ttl_s` from creation.
+gateway died, any gateway's sweep of the pending ones that are due: each is due a sweep period
+after it was stored, then again a period after each look that found its job still running, and a
+sweep reads the due ones in order from the table's due-time index, however many are pending.
+The job's own record lapses after `record_ttl_s`, the stored response after `response_ttl_s`
+from creation.
 """
 
 from __future__ import annotations
@@ -14,30 +17,54 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from tokenyard.broker import is_job_id
-from tokenyard.errors import NotFound
+from tokenyard.errors import InvalidRequest, NotFound
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.live import JobGone, LiveCall
 from tokenyard.gateway.responses_api.wire import job_id_of
 from tokenyard.gateway.state import GatewayState
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
+    ConversationPart,
     JobRecord,
     JobResult,
     JobStatus,
     StoredResponse,
+    Turn,
     decode,
     encode,
 )
 
 log = logging.getLogger(__name__)
-SWEEP_BATCH = 256  # pending stored responses looked at per sweep
+SWEEP_BATCH = 256  # due stored responses looked at per round of a sweep
+RECHECK_S = 30.0  # a pending response is looked at this long after it is stored or deferred
 _LAPSED = JobResult(
     status=JobStatus.DEAD,
     error="the job's record lapsed before a gateway stored its result (record_ttl_s)",
 )
+
+
+# parts walked back at most: the part past it holds its whole conversation again (a walk of
+# reads one after another, so the bound is on latency; a chain of n links stores n parts and
+# n / MAX_CHAIN whole conversations)
+MAX_CHAIN = 100
+
+
+@dataclass
+class Chain:
+    """How a new response continues a stored one: the conversation its job is given before its
+    own input, and the part it stores (`prefix`, then its input, after the part `previous`)."""
+
+    turns: list[Turn]
+    previous: str | None
+    prefix: list[Turn]
+    depth: int
+    walked: list[tuple[str, ConversationPart]] = field(default_factory=list)
 
 
 def not_found(raw_id: str, param: str | None = None) -> NotFound:
@@ -51,6 +78,10 @@ class ResponseService:
         self.state = state
         self.table = state.backend.stored_responses
         self.ttl_s = state.backend.settings.response_ttl_s
+        # the creating gateway's watcher settles a background response when its job ends; a
+        # sweep looks at one only once it is due: this long after it was stored or last looked
+        # at (the sweep's period, so an orphan waits at most about two periods)
+        self.recheck_s = state.settings.responses_sweep_s or RECHECK_S
         self._tasks: set[asyncio.Task[None]] = set()
         if state.settings.responses_sweep_s > 0:
             self._spawn(self._sweeping(state.settings.responses_sweep_s), "response-sweep")
@@ -64,9 +95,64 @@ class ResponseService:
         # retention counts from creation, however often the record is rewritten
         return max(1.0, stored.created_at + self.ttl_s - time.time())
 
-    async def create(self, stored: StoredResponse) -> None:
-        if stored.store:
-            await self.table.put(stored.id, encode(stored), self._left_s(stored))
+    async def chain(self, earlier: StoredResponse, output: list[Turn]) -> Chain:
+        """The conversation through `earlier` and its `output`, read from its parts (at most
+        MAX_CHAIN, one after another); a part that lapsed is 400, as OpenAI answers a
+        `previous_response_id` it no longer has."""
+        if not earlier.chained:  # stored before parts: its context is all of it
+            turns = [*earlier.context, *output]
+            return Chain(turns, None, turns, 1)
+        walked: list[tuple[str, ConversationPart]] = []
+        at: str | None = earlier.id
+        while at is not None and len(walked) < MAX_CHAIN:
+            raw = await self.table.part(at)
+            if raw is None:
+                raise InvalidRequest(
+                    f"The conversation before response '{earlier.id}' is no longer stored",
+                    param="previous_response_id",
+                )
+            part = decode(raw, ConversationPart)
+            walked.append((at, part))
+            at = part.previous
+        turns = [t for _, part in reversed(walked) for t in part.turns] + output
+        depth = walked[0][1].depth + 1
+        if at is not None or depth > MAX_CHAIN:  # its part starts the walk again
+            return Chain(turns, None, turns, 1)
+        return Chain(turns, earlier.id, output, depth, walked)
+
+    async def create(self, stored: StoredResponse, chain: Chain | None = None) -> None:
+        """Store a new response (pending) and its part of the conversation, and keep the parts
+        it refers back to at least as long as it."""
+        if not stored.store:
+            return
+        left = self._left_s(stored)
+        now = time.time()
+        previous, depth = (None, 1) if chain is None else (chain.previous, chain.depth)
+        part = ConversationPart(
+            previous=previous, turns=stored.context, depth=depth, kept_until=now + left
+        )
+        await self.table.put_part(stored.id, encode(part), left)
+        if chain is not None:
+            await self._keep_parts(chain, now + left, now)
+        await self.table.put(stored.id, encode(stored), left, now + self.recheck_s)
+
+    async def _keep_parts(self, chain: Chain, until: float, now: float) -> None:
+        """The parts a new one refers back to, kept until `until`, and its predecessor's marked
+        continued. A part is rewritten only when it would lapse first, and then kept half a
+        retention longer, so each is rewritten about once per half retention of the chain's
+        use, not once per link."""
+        writes = []
+        for i, (response_id, part) in enumerate(chain.walked):
+            first = i == 0 and not part.continued
+            if part.kept_until >= until and not first:
+                continue
+            kept = msgspec.structs.replace(
+                part,
+                kept_until=max(part.kept_until, until + self.ttl_s / 2),
+                continued=part.continued or i == 0,
+            )
+            writes.append(self.table.put_part(response_id, encode(kept), kept.kept_until - now))
+        await asyncio.gather(*writes)
 
     async def get(self, raw_id: str, tenant: Tenant, param: str | None = None) -> StoredResponse:
         """The tenant's stored response; another tenant's is as absent as a missing one."""
@@ -82,7 +168,12 @@ class ResponseService:
         return stored
 
     async def delete(self, stored: StoredResponse) -> None:
+        """Delete the record; its part too, unless a response was chained after it (that one's
+        conversation needs it; it lapses then)."""
         await self.table.delete(stored.id)
+        raw = await self.table.part(stored.id)
+        if raw is not None and not decode(raw, ConversationPart).continued:
+            await self.table.delete_part(stored.id)
 
     async def finish(self, stored: StoredResponse, result: JobResult) -> StoredResponse:
         """Copy the job's result into the stored response (once; a deleted one stays gone)."""
@@ -117,10 +208,25 @@ class ResponseService:
         """Store a result a live call saw, without holding the call up."""
         self._spawn(self._keep(stored, result), "response-keep")
 
-    async def sweep(self, limit: int = SWEEP_BATCH) -> int:
-        """Copy the result of ended jobs into their pending stored responses (read once per
-        job, one round trip for all records); returns how many were settled."""
-        ids = await self.table.pending(limit)
+    async def sweep(self, now: float | None = None) -> int:
+        """Look at every pending stored response due by `now`, the earliest due first, in
+        rounds of SWEEP_BATCH: copy in the result of those whose job ended, and defer the
+        others by `recheck_s`; returns how many were settled."""
+        now = time.time() if now is None else now
+        settled = 0
+        seen: set[str] = set()
+        while True:
+            ids = await self.table.due(now, SWEEP_BATCH)
+            fresh = [i for i in ids if i not in seen]
+            if not fresh:  # none due, or only what this sweep could not move (a lost write)
+                return settled
+            seen.update(fresh)
+            settled += await self._look(fresh, now)
+            if len(ids) < SWEEP_BATCH:
+                return settled
+
+    async def _look(self, ids: list[str], now: float) -> int:
+        """One round of a sweep (each job's record read once, one round trip for all)."""
         found = await asyncio.gather(*(self.table.get(i) for i in ids))
         gone = [i for i, raw in zip(ids, found, strict=True) if raw is None]
         open_ = [decode(raw, StoredResponse) for raw in found if raw is not None]
@@ -128,16 +234,18 @@ class ResponseService:
         await self.table.settle(gone + done)
         waiting = [s for s in open_ if s.result is None]
         records = await self.state.backend.queue.records([s.job_id for s in waiting])
-        settled = len(gone) + len(done)
+        ended: list[tuple[StoredResponse, JobResult]] = []
+        later: list[str] = []
         for stored, record in zip(waiting, records, strict=True):
             if record is None:
-                await self.finish(stored, _LAPSED)
+                ended.append((stored, _LAPSED))
             elif record.status.terminal and record.result is not None:
-                await self.finish(stored, record.result)
+                ended.append((stored, record.result))
             else:
-                continue
-            settled += 1
-        return settled
+                later.append(stored.id)
+        await asyncio.gather(*(self.finish(s, r) for s, r in ended))
+        await self.table.defer(later, now + self.recheck_s)
+        return len(gone) + len(done) + len(ended)
 
     async def _sweeping(self, every_s: float) -> None:
         while True:

@@ -18,7 +18,7 @@ from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.responses_api.service import ResponseService
+from tokenyard.gateway.responses_api.service import Chain, ResponseService
 from tokenyard.gateway.responses_api.wire import (
     ResponseEvents,
     ResponseRequest,
@@ -63,7 +63,9 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
     with tracing.server_span("POST /v1/responses", request.headers):
         body = protocol.parse(ResponseRequest, await request.body())
         body.refuse_unsupported()
-        context = [*await _earlier(request, service, body, tenant), *body.turns()]
+        chain = await _earlier(request, service, body, tenant)
+        said = body.turns()
+        context = [*chain.turns, *said] if chain is not None else said
         how = Later(None, request.headers) if body.background else Live(request.headers, started)
         try:
             outcome = await submit(state, "chat", body.chat_request(context), tenant, how)
@@ -71,19 +73,21 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
             raise renamed(exc) from None
     assert not isinstance(outcome, Hit)  # a response never takes part in the cache
     job_id = outcome.job_id if isinstance(outcome, Queued) else outcome.call.job_id
-    stored = _stored(body, tenant, outcome.spec, job_id, context)
+    # the record keeps only what this response adds; its conversation is read back by `chain`
+    own = said if chain is None else [*chain.prefix, *said]
+    stored = _stored(body, tenant, outcome.spec, job_id, own)
     headers = {"X-Job-Id": job_id, **outcome.headers}
     if isinstance(outcome, Queued):
-        return await _background(request, body, stored, headers)
-    return await _live(request, body, stored, outcome.call, headers)
+        return await _background(request, body, stored, chain, headers)
+    return await _live(request, body, stored, chain, outcome.call, headers)
 
 
 async def _earlier(
     request: Request, service: ResponseService, body: ResponseRequest, tenant: Tenant
-) -> list[Turn]:
-    """The conversation a `previous_response_id` continues: its context, then its output."""
+) -> Chain | None:
+    """The conversation a `previous_response_id` continues: its own, then its output."""
     if body.previous_response_id is None:
-        return []
+        return None
     earlier = await service.get(body.previous_response_id, tenant, "previous_response_id")
     earlier, _ = await service.current(earlier)
     if earlier.result is None or earlier.result.status is not JobStatus.SUCCEEDED:
@@ -93,12 +97,12 @@ async def _earlier(
         )
     reader = _reader(request, earlier)
     if reader is None:
-        return [*earlier.context, Turn("assistant", earlier.result.text)]
+        return await service.chain(earlier, [Turn("assistant", earlier.result.text)])
     # its calls as the client saw them (same ids), so their outputs can answer them
     parsed = parse_whole(reader, earlier.result.text)
     said = [Turn("assistant", parsed.content or "")] if parsed.content or not parsed.calls else []
     calls = [call_turn(c.id, c.name, c.arguments) for c in parsed.calls]
-    return [*earlier.context, *said, *calls]
+    return await service.chain(earlier, [*said, *calls])
 
 
 def _reader(request: Request, stored: StoredResponse) -> CallStream | None:
@@ -139,16 +143,21 @@ def _stored(
         tools=body.stored_tools(),
         text_format=body.stored_format(),
         calls=spec.calls,  # admission's reading: every later reading of the output uses it
+        chained=True,
     )
 
 
 async def _background(
-    request: Request, body: ResponseRequest, stored: StoredResponse, headers: dict[str, str]
+    request: Request,
+    body: ResponseRequest,
+    stored: StoredResponse,
+    chain: Chain | None,
+    headers: dict[str, str],
 ) -> Response:
     """A queued job, read later: its stored response now (or its events, when streamed)."""
     state, service = gateway(request), _service(request)
     try:
-        await service.create(stored)
+        await service.create(stored, chain)
     except BaseException:
         with contextlib.suppress(Exception):  # the first error is the caller's answer
             await state.backend.queue.cancel(stored.job_id)  # its caller heard it failed
@@ -165,13 +174,14 @@ async def _live(
     request: Request,
     body: ResponseRequest,
     stored: StoredResponse,
+    chain: Chain | None,
     call: LiveCall,
     headers: dict[str, str],
 ) -> Response:
     """A job its caller follows now, as the chat routes do: SSE, or the response when done."""
     state, service = gateway(request), _service(request)
     try:
-        await service.create(stored)
+        await service.create(stored, chain)
     except BaseException:
         await state.abandonment.cancel_now(stored.job_id)  # no caller will follow it
         raise
