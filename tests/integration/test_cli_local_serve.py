@@ -1,7 +1,9 @@
 """The command line finds the running `serve` or says so, and fails fast and in one line: the
-commands given no broker use the local serve's; serve refuses a taken port, an unknown engine
-and bad settings before it starts anything, and stops when a worker cannot start; a broker or
-gateway that does not answer is one line (`--debug`: the traceback). One serve for the file."""
+commands given no broker (or gateway URL) use the local serve's, from its directory or one
+below; a second serve on its data dir stops, naming it; serve refuses a taken port, an unknown
+engine and bad settings before it starts anything, and stops when a worker cannot start; a
+broker or gateway that does not answer is one line (`--debug`: the traceback). One serve for
+the file."""
 
 from __future__ import annotations
 
@@ -160,6 +162,49 @@ def test_serve_refuses_at_once_what_it_cannot_run(served: Served, tmp_path: Path
     assert "max_seqs = -4" in bad_seqs.one_failure_line()
     assert f"no answer from the broker at {nobody}" in no_broker.one_failure_line()
     assert not (tmp_path / ".tokenyard").exists()  # nothing was started
+
+
+def test_a_second_serve_on_a_data_dir_stops_naming_the_first(served: Served) -> None:
+    record = served.cwd / ".tokenyard" / "valkey" / "serve.json"
+    before = record.read_bytes()
+    pid = json.loads(before)["pid"]
+    # on another port, and on the first one's: the data dir is what they share, said first
+    elsewhere, same_port = run_all(
+        [
+            ("serve", "--engine", "sim", "--port", str(free_port())),
+            ("serve", "--engine", "sim", "--port", str(served.port)),
+        ],
+        served.cwd,
+        clean_env(),
+    )
+    for ran in (elsewhere, same_port):
+        assert ran.one_failure_line() == (
+            f"tokenyard: a serve already runs on .tokenyard/valkey (pid {pid}, {served.url}); "
+            "stop it first, or give this one another --data-dir"
+        )
+    assert record.read_bytes() == before  # the first one's record, untouched
+    assert httpx.get(f"{served.url}/readyz").status_code == 200
+
+
+def test_commands_in_a_subdirectory_find_the_serve_and_batches_use_it(served: Served) -> None:
+    below = served.cwd / "jobs" / "today"
+    below.mkdir(parents=True, exist_ok=True)
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": f"car {i}", "max_tokens": 4}}
+        for i in range(3)
+    ]  # fmt: skip
+    (below / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    status, batch = run_all(
+        [("status",), ("batch", "submit", "in.jsonl", "--wait", "--output", "out.jsonl")],
+        below,
+        clean_env(),
+    )
+    assert status.code == 0 and "model tiny" in status.out, status
+    assert batch.code == 0 and batch.out.startswith("batch_"), batch
+    results = [json.loads(line) for line in (below / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in results) == ["r0", "r1", "r2"]
+    assert all(r["response"]["status_code"] == 200 for r in results)
 
 
 def test_a_worker_that_cannot_start_stops_serve(served: Served, tmp_path: Path) -> None:

@@ -41,8 +41,10 @@ from tokenyard.cli.options import (
     BrokerOpt,
     PrefixOpt,
     TablesOpt,
+    base_url,
     broker_settings,
     check_reachable,
+    gateway_target,
     with_broker,
 )
 from tokenyard.config import (
@@ -53,7 +55,15 @@ from tokenyard.config import (
     setting_sources,
 )
 from tokenyard.errors import FatalError, TokenyardError
-from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, forget, record
+from tokenyard.fleet.local import (
+    DATA_DIR_ENV,
+    RECORD,
+    LocalServe,
+    check_free,
+    forget,
+    hold,
+    record,
+)
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
@@ -185,6 +195,8 @@ def serve(
     if worker_settings.engine not in (*ENGINE_NAMES, AUTO):  # before any process starts
         names = ", ".join((AUTO, *ENGINE_NAMES))
         raise FatalError(f"unknown engine {worker_settings.engine!r}; expected one of {names}")
+    data_dir = data_dir or Path(".tokenyard", private or "valkey")
+    check_free(data_dir)  # one serve per data dir: a second stops here, naming the first
     export_to_workers(sim)
     # decided once here, so every worker runs the engine the start line names
     chosen = engine_choice(worker_settings, engine)
@@ -192,7 +204,6 @@ def serve(
     gw = _gateway_settings(worker_settings.model, chosen.engine, host, port, tool_call_parser)
     # the port before anything starts: one that is taken fails serve at once, in one line
     listener = _bind(gw.host, gw.port)
-    data_dir = data_dir or Path(".tokenyard", private or "valkey")
     stack = Stack(
         external=settings if private is None else None,
         embedded=private or "valkey",
@@ -212,14 +223,14 @@ def serve(
     # that unwinds the stack (workers drain, the private server stops) instead of killing it
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        with stack:
+        with hold(data_dir), stack:
             started = LocalServe(
                 pid=os.getpid(),
                 started_at=time.time(),
                 broker_url=stack.broker_url,
                 tables_url=stack.tables_url,
                 prefix=settings.prefix,
-                api_url=_base_url(gw.host, listener.getsockname()[1]),
+                api_url=base_url(gw.host, listener.getsockname()[1]),
                 model=worker_settings.model,
                 engine=chosen.engine,
                 workers=workers,
@@ -248,13 +259,6 @@ def _bind(host: str, port: int) -> socket.socket:
         why = "is taken (another server listens there)" if taken else f"cannot be bound: {exc}"
         raise FatalError(f"{host}:{port} {why}; pick another with --port") from exc
     return sock
-
-
-def _base_url(host: str, port: int) -> str:
-    """http://host:port to reach a server bound to `host` from this machine."""
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _print_started(serve: LocalServe, data_dir: Path, private: str | None, why: str) -> None:
@@ -420,19 +424,8 @@ def submit(
     import httpx
 
     from tokenyard.cli.submit import stream_completion
-    from tokenyard.fleet.local import find
-    from tokenyard.gateway.settings import GatewaySettings, gateway_settings
 
-    if url is None or model is None:
-        # where the gateway is: named (flag, env, file), else the local serve's, else default
-        named = setting_sources(GatewaySettings, "gateway")
-        local = find()
-        gw = gateway_settings()
-        if url is None:
-            named_url = "host" in named or "port" in named
-            url = local.api_url if local and not named_url else _base_url(gw.host, gw.port)
-        if model is None:
-            model = local.model if local and "models" not in named else gw.models[0]
+    url, model = gateway_target(url, model)
     try:
         code = asyncio.run(
             stream_completion(
