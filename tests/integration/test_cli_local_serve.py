@@ -1,9 +1,9 @@
 """The command line finds the running `serve` or says so, and fails fast and in one line: the
 commands given no broker (or gateway URL) use the local serve's, from its directory or one
 below; a second serve on its data dir stops, naming it; serve refuses a taken port, an unknown
-engine and bad settings before it starts anything, and stops when a worker cannot start; a
-broker or gateway that does not answer is one line (`--debug`: the traceback). One serve for
-the file."""
+engine, bad settings and a model neither on disk nor in the Hugging Face cache before it starts
+anything, and stops when a worker cannot start; a broker or gateway that does not answer is one
+line (`--debug`: the traceback). One serve for the file."""
 
 from __future__ import annotations
 
@@ -144,23 +144,34 @@ def test_commands_given_no_broker_use_the_local_serve(served: Served) -> None:
 
 
 def test_serve_refuses_at_once_what_it_cannot_run(served: Served, tmp_path: Path) -> None:
+    # a Hugging Face cache without the model, and no hub to ask
+    offline = clean_env(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     with socket.socket() as held:  # a broker address nobody answers on
         held.bind(("127.0.0.1", 0))
         nobody = f"redis://127.0.0.1:{held.getsockname()[1]}/0"
-        taken, bad_engine, bad_seqs, no_broker = run_all(
+        taken, bad_engine, bad_seqs, no_broker, no_model, worker, gateway = run_all(
             [
                 ("serve", "--engine", "sim", "--port", str(served.port)),  # the served one's
                 ("serve", "--engine", "nope", "--port", str(free_port())),
                 ("serve", "--engine", "sim", "--max-seqs", "-4", "--port", str(free_port())),
                 ("serve", "--engine", "sim", "--broker", nobody, "--port", str(free_port())),
+                ("serve", "--engine", "hf", "--model", "nobody/none", "--port", str(free_port())),
+                ("worker", "--engine", "hf", "--model", "nobody/none", "--broker", nobody),
+                ("gateway", "--model", "nobody/none", "--broker", nobody),
             ],
             tmp_path,
-            clean_env(),
+            offline,
         )
     assert f"127.0.0.1:{served.port} is taken" in taken.one_failure_line()
     assert "unknown engine 'nope'" in bad_engine.one_failure_line()
     assert "max_seqs = -4" in bad_seqs.one_failure_line()
     assert f"no answer from the broker at {nobody}" in no_broker.one_failure_line()
+    for ran in (no_model, worker, gateway):
+        line = ran.one_failure_line()
+        assert (
+            "model nobody/none is neither a local directory nor in the Hugging Face cache" in line
+        )
+        assert "HF_HUB_OFFLINE=1 forbids downloading it" in line
     assert not (tmp_path / ".tokenyard").exists()  # nothing was started
 
 

@@ -96,7 +96,7 @@ def gateway_target(url: str | None = None, model: str | None = None) -> GatewayT
     TOKENYARD_GATEWAY_* or the config file names them, else the local serve's (`fleet/local.py`),
     else the gateway's defaults (http://127.0.0.1:8000, the first default model)."""
     from tokenyard.fleet.local import find
-    from tokenyard.gateway.settings import GatewaySettings, gateway_settings
+    from tokenyard.gateway.settings import GatewaySettings, gateway_settings, served_models
 
     if url is not None and model is not None:
         return GatewayTarget(url, model)
@@ -107,7 +107,8 @@ def gateway_target(url: str | None = None, model: str | None = None) -> GatewayT
         named_url = "host" in named or "port" in named
         url = local.api_url if local and not named_url else base_url(gw.host, gw.port)
     if model is None:
-        model = local.model if local and "models" not in named else gw.models[0]
+        named_model = {"models", "served_model_name"} & set(named)
+        model = local.model if local and not named_model else served_models(gw).models[0]
     return GatewayTarget(url, model)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenyard.engines.tiny import ensure_tiny_model
+from tokenyard.models import local_model
 
 
 class HFTokenizer:
@@ -102,17 +103,15 @@ class HFTokenizer:
         return template or ""
 
 
-def resolve_model_path(model: str | os.PathLike[str]) -> Path:
-    """'tiny' builds the local tiny model ('tiny-tools': the same with a chat template that
-    shows tools, as Hermes does); anything else must be a local directory."""
+def resolve_model_path(model: str | os.PathLike[str], revision: str | None = None) -> Path:
+    """The model's local directory: 'tiny' builds the local tiny model ('tiny-tools': the same
+    with a chat template that shows tools, as Hermes does); a directory as given; a Hugging
+    Face hub id through its cache (`tokenyard.models.local_model`)."""
     if str(model) == "tiny":
         return ensure_tiny_model()
     if str(model) == "tiny-tools":
         return ensure_tiny_model(tools=True)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (nothing is downloaded)")
-    return path
+    return Path(local_model(str(model), revision))
 
 
 def model_context(path: Path) -> tuple[int, list[int], int]:

@@ -36,6 +36,7 @@ from tokenyard.messages import (
     WorkerInfo,
 )
 from tokenyard.metrics import WorkerMetrics, accelerator_utilization
+from tokenyard.models import served_names
 from tokenyard.tracing import JobSpans
 from tokenyard.tracing import enabled as tracing_enabled
 from tokenyard.worker.scheduler import Job, Occupancy, Plan, Scheduler, Update, moving_average
@@ -120,7 +121,7 @@ class Worker:
         self.freeze_heap = freeze_heap
         self.engine = engine
         self.settings = settings
-        self.model = settings.model
+        self.model = served_names(settings.model, settings.served_model_name)[0]  # its lanes
         self.started_at = time.time()
         self.consumer = consumer or consumer_name(self.started_at)
         self.limits = worker_limits(engine, settings)  # final once the engine has started
