@@ -32,14 +32,17 @@ NOT_LOADED = (
     "coreml/*",
     "original/*",  # Meta's and Mistral's consolidated checkpoints beside the HF weights
 )
+# what a tokenizer alone does without (a gateway's, the remote engine's): not fetched for it
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt")
 # huggingface_hub's repo-id shape (validate_repo_id): `name` or `org/name`
 _HUB_ID = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?")
 
 
-def local_model(model: str, revision: str | None = None) -> str:
+def local_model(model: str, revision: str | None = None, *, weights: bool = True) -> str:
     """`model` as engines load it: the tiny names and local directories as given, a hub id as
-    its cached snapshot's directory (fetched first where the hub answers). FatalError, one line
-    saying what to do, when it is none of them or neither the hub nor the cache has it."""
+    its cached snapshot's directory (fetched first where the hub answers; `weights` False: its
+    config and tokenizer only). FatalError, one line saying what to do, when it is none of them
+    or neither the hub nor the cache has it."""
     if model in TINY_MODELS:
         return model
     path = Path(model).expanduser()
@@ -47,7 +50,7 @@ def local_model(model: str, revision: str | None = None) -> str:
         return str(path)
     if not is_hub_id(model):
         raise FatalError(f"model directory {path} does not exist")
-    return str(_from_hub(model, revision))
+    return str(_from_hub(model, revision, NOT_LOADED if weights else (*NOT_LOADED, *WEIGHTS)))
 
 
 def is_hub_id(model: str) -> bool:
@@ -67,7 +70,7 @@ def served_names(model: str, given: Iterable[str] = ()) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names)) or (model,)
 
 
-def _from_hub(repo: str, revision: str | None) -> Path:
+def _from_hub(repo: str, revision: str | None, ignored: tuple[str, ...]) -> Path:
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import (
@@ -82,7 +85,7 @@ def _from_hub(repo: str, revision: str | None) -> Path:
     at = f" at revision {revision}" if revision else ""
     try:
         found = huggingface_hub.snapshot_download(
-            repo, revision=revision, ignore_patterns=list(NOT_LOADED)
+            repo, revision=revision, ignore_patterns=list(ignored)
         )
     except RevisionNotFoundError as exc:
         raise FatalError(f"model {repo} has no revision {revision!r} on the hub") from exc

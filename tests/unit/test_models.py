@@ -60,6 +60,25 @@ def test_what_the_cache_lacks_offline_is_one_line_saying_why(cache: Path) -> Non
         local_model(REPO, "v2")
 
 
+def test_a_tokenizer_alone_is_served_from_a_snapshot_without_weights(cache: Path) -> None:
+    # what a gateway (or the remote engine) fetches: config and tokenizer, no weights
+    hub_cache(cache, "org/no-weights", weights=False)
+    snapshot = Path(local_model("org/no-weights", weights=False))
+    assert (snapshot / "tokenizer.json").is_file() and not (snapshot / "model.safetensors").exists()
+    with pytest.raises(FatalError) as engine:  # an engine needs them: not there, not fetchable
+        local_model("org/no-weights")
+    assert str(engine.value) == (
+        "model org/no-weights: its cached snapshot misses files and the hub could not be "
+        "reached to fetch them"
+    )
+    # the gateway's tokenizer and the worker's remote engine ask for the tokenizer only
+    from tokenyard.gateway.tokenizers import load_tokenizer
+
+    assert load_tokenizer("hf", "org/no-weights").encode("the yard")
+    remote = with_local_model(WorkerSettings(model="org/no-weights", engine="remote"))
+    assert remote.model == str(snapshot)
+
+
 def test_an_unreachable_hub_falls_back_to_the_cache(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

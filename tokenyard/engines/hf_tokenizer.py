@@ -103,15 +103,18 @@ class HFTokenizer:
         return template or ""
 
 
-def resolve_model_path(model: str | os.PathLike[str], revision: str | None = None) -> Path:
+def resolve_model_path(
+    model: str | os.PathLike[str], revision: str | None = None, *, weights: bool = True
+) -> Path:
     """The model's local directory: 'tiny' builds the local tiny model ('tiny-tools': the same
     with a chat template that shows tools, as Hermes does); a directory as given; a Hugging
-    Face hub id through its cache (`tokenyard.models.local_model`)."""
+    Face hub id through its cache (`tokenyard.models.local_model`; `weights` False: what the
+    tokenizer needs only)."""
     if str(model) == "tiny":
         return ensure_tiny_model()
     if str(model) == "tiny-tools":
         return ensure_tiny_model(tools=True)
-    return Path(local_model(str(model), revision))
+    return Path(local_model(str(model), revision, weights=weights))
 
 
 def model_context(path: Path) -> tuple[int, list[int], int]:

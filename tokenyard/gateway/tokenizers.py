@@ -16,7 +16,8 @@ def load_tokenizer(family: str, model: str, revision: str | None = None) -> Engi
     if family == "hf":
         from tokenyard.engines.hf_tokenizer import load_hf_tokenizer, resolve_model_path
 
-        return load_hf_tokenizer(resolve_model_path(model, revision))
+        # a gateway never loads the weights: a hub id's are not fetched for it
+        return load_hf_tokenizer(resolve_model_path(model, revision, weights=False))
     raise ValueError(f"unknown tokenizer family {family!r}; expected 'hf' or 'sim'")
 
 

@@ -35,11 +35,12 @@ async def run_worker(backend: Backend, worker: Worker) -> None:
 def with_local_model(settings: WorkerSettings) -> WorkerSettings:
     """The settings with the model resolved once, before anything loads it: engines get a local
     directory (a hub id's cached snapshot), the lanes and limits keep its served names (the
-    model as named, when none is given). The sim engine loads nothing: its model is a name."""
+    model as named, when none is given). The sim engine loads nothing: its model is a name; the
+    remote engine only the tokenizer (a hub id's weights are not fetched for it)."""
     names = served_names(settings.model, settings.served_model_name)
     model = settings.model
     if settings.engine != "sim":
-        model = local_model(model, settings.revision)
+        model = local_model(model, settings.revision, weights=settings.engine != "remote")
     return msgspec.structs.replace(settings, model=model, served_model_name=names)
 
 
