@@ -187,7 +187,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How a worker claims, batches and drains, and the engine it runs (`engines.build_engine`)."""
 
     # a local model directory, a Hugging Face hub id (`org/name`: through huggingface_hub's
-    # cache, tokenyard/models.py) or `tiny`
+    # cache, engines/models.py) or `tiny`
     model: str = "tiny"
     # the names it is served under (vLLM's --served-model-name): the first keys its lanes and
     # limits, and is the name the gateways must serve; empty: the model as named

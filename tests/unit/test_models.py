@@ -1,4 +1,4 @@
-"""What `--model` names (tokenyard/models.py): a local directory, `tiny`, or a Hugging Face hub
+"""What `--model` names (engines/models.py): a local directory, `tiny`, or a Hugging Face hub
 id resolved through huggingface_hub's cache (built here, as the hub lays it out, holding the tiny
 model: the tests have no network); and the names a model is served under, which gateways and
 workers derive by the same rule."""
@@ -13,10 +13,10 @@ import pytest
 
 from tests.hub import REPO, hub_cache
 from tokenyard.config import WorkerSettings
+from tokenyard.engines.models import is_hub_id, local_model, served_names
 from tokenyard.errors import FatalError
 from tokenyard.gateway.routing import RoutingRules
 from tokenyard.gateway.settings import GatewaySettings, served_models
-from tokenyard.models import is_hub_id, local_model, served_names
 from tokenyard.worker.run import with_local_model
 
 pytest.importorskip("huggingface_hub")

@@ -15,8 +15,8 @@ from tokenyard.engines.base import (
     EngineTokenizer,
     StepOutput,
 )
+from tokenyard.engines.models import served_names
 from tokenyard.messages import EngineStats
-from tokenyard.models import served_names
 
 if TYPE_CHECKING:
     from tokenyard.config import WorkerSettings

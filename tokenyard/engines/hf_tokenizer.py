@@ -10,8 +10,8 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenyard.engines.models import local_model
 from tokenyard.engines.tiny import ensure_tiny_model
-from tokenyard.models import local_model
 
 
 class HFTokenizer:
@@ -108,7 +108,7 @@ def resolve_model_path(
 ) -> Path:
     """The model's local directory: 'tiny' builds the local tiny model ('tiny-tools': the same
     with a chat template that shows tools, as Hermes does); a directory as given; a Hugging
-    Face hub id through its cache (`tokenyard.models.local_model`; `weights` False: what the
+    Face hub id through its cache (`engines/models.py` `local_model`; `weights` False: what the
     tokenizer needs only)."""
     if str(model) == "tiny":
         return ensure_tiny_model()

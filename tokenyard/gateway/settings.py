@@ -104,10 +104,10 @@ class ServedModels(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def served_models(settings: GatewaySettings) -> ServedModels:
-    """The models `settings` serve under their names (tokenyard/models.py `served_names`, the
+    """The models `settings` serve under their names (engines/models.py `served_names`, the
     rule workers follow too); served names and a revision belong to one model, as in vLLM."""
+    from tokenyard.engines.models import served_names
     from tokenyard.errors import FatalError
-    from tokenyard.models import served_names
 
     if (settings.served_model_name or settings.revision) and len(settings.models) != 1:
         raise FatalError(

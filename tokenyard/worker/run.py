@@ -12,9 +12,9 @@ from tokenyard import tracing
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import build_engine
+from tokenyard.engines.models import local_model, served_names
 from tokenyard.errors import FatalError
 from tokenyard.metrics import AuditLogMetrics, WorkerMetrics
-from tokenyard.models import local_model, served_names
 from tokenyard.worker.worker import Worker
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from tokenyard.broker.policy import pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
+from tokenyard.engines.models import served_names
 from tokenyard.errors import BrokerUnavailable, EngineClosed, EngineError, UserError
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
@@ -36,7 +37,6 @@ from tokenyard.messages import (
     WorkerInfo,
 )
 from tokenyard.metrics import WorkerMetrics, accelerator_utilization
-from tokenyard.models import served_names
 from tokenyard.tracing import JobSpans
 from tokenyard.tracing import enabled as tracing_enabled
 from tokenyard.worker.scheduler import Job, Occupancy, Plan, Scheduler, Update, moving_average

@@ -49,7 +49,7 @@ def local_model(model: str, revision: str | None = None, *, weights: bool = True
     if path.is_dir():
         return str(path)
     if not is_hub_id(model):
-        raise FatalError(f"model directory {path} does not exist")
+        raise FatalError(f"model directory {model} does not exist")
     return str(_from_hub(model, revision, NOT_LOADED if weights else (*NOT_LOADED, *WEIGHTS)))
 
 
