@@ -195,7 +195,13 @@ def from_env(
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How a worker claims, batches and drains, and the engine it runs (`engines.build_engine`)."""
 
+    # a local model directory, a Hugging Face hub id (`org/name`: through huggingface_hub's
+    # cache, engines/models.py) or `tiny`
     model: str = "tiny"
+    # the names it is served under (vLLM's --served-model-name): the first keys its lanes and
+    # limits, and is the name the gateways must serve; empty: the model as named
+    served_model_name: tuple[str, ...] = ()
+    revision: str | None = None  # a hub id's branch, tag or commit; None: main
     # auto (vllm where it is installed and supports the model, else hf: engines/auto.py) | hf |
     # hf-static | hf-embed | sim | vllm | remote
     engine: str = "auto"
@@ -247,7 +253,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     vllm_args: str | None = None  # JSON object of any other AsyncEngineArgs field
     # -- remote engine (engine = "remote"): an OpenAI-compatible server that returns token ids
     remote_url: str = "http://127.0.0.1:8000"
-    remote_model: str | None = None  # the upstream's model name; None: the same as `model`
+    remote_model: str | None = None  # the upstream's model name; None: the first served name
     remote_concurrency: Count = 64  # streams held open at once: the engine's capacity
     remote_api_key: str | None = None
     remote_retries: NonNegative = (

@@ -1,7 +1,9 @@
 """The command line finds the running `serve` or says so, and fails fast and in one line: the
-commands given no broker use the local serve's; serve refuses a taken port, an unknown engine
-and bad settings before it starts anything, and stops when a worker cannot start; a broker or
-gateway that does not answer is one line (`--debug`: the traceback). One serve for the file."""
+commands given no broker (or gateway URL) use the local serve's, from its directory or one
+below; a second serve on its data dir stops, naming it; serve refuses a taken port, an unknown
+engine, bad settings and a model neither on disk nor in the Hugging Face cache before it starts
+anything, and stops when a worker cannot start; a broker or gateway that does not answer is one
+line (`--debug`: the traceback). One serve for the file."""
 
 from __future__ import annotations
 
@@ -142,24 +144,78 @@ def test_commands_given_no_broker_use_the_local_serve(served: Served) -> None:
 
 
 def test_serve_refuses_at_once_what_it_cannot_run(served: Served, tmp_path: Path) -> None:
+    # a Hugging Face cache without the model, and no hub to ask
+    offline = clean_env(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     with socket.socket() as held:  # a broker address nobody answers on
         held.bind(("127.0.0.1", 0))
         nobody = f"redis://127.0.0.1:{held.getsockname()[1]}/0"
-        taken, bad_engine, bad_seqs, no_broker = run_all(
+        taken, bad_engine, bad_seqs, no_broker, no_model, worker, gateway = run_all(
             [
                 ("serve", "--engine", "sim", "--port", str(served.port)),  # the served one's
                 ("serve", "--engine", "nope", "--port", str(free_port())),
                 ("serve", "--engine", "sim", "--max-seqs", "-4", "--port", str(free_port())),
                 ("serve", "--engine", "sim", "--broker", nobody, "--port", str(free_port())),
+                ("serve", "--engine", "hf", "--model", "nobody/none", "--port", str(free_port())),
+                ("worker", "--engine", "hf", "--model", "nobody/none", "--broker", nobody),
+                ("gateway", "--model", "nobody/none", "--broker", nobody),
             ],
             tmp_path,
-            clean_env(),
+            offline,
         )
     assert f"127.0.0.1:{served.port} is taken" in taken.one_failure_line()
     assert "unknown engine 'nope'" in bad_engine.one_failure_line()
     assert "max_seqs = -4" in bad_seqs.one_failure_line()
     assert f"no answer from the broker at {nobody}" in no_broker.one_failure_line()
+    for ran in (no_model, worker, gateway):
+        line = ran.one_failure_line()
+        assert (
+            "model nobody/none is neither a local directory nor in the Hugging Face cache" in line
+        )
+        assert "HF_HUB_OFFLINE=1 forbids downloading it" in line
     assert not (tmp_path / ".tokenyard").exists()  # nothing was started
+
+
+def test_a_second_serve_on_a_data_dir_stops_naming_the_first(served: Served) -> None:
+    record = served.cwd / ".tokenyard" / "valkey" / "serve.json"
+    before = record.read_bytes()
+    pid = json.loads(before)["pid"]
+    # on another port, and on the first one's: the data dir is what they share, said first
+    elsewhere, same_port = run_all(
+        [
+            ("serve", "--engine", "sim", "--port", str(free_port())),
+            ("serve", "--engine", "sim", "--port", str(served.port)),
+        ],
+        served.cwd,
+        clean_env(),
+    )
+    for ran in (elsewhere, same_port):
+        assert ran.one_failure_line() == (
+            f"tokenyard: a serve already runs on .tokenyard/valkey (pid {pid}, {served.url}); "
+            "stop it first, or give this one another --data-dir"
+        )
+    assert record.read_bytes() == before  # the first one's record, untouched
+    assert httpx.get(f"{served.url}/readyz").status_code == 200
+
+
+def test_commands_in_a_subdirectory_find_the_serve_and_batches_use_it(served: Served) -> None:
+    below = served.cwd / "jobs" / "today"
+    below.mkdir(parents=True, exist_ok=True)
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": f"car {i}", "max_tokens": 4}}
+        for i in range(3)
+    ]  # fmt: skip
+    (below / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    status, batch = run_all(
+        [("status",), ("batch", "submit", "in.jsonl", "--wait", "--output", "out.jsonl")],
+        below,
+        clean_env(),
+    )
+    assert status.code == 0 and "model tiny" in status.out, status
+    assert batch.code == 0 and batch.out.startswith("batch_"), batch
+    results = [json.loads(line) for line in (below / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in results) == ["r0", "r1", "r2"]
+    assert all(r["response"]["status_code"] == 200 for r in results)
 
 
 def test_a_worker_that_cannot_start_stops_serve(served: Served, tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
-"""`tokenyard serve --broker nats --model tiny` end to end: a private nats-server, a worker on
-the tiny Llama and the gateway, answering the official openai client; no Redis anywhere."""
+"""`tokenyard serve --broker nats --model org/name --served-model-name tiny,yard-tiny` end to
+end: a private nats-server, a worker on the tiny Llama (found under a hub id in a Hugging Face
+cache, offline, as a model fetched earlier is) and the gateway, answering the official openai
+client under the served names; no Redis anywhere."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from tests.gateway.sse import events
+from tests.hub import REPO, hub_cache
 from tests.servers import alive
 from tokenyard.fleet.launch import Processes, free_port, tokenyard_command, wait_ready
 
@@ -25,7 +28,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 BROKER = "nats"  # the private server serve starts
-MODEL = "tiny"
+MODEL = "tiny"  # what the API calls the model; ALIAS: its other served name
+ALIAS = "yard-tiny"
 
 
 @dataclass
@@ -67,11 +71,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # nothing from the environment picks the broker: serve's own nats-server is the only one
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
     env["TOKENYARD_GATEWAY_FILES_DIR"] = str(tmp / "files")
+    # the model by its hub id, from a cache and never the network
+    hub_cache(tmp / "hub")
+    env |= {"HF_HUB_CACHE": str(tmp / "hub"), "HF_HUB_OFFLINE": "1"}
     procs = Processes()
     serve = procs.start(
         "serve",
         tokenyard_command(
-            "serve", "--broker", BROKER, "--model", MODEL, "--port", str(port),
+            "serve", "--broker", BROKER, "--model", REPO, "--port", str(port),
+            "--served-model-name", MODEL, "--served-model-name", ALIAS,
             "--max-seqs", "8", "--data-dir", str(tmp / BROKER),
         ),
         env=env,
@@ -92,6 +100,23 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         procs.stop(timeout_s=30, sig=signal.SIGKILL)
     if BROKER == "nats":
         assert (tmp / BROKER / "jetstream").is_dir()  # streams kept for the next serve
+
+
+def test_the_hub_model_is_served_under_its_names(served: Served) -> None:
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        listed = http.get("/v1/models").json()
+        assert [card["id"] for card in listed["data"]] == [MODEL, ALIAS]
+        # the worker registered under the first name: the lanes' and the answers' name
+        assert http.get("/readyz").json()["workers"] == {MODEL: 1}
+        body = {"prompt": "The yard", "max_tokens": 4, "temperature": 0.0}
+        by_alias = http.post("/v1/completions", json=body | {"model": ALIAS})
+        by_name = http.post("/v1/completions", json=body | {"model": MODEL})
+        by_repo = http.post("/v1/completions", json=body | {"model": REPO})
+    assert by_alias.status_code == by_name.status_code == 200, (by_alias.text, by_name.text)
+    assert by_alias.json()["model"] == by_name.json()["model"] == MODEL
+    assert by_alias.json()["choices"][0]["text"] == by_name.json()["choices"][0]["text"]
+    # named otherwise, the hub id is not one of its names (as vLLM)
+    assert by_repo.status_code == 404 and by_repo.json()["error"]["code"] == "model_not_found"
 
 
 def test_sync_completion(served: Served) -> None:

@@ -1,8 +1,10 @@
-"""How commands find the local `serve` (fleet/local.py) and where it ranks among the ways to name
-a broker (cli/options.py): flag > env > file > the running serve's record > none."""
+"""How commands find the local `serve` (fleet/local.py), from its directory or one below, and
+where it ranks among the ways to name a broker (cli/options.py): flag > env > file > the running
+serve's record > none; and the lock that keeps one serve per data dir."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -14,7 +16,17 @@ import pytest
 from tokenyard.cli.options import broker_settings
 from tokenyard.config import CONFIG_ENV
 from tokenyard.errors import FatalError
-from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, find, forget, record
+from tokenyard.fleet.local import (
+    DATA_DIR_ENV,
+    LOCK,
+    RECORD,
+    LocalServe,
+    check_free,
+    find,
+    forget,
+    hold,
+    record,
+)
 
 
 @pytest.fixture
@@ -102,3 +114,65 @@ def test_a_named_broker_beats_the_local_serve_and_none_is_refused(
     monkeypatch.delenv("TOKENYARD_BROKER_URL")
     # serve itself (required=False) never takes another serve's broker
     assert broker_settings(None, None, required=False).url == ""
+
+
+def test_the_nearest_running_serve_is_found_from_a_subdirectory(here: Path, serving: int) -> None:
+    deep = here / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    record(here / ".tokenyard" / "valkey", serve_record(serving, port=1))
+    found = find(cwd=deep)
+    assert found is not None and found.broker_url == "redis://127.0.0.1:1/0"
+    # a nearer record of a serve that is gone does not hide it; a nearer running one wins
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    record(here / "a" / ".tokenyard" / "valkey", serve_record(int(gone.stdout), port=2))
+    assert (found := find(cwd=deep)) is not None and found.broker_url.endswith(":1/0")
+    record(here / "a" / "b" / ".tokenyard" / "nats", serve_record(serving, port=3))
+    assert (found := find(cwd=deep)) is not None and found.broker_url.endswith(":3/0")
+    assert find({DATA_DIR_ENV: str(here / "elsewhere")}, cwd=deep) is None  # only there
+
+
+def test_one_serve_holds_a_data_dir_and_a_second_is_refused_naming_it(here: Path) -> None:
+    data = here / ".tokenyard" / "valkey"
+    check_free(data)
+    assert not data.exists()  # looking created nothing
+    with hold(data):
+        pid = os.getpid()
+        for second in (lambda: check_free(data), lambda: hold(data).__enter__()):
+            with pytest.raises(FatalError) as refused:
+                second()
+            assert str(refused.value).startswith(
+                f"a serve already runs on {data} (pid {pid}, still starting); stop it first"
+            )
+        record(data, serve_record(pid))  # once it listens, the line gives its URL
+        with pytest.raises(FatalError, match=rf"\(pid {pid}, http://127.0.0.1:8000\)"):
+            check_free(data)
+    check_free(data)  # released at the block's end
+    with hold(data):
+        pass
+
+
+def test_a_killed_serve_s_lock_is_released_by_the_kernel(here: Path) -> None:
+    data = here / "data"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_AND_SLEEP, str(data)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(FatalError, match=f"pid {holder.pid}, still starting"):
+            check_free(data)
+    finally:
+        holder.kill()  # SIGKILL: no code of its runs
+        holder.wait()
+    with hold(data):
+        assert (data / LOCK).read_text() == str(os.getpid())
+
+
+HOLD_AND_SLEEP = """
+import sys, time
+from pathlib import Path
+from tokenyard.fleet.local import hold
+with hold(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""

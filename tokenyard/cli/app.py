@@ -41,8 +41,10 @@ from tokenyard.cli.options import (
     BrokerOpt,
     PrefixOpt,
     TablesOpt,
+    base_url,
     broker_settings,
     check_reachable,
+    gateway_target,
     with_broker,
 )
 from tokenyard.config import (
@@ -53,7 +55,15 @@ from tokenyard.config import (
     setting_sources,
 )
 from tokenyard.errors import FatalError, TokenyardError
-from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, forget, record
+from tokenyard.fleet.local import (
+    DATA_DIR_ENV,
+    RECORD,
+    LocalServe,
+    check_free,
+    forget,
+    hold,
+    record,
+)
 from tokenyard.logs import LogFormat, setup_logging
 
 if TYPE_CHECKING:
@@ -66,7 +76,24 @@ app = typer.Typer(
 )
 console = Console()
 
-ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="a model directory, a Hugging Face id (org/name: fetched into the Hugging Face "
+        "cache; HF_HUB_OFFLINE=1: the cache only), or `tiny`"
+    ),
+]
+ServedNameOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--served-model-name",
+        help="the model's name in the API (repeat, or a comma list, for aliases; the first is "
+        "the one answers carry); default: --model as given",
+    ),
+]
+RevisionOpt = Annotated[
+    str | None, typer.Option(help="a Hugging Face id's branch, tag or commit; default main")
+]
 LogFormatOpt = Annotated[
     LogFormat, typer.Option(envvar="TOKENYARD_LOG_FORMAT", help="text | json (one object a line)")
 ]
@@ -129,6 +156,8 @@ def serve(
     tables: TablesOpt = None,
     prefix: PrefixOpt = None,
     model: ModelOpt = None,
+    served_model_name: ServedNameOpt = None,
+    revision: RevisionOpt = None,
     engine: EngineOpt = None,
     host: Annotated[str | None, typer.Option(help="gateway address")] = None,
     port: Annotated[int | None, typer.Option(help="gateway port")] = None,
@@ -164,6 +193,7 @@ def serve(
     from tokenyard.engines import ENGINE_NAMES
     from tokenyard.engines.auto import AUTO
     from tokenyard.fleet.serve import EMBEDDED, Stack
+    from tokenyard.worker.run import with_local_model
 
     setup_logging(log_level, log_format)
     settings = broker_settings(
@@ -180,24 +210,44 @@ def serve(
         sim_prefill_base_s, sim_prefill_per_token_s, sim_decode_base_s, sim_decode_per_seq_s
     )
     worker_settings = from_env(
-        WorkerSettings, "worker", model=model, engine=engine, max_seqs=max_seqs, **sim
+        WorkerSettings,
+        "worker",
+        model=model,
+        engine=engine,
+        max_seqs=max_seqs,
+        served_model_name=tuple(served_model_name) if served_model_name else None,
+        revision=revision,
+        **sim,
     )
     if worker_settings.engine not in (*ENGINE_NAMES, AUTO):  # before any process starts
         names = ", ".join((AUTO, *ENGINE_NAMES))
         raise FatalError(f"unknown engine {worker_settings.engine!r}; expected one of {names}")
+    data_dir = data_dir or Path(".tokenyard", private or "valkey")
+    check_free(data_dir)  # one serve per data dir: a second stops here, naming the first
+    named = worker_settings.model
+    # resolved (a hub id fetched) once, here: every worker loads the same snapshot, and the
+    # gateway its tokenizer, under the names the model is served by
+    worker_settings = with_local_model(worker_settings)
     export_to_workers(sim)
     # decided once here, so every worker runs the engine the start line names
     chosen = engine_choice(worker_settings, engine)
     auto = autoscale_config(workers, min_workers, max_workers)
-    gw = _gateway_settings(worker_settings.model, chosen.engine, host, port, tool_call_parser)
+    gw = _gateway_settings(
+        (worker_settings.model,),
+        chosen.engine,
+        host,
+        port,
+        tool_call_parser,
+        served_model_name=worker_settings.served_model_name,
+    )
     # the port before anything starts: one that is taken fails serve at once, in one line
     listener = _bind(gw.host, gw.port)
-    data_dir = data_dir or Path(".tokenyard", private or "valkey")
     stack = Stack(
         external=settings if private is None else None,
         embedded=private or "valkey",
         prefix=settings.prefix,
         model=worker_settings.model,
+        served_names=worker_settings.served_model_name,
         engine=chosen.engine,
         n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
@@ -212,21 +262,21 @@ def serve(
     # that unwinds the stack (workers drain, the private server stops) instead of killing it
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        with stack:
+        with hold(data_dir), stack:
             started = LocalServe(
                 pid=os.getpid(),
                 started_at=time.time(),
                 broker_url=stack.broker_url,
                 tables_url=stack.tables_url,
                 prefix=settings.prefix,
-                api_url=_base_url(gw.host, listener.getsockname()[1]),
-                model=worker_settings.model,
+                api_url=base_url(gw.host, listener.getsockname()[1]),
+                model=worker_settings.served_model_name[0],
                 engine=chosen.engine,
                 workers=workers,
             )
             record(data_dir, started)
             try:
-                _print_started(started, data_dir, private, chosen.reason)
+                _print_started(started, named, data_dir, private, chosen.reason)
                 _run_gateway(stack.broker_settings, gw, stack.registry, listener)
             finally:
                 forget(data_dir)
@@ -250,21 +300,17 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _base_url(host: str, port: int) -> str:
-    """http://host:port to reach a server bound to `host` from this machine."""
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _print_started(serve: LocalServe, data_dir: Path, private: str | None, why: str) -> None:
-    """What serve started and where (`why`: why this engine), before it serves."""
+def _print_started(
+    serve: LocalServe, named: str, data_dir: Path, private: str | None, why: str
+) -> None:
+    """What serve started and where (`named`: the model as --model named it; `why`: why this
+    engine), before it serves."""
     api = serve.api_url
     n = "auto" if serve.workers == "auto" else serve.workers
     where = f"private {private} in {data_dir}" if private else "given"
+    model = serve.model if named == serve.model else f"{serve.model} ({named})"
     lines = [
-        f"[bold]tokenyard serve[/] · model {serve.model} · engine {serve.engine} ({why}) · "
-        f"workers {n}",
+        f"[bold]tokenyard serve[/] · model {model} · engine {serve.engine} ({why}) · workers {n}",
         f"  API        {api}/v1",
         f"  dashboard  {api}/dashboard",
         f"  metrics    {api}/metrics",
@@ -283,11 +329,14 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def _gateway_settings(
-    model: str | None,
+    models: str | tuple[str, ...] | None,
     engine: str | None,
     host: str | None,
     port: int | None,
     tool_call_parser: str | None = None,
+    *,
+    served_model_name: tuple[str, ...] | None = None,
+    revision: str | None = None,
 ) -> GatewaySettings:
     """Flags, then TOKENYARD_GATEWAY_*, then the config file, then defaults; the tokenizer
     family follows the workers' engine (flag, env or file) unless the gateway's is set."""
@@ -298,7 +347,9 @@ def _gateway_settings(
     if "engine" in workers and "tokenizer" not in setting_sources(GatewaySettings, "gateway"):
         tokenizer = "sim" if workers["engine"][0] == "sim" else "hf"
     return gateway_settings(
-        models=model,
+        models=models,
+        served_model_name=served_model_name or None,
+        revision=revision,
         host=host,
         port=port,
         tokenizer=tokenizer,
@@ -316,6 +367,7 @@ def _run_gateway(
 
     from tokenyard import tracing
     from tokenyard.gateway.app import create_app
+    from tokenyard.gateway.settings import served_models
     from tokenyard.gateway.tokenizers import load_tokenizers
 
     listener = listener or _bind(settings.host, settings.port)
@@ -339,7 +391,7 @@ def _run_gateway(
                     "gateway started on http://%s:%d: models %s, broker %s",
                     settings.host,
                     settings.port,
-                    ",".join(settings.models),
+                    ",".join(served_models(settings).names),
                     redacted(broker_settings.url),
                 )
 
@@ -376,8 +428,14 @@ def gateway(
     tables: TablesOpt = None,
     prefix: PrefixOpt = None,
     model: Annotated[
-        str | None, typer.Option(help="models served (comma list); their tokenizers are loaded")
+        str | None,
+        typer.Option(
+            help="models served (comma list): directories, Hugging Face ids (org/name, through "
+            "its cache) or `tiny`; their tokenizers are loaded"
+        ),
     ] = None,
+    served_model_name: ServedNameOpt = None,
+    revision: RevisionOpt = None,
     engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
@@ -393,7 +451,15 @@ def gateway(
     setup_logging(log_level, log_format)
     _run_gateway(
         broker_settings(broker, prefix, tables=tables, audit_kafka=audit_kafka),
-        _gateway_settings(model, engine, host, port, tool_call_parser),
+        _gateway_settings(
+            model,
+            engine,
+            host,
+            port,
+            tool_call_parser,
+            served_model_name=tuple(served_model_name) if served_model_name else None,
+            revision=revision,
+        ),
     )
 
 
@@ -420,19 +486,8 @@ def submit(
     import httpx
 
     from tokenyard.cli.submit import stream_completion
-    from tokenyard.fleet.local import find
-    from tokenyard.gateway.settings import GatewaySettings, gateway_settings
 
-    if url is None or model is None:
-        # where the gateway is: named (flag, env, file), else the local serve's, else default
-        named = setting_sources(GatewaySettings, "gateway")
-        local = find()
-        gw = gateway_settings()
-        if url is None:
-            named_url = "host" in named or "port" in named
-            url = local.api_url if local and not named_url else _base_url(gw.host, gw.port)
-        if model is None:
-            model = local.model if local and "models" not in named else gw.models[0]
+    url, model = gateway_target(url, model)
     try:
         code = asyncio.run(
             stream_completion(
@@ -453,6 +508,8 @@ def worker(
     tables: TablesOpt = None,
     prefix: PrefixOpt = None,
     model: ModelOpt = None,
+    served_model_name: ServedNameOpt = None,
+    revision: RevisionOpt = None,
     engine: EngineOpt = None,
     max_seqs: Annotated[int | None, typer.Option(help="sequences run at once")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
@@ -482,6 +539,8 @@ def worker(
         WorkerSettings,
         "worker",
         model=model,
+        served_model_name=tuple(served_model_name) if served_model_name else None,
+        revision=revision,
         engine=engine,
         max_seqs=max_seqs,
         device=device,

@@ -14,18 +14,27 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from tokenyard.cli.options import gateway_target
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console(stderr=True)
 
-UrlOpt = Annotated[str, typer.Option(help="gateway base URL")]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="gateway base URL; default: TOKENYARD_GATEWAY_HOST/_PORT, else the local serve's, "
+        "else http://127.0.0.1:8000"
+    ),
+]
 KeyOpt = Annotated[str | None, typer.Option(envvar="TOKENYARD_API_KEY", help="API key")]
-_DEFAULT_URL = "http://127.0.0.1:8000"
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
-def _client(url: str, api_key: str | None) -> httpx.Client:
+def _client(url: str | None, api_key: str | None) -> httpx.Client:
+    """A client of the gateway `url` names, else the one the other commands find
+    (`cli/options.py` `gateway_target`)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=60.0)
+    return httpx.Client(base_url=gateway_target(url).url, headers=headers, timeout=60.0)
 
 
 def _ok(response: httpx.Response) -> Any:
@@ -60,7 +69,7 @@ def submit(
     endpoint: Annotated[str | None, typer.Option(help="default: the first line's url")] = None,
     metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
     output: Annotated[Path | None, typer.Option(help="with --wait: save results here")] = None,
-    url: UrlOpt = _DEFAULT_URL,
+    url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
     """Upload FILE and create a batch; --wait follows it and fails unless it completes."""
@@ -146,7 +155,7 @@ def _print_status(batch: Any) -> None:
 
 @app.command()
 def status(
-    batch_id: str, url: UrlOpt = _DEFAULT_URL, api_key: KeyOpt = None, as_json: bool = False
+    batch_id: str, url: UrlOpt = None, api_key: KeyOpt = None, as_json: bool = False
 ) -> None:
     """Show a batch (--as-json: OpenAI's batch object)."""
     with _client(url, api_key) as http:
@@ -161,7 +170,7 @@ def status(
 def results(
     batch_id: str,
     errors: Annotated[bool, typer.Option(help="the error file instead of the output")] = False,
-    url: UrlOpt = _DEFAULT_URL,
+    url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
     """Write a batch's output (or error) file, one JSON line per request, to stdout."""
@@ -178,7 +187,7 @@ def results(
 
 
 @app.command()
-def cancel(batch_id: str, url: UrlOpt = _DEFAULT_URL, api_key: KeyOpt = None) -> None:
+def cancel(batch_id: str, url: UrlOpt = None, api_key: KeyOpt = None) -> None:
     """Cancel a batch: queued requests never run, the output keeps what completed."""
     with _client(url, api_key) as http:
         batch = _ok(http.post(f"/v1/batches/{batch_id}/cancel"))

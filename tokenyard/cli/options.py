@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import msgspec
 import typer
@@ -84,6 +84,39 @@ def _local_serve_broker(settings: BrokerSettings, *, prefix_named: bool) -> Brok
     prefix = settings.prefix if prefix_named else serve.prefix
     tables = settings.tables_url or serve.tables_url
     return msgspec.structs.replace(settings, url=serve.broker_url, tables_url=tables, prefix=prefix)
+
+
+class GatewayTarget(NamedTuple):
+    url: str  # base URL, http://host:port
+    model: str  # the model a request names when the command was given none
+
+
+def gateway_target(url: str | None = None, model: str | None = None) -> GatewayTarget:
+    """Where a client command sends its requests, and the model it asks for: as given, else as
+    TOKENYARD_GATEWAY_* or the config file names them, else the local serve's (`fleet/local.py`),
+    else the gateway's defaults (http://127.0.0.1:8000, the first default model)."""
+    from tokenyard.fleet.local import find
+    from tokenyard.gateway.settings import GatewaySettings, gateway_settings, served_models
+
+    if url is not None and model is not None:
+        return GatewayTarget(url, model)
+    named = setting_sources(GatewaySettings, "gateway")
+    local = find()
+    gw = gateway_settings()
+    if url is None:
+        named_url = "host" in named or "port" in named
+        url = local.api_url if local and not named_url else base_url(gw.host, gw.port)
+    if model is None:
+        named_model = {"models", "served_model_name"} & set(named)
+        model = local.model if local and not named_model else served_models(gw).models[0]
+    return GatewayTarget(url, model)
+
+
+def base_url(host: str, port: int) -> str:
+    """http://host:port to reach a server bound to `host` from this machine."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def with_broker(

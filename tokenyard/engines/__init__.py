@@ -15,6 +15,7 @@ from tokenyard.engines.base import (
     EngineTokenizer,
     StepOutput,
 )
+from tokenyard.engines.models import served_names
 from tokenyard.messages import EngineStats
 
 if TYPE_CHECKING:
@@ -169,7 +170,9 @@ def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
         return {
             "model": settings.model,
             "url": settings.remote_url,
-            "upstream_model": settings.remote_model,
+            # asked of the upstream by the name this worker serves it under, unless told
+            "upstream_model": settings.remote_model
+            or served_names(settings.model, settings.served_model_name)[0],
             "concurrency": settings.remote_concurrency,
             "api_key": settings.remote_api_key,
             "retries": settings.remote_retries,

@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenyard.engines.models import local_model
 from tokenyard.engines.tiny import ensure_tiny_model
 
 
@@ -102,17 +103,18 @@ class HFTokenizer:
         return template or ""
 
 
-def resolve_model_path(model: str | os.PathLike[str]) -> Path:
-    """'tiny' builds the local tiny model ('tiny-tools': the same with a chat template that
-    shows tools, as Hermes does); anything else must be a local directory."""
+def resolve_model_path(
+    model: str | os.PathLike[str], revision: str | None = None, *, weights: bool = True
+) -> Path:
+    """The model's local directory: 'tiny' builds the local tiny model ('tiny-tools': the same
+    with a chat template that shows tools, as Hermes does); a directory as given; a Hugging
+    Face hub id through its cache (`engines/models.py` `local_model`; `weights` False: what the
+    tokenizer needs only)."""
     if str(model) == "tiny":
         return ensure_tiny_model()
     if str(model) == "tiny-tools":
         return ensure_tiny_model(tools=True)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (nothing is downloaded)")
-    return path
+    return Path(local_model(str(model), revision, weights=weights))
 
 
 def model_context(path: Path) -> tuple[int, list[int], int]:

@@ -58,7 +58,7 @@ class RemoteEngine(StreamEngine):
         timeout_s: float = 600.0,
     ) -> None:
         super().__init__()
-        tok = load_hf_tokenizer(resolve_model_path(model))
+        tok = load_hf_tokenizer(resolve_model_path(model, weights=False))  # only its tokenizer
         if max_model_len is not None:
             tok = HFTokenizer(tok.hf, max_model_len, sorted(tok.eos_token_ids))
         self.tokenizer: HFTokenizer = tok

@@ -1,23 +1,32 @@
-"""The local `serve`: what it records in its data dir while it runs, and the one rule by which
-the other commands find it when no broker (or gateway URL) is named.
+"""The local `serve`: the lock that makes it the only one on its data dir, what it records
+there while it runs, and the one rule by which the other commands find it when no broker (or
+gateway URL) is named.
 
-`serve` writes `serve.json` into its data dir once its gateway's port is bound, and removes it
-when it stops. A command given no `--broker`, TOKENYARD_BROKER_URL or config-file URL looks in
-TOKENYARD_DATA_DIR when set, else in serve's default data dirs under the working directory
-(`.tokenyard/valkey`, `.tokenyard/nats`), and takes the newest record whose process still runs.
+`serve` holds an OS lock on `serve.lock` in its data dir for its whole life (released by the
+kernel however it ends, SIGKILL too), so a second serve there stops at once, naming the first.
+It writes `serve.json` there once its gateway's port is bound, and removes it when it stops. A
+command given no `--broker`, TOKENYARD_BROKER_URL or config-file URL looks in TOKENYARD_DATA_DIR
+when set, else in serve's default data dirs (`.tokenyard/valkey`, `.tokenyard/nats`) of the
+working directory and then of each directory above it, as git finds its repository: the
+nearest running serve's record (the newest, where one directory holds two) names it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import msgspec
 
+from tokenyard.errors import FatalError
+
 DATA_DIR_ENV = "TOKENYARD_DATA_DIR"
 RECORD = "serve.json"
+LOCK = "serve.lock"
 DEFAULT_DATA_DIRS = (Path(".tokenyard", "valkey"), Path(".tokenyard", "nats"))
 
 
@@ -57,11 +66,68 @@ def forget(data_dir: Path) -> None:
             path.unlink()
 
 
-def find(environ: dict[str, str] | None = None) -> LocalServe | None:
+def find(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> LocalServe | None:
     """The running local serve, if any (see the module's docstring)."""
-    environ = dict(os.environ) if environ is None else environ
+    environ = os.environ if environ is None else environ
     given = environ.get(DATA_DIR_ENV)
-    dirs = (Path(given),) if given else DEFAULT_DATA_DIRS
+    if given:
+        return _newest_running([Path(given)])
+    try:
+        here = (cwd or Path.cwd()).resolve()
+    except FileNotFoundError:  # the working directory was removed
+        return None
+    for directory in (here, *here.parents):
+        found = _newest_running([directory / d for d in DEFAULT_DATA_DIRS])
+        if found is not None:
+            return found
+    return None
+
+
+@contextlib.contextmanager
+def hold(data_dir: Path) -> Iterator[None]:
+    """Hold `data_dir`'s lock while the block runs: one serve per data dir. A second serve is
+    refused in one line naming the first; the kernel drops the lock when its holder dies."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by children
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FatalError(_held_by(data_dir, fd)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # who holds it, for the next one's line
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (unlinking it would race a new holder)
+
+
+def check_free(data_dir: Path) -> None:
+    """Refuse at once, creating nothing, when a serve holds `data_dir` (`hold` decides, later)."""
+    try:
+        fd = os.open(data_dir / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FatalError(_held_by(data_dir, fd)) from None
+    finally:
+        os.close(fd)
+
+
+def _held_by(data_dir: Path, fd: int) -> str:
+    """The refusal of a second serve: the first's pid and, once it listens, its URL."""
+    pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    found = _read(data_dir / RECORD)
+    where = found.api_url if found is not None and str(found.pid) == pid else "still starting"
+    return (
+        f"a serve already runs on {data_dir} (pid {pid}, {where}); stop it first, or give "
+        "this one another --data-dir"
+    )
+
+
+def _newest_running(dirs: Iterable[Path]) -> LocalServe | None:
     running = [
         found
         for found in (_read(d / RECORD) for d in dirs)

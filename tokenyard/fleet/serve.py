@@ -39,7 +39,7 @@ class Stack:
 
     external: BrokerSettings | None  # a broker to use; None: a private `embedded` in `data_dir`
     prefix: str
-    model: str
+    model: str  # what the workers load
     engine: str
     n_workers: int
     max_seqs: int | None
@@ -54,6 +54,8 @@ class Stack:
     # the settings serve was given (flags, env, file): the gateway of a private server takes
     # them too (the Kafka audit log's, ...), with that server's URL
     given: BrokerSettings | None = None
+    # the model's names (the first: its lanes' name); empty: `model` as given
+    served_names: tuple[str, ...] = ()
     server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
     # amqp:// lanes given no tables URL: a private Valkey in `data_dir` holds their tables
     tables_server: EmbeddedServer | None = field(default=None, init=False)
@@ -165,7 +167,8 @@ class Stack:
             )
             metrics = AutoscaleMetrics(self.registry)
             try:
-                await Supervisor(broker, self.model, config, fleet=fleet, metrics=metrics).run(stop)
+                lanes = self.served_names[0] if self.served_names else self.model
+                await Supervisor(broker, lanes, config, fleet=fleet, metrics=metrics).run(stop)
             finally:
                 await broker.close()
 
@@ -192,6 +195,8 @@ class Stack:
             "--drain-timeout-s", str(self.drain_timeout_s),
             "--log-format", self.log_format, "--log-level", self.log_level,
         )  # fmt: skip
+        for name in self.served_names:
+            cmd += ["--served-model-name", name]
         if self.tables_url:
             cmd += ["--tables", self.tables_url]
         if self.max_seqs:

@@ -35,7 +35,7 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 def tokenizer_for(state: GatewayState, model: str) -> EngineTokenizer:
     """The model's tokenizer; an unknown model is 404 model_not_found, as OpenAI answers."""
-    tokenizer = state.tokenizers.get(model) if model in state.settings.models else None
+    tokenizer = state.tokenizers.get(model) if model in state.served.models else None
     if tokenizer is None:
         raise NotFound(f"The model '{model}' does not exist", param="model", code="model_not_found")
     return tokenizer

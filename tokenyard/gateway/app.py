@@ -34,7 +34,7 @@ from tokenyard.gateway.openapi import install as install_openapi
 from tokenyard.gateway.responses_api.service import ResponseService
 from tokenyard.gateway.routes import ROUTERS
 from tokenyard.gateway.routing import LaneDepths, RoutingRules
-from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.settings import GatewaySettings, served_models
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tokenizers import load_tokenizers
@@ -95,7 +95,9 @@ def create_app(
     `freeze_heap`: the gateway owns its process (see `tokenyard.heap`)."""
     metrics = GatewayMetrics(registry)
     keys = keyring if keyring is not None else KeyRing.from_file(settings.api_keys_file)
-    routing = RoutingRules.from_file(settings.routing_file, settings.models)
+    served = served_models(settings)
+    routing = RoutingRules.from_file(settings.routing_file, served.models)
+    routing = routing.with_served_names(served.aliases)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -125,6 +127,7 @@ def create_app(
                     shared_bytes=settings.cache_shared_bytes,
                 ),
                 routing=routing,
+                served=served,
                 depths=LaneDepths(active.queue),
                 waits=QueueWaits(active.queue, active.registry, settings.queue_wait_ttl_s),
                 started_at=time.time(),
@@ -160,7 +163,7 @@ def create_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    install_openapi(app, settings, {**{m: m for m in settings.models}, **routing.aliases})
+    install_openapi(app, settings, {**{m: m for m in served.models}, **routing.aliases})
     # uploads have their own limit; the multipart framing adds a little
     per_path = {"/v1/files": settings.batch_max_file_bytes + (1 << 16)}
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, per_path=per_path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import msgspec
@@ -54,6 +54,13 @@ class RoutingRules(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         clash = sorted(set(self.aliases) & set(served))
         if clash:
             raise FatalError(f"routing aliases shadow served models: {clash}")
+
+    def with_served_names(self, aliases: Mapping[str, str]) -> RoutingRules:
+        """These rules with a model's other served names as aliases of it."""
+        clash = sorted(set(aliases) & set(self.aliases))
+        if clash:
+            raise FatalError(f"routing aliases are served model names too: {clash}")
+        return msgspec.structs.replace(self, aliases={**self.aliases, **aliases})
 
 
 class Rule(enum.StrEnum):

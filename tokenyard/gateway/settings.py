@@ -15,7 +15,13 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
 
     host: str = "127.0.0.1"
     port: Port = 8000
+    # what the workers load (a directory, a hub id `org/name`, `tiny`): each model's tokenizer
+    # is loaded from it, and it is served under its own name unless named below
     models: tuple[str, ...] = ("tiny",)
+    # the names of the one model above (vLLM's --served-model-name): the first is its name on
+    # the lanes and in answers, the others are aliases of it; all are listed by /v1/models
+    served_model_name: tuple[str, ...] = ()
+    revision: str | None = None  # the hub revision of the one model above; None: main
     tokenizer: Literal["hf", "sim"] = "hf"  # which tokenizer family the workers' engines use
     max_body_bytes: Count = 1 << 20
     max_tokens_cap: Count = 4096  # a request asking for more is refused, not clamped
@@ -80,6 +86,46 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # stored responses (/v1/responses) whose job ended with no gateway watching (the one that
     # created it died) get their result copied in by any gateway's sweep, this often; 0: off
     responses_sweep_s: float = 30.0
+
+
+class ServedModels(msgspec.Struct, frozen=True, kw_only=True):
+    """What a gateway serves, from its settings: each model's name on the lanes, where its
+    tokenizer loads from, and the other names a request may give it."""
+
+    models: tuple[str, ...]  # the lanes' names: what answers carry and workers register under
+    sources: dict[str, str]  # a model's name -> what its tokenizer loads (`models` setting)
+    aliases: dict[str, str]  # another served name -> the model's name
+    revision: str | None = None  # the hub revision of the sources
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name /v1/models lists: each model's, then the aliases its served names make."""
+        return (*self.models, *self.aliases)
+
+
+def served_models(settings: GatewaySettings) -> ServedModels:
+    """The models `settings` serve under their names (engines/models.py `served_names`, the
+    rule workers follow too); served names and a revision belong to one model, as in vLLM."""
+    from tokenyard.engines.models import served_names
+    from tokenyard.errors import FatalError
+
+    if (settings.served_model_name or settings.revision) and len(settings.models) != 1:
+        raise FatalError(
+            "--served-model-name and --revision name one model; this gateway serves "
+            f"{len(settings.models)}: {', '.join(settings.models)}"
+        )
+    if len(settings.models) != 1:
+        return ServedModels(
+            models=settings.models, sources={m: m for m in settings.models}, aliases={}
+        )
+    source = settings.models[0]
+    first, *others = served_names(source, settings.served_model_name)
+    return ServedModels(
+        models=(first,),
+        sources={first: source},
+        aliases=dict.fromkeys(others, first),
+        revision=settings.revision,
+    )
 
 
 def gateway_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:

@@ -18,7 +18,7 @@ from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.limits import PublishedLimits
 from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.routing import LaneDepths, RoutingRules
-from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.gateway.settings import GatewaySettings, ServedModels
 from tokenyard.gateway.shedding import QueueWaits
 from tokenyard.metrics import GatewayMetrics
 
@@ -40,6 +40,7 @@ class GatewayState:
     waits: QueueWaits  # estimated queue wait: deadline refusal and overload shedding
     started_at: float  # unix seconds; the `created` of /v1/models
     prefixes: PrefixKeys  # each job's prefix key (prefix affinity)
+    served: ServedModels  # the models by their names on the lanes, and their other names
     charts: Charts = field(default_factory=Charts)  # the dashboard's, sampled as it polls
 
     async def close(self) -> None:

@@ -6,10 +6,13 @@ import asyncio
 import logging
 import signal
 
+import msgspec
+
 from tokenyard import tracing
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import build_engine
+from tokenyard.engines.models import local_model, served_names
 from tokenyard.errors import FatalError
 from tokenyard.metrics import AuditLogMetrics, WorkerMetrics
 from tokenyard.worker.worker import Worker
@@ -29,12 +32,25 @@ async def run_worker(backend: Backend, worker: Worker) -> None:
         await backend.close()
 
 
+def with_local_model(settings: WorkerSettings) -> WorkerSettings:
+    """The settings with the model resolved once, before anything loads it: engines get a local
+    directory (a hub id's cached snapshot), the lanes and limits keep its served names (the
+    model as named, when none is given). The sim engine loads nothing: its model is a name; the
+    remote engine only the tokenizer (a hub id's weights are not fetched for it)."""
+    names = served_names(settings.model, settings.served_model_name)
+    model = settings.model
+    if settings.engine != "sim":
+        model = local_model(model, settings.revision, weights=settings.engine != "remote")
+    return msgspec.structs.replace(settings, model=model, served_model_name=names)
+
+
 async def serve_worker(
     broker_settings: BrokerSettings, settings: WorkerSettings, consumer: str | None = None
 ) -> None:
     """A worker as configured: its broker and engine built from settings, its metrics on
     `metrics_port` when set, its traces exported when OTEL_* asks for them."""
-    metrics = WorkerMetrics(settings.model)
+    settings = with_local_model(settings)
+    metrics = WorkerMetrics(settings.served_model_name[0])
     if settings.metrics_port:
         from prometheus_client import start_http_server
 

@@ -24,6 +24,7 @@ from tokenyard.broker.policy import beat_period, may_reap, pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
+from tokenyard.engines.models import served_names
 from tokenyard.errors import BrokerUnavailable, EngineClosed, EngineError, UserError
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
@@ -120,7 +121,7 @@ class Worker:
         self.freeze_heap = freeze_heap
         self.engine = engine
         self.settings = settings
-        self.model = settings.model
+        self.model = served_names(settings.model, settings.served_model_name)[0]  # its lanes
         self.started_at = time.time()
         self.consumer = consumer or consumer_name(self.started_at)
         self.limits = worker_limits(engine, settings)  # final once the engine has started

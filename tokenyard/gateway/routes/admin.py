@@ -30,7 +30,7 @@ async def list_dead_letters(
     a requeue made of it."""
     state = gateway(request)
     rows: list[dict[str, Any]] = []
-    for name in [model] if model else state.settings.models:
+    for name in [model] if model else state.served.models:
         rows += map(dead_letter_body, await admin.dead_letters(state.backend.queue, name, limit))
     return JSONResponse({"object": "list", "data": rows})
 
@@ -74,7 +74,7 @@ async def drain_worker(request: Request, consumer: str, _: AdminDep) -> JSONResp
     """Ask a live worker to drain (as SIGTERM does: it stops claiming, finishes or hands back
     its jobs, and exits); it reads the request at its next heartbeat."""
     state = gateway(request)
-    models = [*state.settings.models, *await state.backend.queue.models()]
+    models = [*state.served.models, *await state.backend.queue.models()]
     model = await admin.drain_worker(state.backend.registry, models, consumer)
     if model is None:
         raise ApiError(404, f"No live worker named '{consumer}'", code="worker_not_found")

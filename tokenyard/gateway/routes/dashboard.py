@@ -67,9 +67,7 @@ async def dashboard_data(
     and this gateway's recent jobs."""
     state = gateway(request)
     now = time.time()
-    models = await asyncio.gather(
-        *(_model_view(state, m, now, since) for m in state.settings.models)
-    )
+    models = await asyncio.gather(*(_model_view(state, m, now, since) for m in state.served.models))
     return JSONResponse({"at": now, "models": models, "jobs": await _recent_jobs(state, now)})
 
 

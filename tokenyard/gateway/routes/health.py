@@ -30,7 +30,7 @@ async def readyz(request: Request) -> JSONResponse:
     if not await state.backend.ping():
         raise ApiError(503, "not ready: the broker does not answer", code="broker_unavailable")
     live: dict[str, int] = {}
-    for model in state.settings.models:
+    for model in state.served.models:
         live[model] = len(await state.backend.registry.workers(model))
         if state.settings.require_workers and not live[model]:
             raise ApiError(
@@ -41,7 +41,7 @@ async def readyz(request: Request) -> JSONResponse:
 
 async def _sample_queues(state: GatewayState) -> None:
     m, backend = state.metrics, state.backend
-    for model in state.settings.models:
+    for model in state.served.models:
         stats = await backend.queue.stats(model)
         for lane in stats.lanes:
             priority = lane.priority.name.lower()

@@ -45,7 +45,7 @@ _COMPLETION = {
 @router.get("/v1/models")
 async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
     state = gateway(request)
-    return JSONResponse(protocol.models_body(state.settings.models, int(state.started_at)))
+    return JSONResponse(protocol.models_body(state.served.names, int(state.started_at)))
 
 
 @router.post("/v1/completions", responses=_COMPLETION, openapi_extra=json_body("CompletionRequest"))
