@@ -22,6 +22,7 @@ from tokenyard.broker.tables import (
     Directory,
     Quotas,
     ResponseStore,
+    Series,
     StoredResponses,
     WorkerRegistry,
 )
@@ -63,6 +64,7 @@ class Backend:
     registry: WorkerRegistry
     batches: BatchStore
     stored_responses: StoredResponses
+    series: Series  # the dashboard's recorded points
     connection: Connection
     # the Kafka audit log the audit trail is mirrored to (settings.audit_kafka); None: off
     audit_log: KafkaAuditLog | None = None

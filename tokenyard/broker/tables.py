@@ -1,8 +1,8 @@
 """The tables beside the queue core: small stores the gateway, workers and CLIs share.
 
 Directory (keys, tenants), quotas, the audit trail, the response cache, the worker registry,
-the batch store and stored responses (/v1/responses). A backend may keep them on its own
-server (Redis) or beside it.
+the batch store, stored responses (/v1/responses) and the dashboard's recorded series. A
+backend may keep them on its own server (Redis) or beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 
 from tokenyard.broker.audit import AuditEntry
 from tokenyard.messages import BatchRecord, JobResult, JobSpec, JobStatus, WorkerInfo
-from tokenyard.tenancy.limiter import Decision, Quota
+from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 
@@ -160,6 +160,11 @@ class Quotas(Protocol):
         (their enqueue never landed). Returns how many were released."""
         ...
 
+    async def usage(self, tenant: str) -> QuotaState | None:
+        """The tenant's limiter state as every gateway sees it (None: never reserved), for the
+        dashboard's budget left."""
+        ...
+
 
 class Audit(Protocol):
     """The audit trail (tokenyard/broker/audit.py): every job's receipt and terminal state, bounded
@@ -218,3 +223,22 @@ class BatchStore(Protocol):
     ) -> None: ...
 
     async def outcomes(self, batch_id: str) -> tuple[set[int], set[int]]: ...
+
+
+# how long the dashboard's series are kept: an hour, and the window its rates need before it
+SERIES_KEEP_S = 3600.0 + 300.0
+
+
+class Series(Protocol):
+    """The dashboard's recorded series: each gateway appends its own points under its own
+    `source` (so none is counted twice), and every gateway reads every source's. A point is
+    kept at least `keep_s` (the table's; SERIES_KEEP_S unless a test asks for less)."""
+
+    async def append(self, source: str, at: float, value: bytes) -> None:
+        """Add one point taken at `at` (unix s) and let those past the retention go."""
+        ...
+
+    async def since(self, at: float) -> list[tuple[str, float, bytes]]:
+        """(source, taken at, value) of the points taken after `at`, oldest first (by the
+        order they were stored; sources' clocks may differ a little)."""
+        ...

@@ -170,6 +170,16 @@ def settle(
         state.budget_used = max(0, state.budget_used - (reserved - actual))
 
 
+def budget_left(state: QuotaState | None, quota: Quota, now: float) -> int | None:
+    """Tokens the tenant may still reserve in the budget period holding `now` (reservations
+    count until settled); None without a budget."""
+    if not quota.token_budget:
+        return None
+    start, _ = period_window(now, quota.budget_period)
+    used = state.budget_used if state is not None and state.budget_start == start else 0
+    return max(0, quota.token_budget - used)
+
+
 def duration(seconds: float) -> str:
     """OpenAI's reset format: '6m0s', '1.5s', '20ms'."""
     seconds = max(0.0, seconds)

@@ -2,8 +2,9 @@
 
 `open_backend` builds it: one connection (connection.py), the queue core (queue.py: lanes as
 work-queue streams with durable pull consumers, job records in KV by compare-and-set, per-job
-event subjects) and the tables in KV (tables.py, batches.py). Every name is built in names.py;
-embedded.py runs a private nats-server for `serve`, tests and benchmarks.
+event subjects) and the tables in KV (tables.py, batches.py; the dashboard's series in a
+stream, series.py). Every name is built in names.py; embedded.py runs a private nats-server
+for `serve`, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     from tokenyard.broker.nats.connection import NatsConnection
     from tokenyard.broker.nats.names import Names
     from tokenyard.broker.nats.queue import NatsQueue
+    from tokenyard.broker.nats.series import NatsSeries
     from tokenyard.broker.nats.tables import (
         NatsAudit,
         NatsDirectory,
@@ -50,5 +52,6 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         registry=registry,
         batches=NatsBatches(conn, names, clock),
         stored_responses=NatsStoredResponses(conn, names, clock),
+        series=NatsSeries(conn, names),
         connection=conn,
     )

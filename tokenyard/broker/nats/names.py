@@ -222,6 +222,15 @@ class Names:
         return f"$KV.{bucket}.{key}"
 
     @property
+    def series_stream(self) -> str:
+        """The dashboard's recorded points, every gateway's (nats/series.py)."""
+        return f"{self.prefix}_series"
+
+    @property
+    def series_subject(self) -> str:
+        return f"{self.prefix}.series"
+
+    @property
     def audit_stream(self) -> str:
         return f"{self.prefix}_audit"
 

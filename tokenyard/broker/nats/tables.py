@@ -325,6 +325,10 @@ class NatsQuotas(Quotas):
                         done.append(settlement(record.spec, record.result))
         return await self.settle(done)
 
+    async def usage(self, tenant: str) -> QuotaState | None:
+        raw = await self.bucket.get(Names.quota(tenant))
+        return None if raw is None else decode(raw, QuotaEntry).state
+
     async def _job_records(self) -> KeyValue | None:
         """The queue's bucket of job records, None before the queue made it: looked up, never
         made here, so the queue's own settings (its records' TTL) are the ones it gets."""

@@ -1,9 +1,9 @@
 """The Redis Streams backend (Redis >= 6.2, Valkey >= 7.2, Redis Cluster).
 
 `open_backend` builds it: one connection layer (connection.py), the queue core (queue.py) and
-the tables (tables.py, batches.py) over it. Beside them: the Lua scripts (lua/, declared in
-scripts.py), key names (keys.py), the hot path's channel, and an embedded Valkey (and cluster)
-for `serve`, tests and benchmarks.
+the tables (tables.py, batches.py, series.py) over it. Beside them: the Lua scripts (lua/,
+declared in scripts.py), key names (keys.py), the hot path's channel, and an embedded Valkey
+(and cluster) for `serve`, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tokenyard.broker.redis.batches import RedisBatches
 from tokenyard.broker.redis.connection import RedisConnection
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.queue import RedisQueue
+from tokenyard.broker.redis.series import RedisSeries
 from tokenyard.broker.redis.tables import (
     RedisAudit,
     RedisDirectory,
@@ -66,6 +67,7 @@ def backend_on(
         registry=RedisRegistry(conn, keys, clock),
         batches=RedisBatches(conn, keys, clock),
         stored_responses=RedisStoredResponses(conn, keys),
+        series=RedisSeries(conn, keys),
         connection=connection or conn,
     )
 

@@ -173,6 +173,11 @@ class Keys:
         """Set while an operator's request that this worker drain waits for its heartbeat."""
         return f"{self._model(model_tag(model))}:drain:{consumer}"
 
+    def series(self) -> str:
+        """The dashboard's recorded points, every gateway's, in one stream trimmed by time
+        (MINID), under its own hash tag."""
+        return f"{self.prefix}:{{series}}:stream"
+
     def audit(self) -> str:
         """The audit stream (receipts and terminal states): its own hash tag, written in the
         same pipelined round trip as the state change it records (tokenyard/broker/audit.py)."""

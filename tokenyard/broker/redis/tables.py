@@ -34,7 +34,7 @@ from tokenyard.broker.tables import (
     settlement,
 )
 from tokenyard.messages import Finished, JobSpec, JobStatus, WorkerInfo, decode, encode
-from tokenyard.tenancy.limiter import Decision, Quota
+from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,16 @@ class RedisQuotas(Quotas):
                     done.append(settlement(decode(spec, JobSpec), finished))
             released += await self.settle(done)
         return released
+
+    async def usage(self, tenant: str) -> QuotaState | None:
+        fields = ("rpm_tat", "tpm_tat", "active", "budget_start", "budget_used")
+        row = await self.conn.one(("HMGET", self.keys.quota(tenant), *fields))
+        if all(v is None for v in row):
+            return None
+        rpm, tpm, active, start, used = (float(v) if v is not None else 0.0 for v in row)
+        return QuotaState(
+            rpm_tat=rpm, tpm_tat=tpm, active=int(active), budget_start=start, budget_used=int(used)
+        )
 
 
 class RedisAudit(Audit, Mirrored):
