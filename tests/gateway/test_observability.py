@@ -236,6 +236,58 @@ def test_dashboard_data_needs_a_valid_key_when_keys_are_configured(
         assert jobs[job]["completion_tokens"] == 3 and jobs[job]["tenant"] == "ops"
 
 
+def test_the_dashboard_s_job_view_shows_timings_deliveries_worker_events_and_error(
+    valkey: EmbeddedServer,
+) -> None:
+    keyring = KeyRing({"sk-ops": Tenant("ops", admin=True), "sk-acme": Tenant("acme")})
+    with (
+        run_stack(valkey, keyring=keyring, broker_options={"max_deliveries": 1}) as stack,
+        stack.client() as client,
+    ):
+        ops, acme = {"Authorization": "Bearer sk-ops"}, {"Authorization": "Bearer sk-acme"}
+        # a job read later streams its tokens as events (a sync call's job keeps only its end)
+        done = client.post(
+            "/v1/jobs", json={"model": MODEL, "prompt": "hi", "max_tokens": 5}, headers=acme
+        ).json()
+        give_up = time.monotonic() + 10
+        while client.get(f"/v1/jobs/{done['id']}", headers=acme).json()["status"] != "succeeded":
+            assert time.monotonic() < give_up
+            time.sleep(0.05)
+        failed = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "[[fail]]", "max_tokens": 5},
+            headers=acme,
+        )
+        assert failed.status_code == 500
+        assert client.get(f"/dashboard/jobs/{done['id']}", headers=acme).status_code == 403
+        view = client.get(f"/dashboard/jobs/{done['id']}", headers=ops).json()
+        assert view["status"] == "succeeded" and view["tenant"] == "acme"
+        assert view["deliveries"] == 1 and view["worker"] and view["error"] is None
+        times = [view[k] for k in ("received_at", "started_at", "first_token_at", "finished_at")]
+        assert all(t is not None for t in times) and times == sorted(times), view
+        assert (
+            view["events"]
+            == {
+                "token_events": view["events"]["token_events"],
+                "tokens": 5,
+                "finish": {"status": "succeeded", "finish_reason": "length"},
+            }
+            and view["events"]["token_events"] >= 1
+        )
+        assert view["completion_tokens"] == 5
+        dead_id = client.get("/admin/dead_letters", headers=ops).json()["data"][0]["job_id"]
+        dead = client.get(f"/dashboard/jobs/{dead_id}", headers=ops).json()
+        assert dead["status"] == "dead" and dead["deliveries"] == 1 and dead["error"]
+        assert dead["events"]["finish"]["status"] == "dead" and dead["events"]["tokens"] == 0
+        for unknown in (
+            "nope",
+            "cmpl-nope",
+            f"{dead_id[:-1]}0" if dead_id[-1] != "0" else f"{dead_id[:-1]}1",
+        ):
+            missing = client.get(f"/dashboard/jobs/{unknown}", headers=ops)
+            assert missing.status_code == 404 and missing.json()["error"]["type"], missing.text
+
+
 def test_dashboard_data_route_is_in_the_openapi_schema(stack: Stack) -> None:
     schema = httpx.get(f"{stack.url}/openapi.json").json()
     assert "/dashboard/data" in schema["paths"] and "/dashboard" not in schema["paths"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,6 +32,7 @@ from tokenyard.gateway.instrument import RequestMetricsMiddleware
 from tokenyard.gateway.limits import BodyLimitMiddleware, PublishedLimits
 from tokenyard.gateway.live import Abandonment
 from tokenyard.gateway.openapi import install as install_openapi
+from tokenyard.gateway.recorder import Recorder
 from tokenyard.gateway.responses_api.service import ResponseService
 from tokenyard.gateway.routes import ROUTERS
 from tokenyard.gateway.routing import LaneDepths, RoutingRules
@@ -133,6 +135,15 @@ def create_app(
                 started_at=time.time(),
                 prefixes=PrefixKeys(settings.affinity_prefix_tokens),
             )
+            state.recorder = Recorder(
+                active,
+                metrics,
+                state.usage,
+                lambda: state.served.models,
+                uuid.uuid4().hex[:12],
+                settings.dashboard_interval_s,
+            )
+            state.recorder.start()
             app.state.gateway = state
             if active.audit_log is not None and active.audit_log.metrics is None:
                 active.audit_log.observe(AuditLogMetrics("tokenyard", metrics.registry))

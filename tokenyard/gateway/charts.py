@@ -1,25 +1,30 @@
-"""The dashboard's charts: the fleet sampled while someone watches, as points over the last
-minutes. Rates and percentiles come from cumulative counters over a window (pure functions):
-two polls a second apart saw 0 or 2 jobs of a 1 job/s fleet, as heartbeats land every 2 s.
+"""The dashboard's charts: what each gateway records every few seconds (a `Point`, kept in the
+broker's series table by gateway/recorder.py) and the chart values made of every gateway's
+points (`chart`, pure).
+
+A point holds gauges as the gateway saw the fleet (lane depths, workers) and the gateway's own
+cumulative counters (answers by status, latency histograms, per-tenant use). Rates and
+percentiles come from counters over a window, each gateway's from its own points and then
+summed, so several gateways recording the same fleet count nothing twice; a gauge is the
+newest look any gateway took. Rates over a window because heartbeats land every 2 s: two
+looks a second apart saw 0 or 2 jobs of a 1 job/s fleet.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import msgspec
 from prometheus_client.metrics import MetricWrapperBase
 
 from tokenyard.broker.core import BrokerStats
 from tokenyard.messages import WorkerInfo
 
-WINDOW_S = 20.0  # rates and percentiles at a point cover the 20 s before it
-KEPT_S = 15 * 60.0  # points kept (while nobody watches, none are taken: the chart has a gap)
-MIN_STEP_S = 1.0  # a poll sooner than this after the last point reuses it (several tabs)
+WINDOW_S = 20.0  # rates and percentiles at a point cover at least the 20 s before it
+KEPT_S = 3600.0  # what the page shows: the last hour (the series table keeps a little more)
 
 
 class Beat(NamedTuple):
@@ -79,94 +84,200 @@ def histogram_counts(
     return [seen.get(b, 0.0) for b in (*bounds, math.inf)]
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One look at a model: its lanes, its workers' beats and this gateway's latency counts."""
+# -- what a gateway records ------------------------------------------------------------------
 
-    at: float
-    waiting: Mapping[str, int]  # by lane (priority name)
+
+class ModelPoint(msgspec.Struct, kw_only=True):
+    """One look at a model: its lanes and workers (gauges), this gateway's latency counts."""
+
+    waiting: dict[str, int]  # by lane (priority name)
     in_flight: int
-    beats: Mapping[str, Beat]  # by worker
+    workers: int
+    beats: dict[str, Beat]  # by worker
     tokens_per_s: float  # the workers' own moving averages, summed
     batch: float | None  # the workers' mean batch sizes, averaged over the busy ones
-    ttft: Sequence[float]  # cumulative bucket counts
-    e2e: Sequence[float]
+    ttft: list[float]  # cumulative bucket counts
+    e2e: list[float]
 
 
-def sample(
-    at: float,
-    stats: BrokerStats,
-    workers: Iterable[WorkerInfo],
-    ttft: Sequence[float],
-    e2e: Sequence[float],
-) -> Sample:
+class TenantPoint(msgspec.Struct, array_like=True):
+    """A tenant's use through this gateway so far (cumulative), and its budget left."""
+
+    requests: int  # jobs asked for (refused ones too)
+    refused: int  # of which refused with 429 (its quota, a full lane, the queue's wait)
+    tokens: int  # prompt + generated tokens of the calls this gateway answered live
+    budget_left: int | None  # fleet-wide, from the quota table; None: no budget
+
+
+class Point(msgspec.Struct, kw_only=True):
+    """One gateway's record at `t` (its clock)."""
+
+    t: float
+    answers: dict[str, int]  # its API answers so far by class: 2xx, 4xx (but 429), 429, 5xx
+    models: dict[str, ModelPoint]
+    tenants: dict[str, TenantPoint]
+
+
+ANSWER_CLASSES = ("2xx", "4xx", "429", "5xx")
+
+
+def answer_class(status: int) -> str:
+    """The class a status is counted under: 429 apart from the other 4xx; 1xx/3xx as 2xx."""
+    if status == 429:
+        return "429"
+    if status >= 500:
+        return "5xx"
+    if status >= 400:
+        return "4xx"
+    return "2xx"
+
+
+def model_point(
+    stats: BrokerStats, workers: Iterable[WorkerInfo], ttft: Sequence[float], e2e: Sequence[float]
+) -> ModelPoint:
     live = list(workers)
     busy = [w.mean_batch for w in live if w.mean_batch > 0]
-    return Sample(
-        at=at,
+    return ModelPoint(
         waiting={lane.priority.name.lower(): lane.waiting for lane in stats.lanes},
         in_flight=sum(lane.in_flight for lane in stats.lanes),
+        workers=len(live),
         beats={w.consumer: Beat(w.at, w.jobs_done) for w in live},
         tokens_per_s=sum(w.tokens_per_s for w in live),
         batch=sum(busy) / len(busy) if busy else None,
-        ttft=tuple(ttft),
-        e2e=tuple(e2e),
+        ttft=list(ttft),
+        e2e=list(e2e),
     )
 
 
-def point(
-    window: Sequence[Sample], ttft_bounds: Sequence[float], e2e_bounds: Sequence[float]
-) -> dict[str, Any]:
-    """The chart values at the newest sample of `window` (oldest first, spanning WINDOW_S)."""
-    first, last = window[0], window[-1]
+# -- the chart values of every gateway's points ----------------------------------------------
 
-    def q(
-        p: float, bounds: Sequence[float], older: Sequence[float], newer: Sequence[float]
-    ) -> float | None:
-        return quantile(p, bounds, older, newer) if len(window) > 1 else None
+
+Recorded = tuple[str, Point]  # (the gateway that recorded it, the point)
+
+
+def _rate(window: Sequence[Recorded], count: Callable[[Point], float | None]) -> float | None:
+    """Per second over `window` (oldest first): each gateway's counter from its first point
+    to its last there, summed over gateways; None until some gateway has two points with it.
+    A counter a point lacks (a tenant not seen yet) counts 0 once a later point has it."""
+    ends: dict[str, tuple[Point, Point]] = {}
+    for source, p in window:
+        first = ends.get(source, (p, p))[0]
+        ends[source] = (first, p)
+    total, measured = 0.0, False
+    for first, last in ends.values():
+        newer = count(last)
+        if newer is None or last.t <= first.t:
+            continue
+        total += max(0.0, newer - (count(first) or 0.0)) / (last.t - first.t)
+        measured = True
+    return total if measured else None
+
+
+def _summed_delta(
+    window: Sequence[Recorded], counts: Callable[[Point], list[float] | None]
+) -> list[float] | None:
+    """Each gateway's histogram counts from its first point to its last in `window`, summed."""
+    ends: dict[str, tuple[list[float], list[float]]] = {}
+    for source, p in window:
+        c = counts(p)
+        if c is not None:
+            ends[source] = (ends.get(source, (c, c))[0], c)
+    if not ends:
+        return None
+    total: list[float] | None = None
+    for older, newer in ends.values():
+        delta = [max(0.0, n - o) for n, o in zip(newer, older, strict=True)]
+        total = delta if total is None else [a + b for a, b in zip(total, delta, strict=True)]
+    return total
+
+
+def chart(
+    recorded: Iterable[Recorded],
+    after: float,
+    step_s: float,
+    ttft_bounds: Sequence[float],
+    e2e_bounds: Sequence[float],
+) -> dict[str, Any]:
+    """The chart points after `after`: one per `step_s` in which any gateway recorded, at the
+    newest point in it, each over the window before it (`recorded` must reach that far back).
+    {"answers": [...], "models": {model: [...]}, "tenants": {tenant: [...]}}, oldest first."""
+    ordered = sorted(recorded, key=lambda r: r[1].t)
+    times = [p.t for _, p in ordered]
+    window_s = max(WINDOW_S, 3 * step_s)
+    out: dict[str, Any] = {"answers": [], "models": {}, "tenants": {}}
+    models = sorted({m for _, p in ordered for m in p.models})
+    tenants = sorted({t for _, p in ordered for t in p.tenants})
+    for i, (_, point) in enumerate(ordered):
+        last_of_step = i + 1 == len(ordered) or (
+            math.floor(times[i + 1] / step_s) != math.floor(point.t / step_s)
+        )
+        if point.t <= after or not last_of_step:
+            continue
+        t = point.t
+        window = ordered[bisect.bisect_right(times, t - window_s) : i + 1]
+        out["answers"].append({"t": t, **{c: _rate(window, _answers(c)) for c in ANSWER_CLASSES}})
+        for model in models:
+            seen = _model_values(window, model, ttft_bounds, e2e_bounds)
+            if seen is not None:
+                out["models"].setdefault(model, []).append({"t": t, **seen})
+        for tenant in tenants:
+            use = _tenant_values(window, tenant)
+            if use is not None:
+                out["tenants"].setdefault(tenant, []).append({"t": t, **use})
+    return out
+
+
+def _answers(kind: str) -> Callable[[Point], float | None]:
+    return lambda p: p.answers.get(kind, 0)
+
+
+def _tenant_values(window: Sequence[Recorded], tenant: str) -> dict[str, Any] | None:
+    looks = [(s, p) for s, p in window if tenant in p.tenants]
+    if not looks:
+        return None
+
+    def use(field: str) -> Callable[[Point], float | None]:
+        def count(p: Point) -> float | None:
+            found = p.tenants.get(tenant)
+            return None if found is None else float(getattr(found, field))
+
+        return count
 
     return {
-        "t": last.at,
-        "waiting": dict(last.waiting),
-        "in_flight": last.in_flight,
-        "jobs_per_s": completed_per_s([s.beats for s in window]),
-        "tokens_per_s": last.tokens_per_s,
-        "batch": last.batch,
-        "ttft_p50": q(0.5, ttft_bounds, first.ttft, last.ttft),
-        "ttft_p99": q(0.99, ttft_bounds, first.ttft, last.ttft),
-        "e2e_p50": q(0.5, e2e_bounds, first.e2e, last.e2e),
-        "e2e_p99": q(0.99, e2e_bounds, first.e2e, last.e2e),
+        "requests_per_s": _rate(window, use("requests")),
+        "refused_per_s": _rate(window, use("refused")),
+        "tokens_per_s": _rate(window, use("tokens")),
+        "budget_left": looks[-1][1].tenants[tenant].budget_left,
     }
 
 
-@dataclass
-class ModelChart:
-    """A model's samples and the points made of them, over the last KEPT_S."""
+def _model_values(
+    window: Sequence[Recorded],
+    model: str,
+    ttft_bounds: Sequence[float],
+    e2e_bounds: Sequence[float],
+) -> dict[str, Any] | None:
+    looks = [(s, p) for s, p in window if model in p.models]
+    if not looks:
+        return None
+    newest = looks[-1][1].models[model]
+    ttft = _summed_delta(looks, lambda p: p.models[model].ttft)
+    e2e = _summed_delta(looks, lambda p: p.models[model].e2e)
+    # heartbeats carry the workers' own clocks: every gateway's looks are one sequence
+    beats = [p.models[model].beats for _, p in looks]
 
-    samples: deque[Sample] = field(default_factory=deque)
-    points: deque[dict[str, Any]] = field(default_factory=deque)
+    def q(p: float, bounds: Sequence[float], delta: list[float] | None) -> float | None:
+        return None if delta is None else quantile(p, bounds, [0.0] * len(delta), delta)
 
-    def add(self, s: Sample, ttft_bounds: Sequence[float], e2e_bounds: Sequence[float]) -> None:
-        self.samples.append(s)
-        while self.samples[0].at < s.at - WINDOW_S:
-            self.samples.popleft()
-        self.points.append(point(list(self.samples), ttft_bounds, e2e_bounds))
-        while self.points[0]["t"] < s.at - KEPT_S:
-            self.points.popleft()
-
-    def due(self, now: float) -> bool:
-        return not self.points or now - self.points[-1]["t"] >= MIN_STEP_S
-
-    def since(self, t: float) -> list[dict[str, Any]]:
-        """The points after `t`, oldest first."""
-        return [p for p in self.points if p["t"] > t]
-
-
-@dataclass
-class Charts:
-    """Every model's chart on this gateway."""
-
-    models: dict[str, ModelChart] = field(default_factory=dict)
-
-    def of(self, model: str) -> ModelChart:
-        return self.models.setdefault(model, ModelChart())
+    return {
+        "waiting": dict(newest.waiting),
+        "in_flight": newest.in_flight,
+        "workers": newest.workers,
+        "jobs_per_s": completed_per_s(beats),
+        "tokens_per_s": newest.tokens_per_s,
+        "batch": newest.batch,
+        "ttft_p50": q(0.5, ttft_bounds, ttft),
+        "ttft_p99": q(0.99, ttft_bounds, ttft),
+        "e2e_p50": q(0.5, e2e_bounds, e2e),
+        "e2e_p99": q(0.99, e2e_bounds, e2e),
+    }

@@ -57,6 +57,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # key) answer without an API key, so a browser can open them; false: they need a key too,
     # like every route but /healthz and /readyz
     docs_public: bool = True
+    # the dashboard's memory: each gateway records a point this often into the broker (kept an
+    # hour, whether or not anyone watches); 0: this gateway records none
+    dashboard_interval_s: SecondsOrZero = 5.0
     auth_cache_s: float = 1.0  # key lookups are cached this long: a revoked key dies within it
     require_workers: bool = True  # /readyz needs a live worker for every served model
     # response cache and in-flight collapsing of deterministic (greedy or seeded) requests;

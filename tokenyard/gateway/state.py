@@ -12,11 +12,11 @@ from tokenyard.engines.base import EngineTokenizer
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator
 from tokenyard.gateway.cache import ResponseCache
-from tokenyard.gateway.charts import Charts
 from tokenyard.gateway.enqueue import Enqueuer
 from tokenyard.gateway.events import EventHub
 from tokenyard.gateway.limits import PublishedLimits
 from tokenyard.gateway.live import Abandonment
+from tokenyard.gateway.recorder import Recorder, Usage
 from tokenyard.gateway.routing import LaneDepths, RoutingRules
 from tokenyard.gateway.settings import GatewaySettings, ServedModels
 from tokenyard.gateway.shedding import QueueWaits
@@ -41,9 +41,12 @@ class GatewayState:
     started_at: float  # unix seconds; the `created` of /v1/models
     prefixes: PrefixKeys  # each job's prefix key (prefix affinity)
     served: ServedModels  # the models by their names on the lanes, and their other names
-    charts: Charts = field(default_factory=Charts)  # the dashboard's, sampled as it polls
+    usage: Usage = field(default_factory=Usage)  # per-tenant counts for the dashboard
+    recorder: Recorder | None = None  # records the dashboard's points (gateway/recorder.py)
 
     async def close(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.close()
         await self.enqueuer.close()
         await self.abandonment.close()
         await self.cache.close()

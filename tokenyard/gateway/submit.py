@@ -117,7 +117,23 @@ async def submit(
 ) -> Hit | Following | Queued:
     """Make `body` a job and enter it, or answer it from the cache; a reservation whose job
     was not entered is refunded on every path. `choice`: which of a live call's `n` choices
-    (each its own job, cache entry and reservation)."""
+    (each its own job, cache entry and reservation). Counted per tenant for the dashboard."""
+    state.usage.asked(tenant.name, tenant.quota)
+    try:
+        return await _submit(state, kind, body, tenant, how, choice)
+    except RETRY_LATER:
+        state.usage.refused(tenant.name)
+        raise
+
+
+async def _submit(
+    state: GatewayState,
+    kind: Task,
+    body: Body,
+    tenant: Tenant,
+    how: Live | Later,
+    choice: int,
+) -> Hit | Following | Queued:
     live = isinstance(how, Live)
     digest: str | None = None
     with _span(how.headers, "tokenyard.admission"):
@@ -156,9 +172,15 @@ async def submit(
     call = LiveCall.following(state, spec, entered, how.started)
     if access is not None:
         access.timer = call.timer
+    cache = state.cache if digest is not None and state.settings.cache else None
+
+    def saw(result: JobResult) -> None:
+        state.usage.used(tenant.name, result.prompt_tokens + result.completion_tokens)
+        if cache is not None and digest is not None:
+            cache.put(spec.model, digest, result)
+
+    call.on_result = saw
     if digest is not None:
-        if state.settings.cache:
-            call.on_result = lambda result: state.cache.put(spec.model, digest, result)
         headers[CACHE_HEADER] = "collapsed" if entered.collapsed else "miss"
     return Following(spec, call, headers)
 

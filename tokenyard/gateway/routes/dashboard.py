@@ -1,11 +1,14 @@
 """`/dashboard`: a live status page (static HTML polling `/dashboard/data`), no build step.
 
-Its charts are drawn by uPlot, vendored in static/vendor/ (see its README) and served here.
+Its charts are drawn by uPlot, vendored in static/vendor/ (see its README) and served here,
+from the points every gateway records into the broker (gateway/recorder.py): the first poll
+gets the last hour, each later one what came since. `/dashboard/jobs/{id}` is one job's view.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from importlib import resources
 from typing import Annotated, Any
@@ -15,19 +18,24 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from tokenyard.broker import admin
 from tokenyard.broker.core import BrokerStats
+from tokenyard.broker.ids import is_job_id
 from tokenyard.errors import NotFound
 from tokenyard.gateway import charts
 from tokenyard.gateway.auth import AdminDep, Tenant
+from tokenyard.gateway.charts import Point
 from tokenyard.gateway.openapi import DocsDep, answers
 from tokenyard.gateway.routes.admin import dead_letter_body
+from tokenyard.gateway.routes.jobs import split_id
 from tokenyard.gateway.state import GatewayState, gateway
-from tokenyard.messages import JobRecord, WorkerInfo
+from tokenyard.messages import Finished, JobRecord, WorkerInfo, decode
 from tokenyard.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 SHOWN_JOBS = 25
 SHOWN_ERRORS = 50
+SHOWN_EVENTS = 10_000  # a job's events read for its view, at most
 # what the page loads besides itself; nothing else is served from static/vendor
 VENDORED = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css"}
 
@@ -63,34 +71,103 @@ async def dashboard_vendor(name: str, _: DocsDep) -> Response:
 async def dashboard_data(
     request: Request, _: DashboardDep, since: Annotated[float, Query()] = 0.0
 ) -> JSONResponse:
-    """Lanes, workers and dead letters per model, their chart points after `since` (unix s),
-    and this gateway's recent jobs."""
+    """Lanes, workers and dead letters per model, the recorded chart points after `since`
+    (unix s; at most the last hour): per model, the API's answers by class, per tenant; and
+    this gateway's recent jobs."""
     state = gateway(request)
     now = time.time()
-    models = await asyncio.gather(*(_model_view(state, m, now, since) for m in state.served.models))
-    return JSONResponse({"at": now, "models": models, "jobs": await _recent_jobs(state, now)})
+    after = max(since, now - charts.KEPT_S)
+    step = state.settings.dashboard_interval_s or 5.0
+    # the points of the window before `after` too: the first chart point's rates need them
+    recorded = await state.backend.series.since(after - max(charts.WINDOW_S, 3 * step))
+    drawn = charts.chart(_points(recorded), after, step, TTFT_BUCKETS, REQUEST_LATENCY_BUCKETS)
+    models = await asyncio.gather(
+        *(_model_view(state, m, drawn["models"].get(m, [])) for m in state.served.models)
+    )
+    return JSONResponse(
+        {
+            "at": now,
+            "models": models,
+            "answers": drawn["answers"],
+            "tenants": drawn["tenants"],
+            "jobs": await _recent_jobs(state, now),
+        }
+    )
 
 
-async def _model_view(state: GatewayState, model: str, now: float, since: float) -> dict[str, Any]:
+def _points(recorded: list[tuple[str, float, bytes]]) -> list[charts.Recorded]:
+    points = []
+    for source, _, value in recorded:
+        try:
+            points.append((source, decode(value, Point)))
+        except ValueError:  # msgspec's DecodeError: a point of another version
+            log.debug("a dashboard point of %s not read", source)
+    return points
+
+
+async def _model_view(state: GatewayState, model: str, chart: list[Any]) -> dict[str, Any]:
     queue, registry = state.backend.queue, state.backend.registry
     stats, workers, dead = await asyncio.gather(
         queue.stats(model), registry.workers(model), admin.dead_letters(queue, model, SHOWN_ERRORS)
     )
-    chart = state.charts.of(model)
-    if chart.due(now):
-        m = state.metrics
-        ttft = charts.histogram_counts(m.time_to_first_token, model, TTFT_BUCKETS)
-        e2e = charts.histogram_counts(m.e2e_request_latency, model, REQUEST_LATENCY_BUCKETS)
-        chart.add(
-            charts.sample(now, stats, workers, ttft, e2e), TTFT_BUCKETS, REQUEST_LATENCY_BUCKETS
-        )
+    now = time.time()
     return {
         "model": model,
         **_lanes(stats),
         "workers": [_worker(info, now) for info in workers],
         "jobs_done": sum(info.jobs_done for info in workers),
         "dead": [dead_letter_body(d) for d in dead],
-        "chart": chart.since(since),
+        "chart": chart,
+    }
+
+
+@router.get("/dashboard/jobs/{job_id}", responses=answers(403, 404))
+async def dashboard_job(request: Request, job_id: str, __: DashboardDep) -> JSONResponse:
+    """One job, any tenant's: its timings, deliveries, worker, events and error."""
+    state = gateway(request)
+    bare = split_id(job_id)[0]
+    record = await state.backend.queue.record(bare) if is_job_id(bare) else None
+    if record is None:
+        raise NotFound(f"No job '{job_id}'")
+    tokens = chunks = 0
+    finish: dict[str, Any] | None = None
+    after, read = "0", 0
+    while read < SHOWN_EVENTS:
+        events = await state.backend.queue.read_events(bare, after=after)
+        if not events:
+            break
+        read += len(events)
+        after = events[-1][0]
+        for _, event in events:
+            if isinstance(event, Finished):
+                r = event.result
+                finish = {"status": r.status.value, "finish_reason": r.finish_reason}
+            else:
+                chunks += 1
+                tokens += len(event.token_ids)
+        if finish is not None:
+            break
+    body = _job(bare, record, time.time())
+    body.update(_timings(record))
+    body["worker"] = record.worker or (record.result.worker if record.result else None)
+    body["cancel_requested"] = record.cancel_requested
+    body["events"] = {"token_events": chunks, "tokens": tokens, "finish": finish}
+    return JSONResponse(body)
+
+
+def _timings(record: JobRecord) -> dict[str, float | None]:
+    """When it was received, queued, last started, gave its first token and finished (unix s).
+    The first token is the finishing delivery's (its end less its decode time)."""
+    result = record.result
+    first = None
+    if result is not None and result.decode_s is not None and record.finished_at:
+        first = record.finished_at - result.decode_s
+    return {
+        "received_at": record.spec.created_at or None,
+        "enqueued_at": record.enqueued_at or None,
+        "started_at": record.started_at,
+        "first_token_at": first,
+        "finished_at": record.finished_at,
     }
 
 

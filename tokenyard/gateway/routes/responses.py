@@ -34,7 +34,7 @@ from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Later, Live, Queued, submit
 from tokenyard.gateway.tools import CallStream, parse_whole
-from tokenyard.messages import JobSpec, JobStatus, StoredResponse, Turn
+from tokenyard.messages import JobResult, JobSpec, JobStatus, StoredResponse, Turn
 
 router = APIRouter()
 CANCEL_WAIT_S = 10.0  # a running job ends at its next engine step; the answer waits for it
@@ -186,7 +186,14 @@ async def _live(
         await state.abandonment.cancel_now(stored.job_id)  # no caller will follow it
         raise
     if body.stream:
-        call.on_result = lambda result: service.keep(stored, result)
+        counted = call.on_result  # the tenant's use (gateway/submit.py)
+
+        def saw(result: JobResult) -> None:
+            if counted is not None:
+                counted(result)
+            service.keep(stored, result)
+
+        call.on_result = saw
         timeout = state.settings.request_timeout_s
         return await call.stream(_events(request, stored), headers, timeout_s=timeout)
     result = await call.result(lambda: until_disconnect(request))
