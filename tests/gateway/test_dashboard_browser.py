@@ -1,7 +1,8 @@
 """/dashboard in headless Chromium with an admin key: charts drawn from live data, per-worker
 rows, a dead letter with its reason, a new job appearing, and the three actions (cancel a
-queued job, requeue a dead letter, drain a worker) checked through the API. Screenshots go to
-the test artefacts (tests/browser.py)."""
+queued job, requeue a dead letter, drain a worker) checked through the API; the history
+recorded before the page opened (answers by status with a 429 and a 5xx, a tenant's budget
+left) and one job's view. Screenshots go to the test artefacts (tests/browser.py)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,33 @@ from tests.browser import artefacts, chromium, screenshot
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.gateway.auth import KeyRing, Tenant
+from tokenyard.tenancy.limiter import Quota
 
 IDLE = "idle-model"  # served with no worker: its jobs stay queued, to be cancelled
 pytestmark = pytest.mark.slow
-ADMIN_KEY, TENANT_KEY = "sk-ops", "sk-acme"
+ADMIN_KEY, TENANT_KEY, LIMITED_KEY = "sk-ops", "sk-acme", "sk-tiny"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TENANT = {"Authorization": f"Bearer {TENANT_KEY}"}
+LIMITED = {"Authorization": f"Bearer {LIMITED_KEY}"}
+BUDGET = 10_000
 
 
 @pytest.fixture
 def ops(valkey: EmbeddedServer) -> Iterator[Stack]:
-    keyring = KeyRing({ADMIN_KEY: Tenant("ops", admin=True), TENANT_KEY: Tenant("acme")})
+    keyring = KeyRing(
+        {
+            ADMIN_KEY: Tenant("ops", admin=True),
+            TENANT_KEY: Tenant("acme"),
+            # two requests a minute, and a budget: its 429s and budget left are charted
+            LIMITED_KEY: Tenant("tiny", quota=Quota(rpm=2, token_budget=BUDGET)),
+        }
+    )
     with run_stack(
-        valkey, keyring=keyring, models=(MODEL, IDLE), broker_options={"max_deliveries": 1}
+        valkey,
+        keyring=keyring,
+        models=(MODEL, IDLE),
+        broker_options={"max_deliveries": 1},
+        dashboard_interval_s=0.5,  # a point each half second, recorded whoever watches
     ) as stack:
         yield stack
 
@@ -87,7 +102,7 @@ def test_the_dashboard_charts_the_fleet_and_its_actions_work(ops: Stack, tmp_pat
     with chromium(tmp_path / "profile") as browser:
         browser.set_window_size(1400, 2600)
         try:
-            browser.get(f"{ops.url}/dashboard?poll=0.5")  # points come at most 1/s (MIN_STEP_S)
+            browser.get(f"{ops.url}/dashboard?poll=0.5")  # a point recorded each 0.5 s
             # no key yet: the page asks for one
             until(lambda: browser.find_element(By.ID, "auth").is_displayed(), what="key box")
             browser.find_element(By.ID, "key").send_keys(ADMIN_KEY)
@@ -123,7 +138,8 @@ def test_the_dashboard_charts_the_fleet_and_its_actions_work(ops: Stack, tmp_pat
             )
             # charts drawn from data: five per model, a canvas each, the load's points in them
             loader.start()
-            assert len(browser.find_elements(By.CSS_SELECTOR, ".uplot canvas")) == 10
+            for model in (MODEL, IDLE):
+                assert len(section(model).find_elements(By.CSS_SELECTOR, ".uplot canvas")) == 5
             drawn = (
                 "const d = window.dashboard.views[arguments[0]].data;"
                 "const some = (id, i) => d[id][i].some((v) => v != null && v > 0);"
@@ -183,4 +199,91 @@ def test_the_dashboard_charts_the_fleet_and_its_actions_work(ops: Stack, tmp_pat
             stop.set()
             if loader.is_alive():
                 loader.join(30)
+            api.close()
+
+
+def test_the_dashboard_shows_what_was_recorded_before_it_opened_and_one_job(
+    ops: Stack, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    where = artefacts(tmp_path)
+    api = httpx.Client(base_url=ops.url, timeout=30)
+    # traffic before any browser: answers, a 429 (the tenant's two requests a minute are
+    # used), a 5xx (a job that fails on its one delivery), tokens against a budget
+    body = {"model": MODEL, "prompt": "before", "max_tokens": 4}
+    statuses = [
+        api.post("/v1/completions", json=body, headers=LIMITED).status_code for _ in range(3)
+    ]
+    assert statuses == [200, 200, 429]
+    kept = api.post("/v1/jobs", json=body, headers=TENANT).json()["id"]
+    failed = api.post("/v1/completions", json={**body, "prompt": "[[fail]]"}, headers=TENANT)
+    assert failed.status_code == 500
+    time.sleep(2.0)  # a few more points, with nobody watching
+    opened = time.time()
+    with chromium(tmp_path / "profile") as browser:
+        browser.set_window_size(1400, 2600)
+        try:
+            browser.get(f"{ops.url}/dashboard?poll=0.5")
+            until(lambda: browser.find_element(By.ID, "auth").is_displayed(), what="key box")
+            browser.find_element(By.ID, "key").send_keys(ADMIN_KEY)
+            browser.find_element(By.ID, "save").click()
+            # the first poll drew the history: points from before the page opened
+            before = (
+                "const d = window.dashboard, at = arguments[0], m = d.views[arguments[1]];"
+                "if (!d.traffic.data || !m) return null;"
+                "const xs = d.traffic.data[0], old = (i) => xs[i] < at;"
+                "const some = (col) => d.traffic.data[col].some((v, i) => old(i) && v > 0);"
+                "return {points: xs.filter((t) => t < at).length, ok: some(1), limited: some(3),"
+                " failed: some(4), model: m.data.depth[0].filter((t) => t < at).length,"
+                " span: d.traffic.chart.scales.x.max - d.traffic.chart.scales.x.min};"
+            )
+            seen = until(
+                lambda: (r := browser.execute_script(before, opened, MODEL)) and r["points"] and r,
+                what="the history",
+            )
+            assert seen["points"] >= 4 and seen["model"] >= 4, seen
+            assert seen["ok"] and seen["limited"] and seen["failed"], seen
+            assert 300 <= seen["span"] <= 3700, seen  # minutes, not a year
+            # the tenant: its requests, its 429s, its budget left (the quota table's)
+            table = browser.find_element(By.ID, "tenant-table")
+            tiny = until(
+                lambda: next(
+                    (
+                        r.text
+                        for r in table.find_elements(By.CSS_SELECTOR, "tr.tenant")
+                        if "tiny" in r.text
+                    ),
+                    None,
+                ),
+                what="the tenant's row",
+            )
+            left = int(tiny.split()[-1])
+            assert 0 < left < BUDGET, tiny
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#tenant-charts .uplot canvas")) == 4
+            screenshot(browser, where, "dashboard-history.png")
+            # one job by its id: the failed one, then the one read later, by its link
+            dead = api.get("/admin/dead_letters", headers=ADMIN).json()["data"][0]["job_id"]
+            browser.find_element(By.ID, "job-id").send_keys(dead)
+            browser.find_element(By.ID, "job-show").click()
+
+            def view(job_id: str) -> dict[str, str] | None:
+                """The job view's fields once it shows `job_id` (read at once: it is redrawn)."""
+                fields: dict[str, str] = browser.execute_script(
+                    "return Object.fromEntries([...document.querySelectorAll('#job tr')]"
+                    ".map((r) => [r.dataset.field, r.querySelector('td').innerText]));"
+                )
+                return fields if fields.get("job") == job_id else None
+
+            shown = until(lambda: view(dead), what="the failed job's view")
+            assert shown["status"] == "dead" and shown["deliveries"] == "1", shown
+            assert shown["error"] and shown["worker"], shown
+            until(lambda: kept in browser.find_element(By.ID, "jobs").text, what="the job listed")
+            browser.find_element(By.CSS_SELECTOR, f'#jobs a[href="#job={kept}"]').click()
+            shown = until(lambda: view(kept), what="the job's view by its link")
+            assert shown["status"] == "succeeded" and shown["error"] == "", shown
+            assert "4 tokens" in shown["events"] and "finished: succeeded" in shown["events"]
+            assert ":" in shown["first token"] and ":" in shown["started"], shown  # times
+            screenshot(browser, where, "dashboard-job.png")
+        finally:
             api.close()
