@@ -10,8 +10,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from prometheus_client import CollectorRegistry
@@ -24,7 +25,7 @@ from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
-from tokenyard.cli.config import config_app
+from tokenyard.cli.config import config_app, warn_unknown_variables
 from tokenyard.cli.engine import (
     EngineOpt,
     SimDecodeBaseOpt,
@@ -35,7 +36,7 @@ from tokenyard.cli.engine import (
     export_to_workers,
     sim_cost,
 )
-from tokenyard.cli.failures import DEBUG_ENV, FAILURE_PREFIX, failure_line
+from tokenyard.cli.failures import DEBUG_ENV, report_failure
 from tokenyard.cli.options import (
     AuditKafkaOpt,
     BrokerOpt,
@@ -54,7 +55,7 @@ from tokenyard.config import (
 )
 from tokenyard.errors import FatalError, TokenyardError
 from tokenyard.fleet.local import DATA_DIR_ENV, RECORD, LocalServe, forget, record
-from tokenyard.logs import LogFormat, setup_logging
+from tokenyard.logs import Fields, LogFormat, json_logging, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
@@ -65,6 +66,7 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
 )
 console = Console()
+log = logging.getLogger("tokenyard.serve")
 
 ModelOpt = Annotated[str | None, typer.Option(help="model path, or `tiny`")]
 LogFormatOpt = Annotated[
@@ -79,8 +81,13 @@ LogLevelOpt = Annotated[
 ]
 
 
+# the commands that set their log lines up first, then warn of unknown variables in them
+_LOGGING = ("serve", "gateway", "worker")
+
+
 @app.callback()
 def _options(
+    ctx: typer.Context,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -101,6 +108,8 @@ def _options(
         os.environ[CONFIG_ENV] = str(config)
     if debug:
         os.environ[DEBUG_ENV] = "1"  # for main() below, and serve's workers
+    if ctx.invoked_subcommand not in _LOGGING:
+        warn_unknown_variables()
 
 
 ServeBrokerOpt = Annotated[
@@ -163,9 +172,11 @@ def serve(
     from tokenyard.cli.autoscale import autoscale_config
     from tokenyard.engines import ENGINE_NAMES
     from tokenyard.engines.auto import AUTO
+    from tokenyard.fleet.ready import wait_ready
     from tokenyard.fleet.serve import EMBEDDED, Stack
 
     setup_logging(log_level, log_format)
+    warn_unknown_variables()
     settings = broker_settings(
         broker, prefix, required=False, tables=tables, audit_kafka=audit_kafka
     )
@@ -225,9 +236,17 @@ def serve(
                 workers=workers,
             )
             record(data_dir, started)
-            try:
+
+            async def announce() -> None:
+                # the banner once the model is known good: a worker loaded it and answers
+                need_workers = auto is None or auto.min_workers > 0
+                live = await wait_ready(started.api_url, workers=need_workers)
                 _print_started(started, data_dir, private, chosen.reason)
-                _run_gateway(stack.broker_settings, gw, stack.registry, listener)
+                ready = ",".join(f"{m}:{n}" for m, n in live.items()) or None
+                log.info(Fields("ready", {"api": f"{started.api_url}/v1", "workers": ready}))
+
+            try:
+                _run_gateway(stack.broker_settings, gw, stack.registry, listener, announce)
             finally:
                 forget(data_dir)
     finally:
@@ -274,6 +293,17 @@ def _print_started(serve: LocalServe, data_dir: Path, private: str | None, why: 
     if serve.tables_url:
         lines.append(f"  tables     {redacted(serve.tables_url)}")
     lines.append(f"other commands here find it by {data_dir / RECORD} · Ctrl-C stops")
+    if json_logging():  # the same, as one line of the JSON stream
+        where_to = {"api": f"{api}/v1", "dashboard": f"{api}/dashboard", "docs": f"{api}/docs"}
+        log.info(
+            Fields(
+                "tokenyard serve",
+                {"model": serve.model, "engine": serve.engine, "why": why, "workers": n}
+                | where_to
+                | {"broker": redacted(serve.broker_url), "record": str(data_dir / RECORD)},
+            )
+        )
+        return
     for line in lines:
         console.print(line, highlight=False)
 
@@ -311,7 +341,9 @@ def _run_gateway(
     settings: GatewaySettings,
     registry: CollectorRegistry | None = None,
     listener: socket.socket | None = None,
+    on_started: Callable[[], Coroutine[Any, Any, None]] | None = None,
 ) -> None:
+    """Serve the gateway until stopped; `on_started` runs on its loop once it listens."""
     import uvicorn
 
     from tokenyard import tracing
@@ -332,6 +364,8 @@ def _run_gateway(
     )
 
     class Server(uvicorn.Server):
+        announcing: asyncio.Task[None] | None = None
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # listening: the one line that says so (uvicorn's are WARNING+)
@@ -342,6 +376,8 @@ def _run_gateway(
                     ",".join(settings.models),
                     redacted(broker_settings.url),
                 )
+                if on_started is not None:
+                    self.announcing = asyncio.get_running_loop().create_task(on_started())
 
     # tokenyard logs each request itself (gateway/instrument.py), so uvicorn's access log is
     # off; log_config=None sends uvicorn's own lines through our handler and format
@@ -391,6 +427,7 @@ def gateway(
     Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
     """
     setup_logging(log_level, log_format)
+    warn_unknown_variables()
     _run_gateway(
         broker_settings(broker, prefix, tables=tables, audit_kafka=audit_kafka),
         _gateway_settings(model, engine, host, port, tool_call_parser),
@@ -475,9 +512,10 @@ def worker(
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_BROKER_* variables.
     """
-    from tokenyard.worker.run import serve_worker
+    from tokenyard.worker.run import exit_drained, serve_worker
 
     setup_logging(log_level, log_format)
+    warn_unknown_variables()
     settings = from_env(
         WorkerSettings,
         "worker",
@@ -494,6 +532,7 @@ def worker(
     )
     queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables, audit_kafka=audit_kafka)
     asyncio.run(serve_worker(queue, settings, consumer=consumer))
+    exit_drained()
 
 
 @app.command()
@@ -566,7 +605,7 @@ def main() -> None:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        print(FAILURE_PREFIX + failure_line(exc), file=sys.stderr)
+        report_failure(exc)
         # 2: misconfiguration, as for a bad flag; 1: anything else
         raise SystemExit(2 if isinstance(exc, FatalError) else 1) from None
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+from typing import NoReturn
 
 from tokenyard import tracing
 from tokenyard.broker import Backend, connect
@@ -54,3 +57,13 @@ async def serve_worker(
         await run_worker(backend, worker)
     finally:
         tracing.shutdown()
+
+
+def exit_drained() -> NoReturn:
+    """End a worker process that drained and closed everything: its log lines flushed, then
+    gone without the interpreter's teardown, in which native extensions (torch's triton
+    bindings) print leak reports onto the log stream that are not log lines."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
