@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants | batch`."""
+"""The command line; its help names every command (`_name_commands`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from prometheus_client import CollectorRegistry
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tokenyard.broker import AMQP_SCHEMES, Backend, check_url, redacted
@@ -28,6 +29,7 @@ from tokenyard.cli.bench import bench
 from tokenyard.cli.config import config_app, warn_unknown_variables
 from tokenyard.cli.engine import (
     EngineOpt,
+    GatewayEngineOpt,
     SimDecodeBaseOpt,
     SimDecodePerSeqOpt,
     SimPrefillBaseOpt,
@@ -48,6 +50,7 @@ from tokenyard.cli.options import (
 )
 from tokenyard.config import (
     CONFIG_ENV,
+    SECTIONS,
     BrokerSettings,
     WorkerSettings,
     from_env,
@@ -93,7 +96,9 @@ def _options(
         typer.Option(
             "--config",
             envvar=CONFIG_ENV,
-            help="TOML file with [broker] [worker] [gateway] tables; flags > env > file",
+            # escaped: rich would take the tables' names for markup and print none of them
+            help=escape(f"TOML file with {' '.join(f'[{t}]' for t in SECTIONS)} tables; ")
+            + "flags > env > file",
         ),
     ] = None,
     debug: Annotated[
@@ -414,7 +419,7 @@ def gateway(
     model: Annotated[
         str | None, typer.Option(help="models served (comma list); their tokenizers are loaded")
     ] = None,
-    engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
+    engine: GatewayEngineOpt = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     tool_call_parser: ToolCallParserOpt = None,
@@ -512,7 +517,7 @@ def worker(
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_BROKER_* variables.
     """
-    from tokenyard.worker.run import exit_drained, serve_worker
+    from tokenyard.worker.run import serve_worker
 
     setup_logging(log_level, log_format)
     warn_unknown_variables()
@@ -532,7 +537,6 @@ def worker(
     )
     queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables, audit_kafka=audit_kafka)
     asyncio.run(serve_worker(queue, settings, consumer=consumer))
-    exit_drained()
 
 
 @app.command()
@@ -592,6 +596,23 @@ app.add_typer(ops.dlq_app, name="dlq")
 app.command("drain")(ops.drain)
 
 
+def _name_commands() -> None:
+    """The root help's first line: every command, as registered (a list kept by hand lost
+    seven of them)."""
+    names = [
+        info.name or (info.callback.__name__ if info.callback else "")
+        for info in app.registered_commands
+    ]
+    names += [info.name or "" for info in app.registered_groups]
+    app.info.help = (
+        f"`tokenyard {' | '.join(n.replace('_', '-') for n in names if n)}`: an LLM server "
+        "on a durable job queue. `tokenyard COMMAND --help` tells more."
+    )
+
+
+_name_commands()
+
+
 def main() -> None:
     """Run the command; a failure is one line on stderr and a non-zero exit (`--debug`: the
     traceback too)."""
@@ -602,6 +623,11 @@ def main() -> None:
         os.environ[DEBUG_ENV] = "1"
     try:
         app(args=args)
+    except SystemExit as exc:
+        worker = sys.modules.get("tokenyard.worker.run")  # loaded where a worker ran
+        if exc.code in (0, None) and worker is not None:
+            worker.exit_if_drained()
+        raise
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
