@@ -59,7 +59,6 @@ async def serve_worker(
         tracing.shutdown()
 
 
-
 class _Drained:
     """Whether this process's worker drained and closed everything (see `exit_if_drained`)."""
 
