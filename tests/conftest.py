@@ -59,9 +59,12 @@ def root_logging() -> Iterator[None]:
     `setup_logging` in this process (its handler writes to a stream the test's capture closes)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    logger_class = logging.getLoggerClass()
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    logging.setLoggerClass(logger_class)  # setup_logging adopts libraries' loggers made later
+    logging.captureWarnings(False)
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -118,6 +119,47 @@ CONFIG_ENV = "TOKENYARD_CONFIG"  # path of a TOML file with [broker], [worker], 
 # a typo, e.g. [workers], refused rather than silently ignored)
 SECTIONS = ("broker", "worker", "gateway", "autoscale")
 DEFAULT = "default"
+
+
+# TOKENYARD_* variables that are not settings of a section, read where they are used (the CLI,
+# the local serve's record, the tiny model's cache, what serve tells its workers)
+OTHER_VARIABLES = (
+    CONFIG_ENV,
+    "TOKENYARD_DATA_DIR",
+    "TOKENYARD_LOG_LEVEL",
+    "TOKENYARD_LOG_FORMAT",
+    "TOKENYARD_LOG_NAME",
+    "TOKENYARD_FAILURE_FILE",
+    "TOKENYARD_DEBUG",
+    "TOKENYARD_API_KEY",
+    "TOKENYARD_CACHE_DIR",
+    # the test suite's (tests/): its servers and commands inherit them
+    "TOKENYARD_RABBITMQ_BIN",
+    "TOKENYARD_REQUIRE_TOOLS",
+    "TOKENYARD_TEST_ARTEFACTS",
+    "TOKENYARD_FAULTS_ACCEPTED_DIR",
+)
+
+
+def setting_variables(kinds: Mapping[str, type[msgspec.Struct]]) -> list[str]:
+    """The variable of every setting of each section's kind, TOKENYARD_<SECTION>_<FIELD>."""
+    return [
+        f"TOKENYARD_{section.upper()}_{field.name.upper()}"
+        for section, kind in kinds.items()
+        for field in msgspec.structs.fields(kind)
+    ]
+
+
+def unknown_variables(
+    environ: Mapping[str, str], known: Collection[str]
+) -> list[tuple[str, str | None]]:
+    """Each TOKENYARD_* variable in `environ` that nothing reads (a misspelt setting would be
+    ignored in silence), with the known name nearest to it, if one is near."""
+    return [
+        (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)), None))
+        for name in sorted(environ)
+        if name.startswith("TOKENYARD_") and name not in known
+    ]
 
 
 def setting_sources(

@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
-# how a command's one-line failure on stderr starts (cli/app.py `main`); `serve` picks its
-# workers' reasons out of their stderr by it
+# how a command's one-line failure on stderr starts (cli/app.py `main`; a JSON line instead
+# where the command logs JSON)
 FAILURE_PREFIX = "tokenyard: "
+# where a command also writes its failure's one line, when set: `serve` reads its workers'
+# reasons there (their stderr is serve's own, never read by it)
+FAILURE_FILE_ENV = "TOKENYARD_FAILURE_FILE"
 
 
 class TokenyardError(Exception):

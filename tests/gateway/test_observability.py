@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -337,3 +338,90 @@ def test_one_access_line_per_request_with_its_tenant_job_times_and_tokens(
     out = json.loads(JsonFormatter().format(sync_line))
     assert out["message"] == "POST /v1/completions 200" and out["logger"] == "tokenyard.access"
     assert out["status"] == 200 and out["completion_tokens"] == 4 and out["total_ms"] > 0
+
+
+def _access_lines(caplog: pytest.LogCaptureFixture, n: int) -> list[dict[str, Any]]:
+    """The values of the first `n` access lines, once written (each after its answer went)."""
+    give_up = time.monotonic() + 10
+    while len(lines := [r for r in caplog.records if r.name == "tokenyard.access"]) < n:
+        assert time.monotonic() < give_up, [r.getMessage() for r in lines]
+        time.sleep(0.01)
+    assert all(isinstance(r.msg, Fields) for r in lines)
+    return [r.msg.values for r in lines if isinstance(r.msg, Fields)]
+
+
+def test_access_lines_give_an_errors_code_and_reason_and_the_request_id(
+    valkey: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenyard.access")
+    keyring = KeyRing({"sk-acme": Tenant("acme")})
+    key = {"Authorization": "Bearer sk-acme"}
+    trace_id = uuid.uuid4().hex
+    traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    bad = {"model": MODEL, "prompt": "x", "max_tokens": -5}
+    with run_stack(valkey, keyring=keyring) as stack, stack.client(headers=key) as client:
+        refused = client.post(
+            "/v1/completions",
+            json=bad,
+            headers={"X-Request-Id": "req-42", "traceparent": traceparent},
+        )
+        missing = client.get("/v1/jobs/nope")  # no id given: one is made
+        unusable = client.get("/v1/models", headers={"X-Request-Id": "has a space"})
+        anonymous = client.get("/v1/models", headers={"Authorization": ""})
+        lines = _access_lines(caplog, 4)
+    assert (refused.status_code, missing.status_code) == (400, 404)
+    assert (unusable.status_code, anonymous.status_code) == (200, 401)
+    assert refused.headers["x-request-id"] == "req-42"  # the caller's, echoed
+    made = missing.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made)
+    assert unusable.headers["x-request-id"] not in ("has a space", made)
+    by_id = {v["request_id"]: v for v in lines}
+    assert set(by_id) == {
+        r.headers["x-request-id"] for r in (refused, missing, unusable, anonymous)
+    }
+    for reply in (refused, missing, anonymous):  # each error's code and message, as answered
+        line, error = by_id[reply.headers["x-request-id"]], reply.json()["error"]
+        assert line["status"] == reply.status_code
+        assert (line["error_code"], line["reason"]) == (error["code"], error["message"]), line
+    assert by_id["req-42"]["error_code"] == "invalid_value" and by_id["req-42"]["tenant"] == "acme"
+    assert by_id["req-42"]["trace_id"] == trace_id  # tracing off: the caller's trace
+    ok = by_id[unusable.headers["x-request-id"]]
+    assert ok["error_code"] is None and ok["reason"] is None and ok["trace_id"] is None
+    record = logging.LogRecord(
+        "tokenyard.access",
+        logging.INFO,
+        "",
+        0,
+        Fields("", by_id["req-42"], ("method", "path", "status")),
+        (),
+        None,
+    )
+    text = TextFormatter().format(record)
+    assert ' POST /v1/completions 400 error_code=invalid_value reason="' in text, text
+    assert " request_id=req-42 " in text and f"trace_id={trace_id}" in text
+
+
+def test_access_lines_name_the_request_spans_trace_when_tracing_is_on(
+    valkey: EmbeddedServer, exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenyard.access")
+    with run_stack(valkey) as stack, stack.client() as client:
+        reply = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "t", "max_tokens": 2}
+        )
+        [line] = _access_lines(caplog, 1)
+    assert reply.status_code == 200
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert line["trace_id"] == f"{span.context.trace_id:032x}"
+    assert line["request_id"] == reply.headers["x-request-id"]
+
+
+def test_health_answers_as_vllms_and_the_root_leads_to_the_docs(stack: Stack) -> None:
+    with stack.client() as client:
+        health = client.get("/health")
+        root = client.get("/", follow_redirects=False)
+        docs = client.get("/", follow_redirects=True)
+    assert (health.status_code, health.content) == (200, b"")
+    assert root.status_code == 307 and root.headers["location"] == "/docs"
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert "/health" in httpx.get(f"{stack.url}/openapi.json").json()["paths"]

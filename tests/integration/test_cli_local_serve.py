@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     )
     try:
         wait_ready(f"http://127.0.0.1:{port}/readyz", procs, timeout_s=120)
+        give_up = time.monotonic() + 30  # its banner and "ready" line follow the first worker
+        while " tokenyard.serve ready " not in procs.log_tail("serve", chars=100_000):
+            assert time.monotonic() < give_up, procs.log_tail("serve")
+            time.sleep(0.05)
         yield Served(cwd, port, procs)
         serve.send_signal(signal.SIGINT)
         assert serve.wait(60) == 0
@@ -257,3 +262,64 @@ def test_a_broker_or_gateway_that_does_not_answer_is_one_line(tmp_path: Path) ->
     assert f"no answer from the broker at nats://{nobody}" in nats.one_failure_line()
     assert f"no gateway answers at http://{nobody}" in submitted.one_failure_line()
     assert debug.code != 0 and "Traceback" in debug.err and "BrokerUnavailable" in debug.err
+
+
+def test_serve_logs_only_json_and_says_ready_once_its_model_answers(tmp_path: Path) -> None:
+    # the hf engine on the tiny model: transformers logs through handlers of its own, and
+    # torch's native bindings print at exit; the worker writes to serve's stderr directly
+    port = free_port()
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        serve = subprocess.Popen(
+            tokenyard_command(
+                "serve", "--engine", "hf", "--model", "tiny", "--port", str(port),
+                "--log-format", "json",
+            ),
+            cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        )  # fmt: skip
+    try:
+
+        def lines() -> list[dict[str, object]]:
+            return [json.loads(line) for line in err.read_text().splitlines()]
+
+        give_up = time.monotonic() + 150
+        while not any(line["message"] == "ready" for line in lines()):
+            assert serve.poll() is None and time.monotonic() < give_up, err.read_text()[-3000:]
+            time.sleep(0.1)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+            headers={"X-Request-Id": "json-check"},
+            timeout=60,
+        )
+        assert reply.status_code == 200 and reply.headers["x-request-id"] == "json-check"
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    logged = lines()  # every line of serve's stream is JSON (json.loads raises otherwise)
+    assert out.read_text() == ""  # the banner is a line of the stream too
+    messages = [line["message"] for line in logged]
+    worker_up = next(i for i, line in enumerate(logged) if line.get("process") == "worker-1")
+    banner = messages.index("tokenyard serve")
+    assert worker_up < banner < messages.index("ready")  # the banner once the model answers
+    ready = logged[messages.index("ready")]
+    assert ready["workers"] == "tiny:1" and ready["api"] == f"http://127.0.0.1:{port}/v1"
+    [access] = [line for line in logged if line.get("request_id") == "json-check"]
+    assert access["logger"] == "tokenyard.access" and access["status"] == 200
+    assert {line["logger"] for line in logged if line.get("process") == "worker-1"} >= {
+        "tokenyard.worker.worker"
+    }
+
+
+def test_serve_shows_no_banner_for_a_model_it_cannot_load(tmp_path: Path) -> None:
+    (tmp_path / "not-a-model").mkdir()
+    (ran,) = run_all(
+        [("serve", "--engine", "hf", "--model", str(tmp_path / "not-a-model"), "--port",
+          str(free_port()))],
+        tmp_path, clean_env(), timeout_s=120,
+    )  # fmt: skip
+    assert "not-a-model" in ran.one_failure_line()
+    assert ran.out == ""  # no banner: nothing was ever ready

@@ -105,3 +105,53 @@ def test_config_show_shows_the_autoscale_table(
     assert result.exit_code == 0, result.output
     shown = {row["setting"]: row for row in json.loads(result.output)["autoscale"]}
     assert (shown["max_workers"]["value"], shown["max_workers"]["source"]) == (7, f"file {good}")
+
+
+def test_unknown_variables_are_warned_of_with_the_nearest_known_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tokenyard.cli.config import warn_unknown_variables
+
+    for name in ("TOKENYARD_WORKER_MAX_SEQ", "TOKENYARD_GATEWAY_PROT", "TOKENYARD_ZZZ"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("TOKENYARD_WORKER_MAX_SEQS", "4")  # known: nothing said of it
+    monkeypatch.delenv("TOKENYARD_LOG_NAME", raising=False)
+    with caplog.at_level("WARNING", logger="tokenyard.config"):
+        warn_unknown_variables()
+    lines = {r.getMessage().split()[0]: r.getMessage() for r in caplog.records}
+    assert set(lines) == {"TOKENYARD_WORKER_MAX_SEQ", "TOKENYARD_GATEWAY_PROT", "TOKENYARD_ZZZ"}
+    assert lines["TOKENYARD_WORKER_MAX_SEQ"].endswith("did you mean TOKENYARD_WORKER_MAX_SEQS?")
+    assert lines["TOKENYARD_GATEWAY_PROT"].endswith("did you mean TOKENYARD_GATEWAY_PORT?")
+    assert "did you mean" not in lines["TOKENYARD_ZZZ"]
+    # a worker serve started (it names it) leaves the warning to serve
+    caplog.clear()
+    monkeypatch.setenv("TOKENYARD_LOG_NAME", "worker-1")
+    warn_unknown_variables()
+    assert not caplog.records
+
+
+def test_every_variable_the_code_reads_is_known() -> None:
+    from tokenyard.cli.config import sections
+    from tokenyard.config import OTHER_VARIABLES, setting_variables
+
+    root = Path(__file__).resolve().parents[2]
+    known = {*setting_variables(dict(sections())), *OTHER_VARIABLES}
+    named = {
+        name
+        for folder in ("tokenyard", "tests")
+        for source in (root / folder).rglob("*.py")
+        for name in re.findall(r"TOKENYARD_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])", source.read_text())
+    }
+    # this file's misspelt examples (names written `TOKENYARD_WORKER_*` are families)
+    made_up = {"TOKENYARD_WORKER_MAX_SEQ", "TOKENYARD_GATEWAY_PROT", "TOKENYARD_ZZZ"}
+    assert named - known - made_up == set()
+
+
+def test_serve_refuses_zero_workers_unless_autoscaling() -> None:
+    from tokenyard.cli.autoscale import autoscale_config
+
+    with pytest.raises(FatalError, match="--workers 0 starts no worker"):
+        autoscale_config("0", None, None)
+    assert autoscale_config("2", None, None) is None
+    config = autoscale_config("auto", 0, 2)
+    assert config is not None and config.scale_to_zero

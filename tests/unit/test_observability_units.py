@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import uuid
+import warnings
 
 import pytest
 
@@ -49,6 +52,44 @@ def test_setup_logging_json_writes_one_object_a_line(monkeypatch: pytest.MonkeyP
     logging.getLogger("x").info("hello", extra=job_fields("j2"))
     [line] = stream.getvalue().splitlines()
     assert json.loads(line)["job_id"] == "j2"
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_json_logs_are_json_for_every_librarys_lines_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    # a library imported before setup, printing through a console handler of its own
+    early = logging.getLogger(f"early-{uuid.uuid4().hex}")
+    early.addHandler(logging.StreamHandler(stream))
+    early.propagate = False
+    setup_logging("info", LogFormat.JSON, process="worker-3")
+    early.warning("from before")
+    # one imported after: what transformers does on import (its batching manager's logger)
+    late = logging.getLogger(f"late-{uuid.uuid4().hex}")
+    late.addHandler(logging.StreamHandler())
+    late.propagate = False
+    late.warning("from after")
+    file_handler = logging.StreamHandler(io.StringIO())  # not a console's: kept
+    late.addHandler(file_handler)
+    assert late.handlers == [file_handler]
+    late.removeHandler(file_handler)
+    warnings.warn("a library's warning", UserWarning, stacklevel=1)
+    logging.getLogger("httpx").info('HTTP Request: POST http://up/v1 "HTTP/1.1 200 OK"')
+    logging.getLogger("ContinuousBatchingLogger").info("Paged cache initialized")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]  # every one JSON
+    assert [(o["logger"], o["level"]) for o in lines] == [
+        (early.name, "WARNING"),
+        (late.name, "WARNING"),
+        ("py.warnings", "WARNING"),
+    ]
+    assert "a library's warning" in lines[2]["message"]
+    assert {o["process"] for o in lines} == {"worker-3"}
+    # at DEBUG the chatter shows, as DEBUG
+    setup_logging("debug", LogFormat.TEXT, process="worker-{pid}")
+    logging.getLogger("httpx").info("HTTP Request: GET http://up/v1/models")
+    last = stream.getvalue().splitlines()[-1]
+    assert last.startswith(f"[worker-{os.getpid()}] ")
+    assert " DEBUG httpx HTTP Request: GET http://up/v1/models" in last
 
 
 def test_malformed_traceparent_gives_no_trace_id() -> None:

@@ -1,4 +1,4 @@
-"""`tokenyard serve | gateway | worker | submit | status | bench | keys | tenants | batch`."""
+"""The command line; its help names every command (`_name_commands`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from prometheus_client import CollectorRegistry
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tokenyard.broker import AMQP_SCHEMES, Backend, check_url, redacted
@@ -24,9 +26,10 @@ from tokenyard.cli.audit import audit
 from tokenyard.cli.autoscale import autoscale, worker_ready
 from tokenyard.cli.batch import app as batch_app
 from tokenyard.cli.bench import bench
-from tokenyard.cli.config import config_app
+from tokenyard.cli.config import config_app, warn_unknown_variables
 from tokenyard.cli.engine import (
     EngineOpt,
+    GatewayEngineOpt,
     SimDecodeBaseOpt,
     SimDecodePerSeqOpt,
     SimPrefillBaseOpt,
@@ -35,7 +38,7 @@ from tokenyard.cli.engine import (
     export_to_workers,
     sim_cost,
 )
-from tokenyard.cli.failures import DEBUG_ENV, FAILURE_PREFIX, failure_line
+from tokenyard.cli.failures import DEBUG_ENV, report_failure
 from tokenyard.cli.options import (
     AuditKafkaOpt,
     BrokerOpt,
@@ -49,6 +52,7 @@ from tokenyard.cli.options import (
 )
 from tokenyard.config import (
     CONFIG_ENV,
+    SECTIONS,
     BrokerSettings,
     WorkerSettings,
     from_env,
@@ -64,7 +68,7 @@ from tokenyard.fleet.local import (
     hold,
     record,
 )
-from tokenyard.logs import LogFormat, setup_logging
+from tokenyard.logs import Fields, LogFormat, json_logging, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
@@ -75,6 +79,7 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, help=__doc__, pretty_exceptions_show_locals=False
 )
 console = Console()
+log = logging.getLogger("tokenyard.serve")
 
 ModelOpt = Annotated[
     str | None,
@@ -106,14 +111,21 @@ LogLevelOpt = Annotated[
 ]
 
 
+# the commands that set their log lines up first, then warn of unknown variables in them
+_LOGGING = ("serve", "gateway", "worker")
+
+
 @app.callback()
 def _options(
+    ctx: typer.Context,
     config: Annotated[
         Path | None,
         typer.Option(
             "--config",
             envvar=CONFIG_ENV,
-            help="TOML file with [broker] [worker] [gateway] tables; flags > env > file",
+            # escaped: rich would take the tables' names for markup and print none of them
+            help=escape(f"TOML file with {' '.join(f'[{t}]' for t in SECTIONS)} tables; ")
+            + "flags > env > file",
         ),
     ] = None,
     debug: Annotated[
@@ -128,6 +140,8 @@ def _options(
         os.environ[CONFIG_ENV] = str(config)
     if debug:
         os.environ[DEBUG_ENV] = "1"  # for main() below, and serve's workers
+    if ctx.invoked_subcommand not in _LOGGING:
+        warn_unknown_variables()
 
 
 ServeBrokerOpt = Annotated[
@@ -192,10 +206,12 @@ def serve(
     from tokenyard.cli.autoscale import autoscale_config
     from tokenyard.engines import ENGINE_NAMES
     from tokenyard.engines.auto import AUTO
+    from tokenyard.fleet.ready import wait_ready
     from tokenyard.fleet.serve import EMBEDDED, Stack
     from tokenyard.worker.run import with_local_model
 
     setup_logging(log_level, log_format)
+    warn_unknown_variables()
     settings = broker_settings(
         broker, prefix, required=False, tables=tables, audit_kafka=audit_kafka
     )
@@ -275,9 +291,17 @@ def serve(
                 workers=workers,
             )
             record(data_dir, started)
-            try:
+
+            async def announce() -> None:
+                # the banner once the model is known good: a worker loaded it and answers
+                need_workers = auto is None or auto.min_workers > 0
+                live = await wait_ready(started.api_url, workers=need_workers)
                 _print_started(started, named, data_dir, private, chosen.reason)
-                _run_gateway(stack.broker_settings, gw, stack.registry, listener)
+                ready = ",".join(f"{m}:{n}" for m, n in live.items()) or None
+                log.info(Fields("ready", {"api": f"{started.api_url}/v1", "workers": ready}))
+
+            try:
+                _run_gateway(stack.broker_settings, gw, stack.registry, listener, announce)
             finally:
                 forget(data_dir)
     finally:
@@ -320,6 +344,17 @@ def _print_started(
     if serve.tables_url:
         lines.append(f"  tables     {redacted(serve.tables_url)}")
     lines.append(f"other commands here find it by {data_dir / RECORD} · Ctrl-C stops")
+    if json_logging():  # the same, as one line of the JSON stream
+        where_to = {"api": f"{api}/v1", "dashboard": f"{api}/dashboard", "docs": f"{api}/docs"}
+        log.info(
+            Fields(
+                "tokenyard serve",
+                {"model": serve.model, "engine": serve.engine, "why": why, "workers": n}
+                | where_to
+                | {"broker": redacted(serve.broker_url), "record": str(data_dir / RECORD)},
+            )
+        )
+        return
     for line in lines:
         console.print(line, highlight=False)
 
@@ -362,7 +397,9 @@ def _run_gateway(
     settings: GatewaySettings,
     registry: CollectorRegistry | None = None,
     listener: socket.socket | None = None,
+    on_started: Callable[[], Coroutine[Any, Any, None]] | None = None,
 ) -> None:
+    """Serve the gateway until stopped; `on_started` runs on its loop once it listens."""
     import uvicorn
 
     from tokenyard import tracing
@@ -384,6 +421,8 @@ def _run_gateway(
     )
 
     class Server(uvicorn.Server):
+        announcing: asyncio.Task[None] | None = None
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # listening: the one line that says so (uvicorn's are WARNING+)
@@ -394,6 +433,8 @@ def _run_gateway(
                     ",".join(served_models(settings).names),
                     redacted(broker_settings.url),
                 )
+                if on_started is not None:
+                    self.announcing = asyncio.get_running_loop().create_task(on_started())
 
     # tokenyard logs each request itself (gateway/instrument.py), so uvicorn's access log is
     # off; log_config=None sends uvicorn's own lines through our handler and format
@@ -436,7 +477,7 @@ def gateway(
     ] = None,
     served_model_name: ServedNameOpt = None,
     revision: RevisionOpt = None,
-    engine: Annotated[str | None, typer.Option(help="the workers' engine: hf | sim")] = None,
+    engine: GatewayEngineOpt = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     tool_call_parser: ToolCallParserOpt = None,
@@ -449,6 +490,7 @@ def gateway(
     Options left out come from TOKENYARD_GATEWAY_* / TOKENYARD_BROKER_* variables.
     """
     setup_logging(log_level, log_format)
+    warn_unknown_variables()
     _run_gateway(
         broker_settings(broker, prefix, tables=tables, audit_kafka=audit_kafka),
         _gateway_settings(
@@ -535,6 +577,7 @@ def worker(
     from tokenyard.worker.run import serve_worker
 
     setup_logging(log_level, log_format)
+    warn_unknown_variables()
     settings = from_env(
         WorkerSettings,
         "worker",
@@ -612,6 +655,23 @@ app.add_typer(ops.dlq_app, name="dlq")
 app.command("drain")(ops.drain)
 
 
+def _name_commands() -> None:
+    """The root help's first line: every command, as registered (a list kept by hand lost
+    seven of them)."""
+    names = [
+        info.name or (info.callback.__name__ if info.callback else "")
+        for info in app.registered_commands
+    ]
+    names += [info.name or "" for info in app.registered_groups]
+    app.info.help = (
+        f"`tokenyard {' | '.join(n.replace('_', '-') for n in names if n)}`: an LLM server "
+        "on a durable job queue. `tokenyard COMMAND --help` tells more."
+    )
+
+
+_name_commands()
+
+
 def main() -> None:
     """Run the command; a failure is one line on stderr and a non-zero exit (`--debug`: the
     traceback too)."""
@@ -622,10 +682,15 @@ def main() -> None:
         os.environ[DEBUG_ENV] = "1"
     try:
         app(args=args)
+    except SystemExit as exc:
+        worker = sys.modules.get("tokenyard.worker.run")  # loaded where a worker ran
+        if exc.code in (0, None) and worker is not None:
+            worker.exit_if_drained()
+        raise
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        print(FAILURE_PREFIX + failure_line(exc), file=sys.stderr)
+        report_failure(exc)
         # 2: misconfiguration, as for a bad flag; 1: anything else
         raise SystemExit(2 if isinstance(exc, FatalError) else 1) from None
 

@@ -26,6 +26,11 @@ def autoscale_config(
     if workers != "auto":
         if not workers.isdigit():
             raise typer.BadParameter(f"--workers takes a number or `auto`, not {workers!r}")
+        if int(workers) == 0:  # nothing would ever run a job, and serve would never be ready
+            raise FatalError(
+                "--workers 0 starts no worker: give 1 or more, or `--workers auto --min 0` "
+                "to start them on demand"
+            )
         return None
     config = from_env(
         AutoscaleConfig, "autoscale", min_workers=min_workers, max_workers=max_workers

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from typing import Annotated, Any
 
 import msgspec
@@ -11,7 +13,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tokenyard.config import DEFAULT, BrokerSettings, WorkerSettings, from_env, setting_sources
+from tokenyard.config import (
+    DEFAULT,
+    OTHER_VARIABLES,
+    BrokerSettings,
+    WorkerSettings,
+    from_env,
+    setting_sources,
+    setting_variables,
+    unknown_variables,
+)
+from tokenyard.logs import LOG_NAME_ENV
 
 config_app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 _SECRET = ("key", "password", "token_secret")
@@ -28,6 +40,18 @@ def sections() -> list[tuple[str, type[msgspec.Struct]]]:
         ("gateway", GatewaySettings),
         ("autoscale", AutoscaleConfig),
     ]
+
+
+def warn_unknown_variables() -> None:
+    """One warning line per TOKENYARD_* variable nothing reads, naming the nearest known one;
+    a worker started by `serve` (which named it) says nothing: serve said it once already."""
+    if os.environ.get(LOG_NAME_ENV):
+        return
+    known = {*setting_variables(dict(sections())), *OTHER_VARIABLES}
+    log = logging.getLogger("tokenyard.config")
+    for name, near in unknown_variables(os.environ, known):
+        hint = f"; did you mean {near}?" if near else " (`tokenyard config show` lists them)"
+        log.warning("%s is not a tokenyard setting and is ignored%s", name, hint)
 
 
 def effective() -> dict[str, list[dict[str, Any]]]:

@@ -9,14 +9,17 @@ from typing import Annotated, Any
 import typer
 
 from tokenyard.config import WorkerSettings, setting_sources
-from tokenyard.engines.auto import EngineChoice, settled_engine
+from tokenyard.engines import ENGINE_NAMES
+from tokenyard.engines.auto import AUTO, EngineChoice, settled_engine
 
-EngineOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="auto (vllm where installed and it supports the model, else hf) | hf | hf-static | "
-        "hf-embed | sim | vllm | remote"
-    ),
+# every command names the engines alike, from the one list the workers build them by
+ENGINE_CHOICES = " | ".join(
+    (f"{AUTO} (vllm where installed and it supports the model, else hf)", *ENGINE_NAMES)
+)
+EngineOpt = Annotated[str | None, typer.Option(help=ENGINE_CHOICES)]
+# the gateway runs no engine: the workers' tells it which tokenizers to load (sim's or hf's)
+GatewayEngineOpt = Annotated[
+    str | None, typer.Option(help=f"the workers' engine, for its tokenizers: {ENGINE_CHOICES}")
 ]
 SimPrefillBaseOpt = Annotated[
     float | None, typer.Option(help="sim: seconds a prefill costs, plus the per-token part")

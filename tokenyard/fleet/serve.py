@@ -4,11 +4,11 @@ tables on a private Valkey), worker processes and the gateway on one machine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -23,9 +23,10 @@ from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import spawn_tied
 from tokenyard.config import BrokerSettings
-from tokenyard.errors import FAILURE_PREFIX
+from tokenyard.errors import FAILURE_FILE_ENV
 from tokenyard.fleet.autoscale import AutoscaleConfig
 from tokenyard.fleet.launch import stop_processes, tokenyard_command
+from tokenyard.logs import LOG_NAME_ENV
 from tokenyard.metrics import add_worker_metrics
 
 # what `--broker` may name instead of a URL: the private server serve starts
@@ -119,35 +120,34 @@ class Stack:
         add_worker_metrics(self.registry, self.metrics_dir)
         self._worker_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         if self.autoscale is not None:
+            # each line of an autoscaled worker names it by its pid, as the supervisor's do
+            self._worker_env[LOG_NAME_ENV] = "worker-{pid}"
             self._start_supervisor(self.autoscale)
             return
         for index in range(self.n_workers):
             self.workers.append(self._spawn_watched(index + 1))
 
     def _spawn_watched(self, index: int) -> subprocess.Popen[bytes]:
-        """A worker whose stderr passes through this process, and whose exit stops serve: a
-        serve that cannot run its model must not answer 503 and hang its callers."""
-        proc = spawn_tied(
-            self._worker_command(), signal.SIGTERM, env=self._worker_env, stderr=subprocess.PIPE
-        )
+        """A worker writing to serve's own stderr (each line names it, `worker-N`), whose exit
+        stops serve: a serve that cannot run its model must not answer 503 and hang its
+        callers. Its one-line reason for failing comes through a file, not its stderr."""
+        assert self.metrics_dir is not None
+        failure = self.metrics_dir / f"worker-{index}.failure"
+        env = {**(self._worker_env or {}), LOG_NAME_ENV: f"worker-{index}"}
+        env[FAILURE_FILE_ENV] = str(failure)
+        proc = spawn_tied(self._worker_command(), signal.SIGTERM, env=env)
         threading.Thread(
-            target=self._watch, args=(proc, index), name=f"worker-{index}", daemon=True
+            target=self._watch, args=(proc, index, failure), name=f"worker-{index}", daemon=True
         ).start()
         return proc
 
-    def _watch(self, proc: subprocess.Popen[bytes], index: int) -> None:
-        assert proc.stderr is not None
-        reason = ""
-        for raw in proc.stderr:
-            line = raw.decode(errors="replace")
-            if line.startswith(FAILURE_PREFIX):  # the worker's one line saying why it failed
-                reason = line.removeprefix(FAILURE_PREFIX).strip()
-            else:
-                sys.stderr.write(line)
-                sys.stderr.flush()
+    def _watch(self, proc: subprocess.Popen[bytes], index: int, failure: Path) -> None:
         code = proc.wait()
         if self._stopping:
             return
+        reason = ""
+        with contextlib.suppress(OSError):
+            reason = failure.read_text(encoding="utf-8").strip()
         self.failure = f"worker {index} exited (code {code}): {reason or 'see its output above'}"
         os.kill(os.getpid(), signal.SIGTERM)
 

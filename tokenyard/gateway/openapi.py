@@ -912,7 +912,7 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
 
 # what every operation may answer besides its own: a parameter's value, and the key lookup
 _SHARED = (400, 401, 503)
-_PUBLIC = ("/healthz", "/readyz")  # no key, ever (probes)
+_PUBLIC = ("/health", "/healthz", "/readyz")  # no key, ever (probes)
 
 
 def document(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 
 import msgspec
 
@@ -68,5 +70,24 @@ async def serve_worker(
         # the worker owns its process, so it may freeze the heap (see `tokenyard.heap`)
         worker = Worker(backend, engine, settings, consumer, metrics, freeze_heap=True)
         await run_worker(backend, worker)
+        _Drained.done = True
     finally:
         tracing.shutdown()
+
+
+class _Drained:
+    """Whether this process's worker drained and closed everything (see `exit_if_drained`)."""
+
+    done = False
+
+
+def exit_if_drained() -> None:
+    """For the process's entry point, once its command returned: a process whose worker
+    drained ends with its log lines flushed, skipping the interpreter's teardown, in which
+    native extensions (torch's triton bindings) print leak reports onto the log stream."""
+    if not _Drained.done:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,11 +1,11 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics; the root sends a browser to the API's docs."""
 
 from __future__ import annotations
 
 import contextlib
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
@@ -21,6 +21,19 @@ router = APIRouter()
 async def healthz() -> JSONResponse:
     """The process serves HTTP; says nothing about the broker or workers."""
     return JSONResponse({"status": "ok"})
+
+
+@router.get("/health")
+async def health() -> Response:
+    """As vLLM's /health: 200 with no body while the process serves HTTP (so probes written
+    for vLLM work unchanged); /readyz says whether jobs can run."""
+    return Response(status_code=200)
+
+
+@router.get("/", include_in_schema=False)
+async def root() -> RedirectResponse:
+    """A browser opening the server's address lands on the API's docs."""
+    return RedirectResponse("/docs", status_code=307)
 
 
 @router.get("/readyz", responses=answers(503))
