@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import BACKENDS
+from tests.conftest import kinds, session_urls
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
@@ -62,11 +62,10 @@ class Procs:
         self.processes.stop(timeout_s=10, sig=signal.SIGKILL)
 
 
-@pytest.fixture(params=["valkey", "nats", "rabbitmq"])
+@pytest.fixture(params=kinds())
 def procs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Procs]:
-    server = request.getfixturevalue(BACKENDS[request.param])
-    tables = request.getfixturevalue("valkey").url if request.param == "rabbitmq" else ""
-    pool = Procs(server.url, tmp_path, tables)
+    url, tables = session_urls(request, request.param)
+    pool = Procs(url, tmp_path, tables)
     try:
         yield pool
     finally:

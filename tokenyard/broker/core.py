@@ -46,6 +46,10 @@ class Trait(enum.StrEnum):
     # the server pushes ready jobs to a worker's blocking claim (prefetch = its free slots):
     # priority holds among what was pushed, and what was pushed to one worker waits for it
     PUSHED = "pushed"
+    # a reap that takes a job back fences its holder at once: whatever that holder still
+    # sends under the lease is refused (else only the next holder's claim fences it, and an
+    # ending the holder gets in first stands: the job still ends once, every token once)
+    REAP_FENCES = "reap_fences"
 
 
 class EnqueueResult(msgspec.Struct, frozen=True):

@@ -30,7 +30,7 @@ __all__ = ["TRAITS", "open_backend"]
 
 # the lanes are FIFO quorum queues RabbitMQ pushes from: no fair share, no prefix affinity
 # (README, "RabbitMQ lanes")
-TRAITS = frozenset({Trait.PUSHED})
+TRAITS = frozenset({Trait.PUSHED, Trait.REAP_FENCES})
 
 NO_TABLES = (
     "RabbitMQ lanes keep their tables (records, events, keys, quotas) on Redis/Valkey: give "

@@ -16,8 +16,9 @@ from tokenyard.config import BrokerSettings
 
 __all__ = ["TRAITS", "open_backend"]
 
-# fair share with each worker's own tags over every waiting job (no window), and deadlines
-# ordered within one claim only (README, "NATS JetStream")
+# fair share with each worker's own tags over every waiting job (no window), deadlines ordered
+# within one claim only, and a holder fenced by the next holder's claim marker, not by the reap
+# that requeued its job (README, "NATS JetStream")
 TRAITS = frozenset({Trait.FAIR_SHARE, Trait.PREFIX_AFFINITY})
 
 

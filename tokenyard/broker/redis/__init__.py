@@ -38,7 +38,13 @@ __all__ = [
 
 # every guarantee in its full form: one fair-share state per lane in the server (lua/lib/fair.lua)
 TRAITS = frozenset(
-    {Trait.FAIR_SHARE, Trait.FAIR_WINDOW, Trait.DEADLINE_ORDER, Trait.PREFIX_AFFINITY}
+    {
+        Trait.FAIR_SHARE,
+        Trait.FAIR_WINDOW,
+        Trait.DEADLINE_ORDER,
+        Trait.PREFIX_AFFINITY,
+        Trait.REAP_FENCES,
+    }
 )
 
 
