@@ -2,7 +2,9 @@
 
 `make_backend` is parametrized over backend kinds: each kind names the session fixture that
 starts its server. A backend added later (RabbitMQ lanes) is one more entry in `BACKENDS` with
-a session fixture for its server.
+a session fixture for its server, a URL scheme in `SCHEMES` and what the harness can do to its
+server in `HARNESS`. Tests pick kinds with `kinds(...)` by what they need (the backend's
+declared traits, the harness's abilities), never by name.
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from _pytest.mark.structures import ParameterSet
 
-from tests.servers import Cluster, RabbitServer, Tansu, running_cluster, running_server
-from tokenyard.broker import Backend, connect
-from tokenyard.broker.core import Clock
+from tests.servers import Can, Cluster, RabbitServer, Tansu, running_cluster, running_server
+from tokenyard.broker import AMQP_SCHEMES, Backend, connect, traits_of
+from tokenyard.broker.core import Clock, Trait
 from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings
@@ -30,8 +33,49 @@ BACKENDS = {
     "nats": "nats_server",
     "rabbitmq": "rabbitmq",
 }
+# how each kind's URL starts: what its backend declares (core.Trait) is read from it
+SCHEMES = {
+    "valkey": "redis://",
+    "valkey-cluster": "redis+cluster://",
+    "nats": "nats://",
+    "rabbitmq": "amqp://",
+}
+TRAITS = {kind: traits_of(scheme) for kind, scheme in SCHEMES.items()}
+# what the fault harness can do to each kind's server (tests/servers.py), and why not the rest
+HARNESS: dict[str, dict[Can, str | None]] = {
+    "valkey": {Can.RESTART: None, Can.PARTITION: None},
+    "valkey-cluster": {
+        # one node of three, the one holding the test's model (its keys share one slot)
+        Can.RESTART: None,
+        Can.PARTITION: "a cluster client follows the node addresses the cluster announces, "
+        "around any relay",
+    },
+    "nats": {Can.RESTART: None, Can.PARTITION: None},
+    # the lanes' server and the tables' Valkey, each through a relay of its own
+    "rabbitmq": {Can.RESTART: None, Can.PARTITION: None},
+}
 # the kinds on the Redis backend: tests of its internals (keys, script cache) run only there
 REDIS_KINDS = frozenset({"valkey", "valkey-cluster"})
+
+
+def kinds(*needs: Trait | Can, among: Sequence[str] = tuple(BACKENDS)) -> list[ParameterSet]:
+    """Every kind of `among` as a parameter (of `make_backend`, or a fixture that takes a
+    kind); one whose backend lacks a trait of `needs`, or whose server the harness cannot do
+    a `Can` of `needs` to, is skipped with why."""
+    params = []
+    for kind in among:
+        why = []
+        for need in needs:
+            if isinstance(need, Trait) and need not in TRAITS[kind]:
+                declared = ", ".join(sorted(TRAITS[kind])) or "none"
+                why.append(f"its backend does not declare {need} (it declares: {declared})")
+            elif isinstance(need, Can) and HARNESS[kind].get(need, "not built") is not None:
+                why.append(f"the harness cannot {need} its server: {HARNESS[kind].get(need)}")
+        marks = [pytest.mark.skip(reason=f"{kind}: " + "; ".join(why))] if why else []
+        params.append(pytest.param(kind, marks=marks, id=kind))
+    return params
+
+
 # what `make_backend` runs on unless a module asks for more (a cluster costs three servers):
 # pytestmark = pytest.mark.parametrize("make_backend", list(BACKENDS), indirect=True)
 DEFAULT_BACKENDS = ["valkey"]
@@ -114,6 +158,11 @@ class BackendFactory:
     prefix: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
     made: list[Backend] = field(default_factory=list)
 
+    @property
+    def traits(self) -> frozenset[Trait]:
+        """What the kind's backend declares (core.Trait): what a test may hold it to."""
+        return traits_of(self.url)
+
     def __call__(self, clock: Clock = time.time, **overrides: Any) -> Backend:
         settings = BrokerSettings(
             url=self.url, tables_url=self.tables_url, prefix=self.prefix, **overrides
@@ -123,19 +172,24 @@ class BackendFactory:
         return backend
 
 
+def session_urls(request: pytest.FixtureRequest, kind: str) -> tuple[str, str]:
+    """The broker URL of the session's server of `kind`, and its tables' URL: RabbitMQ lanes
+    keep their tables on the session's Valkey ("" for the others)."""
+    url = request.getfixturevalue(BACKENDS[kind]).url
+    return url, request.getfixturevalue("valkey").url if url.startswith(AMQP_SCHEMES) else ""
+
+
 @pytest.fixture(params=DEFAULT_BACKENDS)
 async def make_backend(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[BackendFactory]:
     """Build backends of the param's kind with settings overrides (and a clock); closed after.
-    RabbitMQ lanes keep their tables on the session's Valkey, named in the environment too, so
-    the processes a test starts (workers, gateways, consumers) find them."""
-    server = request.getfixturevalue(BACKENDS[request.param])
-    tables = ""
-    if request.param == "rabbitmq":
-        tables = request.getfixturevalue("valkey").url
+    Tables kept apart (RabbitMQ lanes') are named in the environment too, so the processes a
+    test starts (workers, gateways, consumers) find them."""
+    url, tables = session_urls(request, request.param)
+    if tables:
         monkeypatch.setenv("TOKENYARD_BROKER_TABLES_URL", tables)
-    factory = BackendFactory(request.param, server.url, tables)
+    factory = BackendFactory(request.param, url, tables)
     yield factory
     for backend in factory.made:
         await backend.close()

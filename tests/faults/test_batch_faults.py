@@ -19,9 +19,11 @@ import nats
 import openai
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
-from tests.conftest import BACKENDS
+from tests.conftest import kinds, session_urls
 from tokenyard.broker.nats.names import Names
+from tokenyard.broker.redis.connection import CLUSTER_SCHEME
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
@@ -62,11 +64,10 @@ class Procs:
         self.processes.stop(timeout_s=10, sig=signal.SIGKILL)
 
 
-@pytest.fixture(params=["valkey", "nats", "rabbitmq"])
+@pytest.fixture(params=kinds())
 def procs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Procs]:
-    server = request.getfixturevalue(BACKENDS[request.param])
-    tables = request.getfixturevalue("valkey").url if request.param == "rabbitmq" else ""
-    pool = Procs(server.url, tmp_path, tables)
+    url, tables = session_urls(request, request.param)
+    pool = Procs(url, tmp_path, tables)
     try:
         yield pool
     finally:
@@ -134,7 +135,12 @@ def _job_records(procs: Procs) -> int:
     """How many job records the broker holds under the test's prefix."""
     if procs.url.startswith("nats://"):
         return asyncio.run(_nats_job_records(procs))
-    client = redis.Redis.from_url(procs.tables_url or procs.url)
+    url = procs.tables_url or procs.url
+    client: redis.Redis | RedisCluster = (
+        RedisCluster.from_url("redis://" + url.removeprefix(CLUSTER_SCHEME))  # every primary
+        if url.startswith(CLUSTER_SCHEME)
+        else redis.Redis.from_url(url)
+    )
     pattern = Keys(procs.prefix).job_prefix(MODEL) + "*"
     try:
         return len(list(client.scan_iter(match=pattern, count=1000)))

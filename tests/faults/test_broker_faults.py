@@ -2,7 +2,9 @@
 
 Each test counts lost jobs (no terminal record at the end) and duplicated ones (a completion
 the broker accepted more than once, counted by the consumers in a log of their own). The tests
-that take `make_backend` run on Valkey and NATS alike; a server crash has one test per server.
+run on every backend kind that has what they need (tests/conftest.py `kinds`): a consumer's
+fault on every one, a server's crash wherever the harness can restart the kind's server, a
+partition wherever it can cut a client off.
 """
 
 from __future__ import annotations
@@ -23,13 +25,11 @@ from pathlib import Path
 import pytest
 from redis.exceptions import RedisError
 
-from tests.conftest import BackendFactory
+from tests.conftest import BackendFactory, kinds, session_urls
 from tests.faults.consumer import ACCEPTED_DIR_ENV, read_accepted, result_text
-from tests.netfault import Relay
-from tests.rabbitmq_server import RabbitServer
+from tests.servers import Can, Restartable, partitioned, restartable
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.nats.connection import REQUEST_TIMEOUT_S
-from tokenyard.broker.nats.embedded import EmbeddedNats
+from tokenyard.broker.core import Trait
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine
@@ -47,8 +47,8 @@ from tokenyard.messages import (
 from tokenyard.worker.worker import Worker
 
 pytestmark = pytest.mark.fault
-# the kinds a consumer fault runs on: a cluster would only add servers, not another behaviour
-KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True)
+# a consumer's fault needs nothing of the harness: every kind
+KINDS = pytest.mark.parametrize("make_backend", kinds(), indirect=True)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "faulty"
@@ -318,17 +318,11 @@ async def test_sigstopped_consumer_is_fenced_after_another_finishes_its_job(
             p.stop()
 
 
-async def crash_and_restart_under_enqueues(
-    url: str,
-    kill: Callable[[], object],
-    start: Callable[[], object],
-    down_s: float = 0.1,
-    tables_url: str = "",
-    mid_run: Callable[[], object] | None = None,
-) -> None:
-    """Producers enqueue while the server at `url` is SIGKILLed (`kill`) and brought back on
-    its store (`start`) `down_s` later; then every acknowledged job must run, once. With
-    `mid_run` (called once the lanes exist) a consumer runs throughout, crash included."""
+async def crash_and_restart_under_enqueues(server: Restartable) -> None:
+    """Producers enqueue while `server` is SIGKILLed and brought back on its store; then every
+    acknowledged job must run, once. Where the server must settle before a kill (its `settle`,
+    called once the lanes exist) a consumer runs throughout, crash included."""
+    url, tables_url, mid_run = server.url, server.tables_url, server.settle
     prefix = new_prefix()
     broker = connect(BrokerSettings(url=url, tables_url=tables_url, prefix=prefix))
     acknowledged: list[str] = []
@@ -374,10 +368,10 @@ async def crash_and_restart_under_enqueues(
     try:
         await eventually(lambda: len(acknowledged) >= 500, "500 enqueues before the crash")
         # off the event loop, so the producer keeps going while the server dies and comes back
-        await asyncio.to_thread(kill)
+        await asyncio.to_thread(server.kill)
         before_crash = list(acknowledged)
-        await asyncio.sleep(down_s)
-        await asyncio.to_thread(start)
+        await asyncio.sleep(server.down_s)
+        await asyncio.to_thread(server.start)
         await eventually(
             lambda: len(acknowledged) >= len(before_crash) + 300, "enqueues after the restart"
         )
@@ -387,7 +381,9 @@ async def crash_and_restart_under_enqueues(
         assert len(set(acknowledged)) == len(acknowledged)
 
         if mid_run is None:
-            procs.append(ConsumerProcess(url, prefix, "after", slots=256, lease_s=5))
+            procs.append(
+                ConsumerProcess(url, prefix, "after", slots=256, lease_s=5, tables=tables_url)
+            )
         await eventually(
             lambda: sum(p.accepted for p in procs) >= len(acknowledged),
             "every acknowledged job",
@@ -412,49 +408,24 @@ async def crash_and_restart_under_enqueues(
         await broker.close()
 
 
-@pytest.mark.timeout(90)
-async def test_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
-    # a Valkey of its own, killed and restarted on its AOF
-    server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
-    server.start()
-    try:
-        await crash_and_restart_under_enqueues(server.url, server.kill, server.start)
-    finally:
-        server.stop()
+@pytest.fixture
+def server(
+    request: pytest.FixtureRequest, tmp_path: Path, valkey: EmbeddedServer
+) -> Iterator[Restartable]:
+    """A server of the param's kind for this test alone, to kill and start again (one node of
+    a cluster: the one holding MODEL's keys); RabbitMQ lanes keep their tables on the
+    session's Valkey, which stays up."""
+    with restartable(request.param, tmp_path, tables_url=valkey.url, model=MODEL) as made:
+        yield made
 
 
-@pytest.mark.rabbitmq
+RESTARTABLE = pytest.mark.parametrize("server", kinds(Can.RESTART), indirect=True)
+
+
+@RESTARTABLE
 @pytest.mark.timeout(240)
-async def test_rabbitmq_sigkill_mid_run_answers_every_acknowledged_job_once(
-    valkey: EmbeddedServer,
-) -> None:
-    # a RabbitMQ node of its own, killed and restarted on its store and ports while a consumer
-    # works and producers enqueue; the lanes' tables stay up on the session's Valkey
-    with RabbitServer() as server:
-        await crash_and_restart_under_enqueues(
-            server.url,
-            server.kill,
-            server.start,
-            down_s=1.0,
-            tables_url=valkey.url,
-            # a quorum queue declared just before a kill -9 can come back empty (RabbitMQ 3.10
-            # writes its queue registry on a timer): the lanes are declared, then synced
-            mid_run=server.sync_metadata,
-        )
-
-
-@pytest.mark.timeout(90)
-async def test_nats_server_sigkill_keeps_every_acknowledged_enqueue(tmp_path: Path) -> None:
-    # a nats-server of its own, killed and restarted on its JetStream store and port
-    server = EmbeddedNats(tmp_path / "nats", sync="always")
-    server.start()
-    # nats-py holds calls across a short outage and sends them on reconnect: the crash reaches
-    # the producer (BrokerUnavailable) only once the server stays down past a request's timeout
-    down_s = REQUEST_TIMEOUT_S + 1.0
-    try:
-        await crash_and_restart_under_enqueues(server.url, server.kill, server.start, down_s)
-    finally:
-        server.stop()
+async def test_server_sigkill_keeps_every_acknowledged_enqueue(server: Restartable) -> None:
+    await crash_and_restart_under_enqueues(server)
 
 
 # A lease long enough that a job coming back by lease expiry could not pass for one resumed.
@@ -498,14 +469,14 @@ async def _ran_once(broker: Backend, job_id: str, deliveries: int) -> list[JobEv
     return events
 
 
-async def jobs_in_flight_across_a_restart(
-    url: str, kill: Callable[[], object], start: Callable[[], object], down_s: float
-) -> float:
-    """A real worker streams jobs while the server at `url` is SIGKILLed and brought back on
-    its store `down_s` later; every job must finish once, on its first delivery, with every
+async def jobs_in_flight_across_a_restart(server: Restartable) -> float:
+    """A real worker streams jobs while `server` is SIGKILLed and brought back on its store
+    (down at least a second); every job must finish once, on its first delivery, with every
     token in its event stream once. Returns seconds from the restart to the last job's end."""
-    prefix = new_prefix()
-    settings = BrokerSettings(url=url, prefix=prefix, lease_s=RESTART_LEASE_S)
+    url, prefix = server.url, new_prefix()
+    settings = BrokerSettings(
+        url=url, tables_url=server.tables_url, prefix=prefix, lease_s=RESTART_LEASE_S
+    )
     broker, worker_broker = connect(settings), connect(settings)
     # 64 jobs at once, 96 in all
     options = WorkerSettings(
@@ -522,9 +493,11 @@ async def jobs_in_flight_across_a_restart(
             return sum([bool(await broker.queue.read_events(j, count=1)) for j in ids]) >= 32
 
         await eventually(streaming, "jobs streaming before the crash")
-        await asyncio.to_thread(kill)
-        await asyncio.sleep(down_s)
-        await asyncio.to_thread(start)
+        if server.settle is not None:
+            await asyncio.to_thread(server.settle)
+        await asyncio.to_thread(server.kill)
+        await asyncio.sleep(max(1.0, server.down_s))
+        await asyncio.to_thread(server.start)
         restarted = time.monotonic()
 
         async def all_ended() -> bool:
@@ -549,41 +522,45 @@ async def jobs_in_flight_across_a_restart(
         await broker.close()
 
 
-@pytest.mark.timeout(60)
-async def test_jobs_in_flight_finish_seconds_after_a_valkey_restart(tmp_path: Path) -> None:
-    server = EmbeddedServer(data_dir=tmp_path / "data", appendfsync="always")
-    server.start()
-    try:
-        took = await jobs_in_flight_across_a_restart(server.url, server.kill, server.start, 1.0)
-    finally:
-        server.stop()
+@RESTARTABLE
+@pytest.mark.timeout(180)
+async def test_jobs_in_flight_finish_seconds_after_a_server_restart(server: Restartable) -> None:
+    took = await jobs_in_flight_across_a_restart(server)
     # the worker kept what it could not publish and sent it once the server answered: no job
     # waited out its lease
     assert took < RESTART_LEASE_S / 4
 
 
-@pytest.mark.timeout(60)
-async def test_jobs_in_flight_finish_seconds_after_a_nats_restart(tmp_path: Path) -> None:
-    server = EmbeddedNats(tmp_path / "nats", sync="always")
-    server.start()
-    # nats-py holds calls across a short outage and sends them on reconnect: the worker meets
-    # BrokerUnavailable only once the server stays down past a request's timeout
-    down_s = REQUEST_TIMEOUT_S + 1.0
-    try:
-        took = await jobs_in_flight_across_a_restart(server.url, server.kill, server.start, down_s)
-    finally:
-        server.stop()
-    assert took < RESTART_LEASE_S / 4
+# the cut-off worker's liveness: it lapses well within the cut, and not before it
+CUT_LIVENESS_S, CUT_S = 0.5, 2.0
 
 
-@pytest.mark.timeout(60)
-async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: EmbeddedServer) -> None:
-    # the worker reaches Valkey through a relay; while the link is cut its leases are taken
-    # back (reaped and requeued), so what it kept must be refused, and the jobs run again
+@pytest.fixture
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.mark.parametrize("kind", kinds(Can.PARTITION), indirect=True)
+@pytest.mark.timeout(90)
+async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    # the worker reaches its servers (lanes and tables alike) through relays; while they are
+    # cut its liveness lapses and another client's reap takes its jobs back (requeued), so
+    # what it kept must be refused, and the jobs run again
+    url, tables = session_urls(request, kind)
     prefix = new_prefix()
-    with Relay(valkey.port or 0) as relay:
-        direct = connect(BrokerSettings(url=valkey.url, prefix=prefix, lease_s=0.05))
-        through = connect(BrokerSettings(url=relay.url, prefix=prefix, lease_s=RESTART_LEASE_S))
+    with partitioned(url, tables) as cut:
+        direct = connect(BrokerSettings(url=url, tables_url=tables, prefix=prefix))
+        through = connect(
+            BrokerSettings(
+                url=cut.url,
+                tables_url=cut.tables_url,
+                prefix=prefix,
+                lease_s=RESTART_LEASE_S,
+                liveness_s=CUT_LIVENESS_S,
+            )
+        )
         options = WorkerSettings(
             model=MODEL, engine="sim", max_seqs=16, heartbeat_s=0.5, claim_block_s=0.2
         )
@@ -598,8 +575,8 @@ async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: Embe
                 return all([bool(await direct.queue.read_events(j, count=1)) for j in ids])
 
             await eventually(all_streaming, "every job streaming")
-            relay.sever(down_s=0.5)
-            await asyncio.sleep(0.2)  # idle past the direct client's 50 ms lease
+            cut.sever(down_s=CUT_S)
+            await asyncio.sleep(2 * CUT_LIVENESS_S)  # past the worker's liveness, not its lease
             report = await direct.queue.reap(MODEL)
             assert sorted(report.requeued) == sorted(ids)
 
@@ -608,14 +585,16 @@ async def test_kept_writes_of_a_lease_lost_meanwhile_are_fenced_off(valkey: Embe
                 return all(r is not None and r.status.terminal for r in records)
 
             await eventually(all_ended, "every job ends", within_s=RESTART_LEASE_S / 2)
-            # each job's kept writes were refused: dropped when its renewal was refused (still
-            # running), or its completion fenced off (it had ended while the link was cut)
-            sample = worker.metrics.registry.get_sample_value
-            lost = sample("tokenyard_worker_leases_lost_total", {"model": MODEL})
-            fenced = sample("tokenyard_worker_fenced_completions_total", {"model": MODEL})
-            assert (lost or 0) + (fenced or 0) == len(ids), (lost, fenced)
+            if Trait.REAP_FENCES in direct.traits:
+                # each job's kept writes were refused: dropped when its renewal was refused
+                # (still running), or its completion fenced off (it had ended while cut off)
+                sample = worker.metrics.registry.get_sample_value
+                lost = sample("tokenyard_worker_leases_lost_total", {"model": MODEL})
+                fenced = sample("tokenyard_worker_fenced_completions_total", {"model": MODEL})
+                assert (lost or 0) + (fenced or 0) == len(ids), (lost, fenced)
             for job_id in ids:
-                # run again; the kept events of the lost lease were refused: no token twice
+                # run again, or (without the trait) ended by the cut-off run's kept Finished
+                # where it landed before any new claim: either way once, and no token twice
                 await _ran_once(direct, job_id, deliveries=2)
         finally:
             worker.drain()

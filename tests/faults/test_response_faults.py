@@ -1,5 +1,5 @@
 """A background response read as a resumed event stream while its gateway and its worker are
-killed for real (SIGKILL) mid-generation: one text, no gap and no repeat, on Valkey and NATS."""
+killed for real (SIGKILL) mid-generation: one text, no gap and no repeat, on every backend kind."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 
-from tests.conftest import BACKENDS
+from tests.conftest import kinds, session_urls
 from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -25,9 +25,9 @@ TOKENS = 120  # at the sim engine's 10 ms a step: over a second of generation to
 class Procs:
     """Real gateway and worker processes on one broker; everything is killed at the end."""
 
-    def __init__(self, url: str, logs: Path) -> None:
+    def __init__(self, url: str, tables_url: str, logs: Path) -> None:
         self.processes = Processes(logs)
-        self.launcher = Launcher(self.processes, url, f"rf{uuid.uuid4().hex[:8]}")
+        self.launcher = Launcher(self.processes, url, f"rf{uuid.uuid4().hex[:8]}", tables_url)
 
     def start(
         self, n: int
@@ -45,10 +45,9 @@ class Procs:
         return gateway, worker, openai.OpenAI(base_url=url, api_key="x", max_retries=0)
 
 
-@pytest.fixture(params=["valkey", "nats"])
+@pytest.fixture(params=kinds())
 def procs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Procs]:
-    server = request.getfixturevalue(BACKENDS[request.param])
-    pool = Procs(server.url, tmp_path / "logs")
+    pool = Procs(*session_urls(request, request.param), tmp_path / "logs")
     try:
         yield pool
     finally:

@@ -25,7 +25,7 @@ import nats.aio.client
 import pytest
 import redis.asyncio.connection
 
-from tests.conftest import BackendFactory
+from tests.conftest import BackendFactory, kinds
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import Lease
 from tokenyard.config import WorkerSettings
@@ -43,7 +43,7 @@ from tokenyard.worker.worker import Worker
 
 pytestmark = [
     pytest.mark.fault,
-    pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True),
+    pytest.mark.parametrize("make_backend", kinds(), indirect=True),
 ]
 
 MODEL = "torn"

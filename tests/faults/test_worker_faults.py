@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 
-from tests.conftest import BackendFactory
+from tests.conftest import BackendFactory, kinds
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.fleet.launch import Launcher, Processes
 from tokenyard.messages import (
@@ -29,8 +29,9 @@ from tokenyard.messages import (
 from tokenyard.tenancy.limiter import Quota
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
-# every worker fault on each queue core (RabbitMQ lanes' run under `make test-brokers`)
-KINDS = pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True)
+# a worker's fault needs nothing of the harness: every kind (RabbitMQ lanes' run under
+# `make test-brokers`)
+KINDS = pytest.mark.parametrize("make_backend", kinds(), indirect=True)
 
 MODEL = "tiny"
 LEASE_S = 2.0

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import BACKENDS, REDIS_KINDS, BackendFactory
 from tokenyard.broker import Backend, admin, new_job_id
-from tokenyard.broker.core import CancelOutcome, Lease, QueueCore
+from tokenyard.broker.core import CancelOutcome, Lease, QueueCore, Trait
 from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
@@ -37,27 +37,25 @@ from tokenyard.tenancy.limiter import Quota
 from tokenyard.tenancy.records import TenantConfig, key_digest
 
 MODEL = "tiny"
-# RabbitMQ lanes are FIFO: no fair-share staging and no prefix affinity (README)
-FIFO_KINDS = frozenset({"rabbitmq"})
 
 
-# ...and push what is ready to the consumers a worker's blocking claim makes (prefetch = its free
-# slots): priority order holds among what was pushed, and what was pushed to one worker waits
-# for that worker (README)
-PUSH_KINDS = frozenset({"rabbitmq"})
-
-
+# A guarantee some backends hold only in a weaker form (README, "Choosing a broker") is tested
+# in that form where the backend does not declare its trait (core.Trait).
 def fifo(make_backend: BackendFactory) -> bool:
-    return make_backend.kind in FIFO_KINDS
+    """Lanes served in arrival order: no fair-share staging (quotas and caps only)."""
+    return Trait.FAIR_SHARE not in make_backend.traits
 
 
 def pushed(make_backend: BackendFactory) -> bool:
-    return make_backend.kind in PUSH_KINDS
+    """The server pushes what is ready to the consumers a worker's blocking claim makes
+    (prefetch = its free slots): priority order holds among what was pushed, and what was
+    pushed to one worker waits for that worker."""
+    return Trait.PUSHED in make_backend.traits
 
 
 def needs_affinity(make_backend: BackendFactory) -> None:
-    if fifo(make_backend):
-        pytest.skip("prefix affinity: not on RabbitMQ lanes (README; test_fifo_lanes_*)")
+    if Trait.PREFIX_AFFINITY not in make_backend.traits:
+        pytest.skip("no prefix affinity declared (README; test_fifo_lanes_*)")
 
 
 # every behaviour on every backend, a 3-shard cluster included (issue 13: model keys share a slot)
@@ -636,10 +634,10 @@ async def test_backlog_counts_each_tenants_staged_jobs(make_backend: BackendFact
     assert [lane.priority for lane in lanes] == list(Priority)  # highest first
     high, normal = lanes[0], lanes[1]
     assert (high.queued, high.in_flight, high.tenants) == (0, 1, [])
-    # Redis keeps the fair-share window in the lane stream (queued); NATS stages every waiting
-    # job by tenant (no window: README, "NATS JetStream")
-    window = 2 if make_backend.kind in REDIS_KINDS else 0
-    if fifo(make_backend):  # RabbitMQ lanes stage nothing: every waiting job is queued
+    # a fair-share window stays in the lane (queued); without one every waiting job is staged
+    # by tenant (README, "NATS JetStream")
+    window = 2 if Trait.FAIR_WINDOW in make_backend.traits else 0
+    if fifo(make_backend):  # FIFO lanes stage nothing: every waiting job is queued
         assert (normal.queued, normal.in_flight, normal.tenants) == (10, 0, [])
         return
     assert normal.in_flight == 0 and normal.queued >= window
@@ -1242,13 +1240,13 @@ async def test_earliest_deadline_first_within_a_tenant(make_backend: BackendFact
     urgent = tenant_job("a", deadline=now + 60)
     await broker.queue.enqueue_many([*late, none, urgent])
     claimed = []
-    if make_backend.kind in REDIS_KINDS:
+    if Trait.DEADLINE_ORDER in make_backend.traits:
         for _ in range(5):
             [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
             claimed.append(lease.spec.id)
             await broker.queue.complete(lease, ok(lease))
     else:
-        # NATS and RabbitMQ keep a tenant's jobs in arrival order: deadlines order what one
+        # without the trait a tenant's jobs run in arrival order: deadlines order what one
         # claim takes (the weaker guarantee, README "Choosing a broker")
         claimed = [lease.spec.id for lease in await broker.queue.claim(MODEL, "w1", slots=5)]
     # one batch is staged whole, then the stream is filled: earliest deadline first, and a job
@@ -1265,7 +1263,7 @@ def prefixed(prefix: str = "sys-a") -> JobSpec:
 
 async def test_fifo_lanes_serve_a_prefixed_job_to_any_worker(make_backend: BackendFactory) -> None:
     """The weaker form where lanes are FIFO: a prefix key holds a job for nobody."""
-    if not fifo(make_backend):
+    if Trait.PREFIX_AFFINITY in make_backend.traits:
         pytest.skip("prefix affinity holds jobs here (the tests above)")
     broker = make_backend(affinity_wait_s=30.0)
     await run_prefix(broker, "w1")
@@ -1605,9 +1603,9 @@ async def test_jobs_enqueued_one_at_a_time_take_the_same_fair_turns(
     # a's tag moved by each of its jobs, the fast-path one included; b's weight halves its cost
     if fifo(make_backend):
         assert [names[i] for i in order] == ["a0", "a1", "b2", "a3", "b4", "a5", "b6", "c7"]
-    elif make_backend.kind in REDIS_KINDS:
+    elif Trait.FAIR_WINDOW in make_backend.traits:
         assert [names[i] for i in order] == ["a0", "a1", "b2", "c7", "b4", "a3", "b6", "a5"]
-    else:  # no window on NATS: a1 waits its turn like the rest (b and c start at a0's tag)
+    else:  # no window: a1 waits its turn like the rest (b and c start at a0's tag)
         assert [names[i] for i in order] == ["a0", "b2", "c7", "b4", "a1", "b6", "a3", "a5"]
 
 

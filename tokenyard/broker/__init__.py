@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenyard.broker.audit import Mirrored
-from tokenyard.broker.core import Clock, QueueCore
+from tokenyard.broker.core import Clock, QueueCore, Trait
 from tokenyard.broker.ids import is_job_id, new_job_id
 from tokenyard.broker.tables import (
     Audit,
@@ -39,6 +39,7 @@ __all__ = [
     "is_job_id",
     "new_job_id",
     "redacted",
+    "traits_of",
     "wait_until_ready",
 ]
 
@@ -68,6 +69,11 @@ class Backend:
     connection: Connection
     # the Kafka audit log the audit trail is mirrored to (settings.audit_kafka); None: off
     audit_log: KafkaAuditLog | None = None
+
+    @property
+    def traits(self) -> frozenset[Trait]:
+        """What this backend guarantees in full beyond the queue core (core.Trait)."""
+        return traits_of(self.settings.url)
 
     async def ping(self) -> bool:
         return await self.connection.ping()
@@ -112,6 +118,23 @@ def redacted(url: str) -> str:
     if not sep or not at or ":" not in userinfo:
         return url
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
+def traits_of(url: str) -> frozenset[Trait]:
+    """The traits (core.Trait) the backend `url` names declares, without connecting: each
+    backend package's `TRAITS`."""
+    check_url(url)
+    if url.startswith(AMQP_SCHEMES):
+        from tokenyard.broker.amqp import TRAITS as amqp_traits
+
+        return amqp_traits
+    if url.startswith(NATS_SCHEMES):
+        from tokenyard.broker.nats import TRAITS as nats_traits
+
+        return nats_traits
+    from tokenyard.broker.redis import TRAITS as redis_traits
+
+    return redis_traits
 
 
 def connect(settings: BrokerSettings, clock: Clock = time.time) -> Backend:

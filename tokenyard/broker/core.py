@@ -28,6 +28,30 @@ from tokenyard.messages import (
 Clock = Callable[[], float]
 
 
+class Trait(enum.StrEnum):
+    """A guarantee that holds on some backends only, in its full form (README, "Choosing a
+    broker"); a backend without it holds the weaker form named there. Each backend package
+    declares its set (`TRAITS`); `tokenyard.broker.traits_of(url)` reads it without
+    connecting, and tests select on it, never on a backend's name."""
+
+    # tenants in a lane are served by start-time fair queueing (else FIFO, quotas aside)
+    FAIR_SHARE = "fair_share"
+    # ...with one fair-share state per lane in the server, and a window of `fair_window` staged
+    # jobs queued in the lane (else each worker keeps its own tags, over every waiting job)
+    FAIR_WINDOW = "fair_window"
+    # earliest deadline first over all of a tenant's waiting jobs (else over one claim's)
+    DEADLINE_ORDER = "deadline_order"
+    # a prefixed job waits a moment for the worker that ran its prefix (else any worker)
+    PREFIX_AFFINITY = "prefix_affinity"
+    # the server pushes ready jobs to a worker's blocking claim (prefetch = its free slots):
+    # priority holds among what was pushed, and what was pushed to one worker waits for it
+    PUSHED = "pushed"
+    # a reap that takes a job back fences its holder at once: whatever that holder still
+    # sends under the lease is refused (else only the next holder's claim fences it, and an
+    # ending the holder gets in first stands: the job still ends once, every token once)
+    REAP_FENCES = "reap_fences"
+
+
 class EnqueueResult(msgspec.Struct, frozen=True):
     job_id: str
     created: bool  # False when the idempotency key named an existing job

@@ -19,14 +19,18 @@ from tokenyard.broker.amqp import scripts
 from tokenyard.broker.amqp.connection import AmqpConnection
 from tokenyard.broker.amqp.names import Names
 from tokenyard.broker.amqp.queue import AmqpQueue
-from tokenyard.broker.core import Clock
+from tokenyard.broker.core import Clock, Trait
 from tokenyard.broker.redis import backend_on
 from tokenyard.broker.redis.connection import RedisConnection
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import FatalError
 
-__all__ = ["open_backend"]
+__all__ = ["TRAITS", "open_backend"]
+
+# the lanes are FIFO quorum queues RabbitMQ pushes from: no fair share, no prefix affinity
+# (README, "RabbitMQ lanes")
+TRAITS = frozenset({Trait.PUSHED, Trait.REAP_FENCES})
 
 NO_TABLES = (
     "RabbitMQ lanes keep their tables (records, events, keys, quotas) on Redis/Valkey: give "

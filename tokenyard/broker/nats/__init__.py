@@ -12,10 +12,15 @@ from __future__ import annotations
 import time
 
 from tokenyard.broker import Backend
-from tokenyard.broker.core import Clock
+from tokenyard.broker.core import Clock, Trait
 from tokenyard.config import BrokerSettings
 
-__all__ = ["open_backend"]
+__all__ = ["TRAITS", "open_backend"]
+
+# fair share with each worker's own tags over every waiting job (no window), deadlines ordered
+# within one claim only, and a holder fenced by the next holder's claim marker, not by the reap
+# that requeued its job (README, "NATS JetStream")
+TRAITS = frozenset({Trait.FAIR_SHARE, Trait.PREFIX_AFFINITY})
 
 
 def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from tokenyard.broker import Backend, Connection
-from tokenyard.broker.core import Clock, QueueCore
+from tokenyard.broker.core import Clock, QueueCore, Trait
 from tokenyard.broker.redis.batches import RedisBatches
 from tokenyard.broker.redis.connection import RedisConnection
 from tokenyard.broker.redis.keys import Keys
@@ -28,7 +28,25 @@ from tokenyard.broker.redis.tables import (
 )
 from tokenyard.config import BrokerSettings
 
-__all__ = ["RedisConnection", "RedisQueue", "backend_on", "connection_of", "open_backend"]
+__all__ = [
+    "TRAITS",
+    "RedisConnection",
+    "RedisQueue",
+    "backend_on",
+    "connection_of",
+    "open_backend",
+]
+
+# every guarantee in its full form: one fair-share state per lane in the server (lua/lib/fair.lua)
+TRAITS = frozenset(
+    {
+        Trait.FAIR_SHARE,
+        Trait.FAIR_WINDOW,
+        Trait.DEADLINE_ORDER,
+        Trait.PREFIX_AFFINITY,
+        Trait.REAP_FENCES,
+    }
+)
 
 
 def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.broker.redis.embedded import AppendFsync, EmbeddedServer
 from tokenyard.children import free_port
 
 
@@ -37,8 +37,11 @@ def _cluster(client: redis.Redis, *args: str | int) -> Any:
 
 
 @contextmanager
-def running_cluster(shards: int = 3, timeout_s: float = 30.0) -> Iterator[Cluster]:
-    """Start `shards` cluster-enabled servers, split the 16384 slots evenly, MEET, wait for ok."""
+def running_cluster(
+    shards: int = 3, timeout_s: float = 30.0, appendfsync: AppendFsync = "everysec"
+) -> Iterator[Cluster]:
+    """Start `shards` cluster-enabled servers, split the 16384 slots evenly, MEET, wait for ok.
+    A node killed (`kill`) and started again comes back on its port, AOF and nodes.conf."""
     nodes: list[EmbeddedServer] = []
     bus_ports: list[int] = []
     try:
@@ -51,7 +54,7 @@ def running_cluster(shards: int = 3, timeout_s: float = 30.0) -> Iterator[Cluste
                 # the bus port defaults to port + 10000, which may be taken or past 65535
                 "cluster-port": str(bus_ports[-1]),
             }
-            nodes.append(EmbeddedServer(config=config).start())
+            nodes.append(EmbeddedServer(config=config, appendfsync=appendfsync).start())
         step = 16384 // shards
         slots = [
             (i * step, 16383 if i == shards - 1 else (i + 1) * step - 1) for i in range(shards)

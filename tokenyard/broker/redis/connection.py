@@ -14,8 +14,8 @@ from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenyard.broker.redis import scripts
@@ -29,8 +29,17 @@ MAX_BLOCK_S = 30.0  # callers' block_s is capped so a blocking read never meets 
 CLUSTER_SCHEME = "redis+cluster://"
 
 # what "the server cannot be reached" looks like from redis-py and the channel (a server still
-# loading its data answers LOADING, which both class as a ConnectionError)
-_TROUBLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# loading its data answers LOADING, which both class as a ConnectionError); on a cluster, a node
+# down or a slot moving (CLUSTERDOWN, TRYAGAIN, a slot no node serves yet) once redis-py's own
+# retries are spent: all pass, so a caller keeps its writes to send again rather than drop them
+_TROUBLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
+    OSError,
+)
 _T = TypeVar("_T")
 
 
