@@ -201,3 +201,32 @@ def broke(parser: str, tools: bool, text: str) -> bool:
     stream.feed(text)
     stream.finish()
     return stream.broken
+
+
+def test_template_variables_as_vllm_passes_them() -> None:
+    from tokenyard.errors import InvalidRequest
+    from tokenyard.gateway.protocol import ChatCompletionRequest
+
+    def chat(**fields: object) -> ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        return ChatCompletionRequest.model_validate(body)
+
+    assert chat().template_kwargs() == {}
+    assert chat(reasoning_effort="low").template_kwargs() == {
+        "reasoning_effort": "low",
+        "enable_thinking": True,
+    }
+    # the kwargs' own enable_thinking wins; the top-level effort wins over the kwargs' one
+    kwargs = {"enable_thinking": True, "reasoning_effort": "high", "custom": [1]}
+    assert chat(reasoning_effort="none", chat_template_kwargs=kwargs).template_kwargs() == {
+        "enable_thinking": True,
+        "reasoning_effort": "none",
+        "custom": [1],
+    }
+    with pytest.raises(InvalidRequest) as refused:
+        chat(chat_template_kwargs={"add_generation_prompt": False}).template_kwargs()
+    assert refused.value.param == "chat_template_kwargs.add_generation_prompt"
+    user_thinks = [{"role": "user", "content": "hi", "reasoning_content": "x"}]
+    with pytest.raises(InvalidRequest) as refused:
+        chat(messages=user_thinks).template_messages()
+    assert refused.value.param == "messages.0.reasoning_content"
