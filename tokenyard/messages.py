@@ -163,6 +163,16 @@ class CallReading(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     parallel: bool = True  # parallel_tool_calls false: only the first call is kept
 
 
+class ReasoningReading(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a chat job's answer is split into reasoning and content, set at admission when the
+    gateway has a reasoning parser (vLLM's `--reasoning-parser`) and the prompt leaves the
+    model thinking. Kept with the job, like `CallReading`, so every reader of it (the live
+    call, the jobs API's stream resumed or not, a batch's output) splits it alike."""
+
+    parser: str  # deepseek_r1 or qwen3
+    include: bool = True  # the request's `include_reasoning`: false drops the reasoning
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     """One generated token's log-probability under the model (before any penalty, bias or
     temperature, as vLLM's default `raw_logprobs`), and the `SamplingParams.logprobs` most
@@ -207,6 +217,9 @@ class JobSpec(msgspec.Struct, kw_only=True):
     # a chat job whose request offered tools: how its answer is read for calls (None: the
     # answer is all content; so are jobs recorded before this field existed)
     calls: CallReading | None = None
+    # a chat job read with a reasoning parser: how its answer splits into reasoning and
+    # content (None: no reasoning is read out of it)
+    reasoning: ReasoningReading | None = None
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):

@@ -370,9 +370,9 @@ def test_tool_calls_are_tool_use_blocks_whole_and_streamed(scripted: anthropic.A
                 "model": MODEL,
                 "max_tokens": 4,
                 "messages": HI,
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "thinking": {"type": "adaptive"},
             },
-            "thinking",
+            "thinking.type",
         ),
         (
             {"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},

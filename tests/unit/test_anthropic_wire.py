@@ -11,9 +11,15 @@ import pytest
 
 from tokenyard.engines.sim import SimTokenizer
 from tokenyard.errors import InvalidRequest
-from tokenyard.gateway.anthropic import MessageEvents, MessageRequest, Reply, matched_stop
+from tokenyard.gateway.anthropic import (
+    MessageEvents,
+    MessageRequest,
+    Reply,
+    matched_stop,
+    signature,
+)
 from tokenyard.gateway.errors import anthropic_error
-from tokenyard.gateway.tools import tool_call_stream
+from tokenyard.gateway.tools import ReasoningStream, tool_call_stream
 from tokenyard.messages import FinishReason, JobResult, JobStatus, TokenChunk
 
 TOK = SimTokenizer()
@@ -141,7 +147,15 @@ def test_tool_choice(choice: dict[str, Any], openai: Any) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024, "x": 1}}, "thinking.x"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "thinking", "thinking": "t"}]},
+                ]
+            },
+            "messages.0.content.0",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
@@ -331,3 +345,61 @@ def test_anthropic_error_statuses(status: int, answered: int, type_: str) -> Non
         answered,
         {"type": "error", "error": {"type": type_, "message": "m"}},
     )
+
+
+def thinker() -> Reply:
+    calls = tool_call_stream("hermes", make_id=ids())
+    return Reply("j", "m", 4, reader=lambda: ReasoningStream("qwen3", calls))
+
+
+def test_reasoning_is_a_thinking_block_whole_and_streamed() -> None:
+    text = "<think>Paris, so weather.</think>\n\n" + SCRIPT
+    done = result(text, completion_tokens=9)
+    whole = thinker().body(done)
+    thought = "Paris, so weather."
+    assert whole["content"][0] == {
+        "type": "thinking",
+        "thinking": thought,
+        "signature": signature(thought),
+    }
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use", "tool_use"]
+    assert whole["content"][1] == {"type": "text", "text": "\n\nLet me look."}
+    assert whole["stop_reason"] == "tool_use"
+
+    renderer = MessageEvents(thinker())
+    frames = renderer.start()
+    for ch in text:
+        frames += renderer.tokens("1-0", TokenChunk(token_ids=[5], text=ch))
+    streamed = events([*frames, *renderer.finish("1-1", done)])
+    starts = [e["content_block"] for e in streamed if e["type"] == "content_block_start"]
+    assert starts[0] == {"type": "thinking", "thinking": ""}
+    deltas = [e["delta"] for e in streamed if e["type"] == "content_block_delta"]
+    thinking = [d for d in deltas if d["type"] == "thinking_delta"]
+    assert "".join(d["thinking"] for d in thinking) == thought
+    # the signature closes the thinking block, before its stop
+    at = next(i for i, e in enumerate(streamed) if e.get("delta", {}).get("signature"))
+    assert streamed[at]["delta"] == {"type": "signature_delta", "signature": signature(thought)}
+    assert streamed[at + 1] == {"type": "content_block_stop", "index": 0}
+
+
+def test_thinking_history_and_a_disabled_thinking_reach_the_chat_request() -> None:
+    chat, _ = request(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "greet back", "signature": "abc"},
+                    {"type": "text", "text": "hello"},
+                ],
+            },
+            {"role": "user", "content": "bye"},
+        ],
+        thinking={"type": "disabled"},
+    ).chat_request()
+    assert chat.messages[1].reasoning == "greet back"
+    assert chat.template_messages()[1]["reasoning_content"] == "greet back"
+    assert chat.reasoning_effort == "none"
+    assert chat.template_kwargs() == {"reasoning_effort": "none", "enable_thinking": False}
+    enabled, _ = request(thinking={"type": "enabled", "budget_tokens": 2048}).chat_request()
+    assert enabled.reasoning_effort is None

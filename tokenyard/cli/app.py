@@ -164,6 +164,15 @@ ToolCallParserOpt = Annotated[
 ]
 
 
+ReasoningParserOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="how chat answers' reasoning is split from their content: deepseek_r1 or qwen3 "
+        "(vLLM's names); default TOKENYARD_GATEWAY_REASONING_PARSER, else none",
+    ),
+]
+
+
 @app.command()
 def serve(
     broker: ServeBrokerOpt = None,
@@ -176,6 +185,7 @@ def serve(
     host: Annotated[str | None, typer.Option(help="gateway address")] = None,
     port: Annotated[int | None, typer.Option(help="gateway port")] = None,
     tool_call_parser: ToolCallParserOpt = None,
+    reasoning_parser: ReasoningParserOpt = None,
     workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
     data_dir: Annotated[
@@ -254,6 +264,7 @@ def serve(
         host,
         port,
         tool_call_parser,
+        reasoning_parser,
         served_model_name=worker_settings.served_model_name,
     )
     # the port before anything starts: one that is taken fails serve at once, in one line
@@ -369,6 +380,7 @@ def _gateway_settings(
     host: str | None,
     port: int | None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     *,
     served_model_name: tuple[str, ...] | None = None,
     revision: str | None = None,
@@ -389,6 +401,7 @@ def _gateway_settings(
         port=port,
         tokenizer=tokenizer,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
 
 
@@ -481,6 +494,7 @@ def gateway(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     tool_call_parser: ToolCallParserOpt = None,
+    reasoning_parser: ReasoningParserOpt = None,
     audit_kafka: AuditKafkaOpt = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
     log_level: LogLevelOpt = "INFO",
@@ -499,6 +513,7 @@ def gateway(
             host,
             port,
             tool_call_parser,
+            reasoning_parser,
             served_model_name=tuple(served_model_name) if served_model_name else None,
             revision=revision,
         ),

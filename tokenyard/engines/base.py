@@ -100,10 +100,13 @@ class EngineTokenizer(Protocol):
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt of a conversation; `tools` (OpenAI's shape) are offered to the model as
         its template shows them. Messages may carry `tool_calls` (arguments as dicts) and
-        `tool_call_id`, as transformers' templates take them."""
+        `tool_call_id`, as transformers' templates take them. `variables` are the
+        template's own (`enable_thinking`, `reasoning_effort`: vLLM's
+        `chat_template_kwargs`)."""
         ...
 
     @property

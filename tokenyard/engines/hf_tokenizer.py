@@ -84,6 +84,7 @@ class HFTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         with self._lock:
             out = self.hf.apply_chat_template(
@@ -91,6 +92,7 @@ class HFTokenizer:
                 tools=[dict(t) for t in tools] if tools else None,
                 tokenize=False,
                 add_generation_prompt=True,
+                **dict(variables or {}),
             )
         assert isinstance(out, str)
         return out
@@ -107,13 +109,16 @@ def resolve_model_path(
     model: str | os.PathLike[str], revision: str | None = None, *, weights: bool = True
 ) -> Path:
     """The model's local directory: 'tiny' builds the local tiny model ('tiny-tools': the same
-    with a chat template that shows tools, as Hermes does); a directory as given; a Hugging
+    with a chat template that shows tools, as Hermes does; 'tiny-reasoning': with <think>
+    tokens and a reasoning model's template too); a directory as given; a Hugging
     Face hub id through its cache (`engines/models.py` `local_model`; `weights` False: what the
     tokenizer needs only)."""
     if str(model) == "tiny":
         return ensure_tiny_model()
     if str(model) == "tiny-tools":
         return ensure_tiny_model(tools=True)
+    if str(model) == "tiny-reasoning":
+        return ensure_tiny_model(reasoning=True)
     return Path(local_model(str(model), revision, weights=weights))
 
 

@@ -1,9 +1,9 @@
 """What `--model` names and the names it is served under, for every command that takes one.
 
-A model is `tiny` / `tiny-tools` (built locally on first use), a local model directory, or a
-Hugging Face hub id (`org/name`, at `--revision`), which `local_model` resolves through
-huggingface_hub's cache: downloaded when the hub answers, the cached snapshot when it does not
-or HF_HUB_OFFLINE=1 forbids asking. The API and the broker's lanes know it by its served
+A model is `tiny` / `tiny-tools` / `tiny-reasoning` (built locally on first use), a local model
+directory, or a Hugging Face hub id (`org/name`, at `--revision`), which `local_model` resolves
+through huggingface_hub's cache: downloaded when the hub answers, the cached snapshot when it
+does not or HF_HUB_OFFLINE=1 forbids asking. The API and the broker's lanes know it by its served
 names (`--served-model-name`, as vLLM's), the first of which answers carry; none given, by
 the model as it was named.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenyard.errors import FatalError
 
-TINY_MODELS = ("tiny", "tiny-tools")
+TINY_MODELS = ("tiny", "tiny-tools", "tiny-reasoning")
 # formats that neither transformers nor vLLM load from a hub snapshot: not downloaded (the same
 # patterns when the cache is read offline, so huggingface_hub finds the snapshot complete)
 NOT_LOADED = (

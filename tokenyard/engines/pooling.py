@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from tokenyard import limits
+from tokenyard.engines.models import TINY_MODELS
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import ModelLimits
 
@@ -62,7 +63,7 @@ def read_pooling(path: Path) -> Pooling:
 def model_architectures(model: str | os.PathLike[str]) -> tuple[str, ...]:
     """The architectures a local model directory's config.json names ("tiny": a Llama); ()
     when it names none or there is none."""
-    if str(model) in ("tiny", "tiny-tools"):
+    if str(model) in TINY_MODELS:
         return _TINY_ARCHITECTURES
     config = Path(model).expanduser() / "config.json"
     try:

@@ -70,11 +70,16 @@ class SimTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        # tools and calls as Hermes writes them, so the gateway reads its calls as hermes
+        # tools and calls as Hermes writes them, so the gateway reads its calls as hermes;
+        # thinking turned off closes the reasoning in the prompt, as Qwen3's template does
         head = f"<tools>{json.dumps(list(tools))}</tools>\n" if tools else ""
         turns = "".join(f"<{m['role']}>{m['content']}{_calls(m)}\n" for m in messages)
-        return f"{head}{turns}<assistant>"
+        closed = (
+            "<think>\n\n</think>\n\n" if (variables or {}).get("enable_thinking") is False else ""
+        )
+        return f"{head}{turns}<assistant>{closed}"
 
     @property
     def chat_template(self) -> str:

@@ -69,6 +69,32 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{{ nl }}{% endif %}"
 )
 
+# The `tiny-reasoning` variant's: the tools template with a reasoning model's parts, as Qwen3
+# writes them: an assistant turn's reasoning as <think>..</think> before its text, thinking
+# turned off (`enable_thinking` false) closed in the prompt, and `reasoning_effort` shown in a
+# system turn (as gpt-oss's template shows it). <think> and </think> are tokens of their own.
+THINK_TOKENS = ("<think>", "</think>")
+REASONING_CHAT_TEMPLATE = (
+    TOOLS_CHAT_TEMPLATE.replace(
+        "{{ bos_token }}",
+        "{{ bos_token }}{% if reasoning_effort is defined and reasoning_effort %}"
+        "<|system|>\nReasoning: {{ reasoning_effort }}<|end|>{{ nl }}{% endif %}",
+        1,
+    )
+    .replace(
+        "<|assistant|>\n{{ message['content'] or '' }}",
+        "<|assistant|>\n{% if message['reasoning_content'] %}"
+        "<think>\n{{ message['reasoning_content'] }}\n</think>\n\n{% endif %}"
+        "{{ message['content'] or '' }}",
+    )
+    .replace(
+        "{% if add_generation_prompt %}<|assistant|>{{ nl }}{% endif %}",
+        "{% if add_generation_prompt %}<|assistant|>{{ nl }}"
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>{{ nl }}{{ nl }}</think>{{ nl }}{{ nl }}{% endif %}{% endif %}",
+    )
+)
+
 # A small fixed corpus: English prose, code, numbers and some multi-byte UTF-8 so that
 # byte-level tokens split characters (which the incremental detokenizer must handle).
 _CORPUS = """
@@ -118,7 +144,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "tokenyard"
 
 
-def _stamp(head_dim: int | None = None, tools: bool = False) -> dict[str, object]:
+def _stamp(head_dim: int | None = None, template: str | None = None) -> dict[str, object]:
     stamp: dict[str, object] = {
         "name": TINY_MODEL_NAME,
         "recipe": TINY_RECIPE_VERSION,
@@ -126,14 +152,14 @@ def _stamp(head_dim: int | None = None, tools: bool = False) -> dict[str, object
     }
     if head_dim is not None:
         stamp["head_dim"] = head_dim
-    if tools:
-        stamp["chat_template"] = "tools"
+    if template is not None:
+        stamp["chat_template"] = template
     return stamp
 
 
-def _is_built(path: Path, head_dim: int | None = None, tools: bool = False) -> bool:
+def _is_built(path: Path, head_dim: int | None = None, template: str | None = None) -> bool:
     try:
-        return bool(json.loads((path / _STAMP).read_text()) == _stamp(head_dim, tools))
+        return bool(json.loads((path / _STAMP).read_text()) == _stamp(head_dim, template))
     except (OSError, ValueError):
         return False
 
@@ -143,31 +169,36 @@ def ensure_tiny_model(
     *,
     head_dim: int | None = None,
     tools: bool = False,
+    reasoning: bool = False,
 ) -> Path:
     """Return the tiny model directory, building it once (atomically) if it is missing.
 
     `head_dim` builds a variant with wider attention heads (same tokenizer): vLLM's CPU
     attention has kernels for head sizes 32 and up, not the default model's 16. `tools`
     builds `tiny-tools`: the same weights and vocabulary, with a chat template that shows
-    tools and tool calls as Hermes does (TOOLS_CHAT_TEMPLATE).
+    tools and tool calls as Hermes does (TOOLS_CHAT_TEMPLATE). `reasoning` builds
+    `tiny-reasoning`: its vocabulary has <think> and </think> too (so other weights), and its
+    template is a reasoning model's (REASONING_CHAT_TEMPLATE, tools included).
     """
+    template = "reasoning" if reasoning else "tools" if tools else None
     name = TINY_MODEL_NAME if head_dim is None else f"{TINY_MODEL_NAME}-hd{head_dim}"
-    name += "-tools" if tools else ""
+    name += f"-{template}" if template else ""
     target = Path(path).expanduser() if path is not None else default_cache_dir() / name
-    if _is_built(target, head_dim, tools):
+    if _is_built(target, head_dim, template):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _build(tmp, head_dim, TOOLS_CHAT_TEMPLATE if tools else None)
-        if target.exists() and not _is_built(target, head_dim, tools):
+        text = {"tools": TOOLS_CHAT_TEMPLATE, "reasoning": REASONING_CHAT_TEMPLATE}
+        _build(tmp, head_dim, template, text.get(template or ""))
+        if target.exists() and not _is_built(target, head_dim, template):
             # A stale or half-written directory from an older recipe: replace it.
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
             # Another process won the race; its build is identical (same seed and corpus).
-            if not _is_built(target, head_dim, tools):
+            if not _is_built(target, head_dim, template):
                 raise
     finally:
         if tmp.exists():
@@ -212,13 +243,21 @@ def train_tokenizer(
     )
 
 
-def _build(out: Path, head_dim: int | None = None, chat_template: str | None = None) -> None:
+def _build(
+    out: Path,
+    head_dim: int | None = None,
+    template: str | None = None,
+    chat_template: str | None = None,
+) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = _build_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    if template == "reasoning":
+        # not special: decoding keeps them in the text, where a reasoning parser reads them
+        tokenizer.add_tokens(list(THINK_TOKENS))
     vocab = len(tokenizer)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -251,4 +290,4 @@ def _build(out: Path, head_dim: int | None = None, chat_template: str | None = N
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     # The stamp is written last: a directory without it is never considered built.
-    (out / _STAMP).write_text(json.dumps(_stamp(head_dim, chat_template is not None)))
+    (out / _STAMP).write_text(json.dumps(_stamp(head_dim, template)))

@@ -24,8 +24,8 @@ from tokenyard.gateway.protocol import (
 )
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
-from tokenyard.gateway.tools import Tools, call_reading
-from tokenyard.messages import CallReading, Guide, JobSpec, SamplingParams
+from tokenyard.gateway.tools import Tools, call_reading, reasoning_reading
+from tokenyard.messages import CallReading, Guide, JobSpec, ReasoningReading, SamplingParams
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
 _INLINE_CHARS = 4096
@@ -79,12 +79,18 @@ async def admit(
     messages: list[dict[str, Any]] | None = None
     tools: Tools | None = None
     reading: CallReading | None = None
+    variables: dict[str, Any] = {}
+    reasoning: ReasoningReading | None = None
     if isinstance(body, ChatCompletionRequest):
         messages = body.template_messages()
         tools = body.tool_spec()
+        variables = body.template_kwargs()
         # refused now if the answer cannot be read for calls (a template of unknown format)
         reading = call_reading(tools, settings.tool_call_parser, tokenizer.chat_template)
-        prompt = _chat_prompt(tokenizer, messages, tools)
+        prompt = _chat_prompt(tokenizer, messages, tools, variables)
+        reasoning = reasoning_reading(
+            settings.reasoning_parser, prompt, variables, body.include_reasoning
+        )
         requested, default = body.requested_max_tokens, settings.default_max_tokens
         cap = settings.max_tokens_cap
         if body.max_completion_tokens is not None and body.max_completion_tokens > cap:
@@ -126,7 +132,10 @@ async def admit(
                 if isinstance(body, ChatCompletionRequest):
                     assert messages is not None and tools is not None
                     reading = call_reading(tools, settings.tool_call_parser, small.chat_template)
-                    prompt = _chat_prompt(small, messages, tools)
+                    prompt = _chat_prompt(small, messages, tools, variables)
+                    reasoning = reasoning_reading(
+                        settings.reasoning_parser, prompt, variables, body.include_reasoning
+                    )
                 tokenizer, token_ids = small, await _tokenize(small, prompt)
                 prompt_tokens = len(token_ids)
     state.metrics.routed.labels(body.model, model, rule.value).inc()
@@ -178,13 +187,19 @@ async def admit(
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
         calls=reading,
+        reasoning=reasoning,
     )
 
 
-def _chat_prompt(tokenizer: EngineTokenizer, messages: list[dict[str, Any]], tools: Tools) -> str:
+def _chat_prompt(
+    tokenizer: EngineTokenizer,
+    messages: list[dict[str, Any]],
+    tools: Tools,
+    variables: dict[str, Any],
+) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools.template())
-    except Exception as exc:  # a template may reject e.g. the order of roles
+        return tokenizer.apply_chat_template(messages, tools=tools.template(), variables=variables)
+    except Exception as exc:  # a template may reject e.g. the order of roles, or a variable
         raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
 
 

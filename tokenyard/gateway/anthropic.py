@@ -8,6 +8,7 @@ Anthropic's shape at the HTTP edge (`gateway/errors.py`, by path).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
@@ -25,7 +26,13 @@ from tokenyard.gateway.protocol import (
 )
 from tokenyard.gateway.protocol import result_error as openai_result_error
 from tokenyard.gateway.streaming import frame
-from tokenyard.gateway.tools import CallStream, ContentDelta, Delta
+from tokenyard.gateway.tools import (
+    AnswerDelta,
+    ContentDelta,
+    Reader,
+    ReasoningDelta,
+    ReasoningStream,
+)
 from tokenyard.messages import FinishReason, JobResult, TokenChunk
 
 ID_PREFIX = "msg_"
@@ -72,6 +79,14 @@ class ToolUseBlock(Request):
     cache_control: dict[str, Any] | None = None
 
 
+class ThinkingBlock(Request):
+    """An assistant's thinking, as an answer carried it: the conversation's reasoning."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None  # tokenyard's own (a digest): nothing to verify
+
+
 class ToolResultBlock(Request):
     type: Literal["tool_result"]
     tool_use_id: NonEmptyStr
@@ -94,6 +109,7 @@ _BLOCKS: Mapping[str, type[Request]] = {
     "text": TextBlock,
     "tool_use": ToolUseBlock,
     "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
 }
 
 
@@ -110,8 +126,8 @@ def _validate(model: type[M], data: Any, where: str) -> M:
 
 
 def _block(part: Any, where: str) -> Request:
-    """One content block: text, tool_use or tool_result; any other (image, document,
-    thinking, ...) is refused by its type."""
+    """One content block: text, tool_use, tool_result or thinking; any other (image,
+    document, redacted_thinking, ...) is refused by its type."""
     kind = part.get("type") if isinstance(part, dict) else None
     model = _BLOCKS.get(kind) if isinstance(kind, str) else None
     if model is None:
@@ -139,6 +155,7 @@ def _turns(message: Message, where: str, places: Places) -> list[dict[str, Any]]
         places.add(where)
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     uses: list[str] = []  # each call's block
@@ -146,6 +163,10 @@ def _turns(message: Message, where: str, places: Places) -> list[dict[str, Any]]
         block, at = _block(part, f"{where}.content.{j}"), f"{where}.content.{j}"
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            if message.role != "assistant":
+                raise InvalidRequest(f"'{at}': thinking blocks are the assistant's", param=at)
+            thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise InvalidRequest(f"'{at}': tool_use blocks are the assistant's", param=at)
@@ -167,6 +188,8 @@ def _turns(message: Message, where: str, places: Places) -> list[dict[str, Any]]
             turn["tool_calls"] = calls
         else:
             turn["content"] = turn["content"] or ""
+        if thoughts:
+            turn["reasoning"] = "".join(thoughts)  # (as vLLM hands it to the template)
         turns.append(turn)
         places.add(where, uses)
     elif texts or not results:
@@ -236,6 +259,13 @@ def _function(tool: Tool) -> dict[str, Any]:
     return function
 
 
+class Thinking(Request):
+    type: Literal["enabled", "disabled"]
+    # Anthropic's bound on the thinking's tokens: taken, not enforced (as vLLM); the
+    # answer's max_tokens bounds thinking and text together
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
 class MessageRequest(Request):
     """POST /v1/messages; every field Anthropic defines that is not here is refused by name."""
 
@@ -251,8 +281,9 @@ class MessageRequest(Request):
     metadata: Metadata | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
-    # Anthropic's, taken only at its neutral value
-    thinking: dict[str, Any] | None = None
+    # Anthropic's extended thinking: the reasoning a reasoning parser splits off is answered
+    # as thinking blocks; `disabled` turns the template's thinking off (reasoning_effort none)
+    thinking: Thinking | None = None
     # a prompt-caching hint for the whole request, as on a block
     cache_control: dict[str, Any] | None = None
     # tokenyard: a lane priority (capped by the tenant's tier), a deadline (unix seconds), and
@@ -264,8 +295,6 @@ class MessageRequest(Request):
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not take."""
         self.refuse_unknown()
-        if self.thinking not in (None, {"type": "disabled"}):
-            raise unsupported("thinking", "(extended thinking)")
         for i, message in enumerate(self.messages):
             if message.model_extra:
                 raise unsupported(f"messages.{i}.{sorted(message.model_extra)[0]}")
@@ -274,7 +303,7 @@ class MessageRequest(Request):
             # Anthropic continues a last assistant turn (a prefill); a chat template opens a
             # new one after it, which would answer something else than was asked
             raise unsupported(f"messages.{last}", "as an assistant's last turn (a prefill)")
-        for name in ("metadata", "tool_choice"):
+        for name in ("metadata", "tool_choice", "thinking"):
             value = getattr(self, name)
             if value is not None and value.model_extra:
                 raise unsupported(f"{name}.{sorted(value.model_extra)[0]}")
@@ -289,6 +318,10 @@ class MessageRequest(Request):
                 raise InvalidRequest(
                     f"tool_choice type {choice.type!r} needs 'tools'", param="tool_choice"
                 )
+
+    @property
+    def thinking_off(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "disabled"
 
     def tool_list(self) -> list[Tool]:
         tools: list[Tool] = []
@@ -344,6 +377,7 @@ class MessageRequest(Request):
             ("priority", self.priority),
             ("deadline", self.deadline),
             ("cache", self.cache),
+            ("reasoning_effort", "none" if self.thinking_off else None),
         ):
             if value is not None:
                 body[name] = value
@@ -368,6 +402,11 @@ def matched_stop(stops: Sequence[str], result: JobResult, decode: Decode) -> str
     full = decode(result.token_ids)
     found = [(at, len(s), s) for s in stops if (at := full.find(s)) >= 0]
     return min(found)[2] if found else None
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: a digest of its text."""
+    return hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
@@ -407,21 +446,37 @@ class Blocks:
     def _stop(self) -> list[bytes]:
         if not self.blocks:
             return []
-        return [_event("content_block_stop", index=len(self.blocks) - 1)]
+        index = len(self.blocks) - 1
+        frames = []
+        last = self.blocks[-1]
+        if last["type"] == "thinking":
+            # Anthropic's clients keep a thinking block's signature and send it back; nothing
+            # here checks it, so it is a digest of the thinking (the same for every reading)
+            last["signature"] = signature(last["thinking"])
+            delta = {"type": "signature_delta", "signature": last["signature"]}
+            frames.append(_event("content_block_delta", index=index, delta=delta))
+        return [*frames, _event("content_block_stop", index=index)]
 
     def open_text(self) -> list[bytes]:
         return self._start({"type": "text", "text": ""})
 
-    def feed(self, deltas: Sequence[Delta]) -> list[bytes]:
+    def feed(self, deltas: Sequence[AnswerDelta]) -> list[bytes]:
         frames: list[bytes] = []
         for d in deltas:
-            if isinstance(d, ContentDelta):
+            if isinstance(d, ReasoningDelta):
+                if not d.text:
+                    continue
+                if not self.blocks or self.blocks[-1]["type"] != "thinking":
+                    frames.extend(self._start({"type": "thinking", "thinking": ""}))
+                self.blocks[-1]["thinking"] += d.text
+                delta: dict[str, Any] = {"type": "thinking_delta", "thinking": d.text}
+            elif isinstance(d, ContentDelta):
                 if not d.text:
                     continue
                 if not self.blocks or self.blocks[-1]["type"] != "text":
                     frames.extend(self.open_text())
                 self.blocks[-1]["text"] += d.text
-                delta: dict[str, Any] = {"type": "text_delta", "text": d.text}
+                delta = {"type": "text_delta", "text": d.text}
             else:
                 if d.id is not None and d.name is not None:
                     frames.extend(self._start({"type": "tool_use", "id": d.id, "name": d.name}))
@@ -473,7 +528,7 @@ class Reply:
         *,
         stops: Sequence[str] = (),
         decode: Decode | None = None,
-        reader: Callable[[], CallStream | None] | None = None,
+        reader: Callable[[], Reader | None] | None = None,
     ) -> None:
         self.id = message_id(job_id)
         self.model = model
@@ -483,18 +538,21 @@ class Reply:
         self.reader = reader or (lambda: None)
 
     def content(self, text: str) -> list[dict[str, Any]]:
-        """The answer's content blocks: its text and the tool calls read from it. A call the
-        parser found broken (malformed, cut off) leaves the whole text as one text block, as
-        the chat API answers it."""
+        """The answer's content blocks: its thinking, its text and the tool calls read from
+        it. A call the parser found broken (malformed, cut off) leaves the whole text after
+        the thinking as one text block, as the chat API answers it."""
         reader = self.reader()
-        whole = [{"type": "text", "text": text}]
         if reader is None:
-            return whole
+            return [{"type": "text", "text": text}]
         blocks = Blocks()
         blocks.feed([*reader.feed(text), *reader.finish()])
         blocks.close()
         content = blocks.content()
-        return whole if reader.broken or content is None else content
+        if reader.broken or content is None:
+            said = "".join(reader.content) if isinstance(reader, ReasoningStream) else text
+            thought = [b for b in blocks.blocks if b["type"] == "thinking"]
+            return [*thought, {"type": "text", "text": said}]
+        return content
 
     def stop(self, result: JobResult, content: list[dict[str, Any]]) -> tuple[str, str | None]:
         """The stop reason and the stop sequence that matched, if one did. A call cut off by

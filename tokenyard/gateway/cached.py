@@ -12,7 +12,7 @@ from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer, Renderer
-from tokenyard.gateway.tools import CallStream, parse_whole
+from tokenyard.gateway.tools import Reader, parse_whole
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
 
 CACHE_HEADER = "X-Cache"  # hit | miss | collapsed | bypass
@@ -51,7 +51,7 @@ def cached_response(
     spec: JobSpec,
     result: JobResult,
     how: protocol.Rendering = protocol.PLAIN,
-    tools: CallStream | None = None,
+    tools: Reader | None = None,
 ) -> Response:
     """A cached answer of one choice, shaped as a fresh run's; its id is new, no job stands
     behind it. `tools` reads a chat answer for tool calls."""

@@ -25,7 +25,7 @@ from tokenyard.gateway.anthropic import STOP_SEQUENCES_MAX, TOOL_NAME
 from tokenyard.gateway.auth import authenticate
 from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.errors import anthropic_path
-from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS
+from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS, TEMPLATE_ARGUMENTS
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.tools.request import MAX_TOOLS
@@ -455,6 +455,10 @@ def request_schemas(
             "tool_call_id": _nullable(
                 {"type": "string", "description": "a tool message: the call it answers"}
             ),
+            **{
+                name: _nullable({"type": "string", "description": "an assistant's reasoning"})
+                for name in ("reasoning", "reasoning_content")
+            },
         },
         "allOf": [
             {  # content may be null (or left out) only in an assistant's message of calls
@@ -480,9 +484,14 @@ def request_schemas(
                 },
                 "else": {"properties": {"tool_call_id": {"type": "null"}}},
             },
-            {  # only an assistant's message carries calls
+            {  # only an assistant's message carries calls, and reasoning
                 "if": {"required": ["role"], "properties": {"role": {"const": "assistant"}}},
-                "else": {"properties": {"tool_calls": {"type": "null"}}},
+                "else": {
+                    "properties": {
+                        name: {"type": "null"}
+                        for name in ("tool_calls", "reasoning", "reasoning_content")
+                    }
+                },
             },
         ],
     }
@@ -554,7 +563,27 @@ def request_schemas(
             "store": _nullable({"type": "boolean"}),
             "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
             "service_tier": _nullable({"type": "string"}),
-            "reasoning_effort": _neutral(None, "none"),
+            "reasoning_effort": _nullable(
+                {
+                    "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"],
+                    "description": "a chat template variable (with the `enable_thinking` it "
+                    "implies: false for none)",
+                }
+            ),
+            "chat_template_kwargs": _nullable(
+                {
+                    "type": "object",
+                    "description": "the chat template's variables (e.g. `enable_thinking`); "
+                    "not apply_chat_template's own arguments",
+                    "propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}},
+                }
+            ),
+            "include_reasoning": {
+                "type": "boolean",
+                "default": True,
+                "description": "false: the reasoning the gateway's reasoning parser splits "
+                "off is left out of the answer",
+            },
             "modalities": _neutral(None, ["text"]),
             "audio": _neutral(None),
             "prediction": _neutral(None),
@@ -853,7 +882,17 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
             "disable_parallel_tool_use": parallel,
         },
     }
-    turns = [message("user", text, tool_result), message("assistant", text, tool_use)]
+    thinking = {
+        "type": "object",
+        "required": ["type", "thinking"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "thinking"},
+            "thinking": {"type": "string"},
+            "signature": _nullable({"type": "string"}),
+        },
+    }
+    turns = [message("user", text, tool_result), message("assistant", text, tool_use, thinking)]
     return {
         "type": "object",
         "required": ["model", "max_tokens", "messages"],
@@ -888,8 +927,13 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
                     "type": "object",
                     "required": ["type"],
                     "additionalProperties": False,
-                    "properties": {"type": {"const": "disabled"}},
-                    "description": "Not supported; only disabled",
+                    "properties": {
+                        "type": {"enum": ["enabled", "disabled"]},
+                        "budget_tokens": _nullable({"type": "integer", "minimum": 1}),
+                    },
+                    "description": "enabled: the reasoning a reasoning parser splits off is "
+                    "answered as thinking blocks (budget_tokens is not enforced); disabled: "
+                    "the chat template's thinking is off (reasoning_effort none)",
                 }
             ),
             "cache_control": cache_control,

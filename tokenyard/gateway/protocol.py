@@ -220,6 +220,9 @@ class ChatMessage(Request):
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # the call a `tool` message answers
+    # an assistant's reasoning, as answers carry it (vLLM's name, and DeepSeek's earlier one)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self, index: int) -> str:
         """The message as plain text; only text content parts are accepted."""
@@ -244,6 +247,29 @@ class ChatMessage(Request):
         return "".join(texts)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# apply_chat_template's own arguments, which the gateway sets: not a template's variables
+TEMPLATE_ARGUMENTS = frozenset(
+    (
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
+
+
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -257,7 +283,11 @@ class ChatCompletionRequest(_Common):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
+    # reasoning models: the effort and any other variable reach the chat template (vLLM's
+    # fields); the answer's reasoning is split off by the gateway's reasoning parser
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -268,7 +298,7 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
         if self.functions:
             raise unsupported("functions", "(deprecated: use 'tools')")
-        for name in ("function_call", "audio", "prediction", "reasoning_effort"):
+        for name in ("function_call", "audio", "prediction"):
             if getattr(self, name) not in (None, "none"):
                 raise unsupported(name)
         if self.modalities not in (None, ["text"]):
@@ -285,6 +315,23 @@ class ChatCompletionRequest(_Common):
     def tool_spec(self) -> Tools:
         """The request's tools and tool_choice, checked (400 naming the bad one)."""
         return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's own variables: `chat_template_kwargs`, and `reasoning_effort`
+        with the `enable_thinking` it implies unless the kwargs set that (as vLLM passes
+        them). A variable the server sets itself is 400 naming it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for key in kwargs:
+            if key in TEMPLATE_ARGUMENTS:
+                raise InvalidRequest(
+                    f"'chat_template_kwargs.{key}' is set by the server, not by a request",
+                    param=f"chat_template_kwargs.{key}",
+                    code="invalid_value",
+                )
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them; 'developer' is the newer 'system'. An
@@ -303,6 +350,17 @@ class ChatCompletionRequest(_Common):
                 message["tool_calls"] = history.assistant_calls(
                     m.tool_calls, f"messages.{i}.tool_calls"
                 )
+            thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+            if thought is not None:
+                if m.role != "assistant":
+                    field = "reasoning" if m.reasoning is not None else "reasoning_content"
+                    raise InvalidRequest(
+                        f"only assistant messages carry '{field}'",
+                        param=f"messages.{i}.{field}",
+                    )
+                # Qwen3's and DeepSeek's templates read `reasoning_content`; vLLM's own name
+                # for it is `reasoning`
+                message["reasoning_content"] = message["reasoning"] = thought
             if m.role == "tool":
                 name = history.result(m.tool_call_id, f"messages.{i}.tool_call_id")
                 message["tool_call_id"] = m.tool_call_id
@@ -351,6 +409,12 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
 def tool_calls_finish_reason(reason: str | None) -> str | None:
     """An answer that ended by itself with tool calls ends for them, as OpenAI says."""
     return "tool_calls" if reason == "stop" else reason
+
+
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A chat message's (or delta's) reasoning: `reasoning`, vLLM's name for it since late
+    2025, and `reasoning_content`, its name before (and DeepSeek's), which many clients read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def usage(result: JobResult) -> dict[str, int]:
@@ -492,14 +556,15 @@ def completion_body(
             choice["token_ids"] = result.token_ids
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": result.text}
-            calls = parsed[index] if index < len(parsed) else None
-            if calls is not None and calls.calls:
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": calls.content,
-                    "tool_calls": [c.openai() for c in calls.calls],
-                }
-                choice["finish_reason"] = tool_calls_finish_reason(choice["finish_reason"])
+            read = parsed[index] if index < len(parsed) else None
+            if read is not None:
+                message: dict[str, Any] = {"role": "assistant", "content": read.content}
+                if read.calls:
+                    message["tool_calls"] = [c.openai() for c in read.calls]
+                    choice["finish_reason"] = tool_calls_finish_reason(choice["finish_reason"])
+                if read.reasoning is not None:
+                    message.update(reasoning_fields(read.reasoning))
+                choice["message"] = message
         else:
             choice["text"] = (how.echo or "") + result.text
         choices.append(choice)
@@ -529,9 +594,11 @@ def chunk_body(
     token_ids: list[int] | None = None,
     logprobs: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk of choice `index`; `no_choices` is the trailing usage-only chunk;
-    `tool_calls`: a chat chunk's `delta.tool_calls` items."""
+    `tool_calls`: a chat chunk's `delta.tool_calls` items; `reasoning`: a piece of a chat
+    answer's reasoning."""
     choices: list[dict[str, Any]] = []
     if not no_choices:
         choice: dict[str, Any] = {
@@ -550,6 +617,8 @@ def chunk_body(
                 delta["content"] = text
             if tool_calls is not None:
                 delta["tool_calls"] = tool_calls
+            if reasoning is not None:
+                delta.update(reasoning_fields(reasoning))
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -30,6 +30,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     # how a chat answer's tool calls are read (vLLM's --tool-call-parser names): hermes,
     # llama3_json, mistral, or auto (the one each model's chat template shows)
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    # how a chat answer's reasoning is split from its content (vLLM's --reasoning-parser
+    # names): deepseek_r1 or qwen3; "" (the default): none, the thinking is content
+    reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
     request_timeout_s: Seconds = 600.0  # sync and streaming calls: queue wait + generation
     stream_resume_grace_s: float = 0.0  # how long a dropped stream's job waits for a reconnect
     # longest single wait on a job's events, and so the SSE keep-alive period; the broker caps

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
 from tokenyard.gateway.errors import error_body
-from tokenyard.gateway.tools import CallStream, ContentDelta, Delta
+from tokenyard.gateway.tools import AnswerDelta, ContentDelta, Reader, ReasoningDelta
 from tokenyard.messages import JobResult, TokenChunk
 
 _json = msgspec.json.Encoder()
@@ -69,7 +69,7 @@ class OpenAIRenderer:
         how: protocol.Rendering = protocol.PLAIN,
         index: int = 0,
         choices: Choices | None = None,
-        tools: CallStream | None = None,
+        tools: Reader | None = None,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.include_usage = include_usage
@@ -78,13 +78,15 @@ class OpenAIRenderer:
         self.index = index
         self.choices = choices
         self.offset = 0  # completions' text_offset: where the next token's text starts
-        # reads the chat answer for tool calls (a fresh stream: one renderer, one answer)
+        # reads the chat answer for its reasoning and tool calls (a fresh stream: one
+        # renderer, one answer)
         self.tools = tools
 
     @property
     def carries_state(self) -> bool:
         """Whether what it renders depends on the events before (a resumed stream must
-        replay them first): a tool parser's progress, completions' `text_offset`."""
+        replay them first): a reasoning or tool parser's progress, completions'
+        `text_offset`."""
         return self.tools is not None or (
             self.kind == "completion" and self.how.token_text is not None
         )
@@ -129,7 +131,7 @@ class OpenAIRenderer:
         ids: list[int] | None = [] if self.how.token_ids else None
         frames = []
         if self.tools is not None:
-            # text held back as maybe a call's start is content after all
+            # text held back as maybe a call's or a tag's start is what it was after all
             frames = self._tool_chunks(None, self.tools.finish(), None, None)
             if self.tools.calls:
                 reason = protocol.tool_calls_finish_reason(reason)
@@ -144,15 +146,19 @@ class OpenAIRenderer:
     def _tool_chunks(
         self,
         event_id: str | None,
-        deltas: list[Delta],
+        deltas: Sequence[AnswerDelta],
         token_ids: list[int] | None,
         logprobs: dict[str, Any] | None,
     ) -> list[bytes]:
-        """A chunk per piece of content or of a call; the event id (the resume point), the
-        token ids and their logprobs go on the last, which may carry nothing else (its text is
-        held back)."""
+        """A chunk per piece of reasoning, of content or of a call; the event id (the resume
+        point), the token ids and their logprobs go on the last, which may carry nothing else
+        (its text is held back)."""
         pieces: list[dict[str, Any]] = [
-            {"text": d.text} if isinstance(d, ContentDelta) else {"tool_calls": [d.openai()]}
+            {"text": d.text}
+            if isinstance(d, ContentDelta)
+            else {"reasoning": d.text}
+            if isinstance(d, ReasoningDelta)
+            else {"tool_calls": [d.openai()]}
             for d in deltas
         ]
         if self.how.token_ids and token_ids is not None:

@@ -31,7 +31,7 @@ from tokenyard.gateway.batches.validate import REQUEST_OF, BatchLine, parse_line
 from tokenyard.gateway.errors import status_of
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.submit import RETRY_LATER, Later, submit
-from tokenyard.gateway.tools import CallStream, job_reader, parse_whole
+from tokenyard.gateway.tools import Reader, job_reader, parse_whole
 from tokenyard.messages import (
     BatchRecord,
     BatchStatus,
@@ -362,7 +362,7 @@ def _response_body(
     record: JobRecord,
     result: JobResult,
     state: GatewayState,
-    tools: CallStream | None = None,
+    tools: Reader | None = None,
 ) -> Any:
     """The body a successful line's request would have been answered with over HTTP; `tools`
     reads a chat answer for tool calls."""

@@ -55,15 +55,17 @@ def _no_job(raw_id: str) -> NotFound:
 
 
 def _same_request(a: JobSpec, b: JobSpec) -> bool:
-    # `calls`: tool_choice none and auto make the same prompt, but their answers read apart
-    return (a.model, a.prompt, a.prompt_token_ids, a.sampling, a.priority, a.calls) == (
-        b.model,
-        b.prompt,
-        b.prompt_token_ids,
-        b.sampling,
-        b.priority,
-        b.calls,
-    )
+    # `calls`: tool_choice none and auto make the same prompt, but their answers read apart;
+    # so do include_reasoning true and false
+    return (
+        a.model,
+        a.prompt,
+        a.prompt_token_ids,
+        a.sampling,
+        a.priority,
+        a.calls,
+        a.reasoning,
+    ) == (b.model, b.prompt, b.prompt_token_ids, b.sampling, b.priority, b.calls, b.reasoning)
 
 
 @router.post(
@@ -167,7 +169,7 @@ async def job_events(
             include_usage=include_usage,
             resumed=start != "0",
             how=how,
-            # a chat job whose request offered tools shows its calls, named as the live call
+            # a chat job shows its reasoning and calls, the calls named as the live call
             # named them
             tools=job_reader(record.spec, bare) if kind == "chat" else None,
         )

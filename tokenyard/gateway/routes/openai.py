@@ -27,7 +27,7 @@ from tokenyard.gateway.streaming import (
     primed,
 )
 from tokenyard.gateway.submit import Following, Hit, Live, submit
-from tokenyard.gateway.tools import CallStream, job_reader, parse_whole
+from tokenyard.gateway.tools import Reader, job_reader, parse_whole
 from tokenyard.messages import JobResult, JobSpec
 
 router = APIRouter()
@@ -94,7 +94,7 @@ async def _serve(
     spec = first.spec
     how = _rendering(state, kind, body, spec)
 
-    def tools(outcome: Hit | Following) -> CallStream | None:
+    def tools(outcome: Hit | Following) -> Reader | None:
         # each choice's answer is read on its own, its calls named from its job's id (the
         # ids GET /v1/jobs/{id}/events shows for that job)
         return job_reader(outcome.spec, _job_id(outcome))

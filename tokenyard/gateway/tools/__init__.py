@@ -1,6 +1,6 @@
-"""Tool calling for the chat APIs: a request's tools, tool_choice and tool history
-(request.py), and the parsers that read a model's tool calls, whole or streamed (parsers.py).
-Pure: no I/O."""
+"""Reading chat answers: a request's tools, tool_choice and tool history (request.py), the
+parsers that read a model's tool calls (parsers.py) and its reasoning (reasoning.py), whole
+or streamed. Pure: no I/O."""
 
 from tokenyard.gateway.tools.parsers import (
     PARSER_NAMES,
@@ -15,9 +15,19 @@ from tokenyard.gateway.tools.parsers import (
     ToolParserError,
     choose_parser,
     new_call_id,
-    parse_whole,
+    parse_calls,
     stable_call_ids,
     tool_call_stream,
+)
+from tokenyard.gateway.tools.reasoning import (
+    REASONING_PARSERS,
+    AnswerDelta,
+    Reader,
+    ReasoningDelta,
+    ReasoningStream,
+    parse_whole,
+    reasoning_reader,
+    reasoning_reading,
 )
 from tokenyard.gateway.tools.request import (
     Function,
@@ -33,6 +43,8 @@ from tokenyard.gateway.tools.request import (
 
 __all__ = [
     "PARSER_NAMES",
+    "REASONING_PARSERS",
+    "AnswerDelta",
     "CallDelta",
     "CallStream",
     "ContentDelta",
@@ -41,6 +53,9 @@ __all__ = [
     "History",
     "NamedCallStream",
     "Parsed",
+    "Reader",
+    "ReasoningDelta",
+    "ReasoningStream",
     "ToolCall",
     "ToolCallStream",
     "ToolParserError",
@@ -51,9 +66,12 @@ __all__ = [
     "job_reader",
     "new_call_id",
     "parse_arguments",
+    "parse_calls",
     "parse_whole",
     "read_function",
     "read_tools",
+    "reasoning_reader",
+    "reasoning_reading",
     "stable_call_ids",
     "tool_call_stream",
 ]

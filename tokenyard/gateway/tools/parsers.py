@@ -113,10 +113,12 @@ Delta = ContentDelta | CallDelta
 
 @dataclass(frozen=True)
 class Parsed:
-    """A whole answer: its content (None when it is only calls) and its calls."""
+    """A whole answer: its content (None when it is only calls), its calls, and its reasoning
+    (None unless a reasoning parser read some out of it)."""
 
     content: str | None
     calls: list[ToolCall]
+    reasoning: str | None = None
 
 
 class ToolParserError(ValueError):
@@ -466,7 +468,7 @@ class ToolCallStream:
             else:
                 self._mode, self._object = _Mode.OBJECT, _CallObject()
             return True
-        keep = 0 if final else _held_suffix(text, fmt.markers)
+        keep = 0 if final else held_suffix(text, fmt.markers)
         sent = text[: len(text) - keep]
         body = sent.rstrip()  # whitespace waits for what follows it
         if body:
@@ -581,7 +583,7 @@ class ToolCallStream:
         self._push_back(rest)
 
 
-def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
+def held_suffix(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest end of `text` that may be the start of a marker."""
     best = 0
     for marker in markers:
@@ -647,7 +649,7 @@ class NamedCallStream:
 CallStream = ToolCallStream | NamedCallStream
 
 
-def parse_whole(stream: CallStream, text: str) -> Parsed:
+def parse_calls(stream: CallStream, text: str) -> Parsed:
     """A whole answer through a fresh stream. A call that broke (a malformed or cut-off
     call) leaves the whole text as content with no calls, as vLLM answers; a named call is
     the answer whatever it holds (its decoding was constrained)."""

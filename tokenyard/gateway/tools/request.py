@@ -25,6 +25,7 @@ from tokenyard.gateway.tools.parsers import (
     stable_call_ids,
     tool_call_stream,
 )
+from tokenyard.gateway.tools.reasoning import Reader, reasoning_reader
 from tokenyard.messages import CallReading, Guide, JobSpec
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -336,11 +337,14 @@ def call_reader(reading: CallReading, make_id: Callable[[], str] = new_call_id) 
     return stream
 
 
-def job_reader(spec: JobSpec, job_id: str | None = None) -> CallStream | None:
-    """What reads a job's answer for tool calls (None: all content). Its calls are named
-    from the job's id (`job_id`: the job followed, when a call joined another's), so every
-    reading of one answer (the live call, the jobs API's stream and a resume of it, a
-    batch's output) gives the same ids."""
-    if spec.calls is None:
-        return None
-    return call_reader(spec.calls, stable_call_ids(job_id or spec.id))
+def job_reader(spec: JobSpec, job_id: str | None = None) -> Reader | None:
+    """What reads a job's answer for its reasoning, then tool calls (None: all content). Its
+    calls are named from the job's id (`job_id`: the job followed, when a call joined
+    another's), so every reading of one answer (the live call, the jobs API's stream and a
+    resume of it, a batch's output) gives the same ids."""
+    calls = None
+    if spec.calls is not None:
+        calls = call_reader(spec.calls, stable_call_ids(job_id or spec.id))
+    if spec.reasoning is None:
+        return calls
+    return reasoning_reader(spec.reasoning, calls)
