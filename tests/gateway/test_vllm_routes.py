@@ -8,7 +8,7 @@ import pytest
 
 from tests.gateway.conftest import MODEL, Stack, run_stack
 from tokenyard.broker.redis.embedded import EmbeddedServer
-from tokenyard.engines.sim import SimTokenizer
+from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.gateway.auth import KeyRing, Tenant
 
 KEY = "sk-tokenize"
@@ -117,3 +117,39 @@ def test_tokenize_on_the_tiny_models_own_tokenizer(valkey: EmbeddedServer) -> No
         assert bare["tokens"] == hf.encode("The queue", add_special_tokens=False)
         text = http.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
         assert text == "The queue"
+
+
+def test_cached_prompt_tokens_are_reported_in_usage(valkey: EmbeddedServer) -> None:
+    def caching() -> SimEngine:
+        return SimEngine(
+            prefill_base=0.001,
+            prefill_per_token=0.0,
+            decode_base=0.002,
+            decode_per_seq=0.0,
+            prefix_cache_tokens=4096,
+        )
+
+    with run_stack(valkey, engines=[caching]) as stack:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "a long shared system prompt " * 8}]
+
+        def ask() -> openai.types.CompletionUsage:
+            out = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, extra_body={"cache": False}
+            )
+            assert out.usage is not None
+            return out.usage
+
+        first, second = ask(), ask()
+        assert first.prompt_tokens_details is not None
+        assert first.prompt_tokens_details.cached_tokens == 0
+        assert second.prompt_tokens_details is not None
+        # the sim's prefix cache holds whole 16-token blocks of the same prompt
+        cached = second.prompt_tokens_details.cached_tokens
+        assert cached == second.prompt_tokens // 16 * 16 > 0
+    # an engine that does not say leaves the details out, as before
+    with run_stack(valkey) as stack, stack.client() as http:
+        usage = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+        ).json()["usage"]
+        assert "prompt_tokens_details" not in usage

@@ -353,19 +353,25 @@ def tool_calls_finish_reason(reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" else reason
 
 
-def usage(result: JobResult) -> dict[str, int]:
+def usage(result: JobResult) -> dict[str, Any]:
     return usage_of_choices([result])
 
 
-def usage_of_choices(results: Sequence[JobResult]) -> dict[str, int]:
-    """One call's usage: its choices share the prompt, counted once (as OpenAI counts it)."""
+def usage_of_choices(results: Sequence[JobResult]) -> dict[str, Any]:
+    """One call's usage: its choices share the prompt, counted once (as OpenAI counts it);
+    with `prompt_tokens_details.cached_tokens` where the engine said how much of the prompt its
+    prefix cache held (the first choice's, as the prompt's)."""
     prompt = results[0].prompt_tokens if results else 0
     completion = sum(r.completion_tokens for r in results)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    cached = results[0].cached_tokens if results else None
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 @dataclass(frozen=True)
