@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import msgspec
-
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import Feature, ModelLimits, SamplingParams
 
@@ -167,30 +165,6 @@ def embedding_refusal(
     return None
 
 
-def scoring_refusal(
-    input_lengths: Sequence[int],
-    limits: ModelLimits,
-    param: str = "text_2",
-    *,
-    token_ids: Sequence[int] = (),
-) -> InvalidRequest | None:
-    """Why a scoring job (pairs of these lengths, each one input of a cross-encoder) cannot
-    run on a model with these limits, or None: the model must score, and each pair fits as an
-    embeddings input does."""
-    if not limits.scores:
-        return InvalidRequest(
-            "This model does not serve scores (it is no cross-encoder)",
-            param="model",
-            code="model_not_supported",
-        )
-    return embedding_refusal(
-        input_lengths,
-        msgspec.structs.replace(limits, embeds=True),
-        param,
-        token_ids=token_ids,
-    )
-
-
 def check(error: InvalidRequest | None) -> None:
     """Raise a refusal (`check(refusal(...))`), where the caller's answer to one is to raise."""
     if error is not None:
@@ -209,7 +183,6 @@ def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
         vocab_size=min(x.vocab_size for x in every),
         generates=any(x.generates for x in every),
         embeds=any(x.embeds for x in every),
-        scores=any(x.scores for x in every),
         engine=every[0].engine if len({x.engine for x in every}) == 1 else "",
         features=frozenset().union(*(x.features for x in every)),
     )

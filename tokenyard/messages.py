@@ -291,7 +291,6 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     revision: str = ""  # what identifies the weights (response cache key); "": not known
     generates: bool = True  # runs completions (an embedding-only model does not)
     embeds: bool = False  # runs embeddings jobs
-    scores: bool = False  # runs scoring jobs (a cross-encoder: /v1/score, /v1/rerank)
     engine: str = ""  # the engine's name, for a refusal to name it
     # the optional decoding features it implements (`Feature` values; strings, so a gateway
     # reads a newer worker's heartbeat whose features it does not know yet)

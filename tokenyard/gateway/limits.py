@@ -175,7 +175,6 @@ class PublishedLimits:
             token_budget=own,
             vocab_size=tokenizer.vocab_size,
             embeds=True,
-            scores=True,
             features=frozenset(Feature),
         )
 

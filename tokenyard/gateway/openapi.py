@@ -134,7 +134,6 @@ class Served:
 
     embedders: frozenset[str]
     lacking: frozenset[tuple[Feature, str]] = frozenset()
-    scorers: frozenset[str] = frozenset()  # the names whose model scores (a cross-encoder)
 
 
 # each optional feature's request fields (completions, chat) and the values that ask nothing
@@ -180,7 +179,6 @@ def request_schemas(
     names a request may give (served models and aliases; any other is 404); `served`: what
     their models can do (None: all of it, as before any worker said)."""
     embedders = None if served is None else served.embedders
-    scorers = None if served is None else served.scorers
     max_tokens = {
         "type": "integer",
         "minimum": 1,
@@ -761,7 +759,7 @@ def request_schemas(
         "JobRequest": job,
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
-        **_vllm_requests(common, chat, token_ids, scorers),
+        **_vllm_requests(common, chat, token_ids),
         "ResponseRequest": response,
         "MessageRequest": {
             **_message_request(common, max_tokens),
@@ -779,11 +777,9 @@ def _vllm_requests(
     common: dict[str, Any],
     chat: dict[str, Any],
     token_ids: dict[str, Any],
-    scorers: Collection[str] | None,
 ) -> dict[str, dict[str, Any]]:
     """vLLM's own routes' bodies (`gateway/vllm_api.py`): /tokenize (a prompt, or messages
-    through the chat template, as a chat completion renders them), /detokenize, /v1/score and
-    /v1/rerank (only a model whose workers score: a cross-encoder)."""
+    through the chat template, as a chat completion renders them) and /detokenize."""
     model = _nullable(common["model"])
     strs = _nullable({"type": "boolean"})
     prompt_tokenize = {
@@ -814,27 +810,6 @@ def _vllm_requests(
             "mm_processor_kwargs": _neutral(None),
         },
     }
-    scoring_model = {"enum": list(scorers)} if scorers else common["model"]
-    scoring = {
-        "model": _nullable(scoring_model),
-        "truncate_prompt_tokens": _nullable(
-            {
-                "anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}],
-                "description": "keep each pair's last k tokens; -1: the model's own limit",
-            }
-        ),
-        "additional_data": _neutral(None),
-        "priority": _nullable({"enum": ["high", "normal", "low", 0]}),
-        "deadline": common["deadline"],
-        "cache": common["cache"],
-        "user": common["user"],
-    }
-    texts = {
-        "anyOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2048},
-        ]
-    }
     return {
         "TokenizeRequest": {"anyOf": [prompt_tokenize, chat_tokenize]},
         "DetokenizeRequest": {
@@ -842,28 +817,6 @@ def _vllm_requests(
             "required": ["tokens"],
             "additionalProperties": False,
             "properties": {"model": model, "tokens": {**token_ids, "minItems": 0}},
-        },
-        "ScoreRequest": {
-            "type": "object",
-            "required": ["text_1", "text_2"],
-            "additionalProperties": False,
-            "properties": {
-                **scoring,
-                "text_1": {**texts, "description": "one text, or as many as text_2"},
-                "text_2": texts,
-            },
-        },
-        "RerankRequest": {
-            "type": "object",
-            "required": ["query", "documents"],
-            "additionalProperties": False,
-            "properties": {
-                **scoring,
-                "query": {"type": "string"},
-                "documents": texts["anyOf"][1],
-                "top_n": {"type": "integer", "minimum": 0, "default": 0},
-                "return_documents": {"type": "boolean", "default": True},
-            },
         },
     }
 
@@ -1006,9 +959,6 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
     }
 
 
-# vLLM's scoring routes: left out of the document while no model served here scores
-SCORING_PATHS = ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
-
 # what every operation may answer besides its own: a parameter's value, and the key lookup
 _SHARED = (400, 401, 503)
 _PUBLIC = ("/health", "/healthz", "/readyz")  # no key, ever (probes)
@@ -1029,11 +979,7 @@ def document(
     if served is not None and not served.embedders:
         doc["paths"].pop("/v1/embeddings", None)
         schemas.pop("EmbeddingRequest", None)
-    if served is not None and not served.scorers:
-        for path in SCORING_PATHS:
-            doc["paths"].pop(path, None)
-        schemas.pop("ScoreRequest", None)
-        schemas.pop("RerankRequest", None)
+
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
@@ -1084,7 +1030,6 @@ async def _served(request: Request) -> Served:
             limits[model] = await state.limits.of(model, tokenizer)
     return Served(
         embedders=frozenset(n for n, m in names.items() if m not in limits or limits[m].embeds),
-        scorers=frozenset(n for n, m in names.items() if m not in limits or limits[m].scores),
         lacking=frozenset(
             (feature, name)
             for name, model in names.items()
