@@ -250,6 +250,9 @@ class JobResult(msgspec.Struct, kw_only=True):
     # an embeddings job's vectors, one per input: float32, little-endian (OpenAI's base64 bytes)
     embeddings: list[bytes] | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the job asked
+    # prompt tokens the engine found in its prefix cache (usage.prompt_tokens_details
+    # .cached_tokens); None: its engine does not say
+    cached_tokens: int | None = None
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):

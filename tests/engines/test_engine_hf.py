@@ -133,6 +133,29 @@ async def test_kv_usage_counts_only_the_blocks_sequences_hold(tiny_model_path: P
     await eng.stop()
 
 
+async def test_a_reused_prefix_is_reported_as_cached_tokens(engine: HFEngine) -> None:
+    # transformers' prefix sharing: the second prompt's leading full pages are the first's
+    tok = engine.tokenizer
+    text = " ".join(f"word{i}" for i in range(120))
+    first, second = tok.encode(text + " one"), tok.encode(text + " two")
+    before = engine.stats()
+    engine.add(EngineRequest("c1", first, greedy(2)))
+    done = await collect(engine, 1)
+    assert done["c1"].finish is not None and done["c1"].finish.cached_tokens == 0
+    engine.add(EngineRequest("c2", second, greedy(2)))
+    done = await collect(engine, 1)
+    end = done["c2"].finish
+    assert end is not None and end.cached_tokens is not None
+    # whole pages of the shared text, never the whole prompt (one token is always prefilled)
+    assert 0 < end.cached_tokens < len(second)
+    assert end.cached_tokens % engine.page_size == 0
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert end.cached_tokens <= shared
+    stats = engine.stats()
+    assert stats.prefix_cache_queries - before.prefix_cache_queries == len(first) + len(second)
+    assert stats.prefix_cache_hits - before.prefix_cache_hits == end.cached_tokens
+
+
 async def test_refusals(engine: HFEngine) -> None:
     tok = engine.tokenizer
     prompt = tok.encode("hello")

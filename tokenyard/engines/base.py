@@ -71,6 +71,8 @@ class StepOutput(msgspec.Struct):
     embeddings: list[bytes] | None = None
     # one per token id, when the request's params ask for logprobs
     logprobs: list[TokenLogprob] | None = None
+    # prompt tokens the engine's prefix cache held, once it knows (None: it does not say)
+    cached_tokens: int | None = None
 
 
 class EngineTokenizer(Protocol):
@@ -289,6 +291,7 @@ class EngineSeq:
     params: SamplingParams
     decoder: SequenceDecoder
     noise_seed: int | None
+    cached_tokens: int | None = None  # of its prompt, in the engine's prefix cache (if known)
 
     @property
     def reserved(self) -> int:
@@ -303,6 +306,7 @@ class EngineSeq:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.decoder.completion_tokens,
             error=error,
+            cached_tokens=self.cached_tokens,
         )
 
     def finish(self, reason: FinishReason, error: str | None = None) -> StepOutput:

@@ -554,6 +554,10 @@ class HFEngine(HFEngineBase):
         # the manager's queues); bounded, since the manager never confirms a cancellation.
         self._zombies: OrderedDict[str, None] = OrderedDict()
         self._ids = itertools.count()
+        # prompt tokens transformers' prefix sharing matched, by request id, written on the
+        # manager's thread as it schedules a request and read with that request's outputs;
+        # None: prefix sharing is off (the model's layers cannot share blocks)
+        self._prefix_matches: dict[str, int] | None = None
         self._warm = threading.Event()
         self._processor: _SamplingProcessors | None = None
 
@@ -650,6 +654,8 @@ class HFEngine(HFEngineBase):
         manager.start()
         if self.warmup:
             self._warm_up(manager)
+        if cache is not None and cache.use_prefix_sharing:
+            self._count_prefix_matches(cache)  # after the warm-up: its lookup counts nothing
         with self._lock:
             self._manager = manager
             self._started = True
@@ -657,6 +663,23 @@ class HFEngine(HFEngineBase):
             for seq in backlog:
                 if self._seqs.get(seq.seq_id) is seq:
                     self._submit_locked(seq)
+
+    def _count_prefix_matches(self, cache: Any) -> None:
+        """Wrap the cache's prefix lookup (a transformers internal, as `kv_in_use` reads) to
+        learn what each request reused: its `cached_tokens` and the prefix-cache counters."""
+        search = cache.search_prefix_match
+        matches: dict[str, int] = {}
+
+        def counted(request_id: str, prompt_ids: list[int]) -> int:
+            found = int(search(request_id, prompt_ids))
+            matches[request_id] = found
+            with self._lock:
+                self._stats.prefix_cache_queries += len(prompt_ids)
+                self._stats.prefix_cache_hits += found
+            return found
+
+        cache.search_prefix_match = counted
+        self._prefix_matches = matches
 
     def _warm_up(self, manager: ContinuousBatchingManager) -> None:
         """One short request through the whole path: first-step allocations and the smallest
@@ -712,6 +735,8 @@ class HFEngine(HFEngineBase):
         assert self._manager is not None
         seq.internal_id = f"{seq.seq_id}#{next(self._ids)}"
         self._by_internal[seq.internal_id] = seq
+        if self._prefix_matches is not None:
+            seq.cached_tokens = 0  # known: a match found when it is scheduled says more
         p = seq.params
         accepted = self._manager.add_request(
             seq.input_ids,
@@ -735,6 +760,8 @@ class HFEngine(HFEngineBase):
         if not seq.internal_id:
             return  # still in the backlog: the manager never saw it
         self._by_internal.pop(seq.internal_id, None)
+        if self._prefix_matches is not None:
+            self._prefix_matches.pop(seq.internal_id, None)
         if not engine_done and self._manager is not None:
             self._manager.cancel_request(seq.internal_id)
             self._zombies[seq.internal_id] = None
@@ -756,6 +783,10 @@ class HFEngine(HFEngineBase):
                     step.append(seq.finish(FinishReason.ERROR, error=str(out.error)))
                     self._finish_locked(seq, engine_done=True)
                     continue
+                if self._prefix_matches is not None:
+                    found = self._prefix_matches.pop(out.request_id, None)
+                    if found is not None:
+                        seq.cached_tokens = min(found, seq.prompt_tokens)
                 new = out.generated_tokens[seq.seen :]
                 seq.seen = len(out.generated_tokens)
                 if new:
@@ -789,6 +820,8 @@ class HFEngine(HFEngineBase):
             self._deliver(step)
 
     def _handle_stray_locked(self, out: GenerationOutput) -> None:
+        if self._prefix_matches is not None:
+            self._prefix_matches.pop(out.request_id, None)
         if out.request_id == _WARMUP_ID:
             if out.is_finished():
                 self._warm.set()

@@ -62,6 +62,18 @@ class HFTokenizer:
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=add_special))
 
+    def encode_special(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text` with special tokens (BOS) added or not, as asked (/tokenize)."""
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own strings of `ids` (byte-level BPE's 'Ġ' kept), as vLLM's
+        /tokenize shows them in `token_strs`."""
+        with self._lock:
+            out = self.hf.convert_ids_to_tokens(list(ids))
+        return [str(p) for p in out]
+
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             out = self.hf.decode(

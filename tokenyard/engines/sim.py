@@ -442,7 +442,12 @@ class SimEngine(LocalEngine[_SimSeq]):
                     s.prefilled = True
             if started:
                 prompt = sum(len(s.input_ids) for s in started)
-                hits = sum(self.prefix_cache.lookup_and_insert(s.input_ids) for s in started)
+                hits = 0
+                for s in started:
+                    found = self.prefix_cache.lookup_and_insert(s.input_ids)
+                    hits += found
+                    if self.prefix_cache.capacity:  # a sim without one knows of no cache
+                        s.cached_tokens = min(found, s.prompt_tokens)
                 with self._lock:
                     self._stats.prefix_cache_queries += prompt
                     self._stats.prefix_cache_hits += hits

@@ -39,6 +39,7 @@ class StreamSeq:
     extra: Any = None  # what the subclass prepared in `prepare`
     task: asyncio.Task[None] | None = None
     done: bool = False
+    cached_tokens: int | None = None  # what the runtime's prefix cache held of its prompt
 
     @property
     def remaining(self) -> int:
@@ -278,6 +279,7 @@ class StreamEngine(Engine):
                 refused=refused,
                 embeddings=embeddings,
                 logprobs=logprobs,
+                cached_tokens=seq.cached_tokens,
             )
         )
         if self._loop is None:

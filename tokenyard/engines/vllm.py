@@ -258,6 +258,9 @@ class VLLMEngine(StreamEngine):
             self.fail(seq, f"vLLM failed: {out}")
             return True
         done = out.outputs[0]
+        cached = getattr(out, "num_cached_tokens", None)
+        if cached is not None:  # vLLM's prefix cache, counted in the prompt it was given
+            seq.cached_tokens = min(int(cached), len(seq.prompt_ids))
         ids: list[int] = list(done.token_ids)
         logprobs = None
         if seq.params.logprobs is not None:

@@ -788,6 +788,7 @@ def request_schemas(
         "JobRequest": job,
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
+        **_vllm_requests(common, chat, token_ids),
         "ResponseRequest": response,
         "MessageRequest": {
             **_message_request(common, max_tokens),
@@ -797,6 +798,54 @@ def request_schemas(
                 "max_tokens": 4,
                 "messages": [{"role": "user", "content": "Hello"}],
             },
+        },
+    }
+
+
+def _vllm_requests(
+    common: dict[str, Any],
+    chat: dict[str, Any],
+    token_ids: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """vLLM's own routes' bodies (`gateway/vllm_api.py`): /tokenize (a prompt, or messages
+    through the chat template, as a chat completion renders them) and /detokenize."""
+    model = _nullable(common["model"])
+    strs = _nullable({"type": "boolean"})
+    prompt_tokenize = {
+        "type": "object",
+        "required": ["prompt"],
+        "additionalProperties": False,
+        "properties": {
+            "model": model,
+            "prompt": {"type": "string"},
+            "add_special_tokens": {"type": "boolean", "default": True},
+            "return_token_strs": strs,
+        },
+    }
+    chat_tokenize = {
+        "type": "object",
+        "required": ["messages"],
+        "additionalProperties": False,
+        "properties": {
+            "model": model,
+            "messages": chat["properties"]["messages"],
+            "tools": chat["properties"]["tools"],
+            "add_special_tokens": {"type": "boolean", "default": False},
+            "return_token_strs": strs,
+            "add_generation_prompt": _neutral(True),
+            "continue_final_message": _neutral(False),
+            "chat_template": _neutral(None),
+            "chat_template_kwargs": _neutral(None),
+            "mm_processor_kwargs": _neutral(None),
+        },
+    }
+    return {
+        "TokenizeRequest": {"anyOf": [prompt_tokenize, chat_tokenize]},
+        "DetokenizeRequest": {
+            "type": "object",
+            "required": ["tokens"],
+            "additionalProperties": False,
+            "properties": {"model": model, "tokens": {**token_ids, "minItems": 0}},
         },
     }
 
@@ -974,6 +1023,7 @@ def document(
     if served is not None and not served.embedders:
         doc["paths"].pop("/v1/embeddings", None)
         schemas.pop("EmbeddingRequest", None)
+
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})

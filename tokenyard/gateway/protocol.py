@@ -417,19 +417,25 @@ def reasoning_fields(reasoning: str) -> dict[str, str]:
     return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
-def usage(result: JobResult) -> dict[str, int]:
+def usage(result: JobResult) -> dict[str, Any]:
     return usage_of_choices([result])
 
 
-def usage_of_choices(results: Sequence[JobResult]) -> dict[str, int]:
-    """One call's usage: its choices share the prompt, counted once (as OpenAI counts it)."""
+def usage_of_choices(results: Sequence[JobResult]) -> dict[str, Any]:
+    """One call's usage: its choices share the prompt, counted once (as OpenAI counts it);
+    with `prompt_tokens_details.cached_tokens` where the engine said how much of the prompt its
+    prefix cache held (the first choice's, as the prompt's)."""
     prompt = results[0].prompt_tokens if results else 0
     completion = sum(r.completion_tokens for r in results)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    cached = results[0].cached_tokens if results else None
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 @dataclass(frozen=True)
@@ -673,12 +679,41 @@ def result_json(result: JobResult) -> dict[str, Any]:
     }
 
 
-def model_card(model: str, created: int | None = None) -> dict[str, Any]:
+def model_card(
+    model: str,
+    created: int | None = None,
+    *,
+    root: str | None = None,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
+    """A /v1/models entry, with vLLM's fields: `root` the model it serves (a served name's
+    directory or hub id), `parent` (no adapters: null), `max_model_len` the context a prompt
+    and its output must fit, `permission` vLLM's one default grant."""
+    created = created or int(time.time())
     return {
         "id": model,
         "object": "model",
-        "created": created or int(time.time()),
+        "created": created,
         "owned_by": "tokenyard",
+        "root": root if root is not None else model,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{model}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
 
 
@@ -744,9 +779,18 @@ def cancel_body(job_id: str, status: str) -> dict[str, Any]:
     return {"id": job_id, "object": "job", "status": status}
 
 
-def models_body(models: Sequence[str], created: int) -> dict[str, Any]:
-    """GET /v1/models."""
-    return {"object": "list", "data": [model_card(m, created) for m in models]}
+def models_body(
+    models: Sequence[str],
+    created: int,
+    roots: Mapping[str, str] | None = None,
+    contexts: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """GET /v1/models; `roots`: each name's model source, `contexts`: its context length."""
+    roots, contexts = roots or {}, contexts or {}
+    data = [
+        model_card(m, created, root=roots.get(m), max_model_len=contexts.get(m)) for m in models
+    ]
+    return {"object": "list", "data": data}
 
 
 # -- embeddings -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tokenyard.metrics.promcache import BulkHistogram, CachedCounter, CachedGauge, CachedHistogram
+from tokenyard.metrics.vllm import VllmNames
 
 if TYPE_CHECKING:
     from tokenyard.messages import EngineStats
@@ -169,6 +170,7 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        VllmNames(r)  # vLLM's names of these (and, under serve, the workers'): metrics/vllm.py
 
 
 # vllm: iteration_tokens_total's buckets (its cudagraph sizes), for sequences per engine step
@@ -302,6 +304,7 @@ class WorkerMetrics:
         self._prefilled = 0
         self._prefix_queries = self._prefix_hits = 0
         self._kv_reported = False
+        VllmNames(r)  # on its own port; under serve, the gateway's names them (metrics/vllm.py)
 
     def engine_delivered(self, stats: EngineStats, busy_s: float | None) -> None:
         """Fold the engine's counters since the last delivery in; `busy_s` is the time the

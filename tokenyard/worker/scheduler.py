@@ -48,6 +48,7 @@ class Job(Generic[H]):
     input_lengths: list[int] | None = None
     embeddings: list[bytes] | None = None  # its vectors, once the engine made them
     logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
+    cached_tokens: int | None = None  # prompt tokens its engine's prefix cache held
 
     def extend(
         self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None
@@ -278,6 +279,8 @@ class Scheduler(Generic[H]):
                 job.extend(out.token_ids, out.text, out.logprobs)
                 update.tokens += len(out.token_ids)
                 chunk = TokenChunk(token_ids=out.token_ids, text=out.text, logprobs=out.logprobs)
+            if out.cached_tokens is not None:
+                job.cached_tokens = out.cached_tokens
             if out.finish_reason is None:
                 if chunk is not None:
                     update.events.append((job, chunk))

@@ -427,7 +427,10 @@ def status_of(result: JobResult | None, job: JobStatus | None) -> str:
 def usage(result: JobResult) -> dict[str, Any]:
     return {
         "input_tokens": result.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": result.cached_tokens or 0,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": result.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": result.prompt_tokens + result.completion_tokens,

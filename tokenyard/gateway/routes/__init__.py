@@ -12,6 +12,7 @@ from tokenyard.gateway.routes import (
     messages,
     openai,
     responses,
+    vllm,
 )
 
 ROUTERS = (
@@ -24,4 +25,5 @@ ROUTERS = (
     batches.router,
     responses.router,
     messages.router,
+    vllm.router,
 )

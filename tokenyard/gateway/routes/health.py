@@ -23,7 +23,11 @@ async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The process serves HTTP (no body, as vLLM's)"}},
+)
 async def health() -> Response:
     """As vLLM's /health: 200 with no body while the process serves HTTP (so probes written
     for vLLM work unchanged); /readyz says whether jobs can run."""

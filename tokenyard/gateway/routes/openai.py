@@ -45,7 +45,17 @@ _COMPLETION = {
 @router.get("/v1/models")
 async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
     state = gateway(request)
-    return JSONResponse(protocol.models_body(state.served.names, int(state.started_at)))
+    served = state.served
+    roots: dict[str, str] = {}
+    contexts: dict[str, int] = {}
+    for name in served.names:
+        model = served.aliases.get(name, name)
+        roots[name] = served.sources.get(model, model)
+        tokenizer = state.tokenizers.get(model)
+        if tokenizer is not None:
+            contexts[name] = (await state.limits.of(model, tokenizer)).context
+    body = protocol.models_body(served.names, int(state.started_at), roots, contexts)
+    return JSONResponse(body)
 
 
 @router.post("/v1/completions", responses=_COMPLETION, openapi_extra=json_body("CompletionRequest"))

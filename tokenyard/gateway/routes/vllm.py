@@ -1,0 +1,119 @@
+"""vLLM's routes beside the OpenAI API: /tokenize and /detokenize (the gateway's own tokenizer,
+no job), /version, and /v1/score and /v1/rerank (a cross-encoder's job, as embeddings run)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import anyio
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+import tokenyard
+from tokenyard.errors import InvalidRequest
+from tokenyard.gateway import protocol, vllm_api
+from tokenyard.gateway.admission import tokenizer_for
+from tokenyard.gateway.auth import TenantDep
+from tokenyard.gateway.jsonbody import check_json
+from tokenyard.gateway.openapi import answers, json_body
+from tokenyard.gateway.responses import FastJSONResponse
+from tokenyard.gateway.routing import resolve_alias
+from tokenyard.gateway.state import GatewayState, gateway
+from tokenyard.gateway.vllm_api import (
+    DetokenizeRequest,
+    PieceTokenizer,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+
+router = APIRouter()
+
+# a prompt longer than this is tokenized in a thread (as admission does)
+_INLINE_CHARS = 4096
+
+
+def _model(state: GatewayState, asked: str | None) -> str:
+    """The model a request names (an alias resolved); none named: the one this gateway serves
+    (several: 400, the request must say which)."""
+    if asked is None:
+        if len(state.served.models) != 1:
+            raise InvalidRequest(
+                "'model' is required: this server serves several models", param="model"
+            )
+        return state.served.models[0]
+    return resolve_alias(state.routing, asked)
+
+
+@router.post("/tokenize", responses=answers(404), openapi_extra=json_body("TokenizeRequest"))
+async def tokenize(request: Request, tenant: TenantDep) -> Response:
+    """vLLM's /tokenize: a prompt (or messages through the chat template) as the token ids its
+    job would get, counted against the model's context; no job is made."""
+    raw = await request.body()
+    fields = None
+    if raw.strip():
+        check_json(raw)
+        with contextlib.suppress(ValueError):  # the parse below answers it
+            fields = json.loads(raw)
+    # vLLM's union of two bodies: one with messages is the chat one
+    with_messages = isinstance(fields, dict) and "messages" in fields
+    kind = TokenizeChatRequest if with_messages else TokenizeCompletionRequest
+    body = protocol.parse(kind, raw, checked=True)
+    body.refuse_unsupported()
+    state = gateway(request)
+    model = _model(state, body.model)
+    tokenizer = tokenizer_for(state, model)
+    if isinstance(body, TokenizeChatRequest):
+        chat = protocol.ChatCompletionRequest.model_construct(
+            model=model, messages=body.messages, tools=body.tools, tool_choice=None
+        )
+        messages, tools = chat.template_messages(), chat.tool_spec()
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools.template())
+        except Exception as exc:  # a template may reject e.g. the order of roles
+            raise InvalidRequest(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from exc
+        special, default = body.add_special_tokens, False
+    else:
+        text, special, default = body.prompt, body.add_special_tokens, True
+
+    def encode() -> list[int]:
+        if special != default and isinstance(tokenizer, PieceTokenizer):
+            return tokenizer.encode_special(text, special)
+        return tokenizer.encode(text)  # what the job of this prompt would carry
+
+    ids = encode() if len(text) <= _INLINE_CHARS else await anyio.to_thread.run_sync(encode)
+    pieces = None
+    if body.return_token_strs:
+        if isinstance(tokenizer, PieceTokenizer):
+            pieces = tokenizer.pieces(ids)
+        else:
+            pieces = [tokenizer.token_text(i) for i in ids]
+    limits = await state.limits.of(model, tokenizer)
+    return FastJSONResponse(vllm_api.tokenize_body(ids, limits.context, pieces))
+
+
+@router.post("/detokenize", responses=answers(404), openapi_extra=json_body("DetokenizeRequest"))
+async def detokenize(request: Request, tenant: TenantDep) -> Response:
+    """vLLM's /detokenize: token ids as text (special tokens left out, as a completion's)."""
+    body = protocol.parse(DetokenizeRequest, await request.body())
+    body.refuse_unsupported()
+    state = gateway(request)
+    model = _model(state, body.model)
+    tokenizer = tokenizer_for(state, model)
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"token id {bad} is out of range: the vocabulary has {vocab} tokens",
+            param="tokens",
+            code="invalid_value",
+        )
+    return FastJSONResponse(vllm_api.detokenize_body(tokenizer.decode(body.tokens)))
+
+
+@router.get("/version")
+async def version() -> Response:
+    """vLLM's /version: the server's version (tokenyard's)."""
+    return FastJSONResponse({"version": tokenyard.__version__})
