@@ -61,13 +61,11 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         msgspec.structs.replace(settings, url=settings.tables_url), extra_scripts=scripts.SCRIPTS
     )
     amqp = AmqpConnection(settings.url, heartbeat_s=settings.lease_s / 2)
-    keys = Keys(settings.prefix)
-    names = Names(settings.prefix)
     return backend_on(
         settings,
         conn,
-        keys,
-        lambda quotas, audit: AmqpQueue(settings, conn, keys, quotas, audit, amqp, names, clock),
+        Keys(settings.prefix),
+        lambda table: AmqpQueue(table, amqp, Names(settings.prefix)),
         clock,
         connection=_Connections(amqp, conn),
     )

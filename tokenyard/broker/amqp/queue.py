@@ -37,7 +37,6 @@ from tokenyard.broker.amqp.names import Names
 from tokenyard.broker.core import (
     BrokerStats,
     CancelOutcome,
-    Clock,
     EnqueueResult,
     LaneBacklog,
     LaneStats,
@@ -47,13 +46,11 @@ from tokenyard.broker.core import (
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, claim_order, stamp_by_model
-from tokenyard.broker.redis.connection import RedisConnection, ms
+from tokenyard.broker.redis.connection import ms
 from tokenyard.broker.redis.connection import text as as_text
-from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.queue import RedisQueue
 from tokenyard.broker.redis.scripts import Call, Empty
-from tokenyard.broker.redis.tables import RedisAudit, RedisQuotas
-from tokenyard.config import BrokerSettings
+from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
     Finished,
@@ -130,18 +127,8 @@ class AmqpQueue(RedisQueue):
     """RabbitMQ lanes; the Redis queue's records, events, cancellation and introspection rules
     (inherited) over the tables' server."""
 
-    def __init__(
-        self,
-        settings: BrokerSettings,
-        conn: RedisConnection,
-        keys: Keys,
-        quotas: RedisQuotas,
-        audit_trail: RedisAudit,
-        amqp: AmqpConnection,
-        names: Names,
-        clock: Clock = time.time,
-    ) -> None:
-        super().__init__(settings, conn, keys, quotas, audit_trail, clock)
+    def __init__(self, table: ValkeyJobTable, amqp: AmqpConnection, names: Names) -> None:
+        super().__init__(table)
         self.amqp = amqp
         self.names = names
         self._held: dict[str, _Held] = {}  # lease token -> its delivery
@@ -244,14 +231,14 @@ class AmqpQueue(RedisQueue):
                 )
             )
         receipts = [audit.received(spec, now) for spec in specs]
-        replies, ids = await self._eval_audited(calls, receipts)
-        await self._note_models(by_model)
+        replies, ids = await self.table.eval_audited(calls, receipts)
+        await self.table.note_models(by_model)
         results: list[EnqueueResult] = [EnqueueResult(job_id="", created=False)] * len(specs)
         publish: list[int] = []  # the new jobs, and resent ones whose message never went out
         full: QueueFull | None = None
         for indexes, (code, rows) in zip(by_model.values(), replies, strict=True):
             if code == -1:  # none of this model's jobs was added
-                full = self._lane_full(specs, indexes, rows)
+                full = self.table.lane_full(specs, indexes, rows)
                 continue
             for i, (created, job_id, joined, again) in zip(indexes, rows, strict=True):
                 results[i] = EnqueueResult(
@@ -261,7 +248,7 @@ class AmqpQueue(RedisQueue):
                     publish.append(i)
         if full is not None:  # the other models' jobs are withdrawn: all or nothing
             await self._withdraw(specs, results, by_model, msgs)
-            await self.audit.take_back(ids)
+            await self.table.audit.take_back(ids)
             raise full
         sent = await asyncio.gather(
             *(
@@ -277,14 +264,14 @@ class AmqpQueue(RedisQueue):
         failed = [outcome for outcome in sent if isinstance(outcome, BaseException)]
         if failed:
             await self._withdraw(specs, results, by_model, msgs)
-            await self.audit.take_back(ids)
+            await self.table.audit.take_back(ids)
             refused = next((f for f in failed if isinstance(f, Refused)), None)
             if refused is not None:
                 raise QueueFull(
                     refused.queue, self.settings.max_queue_depth, self.settings.max_queue_depth
                 )
             raise failed[0]
-        await self.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
+        await self.table.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
         if publish:  # confirmed: a resend of these finds them published
             await self.conn.checked(
                 [("HSET", self.keys.job(results[i].job_id), "pub", 1) for i in publish]
@@ -292,7 +279,7 @@ class AmqpQueue(RedisQueue):
         return results
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
-        job, idem, inflight = self._admission_keys(spec)
+        job, idem, inflight = self.table.admission_keys(spec)
         return scripts.JobKeys(job=job, idem=idem, inflight=inflight, waiting=self._sets(spec)[0])
 
     async def _withdraw(
@@ -458,11 +445,11 @@ class AmqpQueue(RedisQueue):
                 consumer=consumer,
                 lease_s=repr(self.settings.lease_s),
                 max_deliveries=self.settings.max_deliveries,
-                ttl_ms=self._ttl_ms,
-                expired_event=self._expired,
+                ttl_ms=self.table.ttl_ms,
+                expired_event=self.table.expired,
                 dead_event=encode(Finished(result=dead_result(dead_error))),
                 dead_error=dead_error,
-                cancelled=self._cancelled,
+                cancelled=self.table.cancelled_event,
             ),
             items,
         )
@@ -489,7 +476,7 @@ class AmqpQueue(RedisQueue):
             elif code == 4:
                 ended.append((decode(spec_bytes, JobSpec), cancelled_result()))
         if ended:  # rare: their end goes to the audit trail (and settles any quota)
-            await self._settle_specs(ended)
+            await self.table.settle(ended)
         # a lane is FIFO: within each lane, what one claim took runs earliest deadline first
         rank = {
             lane: i
@@ -551,7 +538,7 @@ class AmqpQueue(RedisQueue):
                 )
             return scripts.RENEW.call(Empty(), scripts.DeadlineArg(deadline=deadline), items)
 
-        return await self._flags_per_model([lease.spec.model for lease in leases], call)
+        return await self.table.flags_per_model([lease.spec.model for lease in leases], call)
 
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
         def call(batch: list[int]) -> Call:
@@ -570,7 +557,7 @@ class AmqpQueue(RedisQueue):
                 )
             return scripts.EMIT.call(Empty(), Empty(), items)
 
-        return await self._flags_per_model([lease.spec.model for lease, _ in events], call)
+        return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)
 
     def _complete_call(
         self, model: str, batch: Sequence[tuple[Lease, JobResult, TokenChunk | None]], now: str
@@ -598,7 +585,7 @@ class AmqpQueue(RedisQueue):
             scripts.CompleteKeys(
                 cancels=self.keys.cancels(model), counters=self.keys.counters(model)
             ),
-            scripts.CompleteArgs(now=now, ttl_ms=self._ttl_ms),
+            scripts.CompleteArgs(now=now, ttl_ms=self.table.ttl_ms),
             items,
         )
 
@@ -650,10 +637,11 @@ class AmqpQueue(RedisQueue):
             )
 
         codes = [0] * len(dying)
-        for batch, reply in await self._per_model([lease.spec.model for lease, _ in dying], call):
+        models = [lease.spec.model for lease, _ in dying]
+        for batch, reply in await self.table.per_model(models, call):
             for i, code in zip(batch, reply, strict=True):
                 codes[i] = int(code)
-        await self._settle_specs(
+        await self.table.settle(
             [
                 (lease.spec, end if code == 1 else cancelled_result())
                 for (lease, _), end, code in zip(dying, ends, codes, strict=True)
@@ -690,7 +678,7 @@ class AmqpQueue(RedisQueue):
                 error=error,
                 finished=encode(Finished(result=end)),
                 priority=spec.priority.name,
-                cancelled=self._cancelled if cancel_wins else b"",
+                cancelled=self.table.cancelled_event if cancel_wins else b"",
             ),
         )
 
@@ -703,7 +691,7 @@ class AmqpQueue(RedisQueue):
         )
 
     def _times(self) -> scripts.CompleteArgs:
-        return scripts.CompleteArgs(now=repr(self.clock()), ttl_ms=self._ttl_ms)
+        return scripts.CompleteArgs(now=repr(self.clock()), ttl_ms=self.table.ttl_ms)
 
     async def _requeue(
         self,
@@ -752,17 +740,18 @@ class AmqpQueue(RedisQueue):
                 scripts.RequeueArgs(
                     now=now,
                     expired_by=repr(expired_by),
-                    ttl_ms=self._ttl_ms,
-                    cancelled=self._cancelled,
+                    ttl_ms=self.table.ttl_ms,
+                    cancelled=self.table.cancelled_event,
                 ),
                 items,
             )
 
         codes = [0] * len(moved)
-        for batch, reply in await self._per_model([lease.spec.model for lease, _ in moved], call):
+        models = [lease.spec.model for lease, _ in moved]
+        for batch, reply in await self.table.per_model(models, call):
             for i, code in zip(batch, reply, strict=True):
                 codes[i] = int(code)
-        await self._settle_specs(
+        await self.table.settle(
             [
                 (lease.spec, cancelled_result())
                 for (lease, _), code in zip(moved, codes, strict=True)
@@ -872,12 +861,17 @@ class AmqpQueue(RedisQueue):
             )
         await asyncio.gather(*(self.amqp.ack(m) for m in messages))
         buried = [(spec, end) for (spec, end), ok in zip(ended, flags, strict=True) if ok]
-        await self._settle_specs(buried)
+        await self.table.settle(buried)
         return [spec.id for spec, _ in buried]
 
     # -- cancellation ----------------------------------------------------------------------
-    async def _cancel(self, job_id: str, leaving: int) -> CancelOutcome:
-        outcome = await super()._cancel(job_id, leaving)
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        return await self._unwait(job_id, await self.table.cancel(job_id))
+
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        return await self._unwait(job_id, await self.table.leave(job_id, followers))
+
+    async def _unwait(self, job_id: str, outcome: CancelOutcome) -> CancelOutcome:
         if outcome is CancelOutcome.CANCELLED:
             # its message stays on the lane until a claim drops it; it no longer waits
             lane = await self.conn.one(("HGET", self.keys.job(job_id), "lane"))
