@@ -3,8 +3,9 @@ result backend): `--broker amqp://user:pass@host:5672/vhost --tables redis://hos
 
 `open_backend` builds it: the lanes (queue.py: quorum queues a worker consumes, delay queues
 for retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
-named in names.py; records, leases, events and every table on the Redis connection, by the Redis
-backend's own classes and the scripts in lua/ (declared in scripts.py).
+named in names.py; records, leases, events and every table on the Redis connection: the lanes
+compose the Valkey job table (redis/table.py) and change it by the scripts in lua/ (declared
+in scripts.py); the other tables are the Redis backend's.
 """
 
 from __future__ import annotations

@@ -43,12 +43,12 @@ from tokenyard.broker.core import (
     Lease,
     ReapReport,
 )
+from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, claim_order, stamp_by_model
 from tokenyard.broker.redis.connection import ms
 from tokenyard.broker.redis.connection import text as as_text
-from tokenyard.broker.redis.queue import RedisQueue
 from tokenyard.broker.redis.scripts import Call, Empty
 from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
@@ -123,12 +123,15 @@ class _Held(NamedTuple):
     lane: _Lane | None  # the lane whose consumer it came from; None: basic.get
 
 
-class AmqpQueue(RedisQueue):
-    """RabbitMQ lanes; the Redis queue's records, events, cancellation and introspection rules
-    (inherited) over the tables' server."""
+class AmqpQueue(LanesOnTable):
+    """RabbitMQ lanes over the Valkey job table."""
+
+    table: ValkeyJobTable
 
     def __init__(self, table: ValkeyJobTable, amqp: AmqpConnection, names: Names) -> None:
         super().__init__(table)
+        self.conn = table.conn
+        self.keys = table.keys
         self.amqp = amqp
         self.names = names
         self._held: dict[str, _Held] = {}  # lease token -> its delivery
@@ -589,9 +592,13 @@ class AmqpQueue(RedisQueue):
             items,
         )
 
-    async def _completed(self, leases: Sequence[Lease]) -> None:
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None = None,
+    ) -> list[bool]:
         # fenced or not, the delivery is done with: a fenced one's message is stale or gone
-        await self._let_go(leases)
+        return await self.table.complete_many(items, tails, self._complete_call, then=self._let_go)
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         """1 retrying (after backoff, through a delay queue), 0 dead-lettered, 2 ended

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from redis.asyncio.client import Pipeline
@@ -18,16 +17,14 @@ from redis.asyncio.client import Pipeline
 from tokenyard.broker import audit
 from tokenyard.broker.core import (
     BrokerStats,
-    CancelOutcome,
     EnqueueResult,
     LaneBacklog,
     LaneStats,
     Lease,
-    QueueCore,
     ReapReport,
     TenantBacklog,
 )
-from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
@@ -50,10 +47,8 @@ from tokenyard.broker.redis.keys import GROUP
 from tokenyard.broker.redis.scripts import Call, Empty
 from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.messages import (
-    DeadLetter,
     Finished,
     JobEvent,
-    JobRecord,
     JobResult,
     JobSpec,
     Priority,
@@ -76,33 +71,18 @@ class _WaitHint(NamedTuple):
     after: dict[str, str]
 
 
-class RedisQueue(QueueCore):
-    """The queue core on Redis Streams; works on Redis >= 6.2 and Valkey >= 7.2."""
+class RedisQueue(LanesOnTable):
+    """Lanes on Redis Streams over the Valkey job table; Redis >= 6.2 and Valkey >= 7.2."""
+
+    table: ValkeyJobTable
 
     def __init__(self, table: ValkeyJobTable, rng: random.Random | None = None) -> None:
-        self.table = table
-        self.settings = table.settings
-        self.clock = table.clock
+        super().__init__(table, rng)
         self.conn = table.conn
         self.keys = table.keys
-        self._rounds: dict[str, int] = defaultdict(int)
         self._hints: dict[str, _WaitHint] = {}
-        self._rng = rng or random.Random()
-        self._group = GroupCommit(
-            self.enqueue_many,
-            max_batch=self.settings.enqueue_batch,
-            window_s=self.settings.enqueue_window_s,
-        )
-
-    async def close(self) -> None:
-        """Send the enqueues the group commit still holds; the connection stays open."""
-        await self._group.close()
 
     # -- producing -------------------------------------------------------------------------
-    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
-        """One job; concurrent callers of this broker share script calls (group commit)."""
-        return await self._group.enqueue(spec)
-
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """All-or-nothing per model: one script call admits a model's whole batch."""
         now = self.clock()
@@ -341,36 +321,7 @@ class RedisQueue(QueueCore):
         items: Sequence[tuple[Lease, JobResult]],
         tails: Sequence[TokenChunk | None] | None = None,
     ) -> list[bool]:
-        """One fenced script call per model, the terminal audit entries in the same round trip;
-        then the quotas of the accepted ones are settled."""
-        if not items:
-            return []
-        now = repr(self.clock())
-        by_model: dict[str, list[int]] = defaultdict(list)
-        for index, (lease, _) in enumerate(items):
-            by_model[lease.spec.model].append(index)
-        calls = [
-            self._complete_call(
-                model,
-                [(*items[i], None if tails is None else tails[i]) for i in indexes],
-                now,
-            )
-            for model, indexes in by_model.items()
-        ]
-        accepted = [False] * len(items)
-        when = self.clock()
-        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
-        replies, ids = await self.table.eval_audited(calls, entries)
-        for indexes, flags in zip(by_model.values(), replies, strict=True):
-            for i, flag in zip(indexes, flags, strict=True):
-                accepted[i] = bool(flag)
-        await self.table.audit.take_back([ids[i] for i in range(len(items)) if not accepted[i]])
-        await self._completed([lease for lease, _ in items])
-        await self.table.settle(
-            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
-            audited=False,
-        )
-        return accepted
+        return await self.table.complete_many(items, tails, self._complete_call)
 
     def _complete_call(
         self, model: str, batch: Sequence[tuple[Lease, JobResult, TokenChunk | None]], now: str
@@ -400,10 +351,6 @@ class RedisQueue(QueueCore):
                 for lease, result, tail in batch
             ],
         )
-
-    async def _completed(self, leases: Sequence[Lease]) -> None:
-        """After a completion, accepted or fenced: nothing to do here (the script acked the
-        entries); a backend whose deliveries live elsewhere lets them go."""
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         now = self.clock()
@@ -445,12 +392,6 @@ class RedisQueue(QueueCore):
             await self.table.settle([(lease.spec, ended)])
         return outcome
 
-    async def retry(self, lease: Lease, error: str) -> bool:
-        return await self._fail(lease, error, "failed", force_dead=False) == 1
-
-    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
-        return await self._fail(lease, error or reason, reason, force_dead=True) == 0
-
     async def release(self, leases: Sequence[Lease]) -> int:
         now = repr(self.clock())
 
@@ -490,10 +431,6 @@ class RedisQueue(QueueCore):
             [(leases[i].spec, cancelled_result()) for i, code in codes.items() if code == 2]
         )
         return sum(1 for code in codes.values() if code)
-
-    async def beat(self, model: str, consumer: str) -> None:
-        until = self.clock() + self.settings.liveness_s
-        await self.conn.one(("ZADD", self.keys.live(model), repr(until), consumer))
 
     async def reap(self, model: str, expired: bool = True) -> ReapReport:
         error = lapsed_error(self.settings.max_deliveries)
@@ -552,38 +489,6 @@ class RedisQueue(QueueCore):
             return scripts.EMIT.call(Empty(), scripts.GroupArg(group=GROUP), items)
 
         return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)
-
-    # -- the job table's -------------------------------------------------------------------
-    async def record(self, job_id: str) -> JobRecord | None:
-        return await self.table.record(job_id)
-
-    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
-        return await self.table.records(job_ids)
-
-    async def read_events(
-        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
-    ) -> list[tuple[str, JobEvent]]:
-        return await self.table.read_events(job_id, after, block_s, count)
-
-    async def read_events_many(
-        self, cursors: Mapping[str, str], block_s: float = 0.0, count: int = 1000
-    ) -> list[tuple[str, str, JobEvent]]:
-        return await self.table.read_events_many(cursors, block_s, count)
-
-    async def cancel(self, job_id: str) -> CancelOutcome:
-        return await self.table.cancel(job_id)
-
-    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
-        return await self.table.leave(job_id, followers)
-
-    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
-        return await self.table.cancelled(model, job_ids)
-
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
-        return await self.table.dead_letters(model, count)
-
-    async def models(self) -> list[str]:
-        return await self.table.models()
 
     # -- introspection ---------------------------------------------------------------------
     async def stats(self, model: str) -> BrokerStats:

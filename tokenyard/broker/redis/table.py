@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
-from tokenyard.broker.core import CancelOutcome, Clock
+from tokenyard.broker.core import CancelOutcome, Clock, JobTable, Lease
 from tokenyard.broker.outcomes import cancelled_result, expired_result
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.connection import (
@@ -41,10 +41,14 @@ from tokenyard.messages import (
     JobSpec,
     JobStatus,
     Priority,
+    TokenChunk,
     decode,
     decode_event,
     encode,
 )
+
+# one model's fenced completion: its jobs (lease, result, last chunk) and the time, as a script
+CompleteCall = Callable[[str, Sequence[tuple[Lease, JobResult, TokenChunk | None]], str], Call]
 
 
 def _field(fields: Any, name: bytes) -> Any:
@@ -58,7 +62,7 @@ def _field(fields: Any, name: bytes) -> Any:
     raise KeyError(name)
 
 
-class ValkeyJobTable:
+class ValkeyJobTable(JobTable):
     """Jobs' records, events and cancellation on Valkey/Redis, for any lanes."""
 
     def __init__(
@@ -147,6 +151,42 @@ class ValkeyJobTable:
         return job, idem, inflight
 
     # -- endings ---------------------------------------------------------------------------
+    async def complete_many(
+        self,
+        items: Sequence[tuple[Lease, JobResult]],
+        tails: Sequence[TokenChunk | None] | None,
+        call: CompleteCall,
+        then: Callable[[Sequence[Lease]], Awaitable[None]] | None = None,
+    ) -> list[bool]:
+        """One fenced completion script per model (`call` builds it), the terminal audit
+        entries in the same round trip; `then` lets the lanes drop the deliveries (accepted or
+        fenced); then the quotas of the accepted ones are settled."""
+        if not items:
+            return []
+        now = repr(self.clock())
+        by_model: dict[str, list[int]] = defaultdict(list)
+        for index, (lease, _) in enumerate(items):
+            by_model[lease.spec.model].append(index)
+        calls = [
+            call(model, [(*items[i], None if tails is None else tails[i]) for i in indexes], now)
+            for model, indexes in by_model.items()
+        ]
+        accepted = [False] * len(items)
+        when = self.clock()
+        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
+        replies, ids = await self.eval_audited(calls, entries)
+        for indexes, flags in zip(by_model.values(), replies, strict=True):
+            for i, flag in zip(indexes, flags, strict=True):
+                accepted[i] = bool(flag)
+        await self.audit.take_back([ids[i] for i in range(len(items)) if not accepted[i]])
+        if then is not None:
+            await then([lease for lease, _ in items])
+        await self.settle(
+            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
+            audited=False,
+        )
+        return accepted
+
     async def settle(
         self, ended: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True
     ) -> None:
@@ -166,6 +206,12 @@ class ValkeyJobTable:
         """Settle jobs that just ended where only their ids are at hand (rare paths)."""
         records = [await self.record(job_id) for job_id in job_ids]
         await self.settle([(r.spec, r.result) for r in records if r is not None])
+
+    # -- liveness --------------------------------------------------------------------------
+    async def beat(self, model: str, consumer: str) -> None:
+        """The worker lives until `liveness_s` from now (the lanes' reaps read the set)."""
+        until = self.clock() + self.settings.liveness_s
+        await self.conn.one(("ZADD", self.keys.live(model), repr(until), consumer))
 
     # -- cancellation ----------------------------------------------------------------------
     async def cancel(self, job_id: str) -> CancelOutcome:
