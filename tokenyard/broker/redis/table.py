@@ -15,9 +15,10 @@ from typing import Any
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
-from tokenyard.broker.core import CancelOutcome, Clock, JobTable, Lease
+from tokenyard.broker.core import BrokerStats, CancelOutcome, Clock, JobTable, LaneStats, Lease
 from tokenyard.broker.outcomes import cancelled_result, expired_result
 from tokenyard.broker.redis import scripts
+from tokenyard.broker.redis.channel import Command
 from tokenyard.broker.redis.connection import (
     MAX_BLOCK_S,
     SOCKET_TIMEOUT_S,
@@ -113,14 +114,20 @@ class ValkeyJobTable(JobTable):
         replies = await self.conn.eval_many([call(batch) for batch in batches.values()])
         return list(zip(batches.values(), replies, strict=True))
 
+    async def codes_per_model(
+        self, models: Sequence[str], call: Callable[[list[int]], Call]
+    ) -> list[int]:
+        """`per_model`, for scripts that answer one integer per item: those integers in order."""
+        codes = [0] * len(models)
+        for batch, reply in await self.per_model(models, call):
+            for i, code in zip(batch, reply, strict=True):
+                codes[i] = int(code)
+        return codes
+
     async def flags_per_model(
         self, models: Sequence[str], call: Callable[[list[int]], Call]
     ) -> list[bool]:
-        flags = [False] * len(models)
-        for batch, reply in await self.per_model(models, call):
-            for i, flag in zip(batch, reply, strict=True):
-                flags[i] = bool(flag)
-        return flags
+        return [bool(code) for code in await self.codes_per_model(models, call)]
 
     # -- admission -------------------------------------------------------------------------
     async def note_models(self, models: Iterable[str]) -> None:
@@ -298,6 +305,36 @@ class ValkeyJobTable(JobTable):
         return [_record_of_hash(h) for h in await self.conn.execute(pipe)] if job_ids else []
 
     # -- introspection ---------------------------------------------------------------------
+    def tally_commands(self, model: str) -> list[Command]:
+        """What `stats_of` reads besides the lanes: the jobs waiting out a backoff, the dead
+        letters, the counters (fenced completions, expiries)."""
+        return [
+            ("ZCARD", self.keys.delayed(model)),
+            ("XLEN", self.keys.dead_letters(model)),
+            ("HGETALL", self.keys.counters(model)),
+        ]
+
+    def stats_of(self, model: str, lanes: list[LaneStats], tallies: Sequence[Any]) -> BrokerStats:
+        """A model's stats from its lanes' and the replies to `tally_commands`."""
+        for reply in tallies:
+            if isinstance(reply, Exception):
+                raise reply
+        delayed, dead, counters = tallies
+        # a map (RESP3, or redis-py's parsing) or a flat [name, value, ...] list (RESP2)
+        counts = (
+            {text(k): v for k, v in counters.items()}
+            if isinstance(counters, dict)
+            else dict(zip(map(text, counters[::2]), counters[1::2], strict=True))
+        )
+        return BrokerStats(
+            model=model,
+            lanes=lanes,
+            delayed=int(delayed),
+            dead_letters=int(dead),
+            fenced_completions=int(counts.get("fenced", 0)),
+            expired=int(counts.get("expired", 0)),
+        )
+
     async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
         rows: list[tuple[bytes, dict[bytes, bytes]]] = await self.conn.parsed(
             "XRANGE", self.keys.dead_letters(model), "-", "+", "COUNT", count
