@@ -233,8 +233,8 @@ class Cancellation(Protocol):
         ...
 
 
-class Stats(Protocol):
-    """Depths, ages and counters, for `tokenyard status` and /metrics."""
+class LaneCounts(Protocol):
+    """What waits and runs in a model's lanes."""
 
     async def stats(self, model: str) -> BrokerStats: ...
 
@@ -242,11 +242,15 @@ class Stats(Protocol):
         """Jobs of a model waiting or in flight, over all lanes; one round trip, for polling."""
         ...
 
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
-
     async def backlog(self, model: str) -> list[LaneBacklog]:
         """Each priority's waiting work by tenant, highest priority first (two round trips)."""
         ...
+
+
+class Stats(LaneCounts, Protocol):
+    """Depths, ages and counters, for `tokenyard status` and /metrics."""
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
 
     async def models(self) -> list[str]: ...
 

@@ -14,16 +14,40 @@ import random
 from abc import abstractmethod
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
-from tokenyard.broker.core import CancelOutcome, EnqueueResult, JobTable, Lease, QueueCore
+from tokenyard.broker.core import (
+    BrokerStats,
+    CancelOutcome,
+    EnqueueResult,
+    JobTable,
+    LaneBacklog,
+    LaneCounts,
+    Lease,
+    QueueCore,
+)
 from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.policy import claim_order
 from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobSpec
 
 
+class Claim(NamedTuple):
+    """What a claim asks for (`Leases.claim`), at least one slot."""
+
+    model: str
+    consumer: str
+    slots: int
+    block_s: float
+    pools: Sequence[int]
+    batch_room: int | None
+
+
 class LanesOnTable(QueueCore):
-    """A queue core whose lanes are the subclass's and whose jobs are `table`'s."""
+    """A queue core whose lanes are the subclass's (their counts in `counts`) and whose jobs
+    are `table`'s."""
 
     table: JobTable
+    counts: LaneCounts
 
     def __init__(self, table: JobTable, rng: random.Random | None = None) -> None:
         self.table = table
@@ -45,6 +69,31 @@ class LanesOnTable(QueueCore):
         """Send the enqueues the group commit still holds; the connections stay open."""
         await self._group.close()
 
+    # -- claiming --------------------------------------------------------------------------
+    async def claim(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
+    ) -> list[Lease]:
+        if slots <= 0:
+            return []
+        return await self._claim(Claim(model, consumer, slots, block_s, pools, batch_room))
+
+    @abstractmethod
+    async def _claim(self, ask: Claim) -> list[Lease]:
+        """The lanes' claim (see `Leases.claim`)."""
+
+    def _next_order(self, model: str, priorities: int) -> list[int]:
+        """The order this claim of `model` looks at its priorities in (`policy.claim_order`:
+        strict priority, and every `starvation_every`-th claim the lower ones first)."""
+        order = claim_order(priorities, self._rounds[model], self.settings.starvation_every)
+        self._rounds[model] += 1
+        return order
+
     # -- a failed job ----------------------------------------------------------------------
     @abstractmethod
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
@@ -57,6 +106,16 @@ class LanesOnTable(QueueCore):
 
     async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
         return await self._fail(lease, error or reason, reason, force_dead=True) == 0
+
+    # -- the lanes' counts ------------------------------------------------------------------
+    async def stats(self, model: str) -> BrokerStats:
+        return await self.counts.stats(model)
+
+    async def depth(self, model: str) -> int:
+        return await self.counts.depth(model)
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        return await self.counts.backlog(model)
 
     # -- the table's -----------------------------------------------------------------------
     async def record(self, job_id: str) -> JobRecord | None:

@@ -28,17 +28,15 @@ from tokenyard.broker.amqp.lanes import Delivery, RabbitLanes, new_msg
 from tokenyard.broker.amqp.ledger import Ledger
 from tokenyard.broker.amqp.names import Names
 from tokenyard.broker.core import (
-    BrokerStats,
     CancelOutcome,
     EnqueueResult,
-    LaneBacklog,
     Lease,
     ReapReport,
 )
-from tokenyard.broker.lanes import LanesOnTable
+from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
-from tokenyard.broker.policy import backoff_delay, claim_order, stamp_by_model
+from tokenyard.broker.policy import backoff_delay, stamp_by_model
 from tokenyard.broker.redis.connection import text as as_text
 from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
@@ -67,7 +65,7 @@ class AmqpQueue(LanesOnTable):
         self.conn = table.conn
         self.keys = table.keys
         self.lanes = RabbitLanes(table.settings, amqp, names)
-        self.ledger = Ledger(table)
+        self.ledger = self.counts = Ledger(table)
         self.amqp = amqp
         self.names = names
 
@@ -126,28 +124,18 @@ class AmqpQueue(LanesOnTable):
         return results
 
     # -- consuming -------------------------------------------------------------------------
-    async def claim(
-        self,
-        model: str,
-        consumer: str,
-        slots: int,
-        block_s: float = 0.0,
-        pools: Sequence[int] = (0,),
-        batch_room: int | None = None,
-    ) -> list[Lease]:
+    async def _claim(self, ask: Claim) -> list[Lease]:
         """What RabbitMQ pushed to this process's lane consumers, in claim order (strict
         priority, anti-starvation rounds), at most `slots`; topped up with basic.get where a
         push cannot bring more now; else wait for a push up to `block_s`. Consumers are made by
         the first blocking claim (a worker's): a claim that may not wait, with none made, takes
         exactly what is ready by basic.get alone."""
-        if slots <= 0:
-            return []
+        model, consumer, slots, block_s, pools, batch_room = ask
         await self.lanes.declare(model)
         feed = await self.lanes.feed(model, pools, slots, block=block_s > 0)
         give_up_at = time.monotonic() + block_s
         while True:
-            order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
-            self._rounds[model] += 1
+            order = self._next_order(model, len(Priority))
             got = await self.lanes.pull(
                 model, feed, order, pools, slots, batch_room, block=block_s > 0
             )
@@ -330,13 +318,3 @@ class AmqpQueue(LanesOnTable):
         if outcome is CancelOutcome.CANCELLED:
             await self.ledger.unwait(job_id)
         return outcome
-
-    # -- introspection ---------------------------------------------------------------------
-    async def stats(self, model: str) -> BrokerStats:
-        return await self.ledger.stats(model)
-
-    async def depth(self, model: str) -> int:
-        return await self.ledger.depth(model)
-
-    async def backlog(self, model: str) -> list[LaneBacklog]:
-        return await self.ledger.backlog(model)

@@ -14,18 +14,15 @@ from typing import Any, NamedTuple
 
 from tokenyard.broker import audit
 from tokenyard.broker.core import (
-    BrokerStats,
     EnqueueResult,
-    LaneBacklog,
     Lease,
     ReapReport,
 )
-from tokenyard.broker.lanes import LanesOnTable
+from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
     backoff_delay,
-    claim_order,
     fair_cost,
     staging_score,
     stamp_by_model,
@@ -154,21 +151,12 @@ class RedisQueue(LanesOnTable):
         )
 
     # -- consuming -------------------------------------------------------------------------
-    async def claim(
-        self,
-        model: str,
-        consumer: str,
-        slots: int,
-        block_s: float = 0.0,
-        pools: Sequence[int] = (0,),
-        batch_room: int | None = None,
-    ) -> list[Lease]:
+    async def _claim(self, ask: Claim) -> list[Lease]:
         """One round trip in the common case: while the lanes have more than `slots` jobs, the
         claim script alone; once a claim drains them, the next one blocks on XREAD after the
         lanes' newest ids and runs the claim script in the same pipeline, so the server claims
         the moment the wake-up arrives."""
-        if slots <= 0:
-            return []
+        model, consumer, slots, block_s, pools, batch_room = ask
         # per priority, the pools in the caller's order: strict priority holds across pools
         lanes = [[self.keys.lane(model, p, pool) for pool in pools] for p in Priority]
         capped = {self.keys.lane(model, Priority.BATCH, pool) for pool in pools}
@@ -178,8 +166,7 @@ class RedisQueue(LanesOnTable):
         if hint is not None and hint.batch_room != batch_room:
             hint = None  # taken under another cap: the batch lane may hold work it may now take
         while True:
-            order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
-            self._rounds[model] += 1
+            order = self._next_order(model, len(lanes))
             ordered = [lane for i in order for lane in lanes[i]]
             now = self.clock()
             wake = self.keys.wake(model, consumer)
@@ -482,13 +469,3 @@ class RedisQueue(LanesOnTable):
             return scripts.EMIT.call(Empty(), scripts.GroupArg(group=GROUP), items)
 
         return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)
-
-    # -- introspection (counts.py) ---------------------------------------------------------
-    async def stats(self, model: str) -> BrokerStats:
-        return await self.counts.stats(model)
-
-    async def depth(self, model: str) -> int:
-        return await self.counts.depth(model)
-
-    async def backlog(self, model: str) -> list[LaneBacklog]:
-        return await self.counts.backlog(model)

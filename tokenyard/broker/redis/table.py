@@ -265,10 +265,7 @@ class ValkeyJobTable(JobTable):
         return [(eid, event) for _, eid, event in found]
 
     async def read_events_many(
-        self,
-        cursors: Mapping[str, str],
-        block_s: float = 0.0,
-        count: int = 1000,
+        self, cursors: Mapping[str, str], block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, str, JobEvent]]:
         if not cursors:
             return []
