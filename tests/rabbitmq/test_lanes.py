@@ -65,7 +65,7 @@ async def test_a_message_rabbitmq_dead_letters_becomes_a_dead_letter_with_its_re
     try:
         channel = await connection.channel()
         raw = await channel.get_queue(lane, ensure=False)
-        for _ in range(queue.delivery_limit + 1):  # returned past the limit, unrun
+        for _ in range(queue.lanes.delivery_limit + 1):  # returned past the limit, unrun
             message = await raw.get(no_ack=False, timeout=5)
             await message.nack(requeue=True)
         assert await raw.get(no_ack=False, fail=False, timeout=5) is None

@@ -199,16 +199,12 @@ class Leases(Protocol):
         ...
 
 
-class Events(Protocol):
-    """Per-job event streams: the worker appends, the gateway follows.
+class EventReads(Protocol):
+    """Per-job event streams as the gateway follows them.
 
     Contract: once a job is terminal, reading its events ends with a `Finished` event carrying
     its result.
     """
-
-    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
-        """Append events in one round trip, fenced: False where the lease was lost."""
-        ...
 
     async def read_events(
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
@@ -225,6 +221,14 @@ class Events(Protocol):
         """(job_id, event_id, event) after each job's cursor, in one read over every stream;
         waits up to `block_s` when none has any. All jobs must share a model (one hash slot).
         """
+        ...
+
+
+class Events(EventReads, Protocol):
+    """Per-job event streams: the worker appends (fenced by its lease), the gateway follows."""
+
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        """Append events in one round trip, fenced: False where the lease was lost."""
         ...
 
 
@@ -253,8 +257,8 @@ class Cancellation(Protocol):
         ...
 
 
-class Stats(Protocol):
-    """Depths, ages and counters, for `tokenyard status` and /metrics."""
+class LaneCounts(Protocol):
+    """What waits and runs in a model's lanes."""
 
     async def stats(self, model: str) -> BrokerStats: ...
 
@@ -262,13 +266,43 @@ class Stats(Protocol):
         """Jobs of a model waiting or in flight, over all lanes; one round trip, for polling."""
         ...
 
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
-
     async def backlog(self, model: str) -> list[LaneBacklog]:
         """Each priority's waiting work by tenant, highest priority first (two round trips)."""
         ...
 
+
+class Stats(LaneCounts, Protocol):
+    """Depths, ages and counters, for `tokenyard status` and /metrics."""
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
     async def models(self) -> list[str]: ...
+
+
+class JobTable(Records, EventReads, Cancellation, Protocol):
+    """What lanes leave to a job table: a job's record, its events as readers follow them,
+    cancellation, workers' liveness, dead letters, the models seen, and the settlement of a
+    job that ended (its quota, its audit entry). Lanes keep the rest: enqueue, claim, leases,
+    the fenced appends and endings (which change the table under the lanes' own fences),
+    reaps (which read the liveness), depths."""
+
+    settings: BrokerSettings
+    clock: Clock
+
+    async def beat(self, model: str, consumer: str) -> None:
+        """As `Leases.beat`: the worker lives for `liveness_s` more."""
+        ...
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
+    async def models(self) -> list[str]: ...
+
+    async def settle(
+        self, ended: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True
+    ) -> None:
+        """Settle the quotas of jobs that just ended and, unless their ending wrote it
+        already (`audited=False`), audit their ends."""
+        ...
 
 
 class QueueCore(Producer, Leases, Events, Records, Cancellation, Stats, Protocol):

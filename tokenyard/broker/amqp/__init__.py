@@ -1,10 +1,11 @@
 """RabbitMQ lanes with the tables on Redis/Valkey beside them (as Celery pairs a broker with a
 result backend): `--broker amqp://user:pass@host:5672/vhost --tables redis://host:6379/0`.
 
-`open_backend` builds it: the lanes (queue.py: quorum queues a worker consumes, delay queues
+`open_backend` builds it: the lanes (lanes.py: quorum queues a worker consumes, delay queues
 for retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
-named in names.py; records, leases, events and every table on the Redis connection, by the Redis
-backend's own classes and the scripts in lua/ (declared in scripts.py).
+named in names.py; records, leases, events and every table on the Redis connection: the queue
+core (queue.py) composes the Valkey job table (redis/table.py) and changes it by the scripts in
+lua/ (declared in scripts.py, called by ledger.py); the other tables are the Redis backend's.
 """
 
 from __future__ import annotations
@@ -65,13 +66,11 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         msgspec.structs.replace(settings, url=settings.tables_url), extra_scripts=scripts.SCRIPTS
     )
     amqp = AmqpConnection(settings.url, heartbeat_s=settings.lease_s / 2)
-    keys = Keys(settings.prefix)
-    names = Names(settings.prefix)
     return backend_on(
         settings,
         conn,
-        keys,
-        lambda quotas, audit: AmqpQueue(settings, conn, keys, quotas, audit, amqp, names, clock),
+        Keys(settings.prefix),
+        lambda table: AmqpQueue(table, amqp, Names(settings.prefix)),
         clock,
         connection=_Connections(amqp, conn),
     )

@@ -1,9 +1,9 @@
 """The Redis Streams backend (Redis >= 6.2, Valkey >= 7.2, Redis Cluster).
 
-`open_backend` builds it: one connection layer (connection.py), the queue core (queue.py) and
-the tables (tables.py, batches.py, series.py) over it. Beside them: the Lua scripts (lua/,
-declared in scripts.py), key names (keys.py), the hot path's channel, and an embedded Valkey
-(and cluster) for `serve`, tests and benchmarks.
+`open_backend` builds it: one connection layer (connection.py), the queue core over it (the
+lanes, queue.py, over the job table, table.py) and the other tables (tables.py, batches.py,
+series.py). Beside them: the Lua scripts (lua/, declared in scripts.py), key names (keys.py),
+the hot path's channel, and an embedded Valkey (and cluster) for `serve`, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tokenyard.broker.redis.connection import RedisConnection
 from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.queue import RedisQueue
 from tokenyard.broker.redis.series import RedisSeries
+from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.broker.redis.tables import (
     RedisAudit,
     RedisDirectory,
@@ -58,7 +59,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
         settings,
         conn,
         keys,
-        lambda quotas, audit: RedisQueue(settings, conn, keys, quotas, audit, clock),
+        RedisQueue,
         clock,
     )
 
@@ -67,17 +68,17 @@ def backend_on(
     settings: BrokerSettings,
     conn: RedisConnection,
     keys: Keys,
-    queue_of: Callable[[RedisQuotas, RedisAudit], QueueCore],
+    queue_of: Callable[[ValkeyJobTable], QueueCore],
     clock: Clock,
     connection: Connection | None = None,
 ) -> Backend:
-    """Every table on `conn`, and the queue core `queue_of` builds over its quotas and audit
-    trail (this backend's, or RabbitMQ lanes'); `connection` answers for the whole backend."""
+    """Every table on `conn`, and the queue core `queue_of` builds over the job table (this
+    backend's lanes, or RabbitMQ's); `connection` answers for the whole backend."""
     quotas = RedisQuotas(conn, keys, clock)
     audit = RedisAudit(conn, keys, settings.audit_max_len)
     return Backend(
         settings=settings,
-        queue=queue_of(quotas, audit),
+        queue=queue_of(ValkeyJobTable(settings, conn, keys, quotas, audit, clock)),
         directory=RedisDirectory(conn, keys),
         quotas=quotas,
         audit=audit,

@@ -9,77 +9,46 @@ from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from redis.asyncio.client import Pipeline
-
 from tokenyard.broker import audit
-from tokenyard.broker.audit import AuditEntry
 from tokenyard.broker.core import (
-    BrokerStats,
-    CancelOutcome,
-    Clock,
     EnqueueResult,
-    LaneBacklog,
-    LaneStats,
     Lease,
-    QueueCore,
     ReapReport,
-    TenantBacklog,
 )
-from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
     backoff_delay,
-    claim_order,
     fair_cost,
     staging_score,
     stamp_by_model,
 )
 from tokenyard.broker.redis import scripts
-from tokenyard.broker.redis.channel import Command
 from tokenyard.broker.redis.connection import (
     MAX_BLOCK_S,
     SOCKET_TIMEOUT_S,
-    RedisConnection,
     ms,
     text,
     xread_command,
 )
-from tokenyard.broker.redis.keys import GROUP, Keys
+from tokenyard.broker.redis.counts import StreamCounts
+from tokenyard.broker.redis.keys import GROUP
 from tokenyard.broker.redis.scripts import Call, Empty
-from tokenyard.broker.redis.tables import RedisAudit, RedisQuotas
-from tokenyard.broker.tables import settlement
-from tokenyard.config import BrokerSettings
-from tokenyard.errors import QueueFull
+from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.messages import (
-    DeadLetter,
     Finished,
     JobEvent,
-    JobRecord,
     JobResult,
     JobSpec,
-    JobStatus,
     Priority,
     TokenChunk,
     decode,
-    decode_event,
     encode,
 )
-
-
-def _field(fields: Any, name: bytes) -> Any:
-    """A stream entry's field from its raw reply: a flat [name, value, ...] list (RESP2) or
-    a map (RESP3)."""
-    if isinstance(fields, dict):
-        return fields[name]
-    for i in range(0, len(fields), 2):
-        if fields[i] == name:
-            return fields[i + 1]
-    raise KeyError(name)
 
 
 class _WaitHint(NamedTuple):
@@ -95,63 +64,19 @@ class _WaitHint(NamedTuple):
     after: dict[str, str]
 
 
-class RedisQueue(QueueCore):
-    """The queue core on Redis Streams; works on Redis >= 6.2 and Valkey >= 7.2."""
+class RedisQueue(LanesOnTable):
+    """Lanes on Redis Streams over the Valkey job table; Redis >= 6.2 and Valkey >= 7.2."""
 
-    def __init__(
-        self,
-        settings: BrokerSettings,
-        conn: RedisConnection,
-        keys: Keys,
-        quotas: RedisQuotas,
-        audit_trail: RedisAudit,
-        clock: Clock = time.time,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.settings = settings
-        self.clock = clock
-        self.conn = conn
-        self.keys = keys
-        self.quotas = quotas
-        self.audit = audit_trail
-        # every claim passes the expired outcome along; encode it once, not per claim
-        self._expired = encode(Finished(result=expired_result()))
-        self._cancelled = encode(Finished(result=cancelled_result()))
-        self._rounds: dict[str, int] = defaultdict(int)
+    table: ValkeyJobTable
+
+    def __init__(self, table: ValkeyJobTable, rng: random.Random | None = None) -> None:
+        super().__init__(table, rng)
+        self.conn = table.conn
+        self.keys = table.keys
         self._hints: dict[str, _WaitHint] = {}
-        self._rng = rng or random.Random()
-        self._known_models: set[str] = set()
-        self._group = GroupCommit(
-            self.enqueue_many,
-            max_batch=settings.enqueue_batch,
-            window_s=settings.enqueue_window_s,
-        )
-
-    async def close(self) -> None:
-        """Send the enqueues the group commit still holds; the connection stays open."""
-        await self._group.close()
-
-    async def _eval_audited(
-        self, calls: Sequence[Call], entries: Sequence[AuditEntry]
-    ) -> tuple[list[Any], list[str | None]]:
-        """Scripts with the audit entries' XADDs in the same round trip (the stream has its own
-        hash tag, so it cannot be in the scripts). Returns the scripts' results and each
-        entry's stream id (None where it was not written)."""
-        appends = self.audit.appends(entries)
-        if not appends:
-            return await self.conn.eval_many(calls), [None] * len(entries)
-        results, replies = await self.conn.eval_with(calls, appends)
-        return results, self.audit.written(entries, replies)
-
-    @property
-    def _ttl_ms(self) -> int:
-        return ms(self.settings.record_ttl_s)
+        self.counts = StreamCounts(table)
 
     # -- producing -------------------------------------------------------------------------
-    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
-        """One job; concurrent callers of this broker share script calls (group commit)."""
-        return await self._group.enqueue(spec)
-
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """All-or-nothing per model: one script call admits a model's whole batch."""
         now = self.clock()
@@ -160,52 +85,27 @@ class RedisQueue(QueueCore):
             self._enqueue_call([specs[i] for i in indexes], now) for indexes in by_model.values()
         ]
         receipts = [audit.received(spec, now) for spec in specs]
-        replies, ids = await self._eval_audited(calls, receipts)
-        await self._note_models(by_model)
+        replies, ids = await self.table.eval_audited(calls, receipts)
+        await self.table.note_models(by_model)
         results: list[EnqueueResult | None] = [None] * len(specs)
         for indexes, (code, payload) in zip(by_model.values(), replies, strict=False):
             if code == -1:
                 # the other models' batches stand; none of this model's jobs was added
-                await self.audit.take_back([ids[i] for i in indexes])
-                raise self._lane_full(specs, indexes, payload)
+                await self.table.audit.take_back([ids[i] for i in indexes])
+                raise self.table.lane_full(specs, indexes, payload)
             for i, (created, job_id, joined) in zip(indexes, payload, strict=True):
                 results[i] = EnqueueResult(
                     job_id=text(job_id), created=created == 1, collapsed=joined == 1
                 )
-        await self.audit.take_back([ids[i] for i, r in enumerate(results) if r and not r.created])
+        await self.table.audit.take_back(
+            [ids[i] for i, r in enumerate(results) if r and not r.created]
+        )
         return [r for r in results if r is not None]
-
-    async def _note_models(self, models: Iterable[str]) -> None:
-        """Add models this process has not enqueued for yet to the set `models()` reads."""
-        new_models = set(models) - self._known_models
-        if new_models:
-            await self.conn.one(("SADD", self.keys.models(), *new_models))
-            self._known_models |= new_models
-
-    def _lane_full(
-        self, specs: Sequence[JobSpec], indexes: Sequence[int], refusal: Any
-    ) -> QueueFull:
-        """The QueueFull an enqueue script's `{item, depth}` refusal stands for."""
-        item, depth = refusal
-        full = specs[indexes[int(item) - 1]]
-        lane = f"{full.model}/{full.priority.name.lower()}"
-        return QueueFull(lane, int(depth), self.settings.max_queue_depth)
-
-    def _admission_keys(self, spec: JobSpec) -> tuple[str, str, str]:
-        """A job's record, idempotency and in-flight keys (the job's own key stands in for
-        those it has no key for: lib/admit.lua reads them only when the job asks)."""
-        job = self.keys.job(spec.id)
-        idem = inflight = job
-        if spec.idempotency_key:
-            idem = self.keys.idempotency(spec.model, spec.tenant, spec.idempotency_key)
-        if spec.collapse_key:
-            inflight = self.keys.inflight(spec.model, spec.collapse_key)
-        return job, idem, inflight
 
     def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
         items = []
         for spec in specs:
-            job, idem, inflight = self._admission_keys(spec)
+            job, idem, inflight = self.table.admission_keys(spec)
             lane = self.keys.lane(spec.model, spec.priority, spec.pool)
             items.append(
                 (
@@ -251,21 +151,12 @@ class RedisQueue(QueueCore):
         )
 
     # -- consuming -------------------------------------------------------------------------
-    async def claim(
-        self,
-        model: str,
-        consumer: str,
-        slots: int,
-        block_s: float = 0.0,
-        pools: Sequence[int] = (0,),
-        batch_room: int | None = None,
-    ) -> list[Lease]:
+    async def _claim(self, ask: Claim) -> list[Lease]:
         """One round trip in the common case: while the lanes have more than `slots` jobs, the
         claim script alone; once a claim drains them, the next one blocks on XREAD after the
         lanes' newest ids and runs the claim script in the same pipeline, so the server claims
         the moment the wake-up arrives."""
-        if slots <= 0:
-            return []
+        model, consumer, slots, block_s, pools, batch_room = ask
         # per priority, the pools in the caller's order: strict priority holds across pools
         lanes = [[self.keys.lane(model, p, pool) for pool in pools] for p in Priority]
         capped = {self.keys.lane(model, Priority.BATCH, pool) for pool in pools}
@@ -275,8 +166,7 @@ class RedisQueue(QueueCore):
         if hint is not None and hint.batch_room != batch_room:
             hint = None  # taken under another cap: the batch lane may hold work it may now take
         while True:
-            order = claim_order(len(lanes), self._rounds[model], self.settings.starvation_every)
-            self._rounds[model] += 1
+            order = self._next_order(model, len(lanes))
             ordered = [lane for i in order for lane in lanes[i]]
             now = self.clock()
             wake = self.keys.wake(model, consumer)
@@ -300,8 +190,8 @@ class RedisQueue(QueueCore):
                     server_now="0" if hint is None else "1",
                     job_prefix=self.keys.job_prefix(model),
                     event_prefix=self.keys.events_prefix(model),
-                    expired_event=self._expired,
-                    ttl_ms=self._ttl_ms,
+                    expired_event=self.table.expired,
+                    ttl_ms=self.table.ttl_ms,
                     wait_hints="1" if block_s > 0 else "0",
                     window=max(1, self.settings.fair_window),
                     capped_room=-1 if batch_room is None else max(0, batch_room),
@@ -340,7 +230,7 @@ class RedisQueue(QueueCore):
             claimed, last_ids, next_due, wake_id, expired, drained = reply
             if expired:  # rare: their end goes to the audit trail (and settles any quota)
                 ended = expired_result()
-                await self._settle_specs([(decode(spec, JobSpec), ended) for spec in expired])
+                await self.table.settle([(decode(spec, JobSpec), ended) for spec in expired])
             hint = None
             if last_ids:  # the lanes are drained: the next wait can start from here
                 due = float(next_due) if next_due else 0.0
@@ -408,62 +298,14 @@ class RedisQueue(QueueCore):
                 ],
             )
 
-        return await self._flags_per_model([lease.spec.model for lease in leases], call)
-
-    async def _per_model(
-        self, models: Sequence[str], call: Callable[[list[int]], Call]
-    ) -> list[tuple[list[int], Any]]:
-        """One script call per model, pipelined: a script's keys must share one hash slot."""
-        batches: dict[str, list[int]] = defaultdict(list)
-        for index, model in enumerate(models):
-            batches[model].append(index)
-        replies = await self.conn.eval_many([call(batch) for batch in batches.values()])
-        return list(zip(batches.values(), replies, strict=True))
-
-    async def _flags_per_model(
-        self, models: Sequence[str], call: Callable[[list[int]], Call]
-    ) -> list[bool]:
-        flags = [False] * len(models)
-        for batch, reply in await self._per_model(models, call):
-            for i, flag in zip(batch, reply, strict=True):
-                flags[i] = bool(flag)
-        return flags
+        return await self.table.flags_per_model([lease.spec.model for lease in leases], call)
 
     async def complete_many(
         self,
         items: Sequence[tuple[Lease, JobResult]],
         tails: Sequence[TokenChunk | None] | None = None,
     ) -> list[bool]:
-        """One fenced script call per model, the terminal audit entries in the same round trip;
-        then the quotas of the accepted ones are settled."""
-        if not items:
-            return []
-        now = repr(self.clock())
-        by_model: dict[str, list[int]] = defaultdict(list)
-        for index, (lease, _) in enumerate(items):
-            by_model[lease.spec.model].append(index)
-        calls = [
-            self._complete_call(
-                model,
-                [(*items[i], None if tails is None else tails[i]) for i in indexes],
-                now,
-            )
-            for model, indexes in by_model.items()
-        ]
-        accepted = [False] * len(items)
-        when = self.clock()
-        entries = [audit.terminal(lease.spec, result, when) for lease, result in items]
-        replies, ids = await self._eval_audited(calls, entries)
-        for indexes, flags in zip(by_model.values(), replies, strict=True):
-            for i, flag in zip(indexes, flags, strict=True):
-                accepted[i] = bool(flag)
-        await self.audit.take_back([ids[i] for i in range(len(items)) if not accepted[i]])
-        await self._completed([lease for lease, _ in items])
-        await self._settle_specs(
-            [(items[i][0].spec, items[i][1]) for i in range(len(items)) if accepted[i]],
-            audited=False,
-        )
-        return accepted
+        return await self.table.complete_many(items, tails, self._complete_call)
 
     def _complete_call(
         self, model: str, batch: Sequence[tuple[Lease, JobResult, TokenChunk | None]], now: str
@@ -473,7 +315,7 @@ class RedisQueue(QueueCore):
             scripts.CompleteKeys(
                 cancels=self.keys.cancels(model), counters=self.keys.counters(model)
             ),
-            scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self._ttl_ms),
+            scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self.table.ttl_ms),
             [
                 (
                     scripts.CompleteItemKeys(
@@ -493,10 +335,6 @@ class RedisQueue(QueueCore):
                 for lease, result, tail in batch
             ],
         )
-
-    async def _completed(self, leases: Sequence[Lease]) -> None:
-        """After a completion, accepted or fenced: nothing to do here (the script acked the
-        entries); a backend whose deliveries live elsewhere lets them go."""
 
     async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
         now = self.clock()
@@ -525,24 +363,18 @@ class RedisQueue(QueueCore):
                 due_at=repr(now + delay),
                 max_deliveries=self.settings.max_deliveries,
                 finished=encode(Finished(result=dead)),
-                ttl_ms=self._ttl_ms,
+                ttl_ms=self.table.ttl_ms,
                 reason=reason,
                 force_dead="1" if force_dead else "0",
                 priority=lease.spec.priority.name,
-                cancelled=self._cancelled,
+                cancelled=self.table.cancelled_event,
             ),
         )
         outcome = int(await self.conn.run(call))
         if outcome in (0, 2):  # dead or cancelled: its reservation is refunded, its end audited
             ended = dead if outcome == 0 else cancelled_result()
-            await self._settle_specs([(lease.spec, ended)])
+            await self.table.settle([(lease.spec, ended)])
         return outcome
-
-    async def retry(self, lease: Lease, error: str) -> bool:
-        return await self._fail(lease, error, "failed", force_dead=False) == 1
-
-    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
-        return await self._fail(lease, error or reason, reason, force_dead=True) == 0
 
     async def release(self, leases: Sequence[Lease]) -> int:
         now = repr(self.clock())
@@ -551,7 +383,10 @@ class RedisQueue(QueueCore):
             return scripts.RELEASE.call(
                 scripts.ReleaseKeys(cancels=self.keys.cancels(leases[batch[0]].spec.model)),
                 scripts.ReleaseArgs(
-                    group=GROUP, now=now, ttl_ms=self._ttl_ms, cancelled=self._cancelled
+                    group=GROUP,
+                    now=now,
+                    ttl_ms=self.table.ttl_ms,
+                    cancelled=self.table.cancelled_event,
                 ),
                 [
                     (
@@ -571,19 +406,11 @@ class RedisQueue(QueueCore):
                 ],
             )
 
-        replies = await self._per_model([lease.spec.model for lease in leases], call)
-        codes = {
-            i: int(code) for batch, reply in replies for i, code in zip(batch, reply, strict=True)
-        }
+        codes = await self.table.codes_per_model([lease.spec.model for lease in leases], call)
         # a job a client asked to cancel ended instead: refunded, its end audited
-        await self._settle_specs(
-            [(leases[i].spec, cancelled_result()) for i, code in codes.items() if code == 2]
-        )
-        return sum(1 for code in codes.values() if code)
-
-    async def beat(self, model: str, consumer: str) -> None:
-        until = self.clock() + self.settings.liveness_s
-        await self.conn.one(("ZADD", self.keys.live(model), repr(until), consumer))
+        ended = zip(leases, codes, strict=True)
+        await self.table.settle([(lease.spec, cancelled_result()) for lease, c in ended if c == 2])
+        return sum(1 for code in codes if code)
 
     async def reap(self, model: str, expired: bool = True) -> ReapReport:
         error = lapsed_error(self.settings.max_deliveries)
@@ -605,8 +432,8 @@ class RedisQueue(QueueCore):
                 event_prefix=self.keys.events_prefix(model),
                 finished=encode(Finished(result=dead_result(error))),
                 dead_error=error,
-                cancelled=self._cancelled,
-                ttl_ms=self._ttl_ms,
+                cancelled=self.table.cancelled_event,
+                ttl_ms=self.table.ttl_ms,
                 expired="1" if expired else "0",
             ),
             [
@@ -620,65 +447,8 @@ class RedisQueue(QueueCore):
         )
         requeued, dead, cancelled = await self.conn.run(call)
         report = ReapReport(requeued=[text(j) for j in requeued], dead=[text(j) for j in dead])
-        await self._settle_ids([*report.dead, *(text(j) for j in cancelled)])
+        await self.table.settle_ids([*report.dead, *(text(j) for j in cancelled)])
         return report
-
-    async def _settle_specs(
-        self, specs: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True
-    ) -> None:
-        """Settle jobs that just ended and, unless their path wrote it already, audit their
-        end: one round trip for both (the terminal entry rides with the settlement)."""
-        held = [settlement(spec, result) for spec, result in specs if spec.quota]
-        now = self.clock()
-        entries = (
-            [audit.terminal(spec, result, now) for spec, result in specs if result is not None]
-            if audited
-            else []
-        )
-        if held or entries:
-            await self._eval_audited(self.quotas.settle_calls(held) if held else [], entries)
-
-    async def _settle_ids(self, job_ids: Sequence[str]) -> None:
-        """Settle jobs that just ended where only their ids are at hand (rare paths)."""
-        records = [await self.record(job_id) for job_id in job_ids]
-        await self._settle_specs([(r.spec, r.result) for r in records if r is not None])
-
-    # -- cancellation ----------------------------------------------------------------------
-    async def cancel(self, job_id: str) -> CancelOutcome:
-        return await self._cancel(job_id, 0)
-
-    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
-        return await self._cancel(job_id, max(1, followers))
-
-    async def _cancel(self, job_id: str, leaving: int) -> CancelOutcome:
-        keys = self.keys
-        call = scripts.CANCEL.call(
-            scripts.CancelKeys(
-                job=keys.job(job_id),
-                events=keys.events(job_id),
-                cancels=keys.cancels_of_job(job_id),
-                delayed=keys.delayed_of_job(job_id),
-            ),
-            scripts.CancelArgs(
-                job_id=job_id,
-                now=repr(self.clock()),
-                finished=encode(Finished(result=cancelled_result())),
-                ttl_ms=self._ttl_ms,
-                leaving=leaving,
-            ),
-        )
-        outcome = CancelOutcome(text(await self.conn.run(call)))
-        if outcome is CancelOutcome.CANCELLED:
-            await self._settle_ids([job_id])
-        return outcome
-
-    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
-        if not job_ids:
-            return set()
-        # the set holds only jobs someone asked to cancel, so it is small; fetching it costs less
-        # than sending every running id
-        members: set[bytes] = await self.conn.parsed("SMEMBERS", self.keys.cancels(model))
-        return {text(m) for m in members} & set(job_ids)
 
     # -- events and records ----------------------------------------------------------------
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
@@ -698,239 +468,4 @@ class RedisQueue(QueueCore):
                 )
             return scripts.EMIT.call(Empty(), scripts.GroupArg(group=GROUP), items)
 
-        return await self._flags_per_model([lease.spec.model for lease, _ in events], call)
-
-    async def read_events(
-        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
-    ) -> list[tuple[str, JobEvent]]:
-        found = await self._read_streams({self.keys.events(job_id): after}, count, block_s)
-        return [(eid, event) for _, eid, event in found]
-
-    async def read_events_many(
-        self,
-        cursors: Mapping[str, str],
-        block_s: float = 0.0,
-        count: int = 1000,
-    ) -> list[tuple[str, str, JobEvent]]:
-        if not cursors:
-            return []
-        job_of = {self.keys.events(job_id): job_id for job_id in cursors}
-        found = await self._read_streams(
-            {key: cursors[job_id] for key, job_id in job_of.items()}, count, block_s
-        )
-        return [(job_of[key], eid, event) for key, eid, event in found]
-
-    async def _read_streams(
-        self, cursors: Mapping[str, str], count: int, block_s: float
-    ) -> list[tuple[str, str, JobEvent]]:
-        """XREAD of event streams as (stream key, event id, event), parsed from the raw reply."""
-        block = min(block_s, MAX_BLOCK_S) if block_s > 0 else None
-        command = xread_command({key: after or "0" for key, after in cursors.items()}, count, block)
-        (reply,) = await self.conn.checked([command], timeout_s=(block or 0) + SOCKET_TIMEOUT_S)
-        # RESP2 answers a list of [key, entries], RESP3 a map of key -> entries
-        streams = reply.items() if isinstance(reply, dict) else (reply or ())
-        out: list[tuple[str, str, JobEvent]] = []
-        for key, entries in streams:
-            name = text(key)
-            for eid, fields in entries:
-                out.append((name, text(eid), decode_event(_field(fields, b"e"))))
-        return out
-
-    async def record(self, job_id: str) -> JobRecord | None:
-        h: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.job(job_id))
-        return _record_of_hash(h)
-
-    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
-        pipe = self.conn.pipeline()
-        for job_id in job_ids:
-            pipe.hgetall(self.keys.job(job_id))
-        return [_record_of_hash(h) for h in await self.conn.execute(pipe)] if job_ids else []
-
-    # -- introspection ---------------------------------------------------------------------
-    async def stats(self, model: str) -> BrokerStats:
-        """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
-        now = self.clock()
-        pools = self.settings.pool_count
-        lanes, pipe = self._lanes_read(model)
-        for lane in lanes:
-            pipe.hget(self.keys.fair(lane), "staged")  # waiting for their turn (fair share)
-        for lane in lanes:
-            # prefix affinity: held for a worker (waiting); the affinity stream's are in flight
-            pipe.zcard(self.keys.affinity_held(lane))
-            pipe.xlen(self.keys.affinity_stream(lane))
-        pipe.zcard(self.keys.delayed(model))
-        pipe.xlen(self.keys.dead_letters(model))
-        pipe.hgetall(self.keys.counters(model))
-        replies: list[Any] = await self.conn.execute(pipe, raise_on_error=False)
-        delayed, dead, counters = replies[-3:]
-        staged = [int(n or 0) for n in replies[2 * len(lanes) : 3 * len(lanes)]]
-        held = [int(n or 0) for n in replies[3 * len(lanes) : 5 * len(lanes) : 2]]
-        aff_running = [int(n or 0) for n in replies[3 * len(lanes) + 1 : 5 * len(lanes) : 2]]
-        for reply in (delayed, dead, counters):
-            if isinstance(reply, Exception):
-                raise reply
-        sizes: list[tuple[int, int, str]] = []  # total, pending, last delivered id
-        for i in range(len(lanes)):
-            total, group = replies[2 * i], _our_group(replies[2 * i + 1])
-            # no group yet: no claim has read the lane, so all of it waits
-            pending, last = (
-                (0, "0-0")
-                if group is None
-                else (
-                    int(group["pending"]),
-                    text(group["last-delivered-id"]),
-                )
-            )
-            sizes.append((int(total) if not isinstance(total, Exception) else 0, pending, last))
-        pipe = self.conn.pipeline()
-        for lane, (_, _, last) in zip(lanes, sizes, strict=True):
-            pipe.xrange(lane, min=f"({last}", max="+", count=1)
-        oldest: list[Any] = await self.conn.execute(pipe)
-        stats = []
-        for p, priority in enumerate(Priority):
-            # a priority's size pools are reported together
-            mine = range(p * pools, (p + 1) * pools)
-            ages = [
-                max(0.0, now - int(text(oldest[i][0][0]).split("-")[0]) / 1000)
-                for i in mine
-                if oldest[i]
-            ]
-            stats.append(
-                LaneStats(
-                    model,
-                    priority,
-                    waiting=sum(
-                        max(0, sizes[i][0] - sizes[i][1]) + staged[i] + held[i] for i in mine
-                    ),
-                    in_flight=sum(sizes[i][1] + aff_running[i] for i in mine),
-                    oldest_waiting_age_s=max(ages) if ages else None,
-                )
-            )
-        return BrokerStats(
-            model=model,
-            lanes=stats,
-            delayed=int(delayed),
-            dead_letters=int(dead),
-            fenced_completions=int(counters.get(b"fenced", 0)),
-            expired=int(counters.get(b"expired", 0)),
-        )
-
-    async def depth(self, model: str) -> int:
-        # completion and every skip XDEL the lane entry with the terminal write: what is left in
-        # a lane is waiting or in flight
-        commands: list[Command] = []
-        for lane in self.keys.lanes(model, self.settings.pool_count):
-            commands += [
-                ("XLEN", lane),
-                ("HGET", self.keys.fair(lane), "staged"),
-                ("ZCARD", self.keys.affinity_held(lane)),  # prefix affinity: held, and running
-                ("XLEN", self.keys.affinity_stream(lane)),
-            ]
-        return sum(int(n or 0) for n in await self.conn.checked(commands))
-
-    async def backlog(self, model: str) -> list[LaneBacklog]:
-        # 1: each lane's length, its group (delivered and pending) and its active tenants;
-        # 2: each active tenant's staged count and weight
-        pools = self.settings.pool_count
-        lanes, pipe = self._lanes_read(model)
-        for lane in lanes:
-            pipe.zrange(self.keys.fair_active(lane), 0, -1)
-        replies: list[Any] = await self.conn.execute(pipe, raise_on_error=False)
-        sizes: list[tuple[int, int]] = []
-        actives: list[list[str]] = []
-        for i in range(len(lanes)):
-            total, group = replies[2 * i], _our_group(replies[2 * i + 1])
-            active = replies[2 * len(lanes) + i]
-            if isinstance(total, Exception) or isinstance(active, Exception):
-                raise total if isinstance(total, Exception) else active
-            pending = 0 if group is None else int(group["pending"])
-            sizes.append((int(total), pending))
-            actives.append([text(t) for t in active])
-        pipe = self.conn.pipeline()
-        for lane, tenants in zip(lanes, actives, strict=True):
-            for tenant in tenants:
-                pipe.zcard(self.keys.tenant_queue_prefix(lane) + tenant)
-                pipe.hget(self.keys.fair(lane), f"w:{tenant}")
-        counts: list[Any] = await self.conn.execute(pipe) if any(actives) else []
-        out, at = [], 0
-        for p, priority in enumerate(Priority):
-            staged: dict[str, TenantBacklog] = {}
-            queued = in_flight = 0
-            for i in range(p * pools, (p + 1) * pools):  # a priority's size pools together
-                queued += max(0, sizes[i][0] - sizes[i][1])
-                in_flight += sizes[i][1]
-                for tenant in actives[i]:
-                    n, w = int(counts[at] or 0), float(counts[at + 1] or 1.0)
-                    at += 2
-                    was = staged.get(tenant)
-                    staged[tenant] = TenantBacklog(tenant, n + (was.staged if was else 0), w)
-            waiting = [t for t in staged.values() if t.staged > 0]
-            out.append(LaneBacklog(priority, queued, in_flight, waiting))
-        return out
-
-    def _lanes_read(self, model: str) -> tuple[list[str], Pipeline]:
-        """`model`'s lanes, and a pipeline that opens with each lane's length and groups
-        (`_our_group` reads the latter)."""
-        lanes = self.keys.lanes(model, self.settings.pool_count)
-        pipe = self.conn.pipeline()
-        for lane in lanes:
-            pipe.xlen(lane)
-            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
-        return lanes, pipe
-
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
-        rows: list[tuple[bytes, dict[bytes, bytes]]] = await self.conn.parsed(
-            "XRANGE", self.keys.dead_letters(model), "-", "+", "COUNT", count
-        )
-        out = []
-        for _, f in rows:
-            out.append(
-                DeadLetter(
-                    job_id=text(f[b"job"]),
-                    model=model,
-                    priority=Priority[text(f[b"priority"])],
-                    reason=text(f[b"reason"]),
-                    error=text(f[b"error"]) if f.get(b"error") else None,
-                    deliveries=int(f[b"deliveries"]),
-                    at=float(f[b"at"]),
-                )
-            )
-        return out
-
-    async def models(self) -> list[str]:
-        members: set[bytes] = await self.conn.parsed("SMEMBERS", self.keys.models())
-        return sorted(text(m) for m in members)
-
-
-def _our_group(groups: Any) -> Any:
-    """The workers' group from an XINFO GROUPS reply; None before a claim has created it."""
-    if isinstance(groups, Exception):  # no lane yet
-        return None
-    return next((g for g in groups if text(g["name"]) == GROUP), None)
-
-
-def _record_of_hash(h: Any) -> JobRecord | None:
-    """A job record from its hash (HGETALL's reply); None when the job is unknown."""
-    if not h or b"spec" not in h:
-        return None
-    spec = decode(h[b"spec"], JobSpec)
-    deliveries = int(h.get(b"deliveries", b"0"))
-    spec.attempt = max(0, deliveries - 1)
-
-    def opt_float(field: bytes) -> float | None:
-        raw = h.get(field)
-        return float(raw) if raw else None
-
-    return JobRecord(
-        spec=spec,
-        status=JobStatus(text(h[b"status"])),
-        deliveries=deliveries,
-        enqueued_at=float(h.get(b"enq_at", b"0")),
-        started_at=opt_float(b"start_at"),
-        finished_at=opt_float(b"end_at"),
-        worker=text(h[b"worker"]) if b"worker" in h else None,
-        last_error=text(h[b"last_error"]) if b"last_error" in h else None,
-        cancel_requested=h.get(b"cancel") == b"1",
-        # the stored result is the job's Finished event (see complete.lua)
-        result=decode(h[b"result"], Finished).result if b"result" in h else None,
-    )
+        return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)

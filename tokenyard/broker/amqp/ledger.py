@@ -1,0 +1,486 @@
+"""What RabbitMQ lanes keep in the Valkey job table beside each record, and the scripts that
+change it under their fences.
+
+Per lane a waiting set and a lease set; a job's record names its one live message (`msg`) and,
+while it runs, its lease token. Each change is one script of lua/ (declared in scripts.py)
+fenced by those: `Ledger` builds each script's call from a job's keys, runs the ones that stand
+alone, settles the jobs they end, and reads the lanes' counts from the sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenyard.broker.amqp import scripts
+from tokenyard.broker.core import (
+    BrokerStats,
+    EnqueueResult,
+    LaneBacklog,
+    LaneStats,
+    Lease,
+)
+from tokenyard.broker.outcomes import cancelled_result, dead_result
+from tokenyard.broker.redis.connection import ms, text
+from tokenyard.broker.redis.scripts import Call, Empty
+from tokenyard.broker.redis.table import ValkeyJobTable
+from tokenyard.messages import (
+    Finished,
+    JobEvent,
+    JobResult,
+    JobSpec,
+    Priority,
+    TokenChunk,
+    encode,
+)
+
+
+class Ledger:
+    """RabbitMQ lanes' bookkeeping in the Valkey job table."""
+
+    def __init__(self, table: ValkeyJobTable) -> None:
+        self.table = table
+        self.settings = table.settings
+        self.conn = table.conn
+        self.keys = table.keys
+
+    # -- keys ------------------------------------------------------------------------------
+    def lane_key(self, model: str, priority: Priority, pool: int) -> str:
+        """The Redis key the lane's bookkeeping hangs off (waiting and lease sets)."""
+        return self.keys.lane(model, priority, pool)
+
+    def sets(self, spec: JobSpec) -> tuple[str, str]:
+        """(waiting set, lease set) of the job's lane."""
+        lane = self.lane_key(spec.model, spec.priority, spec.pool)
+        return self.keys.waiting(lane), self.keys.leases(lane)
+
+    def _lease_keys(self, lease: Lease) -> tuple[str, str]:
+        """(job key, the lane's lease set) of a lease."""
+        return self.keys.job(lease.spec.id), self.sets(lease.spec)[1]
+
+    def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
+        job, idem, inflight = self.table.admission_keys(spec)
+        return scripts.JobKeys(job=job, idem=idem, inflight=inflight, waiting=self.sets(spec)[0])
+
+    # -- admission -------------------------------------------------------------------------
+    def admit(
+        self, model: str, jobs: Sequence[tuple[JobSpec, str]], now: float, resend_after_s: float
+    ) -> Call:
+        """One model's jobs, each with its message id (admit.lua)."""
+        items = []
+        for spec, msg in jobs:
+            items.append(
+                (
+                    self._job_keys(spec),
+                    scripts.AdmitItemArgs(
+                        job_id=spec.id,
+                        spec=encode(spec),
+                        deadline="" if spec.deadline is None else repr(spec.deadline),
+                        use_idem="1" if spec.idempotency_key else "0",
+                        use_inflight="1" if spec.collapse_key else "0",
+                        msg=msg,
+                        lane=self.lane_key(spec.model, spec.priority, spec.pool),
+                    ),
+                )
+            )
+        return scripts.ADMIT.call(
+            Empty(),
+            scripts.AdmitArgs(
+                now=repr(now),
+                idem_ttl_ms=ms(self.settings.idempotency_ttl_s),
+                job_prefix=self.keys.job_prefix(model),
+                max_depth=self.settings.max_queue_depth,
+                resend_after_s=repr(resend_after_s),
+                collapse_grace_s=repr(self.settings.collapse_grace_s),
+            ),
+            items,
+        )
+
+    async def withdraw(
+        self,
+        specs: Sequence[JobSpec],
+        results: Sequence[EnqueueResult],
+        by_model: dict[str, list[int]],
+        msgs: Sequence[str],
+    ) -> None:
+        """Take back what an enqueue admitted (withdraw.lua): all of it or nothing stands."""
+        calls = [
+            scripts.WITHDRAW.call(
+                Empty(),
+                scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model)),
+                [
+                    (
+                        self._job_keys(specs[i]),
+                        scripts.WithdrawItemArgs(
+                            job_id=specs[i].id,
+                            created="1" if results[i].created else "0",
+                            joined=results[i].job_id if results[i].collapsed else "",
+                            msg=msgs[i],
+                        ),
+                    )
+                    for i in indexes
+                ],
+            )
+            for model, indexes in by_model.items()
+        ]
+        await self.conn.eval_many(calls)
+
+    # -- leases ----------------------------------------------------------------------------
+    def take_item(
+        self, job_id: str, msg: str, token: str, lane: tuple[str, Priority, int]
+    ) -> tuple[scripts.LeaseItemKeys, scripts.TakeItemArgs]:
+        """take.lua's item: job `job_id` by its message `msg` from `lane` (model, priority,
+        pool), leased under `token`."""
+        model, priority, pool = lane
+        key = self.lane_key(model, priority, pool)
+        return (
+            scripts.LeaseItemKeys(
+                job=self.keys.job(job_id),
+                events=self.keys.events(job_id),
+                waiting=self.keys.waiting(key),
+                leases=self.keys.leases(key),
+            ),
+            scripts.TakeItemArgs(job_id=job_id, msg=msg, token=token, priority=priority.name),
+        )
+
+    def take(
+        self,
+        model: str,
+        consumer: str,
+        items: Sequence[tuple[scripts.LeaseItemKeys, scripts.TakeItemArgs]],
+        now: float,
+        dead_error: str,
+    ) -> Call:
+        return scripts.TAKE.call(
+            scripts.TakeKeys(
+                counters=self.keys.counters(model),
+                dlq=self.keys.dead_letters(model),
+                delayed=self.keys.delayed(model),
+                cancels=self.keys.cancels(model),
+            ),
+            scripts.TakeArgs(
+                now=repr(now),
+                consumer=consumer,
+                lease_s=repr(self.settings.lease_s),
+                max_deliveries=self.settings.max_deliveries,
+                ttl_ms=self.table.ttl_ms,
+                expired_event=self.table.expired,
+                dead_event=encode(Finished(result=dead_result(dead_error))),
+                dead_error=dead_error,
+                cancelled=self.table.cancelled_event,
+            ),
+            items,
+        )
+
+    async def renew(self, leases: Sequence[Lease], deadline: float) -> list[bool]:
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                job, lease_set = self._lease_keys(leases[i])
+                items.append(
+                    (
+                        scripts.RenewItemKeys(job=job, leases=lease_set),
+                        scripts.HolderItemArgs(
+                            consumer=leases[i].consumer,
+                            token=leases[i].entry_id,
+                            job_id=leases[i].spec.id,
+                        ),
+                    )
+                )
+            return scripts.RENEW.call(Empty(), scripts.DeadlineArg(deadline=repr(deadline)), items)
+
+        return await self.table.flags_per_model([lease.spec.model for lease in leases], call)
+
+    async def emit(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                lease, event = events[i]
+                items.append(
+                    (
+                        scripts.EventKeys(
+                            job=self.keys.job(lease.spec.id), events=self.keys.events(lease.spec.id)
+                        ),
+                        scripts.EmitItemArgs(
+                            consumer=lease.consumer, token=lease.entry_id, event=encode(event)
+                        ),
+                    )
+                )
+            return scripts.EMIT.call(Empty(), Empty(), items)
+
+        return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)
+
+    # -- endings ---------------------------------------------------------------------------
+    def complete(
+        self, model: str, batch: Sequence[tuple[Lease, JobResult, TokenChunk | None]], now: str
+    ) -> Call:
+        """The completion of one model's jobs, fenced by their lease tokens."""
+        items = []
+        for lease, result, tail in batch:
+            job, lease_set = self._lease_keys(lease)
+            items.append(
+                (
+                    scripts.CompleteItemKeys(
+                        job=job, events=self.keys.events(lease.spec.id), leases=lease_set
+                    ),
+                    scripts.CompleteItemArgs(
+                        consumer=lease.consumer,
+                        token=lease.entry_id,
+                        job_id=lease.spec.id,
+                        status=result.status.value,
+                        finished=encode(Finished(result=result)),
+                        tail=b"" if tail is None else encode(tail),
+                    ),
+                )
+            )
+        return scripts.COMPLETE.call(
+            scripts.CompleteKeys(
+                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+            ),
+            scripts.CompleteArgs(now=now, ttl_ms=self.table.ttl_ms),
+            items,
+        )
+
+    async def bury(
+        self, dying: Sequence[tuple[Lease, str]], reason: str, cancel_wins: bool = False
+    ) -> list[int]:
+        """Dead-letter jobs whose lease the caller holds, each with its error (with
+        `cancel_wins`, one a client asked to cancel ends cancelled instead); settles those
+        that ended. Per job 1 dead, 2 cancelled, 0 fenced."""
+        if not dying:
+            return []
+        ends = [dead_result(f"{reason}: {error}") for _, error in dying]
+
+        def call(batch: list[int]) -> Call:
+            items = []
+            for i in batch:
+                lease, error = dying[i]
+                items.append(
+                    self._bury_item(
+                        lease.spec, reason, error, ends[i], lease=lease, cancel_wins=cancel_wins
+                    )
+                )
+            return self._bury_call(dying[batch[0]][0].spec.model, items)
+
+        codes = await self.table.codes_per_model([lease.spec.model for lease, _ in dying], call)
+        await self.table.settle(
+            [
+                (lease.spec, end if code == 1 else cancelled_result())
+                for (lease, _), end, code in zip(dying, ends, codes, strict=True)
+                if code
+            ]
+        )
+        return codes
+
+    async def bury_messages(
+        self, model: str, dying: Sequence[tuple[JobSpec, str, str, str]]
+    ) -> list[tuple[JobSpec, JobResult]]:
+        """Dead-letter jobs by their live message (spec, message id, reason, error), whoever
+        holds them; the jobs it buried, with their ends, for the caller to settle."""
+        if not dying:
+            return []
+        ends = [dead_result(f"{why}: {error}") for _, _, why, error in dying]
+        items = [
+            self._bury_item(spec, why, error, end, msg=msg)
+            for (spec, msg, why, error), end in zip(dying, ends, strict=True)
+        ]
+        flags = await self.conn.run(self._bury_call(model, items))
+        return [(spec, end) for (spec, *_), end, ok in zip(dying, ends, flags, strict=True) if ok]
+
+    def _bury_item(
+        self,
+        spec: JobSpec,
+        reason: str,
+        error: str,
+        end: JobResult,
+        lease: Lease | None = None,
+        msg: str = "",
+        cancel_wins: bool = False,
+    ) -> tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]:
+        """bury.lua's item for a job, fenced by the `lease` held or else by its message `msg`."""
+        waiting, leases = self.sets(spec)
+        return (
+            scripts.BuryItemKeys(
+                job=self.keys.job(spec.id),
+                events=self.keys.events(spec.id),
+                leases=leases,
+                waiting=waiting,
+            ),
+            scripts.BuryItemArgs(
+                job_id=spec.id,
+                consumer="" if lease is None else lease.consumer,
+                token="" if lease is None else lease.entry_id,
+                msg=msg,
+                reason=reason,
+                error=error,
+                finished=encode(Finished(result=end)),
+                priority=spec.priority.name,
+                cancelled=self.table.cancelled_event if cancel_wins else b"",
+            ),
+        )
+
+    def _bury_call(
+        self, model: str, items: Sequence[tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]]
+    ) -> Call:
+        return scripts.BURY.call(
+            scripts.BuryKeys(
+                dlq=self.keys.dead_letters(model),
+                counters=self.keys.counters(model),
+                cancels=self.keys.cancels(model),
+                delayed=self.keys.delayed(model),
+            ),
+            scripts.CompleteArgs(now=repr(self.table.clock()), ttl_ms=self.table.ttl_ms),
+            items,
+        )
+
+    async def requeue(
+        self,
+        moved: Sequence[tuple[Lease, str]],
+        error: str = "",
+        due_at: float = 0.0,
+        uncharge: bool = False,
+        expired_by: float = 0.0,
+    ) -> list[int]:
+        """Point held jobs' records at the new messages already published (see requeue.lua):
+        per job 1 requeued, 2 ended cancelled (a client asked; settled here), 0 fenced."""
+        if not moved:
+            return []
+        now = repr(self.table.clock())
+
+        def call(batch: list[int]) -> Call:
+            model = moved[batch[0]][0].spec.model
+            items = []
+            for i in batch:
+                lease, msg = moved[i]
+                spec = lease.spec
+                job, lease_set = self._lease_keys(lease)
+                items.append(
+                    (
+                        scripts.RequeueItemKeys(
+                            job=job,
+                            waiting=self.sets(spec)[0],
+                            leases=lease_set,
+                            events=self.keys.events(spec.id),
+                        ),
+                        scripts.RequeueItemArgs(
+                            consumer=lease.consumer,
+                            token=lease.entry_id,
+                            job_id=spec.id,
+                            msg=msg,
+                            uncharge="1" if uncharge else "0",
+                            error=error,
+                            due_at=repr(due_at),
+                        ),
+                    )
+                )
+            return scripts.REQUEUE.call(
+                scripts.RequeueKeys(
+                    delayed=self.keys.delayed(model), cancels=self.keys.cancels(model)
+                ),
+                scripts.RequeueArgs(
+                    now=now,
+                    expired_by=repr(expired_by),
+                    ttl_ms=self.table.ttl_ms,
+                    cancelled=self.table.cancelled_event,
+                ),
+                items,
+            )
+
+        codes = await self.table.codes_per_model([lease.spec.model for lease, _ in moved], call)
+        await self.table.settle(
+            [
+                (lease.spec, cancelled_result())
+                for (lease, _), code in zip(moved, codes, strict=True)
+                if code == 2
+            ]
+        )
+        return codes
+
+    async def expired(self, model: str, expired: bool, now: float, most: int) -> list[Any]:
+        """The leases of workers whose liveness lapsed and, with `expired`, those past their
+        deadline (at most `most` per lane): (job id, consumer, token, deliveries, lapsed)."""
+        call = scripts.EXPIRED.call(
+            scripts.LiveKey(live=self.keys.live(model)),
+            scripts.ExpiredArgs(
+                now=repr(now),
+                max_entries=most,
+                job_prefix=self.keys.job_prefix(model),
+                expired="1" if expired else "0",
+            ),
+            [
+                (scripts.LeasesKey(leases=self.keys.leases(lane)), Empty())
+                for lane in self.keys.lanes(model, self.settings.pool_count)
+            ],
+        )
+        return [row for lane_rows in await self.conn.run(call) for row in lane_rows]
+
+    async def unwait(self, job_id: str) -> None:
+        """A cancelled job no longer waits (its message stays on the lane until a claim
+        drops it)."""
+        lane = await self.conn.one(("HGET", self.keys.job(job_id), "lane"))
+        if lane:
+            await self.conn.one(("ZREM", self.keys.waiting(text(lane)), job_id))
+
+    # -- counts ----------------------------------------------------------------------------
+    async def _lane_counts(self, model: str) -> tuple[list[str], list[Any]]:
+        """Each lane's (waiting, oldest waiting, in flight), then the table's tallies: one
+        round trip."""
+        lanes = self.keys.lanes(model, self.settings.pool_count)
+        commands: list[tuple[Any, ...]] = []
+        for lane in lanes:
+            commands += [
+                ("ZCARD", self.keys.waiting(lane)),
+                ("ZRANGE", self.keys.waiting(lane), 0, 0, "WITHSCORES"),
+                ("ZCARD", self.keys.leases(lane)),
+            ]
+        return lanes, await self.conn.checked([*commands, *self.table.tally_commands(model)])
+
+    async def stats(self, model: str) -> BrokerStats:
+        now = self.table.clock()
+        pools = self.settings.pool_count
+        lanes, replies = await self._lane_counts(model)
+        stats = []
+        for p, priority in enumerate(Priority):
+            waiting = in_flight = 0
+            ages: list[float] = []
+            for i in range(p * pools, (p + 1) * pools):
+                count, oldest, running = replies[3 * i : 3 * i + 3]
+                waiting += int(count)
+                in_flight += int(running)
+                if oldest:
+                    first = oldest[0]
+                    score = first[1] if isinstance(first, (list, tuple)) else oldest[1]
+                    ages.append(max(0.0, now - float(score)))
+            stats.append(
+                LaneStats(
+                    model,
+                    priority,
+                    waiting=waiting,
+                    in_flight=in_flight,
+                    oldest_waiting_age_s=max(ages) if ages else None,
+                )
+            )
+        return self.table.stats_of(model, stats, replies[3 * len(lanes) :])
+
+    async def depth(self, model: str) -> int:
+        commands: list[tuple[Any, ...]] = []
+        for lane in self.keys.lanes(model, self.settings.pool_count):
+            commands += [("ZCARD", self.keys.waiting(lane)), ("ZCARD", self.keys.leases(lane))]
+        return sum(int(n or 0) for n in await self.conn.checked(commands))
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        """FIFO within a lane (no fair-share staging): every waiting job is queued."""
+        pools = self.settings.pool_count
+        _, replies = await self._lane_counts(model)
+        out = []
+        for p, priority in enumerate(Priority):
+            mine = range(p * pools, (p + 1) * pools)
+            out.append(
+                LaneBacklog(
+                    priority,
+                    queued=sum(int(replies[3 * i]) for i in mine),
+                    in_flight=sum(int(replies[3 * i + 2]) for i in mine),
+                    tenants=[],
+                )
+            )
+        return out

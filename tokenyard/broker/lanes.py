@@ -1,0 +1,153 @@
+"""A queue core made of lanes over a job table.
+
+The lanes carry jobs to workers (enqueue, claim, renew, the fenced event appends and endings,
+release, reap, depths); the table keeps what each job is (`core.JobTable`). `LanesOnTable`
+is the part of a queue core that is the table's, handed through, and what every lanes
+implementation shares besides: group commit for single enqueues, and retry and dead letter as
+one failure path. Redis Streams lanes and RabbitMQ lanes are each one of these over the Valkey
+table (`redis/table.py`).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import abstractmethod
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from tokenyard.broker.core import (
+    BrokerStats,
+    CancelOutcome,
+    EnqueueResult,
+    JobTable,
+    LaneBacklog,
+    LaneCounts,
+    Lease,
+    QueueCore,
+)
+from tokenyard.broker.group_commit import GroupCommit
+from tokenyard.broker.policy import claim_order
+from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobSpec
+
+
+class Claim(NamedTuple):
+    """What a claim asks for (`Leases.claim`), at least one slot."""
+
+    model: str
+    consumer: str
+    slots: int
+    block_s: float
+    pools: Sequence[int]
+    batch_room: int | None
+
+
+class LanesOnTable(QueueCore):
+    """A queue core whose lanes are the subclass's (their counts in `counts`) and whose jobs
+    are `table`'s."""
+
+    table: JobTable
+    counts: LaneCounts
+
+    def __init__(self, table: JobTable, rng: random.Random | None = None) -> None:
+        self.table = table
+        self.settings = table.settings
+        self.clock = table.clock
+        self._rng = rng or random.Random()  # retry backoff's jitter
+        self._rounds: dict[str, int] = defaultdict(int)  # per model: claims so far (claim_order)
+        self._group = GroupCommit(
+            self.enqueue_many,
+            max_batch=self.settings.enqueue_batch,
+            window_s=self.settings.enqueue_window_s,
+        )
+
+    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
+        """One job; concurrent callers of this broker share script calls (group commit)."""
+        return await self._group.enqueue(spec)
+
+    async def close(self) -> None:
+        """Send the enqueues the group commit still holds; the connections stay open."""
+        await self._group.close()
+
+    # -- claiming --------------------------------------------------------------------------
+    async def claim(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
+    ) -> list[Lease]:
+        if slots <= 0:
+            return []
+        return await self._claim(Claim(model, consumer, slots, block_s, pools, batch_room))
+
+    @abstractmethod
+    async def _claim(self, ask: Claim) -> list[Lease]:
+        """The lanes' claim (see `Leases.claim`)."""
+
+    def _next_order(self, model: str, priorities: int) -> list[int]:
+        """The order this claim of `model` looks at its priorities in (`policy.claim_order`:
+        strict priority, and every `starvation_every`-th claim the lower ones first)."""
+        order = claim_order(priorities, self._rounds[model], self.settings.starvation_every)
+        self._rounds[model] += 1
+        return order
+
+    # -- a failed job ----------------------------------------------------------------------
+    @abstractmethod
+    async def _fail(self, lease: Lease, error: str, reason: str, force_dead: bool) -> int:
+        """A job its holder gives up on: retried after backoff unless `force_dead` or out of
+        deliveries. 1 retrying, 0 dead-lettered, 2 ended cancelled (a client asked while it
+        ran), anything else fenced (the lease was lost)."""
+
+    async def retry(self, lease: Lease, error: str) -> bool:
+        return await self._fail(lease, error, "failed", force_dead=False) == 1
+
+    async def dead_letter(self, lease: Lease, reason: str, error: str | None = None) -> bool:
+        return await self._fail(lease, error or reason, reason, force_dead=True) == 0
+
+    # -- the lanes' counts ------------------------------------------------------------------
+    async def stats(self, model: str) -> BrokerStats:
+        return await self.counts.stats(model)
+
+    async def depth(self, model: str) -> int:
+        return await self.counts.depth(model)
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        return await self.counts.backlog(model)
+
+    # -- the table's -----------------------------------------------------------------------
+    async def record(self, job_id: str) -> JobRecord | None:
+        return await self.table.record(job_id)
+
+    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        return await self.table.records(job_ids)
+
+    async def read_events(
+        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
+    ) -> list[tuple[str, JobEvent]]:
+        return await self.table.read_events(job_id, after, block_s, count)
+
+    async def read_events_many(
+        self, cursors: Mapping[str, str], block_s: float = 0.0, count: int = 1000
+    ) -> list[tuple[str, str, JobEvent]]:
+        return await self.table.read_events_many(cursors, block_s, count)
+
+    async def beat(self, model: str, consumer: str) -> None:
+        await self.table.beat(model, consumer)
+
+    async def cancel(self, job_id: str) -> CancelOutcome:
+        return await self.table.cancel(job_id)
+
+    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
+        return await self.table.leave(job_id, followers)
+
+    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
+        return await self.table.cancelled(model, job_ids)
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
+        return await self.table.dead_letters(model, count)
+
+    async def models(self) -> list[str]:
+        return await self.table.models()
