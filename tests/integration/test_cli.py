@@ -68,7 +68,7 @@ def test_serve_says_which_engine_runs_and_why(tmp_path: Path, procs: Processes) 
     env["COLUMNS"] = "400"  # one line however long the broker URL
     serve = procs.start(
         "serve",
-        tokenyard("serve", "--workers", "0", "--port", str(free_port()),
+        tokenyard("serve", "--workers", "auto", "--min", "0", "--port", str(free_port()),
                   "--data-dir", str(tmp_path / "valkey")),
         env=env,
         stdout=subprocess.PIPE,
