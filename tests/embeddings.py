@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,3 +43,82 @@ def sentence_transformers_vectors(texts: Sequence[str]) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
     return np.asarray(SentenceTransformer(str(minilm_path()), device="cpu").encode(list(texts)))
+
+
+# the tiny BERTs' vocabulary: BERT's special tokens, letters (any word splits into them), words
+_BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_BERT_WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "is",
+    "in",
+    "it",
+    "on",
+    "what",
+    "where",
+    "which",
+    "queue",
+    "job",
+    "jobs",
+    "worker",
+    "workers",
+    "lane",
+    "lanes",
+    "yard",
+    "cars",
+    "car",
+    "train",
+    "trains",
+    "sorts",
+    "holds",
+    "pulls",
+    "work",
+    "room",
+    "back",
+    "pressure",
+    "cat",
+    "dog",
+    "sat",
+    "mat",
+    "how",
+    "many",
+    "does",
+    "do",
+]
+
+
+def tiny_bert(path: Path, *, cross_encoder: bool = False, **config: Any) -> Path:
+    """A small random-weight BERT built here, with a WordPiece tokenizer of a few words and
+    letters: a BertModel (embeddings), or a BertForSequenceClassification of one label (a
+    cross-encoder); `config` adds to its config.json (e.g. `matryoshka_dimensions`)."""
+    import torch
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertModel,
+        BertTokenizerFast,
+    )
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces = [f"##{c}" for c in letters]
+    vocab = list(dict.fromkeys([*_BERT_SPECIAL, *letters, *pieces, *_BERT_WORDS, ".", ",", "?"]))
+    path.mkdir(parents=True, exist_ok=True)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+    settings = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=1,
+        initializer_range=0.2,  # scores spread apart, not all near the sigmoid's middle
+        **config,
+    )
+    torch.manual_seed(7)
+    model = (BertForSequenceClassification if cross_encoder else BertModel)(settings)
+    model.save_pretrained(path)
+    return path

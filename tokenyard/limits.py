@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import Feature, ModelLimits, SamplingParams
+from tokenyard.messages import Feature, ModelLimits, PoolingOptions, SamplingParams
 
 
 def context_length_exceeded(
@@ -41,8 +41,13 @@ def refusal(
     would fail every sequence batched with it, so it is refused here.
     """
     if not limits.generates:
+        serves = (
+            "scores only (POST /v1/score, /v1/rerank)"
+            if limits.scores
+            else ("embeddings only (POST /v1/embeddings)")
+        )
         return InvalidRequest(
-            "This model serves embeddings only (POST /v1/embeddings)",
+            f"This model serves {serves}",
             param="model",
             code="model_not_supported",
         )
@@ -135,13 +140,30 @@ def embedding_refusal(
     param: str = "input",
     *,
     token_ids: Sequence[int] = (),
+    pooling: PoolingOptions | None = None,
 ) -> InvalidRequest | None:
-    """Why an embeddings job (inputs of these lengths) cannot run on a model with these
-    limits, or None: each input must fit the context, all of them the token budget."""
-    if not limits.embeds:
+    """Why an embeddings or scoring job (inputs of these lengths; `pooling` its options)
+    cannot run on a model with these limits, or None: the model must serve the task and the
+    options, each input fit the context, all of them the token budget."""
+    if pooling is not None and pooling.score:
+        if not limits.scores:
+            return not_a_cross_encoder()
+        if len(pooling.second) != len(input_lengths):
+            return InvalidRequest("each pair must say where its second text starts", param=param)
+    elif not limits.embeds:
         return InvalidRequest(
             "This model does not serve embeddings", param="model", code="model_not_supported"
         )
+    elif pooling is not None and pooling.dimensions is not None:
+        return dimensions_refusal(pooling.dimensions, limits) or _input_refusal(
+            input_lengths, limits, param, token_ids
+        )
+    return _input_refusal(input_lengths, limits, param, token_ids)
+
+
+def _input_refusal(
+    input_lengths: Sequence[int], limits: ModelLimits, param: str, token_ids: Sequence[int]
+) -> InvalidRequest | None:
     if not input_lengths or min(input_lengths) < 1:
         return InvalidRequest("An input is empty", param=param)
     if (bad := _bad_ids(token_ids, limits, param)) is not None:
@@ -165,6 +187,39 @@ def embedding_refusal(
     return None
 
 
+def not_a_cross_encoder(model: str | None = None) -> InvalidRequest:
+    """A scoring job for a model that does not score (no sequence-classification head)."""
+    name = "This model" if model is None else f"The model '{model}'"
+    return InvalidRequest(
+        f"{name} is not a cross-encoder: it serves no scores (/v1/score, /v1/rerank)",
+        param="model",
+        code="model_not_supported",
+    )
+
+
+def dimensions_refusal(dimensions: int, limits: ModelLimits) -> InvalidRequest | None:
+    """Why embeddings of this many dimensions cannot be had of a model, or None: shortening a
+    vector keeps its meaning only for a matryoshka model (vLLM's rule and words)."""
+    if not limits.matryoshka:
+        return InvalidRequest(
+            "This model does not support matryoshka representation, changing output "
+            "dimensions will lead to poor results.",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
+    allowed = limits.matryoshka_dimensions
+    if allowed and dimensions not in allowed:
+        return InvalidRequest(
+            f"This model only supports {list(allowed)} matryoshka dimensions, use other "
+            "output dimensions will lead to poor results.",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
+    if dimensions < 1:
+        return InvalidRequest("Dimensions must be greater than 0", param="dimensions")
+    return None
+
+
 def check(error: InvalidRequest | None) -> None:
     """Raise a refusal (`check(refusal(...))`), where the caller's answer to one is to raise."""
     if error is not None:
@@ -183,6 +238,17 @@ def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
         vocab_size=min(x.vocab_size for x in every),
         generates=any(x.generates for x in every),
         embeds=any(x.embeds for x in every),
+        scores=any(x.scores for x in every),
+        matryoshka=any(x.matryoshka for x in every),
+        matryoshka_dimensions=_loosest_dimensions(every),
         engine=every[0].engine if len({x.engine for x in every}) == 1 else "",
         features=frozenset().union(*(x.features for x in every)),
     )
+
+
+def _loosest_dimensions(every: Sequence[ModelLimits]) -> tuple[int, ...]:
+    """The sizes any of several workers allows to be asked: () (any) once one allows any."""
+    shortening = [x for x in every if x.matryoshka]
+    if any(not x.matryoshka_dimensions for x in shortening):
+        return ()
+    return tuple(sorted({d for x in shortening for d in x.matryoshka_dimensions}))

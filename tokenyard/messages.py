@@ -173,6 +173,22 @@ class ReasoningReading(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     include: bool = True  # the request's `include_reasoning`: false drops the reasoning
 
 
+class PoolingOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How an embeddings or scoring job's inputs become its outputs (vLLM's PoolingParams),
+    set at admission from the request and kept with the job, so every engine and every
+    attempt makes the same outputs of it."""
+
+    # each input is a (query, document) pair a cross-encoder scores: its output is one float
+    score: bool = False
+    # embeddings: the first n values of each vector (a matryoshka model's), taken before
+    # normalising, as vLLM does
+    dimensions: int | None = None
+    normalize: bool | None = None  # embeddings: L2-normalise; None: the model's own default
+    activation: bool = True  # scores: the classifier's activation (vLLM's use_activation)
+    # scores: where each pair's second text starts (its token type 1), one per input
+    second: tuple[int, ...] = ()
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     """One generated token's log-probability under the model (before any penalty, bias or
     temperature, as vLLM's default `raw_logprobs`), and the `SamplingParams.logprobs` most
@@ -220,6 +236,8 @@ class JobSpec(msgspec.Struct, kw_only=True):
     # a chat job read with a reasoning parser: how its answer splits into reasoning and
     # content (None: no reasoning is read out of it)
     reasoning: ReasoningReading | None = None
+    # an embeddings or scoring job's options (None: an embeddings job as the model pools)
+    pooling: PoolingOptions | None = None
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):
@@ -304,6 +322,11 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     revision: str = ""  # what identifies the weights (response cache key); "": not known
     generates: bool = True  # runs completions (an embedding-only model does not)
     embeds: bool = False  # runs embeddings jobs
+    scores: bool = False  # runs scoring jobs: a cross-encoder (/v1/score, /v1/rerank)
+    # embeddings may be shortened (`dimensions`): a matryoshka model (its config's
+    # `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them)
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()  # the sizes it allows; (): any
     engine: str = ""  # the engine's name, for a refusal to name it
     # the optional decoding features it implements (`Feature` values; strings, so a gateway
     # reads a newer worker's heartbeat whose features it does not know yet)

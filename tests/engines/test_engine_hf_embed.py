@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,18 +14,19 @@ pytest.importorskip("transformers")
 
 import torch
 
-from tests.embeddings import request, vectors
+from tests.embeddings import EMBED, request, tiny_bert, vectors
 from tokenyard.engines import make_engine
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
 from tokenyard.engines.hf_embed import (
     HFEmbedEngine,
     Pooling,
+    cross_encoder_activation,
     is_embedding_model,
     pool,
     read_pooling,
 )
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, PoolingOptions, SamplingParams
 
 
 async def collect(engine: Engine, count: int) -> dict[str, StepOutput]:
@@ -135,3 +137,99 @@ async def test_in_its_own_process_the_parent_refuses_and_the_pipe_carries_it(
     )
     assert isinstance(batch, process._Batch) and batch.outputs[0].embeddings == [b"\0" * 4]
     await engine.stop()
+
+
+def _scoring(seq_id: str, pairs: list[tuple[list[int], int]], **options: bool) -> EngineRequest:
+    """A scoring job of (ids, where the second text starts) pairs, as the gateway sends one."""
+    flat = [i for ids, _ in pairs for i in ids]
+    pooling = PoolingOptions(score=True, second=tuple(s for _, s in pairs), **options)
+    return EngineRequest(
+        seq_id, flat, EMBED, input_lengths=[len(ids) for ids, _ in pairs], pooling=pooling
+    )
+
+
+async def test_a_cross_encoder_scores_pairs_with_their_token_types(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = tiny_bert(tmp_path / "ce", cross_encoder=True)
+    engine = make_engine("hf", model=str(path), threads=1)
+    assert isinstance(engine, HFEmbedEngine)
+    limits = engine.limits()
+    assert (limits.generates, limits.embeds, limits.scores) == (False, False, True)
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = [("what is the queue", "the queue holds jobs"), ("a cat", "the dog sat on the mat")]
+    encoded = [tok(a, b) for a, b in texts]
+    pairs = [(e["input_ids"], e["token_type_ids"].index(1)) for e in encoded]
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add(request("embed", [[5, 6]]))  # no head for embeddings
+    assert refused.value.code == "model_not_supported"
+    await engine.start()
+    try:
+        engine.add(_scoring("s", pairs))
+        engine.add(_scoring("raw", pairs, activation=False))
+        # the second text starting elsewhere changes the score: the token types reach the model
+        engine.add(_scoring("types", [(ids, 1) for ids, _ in pairs]))
+        got = await collect(engine, 3)
+    finally:
+        await engine.stop()
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    with torch.inference_mode():
+        logits = [float(model(**tok(a, b, return_tensors="pt")).logits[0, 0]) for a, b in texts]
+    scores = vectors(got["s"])[:, 0]
+    assert np.allclose(vectors(got["raw"])[:, 0], logits, atol=1e-5)
+    assert np.allclose(scores, 1 / (1 + np.exp(-np.asarray(logits))), atol=1e-5)
+    assert not np.allclose(vectors(got["types"])[:, 0], scores, atol=1e-4)
+
+
+def test_a_cross_encoders_activation_is_its_configs(tmp_path: Path) -> None:
+    identity = {"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}
+    assert isinstance(cross_encoder_activation(identity), torch.nn.Identity)
+    tanh = {"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}
+    assert isinstance(cross_encoder_activation(tanh), torch.nn.Tanh)
+    assert isinstance(cross_encoder_activation({}), torch.nn.Sigmoid)
+    with pytest.raises(ValueError, match=r"torch\.nn\.modules"):
+        cross_encoder_activation({"sbert_ce_default_activation_function": "os.system"})
+    # a classifier of several labels is no cross-encoder
+    path = tiny_bert(tmp_path / "three", cross_encoder=True)
+    config = json.loads((path / "config.json").read_text())
+    config["id2label"] = {"0": "a", "1": "b", "2": "c"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="3 labels"):
+        HFEmbedEngine(str(path), threads=1)
+
+
+async def test_embedding_options_shorten_and_normalise_per_job(tmp_path: Path) -> None:
+    path = tiny_bert(tmp_path / "m", matryoshka_dimensions=[8, 16])
+    engine = HFEmbedEngine(str(path), threads=1)
+    limits = engine.limits()
+    assert (limits.matryoshka, limits.matryoshka_dimensions) == (True, (8, 16))
+    ids = [[2, 40, 41, 3], [2, 42, 3]]
+
+    def asked(seq_id: str, **options: Any) -> EngineRequest:
+        flat = [i for x in ids for i in x]
+        return EngineRequest(
+            seq_id,
+            flat,
+            EMBED,
+            input_lengths=[len(x) for x in ids],
+            pooling=PoolingOptions(**options),
+        )
+
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add(asked("odd", dimensions=12))
+    assert refused.value.param == "dimensions"
+    await engine.start()
+    try:
+        # in one pass, each job's own options
+        engine.add(asked("raw", normalize=False))
+        engine.add(asked("short", dimensions=8))
+        engine.add(asked("plain"))
+        got = await collect(engine, 3)
+    finally:
+        await engine.stop()
+    raw, short, plain = (vectors(got[k]) for k in ("raw", "short", "plain"))
+    assert raw.shape == (2, 32) and short.shape == (2, 8)
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)
+    assert np.allclose(plain, raw / np.linalg.norm(raw, axis=1, keepdims=True), atol=1e-5)
+    want = raw[:, :8] / np.linalg.norm(raw[:, :8], axis=1, keepdims=True)
+    assert np.allclose(short, want, atol=1e-5)

@@ -115,6 +115,20 @@ def test_embeddings_are_not_offered_where_no_model_embeds(
     assert "/v1/embeddings" not in doc["paths"]
 
 
+def test_score_and_rerank_are_not_offered_where_no_model_scores(
+    served: tuple[Stack, dict[str, Any]],
+) -> None:
+    stack, doc = served
+    with stack.client() as http:
+        score = http.post("/v1/score", json={"model": MODEL, "text_1": "a", "text_2": ["b"]})
+        rerank = http.post("/rerank", json={"query": "a", "documents": ["b", "c"]})
+    for refused in (score, rerank):
+        error = assert_error(refused, 400, "model_not_supported")
+        assert error["param"] == "model" and f"'{MODEL}' is not a cross-encoder" in error["message"]
+    assert "/v1/score" not in doc["paths"] and "/v1/rerank" not in doc["paths"]
+    assert "ScoreRequest" not in doc["components"]["schemas"]
+
+
 def test_what_the_document_allows_is_not_refused_as_invalid(
     served: tuple[Stack, dict[str, Any]],
 ) -> None:

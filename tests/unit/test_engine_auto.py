@@ -56,6 +56,14 @@ def test_vllm_runs_where_installed_fitting_the_device_and_supporting_the_model()
         ),
         ({"model_architectures": ("MambaForCausalLM",)}, "does not support MambaForCausalLM"),
         ({"model_architectures": ()}, "architecture is unknown"),
+        # vLLM knows the architecture, but tokenyard's vllm engine runs no scores
+        (
+            {
+                "model_architectures": ("BertForSequenceClassification",),
+                "vllm_architectures": frozenset({"BertForSequenceClassification"}),
+            },
+            "a cross-encoder (scores): hf-embed serves it",
+        ),
         ({"cuda": True}, "is the CPU build; the device is a GPU"),
         ({"device": "cuda"}, "is the CPU build; the device is a GPU"),
         ({"vllm_build": "gpu"}, "needs a GPU; none here"),

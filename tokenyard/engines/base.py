@@ -27,6 +27,7 @@ from tokenyard.messages import (
     Feature,
     FinishReason,
     ModelLimits,
+    PoolingOptions,
     Priority,
     SamplingParams,
     TokenLogprob,
@@ -45,6 +46,8 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     # an embeddings request: `prompt_token_ids` are its inputs one after another, of these
     # lengths (engines that do not embed refuse it: see `limits.embedding_refusal`)
     input_lengths: Sequence[int] | None = None
+    # an embeddings or scoring request's options (see `limits.embedding_refusal`)
+    pooling: PoolingOptions | None = None
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):

@@ -1,26 +1,34 @@
-"""transformers embeddings: many inputs, of one job or several, pooled in one forward pass.
+"""transformers embeddings and cross-encoder scores: many inputs, of one job or several, in one
+forward pass.
 
-The model is loaded as `AutoModel` (a BERT-style encoder, or a causal LM's base model) and each
-input's vector is pooled from its last hidden state as the directory's sentence-transformers
-files say (modules.json, 1_Pooling/config.json): mean over the attention mask by default,
-L2-normalised when the directory has a Normalize module or has no sentence-transformers files.
+An embedding model is loaded as `AutoModel` (a BERT-style encoder, or a causal LM's base model)
+and each input's vector is pooled from its last hidden state as the directory's
+sentence-transformers files say (modules.json, 1_Pooling/config.json): mean over the attention
+mask by default, L2-normalised when the directory has a Normalize module or has no
+sentence-transformers files; a job's options shorten (matryoshka) and normalise it as vLLM does.
+
+A cross-encoder (a `*ForSequenceClassification` directory with one label) is loaded as such and
+each input, a (query, document) pair, gets its one logit through the activation vLLM and
+sentence-transformers apply: the config's `sentence_transformers.activation_fn` (or
+`sbert_ce_default_activation_function`), else a sigmoid.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from tokenyard import limits
@@ -33,10 +41,18 @@ from tokenyard.engines.base import (
 )
 from tokenyard.engines.hf import resolve_device, resolve_dtype
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
-from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, Pooling, read_pooling, split_inputs
+from tokenyard.engines.pooling import (
+    DEFAULT_TOKEN_BUDGET,
+    Pooling,
+    is_cross_encoder,
+    model_config,
+    read_matryoshka,
+    read_pooling,
+    split_inputs,
+)
 from tokenyard.engines.pooling import is_embedding_model as is_embedding_model
 from tokenyard.errors import EngineError
-from tokenyard.messages import FinishReason, ModelLimits
+from tokenyard.messages import FinishReason, ModelLimits, PoolingOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +79,31 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: Pooling) -> torch.Tensor
     return torch.nn.functional.normalize(out, p=2, dim=1) if how.normalize else out
 
 
+def shaped(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
+    """Pooled `vectors` [batch, dim] as a job's options ask: the first `dimensions` values
+    (matryoshka), then L2-normalised, in vLLM's order."""
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+    return torch.nn.functional.normalize(vectors, p=2, dim=1) if normalize else vectors
+
+
+def cross_encoder_activation(config: dict[str, Any]) -> torch.nn.Module:
+    """The activation a cross-encoder's logit goes through (vLLM's and sentence-transformers'
+    reading of its config): a `torch.nn.modules` class the config names, else a sigmoid."""
+    name = (config.get("sentence_transformers") or {}).get("activation_fn") or config.get(
+        "sbert_ce_default_activation_function"
+    )
+    if not name:
+        return torch.nn.Sigmoid()
+    if not str(name).startswith("torch.nn.modules."):
+        # as vLLM: loading an activation is restricted to torch.nn.modules
+        raise ValueError(f"activation {name!r} is not a torch.nn.modules class")
+    module, _, cls = str(name).rpartition(".")
+    made = getattr(importlib.import_module(module), cls)()
+    assert isinstance(made, torch.nn.Module)
+    return made
+
+
 @dataclass(eq=False)
 class _Job:
     """One request's inputs and the vectors made so far; `next` is its first input not yet in a
@@ -71,6 +112,7 @@ class _Job:
     seq_id: str
     inputs: list[list[int]]
     tokens: int
+    pooling: PoolingOptions
     vectors: list[bytes | None] = field(default_factory=list)
     next: int = 0
     done: int = 0
@@ -92,9 +134,10 @@ class _Job:
 
 
 class HFEmbedEngine(ChannelEngine):
-    """Embeddings from a transformers model: every step takes inputs in arrival order (several
-    jobs' together) up to `max_batch_tokens` padded tokens, and a job ends once all its inputs
-    are pooled. Completions are refused (its limits say it does not generate)."""
+    """Embeddings, or a cross-encoder's scores, from a transformers model: every step takes
+    inputs in arrival order (several jobs' together) up to `max_batch_tokens` padded tokens,
+    and a job ends once all its inputs are pooled. Completions are refused (its limits say it
+    does not generate), and so is the task the model has no head for."""
 
     name = "hf-embed"
 
@@ -117,6 +160,21 @@ class HFEmbedEngine(ChannelEngine):
         self.dtype = resolve_dtype(dtype, self.device)
         self.threads = threads
         self.pooling = read_pooling(self.model_path)
+        self.matryoshka = read_matryoshka(self.model_path)
+        self.cross_encoder = is_cross_encoder(self.model_path)
+        self._activation: torch.nn.Module | None = None
+        kind = f"{self.pooling.mode}:{int(self.pooling.normalize)}"
+        if self.cross_encoder:
+            config = model_config(self.model_path)
+            labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
+            if labels != 1:
+                raise ValueError(
+                    f"{self.model_path} classifies into {labels} labels: a cross-encoder "
+                    "(scores) has one"
+                )
+            self._activation = cross_encoder_activation(config)
+            kind = f"score:{type(self._activation).__name__}"
+        self._token_types = False  # the model takes token type ids (BERT's segments)
         self.tokenizer: HFTokenizer = load_hf_tokenizer(self.model_path)
         default_batch = (
             CUDA_MAX_BATCH_TOKENS if self.device.type == "cuda" else CPU_MAX_BATCH_TOKENS
@@ -130,8 +188,7 @@ class HFEmbedEngine(ChannelEngine):
         self._model: Any = None
         self._limits: ModelLimits | None = None
         self._revision = (
-            f"{self.name}:{weights_fingerprint(self.model_path)}:{self.dtype}:"
-            f"{self.pooling.mode}:{int(self.pooling.normalize)}"
+            f"{self.name}:{weights_fingerprint(self.model_path)}:{self.dtype}:{kind}"
         ).replace("torch.", "")
 
     @property
@@ -142,9 +199,19 @@ class HFEmbedEngine(ChannelEngine):
         if self._limits is None:
             own = super().limits()
             context = min(own.max_model_len, self.pooling.max_seq_length or own.max_model_len)
-            self._limits = msgspec.structs.replace(
-                own, max_model_len=context, generates=False, embeds=True
-            )
+            if self.cross_encoder:
+                self._limits = msgspec.structs.replace(
+                    own, max_model_len=context, generates=False, scores=True
+                )
+            else:
+                self._limits = msgspec.structs.replace(
+                    own,
+                    max_model_len=context,
+                    generates=False,
+                    embeds=True,
+                    matryoshka=self.matryoshka[0],
+                    matryoshka_dimensions=self.matryoshka[1],
+                )
         return self._limits
 
     async def start(self) -> None:
@@ -159,9 +226,11 @@ class HFEmbedEngine(ChannelEngine):
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # process-wide, as the hf engine does
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        model = AutoModel.from_pretrained(self.model_path, dtype=self.dtype, local_files_only=True)
+        kind = AutoModelForSequenceClassification if self.cross_encoder else AutoModel
+        model = kind.from_pretrained(self.model_path, dtype=self.dtype, local_files_only=True)
         model.to(self.device)
         model.eval()
+        self._token_types = int(getattr(model.config, "type_vocab_size", 0) or 0) > 1
         self._model = model
 
     async def stop(self) -> None:
@@ -185,8 +254,9 @@ class HFEmbedEngine(ChannelEngine):
         if lengths is None:  # a completion: the rule refuses it, as this model does not generate
             limits.check(limits.refusal(len(prompt), request.params, model_limits))
             raise EngineError("a completion reached an engine that only embeds")
-        inputs = split_inputs(prompt, lengths, model_limits)
-        job = _Job(request.seq_id, inputs, len(prompt), [None] * len(inputs))
+        pooling = request.pooling or PoolingOptions()
+        inputs = split_inputs(prompt, lengths, model_limits, pooling)
+        job = _Job(request.seq_id, inputs, len(prompt), pooling, [None] * len(inputs))
         with self._cond:
             if self._closed:
                 raise EngineError("engine is stopped")
@@ -230,8 +300,14 @@ class HFEmbedEngine(ChannelEngine):
                 if self._closed:
                     return
                 batch = self._take_batch_locked()
+            inputs = [job.inputs[i] for job, i in batch]
+            how = [job.pooling for job, _ in batch]
             try:
-                vectors = self.embed([job.inputs[i] for job, i in batch])
+                if self.cross_encoder:
+                    seconds = [job.pooling.second[i] for job, i in batch]
+                    vectors = self.score(inputs, seconds, how)
+                else:
+                    vectors = self.embed(inputs, how)
             except Exception as exc:  # a fault of this pass: its jobs are retried elsewhere
                 log.exception("embedding pass failed")
                 self._fail({job.seq_id: job for job, _ in batch}.values(), exc)
@@ -262,9 +338,8 @@ class HFEmbedEngine(ChannelEngine):
                     outputs.append(job.output(FinishReason.ERROR, f"{type(exc).__name__}: {exc}"))
         self._channel.deliver(outputs)
 
-    @torch.inference_mode()
-    def embed(self, inputs: list[list[int]]) -> list[bytes]:
-        """One forward pass over `inputs` (right-padded): each one's vector, float32 LE bytes."""
+    def _padded(self, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`inputs` right-padded, and their attention mask, on the model's device."""
         longest = max(len(ids) for ids in inputs)
         pad = self.tokenizer.pad_token_id
         ids = torch.full((len(inputs), longest), pad, dtype=torch.long)
@@ -272,8 +347,40 @@ class HFEmbedEngine(ChannelEngine):
         for row, tokens in enumerate(inputs):
             ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask[row, : len(tokens)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.inference_mode()
+    def embed(
+        self, inputs: list[list[int]], how: Sequence[PoolingOptions] | None = None
+    ) -> list[bytes]:
+        """One forward pass over `inputs` (right-padded): each one's vector, float32 LE bytes,
+        shaped as its job's options (`how`, one per input; None: the model's defaults) ask."""
+        ids, mask = self._padded(inputs)
         hidden = self._model(input_ids=ids, attention_mask=mask).last_hidden_state
-        pooled = pool(hidden, mask, self.pooling).cpu().numpy()
-        out = np.ascontiguousarray(pooled, dtype="<f4")
-        return [row.tobytes() for row in out]
+        raw = pool(hidden, mask, msgspec.structs.replace(self.pooling, normalize=False))
+        out: list[bytes] = []
+        for row, options in enumerate(how or [PoolingOptions()] * len(inputs)):
+            normalize = self.pooling.normalize if options.normalize is None else options.normalize
+            vector = shaped(raw[row : row + 1], normalize, options.dimensions)
+            out.append(np.ascontiguousarray(vector[0].cpu().numpy(), dtype="<f4").tobytes())
+        return out
+
+    @torch.inference_mode()
+    def score(
+        self, inputs: list[list[int]], seconds: Sequence[int], how: Sequence[PoolingOptions]
+    ) -> list[bytes]:
+        """One forward pass of a cross-encoder over pairs (`inputs`, right-padded; each pair's
+        second text starts at its `seconds`): each one's score as one float32 (LE bytes),
+        through the activation unless its job's options turn it off."""
+        assert self._activation is not None, "not a cross-encoder"
+        ids, mask = self._padded(inputs)
+        extra: dict[str, torch.Tensor] = {}
+        if self._token_types:
+            types = torch.zeros_like(ids)
+            for row, (tokens, start) in enumerate(zip(inputs, seconds, strict=True)):
+                types[row, start : len(tokens)] = 1
+            extra["token_type_ids"] = types
+        logits = self._model(input_ids=ids, attention_mask=mask, **extra).logits[:, 0].float()
+        active = torch.tensor([o.activation for o in how], device=logits.device)
+        scores = torch.where(active, self._activation(logits), logits).cpu().numpy()
+        return [np.asarray([s], dtype="<f4").tobytes() for s in scores]

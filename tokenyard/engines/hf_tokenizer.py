@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,49 @@ class HFTokenizer:
         add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=add_special))
+
+    def encode_truncated(self, text: str, keep: int, side: str = "left") -> list[int]:
+        """Token ids of a prompt cut to `keep` tokens on `side` ("left" keeps the last, vLLM's
+        `truncate_prompt_tokens`), its special tokens kept as the tokenizer's truncation keeps
+        them."""
+        bos = self.hf.bos_token
+        add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
+        with self._lock, self._truncating(side):
+            ids = list(
+                self.hf.encode(
+                    text, add_special_tokens=add_special, truncation=True, max_length=keep
+                )
+            )
+        # fewer than its special tokens: cut the ids themselves
+        return ids if len(ids) <= keep else (ids[-keep:] if side == "left" else ids[:keep])
+
+    def encode_pair(
+        self, first: str, second: str, keep: int | None = None, side: str = "left"
+    ) -> tuple[list[int], int]:
+        """Token ids of a text pair as a cross-encoder reads it (the tokenizer's own pair
+        encoding: BERT's [CLS] a [SEP] b [SEP]), cut to `keep` tokens on `side` if given, and
+        where the second text starts (its token type ids' first 1; none: the end)."""
+        with self._lock, self._truncating(side):
+            enc = self.hf(
+                first,
+                second,
+                truncation=keep is not None,
+                max_length=keep,
+                return_token_type_ids=True,
+            )
+        ids = [int(i) for i in enc["input_ids"]]
+        types = enc.get("token_type_ids") or []
+        return ids, next((i for i, t in enumerate(types) if t == 1), len(ids))
+
+    @contextlib.contextmanager
+    def _truncating(self, side: str) -> Iterator[None]:
+        """The tokenizer truncating on `side` for the duration (under `_lock`)."""
+        was = self.hf.truncation_side
+        self.hf.truncation_side = side
+        try:
+            yield
+        finally:
+            self.hf.truncation_side = was
 
     def encode_special(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` with special tokens (BOS) added or not, as asked (/tokenize)."""

@@ -15,7 +15,7 @@ import msgspec
 from tokenyard import limits
 from tokenyard.engines.models import TINY_MODELS
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import ModelLimits
+from tokenyard.messages import ModelLimits, PoolingOptions
 
 PoolingMode = Literal["mean", "cls", "max", "last"]
 # sentence-transformers' Pooling config keys, in the order it tries them
@@ -26,6 +26,7 @@ _ST_MODES: tuple[tuple[str, PoolingMode], ...] = (
     ("pooling_mode_lasttoken", "last"),
 )
 _GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+_CLASSIFIER = "ForSequenceClassification"
 # the architecture of the `tiny` model (engines/tiny.py builds a Llama)
 _TINY_ARCHITECTURES = ("LlamaForCausalLM",)
 # token ids of the embeddings jobs an engine holds at once: they wait as ids, not activations
@@ -73,6 +74,30 @@ def model_architectures(model: str | os.PathLike[str]) -> tuple[str, ...]:
     return tuple(str(a) for a in archs)
 
 
+def is_cross_encoder(model: str | os.PathLike[str]) -> bool:
+    """A model directory with a sequence-classification head: it scores text pairs."""
+    return any(a.endswith(_CLASSIFIER) for a in model_architectures(model))
+
+
+def model_config(path: Path) -> dict[str, Any]:
+    """A model directory's config.json ({} without one)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def read_matryoshka(path: Path) -> tuple[bool, tuple[int, ...]]:
+    """Whether a model's vectors may be shortened, and to which sizes (() any): its config's
+    `matryoshka_dimensions`, or `is_matryoshka`, as vLLM reads them."""
+    config = model_config(path)
+    sizes = config.get("matryoshka_dimensions") or ()
+    if sizes:
+        return True, tuple(sorted(int(d) for d in sizes))
+    return bool(config.get("is_matryoshka")), ()
+
+
 def is_embedding_model(model: str | os.PathLike[str]) -> bool:
     """A model directory with no generative head (e.g. BertModel): it serves embeddings."""
     archs = model_architectures(model)
@@ -80,11 +105,14 @@ def is_embedding_model(model: str | os.PathLike[str]) -> bool:
 
 
 def split_inputs(
-    prompt: Sequence[int], lengths: Sequence[int], model_limits: ModelLimits
+    prompt: Sequence[int],
+    lengths: Sequence[int],
+    model_limits: ModelLimits,
+    pooling: PoolingOptions | None = None,
 ) -> list[list[int]]:
-    """An embeddings job's inputs (its token ids, one input after another, of `lengths`),
-    checked by the one rule; InvalidRequest when the job is at fault."""
-    limits.check(limits.embedding_refusal(lengths, model_limits, token_ids=prompt))
+    """An embeddings or scoring job's inputs (its token ids, one input after another, of
+    `lengths`), checked by the one rule; InvalidRequest when the job is at fault."""
+    limits.check(limits.embedding_refusal(lengths, model_limits, token_ids=prompt, pooling=pooling))
     if sum(lengths) != len(prompt):
         raise InvalidRequest("input lengths do not add up to the token ids", param="input")
     inputs, at = [], 0

@@ -239,7 +239,11 @@ class ProcessEngine(ChannelEngine):
         if request.input_lengths is None:
             limits.check(limits.refusal(prompt_tokens, request.params, self.limits()))
         else:
-            limits.check(limits.embedding_refusal(request.input_lengths, self.limits()))
+            limits.check(
+                limits.embedding_refusal(
+                    request.input_lengths, self.limits(), pooling=request.pooling
+                )
+            )
         data = _encoder.encode(_Add(request))
         with self._lock:
             if self._stopping:
@@ -262,6 +266,9 @@ class ProcessEngine(ChannelEngine):
             max_model_len=shell.max_model_len,
             generates=shell.generates,
             embeds=shell.embeds,
+            scores=shell.scores,
+            matryoshka=shell.matryoshka,
+            matryoshka_dimensions=shell.matryoshka_dimensions,
             features=shell.features,
         )
 

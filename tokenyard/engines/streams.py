@@ -19,7 +19,13 @@ from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.engines.pooling import split_inputs
 from tokenyard.errors import EngineError, InvalidRequest
-from tokenyard.messages import EngineStats, FinishReason, SamplingParams, TokenLogprob
+from tokenyard.messages import (
+    EngineStats,
+    FinishReason,
+    PoolingOptions,
+    SamplingParams,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,7 @@ class StreamSeq:
     priority: int
     generated: list[int] = field(default_factory=list)  # resumed + produced so far
     inputs: list[list[int]] | None = None  # an embeddings job's inputs (`prompt_ids`, split)
+    pooling: PoolingOptions | None = None  # an embeddings job's options
     extra: Any = None  # what the subclass prepared in `prepare`
     task: asyncio.Task[None] | None = None
     done: bool = False
@@ -137,7 +144,8 @@ class StreamEngine(Engine):
             seq.extra = self.prepare(seq)
         else:
             seq = StreamSeq(seq_id, list(prompt), params, None, int(request.priority))
-            seq.inputs = split_inputs(prompt, request.input_lengths, self.limits())
+            seq.inputs = split_inputs(prompt, request.input_lengths, self.limits(), request.pooling)
+            seq.pooling = request.pooling
         with self._lock:
             if self._stopping:
                 raise EngineError("engine is stopped")

@@ -30,7 +30,13 @@ import numpy as np
 
 from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
-from tokenyard.engines.pooling import DEFAULT_TOKEN_BUDGET, is_embedding_model, read_pooling
+from tokenyard.engines.pooling import (
+    DEFAULT_TOKEN_BUDGET,
+    is_cross_encoder,
+    is_embedding_model,
+    read_matryoshka,
+    read_pooling,
+)
 from tokenyard.engines.streams import NOT_REPEATED, StreamEngine, StreamSeq, replayed_tail
 from tokenyard.engines.tiny import ensure_tiny_model
 from tokenyard.errors import InvalidRequest
@@ -100,9 +106,13 @@ class VLLMEngine(StreamEngine):
         args.update({k: v for k, v in optional.items() if v is not None})
         # anything else AsyncEngineArgs takes, as given (the escape hatch for new options)
         args.update(_mapping(engine_args, "engine_args") or {})
+        if is_cross_encoder(self.model_path):
+            # vLLM scores pairs with token type ids of its own passing; not wired here
+            raise ValueError(f"{self.model_path} is a cross-encoder: serve it with hf-embed")
         encoder = is_embedding_model(self.model_path)
         self.embeds = encoder or args.get("runner") == "pooling"
         seq_length: int | None = None
+        self._matryoshka = read_matryoshka(self.model_path)
         if self.embeds:
             seq_length = _pooling_args(args, self.model_path, convert=not encoder)
         self.engine_args = args
@@ -129,7 +139,14 @@ class VLLMEngine(StreamEngine):
         own = super().limits()
         if not self.embeds:
             return own
-        return msgspec.structs.replace(own, generates=False, embeds=True)
+        matryoshka, sizes = self._matryoshka
+        return msgspec.structs.replace(
+            own,
+            generates=False,
+            embeds=True,
+            matryoshka=matryoshka,
+            matryoshka_dimensions=sizes,
+        )
 
     async def open(self) -> None:
         from vllm.config import PoolerConfig
@@ -189,8 +206,16 @@ class VLLMEngine(StreamEngine):
         from vllm.inputs import TokensPrompt
 
         assert self._llm is not None and seq.inputs is not None, "engine not started"
-        # the pooler config (engine args) fixes pooling and normalisation; vLLM copies params
-        params = PoolingParams(task="embed")
+        # the pooler config (engine args) fixes pooling and normalisation unless the job's
+        # options say otherwise (its `use_activation` is the embeddings' normalisation, as in
+        # the pooler config); vLLM copies params
+        options: dict[str, Any] = {}
+        if seq.pooling is not None:
+            if seq.pooling.dimensions is not None:
+                options["dimensions"] = seq.pooling.dimensions
+            if seq.pooling.normalize is not None:
+                options["use_activation"] = seq.pooling.normalize
+        params = PoolingParams(task="embed", **options)
 
         async def one(i: int, ids: list[int]) -> bytes:
             stream = self._llm.encode(

@@ -25,7 +25,16 @@ from tokenyard.gateway.protocol import (
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tools import Tools, call_reading, reasoning_reading
-from tokenyard.messages import CallReading, Guide, JobSpec, ReasoningReading, SamplingParams
+from tokenyard.gateway.vllm_api import RerankRequest, ScoreRequest, TruncatingTokenizer
+from tokenyard.messages import (
+    CallReading,
+    Guide,
+    JobSpec,
+    ModelLimits,
+    PoolingOptions,
+    ReasoningReading,
+    SamplingParams,
+)
 
 # Tokenizing a long prompt would stall the event loop; past this size it runs in a thread.
 _INLINE_CHARS = 4096
@@ -240,25 +249,141 @@ async def admit_embeddings(
     idempotency_key: str | None = None,
 ) -> JobSpec:
     """An embeddings job for a validated request: its inputs' token ids one after another (the
-    worker does not tokenize again), checked by the one rule against the model's limits."""
+    worker does not tokenize again; cut as `truncate_prompt_tokens` asks), checked by the one
+    rule against the model's limits, with the vector options it asks."""
     body.refuse_unsupported()
     inputs = body.inputs()
     model = resolve_alias(state.routing, body.model)
     tokenizer = tokenizer_for(state, model)
+    model_limits = await state.limits.of(model, tokenizer)
+    keep = _kept_tokens(body.truncate_prompt_tokens, model_limits)
+    side = body.truncation_side or "left"
     supplied: list[int] = []  # ids the client sent: checked against the vocabulary
     texts = [x for x in inputs if isinstance(x, str)]
     if not texts:
-        ids = [x for x in inputs if isinstance(x, list)]
+        ids = [_cut(x, keep, side) for x in inputs if isinstance(x, list)]
         supplied = [i for x in ids for i in x]
-    elif sum(map(len, texts)) <= _INLINE_CHARS:
-        ids = [tokenizer.encode(text) for text in texts]
     else:
-        ids = await anyio.to_thread.run_sync(lambda: [tokenizer.encode(t) for t in texts])
+
+        def encode() -> list[list[int]]:
+            return [_encode_cut(tokenizer, text, keep, side) for text in texts]
+
+        small = sum(map(len, texts)) <= _INLINE_CHARS
+        ids = encode() if small else await anyio.to_thread.run_sync(encode)
     lengths = [len(x) for x in ids]
     rule = Rule.ALIAS if model != body.model else Rule.REQUESTED
     state.metrics.routed.labels(body.model, model, rule.value).inc()
+    pooling = None
+    if body.dimensions is not None or body.normalized is not None:
+        pooling = PoolingOptions(dimensions=body.dimensions, normalize=body.normalized)
+    limits.check(
+        limits.embedding_refusal(
+            lengths, model_limits, "input", token_ids=supplied, pooling=pooling
+        )
+    )
+    return _pooling_job(
+        state, model, tenant, body, ids, pooling, live=live, idempotency_key=idempotency_key
+    )
+
+
+async def admit_scores(
+    state: GatewayState,
+    body: ScoreRequest | RerankRequest,
+    tenant: Tenant,
+    *,
+    live: bool,
+    idempotency_key: str | None = None,
+) -> JobSpec:
+    """A scoring job (/v1/score, /v1/rerank) for a validated request: each (query, document)
+    pair one input, encoded as the cross-encoder reads a pair, as an embeddings job's inputs
+    run; a model that does not score is refused by name."""
+    body.refuse_unsupported()
+    pairs, param = body.pairs()
+    model = model_named(state, body.model)
+    tokenizer = tokenizer_for(state, model)
     model_limits = await state.limits.of(model, tokenizer)
-    limits.check(limits.embedding_refusal(lengths, model_limits, "input", token_ids=supplied))
+    if not model_limits.scores:
+        raise limits.not_a_cross_encoder(body.model or model)
+    if not isinstance(tokenizer, TruncatingTokenizer):
+        raise InvalidRequest(
+            f"The model '{model}' has no tokenizer that encodes text pairs", param="model"
+        )
+    keep = _kept_tokens(body.truncate_prompt_tokens, model_limits)
+
+    def encode() -> list[tuple[list[int], int]]:
+        return [tokenizer.encode_pair(a, b, keep, body.side) for a, b in pairs]
+
+    small = sum(len(a) + len(b) for a, b in pairs) <= _INLINE_CHARS
+    encoded = encode() if small else await anyio.to_thread.run_sync(encode)
+    ids = [x for x, _ in encoded]
+    lengths = [len(x) for x in ids]
+    rule = Rule.ALIAS if model != body.model else Rule.REQUESTED
+    state.metrics.routed.labels(body.model or model, model, rule.value).inc()
+    pooling = PoolingOptions(
+        score=True, activation=body.activated, second=tuple(s for _, s in encoded)
+    )
+    limits.check(limits.embedding_refusal(lengths, model_limits, param, pooling=pooling))
+    return _pooling_job(
+        state, model, tenant, body, ids, pooling, live=live, idempotency_key=idempotency_key
+    )
+
+
+def model_named(state: GatewayState, asked: str | None) -> str:
+    """The model a request names (an alias resolved); none named (vLLM's routes make `model`
+    optional): the one this gateway serves (several: 400, the request must say which)."""
+    if asked is None:
+        if len(state.served.models) != 1:
+            raise InvalidRequest(
+                "'model' is required: this server serves several models", param="model"
+            )
+        return state.served.models[0]
+    return resolve_alias(state.routing, asked)
+
+
+def _kept_tokens(asked: int | None, model_limits: ModelLimits) -> int | None:
+    """The tokens `truncate_prompt_tokens` keeps of each input (-1: the model's context), or
+    None (no cut); more than the context is refused, as vLLM refuses it."""
+    if asked is None:
+        return None
+    context = model_limits.max_model_len
+    if asked > context:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens={asked} cannot be greater than max_model_len={context}. "
+            "Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    return context if asked < 0 else asked
+
+
+def _cut(ids: list[int], keep: int | None, side: str) -> list[int]:
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]
+
+
+def _encode_cut(tokenizer: EngineTokenizer, text: str, keep: int | None, side: str) -> list[int]:
+    """A text's ids, cut to `keep` on `side` as the tokenizer truncates (its special tokens
+    kept), or, where it cannot, as the ids themselves are cut."""
+    ids = tokenizer.encode(text)
+    if keep is None or len(ids) <= keep:
+        return ids
+    if isinstance(tokenizer, TruncatingTokenizer):
+        return tokenizer.encode_truncated(text, keep, side)
+    return _cut(ids, keep, side)
+
+
+def _pooling_job(
+    state: GatewayState,
+    model: str,
+    tenant: Tenant,
+    body: EmbeddingRequest | ScoreRequest | RerankRequest,
+    ids: list[list[int]],
+    pooling: PoolingOptions | None,
+    *,
+    live: bool,
+    idempotency_key: str | None,
+) -> JobSpec:
+    """An embeddings or scoring job of these inputs' ids (one after another)."""
     now = time.time()
     deadline = _deadline(body.deadline, now, live, state.settings.request_timeout_s)
     return JobSpec(
@@ -267,14 +392,15 @@ async def admit_embeddings(
         tenant=tenant.name,
         weight=tenant.weight,
         priority=tenant.lane_priority(body.priority_class),
-        prompt_token_ids=supplied or [i for x in ids for i in x],
-        input_lengths=lengths,
+        prompt_token_ids=[i for x in ids for i in x],
+        input_lengths=[len(x) for x in ids],
         # nothing is generated: greedy marks the job deterministic (the response cache's rule)
         sampling=SamplingParams(max_tokens=0, temperature=0.0),
         deadline=deadline,
         idempotency_key=idempotency_key,
         created_at=now,
         stream=False,  # no tokens to follow: every reader reads the result
+        pooling=pooling,
     )
 
 

@@ -17,12 +17,19 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from tokenyard.broker.tables import ResponseStore
-from tokenyard.messages import JobResult, JobStatus, SamplingParams, decode, encode
+from tokenyard.messages import (
+    JobResult,
+    JobStatus,
+    PoolingOptions,
+    SamplingParams,
+    decode,
+    encode,
+)
 from tokenyard.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-KEY_VERSION = 3  # bump when what the key covers changes: old entries then simply miss
+KEY_VERSION = 4  # bump when what the key covers changes: old entries then simply miss
 SHARED_SCOPE = "*"
 
 
@@ -36,6 +43,7 @@ class _KeyParts(msgspec.Struct, array_like=True, frozen=True):
     prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     input_lengths: Sequence[int] | None  # an embeddings job's: where each input ends
+    pooling: PoolingOptions | None  # an embeddings or scoring job's options
 
 
 def deterministic(sampling: SamplingParams) -> bool:
@@ -55,11 +63,12 @@ def cache_key(
     prompt_token_ids: Sequence[int],
     sampling: SamplingParams,
     input_lengths: Sequence[int] | None = None,
+    pooling: PoolingOptions | None = None,
 ) -> str:
     """The digest naming one deterministic answer; any change of an input changes it."""
     lengths = None if input_lengths is None else list(input_lengths)
     parts = _KeyParts(
-        KEY_VERSION, model, revision, scope, list(prompt_token_ids), sampling, lengths
+        KEY_VERSION, model, revision, scope, list(prompt_token_ids), sampling, lengths, pooling
     )
     return hashlib.blake2b(encode(parts), digest_size=16).hexdigest()
 

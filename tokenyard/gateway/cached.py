@@ -13,6 +13,7 @@ from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer, Renderer
 from tokenyard.gateway.tools import Reader, parse_whole
+from tokenyard.gateway.vllm_api import RerankRequest, ScoreRequest
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
 
 CACHE_HEADER = "X-Cache"  # hit | miss | collapsed | bypass
@@ -22,7 +23,11 @@ _OPT_OUT = ("no-cache", "no-store")
 def cache_digest(
     state: GatewayState,
     spec: JobSpec,
-    body: protocol.CompletionRequest | protocol.ChatCompletionRequest | protocol.EmbeddingRequest,
+    body: protocol.CompletionRequest
+    | protocol.ChatCompletionRequest
+    | protocol.EmbeddingRequest
+    | ScoreRequest
+    | RerankRequest,
     headers: Mapping[str, str],
 ) -> str | None:
     """The request's cache key, or None when it takes no part: not deterministic, opted out
@@ -41,7 +46,13 @@ def cache_digest(
         return None
     scope = cache_scope(spec.tenant, settings.cache_shared)
     return cache_key(
-        spec.model, revision, scope, spec.prompt_token_ids, spec.sampling, spec.input_lengths
+        spec.model,
+        revision,
+        scope,
+        spec.prompt_token_ids,
+        spec.sampling,
+        spec.input_lengths,
+        spec.pooling,
     )
 
 

@@ -175,6 +175,8 @@ class PublishedLimits:
             token_budget=own,
             vocab_size=tokenizer.vocab_size,
             embeds=True,
+            scores=True,
+            matryoshka=True,
             features=frozenset(Feature),
         )
 

@@ -134,6 +134,7 @@ class Served:
 
     embedders: frozenset[str]
     lacking: frozenset[tuple[Feature, str]] = frozenset()
+    scorers: frozenset[str] | None = None  # the names whose model scores (None: not known)
 
 
 # each optional feature's request fields (completions, chat) and the values that ask nothing
@@ -179,6 +180,7 @@ def request_schemas(
     names a request may give (served models and aliases; any other is 404); `served`: what
     their models can do (None: all of it, as before any worker said)."""
     embedders = None if served is None else served.embedders
+    scorers = None if served is None else served.scorers
     max_tokens = {
         "type": "integer",
         "minimum": 1,
@@ -649,8 +651,19 @@ def request_schemas(
                 "description": "each input within the model's context",
             },
             "encoding_format": {"enum": ["float", "base64"], "default": "float"},
-            "dimensions": _neutral(None),
+            "dimensions": _nullable(
+                {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "a matryoshka model's only (its config says which sizes)",
+                }
+            ),
             "user": common["user"],
+            **_pooling_fields(),
+            "normalize": _nullable({"type": "boolean"}),
+            "use_activation": _nullable(
+                {"type": "boolean", "description": "normalize's newer name: the same value"}
+            ),
             **tokenyard,
         },
     }
@@ -789,6 +802,7 @@ def request_schemas(
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
         **_vllm_requests(common, chat, token_ids),
+        **_scoring_requests(models, scorers, tokenyard, common["user"]),
         "ResponseRequest": response,
         "MessageRequest": {
             **_message_request(common, max_tokens),
@@ -846,6 +860,87 @@ def _vllm_requests(
             "required": ["tokens"],
             "additionalProperties": False,
             "properties": {"model": model, "tokens": {**token_ids, "minItems": 0}},
+        },
+    }
+
+
+def _pooling_fields() -> dict[str, Any]:
+    """vLLM's truncation of each input (embeddings, score, rerank)."""
+    return {
+        "truncate_prompt_tokens": _nullable(
+            {
+                "type": "integer",
+                "minimum": -1,
+                "not": {"const": 0},
+                "description": "keep this many tokens of each input (-1: the model's "
+                "context), at most the model's context",
+            }
+        ),
+        "truncation_side": _nullable({"enum": ["left", "right"]}),
+    }
+
+
+def _scoring_requests(
+    models: Sequence[str],
+    scorers: Collection[str] | None,
+    tokenyard: dict[str, Any],
+    user: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """vLLM's score and rerank bodies (`gateway/vllm_api.py`): a model that does not score is
+    400; with none, the operations are left out of the document (`document`)."""
+    names = list(models) if scorers is None else [m for m in models if m in scorers]
+    texts = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        ]
+    }
+    activation = _nullable({"type": "boolean"})
+    common = {
+        "model": _nullable({"enum": names or list(models)}),
+        "user": user,
+        **_pooling_fields(),
+        "use_activation": activation,
+        "softmax": activation,
+        "activation": activation,
+        "padding": _nullable({"const": "do_not_pad"}),
+        "mm_processor_kwargs": _neutral(None),
+        "request_id": _nullable({"type": "string"}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": 1024}),
+        **tokenyard,
+        "priority": _nullable({"enum": ["high", "normal", "low", 0]}),
+    }
+    one_pair = "one pair of fields: text_1/text_2, data_1/data_2, or queries/documents (items)"
+
+    def pair(first: str, second: str) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "required": [first, second],
+            "additionalProperties": False,
+            "properties": {**common, first: texts, second: texts},
+            "description": one_pair + "; a list of firsts as long as the seconds, or one",
+        }
+
+    return {
+        "ScoreRequest": {
+            "oneOf": [
+                pair("text_1", "text_2"),
+                pair("data_1", "data_2"),
+                pair("queries", "documents"),
+                pair("queries", "items"),
+            ]
+        },
+        "RerankRequest": {
+            "type": "object",
+            "required": ["query", "documents"],
+            "additionalProperties": False,
+            "properties": {
+                **common,
+                "query": {"type": "string"},
+                "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                "top_n": {"type": "integer", "description": "0 or less: all"},
+                "return_documents": {"type": "boolean", "default": True},
+            },
         },
     }
 
@@ -1013,7 +1108,8 @@ def document(
 ) -> dict[str, Any]:
     """The OpenAPI document of `app`: FastAPI's, with the bodies and statuses routes declare,
     the shared statuses on every operation, and FastAPI's unused 422 gone; without `/v1/
-    embeddings` while no model served here embeds (every request to it is refused)."""
+    embeddings` while no model served here embeds, nor `/v1/score` and `/v1/rerank` while none
+    scores (every request to them is refused)."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
@@ -1023,6 +1119,10 @@ def document(
     if served is not None and not served.embedders:
         doc["paths"].pop("/v1/embeddings", None)
         schemas.pop("EmbeddingRequest", None)
+    if served is not None and served.scorers is not None and not served.scorers:
+        for path, schema in (("/v1/score", "ScoreRequest"), ("/v1/rerank", "RerankRequest")):
+            doc["paths"].pop(path, None)
+            schemas.pop(schema, None)
 
     for path, operations in doc["paths"].items():
         for operation in operations.values():
@@ -1074,6 +1174,7 @@ async def _served(request: Request) -> Served:
             limits[model] = await state.limits.of(model, tokenizer)
     return Served(
         embedders=frozenset(n for n, m in names.items() if m not in limits or limits[m].embeds),
+        scorers=frozenset(n for n, m in names.items() if m not in limits or limits[m].scores),
         lacking=frozenset(
             (feature, name)
             for name, model in names.items()

@@ -803,8 +803,15 @@ class EmbeddingRequest(Request):
     model: NonEmptyStr
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
+    # a matryoshka model's vectors shortened (the model's limits say whether it is one)
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
+    # vLLM's: L2-normalise (None: as the model pools; `use_activation` is its newer name), and
+    # each input cut to its last n tokens (-1: the model's context), or first n (`right`)
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # tokenyard, as on the completions routes: lane priority, deadline, cache opt-out
     priority: Literal["high", "normal", "low"] | None = None
     deadline: Deadline | None = None
@@ -813,8 +820,19 @@ class EmbeddingRequest(Request):
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""
         self.refuse_unknown()
-        if self.dimensions is not None:
-            raise unsupported("dimensions", "(the model's own size only)")
+        refuse_no_truncation(self.truncate_prompt_tokens)
+        if None not in (self.normalize, self.use_activation) and (
+            self.normalize != self.use_activation
+        ):
+            raise InvalidRequest(
+                "'normalize' and 'use_activation' are one option: give one, or the same value",
+                param="use_activation",
+            )
+
+    @property
+    def normalized(self) -> bool | None:
+        """Whether the vectors are L2-normalised (None: as the model pools)."""
+        return self.normalize if self.normalize is not None else self.use_activation
 
     def inputs(self) -> list[str] | list[list[int]]:
         """The inputs, each text or token ids; an empty input or too many are refused."""
@@ -837,6 +855,15 @@ class EmbeddingRequest(Request):
     @property
     def priority_class(self) -> Priority | None:
         return None if self.priority is None else Priority[self.priority.upper()]
+
+
+def refuse_no_truncation(keep: int | None) -> None:
+    """`truncate_prompt_tokens` 0 would leave nothing to pool: -1 or at least 1 (vLLM)."""
+    if keep == 0:
+        raise InvalidRequest(
+            "'truncate_prompt_tokens' must be -1 (the model's context) or at least 1",
+            param="truncate_prompt_tokens",
+        )
 
 
 def _vector(data: bytes) -> list[float]:

@@ -18,7 +18,7 @@ import msgspec
 from tokenyard import tracing
 from tokenyard.errors import QueueFull
 from tokenyard.gateway import quota, shedding
-from tokenyard.gateway.admission import admit, admit_embeddings
+from tokenyard.gateway.admission import admit, admit_embeddings, admit_scores
 from tokenyard.gateway.auth import Tenant
 from tokenyard.gateway.cache import collapse_key
 from tokenyard.gateway.cached import CACHE_HEADER, cache_digest
@@ -32,14 +32,16 @@ from tokenyard.gateway.protocol import (
     Kind,
 )
 from tokenyard.gateway.state import GatewayState
+from tokenyard.gateway.vllm_api import RerankRequest, ScoreRequest
 from tokenyard.messages import JobResult, JobSpec
 
 # A full lane, the tenant's quota, the queue's estimated wait: 429 to an HTTP caller, a tick's
 # wait to a batch line (its window is long; the same line is submitted again).
 RETRY_LATER = (QueueFull, RateLimited)
 
-Body = CompletionRequest | ChatCompletionRequest | EmbeddingRequest
-Task = Kind | Literal["embedding"]  # what a request asks for: its body's type says the same
+Body = CompletionRequest | ChatCompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+# what a request asks for: its body's type says the same
+Task = Kind | Literal["embedding", "score"]
 
 
 class Live(msgspec.Struct, frozen=True):
@@ -140,8 +142,10 @@ async def _submit(
         key = how.idempotency_key if isinstance(how, Later) else None
         if isinstance(body, EmbeddingRequest):
             spec = await admit_embeddings(state, body, tenant, live=live, idempotency_key=key)
+        elif isinstance(body, ScoreRequest | RerankRequest):
+            spec = await admit_scores(state, body, tenant, live=live, idempotency_key=key)
         else:
-            assert kind != "embedding"
+            assert kind != "embedding" and kind != "score"
             spec = await admit(
                 state, kind, body, tenant, live=live, idempotency_key=key, choice=choice
             )

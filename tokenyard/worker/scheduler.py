@@ -21,6 +21,7 @@ from tokenyard.limits import embedding_refusal, refusal
 from tokenyard.messages import (
     FinishReason,
     ModelLimits,
+    PoolingOptions,
     Priority,
     SamplingParams,
     TokenChunk,
@@ -47,6 +48,7 @@ class Job(Generic[H]):
     # an embeddings job: `prompt_ids` are its inputs one after another, of these lengths
     input_lengths: list[int] | None = None
     embeddings: list[bytes] | None = None  # its vectors, once the engine made them
+    pooling: PoolingOptions | None = None  # an embeddings or scoring job's options
     logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
     cached_tokens: int | None = None  # prompt tokens its engine's prefix cache held
 
@@ -196,7 +198,9 @@ class Scheduler(Generic[H]):
         while self._fresh:
             job = self._fresh.popleft()
             if job.input_lengths is not None:
-                error = embedding_refusal(job.input_lengths, self.limits, token_ids=job.prompt_ids)
+                error = embedding_refusal(
+                    job.input_lengths, self.limits, token_ids=job.prompt_ids, pooling=job.pooling
+                )
             else:
                 error = refusal(
                     len(job.prompt_ids), job.params, self.limits, token_ids=job.prompt_ids

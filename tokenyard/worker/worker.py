@@ -332,6 +332,7 @@ class Worker:
             time.time(),
             priority=spec.priority,
             input_lengths=spec.input_lengths,
+            pooling=spec.pooling,
         )
 
     async def _load_resumed_tokens(self, job: Job[Lease]) -> None:
@@ -376,6 +377,7 @@ class Worker:
                 tuple(job.token_ids),
                 job.handle.spec.priority,
                 job.input_lengths,
+                job.pooling,
             )
             try:
                 self.engine.add(request)

@@ -5,44 +5,41 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 import tokenyard
+from tokenyard import tracing
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol, vllm_api
-from tokenyard.gateway.admission import tokenizer_for
+from tokenyard.gateway.admission import model_named, tokenizer_for
 from tokenyard.gateway.auth import TenantDep
+from tokenyard.gateway.cached import CACHE_HEADER
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.openapi import answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.routing import resolve_alias
-from tokenyard.gateway.state import GatewayState, gateway
+from tokenyard.gateway.routes.openai import until_disconnect
+from tokenyard.gateway.state import gateway
+from tokenyard.gateway.submit import Hit, Live, submit
 from tokenyard.gateway.vllm_api import (
     DetokenizeRequest,
     PieceTokenizer,
+    RerankRequest,
+    ScoreRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tokenyard.messages import JobResult, JobSpec
 
 router = APIRouter()
 
 # a prompt longer than this is tokenized in a thread (as admission does)
 _INLINE_CHARS = 4096
-
-
-def _model(state: GatewayState, asked: str | None) -> str:
-    """The model a request names (an alias resolved); none named: the one this gateway serves
-    (several: 400, the request must say which)."""
-    if asked is None:
-        if len(state.served.models) != 1:
-            raise InvalidRequest(
-                "'model' is required: this server serves several models", param="model"
-            )
-        return state.served.models[0]
-    return resolve_alias(state.routing, asked)
 
 
 @router.post("/tokenize", responses=answers(404), openapi_extra=json_body("TokenizeRequest"))
@@ -61,7 +58,7 @@ async def tokenize(request: Request, tenant: TenantDep) -> Response:
     body = protocol.parse(kind, raw, checked=True)
     body.refuse_unsupported()
     state = gateway(request)
-    model = _model(state, body.model)
+    model = model_named(state, body.model)
     tokenizer = tokenizer_for(state, model)
     if isinstance(body, TokenizeChatRequest):
         chat = protocol.ChatCompletionRequest.model_construct(
@@ -100,7 +97,7 @@ async def detokenize(request: Request, tenant: TenantDep) -> Response:
     body = protocol.parse(DetokenizeRequest, await request.body())
     body.refuse_unsupported()
     state = gateway(request)
-    model = _model(state, body.model)
+    model = model_named(state, body.model)
     tokenizer = tokenizer_for(state, model)
     vocab = tokenizer.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
@@ -117,3 +114,55 @@ async def detokenize(request: Request, tenant: TenantDep) -> Response:
 async def version() -> Response:
     """vLLM's /version: the server's version (tokenyard's)."""
     return FastJSONResponse({"version": tokenyard.__version__})
+
+
+_SCORING = answers(404, 429, 500, 503, 504)
+
+
+@router.post("/v1/score", responses=_SCORING, openapi_extra=json_body("ScoreRequest"))
+@router.post("/score", include_in_schema=False)
+async def score(request: Request, tenant: TenantDep) -> Response:
+    """vLLM's score API: a cross-encoder's score of each text pair, as one job through the
+    queue (an embeddings job's path: quota, lanes, cache, audit)."""
+    body = protocol.parse(ScoreRequest, await request.body())
+    return await _scoring(
+        request, tenant, body, lambda spec, result: vllm_api.score_body(spec.id, spec.model, result)
+    )
+
+
+@router.post("/v1/rerank", responses=_SCORING, openapi_extra=json_body("RerankRequest"))
+@router.post("/rerank", include_in_schema=False)
+@router.post("/v2/rerank", include_in_schema=False)
+async def rerank(request: Request, tenant: TenantDep) -> Response:
+    """vLLM's rerank API (Jina's and Cohere's): the documents by a cross-encoder's relevance to
+    the query, as one scoring job."""
+    body = protocol.parse(RerankRequest, await request.body())
+    return await _scoring(
+        request,
+        tenant,
+        body,
+        lambda spec, result: vllm_api.rerank_body(spec.id, spec.model, body, result),
+    )
+
+
+async def _scoring(
+    request: Request,
+    tenant: TenantDep,
+    body: ScoreRequest | RerankRequest,
+    render: Callable[[JobSpec, JobResult], dict[str, Any]],
+) -> Response:
+    """A scoring job followed live, or its cached answer (scores depend only on the pairs)."""
+    started = time.monotonic()
+    with tracing.server_span(f"POST {request.url.path}", request.headers):
+        state = gateway(request)
+        outcome = await submit(state, "score", body, tenant, Live(request.headers, started))
+        if isinstance(outcome, Hit):
+            content = render(outcome.spec, outcome.result)
+            return FastJSONResponse(content, headers={CACHE_HEADER: "hit"})
+        call = outcome.call
+        headers = {"X-Job-Id": call.job_id, **outcome.headers}
+        result = await call.result(lambda: until_disconnect(request))
+        failed = protocol.result_error(result)
+        if failed is not None:
+            return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
+        return FastJSONResponse(render(outcome.spec, result), headers=headers)
