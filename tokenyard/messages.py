@@ -53,6 +53,13 @@ class Feature(enum.StrEnum):
     STOP_TOKEN_IDS = "stop_token_ids"
     LOGPROBS = "logprobs"  # logprobs / top_logprobs
     STRUCTURED_OUTPUTS = "structured_outputs"  # response_format, structured_outputs, tools
+    # vLLM's extensions; a worker that predates one does not publish it, so a request using
+    # it is refused (naming the field) until every worker of the model knows it
+    MIN_P = "min_p"
+    ALLOWED_TOKEN_IDS = "allowed_token_ids"
+    BAD_WORDS = "bad_words"
+    DETOKENIZE = "detokenize"  # the skip_special_tokens / spaces_between / stop str switches
+    CACHE_SALT = "cache_salt"
 
 
 class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -95,12 +102,16 @@ class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to decode; top_k == 0 and top_p == 1.0 disable those filters.
+    """How to decode; top_k == 0, top_p == 1.0 and min_p == 0.0 disable those filters.
 
     Penalties follow vLLM's formulas (OpenAI's presence/frequency over the generated tokens,
     the CTRL repetition penalty over prompt and output); `logit_bias` holds (token id, bias)
     pairs sorted by id; `logprobs` asks for each chosen token's log-probability and that many
-    of the most likely alternatives (None: no logprobs)."""
+    of the most likely alternatives (None: no logprobs). vLLM's extensions mean what they mean
+    there: `allowed_token_ids` (sorted, distinct; empty: all) and `bad_words` (text, masked as
+    token sequences the engine's tokenizer makes of them) mask tokens; the detokenization
+    switches shape the text only; `cache_salt` keeps prefix caches apart (no prompt's cached
+    KV is shared across salts) and, hashed with these params, the response cache too."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -117,6 +128,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     guide: Guide | None = None
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -125,8 +143,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def depends_on_output(self) -> bool:
         """Decoding depends on the tokens generated so far (a guide's state, presence and
-        frequency penalties): resumed tokens must count as output, not as more prompt."""
-        return self.guide is not None or bool(self.presence_penalty or self.frequency_penalty)
+        frequency penalties, bad words of several tokens): resumed tokens must count as
+        output, not as more prompt."""
+        return (
+            self.guide is not None
+            or bool(self.presence_penalty or self.frequency_penalty)
+            or bool(self.bad_words)
+        )
+
+    @property
+    def detokenizes_plainly(self) -> bool:
+        """Text is decoded as by default (special tokens skipped, stop strings left out)."""
+        return (
+            self.skip_special_tokens
+            and self.spaces_between_special_tokens
+            and not self.include_stop_str_in_output
+        )
 
     def min_tokens_left(self, resumed: int) -> int:
         """min_tokens still owed after `resumed` tokens an earlier attempt generated."""
@@ -148,6 +180,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             wanted.add(Feature.LOGPROBS)
         if self.guide is not None:
             wanted.add(Feature.STRUCTURED_OUTPUTS)
+        if self.min_p:
+            wanted.add(Feature.MIN_P)
+        if self.allowed_token_ids:
+            wanted.add(Feature.ALLOWED_TOKEN_IDS)
+        if self.bad_words:
+            wanted.add(Feature.BAD_WORDS)
+        if not self.detokenizes_plainly:
+            wanted.add(Feature.DETOKENIZE)
+        if self.cache_salt is not None:
+            wanted.add(Feature.CACHE_SALT)
         return frozenset(wanted)
 
 

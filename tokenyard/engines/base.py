@@ -87,9 +87,20 @@ class EngineTokenizer(Protocol):
         """Token ids the model embeds: every id must be below it."""
         ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """A prompt's ids; `add_special_tokens` None: the model's usual (BOS unless the text
+        starts with it), True or False: vLLM's switch."""
+        ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(
+        self,
+        ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """Text of token ids, with vLLM's detokenization switches."""
+        ...
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs name it (vLLM's decoded token): special tokens
@@ -100,10 +111,15 @@ class EngineTokenizer(Protocol):
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         """The prompt of a conversation; `tools` (OpenAI's shape) are offered to the model as
         its template shows them. Messages may carry `tool_calls` (arguments as dicts) and
-        `tool_call_id`, as transformers' templates take them."""
+        `tool_call_id`, as transformers' templates take them. The switches are vLLM's: the
+        assistant's turn opened, the last message left open, another template (jinja)."""
         ...
 
     @property

@@ -44,6 +44,7 @@ class _RowSampler(LogitsProcessor):
         self._temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         self._top_k = torch.tensor([r.params.top_k for r in rows], device=device)
         self._top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        self._min_p = torch.tensor([r.params.min_p for r in rows], device=device)
         self._features = [(i, r.features) for i, r in enumerate(rows) if r.features is not None]
         self._adjust = AdjustBuffers(len(rows), vocab, device) if self._features else None
         want = any(f.logprobs is not None for _, f in self._features)
@@ -67,6 +68,7 @@ class _RowSampler(LogitsProcessor):
                 self._top_k,
                 self._top_p,
                 torch.tensor(keys, device=scores.device),
+                self._min_p,
             )
         # all greedy: generate's argmax of `out` is exactly what we want
         if self.logprobs is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenyard.engines.badwords import bad_words_token_ids, banned_tokens
 from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams, TokenLogprob
@@ -54,12 +55,33 @@ class SimTokenizer:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def encode(self, text: str) -> list[int]:
-        return [b + self.OFFSET for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        # its one special token a prompt may start with: BOS, only when asked for
+        bos = [self.BOS] if add_special_tokens else []
+        return bos + [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
-        return data.decode("utf-8", errors="replace")
+    def decode(
+        self,
+        ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        # its special tokens' texts have no spaces around them: the second switch changes nothing
+        if skip_special_tokens:
+            data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
+            return data.decode("utf-8", errors="replace")
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if self.OFFSET <= i < self.vocab_size:
+                run.append(i - self.OFFSET)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append(self.token_text(i))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
     def token_text(self, token_id: int) -> str:
         if token_id < self.OFFSET:
@@ -70,11 +92,27 @@ class SimTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
+        if chat_template is not None:
+            # a request's own template, in the sandbox transformers renders templates in
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            return env.from_string(chat_template).render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+            )
         # tools and calls as Hermes writes them, so the gateway reads its calls as hermes
         head = f"<tools>{json.dumps(list(tools))}</tools>\n" if tools else ""
         turns = "".join(f"<{m['role']}>{m['content']}{_calls(m)}\n" for m in messages)
-        return f"{head}{turns}<assistant>"
+        if continue_final_message:
+            return f"{head}{turns.removesuffix(chr(10))}"  # the last turn left open
+        return f"{head}{turns}{'<assistant>' if add_generation_prompt else ''}"
 
     @property
     def chat_template(self) -> str:
@@ -96,6 +134,7 @@ class _SimSeq(EngineSeq):
     prefilled: bool = False
     out_ids: list[int] = field(default_factory=list)  # resumed + generated tokens
     plan: bytes | None = None  # a guided sequence's text, written one byte token at a time
+    bad_words: list[tuple[int, ...]] = field(default_factory=list)  # as token sequences
 
     @property
     def reshaped(self) -> bool:
@@ -107,6 +146,9 @@ class _SimSeq(EngineSeq):
             or p.presence_penalty
             or p.frequency_penalty
             or p.repetition_penalty != 1.0
+            or p.min_p
+            or p.allowed_token_ids
+            or p.bad_words
         )
 
 
@@ -154,10 +196,17 @@ class SimModel:
         k = seq.params.logprobs or 0
         return TokenLogprob(token, base[token], tuple((t, base[t]) for t in self._ranked[eos][:k]))
 
-    def draw(self, seq: _SimSeq, u: float, stops: frozenset[int]) -> int:
+    def draw(
+        self,
+        seq: _SimSeq,
+        u: float,
+        stops: frozenset[int],
+        bad_words: Sequence[tuple[int, ...]] = (),
+    ) -> int:
         """Inverse-CDF draw at `u` in [0, 1) from the distribution the request reshapes, as
         vLLM orders it: bias and min_tokens' masks, then the penalties (repetition over prompt
-        and output, presence/frequency over the output)."""
+        and output, presence/frequency over the output), allowed tokens and bad words, then
+        min_p."""
         p = seq.params
         # its logits: the log-probabilities shifted up so its own tokens' are positive, as a
         # real model's likely tokens are (only the repetition penalty, which shrinks positive
@@ -177,8 +226,15 @@ class SimModel:
                 logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
         for t, n in counts.items():
             logits[t] -= p.frequency_penalty * n + p.presence_penalty
+        if p.allowed_token_ids:
+            allowed = set(p.allowed_token_ids)
+            logits = [x if t in allowed else -math.inf for t, x in enumerate(logits)]
+        for t in banned_tokens(bad_words, seq.out_ids):
+            logits[t] = -math.inf
         top = max(logits)
-        weights = [math.exp(x - top) for x in logits]
+        weights = [math.exp(x - top) if x > -math.inf else 0.0 for x in logits]
+        if p.min_p:  # on probabilities: the most likely token's weight is 1
+            weights = [w if w >= p.min_p else 0.0 for w in weights]
         target = u * sum(weights)
         acc = 0.0
         for t, w in enumerate(weights):
@@ -311,12 +367,15 @@ class PrefixCache:
         self.capacity = capacity_tokens // block  # blocks held
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
-    def lookup_and_insert(self, token_ids: Sequence[int]) -> int:
+    def lookup_and_insert(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Tokens of `token_ids` already cached (its leading whole blocks); then its blocks are
-        cached, its first block the most recently used."""
+        cached, its first block the most recently used. A `salt` is hashed into every block's
+        name, as vLLM's: only a prompt of the same salt hits them."""
         if self.capacity <= 0:
             return 0
         digest = hashlib.blake2b(digest_size=16)
+        if salt is not None:
+            digest.update(b"salt\0" + salt.encode())
         hit, missed, names = 0, False, []
         for end in range(self.block, len(token_ids) + 1, self.block):
             digest.update(
@@ -418,6 +477,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         if params.guide is not None:
             pick = int.from_bytes(seq.key[:8], "little")
             seq.plan = guided_text(params.guide, pick).encode()
+        seq.bad_words = bad_words_token_ids(params.bad_words, tok.encode)
         marker = self.fail_marker
         seq.fail = bool(marker and marker in tok.decode(prompt))
         with self._cond:
@@ -437,7 +497,10 @@ class SimEngine(LocalEngine[_SimSeq]):
                     s.prefilled = True
             if started:
                 prompt = sum(len(s.input_ids) for s in started)
-                hits = sum(self.prefix_cache.lookup_and_insert(s.input_ids) for s in started)
+                hits = sum(
+                    self.prefix_cache.lookup_and_insert(s.input_ids, s.params.cache_salt)
+                    for s in started
+                )
                 with self._lock:
                     self._stats.prefix_cache_queries += prompt
                     self._stats.prefix_cache_hits += hits
@@ -489,7 +552,7 @@ class SimEngine(LocalEngine[_SimSeq]):
             stops = frozenset(p.stop_token_ids) | (
                 frozenset() if p.ignore_eos else {SimTokenizer.EOS}
             )
-            return self.model.draw(seq, pick / (_MASK64 + 1), stops)
+            return self.model.draw(seq, pick / (_MASK64 + 1), stops, seq.bad_words)
         eos_draw = int.from_bytes(h[8:], "little") / _MASK64
         if not seq.params.ignore_eos and eos_draw < self.eos_rate:
             return SimTokenizer.EOS

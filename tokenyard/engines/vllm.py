@@ -222,6 +222,9 @@ class VLLMEngine(StreamEngine):
         assert self._llm is not None, "engine not started"
         asked: _Asked = seq.extra
         prompt = TokensPrompt(prompt_token_ids=seq.prompt_ids + asked.resumed)
+        if seq.params.cache_salt is not None:
+            # vLLM salts the prompt's prefix-cache blocks with it (the salt is the prompt's)
+            prompt["cache_salt"] = seq.params.cache_salt
         try:
             collector = await self._llm.add_request(
                 seq.seq_id, prompt, asked.params, priority=seq.priority
@@ -341,7 +344,8 @@ def vllm_sampling_params(
 ) -> Any:
     """vLLM's SamplingParams for a tokenyard request: the same sampling, no text work.
 
-    Stop strings are not given to vLLM (tokenyard matches them across resumes); values vLLM
+    Stop strings and the detokenization switches are not given to vLLM (tokenyard decodes and
+    matches them across resumes); bad words are, as text (vLLM tokenizes them); values vLLM
     refuses raise InvalidRequest with vLLM's reason. `resumed`: tokens an earlier attempt
     generated, now the end of the prompt (min_tokens counts them); `seed`: see `request_seed`.
     """
@@ -366,6 +370,10 @@ def vllm_sampling_params(
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.logprobs,
             structured_outputs=structured_outputs(params.guide) if params.guide else None,
+            min_p=params.min_p,
+            allowed_token_ids=list(params.allowed_token_ids) or None,
+            bad_words=list(params.bad_words) or None,
+            # text is tokenyard's (its decoder applies the detokenization switches)
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
