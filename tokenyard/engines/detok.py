@@ -195,9 +195,12 @@ class SequenceDecoder:
             taken.append(tok)
             self.completion_tokens += 1
             if self._ends(tok):
-                if self._include_stop:
-                    self._detok.push([tok])  # its text ends the output
-                pieces.append(self._close_text())
+                stopped = False
+                if self._include_stop:  # its text ends the output
+                    out, stopped = self._stops.feed(self._detok.push([tok]))
+                    pieces.append(out)
+                if not stopped:
+                    pieces.append(self._close_text())
                 self.finish_reason = FinishReason.STOP
                 break
             out, stopped = self._stops.feed(self._detok.push([tok]))

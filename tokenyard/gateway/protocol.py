@@ -142,7 +142,7 @@ class _Common(Request):
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""
         refuse_vllm_only(self.model_extra)
-        self.refuse_unknown({name: neutral for name, (neutral, _) in _VLLM_ONLY.items()})
+        self.refuse_unknown({name: neutral for name, (neutral, _) in VLLM_ONLY.items()})
         if self.prompt_logprobs is not None:
             # the engines return the logprobs of generated tokens only (as `echo` says too)
             raise unsupported("prompt_logprobs", "(no engine here returns the prompt's logprobs)")
@@ -221,7 +221,7 @@ def priority_class(asked: str | int | None) -> Priority | None:
 
 # vLLM's request fields tokenyard does not implement, refused by name with why (any other
 # unknown field is an unknown parameter) unless they hold their neutral value
-_VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "(no beam search here)"),
     "length_penalty": ((1, 1.0), "(a beam search parameter; no beam search here)"),
     "watermarking": ((None, False), "(no watermarking here)"),
@@ -242,13 +242,14 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "media_io_kwargs": ((None,), "(text models only)"),
     "mm_processor_kwargs": ((None,), "(text models only)"),
     "documents": ((None,), "(no documents in chat templates here)"),
+    "echo": ((False,), "(on chat: no echo of the last message)"),  # completions declare theirs
 }
 
 
 def refuse_vllm_only(extra: Mapping[str, Any] | None) -> None:
     """Raise 400 naming the first vLLM field given that tokenyard does not implement."""
     for name in sorted(extra or ()):
-        known = _VLLM_ONLY.get(name)
+        known = VLLM_ONLY.get(name)
         if known is not None and extra is not None and not _neutral(extra[name], known[0]):
             raise unsupported(name, known[1])
 
