@@ -98,6 +98,10 @@ def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest
         )
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
         return InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
+        return InvalidRequest(
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", param="prompt_logprobs"
+        )
     if not 0.0 <= params.min_p <= 1.0:
         return InvalidRequest("min_p must be in [0, 1]", param="min_p")
     if any(t < 0 or (vocab and t >= vocab) for t in params.allowed_token_ids):

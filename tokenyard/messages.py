@@ -60,6 +60,7 @@ class Feature(enum.StrEnum):
     BAD_WORDS = "bad_words"
     DETOKENIZE = "detokenize"  # the skip_special_tokens / spaces_between / stop str switches
     CACHE_SALT = "cache_salt"
+    PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -135,6 +136,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many likeliest
 
     @property
     def greedy(self) -> bool:
@@ -190,6 +192,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             wanted.add(Feature.DETOKENIZE)
         if self.cache_salt is not None:
             wanted.add(Feature.CACHE_SALT)
+        if self.prompt_logprobs is not None:
+            wanted.add(Feature.PROMPT_LOGPROBS)
         return frozenset(wanted)
 
 
@@ -212,6 +216,17 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
 
     token_id: int
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class PromptLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One prompt token's log-probability given the tokens before it (vLLM's
+    `prompt_logprobs`: the model's raw distribution), its rank there (1: the most likely),
+    and the `SamplingParams.prompt_logprobs` most likely tokens as (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -279,6 +294,8 @@ class JobResult(msgspec.Struct, kw_only=True):
     # an embeddings job's vectors, one per input: float32, little-endian (OpenAI's base64 bytes)
     embeddings: list[bytes] | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the job asked
+    # the prompt's tokens after its first (which has none), when the job asked
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):

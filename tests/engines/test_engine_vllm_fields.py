@@ -27,7 +27,7 @@ from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.engines.sampling import apply_min_p
 from tokenyard.engines.sim import PrefixCache, SimEngine, SimTokenizer
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import Feature, FinishReason, SamplingParams
 
 PROMPT = "Once upon a time there was"
 
@@ -293,5 +293,42 @@ async def test_the_sim_honours_the_masks() -> None:
         assert set(out["a"].text) <= set("xyz") and len(out["a"].text) == 20
         assert not {"e", "t"} & set(out["b"].text)
         assert {"e", "t"} & set(out["c"].text), "the plain run has neither: nothing was tested"
+    finally:
+        await eng.stop()
+
+
+async def test_prompt_logprobs_match_a_forward_pass(engine: HFEngineBase) -> None:
+    prompt = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3)
+    res = await run(engine, params, "prompt-lp")
+    given = [o.prompt_logprobs for o in res.outputs if o.prompt_logprobs is not None]
+    assert len(given) == 1 and res.outputs[0].prompt_logprobs is not None  # once, at first
+    assert engine.model is not None
+    model: torch.nn.Module = engine.model  # type: ignore[assignment]
+    with torch.inference_mode():
+        logp = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    (lps,) = given
+    assert [lp.token_id for lp in lps] == prompt[1:]
+    for i, lp in enumerate(lps):
+        assert lp.logprob == pytest.approx(float(logp[i, prompt[i + 1]]), abs=1e-4)
+        assert lp.rank == int((logp[i] > logp[i, prompt[i + 1]]).sum()) + 1
+        top = logp[i].topk(3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+    # a sequence that does not ask gets none
+    plain = await run(engine, SamplingParams(max_tokens=2, temperature=0.0), "plain-lp")
+    assert all(o.prompt_logprobs is None for o in plain.outputs)
+
+
+async def test_the_sim_gives_its_prompt_logprobs_only_where_logprobs_are_served() -> None:
+    assert Feature.PROMPT_LOGPROBS not in SimEngine().limits().features
+    eng = SimEngine(logprobs=True, decode_base=0.0, prefill_base=0.0, prefill_per_token=0.0)
+    await eng.start()
+    try:
+        prompt = eng.tokenizer.encode("hello")
+        eng.add(EngineRequest("p", prompt, SamplingParams(max_tokens=2, prompt_logprobs=2)))
+        out = (await collect(eng, 1))["p"]
+        lps = out.outputs[0].prompt_logprobs
+        assert lps is not None and [lp.token_id for lp in lps] == prompt[1:]
+        assert all(len(lp.top) == 2 and lp.rank >= 1 for lp in lps)
     finally:
         await eng.stop()

@@ -294,6 +294,62 @@ def test_batched_prompts_are_choices_prompt_major(tiny: openai.OpenAI) -> None:
         assert choice.text == _complete(tiny, prompt=alone, echo=True, max_tokens=2).choices[0].text
 
 
+def test_prompt_logprobs_as_vllm_shows_them(
+    tiny: openai.OpenAI, tokenizer: EngineTokenizer
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    out = _complete(tiny, prompt_logprobs=2, max_tokens=2)
+    shown = out.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(shown) == len(ids) and shown[0] is None
+    for token, position in zip(ids[1:], shown[1:], strict=True):
+        assert str(token) in position
+        assert sorted(p["rank"] for p in position.values() if p["rank"] <= 2) == [1, 2]
+        for p in position.values():
+            assert p["logprob"] <= 0 and isinstance(p["decoded_token"], str)
+        best = max(position.values(), key=lambda p: p["logprob"])
+        assert best["rank"] == 1
+    chat = tiny.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    assert chat.usage is not None
+    whole = chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(whole) == chat.usage.prompt_tokens and whole[0] is None
+    assert all(len(p) == 1 for p in whole[1:])  # only the prompt's own token
+    _refused(
+        lambda: tiny.completions.create(
+            model="tiny", prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1}
+        ),
+        "prompt_logprobs",
+    )
+
+
+def test_echo_with_logprobs_shows_the_prompts_first(
+    tiny: openai.OpenAI, tokenizer: EngineTokenizer
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    plain = _complete(tiny, logprobs=2, max_tokens=4).choices[0]
+    echoed = _complete(tiny, logprobs=2, max_tokens=4, echo=True).choices[0]
+    assert echoed.text == PROMPT + plain.text
+    lp, gen = echoed.logprobs, plain.logprobs
+    assert lp is not None and gen is not None and lp.tokens is not None
+    assert lp.tokens == [tokenizer.token_text(t) for t in ids] + (gen.tokens or [])
+    assert lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[len(ids) :] == gen.token_logprobs
+    # the prompt's part: each token among its position's alternatives, the first without
+    n = len(ids)
+    for token, logprob, top in zip(
+        lp.tokens[1:n], lp.token_logprobs[1:n], lp.top_logprobs[1:n], strict=True
+    ):
+        assert top is not None and top[token] == logprob
+    offsets = lp.text_offset or []
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert echoed.model_extra["prompt_logprobs"][0] is None  # type: ignore[index]
+
+
 def test_cache_salt_keeps_cached_answers_apart(tiny: openai.OpenAI) -> None:
     def cache_header(salt: str | None) -> str:
         extra = {} if salt is None else {"cache_salt": salt}
@@ -318,7 +374,6 @@ def test_priority_as_vllm_takes_it(tiny: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("prompt_logprobs", 1),
         ("use_beam_search", True),
         ("length_penalty", 0.5),
         ("request_id", "abc"),

@@ -287,3 +287,13 @@ async def test_a_salted_prompt_runs_as_an_unsalted_one(engine: VLLMEngine) -> No
     plain = await run(engine, "unsalted", greedy(6, ignore_eos=True))
     salted = await run(engine, "salted", greedy(6, ignore_eos=True, cache_salt="s"))
     assert salted.token_ids == plain.token_ids
+
+
+async def test_prompt_logprobs_come_once_with_the_first_output(engine: VLLMEngine) -> None:
+    r = await run(engine, "prompt-lp", greedy(3, prompt_logprobs=2))
+    given = [o.prompt_logprobs for o in r.outputs if o.prompt_logprobs is not None]
+    assert len(given) == 1
+    (lps,) = given
+    assert [lp.token_id for lp in lps] == engine.tokenizer.encode("The quick brown fox")[1:]
+    assert all(lp.rank >= 1 and len(lp.top) == 2 and lp.logprob <= 0 for lp in lps)
+    assert all(lp.top[0][1] >= lp.logprob for lp in lps)  # the most likely comes first

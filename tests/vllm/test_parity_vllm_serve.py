@@ -169,6 +169,11 @@ REQUESTS: dict[str, tuple[str, dict[str, Any], bool]] = {
         },
         True,
     ),
+    "completions_prompt_logprobs": (
+        "completions",
+        {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2},
+        True,
+    ),
     "completions_batched": (
         "completions",
         {"prompt": ["Once upon a time", "The yard"], "max_tokens": 6, "temperature": 0},
@@ -300,9 +305,6 @@ def texts(answer: dict[str, Any]) -> list[str]:
 
 # what tokenyard does not answer as vLLM does, and why
 KNOWN_GAPS = {
-    # vLLM answers echo + logprobs with the prompt's logprobs too; tokenyard's engines compute
-    # none for the prompt, and the gateway refuses the pair (400) rather than leave them out
-    "completions_logprobs_echo": "no prompt logprobs",
     # bytes of a character the stop token cut short: vLLM leaves them out of the text,
     # tokenyard's decoder flushes them as U+FFFD (engines/detok.py, SequenceDecoder._close_text)
     "completions_min_tokens_stop_ids": "a cut-short character's bytes flushed as U+FFFD",

@@ -28,6 +28,7 @@ from tokenyard.messages import (
     FinishReason,
     ModelLimits,
     Priority,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -71,6 +72,8 @@ class StepOutput(msgspec.Struct):
     embeddings: list[bytes] | None = None
     # one per token id, when the request's params ask for logprobs
     logprobs: list[TokenLogprob] | None = None
+    # the prompt's (after its first token), once per sequence, when its params ask
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class EngineTokenizer(Protocol):

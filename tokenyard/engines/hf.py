@@ -58,6 +58,7 @@ from tokenyard.engines.sampling import (
     LogprobBuffers,
     RowFeatures,
     process_rows,
+    prompt_logprobs,
     sample_keys,
 )
 from tokenyard.errors import FatalError, InvalidRequest
@@ -66,6 +67,7 @@ from tokenyard.messages import (
     Feature,
     FinishReason,
     Guide,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -221,9 +223,15 @@ def _as_int32(values: Sequence[float], kind: type) -> torch.Tensor:
 
 
 # what the decoder (stop token ids, the text switches), the per-row arguments (min_p) or the
-# engine (a salt) handle: a sequence asking only those needs no `RowFeatures`
+# engine (a salt, the prompt's logprobs) handle: a sequence asking only those needs no `RowFeatures`
 _OUTSIDE_ROW_FEATURES = frozenset(
-    {Feature.STOP_TOKEN_IDS, Feature.MIN_P, Feature.DETOKENIZE, Feature.CACHE_SALT}
+    {
+        Feature.STOP_TOKEN_IDS,
+        Feature.MIN_P,
+        Feature.DETOKENIZE,
+        Feature.CACHE_SALT,
+        Feature.PROMPT_LOGPROBS,
+    }
 )
 
 # one logprobs entry from the device: (chosen token, its logprob, the top (id, logprob) pairs)
@@ -369,6 +377,9 @@ class HFSeq(EngineSeq):
     seen: int = 0  # tokens of the CB output already consumed
     aborted: bool = False
     features: RowFeatures | None = None  # penalties, bias, masks, guide, logprobs: when asked
+    # its prompt's logprobs (when asked), computed before its first output, sent with it
+    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class HFLoadOptions(TypedDict, total=False):
@@ -505,6 +516,32 @@ class HFEngineBase(LocalEngine[HFSeq]):
                 param="bad_words",
             )
         return ids
+
+    def _prepare_prompt_logprobs(self, seqs: Sequence[HFSeq | None]) -> None:
+        """Compute the prompt logprobs of those sequences that asked and have none yet: one
+        forward pass over each prompt (vLLM's cost too), on the thread that runs the model,
+        outside the engine's lock."""
+        for seq in seqs:
+            if seq is None or seq.params.prompt_logprobs is None or seq.prompt_logprobs_sent:
+                continue
+            if seq.prompt_logprobs is None:
+                prompt = seq.input_ids[: seq.prompt_tokens]
+                assert self.model is not None
+                model: torch.nn.Module = self.model  # type: ignore[assignment]
+                with torch.inference_mode():
+                    ids = torch.tensor([prompt], device=self.device)
+                    logits = model(ids).logits[0, :-1]
+                seq.prompt_logprobs = prompt_logprobs(
+                    logits, prompt[1:], seq.params.prompt_logprobs
+                )
+
+    @staticmethod
+    def _with_prompt_logprobs(seq: HFSeq, output: StepOutput) -> StepOutput:
+        """The sequence's first output carries its prompt logprobs."""
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            output.prompt_logprobs = seq.prompt_logprobs
+            seq.prompt_logprobs_sent = True
+        return output
 
     def _features_update(self, seq: HFSeq, new: list[int]) -> tuple[str | None, bool]:
         """Advance a sequence's features past its new tokens: (an error, whether its
@@ -807,6 +844,7 @@ class HFEngine(HFEngineBase):
         step = []
         stepped = 0
         logprobs = self._processor.step_logprobs() if self._processor is not None else {}
+        self._prepare_prompt_logprobs([self._by_internal.get(o.request_id) for o in outputs])
         with self._lock:
             for out in outputs:
                 seq = self._by_internal.get(out.request_id)
@@ -836,7 +874,7 @@ class HFEngine(HFEngineBase):
                     delta = Delta(delta.token_ids, delta.text + tail.text, tail.finish_reason)
                 self._stats.tokens_generated += len(delta.token_ids)
                 if delta.token_ids or delta.text or delta.finish_reason is not None:
-                    output = seq.output(delta)
+                    output = self._with_prompt_logprobs(seq, seq.output(delta))
                     if seq.params.logprobs is not None and delta.token_ids:
                         output.logprobs = _token_logprobs(
                             delta.token_ids, logprobs.get(out.request_id), seq.params.logprobs

@@ -233,6 +233,7 @@ class HFStaticEngine(HFEngineBase):
     ) -> None:
         outs: list[StepOutput] = []
         stepped = 0
+        self._prepare_prompt_logprobs([s for i, s in enumerate(rows) if not done[i]])
         with self._lock:
             for i, seq in enumerate(rows):
                 if done[i]:
@@ -252,7 +253,7 @@ class HFStaticEngine(HFEngineBase):
                     tail = seq.decoder.close(FinishReason.STOP)
                     delta = Delta(delta.token_ids, delta.text + tail.text, tail.finish_reason)
                 self._stats.tokens_generated += len(delta.token_ids)
-                output = seq.output(delta)
+                output = self._with_prompt_logprobs(seq, seq.output(delta))
                 k = seq.params.logprobs
                 if k is not None and delta.token_ids and logprobs is not None:
                     chosen, value, top = logprobs[i]

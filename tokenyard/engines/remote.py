@@ -42,8 +42,9 @@ class RemoteEngine(StreamEngine):
 
     name = "remote"
     # all of them go to the upstream (a vLLM or tokenyard); one that lacks a field refuses
-    # the request with a 4xx, which fails the job as refused
-    features = frozenset(Feature)
+    # the request with a 4xx, which fails the job as refused. Not the prompt's logprobs: the
+    # upstream streams, and vLLM gives none to a stream
+    features = frozenset(Feature) - {Feature.PROMPT_LOGPROBS}
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ import torch
 
 from tokenyard.engines.badwords import banned_tokens
 from tokenyard.limits import MAX_LOGPROBS
-from tokenyard.messages import SamplingParams
+from tokenyard.messages import PromptLogprob, SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -383,3 +383,29 @@ class LogprobBuffers:
             (c, v, list(zip(i, t, strict=True)))
             for c, v, i, t in zip(chosen, lp, ids, vals, strict=True)
         ]
+
+
+# prompt positions log-softmaxed at once: bounds the [rows, vocab] temporaries
+_PROMPT_ROWS = 256
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[PromptLogprob]:
+    """vLLM's prompt logprobs from the raw logits that predicted each of `tokens` (row i
+    predicted tokens[i]): its logprob, its rank (1 + the tokens more likely) and the k most
+    likely."""
+    out: list[PromptLogprob] = []
+    ids = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
+    for start in range(0, len(tokens), _PROMPT_ROWS):
+        rows = logits[start : start + _PROMPT_ROWS].float().log_softmax(dim=-1)
+        chosen = ids[start : start + _PROMPT_ROWS]
+        values = rows.gather(-1, chosen.unsqueeze(-1))
+        ranks = (rows > values).sum(dim=-1) + 1
+        top = rows.topk(k, dim=-1) if k else None
+        for i, (token, value, rank) in enumerate(
+            zip(chosen.tolist(), values.squeeze(-1).tolist(), ranks.tolist(), strict=True)
+        ):
+            pairs: tuple[tuple[int, float], ...] = ()
+            if top is not None:
+                pairs = tuple(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+            out.append(PromptLogprob(int(token), float(value), int(rank), pairs))
+    return out

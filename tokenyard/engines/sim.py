@@ -4,8 +4,8 @@ Its "model" is one fixed distribution per position (`SimModel`): its letters, sp
 punctuation, EOS at `eos_rate`, and a floor for every other byte; each token is a draw from it
 keyed by prompt, seed and position. What a request may change in a real model it changes
 here too: logit_bias, the penalties and min_tokens reshape that distribution before the draw,
-stop_token_ids end the sequence, logprobs are the distribution's own (with `logprobs=True`:
-see `SimEngine`), and a structured-output
+stop_token_ids end the sequence, logprobs (the prompt's too) are the distribution's own
+(with `logprobs=True`: see `SimEngine`), and a structured-output
 guide makes it write a text in shape (one of the choices, a JSON value of the schema) as a
 grammar that allows one token at a time would. Regex and grammar guides it cannot follow: it
 refuses them.
@@ -28,7 +28,14 @@ from typing import Any
 from tokenyard.engines.badwords import bad_words_token_ids, banned_tokens
 from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams, TokenLogprob
+from tokenyard.messages import (
+    Feature,
+    FinishReason,
+    Guide,
+    PromptLogprob,
+    SamplingParams,
+    TokenLogprob,
+)
 
 # Generated text is drawn from lowercase letters and spaces so it stays readable ASCII.
 _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     ,."
@@ -135,6 +142,7 @@ class _SimSeq(EngineSeq):
     out_ids: list[int] = field(default_factory=list)  # resumed + generated tokens
     plan: bytes | None = None  # a guided sequence's text, written one byte token at a time
     bad_words: list[tuple[int, ...]] = field(default_factory=list)  # as token sequences
+    prompt_logprobs_sent: bool = False  # its first output carries them, when asked
 
     @property
     def reshaped(self) -> bool:
@@ -195,6 +203,16 @@ class SimModel:
         base = self._base[eos]
         k = seq.params.logprobs or 0
         return TokenLogprob(token, base[token], tuple((t, base[t]) for t in self._ranked[eos][:k]))
+
+    def prompt_logprobs(self, seq: _SimSeq, k: int) -> list[PromptLogprob]:
+        """Its prompt logprobs: every prompt token's (after the first) under its one
+        distribution, with its rank and the k most likely."""
+        eos = self.eos_rate > 0 and not seq.params.ignore_eos
+        base, ranked = self._base[eos], self._ranked[eos]
+        rank = {t: i + 1 for i, t in enumerate(ranked)}
+        top = tuple((t, base[t]) for t in ranked[:k])
+        prompt = seq.input_ids[1 : seq.prompt_tokens]
+        return [PromptLogprob(t, base[t], rank[t], top) for t in prompt]
 
     def draw(
         self,
@@ -410,7 +428,7 @@ class SimEngine(LocalEngine[_SimSeq]):
     # (`logprobs=True`, tests of the logprobs path), so that by default a client asking a
     # sim-served model for logprobs is refused rather than given numbers that read like a
     # model's. (A class attribute: a subclass may declare its own.)
-    features = frozenset(Feature) - {Feature.LOGPROBS}
+    features = frozenset(Feature) - {Feature.LOGPROBS, Feature.PROMPT_LOGPROBS}
 
     def __init__(
         self,
@@ -533,6 +551,10 @@ class SimEngine(LocalEngine[_SimSeq]):
             out = seq.output(delta)
             if seq.params.logprobs is not None:
                 out.logprobs = [self.model.logprob(seq, t) for t in delta.token_ids]
+            k = seq.params.prompt_logprobs
+            if k is not None and not seq.prompt_logprobs_sent:
+                out.prompt_logprobs = self.model.prompt_logprobs(seq, k)
+                seq.prompt_logprobs_sent = True
             outputs.append(out)
             if delta.finish_reason is not None:
                 self._release_locked(seq)

@@ -19,7 +19,13 @@ from tokenyard.engines.detok import SequenceDecoder
 from tokenyard.engines.hf_tokenizer import HFTokenizer
 from tokenyard.engines.pooling import split_inputs
 from tokenyard.errors import EngineError, InvalidRequest
-from tokenyard.messages import EngineStats, FinishReason, SamplingParams, TokenLogprob
+from tokenyard.messages import (
+    EngineStats,
+    FinishReason,
+    PromptLogprob,
+    SamplingParams,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,9 @@ class StreamSeq:
     generated: list[int] = field(default_factory=list)  # resumed + produced so far
     inputs: list[list[int]] | None = None  # an embeddings job's inputs (`prompt_ids`, split)
     extra: Any = None  # what the subclass prepared in `prepare`
+    # the prompt's logprobs once the runtime gave them; its next output carries them
+    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_logprobs_sent: bool = False
     task: asyncio.Task[None] | None = None
     done: bool = False
 
@@ -266,6 +275,9 @@ class StreamEngine(Engine):
             seq.done = True
             with self._lock:
                 self._seqs.pop(seq.seq_id, None)
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         self._pending.append(
             StepOutput(
                 seq_id=seq.seq_id,
@@ -278,6 +290,7 @@ class StreamEngine(Engine):
                 refused=refused,
                 embeddings=embeddings,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         )
         if self._loop is None:

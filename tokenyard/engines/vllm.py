@@ -40,6 +40,7 @@ from tokenyard.messages import (
     FinishReason,
     Guide,
     ModelLimits,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -261,6 +262,9 @@ class VLLMEngine(StreamEngine):
             self.fail(seq, f"vLLM failed: {out}")
             return True
         done = out.outputs[0]
+        k = seq.params.prompt_logprobs
+        if k is not None and seq.prompt_logprobs is None and out.prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs(seq.prompt_ids, out.prompt_logprobs, k)
         ids: list[int] = list(done.token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
@@ -369,6 +373,7 @@ def vllm_sampling_params(
             min_tokens=params.min_tokens_left(len(resumed)),
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
             structured_outputs=structured_outputs(params.guide) if params.guide else None,
             min_p=params.min_p,
             allowed_token_ids=list(params.allowed_token_ids) or None,
@@ -408,6 +413,21 @@ def token_logprobs(ids: Sequence[int], positions: Any, k: int) -> list[TokenLogp
         )
         top = tuple((tid, float(logprob)) for rank, tid, logprob in ranked if rank <= k)
         out.append(TokenLogprob(int(token_id), float(chosen.logprob), top[:k]))
+    return out
+
+
+def prompt_logprobs(prompt: Sequence[int], positions: Any, k: int) -> list[PromptLogprob]:
+    """vLLM's prompt logprobs (per position None, then a dict token id -> Logprob: the prompt
+    token and the k most likely) as tokenyard's, for the prompt's tokens after its first (a
+    resumed sequence's prompt goes on with its resumed tokens: those are left out)."""
+    out: list[PromptLogprob] = []
+    for token_id, position in zip(prompt[1:], list(positions)[1:], strict=False):
+        chosen = position[token_id]
+        ranked = sorted(
+            (lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None
+        )
+        top = tuple((tid, float(logprob)) for rank, tid, logprob in ranked if rank <= k)
+        out.append(PromptLogprob(int(token_id), float(chosen.logprob), int(chosen.rank), top[:k]))
     return out
 
 

@@ -194,6 +194,7 @@ async def admit(
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         cache_salt=body.cache_salt,
+        prompt_logprobs=_prompt_logprobs(body),
     )
     refused = limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
     if refused is not None and guide is not None:
@@ -241,6 +242,14 @@ def _chat_prompt(
     except Exception as exc:  # a template may reject e.g. the order of roles
         param = "messages" if body.chat_template is None else "chat_template"
         raise InvalidRequest(f"cannot apply the chat template: {exc}", param=param) from exc
+
+
+def _prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The prompt logprobs asked: vLLM's field, or completions' echo with logprobs (the
+    echoed prompt's logprobs come first, as vLLM shows them)."""
+    if body.prompt_logprobs is None and isinstance(body, CompletionRequest) and body.echo:
+        return body.logprobs
+    return body.prompt_logprobs
 
 
 def _template(tokenizer: EngineTokenizer, body: ChatCompletionRequest) -> str:

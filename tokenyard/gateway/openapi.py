@@ -152,7 +152,14 @@ def _vllm_fields(feature: str) -> dict[str, Any]:
         ),
         "truncation_side": _nullable({"enum": ["left", "right"]}),
         "add_special_tokens": _nullable({"type": "boolean"}),
-        "prompt_logprobs": _neutral(None),
+        "prompt_logprobs": _nullable(
+            {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_LOGPROBS,
+                "description": "not above 0 with stream; " + feature,
+            }
+        ),
         "return_tokens_as_token_ids": _nullable({"type": "boolean"}),
         "cache_salt": _nullable(
             {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT, "description": feature}
@@ -201,6 +208,7 @@ _NEUTRAL: dict[Feature, dict[str, dict[str, Any]]] = {
         "include_stop_str_in_output": {"const": False},
     },
     Feature.CACHE_SALT: {"cache_salt": {"type": "null"}},
+    Feature.PROMPT_LOGPROBS: {"prompt_logprobs": {"type": "null"}},
 }
 _NEUTRAL_LOGPROBS: dict[str, dict[str, Any]] = {
     "completion": {"type": "null"},
@@ -427,6 +435,11 @@ def request_schemas(
         },
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     }
+    # prompt_logprobs above 0 are not streamed
+    prompt_logprobs_rule = {
+        "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        "then": {"properties": {"prompt_logprobs": {"enum": [None, 0]}}},
+    }
     # truncation_side needs truncate_prompt_tokens
     truncation_rule = {
         "if": {
@@ -440,8 +453,12 @@ def request_schemas(
     }
     echo_rule = {
         "if": {
-            "required": ["echo", "logprobs"],
-            "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+            "required": ["echo", "logprobs", "stream"],
+            "properties": {
+                "echo": {"const": True},
+                "logprobs": {"type": "integer"},
+                "stream": {"const": True},
+            },
         },
         "then": False,
     }
@@ -478,7 +495,8 @@ def request_schemas(
             "echo": {
                 "type": "boolean",
                 "default": False,
-                "description": "the prompt's text before each choice's; not with logprobs",
+                "description": "the prompt's text before each choice's (with logprobs: its "
+                "logprobs first, not streamed)",
             },
             "logprobs": _nullable(
                 {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": feature}
@@ -492,6 +510,7 @@ def request_schemas(
             stream_rule,
             echo_rule,
             truncation_rule,
+            prompt_logprobs_rule,
             *_without_lacking(served, "completion"),
         ],
     }
@@ -666,6 +685,7 @@ def request_schemas(
             stream_rule,
             top_logprobs_rule,
             truncation_rule,
+            prompt_logprobs_rule,
             template_rule,
             *_without_lacking(served, "chat"),
         ],

@@ -32,6 +32,7 @@ from tokenyard.messages import (
     JobSpec,
     JobStatus,
     Priority,
+    PromptLogprob,
     TokenChunk,
     TokenLogprob,
 )
@@ -125,6 +126,7 @@ class _Common(Request):
     truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool | None = None
+    # each prompt token's logprob and this many likeliest, as vLLM shows them (not streamed)
     prompt_logprobs: int | None = None
     # logprobs name each token "token_id:N" (any token, whatever its bytes)
     return_tokens_as_token_ids: bool | None = None
@@ -143,9 +145,11 @@ class _Common(Request):
         """Raise 400 naming the first field this server does not implement."""
         refuse_vllm_only(self.model_extra)
         self.refuse_unknown({name: neutral for name, (neutral, _) in VLLM_ONLY.items()})
-        if self.prompt_logprobs is not None:
-            # the engines return the logprobs of generated tokens only (as `echo` says too)
-            raise unsupported("prompt_logprobs", "(no engine here returns the prompt's logprobs)")
+        if self.prompt_logprobs and self.stream:
+            raise InvalidRequest(
+                "'prompt_logprobs' are not available when 'stream' is true",
+                param="prompt_logprobs",
+            )
         if self.truncate_prompt_tokens == 0:
             raise InvalidRequest(
                 "truncate_prompt_tokens must be -1 (the model's context) or at least 1",
@@ -267,9 +271,9 @@ class CompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo and self.logprobs is not None:
-            # the engines return the generated tokens' logprobs only, not the prompt's
-            raise unsupported("logprobs", "together with 'echo' (no prompt logprobs)")
+        if self.echo and self.logprobs is not None and self.stream:
+            # the prompt's logprobs come with the whole answer only
+            raise unsupported("logprobs", "together with 'echo' when streamed")
         if self.best_of is not None and self.best_of != self.n:
             # every choice is returned: there is no ranking among more candidates than n
             raise unsupported("best_of", "other than equal to 'n'")
@@ -479,6 +483,10 @@ class Rendering:
     token_ids: bool = False
     token_text: Callable[[int], str] | None = None
     echo: str | None = None
+    # names the tokens of the prompt's logprobs (vLLM's `prompt_logprobs`); None: not asked
+    prompt_text: Callable[[int], str] | None = None
+    # echo with logprobs: the prompt's ids, whose logprobs come before the output's (as vLLM)
+    echo_ids: Sequence[int] | None = None
 
 
 PLAIN = Rendering()
@@ -503,11 +511,37 @@ def rendering(
             text = spec.prompt
         elif tokenizer is not None:
             text = tokenizer.decode(spec.prompt_token_ids or [])
-    logprobs = spec.sampling.logprobs is not None and tokenizer is not None
-    token_text = None
-    if logprobs and tokenizer is not None:
-        token_text = _token_as_id if tokens_as_ids else tokenizer.token_text
-    return Rendering(token_ids=token_ids, token_text=token_text, echo=text)
+    namer = None
+    if tokenizer is not None:
+        namer = _token_as_id if tokens_as_ids else tokenizer.token_text
+    logprobs = spec.sampling.logprobs is not None
+    return Rendering(
+        token_ids=token_ids,
+        token_text=namer if logprobs else None,
+        echo=text,
+        prompt_text=namer if spec.sampling.prompt_logprobs is not None else None,
+        echo_ids=spec.prompt_token_ids if echo and logprobs else None,
+    )
+
+
+def prompt_logprobs_body(
+    result: JobResult, text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """A result's prompt logprobs as vLLM shows them: None for the first token, then per
+    token {token id: {logprob, rank, decoded_token}} for it and the most likely ones."""
+    shown: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in result.prompt_logprobs or ():
+        position = {
+            str(t): {"logprob": _logprob(v), "rank": rank, "decoded_token": text(t)}
+            for rank, (t, v) in enumerate(lp.top, start=1)
+        }
+        position[str(lp.token_id)] = {
+            "logprob": _logprob(lp.logprob),
+            "rank": lp.rank,
+            "decoded_token": text(lp.token_id),
+        }
+        shown.append(position)
+    return shown
 
 
 def _token_as_id(token_id: int) -> str:
@@ -570,6 +604,35 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    prompt: Sequence[int],
+    logprobs: Sequence[PromptLogprob],
+    text: Callable[[int], str],
+    generated: dict[str, Any],
+) -> dict[str, Any]:
+    """A completion choice's `logprobs` with echo: the prompt's tokens first (the first one
+    with no logprob, as vLLM shows it), then the generated ones (`generated`, whose offsets
+    this moves past the prompt's)."""
+    tokens = [text(t) for t in prompt]
+    offsets = []
+    at = 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    tops: list[dict[str, float] | None] = [None]
+    for lp in logprobs:
+        top = {text(i): _logprob(v) for i, v in lp.top}
+        top.setdefault(text(lp.token_id), _logprob(lp.logprob))
+        tops.append(top)
+    return {
+        "tokens": tokens + generated["tokens"],
+        "token_logprobs": [None, *(_logprob(lp.logprob) for lp in logprobs)]
+        + generated["token_logprobs"],
+        "top_logprobs": tops + generated["top_logprobs"],
+        "text_offset": offsets + [at + o for o in generated["text_offset"]],
+    }
+
+
 def choice_logprobs(
     kind: Kind, logprobs: Sequence[TokenLogprob] | None, how: Rendering, offset: int = 0
 ) -> dict[str, Any] | None:
@@ -603,6 +666,10 @@ def completion_body(
             "logprobs": choice_logprobs(kind, result.logprobs, how),
             "finish_reason": openai_finish_reason(result.finish_reason),
         }
+        if how.echo_ids and how.token_text is not None and choice["logprobs"] is not None:
+            choice["logprobs"] = echoed_logprobs(
+                how.echo_ids, result.prompt_logprobs or (), how.token_text, choice["logprobs"]
+            )
         if how.token_ids:
             choice["token_ids"] = result.token_ids
         if kind == "chat":
@@ -617,8 +684,10 @@ def completion_body(
                 choice["finish_reason"] = tool_calls_finish_reason(choice["finish_reason"])
         else:
             choice["text"] = (how.echo or "") + result.text
+            if how.prompt_text is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(result, how.prompt_text)
         choices.append(choice)
-    return {
+    body: dict[str, Any] = {
         "id": response_id(kind, job_id),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
@@ -627,6 +696,10 @@ def completion_body(
         "choices": choices,
         "usage": usage_of_choices(results, per_prompt),
     }
+    if kind == "chat" and results and hows and hows[0].prompt_text is not None:
+        # the conversation's one prompt: shown once, beside the choices (as vLLM)
+        body["prompt_logprobs"] = prompt_logprobs_body(results[0], hows[0].prompt_text)
+    return body
 
 
 def chunk_body(

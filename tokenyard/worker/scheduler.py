@@ -22,6 +22,7 @@ from tokenyard.messages import (
     FinishReason,
     ModelLimits,
     Priority,
+    PromptLogprob,
     SamplingParams,
     TokenChunk,
     TokenLogprob,
@@ -48,6 +49,7 @@ class Job(Generic[H]):
     input_lengths: list[int] | None = None
     embeddings: list[bytes] | None = None  # its vectors, once the engine made them
     logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
+    prompt_logprobs: list[PromptLogprob] | None = None  # when its params ask
 
     def extend(
         self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None
@@ -270,6 +272,8 @@ class Scheduler(Generic[H]):
             if job is None:
                 continue  # released, removed or already finished: nobody waits for it here
             chunk = None
+            if out.prompt_logprobs is not None and job.prompt_logprobs is None:
+                job.prompt_logprobs = out.prompt_logprobs
             if out.token_ids:
                 if job.first_token_at is None:
                     job.first_token_at = now

@@ -598,6 +598,7 @@ class Worker:
             decode_s=job.decode_s,
             embeddings=job.embeddings,
             logprobs=job.logprobs,
+            prompt_logprobs=job.prompt_logprobs,
         )
 
     def _drop(self, job_id: str, why: str, *, under: Lease | None) -> None:
