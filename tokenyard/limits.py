@@ -71,6 +71,7 @@ def refusal(
 
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and vLLM's default max_logprobs
+MAX_CACHE_SALT = 1024  # vLLM's bound on a cache_salt's length
 # the smallest `deadline` (unix seconds, 2001-09-09) a request may give: a smaller number is a
 # duration sent as a time (400); a time past it that has passed cannot be met (429)
 DEADLINE_MIN = 1_000_000_000
@@ -102,12 +103,30 @@ def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest
         )
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
         return InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
+        return InvalidRequest(
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", param="prompt_logprobs"
+        )
+    if not 0.0 <= params.min_p <= 1.0:
+        return InvalidRequest("min_p must be in [0, 1]", param="min_p")
+    if any(t < 0 or (vocab and t >= vocab) for t in params.allowed_token_ids):
+        return InvalidRequest(
+            f"allowed_token_ids must be in [0, {vocab or 'vocab size'})",
+            param="allowed_token_ids",
+        )
+    if any(not word.strip() for word in params.bad_words):
+        return InvalidRequest("bad_words must not hold an empty word", param="bad_words")
+    if params.cache_salt is not None and not 1 <= len(params.cache_salt) <= MAX_CACHE_SALT:
+        return InvalidRequest(
+            f"cache_salt must have 1 to {MAX_CACHE_SALT} characters", param="cache_salt"
+        )
     missing = params.features - limits.features
     if missing:
         feature = min(missing)
         engine = f"the {limits.engine} engine" if limits.engine else "this model's engine"
+        what = feature.value if feature is not Feature.DETOKENIZE else "its detokenization"
         return InvalidRequest(
-            f"{feature.value} is not supported by {engine} serving this model",
+            f"{what} is not supported by {engine} serving this model",
             param=_feature_param(feature, params),
             code="unsupported_parameter",
         )
@@ -122,6 +141,12 @@ def _feature_param(feature: Feature, params: SamplingParams) -> str:
         return "frequency_penalty" if params.frequency_penalty else "repetition_penalty"
     if feature is Feature.STRUCTURED_OUTPUTS:
         return "response_format"  # the usual way to ask; admission names the one used
+    if feature is Feature.DETOKENIZE:
+        if not params.skip_special_tokens:
+            return "skip_special_tokens"
+        if not params.spaces_between_special_tokens:
+            return "spaces_between_special_tokens"
+        return "include_stop_str_in_output"
     return feature.value
 
 

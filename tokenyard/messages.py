@@ -53,6 +53,14 @@ class Feature(enum.StrEnum):
     STOP_TOKEN_IDS = "stop_token_ids"
     LOGPROBS = "logprobs"  # logprobs / top_logprobs
     STRUCTURED_OUTPUTS = "structured_outputs"  # response_format, structured_outputs, tools
+    # vLLM's extensions; a worker that predates one does not publish it, so a request using
+    # it is refused (naming the field) until every worker of the model knows it
+    MIN_P = "min_p"
+    ALLOWED_TOKEN_IDS = "allowed_token_ids"
+    BAD_WORDS = "bad_words"
+    DETOKENIZE = "detokenize"  # the skip_special_tokens / spaces_between / stop str switches
+    CACHE_SALT = "cache_salt"
+    PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -95,12 +103,16 @@ class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to decode; top_k == 0 and top_p == 1.0 disable those filters.
+    """How to decode; top_k == 0, top_p == 1.0 and min_p == 0.0 disable those filters.
 
     Penalties follow vLLM's formulas (OpenAI's presence/frequency over the generated tokens,
     the CTRL repetition penalty over prompt and output); `logit_bias` holds (token id, bias)
     pairs sorted by id; `logprobs` asks for each chosen token's log-probability and that many
-    of the most likely alternatives (None: no logprobs)."""
+    of the most likely alternatives (None: no logprobs). vLLM's extensions mean what they mean
+    there: `allowed_token_ids` (sorted, distinct; empty: all) and `bad_words` (text, masked as
+    token sequences the engine's tokenizer makes of them) mask tokens; the detokenization
+    switches shape the text only; `cache_salt` keeps prefix caches apart (no prompt's cached
+    KV is shared across salts) and, hashed with these params, the response cache too."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -117,6 +129,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     guide: Guide | None = None
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many likeliest
 
     @property
     def greedy(self) -> bool:
@@ -125,8 +145,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def depends_on_output(self) -> bool:
         """Decoding depends on the tokens generated so far (a guide's state, presence and
-        frequency penalties): resumed tokens must count as output, not as more prompt."""
-        return self.guide is not None or bool(self.presence_penalty or self.frequency_penalty)
+        frequency penalties, bad words of several tokens): resumed tokens must count as
+        output, not as more prompt."""
+        return (
+            self.guide is not None
+            or bool(self.presence_penalty or self.frequency_penalty)
+            or bool(self.bad_words)
+        )
+
+    @property
+    def detokenizes_plainly(self) -> bool:
+        """Text is decoded as by default (special tokens skipped, stop strings left out)."""
+        return (
+            self.skip_special_tokens
+            and self.spaces_between_special_tokens
+            and not self.include_stop_str_in_output
+        )
 
     def min_tokens_left(self, resumed: int) -> int:
         """min_tokens still owed after `resumed` tokens an earlier attempt generated."""
@@ -148,6 +182,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             wanted.add(Feature.LOGPROBS)
         if self.guide is not None:
             wanted.add(Feature.STRUCTURED_OUTPUTS)
+        if self.min_p:
+            wanted.add(Feature.MIN_P)
+        if self.allowed_token_ids:
+            wanted.add(Feature.ALLOWED_TOKEN_IDS)
+        if self.bad_words:
+            wanted.add(Feature.BAD_WORDS)
+        if not self.detokenizes_plainly:
+            wanted.add(Feature.DETOKENIZE)
+        if self.cache_salt is not None:
+            wanted.add(Feature.CACHE_SALT)
+        if self.prompt_logprobs is not None:
+            wanted.add(Feature.PROMPT_LOGPROBS)
         return frozenset(wanted)
 
 
@@ -196,6 +242,17 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
 
     token_id: int
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class PromptLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One prompt token's log-probability given the tokens before it (vLLM's
+    `prompt_logprobs`: the model's raw distribution), its rank there (1: the most likely),
+    and the `SamplingParams.prompt_logprobs` most likely tokens as (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -271,6 +328,8 @@ class JobResult(msgspec.Struct, kw_only=True):
     # prompt tokens the engine found in its prefix cache (usage.prompt_tokens_details
     # .cached_tokens); None: its engine does not say
     cached_tokens: int | None = None
+    # the prompt's tokens after its first (which has none), when the job asked
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Finished(msgspec.Struct, tag="finish", kw_only=True):

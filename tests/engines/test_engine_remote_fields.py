@@ -106,7 +106,8 @@ def unbroken(n: int) -> list[int]:
 
 
 async def test_every_field_goes_up_as_vllm_takes_it(engine: RemoteEngine) -> None:
-    assert engine.limits().features == frozenset(Feature)
+    # all but the prompt's logprobs: vLLM gives none to a stream
+    assert engine.limits().features == frozenset(Feature) - {Feature.PROMPT_LOGPROBS}
     upstream = ScriptedUpstream(Model(engine))
     await serve(engine, upstream)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -148,6 +149,22 @@ async def test_every_field_goes_up_as_vllm_takes_it(engine: RemoteEngine) -> Non
     ]:
         await run(engine, f"g{len(upstream.bodies)}", greedy(2, guide=guide))
         assert upstream.bodies[-1]["structured_outputs"] == sent
+    # vLLM's extra fields go up too; the text switches stay here, where the text is made
+    extra = greedy(
+        2,
+        min_p=0.2,
+        allowed_token_ids=(5, 9, 300),
+        bad_words=("no", "never"),
+        cache_salt="salt",
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    )
+    await run(engine, "extra", extra)
+    sent = {k: upstream.bodies[-1].get(k) for k in ("min_p", "allowed_token_ids", "bad_words")}
+    assert sent == {"min_p": 0.2, "allowed_token_ids": [5, 9, 300], "bad_words": ["no", "never"]}
+    assert upstream.bodies[-1]["cache_salt"] == "salt"
+    assert "skip_special_tokens" not in upstream.bodies[-1]
+    assert "include_stop_str_in_output" not in upstream.bodies[-1]
     # a plain request carries none of them
     await run(engine, "plain", greedy(2))
     assert set(upstream.bodies[-1]) == {

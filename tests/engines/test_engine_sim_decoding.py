@@ -52,9 +52,11 @@ async def test_it_declares_what_it_implements(engine: SimEngine) -> None:
     assert refusal(3, params(logprobs=20), engine.limits()) is None
     # logprobs of its made-up distribution only where asked for: by default refused by name
     plain = SimEngine().limits()
-    assert plain.features == frozenset(Feature) - {Feature.LOGPROBS}
+    assert plain.features == frozenset(Feature) - {Feature.LOGPROBS, Feature.PROMPT_LOGPROBS}
     refused = refusal(3, params(logprobs=1), plain)
     assert refused is not None and refused.param == "logprobs"
+    refused = refusal(3, params(prompt_logprobs=1), plain)
+    assert refused is not None and refused.param == "prompt_logprobs"
     assert refusal(3, params(logit_bias=((5, 1.0),), guide=Guide(choice=("a",))), plain) is None
 
 

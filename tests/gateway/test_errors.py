@@ -69,7 +69,8 @@ OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
         ("/v1/completions", {**OK, "n": 10_000}, 400, "invalid_value", "n"),
         ("/v1/jobs", {**OK, "n": 2}, 400, "unsupported_parameter", "n"),
         ("/v1/completions", {**OK, "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
-        ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+        # several prompts are served (a job each); more than the gateway's max_prompts are not
+        ("/v1/completions", {**OK, "prompt": ["a"] * 65}, 400, "invalid_value", "prompt"),
         ("/v1/completions", {**OK, "frobnicate": True}, 400, "unknown_parameter", "frobnicate"),
         # no keys, so no tier: `high` is refused, not quietly served at normal
         ("/v1/completions", {**OK, "priority": "high"}, 400, "priority_not_allowed", "priority"),

@@ -242,9 +242,17 @@ def test_sampling_fields_are_accepted_and_carried_to_the_job(featured: Stack) ->
         ({"n": 9}, "n"),  # the stack's max_n is 8
         ({"n": 0}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "logprobs"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "logprobs"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"allowed_token_ids": [100000]}, "allowed_token_ids"),  # past the vocabulary
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncation_side": "left"}, "truncation_side"),  # without truncate_prompt_tokens
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"use_beam_search": True}, "use_beam_search"),
         ({"suffix": "x"}, "suffix"),
     ],
 )
@@ -465,6 +473,13 @@ def test_requests_differing_in_a_new_field_never_share_an_answer(featured: Stack
         {"min_tokens": 1},
         {"stop_token_ids": [9]},
         {"response_format": {"type": "json_object"}},
+        {"min_p": 0.1},
+        {"allowed_token_ids": [100, 101]},
+        {"bad_words": ["q"]},
+        {"skip_special_tokens": False},
+        {"include_stop_str_in_output": True},
+        {"cache_salt": "salt"},
+        {"prompt_logprobs": 1},
     ]:
         raw = c.completions.with_raw_response.create(**base, extra_body=extra)  # type: ignore[call-overload]
         assert raw.headers["x-cache"] == "miss", extra

@@ -88,3 +88,12 @@ def test_a_line_nested_too_deep_or_not_utf8_is_a_line_error() -> None:
     lines, errors = parse_lines(data, CHAT, 10)
     assert [line.custom_id for line in lines] == ["r0", "r3"]
     assert [(e.line, e.code) for e in errors] == [(2, "json_too_deep"), (3, "invalid_json")]
+
+
+def test_a_completions_line_with_several_prompts_is_a_line_error() -> None:
+    url = "/v1/completions"
+    several = _line(0, url=url, body={"model": "m", "prompt": ["a", "b"]})
+    one = _line(1, url=url, body={"model": "m", "prompt": ["a"], "min_p": 0.1})
+    lines, errors = parse_lines(b"\n".join([several, one]), url, 10)
+    assert [(e.line, e.param) for e in errors] == [(1, "prompt")]
+    assert [line.custom_id for line in lines] == ["r1"]

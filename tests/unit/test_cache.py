@@ -65,6 +65,14 @@ def _changed(field: str, value: object, draw: st.DrawFn) -> object:
             | st.builds(Guide, regex=st.sampled_from(["a+", "[0-9]{3}"]))
             | st.builds(Guide, choice=st.lists(_text, min_size=1, max_size=3).map(tuple))
             | st.just(Guide(json_object=True)),
+            "min_p": st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+            "allowed_token_ids": st.lists(st.integers(0, 1000), max_size=3).map(tuple),
+            "bad_words": st.lists(_text, max_size=2).map(tuple),
+            "skip_special_tokens": st.booleans(),
+            "spaces_between_special_tokens": st.booleans(),
+            "include_stop_str_in_output": st.booleans(),
+            "cache_salt": st.none() | _text,
+            "prompt_logprobs": st.none() | st.integers(0, 20),
         }[name]
         new = draw(strategy.filter(lambda v: v != getattr(value, name)))
         return msgspec.structs.replace(value, **{name: new})

@@ -16,9 +16,10 @@ from tokenyard.gateway.protocol import (
     CompletionRequest,
     chat_logprobs,
     completion_logprobs,
+    priority_class,
     usage_of_choices,
 )
-from tokenyard.messages import JobResult, JobStatus, TokenLogprob
+from tokenyard.messages import JobResult, JobStatus, Priority, TokenLogprob
 
 TOK = SimTokenizer()
 
@@ -100,3 +101,63 @@ def test_usage_counts_the_prompt_once() -> None:
         "completion_tokens": 7,
         "total_tokens": 17,
     }
+
+
+def test_vllm_priorities_map_onto_lanes() -> None:
+    assert [priority_class(p) for p in (None, 0, -5, 3, "high", "low")] == [
+        None,
+        None,
+        Priority.HIGH,
+        Priority.LOW,
+        Priority.HIGH,
+        Priority.LOW,
+    ]
+
+
+def test_truncation_keeps_the_end_or_the_start() -> None:
+    ids = list(range(10))
+    assert _completion(truncate_prompt_tokens=3).truncated(ids, 100) == [7, 8, 9]
+    right = _completion(truncate_prompt_tokens=3, truncation_side="right")
+    assert right.truncated(ids, 100) == [0, 1, 2]
+    assert _completion(truncate_prompt_tokens=-1).truncated(ids, 4) == [6, 7, 8, 9]
+    assert _completion(truncate_prompt_tokens=20).truncated(ids, 100) is ids
+    assert _completion().truncated(ids, 4) is ids
+
+
+def test_vllm_only_fields_pass_when_neutral_and_are_refused_by_name_otherwise() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for field, value, neutral in (
+        ("use_beam_search", False, True),
+        ("use_beam_search", True, False),
+        ("length_penalty", 1, True),
+        ("length_penalty", 0.5, False),
+        ("request_id", None, True),
+        ("request_id", "r1", False),
+        ("echo", False, True),  # chat's own echo
+        ("echo", True, False),
+    ):
+        request = ChatCompletionRequest.model_validate({**chat, field: value})
+        if neutral:
+            request.refuse_unsupported()
+            continue
+        with pytest.raises(InvalidRequest) as refused:
+            request.refuse_unsupported()
+        assert refused.value.param == field and refused.value.code == "unsupported_parameter"
+    with pytest.raises(InvalidRequest) as unknown:
+        _completion(not_a_field=1).refuse_unsupported()
+    assert unknown.value.code == "unknown_parameter"
+
+
+def test_batched_prompts_count_each_prompt_once() -> None:
+    def done(prompt: int, completion: int) -> JobResult:
+        return JobResult(
+            status=JobStatus.SUCCEEDED, prompt_tokens=prompt, completion_tokens=completion
+        )
+
+    results = [done(5, 1), done(5, 2), done(7, 3), done(7, 4)]
+    assert usage_of_choices(results, per_prompt=2) == {
+        "prompt_tokens": 12,
+        "completion_tokens": 10,
+        "total_tokens": 22,
+    }
+    assert usage_of_choices(results)["prompt_tokens"] == 5

@@ -244,3 +244,56 @@ async def test_a_resume_whose_tokens_are_not_repeated_fails_without_blaming_the_
     r = await run(engine, "wrong-resume", params, "Pick a colour:", wrong)
     assert r.finish is not None and r.finish.finish_reason is FinishReason.ERROR
     assert not r.finish.refused and "cannot resume" in (r.finish.error or "")
+
+
+async def test_allowed_token_ids_and_bad_words_reach_vllm(engine: VLLMEngine) -> None:
+    plain = await run(engine, "plain-mask", greedy(8, ignore_eos=True))
+    allowed = tuple(sorted({100, 101, 102} - {plain.token_ids[0]}))
+    r = await run(engine, "allowed", greedy(8, ignore_eos=True, allowed_token_ids=allowed))
+    assert r.token_ids and set(r.token_ids) <= set(allowed)
+    # the first token's text, banned as a word: vLLM tokenizes it and masks its tokens
+    tok = engine.tokenizer
+    word = next(
+        w for t in plain.token_ids if (w := tok.decode([t]).strip()) and w.isascii() and w.isalnum()
+    )
+    r = await run(engine, "bad", greedy(8, ignore_eos=True, bad_words=(word,)))
+    assert r.token_ids != plain.token_ids
+
+
+async def test_min_p_reaches_vllm(engine: VLLMEngine) -> None:
+    hot = {"max_tokens": 16, "temperature": 2.0, "seed": 4, "ignore_eos": True}
+    plain = await run(engine, "hot", SamplingParams(**hot))  # type: ignore[arg-type]
+    kept = await run(engine, "min-p", SamplingParams(**hot, min_p=0.9))  # type: ignore[arg-type]
+    near_greedy = await run(engine, "near", greedy(16, ignore_eos=True))
+    assert kept.token_ids != plain.token_ids
+    # at 0.9 of the best token's probability little but the best is left
+    same = sum(a == b for a, b in zip(kept.token_ids, near_greedy.token_ids, strict=True))
+    assert same >= len(kept.token_ids) // 2
+
+
+async def test_the_text_switches_are_tokenyards_on_vllm_tokens(engine: VLLMEngine) -> None:
+    tok = engine.tokenizer
+    eos = min(tok.eos_token_ids)
+    forced = greedy(4, logit_bias=((eos, 100.0),), skip_special_tokens=False)
+    plain = await run(engine, "eos-plain", forced)
+    kept = await run(
+        engine, "eos-kept", msgspec.structs.replace(forced, include_stop_str_in_output=True)
+    )
+    assert plain.token_ids == kept.token_ids == [eos]
+    assert plain.text == "" and kept.text == tok.decode([eos], skip_special_tokens=False)
+
+
+async def test_a_salted_prompt_runs_as_an_unsalted_one(engine: VLLMEngine) -> None:
+    plain = await run(engine, "unsalted", greedy(6, ignore_eos=True))
+    salted = await run(engine, "salted", greedy(6, ignore_eos=True, cache_salt="s"))
+    assert salted.token_ids == plain.token_ids
+
+
+async def test_prompt_logprobs_come_once_with_the_first_output(engine: VLLMEngine) -> None:
+    r = await run(engine, "prompt-lp", greedy(3, prompt_logprobs=2))
+    given = [o.prompt_logprobs for o in r.outputs if o.prompt_logprobs is not None]
+    assert len(given) == 1
+    (lps,) = given
+    assert [lp.token_id for lp in lps] == engine.tokenizer.encode("The quick brown fox")[1:]
+    assert all(lp.rank >= 1 and len(lp.top) == 2 and lp.logprob <= 0 for lp in lps)
+    assert all(lp.top[0][1] >= lp.logprob for lp in lps)  # the most likely comes first

@@ -131,6 +131,59 @@ REQUESTS: dict[str, tuple[str, dict[str, Any], bool]] = {
         },
         True,
     ),
+    # vLLM's extra fields, as the openai client's extra_body sends them
+    "completions_vllm_extras": (
+        "completions",
+        {
+            "prompt": "Once upon a time there was a yard",
+            "max_tokens": 10,
+            "temperature": 0,
+            "top_k": -1,
+            "min_p": 0.1,
+            "allowed_token_ids": list(range(50, 600)),
+            "bad_words": ["the", "yard"],
+            "truncate_prompt_tokens": 5,
+            "add_special_tokens": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "include_stop_str_in_output": True,
+            "cache_salt": "a-salt",
+            "priority": 0,
+            "logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        },
+        True,
+    ),
+    "chat_vllm_extras": (
+        "chat/completions",
+        {
+            "messages": [*CHAT, {"role": "assistant", "content": "The yard"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "add_special_tokens": False,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        },
+        True,
+    ),
+    "completions_prompt_logprobs": (
+        "completions",
+        {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2},
+        True,
+    ),
+    "completions_batched": (
+        "completions",
+        {"prompt": ["Once upon a time", "The yard"], "max_tokens": 6, "temperature": 0},
+        True,
+    ),
+    "completions_batched_n2": (
+        "completions",
+        {"prompt": ["Once upon a time", [5, 6, 7]], "max_tokens": 6, "n": 2, "seed": 7},
+        False,
+    ),
 }
 
 # per-response values, and what vLLM adds beyond OpenAI's schema
@@ -252,9 +305,6 @@ def texts(answer: dict[str, Any]) -> list[str]:
 
 # what tokenyard does not answer as vLLM does, and why
 KNOWN_GAPS = {
-    # vLLM answers echo + logprobs with the prompt's logprobs too; tokenyard's engines compute
-    # none for the prompt, and the gateway refuses the pair (400) rather than leave them out
-    "completions_logprobs_echo": "no prompt logprobs",
     # bytes of a character the stop token cut short: vLLM leaves them out of the text,
     # tokenyard's decoder flushes them as U+FFFD (engines/detok.py, SequenceDecoder._close_text)
     "completions_min_tokens_stop_ids": "a cut-short character's bytes flushed as U+FFFD",
@@ -275,7 +325,9 @@ def test_same_shape_as_vllm_serve(yard: Stack, serve: str, name: str) -> None:
     theirs = post(serve, endpoint, body)
     ours = post(yard.url, endpoint, body)
     assert shape(ours) == shape(theirs), differences(shape(ours), shape(theirs))
-    assert len(ours["choices"]) == body.get("n", 1)
+    prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+    assert len(ours["choices"]) == prompts * body.get("n", 1)
+    assert [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]]
     if greedy:
         assert texts(ours) == texts(theirs)
     if "response_format" in body:

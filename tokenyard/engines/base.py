@@ -29,6 +29,7 @@ from tokenyard.messages import (
     ModelLimits,
     PoolingOptions,
     Priority,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -76,6 +77,8 @@ class StepOutput(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     # prompt tokens the engine's prefix cache held, once it knows (None: it does not say)
     cached_tokens: int | None = None
+    # the prompt's (after its first token), once per sequence, when its params ask
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class EngineTokenizer(Protocol):
@@ -92,9 +95,20 @@ class EngineTokenizer(Protocol):
         """Token ids the model embeds: every id must be below it."""
         ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """A prompt's ids; `add_special_tokens` None: the model's usual (BOS unless the text
+        starts with it), True or False: vLLM's switch."""
+        ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(
+        self,
+        ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """Text of token ids, with vLLM's detokenization switches."""
+        ...
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs name it (vLLM's decoded token): special tokens
@@ -106,12 +120,17 @@ class EngineTokenizer(Protocol):
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         """The prompt of a conversation; `tools` (OpenAI's shape) are offered to the model as
         its template shows them. Messages may carry `tool_calls` (arguments as dicts) and
         `tool_call_id`, as transformers' templates take them. `variables` are the
         template's own (`enable_thinking`, `reasoning_effort`: vLLM's
-        `chat_template_kwargs`)."""
+        `chat_template_kwargs`); the switches are vLLM's: the assistant's turn opened, the last
+        message left open, another template (jinja)."""
         ...
 
     @property

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
+from typing import cast
 
 import msgspec
 
@@ -74,10 +76,12 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds stop strings in streamed text, holding back any tail that could start one."""
+    """Finds stop strings in streamed text, holding back any tail that could start one;
+    `include`: a stop string found ends the text (vLLM's `include_stop_str_in_output`)."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
+        self._include = include
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
 
@@ -92,10 +96,11 @@ class StopMatcher:
         buf = self._held + text
         # Any occurrence lies inside `buf`: a stop starting in already-emitted text would have
         # made that text a held prefix instead.
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            start, end = min(hits)
+            return buf[: end if self._include else start], True
         keep = 0
         for k in range(min(len(buf), self._longest - 1), 0, -1):
             tail = buf[-k:]
@@ -126,7 +131,10 @@ class SequenceDecoder:
     `limit` is the total completion budget (resumed tokens included); engines pass
     min(max_tokens, context length - prompt length). EOS and `stop_token_ids` end a sequence
     with STOP (kept in its token ids, not in its text) once it has `min_tokens` tokens, as
-    vLLM's stop check; ignore_eos leaves the stop token ids in force.
+    vLLM's stop check; ignore_eos leaves the stop token ids in force. vLLM's detokenization
+    switches: `include_stop_str_in_output` keeps the stop string, or the ending token's text
+    (a special token's only with `skip_special_tokens` false), in the text; the other two are
+    the tokenizer's (`decode` takes them as keywords when they are not the defaults).
     """
 
     def __init__(
@@ -143,8 +151,15 @@ class SequenceDecoder:
         self.limit = params.max_tokens if limit is None else min(limit, params.max_tokens)
         eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self._eos = eos | frozenset(params.stop_token_ids)
+        if not (params.skip_special_tokens and params.spaces_between_special_tokens):
+            decode = functools.partial(
+                cast(Callable[..., str], decode),
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        self._include_stop = params.include_stop_str_in_output
         self._detok = IncrementalDetokenizer(decode, prompt_ids, resume_ids)
-        self._stops = StopMatcher(params.stop)
+        self._stops = StopMatcher(params.stop, include=self._include_stop)
         self.completion_tokens = len(resume_ids)
         self.finish_reason: FinishReason | None = None
         if resume_ids:
@@ -180,7 +195,12 @@ class SequenceDecoder:
             taken.append(tok)
             self.completion_tokens += 1
             if self._ends(tok):
-                pieces.append(self._close_text())
+                stopped = False
+                if self._include_stop:  # its text ends the output
+                    out, stopped = self._stops.feed(self._detok.push([tok]))
+                    pieces.append(out)
+                if not stopped:
+                    pieces.append(self._close_text())
                 self.finish_reason = FinishReason.STOP
                 break
             out, stopped = self._stops.feed(self._detok.push([tok]))

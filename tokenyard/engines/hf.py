@@ -40,6 +40,7 @@ from transformers.generation.continuous_batching.requests import (
 )
 from transformers.utils import logging as hf_logging
 
+from tokenyard.engines.badwords import bad_words_token_ids
 from tokenyard.engines.base import (
     EngineCapacity,
     EngineRequest,
@@ -57,14 +58,16 @@ from tokenyard.engines.sampling import (
     LogprobBuffers,
     RowFeatures,
     process_rows,
+    prompt_logprobs,
     sample_keys,
 )
-from tokenyard.errors import FatalError
+from tokenyard.errors import FatalError, InvalidRequest
 from tokenyard.messages import (
     EngineStats,
     Feature,
     FinishReason,
     Guide,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -208,6 +211,7 @@ _ARGS: tuple[tuple[str, type, float], ...] = (
     ("temperature", float, 1.0),
     ("top_k", int, 0),
     ("top_p", float, 1.0),
+    ("min_p", float, 0.0),
     ("noise_seed", int, -1),
 )
 
@@ -217,6 +221,18 @@ def _as_int32(values: Sequence[float], kind: type) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32).view(torch.int32)
     return torch.tensor(values, dtype=torch.int32)
 
+
+# what the decoder (stop token ids, the text switches), the per-row arguments (min_p) or the
+# engine (a salt, the prompt's logprobs) handle: a sequence asking only those needs no `RowFeatures`
+_OUTSIDE_ROW_FEATURES = frozenset(
+    {
+        Feature.STOP_TOKEN_IDS,
+        Feature.MIN_P,
+        Feature.DETOKENIZE,
+        Feature.CACHE_SALT,
+        Feature.PROMPT_LOGPROBS,
+    }
+)
 
 # one logprobs entry from the device: (chosen token, its logprob, the top (id, logprob) pairs)
 _StepLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -300,7 +316,7 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         if not rows:
             return arg_storage
         n = len(rows)
-        for i, (name, kind, default) in enumerate(_ARGS[:3]):
+        for i, (name, kind, default) in enumerate(_ARGS[:-1]):
             values = [s.logit_processor_kwargs.get(name, default) for s in rows]
             arg_storage[i, :n] = _as_int32(values, kind).to(arg_storage.device)
         seeds: list[int | None] = []
@@ -310,7 +326,9 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         # position_offset already counts this step's query tokens: it is the absolute index of
         # the token being sampled, the same with or without a resume.
         keys = sample_keys(seeds, [s.position_offset for s in rows])
-        arg_storage[3, :n] = torch.tensor(keys, dtype=torch.int32).to(arg_storage.device)
+        arg_storage[len(_ARGS) - 1, :n] = torch.tensor(keys, dtype=torch.int32).to(
+            arg_storage.device
+        )
         return arg_storage
 
     def __call__(
@@ -326,7 +344,8 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
             temperature=args[0].view(torch.float32),
             top_k=args[1],
             top_p=args[2].view(torch.float32),
-            keys=args[3],
+            keys=args[4],
+            min_p=args[3].view(torch.float32),
         )
         if self._logprob_rows or capturing:
             self._buffers()[1].record(raw, out)
@@ -358,6 +377,9 @@ class HFSeq(EngineSeq):
     seen: int = 0  # tokens of the CB output already consumed
     aborted: bool = False
     features: RowFeatures | None = None  # penalties, bias, masks, guide, logprobs: when asked
+    # its prompt's logprobs (when asked), computed before its first output, sent with it
+    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class HFLoadOptions(TypedDict, total=False):
@@ -466,7 +488,7 @@ class HFEngineBase(LocalEngine[HFSeq]):
             model_limits=self.limits(),
         )
         params = seq.params
-        if params.features - {Feature.STOP_TOKEN_IDS}:  # the decoder alone handles those
+        if params.features - _OUTSIDE_ROW_FEATURES:
             resumed = request.resume_token_ids
             matcher = None
             if params.guide is not None:
@@ -477,8 +499,49 @@ class HFEngineBase(LocalEngine[HFSeq]):
                 output_ids=resumed,
                 stop_ids=tok.eos_token_ids,
                 matcher=matcher,
+                bad_words=self._bad_words(params.bad_words),
             )
         return seq
+
+    def _bad_words(self, words: Sequence[str]) -> list[tuple[int, ...]]:
+        """Bad words as token sequences, as vLLM makes them; one the model cannot embed is
+        the request's fault."""
+        if not words:
+            return []
+        tok = self.tokenizer
+        ids = bad_words_token_ids(words, lambda t: tok.encode(t, add_special_tokens=False))
+        if any(t >= self.logits_vocab for seq in ids for t in seq):
+            raise InvalidRequest(
+                f"a bad word has tokens beyond the model's vocabulary ({self.logits_vocab})",
+                param="bad_words",
+            )
+        return ids
+
+    def _prepare_prompt_logprobs(self, seqs: Sequence[HFSeq | None]) -> None:
+        """Compute the prompt logprobs of those sequences that asked and have none yet: one
+        forward pass over each prompt (vLLM's cost too), on the thread that runs the model,
+        outside the engine's lock."""
+        for seq in seqs:
+            if seq is None or seq.params.prompt_logprobs is None or seq.prompt_logprobs_sent:
+                continue
+            if seq.prompt_logprobs is None:
+                prompt = seq.input_ids[: seq.prompt_tokens]
+                assert self.model is not None
+                model: torch.nn.Module = self.model  # type: ignore[assignment]
+                with torch.inference_mode():
+                    ids = torch.tensor([prompt], device=self.device)
+                    logits = model(ids).logits[0, :-1]
+                seq.prompt_logprobs = prompt_logprobs(
+                    logits, prompt[1:], seq.params.prompt_logprobs
+                )
+
+    @staticmethod
+    def _with_prompt_logprobs(seq: HFSeq, output: StepOutput) -> StepOutput:
+        """The sequence's first output carries its prompt logprobs."""
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            output.prompt_logprobs = seq.prompt_logprobs
+            seq.prompt_logprobs_sent = True
+        return output
 
     def _features_update(self, seq: HFSeq, new: list[int]) -> tuple[str | None, bool]:
         """Advance a sequence's features past its new tokens: (an error, whether its
@@ -631,8 +694,21 @@ class HFEngine(HFEngineBase):
         )
         # Both must be replaced before the batch processor exists: it picks them up when created.
         # They are manager internals (checked against transformers 5.23), so fail loudly.
-        if not (hasattr(manager, "logit_processor") and hasattr(manager, "output_router")):
+        if not (
+            hasattr(manager, "logit_processor")
+            and hasattr(manager, "output_router")
+            and hasattr(manager, "_create_batch_processor")
+        ):
             raise RuntimeError("unsupported transformers continuous-batching internals")
+        create = manager._create_batch_processor
+
+        def create_isolating() -> Any:
+            # the generation loop makes its own processor (and paged cache): each is patched
+            processor = create()
+            self._isolate_salted(processor.cache)
+            return processor
+
+        manager._create_batch_processor = create_isolating  # type: ignore[method-assign]
         self._processor = _SamplingProcessors(
             self._row_features,
             rows=cb_config.max_requests_per_batch or self.capacity.max_seqs,
@@ -680,6 +756,27 @@ class HFEngine(HFEngineBase):
 
         cache.search_prefix_match = counted
         self._prefix_matches = matches
+
+    def _salted(self, internal_id: str) -> bool:
+        seq = self._by_internal.get(internal_id)
+        return seq is not None and seq.params.cache_salt is not None
+
+    def _isolate_salted(self, cache: Any) -> None:
+        """Keep a salted sequence out of the paged cache's prefix sharing: it reuses no cached
+        block and offers none of its own. transformers keys blocks by their tokens alone, so a
+        salt cannot pick a cache of its own: no sharing at all is what keeps salts apart
+        (stricter than vLLM, where sequences of one salt share)."""
+        search, mark = cache.search_prefix_match, cache.mark_complete_blocks
+
+        def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
+            return 0 if self._salted(request_id) else int(search(request_id, prompt_ids))
+
+        def mark_complete_blocks(state: Any, complete_blocks: dict[str, int]) -> None:
+            if not self._salted(state.request_id):
+                mark(state, complete_blocks)
+
+        cache.search_prefix_match = search_prefix_match
+        cache.mark_complete_blocks = mark_complete_blocks
 
     def _warm_up(self, manager: ContinuousBatchingManager) -> None:
         """One short request through the whole path: first-step allocations and the smallest
@@ -747,6 +844,7 @@ class HFEngine(HFEngineBase):
             temperature=float(p.temperature),
             top_k=int(p.top_k),
             top_p=float(p.top_p),
+            min_p=float(p.min_p),
             noise_seed=-1 if seq.noise_seed is None else int(seq.noise_seed),
         )
         if accepted is None:
@@ -773,6 +871,7 @@ class HFEngine(HFEngineBase):
         step = []
         stepped = 0
         logprobs = self._processor.step_logprobs() if self._processor is not None else {}
+        self._prepare_prompt_logprobs([self._by_internal.get(o.request_id) for o in outputs])
         with self._lock:
             for out in outputs:
                 seq = self._by_internal.get(out.request_id)
@@ -806,7 +905,7 @@ class HFEngine(HFEngineBase):
                     delta = Delta(delta.token_ids, delta.text + tail.text, tail.finish_reason)
                 self._stats.tokens_generated += len(delta.token_ids)
                 if delta.token_ids or delta.text or delta.finish_reason is not None:
-                    output = seq.output(delta)
+                    output = self._with_prompt_logprobs(seq, seq.output(delta))
                     if seq.params.logprobs is not None and delta.token_ids:
                         output.logprobs = _token_logprobs(
                             delta.token_ids, logprobs.get(out.request_id), seq.params.logprobs

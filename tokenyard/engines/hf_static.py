@@ -44,6 +44,7 @@ class _RowSampler(LogitsProcessor):
         self._temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         self._top_k = torch.tensor([r.params.top_k for r in rows], device=device)
         self._top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        self._min_p = torch.tensor([r.params.min_p for r in rows], device=device)
         self._features = [(i, r.features) for i, r in enumerate(rows) if r.features is not None]
         self._adjust = AdjustBuffers(len(rows), vocab, device) if self._features else None
         want = any(f.logprobs is not None for _, f in self._features)
@@ -67,6 +68,7 @@ class _RowSampler(LogitsProcessor):
                 self._top_k,
                 self._top_p,
                 torch.tensor(keys, device=scores.device),
+                self._min_p,
             )
         # all greedy: generate's argmax of `out` is exactly what we want
         if self.logprobs is not None:
@@ -231,6 +233,7 @@ class HFStaticEngine(HFEngineBase):
     ) -> None:
         outs: list[StepOutput] = []
         stepped = 0
+        self._prepare_prompt_logprobs([s for i, s in enumerate(rows) if not done[i]])
         with self._lock:
             for i, seq in enumerate(rows):
                 if done[i]:
@@ -250,7 +253,7 @@ class HFStaticEngine(HFEngineBase):
                     tail = seq.decoder.close(FinishReason.STOP)
                     delta = Delta(delta.token_ids, delta.text + tail.text, tail.finish_reason)
                 self._stats.tokens_generated += len(delta.token_ids)
-                output = seq.output(delta)
+                output = self._with_prompt_logprobs(seq, seq.output(delta))
                 k = seq.params.logprobs
                 if k is not None and delta.token_ids and logprobs is not None:
                     chosen, value, top = logprobs[i]

@@ -33,6 +33,7 @@ class HFTokenizer:
         self._lock = threading.Lock()
         self._max_model_len = max_model_len
         self._texts: dict[int, str] = {}  # token_text's answers; at most the vocabulary
+        self._added: frozenset[int] | None = None
         ids = {int(i) for i in eos_ids}
         if tok.eos_token_id is not None:
             ids.add(int(tok.eos_token_id))
@@ -56,12 +57,14 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt; BOS is added unless the text (a chat template) starts with it."""
-        bos = self.hf.bos_token
-        add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a prompt; BOS is added unless the text (a chat template) starts with it.
+        `add_special_tokens` True or False: as the tokenizer's own switch (vLLM's field)."""
+        if add_special_tokens is None:
+            bos = self.hf.bos_token
+            add_special_tokens = not (isinstance(bos, str) and bos and text.startswith(bos))
         with self._lock:
-            return list(self.hf.encode(text, add_special_tokens=add_special))
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_truncated(self, text: str, keep: int, side: str = "left") -> list[int]:
         """Token ids of a prompt cut to `keep` tokens on `side` ("left" keeps the last, vLLM's
@@ -118,13 +121,41 @@ class HFTokenizer:
             out = self.hf.convert_ids_to_tokens(list(ids))
         return [str(p) for p in out]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(
+        self,
+        ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """The text of token ids. `spaces_between_special_tokens` False: a special token right
+        after another is its bare text, without any space the decoder would put before it
+        (vLLM's rule for fast tokenizers)."""
+        ids = list(ids)
+        if skip_special_tokens or spaces_between_special_tokens:
+            return self._decode(ids, skip_special_tokens)
+        special = self._special_ids()
+        # each run that starts at a special token following another decodes on its own: a
+        # decoder puts no space before the first token it decodes
+        starts = [0] + [
+            i for i in range(1, len(ids)) if ids[i] in special and ids[i - 1] in special
+        ]
+        ends = [*starts[1:], len(ids)]
+        return "".join(self._decode(ids[a:b], False) for a, b in zip(starts, ends, strict=True))
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         with self._lock:
             out = self.hf.decode(
-                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+                ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
             )
         assert isinstance(out, str)
         return out
+
+    def _special_ids(self) -> frozenset[int]:
+        """The added tokens' ids (vLLM's `added_token_ids`: special or not)."""
+        if self._added is None:
+            self._added = frozenset(int(i) for i in self.hf.added_tokens_decoder)
+        return self._added
 
     def token_text(self, token_id: int) -> str:
         # vLLM's decoded token: the piece's string (byte-level BPE's 'Ġ' is a space)
@@ -141,13 +172,19 @@ class HFTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
         with self._lock:
             out = self.hf.apply_chat_template(
                 [dict(m) for m in messages],
                 tools=[dict(t) for t in tools] if tools else None,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
                 **dict(variables or {}),
             )
         assert isinstance(out, str)

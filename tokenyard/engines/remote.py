@@ -7,8 +7,9 @@ token ids that come back, so stop strings, resume and usage are exact whatever t
 detokenizer does, and a redelivered job continues from prompt + streamed tokens.
 
 The decoding fields go up as vLLM's completions API takes them (OpenAI's penalties,
-logit_bias and logprobs; vLLM's repetition_penalty, min_tokens, stop_token_ids and
-structured_outputs), and logprobs come back as vLLM renders them with
+logit_bias and logprobs; vLLM's repetition_penalty, min_tokens, stop_token_ids, min_p,
+allowed_token_ids, bad_words, cache_salt and structured_outputs; the detokenization switches
+stay here, where the text is made), and logprobs come back as vLLM renders them with
 `return_tokens_as_token_ids` ("token_id:N" for every token, so the alternatives map back to
 ids exactly; an upstream that sends token strings instead has them looked up in the
 tokenizer). A guide or a presence/frequency penalty depends on everything the sequence
@@ -41,8 +42,9 @@ class RemoteEngine(StreamEngine):
 
     name = "remote"
     # all of them go to the upstream (a vLLM or tokenyard); one that lacks a field refuses
-    # the request with a 4xx, which fails the job as refused
-    features = frozenset(Feature)
+    # the request with a 4xx, which fails the job as refused. Not the prompt's logprobs: the
+    # upstream streams, and vLLM gives none to a stream
+    features = frozenset(Feature) - {Feature.PROMPT_LOGPROBS}
 
     def __init__(
         self,
@@ -297,6 +299,14 @@ def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
     if p.logprobs is not None:
         body["logprobs"] = p.logprobs
         body["return_tokens_as_token_ids"] = True
+    if p.min_p:
+        body["min_p"] = p.min_p
+    if p.allowed_token_ids:
+        body["allowed_token_ids"] = list(p.allowed_token_ids)
+    if p.bad_words:
+        body["bad_words"] = list(p.bad_words)
+    if p.cache_salt is not None:
+        body["cache_salt"] = p.cache_salt
     if p.guide is not None:
         kind, value = p.guide.field
         if kind == "json":

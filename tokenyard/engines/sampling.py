@@ -19,8 +19,9 @@ from typing import Protocol
 
 import torch
 
+from tokenyard.engines.badwords import banned_tokens
 from tokenyard.limits import MAX_LOGPROBS
-from tokenyard.messages import SamplingParams
+from tokenyard.messages import PromptLogprob, SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -98,15 +99,29 @@ def add_gumbel_noise(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.where((keys >= 0).unsqueeze(-1), scores + gumbel.to(scores.dtype), scores)
 
 
+def apply_min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_p: drop each row's tokens less likely than min_p times its most likely one
+    (on the temperature-scaled distribution; min_p <= 0: none)."""
+    if not _capturing(scores) and bool((min_p <= 0).all()):
+        return scores
+    probs = scores.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.clamp_min(0).unsqueeze(-1)
+    return scores.masked_fill(probs < threshold, float("-inf"))
+
+
 def process_rows(
     scores: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     keys: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scores whose argmax is each row's next token: greedy rows exact, sampled rows seeded."""
+    """Scores whose argmax is each row's next token: greedy rows exact, sampled rows seeded.
+    vLLM's order: temperature, min_p, then top-k and top-p."""
     out = apply_temperature(scores.float(), temperature)
+    if min_p is not None:
+        out = apply_min_p(out, min_p)
     out = apply_top_k_top_p(out, top_k, top_p)
     return add_gumbel_noise(out, keys)
 
@@ -163,8 +178,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class RowFeatures:
-    """One sequence's decoding state beyond temperature/top-k/top-p: what its penalties,
-    bias and masks need (the output so far), its structured-output matcher, its logprobs."""
+    """One sequence's decoding state beyond temperature/top-k/top-p/min-p: what its
+    penalties, bias and masks need (the output so far), its structured-output matcher, its
+    allowed tokens and bad words (as token sequences: `bad_words_token_ids`), its logprobs."""
 
     def __init__(
         self,
@@ -174,8 +190,12 @@ class RowFeatures:
         output_ids: Sequence[int] = (),
         stop_ids: Collection[int] = (),
         matcher: Matcher | None = None,
+        bad_words: Sequence[tuple[int, ...]] = (),
     ) -> None:
         self.params = params
+        self.allowed = params.allowed_token_ids
+        self.bad_words = list(bad_words)
+        self._allowed_masks: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.presence = params.presence_penalty
         self.frequency = params.frequency_penalty
         self.repetition = params.repetition_penalty
@@ -205,7 +225,18 @@ class RowFeatures:
             or self.bias
             or self.matcher is not None
             or len(self.output) < self.min_tokens
+            or self.allowed
+            or self.bad_words
         )
+
+    def allowed_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """Its allowed tokens as a bool [vocab] mask on `device` (made once)."""
+        mask = self._allowed_masks.get((vocab, device))
+        if mask is None:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[torch.tensor([t for t in self.allowed if t < vocab], dtype=torch.int64)] = True
+            mask = self._allowed_masks[(vocab, device)] = mask.to(device)
+        return mask
 
     def push(self, token_ids: Sequence[int]) -> None:
         """Count generated tokens (resumed ones too)."""
@@ -255,6 +286,7 @@ class AdjustBuffers:
         factor: list[_Entries] = []
         post: list[_Entries] = []
         guided: list[tuple[int, Matcher]] = []
+        allowed: list[tuple[int, RowFeatures]] = []
         for r, f in rows:
             if f.bias:
                 pre.append(_entries(r, f.bias_ids, f.bias_values))
@@ -268,6 +300,11 @@ class AdjustBuffers:
                     post.append(_entries(r, out_ids, -(f.frequency * n + f.presence)))
             if len(f.output) < f.min_tokens:
                 post.append(_entries(r, f.stop_ids, torch.full(f.stop_ids.shape, -math.inf)))
+            if f.bad_words and (banned := banned_tokens(f.bad_words, f.output)):
+                ids = torch.tensor(sorted(banned), dtype=torch.int64)
+                post.append(_entries(r, ids, torch.full(ids.shape, -math.inf)))
+            if f.allowed:
+                allowed.append((r, f))
             if f.matcher is not None:
                 guided.append((r, f.matcher))
         for buf, entries, accumulate in (
@@ -280,6 +317,9 @@ class AdjustBuffers:
                 where = tuple(torch.cat([e[i] for e in entries]).to(device) for i in (0, 1))
                 values = torch.cat([e[2] for e in entries]).to(device, buf.dtype)
                 buf.index_put_(where, values, accumulate=accumulate)
+        for r, f in allowed:
+            keep = f.allowed_mask(self.vocab, self.post.device)
+            self.post[r] = self.post[r].masked_fill(~keep, float("-inf"))
         if guided:
             self._mask_guided(guided)
 
@@ -343,3 +383,29 @@ class LogprobBuffers:
             (c, v, list(zip(i, t, strict=True)))
             for c, v, i, t in zip(chosen, lp, ids, vals, strict=True)
         ]
+
+
+# prompt positions log-softmaxed at once: bounds the [rows, vocab] temporaries
+_PROMPT_ROWS = 256
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[PromptLogprob]:
+    """vLLM's prompt logprobs from the raw logits that predicted each of `tokens` (row i
+    predicted tokens[i]): its logprob, its rank (1 + the tokens more likely) and the k most
+    likely."""
+    out: list[PromptLogprob] = []
+    ids = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
+    for start in range(0, len(tokens), _PROMPT_ROWS):
+        rows = logits[start : start + _PROMPT_ROWS].float().log_softmax(dim=-1)
+        chosen = ids[start : start + _PROMPT_ROWS]
+        values = rows.gather(-1, chosen.unsqueeze(-1))
+        ranks = (rows > values).sum(dim=-1) + 1
+        top = rows.topk(k, dim=-1) if k else None
+        for i, (token, value, rank) in enumerate(
+            zip(chosen.tolist(), values.squeeze(-1).tolist(), ranks.tolist(), strict=True)
+        ):
+            pairs: tuple[tuple[int, float], ...] = ()
+            if top is not None:
+                pairs = tuple(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+            out.append(PromptLogprob(int(token), float(value), int(rank), pairs))
+    return out

@@ -4,8 +4,8 @@ Its "model" is one fixed distribution per position (`SimModel`): its letters, sp
 punctuation, EOS at `eos_rate`, and a floor for every other byte; each token is a draw from it
 keyed by prompt, seed and position. What a request may change in a real model it changes
 here too: logit_bias, the penalties and min_tokens reshape that distribution before the draw,
-stop_token_ids end the sequence, logprobs are the distribution's own (with `logprobs=True`:
-see `SimEngine`), and a structured-output
+stop_token_ids end the sequence, logprobs (the prompt's too) are the distribution's own
+(with `logprobs=True`: see `SimEngine`), and a structured-output
 guide makes it write a text in shape (one of the choices, a JSON value of the schema) as a
 grammar that allows one token at a time would. Regex and grammar guides it cannot follow: it
 refuses them.
@@ -25,9 +25,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenyard.engines.badwords import bad_words_token_ids, banned_tokens
 from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
 from tokenyard.errors import InvalidRequest
-from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams, TokenLogprob
+from tokenyard.messages import (
+    Feature,
+    FinishReason,
+    Guide,
+    PromptLogprob,
+    SamplingParams,
+    TokenLogprob,
+)
 
 # Generated text is drawn from lowercase letters and spaces so it stays readable ASCII.
 _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     ,."
@@ -54,12 +62,33 @@ class SimTokenizer:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def encode(self, text: str) -> list[int]:
-        return [b + self.OFFSET for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        # its one special token a prompt may start with: BOS, only when asked for
+        bos = [self.BOS] if add_special_tokens else []
+        return bos + [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
-        return data.decode("utf-8", errors="replace")
+    def decode(
+        self,
+        ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        # its special tokens' texts have no spaces around them: the second switch changes nothing
+        if skip_special_tokens:
+            data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
+            return data.decode("utf-8", errors="replace")
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if self.OFFSET <= i < self.vocab_size:
+                run.append(i - self.OFFSET)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append(self.token_text(i))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
     def token_text(self, token_id: int) -> str:
         if token_id < self.OFFSET:
@@ -71,11 +100,30 @@ class SimTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> str:
+        if chat_template is not None:
+            # a request's own template, in the sandbox transformers renders templates in
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            return env.from_string(chat_template).render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **dict(variables or {}),
+            )
         # tools and calls as Hermes writes them, so the gateway reads its calls as hermes;
         # thinking turned off closes the reasoning in the prompt, as Qwen3's template does
         head = f"<tools>{json.dumps(list(tools))}</tools>\n" if tools else ""
         turns = "".join(f"<{m['role']}>{m['content']}{_calls(m)}\n" for m in messages)
+        if continue_final_message:
+            return f"{head}{turns.removesuffix(chr(10))}"  # the last turn left open
+        if not add_generation_prompt:
+            return f"{head}{turns}"
         closed = (
             "<think>\n\n</think>\n\n" if (variables or {}).get("enable_thinking") is False else ""
         )
@@ -101,6 +149,8 @@ class _SimSeq(EngineSeq):
     prefilled: bool = False
     out_ids: list[int] = field(default_factory=list)  # resumed + generated tokens
     plan: bytes | None = None  # a guided sequence's text, written one byte token at a time
+    bad_words: list[tuple[int, ...]] = field(default_factory=list)  # as token sequences
+    prompt_logprobs_sent: bool = False  # its first output carries them, when asked
 
     @property
     def reshaped(self) -> bool:
@@ -112,6 +162,9 @@ class _SimSeq(EngineSeq):
             or p.presence_penalty
             or p.frequency_penalty
             or p.repetition_penalty != 1.0
+            or p.min_p
+            or p.allowed_token_ids
+            or p.bad_words
         )
 
 
@@ -159,10 +212,27 @@ class SimModel:
         k = seq.params.logprobs or 0
         return TokenLogprob(token, base[token], tuple((t, base[t]) for t in self._ranked[eos][:k]))
 
-    def draw(self, seq: _SimSeq, u: float, stops: frozenset[int]) -> int:
+    def prompt_logprobs(self, seq: _SimSeq, k: int) -> list[PromptLogprob]:
+        """Its prompt logprobs: every prompt token's (after the first) under its one
+        distribution, with its rank and the k most likely."""
+        eos = self.eos_rate > 0 and not seq.params.ignore_eos
+        base, ranked = self._base[eos], self._ranked[eos]
+        rank = {t: i + 1 for i, t in enumerate(ranked)}
+        top = tuple((t, base[t]) for t in ranked[:k])
+        prompt = seq.input_ids[1 : seq.prompt_tokens]
+        return [PromptLogprob(t, base[t], rank[t], top) for t in prompt]
+
+    def draw(
+        self,
+        seq: _SimSeq,
+        u: float,
+        stops: frozenset[int],
+        bad_words: Sequence[tuple[int, ...]] = (),
+    ) -> int:
         """Inverse-CDF draw at `u` in [0, 1) from the distribution the request reshapes, as
         vLLM orders it: bias and min_tokens' masks, then the penalties (repetition over prompt
-        and output, presence/frequency over the output)."""
+        and output, presence/frequency over the output), allowed tokens and bad words, then
+        min_p."""
         p = seq.params
         # its logits: the log-probabilities shifted up so its own tokens' are positive, as a
         # real model's likely tokens are (only the repetition penalty, which shrinks positive
@@ -182,8 +252,15 @@ class SimModel:
                 logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
         for t, n in counts.items():
             logits[t] -= p.frequency_penalty * n + p.presence_penalty
+        if p.allowed_token_ids:
+            allowed = set(p.allowed_token_ids)
+            logits = [x if t in allowed else -math.inf for t, x in enumerate(logits)]
+        for t in banned_tokens(bad_words, seq.out_ids):
+            logits[t] = -math.inf
         top = max(logits)
-        weights = [math.exp(x - top) for x in logits]
+        weights = [math.exp(x - top) if x > -math.inf else 0.0 for x in logits]
+        if p.min_p:  # on probabilities: the most likely token's weight is 1
+            weights = [w if w >= p.min_p else 0.0 for w in weights]
         target = u * sum(weights)
         acc = 0.0
         for t, w in enumerate(weights):
@@ -316,12 +393,15 @@ class PrefixCache:
         self.capacity = capacity_tokens // block  # blocks held
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
-    def lookup_and_insert(self, token_ids: Sequence[int]) -> int:
+    def lookup_and_insert(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Tokens of `token_ids` already cached (its leading whole blocks); then its blocks are
-        cached, its first block the most recently used."""
+        cached, its first block the most recently used. A `salt` is hashed into every block's
+        name, as vLLM's: only a prompt of the same salt hits them."""
         if self.capacity <= 0:
             return 0
         digest = hashlib.blake2b(digest_size=16)
+        if salt is not None:
+            digest.update(b"salt\0" + salt.encode())
         hit, missed, names = 0, False, []
         for end in range(self.block, len(token_ids) + 1, self.block):
             digest.update(
@@ -356,7 +436,7 @@ class SimEngine(LocalEngine[_SimSeq]):
     # (`logprobs=True`, tests of the logprobs path), so that by default a client asking a
     # sim-served model for logprobs is refused rather than given numbers that read like a
     # model's. (A class attribute: a subclass may declare its own.)
-    features = frozenset(Feature) - {Feature.LOGPROBS}
+    features = frozenset(Feature) - {Feature.LOGPROBS, Feature.PROMPT_LOGPROBS}
 
     def __init__(
         self,
@@ -423,6 +503,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         if params.guide is not None:
             pick = int.from_bytes(seq.key[:8], "little")
             seq.plan = guided_text(params.guide, pick).encode()
+        seq.bad_words = bad_words_token_ids(params.bad_words, tok.encode)
         marker = self.fail_marker
         seq.fail = bool(marker and marker in tok.decode(prompt))
         with self._cond:
@@ -444,7 +525,7 @@ class SimEngine(LocalEngine[_SimSeq]):
                 prompt = sum(len(s.input_ids) for s in started)
                 hits = 0
                 for s in started:
-                    found = self.prefix_cache.lookup_and_insert(s.input_ids)
+                    found = self.prefix_cache.lookup_and_insert(s.input_ids, s.params.cache_salt)
                     hits += found
                     if self.prefix_cache.capacity:  # a sim without one knows of no cache
                         s.cached_tokens = min(found, s.prompt_tokens)
@@ -480,6 +561,10 @@ class SimEngine(LocalEngine[_SimSeq]):
             out = seq.output(delta)
             if seq.params.logprobs is not None:
                 out.logprobs = [self.model.logprob(seq, t) for t in delta.token_ids]
+            k = seq.params.prompt_logprobs
+            if k is not None and not seq.prompt_logprobs_sent:
+                out.prompt_logprobs = self.model.prompt_logprobs(seq, k)
+                seq.prompt_logprobs_sent = True
             outputs.append(out)
             if delta.finish_reason is not None:
                 self._release_locked(seq)
@@ -499,7 +584,7 @@ class SimEngine(LocalEngine[_SimSeq]):
             stops = frozenset(p.stop_token_ids) | (
                 frozenset() if p.ignore_eos else {SimTokenizer.EOS}
             )
-            return self.model.draw(seq, pick / (_MASK64 + 1), stops)
+            return self.model.draw(seq, pick / (_MASK64 + 1), stops, seq.bad_words)
         eos_draw = int.from_bytes(h[8:], "little") / _MASK64
         if not seq.params.ignore_eos and eos_draw < self.eos_rate:
             return SimTokenizer.EOS

@@ -23,6 +23,7 @@ from tokenyard.messages import (
     EngineStats,
     FinishReason,
     PoolingOptions,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -44,6 +45,9 @@ class StreamSeq:
     inputs: list[list[int]] | None = None  # an embeddings job's inputs (`prompt_ids`, split)
     pooling: PoolingOptions | None = None  # an embeddings job's options
     extra: Any = None  # what the subclass prepared in `prepare`
+    # the prompt's logprobs once the runtime gave them; its next output carries them
+    prompt_logprobs: list[PromptLogprob] | None = None
+    prompt_logprobs_sent: bool = False
     task: asyncio.Task[None] | None = None
     done: bool = False
     cached_tokens: int | None = None  # what the runtime's prefix cache held of its prompt
@@ -275,6 +279,9 @@ class StreamEngine(Engine):
             seq.done = True
             with self._lock:
                 self._seqs.pop(seq.seq_id, None)
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         self._pending.append(
             StepOutput(
                 seq_id=seq.seq_id,
@@ -288,6 +295,7 @@ class StreamEngine(Engine):
                 embeddings=embeddings,
                 logprobs=logprobs,
                 cached_tokens=seq.cached_tokens,
+                prompt_logprobs=prompt_logprobs,
             )
         )
         if self._loop is None:

@@ -46,6 +46,7 @@ from tokenyard.messages import (
     FinishReason,
     Guide,
     ModelLimits,
+    PromptLogprob,
     SamplingParams,
     TokenLogprob,
 )
@@ -247,6 +248,9 @@ class VLLMEngine(StreamEngine):
         assert self._llm is not None, "engine not started"
         asked: _Asked = seq.extra
         prompt = TokensPrompt(prompt_token_ids=seq.prompt_ids + asked.resumed)
+        if seq.params.cache_salt is not None:
+            # vLLM salts the prompt's prefix-cache blocks with it (the salt is the prompt's)
+            prompt["cache_salt"] = seq.params.cache_salt
         try:
             collector = await self._llm.add_request(
                 seq.seq_id, prompt, asked.params, priority=seq.priority
@@ -286,6 +290,9 @@ class VLLMEngine(StreamEngine):
         cached = getattr(out, "num_cached_tokens", None)
         if cached is not None:  # vLLM's prefix cache, counted in the prompt it was given
             seq.cached_tokens = min(int(cached), len(seq.prompt_ids))
+        k = seq.params.prompt_logprobs
+        if k is not None and seq.prompt_logprobs is None and out.prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs(seq.prompt_ids, out.prompt_logprobs, k)
         ids: list[int] = list(done.token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
@@ -369,7 +376,8 @@ def vllm_sampling_params(
 ) -> Any:
     """vLLM's SamplingParams for a tokenyard request: the same sampling, no text work.
 
-    Stop strings are not given to vLLM (tokenyard matches them across resumes); values vLLM
+    Stop strings and the detokenization switches are not given to vLLM (tokenyard decodes and
+    matches them across resumes); bad words are, as text (vLLM tokenizes them); values vLLM
     refuses raise InvalidRequest with vLLM's reason. `resumed`: tokens an earlier attempt
     generated, now the end of the prompt (min_tokens counts them); `seed`: see `request_seed`.
     """
@@ -393,7 +401,12 @@ def vllm_sampling_params(
             min_tokens=params.min_tokens_left(len(resumed)),
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
             structured_outputs=structured_outputs(params.guide) if params.guide else None,
+            min_p=params.min_p,
+            allowed_token_ids=list(params.allowed_token_ids) or None,
+            bad_words=list(params.bad_words) or None,
+            # text is tokenyard's (its decoder applies the detokenization switches)
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -428,6 +441,21 @@ def token_logprobs(ids: Sequence[int], positions: Any, k: int) -> list[TokenLogp
         )
         top = tuple((tid, float(logprob)) for rank, tid, logprob in ranked if rank <= k)
         out.append(TokenLogprob(int(token_id), float(chosen.logprob), top[:k]))
+    return out
+
+
+def prompt_logprobs(prompt: Sequence[int], positions: Any, k: int) -> list[PromptLogprob]:
+    """vLLM's prompt logprobs (per position None, then a dict token id -> Logprob: the prompt
+    token and the k most likely) as tokenyard's, for the prompt's tokens after its first (a
+    resumed sequence's prompt goes on with its resumed tokens: those are left out)."""
+    out: list[PromptLogprob] = []
+    for token_id, position in zip(prompt[1:], list(positions)[1:], strict=False):
+        chosen = position[token_id]
+        ranked = sorted(
+            (lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None
+        )
+        top = tuple((tid, float(logprob)) for rank, tid, logprob in ranked if rank <= k)
+        out.append(PromptLogprob(int(token_id), float(chosen.logprob), int(chosen.rank), top[:k]))
     return out
 
 

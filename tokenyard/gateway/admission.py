@@ -3,6 +3,7 @@ check it against the model's published limits, build the job."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -50,10 +51,17 @@ def tokenizer_for(state: GatewayState, model: str) -> EngineTokenizer:
     return tokenizer
 
 
-async def _tokenize(tokenizer: EngineTokenizer, text: str) -> list[int]:
+async def _tokenize(
+    tokenizer: EngineTokenizer, text: str, add_special_tokens: bool | None = None
+) -> list[int]:
+    def encode() -> list[int]:
+        if add_special_tokens is None:
+            return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     if len(text) <= _INLINE_CHARS:
-        return tokenizer.encode(text)
-    return await anyio.to_thread.run_sync(tokenizer.encode, text)
+        return encode()
+    return await anyio.to_thread.run_sync(encode)
 
 
 async def admit(
@@ -65,14 +73,19 @@ async def admit(
     live: bool,
     idempotency_key: str | None = None,
     choice: int = 0,
+    prompt_index: int = 0,
 ) -> JobSpec:
     """A JobSpec for a validated request, carrying its prompt's token ids (the worker does not
     tokenize again); `live` calls get the request timeout as deadline. `choice`: which of the
     request's `n` choices this job makes (a seeded request's choice i samples with seed + i,
-    as vLLM seeds its child requests)."""
+    as vLLM seeds its child requests); `prompt_index`: which of a completions request's
+    prompts it runs."""
     body.refuse_unsupported()
     if not live:
-        body.refuse_choices("for a job read later (one job per id)")
+        why = "for a job read later (one job per id)"
+        body.refuse_choices(why)
+        if isinstance(body, CompletionRequest):
+            body.refuse_prompts(why)
     elif body.n > state.settings.max_n:
         raise InvalidRequest(
             f"n is {body.n}, above this server's limit of {state.settings.max_n}",
@@ -91,12 +104,19 @@ async def admit(
     variables: dict[str, Any] = {}
     reasoning: ReasoningReading | None = None
     if isinstance(body, ChatCompletionRequest):
+        if body.chat_template is not None and not settings.trust_request_chat_template:
+            raise InvalidRequest(
+                "Chat template is passed with request, but this server does not trust "
+                "request chat templates (TOKENYARD_GATEWAY_TRUST_REQUEST_CHAT_TEMPLATE)",
+                param="chat_template",
+                code="unsupported_parameter",
+            )
         messages = body.template_messages()
         tools = body.tool_spec()
         variables = body.template_kwargs()
         # refused now if the answer cannot be read for calls (a template of unknown format)
-        reading = call_reading(tools, settings.tool_call_parser, tokenizer.chat_template)
-        prompt = _chat_prompt(tokenizer, messages, tools, variables)
+        reading = call_reading(tools, settings.tool_call_parser, _template(tokenizer, body))
+        prompt = _chat_prompt(tokenizer, messages, tools, body, variables)
         reasoning = reasoning_reading(
             settings.reasoning_parser, prompt, variables, body.include_reasoning
         )
@@ -112,7 +132,15 @@ async def admit(
             )
         param = "messages"
     else:
-        single = body.single_prompt()
+        prompts = body.prompts()
+        if len(prompts) > settings.max_prompts:
+            raise InvalidRequest(
+                f"'prompt' has {len(prompts)} prompts, above this server's limit of "
+                f"{settings.max_prompts}",
+                param="prompt",
+                code="invalid_value",
+            )
+        single = prompts[prompt_index]
         if isinstance(single, str):
             prompt = single
         else:
@@ -124,7 +152,11 @@ async def admit(
         supplied = token_ids
     else:
         assert prompt is not None
-        token_ids = await _tokenize(tokenizer, prompt)
+        token_ids = await _tokenize(tokenizer, prompt, body.add_special_tokens)
+    if (kept := body.truncated(token_ids, tokenizer.max_model_len)) is not token_ids:
+        # the job's prompt is its kept ids: echo shows their text, not the request's
+        prompt, token_ids = None, kept
+        supplied = kept if supplied else []
     prompt_tokens = len(token_ids)
     if prompt_tokens == 0:
         raise InvalidRequest("The prompt is empty", param=param)
@@ -140,12 +172,14 @@ async def admit(
             if small is not tokenizer:  # its own template and vocabulary
                 if isinstance(body, ChatCompletionRequest):
                     assert messages is not None and tools is not None
-                    reading = call_reading(tools, settings.tool_call_parser, small.chat_template)
-                    prompt = _chat_prompt(small, messages, tools, variables)
+                    template = _template(small, body)
+                    reading = call_reading(tools, settings.tool_call_parser, template)
+                    prompt = _chat_prompt(small, messages, tools, body, variables)
                     reasoning = reasoning_reading(
                         settings.reasoning_parser, prompt, variables, body.include_reasoning
                     )
-                tokenizer, token_ids = small, await _tokenize(small, prompt)
+                token_ids = await _tokenize(small, prompt, body.add_special_tokens)
+                tokenizer, token_ids = small, body.truncated(token_ids, small.max_model_len)
                 prompt_tokens = len(token_ids)
     state.metrics.routed.labels(body.model, model, rule.value).inc()
     guide = _one_guide(asked, tools)
@@ -159,7 +193,7 @@ async def admit(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        top_k=max(body.top_k or 0, 0),  # -1: vLLM's off
         seed=None if body.seed is None else _child_seed(body.seed, choice),
         stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
@@ -171,6 +205,14 @@ async def admit(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logprobs=body.logprobs_count,
         guide=None if guide is None else guide[0],
+        min_p=body.min_p or 0.0,
+        allowed_token_ids=tuple(sorted(set(body.allowed_token_ids or ()))),
+        bad_words=tuple(body.bad_words or ()),
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        cache_salt=body.cache_salt,
+        prompt_logprobs=_prompt_logprobs(body),
     )
     refused = limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
     if refused is not None and guide is not None:
@@ -194,7 +236,7 @@ async def admit(
         idempotency_key=idempotency_key,
         created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
-        prefix_key=state.prefixes.key(model, tokenizer, token_ids, messages),
+        prefix_key=_salted(state.prefixes.key(model, tokenizer, token_ids, messages), sampling),
         calls=reading,
         reasoning=reasoning,
     )
@@ -204,12 +246,42 @@ def _chat_prompt(
     tokenizer: EngineTokenizer,
     messages: list[dict[str, Any]],
     tools: Tools,
+    body: ChatCompletionRequest,
     variables: dict[str, Any],
 ) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools.template(), variables=variables)
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools.template(),
+            variables=variables,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template,
+        )
     except Exception as exc:  # a template may reject e.g. the order of roles, or a variable
-        raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+        param = "messages" if body.chat_template is None else "chat_template"
+        raise InvalidRequest(f"cannot apply the chat template: {exc}", param=param) from exc
+
+
+def _prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The prompt logprobs asked: vLLM's field, or completions' echo with logprobs (the
+    echoed prompt's logprobs come first, as vLLM shows them)."""
+    if body.prompt_logprobs is None and isinstance(body, CompletionRequest) and body.echo:
+        return body.logprobs
+    return body.prompt_logprobs
+
+
+def _template(tokenizer: EngineTokenizer, body: ChatCompletionRequest) -> str:
+    """The chat template the prompt is rendered with: the request's own, else the model's."""
+    return tokenizer.chat_template if body.chat_template is None else body.chat_template
+
+
+def _salted(prefix_key: str, sampling: SamplingParams) -> str:
+    """A salted job's prefix key: its cached prefix is not another salt's, nor unsalted."""
+    if not prefix_key or sampling.cache_salt is None:
+        return prefix_key
+    salted = f"{prefix_key}\0{sampling.cache_salt}".encode()
+    return hashlib.blake2b(salted, digest_size=12).hexdigest()
 
 
 def _one_guide(asked: tuple[Guide, str] | None, tools: Tools | None) -> tuple[Guide, str] | None:

@@ -25,11 +25,11 @@ from tokenyard.gateway.anthropic import STOP_SEQUENCES_MAX, TOOL_NAME
 from tokenyard.gateway.auth import authenticate
 from tokenyard.gateway.batches.types import ENDPOINTS
 from tokenyard.gateway.errors import anthropic_path
-from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS, TEMPLATE_ARGUMENTS
+from tokenyard.gateway.protocol import MAX_EMBEDDING_INPUTS, TEMPLATE_ARGUMENTS, VLLM_ONLY
 from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.tools.request import MAX_TOOLS
-from tokenyard.limits import DEADLINE_MIN, MAX_LOGPROBS
+from tokenyard.limits import DEADLINE_MIN, MAX_CACHE_SALT, MAX_LOGPROBS
 from tokenyard.messages import Feature
 
 INT64 = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1}
@@ -117,6 +117,57 @@ ANTHROPIC_ERROR = {
 }
 
 
+def _vllm_fields(feature: str) -> dict[str, Any]:
+    """vLLM's extra fields of both routes: those served, and those refused unless neutral."""
+    neutral = {
+        # 1 and 1.0 are one JSON value
+        name: {"enum": list(dict.fromkeys(values)), "description": f"Not supported {why}"}
+        for name, (values, why) in VLLM_ONLY.items()
+    }
+    return {
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "description": feature}),
+        "allowed_token_ids": _nullable(
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0},
+                "description": "token ids in the model's vocabulary; " + feature,
+            }
+        ),
+        "bad_words": _nullable(
+            {
+                "type": "array",
+                "items": {"type": "string", "pattern": "\\S"},
+                "description": feature,
+            }
+        ),
+        "include_stop_str_in_output": {"type": "boolean", "default": False},
+        "skip_special_tokens": {"type": "boolean", "default": True},
+        "spaces_between_special_tokens": {"type": "boolean", "default": True},
+        "truncate_prompt_tokens": _nullable(
+            {
+                "anyOf": [{"const": -1}, {**INT64, "minimum": 1}],
+                "description": "keep the prompt's last (truncation_side left) or first N "
+                "tokens; -1: the model's context",
+            }
+        ),
+        "truncation_side": _nullable({"enum": ["left", "right"]}),
+        "add_special_tokens": _nullable({"type": "boolean"}),
+        "prompt_logprobs": _nullable(
+            {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_LOGPROBS,
+                "description": "not above 0 with stream; " + feature,
+            }
+        ),
+        "return_tokens_as_token_ids": _nullable({"type": "boolean"}),
+        "cache_salt": _nullable(
+            {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT, "description": feature}
+        ),
+        **neutral,
+    }
+
+
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
@@ -147,6 +198,18 @@ _NEUTRAL: dict[Feature, dict[str, dict[str, Any]]] = {
     Feature.LOGIT_BIAS: {"logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]}},
     Feature.MIN_TOKENS: {"min_tokens": {"const": 0}},
     Feature.STOP_TOKEN_IDS: {"stop_token_ids": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}},
+    Feature.MIN_P: {"min_p": {"enum": [0, None]}},
+    Feature.ALLOWED_TOKEN_IDS: {
+        "allowed_token_ids": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}
+    },
+    Feature.BAD_WORDS: {"bad_words": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}},
+    Feature.DETOKENIZE: {
+        "skip_special_tokens": {"const": True},
+        "spaces_between_special_tokens": {"const": True},
+        "include_stop_str_in_output": {"const": False},
+    },
+    Feature.CACHE_SALT: {"cache_salt": {"type": "null"}},
+    Feature.PROMPT_LOGPROBS: {"prompt_logprobs": {"type": "null"}},
 }
 _NEUTRAL_LOGPROBS: dict[str, dict[str, Any]] = {
     "completion": {"type": "null"},
@@ -336,13 +399,17 @@ def request_schemas(
             }
         ),
         "guided_grammar": _nullable({"type": "string", "minLength": 1, "description": guide}),
-        "include_stop_str_in_output": _neutral(False),
-        "skip_special_tokens": _neutral(True),
-        "spaces_between_special_tokens": _neutral(True),
-        "top_k": _nullable({**INT64, "minimum": 0}),
+        "top_k": _nullable({**INT64, "minimum": -1, "description": "0 or -1: off"}),
         "ignore_eos": {"type": "boolean", "default": False},
         "return_token_ids": {"type": "boolean", "default": False},
-        "priority": _nullable({"enum": ["high", "normal", "low"]}),
+        **_vllm_fields(feature),
+        "priority": _nullable(
+            {
+                "anyOf": [{"enum": ["high", "normal", "low"]}, INT64],
+                "description": "a lane, capped by the tenant's tier; vLLM's integer (lower is "
+                "earlier): below 0 high, 0 the tenant's default, above 0 low",
+            }
+        ),
         "deadline": _nullable(
             {
                 "type": "number",
@@ -370,10 +437,30 @@ def request_schemas(
         },
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     }
+    # prompt_logprobs above 0 are not streamed
+    prompt_logprobs_rule = {
+        "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        "then": {"properties": {"prompt_logprobs": {"enum": [None, 0]}}},
+    }
+    # truncation_side needs truncate_prompt_tokens
+    truncation_rule = {
+        "if": {
+            "required": ["truncation_side"],
+            "properties": {"truncation_side": {"type": "string"}},
+        },
+        "then": {
+            "required": ["truncate_prompt_tokens"],
+            "properties": {"truncate_prompt_tokens": {"type": "integer"}},
+        },
+    }
     echo_rule = {
         "if": {
-            "required": ["echo", "logprobs"],
-            "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+            "required": ["echo", "logprobs", "stream"],
+            "properties": {
+                "echo": {"const": True},
+                "logprobs": {"type": "integer"},
+                "stream": {"const": True},
+            },
         },
         "then": False,
     }
@@ -383,29 +470,35 @@ def request_schemas(
         "minItems": 1,
         "description": "token ids, each in the model's vocabulary",
     }
+
+    def prompts(most: int) -> dict[str, Any]:
+        return {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": most,
+                },
+                token_ids,
+                {"type": "array", "items": token_ids, "minItems": 1, "maxItems": most},
+            ],
+            "description": "a list of several: each prompt its own choices, prompt-major",
+        }
+
     completion: dict[str, Any] = {
         "type": "object",
         "required": ["model", "prompt"],
         "additionalProperties": False,
         "properties": {
             **common,
-            "prompt": {
-                "anyOf": [
-                    {"type": "string", "minLength": 1},
-                    {
-                        "type": "array",
-                        "items": {"type": "string", "minLength": 1},
-                        "minItems": 1,
-                        "maxItems": 1,
-                    },
-                    token_ids,
-                    {"type": "array", "items": token_ids, "minItems": 1, "maxItems": 1},
-                ]
-            },
+            "prompt": prompts(settings.max_prompts),
             "echo": {
                 "type": "boolean",
                 "default": False,
-                "description": "the prompt's text before each choice's; not with logprobs",
+                "description": "the prompt's text before each choice's (with logprobs: its "
+                "logprobs first, not streamed)",
             },
             "logprobs": _nullable(
                 {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": feature}
@@ -415,7 +508,13 @@ def request_schemas(
             ),
             "suffix": _neutral(None, ""),
         },
-        "allOf": [stream_rule, echo_rule, *_without_lacking(served, "completion")],
+        "allOf": [
+            stream_rule,
+            echo_rule,
+            truncation_rule,
+            prompt_logprobs_rule,
+            *_without_lacking(served, "completion"),
+        ],
     }
     text_part = {
         "type": "object",
@@ -504,6 +603,17 @@ def request_schemas(
         "strict": _nullable({"type": "boolean"}),
     }
     tool_choices = {"enum": ["none", "auto", "required"]}
+    # continue_final_message needs add_generation_prompt false (its default is true)
+    template_rule = {
+        "if": {
+            "required": ["continue_final_message"],
+            "properties": {"continue_final_message": {"const": True}},
+        },
+        "then": {
+            "required": ["add_generation_prompt"],
+            "properties": {"add_generation_prompt": {"const": False}},
+        },
+    }
     chat: dict[str, Any] = {
         "type": "object",
         "required": ["model", "messages"],
@@ -511,6 +621,18 @@ def request_schemas(
         "properties": {
             **common,
             "messages": {"type": "array", "items": message, "minItems": 1},
+            # vLLM's chat template switches
+            "add_generation_prompt": {"type": "boolean", "default": True},
+            "continue_final_message": {
+                "type": "boolean",
+                "default": False,
+                "description": "the last message left open; not with add_generation_prompt",
+            },
+            "chat_template": (
+                _nullable({"type": "string", "description": "jinja, as the model's"})
+                if settings.trust_request_chat_template
+                else _neutral(None)
+            ),
             "max_completion_tokens": _nullable(max_tokens),
             "logprobs": {"type": "boolean", "default": False, "description": feature},
             "top_logprobs": _nullable(
@@ -590,17 +712,24 @@ def request_schemas(
             "audio": _neutral(None),
             "prediction": _neutral(None),
         },
-        "allOf": [stream_rule, top_logprobs_rule, *_without_lacking(served, "chat")],
+        "allOf": [
+            stream_rule,
+            top_logprobs_rule,
+            truncation_rule,
+            prompt_logprobs_rule,
+            template_rule,
+            *_without_lacking(served, "chat"),
+        ],
     }
     one_job = {"stream": {"const": False}, "n": {"const": 1}}
     job = {
         "description": "a completions or a chat body (chosen by `messages`), without `stream`"
-        ", one choice (a job per id)",
+        ", one choice of one prompt (a job per id)",
         "oneOf": [
             {**chat, "properties": {**chat["properties"], **one_job}},
             {
                 **completion,
-                "properties": {**completion["properties"], **one_job},
+                "properties": {**completion["properties"], **one_job, "prompt": prompts(1)},
                 "not": {"required": ["messages"]},
             },
         ],
@@ -624,7 +753,8 @@ def request_schemas(
             "output_expires_after": _nullable({"type": "object"}),
         },
     }
-    tokenyard = {name: common[name] for name in ("priority", "deadline", "cache")}
+    tokenyard = {name: common[name] for name in ("deadline", "cache")}
+    tokenyard["priority"] = _nullable({"enum": ["high", "normal", "low"]})
     embedding = {
         "type": "object",
         "required": ["model", "input"],

@@ -24,7 +24,7 @@ from tokenyard.gateway.errors import error_body, unsupported, validation_error
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.tools.parsers import Parsed
 from tokenyard.gateway.tools.request import History, Tools, read_tools
-from tokenyard.limits import DEADLINE_MIN, MAX_LOGPROBS
+from tokenyard.limits import DEADLINE_MIN, MAX_CACHE_SALT, MAX_LOGPROBS
 from tokenyard.messages import (
     FinishReason,
     JobRecord,
@@ -32,6 +32,7 @@ from tokenyard.messages import (
     JobSpec,
     JobStatus,
     Priority,
+    PromptLogprob,
     TokenChunk,
     TokenLogprob,
 )
@@ -60,10 +61,16 @@ class Request(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    def refuse_unknown(self) -> None:
-        """Raise 400 naming the first field this server does not know."""
-        if self.model_extra:
-            name = sorted(self.model_extra)[0]
+    def refuse_unknown(self, known: Mapping[str, tuple[Any, ...]] | None = None) -> None:
+        """Raise 400 naming the first field this server does not know; `known`: fields
+        accepted (and ignored) while they hold one of these neutral values."""
+        unknown = [
+            name
+            for name, value in (self.model_extra or {}).items()
+            if known is None or name not in known or not _neutral(value, known[name])
+        ]
+        if unknown:
+            name = sorted(unknown)[0]
             raise InvalidRequest(
                 f"Unrecognized request argument supplied: {name}",
                 param=name,
@@ -100,34 +107,58 @@ class _Common(Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # extensions vLLM also accepts
-    top_k: Annotated[Int64, Field(ge=0)] | None = None
+    # extensions vLLM also accepts (top_k -1 is vLLM's "off", as 0)
+    top_k: Annotated[Int64, Field(ge=-1)] | None = None
     ignore_eos: bool = False
     repetition_penalty: float | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    # vLLM's detokenization switches: the worker decodes, so only their defaults are served
+    # -- vLLM's extra fields (`extra_body`); their ranges against the model: tokenyard.limits
+    min_p: float | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+    # detokenization: the worker decodes every engine's tokens with these switches
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # the prompt: its last (`truncation_side` left, the default) or first N tokens; -1: as
+    # many as the model's context takes; add_special_tokens None: the route's default
+    truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool | None = None
+    # each prompt token's logprob and this many likeliest, as vLLM shows them (not streamed)
+    prompt_logprobs: int | None = None
+    # logprobs name each token "token_id:N" (any token, whatever its bytes)
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's extension: each choice also carries the generated token ids (the remote engine
     # of another tokenyard needs them to decode, resume and count exactly)
     return_token_ids: bool = False
-    # tokenyard: a lane priority (capped by the tenant's tier) and a deadline (unix seconds)
-    priority: Literal["high", "normal", "low"] | None = None
+    # tokenyard: a lane priority (capped by the tenant's tier), or vLLM's integer (lower is
+    # earlier: < 0 high, 0 the tenant's default, > 0 low); a deadline (unix seconds)
+    priority: Literal["high", "normal", "low"] | Int64 | None = None
     deadline: Deadline | None = None
     # tokenyard: false opts a deterministic request out of the response cache and collapsing
     cache: bool | None = None
 
     def refuse_unsupported(self) -> None:
         """Raise 400 naming the first field this server does not implement."""
-        self.refuse_unknown()
-        if self.include_stop_str_in_output:
-            raise unsupported("include_stop_str_in_output", "other than false")
-        if not self.skip_special_tokens:
-            raise unsupported("skip_special_tokens", "other than true")
-        if not self.spaces_between_special_tokens:
-            raise unsupported("spaces_between_special_tokens", "other than true")
+        refuse_vllm_only(self.model_extra)
+        self.refuse_unknown({name: neutral for name, (neutral, _) in VLLM_ONLY.items()})
+        if self.prompt_logprobs and self.stream:
+            raise InvalidRequest(
+                "'prompt_logprobs' are not available when 'stream' is true",
+                param="prompt_logprobs",
+            )
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidRequest(
+                "truncate_prompt_tokens must be -1 (the model's context) or at least 1",
+                param="truncate_prompt_tokens",
+            )
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:
+            raise InvalidRequest(
+                "'truncation_side' needs 'truncate_prompt_tokens'", param="truncation_side"
+            )
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
@@ -168,7 +199,67 @@ class _Common(Request):
 
     @property
     def priority_class(self) -> Priority | None:
-        return None if self.priority is None else Priority[self.priority.upper()]
+        return priority_class(self.priority)
+
+    def truncated(self, token_ids: list[int], context: int) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` keeps it (vLLM's rule; `context`: the
+        model's, what -1 asks for)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        keep = context if keep == -1 else keep
+        if len(token_ids) <= keep:
+            return token_ids
+        return token_ids[:keep] if self.truncation_side == "right" else token_ids[-keep:]
+
+
+def priority_class(asked: str | int | None) -> Priority | None:
+    """A request's `priority` as a lane: tokenyard's name, or vLLM's integer (lower is
+    earlier): below 0 high, above 0 low, 0 (vLLM's default) none asked."""
+    if asked is None:
+        return None
+    if isinstance(asked, int):
+        return None if asked == 0 else Priority.HIGH if asked < 0 else Priority.LOW
+    return Priority[asked.upper()]
+
+
+# vLLM's request fields tokenyard does not implement, refused by name with why (any other
+# unknown field is an unknown parameter) unless they hold their neutral value
+VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "(no beam search here)"),
+    "length_penalty": ((1, 1.0), "(a beam search parameter; no beam search here)"),
+    "watermarking": ((None, False), "(no watermarking here)"),
+    "logprob_token_ids": ((None,), "(logprobs are of the chosen and the most likely tokens)"),
+    "prompt_embeds": ((None,), "(prompts are text or token ids)"),
+    "repetition_detection": ((None,), "(no n-gram repetition detection here)"),
+    "thinking_token_budget": ((None, -1), "(no thinking budget here)"),
+    "stream_interval": ((None, 1), "(each engine step's tokens are one chunk)"),
+    "kv_transfer_params": ((None,), "(no disaggregated serving here)"),
+    "ec_transfer_params": ((None,), "(no disaggregated serving here)"),
+    "vllm_xargs": ((None,), "(no vLLM extensions here)"),
+    "request_id": ((None,), "(tokenyard names every job; see X-Job-Id)"),
+    "session_id": ((None,), "(no sessions here)"),
+    "routed_experts_prompt_start": ((0,), "(no routed-expert data here)"),
+    "return_token_offsets": ((None, False), "(only vLLM's render endpoints)"),
+    "return_mm_kwargs": ((True,), "(only vLLM's render endpoints)"),
+    "return_prompt_text": ((None, False), "(the prompt's text is not returned)"),
+    "media_io_kwargs": ((None,), "(text models only)"),
+    "mm_processor_kwargs": ((None,), "(text models only)"),
+    "documents": ((None,), "(no documents in chat templates here)"),
+    "echo": ((False,), "(on chat: no echo of the last message)"),  # completions declare theirs
+}
+
+
+def refuse_vllm_only(extra: Mapping[str, Any] | None) -> None:
+    """Raise 400 naming the first vLLM field given that tokenyard does not implement."""
+    for name in sorted(extra or ()):
+        known = VLLM_ONLY.get(name)
+        if known is not None and extra is not None and not _neutral(extra[name], known[0]):
+            raise unsupported(name, known[1])
+
+
+def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(v) and value == v for v in neutrals)
 
 
 class CompletionRequest(_Common):
@@ -180,9 +271,9 @@ class CompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo and self.logprobs is not None:
-            # the engines return the generated tokens' logprobs only, not the prompt's
-            raise unsupported("logprobs", "together with 'echo' (no prompt logprobs)")
+        if self.echo and self.logprobs is not None and self.stream:
+            # the prompt's logprobs come with the whole answer only
+            raise unsupported("logprobs", "together with 'echo' when streamed")
         if self.best_of is not None and self.best_of != self.n:
             # every choice is returned: there is no ranking among more candidates than n
             raise unsupported("best_of", "other than equal to 'n'")
@@ -194,19 +285,22 @@ class CompletionRequest(_Common):
         """How many alternatives per token the request asks for; None: no logprobs."""
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, as text or token ids; several prompts in one call are refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, as text or token ids: a list of strings or of id lists is several
+        (vLLM's batched completions: each prompt its own jobs, its choices in order)."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
             raise InvalidRequest("'prompt' must not be empty", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return [x for x in p if isinstance(x, int)]
-        if len(p) != 1:
-            raise unsupported("prompt", "with more than one prompt per request")
-        only = p[0]
-        return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
+            return [[x for x in p if isinstance(x, int)]]
+        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[arg-type]
+
+    def refuse_prompts(self, why: str) -> None:
+        """Raise 400 unless one prompt is given: a job read later is one job per id."""
+        if len(self.prompts()) != 1:
+            raise unsupported("prompt", f"with more than one prompt {why}")
 
 
 class TextPart(Request):
@@ -272,6 +366,11 @@ TEMPLATE_ARGUMENTS = frozenset(
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # vLLM's chat template switches (a request's own template: see the gateway's
+    # trust_request_chat_template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -303,6 +402,11 @@ class ChatCompletionRequest(_Common):
                 raise unsupported(name)
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "other than ['text']")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+                param="continue_final_message",
+            )
 
     @property
     def logprobs_count(self) -> int | None:
@@ -421,11 +525,13 @@ def usage(result: JobResult) -> dict[str, Any]:
     return usage_of_choices([result])
 
 
-def usage_of_choices(results: Sequence[JobResult]) -> dict[str, Any]:
-    """One call's usage: its choices share the prompt, counted once (as OpenAI counts it);
+def usage_of_choices(results: Sequence[JobResult], per_prompt: int | None = None) -> dict[str, Any]:
+    """One call's usage: the choices of a prompt share it, counted once (as OpenAI counts
+    it); `per_prompt`: choices of each prompt of a batched call, prompt-major (None: one);
     with `prompt_tokens_details.cached_tokens` where the engine said how much of the prompt its
-    prefix cache held (the first choice's, as the prompt's)."""
-    prompt = results[0].prompt_tokens if results else 0
+    prefix cache held (each prompt's first choice's)."""
+    step = per_prompt or len(results) or 1
+    prompt = sum(r.prompt_tokens for r in results[::step])
     completion = sum(r.completion_tokens for r in results)
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
@@ -447,30 +553,69 @@ class Rendering:
     token_ids: bool = False
     token_text: Callable[[int], str] | None = None
     echo: str | None = None
+    # names the tokens of the prompt's logprobs (vLLM's `prompt_logprobs`); None: not asked
+    prompt_text: Callable[[int], str] | None = None
+    # echo with logprobs: the prompt's ids, whose logprobs come before the output's (as vLLM)
+    echo_ids: Sequence[int] | None = None
 
 
 PLAIN = Rendering()
 
 
 def rendering(
-    spec: JobSpec, tokenizer: EngineTokenizer | None, *, echo: bool, token_ids: bool
+    spec: JobSpec,
+    tokenizer: EngineTokenizer | None,
+    *,
+    echo: bool,
+    token_ids: bool,
+    tokens_as_ids: bool = False,
 ) -> Rendering:
     """How a job's choices are shown, from its spec and the request's `echo` and
     `return_token_ids`: logprobs when the job asked for them, named by the tokenizer of the
-    model that ran it (an alias or the fast path may have chosen another than the one named);
-    the echoed prompt as its text (token ids decoded)."""
+    model that ran it (an alias or the fast path may have chosen another than the one named)
+    or, with `tokens_as_ids` (vLLM's `return_tokens_as_token_ids`), as "token_id:N"; the
+    echoed prompt as its text (token ids decoded)."""
     text = None
     if echo:
         if spec.prompt is not None:
             text = spec.prompt
         elif tokenizer is not None:
             text = tokenizer.decode(spec.prompt_token_ids or [])
-    logprobs = spec.sampling.logprobs is not None and tokenizer is not None
+    namer = None
+    if tokenizer is not None:
+        namer = _token_as_id if tokens_as_ids else tokenizer.token_text
+    logprobs = spec.sampling.logprobs is not None
     return Rendering(
         token_ids=token_ids,
-        token_text=tokenizer.token_text if logprobs and tokenizer is not None else None,
+        token_text=namer if logprobs else None,
         echo=text,
+        prompt_text=namer if spec.sampling.prompt_logprobs is not None else None,
+        echo_ids=spec.prompt_token_ids if echo and logprobs else None,
     )
+
+
+def prompt_logprobs_body(
+    result: JobResult, text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """A result's prompt logprobs as vLLM shows them: None for the first token, then per
+    token {token id: {logprob, rank, decoded_token}} for it and the most likely ones."""
+    shown: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in result.prompt_logprobs or ():
+        position = {
+            str(t): {"logprob": _logprob(v), "rank": rank, "decoded_token": text(t)}
+            for rank, (t, v) in enumerate(lp.top, start=1)
+        }
+        position[str(lp.token_id)] = {
+            "logprob": _logprob(lp.logprob),
+            "rank": lp.rank,
+            "decoded_token": text(lp.token_id),
+        }
+        shown.append(position)
+    return shown
+
+
+def _token_as_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 # the floor of a shown logprob: JSON has no -inf (vLLM shows the same floor)
@@ -529,6 +674,35 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    prompt: Sequence[int],
+    logprobs: Sequence[PromptLogprob],
+    text: Callable[[int], str],
+    generated: dict[str, Any],
+) -> dict[str, Any]:
+    """A completion choice's `logprobs` with echo: the prompt's tokens first (the first one
+    with no logprob, as vLLM shows it), then the generated ones (`generated`, whose offsets
+    this moves past the prompt's)."""
+    tokens = [text(t) for t in prompt]
+    offsets = []
+    at = 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    tops: list[dict[str, float] | None] = [None]
+    for lp in logprobs:
+        top = {text(i): _logprob(v) for i, v in lp.top}
+        top.setdefault(text(lp.token_id), _logprob(lp.logprob))
+        tops.append(top)
+    return {
+        "tokens": tokens + generated["tokens"],
+        "token_logprobs": [None, *(_logprob(lp.logprob) for lp in logprobs)]
+        + generated["token_logprobs"],
+        "top_logprobs": tops + generated["top_logprobs"],
+        "text_offset": offsets + [at + o for o in generated["text_offset"]],
+    }
+
+
 def choice_logprobs(
     kind: Kind, logprobs: Sequence[TokenLogprob] | None, how: Rendering, offset: int = 0
 ) -> dict[str, Any] | None:
@@ -546,18 +720,26 @@ def completion_body(
     model: str,
     created: int,
     results: Sequence[JobResult],
-    how: Rendering = PLAIN,
+    how: Rendering | Sequence[Rendering] = PLAIN,
     parsed: Sequence[Parsed | None] = (),
+    per_prompt: int | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streamed) completion or chat completion: a choice per result, in order;
-    `parsed`: each chat answer read for tool calls (when the request offered tools)."""
+    `how`: the choices' rendering, or each choice's; `parsed`: each chat answer read for
+    tool calls (when the request offered tools); `per_prompt`: see `usage_of_choices`."""
+    hows = [how] * len(results) if isinstance(how, Rendering) else list(how)
     choices: list[dict[str, Any]] = []
     for index, result in enumerate(results):
+        how = hows[index]
         choice: dict[str, Any] = {
             "index": index,
             "logprobs": choice_logprobs(kind, result.logprobs, how),
             "finish_reason": openai_finish_reason(result.finish_reason),
         }
+        if how.echo_ids and how.token_text is not None and choice["logprobs"] is not None:
+            choice["logprobs"] = echoed_logprobs(
+                how.echo_ids, result.prompt_logprobs or (), how.token_text, choice["logprobs"]
+            )
         if how.token_ids:
             choice["token_ids"] = result.token_ids
         if kind == "chat":
@@ -573,16 +755,22 @@ def completion_body(
                 choice["message"] = message
         else:
             choice["text"] = (how.echo or "") + result.text
+            if how.prompt_text is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(result, how.prompt_text)
         choices.append(choice)
-    return {
+    body: dict[str, Any] = {
         "id": response_id(kind, job_id),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": usage_of_choices(results),
+        "usage": usage_of_choices(results, per_prompt),
     }
+    if kind == "chat" and results and hows and hows[0].prompt_text is not None:
+        # the conversation's one prompt: shown once, beside the choices (as vLLM)
+        body["prompt_logprobs"] = prompt_logprobs_body(results[0], hows[0].prompt_text)
+    return body
 
 
 def chunk_body(
@@ -596,6 +784,7 @@ def chunk_body(
     role: bool = False,
     finish_reason: str | None = None,
     usage_of: Sequence[JobResult] | None = None,
+    per_prompt: int | None = None,
     no_choices: bool = False,
     token_ids: list[int] | None = None,
     logprobs: dict[str, Any] | None = None,
@@ -636,7 +825,7 @@ def chunk_body(
         "model": model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": None if usage_of is None else usage_of_choices(usage_of),
+        "usage": None if usage_of is None else usage_of_choices(usage_of, per_prompt),
     }
 
 

@@ -26,6 +26,12 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: Count = 1 << 20
     max_tokens_cap: Count = 4096  # a request asking for more is refused, not clamped
     max_n: Count = 16  # choices one completions call may ask for (`n`): a job each
+    # prompts one /v1/completions call may batch (`prompt` as a list): a job each (times n)
+    max_prompts: Count = 64
+    # a chat request may bring its own `chat_template` (vLLM's --trust-request-chat-template):
+    # rendered in the gateway (transformers' sandboxed jinja), so off unless the clients are
+    # trusted with the gateway's time; off, such a request is 400
+    trust_request_chat_template: bool = False
     default_max_tokens: Count = 256  # chat requests without max_tokens (completions default 16)
     # how a chat answer's tool calls are read (vLLM's --tool-call-parser names): hermes,
     # llama3_json, mistral, or auto (the one each model's chat template shows)

@@ -185,8 +185,8 @@ class OpenAIRenderer:
 
 
 class Choices:
-    """The `n` choices of one streamed call, each its own job: their results (the usage chunk
-    sums them) and the first failure, which fails the whole call."""
+    """The choices of one streamed call (`n` of each prompt), each its own job: their results
+    (the usage chunk sums them) and the first failure, which fails the whole call."""
 
     def __init__(
         self,
@@ -197,9 +197,11 @@ class Choices:
         n: int,
         *,
         include_usage: bool,
+        per_prompt: int | None = None,
     ) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.n = n
+        self.per_prompt = per_prompt  # choices of each prompt (a batched completions call)
         self.include_usage = include_usage
         self.results: dict[int, JobResult] = {}
         self.failure: bytes | None = None
@@ -221,6 +223,7 @@ class Choices:
                 self.model,
                 self.created,
                 usage_of=results,
+                per_prompt=self.per_prompt,
                 no_choices=True,
             )
             frames.append(frame(body))

@@ -95,6 +95,7 @@ async def submit(
     tenant: Tenant,
     how: Live,
     choice: int = 0,
+    prompt_index: int = 0,
 ) -> Hit | Following: ...
 
 
@@ -106,6 +107,7 @@ async def submit(
     tenant: Tenant,
     how: Later,
     choice: int = 0,
+    prompt_index: int = 0,
 ) -> Queued: ...
 
 
@@ -116,13 +118,15 @@ async def submit(
     tenant: Tenant,
     how: Live | Later,
     choice: int = 0,
+    prompt_index: int = 0,
 ) -> Hit | Following | Queued:
     """Make `body` a job and enter it, or answer it from the cache; a reservation whose job
     was not entered is refunded on every path. `choice`: which of a live call's `n` choices
-    (each its own job, cache entry and reservation). Counted per tenant for the dashboard."""
+    (each its own job, cache entry and reservation); `prompt_index`: which of its prompts (a
+    batched completions call). Counted per tenant for the dashboard."""
     state.usage.asked(tenant.name, tenant.quota)
     try:
-        return await _submit(state, kind, body, tenant, how, choice)
+        return await _submit(state, kind, body, tenant, how, choice, prompt_index)
     except RETRY_LATER:
         state.usage.refused(tenant.name)
         raise
@@ -135,6 +139,7 @@ async def _submit(
     tenant: Tenant,
     how: Live | Later,
     choice: int,
+    prompt_index: int,
 ) -> Hit | Following | Queued:
     live = isinstance(how, Live)
     digest: str | None = None
@@ -147,7 +152,14 @@ async def _submit(
         else:
             assert kind != "embedding" and kind != "score"
             spec = await admit(
-                state, kind, body, tenant, live=live, idempotency_key=key, choice=choice
+                state,
+                kind,
+                body,
+                tenant,
+                live=live,
+                idempotency_key=key,
+                choice=choice,
+                prompt_index=prompt_index,
             )
         if isinstance(how, Later):
             spec.stream = how.tokens

@@ -23,6 +23,7 @@ from tokenyard.messages import (
     ModelLimits,
     PoolingOptions,
     Priority,
+    PromptLogprob,
     SamplingParams,
     TokenChunk,
     TokenLogprob,
@@ -51,6 +52,7 @@ class Job(Generic[H]):
     pooling: PoolingOptions | None = None  # an embeddings or scoring job's options
     logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
     cached_tokens: int | None = None  # prompt tokens its engine's prefix cache held
+    prompt_logprobs: list[PromptLogprob] | None = None  # when its params ask
 
     def extend(
         self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None
@@ -275,6 +277,8 @@ class Scheduler(Generic[H]):
             if job is None:
                 continue  # released, removed or already finished: nobody waits for it here
             chunk = None
+            if out.prompt_logprobs is not None and job.prompt_logprobs is None:
+                job.prompt_logprobs = out.prompt_logprobs
             if out.token_ids:
                 if job.first_token_at is None:
                     job.first_token_at = now

@@ -601,6 +601,7 @@ class Worker:
             embeddings=job.embeddings,
             logprobs=job.logprobs,
             cached_tokens=job.cached_tokens,
+            prompt_logprobs=job.prompt_logprobs,
         )
 
     def _drop(self, job_id: str, why: str, *, under: Lease | None) -> None:

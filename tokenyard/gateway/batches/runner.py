@@ -376,6 +376,7 @@ def _response_body(
         state.tokenizers.get(spec.model),
         echo=line.kind == "completion" and asked.get("echo") is True,
         token_ids=asked.get("return_token_ids") is True,
+        tokens_as_ids=asked.get("return_tokens_as_token_ids") is True,
     )
     parsed = [None if tools is None else parse_whole(tools, result.text)]
     return protocol.completion_body(

@@ -123,6 +123,8 @@ def _check_line(raw: bytes, number: int, endpoint: str, seen: set[str]) -> Batch
             raise UserError("'stream' is not allowed in a batch", param="stream")
         if isinstance(parsed, protocol.CompletionRequest | protocol.ChatCompletionRequest):
             parsed.refuse_choices("in a batch (one job per line)")
+            if isinstance(parsed, protocol.CompletionRequest):
+                parsed.refuse_prompts("in a batch (one job per line)")
             # the constraint's shape now; whether xgrammar compiles it, when the line is run
             structured.guide_of(parsed)
     except UserError as exc:

@@ -103,6 +103,10 @@ async def _serve(
     first = outcomes[0]
     spec = first.spec
     how = _rendering(state, kind, body, spec)
+    # a batched call's choices echo each its own prompt
+    hows = [how] * len(outcomes)
+    if len(outcomes) > body.n:
+        hows = [_rendering(state, kind, body, o.spec) for o in outcomes]
 
     def tools(outcome: Hit | Following) -> Reader | None:
         # each choice's answer is read on its own, its calls named from its job's id (the
@@ -129,7 +133,13 @@ async def _serve(
             )
             return await first.call.stream(renderer, headers, timeout_s=timeout_s)
         choices = Choices(
-            kind, job_id, spec.model, created, len(outcomes), include_usage=body.include_usage
+            kind,
+            job_id,
+            spec.model,
+            created,
+            len(outcomes),
+            include_usage=body.include_usage,
+            per_prompt=body.n,
         )
         children = []
         for index, outcome in enumerate(outcomes):
@@ -140,7 +150,7 @@ async def _serve(
                 created,
                 include_usage=False,
                 resumed=False,
-                how=how,
+                how=hows[index],
                 index=index,
                 choices=choices,
                 tools=tools(outcome),
@@ -161,11 +171,12 @@ async def _serve(
             spec.model,
             created,
             results,
-            how,
+            hows,
             parsed=[
                 None if (t := tools(o)) is None else parse_whole(t, r.text)
                 for o, r in zip(outcomes, results, strict=True)
             ],
+            per_prompt=body.n,
         ),
         headers=headers,
     )
@@ -178,12 +189,19 @@ async def _submit_choices(
     tenant: Tenant,
     how: Live,
 ) -> list[Hit | Following]:
-    """A job (or a cached answer) per choice; if one is refused, the jobs already entered for
-    the others are left (so cancelled) and the refusal is the call's answer."""
+    """A job (or a cached answer) per choice, of each prompt in turn (a batched completions
+    call's choices are prompt-major, as vLLM indexes them); if one is refused, the jobs
+    already entered for the others are left (so cancelled) and the refusal is the call's
+    answer."""
+    prompts = len(body.prompts()) if isinstance(body, protocol.CompletionRequest) else 1
     outcomes: list[Hit | Following] = []
     try:
-        for choice in range(body.n):
-            outcomes.append(await submit(state, kind, body, tenant, how, choice=choice))
+        for index in range(prompts):
+            for choice in range(body.n):
+                outcome = await submit(
+                    state, kind, body, tenant, how, choice=choice, prompt_index=index
+                )
+                outcomes.append(outcome)
     except BaseException:
         await _leave(state, outcomes)
         raise
@@ -204,7 +222,13 @@ def _rendering(
 ) -> protocol.Rendering:
     echo = isinstance(body, protocol.CompletionRequest) and body.echo
     tokenizer = tokenizer_for(state, spec.model)
-    return protocol.rendering(spec, tokenizer, echo=echo, token_ids=body.return_token_ids)
+    return protocol.rendering(
+        spec,
+        tokenizer,
+        echo=echo,
+        token_ids=body.return_token_ids,
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
+    )
 
 
 def _job_id(outcome: Hit | Following) -> str:
