@@ -28,6 +28,7 @@ import redis.asyncio.connection
 from tests.conftest import BackendFactory, kinds
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import Lease
+from tokenyard.broker.redis import channel
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.messages import (
@@ -85,10 +86,14 @@ def _gated(send: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 @pytest.fixture(autouse=True)
 def gated_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every way a backend writes to its broker, counted and cut inside a gate's context only:
-    NATS messages, Redis commands (and pipelines), AMQP publishes and acknowledgements."""
+    NATS messages, Redis commands (and pipelines, through redis-py or the broker's channel),
+    AMQP publishes and acknowledgements."""
     sends: list[tuple[type, str]] = [
         (nats.aio.client.Client, "publish"),
         (redis.asyncio.connection.AbstractConnection, "send_packed_command"),
+        # the hot path's own channel (broker/redis/channel.py) writes on connections it took
+        # over from redis-py, past send_packed_command
+        (channel._Wire, "exchange"),
         *((aiormq.channel.Channel, n) for n in ("basic_publish", "basic_ack", "basic_nack")),
         (aiormq.channel.Channel, "basic_reject"),
     ]
