@@ -54,10 +54,11 @@ from tokenyard.broker.core import (
 )
 from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.machine import Bury, Count, Refused, Step
+from tokenyard.broker.nats.audit import NatsAudit
 from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry, sent
 from tokenyard.broker.nats.names import Names, token
 from tokenyard.broker.nats.records import Liveness, StoredJob, decode_job, encode_job
-from tokenyard.broker.nats.tables import NatsAudit, NatsQuotas, NatsRegistry
+from tokenyard.broker.nats.tables import NatsQuotas, NatsRegistry
 from tokenyard.broker.policy import (
     active_tag,
     advanced,
