@@ -83,8 +83,7 @@ class Claims:
         its inactive threshold: 409, or no responder at all) is made again and asked once more."""
         for _ in range(2):
             consumer = await self.store.consumer(stream, subject)
-            request = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-            msgs, end = await self.conn.replies(request, {"batch": batch, "no_wait": True}, batch)
+            msgs, end = await self.conn.pull(stream, consumer, batch)
             if msgs or end is None or (end.headers or {}).get("Status") not in ("409", "503"):
                 return msgs
             self.store.consumers.discard((stream, consumer))

@@ -93,12 +93,22 @@ class Store:
         self.rules = machine.Rules(lease_s=settings.lease_s, max_deliveries=settings.max_deliveries)
         self.consumers: set[tuple[str, str]] = set()
         self.holding: dict[str, Holding] = {}  # lease entry id -> what fences it
+        self._lanes: dict[tuple[str, Priority, int], str] = {}  # lane streams made
+        self._events = ""  # the events stream, once made
 
     async def jobs(self) -> KeyValue:
         ttl = max(self.settings.record_ttl_s, self.settings.idempotency_ttl_s)
-        return await self.conn.kv(self.names.jobs_bucket, ttl_s=ttl)
+        # direct gets: a record is read on the connection's long-lived inbox (`get`)
+        return await self.conn.kv(self.names.jobs_bucket, ttl_s=ttl, direct=True)
 
     async def lane(self, model: str, priority: Priority, pool: int) -> str:
+        made = self._lanes.get((model, priority, pool))
+        if made is not None:
+            return made
+        self._lanes[(model, priority, pool)] = made = await self._make_lane(model, priority, pool)
+        return made
+
+    async def _make_lane(self, model: str, priority: Priority, pool: int) -> str:
         return await self.conn.stream(
             StreamConfig(
                 name=self.names.lane_stream(model, priority, pool),
@@ -113,7 +123,10 @@ class Store:
         )
 
     async def events_stream(self) -> str:
-        return await self.kept_stream(self.names.events_stream, self.names.events_subjects)
+        if not self._events:
+            names = self.names
+            self._events = await self.kept_stream(names.events_stream, names.events_subjects)
+        return self._events
 
     async def dead_stream(self) -> str:
         return await self.kept_stream(self.names.dead_stream, self.names.dead_subjects)
@@ -164,28 +177,29 @@ class Store:
             await sent(nc.publish(self.names.wake(model), subject.encode()))
 
     async def get(self, job_id: str) -> tuple[StoredJob, int] | None:
-        kv = await self.jobs()
-        try:
-            entry = await sent(kv.get(Names.job(job_id)))
-        except nats.js.errors.KeyNotFoundError:
+        """The job's record and its revision (a direct get on the long-lived inbox)."""
+        await self.jobs()
+        bucket = self.names.jobs_bucket
+        found = await self.conn.direct_last(
+            Names.kv_stream(bucket), Names.kv_subject(bucket, Names.job(job_id))
+        )
+        if found is None or found[2].get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        if entry.value is None:
-            return None
-        return decode_job(entry.value), entry.revision or 0
+        return decode_job(found[1]), found[0]
 
     async def cas(self, job: StoredJob, revision: int) -> int | None:
-        """Write the record if it is still at `revision`; its new revision, None if not."""
-        kv = await self.jobs()
-        try:
-            return int(
-                await sent(kv.update(Names.job(job.spec.id), encode_job(job), last=revision))
-            )
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return None
-        except nats.js.errors.APIError as exc:
-            if exc.err_code == WRONG_LAST:
-                return None
-            raise
+        """Write the record if it is still at `revision` (0: only where none is); its new
+        revision, None if not."""
+        return await self.conn.acked(await self.cas_soon(job, revision))
+
+    async def cas_soon(self, job: StoredJob, revision: int) -> asyncio.Future[int | None]:
+        """`cas` written now, its answer awaited later (several cost one round trip)."""
+        await self.jobs()
+        subject = Names.kv_subject(self.names.jobs_bucket, Names.job(job.spec.id))
+        answer = await self.conn.publish_soon(
+            subject, encode_job(job), {EXPECT_LAST: str(revision)}
+        )
+        return _wrong_last_is_none(answer)
 
     async def publish_event(
         self,
@@ -204,7 +218,6 @@ class Store:
         longer the last counts as stored when the message right after `expect` has its id (an
         earlier try of it: this one's, or a call sent again).
         """
-        js = await self.conn.js()
         await self.events_stream()
         headers = {} if expect is None else {EXPECT_LAST: str(expect)}
         if marker:
@@ -216,10 +229,9 @@ class Store:
         give_up, pause = time.monotonic() + RESEND_S, 0.05
         while True:
             try:
-                ack = await sent(
-                    js.publish(self.names.events(job_id), data, headers=headers or None)
+                return await self.conn.publish_acked(
+                    self.names.events(job_id), data, headers=headers or None
                 )
-                return int(ack.seq)
             except BrokerUnavailable:
                 if msg_id is None or time.monotonic() > give_up:
                     raise
@@ -369,3 +381,25 @@ def events_of(data: bytes, headers: Mapping[str, str]) -> list[JobEvent]:
     if headers.get(LAST):
         return decode(data, list[JobEvent])
     return [decode_event(data)]
+
+
+def _wrong_last_is_none(answer: asyncio.Future[int]) -> asyncio.Future[int | None]:
+    """A compare-and-set's answer: its new revision, None when another write came first."""
+    out: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+
+    def done(fut: asyncio.Future[int]) -> None:
+        if fut.cancelled():
+            out.cancel()
+            return
+        exc = fut.exception()
+        if out.done():
+            return
+        if exc is None:
+            out.set_result(fut.result())
+        elif isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST:
+            out.set_result(None)
+        else:
+            out.set_exception(exc)
+
+    answer.add_done_callback(done)
+    return out
