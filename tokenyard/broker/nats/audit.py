@@ -12,7 +12,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
-from tokenyard.broker.nats.connection import NatsConnection, sent
+from tokenyard.broker.nats.connection import NatsConnection
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.tables import Audit
 from tokenyard.messages import decode, encode
@@ -31,6 +31,7 @@ class NatsAudit(Audit, Mirrored):
         self.max_len = max_len
         self.sink: AuditSink | None = None
         self._writing: set[asyncio.Task[None]] = set()
+        self._made = ""  # the stream's name, once made
 
     def mirror_to(self, sink: AuditSink) -> None:
         self.sink = sink
@@ -53,6 +54,11 @@ class NatsAudit(Audit, Mirrored):
             await asyncio.gather(*list(self._writing), return_exceptions=True)
 
     async def _stream(self) -> str:
+        if not self._made:
+            self._made = await self._make_stream()
+        return self._made
+
+    async def _make_stream(self) -> str:
         return await self.conn.stream(
             StreamConfig(
                 name=self.names.audit_stream,
@@ -69,13 +75,13 @@ class NatsAudit(Audit, Mirrored):
         state change it records stands."""
         if self.max_len <= 0 or not entries:
             return
-        stream = await self._stream()
-        js = await self.conn.js()
+        await self._stream()
         subject = self.names.audit_subject
-        acks = await asyncio.gather(
-            *(sent(js.publish(subject, encode(e), stream=stream)) for e in entries),
-            return_exceptions=True,
-        )
+
+        async def one(entry: AuditEntry) -> int:
+            return await self.conn.publish_acked(subject, encode(entry))
+
+        acks = await asyncio.gather(*(one(e) for e in entries), return_exceptions=True)
         for entry, ack in zip(entries, acks, strict=True):
             if isinstance(ack, BaseException):
                 log.error("audit entry of job %s not written: %s", entry.job_id, ack)

@@ -36,6 +36,10 @@ from tokenyard.broker.policy import (
 )
 from tokenyard.messages import JobResult, JobSpec, JobStatus, Priority, decode
 
+# how long a claim hands back a plain enqueue's message whose record (written beside it) it
+# does not find, before taking the record for lapsed (a producer's clock may run behind)
+RECORD_WAIT_S = 30.0
+_RECORD_WAIT_NAK = json.dumps({"delay": 20_000_000}).encode()  # 20 ms
 POLL_S = 0.2  # a blocked claim looks afresh at least this often (retries, expired leases)
 TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
 
@@ -243,15 +247,31 @@ class Claims:
         return sorted(msgs, key=lambda m: staging_score(decode(m.data, JobSpec)))
 
     async def _take(self, msgs: Sequence[Msg], consumer: str, affinity: bool) -> list[Lease]:
-        outcomes = await asyncio.gather(*(self._take_one(m, consumer, affinity) for m in msgs))
+        specs = [decode(m.data, JobSpec) for m in msgs]
+        # the records of first deliveries whose message cannot name them, read at once
+        unnamed = [s.id for m, s in zip(msgs, specs, strict=True) if _unnamed(m)]
+        records = await self.store.get_many(unnamed)
+        outcomes = await asyncio.gather(
+            *(
+                self._take_one(m, s, records.get(s.id), consumer, affinity)
+                for m, s in zip(msgs, specs, strict=True)
+            )
+        )
         return [lease for lease in outcomes if lease is not None]
 
-    async def _take_one(self, msg: Msg, consumer: str, affinity: bool) -> Lease | None:
+    async def _take_one(
+        self,
+        msg: Msg,
+        spec: JobSpec,
+        record: tuple[StoredJob, int] | None,
+        consumer: str,
+        affinity: bool,
+    ) -> Lease | None:
         """Turn a delivered message into a lease: the record says running under this consumer
-        (compare-and-set), and a claim marker fences the events subject."""
+        (compare-and-set), and a claim marker fences the events subject. `record`: the record
+        as read with the claim's other messages (first deliveries of plain enqueues)."""
         reply = msg.reply or ""
-        spec = decode(msg.data, JobSpec)
-        fast = await self._take_first(msg, spec, consumer, affinity)
+        fast = await self._take_first(msg, spec, record, consumer, affinity)
         if fast is not None:
             return fast
         revision = 0
@@ -260,6 +280,10 @@ class Claims:
             if job is None:
                 found = await self.store.get(spec.id)
                 if found is None:
+                    if _unnamed(msg) and self._record_due(msg):
+                        # its record is written beside its message and may not be stored yet
+                        await self.store.ack(reply, b"-NAK " + _RECORD_WAIT_NAK)
+                        return None
                     await self.store.ack(reply, b"+TERM")  # its record expired: nothing to run
                     return None
                 job, revision = found
@@ -304,16 +328,33 @@ class Claims:
             return None
         return await self._leased(reply, job, new_revision, last, resumable)
 
+    def _record_due(self, msg: Msg) -> bool:
+        """Whether a message's record, written beside it, may still be on its way."""
+        at = float((msg.headers or {}).get(ENQUEUED_AT, "0"))
+        return self.clock() - at < RECORD_WAIT_S
+
     async def _take_first(
-        self, msg: Msg, spec: JobSpec, consumer: str, affinity: bool
+        self,
+        msg: Msg,
+        spec: JobSpec,
+        record: tuple[StoredJob, int] | None,
+        consumer: str,
+        affinity: bool,
     ) -> Lease | None:
-        """The common case in one round trip: a first delivery of a job whose record is as
-        enqueued (the message names its revision). The record is written from the message, and
-        the claim marker goes beside it (a marker expecting no events lands only on a job no
-        one ever held). None: take the general path."""
+        """The common case in one round trip after the pull: a first delivery of a job whose
+        record is as enqueued (the message names its revision, or `record` was read with the
+        claim's other messages). The record is written from the message, and the claim marker
+        goes beside it (a marker expecting no events lands only on a job no one ever held).
+        None: take the general path."""
         headers = msg.headers or {}
         now = self.clock()
-        if REVISION not in headers or (spec.deadline is not None and spec.deadline <= now):
+        if spec.deadline is not None and spec.deadline <= now:
+            return None
+        if REVISION in headers:
+            revision = int(headers[REVISION])
+        elif record is not None and _as_enqueued(record[0]) and ENQUEUED_AT in headers:
+            revision = record[1]
+        else:
             return None
         job = StoredJob(
             spec=spec,
@@ -329,7 +370,7 @@ class Claims:
             affinity=affinity,
         )
         written, marker = await asyncio.gather(
-            self.store.cas(job, int(headers[REVISION])), self._first_marker(spec.id, 1)
+            self.store.cas(job, revision), self._first_marker(spec.id, 1)
         )
         if written is None:
             return None
@@ -417,3 +458,20 @@ def _fair_plan(view: LaneView, room: int) -> dict[str, int]:
             tags[subject], view.cost.get(subject, 1.0), view.weight.get(subject, 1.0)
         )
     return dict(plan)
+
+
+def _unnamed(msg: Msg) -> bool:
+    """A plain enqueue's message: it does not name its record's revision."""
+    headers = msg.headers or {}
+    return REVISION not in headers and ENQUEUED_AT in headers
+
+
+def _as_enqueued(job: StoredJob) -> bool:
+    """Whether a record is as its enqueue wrote it (never taken, retried or cancelled)."""
+    return (
+        job.status is JobStatus.QUEUED
+        and not job.deliveries
+        and not job.seq
+        and not job.cancel
+        and job.last_error is None
+    )

@@ -438,6 +438,21 @@ class NatsConnection:
             if pull is not None:
                 self._pulls.pop(pull, None)
 
+    async def last_of_each(
+        self, stream: str, subjects: list[str]
+    ) -> dict[str, tuple[int, bytes, dict[str, str]]]:
+        """The last message of each subject that has one, in one batched direct get
+        (`multi_last`, NATS >= 2.11): subject -> (sequence, data, headers)."""
+        body = json.dumps({"multi_last": subjects, "batch": len(subjects)}).encode()
+        msgs, end = await self.replies_raw(f"$JS.API.DIRECT.GET.{stream}", body, len(subjects))
+        if end is not None and (end.headers or {}).get("Status") not in ("204", "404"):
+            raise nats.js.errors.APIError.from_msg(end)
+        out = {}
+        for msg in msgs:
+            headers = msg.headers or {}
+            out[headers["Nats-Subject"]] = (int(headers["Nats-Sequence"]), msg.data, headers)
+        return out
+
     async def direct_last(
         self, stream: str, subject: str
     ) -> tuple[int, bytes, dict[str, str]] | None:

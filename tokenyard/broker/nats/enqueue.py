@@ -184,6 +184,8 @@ class Enqueuer:
                 spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
             )
             created = True
+            if not spec.idempotency_key and not spec.collapse_key:
+                return await self._enqueue_plain(job, now, after, turn)
             try:
                 revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
             except nats.js.errors.KeyWrongLastSequenceError:
@@ -207,14 +209,50 @@ class Enqueuer:
         except nats.js.errors.APIError as exc:
             if exc.err_code in _FULL:
                 await sent(kv.purge(Names.job(spec.id)))
-                lane = f"{spec.model}/{spec.priority.name.lower()}"
-                raise QueueFull(
-                    lane, self.settings.max_queue_depth, self.settings.max_queue_depth
-                ) from exc
+                raise self._full(spec) from exc
             raise
         # the record does not learn the message's sequence (a write more per job): a cancel or
         # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
         return EnqueueResult(job_id=spec.id, created=created), subject
+
+    async def _enqueue_plain(
+        self, job: StoredJob, now: float, after: asyncio.Event | None, turn: asyncio.Event
+    ) -> tuple[EnqueueResult, str]:
+        """A job no key names, in one round trip: its record and its lane message are written
+        together and their answers awaited together. The message cannot name the record's
+        revision, so its first claim reads the record (claims.py, `_take_first`); a claim that
+        meets the message before the record was stored hands it back for a moment."""
+        spec = job.spec
+        record = await self.store.cas_soon(job, 0)
+        headers = {MSG_ID: spec.id, ENQUEUED_AT: repr(now)}
+        try:
+            if after is not None:
+                await after.wait()
+            pending = await self.conn.publish_soon(job.subject, encode(spec), headers)
+            turn.set()
+            outcomes = await asyncio.gather(
+                self.conn.acked(record), self.conn.acked(pending), return_exceptions=True
+            )
+        except BaseException:
+            record.cancel()
+            raise
+        revision, published = outcomes
+        if isinstance(published, nats.js.errors.APIError) and published.err_code in _FULL:
+            if isinstance(revision, int):
+                kv = await self.store.jobs()
+                await sent(kv.purge(Names.job(spec.id)))
+            raise self._full(spec) from published
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        # None: a record was there, this is a resent enqueue of the job id: its message went
+        # again (Nats-Msg-Id drops it within the lane's duplicate window; past it a stray copy
+        # is acknowledged by the claim that meets the job taken or ended)
+        return EnqueueResult(job_id=spec.id, created=revision is not None), job.subject
+
+    def _full(self, spec: JobSpec) -> QueueFull:
+        lane = f"{spec.model}/{spec.priority.name.lower()}"
+        return QueueFull(lane, self.settings.max_queue_depth, self.settings.max_queue_depth)
 
     async def _first_try(
         self, kv: KeyValue, key: str, other: str, job_id: str
