@@ -102,12 +102,14 @@ class Claims:
             nc = await self.conn.client()
 
             async def on_wake(msg: Msg) -> None:
-                subject = msg.data.decode()
-                try:
-                    view = self._lanes[self.names.stream_of_subject(subject)]
-                except ValueError:
-                    return
-                view.subjects[subject] = view.subjects.get(subject, 0) + 1
+                # the lane subjects one enqueue filled, together: a claim woken by it sees
+                # them all (strict priority holds over one call's jobs)
+                for subject in msg.data.decode().split():
+                    try:
+                        view = self._lanes[self.names.stream_of_subject(subject)]
+                    except ValueError:
+                        continue
+                    view.subjects[subject] = view.subjects.get(subject, 0) + 1
                 event.set()
 
             self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
@@ -126,11 +128,10 @@ class Claims:
             return []
         give_up_at = time.monotonic() + block_s
         woke = await self._wake_event(model)
-        # While claims keep finding work, what this worker knows of the lanes (kept current by
-        # wake-ups) is enough. After an idle claim, and after each wait, a claim reads the lanes
-        # afresh: wake-ups of two lanes may arrive out of order (strict priority would slip),
-        # and some work announces itself with none (a redelivery after a lapsed lease, a
-        # retry's backoff ending).
+        # While claims find work, and after a wake-up, what this worker knows of the lanes
+        # (kept current by wake-ups) is enough. A claim about to give up reads the lanes
+        # afresh, and so does one whose wait ran POLL_S without a wake-up: some work announces
+        # itself with none (a redelivery after a lapsed lease, a retry's backoff ending).
         fresh = self._idle.get(model, True)
         while True:
             woke.clear()
@@ -139,11 +140,12 @@ class Claims:
             self._idle[model] = not leases
             if leases or (fresh and left <= 0):
                 return leases
-            if not fresh:
-                fresh = True
+            if left <= 0 or woke.is_set():
+                fresh = left <= 0
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woke.wait(), min(left, POLL_S))
+            fresh = not woke.is_set()
 
     async def _claim_once(
         self,

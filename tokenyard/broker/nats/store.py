@@ -173,8 +173,7 @@ class Store:
     async def wake(self, model: str, subjects: Sequence[str]) -> None:
         """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
         nc = await self.conn.client()
-        for subject in set(subjects):
-            await sent(nc.publish(self.names.wake(model), subject.encode()))
+        await sent(nc.publish(self.names.wake(model), " ".join(sorted(set(subjects))).encode()))
 
     async def get(self, job_id: str) -> tuple[StoredJob, int] | None:
         """The job's record and its revision (a direct get on the long-lived inbox)."""
