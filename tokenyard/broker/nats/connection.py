@@ -192,7 +192,8 @@ class NatsConnection:
         self._streams: set[str] = set()
         self._kvs: dict[str, KeyValue] = {}
         self._closed = False
-        self._acks: dict[str, tuple[asyncio.Future[int], asyncio.TimerHandle]] = {}
+        self._acks: dict[str, tuple[asyncio.Future[int], float]] = {}  # token -> (answer, until)
+        self._sweeper: asyncio.Task[None] | None = None
         self._collectors: dict[str, _Collector] = {}
         self._pulls: dict[tuple[str, str], _Collector] = {}  # (stream, consumer) -> its pull
         self._pull_locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -310,18 +311,25 @@ class NatsConnection:
         """Write a JetStream publish now, in call order; the future gives its stream sequence
         (or the server's refusal as APIError; BrokerUnavailable when no answer came in time).
         Several in a row cost one round trip."""
-        inbox = await self._inbox()
-        nc = await self.client()
-        token = self._token()
+        nc = self._nc
+        if nc is None or nc.is_closed or not self._ack_inbox:
+            await self._inbox()
+            nc = await self.client()
+        self._tokens += 1
+        token = str(self._tokens)
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[int] = loop.create_future()
-        timer = loop.call_later(REQUEST_TIMEOUT_S, self._expire, token)
-        self._acks[token] = (answer, timer)
+        # one sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
+        # more than the publish's own bookkeeping)
+        self._acks[token] = (answer, loop.time() + REQUEST_TIMEOUT_S)
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep())
         try:
-            await sent(nc.publish(subject, payload, reply=f"{inbox}.{token}", headers=headers))
+            await sent(
+                nc.publish(subject, payload, reply=f"{self._ack_inbox}.{token}", headers=headers)
+            )
         except BaseException:
             self._acks.pop(token, None)
-            timer.cancel()
             raise
         return answer
 
@@ -341,10 +349,17 @@ class NatsConnection:
         `js.publish` does with a request, a future and a timer task per call)."""
         return await self.acked(await self.publish_soon(subject, payload, headers))
 
-    def _expire(self, token: str) -> None:
-        waiting = self._acks.pop(token, None)
-        if waiting is not None and not waiting[0].done():
-            waiting[0].set_exception(unavailable(TimeoutError("no answer from the server")))
+    async def _sweep(self) -> None:
+        """End the publishes left unanswered past their time; stops once none wait."""
+        loop = asyncio.get_running_loop()
+        while self._acks:
+            await asyncio.sleep(1.0)
+            now = loop.time()
+            late = [t for t, (_, until) in self._acks.items() if until <= now]
+            for token in late:
+                answer, _ = self._acks.pop(token)
+                if not answer.done():
+                    answer.set_exception(unavailable(TimeoutError("no answer from the server")))
 
     async def _on_reply(self, msg: Msg) -> None:
         if msg.reply:
@@ -361,8 +376,7 @@ class NatsConnection:
         waiting = self._acks.pop(token, None)
         if waiting is None:
             return
-        answer, timer = waiting
-        timer.cancel()
+        answer, _ = waiting
         if answer.done():
             return
         if msg.headers and msg.headers.get("Status") == "503":
@@ -509,6 +523,8 @@ class NatsConnection:
 
     async def close(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):
