@@ -102,3 +102,18 @@ async def test_events_sent_again_after_an_unanswered_call_are_stored_once(
 
 def chunk(text: str) -> TokenChunk:
     return TokenChunk(token_ids=[ord(c) for c in text], text=text)
+
+
+async def test_one_claim_takes_more_plain_jobs_than_one_batched_read_holds(
+    make_backend: BackendFactory,
+) -> None:
+    # a plain enqueue's message cannot name its record: the claim reads the records of what it
+    # pulled in batched direct gets, which the server bounds per request
+    queue = make_backend().queue
+    specs = [job() for _ in range(1100)]  # the server answers at most 1,024 per request
+    for k in range(0, len(specs), 100):
+        await queue.enqueue_many(specs[k : k + 100])
+    leases = await queue.claim(MODEL, "w", slots=len(specs), block_s=2)
+    assert sorted(lease.spec.id for lease in leases) == sorted(s.id for s in specs)
+    assert await queue.complete_many([(lease, ok(lease)) for lease in leases]) == [True] * 1100
+    assert await queue.depth(MODEL) == 0

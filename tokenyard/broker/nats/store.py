@@ -47,6 +47,7 @@ RESEND_S = 20.0  # how long a write whose answer was lost is sent again (a clust
 REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
 ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the record whole)
 WRONG_LAST = 10071  # JetStream: wrong last sequence
+_GET_MANY = 256  # records read per batched direct get
 DUPLICATE_WINDOW_S = 120.0  # a lane drops a message whose Nats-Msg-Id it saw this recently
 
 
@@ -193,9 +194,18 @@ class Store:
         await self.jobs()
         bucket = self.names.jobs_bucket
         subjects = {Names.kv_subject(bucket, Names.job(j)): j for j in job_ids}
-        found = await self.conn.last_of_each(Names.kv_stream(bucket), list(subjects))
+        listed = list(subjects)
+        stream = Names.kv_stream(bucket)
+        # the server answers a bounded number of subjects per request (413 past it)
+        parts = await asyncio.gather(
+            *(
+                self.conn.last_of_each(stream, listed[k : k + _GET_MANY])
+                for k in range(0, len(listed), _GET_MANY)
+            )
+        )
         return {
             subjects[subject]: (decode_job(data), seq)
+            for found in parts
             for subject, (seq, data, headers) in found.items()
             if headers.get("KV-Operation") not in ("DEL", "PURGE") and subject in subjects
         }
