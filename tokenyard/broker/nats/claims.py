@@ -345,9 +345,8 @@ class Claims:
     ) -> Lease | None:
         """The common case in one round trip after the pull: a first delivery of a job whose
         record is as enqueued (the message names its revision, or `record` was read with the
-        claim's other messages). The record is written from the message, and the claim marker
-        goes beside it (a marker expecting no events lands only on a job no one ever held).
-        None: take the general path."""
+        claim's other messages): the record is written from the message, and no claim marker
+        is needed (no one held the job before). None: take the general path."""
         headers = msg.headers or {}
         now = self.clock()
         if spec.deadline is not None and spec.deadline <= now:
@@ -371,27 +370,13 @@ class Claims:
             lease_until=now + self.settings.lease_s,
             affinity=affinity,
         )
-        written, marker = await asyncio.gather(
-            self.store.cas(job, revision), self._first_marker(spec.id, 1)
-        )
+        written = await self.store.cas(job, revision)
         if written is None:
             return None
-        if marker is None:
-            last, resumable, finished = await self._fence_events(spec.id, 1)
-            if finished is not None:
-                await self.endings.mend(job, written, finished, msg.reply or "")
-                return None
-        else:
-            last, resumable = marker, False
-        return await self._leased(msg.reply or "", job, written, last, resumable)
-
-    async def _first_marker(self, job_id: str, delivery: int) -> int | None:
-        try:
-            return await self.store.publish_event(
-                job_id, b"", 0, marker=True, msg_id=event_id(job_id, delivery, "m0")
-            )
-        except Fenced:
-            return None
+        # no claim marker: the first holder's appends expect no events before them, so an
+        # ending's Finished that came first (a cancel or expiry cut off before its record)
+        # fences them as a marker would; its record follows that Finished once the lease lapses
+        return await self._leased(msg.reply or "", job, written, 0, False)
 
     async def _leased(
         self, reply: str, job: StoredJob, revision: int, last: int, resumable: bool

@@ -6,7 +6,8 @@ has a subject and a durable pull consumer, so a claim can pick tenants by fair s
 for a worker (prefix affinity) wait on that worker's subject. `AckWait` is the lease and
 `+WPI` renews it. A job's record is a KV entry changed only by compare-and-set, and its events a
 subject of the events stream: a holder appends with `Nats-Expected-Last-Subject-Sequence`, and a
-new holder first appends a claim marker, so a zombie's late append or result is rejected.
+later holder first appends a claim marker, so a zombie's late append or result is rejected
+(a first holder needs none: its appends expect no events before them).
 
 Every ending writes the job's last events (its tail and Finished: one message) before its
 record, so the events are the durable side: a terminal record always has its Finished, and a

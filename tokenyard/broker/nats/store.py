@@ -63,7 +63,8 @@ class Holding:
     job: StoredJob
     revision: int
     last_seq: int
-    marker: int  # its claim marker's sequence: names its events, unlike a delivery number
+    marker: int  # its claim marker's sequence (0: a first holder, which has none): names its
+    # events, unlike a delivery number
     appended: int = 0  # events it stored: the next one's place names its id
 
 
@@ -394,7 +395,7 @@ class Store:
 
 def event_id(job_id: str, writer: int, n: str) -> str:
     """An event's message id: its job, who wrote it (a holder's events: its claim marker's
-    sequence; a claim marker: its delivery) and its place (`n`: 1, 2...; `f` the last message;
+    sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...; `f` the last message;
     `m<sequence>` a marker expecting that sequence before it)."""
     return f"{job_id}.{writer}.{n}"
 
