@@ -395,8 +395,8 @@ class Store:
 
 def event_id(job_id: str, writer: int, n: str) -> str:
     """An event's message id: its job, who wrote it (a holder's events: its claim marker's
-    sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...; `f` the last message;
-    `m<sequence>` a marker expecting that sequence before it)."""
+    sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...;
+    `f` the last message; `m<sequence>` a marker expecting that sequence before it)."""
     return f"{job_id}.{writer}.{n}"
 
 
