@@ -16,6 +16,8 @@ from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.store import MARKER, Store, events_of
 from tokenyard.messages import JobEvent, JobRecord, JobStatus
 
+REREAD_S = 0.25  # a blocked read reads again this often even when nothing woke it
+
 
 class Reads:
     """Events and records as readers see them."""
@@ -72,9 +74,13 @@ class Reads:
                     settle *= 2
                     continue
                 try:
-                    await asyncio.wait_for(woke.wait(), left)
+                    await asyncio.wait_for(woke.wait(), min(left, REREAD_S))
                 except TimeoutError:
-                    return []
+                    if give_up - time.monotonic() <= 0:
+                        return []
+                    # a message delivered just before the subscription woke nothing, and may
+                    # not have been readable by the read after it: read again
+                    continue
                 settle = 0.001
         finally:
             for sub in subs:
