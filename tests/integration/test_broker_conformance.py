@@ -1675,7 +1675,7 @@ async def test_a_tenant_consumer_the_server_removed_is_made_again(
     queue = broker.queue
     assert isinstance(queue, NatsQueue)
     js = await queue.conn.js()
-    for stream, name in list(queue._consumers):
+    for stream, name in list(queue.store.consumers):
         await js.delete_consumer(stream, name)  # as the server does once it idles too long
     spec = job()
     await queue.enqueue(spec)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import BackendFactory
 from tests.integration.test_broker_conformance import MODEL, dies_before_its_message, job, ok
-from tokenyard.broker.nats import queue as nats_queue
+from tokenyard.broker.nats import enqueue as nats_enqueue
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.errors import BrokerUnavailable
@@ -43,9 +43,9 @@ async def test_a_resend_takes_over_a_key_whose_producer_died_before_its_record(
 ) -> None:
     queue = make_backend().queue
     assert isinstance(queue, NatsQueue)
-    monkeypatch.setattr(nats_queue, "RECORD_GRACE_S", 0.3)
+    monkeypatch.setattr(nats_enqueue, "RECORD_GRACE_S", 0.3)
     ghost = job(key="k2")
-    kv = await queue._jobs()
+    kv = await queue.store.jobs()
     await kv.create(Names.idempotency(MODEL, ghost.tenant, "k2"), ghost.id.encode())
 
     resend = job(key="k2")
@@ -76,7 +76,7 @@ async def test_events_sent_again_after_an_unanswered_call_are_stored_once(
     assert isinstance(queue, NatsQueue)
     await queue.enqueue_many([job(), job()])
     one, other = await queue.claim(MODEL, "w", slots=2, block_s=2)
-    publish = queue._publish_event
+    publish = queue.store.publish_event
 
     async def answer_lost(job_id: str, *args: Any, **kwargs: Any) -> int:
         seq = await publish(job_id, *args, **kwargs)
@@ -85,10 +85,10 @@ async def test_events_sent_again_after_an_unanswered_call_are_stored_once(
         return seq
 
     steps = [(one, chunk("a")), (one, chunk("b")), (other, chunk("x"))]
-    monkeypatch.setattr(queue, "_publish_event", answer_lost)
+    monkeypatch.setattr(queue.store, "publish_event", answer_lost)
     with pytest.raises(BrokerUnavailable):
         await queue.append_events(steps)
-    monkeypatch.setattr(queue, "_publish_event", publish)
+    monkeypatch.setattr(queue.store, "publish_event", publish)
     assert await queue.append_events(steps) == [True] * 3
     assert await queue.append_events([(other, chunk("y"))]) == [True]
     assert await queue.complete_many([(one, ok(one)), (other, ok(other))]) == [True, True]
@@ -102,3 +102,18 @@ async def test_events_sent_again_after_an_unanswered_call_are_stored_once(
 
 def chunk(text: str) -> TokenChunk:
     return TokenChunk(token_ids=[ord(c) for c in text], text=text)
+
+
+async def test_one_claim_takes_more_plain_jobs_than_one_batched_read_holds(
+    make_backend: BackendFactory,
+) -> None:
+    # a plain enqueue's message cannot name its record: the claim reads the records of what it
+    # pulled in batched direct gets, which the server bounds per request
+    queue = make_backend().queue
+    specs = [job() for _ in range(1100)]  # the server answers at most 1,024 per request
+    for k in range(0, len(specs), 100):
+        await queue.enqueue_many(specs[k : k + 100])
+    leases = await queue.claim(MODEL, "w", slots=len(specs), block_s=2)
+    assert sorted(lease.spec.id for lease in leases) == sorted(s.id for s in specs)
+    assert await queue.complete_many([(lease, ok(lease)) for lease in leases]) == [True] * 1100
+    assert await queue.depth(MODEL) == 0

@@ -17,18 +17,14 @@ import pytest
 from tokenyard.broker import new_job_id
 from tokenyard.broker.audit import AuditEntry, received, terminal
 from tokenyard.broker.core import Clock
+from tokenyard.broker.nats.audit import NatsAudit
 from tokenyard.broker.nats.batches import NatsBatches
 from tokenyard.broker.nats.connection import NatsConnection
 from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, encode_job
-from tokenyard.broker.nats.tables import (
-    NatsAudit,
-    NatsDirectory,
-    NatsQuotas,
-    NatsRegistry,
-    NatsResponses,
-)
+from tokenyard.broker.nats.responses import NatsResponses
+from tokenyard.broker.nats.tables import NatsDirectory, NatsQuotas, NatsRegistry
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import (
     JobResult,

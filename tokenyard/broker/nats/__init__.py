@@ -28,19 +28,14 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     (`nats://host:port[,host:port][?replicas=N]`, or `tls://`)."""
     # imported here, not above: `serve` and the tests start the embedded server (embedded.py)
     # without loading the client library and the whole backend
+    from tokenyard.broker.nats.audit import NatsAudit
     from tokenyard.broker.nats.batches import NatsBatches
     from tokenyard.broker.nats.connection import NatsConnection
     from tokenyard.broker.nats.names import Names
     from tokenyard.broker.nats.queue import NatsQueue
+    from tokenyard.broker.nats.responses import NatsResponses, NatsStoredResponses
     from tokenyard.broker.nats.series import NatsSeries
-    from tokenyard.broker.nats.tables import (
-        NatsAudit,
-        NatsDirectory,
-        NatsQuotas,
-        NatsRegistry,
-        NatsResponses,
-        NatsStoredResponses,
-    )
+    from tokenyard.broker.nats.tables import NatsDirectory, NatsQuotas, NatsRegistry
 
     conn = NatsConnection(settings)
     names = Names(settings.prefix)

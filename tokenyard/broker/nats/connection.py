@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -137,6 +138,48 @@ async def kv_change(
     raise BrokerUnavailable(f"NATS: {key} changed by others {CAS_ATTEMPTS} times in a row")
 
 
+class _Ack(msgspec.Struct):
+    """A JetStream publish's answer."""
+
+    seq: int = 0
+    error: dict[str, Any] | None = None
+
+
+_ACK = msgspec.json.Decoder(_Ack)
+
+
+class _Collector:
+    """The messages one request is answered by, until `limit` or a status message."""
+
+    def __init__(self, done: asyncio.Future[None], limit: int) -> None:
+        self.done = done
+        self.limit = limit
+        self.msgs: list[Msg] = []
+        self.end: Msg | None = None
+
+    def add(self, msg: Msg) -> None:
+        if self.done.done():
+            return
+        if msg.headers and msg.headers.get("Status") is not None:
+            self.end = msg
+            self.done.set_result(None)
+            return
+        self.msgs.append(msg)
+        if len(self.msgs) >= self.limit:
+            self.done.set_result(None)
+
+
+def _acked_consumer(reply: str) -> tuple[str, str]:
+    """(stream, consumer) of a delivered message's ack subject: `$JS.ACK.<stream>.<consumer>.`
+    and 7 more tokens, or with a domain and an account hash before the stream."""
+    parts = reply.split(".")
+    if len(parts) == 9:
+        return parts[2], parts[3]
+    if len(parts) >= 11:
+        return parts[4], parts[5]
+    return "", ""
+
+
 class NatsConnection:
     """One client per process side (gateway, worker, CLI) and what it made sure of."""
 
@@ -149,7 +192,12 @@ class NatsConnection:
         self._streams: set[str] = set()
         self._kvs: dict[str, KeyValue] = {}
         self._closed = False
-        self._acks: dict[str, asyncio.Future[int]] = {}
+        self._acks: dict[str, tuple[asyncio.Future[int], float]] = {}  # token -> (answer, until)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._collectors: dict[str, _Collector] = {}
+        self._pulls: dict[tuple[str, str], _Collector] = {}  # (stream, consumer) -> its pull
+        self._pull_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._tokens = 0
         self._ack_inbox = ""
 
     @property
@@ -209,14 +257,22 @@ class NatsConnection:
         self._streams.add(name)
         return name
 
-    async def kv(self, bucket: str, ttl_s: float | None = None, history: int = 1) -> KeyValue:
-        """The KV bucket, made on first use."""
+    async def kv(
+        self, bucket: str, ttl_s: float | None = None, history: int = 1, direct: bool = False
+    ) -> KeyValue:
+        """The KV bucket, made on first use (`direct`: its stream answers direct gets, made so
+        when an older one did not)."""
         found = self._kvs.get(bucket)
         if found is not None:
             return found
         js = await self.js()
         try:
             kv = await sent(js.key_value(bucket))
+            if direct:
+                info = await sent(js.stream_info(f"KV_{bucket}"))
+                if not info.config.allow_direct:
+                    info.config.allow_direct = True
+                    await sent(js.update_stream(info.config))
         except nats.js.errors.BucketNotFoundError:
             from nats.js.api import KeyValueConfig
 
@@ -227,25 +283,47 @@ class NatsConnection:
                         history=history,
                         ttl=ttl_s,
                         replicas=self.replicas,
+                        direct=direct,
                     )
                 )
             )
         self._kvs[bucket] = kv
         return kv
 
+    async def _inbox(self) -> str:
+        """The one long-lived reply subscription (`<inbox>.*`) every JetStream answer this
+        connection waits for comes back on: publish acks, pulled messages, direct gets. A
+        subscription per request cost a SUB and an UNSUB message and their bookkeeping."""
+        nc = await self.client()
+        if not self._ack_inbox:
+            inbox = nc.new_inbox()
+            await sent(nc.subscribe(f"{inbox}.*", cb=self._on_reply))
+            self._ack_inbox = inbox
+        return self._ack_inbox
+
+    def _token(self) -> str:
+        self._tokens += 1
+        return str(self._tokens)
+
     async def publish_soon(
         self, subject: str, payload: bytes, headers: dict[str, str] | None = None
     ) -> asyncio.Future[int]:
         """Write a JetStream publish now, in call order; the future gives its stream sequence
-        (or the server's refusal as APIError). Several in a row cost one round trip."""
-        nc = await self.client()
-        if not self._ack_inbox:
-            inbox = nc.new_inbox()
-            await sent(nc.subscribe(f"{inbox}.*", cb=self._on_ack))
-            self._ack_inbox = inbox
-        token = nc.new_inbox().rsplit(".", 1)[-1]
-        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._acks[token] = answer
+        (or the server's refusal as APIError; BrokerUnavailable when no answer came in time).
+        Several in a row cost one round trip."""
+        nc = self._nc
+        if nc is None or nc.is_closed or not self._ack_inbox:
+            await self._inbox()
+            nc = await self.client()
+        self._tokens += 1
+        token = str(self._tokens)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[int] = loop.create_future()
+        # one sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
+        # more than the publish's own bookkeeping)
+        self._acks[token] = (answer, loop.time() + REQUEST_TIMEOUT_S)
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep())
         try:
             await sent(
                 nc.publish(subject, payload, reply=f"{self._ack_inbox}.{token}", headers=headers)
@@ -255,30 +333,63 @@ class NatsConnection:
             raise
         return answer
 
-    async def acked(self, answer: asyncio.Future[int]) -> int:
+    async def acked(self, answer: asyncio.Future[_T]) -> _T:
         """The stream sequence of a `publish_soon`; BrokerUnavailable if none came in time."""
         try:
-            return await sent(asyncio.wait_for(asyncio.shield(answer), REQUEST_TIMEOUT_S))
-        finally:
-            if not answer.done():
-                answer.cancel()
-                self._acks = {t: f for t, f in self._acks.items() if f is not answer}
+            return await sent(answer)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code is None and isinstance(exc, nats.js.errors.ServiceUnavailableError):
+                raise unavailable(exc) from exc
+            raise
 
-    async def _on_ack(self, msg: Msg) -> None:
-        answer = self._acks.pop(msg.subject.rsplit(".", 1)[-1], None)
-        if answer is None or answer.done():
+    async def publish_acked(
+        self, subject: str, payload: bytes, headers: dict[str, str] | None = None
+    ) -> int:
+        """A JetStream publish and its stream sequence, answered on the long-lived inbox (what
+        `js.publish` does with a request, a future and a timer task per call)."""
+        return await self.acked(await self.publish_soon(subject, payload, headers))
+
+    async def _sweep(self) -> None:
+        """End the publishes left unanswered past their time; stops once none wait."""
+        loop = asyncio.get_running_loop()
+        while self._acks:
+            await asyncio.sleep(1.0)
+            now = loop.time()
+            late = [t for t, (_, until) in self._acks.items() if until <= now]
+            for token in late:
+                answer, _ = self._acks.pop(token)
+                if not answer.done():
+                    answer.set_exception(unavailable(TimeoutError("no answer from the server")))
+
+    async def _on_reply(self, msg: Msg) -> None:
+        if msg.reply:
+            # a pulled message keeps its own subject: its ack subject names whose pull it is
+            pull = self._pulls.get(_acked_consumer(msg.reply))
+            if pull is not None:
+                pull.add(msg)
+            return
+        token = msg.subject.rsplit(".", 1)[-1]
+        collector = self._collectors.get(token)
+        if collector is not None:
+            collector.add(msg)
+            return
+        waiting = self._acks.pop(token, None)
+        if waiting is None:
+            return
+        answer, _ = waiting
+        if answer.done():
             return
         if msg.headers and msg.headers.get("Status") == "503":
             answer.set_exception(unavailable(nats.errors.NoRespondersError()))
             return
-        reply = json.loads(msg.data)
-        if "error" in reply:
+        reply = _ACK.decode(msg.data)
+        if reply.error is not None:
             try:  # nats-py raises the error's own class rather than returning it
-                nats.js.errors.APIError.from_error(reply["error"])
+                nats.js.errors.APIError.from_error(reply.error)
             except nats.js.errors.APIError as exc:
                 answer.set_exception(exc)
             return
-        answer.set_result(int(reply["seq"]))
+        answer.set_result(reply.seq)
 
     async def request(
         self, subject: str, payload: bytes, timeout_s: float = REQUEST_TIMEOUT_S
@@ -299,27 +410,76 @@ class NatsConnection:
     ) -> tuple[list[Msg], Msg | None]:
         """One request answered by many messages (a batched direct get, a pull): the data
         messages, at most `limit`, and the status message that ended them (None: `limit`
-        reached)."""
+        reached). The answers come on the long-lived inbox."""
+        return await self.replies_raw(subject, json.dumps(body).encode(), limit)
+
+    async def pull(self, stream: str, consumer: str, batch: int) -> tuple[list[Msg], Msg | None]:
+        """Up to `batch` messages a pull consumer has now (a request with `no_wait`), on the
+        long-lived inbox: one pull per consumer at a time in this process, so the messages
+        are known by the consumer their ack subject names."""
+        key = (stream, consumer)
+        lock = self._pull_locks.get(key)
+        if lock is None:
+            lock = self._pull_locks[key] = asyncio.Lock()
+        async with lock:
+            body = json.dumps({"batch": batch, "no_wait": True}).encode()
+            subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+            return await self.replies_raw(subject, body, batch, key)
+
+    async def replies_raw(
+        self, subject: str, payload: bytes, limit: int, pull: tuple[str, str] | None = None
+    ) -> tuple[list[Msg], Msg | None]:
+        inbox = await self._inbox()
         nc = await self.client()
-        inbox = nc.new_inbox()
-        got: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def take(msg: Msg) -> None:
-            got.put_nowait(msg)
-
-        sub = await sent(nc.subscribe(inbox, cb=take))
-        out: list[Msg] = []
+        token = self._token()
+        collector = _Collector(asyncio.get_running_loop().create_future(), limit)
+        self._collectors[token] = collector
+        if pull is not None:
+            self._pulls[pull] = collector
         try:
-            await sent(nc.publish(subject, json.dumps(body).encode(), reply=inbox))
-            while len(out) < limit:
-                msg = await sent(asyncio.wait_for(got.get(), REQUEST_TIMEOUT_S))
-                if (msg.headers or {}).get("Status") is not None:
-                    return out, msg
-                out.append(msg)
-            return out, None  # an end-of-batch message may follow; nothing else can
+            await sent(nc.publish(subject, payload, reply=f"{inbox}.{token}"))
+            while not collector.done.done():
+                # a long answer is no stall: each message received restarts the wait
+                seen = len(collector.msgs)
+                try:
+                    await sent(asyncio.wait_for(asyncio.shield(collector.done), REQUEST_TIMEOUT_S))
+                except BrokerUnavailable:
+                    if len(collector.msgs) == seen:
+                        raise
+            return collector.msgs, collector.end  # an end-of-batch message may follow
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            self._collectors.pop(token, None)
+            if pull is not None:
+                self._pulls.pop(pull, None)
+
+    async def last_of_each(
+        self, stream: str, subjects: list[str]
+    ) -> dict[str, tuple[int, bytes, dict[str, str]]]:
+        """The last message of each subject that has one, in one batched direct get
+        (`multi_last`, NATS >= 2.11): subject -> (sequence, data, headers)."""
+        body = json.dumps({"multi_last": subjects, "batch": len(subjects)}).encode()
+        msgs, end = await self.replies_raw(f"$JS.API.DIRECT.GET.{stream}", body, len(subjects))
+        if end is not None and (end.headers or {}).get("Status") not in ("204", "404"):
+            raise nats.js.errors.APIError.from_msg(end)
+        out = {}
+        for msg in msgs:
+            headers = msg.headers or {}
+            out[headers["Nats-Subject"]] = (int(headers["Nats-Sequence"]), msg.data, headers)
+        return out
+
+    async def direct_last(
+        self, stream: str, subject: str
+    ) -> tuple[int, bytes, dict[str, str]] | None:
+        """The last message of `subject` (sequence, data, headers) by a direct get; None when
+        there is none (a KV entry's delete marker is returned as any message)."""
+        msgs, end = await self.replies_raw(f"$JS.API.DIRECT.GET.{stream}.{subject}", b"", 1)
+        if not msgs:
+            if end is not None and (end.headers or {}).get("Status") not in ("404",):
+                raise nats.js.errors.APIError.from_msg(end)
+            return None
+        msg = msgs[0]
+        headers = msg.headers or {}
+        return int(headers["Nats-Sequence"]), msg.data, headers
 
     async def get_batch(
         self, stream: str, subject: str, after: int, count: int
@@ -363,6 +523,8 @@ class NatsConnection:
 
     async def close(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
             with contextlib.suppress(Exception):

@@ -1,5 +1,6 @@
-"""The tables of the NATS backend: directory, quotas, audit trail, response cache, worker
-registry (the batch store is in batches.py).
+"""The tables of the NATS backend: directory, quotas, worker registry (the response cache
+and stored responses are in responses.py, the audit trail in audit.py, the batch store in
+batches.py).
 
 Every table but the audit trail lives in one KV bucket (`Names.tables_bucket`), each entry
 changed by compare-and-set on its revision, so a read-modify-write is as exact across
@@ -9,20 +10,16 @@ gateways as a Redis script. The audit trail is a bounded stream.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from typing import TypeVar
 
 import msgspec
 import nats.js.errors
-from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StreamConfig
+from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
-from tokenyard.broker import audit
-from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
 from tokenyard.broker.core import Clock
 from tokenyard.broker.nats.connection import (
     NatsConnection,
@@ -34,12 +31,9 @@ from tokenyard.broker.nats.connection import (
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, decode_job
 from tokenyard.broker.tables import (
-    Audit,
     Directory,
     Quotas,
-    ResponseStore,
     Settlement,
-    StoredResponses,
     WorkerRegistry,
     settlement,
 )
@@ -47,16 +41,12 @@ from tokenyard.messages import WorkerInfo, decode, encode
 from tokenyard.tenancy.limiter import PERIOD_S, Decision, Quota, QuotaState, admit, settle
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
-log = logging.getLogger(__name__)
-
 _R = TypeVar("_R")
 _PAGE = 256  # entries per batched direct get when listing keys
 _SWEEP_BATCH = 500  # job records read at once when sweeping held reservations
 # One KV value holds a tenant's held jobs (<= 1 MB, a server's default max payload), so a
 # tenant holds at most this many reservations at once; more wait as over a concurrency cap.
 MAX_HELD = 10_000
-# One KV value indexes a model's cache entries: at most this many, whatever the byte bound.
-MAX_CACHED = 10_000
 _DELETED = ("DEL", "PURGE")
 
 
@@ -353,295 +343,6 @@ async def _job(jobs: KeyValue | None, job_id: str) -> StoredJob | None:
     except nats.js.errors.KeyNotFoundError:
         return None
     return None if found.value is None else decode_job(found.value)
-
-
-class NatsAudit(Audit, Mirrored):
-    """The audit trail: one stream, limits retention at `max_len` messages (0: off); the
-    stream sequence is the read cursor. With a sink, each entry the stream took goes there
-    too (the Kafka audit log)."""
-
-    def __init__(self, conn: NatsConnection, names: Names, max_len: int) -> None:
-        self.conn = conn
-        self.names = names
-        self.max_len = max_len
-        self.sink: AuditSink | None = None
-        self._writing: set[asyncio.Task[None]] = set()
-
-    def mirror_to(self, sink: AuditSink) -> None:
-        self.sink = sink
-
-    async def flush_mirror(self) -> None:
-        await self.flush()
-
-    def append_soon(self, entries: Sequence[AuditEntry]) -> None:
-        """`append` off the caller's path (a job's state change never waits on its audit);
-        this process's reads of the trail wait for what it is still writing."""
-        if self.max_len <= 0 or not entries:
-            return
-        task = asyncio.create_task(self.append(entries))
-        self._writing.add(task)
-        task.add_done_callback(self._writing.discard)
-
-    async def flush(self) -> None:
-        """Wait for the entries this process is still writing."""
-        if self._writing:
-            await asyncio.gather(*list(self._writing), return_exceptions=True)
-
-    async def _stream(self) -> str:
-        return await self.conn.stream(
-            StreamConfig(
-                name=self.names.audit_stream,
-                subjects=[self.names.audit_subject],
-                retention=RetentionPolicy.LIMITS,
-                discard=DiscardPolicy.OLD,
-                max_msgs=self.max_len,
-                allow_direct=True,
-            )
-        )
-
-    async def append(self, entries: Sequence[AuditEntry]) -> None:
-        """Write `entries` (nothing while the trail is off); one that fails is logged, the
-        state change it records stands."""
-        if self.max_len <= 0 or not entries:
-            return
-        stream = await self._stream()
-        js = await self.conn.js()
-        subject = self.names.audit_subject
-        acks = await asyncio.gather(
-            *(sent(js.publish(subject, encode(e), stream=stream)) for e in entries),
-            return_exceptions=True,
-        )
-        for entry, ack in zip(entries, acks, strict=True):
-            if isinstance(ack, BaseException):
-                log.error("audit entry of job %s not written: %s", entry.job_id, ack)
-        if self.sink is not None:
-            stood = [
-                e for e, a in zip(entries, acks, strict=True) if not isinstance(a, BaseException)
-            ]
-            if stood:
-                self.sink.offer(stood)
-
-    async def audit_entries(
-        self,
-        since: float,
-        tenant: str | None = None,
-        model: str | None = None,
-        cursor: str | None = None,
-        count: int = 1000,
-    ) -> tuple[str | None, list[AuditEntry]]:
-        if self.max_len <= 0:
-            return None, []
-        await self.flush()
-        stream = await self._stream()
-        if cursor:
-            after = int(cursor)
-        else:
-            # the server's stamps start the range (a second early for clock skew); the
-            # entries' own times are filtered exactly
-            first = await self._first_at(stream, since - 1.0)
-            if first is None:
-                return None, []
-            after = first - 1
-        rows = await self.conn.get_batch(stream, self.names.audit_subject, after, count)
-        found = [decode(data, AuditEntry) for _, data, _ in rows]
-        found = [e for e in found if audit.matches(e, since, tenant, model)]
-        return (str(rows[-1][0]) if len(rows) == count else None), found
-
-    async def _first_at(self, stream: str, at: float) -> int | None:
-        """The sequence of the first entry the server stored at or after `at`."""
-        if at <= 0:
-            return 1
-        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
-        try:
-            reply = await self.conn.api(f"STREAM.MSG.GET.{stream}", {"start_time": stamp})
-        except nats.js.errors.NotFoundError:
-            return None
-        return int(reply["message"]["seq"])
-
-
-class Cached(msgspec.Struct, array_like=True):
-    digest: str  # the entry's key is a digest of it: the value says whose it is
-    value: bytes
-    until: float
-
-
-class CacheIndex(msgspec.Struct):
-    """A model's cache entries by slot: (when it expires, its size)."""
-
-    entries: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
-
-
-class NatsResponses(ResponseStore):
-    """The response cache's shared tier: an entry per digest (its expiry in the value, and
-    the server's TTL to drop it), and a per-model index by CAS that keeps the byte bound."""
-
-    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
-        self.bucket = Bucket(conn, names)
-        self.clock = clock
-
-    async def cache_get(self, model: str, digest: str) -> bytes | None:
-        raw = await self.bucket.get(Names.cache_entry(model, Names.cache_slot(digest)))
-        if raw is None:
-            return None
-        cached = decode(raw, Cached)
-        if cached.digest != digest or cached.until <= self.clock():
-            return None
-        return cached.value
-
-    async def cache_put(
-        self, model: str, digest: str, value: bytes, ttl_s: float, max_bytes: int
-    ) -> None:
-        size = len(value)
-        if size > max_bytes:
-            return  # too big for the bound: not stored, nothing evicted for it
-        now = self.clock()
-        until = now + ttl_s
-        slot = Names.cache_slot(digest)
-        # the entry first: an index naming it can then always evict it
-        await self.bucket.put_expiring(
-            Names.cache_entry(model, slot), encode(Cached(digest, value, until)), ttl_s + 1
-        )
-
-        def bound(raw: bytes | None) -> tuple[bytes | None, list[str]]:
-            index = CacheIndex() if raw is None else decode(raw, CacheIndex)
-            # lapsed entries leave the index (the server drops the entries themselves)
-            entries = {s: e for s, e in index.entries.items() if e[0] > now and s != slot}
-            entries[slot] = (until, size)
-            total = sum(e[1] for e in entries.values())
-            evicted: list[str] = []
-            for victim in sorted(entries, key=lambda s: entries[s][0]):
-                if total <= max_bytes and len(entries) <= MAX_CACHED:
-                    break
-                total -= entries.pop(victim)[1]
-                evicted.append(victim)
-            return encode(CacheIndex(entries)), evicted
-
-        evicted = await self.bucket.change(Names.cache_index(model), bound)
-        await asyncio.gather(*(self.bucket.purge(Names.cache_entry(model, s)) for s in evicted))
-
-
-class PendingMark(msgspec.Struct, array_like=True):
-    """A pending stored response's mark: its id, when it is next due for a look and when its
-    record lapses (a rewritten mark lapses with it)."""
-
-    id: str
-    due_at: float
-    until: float
-
-
-def _mark(raw: bytes) -> PendingMark:
-    try:
-        return msgspec.json.decode(raw, type=PendingMark)
-    except msgspec.DecodeError:  # a mark written before marks said when: the bare id, due now
-        return PendingMark(raw.decode(), 0.0, 0.0)
-
-
-class NatsStoredResponses(StoredResponses):
-    """Stored responses: one KV entry per response, its retention as the entry's server TTL.
-
-    A pending one has a mark, rewritten each time it is deferred. The bucket's stream keeps
-    the marks in the order they were last written, and every mark is written due a fixed delay
-    after its write (the service's), so that order is the order they fall due: `due` reads from
-    the oldest and stops at the first not yet due. A mark out of that order (another gateway's
-    clock, another delay) is read late, never lost: those before it fall due first."""
-
-    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
-        self.bucket = Bucket(conn, names)
-        self.conn = conn
-        self.clock = clock
-        # the revision each mark had when `due` read it: a defer writes over that one only, so
-        # a settle (its purge) in between stays
-        self._read: dict[str, tuple[int, PendingMark]] = {}
-
-    async def put(self, response_id: str, value: bytes, ttl_s: float, due_at: float) -> None:
-        # the record first: a sweep settles a pending id it finds no record for; the mark
-        # lapses with the record at the latest
-        await self.bucket.put_expiring(Names.stored_response(response_id), value, ttl_s)
-        mark = PendingMark(response_id, due_at, self.clock() + ttl_s)
-        key = Names.pending_response(response_id)
-        await self.bucket.put_expiring(key, msgspec.json.encode(mark), ttl_s)
-
-    async def replace(self, response_id: str, value: bytes, ttl_s: float) -> bool:
-        return await self._publish_over(Names.stored_response(response_id), value, ttl_s, None)
-
-    async def _publish_over(
-        self, key: str, value: bytes, ttl_s: float, revision: int | None
-    ) -> bool:
-        """Write over `revision` of `key` (None: over whatever is there, if anything is)."""
-        if revision is None:
-            raw, revision = await self.bucket.entry(key)
-            if raw is None:
-                return False
-        js = await self.conn.js()
-        subject = Names.kv_subject(self.bucket.name, key)
-        # over the revision read: a delete in between wins, as Redis's SET XX lets it
-        headers = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
-        try:
-            await sent(
-                js.publish(subject, value, headers=headers, msg_ttl=max(1, math.ceil(ttl_s)))
-            )
-        except nats.js.errors.APIError as exc:
-            if exc.err_code not in (10071, 10164):  # wrong last sequence
-                raise
-            return False
-        return True
-
-    async def get(self, response_id: str) -> bytes | None:
-        return await self.bucket.get(Names.stored_response(response_id))
-
-    async def delete(self, response_id: str) -> bool:
-        await self.settle([response_id])
-        key = Names.stored_response(response_id)
-        if await self.bucket.get(key) is None:
-            return False
-        await self.bucket.purge(key)
-        return True
-
-    async def due(self, now: float, limit: int) -> list[str]:
-        rows = await self.bucket.scan(
-            Names.PENDING_RESPONSES, lambda raw: _mark(raw).due_at <= now, limit
-        )
-        found: list[str] = []
-        for revision, raw in rows:
-            mark = _mark(raw)
-            self._read[mark.id] = (revision, mark)
-            found.append(mark.id)
-        return found
-
-    async def defer(self, response_ids: Sequence[str], due_at: float) -> None:
-        async def one(response_id: str) -> None:
-            key = Names.pending_response(response_id)
-            read = self._read.pop(response_id, None)
-            if read is None:
-                raw, revision = await self.bucket.entry(key)
-                if raw is None:
-                    return  # settled
-                read = (revision, _mark(raw))
-            revision, mark = read
-            # an old mark does not say when its record lapses: it is looked at again in an hour
-            until = mark.until or self.clock() + 3600.0
-            left = until - self.clock()
-            if left <= 0:
-                return  # its record lapsed too: the mark's own TTL takes it
-            moved = PendingMark(mark.id, due_at, until)
-            await self._publish_over(key, msgspec.json.encode(moved), max(left, 1.0), revision)
-
-        await asyncio.gather(*(one(r) for r in response_ids))
-
-    async def settle(self, response_ids: Sequence[str]) -> None:
-        for r in response_ids:
-            self._read.pop(r, None)
-        keys = [Names.pending_response(r) for r in response_ids]
-        await asyncio.gather(*(self.bucket.purge(k) for k in keys))
-
-    async def put_part(self, response_id: str, value: bytes, ttl_s: float) -> None:
-        await self.bucket.put_expiring(Names.response_part(response_id), value, ttl_s)
-
-    async def part(self, response_id: str) -> bytes | None:
-        return await self.bucket.get(Names.response_part(response_id))
-
-    async def delete_part(self, response_id: str) -> None:
-        await self.bucket.purge(Names.response_part(response_id))
 
 
 class Live(msgspec.Struct, array_like=True):

@@ -1,0 +1,464 @@
+"""Claims on NATS: pulls from each tenant's consumer in a lane by fair share, and the take of a
+delivered message (its record by compare-and-set, a claim marker fencing its events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from tokenyard.broker import machine
+from tokenyard.broker.core import Lease
+from tokenyard.broker.machine import Refused, Step
+from tokenyard.broker.nats.connection import sent
+from tokenyard.broker.nats.endings import Endings
+from tokenyard.broker.nats.names import Names, token
+from tokenyard.broker.nats.records import StoredJob
+from tokenyard.broker.nats.store import ENQUEUED_AT, REVISION, Fenced, Holding, Store, event_id
+from tokenyard.broker.policy import (
+    active_tag,
+    advanced,
+    claim_order,
+    fair_cost,
+    next_turn,
+    overdue,
+    staging_score,
+)
+from tokenyard.messages import JobResult, JobSpec, JobStatus, Priority, decode
+
+# how long a claim hands back a plain enqueue's message whose record (written beside it) it
+# does not find, before taking the record for lapsed (a producer's clock may run behind)
+RECORD_WAIT_S = 30.0
+_RECORD_WAIT_NAK = json.dumps({"delay": 20_000_000}).encode()  # 20 ms
+POLL_S = 0.2  # a blocked claim looks afresh at least this often (retries, expired leases)
+TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
+
+
+@dataclass
+class LaneView:
+    """What a worker knows of one lane: its subjects with messages, and fair-share clocks."""
+
+    subjects: dict[str, int] = field(default_factory=dict)
+    read_at: float = 0.0
+    # fair share (policy.py): tenant subject -> start tag; those with jobs waiting; each
+    # tenant's weight and last job's cost (to plan a claim of many); the virtual time
+    tags: dict[str, float] = field(default_factory=dict)
+    active: set[str] = field(default_factory=set)
+    weight: dict[str, float] = field(default_factory=dict)
+    cost: dict[str, float] = field(default_factory=dict)
+    virtual: float = 0.0
+
+
+class Claims:
+    """The claiming side of the queue core: what this worker knows of the lanes, and the takes."""
+
+    def __init__(self, store: Store, endings: Endings) -> None:
+        self.store = store
+        self.settings = store.settings
+        self.clock = store.clock
+        self.conn = store.conn
+        self.names = store.names
+        self.endings = endings
+        self._rounds: dict[str, int] = defaultdict(int)
+        self._idle: dict[str, bool] = {}  # per model: the last claim found nothing
+        self._lanes: dict[str, LaneView] = defaultdict(LaneView)
+        self._wakes: dict[str, asyncio.Event] = {}
+        self._wake_subs: dict[str, Any] = {}
+
+    async def close(self) -> None:
+        for sub in self._wake_subs.values():
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._wake_subs.clear()
+
+    async def _pull(self, stream: str, subject: str, batch: int) -> list[Msg]:
+        """Up to `batch` messages of a lane subject now, without waiting (one request; 404
+        says there are none, 408 the request expired). A consumer the server removed (idle past
+        its inactive threshold: 409, or no responder at all) is made again and asked once more."""
+        for _ in range(2):
+            consumer = await self.store.consumer(stream, subject)
+            msgs, end = await self.conn.pull(stream, consumer, batch)
+            if msgs or end is None or (end.headers or {}).get("Status") not in ("409", "503"):
+                return msgs
+            self.store.consumers.discard((stream, consumer))
+        return []
+
+    async def _wake_event(self, model: str) -> asyncio.Event:
+        """Set on every wake of the model; each wake also marks its subject in the lane view,
+        so a claim sees a new tenant without reading the stream's subjects."""
+        event = self._wakes.get(model)
+        if event is None:
+            event = self._wakes[model] = asyncio.Event()
+            nc = await self.conn.client()
+
+            async def on_wake(msg: Msg) -> None:
+                # the lane subjects one enqueue filled, together: a claim woken by it sees
+                # them all (strict priority holds over one call's jobs)
+                for subject in msg.data.decode().split():
+                    try:
+                        view = self._lanes[self.names.stream_of_subject(subject)]
+                    except ValueError:
+                        continue
+                    view.subjects[subject] = view.subjects.get(subject, 0) + 1
+                event.set()
+
+            self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
+        return event
+
+    async def claim(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        block_s: float = 0.0,
+        pools: Sequence[int] = (0,),
+        batch_room: int | None = None,
+    ) -> list[Lease]:
+        if slots <= 0:
+            return []
+        give_up_at = time.monotonic() + block_s
+        woke = await self._wake_event(model)
+        # While claims find work, and after a wake-up, what this worker knows of the lanes
+        # (kept current by wake-ups) is enough. A claim about to give up reads the lanes
+        # afresh, and so does one whose wait ran POLL_S without a wake-up: some work announces
+        # itself with none (a redelivery after a lapsed lease, a retry's backoff ending).
+        fresh = self._idle.get(model, True)
+        while True:
+            woke.clear()
+            leases = await self._claim_once(model, consumer, slots, pools, batch_room, fresh)
+            left = give_up_at - time.monotonic()
+            self._idle[model] = not leases
+            if leases or (fresh and left <= 0):
+                return leases
+            if left <= 0 or woke.is_set():
+                fresh = left <= 0
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woke.wait(), min(left, POLL_S))
+            fresh = not woke.is_set()
+
+    async def _claim_once(
+        self,
+        model: str,
+        consumer: str,
+        slots: int,
+        pools: Sequence[int],
+        batch_room: int | None,
+        fresh: bool = False,
+    ) -> list[Lease]:
+        order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
+        self._rounds[model] += 1
+        lanes = [(Priority(p), pool) for p in order for pool in pools]
+        streams = await asyncio.gather(*(self.store.lane(model, p, pool) for p, pool in lanes))
+        views = await asyncio.gather(*(self._view(s, fresh) for s in streams))
+        leases: list[Lease] = []
+        mine = token(consumer)
+        for (priority, _), stream, view in zip(lanes, streams, views, strict=True):
+            room = slots - len(leases)
+            if priority is Priority.BATCH and batch_room is not None:
+                taken = sum(1 for lease in leases if lease.priority is Priority.BATCH)
+                room = min(room, max(0, batch_room) - taken)
+            if room <= 0:
+                continue
+            if not view.subjects:
+                continue
+            got = await self._claim_lane(model, stream, view, consumer, mine, room)
+            leases += got
+            if len(leases) >= slots:
+                break
+        return leases
+
+    async def _view(self, stream: str, fresh: bool = False) -> LaneView:
+        view = self._lanes[stream]
+        now = time.monotonic()
+        if fresh or now - view.read_at > TENANT_REFRESH_S:
+            view.subjects = {s: n for s, n in (await self.store.subjects(stream)).items() if n > 0}
+            view.read_at = now
+        return view
+
+    async def _claim_lane(
+        self, model: str, stream: str, view: LaneView, consumer: str, mine: str, room: int
+    ) -> list[Lease]:
+        leases: list[Lease] = []
+        held = [s for s in view.subjects if Names.subject_kind(s)[0] == "a"]
+        own = [s for s in held if Names.subject_kind(s)[1] == mine]
+        for subject in own:  # jobs held for this worker first
+            msgs = await self._pull(stream, subject, room - len(leases))
+            leases += await self._take(msgs, consumer, affinity=True)
+        now = self.clock()
+        for subject in held:  # then jobs another worker kept waiting too long
+            if subject in own or len(leases) >= room:
+                continue
+            while len(leases) < room:
+                msgs = await self._pull(stream, subject, 1)
+                if not msgs:
+                    break
+                spec = decode(msgs[0].data, JobSpec)
+                if not overdue(spec.created_at, now, self.settings.affinity_wait_s):
+                    await self.store.ack(msgs[0].reply or "", b"-NAK")
+                    break
+                leases += await self._take(msgs, consumer, affinity=True)
+        tenants = [s for s in view.subjects if Names.subject_kind(s)[0] == "t"]
+        for subject in tenants:
+            if subject not in view.active:
+                view.tags[subject] = active_tag(view.tags.get(subject, 0.0), view.virtual)
+                view.active.add(subject)
+        while len(leases) < room and view.active:
+            plan = _fair_plan(view, room - len(leases))
+            pulled = await asyncio.gather(
+                *(self._pull_tenant(stream, s, n) for s, n in plan.items())
+            )
+            taken: dict[str, list[Lease]] = {}
+            drained = False
+            for (subject, wanted), msgs in zip(plan.items(), pulled, strict=True):
+                if len(msgs) < wanted:
+                    drained = True
+                    view.active.discard(subject)  # drained: it keeps its tag while idle
+                    view.subjects.pop(subject, None)
+                taken[subject] = await self._take(msgs, consumer, affinity=False)
+            # the tags move in turn order, by what each job really costs
+            while any(taken.values()):
+                subject = next_turn({s: view.tags[s] for s, got in taken.items() if got})
+                lease = taken[subject].pop(0)
+                view.weight[subject] = lease.spec.weight
+                view.cost[subject] = float(fair_cost(lease.spec))
+                view.virtual = view.tags[subject]
+                view.tags[subject] = advanced(
+                    view.tags[subject], fair_cost(lease.spec), lease.spec.weight
+                )
+                leases.append(lease)
+            if not any(pulled) and not drained:
+                break
+        if not leases:
+            view.read_at = 0.0  # look at the lane afresh next time
+        return leases
+
+    async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[Msg]:
+        msgs = await self._pull(stream, subject, n)
+        # within what one pull takes: earliest deadline first, then arrival
+        return sorted(msgs, key=lambda m: staging_score(decode(m.data, JobSpec)))
+
+    async def _take(self, msgs: Sequence[Msg], consumer: str, affinity: bool) -> list[Lease]:
+        specs = [decode(m.data, JobSpec) for m in msgs]
+        # the records of first deliveries whose message cannot name them, read at once
+        unnamed = [s.id for m, s in zip(msgs, specs, strict=True) if _unnamed(m)]
+        records = await self.store.get_many(unnamed)
+        outcomes = await asyncio.gather(
+            *(
+                self._take_one(m, s, records.get(s.id), consumer, affinity)
+                for m, s in zip(msgs, specs, strict=True)
+            )
+        )
+        return [lease for lease in outcomes if lease is not None]
+
+    async def _take_one(
+        self,
+        msg: Msg,
+        spec: JobSpec,
+        record: tuple[StoredJob, int] | None,
+        consumer: str,
+        affinity: bool,
+    ) -> Lease | None:
+        """Turn a delivered message into a lease: the record says running under this consumer
+        (compare-and-set), and a claim marker fences the events subject. `record`: the record
+        as read with the claim's other messages (first deliveries of plain enqueues)."""
+        reply = msg.reply or ""
+        fast = await self._take_first(msg, spec, record, consumer, affinity)
+        if fast is not None:
+            return fast
+        revision = 0
+        job: StoredJob | None = None
+        for _ in range(6):
+            if job is None:
+                found = await self.store.get(spec.id)
+                if found is None:
+                    if _unnamed(msg) and self._record_due(msg):
+                        # its record is written beside its message and may not be stored yet
+                        await self.store.ack(reply, b"-NAK " + _RECORD_WAIT_NAK)
+                        return None
+                    await self.store.ack(reply, b"+TERM")  # its record expired: nothing to run
+                    return None
+                job, revision = found
+            if job.seq and job.seq != msg.metadata.sequence.stream:
+                await self.store.ack(reply)  # moved (requeued) since this message
+                return None
+            now = self.clock()
+            taken = machine.take(job.state(), consumer, now, self.store.rules)
+            if taken is Refused.FINISHED:
+                await self.store.ack(reply)
+                return None
+            if taken is Refused.NOT_YET:
+                # redelivered while its holder's lease (as renewed) still runs: not ours yet
+                delay = int((job.lease_until - now) * 1e9)
+                await self.store.ack(reply, b"-NAK " + json.dumps({"delay": delay}).encode())
+                return None
+            assert isinstance(taken, Step)
+            if taken.ended:  # its deadline passed, every delivery was used, or it was cancelled
+                if await self.endings.ended(job, revision, taken):
+                    await self.store.ack(reply)
+                    return None
+                job = None
+                continue
+            if job.last_error is not None and job.status is JobStatus.QUEUED:
+                await self.store.mark(Names.delayed(spec.model), spec.id, False)
+            job.take_on(taken.state)
+            job.affinity = affinity
+            job.seq = int(msg.metadata.sequence.stream)
+            job.lane = msg.metadata.stream
+            new_revision = await self.store.cas(job, revision)
+            if new_revision is None:
+                job = None
+                continue
+            break
+        else:
+            await self.store.ack(reply, b"-NAK")
+            return None
+        assert job is not None
+        last, resumable, finished = await self._fence_events(job.spec.id, job.deliveries)
+        if finished is not None:
+            await self.endings.mend(job, new_revision, finished, reply)
+            return None
+        return await self._leased(reply, job, new_revision, last, resumable)
+
+    def _record_due(self, msg: Msg) -> bool:
+        """Whether a message's record, written beside it, may still be on its way."""
+        at = float((msg.headers or {}).get(ENQUEUED_AT, "0"))
+        return self.clock() - at < RECORD_WAIT_S
+
+    async def _take_first(
+        self,
+        msg: Msg,
+        spec: JobSpec,
+        record: tuple[StoredJob, int] | None,
+        consumer: str,
+        affinity: bool,
+    ) -> Lease | None:
+        """The common case in one round trip after the pull: a first delivery of a job whose
+        record is as enqueued (the message names its revision, or `record` was read with the
+        claim's other messages): the record is written from the message, and no claim marker
+        is needed (no one held the job before). None: take the general path."""
+        headers = msg.headers or {}
+        now = self.clock()
+        if spec.deadline is not None and spec.deadline <= now:
+            return None
+        if REVISION in headers:
+            revision = int(headers[REVISION])
+        elif record is not None and _as_enqueued(record[0]) and ENQUEUED_AT in headers:
+            revision = record[1]
+        else:
+            return None
+        job = StoredJob(
+            spec=spec,
+            status=JobStatus.RUNNING,
+            deliveries=1,
+            enqueued_at=float(headers.get(ENQUEUED_AT, "0")),
+            started_at=now,
+            worker=consumer,
+            lane=msg.metadata.stream,
+            subject=msg.subject,
+            seq=int(msg.metadata.sequence.stream),
+            lease_until=now + self.settings.lease_s,
+            affinity=affinity,
+        )
+        written = await self.store.cas(job, revision)
+        if written is None:
+            return None
+        # no claim marker: the first holder's appends expect no events before them, so an
+        # ending's Finished that came first (a cancel or expiry cut off before its record)
+        # fences them as a marker would; its record follows that Finished once the lease lapses
+        return await self._leased(msg.reply or "", job, written, 0, False)
+
+    async def _leased(
+        self, reply: str, job: StoredJob, revision: int, last: int, resumable: bool
+    ) -> Lease:
+        self.store.holding[reply] = Holding(job, revision, last, marker=last)
+        if job.spec.prefix_key:
+            await self._own_prefix(job.spec, job.worker or "")
+        lease_spec = msgspec.structs.replace(job.spec, attempt=job.deliveries - 1)
+        return Lease(
+            spec=lease_spec,
+            entry_id=reply,
+            consumer=job.worker or "",
+            resumable=resumable,
+            affinity=job.affinity,
+        )
+
+    async def _fence_events(self, job_id: str, delivery: int) -> tuple[int, bool, JobResult | None]:
+        """Append the claim marker; (its sequence, whether earlier events exist, None). A job
+        whose events end with its Finished gets no marker: (0, True, that result)."""
+        expect = 0
+        for _ in range(8):
+            # named by the place it expects: a try whose answer was lost is found there
+            msg_id = event_id(job_id, delivery, f"m{expect}")
+            try:
+                marker = await self.store.publish_event(
+                    job_id, b"", expect, marker=True, msg_id=msg_id
+                )
+                return marker, expect > 0, None
+            except Fenced:
+                pass
+            expect, ended = await self.store.last_finished(job_id)
+            if ended is not None:
+                return 0, True, ended
+        raise Fenced
+
+    async def _own_prefix(self, spec: JobSpec, consumer: str) -> None:
+        """This worker owns the prefix now, unless another live worker does (sticky)."""
+        assert spec.prefix_key
+        kv = await self.store.jobs()
+        key = Names.prefix_owner(spec.model, spec.prefix_key)
+        try:
+            entry = await sent(kv.get(key))
+            owner, _, until = (entry.value or b"").decode().partition(" ")
+            if (
+                owner
+                and owner != consumer
+                and float(until or 0) > self.clock()
+                and await self.store.is_live(spec.model, owner)
+            ):
+                return
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        expires = self.clock() + self.settings.affinity_ttl_s
+        await sent(kv.put(key, f"{consumer} {expires!r}".encode()))
+
+
+def _fair_plan(view: LaneView, room: int) -> dict[str, int]:
+    """How many jobs to pull from each active tenant, turn by turn as policy.py orders them,
+    guessing each job's cost from the tenant's last one."""
+    tags = {s: view.tags[s] for s in view.active}
+    plan: dict[str, int] = defaultdict(int)
+    for _ in range(room):
+        subject = next_turn(tags)
+        plan[subject] += 1
+        tags[subject] = advanced(
+            tags[subject], view.cost.get(subject, 1.0), view.weight.get(subject, 1.0)
+        )
+    return dict(plan)
+
+
+def _unnamed(msg: Msg) -> bool:
+    """A plain enqueue's message: it does not name its record's revision."""
+    headers = msg.headers or {}
+    return REVISION not in headers and ENQUEUED_AT in headers
+
+
+def _as_enqueued(job: StoredJob) -> bool:
+    """Whether a record is as its enqueue wrote it (never taken, retried or cancelled)."""
+    return (
+        job.status is JobStatus.QUEUED
+        and not job.deliveries
+        and not job.seq
+        and not job.cancel
+        and job.last_error is None
+    )

@@ -1,0 +1,349 @@
+"""Enqueue on NATS: a job's idempotency and collapse keys, its record and its lane message; a
+resend under the same key finishes a job whose producer died between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Literal
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from tokenyard.broker import audit
+from tokenyard.broker.core import EnqueueResult
+from tokenyard.broker.nats.connection import sent
+from tokenyard.broker.nats.names import Names
+from tokenyard.broker.nats.records import StoredJob, encode_job
+from tokenyard.broker.nats.store import DUPLICATE_WINDOW_S, ENQUEUED_AT, MSG_ID, REVISION, Store
+from tokenyard.broker.policy import hold_for, joinable, stamp_by_model
+from tokenyard.errors import QueueFull
+from tokenyard.messages import JobSpec, JobStatus, encode
+
+_FULL = (10077, 10078)  # JetStream: maximum messages (or bytes) exceeded
+# how long a resend waits for the record of the job its idempotency key names (the other try
+# may be between the key and the record) before taking the key over
+RECORD_GRACE_S = 2.0
+
+
+class Enqueuer:
+    """The producing side of the queue core."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.settings = store.settings
+        self.clock = store.clock
+        self.conn = store.conn
+        self.names = store.names
+        self._models: set[str] = set()
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
+        """Per model all-or-nothing against the lane bounds: a refused job takes back the
+        model's jobs this call added."""
+        now = self.clock()
+        by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
+        results: list[EnqueueResult | None] = [None] * len(specs)
+        for model, indexes in by_model.items():
+            await self._note_model(model)
+            # who each prefixed job is held for, in order: the batch's own holds count
+            assigned: dict[str, int] = defaultdict(int)
+            owners = [await self._owner_for(specs[i], assigned) for i in indexes]
+            # the records go in together; the lane messages in the batch's order (a turn each)
+            turns = [asyncio.Event() for _ in indexes]
+            outcomes = await asyncio.gather(
+                *(
+                    self._enqueue_one(specs[i], now, o, turns[k - 1] if k else None, turns[k])
+                    for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
+                ),
+                return_exceptions=True,
+            )
+            full = next((o for o in outcomes if isinstance(o, QueueFull)), None)
+            if full is not None:
+                await self._take_back(
+                    [(specs[i], o) for i, o in zip(indexes, outcomes, strict=True)]
+                )
+                raise full
+            for i, outcome in zip(indexes, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[i] = outcome[0]
+            published = [o[1] for o in outcomes if isinstance(o, tuple) and o[1]]
+            if published:
+                await self.store.wake(model, published)
+        created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
+        if created:
+            self.store.audit.append_soon([audit.received(spec, now) for spec in created])
+        return [r for r in results if r is not None]
+
+    async def _note_model(self, model: str) -> None:
+        if model in self._models:
+            return
+        await self.store.mark(self.names.models_key, model, True)
+        self._models.add(model)
+
+    async def _take_back(
+        self, outcomes: Sequence[tuple[JobSpec, tuple[EnqueueResult, str] | BaseException]]
+    ) -> None:
+        """Undo the jobs of a refused batch that were added (their record and message)."""
+        kv = await self.store.jobs()
+        for spec, outcome in outcomes:
+            if isinstance(outcome, tuple) and outcome[0].collapsed:
+                await self._unjoin(outcome[0].job_id)
+            if isinstance(outcome, tuple) and outcome[0].created and not outcome[0].collapsed:
+                found = await self.store.get(spec.id)
+                if found is not None:
+                    await self.store.drop_message(found[0])
+                try:
+                    await sent(kv.purge(Names.job(spec.id)))
+                    if spec.idempotency_key:
+                        key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+                        await sent(kv.purge(key))
+                    if spec.collapse_key:
+                        await sent(kv.purge(Names.collapse(spec.model, spec.collapse_key)))
+                except nats.js.errors.APIError:
+                    pass
+
+    async def _unjoin(self, job_id: str) -> None:
+        """One follower fewer, without cancelling (its join was taken back)."""
+        for _ in range(16):
+            found = await self.store.get(job_id)
+            if found is None:
+                return
+            job, revision = found
+            job.followers = max(1, job.followers - 1)
+            if await self.store.cas(job, revision) is not None:
+                return
+
+    async def _claim_key(self, kv: KeyValue, key: str, job_id: str) -> str | None:
+        """Create `key` -> `job_id`; the job id it already names when it exists."""
+        try:
+            await sent(kv.create(key, job_id.encode()))
+            return None
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        try:
+            entry = await sent(kv.get(key))
+        except nats.js.errors.KeyNotFoundError:
+            return None  # gone meanwhile: take it
+        return entry.value.decode() if entry.value else None
+
+    async def _enqueue_one(
+        self,
+        spec: JobSpec,
+        now: float,
+        owner: str | None,
+        after: asyncio.Event | None,
+        turn: asyncio.Event,
+    ) -> tuple[EnqueueResult, str]:
+        """(result, the subject it was published on or ''): the job's record, its keys, then
+        its lane message, sent once the job before it in the batch sent its own (`after`)."""
+        try:
+            return await self._enqueue_in_turn(spec, now, owner, after, turn)
+        finally:
+            turn.set()
+
+    async def _enqueue_in_turn(
+        self,
+        spec: JobSpec,
+        now: float,
+        owner: str | None,
+        after: asyncio.Event | None,
+        turn: asyncio.Event,
+    ) -> tuple[EnqueueResult, str]:
+        kv = await self.store.jobs()
+        resend: tuple[StoredJob, int] | None = None
+        if spec.idempotency_key:
+            key = Names.idempotency(spec.model, spec.tenant, spec.idempotency_key)
+            other = await self._claim_key(kv, key, spec.id)
+            if other is not None and other != spec.id:
+                first = await self._first_try(kv, key, other, spec.id)
+                if first == "stands":
+                    return EnqueueResult(job_id=other, created=False), ""
+                if first != "taken over":
+                    resend = first
+        if resend is not None:
+            # the key's first try may have died between its record and its message
+            (job, revision), created = resend, False
+            spec, subject = job.spec, job.subject
+        elif spec.collapse_key:
+            joined = await self._join(kv, spec)
+            if joined is not None:
+                return EnqueueResult(job_id=joined, created=False, collapsed=True), ""
+        if resend is None:
+            stream = await self.store.lane(spec.model, spec.priority, spec.pool)
+            if owner is not None:
+                subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+            else:
+                subject = self.names.tenant_subject(
+                    spec.model, spec.priority, spec.pool, spec.tenant
+                )
+            job = StoredJob(
+                spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
+            )
+            created = True
+            if not spec.idempotency_key and not spec.collapse_key:
+                return await self._enqueue_plain(job, now, after, turn)
+            try:
+                revision = int(await sent(kv.create(Names.job(spec.id), encode_job(job))))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                # A resent enqueue (same job id): its first try may have died between the
+                # record and the message (a broker crash).
+                found = await self.store.get(spec.id)
+                if found is None or not await self._maybe_unpublished(found[0]):
+                    return EnqueueResult(job_id=spec.id, created=False), ""
+                job, revision = found
+                subject, created = job.subject, False
+        # a message published again on the record's subject: Nats-Msg-Id drops it if the first
+        # had landed after all
+        headers = {MSG_ID: spec.id, REVISION: str(revision), ENQUEUED_AT: repr(now)}
+        if after is not None:
+            await after.wait()
+        try:
+            # written to the connection in turn; its answer is awaited after the turn passes
+            pending = await self.conn.publish_soon(subject, encode(spec), headers)
+            turn.set()
+            await self.conn.acked(pending)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in _FULL:
+                await sent(kv.purge(Names.job(spec.id)))
+                raise self._full(spec) from exc
+            raise
+        # the record does not learn the message's sequence (a write more per job): a cancel or
+        # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
+        return EnqueueResult(job_id=spec.id, created=created), subject
+
+    async def _enqueue_plain(
+        self, job: StoredJob, now: float, after: asyncio.Event | None, turn: asyncio.Event
+    ) -> tuple[EnqueueResult, str]:
+        """A job no key names, in one round trip: its record and its lane message are written
+        together and their answers awaited together. The message cannot name the record's
+        revision, so its first claim reads the record (claims.py, `_take_first`); a claim that
+        meets the message before the record was stored hands it back for a moment."""
+        spec = job.spec
+        record = await self.store.cas_soon(job, 0)
+        headers = {MSG_ID: spec.id, ENQUEUED_AT: repr(now)}
+        try:
+            if after is not None:
+                await after.wait()
+            pending = await self.conn.publish_soon(job.subject, encode(spec), headers)
+            turn.set()
+            outcomes = await asyncio.gather(
+                self.conn.acked(record), self.conn.acked(pending), return_exceptions=True
+            )
+        except BaseException:
+            record.cancel()
+            raise
+        revision, published = outcomes
+        if isinstance(published, nats.js.errors.APIError) and published.err_code in _FULL:
+            if isinstance(revision, int):
+                kv = await self.store.jobs()
+                await sent(kv.purge(Names.job(spec.id)))
+            raise self._full(spec) from published
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        # None: a record was there, this is a resent enqueue of the job id: its message went
+        # again (Nats-Msg-Id drops it within the lane's duplicate window; past it a stray copy
+        # is acknowledged by the claim that meets the job taken or ended)
+        return EnqueueResult(job_id=spec.id, created=revision is not None), job.subject
+
+    def _full(self, spec: JobSpec) -> QueueFull:
+        lane = f"{spec.model}/{spec.priority.name.lower()}"
+        return QueueFull(lane, self.settings.max_queue_depth, self.settings.max_queue_depth)
+
+    async def _first_try(
+        self, kv: KeyValue, key: str, other: str, job_id: str
+    ) -> tuple[StoredJob, int] | Literal["stands", "taken over"]:
+        """What a resend finds under an idempotency key another try claimed: that job stands;
+        its record (queued and maybe never published: publish it again); or no record came
+        (that try died between the key and the record) and the key now names `job_id`."""
+        for _ in range(int(RECORD_GRACE_S / 0.1)):
+            found = await self.store.get(other)
+            if found is not None:
+                return found if await self._maybe_unpublished(found[0]) else "stands"
+            await asyncio.sleep(0.1)  # the other try may be between its key and its record
+        try:
+            entry = await sent(kv.get(key))
+            if entry.value != other.encode():
+                return "stands"
+            await sent(kv.update(key, job_id.encode(), last=entry.revision))
+        except nats.js.errors.Error:
+            return "stands"  # changed meanwhile: a later resend looks again
+        return "taken over"
+
+    async def _maybe_unpublished(self, job: StoredJob) -> bool:
+        """Whether the queued job's lane message may never have been published: never taken,
+        and (past the lane's duplicate window, where a resend would not be dropped) not found
+        on its subject."""
+        if job.status is not JobStatus.QUEUED or job.seq or job.deliveries or job.last_error:
+            return False
+        if self.clock() - job.enqueued_at < DUPLICATE_WINDOW_S * 0.9:
+            return True
+        return not await self.store.find_message(job)
+
+    async def _join(self, kv: KeyValue, spec: JobSpec) -> str | None:
+        """The job in flight (or just succeeded: policy `joinable`) this identical request joins
+        (one more follower), if any."""
+        assert spec.collapse_key
+        key = Names.collapse(spec.model, spec.collapse_key)
+        for _ in range(8):
+            other = await self._claim_key(kv, key, spec.id)
+            if other is None or other == spec.id:
+                return None
+            found = await self._record_of(other)
+            grace = self.settings.collapse_grace_s
+            while found is not None and joinable(
+                found[0].status, found[0].finished_at, self.clock(), grace
+            ):
+                job, revision = found
+                job.followers += 1
+                if await self.store.cas(job, revision) is not None:
+                    return other
+                # another follower wrote it first (one wins each round): read it again
+                found = await self.store.get(other)
+            # its job ended (and is not joined any more): this request takes the key over,
+            # unless another one did first
+            try:
+                entry = await sent(kv.get(key))
+                if entry.value != other.encode():
+                    continue
+                await sent(kv.update(key, spec.id.encode(), last=entry.revision))
+                return None
+            except nats.js.errors.Error:
+                continue
+        return None
+
+    async def _record_of(self, job_id: str) -> tuple[StoredJob, int] | None:
+        """The record of the job a collapse key names; the job that claimed the key writes its
+        record next, so one not there yet is waited for (RECORD_GRACE_S at most: that try died
+        between the two, or its lane was full)."""
+        give_up, pause = time.monotonic() + RECORD_GRACE_S, 0.005
+        while (found := await self.store.get(job_id)) is None and time.monotonic() < give_up:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        return found
+
+    async def _owner_for(self, spec: JobSpec, assigned: dict[str, int]) -> str | None:
+        """The live worker a job with a known prefix is held for, if any."""
+        if not spec.prefix_key:
+            return None
+        kv = await self.store.jobs()
+        try:
+            entry = await sent(kv.get(Names.prefix_owner(spec.model, spec.prefix_key)))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        owner, _, until = (entry.value or b"").decode().partition(" ")
+        if not owner or float(until or 0) <= self.clock():
+            return None
+        if not await self.store.is_live(spec.model, owner):
+            return None
+        stream = await self.store.lane(spec.model, spec.priority, spec.pool)
+        subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+        held = (await self.store.subjects(stream)).get(subject, 0) + assigned[subject]
+        if not hold_for(owner, held, self.settings.affinity_max_held):
+            return None
+        assigned[subject] += 1
+        return owner

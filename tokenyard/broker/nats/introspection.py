@@ -1,0 +1,153 @@
+"""Counts of the NATS queue: lanes' waiting and in-flight jobs, backlog by tenant, dead letters,
+retries waiting, models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import nats.js.errors
+
+from tokenyard.broker.core import BrokerStats, LaneBacklog, LaneStats, TenantBacklog
+from tokenyard.broker.nats.connection import sent
+from tokenyard.broker.nats.names import Names
+from tokenyard.broker.nats.store import Store
+from tokenyard.messages import DeadLetter, JobSpec, Priority, decode
+
+
+class Introspection:
+    """Stats, depth and backlog."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.settings = store.settings
+        self.clock = store.clock
+        self.conn = store.conn
+        self.names = store.names
+
+    async def _lane_counts(
+        self, model: str
+    ) -> list[tuple[Priority, int, dict[str, int], dict[str, Any]]]:
+        """Per lane: (priority, pool, subject counts, consumers' info by subject)."""
+        out = []
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                stream = await self.store.lane(model, priority, pool)
+                subjects = await self.store.subjects(stream)
+                infos = await self.store.consumer_infos(stream)
+                out.append((priority, pool, subjects, infos))
+        return out
+
+    async def stats(self, model: str) -> BrokerStats:
+        now = self.clock()
+        waiting: dict[Priority, int] = defaultdict(int)
+        in_flight: dict[Priority, int] = defaultdict(int)
+        oldest: dict[Priority, float] = {}
+        for priority, _, subjects, infos in await self._lane_counts(model):
+            for subject, n in subjects.items():
+                info = infos.get(subject)
+                pending = int(info.num_ack_pending) if info is not None else 0
+                in_flight[priority] += pending
+                waiting[priority] += max(0, n - pending)
+        delayed = await self._delayed(model)
+        jobs = await self._waiting_ages(model, now)
+        for priority, age in jobs.items():
+            oldest[priority] = age
+        lanes = [
+            LaneStats(
+                model,
+                p,
+                waiting=waiting[p],
+                in_flight=in_flight[p],
+                oldest_waiting_age_s=oldest.get(p) if waiting[p] else None,
+            )
+            for p in Priority
+        ]
+        dead = await self._dead_count(model)
+        return BrokerStats(
+            model=model,
+            lanes=lanes,
+            delayed=delayed,
+            dead_letters=dead,
+            fenced_completions=await self.store.counter(model, "fenced"),
+            expired=await self.store.counter(model, "expired"),
+        )
+
+    async def _waiting_ages(self, model: str, now: float) -> dict[Priority, float]:
+        """Per priority, the age of its oldest message (the first in each lane stream)."""
+        js = await self.conn.js()
+        out: dict[Priority, float] = {}
+        for priority in Priority:
+            for pool in range(self.settings.pool_count):
+                stream = self.names.lane_stream(model, priority, pool)
+                try:
+                    info = await sent(js.stream_info(stream))
+                except nats.js.errors.NotFoundError:
+                    continue
+                if not info.state.messages:
+                    continue
+                try:
+                    msg = await sent(js.get_msg(stream, info.state.first_seq))
+                except nats.js.errors.NotFoundError:
+                    continue
+                spec = decode(msg.data or b"", JobSpec)
+                out[priority] = max(out.get(priority, 0.0), max(0.0, now - spec.created_at))
+        return out
+
+    async def _delayed(self, model: str) -> int:
+        return len(await self.store.marked(Names.delayed(model)))
+
+    async def _dead_count(self, model: str) -> int:
+        stream = await self.store.dead_stream()
+        subjects = await self.store.subjects(stream)
+        return int(subjects.get(self.names.dead(model), 0))
+
+    async def depth(self, model: str) -> int:
+        lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
+        streams = await asyncio.gather(*(self.store.lane(model, p, pool) for p, pool in lanes))
+        counts = await asyncio.gather(*(self.store.subjects(s) for s in streams))
+        return sum(sum(c.values()) for c in counts)
+
+    async def backlog(self, model: str) -> list[LaneBacklog]:
+        out = []
+        per: dict[Priority, tuple[int, int, dict[str, TenantBacklog]]] = {}
+        for priority, _, subjects, infos in await self._lane_counts(model):
+            queued, flying, tenants = per.get(priority, (0, 0, {}))
+            for subject, n in subjects.items():
+                info = infos.get(subject)
+                pending = int(info.num_ack_pending) if info is not None else 0
+                flying += pending
+                waiting = max(0, n - pending)
+                kind, _ = Names.subject_kind(subject)
+                if kind != "t":
+                    queued += waiting  # held for a worker; a tenant's are staged by tenant
+                elif waiting > 0:
+                    tenant, weight = await self._tenant_of(subject)
+                    was = tenants.get(tenant)
+                    tenants[tenant] = TenantBacklog(
+                        tenant, waiting + (was.staged if was else 0), weight
+                    )
+            per[priority] = (queued, flying, tenants)
+        for priority in Priority:
+            queued, flying, tenants = per.get(priority, (0, 0, {}))
+            out.append(LaneBacklog(priority, queued, flying, list(tenants.values())))
+        return out
+
+    async def _tenant_of(self, subject: str) -> tuple[str, float]:
+        """A tenant subject's tenant name and weight, from its first message."""
+        stream = self.names.stream_of_subject(subject)
+        rows = await self.conn.get_batch(stream, subject, 0, 1)
+        if not rows:
+            return Names.subject_kind(subject)[1], 1.0
+        spec = decode(rows[0][1], JobSpec)
+        return spec.tenant, spec.weight
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
+        stream = await self.store.dead_stream()
+        rows = await self.conn.get_batch(stream, self.names.dead(model), 0, count)
+        return [decode(data, DeadLetter) for _, data, _ in rows]
+
+    async def models(self) -> list[str]:
+        return sorted(await self.store.marked(self.names.models_key))

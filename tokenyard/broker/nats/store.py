@@ -1,0 +1,429 @@
+"""The state every part of the NATS queue core shares (store.Store) and its primitive writes and
+reads: a job's record by compare-and-set, its events fenced by the expected last sequence, lane
+messages, acknowledgements, wake-ups, and the small sets and counters kept in KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import nats.js.errors
+from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.kv import KeyValue
+
+from tokenyard.broker import audit, machine
+from tokenyard.broker.core import Clock
+from tokenyard.broker.nats.audit import NatsAudit
+from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry, sent
+from tokenyard.broker.nats.names import Names
+from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
+from tokenyard.broker.nats.tables import NatsQuotas, NatsRegistry
+from tokenyard.broker.tables import settlement
+from tokenyard.config import BrokerSettings
+from tokenyard.errors import BrokerUnavailable
+from tokenyard.messages import (
+    DeadLetter,
+    Finished,
+    JobEvent,
+    JobResult,
+    JobSpec,
+    Priority,
+    decode,
+    decode_event,
+    encode,
+)
+
+EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
+MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
+LAST = "Ty-Last"  # header of a job's last message holding two events: its tail and Finished
+MSG_ID = "Nats-Msg-Id"
+RESEND_S = 20.0  # how long a write whose answer was lost is sent again (a cluster electing)
+REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
+ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the record whole)
+WRONG_LAST = 10071  # JetStream: wrong last sequence
+_GET_MANY = 256  # records read per batched direct get
+DUPLICATE_WINDOW_S = 120.0  # a lane drops a message whose Nats-Msg-Id it saw this recently
+
+
+class Fenced(Exception):
+    """The lease is no longer ours: another holder, or the job ended."""
+
+
+@dataclass
+class Holding:
+    """This process's knowledge of a lease it holds: the record as it wrote it and its
+    revision, and the events subject's last sequence (both are fences)."""
+
+    job: StoredJob
+    revision: int
+    last_seq: int
+    marker: int  # its claim marker's sequence (0: a first holder, which has none): names its
+    # events, unlike a delivery number
+    appended: int = 0  # events it stored: the next one's place names its id
+
+
+class Store:
+    """What every part of the queue shares: the settings, the connection, the tables it
+    settles in, the leases this process holds, and the writes and reads of one record, one
+    job's events, a lane's messages and the small KV sets and counters."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        conn: NatsConnection,
+        names: Names,
+        quotas: NatsQuotas,
+        audit_trail: NatsAudit,
+        registry: NatsRegistry,
+        clock: Clock,
+        rng: random.Random,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.conn = conn
+        self.names = names
+        self.quotas = quotas
+        self.audit = audit_trail
+        self.registry = registry
+        self.rng = rng
+        self.rules = machine.Rules(lease_s=settings.lease_s, max_deliveries=settings.max_deliveries)
+        self.consumers: set[tuple[str, str]] = set()
+        self.holding: dict[str, Holding] = {}  # lease entry id -> what fences it
+        self._lanes: dict[tuple[str, Priority, int], str] = {}  # lane streams made
+        self._events = ""  # the events stream, once made
+
+    async def jobs(self) -> KeyValue:
+        ttl = max(self.settings.record_ttl_s, self.settings.idempotency_ttl_s)
+        # direct gets: a record is read on the connection's long-lived inbox (`get`)
+        return await self.conn.kv(self.names.jobs_bucket, ttl_s=ttl, direct=True)
+
+    async def lane(self, model: str, priority: Priority, pool: int) -> str:
+        made = self._lanes.get((model, priority, pool))
+        if made is not None:
+            return made
+        self._lanes[(model, priority, pool)] = made = await self._make_lane(model, priority, pool)
+        return made
+
+    async def _make_lane(self, model: str, priority: Priority, pool: int) -> str:
+        return await self.conn.stream(
+            StreamConfig(
+                name=self.names.lane_stream(model, priority, pool),
+                subjects=[self.names.lane_subjects(model, priority, pool)],
+                retention=RetentionPolicy.WORK_QUEUE,
+                allow_direct=True,
+                max_msgs=self.settings.max_queue_depth,
+                discard=DiscardPolicy.NEW,
+                storage=StorageType.FILE,
+                duplicate_window=DUPLICATE_WINDOW_S,
+            )
+        )
+
+    async def events_stream(self) -> str:
+        if not self._events:
+            names = self.names
+            self._events = await self.kept_stream(names.events_stream, names.events_subjects)
+        return self._events
+
+    async def dead_stream(self) -> str:
+        return await self.kept_stream(self.names.dead_stream, self.names.dead_subjects)
+
+    async def kept_stream(self, name: str, subjects: str) -> str:
+        """A stream of what a job left behind (events, dead letters), kept `record_ttl_s`."""
+        return await self.conn.stream(
+            StreamConfig(
+                name=name,
+                subjects=[subjects],
+                retention=RetentionPolicy.LIMITS,
+                max_age=self.settings.record_ttl_s,
+                storage=StorageType.FILE,
+                allow_direct=True,
+            )
+        )
+
+    async def consumer(self, stream: str, subject: str) -> str:
+        name = Names.consumer(subject)
+        if (stream, name) in self.consumers:
+            return name
+        js = await self.conn.js()
+        await sent(
+            js.add_consumer(
+                stream,
+                ConsumerConfig(
+                    durable_name=name,
+                    filter_subject=subject,
+                    ack_wait=self.settings.lease_s,
+                    max_deliver=-1,  # the record counts deliveries (a hand-back is none)
+                    max_ack_pending=-1,
+                    # a tenant that stopped sending leaves no consumer behind for ever
+                    inactive_threshold=max(3600.0, self.settings.lease_s * 4),
+                ),
+            )
+        )
+        self.consumers.add((stream, name))
+        return name
+
+    async def ack(self, reply: str, verb: bytes = b"+ACK") -> None:
+        nc = await self.conn.client()
+        await sent(nc.publish(reply, verb))
+
+    async def wake(self, model: str, subjects: Sequence[str]) -> None:
+        """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
+        nc = await self.conn.client()
+        await sent(nc.publish(self.names.wake(model), " ".join(sorted(set(subjects))).encode()))
+
+    async def get(self, job_id: str) -> tuple[StoredJob, int] | None:
+        """The job's record and its revision (a direct get on the long-lived inbox)."""
+        await self.jobs()
+        bucket = self.names.jobs_bucket
+        found = await self.conn.direct_last(
+            Names.kv_stream(bucket), Names.kv_subject(bucket, Names.job(job_id))
+        )
+        if found is None or found[2].get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return decode_job(found[1]), found[0]
+
+    async def get_many(self, job_ids: Sequence[str]) -> dict[str, tuple[StoredJob, int]]:
+        """The records of those of `job_ids` that have one, in one batched direct get."""
+        if not job_ids:
+            return {}
+        await self.jobs()
+        bucket = self.names.jobs_bucket
+        subjects = {Names.kv_subject(bucket, Names.job(j)): j for j in job_ids}
+        listed = list(subjects)
+        stream = Names.kv_stream(bucket)
+        # the server answers a bounded number of subjects per request (413 past it)
+        parts = await asyncio.gather(
+            *(
+                self.conn.last_of_each(stream, listed[k : k + _GET_MANY])
+                for k in range(0, len(listed), _GET_MANY)
+            )
+        )
+        return {
+            subjects[subject]: (decode_job(data), seq)
+            for found in parts
+            for subject, (seq, data, headers) in found.items()
+            if headers.get("KV-Operation") not in ("DEL", "PURGE") and subject in subjects
+        }
+
+    async def cas(self, job: StoredJob, revision: int) -> int | None:
+        """Write the record if it is still at `revision` (0: only where none is); its new
+        revision, None if not."""
+        return await self.conn.acked(await self.cas_soon(job, revision))
+
+    async def cas_soon(self, job: StoredJob, revision: int) -> asyncio.Future[int | None]:
+        """`cas` written now, its answer awaited later (several cost one round trip)."""
+        await self.jobs()
+        subject = Names.kv_subject(self.names.jobs_bucket, Names.job(job.spec.id))
+        answer = await self.conn.publish_soon(
+            subject, encode_job(job), {EXPECT_LAST: str(revision)}
+        )
+        return _wrong_last_is_none(answer)
+
+    async def publish_event(
+        self,
+        job_id: str,
+        data: bytes,
+        expect: int | None,
+        marker: bool = False,
+        msg_id: str | None = None,
+        last: bool = False,
+    ) -> int:
+        """Append to a job's events (`last`: `data` is its tail and Finished); raises Fenced
+        when `expect` is no longer the last.
+
+        With a `msg_id`, a publish the server may or may not have stored (a timeout, a
+        failover) is sent again for up to RESEND_S, and one refused because `expect` is no
+        longer the last counts as stored when the message right after `expect` has its id (an
+        earlier try of it: this one's, or a call sent again).
+        """
+        await self.events_stream()
+        headers = {} if expect is None else {EXPECT_LAST: str(expect)}
+        if marker:
+            headers[MARKER] = "1"
+        if last:
+            headers[LAST] = "1"
+        if msg_id:
+            headers[MSG_ID] = msg_id
+        give_up, pause = time.monotonic() + RESEND_S, 0.05
+        while True:
+            try:
+                return await self.conn.publish_acked(
+                    self.names.events(job_id), data, headers=headers or None
+                )
+            except BrokerUnavailable:
+                if msg_id is None or time.monotonic() > give_up:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != WRONG_LAST:
+                    raise
+                stored = await self.stored_after(job_id, expect, msg_id)
+                if stored is None:
+                    raise Fenced from exc
+                return stored
+
+    async def stored_after(self, job_id: str, expect: int | None, msg_id: str | None) -> int | None:
+        """The sequence of the job's event right after `expect` if its id is `msg_id`."""
+        if expect is None or not msg_id:
+            return None
+        stream = await self.events_stream()
+        rows = await self.conn.get_batch(stream, self.names.events(job_id), expect, 1)
+        if rows and rows[0][2].get(MSG_ID) == msg_id:
+            return rows[0][0]
+        return None
+
+    async def last_finished(self, job_id: str) -> tuple[int, JobResult | None]:
+        """The events subject's last sequence, and the job's result if that is its Finished."""
+        last, data, headers = await self.last_event(job_id)
+        if data is None or headers.get(MARKER):
+            return last, None
+        event = events_of(data, headers)[-1]
+        return last, event.result if isinstance(event, Finished) else None
+
+    async def last_event(self, job_id: str) -> tuple[int, bytes | None, dict[str, str]]:
+        """The events subject's last (sequence, data, headers); (0, None, {}) if none."""
+        stream = await self.events_stream()
+        js = await self.conn.js()
+        try:
+            msg = await sent(js.get_last_msg(stream, self.names.events(job_id), direct=True))
+        except nats.js.errors.NotFoundError:
+            return 0, None, {}
+        return int(msg.seq or 0), msg.data, dict(msg.headers or {})
+
+    async def drop_message(self, job: StoredJob) -> None:
+        """Delete the job's waiting message from its lane (it ended before a claim)."""
+        if not job.lane:
+            return
+        if not job.seq:
+            job.seq = await self.find_message(job)
+            if not job.seq:
+                return
+        js = await self.conn.js()
+        with contextlib.suppress(nats.js.errors.APIError):  # acknowledged (taken), or gone
+            await sent(js.delete_msg(job.lane, job.seq))
+
+    async def find_message(self, job: StoredJob, limit: int = 100_000) -> int:
+        """The sequence of the job's message on its subject (0: none), by a scan: only cancels
+        and expiries of waiting jobs come here."""
+        after = 0
+        while after < limit:
+            rows = await self.conn.get_batch(job.lane, job.subject, after, 1000)
+            for seq, data, _ in rows:
+                if decode(data, JobSpec).id == job.spec.id:
+                    return seq
+            if len(rows) < 1000:
+                return 0
+            after = rows[-1][0]
+        return 0
+
+    async def dead_letter_entry(self, job: StoredJob, reason: str, error: str | None) -> None:
+        js = await self.conn.js()
+        await self.dead_stream()
+        entry = DeadLetter(
+            job_id=job.spec.id,
+            model=job.spec.model,
+            priority=job.spec.priority,
+            reason=reason,
+            error=error,
+            deliveries=job.deliveries,
+            at=self.clock(),
+        )
+        await sent(js.publish(self.names.dead(job.spec.model), encode(entry)))
+
+    async def settle(self, ended: Sequence[tuple[JobSpec, JobResult]]) -> None:
+        """Quota settlement and terminal audit entries of jobs that just ended."""
+        held = [settlement(spec, result) for spec, result in ended if spec.quota]
+        now = self.clock()
+        self.audit.append_soon([audit.terminal(spec, result, now) for spec, result in ended])
+        if held:
+            await self.quotas.settle(held)
+
+    async def is_live(self, model: str, worker: str) -> bool:
+        """Whether the worker's heartbeat holds."""
+        return worker in {w.consumer for w in await self.registry.workers(model)}
+
+    async def subjects(self, stream: str) -> dict[str, int]:
+        """Messages per subject of a lane stream (waiting and in flight)."""
+        try:
+            answer = await self.conn.api(f"STREAM.INFO.{stream}", {"subjects_filter": ">"})
+        except nats.js.errors.NotFoundError:
+            return {}
+        subjects: dict[str, int] = answer.get("state", {}).get("subjects") or {}
+        return subjects
+
+    async def count(self, model: str, name: str) -> None:
+        def plus_one(raw: bytes | None) -> tuple[bytes, None]:
+            return str(int(raw or b"0") + 1).encode(), None
+
+        await kv_change(await self.jobs(), Names.counter(model, name), plus_one)
+
+    async def counter(self, model: str, name: str) -> int:
+        raw, _ = await kv_entry(await self.jobs(), Names.counter(model, name))
+        return int(raw or b"0")
+
+    async def consumer_infos(self, stream: str) -> dict[str, Any]:
+        js = await self.conn.js()
+        try:
+            infos = await sent(js.consumers_info(stream))
+        except nats.js.errors.NotFoundError:
+            return {}
+        return {info.config.filter_subject or "": info for info in infos}
+
+    async def marked(self, key: str) -> set[str]:
+        """The members of a small set kept in one KV entry (cancels asked, retries waiting)."""
+        raw, _ = await kv_entry(await self.jobs(), key)
+        return set(decode(raw, list[str])) if raw else set()
+
+    async def mark(self, key: str, member: str, on: bool) -> None:
+        """Add or remove a member, by compare-and-set."""
+
+        def marked(raw: bytes | None) -> tuple[bytes | None, None]:
+            members = set(decode(raw, list[str])) if raw else set()
+            if (member in members) == on:
+                return None, None
+            return encode(sorted(members | {member} if on else members - {member})), None
+
+        await kv_change(await self.jobs(), key, marked)
+
+
+def event_id(job_id: str, writer: int, n: str) -> str:
+    """An event's message id: its job, who wrote it (a holder's events: its claim marker's
+    sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...;
+    `f` the last message; `m<sequence>` a marker expecting that sequence before it)."""
+    return f"{job_id}.{writer}.{n}"
+
+
+def events_of(data: bytes, headers: Mapping[str, str]) -> list[JobEvent]:
+    """The events one message of a job's subject holds: one, or its tail and Finished."""
+    if headers.get(LAST):
+        return decode(data, list[JobEvent])
+    return [decode_event(data)]
+
+
+def _wrong_last_is_none(answer: asyncio.Future[int]) -> asyncio.Future[int | None]:
+    """A compare-and-set's answer: its new revision, None when another write came first."""
+    out: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+
+    def done(fut: asyncio.Future[int]) -> None:
+        if fut.cancelled():
+            out.cancel()
+            return
+        exc = fut.exception()
+        if out.done():
+            return
+        if exc is None:
+            out.set_result(fut.result())
+        elif isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST:
+            out.set_result(None)
+        else:
+            out.set_exception(exc)
+
+    answer.add_done_callback(done)
+    return out
