@@ -15,6 +15,7 @@ import pytest_asyncio
 from tests.engines.outputs import collect
 from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.process import ProcessEngine, make_engine_in_process
+from tokenyard.engines.sim import SimEngine
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
 from tokenyard.messages import Feature, FinishReason, Guide, SamplingParams
 
@@ -230,7 +231,7 @@ async def test_decoding_features_cross_the_pipe(proc_engine: ProcessEngine) -> N
     """The child's features are the parent's; a structured output the child cannot compile
     comes back as a refused ERROR (the job fails without a retry), and one it can runs."""
     if proc_engine.name != "hf":  # the sim's: test_the_childs_features_and_logprobs_cross_the_pipe
-        assert proc_engine.limits().features == frozenset(Feature) - {Feature.LOGPROBS}
+        assert proc_engine.limits().features == SimEngine.features
         return
     assert proc_engine.limits().features == frozenset(Feature)
     tok = proc_engine.tokenizer
@@ -245,7 +246,7 @@ async def test_decoding_features_cross_the_pipe(proc_engine: ProcessEngine) -> N
 
 
 async def test_the_childs_features_and_logprobs_cross_the_pipe() -> None:
-    assert ProcessEngine("sim", SIM).limits().features == frozenset(Feature) - {Feature.LOGPROBS}
+    assert ProcessEngine("sim", SIM).limits().features == SimEngine.features
     options = {**SIM, "logprobs": True}
     eng = ProcessEngine("sim", options)
     assert eng.limits().features == frozenset(Feature)
