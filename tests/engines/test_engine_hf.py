@@ -124,9 +124,15 @@ async def test_kv_usage_counts_only_the_blocks_sequences_hold(tiny_model_path: P
     text = " ".join(f"word{i}" for i in range(150))
     for i in range(6):
         eng.add(EngineRequest(f"k{i}", tok.encode(f"{i} {text}"), greedy(40)))
-    await asyncio.sleep(0.3)
-    assert eng.stats().kv_cache_usage > 0.05  # running: their blocks are held
-    await collect(eng, 6)
+    # running: their blocks are held (sampled while they run: 40 tokens take a tiny model
+    # well under a second)
+    collected = asyncio.create_task(collect(eng, 6))
+    seen = 0.0
+    while not collected.done():
+        seen = max(seen, eng.stats().kv_cache_usage)
+        await asyncio.sleep(0.005)
+    await collected
+    assert seen > 0.05
     cache = eng._manager.batch_processor.cache  # type: ignore[union-attr]
     assert sum(len(a.ledger.cached_blocks) for a in cache.cache_allocators.values()) > 0
     assert eng.stats().kv_cache_usage == 0.0
