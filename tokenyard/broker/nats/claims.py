@@ -324,14 +324,7 @@ class Claims:
             await self.store.ack(reply, b"-NAK")
             return None
         assert job is not None
-        try:
-            last, resumable, finished = await self._fence_events(job.spec.id, job.deliveries)
-        except Fenced:
-            # an earlier holder keeps appending (it lost the job and does not know yet): the
-            # message goes back, and the claim's other leases stand; that holder's Finished, or
-            # this lease's end, decides the job
-            await self.store.ack(reply, b"-NAK")
-            return None
+        last, resumable, finished = await self._fence_events(job.spec.id, job.deliveries)
         if finished is not None:
             await self.endings.mend(job, new_revision, finished, reply)
             return None
