@@ -126,9 +126,8 @@ def _latest(model: Model, lease: Lease) -> bool:
 def _unheld(state: JobState) -> JobState:
     """The state as a stale lease's holder sees it: not theirs."""
     stale = state.copy()
-    stale.holder = None if state.holder is not None else state.holder
     if stale.status is JobStatus.RUNNING:
-        stale.holder = "\0stale"
+        stale.holder = "\0stale"  # held, by no consumer a lease names
     return stale
 
 
