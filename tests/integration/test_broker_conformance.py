@@ -323,6 +323,46 @@ async def test_expired_lease_is_reclaimed_and_the_zombie_is_fenced(
     assert tokens == []
 
 
+async def test_a_zombie_appending_without_pause_keeps_no_job_from_the_next_claim(
+    make_backend: BackendFactory,
+) -> None:
+    """A holder that lost its lease and does not know it yet may append as fast as it can (its
+    engine runs on): the next claim still takes the job, with the claim's other jobs, and the
+    zombie's writes after it are refused."""
+    zombie_side, broker = make_backend(lease_s=0.2), make_backend(lease_s=0.2)
+    contested, other = job(), job()
+    await broker.queue.enqueue(contested)
+    [zombie] = await zombie_side.queue.claim(MODEL, "w1", slots=1)
+    kept: list[bool] = []
+
+    async def keep_appending() -> None:
+        while not kept or kept[-1]:
+            chunk = TokenChunk(token_ids=[7], text="z")
+            kept.extend(await zombie_side.queue.append_events([(zombie, chunk)]))
+
+    appending = asyncio.create_task(keep_appending())
+    try:
+        await asyncio.sleep(0.35)
+        assert (await broker.queue.reap(MODEL)).requeued == [contested.id]
+        await broker.queue.enqueue(other)
+        leases = await broker.queue.claim(MODEL, "w2", slots=2, block_s=2.0)
+        if len(leases) < 2:
+            leases += await broker.queue.claim(MODEL, "w2", slots=1, block_s=2.0)
+        assert sorted(x.spec.id for x in leases) == sorted([contested.id, other.id])
+        await asyncio.wait_for(appending, 5.0)
+    finally:
+        appending.cancel()
+    assert kept[-1] is False
+    fresh = next(x for x in leases if x.spec.id == contested.id)
+    assert fresh.spec.attempt == 1
+    for lease in leases:
+        assert await broker.queue.complete(lease, ok(lease, "fresh"))
+    assert not await zombie_side.queue.complete(zombie, ok(zombie, "zombie"))
+    record = await broker.queue.record(contested.id)
+    assert record is not None and record.result is not None
+    assert record.result.text == "fresh" and record.deliveries == 2
+
+
 async def test_renewed_lease_is_not_reclaimed(make_backend: BackendFactory) -> None:
     broker = make_backend(lease_s=0.3)
     await broker.queue.enqueue(job())

@@ -5,6 +5,7 @@ sent again after an unanswered call must be found stored, not stored twice or fe
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -98,6 +99,58 @@ async def test_events_sent_again_after_an_unanswered_call_are_stored_once(
         texts[lease.spec.id] = "".join(e.text for e in events if isinstance(e, TokenChunk))
         assert sum(isinstance(e, Finished) for e in events) == 1
     assert texts == {one.spec.id: "ab", other.spec.id: "xy"}
+
+
+@pytest.mark.parametrize("zombie_ends", [False, True])
+async def test_a_claim_outrun_by_a_zombie_still_fences_it(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch, zombie_ends: bool
+) -> None:
+    # the claim marker goes after the events' last; a holder that lost the job and does not
+    # know it yet appends between each look and try. The claim takes the job all the same (and
+    # the claim's other job with it), or, the zombie's Finished having come first, leaves it
+    # ended by that Finished
+    zombie_side = make_backend(lease_s=0.2)
+    queue = make_backend(lease_s=0.2).queue
+    assert isinstance(queue, NatsQueue)
+    contested, other = job(), job()
+    await queue.enqueue(contested)
+    [zombie] = await zombie_side.queue.claim(MODEL, "w1", slots=1)
+    assert await zombie_side.queue.append_events([(zombie, chunk("a"))]) == [True]
+    await asyncio.sleep(0.3)
+    assert (await queue.reap(MODEL)).requeued == [contested.id]
+    await queue.enqueue(other)
+    publish = queue.store.publish_event
+
+    async def outrun(job_id: str, data: bytes, expect: int | None, **kwargs: Any) -> int:
+        if job_id == contested.id and kwargs.get("marker"):
+            if expect is not None or not zombie_ends:
+                await zombie_side.queue.append_events([(zombie, chunk("z"))])
+            else:
+                await zombie_side.queue.complete(zombie, ok(zombie, "zombie"))
+        return await publish(job_id, data, expect, **kwargs)
+
+    monkeypatch.setattr(queue.store, "publish_event", outrun)
+    leases = await queue.claim(MODEL, "w2", slots=2, block_s=2)
+    monkeypatch.setattr(queue.store, "publish_event", publish)
+    taken = {lease.spec.id: lease for lease in leases}
+    assert other.id in taken
+    if zombie_ends:
+        assert contested.id not in taken
+        record = await queue.record(contested.id)
+        assert record is not None and record.result is not None
+        assert record.result.text == "zombie"
+    else:
+        fresh = taken[contested.id]
+        assert fresh.resumable
+        assert await zombie_side.queue.append_events([(zombie, chunk("late"))]) == [False]
+        assert not await zombie_side.queue.complete(zombie, ok(zombie, "zombie"))
+        assert await queue.complete(fresh, ok(fresh, "fresh"))
+        events = [e for _, e in await queue.read_events(contested.id)]
+        # the zombie's tokens before the marker stand (a resume continues from them)
+        text = "".join(e.text for e in events if isinstance(e, TokenChunk))
+        assert text.startswith("az") and set(text[1:]) == {"z"}
+        assert [e.result.text for e in events if isinstance(e, Finished)] == ["fresh"]
+    assert await queue.complete(taken[other.id], ok(taken[other.id]))
 
 
 def chunk(text: str) -> TokenChunk:

@@ -11,6 +11,7 @@ import pytest
 from tokenyard.broker.policy import (
     backoff_delay,
     beat_period,
+    beating_since,
     claim_order,
     estimated_tokens,
     joinable,
@@ -144,3 +145,11 @@ def test_only_a_worker_whose_own_beats_went_through_for_a_full_liveness_reaps() 
     assert not may_reap(99.0, 100.0, 2.0)  # back a second ago: the others may not have beaten
     assert may_reap(98.0, 100.0, 2.0)
     assert may_reap(10.0, 100.0, 2.0)
+
+
+def test_a_beat_held_back_past_the_last_ones_liveness_starts_the_count_again() -> None:
+    assert beating_since(None, None, 5.0) == 5.0  # the first beat, or the first after a failure
+    assert beating_since(1.0, 7.0, 6.0) == 1.0  # landed while the last beat still covered it
+    # held back by an outage (it did not fail) past the last beat's liveness: others may have
+    # taken this worker for dead meanwhile, and reaped
+    assert beating_since(1.0, 7.0, 9.0) == 9.0

@@ -153,6 +153,15 @@ def lapsed(live: Mapping[str, float], now: float) -> list[str]:
     return sorted(worker for worker, until in live.items() if until <= now)
 
 
+def beating_since(since: float | None, covered_until: float | None, landed: float) -> float:
+    """Since when a worker's liveness has had no gap, after a beat went through at `landed`:
+    one that landed after the previous beat's liveness ran out (held back by an outage, it
+    did not fail) leaves a gap in which others may have reaped, and starts the count again."""
+    if since is None or covered_until is None or landed > covered_until:
+        return landed
+    return since
+
+
 def may_reap(beating_since: float | None, now: float, liveness_s: float) -> bool:
     """Whether a worker may reap (take over other workers' jobs): its own beats have gone
     through for a full liveness_s. One that was just cut off from the broker, as the others

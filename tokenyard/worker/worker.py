@@ -20,7 +20,7 @@ import msgspec
 
 from tokenyard import heap
 from tokenyard.broker.core import Cancellation, Events, Lease, Leases
-from tokenyard.broker.policy import beat_period, may_reap, pools_served
+from tokenyard.broker.policy import beat_period, beating_since, may_reap, pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
@@ -138,6 +138,7 @@ class Worker:
         self._stats_line = StatsLine(self.consumer, settings.log_stats_s, time.monotonic())
         self._cancel_checked_at = 0.0
         self._beating_since: float | None = None  # since when every beat went through
+        self._beat_covers: float | None = None  # until when the last beat's liveness runs
         # steps' broker writes not sent yet, oldest first (see `_publish`)
         self._unsent: deque[_Writes] = deque()
         self._publishing = asyncio.Lock()
@@ -683,14 +684,17 @@ class Worker:
             await reaping
 
     async def _beat(self) -> None:
+        sent = time.monotonic()
         try:
             await self.queue.beat(self.model, self.consumer)
         except Exception as exc:  # an outage: upkeep logs its traceback every period already
             self._beating_since = None
             log.warning("beat failed (%s); retrying", exc)
             return
-        if self._beating_since is None:
-            self._beating_since = time.monotonic()
+        self._beating_since = beating_since(
+            self._beating_since, self._beat_covers, time.monotonic()
+        )
+        self._beat_covers = sent + self.queue.settings.liveness_s
 
     async def _reap(self, expired: bool) -> None:
         try:

@@ -397,7 +397,7 @@ class Claims:
         """Append the claim marker; (its sequence, whether earlier events exist, None). A job
         whose events end with its Finished gets no marker: (0, True, that result)."""
         expect = 0
-        for _ in range(8):
+        for _ in range(2):
             # named by the place it expects: a try whose answer was lost is found there
             msg_id = event_id(job_id, delivery, f"m{expect}")
             try:
@@ -410,7 +410,17 @@ class Claims:
             expect, ended = await self.store.last_finished(job_id)
             if ended is not None:
                 return 0, True, ended
-        raise Fenced
+        # An earlier holder is still appending (it lost the job and does not know yet) faster
+        # than a look and a try: the marker goes in after whatever it wrote, naming where this
+        # claim last looked, and a Finished it wrote in between ends the job as above.
+        msg_id = event_id(job_id, delivery, f"s{expect}")
+        marker = await self.store.publish_event(
+            job_id, b"", None, marker=True, msg_id=msg_id, since=expect
+        )
+        ended = await self.store.finished_between(job_id, expect, marker)
+        if ended is not None:
+            return 0, True, ended
+        return marker, True, None
 
     async def _own_prefix(self, spec: JobSpec, consumer: str) -> None:
         """This worker owns the prefix now, unless another live worker does (sticky)."""

@@ -42,6 +42,9 @@ from tokenyard.messages import (
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
 LAST = "Ty-Last"  # header of a job's last message holding two events: its tail and Finished
+# header of a claim marker sent whatever came before it (an earlier holder kept appending): the
+# last sequence its claimer had seen, so that an earlier holder's Finished after it is found
+SINCE = "Ty-Since"
 MSG_ID = "Nats-Msg-Id"
 RESEND_S = 20.0  # how long a write whose answer was lost is sent again (a cluster electing)
 REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
@@ -233,9 +236,11 @@ class Store:
         marker: bool = False,
         msg_id: str | None = None,
         last: bool = False,
+        since: int | None = None,
     ) -> int:
-        """Append to a job's events (`last`: `data` is its tail and Finished); raises Fenced
-        when `expect` is no longer the last.
+        """Append to a job's events (`last`: `data` is its tail and Finished; `since`: a marker
+        sent with no `expect`, after that sequence); raises Fenced when `expect` is no longer
+        the last.
 
         With a `msg_id`, a publish the server may or may not have stored (a timeout, a
         failover) is sent again for up to RESEND_S, and one refused because `expect` is no
@@ -248,6 +253,8 @@ class Store:
             headers[MARKER] = "1"
         if last:
             headers[LAST] = "1"
+        if since is not None:
+            headers[SINCE] = str(since)
         if msg_id:
             headers[MSG_ID] = msg_id
         give_up, pause = time.monotonic() + RESEND_S, 0.05
@@ -280,12 +287,32 @@ class Store:
         return None
 
     async def last_finished(self, job_id: str) -> tuple[int, JobResult | None]:
-        """The events subject's last sequence, and the job's result if that is its Finished."""
+        """The events subject's last sequence, and the job's result if that is its Finished
+        (or, the last being a marker sent after unseen events, if one of those is)."""
         last, data, headers = await self.last_event(job_id)
+        if data is not None and SINCE in headers:
+            return last, await self.finished_between(job_id, int(headers[SINCE]), last)
         if data is None or headers.get(MARKER):
             return last, None
         event = events_of(data, headers)[-1]
         return last, event.result if isinstance(event, Finished) else None
+
+    async def finished_between(self, job_id: str, after: int, before: int) -> JobResult | None:
+        """The result of a Finished among the job's events after `after`, before `before`."""
+        stream = await self.events_stream()
+        while True:
+            rows = await self.conn.get_batch(stream, self.names.events(job_id), after, 64)
+            for seq, data, headers in rows:
+                if seq >= before:
+                    return None
+                if headers.get(MARKER):
+                    continue
+                event = events_of(data, headers)[-1]
+                if isinstance(event, Finished):
+                    return event.result
+            if len(rows) < 64:
+                return None
+            after = rows[-1][0]
 
     async def last_event(self, job_id: str) -> tuple[int, bytes | None, dict[str, str]]:
         """The events subject's last (sequence, data, headers); (0, None, {}) if none."""
