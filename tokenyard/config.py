@@ -43,6 +43,9 @@ class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # those jobs (its writes are refused) and carries on
     liveness_s: Seconds = 2.0
     max_deliveries: Count = 5  # deliveries (crashes + retries) before the dead-letter stream
+    # times one job may be preempted (handed back for higher-priority work, resumed from its
+    # streamed tokens); past it, it runs to its end: no job is preempted forever
+    max_preemptions: NonNegative = 3
     max_queue_depth: Count = 100_000  # per lane; enqueue past it raises QueueFull
     # group commit of single-job enqueues (broker/group_commit.py): at most this many jobs per
     # script call; jobs arriving while a call is in flight wait at most the window

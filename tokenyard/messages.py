@@ -357,6 +357,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     last_error: str | None = None
     cancel_requested: bool = False
     result: JobResult | None = None
+    preemptions: int = 0  # times it was handed back for higher-priority work (resumed after)
 
 
 class DeadLetter(msgspec.Struct, kw_only=True):

@@ -23,7 +23,7 @@ from tokenyard.broker.machine import (
 )
 from tokenyard.messages import FinishReason, JobResult, JobStatus
 
-RULES = Rules(lease_s=10.0, max_deliveries=3)
+RULES = Rules(lease_s=10.0, max_deliveries=3, max_preemptions=2)
 CONSUMERS = ("a", "b", "c")
 
 
@@ -41,6 +41,7 @@ class OneJob(RuleBasedStateMachine):
         self.finishes = 0
         self.ended_as: JobState | None = None
         self.charged = 0  # deliveries taken and not handed back by a release
+        self.preempted = 0  # preemptions the machine took
 
     def apply(self, outcome: machine.Outcome, before: JobState) -> None:
         if isinstance(outcome, Refused):
@@ -122,6 +123,23 @@ class OneJob(RuleBasedStateMachine):
             self.charged -= 1
         self.apply(outcome, before)
 
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def preempt(self, consumer: str) -> None:
+        before = self.state.copy()
+        outcome = machine.preempt(self.state, consumer, self.now, RULES)
+        if before.holder != consumer or before.status is not JobStatus.RUNNING:
+            assert outcome is Refused.FENCED
+        elif before.preemptions >= RULES.max_preemptions and not before.cancel:
+            assert outcome is Refused.SPENT  # bounded: it runs to its end from here
+        elif isinstance(outcome, Step) and not outcome.state.terminal:
+            # a release that counts: uncharged, requeued at once, one more preemption
+            assert outcome.effects == (Redeliver(0.0),)
+            assert outcome.state.deliveries == before.deliveries - 1
+            assert outcome.state.preemptions == before.preemptions + 1
+            self.charged -= 1
+            self.preempted += 1
+        self.apply(outcome, before)
+
     @rule(alive=st.booleans())
     def lapse(self, alive: bool) -> None:
         before = self.state.copy()
@@ -160,6 +178,10 @@ class OneJob(RuleBasedStateMachine):
     def deliveries_bounded(self) -> None:
         assert 0 <= self.state.deliveries <= RULES.max_deliveries
         assert self.state.deliveries == self.charged
+
+    @invariant()
+    def preemptions_bounded(self) -> None:
+        assert self.state.preemptions == self.preempted <= RULES.max_preemptions
 
     @invariant()
     def cancel_only_while_running(self) -> None:
@@ -204,5 +226,20 @@ def test_a_job_cancelled_while_running_ends_cancelled_when_its_holder_lets_go() 
         machine.lapse(signalled.state, 1.0, RULES, holder_alive=False),
         machine.fail(signalled.state, "a", "boom", 1.0, RULES, 0.5),
         machine.release(signalled.state, "a", 1.0),
+        machine.preempt(signalled.state, "a", 1.0, RULES),
     ):
         assert isinstance(let_go, Step) and let_go.state.status is JobStatus.CANCELLED
+
+
+def test_a_job_is_preempted_at_most_max_preemptions_times() -> None:
+    state = JobState()
+    for n in range(RULES.max_preemptions):
+        held = machine.take(state, "a", float(n), RULES)
+        assert isinstance(held, Step)
+        back = machine.preempt(held.state, "a", float(n), RULES)
+        assert isinstance(back, Step) and back.state.status is JobStatus.QUEUED
+        state = back.state
+    assert state.preemptions == RULES.max_preemptions and state.deliveries == 0
+    held = machine.take(state, "b", 10.0, RULES)
+    assert isinstance(held, Step)
+    assert machine.preempt(held.state, "b", 10.0, RULES) is Refused.SPENT

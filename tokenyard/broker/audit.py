@@ -1,4 +1,5 @@
-"""The audit trail: one entry when a job is received, one when it reaches a terminal state.
+"""The audit trail: one entry when a job is received, one when it reaches a terminal state,
+and one each time it is preempted (handed back for higher-priority work).
 
 Entries are appended to a bounded stream (Redis: one stream under its own hash tag, trimmed
 with MAXLEN ~ `BrokerSettings.audit_max_len`, redis/tables.py). Building an entry and parsing
@@ -20,12 +21,13 @@ from tokenyard.messages import JobResult, JobSpec
 
 RECEIVED = "received"
 TERMINAL = "terminal"
+PREEMPTED = "preempted"
 
 
 class AuditEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One line of the audit trail; `at` is when it was written (unix s)."""
 
-    event: str  # received | terminal
+    event: str  # received | preempted | terminal
     at: float
     job_id: str
     tenant: str
@@ -91,6 +93,13 @@ def terminal(spec: JobSpec, result: JobResult, now: float) -> AuditEntry:
         total_s=max(0.0, now - spec.created_at) if spec.created_at else None,
         finish_reason=None if result.finish_reason is None else result.finish_reason.value,
         error=result.error,
+    )
+
+
+def preempted(spec: JobSpec, now: float) -> AuditEntry:
+    """A running job handed back to its lane for higher-priority work (it resumes later)."""
+    return msgspec.structs.replace(
+        received(spec, now), event=PREEMPTED, received_at=spec.created_at
     )
 
 

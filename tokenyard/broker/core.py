@@ -187,6 +187,13 @@ class Leases(Protocol):
         """Hand jobs back for immediate redelivery (drain); returns how many were still ours."""
         ...
 
+    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+        """Hand running jobs back for higher-priority work (machine.preempt): a release that
+        is counted in each job's record and audited; their streamed tokens stay, so the next
+        holder resumes after them. False where the lease was lost or the job was preempted
+        `max_preemptions` times already (then its holder runs it to its end)."""
+        ...
+
     async def beat(self, model: str, consumer: str) -> None:
         """This worker lives for `liveness_s` more: until then no reap takes its jobs over
         unless their leases expire. Only a worker that beat can be found dead this way."""

@@ -42,6 +42,7 @@ class Rules(msgspec.Struct, frozen=True):
 
     lease_s: float = 30.0
     max_deliveries: int = 5
+    max_preemptions: int = 3  # times a job may be preempted (then it runs to its end)
 
 
 class JobState(msgspec.Struct, kw_only=True):
@@ -54,6 +55,7 @@ class JobState(msgspec.Struct, kw_only=True):
     deadline: float | None = None
     cancel: bool = False  # a client asked to cancel it while it ran
     followers: int = 1  # live callers following it (collapsed requests join)
+    preemptions: int = 0  # times its holder handed it back for higher-priority work
     last_error: str | None = None
     result: JobResult | None = None
     started_at: float | None = None
@@ -124,6 +126,7 @@ class Refused(enum.StrEnum):
     FENCED = "fenced"  # the caller does not hold the job (its lease was lost)
     FINISHED = "finished"  # the job is terminal already
     NOT_YET = "not_yet"  # delivered while its holder's lease still runs: deliver it later
+    SPENT = "spent"  # preempted its maximum number of times already: it runs to its end
 
 
 Outcome = Step | Refused
@@ -216,6 +219,20 @@ def release(state: JobState, consumer: str, now: float) -> Outcome:
     after.holder = None
     after.deliveries -= 1
     return Step(after, (Redeliver(0.0),))
+
+
+def preempt(state: JobState, consumer: str, now: float, rules: Rules) -> Outcome:
+    """The holder hands the job back for higher-priority work: a release (at once, the
+    delivery uncharged, its streamed tokens kept for the next holder), counted, and refused
+    once the job was preempted `max_preemptions` times, so no job is preempted forever."""
+    if not _held(state, consumer):
+        return Refused.FENCED
+    if state.preemptions >= rules.max_preemptions and not state.cancel:
+        return Refused.SPENT
+    step = release(state, consumer, now)
+    if isinstance(step, Step) and not step.ended:
+        step.state.preemptions += 1
+    return step
 
 
 def lapse(state: JobState, now: float, rules: Rules, holder_alive: bool = True) -> Outcome:

@@ -340,9 +340,11 @@ class Ledger:
         due_at: float = 0.0,
         uncharge: bool = False,
         expired_by: float = 0.0,
+        max_preemptions: int = -1,
     ) -> list[int]:
         """Point held jobs' records at the new messages already published (see requeue.lua):
-        per job 1 requeued, 2 ended cancelled (a client asked; settled here), 0 fenced."""
+        per job 1 requeued, 2 ended cancelled (a client asked; settled here), 3 preempted
+        too often (`max_preemptions` >= 0: a preemption; the lease stands), 0 fenced."""
         if not moved:
             return []
         now = repr(self.table.clock())
@@ -382,6 +384,7 @@ class Ledger:
                     expired_by=repr(expired_by),
                     ttl_ms=self.table.ttl_ms,
                     cancelled=self.table.cancelled_event,
+                    max_preemptions=max_preemptions,
                 ),
                 items,
             )

@@ -243,11 +243,31 @@ class AmqpQueue(LanesOnTable):
 
     async def release(self, leases: Sequence[Lease]) -> int:
         """Hand jobs back (drain): a new message each, then the records point at it, uncharged."""
+        return sum(1 for code in await self._hand_back(leases, -1) if code)
+
+    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+        """`release`, counted and bounded (requeue.lua). The new message goes to the back of
+        its lane's queue (RabbitMQ has no insert at the head): a preempted job runs after the
+        jobs already waiting in its lane. One refused keeps its lease and its delivery."""
+        codes = await self._hand_back(leases, self.settings.max_preemptions)
+        now = self.clock()
+        entries = [
+            audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1
+        ]
+        appends = self.table.audit.appends(entries)
+        if appends:
+            replies = await self.conn.pipelined(appends)
+            self.table.audit.written(entries, replies)
+        return [code in (1, 2) for code in codes]
+
+    async def _hand_back(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         if not leases:
-            return 0
-        codes = await self.ledger.requeue(await self.lanes.republish(leases), uncharge=True)
-        await self.lanes.let_go(leases)
-        return sum(1 for code in codes if code)
+            return []
+        moved = await self.lanes.republish(leases)
+        codes = await self.ledger.requeue(moved, uncharge=True, max_preemptions=max_preemptions)
+        # a refused preemption (3) keeps its delivery: the holder runs the job on
+        await self.lanes.let_go([lease for lease, c in zip(leases, codes, strict=True) if c != 3])
+        return codes
 
     async def reap(self, model: str, expired: bool = True) -> ReapReport:
         """Leases whose holder's liveness lapsed and, with `expired`, those past their

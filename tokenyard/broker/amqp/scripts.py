@@ -192,6 +192,7 @@ class RequeueArgs(NamedTuple):
     expired_by: str
     ttl_ms: int
     cancelled: bytes
+    max_preemptions: int  # -1: not a preemption (see requeue.lua)
 
 
 class RequeueItemArgs(NamedTuple):

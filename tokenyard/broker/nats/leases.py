@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import nats.js.errors
 
-from tokenyard.broker import machine
+from tokenyard.broker import audit, machine
 from tokenyard.broker.core import Lease, ReapReport
 from tokenyard.broker.machine import Step
 from tokenyard.broker.nats.connection import kv_change, kv_entry, sent
@@ -258,13 +258,24 @@ class Leases:
 
     async def release(self, leases: Sequence[Lease]) -> int:
         """Hand jobs back at once, charging no delivery; an affinity job goes to its lane."""
+        return sum(await self.hand_back(leases, preempt=False))
+
+    async def hand_back(self, leases: Sequence[Lease], preempt: bool) -> list[bool]:
+        """`release`, or with `preempt` a preemption (machine.preempt: counted, refused past
+        the bound). The message is NAKed, not replaced: JetStream redelivers it ahead of newer
+        messages, so the job keeps its place in its tenant's subject (an affinity job goes to
+        the back of it, as a release's does)."""
 
         async def one(lease: Lease) -> bool:
             found = await self._ours(lease)
             if found is None:
                 return False
             job, revision = found
-            step = machine.release(job.state(), lease.consumer, self.clock())
+            now = self.clock()
+            if preempt:
+                step = machine.preempt(job.state(), lease.consumer, now, self.store.rules)
+            else:
+                step = machine.release(job.state(), lease.consumer, now)
             if not isinstance(step, Step):
                 return False
             if step.ended:  # a client asked to cancel it: it ends here
@@ -284,7 +295,11 @@ class Leases:
             await self.store.ack(lease.entry_id, b"-NAK")
             return True
 
-        released = sum(await asyncio.gather(*(one(lease) for lease in leases)))
+        released = list(await asyncio.gather(*(one(lease) for lease in leases)))
+        if preempt:
+            now = self.clock()
+            moved = [x for x, ok in zip(leases, released, strict=True) if ok]
+            self.store.audit.append_soon([audit.preempted(x.spec, now) for x in moved])
         for lease in leases:
             spec = lease.spec
             subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)

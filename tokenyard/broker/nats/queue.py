@@ -135,6 +135,9 @@ class NatsQueue(QueueCore):
     async def release(self, leases: Sequence[Lease]) -> int:
         return await self.leases.release(leases)
 
+    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+        return await self.leases.hand_back(leases, preempt=True)
+
     async def beat(self, model: str, consumer: str) -> None:
         await self.leases.beat(model, consumer)
 

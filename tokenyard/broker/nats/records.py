@@ -27,6 +27,7 @@ class StoredJob(msgspec.Struct, kw_only=True):
     followers: int = 1  # live callers following it (collapsed requests join)
     lease_until: float = 0.0  # the lease's end as the holder's clock saw it at claim or renew
     affinity: bool = False  # taken from a worker's held subject (prefix affinity)
+    preemptions: int = 0  # times its holder handed it back for higher-priority work
 
     @property
     def terminal(self) -> bool:
@@ -46,6 +47,7 @@ class StoredJob(msgspec.Struct, kw_only=True):
             result=self.result,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            preemptions=self.preemptions,
         )
 
     def take_on(self, state: JobState) -> None:
@@ -62,6 +64,7 @@ class StoredJob(msgspec.Struct, kw_only=True):
         self.result = state.result
         self.started_at = state.started_at
         self.finished_at = state.finished_at
+        self.preemptions = state.preemptions
 
     def record(self) -> JobRecord:
         spec = self.spec
@@ -77,6 +80,7 @@ class StoredJob(msgspec.Struct, kw_only=True):
             last_error=self.last_error,
             cancel_requested=self.cancel,
             result=self.result,
+            preemptions=self.preemptions,
         )
 
 

@@ -95,7 +95,11 @@ class Store:
         self.audit = audit_trail
         self.registry = registry
         self.rng = rng
-        self.rules = machine.Rules(lease_s=settings.lease_s, max_deliveries=settings.max_deliveries)
+        self.rules = machine.Rules(
+            lease_s=settings.lease_s,
+            max_deliveries=settings.max_deliveries,
+            max_preemptions=settings.max_preemptions,
+        )
         self.consumers: set[tuple[str, str]] = set()
         self.holding: dict[str, Holding] = {}  # lease entry id -> what fences it
         self._lanes: dict[tuple[str, Priority, int], str] = {}  # lane streams made

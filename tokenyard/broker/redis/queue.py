@@ -377,6 +377,23 @@ class RedisQueue(LanesOnTable):
         return outcome
 
     async def release(self, leases: Sequence[Lease]) -> int:
+        codes = await self._release(leases, -1)
+        return sum(1 for code in codes if code)
+
+    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+        codes = await self._release(leases, self.settings.max_preemptions)
+        now = self.clock()
+        entries = [
+            audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1
+        ]
+        appends = self.table.audit.appends(entries)
+        if appends:
+            replies = await self.conn.pipelined(appends)
+            self.table.audit.written(entries, replies)
+        return [code in (1, 2) for code in codes]
+
+    async def _release(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
+        """release.lua's codes: 1 released, 2 cancelled, 3 preempted too often, 0 lost."""
         now = repr(self.clock())
 
         def call(batch: list[int]) -> Call:
@@ -387,6 +404,7 @@ class RedisQueue(LanesOnTable):
                     now=now,
                     ttl_ms=self.table.ttl_ms,
                     cancelled=self.table.cancelled_event,
+                    max_preemptions=max_preemptions,
                 ),
                 [
                     (
@@ -410,7 +428,7 @@ class RedisQueue(LanesOnTable):
         # a job a client asked to cancel ended instead: refunded, its end audited
         ended = zip(leases, codes, strict=True)
         await self.table.settle([(lease.spec, cancelled_result()) for lease, c in ended if c == 2])
-        return sum(1 for code in codes if code)
+        return codes
 
     async def reap(self, model: str, expired: bool = True) -> ReapReport:
         error = lapsed_error(self.settings.max_deliveries)

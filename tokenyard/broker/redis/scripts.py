@@ -411,6 +411,7 @@ class ReleaseArgs(NamedTuple):
     now: str
     ttl_ms: int
     cancelled: bytes  # Finished(cancelled result): a cancel request ends the job instead
+    max_preemptions: int  # -1: a plain release; else a preemption, refused at this bound
 
 
 class ReleaseItemKeys(NamedTuple):

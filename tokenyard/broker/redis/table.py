@@ -378,6 +378,7 @@ def _record_of_hash(h: Any) -> JobRecord | None:
         worker=text(h[b"worker"]) if b"worker" in h else None,
         last_error=text(h[b"last_error"]) if b"last_error" in h else None,
         cancel_requested=h.get(b"cancel") == b"1",
+        preemptions=int(h.get(b"preempted", b"0")),
         # the stored result is the job's Finished event (see complete.lua)
         result=decode(h[b"result"], Finished).result if b"result" in h else None,
     )

@@ -4,11 +4,15 @@
 -- past (the reaper's: a renewal that came meanwhile wins).
 -- A job a client asked to cancel while it ran ends cancelled instead (its new message is stale).
 -- KEYS: delayed, cancels; per item: job, waiting, leases, events
--- ARGV: now, expired_by, ttl_ms, cancelled; per item: consumer, token, job_id, msg, uncharge,
---   error, due_at
+-- ARGV: now, expired_by, ttl_ms, cancelled, max_preemptions; per item: consumer, token, job_id,
+--   msg, uncharge, error, due_at
 -- `uncharge` 1 hands a delivery back (drain); `due_at` > 0 is a retry's, else it waits now;
--- `cancelled` is Finished(cancelled result).
--- Returns one code per item: 1 requeued, 2 cancelled, 0 fenced off.
+-- `cancelled` is Finished(cancelled result). `max_preemptions` >= 0 makes an uncharged
+-- hand-back a preemption (machine.preempt): counted in `preempted`, and refused once it
+-- reached the bound (the holder keeps its lease; the new message is stale and take.lua drops
+-- it). -1: not a preemption.
+-- Returns one code per item: 1 requeued, 2 cancelled, 3 preempted too often, 0 fenced off.
+local bound = tonumber(A.max_preemptions)
 local done = {}
 for i = 1, N do
   local k, a = item(i)
@@ -17,7 +21,11 @@ for i = 1, N do
     local deadline = redis.call('ZSCORE', k.leases, a.job_id)
     ok = deadline and tonumber(deadline) <= tonumber(A.expired_by)
   end
-  if ok and redis.call('HGET', k.job, 'cancel') == '1' then
+  local cancel = ok and redis.call('HGET', k.job, 'cancel') == '1'
+  if ok and not cancel and bound >= 0
+    and tonumber(redis.call('HGET', k.job, 'preempted') or '0') >= bound then
+    done[i] = 3
+  elseif cancel then
     redis.call('HSET', k.job, 'lease', '')
     finish(k.job, k.events, K.cancels, a.job_id, 'cancelled', A.cancelled, A.now, A.ttl_ms, '')
     redis.call('ZREM', k.leases, a.job_id)
@@ -26,6 +34,7 @@ for i = 1, N do
     redis.call('HSET', k.job, 'status', 'queued', 'msg', a.msg, 'lease', '')
     if a.error ~= '' then redis.call('HSET', k.job, 'last_error', a.error) end
     if a.uncharge == '1' then redis.call('HINCRBY', k.job, 'deliveries', -1) end
+    if bound >= 0 then redis.call('HINCRBY', k.job, 'preempted', 1) end
     redis.call('ZREM', k.leases, a.job_id)
     if tonumber(a.due_at) > 0 then
       redis.call('ZADD', K.delayed, a.due_at, a.job_id)
