@@ -711,6 +711,56 @@ async def test_release_hands_jobs_back_without_charging_a_delivery(
     assert again.spec.id == spec.id and again.spec.attempt == 0
 
 
+async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
+    make_backend: BackendFactory,
+) -> None:
+    """machine.preempt on each backend: the job goes back to its lane uncharged with its
+    streamed tokens, its record and the audit trail count it, the next holder resumes after
+    those tokens, and past `max_preemptions` the holder keeps it."""
+    broker = make_backend(max_preemptions=2)
+    start = time.time() - 1
+    spec = job(priority=Priority.BATCH)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    chunk = TokenChunk(token_ids=[5], text="a")
+    assert await broker.queue.append_events([(lease, chunk)]) == [True]
+    for n in (1, 2):
+        assert await broker.queue.preempt([lease]) == [True]
+        assert not await broker.queue.complete(lease, ok(lease))  # the old holder is fenced
+        record = await broker.queue.record(spec.id)
+        assert record is not None and record.status is JobStatus.QUEUED
+        assert record.preemptions == n
+        [lease] = await broker.queue.claim(MODEL, f"w{n + 1}", slots=1, block_s=2.0)
+        # resumed as a redelivered job is, not charged a delivery
+        assert lease.spec.id == spec.id and lease.resumable and lease.spec.attempt == 0
+        tokens = [
+            e for _, e in await broker.queue.read_events(spec.id) if isinstance(e, TokenChunk)
+        ]
+        assert tokens == [chunk]
+    # preempted its maximum number of times: refused, the holder keeps the job and ends it
+    assert await broker.queue.preempt([lease]) == [False]
+    record = await broker.queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.RUNNING and record.preemptions == 2
+    assert await broker.queue.renew([lease]) == [True]
+    assert await broker.queue.complete(lease, ok(lease))
+    record = await broker.queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED
+    assert record.preemptions == 2 and record.deliveries == 1
+    # a lost lease preempts nothing
+    assert await broker.queue.preempt([lease]) == [False]
+    for _ in range(100):  # NATS writes its audit entries off the caller's path
+        _, entries = await broker.audit.audit_entries(start, model=MODEL)
+        if sum(e.event == "preempted" for e in entries) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert [e.event for e in entries if e.job_id == spec.id] == [
+        "received",
+        "preempted",
+        "preempted",
+        "terminal",
+    ]
+
+
 async def test_worker_heartbeats_lapse(make_backend: BackendFactory) -> None:
     broker = make_backend()
     info = WorkerInfo(
