@@ -260,6 +260,16 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # for interactive work, which joins the running batch at the next step
     batch_share: Fraction = 0.5
     claim_block_s: SecondsOrZero = 0.5
+    # Preemption (worker/scheduler.py, `preemption_victims`): with every slot taken and a job
+    # waiting in a higher-priority lane, the running sequence of the lowest of these lanes is
+    # handed back (it resumes later from its streamed tokens; BrokerSettings.max_preemptions
+    # bounds it per job). Comma-separated of normal, low, batch (high never: interactive work
+    # is not preempted); empty: off
+    preempt_lanes: str = "normal,low,batch"
+    # a higher-priority job waiting in the broker (not yet claimed by any worker) this long
+    # means every worker's slots are taken: then a full worker preempts for it. Polled this
+    # often, only while this worker is full and runs something preemptible
+    preempt_after_s: SecondsOrZero = 0.02
     heartbeat_s: Seconds = 2.0
     # a stats line (running, waiting, tokens/s, KV use) this often at INFO, as vLLM's; 0: off.
     # Logged at a heartbeat, so at most heartbeat_s late

@@ -280,6 +280,12 @@ class WorkerMetrics:
             ["model"],
             registry=r,
         ).labels(*m)
+        self.preemptions = Counter(
+            "tokenyard_worker_preemptions",
+            "Running jobs handed back for higher-priority work (resumed later from their tokens).",
+            ["model"],
+            registry=r,
+        ).labels(*m)
         self.retries = Counter(
             "tokenyard_worker_retries",
             "Jobs handed back for another delivery after an engine fault.",

@@ -53,6 +53,10 @@ class Job(Generic[H]):
     logprobs: list[TokenLogprob] | None = None  # one per token id, when its params ask
     cached_tokens: int | None = None  # prompt tokens its engine's prefix cache held
     prompt_logprobs: list[PromptLogprob] | None = None  # when its params ask
+    # tokens (and characters of text) an earlier delivery left in its events: a preemption of
+    # a job nobody streams writes the rest there first, so the next holder resumes after them
+    durable_tokens: int = 0
+    durable_chars: int = 0
 
     def extend(
         self, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] | None
@@ -165,6 +169,13 @@ class Scheduler(Generic[H]):
 
     def get(self, job_id: str) -> Job[H] | None:
         return self._running.get(job_id)
+
+    def running_jobs(self) -> list[Job[H]]:
+        return list(self._running.values())
+
+    def waiting_jobs(self) -> list[Job[H]]:
+        """Claimed, not started (the reserve)."""
+        return [*self._waiting, *self._fresh]
 
     # -- claiming --------------------------------------------------------------------------
     def want(self) -> int:
@@ -304,3 +315,57 @@ class Scheduler(Generic[H]):
                 # the last tokens ride with the completion: one write instead of two
                 update.finished.append((job, reason, chunk))
         return update
+
+
+# -- preemption ------------------------------------------------------------------------------
+def preemptible_lanes(setting: str) -> frozenset[Priority]:
+    """`WorkerSettings.preempt_lanes` read: the lanes whose running jobs may be preempted.
+    The high (interactive) lane never is: nothing outranks it, and a client watching its
+    stream would see it pause."""
+    lanes = set()
+    for name in setting.split(","):
+        if name.strip():
+            lane = Priority[name.strip().upper()]
+            if lane is Priority.HIGH:
+                raise ValueError("preempt_lanes: the high lane is never preempted")
+            lanes.add(lane)
+    return frozenset(lanes)
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running sequence as the preemption policy sees it."""
+
+    job_id: str
+    priority: Priority
+    started_at: float  # when this delivery was claimed, on the caller's clock
+
+
+def preemption_victims(
+    running: Sequence[Running],
+    free_slots: int,
+    waiting: Sequence[Priority],
+    preemptible: frozenset[Priority],
+    spared: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Which running jobs to preempt for the higher-priority jobs that wait (pure).
+
+    Only when no slot is free. Each waiting job (highest priority first) takes one victim of a
+    strictly lower priority, from the lowest lane first (batch, then low, then normal) and,
+    within a lane, the latest started (it has the least to resume). `spared`: jobs not to
+    preempt (preempted their maximum number of times, or embeddings: one step, nothing to
+    resume). Victims are at most the waiting jobs: a preemption frees exactly one slot for one
+    of them, so a job that waits never causes more than one preemption of this worker's.
+    """
+    if free_slots > 0 or not waiting or not preemptible:
+        return []
+    candidates = sorted(
+        (r for r in running if r.priority in preemptible and r.job_id not in spared),
+        key=lambda r: (-r.priority, -r.started_at),
+    )
+    victims: list[str] = []
+    for lane in sorted(waiting):
+        if not candidates or candidates[0].priority <= lane:
+            break  # the lowest left outranks or equals this one, and every later one
+        victims.append(candidates.pop(0).job_id)
+    return victims

@@ -19,7 +19,7 @@ from typing import Protocol
 import msgspec
 
 from tokenyard import heap
-from tokenyard.broker.core import Cancellation, Events, Lease, Leases
+from tokenyard.broker.core import Cancellation, Events, LaneCounts, Lease, Leases
 from tokenyard.broker.policy import beat_period, beating_since, may_reap, pools_served
 from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
@@ -39,7 +39,17 @@ from tokenyard.messages import (
 from tokenyard.metrics import WorkerMetrics, accelerator_utilization
 from tokenyard.tracing import JobSpans
 from tokenyard.tracing import enabled as tracing_enabled
-from tokenyard.worker.scheduler import Job, Occupancy, Plan, Scheduler, Update, moving_average
+from tokenyard.worker.scheduler import (
+    Job,
+    Occupancy,
+    Plan,
+    Running,
+    Scheduler,
+    Update,
+    moving_average,
+    preemptible_lanes,
+    preemption_victims,
+)
 from tokenyard.worker.stats import StatsLine
 
 log = logging.getLogger(__name__)
@@ -83,8 +93,9 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
     )
 
 
-class WorkerQueue(Leases, Events, Cancellation, Protocol):
-    """The queue-core roles a worker uses: leases, its jobs' events, cancel requests."""
+class WorkerQueue(Leases, Events, Cancellation, LaneCounts, Protocol):
+    """The queue-core roles a worker uses: leases, its jobs' events, cancel requests, and the
+    lanes' depths (a full worker looks for higher-priority work waiting: preemption)."""
 
     settings: BrokerSettings
 
@@ -144,6 +155,12 @@ class Worker:
         self._publishing = asyncio.Lock()
         self._resending: asyncio.Task[None] | None = None
         self._dropped_runs: set[str] = set()  # jobs whose dropped run's end is still to come
+        self._preemptible = preemptible_lanes(settings.preempt_lanes)
+        # chosen for preemption by the look-out (see `_preempt_loop`), carried out by the
+        # output loop between steps, where every token it folded in is written already
+        self._preempting: set[str] = set()
+        self._hand_back: set[str] = set()  # reserve jobs to hand back with them
+        self._spared: set[tuple[str, str]] = set()  # (job, entry) the broker would not preempt
         self.metrics = metrics if metrics is not None else WorkerMetrics(self.model)
         # None when tracing is off: each hook below is then one test
         self.spans = JobSpans(self.consumer) if tracing_enabled() else None
@@ -189,6 +206,7 @@ class Worker:
         outputs = asyncio.create_task(self._output_loop(), name="outputs")
         upkeep = asyncio.create_task(self._upkeep_loop(), name="upkeep")
         liveness = asyncio.create_task(self._liveness_loop(), name="liveness")
+        lookout = asyncio.create_task(self._preempt_loop(), name="preempt")
         try:
             await self._claim_loop()
             await self._finish_in_flight()
@@ -200,7 +218,7 @@ class Worker:
             # swallowed, so neither is cancelled halfway through a broker write
             self._stopping.set()
             await self.engine.stop()  # the output loop ends with EngineClosed
-            loops = {outputs, upkeep, liveness}
+            loops = {outputs, upkeep, liveness, lookout}
             if self._resending is not None:  # it ends at its next try, as the loops do
                 loops.add(self._resending)
             _, pending = await asyncio.wait(loops, timeout=30.0)
@@ -346,6 +364,7 @@ class Worker:
                 after = event_id
                 if isinstance(event, TokenChunk):
                     job.extend(event.token_ids, event.text, event.logprobs)
+                    job.durable_tokens, job.durable_chars = len(job.token_ids), len(job.text)
 
     # -- scheduling ------------------------------------------------------------------------
     def _start_fitting(self) -> _Outcome:
@@ -557,12 +576,130 @@ class Worker:
             outcome = self._start_fitting() if ended else _Outcome()
             try:
                 await self._settle(outcome, update)
+                if self._preempting:
+                    await self._preempt()
                 await self._check_cancellations()
             except Exception:
                 # a broker failure of any kind must not end the loop: leases expire and the
                 # jobs are redelivered
                 log.exception("publishing a step failed")
                 await asyncio.sleep(0.1)
+
+    # -- preemption ------------------------------------------------------------------------
+    async def _preempt_loop(self) -> None:
+        """The look-out: while every slot is taken and something preemptible runs, look for
+        higher-priority work waiting (this worker's reserve; the broker's lanes, when this
+        worker claims no more) and mark victims (`scheduler.preemption_victims`)."""
+        if not self._preemptible:
+            return
+        period = max(0.005, self.settings.preempt_after_s / 2)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), period)
+            if self._stopping.is_set() or self._draining.is_set() or self._preempting:
+                continue
+            try:
+                await self._look_for_preemption()
+            except Exception:  # a broker failure: the next period looks again
+                log.exception("looking for work to preempt for failed")
+
+    async def _look_for_preemption(self) -> None:
+        scheduler = self.scheduler
+        free = self.limits.max_seqs - scheduler.running
+        running = [
+            Running(job.job_id, job.priority, job.claimed_at)
+            for job in scheduler.running_jobs()
+            if job.input_lengths is None  # embeddings: one step, nothing to resume
+        ]
+        if free > 0 or not any(r.priority in self._preemptible for r in running):
+            return
+        reserve = scheduler.waiting_jobs()
+        waiting = [job.priority for job in reserve]
+        top = min((r.priority for r in running if r.priority in self._preemptible), default=None)
+        back: list[str] = []
+        if scheduler.want() == 0 and not any(top is not None and p < top for p in waiting):
+            # nothing of ours outranks what runs, and no claim takes more: ask the lanes. A job
+            # waiting there past `preempt_after_s` found no worker with a free slot
+            stats = await self.queue.stats(self.model)
+            grace = self.settings.preempt_after_s
+            for lane in stats.lanes:
+                age = lane.oldest_waiting_age_s
+                if lane.waiting and age is not None and age >= grace:
+                    waiting += [lane.priority] * lane.waiting
+            if waiting:
+                # our reserve's lower jobs go back too, or the freed slot would start them
+                best = min(waiting)
+                back = [job.job_id for job in reserve if job.priority > best]
+        spared = frozenset(
+            job.job_id
+            for job in scheduler.running_jobs()
+            if (job.job_id, job.handle.entry_id) in self._spared
+        )
+        victims = preemption_victims(running, 0, waiting, self._preemptible, spared)
+        if victims:
+            self._hand_back.update(back)
+            self._preempting.update(victims)
+
+    async def _preempt(self) -> None:
+        """Hand the marked jobs back (queue.preempt) once every token they streamed is
+        written; the slots they free start what waits. Their runs end here: what the engine
+        makes of them after this is dropped, and the next holder resumes after their events."""
+        marked, self._preempting = self._preempting, set()
+        back_ids, self._hand_back = self._hand_back, set()
+        if self._unsent:
+            return  # some of their tokens are not written yet (the broker is away)
+        victims = [job for job in self.scheduler.running_jobs() if job.job_id in marked]
+        # a job nobody streams wrote no token events: write its tokens so far first
+        unwritten = [
+            (
+                job,
+                TokenChunk(
+                    token_ids=job.token_ids[job.durable_tokens :],
+                    text=job.text[job.durable_chars :],
+                    logprobs=None if job.logprobs is None else job.logprobs[job.durable_tokens :],
+                ),
+            )
+            for job in victims
+            if not _streamed(job) and len(job.token_ids) > job.durable_tokens
+        ]
+        if unwritten:
+            kept = await self.queue.append_events([(job.handle, c) for job, c in unwritten])
+            for (job, _), ours in zip(unwritten, kept, strict=True):
+                if ours:
+                    job.durable_tokens, job.durable_chars = len(job.token_ids), len(job.text)
+                else:
+                    self._drop(job.job_id, "lease lost", under=job.handle)
+                    victims.remove(job)
+        if not victims:
+            return
+        taken = await self.queue.preempt([job.handle for job in victims])
+        for job, ours in zip(victims, taken, strict=True):
+            if not ours:  # preempted its maximum number of times (or lost): it runs on
+                self._spared.add((job.job_id, job.handle.entry_id))
+                continue
+            self.scheduler.remove(job.job_id)
+            # its outputs up to the abort's end are this run's, never a later delivery's
+            self._dropped_runs.add(job.job_id)
+            self.engine.abort(job.job_id)
+            self.metrics.preemptions.inc()
+            if self.spans is not None:
+                self.spans.forget(job.job_id)
+            spec = job.handle.spec
+            log.info(
+                "preempted %s after %d tokens",
+                job.job_id,
+                len(job.token_ids),
+                extra=job_fields(spec.id, spec.trace_context),
+            )
+        if any(taken):
+            back = [job for job in self.scheduler.waiting_jobs() if job.job_id in back_ids]
+            for job in back:
+                self.scheduler.remove(job.job_id)
+            if back:  # never started: a plain release, uncharged and not counted
+                await self.queue.release([job.handle for job in back])
+            self._occupied()
+            await self._settle(self._start_fitting())
+            self._capacity_freed.set()
 
     async def _check_cancellations(self) -> None:
         if self._resend_pending:
