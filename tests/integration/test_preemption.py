@@ -1,0 +1,200 @@
+"""Preemption end to end: a real worker (sim engine) full of batch-lane work hands sequences
+back for high-priority jobs, on Valkey, NATS and RabbitMQ; every preempted job completes with
+a stream that has no gap and no duplicate, and no job is preempted past its bound."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from tests.conftest import BackendFactory
+from tokenyard.broker import Backend, new_job_id
+from tokenyard.config import WorkerSettings
+from tokenyard.engines import EngineRequest
+from tokenyard.engines.sim import SimEngine
+from tokenyard.messages import (
+    Finished,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    TokenChunk,
+)
+from tokenyard.worker.worker import Worker
+
+MODEL = "sim-preempt"
+SLOTS = 4
+BATCH_TOKENS = 80
+
+pytestmark = pytest.mark.parametrize("make_backend", ["valkey", "nats", "rabbitmq"], indirect=True)
+
+
+class StepClock(SimEngine):
+    """The sim engine, noting the step count at which each request was added or aborted."""
+
+    def __init__(self) -> None:
+        super().__init__(decode_base=0.01, decode_per_seq=1e-4, prefill_base=0.001)
+        self.added: dict[str, int] = {}
+        self.aborted: dict[str, int] = {}
+
+    def add(self, request: EngineRequest) -> None:
+        self.added[request.seq_id] = self.stats().steps
+        super().add(request)
+
+    def abort(self, seq_id: str) -> None:
+        self.aborted.setdefault(seq_id, self.stats().steps)
+        super().abort(seq_id)
+
+
+def spec(priority: Priority, prompt: str, max_tokens: int, stream: bool = True) -> JobSpec:
+    return JobSpec(
+        id=new_job_id(MODEL),
+        model=MODEL,
+        prompt=prompt,
+        priority=priority,
+        stream=stream,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+
+
+async def expected_tokens(prompt: str, n: int) -> list[int]:
+    """What the sim engine makes of `prompt` in one uninterrupted run."""
+    direct = SimEngine(decode_base=0.0)
+    await direct.start()
+    direct.add(
+        EngineRequest(
+            "ref", direct.tokenizer.encode(prompt), SamplingParams(max_tokens=n, temperature=0.0)
+        )
+    )
+    out: list[int] = []
+    while len(out) < n:
+        out += [t for o in await direct.outputs() for t in o.token_ids]
+    await direct.stop()
+    return out
+
+
+async def finished(broker: Backend, job_id: str, timeout: float = 60.0) -> JobRecord:
+    after = "0"
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        for event_id, event in await broker.queue.read_events(job_id, after=after, block_s=0.5):
+            after = event_id
+            if isinstance(event, Finished):
+                # NATS writes the event before the record's compare-and-set lands
+                while (record := await broker.queue.record(job_id)) is None or (
+                    not record.status.terminal
+                ):
+                    assert time.monotonic() < give_up, f"{job_id}'s record never ended"
+                    await asyncio.sleep(0.01)
+                return record
+    raise AssertionError(f"{job_id} did not finish in {timeout} s")
+
+
+async def until(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < give_up, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def worker_on(make_backend: BackendFactory) -> AsyncIterator[Callable[..., Worker]]:
+    started: list[tuple[Worker, asyncio.Task[None]]] = []
+
+    def start(broker: Backend, engine: SimEngine) -> Worker:
+        settings = WorkerSettings(
+            model=MODEL,
+            engine="sim",
+            heartbeat_s=0.2,
+            max_seqs=SLOTS,
+            batch_share=1.0,  # batch work may take every slot: the load saturates
+            claim_ahead=1,
+        )
+        worker = Worker(broker, engine, settings)
+        started.append((worker, asyncio.create_task(worker.run())))
+        return worker
+
+    yield start
+    for worker, _ in started:
+        worker.drain()
+    for _, task in started:
+        await asyncio.wait_for(task, 30)
+
+
+async def saturate(broker: Backend, worker: Worker, n: int) -> list[JobSpec]:
+    # half of them streamed, half read only as a result (they write no token events of their
+    # own: a preemption writes their tokens so far)
+    batch = [spec(Priority.BATCH, f"batch {i}", BATCH_TOKENS, stream=i % 2 == 0) for i in range(n)]
+    await broker.queue.enqueue_many(batch)
+    await until(lambda: worker.scheduler.running == SLOTS)
+    await asyncio.sleep(0.1)  # a few steps in: each has tokens to resume after
+    return batch
+
+
+async def check_batch(broker: Backend, batch: list[JobSpec]) -> list[JobRecord]:
+    records = []
+    for job in batch:
+        record = await finished(broker, job.id)
+        assert record.status is JobStatus.SUCCEEDED and record.result is not None, record
+        want = await expected_tokens(job.prompt or "", BATCH_TOKENS)
+        assert record.result.token_ids == want  # resumed exactly where it was preempted
+        streamed = [
+            t
+            for _, e in await broker.queue.read_events(job.id)
+            if isinstance(e, TokenChunk)
+            for t in e.token_ids
+        ]
+        if job.stream:
+            assert streamed == want  # the client's stream: no gap, no duplicate
+        else:
+            assert streamed == want[: len(streamed)]  # what preemptions wrote, in order
+        records.append(record)
+    return records
+
+
+async def test_high_priority_work_preempts_batch_work_and_nothing_is_lost(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    broker = make_backend(lease_s=5.0)
+    engine = StepClock()
+    worker = worker_on(broker, engine)
+    batch = await saturate(broker, worker, 2 * SLOTS)
+    high = [spec(Priority.HIGH, f"urgent {i}", 4) for i in range(2)]
+    await broker.queue.enqueue_many(high)
+    for job in high:
+        record = await finished(broker, job.id)
+        assert record.status is JobStatus.SUCCEEDED, record
+    # the high jobs did not wait for a batch job to end: none had when they were done
+    done_batch = [await broker.queue.record(j.id) for j in batch]
+    assert all(r is not None and not r.status.terminal for r in done_batch)
+    preempted = [j for j in engine.aborted if j not in {h.id for h in high}]
+    assert len(preempted) >= len(high)
+    for job in high:
+        # started within a few engine steps of the first slot it was preempted for freeing
+        assert engine.added[job.id] - min(engine.aborted.values()) <= 3
+    records = await check_batch(broker, batch)
+    assert sum(r.preemptions for r in records) == len(preempted)
+    assert worker.metrics.preemptions._value.get() == len(preempted)
+    _, trail = await broker.audit.audit_entries(0.0, model=MODEL)
+    assert sum(e.event == "preempted" for e in trail) == len(preempted)
+
+
+async def test_a_job_preempted_its_maximum_number_of_times_is_not_preempted_again(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    broker = make_backend(lease_s=5.0, max_preemptions=1)
+    engine = StepClock()
+    worker = worker_on(broker, engine)
+    batch = await saturate(broker, worker, SLOTS)
+    for wave in range(3):  # more high work than the bound lets the batch jobs yield to
+        high = [spec(Priority.HIGH, f"wave {wave} {i}", 2) for i in range(SLOTS)]
+        await broker.queue.enqueue_many(high)
+        for job in high:
+            assert (await finished(broker, job.id)).status is JobStatus.SUCCEEDED
+    records = await check_batch(broker, batch)
+    assert all(r.preemptions <= 1 for r in records)
+    assert any(r.preemptions == 1 for r in records)
