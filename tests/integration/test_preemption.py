@@ -174,8 +174,9 @@ async def test_high_priority_work_preempts_batch_work_and_nothing_is_lost(
     preempted = [j for j in engine.aborted if j not in {h.id for h in high}]
     assert len(preempted) >= len(high)
     for job in high:
-        # started within a few engine steps of the first slot it was preempted for freeing
-        assert engine.added[job.id] - min(engine.aborted.values()) <= 3
+        # it started within one engine step of the preemption that freed its slot
+        freed = max(step for step in engine.aborted.values() if step <= engine.added[job.id])
+        assert engine.added[job.id] - freed <= 1
     records = await check_batch(broker, batch)
     assert sum(r.preemptions for r in records) == len(preempted)
     assert worker.metrics.preemptions._value.get() == len(preempted)

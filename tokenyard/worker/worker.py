@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +34,7 @@ from tokenyard.messages import (
     JobResult,
     JobStatus,
     ModelLimits,
+    Priority,
     TokenChunk,
     WorkerInfo,
 )
@@ -233,10 +235,12 @@ class Worker:
         while not self._draining.is_set():
             await self._settle(self._start_fitting())  # room a dropped job left
             want = self.scheduler.want()
-            if want == 0:
+            batch_room = self.scheduler.batch_room()
+            if want == 0 and self._preemptible and self._may_claim_over():
+                want, batch_room = 1, 0  # only work that outranks the batch lane answers it
+            elif want == 0:
                 await self._wait_for_capacity(self.settings.claim_block_s)
                 continue
-            batch_room = self.scheduler.batch_room()
             # The batch lane is closed to this claim, so its wait would not wake when one of our
             # batch jobs ends: wait briefly (new interactive work still wakes it at once).
             block_s = self.settings.claim_block_s
@@ -282,6 +286,11 @@ class Worker:
                 if job is not None:
                     self.scheduler.offer(job)
             await self._settle(self._start_fitting())
+            if self._preemptible:
+                # claimed work that outranks what runs preempts it now
+                self._mark_victims([job.priority for job in self.scheduler.waiting_jobs()])
+                if self._preempting:
+                    await self._preempt()
 
     async def _wait_for_capacity(self, wait_s: float) -> None:
         self._capacity_freed.clear()
@@ -576,8 +585,6 @@ class Worker:
             outcome = self._start_fitting() if ended else _Outcome()
             try:
                 await self._settle(outcome, update)
-                if self._preempting:
-                    await self._preempt()
                 await self._check_cancellations()
             except Exception:
                 # a broker failure of any kind must not end the loop: leases expire and the
@@ -600,24 +607,58 @@ class Worker:
                 continue
             try:
                 await self._look_for_preemption()
+                if self._preempting:
+                    await self._preempt()
             except Exception:  # a broker failure: the next period looks again
                 log.exception("looking for work to preempt for failed")
 
-    async def _look_for_preemption(self) -> None:
+    def _preemptible_running(self) -> list[Running]:
+        """What runs that may be preempted (none while a slot is free)."""
         scheduler = self.scheduler
-        free = self.limits.max_seqs - scheduler.running
-        running = [
+        if self.limits.max_seqs > scheduler.running:
+            return []
+        return [
             Running(job.job_id, job.priority, job.claimed_at)
             for job in scheduler.running_jobs()
-            if job.input_lengths is None  # embeddings: one step, nothing to resume
+            # embeddings: one step, nothing to resume; spared: the broker refused it once
+            if job.input_lengths is None
+            and job.priority in self._preemptible
+            and (job.job_id, job.handle.entry_id) not in self._spared
         ]
-        if free > 0 or not any(r.priority in self._preemptible for r in running):
+
+    def _outranked(self, running: list[Running]) -> bool:
+        """Whether our reserve holds a job that outranks one of these."""
+        lowest = max((r.priority for r in running), default=None)
+        return lowest is not None and any(
+            j.priority < lowest for j in self.scheduler.waiting_jobs()
+        )
+
+    def _may_claim_over(self) -> bool:
+        """A full worker running preemptible work claims one job more than its reserve, from
+        the lanes above the batch lane (a blocking claim: the broker's own wake-up), so
+        higher-priority work reaches it at once and preempts without a round trip to ask."""
+        if self._draining.is_set() or self.scheduler.waiting > self.scheduler.claim_ahead:
+            return False
+        running = self._preemptible_running()
+        return any(r.priority is Priority.BATCH for r in running) and not self._outranked(running)
+
+    def _mark_victims(self, waiting: list[Priority], back: Sequence[str] = ()) -> None:
+        if self._draining.is_set():
+            return  # a drain hands back what it does not finish anyway
+        running = self._preemptible_running()
+        victims = preemption_victims(running, 0, waiting, self._preemptible)
+        if victims:
+            self._hand_back.update(back)
+            self._preempting.update(victims)
+
+    async def _look_for_preemption(self) -> None:
+        running = self._preemptible_running()
+        if not running:
             return
-        reserve = scheduler.waiting_jobs()
+        reserve = self.scheduler.waiting_jobs()
         waiting = [job.priority for job in reserve]
-        top = min((r.priority for r in running if r.priority in self._preemptible), default=None)
         back: list[str] = []
-        if scheduler.want() == 0 and not any(top is not None and p < top for p in waiting):
+        if self.scheduler.want() == 0 and not self._outranked(running):
             # nothing of ours outranks what runs, and no claim takes more: ask the lanes. A job
             # waiting there past `preempt_after_s` found no worker with a free slot
             stats = await self.queue.stats(self.model)
@@ -630,67 +671,59 @@ class Worker:
                 # our reserve's lower jobs go back too, or the freed slot would start them
                 best = min(waiting)
                 back = [job.job_id for job in reserve if job.priority > best]
-        spared = frozenset(
-            job.job_id
-            for job in scheduler.running_jobs()
-            if (job.job_id, job.handle.entry_id) in self._spared
-        )
-        victims = preemption_victims(running, 0, waiting, self._preemptible, spared)
-        if victims:
-            self._hand_back.update(back)
-            self._preempting.update(victims)
+        self._mark_victims(waiting, back)
 
     async def _preempt(self) -> None:
-        """Hand the marked jobs back (queue.preempt) once every token they streamed is
-        written; the slots they free start what waits. Their runs end here: what the engine
-        makes of them after this is dropped, and the next holder resumes after their events."""
+        """Hand the marked jobs back (queue.preempt); the slots they free start what waits at
+        once. Under the publishing lock with nothing left unsent: every token the scheduler
+        folded into a job is written by then (between `scheduler.update` and the lock there is
+        no await), so the next holder resumes after exactly what the client got. What the
+        engine makes of a victim from here on is dropped (a step folded meanwhile is fenced
+        off: its tokens were never written, and the next holder makes them again)."""
         marked, self._preempting = self._preempting, set()
         back_ids, self._hand_back = self._hand_back, set()
-        if self._unsent:
-            return  # some of their tokens are not written yet (the broker is away)
-        victims = [job for job in self.scheduler.running_jobs() if job.job_id in marked]
-        # a job nobody streams wrote no token events: write its tokens so far first
-        unwritten = [
-            (
-                job,
-                TokenChunk(
-                    token_ids=job.token_ids[job.durable_tokens :],
-                    text=job.text[job.durable_chars :],
-                    logprobs=None if job.logprobs is None else job.logprobs[job.durable_tokens :],
-                ),
-            )
-            for job in victims
-            if not _streamed(job) and len(job.token_ids) > job.durable_tokens
-        ]
-        if unwritten:
-            kept = await self.queue.append_events([(job.handle, c) for job, c in unwritten])
-            for (job, _), ours in zip(unwritten, kept, strict=True):
-                if ours:
-                    job.durable_tokens, job.durable_chars = len(job.token_ids), len(job.text)
-                else:
-                    self._drop(job.job_id, "lease lost", under=job.handle)
-                    victims.remove(job)
-        if not victims:
-            return
-        taken = await self.queue.preempt([job.handle for job in victims])
-        for job, ours in zip(victims, taken, strict=True):
-            if not ours:  # preempted its maximum number of times (or lost): it runs on
-                self._spared.add((job.job_id, job.handle.entry_id))
-                continue
-            self.scheduler.remove(job.job_id)
-            # its outputs up to the abort's end are this run's, never a later delivery's
-            self._dropped_runs.add(job.job_id)
-            self.engine.abort(job.job_id)
-            self.metrics.preemptions.inc()
-            if self.spans is not None:
-                self.spans.forget(job.job_id)
-            spec = job.handle.spec
-            log.info(
-                "preempted %s after %d tokens",
-                job.job_id,
-                len(job.token_ids),
-                extra=job_fields(spec.id, spec.trace_context),
-            )
+        taken: list[bool] = []
+        async with self._publishing:
+            if self._unsent:
+                return  # some tokens are not written yet (the broker is away): look again later
+            victims = [job for job in self.scheduler.running_jobs() if job.job_id in marked]
+            # a job nobody streams wrote no token events: write its tokens so far first
+            unwritten = [
+                (job, _unwritten(job))
+                for job in victims
+                if not _streamed(job) and len(job.token_ids) > job.durable_tokens
+            ]
+            if unwritten:
+                kept = await self.queue.append_events([(job.handle, c) for job, c in unwritten])
+                for (job, chunk), ours in zip(unwritten, kept, strict=True):
+                    if ours:
+                        job.durable_tokens += len(chunk.token_ids)
+                        job.durable_chars += len(chunk.text)
+                    else:
+                        self._drop(job.job_id, "lease lost", under=job.handle)
+                        victims.remove(job)
+            if not victims:
+                return
+            taken = await self.queue.preempt([job.handle for job in victims])
+            for job, ours in zip(victims, taken, strict=True):
+                if not ours:  # preempted its maximum number of times (or lost): it runs on
+                    self._spared.add((job.job_id, job.handle.entry_id))
+                    continue
+                if self.scheduler.get(job.job_id) is job:
+                    self.scheduler.remove(job.job_id)
+                    # its outputs up to the abort's end are this run's, never a later one's
+                    self._dropped_runs.add(job.job_id)
+                    self.engine.abort(job.job_id)
+                self.metrics.preemptions.inc()
+                if self.spans is not None:
+                    self.spans.forget(job.job_id)
+                spec = job.handle.spec
+                log.info(
+                    "preempted %s after %d tokens",
+                    job.job_id,
+                    job.durable_tokens if not _streamed(job) else len(job.token_ids),
+                    extra=job_fields(spec.id, spec.trace_context),
+                )
         if any(taken):
             back = [job for job in self.scheduler.waiting_jobs() if job.job_id in back_ids]
             for job in back:
@@ -933,6 +966,13 @@ def _needs_preparing(lease: Lease) -> bool:
     """Whether a claimed job needs awaiting before it may start (see `Worker._prepare`)."""
     spec = lease.spec
     return lease.resumable or spec.prompt_token_ids is None or spec.sampling.guide is not None
+
+
+def _unwritten(job: Job[Lease]) -> TokenChunk:
+    """A job's tokens past those its events hold (a job nobody streams writes none)."""
+    n, chars = job.durable_tokens, job.durable_chars
+    logprobs = None if job.logprobs is None else job.logprobs[n:]
+    return TokenChunk(token_ids=job.token_ids[n:], text=job.text[chars:], logprobs=logprobs)
 
 
 def _streamed(job: Job[Lease]) -> bool:
