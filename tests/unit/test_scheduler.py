@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenyard.engines.base import StepOutput
 from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams
-from tokenyard.worker.scheduler import Job, Occupancy, Scheduler
+from tokenyard.worker.scheduler import (
+    Job,
+    Occupancy,
+    Running,
+    Scheduler,
+    preemptible_lanes,
+    preemption_victims,
+)
 
 LIMITS = ModelLimits(max_model_len=1000, max_seqs=4, token_budget=1000)
 
@@ -240,3 +249,42 @@ def test_occupancy_integrates_the_running_count() -> None:
     assert held.level(0, 12.5) == 6.5  # all end at 12.5 s: 2·1 + 3·1.5
     assert held.level(0, 20.0) == 6.5  # idle time holds nothing
     assert held.level(1, 19.0) == 6.5  # a clock read out of order adds nothing
+
+
+# -- preemption policy -----------------------------------------------------------------------
+EVERY_LOWER = preemptible_lanes("normal,low,batch")
+
+
+def test_victims_come_from_the_lowest_lane_first_latest_started_first() -> None:
+    running = [
+        Running("n", Priority.NORMAL, 1.0),
+        Running("b-old", Priority.BATCH, 2.0),
+        Running("b-new", Priority.BATCH, 3.0),
+        Running("l", Priority.LOW, 4.0),
+        Running("h", Priority.HIGH, 0.0),
+    ]
+    waiting = [Priority.HIGH] * 5
+    assert preemption_victims(running, 0, waiting, EVERY_LOWER) == ["b-new", "b-old", "l", "n"]
+
+
+def test_a_victim_is_strictly_below_the_job_it_makes_room_for() -> None:
+    running = [Running("n", Priority.NORMAL, 1.0), Running("b", Priority.BATCH, 2.0)]
+    # a normal job waiting preempts the batch job, never the other normal one
+    assert preemption_victims(running, 0, [Priority.NORMAL] * 3, EVERY_LOWER) == ["b"]
+    assert preemption_victims(running, 0, [Priority.BATCH], EVERY_LOWER) == []
+
+
+def test_no_preemption_while_a_slot_is_free_or_for_lanes_not_preemptible() -> None:
+    running = [Running("b", Priority.BATCH, 2.0), Running("n", Priority.NORMAL, 1.0)]
+    assert preemption_victims(running, 1, [Priority.HIGH], EVERY_LOWER) == []
+    assert preemption_victims(running, 0, [Priority.HIGH], preemptible_lanes("")) == []
+    only_normal = preemptible_lanes("normal")
+    assert preemption_victims(running, 0, [Priority.HIGH] * 2, only_normal) == ["n"]
+    assert preemption_victims(running, 0, [Priority.HIGH], EVERY_LOWER, frozenset({"b"})) == ["n"]
+
+
+def test_the_high_lane_is_never_preemptible() -> None:
+    with pytest.raises(ValueError, match="never"):
+        preemptible_lanes("high,batch")
+    with pytest.raises(KeyError):
+        preemptible_lanes("urgent")
