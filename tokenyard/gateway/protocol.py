@@ -925,6 +925,7 @@ def job_body(job_id: str, record: JobRecord) -> dict[str, Any]:
         "id": job_id,
         "status": record.status.value,
         "deliveries": record.deliveries,
+        "preemptions": record.preemptions,
         "cancel_requested": record.cancel_requested,
         "result": None if record.result is None else result_json(record.result),
         "timings": {
@@ -944,6 +945,7 @@ def queued_job_body(spec: JobSpec) -> dict[str, Any]:
         **_job_fields(spec),
         "status": JobStatus.QUEUED.value,
         "deliveries": 0,
+        "preemptions": 0,
         "cancel_requested": False,
         "result": None,
         "timings": timings,
