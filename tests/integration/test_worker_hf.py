@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from tests.integration.test_worker import wait_all
@@ -14,7 +15,14 @@ from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import EngineRequest
 from tokenyard.engines.hf import HFEngine
-from tokenyard.messages import FinishReason, JobSpec, JobStatus, SamplingParams, TokenChunk
+from tokenyard.messages import (
+    FinishReason,
+    JobSpec,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    TokenChunk,
+)
 from tokenyard.worker.worker import Worker
 
 MODEL = "tiny"
@@ -127,5 +135,40 @@ async def test_cancel_mid_generation_lets_a_queued_job_start(broker: Backend) ->
         cancelled = records[long.id].result
         assert cancelled is not None
         assert 0 < sum(len(c.token_ids) for c in streamed) == cancelled.completion_tokens < 1500
+    finally:
+        await stop_worker(worker, task)
+
+
+async def test_a_preempted_job_resumes_to_the_same_greedy_output(broker: Backend) -> None:
+    """The real model preempted mid-generation: the batch job yields its one slot to a
+    high-priority job, resumes from prompt + its streamed tokens, and ends with exactly the
+    tokens an uninterrupted run makes, each streamed once."""
+    prompt = "The yard master said"
+    expected, _ = await direct_greedy(prompt, 120)
+    engine = HFEngine("tiny", max_seqs=1, threads=1)
+    settings = WorkerSettings(
+        model=MODEL, max_seqs=1, heartbeat_s=0.2, claim_ahead=0, batch_share=1.0
+    )
+    worker = Worker(broker, engine, settings)
+    task = asyncio.create_task(worker.run())
+    try:
+        batch = msgspec.structs.replace(job(prompt, 120, ignore_eos=False), priority=Priority.BATCH)
+        await broker.queue.enqueue(batch)
+        assert await broker.queue.read_events(batch.id, block_s=60)  # it runs, tokens out
+        urgent = msgspec.structs.replace(job("urgent", 4), priority=Priority.HIGH)
+        await broker.queue.enqueue(urgent)
+        records = await wait_all(broker, [urgent.id, batch.id], timeout=120)
+        assert records[urgent.id].status is JobStatus.SUCCEEDED
+        done = records[batch.id]
+        assert done.preemptions == 1 and done.result is not None
+        assert done.result.token_ids == expected
+        streamed = [
+            t
+            for _, e in await broker.queue.read_events(batch.id)
+            if isinstance(e, TokenChunk)
+            for t in e.token_ids
+        ]
+        assert streamed == expected
+        assert worker.metrics.preemptions._value.get() == 1
     finally:
         await stop_worker(worker, task)
