@@ -1,5 +1,6 @@
 """Every backend held to the one job state machine (tokenyard/broker/machine.py): random
-operation sequences (claims, completions, retries, dead letters, releases, renewals, cancels,
+operation sequences (claims, completions, retries, dead letters, releases, preemptions,
+renewals, cancels,
 followers leaving; stale leases included) applied to a real backend and to the pure machine
 end each step in the same states and answers."""
 
@@ -18,9 +19,20 @@ from tokenyard.messages import JobRecord, JobStatus
 
 pytestmark = pytest.mark.parametrize("make_backend", list(BACKENDS), indirect=True)
 
-RULES = Rules(lease_s=30.0, max_deliveries=3)
+RULES = Rules(lease_s=30.0, max_deliveries=3, max_preemptions=2)
 CONSUMERS = ("w1", "w2")
-OPS = ("claim", "claim", "complete", "retry", "dead", "release", "renew", "cancel", "leave")
+OPS = (
+    "claim",
+    "claim",
+    "complete",
+    "retry",
+    "dead",
+    "release",
+    "preempt",
+    "renew",
+    "cancel",
+    "leave",
+)
 
 
 class Model:
@@ -38,8 +50,9 @@ class Model:
 
 def same(record: JobRecord | None, state: JobState, why: str) -> None:
     assert record is not None, why
-    got = (record.status, record.deliveries, record.cancel_requested and not record.status.terminal)
-    want = (state.status, state.deliveries, state.cancel and not state.terminal)
+    cancel = record.cancel_requested and not record.status.terminal
+    got = (record.status, record.deliveries, cancel, record.preemptions)
+    want = (state.status, state.deliveries, state.cancel and not state.terminal, state.preemptions)
     assert got == want, why
     if state.status is JobStatus.RUNNING:
         assert record.worker == state.holder, why
@@ -104,6 +117,10 @@ async def step(queue: QueueCore, model: Model, rng: random.Random, log: list[str
         else:
             answer = await queue.dead_letter(lease, "bad_input", "boom")
             want = isinstance(outcome, Step) and any(isinstance(e, Finish) for e in outcome.effects)
+    elif op == "preempt":
+        outcome = machine.preempt(held, consumer, now, RULES)
+        [answer] = await queue.preempt([lease])
+        want = isinstance(outcome, Step)
     elif op == "release":
         outcome = machine.release(held, consumer, now)
         answer = await queue.release([lease]) == 1
@@ -115,7 +132,7 @@ async def step(queue: QueueCore, model: Model, rng: random.Random, log: list[str
     log.append(f"{op} {consumer}@{job_id[-4:]} current={current} -> {answer} ({outcome})")
     if isinstance(outcome, Step) and current:
         model.apply(job_id, outcome)
-    assert answer == want, log
+    assert answer == want, "\n".join(log[-6:])
 
 
 def _latest(model: Model, lease: Lease) -> bool:
@@ -135,7 +152,11 @@ def _unheld(state: JobState) -> JobState:
 async def test_random_operations_end_where_the_machine_says(
     make_backend: BackendFactory, seed: int
 ) -> None:
-    broker = make_backend(max_deliveries=RULES.max_deliveries, backoff_base_s=0.0)
+    broker = make_backend(
+        max_deliveries=RULES.max_deliveries,
+        max_preemptions=RULES.max_preemptions,
+        backoff_base_s=0.0,
+    )
     queue = broker.queue
     rng = random.Random(seed)
     model = Model()

@@ -48,7 +48,11 @@ class Leases:
         self.endings = endings
 
     async def _ours(self, lease: Lease) -> tuple[StoredJob, int] | None:
-        """The record, if the lease still holds it (running, this consumer, this delivery)."""
+        """The record, if the lease still holds it (running, this consumer, this delivery).
+        A lease this process no longer holds is not: a delivery handed back uncharged (a
+        release, a preemption) and taken again by the same consumer has the same count."""
+        if lease.entry_id not in self.store.holding:
+            return None
         found = await self.store.get(lease.spec.id)
         if found is None:
             return None
