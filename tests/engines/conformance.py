@@ -165,6 +165,36 @@ async def resume_parity(s: Subject) -> None:
         assert r.finish.prompt_tokens == len(prompt)
 
 
+async def preempt_then_resume(s: Subject) -> None:
+    """A preemption as the worker does it on any engine: abort a running sequence, keeping
+    the tokens it produced up to its end (the CANCELLED output may carry a last step's), then
+    add it again from prompt + those tokens: together they are the unbroken run, once each."""
+    tok = s.engine.tokenizer
+    prompt = tok.encode("Preempted in the middle")
+    s.engine.add(EngineRequest("victim", prompt, greedy(s.long_tokens)))
+    kept: list[int] = []
+    async with asyncio.timeout(s.timeout):
+        while len(kept) < 5:
+            for out in await s.engine.outputs():
+                if out.seq_id == "victim":
+                    kept += out.token_ids
+    s.engine.abort("victim")
+    async with asyncio.timeout(s.timeout):
+        ended = False
+        while not ended:
+            for out in await s.engine.outputs():
+                if out.seq_id == "victim":
+                    kept += out.token_ids
+                    ended = out.finish_reason is not None
+                    if ended:
+                        assert out.finish_reason is FinishReason.CANCELLED
+    n = len(kept) + 20
+    s.engine.add(EngineRequest("victim", prompt, greedy(n), resume_token_ids=tuple(kept)))
+    rest = (await collect(s.engine, 1, s.timeout))["victim"]
+    assert kept + rest.token_ids == await s.reference(prompt, n)
+    assert rest.finish is not None and rest.finish.completion_tokens == n
+
+
 async def resume_already_complete(s: Subject) -> None:
     """Resumed tokens that already reach max_tokens finish at once, with nothing new."""
     tok = s.engine.tokenizer
@@ -250,6 +280,7 @@ CASES = [
     greedy_parity,
     cancel_frees_capacity,
     resume_parity,
+    preempt_then_resume,
     resume_already_complete,
     refusals,
     stop_strings,
