@@ -199,3 +199,24 @@ async def test_a_job_preempted_its_maximum_number_of_times_is_not_preempted_agai
     records = await check_batch(broker, batch)
     assert all(r.preemptions <= 1 for r in records)
     assert any(r.preemptions == 1 for r in records)
+
+
+async def test_normal_work_yields_to_high_work_the_lanes_report_waiting(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    """No claim is open past the reserve while normal work runs: the look-out finds the
+    high job in the lanes' stats once it waited `preempt_after_s`, and preempts for it."""
+    broker = make_backend(lease_s=5.0)
+    engine = StepClock()
+    worker = worker_on(broker, engine)
+    normal = [spec(Priority.NORMAL, f"normal {i}", BATCH_TOKENS) for i in range(SLOTS + 1)]
+    await broker.queue.enqueue_many(normal)
+    await until(lambda: worker.scheduler.running == SLOTS and worker.scheduler.waiting == 1)
+    await asyncio.sleep(0.1)
+    urgent = spec(Priority.HIGH, "urgent", 4)
+    await broker.queue.enqueue(urgent)
+    assert (await finished(broker, urgent.id)).status is JobStatus.SUCCEEDED
+    done = [await broker.queue.record(j.id) for j in normal]
+    assert all(r is not None and not r.status.terminal for r in done)  # it did not wait for one
+    records = await check_batch(broker, normal)
+    assert sum(r.preemptions for r in records) >= 1

@@ -652,6 +652,8 @@ class Worker:
             self._preempting.update(victims)
 
     async def _look_for_preemption(self) -> None:
+        if self._spared:  # forget the spared runs that ended
+            self._spared &= {(job.job_id, job.handle.entry_id) for job in self.scheduler.jobs()}
         running = self._preemptible_running()
         if not running:
             return
