@@ -39,14 +39,16 @@ class StepClock(SimEngine):
     def __init__(self) -> None:
         super().__init__(decode_base=0.01, decode_per_seq=1e-4, prefill_base=0.001)
         self.added: dict[str, int] = {}
-        self.aborted: dict[str, int] = {}
+        self.aborted: dict[str, int] = {}  # the step of each sequence's latest abort
+        self.aborts: dict[str, int] = {}  # how often each sequence was aborted
 
     def add(self, request: EngineRequest) -> None:
         self.added[request.seq_id] = self.stats().steps
         super().add(request)
 
     def abort(self, seq_id: str) -> None:
-        self.aborted.setdefault(seq_id, self.stats().steps)
+        self.aborted[seq_id] = self.stats().steps
+        self.aborts[seq_id] = self.aborts.get(seq_id, 0) + 1
         super().abort(seq_id)
 
 
@@ -178,10 +180,11 @@ async def test_high_priority_work_preempts_batch_work_and_nothing_is_lost(
         freed = max(step for step in engine.aborted.values() if step <= engine.added[job.id])
         assert engine.added[job.id] - freed <= 1
     records = await check_batch(broker, batch)
-    assert sum(r.preemptions for r in records) == len(preempted)
-    assert worker.metrics.preemptions._value.get() == len(preempted)
+    times = sum(engine.aborts[j] for j in preempted)
+    assert sum(r.preemptions for r in records) == times
+    assert worker.metrics.preemptions._value.get() == times
     _, trail = await broker.audit.audit_entries(0.0, model=MODEL)
-    assert sum(e.event == "preempted" for e in trail) == len(preempted)
+    assert sum(e.event == "preempted" for e in trail) == times
 
 
 async def test_a_job_preempted_its_maximum_number_of_times_is_not_preempted_again(
@@ -199,6 +202,9 @@ async def test_a_job_preempted_its_maximum_number_of_times_is_not_preempted_agai
     records = await check_batch(broker, batch)
     assert all(r.preemptions <= 1 for r in records)
     assert any(r.preemptions == 1 for r in records)
+    for job, record in zip(batch, records, strict=True):
+        # each time it left the engine was a preemption: one at its bound was not tried
+        assert engine.aborts.get(job.id, 0) == record.preemptions
 
 
 async def test_normal_work_yields_to_high_work_the_lanes_report_waiting(

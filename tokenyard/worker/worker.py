@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -71,6 +71,7 @@ CANCEL_POLL_S = 0.02
 # Tokenizing a long text prompt (from a producer that sent no token ids) would stall the loop.
 _INLINE_CHARS = 4096
 _BATCH_FULL_BLOCK_S = 0.02  # a claim's wait while the batch share is held
+_PREEMPTED_KEPT = 10_000  # jobs whose preemptions by this worker it remembers
 # Writes kept while the broker does not answer (events, completions, retries), at most this many
 # items: past it they are given up and their jobs come back by lease, as a crash would leave them.
 MAX_UNSENT = 100_000
@@ -163,6 +164,9 @@ class Worker:
         self._preempting: set[str] = set()
         self._hand_back: set[str] = set()  # reserve jobs to hand back with them
         self._spared: set[tuple[str, str]] = set()  # (job, entry) the broker would not preempt
+        # how often this worker preempted each job (the latest _PREEMPTED_KEPT): one at the
+        # bound is not tried again, so it never leaves the engine only to be refused
+        self._preempted: OrderedDict[str, int] = OrderedDict()
         self.metrics = metrics if metrics is not None else WorkerMetrics(self.model)
         # None when tracing is off: each hook below is then one test
         self.spans = JobSpans(self.consumer) if tracing_enabled() else None
@@ -617,6 +621,7 @@ class Worker:
         scheduler = self.scheduler
         if self.limits.max_seqs > scheduler.running:
             return []
+        bound = self.queue.settings.max_preemptions
         return [
             Running(job.job_id, job.priority, job.claimed_at)
             for job in scheduler.running_jobs()
@@ -624,6 +629,7 @@ class Worker:
             if job.input_lengths is None
             and job.priority in self._preemptible
             and (job.job_id, job.handle.entry_id) not in self._spared
+            and self._preempted.get(job.job_id, 0) < bound
         ]
 
     def _outranked(self, running: list[Running]) -> bool:
@@ -676,65 +682,68 @@ class Worker:
         self._mark_victims(waiting, back)
 
     async def _preempt(self) -> None:
-        """Hand the marked jobs back (queue.preempt); the slots they free start what waits at
-        once. Under the publishing lock with nothing left unsent: every token the scheduler
-        folded into a job is written by then (between `scheduler.update` and the lock there is
-        no await), so the next holder resumes after exactly what the client got. What the
-        engine makes of a victim from here on is dropped (a step folded meanwhile is fenced
-        off: its tokens were never written, and the next holder makes them again)."""
+        """Preempt the marked jobs: out of the engine and what waits into their slots at
+        once (no round trip before the engine has the new work), then handed back
+        (queue.preempt) under the publishing lock, so every token folded into a victim
+        before it left the engine is written first, or kept unsent and fenced off after
+        (never written: the next holder makes it again). The next holder resumes after
+        exactly what the client got. A victim the broker would not take back (preempted too
+        often, or its lease lost) waits here again and resumes from its tokens."""
         marked, self._preempting = self._preempting, set()
         back_ids, self._hand_back = self._hand_back, set()
-        taken: list[bool] = []
-        async with self._publishing:
-            if self._unsent:
-                return  # some tokens are not written yet (the broker is away): look again later
-            victims = [job for job in self.scheduler.running_jobs() if job.job_id in marked]
-            # a job nobody streams wrote no token events: write its tokens so far first
-            unwritten = [
-                (job, _unwritten(job))
-                for job in victims
-                if not _streamed(job) and len(job.token_ids) > job.durable_tokens
-            ]
-            if unwritten:
-                kept = await self.queue.append_events([(job.handle, c) for job, c in unwritten])
-                for (job, chunk), ours in zip(unwritten, kept, strict=True):
-                    if ours:
-                        job.durable_tokens += len(chunk.token_ids)
-                        job.durable_chars += len(chunk.text)
-                    else:
-                        self._drop(job.job_id, "lease lost", under=job.handle)
-                        victims.remove(job)
-            if not victims:
-                return
-            taken = await self.queue.preempt([job.handle for job in victims])
-            for job, ours in zip(victims, taken, strict=True):
-                if not ours:  # preempted its maximum number of times (or lost): it runs on
-                    self._spared.add((job.job_id, job.handle.entry_id))
-                    continue
-                if self.scheduler.get(job.job_id) is job:
-                    self.scheduler.remove(job.job_id)
-                    # its outputs up to the abort's end are this run's, never a later one's
-                    self._dropped_runs.add(job.job_id)
-                    self.engine.abort(job.job_id)
-                self.metrics.preemptions.inc()
-                if self.spans is not None:
-                    self.spans.forget(job.job_id)
-                spec = job.handle.spec
-                log.info(
-                    "preempted %s after %d tokens",
-                    job.job_id,
-                    job.durable_tokens if not _streamed(job) else len(job.token_ids),
-                    extra=job_fields(spec.id, spec.trace_context),
-                )
-        if any(taken):
-            back = [job for job in self.scheduler.waiting_jobs() if job.job_id in back_ids]
-            for job in back:
-                self.scheduler.remove(job.job_id)
-            if back:  # never started: a plain release, uncharged and not counted
-                await self.queue.release([job.handle for job in back])
-            self._occupied()
-            await self._settle(self._start_fitting())
-            self._capacity_freed.set()
+        victims = [job for job in self.scheduler.running_jobs() if job.job_id in marked]
+        if not victims:
+            return
+        for job in victims:
+            self.scheduler.remove(job.job_id)
+            # its outputs up to the abort's end are this run's, never a later one's
+            self._dropped_runs.add(job.job_id)
+            self.engine.abort(job.job_id)
+        back = [job for job in self.scheduler.waiting_jobs() if job.job_id in back_ids]
+        for job in back:  # lower than what the lanes hold: the freed slots are not theirs
+            self.scheduler.remove(job.job_id)
+        started = self._start_fitting()
+        # a job nobody streams wrote no token events: its tokens so far go first
+        unwritten = [(job, _unwritten(job)) for job in victims if not _streamed(job)]
+        unwritten = [(job, chunk) for job, chunk in unwritten if chunk.token_ids]
+        try:
+            async with self._publishing:
+                if unwritten:
+                    events = [(job.handle, chunk) for job, chunk in unwritten]
+                    for (job, chunk), ours in zip(
+                        unwritten, await self.queue.append_events(events), strict=True
+                    ):
+                        if ours:
+                            job.durable_tokens += len(chunk.token_ids)
+                            job.durable_chars += len(chunk.text)
+                taken = await self.queue.preempt([job.handle for job in victims])
+        except Exception:
+            log.exception("preempting %d jobs failed; they run on here", len(victims))
+            taken = [False] * len(victims)
+        for job, ours in zip(victims, taken, strict=True):
+            spec = job.handle.spec
+            if not ours:  # preempted its maximum number of times (or lost): it runs on
+                self._spared.add((job.job_id, job.handle.entry_id))
+                self.scheduler.offer(job)  # from its tokens, at the next free slot
+                continue
+            self.metrics.preemptions.inc()
+            self._preempted[job.job_id] = self._preempted.pop(job.job_id, 0) + 1
+            if len(self._preempted) > _PREEMPTED_KEPT:
+                self._preempted.popitem(last=False)
+            if self.spans is not None:
+                self.spans.forget(job.job_id)
+            log.info(
+                "preempted %s after %d tokens",
+                job.job_id,
+                len(job.token_ids),
+                extra=job_fields(spec.id, spec.trace_context),
+            )
+        if back:  # never started: a plain release, uncharged and not counted
+            await self.queue.release([job.handle for job in back])
+        self._occupied()
+        await self._settle(started)
+        await self._settle(self._start_fitting())  # a victim that runs on, if room is left
+        self._capacity_freed.set()
 
     async def _check_cancellations(self) -> None:
         if self._resend_pending:
