@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from tokenyard.broker import machine
 from tokenyard.broker.core import (
     BrokerStats,
     CancelOutcome,
@@ -54,6 +55,10 @@ class LanesOnTable(QueueCore):
         self.settings = table.settings
         self.clock = table.clock
         self._rng = rng or random.Random()  # retry backoff's jitter
+        # what the job machine's decisions (machine.fail, machine.lapse) depend on
+        self.rules = machine.Rules(
+            lease_s=self.settings.lease_s, max_deliveries=self.settings.max_deliveries
+        )
         self._rounds: dict[str, int] = defaultdict(int)  # per model: claims so far (claim_order)
         self._group = GroupCommit(
             self.enqueue_many,

@@ -10,8 +10,9 @@ alone, settles the jobs they end, and reads the lanes' counts from the sets.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+from tokenyard.broker import machine
 from tokenyard.broker.amqp import scripts
 from tokenyard.broker.core import (
     BrokerStats,
@@ -33,6 +34,8 @@ from tokenyard.messages import (
     TokenChunk,
     encode,
 )
+
+E = TypeVar("E", machine.Bury, machine.Finish)
 
 
 class Ledger:
@@ -242,22 +245,28 @@ class Ledger:
         )
 
     async def bury(
-        self, dying: Sequence[tuple[Lease, str]], reason: str, cancel_wins: bool = False
+        self, dying: Sequence[tuple[Lease, machine.Step]], cancel_wins: bool = False
     ) -> list[int]:
-        """Dead-letter jobs whose lease the caller holds, each with its error (with
-        `cancel_wins`, one a client asked to cancel ends cancelled instead); settles those
-        that ended. Per job 1 dead, 2 cancelled, 0 fenced."""
+        """Dead-letter jobs whose lease the caller holds, each as the machine's step says (its
+        `Bury` and `Finish`; with `cancel_wins`, one a client asked to cancel ends cancelled
+        instead); settles those that ended. Per job 1 dead, 2 cancelled, 0 fenced."""
         if not dying:
             return []
-        ends = [dead_result(f"{reason}: {error}") for _, error in dying]
+        letters = [_effect(step, machine.Bury) for _, step in dying]
+        ends = [_effect(step, machine.Finish).result for _, step in dying]
 
         def call(batch: list[int]) -> Call:
             items = []
             for i in batch:
-                lease, error = dying[i]
+                lease, letter = dying[i][0], letters[i]
                 items.append(
                     self._bury_item(
-                        lease.spec, reason, error, ends[i], lease=lease, cancel_wins=cancel_wins
+                        lease.spec,
+                        letter.reason,
+                        letter.error,
+                        ends[i],
+                        lease=lease,
+                        cancel_wins=cancel_wins,
                     )
                 )
             return self._bury_call(dying[batch[0]][0].spec.model, items)
@@ -484,3 +493,8 @@ class Ledger:
                 )
             )
         return out
+
+
+def _effect(step: machine.Step, kind: type[E]) -> E:
+    """The step's effect of `kind` (a dead-lettering step has one `Bury` and one `Finish`)."""
+    return next(e for e in step.effects if isinstance(e, kind))

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from tokenyard.broker import audit
+from tokenyard.broker import audit, machine
 from tokenyard.broker.amqp.connection import AmqpConnection, Refused
 from tokenyard.broker.amqp.lanes import Delivery, RabbitLanes, new_msg
 from tokenyard.broker.amqp.ledger import Ledger
@@ -34,7 +34,6 @@ from tokenyard.broker.core import (
     ReapReport,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
-from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, stamp_by_model
 from tokenyard.broker.redis.connection import text as as_text
@@ -44,6 +43,7 @@ from tokenyard.messages import (
     JobEvent,
     JobResult,
     JobSpec,
+    JobStatus,
     Priority,
     TokenChunk,
     decode,
@@ -169,7 +169,7 @@ class AmqpQueue(LanesOnTable):
             items.append(self.ledger.take_item(job_id, msg, token, lane))
         if not items:
             return []
-        dead_error = lapsed_error(self.settings.max_deliveries)
+        dead_error = machine.lapsed_error(self.settings.max_deliveries)
         call = self.ledger.take(model, consumer, items, now, dead_error)
         rows = await self.conn.run(call)
         leases: list[Lease] = []
@@ -229,13 +229,21 @@ class AmqpQueue(LanesOnTable):
         """1 retrying (after backoff, through a delay queue), 0 dead-lettered, 2 ended
         cancelled (a client asked while it ran), -1 fenced."""
         spec = lease.spec
-        if force_dead or spec.attempt + 1 >= self.settings.max_deliveries:
-            [code] = await self.ledger.bury([(lease, error)], reason, cancel_wins=not force_dead)
-            await self.lanes.let_go([lease])
-            return {1: 0, 2: 2}.get(code, -1)
         delay = backoff_delay(
             spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
+        # the machine decides on what the lease knows (this is delivery attempt + 1); whether a
+        # client asked to cancel meanwhile, bury.lua and requeue.lua read under the fence
+        held = machine.JobState(
+            status=JobStatus.RUNNING, deliveries=spec.attempt + 1, holder=lease.consumer
+        )
+        forced = reason if force_dead else None
+        step = machine.fail(held, lease.consumer, error, self.clock(), self.rules, delay, forced)
+        assert isinstance(step, machine.Step)  # the lease's holder fails it: never refused
+        if step.ended:  # dead-lettered
+            [code] = await self.ledger.bury([(lease, step)], cancel_wins=not force_dead)
+            await self.lanes.let_go([lease])
+            return {1: 0, 2: 2}.get(code, -1)
         msg, delay = await self.lanes.publish_after(spec, delay)
         [code] = await self.ledger.requeue([(lease, msg)], error=error, due_at=self.clock() + delay)
         await self.lanes.let_go([lease])
@@ -259,22 +267,28 @@ class AmqpQueue(LanesOnTable):
         now = self.clock()
         rows = await self.ledger.expired(model, expired, now, REAP_BATCH)
         found = await self.records([as_text(row[0]) for row in rows])
-        at_limit: list[Lease] = []
+        dying: list[tuple[Lease, machine.Step]] = []
         again: list[Lease] = []
         lapsed: set[str] = set()  # job ids whose holder lapsed: their deadline need not be past
         for (_, consumer, token, deliveries, gone), rec in zip(rows, found, strict=True):
             if rec is None:
                 continue
             lease = Lease(spec=rec.spec, entry_id=as_text(token), consumer=as_text(consumer))
-            (at_limit if int(deliveries) >= self.settings.max_deliveries else again).append(lease)
+            # expired.lua found its lease past or its holder gone: the machine says what next
+            held = machine.JobState(
+                status=JobStatus.RUNNING, deliveries=int(deliveries), holder=lease.consumer
+            )
+            step = machine.lapse(held, now, self.rules, holder_alive=False)
+            if isinstance(step, machine.Step) and step.ended:
+                dying.append((lease, step))
+            else:
+                again.append(lease)
             if int(gone):
                 lapsed.add(rec.spec.id)
         dead_ids: list[str] = []
-        if at_limit:
-            errors = [lapsed_error(x.spec.attempt + 1) for x in at_limit]
-            dying = list(zip(at_limit, errors, strict=True))
-            codes = await self.ledger.bury(dying, "lease_expired", cancel_wins=True)
-            dead_ids = [lease.spec.id for lease, c in zip(at_limit, codes, strict=True) if c == 1]
+        if dying:
+            codes = await self.ledger.bury(dying, cancel_wins=True)
+            dead_ids = [lease.spec.id for (lease, _), c in zip(dying, codes, strict=True) if c == 1]
         requeued: list[str] = []
         for group, by in (
             ([x for x in again if x.spec.id not in lapsed], now),
