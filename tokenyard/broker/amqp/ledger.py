@@ -102,30 +102,29 @@ class Ledger:
     async def withdraw(
         self,
         specs: Sequence[JobSpec],
-        results: Sequence[EnqueueResult],
+        results: Sequence[EnqueueResult | None],
         by_model: dict[str, list[int]],
         msgs: Sequence[str],
     ) -> None:
-        """Take back what an enqueue admitted (withdraw.lua): all of it or nothing stands."""
-        calls = [
-            scripts.WITHDRAW.call(
-                Empty(),
-                scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model)),
-                [
-                    (
-                        self._job_keys(specs[i]),
-                        scripts.WithdrawItemArgs(
-                            job_id=specs[i].id,
-                            created="1" if results[i].created else "0",
-                            joined=results[i].job_id if results[i].collapsed else "",
-                            msg=msgs[i],
-                        ),
-                    )
-                    for i in indexes
-                ],
-            )
-            for model, indexes in by_model.items()
-        ]
+        """Take back what an enqueue admitted of these models' jobs (withdraw.lua; a result
+        None: the job was not admitted)."""
+        calls = []
+        for model, indexes in by_model.items():
+            items = []
+            for i in indexes:
+                result = results[i]
+                if result is None:
+                    continue
+                args = scripts.WithdrawItemArgs(
+                    job_id=specs[i].id,
+                    created="1" if result.created else "0",
+                    joined=result.job_id if result.collapsed else "",
+                    msg=msgs[i],
+                )
+                items.append((self._job_keys(specs[i]), args))
+            if items:
+                prefix = scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model))
+                calls.append(scripts.WITHDRAW.call(Empty(), prefix, items))
         await self.conn.eval_many(calls)
 
     # -- leases ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from tokenyard.broker.core import (
     EnqueueResult,
     Lease,
     ReapReport,
+    admitted,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
@@ -72,7 +73,8 @@ class AmqpQueue(LanesOnTable):
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """Records first (one script per model, with the receipts), then each new job's message,
-        confirmed; a refused one withdraws the whole batch (QueueFull: nothing added)."""
+        confirmed. Each model's jobs all or none (core.QueueCore): a model whose lane is full,
+        by the records' count or by RabbitMQ refusing a message, has its jobs withdrawn."""
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         for model in by_model:
@@ -85,12 +87,12 @@ class AmqpQueue(LanesOnTable):
         receipts = [audit.received(spec, now) for spec in specs]
         replies, ids = await self.table.eval_audited(calls, receipts)
         await self.table.note_models(by_model)
-        results: list[EnqueueResult] = [EnqueueResult(job_id="", created=False)] * len(specs)
+        results: list[EnqueueResult | None] = [None] * len(specs)
         publish: list[int] = []  # the new jobs, and resent ones whose message never went out
         full: QueueFull | None = None
         for indexes, (code, rows) in zip(by_model.values(), replies, strict=True):
             if code == -1:  # none of this model's jobs was added
-                full = self.table.lane_full(specs, indexes, rows)
+                full = full or self.table.lane_full(specs, indexes, rows)
                 continue
             for i, (created, job_id, joined, again) in zip(indexes, rows, strict=True):
                 results[i] = EnqueueResult(
@@ -98,30 +100,34 @@ class AmqpQueue(LanesOnTable):
                 )
                 if again == 1:
                     publish.append(i)
-        if full is not None:  # the other models' jobs are withdrawn: all or nothing
-            await self.ledger.withdraw(specs, results, by_model, msgs)
-            await self.table.audit.take_back(ids)
-            raise full
         sent = await asyncio.gather(
-            *(self.lanes.publish(specs[i], results[i].job_id, msgs[i]) for i in publish),
+            *(self.lanes.publish(specs[i], _id(results[i]), msgs[i]) for i in publish),
             return_exceptions=True,
         )
-        failed = [outcome for outcome in sent if isinstance(outcome, BaseException)]
-        if failed:
+        failed = {i: o for i, o in zip(publish, sent, strict=True) if isinstance(o, BaseException)}
+        broken = next((o for o in failed.values() if not isinstance(o, Refused)), None)
+        if broken is not None:  # the call's failure (the connection's): nothing stands
             await self.ledger.withdraw(specs, results, by_model, msgs)
             await self.table.audit.take_back(ids)
-            refused = next((f for f in failed if isinstance(f, Refused)), None)
-            if refused is not None:
-                raise QueueFull(
-                    refused.queue, self.settings.max_queue_depth, self.settings.max_queue_depth
-                )
-            raise failed[0]
-        await self.table.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
-        if publish:  # confirmed: a resend of these finds them published
+            raise broken
+        if failed:  # RabbitMQ refused a message: its lane is full, its model's jobs withdrawn
+            refused = {specs[i].model for i in failed}
+            dropped = {m: indexes for m, indexes in by_model.items() if m in refused}
+            await self.ledger.withdraw(specs, results, dropped, msgs)
+            for i in (i for indexes in dropped.values() for i in indexes):
+                results[i] = None
+            queue = next(o.queue for o in failed.values() if isinstance(o, Refused))
+            limit = self.settings.max_queue_depth
+            full = full or QueueFull(queue, limit, limit)
+        await self.table.audit.take_back(
+            [ids[i] for i, r in enumerate(results) if r is None or not r.created]
+        )
+        standing = [i for i in publish if results[i] is not None]
+        if standing:  # confirmed: a resend of these finds them published
             await self.conn.checked(
-                [("HSET", self.keys.job(results[i].job_id), "pub", 1) for i in publish]
+                [("HSET", self.keys.job(_id(results[i])), "pub", 1) for i in standing]
             )
-        return results
+        return admitted(results, full)
 
     # -- consuming -------------------------------------------------------------------------
     async def _claim(self, ask: Claim) -> list[Lease]:
@@ -332,3 +338,9 @@ class AmqpQueue(LanesOnTable):
         if outcome is CancelOutcome.CANCELLED:
             await self.ledger.unwait(job_id)
         return outcome
+
+
+def _id(result: EnqueueResult | None) -> str:
+    """The job id of an admitted job's result (an enqueue publishes only those)."""
+    assert result is not None
+    return result.job_id

@@ -14,7 +14,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from tokenyard.broker import audit
-from tokenyard.broker.core import EnqueueResult
+from tokenyard.broker.core import EnqueueResult, admitted
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, encode_job
@@ -41,11 +41,12 @@ class Enqueuer:
         self._models: set[str] = set()
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
-        """Per model all-or-nothing against the lane bounds: a refused job takes back the
-        model's jobs this call added."""
+        """Per model all-or-nothing against the lane bounds (core.QueueCore): a refused job
+        takes back the model's jobs this call added; the other models' stand."""
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         results: list[EnqueueResult | None] = [None] * len(specs)
+        full: QueueFull | None = None
         for model, indexes in by_model.items():
             await self._note_model(model)
             # who each prefixed job is held for, in order: the batch's own holds count
@@ -60,12 +61,13 @@ class Enqueuer:
                 ),
                 return_exceptions=True,
             )
-            full = next((o for o in outcomes if isinstance(o, QueueFull)), None)
-            if full is not None:
+            refused = next((o for o in outcomes if isinstance(o, QueueFull)), None)
+            if refused is not None:
                 await self._take_back(
                     [(specs[i], o) for i, o in zip(indexes, outcomes, strict=True)]
                 )
-                raise full
+                full = full or refused
+                continue
             for i, outcome in zip(indexes, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -76,7 +78,7 @@ class Enqueuer:
         created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
         if created:
             self.store.audit.append_soon([audit.received(spec, now) for spec in created])
-        return [r for r in results if r is not None]
+        return admitted(results, full)
 
     async def _note_model(self, model: str) -> None:
         if model in self._models:
