@@ -290,12 +290,20 @@ class Stats(LaneCounts, Protocol):
     async def models(self) -> list[str]: ...
 
 
-class JobTable(Records, EventReads, Cancellation, Protocol):
-    """What lanes leave to a job table: a job's record, its events as readers follow them,
-    cancellation, workers' liveness, dead letters, the models seen, and the settlement of a
-    job that ended (its quota, its audit entry). Lanes keep the rest: enqueue, claim, leases,
-    the fenced appends and endings (which change the table under the lanes' own fences),
-    reaps (which read the liveness), depths."""
+class TableReads(Records, EventReads, Cancellation, Protocol):
+    """What a queue core hands through to its job table as it is: a job's record, its events
+    as readers follow them, cancellation, dead letters and the models seen."""
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
+    async def models(self) -> list[str]: ...
+
+
+class JobTable(TableReads, Protocol):
+    """What lanes leave to a job table: its reads (`TableReads`), workers' liveness, and the
+    settlement of a job that ended (its quota, its audit entry). Lanes keep the rest: enqueue,
+    claim, leases, the fenced appends and endings (which change the table under the lanes' own
+    fences), reaps (which read the liveness), depths."""
 
     settings: BrokerSettings
     clock: Clock
@@ -303,10 +311,6 @@ class JobTable(Records, EventReads, Cancellation, Protocol):
     async def beat(self, model: str, consumer: str) -> None:
         """As `Leases.beat`: the worker lives for `liveness_s` more."""
         ...
-
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
-
-    async def models(self) -> list[str]: ...
 
     async def settle(
         self, ended: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True

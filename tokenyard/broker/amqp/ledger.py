@@ -24,7 +24,7 @@ from tokenyard.broker.core import (
 from tokenyard.broker.outcomes import cancelled_result, dead_result
 from tokenyard.broker.redis.connection import ms, text
 from tokenyard.broker.redis.scripts import Call, Empty
-from tokenyard.broker.redis.table import ValkeyJobTable
+from tokenyard.broker.redis.table import OnTable
 from tokenyard.messages import (
     Finished,
     JobEvent,
@@ -38,14 +38,8 @@ from tokenyard.messages import (
 E = TypeVar("E", machine.Bury, machine.Finish)
 
 
-class Ledger:
+class Ledger(OnTable):
     """RabbitMQ lanes' bookkeeping in the Valkey job table."""
-
-    def __init__(self, table: ValkeyJobTable) -> None:
-        self.table = table
-        self.settings = table.settings
-        self.conn = table.conn
-        self.keys = table.keys
 
     # -- keys ------------------------------------------------------------------------------
     def lane_key(self, model: str, priority: Priority, pool: int) -> str:
@@ -60,6 +54,12 @@ class Ledger:
     def _lease_keys(self, lease: Lease) -> tuple[str, str]:
         """(job key, the lane's lease set) of a lease."""
         return self.keys.job(lease.spec.id), self.sets(lease.spec)[1]
+
+    def _end_keys(self, model: str) -> scripts.EndKeys:
+        k = self.keys
+        return scripts.EndKeys(
+            k.dead_letters(model), k.counters(model), k.cancels(model), k.delayed(model)
+        )
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
         job, idem, inflight = self.table.admission_keys(spec)
@@ -154,12 +154,7 @@ class Ledger:
         dead_error: str,
     ) -> Call:
         return scripts.TAKE.call(
-            scripts.TakeKeys(
-                counters=self.keys.counters(model),
-                dlq=self.keys.dead_letters(model),
-                delayed=self.keys.delayed(model),
-                cancels=self.keys.cancels(model),
-            ),
+            self._end_keys(model),
             scripts.TakeArgs(
                 now=repr(now),
                 consumer=consumer,
@@ -331,12 +326,7 @@ class Ledger:
         self, model: str, items: Sequence[tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]]
     ) -> Call:
         return scripts.BURY.call(
-            scripts.BuryKeys(
-                dlq=self.keys.dead_letters(model),
-                counters=self.keys.counters(model),
-                cancels=self.keys.cancels(model),
-                delayed=self.keys.delayed(model),
-            ),
+            self._end_keys(model),
             scripts.CompleteArgs(now=repr(self.table.clock()), ttl_ms=self.table.ttl_ms),
             items,
         )

@@ -40,15 +40,7 @@ from tokenyard.broker.policy import backoff_delay, stamp_by_model
 from tokenyard.broker.redis.connection import text as as_text
 from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
-from tokenyard.messages import (
-    JobEvent,
-    JobResult,
-    JobSpec,
-    JobStatus,
-    Priority,
-    TokenChunk,
-    decode,
-)
+from tokenyard.messages import JobEvent, JobResult, JobSpec, JobStatus, Priority, TokenChunk, decode
 
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
 # A resend republishes a job still queued and unpublished only once it is this old: its first

@@ -59,11 +59,13 @@ class WithdrawItemArgs(NamedTuple):
 WITHDRAW = ScriptSpec("withdraw", Empty, JobPrefixArg, JobKeys, WithdrawItemArgs, package=PACKAGE)
 
 
-class TakeKeys(NamedTuple):
-    counters: str
+class EndKeys(NamedTuple):
+    """A model's keys that a script which may end jobs writes (take.lua, bury.lua)."""
+
     dlq: str
-    delayed: str
+    counters: str
     cancels: str
+    delayed: str
 
 
 class LeaseItemKeys(NamedTuple):
@@ -93,7 +95,7 @@ class TakeItemArgs(NamedTuple):
 
 
 TAKE = ScriptSpec(
-    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends",), package=PACKAGE
+    "take", EndKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends",), package=PACKAGE
 )
 
 
@@ -215,13 +217,6 @@ REQUEUE = ScriptSpec(
 )
 
 
-class BuryKeys(NamedTuple):
-    dlq: str
-    counters: str
-    cancels: str
-    delayed: str
-
-
 class BuryItemKeys(NamedTuple):
     job: str
     events: str
@@ -245,7 +240,7 @@ class BuryItemArgs(NamedTuple):
 
 BURY = ScriptSpec(
     "bury",
-    BuryKeys,
+    EndKeys,
     CompleteArgs,
     BuryItemKeys,
     BuryItemArgs,

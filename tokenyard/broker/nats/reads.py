@@ -13,22 +13,18 @@ from nats.aio.msg import Msg
 
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
-from tokenyard.broker.nats.store import MARKER, Store, events_of
+from tokenyard.broker.nats.store import MARKER, Part, Store, events_of
 from tokenyard.messages import JobEvent, JobRecord, JobStatus
 
 REREAD_S = 0.25  # a blocked read reads again this often even when nothing woke it
 
 
-class Reads:
+class Reads(Part):
     """Events and records as readers see them."""
 
     def __init__(self, store: Store, endings: Endings) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
-        self.endings = endings
+        super().__init__(store)
+        self.endings = endings  # the endings every part's steps end jobs through
 
     async def read_events(
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
@@ -37,10 +33,7 @@ class Reads:
         return [(eid, event) for _, eid, event in found]
 
     async def read_events_many(
-        self,
-        cursors: Mapping[str, str],
-        block_s: float = 0.0,
-        count: int = 1000,
+        self, cursors: Mapping[str, str], block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, str, JobEvent]]:
         if not cursors:
             return []
