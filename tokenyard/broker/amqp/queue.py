@@ -237,7 +237,8 @@ class AmqpQueue(LanesOnTable):
         )
         forced = reason if force_dead else None
         step = machine.fail(held, lease.consumer, error, self.clock(), self.rules, delay, forced)
-        assert isinstance(step, machine.Step)  # the lease's holder fails it: never refused
+        if not isinstance(step, machine.Step):  # (its holder fails it: never refused)
+            return -1
         if step.ended:  # dead-lettered
             [code] = await self.ledger.bury([(lease, step)], cancel_wins=not force_dead)
             await self.lanes.let_go([lease])
