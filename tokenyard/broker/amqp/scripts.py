@@ -111,7 +111,13 @@ class EmitItemArgs(NamedTuple):
 
 
 EMIT = ScriptSpec(
-    "emit", Empty, Empty, EventKeys, EmitItemArgs, libraries=("holds",), package=PACKAGE
+    "emit",
+    Empty,
+    Empty,
+    EventKeys,
+    EmitItemArgs,
+    libraries=("holds", "events"),
+    package=PACKAGE,
 )
 
 
