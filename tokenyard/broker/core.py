@@ -221,7 +221,8 @@ class EventReads(Protocol):
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
         """Events with id greater than `after`; waits up to `block_s` when there are none."""
-        ...
+        found = await self.read_events_many({job_id: after}, block_s, count)
+        return [(eid, event) for _, eid, event in found]
 
     async def read_events_many(
         self,
