@@ -12,6 +12,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenyard.broker.core import EnqueueResult
+
 # how a command's one-line failure on stderr starts (cli/app.py `main`; a JSON line instead
 # where the command logs JSON)
 FAILURE_PREFIX = "tokenyard: "
@@ -43,11 +48,16 @@ class NotFound(UserError):
 
 
 class QueueFull(TokenyardError):
-    """The lane is at its bound; the caller should back off and retry."""
+    """The lane is at its bound; the caller should back off and retry.
+
+    Raised by an enqueue of several models' jobs, `admitted` holds the batch's results where
+    they stand (the models whose lanes took them) and None for the refused models' jobs, none
+    of which was added (`core.Producer.enqueue_many`)."""
 
     def __init__(self, lane: str, depth: int, limit: int) -> None:
         super().__init__(f"lane {lane} is full ({depth} >= {limit} jobs)")
         self.limit = limit
+        self.admitted: list[EnqueueResult | None] = []
 
 
 class BrokerUnavailable(TokenyardError):

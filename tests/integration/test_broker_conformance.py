@@ -698,6 +698,36 @@ async def test_full_lane_refuses_and_adds_nothing(make_backend: BackendFactory) 
     assert len(await broker.queue.claim(MODEL, "w", slots=10)) == 4
 
 
+async def test_a_full_lane_refuses_its_models_jobs_while_the_other_models_jobs_stand(
+    make_backend: BackendFactory,
+) -> None:
+    """A batch of several models' jobs is admitted model by model, each model's all or none
+    (core.QueueCore): the full lane's model adds none, the other model's are added and said."""
+    broker = make_backend(max_queue_depth=2)
+    other = "other-model"
+    await broker.queue.enqueue_many([job(), job()])  # MODEL's normal lane is full
+
+    def theirs() -> JobSpec:
+        return JobSpec(id=new_job_id(other), model=other, prompt="hi")
+
+    batch = [job(), theirs(), job(), theirs()]  # the refused model's jobs come first
+    with pytest.raises(QueueFull) as raised:
+        await broker.queue.enqueue_many(batch)
+    stand = [batch[1].id, batch[3].id]
+    assert [r and (r.job_id, r.created) for r in raised.value.admitted] == [
+        None,
+        (stand[0], True),
+        None,
+        (stand[1], True),
+    ]
+    found = await broker.queue.records([spec.id for spec in batch])
+    assert [rec is not None for rec in found] == [False, True, False, True]
+    assert await broker.queue.depth(MODEL) == 2 and await broker.queue.depth(other) == 2
+    taken = await broker.queue.claim(other, "w", slots=10)
+    assert sorted(lease.spec.id for lease in taken) == sorted(stand)
+    assert len(await broker.queue.claim(MODEL, "w", slots=10)) == 2
+
+
 async def test_release_hands_jobs_back_without_charging_a_delivery(
     make_backend: BackendFactory,
 ) -> None:

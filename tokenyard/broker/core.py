@@ -15,6 +15,7 @@ from typing import Protocol
 import msgspec
 
 from tokenyard.config import BrokerSettings
+from tokenyard.errors import QueueFull
 from tokenyard.messages import (
     DeadLetter,
     JobEvent,
@@ -127,11 +128,21 @@ class LaneBacklog(msgspec.Struct, frozen=True):
     tenants: list[TenantBacklog]  # staged jobs by tenant; the ones with none are left out
 
 
+def admitted(results: list[EnqueueResult | None], full: QueueFull | None) -> list[EnqueueResult]:
+    """An enqueue's results (one per job) or, where a model's lane refused its jobs (`full`;
+    their results None), that refusal raised with the results that stand (`QueueCore`)."""
+    if full is not None:
+        full.admitted = results
+        raise full
+    return [r for r in results if r is not None]
+
+
 class Producer(Protocol):
     """Puts jobs on their lanes (the gateway)."""
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
-        """Add jobs to their lanes; raises QueueFull if a lane is at its bound (nothing added)."""
+        """Add jobs to their lanes, each model's jobs all or none (see `QueueCore`): raises
+        QueueFull if a lane is at its bound, its `admitted` saying what stands."""
         ...
 
     async def enqueue(self, spec: JobSpec) -> EnqueueResult:
@@ -217,7 +228,8 @@ class EventReads(Protocol):
         self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, JobEvent]]:
         """Events with id greater than `after`; waits up to `block_s` when there are none."""
-        ...
+        found = await self.read_events_many({job_id: after}, block_s, count)
+        return [(eid, event) for _, eid, event in found]
 
     async def read_events_many(
         self,
@@ -286,12 +298,20 @@ class Stats(LaneCounts, Protocol):
     async def models(self) -> list[str]: ...
 
 
-class JobTable(Records, EventReads, Cancellation, Protocol):
-    """What lanes leave to a job table: a job's record, its events as readers follow them,
-    cancellation, workers' liveness, dead letters, the models seen, and the settlement of a
-    job that ended (its quota, its audit entry). Lanes keep the rest: enqueue, claim, leases,
-    the fenced appends and endings (which change the table under the lanes' own fences),
-    reaps (which read the liveness), depths."""
+class TableReads(Records, EventReads, Cancellation, Protocol):
+    """What a queue core hands through to its job table as it is: a job's record, its events
+    as readers follow them, cancellation, dead letters and the models seen."""
+
+    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
+
+    async def models(self) -> list[str]: ...
+
+
+class JobTable(TableReads, Protocol):
+    """What lanes leave to a job table: its reads (`TableReads`), workers' liveness, and the
+    settlement of a job that ended (its quota, its audit entry). Lanes keep the rest: enqueue,
+    claim, leases, the fenced appends and endings (which change the table under the lanes' own
+    fences), reaps (which read the liveness), depths."""
 
     settings: BrokerSettings
     clock: Clock
@@ -299,10 +319,6 @@ class JobTable(Records, EventReads, Cancellation, Protocol):
     async def beat(self, model: str, consumer: str) -> None:
         """As `Leases.beat`: the worker lives for `liveness_s` more."""
         ...
-
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]: ...
-
-    async def models(self) -> list[str]: ...
 
     async def settle(
         self, ended: Sequence[tuple[JobSpec, JobResult | None]], audited: bool = True
@@ -313,7 +329,15 @@ class JobTable(Records, EventReads, Cancellation, Protocol):
 
 
 class QueueCore(Producer, Leases, Events, Records, Cancellation, Stats, Protocol):
-    """Every queue role at once, and the settings the backend runs under."""
+    """Every queue role at once, and the settings the backend runs under.
+
+    A batch of jobs (`enqueue_many`) is admitted model by model, each model's jobs all or
+    none: when a lane of one model is at its bound, none of that model's jobs is added and
+    every other model's jobs are (as if each model's had come in a call of its own, as group
+    commit sends them: a full lane refuses exactly the jobs bound for it). The call then
+    raises that lane's QueueFull, whose `admitted` holds the batch's results where they stand
+    and None for the refused jobs, so a caller retries those alone.
+    """
 
     settings: BrokerSettings
     clock: Clock

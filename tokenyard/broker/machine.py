@@ -17,6 +17,7 @@ passed in.
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import msgspec
 
@@ -43,6 +44,24 @@ class Rules(msgspec.Struct, frozen=True):
     lease_s: float = 30.0
     max_deliveries: int = 5
     max_preemptions: int = 3  # times a job may be preempted (then it runs to its end)
+
+    @classmethod
+    def of(cls, settings: RulesSource) -> Rules:
+        """The rules a backend's settings (config.BrokerSettings) name."""
+        return cls(
+            lease_s=settings.lease_s,
+            max_deliveries=settings.max_deliveries,
+            max_preemptions=settings.max_preemptions,
+        )
+
+
+class RulesSource(Protocol):
+    @property
+    def lease_s(self) -> float: ...
+    @property
+    def max_deliveries(self) -> int: ...
+    @property
+    def max_preemptions(self) -> int: ...
 
 
 class JobState(msgspec.Struct, kw_only=True):

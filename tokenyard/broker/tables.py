@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -166,6 +166,16 @@ class Quotas(Protocol):
         ...
 
 
+class AuditQuery(NamedTuple):
+    """A read of the audit trail (`Audit.audit_entries`)."""
+
+    since: float
+    tenant: str | None
+    model: str | None
+    cursor: str | None
+    most: int  # entries read past the cursor at most (`count`)
+
+
 class Audit(Protocol):
     """The audit trail (tokenyard/broker/audit.py): every job's receipt and terminal state, bounded
     by `BrokerSettings.audit_max_len`; written by enqueue and the terminal paths themselves."""
@@ -180,6 +190,10 @@ class Audit(Protocol):
     ) -> tuple[str | None, list[AuditEntry]]:
         """Entries written at or after `since` (unix s) matching the filters, oldest first,
         from at most `count` read past `cursor`; the next cursor, None at the end."""
+        return await self.read_audit(AuditQuery(since, tenant, model, cursor, count))
+
+    async def read_audit(self, query: AuditQuery) -> tuple[str | None, list[AuditEntry]]:
+        """`audit_entries`, as each trail reads its store."""
         ...
 
 

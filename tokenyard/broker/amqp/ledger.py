@@ -10,8 +10,9 @@ alone, settles the jobs they end, and reads the lanes' counts from the sets.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+from tokenyard.broker import machine
 from tokenyard.broker.amqp import scripts
 from tokenyard.broker.core import (
     BrokerStats,
@@ -23,7 +24,7 @@ from tokenyard.broker.core import (
 from tokenyard.broker.outcomes import cancelled_result, dead_result
 from tokenyard.broker.redis.connection import ms, text
 from tokenyard.broker.redis.scripts import Call, Empty
-from tokenyard.broker.redis.table import ValkeyJobTable
+from tokenyard.broker.redis.table import OnTable
 from tokenyard.messages import (
     Finished,
     JobEvent,
@@ -34,15 +35,11 @@ from tokenyard.messages import (
     encode,
 )
 
+E = TypeVar("E", machine.Bury, machine.Finish)
 
-class Ledger:
+
+class Ledger(OnTable):
     """RabbitMQ lanes' bookkeeping in the Valkey job table."""
-
-    def __init__(self, table: ValkeyJobTable) -> None:
-        self.table = table
-        self.settings = table.settings
-        self.conn = table.conn
-        self.keys = table.keys
 
     # -- keys ------------------------------------------------------------------------------
     def lane_key(self, model: str, priority: Priority, pool: int) -> str:
@@ -57,6 +54,12 @@ class Ledger:
     def _lease_keys(self, lease: Lease) -> tuple[str, str]:
         """(job key, the lane's lease set) of a lease."""
         return self.keys.job(lease.spec.id), self.sets(lease.spec)[1]
+
+    def _end_keys(self, model: str) -> scripts.EndKeys:
+        k = self.keys
+        return scripts.EndKeys(
+            k.dead_letters(model), k.counters(model), k.cancels(model), k.delayed(model)
+        )
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
         job, idem, inflight = self.table.admission_keys(spec)
@@ -99,30 +102,29 @@ class Ledger:
     async def withdraw(
         self,
         specs: Sequence[JobSpec],
-        results: Sequence[EnqueueResult],
+        results: Sequence[EnqueueResult | None],
         by_model: dict[str, list[int]],
         msgs: Sequence[str],
     ) -> None:
-        """Take back what an enqueue admitted (withdraw.lua): all of it or nothing stands."""
-        calls = [
-            scripts.WITHDRAW.call(
-                Empty(),
-                scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model)),
-                [
-                    (
-                        self._job_keys(specs[i]),
-                        scripts.WithdrawItemArgs(
-                            job_id=specs[i].id,
-                            created="1" if results[i].created else "0",
-                            joined=results[i].job_id if results[i].collapsed else "",
-                            msg=msgs[i],
-                        ),
-                    )
-                    for i in indexes
-                ],
-            )
-            for model, indexes in by_model.items()
-        ]
+        """Take back what an enqueue admitted of these models' jobs (withdraw.lua; a result
+        None: the job was not admitted)."""
+        calls = []
+        for model, indexes in by_model.items():
+            items = []
+            for i in indexes:
+                result = results[i]
+                if result is None:
+                    continue
+                args = scripts.WithdrawItemArgs(
+                    job_id=specs[i].id,
+                    created="1" if result.created else "0",
+                    joined=result.job_id if result.collapsed else "",
+                    msg=msgs[i],
+                )
+                items.append((self._job_keys(specs[i]), args))
+            if items:
+                prefix = scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model))
+                calls.append(scripts.WITHDRAW.call(Empty(), prefix, items))
         await self.conn.eval_many(calls)
 
     # -- leases ----------------------------------------------------------------------------
@@ -152,12 +154,7 @@ class Ledger:
         dead_error: str,
     ) -> Call:
         return scripts.TAKE.call(
-            scripts.TakeKeys(
-                counters=self.keys.counters(model),
-                dlq=self.keys.dead_letters(model),
-                delayed=self.keys.delayed(model),
-                cancels=self.keys.cancels(model),
-            ),
+            self._end_keys(model),
             scripts.TakeArgs(
                 now=repr(now),
                 consumer=consumer,
@@ -242,22 +239,28 @@ class Ledger:
         )
 
     async def bury(
-        self, dying: Sequence[tuple[Lease, str]], reason: str, cancel_wins: bool = False
+        self, dying: Sequence[tuple[Lease, machine.Step]], cancel_wins: bool = False
     ) -> list[int]:
-        """Dead-letter jobs whose lease the caller holds, each with its error (with
-        `cancel_wins`, one a client asked to cancel ends cancelled instead); settles those
-        that ended. Per job 1 dead, 2 cancelled, 0 fenced."""
+        """Dead-letter jobs whose lease the caller holds, each as the machine's step says (its
+        `Bury` and `Finish`; with `cancel_wins`, one a client asked to cancel ends cancelled
+        instead); settles those that ended. Per job 1 dead, 2 cancelled, 0 fenced."""
         if not dying:
             return []
-        ends = [dead_result(f"{reason}: {error}") for _, error in dying]
+        letters = [_effect(step, machine.Bury) for _, step in dying]
+        ends = [_effect(step, machine.Finish).result for _, step in dying]
 
         def call(batch: list[int]) -> Call:
             items = []
             for i in batch:
-                lease, error = dying[i]
+                lease, letter = dying[i][0], letters[i]
                 items.append(
                     self._bury_item(
-                        lease.spec, reason, error, ends[i], lease=lease, cancel_wins=cancel_wins
+                        lease.spec,
+                        letter.reason,
+                        letter.error,
+                        ends[i],
+                        lease=lease,
+                        cancel_wins=cancel_wins,
                     )
                 )
             return self._bury_call(dying[batch[0]][0].spec.model, items)
@@ -323,12 +326,7 @@ class Ledger:
         self, model: str, items: Sequence[tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]]
     ) -> Call:
         return scripts.BURY.call(
-            scripts.BuryKeys(
-                dlq=self.keys.dead_letters(model),
-                counters=self.keys.counters(model),
-                cancels=self.keys.cancels(model),
-                delayed=self.keys.delayed(model),
-            ),
+            self._end_keys(model),
             scripts.CompleteArgs(now=repr(self.table.clock()), ttl_ms=self.table.ttl_ms),
             items,
         )
@@ -487,3 +485,8 @@ class Ledger:
                 )
             )
         return out
+
+
+def _effect(step: machine.Step, kind: type[E]) -> E:
+    """The step's effect of `kind` (a dead-lettering step has one `Bury` and one `Finish`)."""
+    return next(e for e in step.effects if isinstance(e, kind))

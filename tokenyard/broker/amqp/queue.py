@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from tokenyard.broker import audit
+from tokenyard.broker import audit, machine
 from tokenyard.broker.amqp.connection import AmqpConnection, Refused
 from tokenyard.broker.amqp.lanes import Delivery, RabbitLanes, new_msg
 from tokenyard.broker.amqp.ledger import Ledger
@@ -32,22 +32,15 @@ from tokenyard.broker.core import (
     EnqueueResult,
     Lease,
     ReapReport,
+    admitted,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
-from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, stamp_by_model
 from tokenyard.broker.redis.connection import text as as_text
 from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
-from tokenyard.messages import (
-    JobEvent,
-    JobResult,
-    JobSpec,
-    Priority,
-    TokenChunk,
-    decode,
-)
+from tokenyard.messages import JobEvent, JobResult, JobSpec, JobStatus, Priority, TokenChunk, decode
 
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
 # A resend republishes a job still queued and unpublished only once it is this old: its first
@@ -72,7 +65,8 @@ class AmqpQueue(LanesOnTable):
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """Records first (one script per model, with the receipts), then each new job's message,
-        confirmed; a refused one withdraws the whole batch (QueueFull: nothing added)."""
+        confirmed. Each model's jobs all or none (core.QueueCore): a model whose lane is full,
+        by the records' count or by RabbitMQ refusing a message, has its jobs withdrawn."""
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         for model in by_model:
@@ -85,12 +79,12 @@ class AmqpQueue(LanesOnTable):
         receipts = [audit.received(spec, now) for spec in specs]
         replies, ids = await self.table.eval_audited(calls, receipts)
         await self.table.note_models(by_model)
-        results: list[EnqueueResult] = [EnqueueResult(job_id="", created=False)] * len(specs)
+        results: list[EnqueueResult | None] = [None] * len(specs)
         publish: list[int] = []  # the new jobs, and resent ones whose message never went out
         full: QueueFull | None = None
         for indexes, (code, rows) in zip(by_model.values(), replies, strict=True):
             if code == -1:  # none of this model's jobs was added
-                full = self.table.lane_full(specs, indexes, rows)
+                full = full or self.table.lane_full(specs, indexes, rows)
                 continue
             for i, (created, job_id, joined, again) in zip(indexes, rows, strict=True):
                 results[i] = EnqueueResult(
@@ -98,30 +92,34 @@ class AmqpQueue(LanesOnTable):
                 )
                 if again == 1:
                     publish.append(i)
-        if full is not None:  # the other models' jobs are withdrawn: all or nothing
-            await self.ledger.withdraw(specs, results, by_model, msgs)
-            await self.table.audit.take_back(ids)
-            raise full
         sent = await asyncio.gather(
-            *(self.lanes.publish(specs[i], results[i].job_id, msgs[i]) for i in publish),
+            *(self.lanes.publish(specs[i], _id(results[i]), msgs[i]) for i in publish),
             return_exceptions=True,
         )
-        failed = [outcome for outcome in sent if isinstance(outcome, BaseException)]
-        if failed:
+        failed = {i: o for i, o in zip(publish, sent, strict=True) if isinstance(o, BaseException)}
+        broken = next((o for o in failed.values() if not isinstance(o, Refused)), None)
+        if broken is not None:  # the call's failure (the connection's): nothing stands
             await self.ledger.withdraw(specs, results, by_model, msgs)
             await self.table.audit.take_back(ids)
-            refused = next((f for f in failed if isinstance(f, Refused)), None)
-            if refused is not None:
-                raise QueueFull(
-                    refused.queue, self.settings.max_queue_depth, self.settings.max_queue_depth
-                )
-            raise failed[0]
-        await self.table.audit.take_back([ids[i] for i, r in enumerate(results) if not r.created])
-        if publish:  # confirmed: a resend of these finds them published
+            raise broken
+        if failed:  # RabbitMQ refused a message: its lane is full, its model's jobs withdrawn
+            refused = {specs[i].model for i in failed}
+            dropped = {m: indexes for m, indexes in by_model.items() if m in refused}
+            await self.ledger.withdraw(specs, results, dropped, msgs)
+            for i in (i for indexes in dropped.values() for i in indexes):
+                results[i] = None
+            queue = next(o.queue for o in failed.values() if isinstance(o, Refused))
+            limit = self.settings.max_queue_depth
+            full = full or QueueFull(queue, limit, limit)
+        await self.table.audit.take_back(
+            [ids[i] for i, r in enumerate(results) if r is None or not r.created]
+        )
+        standing = [i for i in publish if results[i] is not None]
+        if standing:  # confirmed: a resend of these finds them published
             await self.conn.checked(
-                [("HSET", self.keys.job(results[i].job_id), "pub", 1) for i in publish]
+                [("HSET", self.keys.job(_id(results[i])), "pub", 1) for i in standing]
             )
-        return results
+        return admitted(results, full)
 
     # -- consuming -------------------------------------------------------------------------
     async def _claim(self, ask: Claim) -> list[Lease]:
@@ -169,7 +167,7 @@ class AmqpQueue(LanesOnTable):
             items.append(self.ledger.take_item(job_id, msg, token, lane))
         if not items:
             return []
-        dead_error = lapsed_error(self.settings.max_deliveries)
+        dead_error = machine.lapsed_error(self.settings.max_deliveries)
         call = self.ledger.take(model, consumer, items, now, dead_error)
         rows = await self.conn.run(call)
         leases: list[Lease] = []
@@ -229,13 +227,22 @@ class AmqpQueue(LanesOnTable):
         """1 retrying (after backoff, through a delay queue), 0 dead-lettered, 2 ended
         cancelled (a client asked while it ran), -1 fenced."""
         spec = lease.spec
-        if force_dead or spec.attempt + 1 >= self.settings.max_deliveries:
-            [code] = await self.ledger.bury([(lease, error)], reason, cancel_wins=not force_dead)
-            await self.lanes.let_go([lease])
-            return {1: 0, 2: 2}.get(code, -1)
         delay = backoff_delay(
             spec.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
         )
+        # the machine decides on what the lease knows (this is delivery attempt + 1); whether a
+        # client asked to cancel meanwhile, bury.lua and requeue.lua read under the fence
+        held = machine.JobState(
+            status=JobStatus.RUNNING, deliveries=spec.attempt + 1, holder=lease.consumer
+        )
+        forced = reason if force_dead else None
+        step = machine.fail(held, lease.consumer, error, self.clock(), self.rules, delay, forced)
+        if not isinstance(step, machine.Step):  # (its holder fails it: never refused)
+            return -1
+        if step.ended:  # dead-lettered
+            [code] = await self.ledger.bury([(lease, step)], cancel_wins=not force_dead)
+            await self.lanes.let_go([lease])
+            return {1: 0, 2: 2}.get(code, -1)
         msg, delay = await self.lanes.publish_after(spec, delay)
         [code] = await self.ledger.requeue([(lease, msg)], error=error, due_at=self.clock() + delay)
         await self.lanes.let_go([lease])
@@ -279,22 +286,28 @@ class AmqpQueue(LanesOnTable):
         now = self.clock()
         rows = await self.ledger.expired(model, expired, now, REAP_BATCH)
         found = await self.records([as_text(row[0]) for row in rows])
-        at_limit: list[Lease] = []
+        dying: list[tuple[Lease, machine.Step]] = []
         again: list[Lease] = []
         lapsed: set[str] = set()  # job ids whose holder lapsed: their deadline need not be past
         for (_, consumer, token, deliveries, gone), rec in zip(rows, found, strict=True):
             if rec is None:
                 continue
             lease = Lease(spec=rec.spec, entry_id=as_text(token), consumer=as_text(consumer))
-            (at_limit if int(deliveries) >= self.settings.max_deliveries else again).append(lease)
+            # expired.lua found its lease past or its holder gone: the machine says what next
+            held = machine.JobState(
+                status=JobStatus.RUNNING, deliveries=int(deliveries), holder=lease.consumer
+            )
+            step = machine.lapse(held, now, self.rules, holder_alive=False)
+            if isinstance(step, machine.Step) and step.ended:
+                dying.append((lease, step))
+            else:
+                again.append(lease)
             if int(gone):
                 lapsed.add(rec.spec.id)
         dead_ids: list[str] = []
-        if at_limit:
-            errors = [lapsed_error(x.spec.attempt + 1) for x in at_limit]
-            dying = list(zip(at_limit, errors, strict=True))
-            codes = await self.ledger.bury(dying, "lease_expired", cancel_wins=True)
-            dead_ids = [lease.spec.id for lease, c in zip(at_limit, codes, strict=True) if c == 1]
+        if dying:
+            codes = await self.ledger.bury(dying, cancel_wins=True)
+            dead_ids = [lease.spec.id for (lease, _), c in zip(dying, codes, strict=True) if c == 1]
         requeued: list[str] = []
         for group, by in (
             ([x for x in again if x.spec.id not in lapsed], now),
@@ -338,3 +351,9 @@ class AmqpQueue(LanesOnTable):
         if outcome is CancelOutcome.CANCELLED:
             await self.ledger.unwait(job_id)
         return outcome
+
+
+def _id(result: EnqueueResult | None) -> str:
+    """The job id of an admitted job's result (an enqueue publishes only those)."""
+    assert result is not None
+    return result.job_id

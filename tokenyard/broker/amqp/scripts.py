@@ -59,11 +59,13 @@ class WithdrawItemArgs(NamedTuple):
 WITHDRAW = ScriptSpec("withdraw", Empty, JobPrefixArg, JobKeys, WithdrawItemArgs, package=PACKAGE)
 
 
-class TakeKeys(NamedTuple):
-    counters: str
+class EndKeys(NamedTuple):
+    """A model's keys that a script which may end jobs writes (take.lua, bury.lua)."""
+
     dlq: str
-    delayed: str
+    counters: str
     cancels: str
+    delayed: str
 
 
 class LeaseItemKeys(NamedTuple):
@@ -93,7 +95,7 @@ class TakeItemArgs(NamedTuple):
 
 
 TAKE = ScriptSpec(
-    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends",), package=PACKAGE
+    "take", EndKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends",), package=PACKAGE
 )
 
 
@@ -109,7 +111,13 @@ class EmitItemArgs(NamedTuple):
 
 
 EMIT = ScriptSpec(
-    "emit", Empty, Empty, EventKeys, EmitItemArgs, libraries=("holds",), package=PACKAGE
+    "emit",
+    Empty,
+    Empty,
+    EventKeys,
+    EmitItemArgs,
+    libraries=("holds", "events"),
+    package=PACKAGE,
 )
 
 
@@ -216,13 +224,6 @@ REQUEUE = ScriptSpec(
 )
 
 
-class BuryKeys(NamedTuple):
-    dlq: str
-    counters: str
-    cancels: str
-    delayed: str
-
-
 class BuryItemKeys(NamedTuple):
     job: str
     events: str
@@ -246,7 +247,7 @@ class BuryItemArgs(NamedTuple):
 
 BURY = ScriptSpec(
     "bury",
-    BuryKeys,
+    EndKeys,
     CompleteArgs,
     BuryItemKeys,
     BuryItemArgs,

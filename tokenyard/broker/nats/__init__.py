@@ -35,6 +35,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     from tokenyard.broker.nats.queue import NatsQueue
     from tokenyard.broker.nats.responses import NatsResponses, NatsStoredResponses
     from tokenyard.broker.nats.series import NatsSeries
+    from tokenyard.broker.nats.store import Store
     from tokenyard.broker.nats.tables import NatsDirectory, NatsQuotas, NatsRegistry
 
     conn = NatsConnection(settings)
@@ -44,7 +45,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
     registry = NatsRegistry(conn, names, clock)
     return Backend(
         settings=settings,
-        queue=NatsQueue(settings, conn, names, quotas, audit, registry, clock),
+        queue=NatsQueue(Store(settings, conn, names, quotas, audit, registry, clock)),
         directory=NatsDirectory(conn, names, clock),
         quotas=quotas,
         audit=audit,

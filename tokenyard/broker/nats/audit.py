@@ -14,7 +14,7 @@ from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
 from tokenyard.broker.nats.connection import NatsConnection
 from tokenyard.broker.nats.names import Names
-from tokenyard.broker.tables import Audit
+from tokenyard.broker.tables import Audit, AuditQuery
 from tokenyard.messages import decode, encode
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,8 @@ class NatsAudit(Audit, Mirrored):
             if stood:
                 self.sink.offer(stood)
 
-    async def audit_entries(
-        self,
-        since: float,
-        tenant: str | None = None,
-        model: str | None = None,
-        cursor: str | None = None,
-        count: int = 1000,
-    ) -> tuple[str | None, list[AuditEntry]]:
+    async def read_audit(self, query: AuditQuery) -> tuple[str | None, list[AuditEntry]]:
+        since, tenant, model, cursor, count = query
         if self.max_len <= 0:
             return None, []
         await self.flush()

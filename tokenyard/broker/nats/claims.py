@@ -19,12 +19,21 @@ from nats.aio.msg import Msg
 
 from tokenyard.broker import machine
 from tokenyard.broker.core import Lease
+from tokenyard.broker.lanes import Claim
 from tokenyard.broker.machine import Refused, Step
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names, token
 from tokenyard.broker.nats.records import StoredJob
-from tokenyard.broker.nats.store import ENQUEUED_AT, REVISION, Fenced, Holding, Store, event_id
+from tokenyard.broker.nats.store import (
+    ENQUEUED_AT,
+    REVISION,
+    Fenced,
+    Holding,
+    Part,
+    Store,
+    event_id,
+)
 from tokenyard.broker.policy import (
     active_tag,
     advanced,
@@ -59,16 +68,12 @@ class LaneView:
     virtual: float = 0.0
 
 
-class Claims:
+class Claims(Part):
     """The claiming side of the queue core: what this worker knows of the lanes, and the takes."""
 
     def __init__(self, store: Store, endings: Endings) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
-        self.endings = endings
+        super().__init__(store)
+        self.endings = endings  # the endings every part's steps end jobs through
         self._rounds: dict[str, int] = defaultdict(int)
         self._idle: dict[str, bool] = {}  # per model: the last claim found nothing
         self._lanes: dict[str, LaneView] = defaultdict(LaneView)
@@ -115,17 +120,9 @@ class Claims:
             self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
         return event
 
-    async def claim(
-        self,
-        model: str,
-        consumer: str,
-        slots: int,
-        block_s: float = 0.0,
-        pools: Sequence[int] = (0,),
-        batch_room: int | None = None,
-    ) -> list[Lease]:
-        if slots <= 0:
-            return []
+    async def claim(self, ask: Claim) -> list[Lease]:
+        """`Leases.claim` of at least one slot."""
+        model, consumer, slots, block_s, pools, batch_room = ask
         give_up_at = time.monotonic() + block_s
         woke = await self._wake_event(model)
         # While claims find work, and after a wake-up, what this worker knows of the lanes

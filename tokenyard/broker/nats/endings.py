@@ -13,19 +13,12 @@ from tokenyard.broker.core import CancelOutcome
 from tokenyard.broker.machine import Bury, Count, Step
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob
-from tokenyard.broker.nats.store import Fenced, Store
+from tokenyard.broker.nats.store import Fenced, Part
 from tokenyard.messages import Finished, JobResult, encode
 
 
-class Endings:
+class Endings(Part):
     """Endings and cancellation, carried out as the job state machine's steps."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
 
     async def end(
         self,

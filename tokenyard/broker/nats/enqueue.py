@@ -7,18 +7,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Awaitable, Sequence
+from typing import Literal, TypeVar
 
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from tokenyard.broker import audit
-from tokenyard.broker.core import EnqueueResult
+from tokenyard.broker.core import EnqueueResult, admitted
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, encode_job
-from tokenyard.broker.nats.store import DUPLICATE_WINDOW_S, ENQUEUED_AT, MSG_ID, REVISION, Store
+from tokenyard.broker.nats.store import (
+    DUPLICATE_WINDOW_S,
+    ENQUEUED_AT,
+    MSG_ID,
+    REVISION,
+    Part,
+    Store,
+)
 from tokenyard.broker.policy import hold_for, joinable, stamp_by_model
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobSpec, JobStatus, encode
@@ -28,24 +35,23 @@ _FULL = (10077, 10078)  # JetStream: maximum messages (or bytes) exceeded
 # may be between the key and the record) before taking the key over
 RECORD_GRACE_S = 2.0
 
+T = TypeVar("T")
 
-class Enqueuer:
+
+class Enqueuer(Part):
     """The producing side of the queue core."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
-        self._models: set[str] = set()
+        super().__init__(store)
+        self._models: set[str] = set()  # models this process noted in the models set
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
-        """Per model all-or-nothing against the lane bounds: a refused job takes back the
-        model's jobs this call added."""
+        """Per model all-or-nothing against the lane bounds (core.QueueCore): a refused job
+        takes back the model's jobs this call added; the other models' stand."""
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         results: list[EnqueueResult | None] = [None] * len(specs)
+        full: QueueFull | None = None
         for model, indexes in by_model.items():
             await self._note_model(model)
             # who each prefixed job is held for, in order: the batch's own holds count
@@ -55,17 +61,21 @@ class Enqueuer:
             turns = [asyncio.Event() for _ in indexes]
             outcomes = await asyncio.gather(
                 *(
-                    self._enqueue_one(specs[i], now, o, turns[k - 1] if k else None, turns[k])
+                    _passing(
+                        turns[k],
+                        self._enqueue_one(specs[i], now, o, turns[k - 1] if k else None, turns[k]),
+                    )
                     for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
                 ),
                 return_exceptions=True,
             )
-            full = next((o for o in outcomes if isinstance(o, QueueFull)), None)
-            if full is not None:
+            refused = next((o for o in outcomes if isinstance(o, QueueFull)), None)
+            if refused is not None:
                 await self._take_back(
                     [(specs[i], o) for i, o in zip(indexes, outcomes, strict=True)]
                 )
-                raise full
+                full = full or refused
+                continue
             for i, outcome in zip(indexes, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -76,7 +86,7 @@ class Enqueuer:
         created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
         if created:
             self.store.audit.append_soon([audit.received(spec, now) for spec in created])
-        return [r for r in results if r is not None]
+        return admitted(results, full)
 
     async def _note_model(self, model: str) -> None:
         if model in self._models:
@@ -139,20 +149,8 @@ class Enqueuer:
         turn: asyncio.Event,
     ) -> tuple[EnqueueResult, str]:
         """(result, the subject it was published on or ''): the job's record, its keys, then
-        its lane message, sent once the job before it in the batch sent its own (`after`)."""
-        try:
-            return await self._enqueue_in_turn(spec, now, owner, after, turn)
-        finally:
-            turn.set()
-
-    async def _enqueue_in_turn(
-        self,
-        spec: JobSpec,
-        now: float,
-        owner: str | None,
-        after: asyncio.Event | None,
-        turn: asyncio.Event,
-    ) -> tuple[EnqueueResult, str]:
+        its lane message, sent once the job before it in the batch sent its own (`after`); its
+        `turn` passes when it sends its own (the caller passes it however this ends)."""
         kv = await self.store.jobs()
         resend: tuple[StoredJob, int] | None = None
         if spec.idempotency_key:
@@ -347,3 +345,11 @@ class Enqueuer:
             return None
         assigned[subject] += 1
         return owner
+
+
+async def _passing(turn: asyncio.Event, step: Awaitable[T]) -> T:
+    """`step`'s outcome; `turn` passes however it ends (the batch's next job waits for it)."""
+    try:
+        return await step
+    finally:
+        turn.set()

@@ -13,19 +13,12 @@ import nats.js.errors
 from tokenyard.broker.core import BrokerStats, LaneBacklog, LaneStats, TenantBacklog
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.names import Names
-from tokenyard.broker.nats.store import Store
+from tokenyard.broker.nats.store import Part
 from tokenyard.messages import DeadLetter, JobSpec, Priority, decode
 
 
-class Introspection:
+class Introspection(Part):
     """Stats, depth and backlog."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
 
     async def _lane_counts(
         self, model: str

@@ -20,7 +20,7 @@ from tokenyard.broker.nats.connection import kv_change, kv_entry, sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import Liveness, StoredJob, encode_job
-from tokenyard.broker.nats.store import RESEND_S, Fenced, Store, event_id
+from tokenyard.broker.nats.store import RESEND_S, Fenced, Part, Store, event_id
 from tokenyard.broker.policy import backoff_delay, lapsed
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
@@ -36,16 +36,12 @@ from tokenyard.messages import (
 )
 
 
-class Leases:
+class Leases(Part):
     """The lease holder's side of the queue core, and the reap."""
 
     def __init__(self, store: Store, endings: Endings) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
-        self.endings = endings
+        super().__init__(store)
+        self.endings = endings  # the endings every part's steps end jobs through
 
     async def _ours(self, lease: Lease) -> tuple[StoredJob, int] | None:
         """The record, if the lease still holds it (running, this consumer, this delivery).

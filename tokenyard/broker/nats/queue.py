@@ -17,107 +17,63 @@ by whoever meets it (a claim, a broker-side ending, a reader past the holder's l
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from tokenyard.broker.core import (
-    BrokerStats,
-    CancelOutcome,
-    Clock,
-    EnqueueResult,
-    LaneBacklog,
-    Lease,
-    QueueCore,
-    ReapReport,
-)
-from tokenyard.broker.group_commit import GroupCommit
-from tokenyard.broker.nats.audit import NatsAudit
+from tokenyard.broker.core import EnqueueResult, Lease, ReapReport
+from tokenyard.broker.lanes import Claim, Front
 from tokenyard.broker.nats.claims import Claims
-from tokenyard.broker.nats.connection import NatsConnection
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.enqueue import Enqueuer
 from tokenyard.broker.nats.introspection import Introspection
 from tokenyard.broker.nats.leases import Leases
-from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.reads import Reads
 from tokenyard.broker.nats.store import Store
-from tokenyard.broker.nats.tables import NatsQuotas, NatsRegistry
-from tokenyard.config import BrokerSettings
-from tokenyard.messages import (
-    DeadLetter,
-    JobEvent,
-    JobRecord,
-    JobResult,
-    JobSpec,
-    TokenChunk,
-)
+from tokenyard.messages import JobEvent, JobResult, JobSpec, TokenChunk
 
 
-class NatsQueue(QueueCore):
+class NatsTable(Reads, Endings, Introspection):
+    """What the NATS queue core hands through as it is (`core.TableReads`) and its lanes'
+    counts: readers (reads.py), cancellation (endings.py), counts, dead letters and models
+    (introspection.py), on the one store. It is the endings every other part ends jobs
+    through."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store, self)
+
+
+class NatsQueue(Front):
     """The queue core on NATS JetStream (nats-server >= 2.11), composed by role: the enqueue
     path (enqueue.py), claims (claims.py), holding a lease and the reap (leases.py), endings and
     cancellation (endings.py), readers (reads.py) and counts (introspection.py), each on the one
     shared state and its primitive writes (store.py)."""
 
-    def __init__(
-        self,
-        settings: BrokerSettings,
-        conn: NatsConnection,
-        names: Names,
-        quotas: NatsQuotas,
-        audit_trail: NatsAudit,
-        registry: NatsRegistry,
-        clock: Clock = time.time,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.settings = settings
-        self.clock = clock
-        self.conn = conn
-        self.names = names
-        self.store = Store(
-            settings, conn, names, quotas, audit_trail, registry, clock, rng or random.Random()
-        )
-        self.endings = Endings(self.store)
+    def __init__(self, store: Store) -> None:
+        super().__init__(store.settings, store.clock)
+        self.conn = store.conn
+        self.names = store.names
+        self.store = store
+        self.table = self.counts = self.endings = NatsTable(self.store)
         self.producer = Enqueuer(self.store)
         self.claims = Claims(self.store, self.endings)
         self.leases = Leases(self.store, self.endings)
-        self.reads = Reads(self.store, self.endings)
-        self.introspection = Introspection(self.store)
-        self._group = GroupCommit(
-            self.producer.enqueue_many,
-            max_batch=settings.enqueue_batch,
-            window_s=settings.enqueue_window_s,
-        )
 
     async def close(self) -> None:
-        await self._group.close()
+        await super().close()
         await self.store.audit.flush()
         await self.claims.close()
 
-    # -- producing --------------------------------------------------------------------------
-    async def enqueue(self, spec: JobSpec) -> EnqueueResult:
-        return await self._group.enqueue(spec)
-
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
-        """Per model all-or-nothing against the lane bounds: a refused job takes back the
-        model's jobs this call added."""
         return await self.producer.enqueue_many(specs)
 
-    # -- leases -----------------------------------------------------------------------------
-    async def claim(
-        self,
-        model: str,
-        consumer: str,
-        slots: int,
-        block_s: float = 0.0,
-        pools: Sequence[int] = (0,),
-        batch_room: int | None = None,
-    ) -> list[Lease]:
-        return await self.claims.claim(model, consumer, slots, block_s, pools, batch_room)
+    async def _claim(self, ask: Claim) -> list[Lease]:
+        return await self.claims.claim(ask)
 
+    # -- the lease holder's (leases.py) ------------------------------------------------------
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:
         return await self.leases.renew(leases)
+
+    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
+        return await self.leases.append_events(events)
 
     async def complete_many(
         self,
@@ -143,49 +99,3 @@ class NatsQueue(QueueCore):
 
     async def reap(self, model: str, expired: bool = True) -> ReapReport:
         return await self.leases.reap(model, expired)
-
-    # -- events and records -----------------------------------------------------------------
-    async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
-        return await self.leases.append_events(events)
-
-    async def read_events(
-        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
-    ) -> list[tuple[str, JobEvent]]:
-        return await self.reads.read_events(job_id, after, block_s, count)
-
-    async def read_events_many(
-        self, cursors: Mapping[str, str], block_s: float = 0.0, count: int = 1000
-    ) -> list[tuple[str, str, JobEvent]]:
-        return await self.reads.read_events_many(cursors, block_s, count)
-
-    async def record(self, job_id: str) -> JobRecord | None:
-        return await self.reads.record(job_id)
-
-    async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
-        return await self.reads.records(job_ids)
-
-    # -- cancellation -----------------------------------------------------------------------
-    async def cancel(self, job_id: str) -> CancelOutcome:
-        return await self.endings.cancel(job_id)
-
-    async def leave(self, job_id: str, followers: int = 1) -> CancelOutcome:
-        return await self.endings.leave(job_id, followers)
-
-    async def cancelled(self, model: str, job_ids: Sequence[str]) -> set[str]:
-        return await self.endings.cancelled(model, job_ids)
-
-    # -- introspection ----------------------------------------------------------------------
-    async def stats(self, model: str) -> BrokerStats:
-        return await self.introspection.stats(model)
-
-    async def depth(self, model: str) -> int:
-        return await self.introspection.depth(model)
-
-    async def dead_letters(self, model: str, count: int = 100) -> list[DeadLetter]:
-        return await self.introspection.dead_letters(model, count)
-
-    async def backlog(self, model: str) -> list[LaneBacklog]:
-        return await self.introspection.backlog(model)
-
-    async def models(self) -> list[str]:
-        return await self.introspection.models()

@@ -11,36 +11,24 @@ from collections.abc import Mapping, Sequence
 
 from nats.aio.msg import Msg
 
+from tokenyard.broker.core import EventReads
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
-from tokenyard.broker.nats.store import MARKER, Store, events_of
+from tokenyard.broker.nats.store import MARKER, Part, Store, events_of
 from tokenyard.messages import JobEvent, JobRecord, JobStatus
 
 REREAD_S = 0.25  # a blocked read reads again this often even when nothing woke it
 
 
-class Reads:
-    """Events and records as readers see them."""
+class Reads(Part, EventReads):
+    """Events and records as readers see them (a job's events: `EventReads.read_events`)."""
 
     def __init__(self, store: Store, endings: Endings) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.clock = store.clock
-        self.conn = store.conn
-        self.names = store.names
-        self.endings = endings
-
-    async def read_events(
-        self, job_id: str, after: str = "0", block_s: float = 0.0, count: int = 1000
-    ) -> list[tuple[str, JobEvent]]:
-        found = await self.read_events_many({job_id: after}, block_s, count)
-        return [(eid, event) for _, eid, event in found]
+        super().__init__(store)
+        self.endings = endings  # the endings every part's steps end jobs through
 
     async def read_events_many(
-        self,
-        cursors: Mapping[str, str],
-        block_s: float = 0.0,
-        count: int = 1000,
+        self, cursors: Mapping[str, str], block_s: float = 0.0, count: int = 1000
     ) -> list[tuple[str, str, JobEvent]]:
         if not cursors:
             return []

@@ -85,7 +85,7 @@ class Store:
         audit_trail: NatsAudit,
         registry: NatsRegistry,
         clock: Clock,
-        rng: random.Random,
+        rng: random.Random | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -94,12 +94,8 @@ class Store:
         self.quotas = quotas
         self.audit = audit_trail
         self.registry = registry
-        self.rng = rng
-        self.rules = machine.Rules(
-            lease_s=settings.lease_s,
-            max_deliveries=settings.max_deliveries,
-            max_preemptions=settings.max_preemptions,
-        )
+        self.rng = rng or random.Random()  # retry backoff's jitter
+        self.rules = machine.Rules.of(settings)
         self.consumers: set[tuple[str, str]] = set()
         self.holding: dict[str, Holding] = {}  # lease entry id -> what fences it
         self._lanes: dict[tuple[str, Priority, int], str] = {}  # lane streams made
@@ -458,3 +454,15 @@ def _wrong_last_is_none(answer: asyncio.Future[int]) -> asyncio.Future[int | Non
 
     answer.add_done_callback(done)
     return out
+
+
+class Part:
+    """A role of the NATS queue core (enqueue.py, claims.py, leases.py, endings.py, reads.py,
+    introspection.py): each works on the one shared store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.settings = store.settings
+        self.clock = store.clock
+        self.conn = store.conn
+        self.names = store.names

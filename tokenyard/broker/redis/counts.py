@@ -11,19 +11,12 @@ from tokenyard.broker.core import BrokerStats, LaneBacklog, LaneStats, TenantBac
 from tokenyard.broker.redis.channel import Command
 from tokenyard.broker.redis.connection import text
 from tokenyard.broker.redis.keys import GROUP
-from tokenyard.broker.redis.table import ValkeyJobTable
+from tokenyard.broker.redis.table import OnTable
 from tokenyard.messages import Priority
 
 
-class StreamCounts:
+class StreamCounts(OnTable):
     """`Stats` for Redis Streams lanes (depths, ages, backlog) over the job table's server."""
-
-    def __init__(self, table: ValkeyJobTable) -> None:
-        self.table = table
-        self.settings = table.settings
-        self.clock = table.clock
-        self.conn = table.conn
-        self.keys = table.keys
 
     async def stats(self, model: str) -> BrokerStats:
         """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""

@@ -17,6 +17,7 @@ from tokenyard.broker.core import (
     EnqueueResult,
     Lease,
     ReapReport,
+    admitted,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.machine import lapsed_error
@@ -39,6 +40,7 @@ from tokenyard.broker.redis.counts import StreamCounts
 from tokenyard.broker.redis.keys import GROUP
 from tokenyard.broker.redis.scripts import Call, Empty
 from tokenyard.broker.redis.table import ValkeyJobTable
+from tokenyard.errors import QueueFull
 from tokenyard.messages import (
     Finished,
     JobEvent,
@@ -78,7 +80,8 @@ class RedisQueue(LanesOnTable):
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
-        """All-or-nothing per model: one script call admits a model's whole batch."""
+        """All-or-nothing per model (core.Producer.enqueue_many): one script call admits a
+        model's whole batch."""
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         calls = [
@@ -88,19 +91,19 @@ class RedisQueue(LanesOnTable):
         replies, ids = await self.table.eval_audited(calls, receipts)
         await self.table.note_models(by_model)
         results: list[EnqueueResult | None] = [None] * len(specs)
-        for indexes, (code, payload) in zip(by_model.values(), replies, strict=False):
-            if code == -1:
-                # the other models' batches stand; none of this model's jobs was added
-                await self.table.audit.take_back([ids[i] for i in indexes])
-                raise self.table.lane_full(specs, indexes, payload)
+        full: QueueFull | None = None
+        for indexes, (code, payload) in zip(by_model.values(), replies, strict=True):
+            if code == -1:  # none of this model's jobs was added; the other models' stand
+                full = full or self.table.lane_full(specs, indexes, payload)
+                continue
             for i, (created, job_id, joined) in zip(indexes, payload, strict=True):
                 results[i] = EnqueueResult(
                     job_id=text(job_id), created=created == 1, collapsed=joined == 1
                 )
         await self.table.audit.take_back(
-            [ids[i] for i, r in enumerate(results) if r and not r.created]
+            [ids[i] for i, r in enumerate(results) if r is None or not r.created]
         )
-        return [r for r in results if r is not None]
+        return admitted(results, full)
 
     def _enqueue_call(self, specs: Sequence[JobSpec], now: float) -> Call:
         items = []

@@ -391,7 +391,7 @@ class EmitItemArgs(NamedTuple):
     event: bytes
 
 
-EMIT = ScriptSpec("emit", Empty, GroupArg, EmitItemKeys, EmitItemArgs)
+EMIT = ScriptSpec("emit", Empty, GroupArg, EmitItemKeys, EmitItemArgs, libraries=("events",))
 
 
 class HolderArgs(NamedTuple):

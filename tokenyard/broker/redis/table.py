@@ -382,3 +382,15 @@ def _record_of_hash(h: Any) -> JobRecord | None:
         # the stored result is the job's Finished event (see complete.lua)
         result=decode(h[b"result"], Finished).result if b"result" in h else None,
     )
+
+
+class OnTable:
+    """A part of lanes over the Valkey job table (Redis Streams' counts, RabbitMQ's ledger):
+    on the table's server, under its keys."""
+
+    def __init__(self, table: ValkeyJobTable) -> None:
+        self.table = table
+        self.settings = table.settings
+        self.clock = table.clock
+        self.conn = table.conn
+        self.keys = table.keys

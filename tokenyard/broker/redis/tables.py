@@ -25,6 +25,7 @@ from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.scripts import Call, Empty
 from tokenyard.broker.tables import (
     Audit,
+    AuditQuery,
     Directory,
     Quotas,
     ResponseStore,
@@ -284,14 +285,8 @@ class RedisAudit(Audit, Mirrored):
             if stood:
                 self.sink.offer(stood)
 
-    async def audit_entries(
-        self,
-        since: float,
-        tenant: str | None = None,
-        model: str | None = None,
-        cursor: str | None = None,
-        count: int = 1000,
-    ) -> tuple[str | None, list[AuditEntry]]:
+    async def read_audit(self, query: AuditQuery) -> tuple[str | None, list[AuditEntry]]:
+        since, tenant, model, cursor, count = query
         # stream ids are the server's ms: `since` starts the range, later filtered exactly
         start = f"({cursor}" if cursor else f"{max(0, int(since * 1000) - 1000)}-0"
         rows: list[tuple[bytes, dict[bytes, bytes]]] = await self.conn.parsed(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -306,16 +307,27 @@ async def embeddings(request: Request, tenant: TenantDep) -> Response:
         body = protocol.parse(protocol.EmbeddingRequest, await request.body())
         state = gateway(request)
         outcome = await submit(state, "embedding", body, tenant, Live(request.headers, started))
-        if isinstance(outcome, Hit):
-            content = protocol.embedding_body(
-                outcome.spec.model, outcome.result, body.encoding_format
-            )
-            return FastJSONResponse(content, headers={CACHE_HEADER: "hit"})
-        call = outcome.call
-        headers = {"X-Job-Id": call.job_id, **outcome.headers}
-        result = await call.result(lambda: until_disconnect(request))
-        failed = protocol.result_error(result)
-        if failed is not None:
-            return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
-        content = protocol.embedding_body(outcome.spec.model, result, body.encoding_format)
-        return FastJSONResponse(content, headers=headers)
+        return await answered(
+            request,
+            outcome,
+            lambda spec, result: protocol.embedding_body(spec.model, result, body.encoding_format),
+        )
+
+
+async def answered(
+    request: Request,
+    outcome: Hit | Following,
+    render: Callable[[JobSpec, JobResult], dict[str, Any]],
+) -> Response:
+    """A job's JSON answer (`render`ed): its cached result, or its result once it ends (an
+    OpenAI-shaped error where it failed)."""
+    if isinstance(outcome, Hit):
+        content = render(outcome.spec, outcome.result)
+        return FastJSONResponse(content, headers={CACHE_HEADER: "hit"})
+    call = outcome.call
+    headers = {"X-Job-Id": call.job_id, **outcome.headers}
+    result = await call.result(lambda: until_disconnect(request))
+    failed = protocol.result_error(result)
+    if failed is not None:
+        return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
+    return FastJSONResponse(render(outcome.spec, result), headers=headers)

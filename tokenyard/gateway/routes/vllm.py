@@ -19,13 +19,12 @@ from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol, vllm_api
 from tokenyard.gateway.admission import model_named, tokenizer_for
 from tokenyard.gateway.auth import TenantDep
-from tokenyard.gateway.cached import CACHE_HEADER
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.openapi import answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
-from tokenyard.gateway.routes.openai import until_disconnect
+from tokenyard.gateway.routes.openai import answered
 from tokenyard.gateway.state import gateway
-from tokenyard.gateway.submit import Hit, Live, submit
+from tokenyard.gateway.submit import Live, submit
 from tokenyard.gateway.vllm_api import (
     DetokenizeRequest,
     PieceTokenizer,
@@ -156,13 +155,4 @@ async def _scoring(
     with tracing.server_span(f"POST {request.url.path}", request.headers):
         state = gateway(request)
         outcome = await submit(state, "score", body, tenant, Live(request.headers, started))
-        if isinstance(outcome, Hit):
-            content = render(outcome.spec, outcome.result)
-            return FastJSONResponse(content, headers={CACHE_HEADER: "hit"})
-        call = outcome.call
-        headers = {"X-Job-Id": call.job_id, **outcome.headers}
-        result = await call.result(lambda: until_disconnect(request))
-        failed = protocol.result_error(result)
-        if failed is not None:
-            return FastJSONResponse(failed[1], status_code=failed[0], headers=headers)
-        return FastJSONResponse(render(outcome.spec, result), headers=headers)
+        return await answered(request, outcome, render)

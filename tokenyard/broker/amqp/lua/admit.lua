@@ -48,11 +48,7 @@ for _, i in ipairs(fresh) do
   if a.use_inflight == '1' then fields[#fields + 1], fields[#fields + 2] = 'followers', 1 end
   redis.call('HSET', k.job, unpack(fields))
   redis.call('ZADD', k.waiting, A.now, a.job_id)
-  if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
-  if a.use_inflight == '1' then redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms) end
+  keyed(k, a)
 end
--- counted only now: a batch refused for a full lane joins nothing
-for jid, count in pairs(joins) do
-  redis.call('HINCRBY', A.job_prefix .. jid, 'followers', count)
-end
+join_all(joins)
 return {1, results}

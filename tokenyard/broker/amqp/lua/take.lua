@@ -2,7 +2,7 @@
 -- (`msg`): one the record does not name, or whose job ended, is stale and dropped. A job past
 -- its deadline expires; one whose holders all lost it `max_deliveries` times is dead; the rest
 -- run under a fresh lease token, the lease's deadline in the lane's lease set (reap.lua).
--- KEYS: counters, dlq, delayed, cancels; per item: job, events, waiting, leases
+-- KEYS: dlq, counters, cancels, delayed; per item: job, events, waiting, leases
 -- ARGV: now, consumer, lease_s, max_deliveries, ttl_ms, expired_event, dead_event, dead_error,
 --   cancelled; per item: job_id, msg, token, priority
 -- A job redelivered after its holder's connection died ends cancelled if a client asked to

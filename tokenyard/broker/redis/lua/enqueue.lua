@@ -86,13 +86,9 @@ for _, i in ipairs(fresh) do
       jobs[#jobs + 1] = job
     end
   end
-  if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
-  if a.use_inflight == '1' then redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms) end
+  keyed(k, a)
 end
--- counted only now: a batch refused for a full lane joins nothing
-for jid, count in pairs(joins) do
-  redis.call('HINCRBY', A.job_prefix .. jid, 'followers', count)
-end
+join_all(joins)
 for _, i in ipairs(lanes) do
   local k, a = ks[i], as[i]
   fair_stage(k.fair, k.active, a.tq_prefix, staging[k.lane])

@@ -33,3 +33,17 @@ local function admitted(k, a, taken_ids, taken_keys, taken_inflight)
   if a.use_inflight == '1' then taken_inflight[k.inflight] = a.job_id end
   return nil, 0
 end
+
+-- A new job's keys name it from now on: its idempotency key, its collapse key (in flight).
+local function keyed(k, a)
+  if a.use_idem == '1' then redis.call('SET', k.idem, a.job_id, 'PX', A.idem_ttl_ms) end
+  if a.use_inflight == '1' then redis.call('SET', k.inflight, a.job_id, 'PX', A.idem_ttl_ms) end
+end
+
+-- The jobs a batch joined gain their new followers, counted only once the batch is admitted:
+-- a batch refused for a full lane joins nothing.
+local function join_all(joins)
+  for jid, count in pairs(joins) do
+    redis.call('HINCRBY', A.job_prefix .. jid, 'followers', count)
+  end
+end
