@@ -931,7 +931,7 @@ def request_schemas(
         "JobRequest": job,
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
-        **_vllm_requests(common, chat, token_ids),
+        **_vllm_requests(common, chat, token_ids, template_rule),
         **_scoring_requests(models, scorers, tokenyard, common["user"]),
         "ResponseRequest": response,
         "MessageRequest": {
@@ -950,6 +950,7 @@ def _vllm_requests(
     common: dict[str, Any],
     chat: dict[str, Any],
     token_ids: dict[str, Any],
+    template_rule: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """vLLM's own routes' bodies (`gateway/vllm_api.py`): /tokenize (a prompt, or messages
     through the chat template, as a chat completion renders them) and /detokenize."""
@@ -976,12 +977,20 @@ def _vllm_requests(
             "tools": chat["properties"]["tools"],
             "add_special_tokens": {"type": "boolean", "default": False},
             "return_token_strs": strs,
-            "add_generation_prompt": _neutral(True),
-            "continue_final_message": _neutral(False),
-            "chat_template": _neutral(None),
-            "chat_template_kwargs": _neutral(None),
+            # the chat completion's template switches, variables and (trusted) template
+            **{
+                name: chat["properties"][name]
+                for name in (
+                    "add_generation_prompt",
+                    "continue_final_message",
+                    "chat_template",
+                    "chat_template_kwargs",
+                )
+            },
             "mm_processor_kwargs": _neutral(None),
+            "media_io_kwargs": _neutral(None),
         },
+        "allOf": [template_rule],
     }
     return {
         "TokenizeRequest": {"anyOf": [prompt_tokenize, chat_tokenize]},
