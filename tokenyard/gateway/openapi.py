@@ -839,6 +839,28 @@ def request_schemas(
             "status": {"type": "string"},
         },
     }
+    reasoning_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {
+            "type": {"enum": ["reasoning_text", "summary_text"]},
+            "text": {"type": "string"},
+        },
+    }
+    reasoning_item = {
+        "type": "object",
+        "required": ["type"],
+        "additionalProperties": False,
+        "description": "an earlier answer's reasoning: joins the assistant message after it",
+        "properties": {
+            "type": {"const": "reasoning"},
+            "summary": _nullable({"type": "array", "items": reasoning_part}),
+            "content": _nullable({"type": "array", "items": reasoning_part}),
+            "encrypted_content": _neutral(None),
+            "id": {"type": "string"},
+            "status": {"type": "string"},
+        },
+    }
     response = {
         "type": "object",
         "required": ["model", "input"],
@@ -850,7 +872,9 @@ def request_schemas(
                     {"type": "string"},
                     {
                         "type": "array",
-                        "items": {"anyOf": [input_message, call_item, call_output_item]},
+                        "items": {
+                            "anyOf": [input_message, call_item, call_output_item, reasoning_item]
+                        },
                         "minItems": 1,
                     },
                 ]
@@ -905,7 +929,18 @@ def request_schemas(
             ),
             "truncation": _neutral(None, "disabled"),
             "include": _neutral(None, []),
-            "reasoning": _neutral(None, {}),
+            "reasoning": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "description": "effort: a chat template variable (chat's reasoning_effort)",
+                    "properties": {
+                        "effort": chat["properties"]["reasoning_effort"],
+                        "summary": _neutral(None),
+                        "generate_summary": _neutral(None),
+                    },
+                }
+            ),
             "service_tier": _neutral(None, "auto", "default"),
             "top_logprobs": _neutral(None, 0),
             "stream_options": _nullable(
