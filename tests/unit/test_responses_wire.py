@@ -203,9 +203,9 @@ def test_reasoning_events_parse_with_the_openai_types_however_the_text_splits() 
         assert said == "It is warm.", cut
 
 
-def test_an_answer_cut_off_while_thinking_ends_with_an_empty_message() -> None:
-    """deepseek_r1: no `</think>`, all reasoning; the empty message after it carries the
-    response's status (incomplete), as the streamed output does."""
+def test_an_answer_cut_off_while_thinking_is_its_reasoning_alone() -> None:
+    """deepseek_r1: no `</think>`, all reasoning: the one item, with the response's status
+    (incomplete), and no empty message after it (as vLLM answers), streamed alike."""
     from tokenyard.gateway.responses_api.wire import ToolResponseEvents
 
     stored = msgspec.structs.replace(STORED, reasoning=ReasoningReading(parser="deepseek_r1"))
@@ -213,10 +213,7 @@ def test_an_answer_cut_off_while_thinking_ends_with_an_empty_message() -> None:
         status=JobStatus.SUCCEEDED, finish_reason=FinishReason.LENGTH, text="still thinking"
     )
     whole = response_body(stored, result, reader=response_reader(stored, "", ""))
-    assert [(i["type"], i["status"]) for i in whole["output"]] == [
-        ("reasoning", "completed"),
-        ("message", "incomplete"),
-    ]
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "incomplete")]
     reader = response_reader(stored, "", "")
     assert reader is not None
     events = ToolResponseEvents(stored, reader)

@@ -580,13 +580,13 @@ def _message_id(job_id: str, index: int) -> str:
 
 def output_items(job_id: str, parsed: Parsed, status: str) -> list[dict[str, Any]]:
     """The output of an answer read for reasoning or calls: its reasoning (if any), its text
-    (if any; an empty message when there is nothing else), then its calls. Each item ended
-    when the next began: only the last one carries the answer's own status (incomplete,
-    when it was cut off)."""
+    (if any; an empty message when there is nothing at all), then its calls, as vLLM lists
+    them. Each item ended when the next began: only the last one carries the answer's own
+    status (incomplete, when it was cut off)."""
     items = []
     if parsed.reasoning:
         items.append(reasoning_item(job_id, parsed.reasoning, "completed"))
-    if parsed.content or not parsed.calls:
+    if parsed.content or not (parsed.calls or items):
         message = message_item(job_id, parsed.content or "", "completed")
         items.append({**message, "id": _message_id(job_id, len(items))})
     items += [function_call_item(job_id, i, c, "completed") for i, c in enumerate(parsed.calls)]
@@ -860,10 +860,8 @@ class ToolResponseEvents(ResponseEvents):
             return self._event("response.failed", {"response": body})
         status = "incomplete" if body["status"] == "incomplete" else "completed"
         frames = self._deltas(self.reader.finish())
-        if all(i["type"] == "reasoning" for i in [*self.items, self.open or {"type": "reasoning"}]):
-            # nothing but reasoning (or nothing): an empty message ends it, as the whole
-            # answer's output shows it
-            frames += self._close() + self._open_message()
+        if not self.items and self.open is None:
+            frames += self._open_message()  # an empty answer is one empty message
         frames += self._close(status)
         body["output"] = self.items
         return [*frames, *self._event(f"response.{body['status']}", {"response": body})]
