@@ -47,7 +47,7 @@ class TruncatingTokenizer(Protocol):
     def encode_truncated(self, text: str, keep: int, side: str = "left") -> list[int]: ...
 
     def encode_pair(
-        self, first: str, second: str, keep: int | None = None, side: str = "left"
+        self, first: str, second: str, keep: int | None = None, side: str | None = None
     ) -> tuple[list[int], int]: ...
 
 
@@ -180,8 +180,10 @@ class _Scoring(Request):
         return True
 
     @property
-    def side(self) -> str:
-        return self.truncation_side or "left"
+    def side(self) -> str | None:
+        """Where a pair is cut: None (not given) leaves it to the tokenizer's own pair
+        truncation, as vLLM does; given, the pair's tokens are sliced on that side."""
+        return self.truncation_side
 
     @property
     def priority_class(self) -> Priority | None:
@@ -281,6 +283,7 @@ def score_body(job_id: str, model: str, result: JobResult) -> dict[str, Any]:
             "total_tokens": tokens,
             "completion_tokens": 0,
             "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         },
     }
 
