@@ -164,6 +164,10 @@ def test_tokenize_on_the_tiny_models_own_tokenizer(valkey: EmbeddedServer) -> No
         assert bare["tokens"] == hf.encode("The queue", add_special_tokens=False)
         text = http.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
         assert text == "The queue"
+        # special tokens shown, as vLLM's /detokenize shows them
+        bos = hf.convert_tokens_to_ids("<|bos|>")
+        text = http.post("/detokenize", json={"tokens": [bos, *body["tokens"]]}).json()["prompt"]
+        assert text == "<|bos|>The queue"
 
 
 def test_cached_prompt_tokens_are_reported_in_usage(valkey: EmbeddedServer) -> None:

@@ -94,7 +94,8 @@ async def tokenize(request: Request, tenant: TenantDep) -> Response:
 
 @router.post("/detokenize", responses=answers(404), openapi_extra=json_body("DetokenizeRequest"))
 async def detokenize(request: Request, tenant: TenantDep) -> Response:
-    """vLLM's /detokenize: token ids as text (special tokens left out, as a completion's)."""
+    """vLLM's /detokenize: token ids as text, special tokens included (as vLLM decodes a
+    prompt's ids: what /tokenize gave back, BOS and template tokens shown)."""
     body = protocol.parse(DetokenizeRequest, await request.body())
     body.refuse_unsupported()
     state = gateway(request)
@@ -108,7 +109,8 @@ async def detokenize(request: Request, tenant: TenantDep) -> Response:
             param="tokens",
             code="invalid_value",
         )
-    return FastJSONResponse(vllm_api.detokenize_body(tokenizer.decode(body.tokens)))
+    text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return FastJSONResponse(vllm_api.detokenize_body(text))
 
 
 @router.get("/version")
