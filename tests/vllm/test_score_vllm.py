@@ -62,6 +62,7 @@ def yard(valkey: EmbeddedServer, path: Path) -> Iterator[Stack]:
         tokenizer=load_tokenizer("hf", str(path)),
         engines=[engine],
         worker_options={"engine": "vllm"},
+        start_timeout_s=300,
     ) as stack:
         wait_ready(stack.url + "/readyz", timeout_s=300, interval_s=0.1)
         yield stack
