@@ -90,10 +90,13 @@ _BERT_WORDS = [
 ]
 
 
-def tiny_bert(path: Path, *, cross_encoder: bool = False, **config: Any) -> Path:
+def tiny_bert(
+    path: Path, *, cross_encoder: bool = False, hidden_size: int = 32, **config: Any
+) -> Path:
     """A small random-weight BERT built here, with a WordPiece tokenizer of a few words and
     letters: a BertModel (embeddings), or a BertForSequenceClassification of one label (a
-    cross-encoder); `config` adds to its config.json (e.g. `matryoshka_dimensions`)."""
+    cross-encoder); `config` adds to its config.json (e.g. `matryoshka_dimensions`). Its two
+    heads are `hidden_size` / 2 wide (vLLM's CPU attention needs 32 or more: 64)."""
     import torch
     from transformers import (
         BertConfig,
@@ -109,7 +112,7 @@ def tiny_bert(path: Path, *, cross_encoder: bool = False, **config: Any) -> Path
     BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
     settings = BertConfig(
         vocab_size=len(vocab),
-        hidden_size=32,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,

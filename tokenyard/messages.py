@@ -585,6 +585,9 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     # so a reading does not hang on the gateway's settings now. None: not read for calls, or
     # stored before responses kept it (decided again from `tools` then)
     calls: CallReading | None = None
+    # how its output's reasoning is split off: its job's `JobSpec.reasoning` (None: not
+    # read for reasoning, or stored before responses kept it: all content then)
+    reasoning: ReasoningReading | None = None
     # its context is its part only: the conversation before it is in the parts it refers back
     # to (False: a record stored before parts, whose context is the whole conversation)
     chained: bool = False

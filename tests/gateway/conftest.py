@@ -152,10 +152,13 @@ def run_stack(
     keyring: KeyRing | None = None,
     broker_url: str | None = None,
     prefix: str | None = None,
+    start_timeout_s: float = 60.0,
     **settings: Any,
 ) -> Iterator[Stack]:
     """Start the gateway and one worker per engine factory; stop everything on exit.
-    Stacks given the same `prefix` share one broker namespace (several gateways)."""
+    Stacks given the same `prefix` share one broker namespace (several gateways).
+    `start_timeout_s`: how long the engines' starts may take (a vLLM engine's holds the
+    stack's loop for a minute or more on a busy CPU)."""
     prefix = prefix or f"gw{uuid.uuid4().hex[:10]}"
     broker_settings = BrokerSettings(
         url=broker_url or valkey.url, prefix=prefix, **(broker_options or {})
@@ -211,7 +214,7 @@ def run_stack(
 
     thread = threading.Thread(target=thread_main, name="gateway-stack", daemon=True)
     thread.start()
-    ready.wait(60)
+    ready.wait(start_timeout_s)
     if errors:
         raise errors[0]
     stack: Stack = box["stack"]

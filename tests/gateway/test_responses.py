@@ -210,7 +210,7 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         # the sim engine has no structured outputs (the message names it: see below)
         (
             {
@@ -241,7 +241,7 @@ def test_store_false_keeps_nothing_and_sync_cannot_be_cancelled(slow: Stack) -> 
             "input.0.content.0.type",
         ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "input.0.type"),
         # an output that answers no call made earlier in the conversation
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),

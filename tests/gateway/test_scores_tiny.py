@@ -101,6 +101,7 @@ def test_score_matches_sentence_transformers_in_vllms_shape(
             "total_tokens",
             "completion_tokens",
             "prompt_tokens_details",
+            "completion_tokens_details",
         }
         from transformers import AutoTokenizer
 
@@ -164,25 +165,39 @@ def test_rerank_orders_documents_as_vllm_answers(rstack: Stack, reranker_path: P
         assert all("document" not in x for x in bare["results"])
 
 
-def test_truncate_prompt_tokens_keeps_each_pairs_last_tokens(
+def test_truncate_prompt_tokens_cuts_each_pair_as_vllm_does(
     rstack: Stack, reranker_path: Path
 ) -> None:
+    """vLLM's cut of a pair: no `truncation_side`, the tokenizer's own pair truncation (its
+    side, the longer text first, special tokens kept); a side, the whole pair's ids and token
+    types sliced there."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     long_doc = "workers pull work from the lanes of the yard and the queue holds the jobs"
-    tok = AutoTokenizer.from_pretrained(reranker_path, truncation_side="left")
-    enc = tok(QUERY, long_doc, truncation=True, max_length=12, return_tensors="pt")
+    tok = AutoTokenizer.from_pretrained(reranker_path)
     model = AutoModelForSequenceClassification.from_pretrained(reranker_path)
-    with torch.inference_mode():
-        want = float(torch.sigmoid(model(**enc).logits[0, 0]))
+
+    def score(enc: Any) -> float:
+        with torch.inference_mode():
+            return float(torch.sigmoid(model(**enc).logits[0, 0]))
+
+    own = score(tok(QUERY, long_doc, truncation=True, max_length=12, return_tensors="pt"))
+    whole_pair = tok(QUERY, long_doc, return_tensors="pt")
+    left = score({k: v[:, -12:] for k, v in whole_pair.items()})
+    right = score({k: v[:, :12] for k, v in whole_pair.items()})
     with rstack.client() as http:
         body = {"model": RERANKER, "text_1": QUERY, "text_2": long_doc}
         full = _post(http, "/v1/score", body)
-        cut = _post(http, "/v1/score", {**body, "truncate_prompt_tokens": 12})
-        assert cut["usage"]["prompt_tokens"] == 12 < full["usage"]["prompt_tokens"]
-        assert cut["data"][0]["score"] == pytest.approx(want, abs=1e-5)
-        assert cut["data"][0]["score"] != pytest.approx(full["data"][0]["score"], abs=1e-6)
+        for extra, want in (
+            ({}, own),
+            ({"truncation_side": "left"}, left),
+            ({"truncation_side": "right"}, right),
+        ):
+            cut = _post(http, "/v1/score", {**body, "truncate_prompt_tokens": 12, **extra})
+            assert cut["usage"]["prompt_tokens"] == 12 < full["usage"]["prompt_tokens"]
+            assert cut["data"][0]["score"] == pytest.approx(want, abs=1e-5), extra
+        assert len({own, left, right, full["data"][0]["score"]}) == 4  # each cut differs
         whole = _post(http, "/v1/score", {**body, "truncate_prompt_tokens": -1})
         assert whole["data"] == full["data"]  # -1: the model's context, which it fits
 

@@ -46,16 +46,63 @@ def test_tokenize_messages_renders_the_chat_template(stack: Stack) -> None:
             "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}
         )
         assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
-        # what is not implemented is refused by name, as vLLM's contradiction is
+        # vLLM's template switches and variables render as a chat completion's prompt does
+        tok = SimTokenizer()
+        for extra, rendered in (
+            (
+                {"add_generation_prompt": False},
+                tok.apply_chat_template(messages, None, None, add_generation_prompt=False),
+            ),
+            (
+                {"add_generation_prompt": False, "continue_final_message": True},
+                tok.apply_chat_template(
+                    messages, None, None, add_generation_prompt=False, continue_final_message=True
+                ),
+            ),
+            (
+                {"chat_template_kwargs": {"enable_thinking": False}},
+                tok.apply_chat_template(messages, None, {"enable_thinking": False}),
+            ),
+        ):
+            r = http.post("/tokenize", json={"model": MODEL, "messages": messages, **extra})
+            assert r.status_code == 200, (extra, r.text)
+            assert r.json()["tokens"] == tok.encode(rendered), extra
+            assert rendered != prompt  # each switch shows in the tokens
+        # a request's own template is refused where the server does not trust them (as a chat
+        # completion's is), and so are contradictions and what is not implemented
         for extra, param in (
-            ({"add_generation_prompt": False}, "add_generation_prompt"),
             ({"chat_template": "{{ x }}"}, "chat_template"),
             ({"continue_final_message": True}, "continue_final_message"),
+            ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+            ({"mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
             ({"bogus": 1}, "bogus"),
         ):
             r = http.post("/tokenize", json={"model": MODEL, "messages": messages, **extra})
             assert r.status_code == 400, (extra, r.text)
             assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_renders_a_trusted_request_template(valkey: EmbeddedServer) -> None:
+    """With request templates trusted, /tokenize renders the request's own template (and its
+    variables) to the same prompt tokens as the chat completion that sends it."""
+    template = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ greeting }}"
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": template,
+        "chat_template_kwargs": {"greeting": "hello!"},
+    }
+    tok = SimTokenizer()
+    with run_stack(valkey, trust_request_chat_template=True) as stack, stack.client() as http:
+        r = http.post("/tokenize", json=ask)
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == tok.encode("[user:hi]hello!")
+        chat = http.post("/v1/chat/completions", json={**ask, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
+        # a template that does not render is the request's fault, named
+        r = http.post("/tokenize", json={**ask, "chat_template": "{% if %}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 
 
 def test_detokenize_and_its_refusals(stack: Stack) -> None:
@@ -117,6 +164,10 @@ def test_tokenize_on_the_tiny_models_own_tokenizer(valkey: EmbeddedServer) -> No
         assert bare["tokens"] == hf.encode("The queue", add_special_tokens=False)
         text = http.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
         assert text == "The queue"
+        # special tokens shown, as vLLM's /detokenize shows them
+        bos = hf.convert_tokens_to_ids("<|bos|>")
+        text = http.post("/detokenize", json={"tokens": [bos, *body["tokens"]]}).json()["prompt"]
+        assert text == "<|bos|>The queue"
 
 
 def test_cached_prompt_tokens_are_reported_in_usage(valkey: EmbeddedServer) -> None:

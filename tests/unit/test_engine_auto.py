@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tokenyard.config import CONFIG_ENV, WorkerSettings
@@ -44,6 +45,16 @@ def test_vllm_runs_where_installed_fitting_the_device_and_supporting_the_model()
     )
     assert choose_engine(gpu).engine == "vllm"
     assert "on GPU" in choose_engine(gpu).reason
+    # a cross-encoder vLLM knows: its pooling runner scores it
+    cross_encoder = ("BertForSequenceClassification",)
+    scorer = choose_engine(
+        msgspec.structs.replace(
+            CPU_VLLM,
+            vllm_architectures=frozenset(cross_encoder),
+            model_architectures=cross_encoder,
+        )
+    )
+    assert scorer.engine == "vllm" and "BertForSequenceClassification" in scorer.reason
 
 
 @pytest.mark.parametrize(
@@ -56,13 +67,10 @@ def test_vllm_runs_where_installed_fitting_the_device_and_supporting_the_model()
         ),
         ({"model_architectures": ("MambaForCausalLM",)}, "does not support MambaForCausalLM"),
         ({"model_architectures": ()}, "architecture is unknown"),
-        # vLLM knows the architecture, but tokenyard's vllm engine runs no scores
+        # a cross-encoder vLLM does not know
         (
-            {
-                "model_architectures": ("BertForSequenceClassification",),
-                "vllm_architectures": frozenset({"BertForSequenceClassification"}),
-            },
-            "a cross-encoder (scores): hf-embed serves it",
+            {"model_architectures": ("BertForSequenceClassification",)},
+            "does not support BertForSequenceClassification",
         ),
         ({"cuda": True}, "is the CPU build; the device is a GPU"),
         ({"device": "cuda"}, "is the CPU build; the device is a GPU"),

@@ -16,6 +16,7 @@ from tokenyard.messages import (
     FinishReason,
     JobResult,
     JobStatus,
+    ReasoningReading,
     StoredResponse,
     TokenChunk,
     Turn,
@@ -166,3 +167,87 @@ def test_a_stored_response_written_before_the_reading_was_kept_decodes() -> None
     del fields["calls"]  # as a gateway before this field wrote it
     old = decode(msgspec.msgpack.encode(fields), StoredResponse)
     assert old == msgspec.structs.replace(stored, calls=None)
+
+
+# -- reasoning -----------------------------------------------------------------------------------
+THOUGHT_TEXT = "<think>It is warm.</think>Sunny."
+
+
+def test_reasoning_events_parse_with_the_openai_types_however_the_text_splits() -> None:
+    """The reasoning item and its `response.reasoning_text.*` events validate as the openai
+    client's types, and a stream split anywhere (mid-tag too) ends with the sync output."""
+    from tokenyard.gateway.responses_api.wire import ToolResponseEvents
+
+    stored = msgspec.structs.replace(STORED, reasoning=ReasoningReading(parser="deepseek_r1"))
+    result = JobResult(
+        status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP, text=THOUGHT_TEXT
+    )
+    whole = response_body(stored, result, reader=response_reader(stored, "", ""))
+    Response.model_validate(whole)
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "It is warm."}]
+    assert whole["output"][1]["content"][0]["text"] == "Sunny."
+    for cut in range(1, len(THOUGHT_TEXT)):
+        reader = response_reader(stored, "", "")
+        assert reader is not None
+        events = ToolResponseEvents(stored, reader)
+        frames = events.start()
+        for piece in (THOUGHT_TEXT[:cut], THOUGHT_TEXT[cut:]):
+            frames += events.tokens("1-0", TokenChunk(token_ids=[1], text=piece))
+        parsed = _parse(frames + events.finish("2-0", result))
+        assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+        final = parsed[-1]
+        assert final.type == "response.completed"
+        assert final.response.model_dump() == Response.model_validate(whole).model_dump()
+        said = "".join(e.delta for e in parsed if e.type == "response.reasoning_text.delta")
+        assert said == "It is warm.", cut
+
+
+def test_an_answer_cut_off_while_thinking_is_its_reasoning_alone() -> None:
+    """deepseek_r1: no `</think>`, all reasoning: the one item, with the response's status
+    (incomplete), and no empty message after it (as vLLM answers), streamed alike."""
+    from tokenyard.gateway.responses_api.wire import ToolResponseEvents
+
+    stored = msgspec.structs.replace(STORED, reasoning=ReasoningReading(parser="deepseek_r1"))
+    result = JobResult(
+        status=JobStatus.SUCCEEDED, finish_reason=FinishReason.LENGTH, text="still thinking"
+    )
+    whole = response_body(stored, result, reader=response_reader(stored, "", ""))
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "incomplete")]
+    reader = response_reader(stored, "", "")
+    assert reader is not None
+    events = ToolResponseEvents(stored, reader)
+    frames = events.start() + events.tokens("1-0", TokenChunk(token_ids=[1], text=result.text))
+    final = _parse(frames + events.finish("2-0", result))[-1]
+    assert final.type == "response.incomplete"
+    assert final.response.model_dump() == Response.model_validate(whole).model_dump()
+
+
+def test_reasoning_turns_join_the_assistant_message_they_open() -> None:
+    from tokenyard.gateway.responses_api.wire import REASONING, call_turn, chat_messages
+
+    context = [
+        Turn("user", "hi"),
+        Turn(REASONING, "think a"),
+        Turn("assistant", "said a"),
+        Turn("user", "and?"),
+        Turn(REASONING, "think b"),
+        call_turn("c1", "f", "{}"),
+        Turn("function_call_output", json.dumps({"call_id": "c1", "output": "ok"})),
+        Turn(REASONING, "only thought"),
+    ]
+    messages = chat_messages(context)
+    assert messages[1] == {"role": "assistant", "content": "said a", "reasoning": "think a"}
+    assert messages[3]["reasoning"] == "think b" and messages[3]["content"] == ""
+    assert messages[3]["tool_calls"][0]["id"] == "c1"
+    assert messages[4]["role"] == "tool"
+    assert messages[5] == {"role": "assistant", "content": "", "reasoning": "only thought"}
+
+
+def test_a_stored_response_written_before_reasoning_was_kept_decodes() -> None:
+    stored = msgspec.structs.replace(STORED, reasoning=ReasoningReading(parser="qwen3"))
+    assert decode(encode(stored), StoredResponse) == stored
+    fields = msgspec.to_builtins(stored)
+    del fields["reasoning"]
+    old = decode(msgspec.msgpack.encode(fields), StoredResponse)
+    assert old == STORED and response_reader(old, "", "") is None

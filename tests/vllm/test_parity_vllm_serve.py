@@ -288,6 +288,7 @@ def yard(valkey: EmbeddedServer) -> Iterator[Stack]:
             )
         ],
         worker_options={"engine": "vllm"},
+        start_timeout_s=300,
     ) as stack:
         wait_ready(stack.url + "/readyz", timeout_s=300, interval_s=0.1)
         yield stack
@@ -365,3 +366,42 @@ def test_streamed_logprobs_have_the_same_shape(yard: Stack, serve: str) -> None:
     ours = stream_shape(yard.url, body)
     # every field vLLM's chunks carry (role, content with logprobs, finish, usage), the same
     assert ours == theirs, differences(ours, theirs)
+
+
+# vLLM's /tokenize bodies: a prompt, or messages through the chat template with its switches
+TOKENIZE: dict[str, dict[str, Any]] = {
+    "prompt": {"prompt": "Once upon a time, the yard"},
+    "prompt_bare_with_pieces": {
+        "prompt": "Once upon a time, the yard",
+        "add_special_tokens": False,
+        "return_token_strs": True,
+    },
+    "messages": {"messages": CHAT, "return_token_strs": True},
+    "messages_no_generation_prompt": {"messages": CHAT, "add_generation_prompt": False},
+    "messages_continued": {
+        "messages": [*CHAT, {"role": "assistant", "content": "The yard"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "messages_special_and_kwargs": {
+        "messages": CHAT,
+        "add_special_tokens": True,
+        "chat_template_kwargs": {"unused_variable": 1},
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(TOKENIZE))
+def test_tokenize_answers_as_vllm_serve(yard: Stack, serve: str, name: str) -> None:
+    """The same ids (and pieces, and context) for the same body: tokenyard's gateway renders
+    and tokenizes as vLLM's server does, without a job."""
+    body = {"model": MODEL, **TOKENIZE[name]}
+    theirs = httpx.post(f"{serve}/tokenize", json=body, timeout=60)
+    ours = httpx.post(f"{yard.url}/tokenize", json=body, timeout=60)
+    assert theirs.status_code == ours.status_code == 200, (theirs.text, ours.text)
+    assert ours.json() == theirs.json()
+    # and back: /detokenize of those ids
+    ids = {"model": MODEL, "tokens": theirs.json()["tokens"]}
+    back = [httpx.post(f"{base}/detokenize", json=ids, timeout=60) for base in (serve, yard.url)]
+    assert back[0].status_code == back[1].status_code == 200
+    assert back[1].json() == back[0].json()

@@ -56,9 +56,6 @@ def choose_engine(facts: EngineFacts) -> EngineChoice:
         return EngineChoice("hf", f"vllm {facts.vllm_version} is a GPU build; device cpu asked")
     if not facts.model_architectures:
         return EngineChoice("hf", "the model's architecture is unknown (no config.json)")
-    if any(a.endswith("ForSequenceClassification") for a in facts.model_architectures):
-        # the vllm engine runs no scores: hf-embed serves a cross-encoder
-        return EngineChoice("hf", "a cross-encoder (scores): hf-embed serves it")
     supported = [a for a in facts.model_architectures if a in facts.vllm_architectures]
     if not supported:
         archs = ", ".join(facts.model_architectures)

@@ -45,9 +45,9 @@ from tokenyard.engines.pooling import (
     DEFAULT_TOKEN_BUDGET,
     Pooling,
     is_cross_encoder,
-    model_config,
     read_matryoshka,
     read_pooling,
+    require_one_label,
     split_inputs,
 )
 from tokenyard.engines.pooling import is_embedding_model as is_embedding_model
@@ -165,13 +165,7 @@ class HFEmbedEngine(ChannelEngine):
         self._activation: torch.nn.Module | None = None
         kind = f"{self.pooling.mode}:{int(self.pooling.normalize)}"
         if self.cross_encoder:
-            config = model_config(self.model_path)
-            labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
-            if labels != 1:
-                raise ValueError(
-                    f"{self.model_path} classifies into {labels} labels: a cross-encoder "
-                    "(scores) has one"
-                )
+            config = require_one_label(self.model_path)
             self._activation = cross_encoder_activation(config)
             kind = f"score:{type(self._activation).__name__}"
         self._token_types = False  # the model takes token type ids (BERT's segments)

@@ -82,21 +82,27 @@ class HFTokenizer:
         return ids if len(ids) <= keep else (ids[-keep:] if side == "left" else ids[:keep])
 
     def encode_pair(
-        self, first: str, second: str, keep: int | None = None, side: str = "left"
+        self, first: str, second: str, keep: int | None = None, side: str | None = None
     ) -> tuple[list[int], int]:
         """Token ids of a text pair as a cross-encoder reads it (the tokenizer's own pair
-        encoding: BERT's [CLS] a [SEP] b [SEP]), cut to `keep` tokens on `side` if given, and
-        where the second text starts (its token type ids' first 1; none: the end)."""
-        with self._lock, self._truncating(side):
+        encoding: BERT's [CLS] a [SEP] b [SEP]), cut to `keep` tokens if given, and where the
+        second text starts (its token type ids' first 1; none: the end). As vLLM's score
+        route cuts a pair: with no `side`, the tokenizer's own pair truncation (its side,
+        longest text first, special tokens kept); with one, the whole encoding's ids and
+        token types sliced on that side."""
+        with self._lock:
             enc = self.hf(
                 first,
                 second,
-                truncation=keep is not None,
-                max_length=keep,
+                truncation=keep is not None and side is None,
+                max_length=keep if side is None else None,
                 return_token_type_ids=True,
             )
         ids = [int(i) for i in enc["input_ids"]]
-        types = enc.get("token_type_ids") or []
+        types = list(enc.get("token_type_ids") or [0] * len(ids))
+        if keep is not None and side is not None and keep < len(ids):
+            cut = slice(-keep, None) if side == "left" else slice(0, keep)
+            ids, types = ids[cut], types[cut]
         return ids, next((i for i, t in enumerate(types) if t == 1), len(ids))
 
     @contextlib.contextmanager

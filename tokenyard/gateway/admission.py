@@ -24,6 +24,7 @@ from tokenyard.gateway.protocol import (
     Kind,
 )
 from tokenyard.gateway.routing import Rule, resolve_alias, route, wants_fast_path
+from tokenyard.gateway.settings import GatewaySettings
 from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tools import Tools, call_reading, reasoning_reading
 from tokenyard.gateway.vllm_api import RerankRequest, ScoreRequest, TruncatingTokenizer
@@ -104,19 +105,13 @@ async def admit(
     variables: dict[str, Any] = {}
     reasoning: ReasoningReading | None = None
     if isinstance(body, ChatCompletionRequest):
-        if body.chat_template is not None and not settings.trust_request_chat_template:
-            raise InvalidRequest(
-                "Chat template is passed with request, but this server does not trust "
-                "request chat templates (TOKENYARD_GATEWAY_TRUST_REQUEST_CHAT_TEMPLATE)",
-                param="chat_template",
-                code="unsupported_parameter",
-            )
+        refuse_untrusted_template(settings, body.chat_template)
         messages = body.template_messages()
         tools = body.tool_spec()
         variables = body.template_kwargs()
         # refused now if the answer cannot be read for calls (a template of unknown format)
         reading = call_reading(tools, settings.tool_call_parser, _template(tokenizer, body))
-        prompt = _chat_prompt(tokenizer, messages, tools, body, variables)
+        prompt = chat_prompt(tokenizer, messages, tools, body, variables)
         reasoning = reasoning_reading(
             settings.reasoning_parser, prompt, variables, body.include_reasoning
         )
@@ -174,7 +169,7 @@ async def admit(
                     assert messages is not None and tools is not None
                     template = _template(small, body)
                     reading = call_reading(tools, settings.tool_call_parser, template)
-                    prompt = _chat_prompt(small, messages, tools, body, variables)
+                    prompt = chat_prompt(small, messages, tools, body, variables)
                     reasoning = reasoning_reading(
                         settings.reasoning_parser, prompt, variables, body.include_reasoning
                     )
@@ -242,7 +237,19 @@ async def admit(
     )
 
 
-def _chat_prompt(
+def refuse_untrusted_template(settings: GatewaySettings, chat_template: str | None) -> None:
+    """A request's own chat template is rendered in the gateway, so only where the operator
+    trusts clients with its time (vLLM's --trust-request-chat-template); else 400."""
+    if chat_template is not None and not settings.trust_request_chat_template:
+        raise InvalidRequest(
+            "Chat template is passed with request, but this server does not trust "
+            "request chat templates (TOKENYARD_GATEWAY_TRUST_REQUEST_CHAT_TEMPLATE)",
+            param="chat_template",
+            code="unsupported_parameter",
+        )
+
+
+def chat_prompt(
     tokenizer: EngineTokenizer,
     messages: list[dict[str, Any]],
     tools: Tools,

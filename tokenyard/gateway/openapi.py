@@ -839,6 +839,28 @@ def request_schemas(
             "status": {"type": "string"},
         },
     }
+    reasoning_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {
+            "type": {"enum": ["reasoning_text", "summary_text"]},
+            "text": {"type": "string"},
+        },
+    }
+    reasoning_item = {
+        "type": "object",
+        "required": ["type"],
+        "additionalProperties": False,
+        "description": "an earlier answer's reasoning: joins the assistant message after it",
+        "properties": {
+            "type": {"const": "reasoning"},
+            "summary": _nullable({"type": "array", "items": reasoning_part}),
+            "content": _nullable({"type": "array", "items": reasoning_part}),
+            "encrypted_content": _neutral(None),
+            "id": {"type": "string"},
+            "status": {"type": "string"},
+        },
+    }
     response = {
         "type": "object",
         "required": ["model", "input"],
@@ -850,7 +872,9 @@ def request_schemas(
                     {"type": "string"},
                     {
                         "type": "array",
-                        "items": {"anyOf": [input_message, call_item, call_output_item]},
+                        "items": {
+                            "anyOf": [input_message, call_item, call_output_item, reasoning_item]
+                        },
                         "minItems": 1,
                     },
                 ]
@@ -905,7 +929,18 @@ def request_schemas(
             ),
             "truncation": _neutral(None, "disabled"),
             "include": _neutral(None, []),
-            "reasoning": _neutral(None, {}),
+            "reasoning": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "description": "effort: a chat template variable (chat's reasoning_effort)",
+                    "properties": {
+                        "effort": chat["properties"]["reasoning_effort"],
+                        "summary": _neutral(None),
+                        "generate_summary": _neutral(None),
+                    },
+                }
+            ),
             "service_tier": _neutral(None, "auto", "default"),
             "top_logprobs": _neutral(None, 0),
             "stream_options": _nullable(
@@ -931,7 +966,7 @@ def request_schemas(
         "JobRequest": job,
         "CreateBatchRequest": batch,
         "EmbeddingRequest": embedding,
-        **_vllm_requests(common, chat, token_ids),
+        **_vllm_requests(common, chat, token_ids, template_rule),
         **_scoring_requests(models, scorers, tokenyard, common["user"]),
         "ResponseRequest": response,
         "MessageRequest": {
@@ -950,6 +985,7 @@ def _vllm_requests(
     common: dict[str, Any],
     chat: dict[str, Any],
     token_ids: dict[str, Any],
+    template_rule: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """vLLM's own routes' bodies (`gateway/vllm_api.py`): /tokenize (a prompt, or messages
     through the chat template, as a chat completion renders them) and /detokenize."""
@@ -976,12 +1012,20 @@ def _vllm_requests(
             "tools": chat["properties"]["tools"],
             "add_special_tokens": {"type": "boolean", "default": False},
             "return_token_strs": strs,
-            "add_generation_prompt": _neutral(True),
-            "continue_final_message": _neutral(False),
-            "chat_template": _neutral(None),
-            "chat_template_kwargs": _neutral(None),
+            # the chat completion's template switches, variables and (trusted) template
+            **{
+                name: chat["properties"][name]
+                for name in (
+                    "add_generation_prompt",
+                    "continue_final_message",
+                    "chat_template",
+                    "chat_template_kwargs",
+                )
+            },
             "mm_processor_kwargs": _neutral(None),
+            "media_io_kwargs": _neutral(None),
         },
+        "allOf": [template_rule],
     }
     return {
         "TokenizeRequest": {"anyOf": [prompt_tokenize, chat_tokenize]},

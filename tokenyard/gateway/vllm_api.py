@@ -15,6 +15,7 @@ from pydantic import Field
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import unsupported
 from tokenyard.gateway.protocol import (
+    ChatCompletionRequest,
     ChatMessage,
     Deadline,
     NonEmptyStr,
@@ -46,7 +47,7 @@ class TruncatingTokenizer(Protocol):
     def encode_truncated(self, text: str, keep: int, side: str = "left") -> list[int]: ...
 
     def encode_pair(
-        self, first: str, second: str, keep: int | None = None, side: str = "left"
+        self, first: str, second: str, keep: int | None = None, side: str | None = None
     ) -> tuple[list[int], int]: ...
 
 
@@ -75,6 +76,7 @@ class TokenizeChatRequest(_Tokenize):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
 
     def refuse_unsupported(self) -> None:
@@ -84,15 +86,25 @@ class TokenizeChatRequest(_Tokenize):
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 param="continue_final_message",
             )
-        # the template is rendered as a chat completion's prompt is: with the generation
-        # prompt, the model's own template, no extra arguments
-        if not self.add_generation_prompt:
-            raise unsupported("add_generation_prompt", "other than true")
-        if self.continue_final_message:
-            raise unsupported("continue_final_message", "other than false")
-        for name in ("chat_template", "chat_template_kwargs", "mm_processor_kwargs"):
+        # the template's switches, its variables and a request's own template (where the
+        # server trusts them: the route checks) render as a chat completion's; media do not
+        for name in ("mm_processor_kwargs", "media_io_kwargs"):
             if getattr(self, name):
-                raise unsupported(name)
+                raise unsupported(name, "(text only)")
+
+    def as_chat(self, model: str) -> ChatCompletionRequest:
+        """The chat completion whose prompt this request tokenizes: its template renders the
+        same messages with the same switches, variables and template."""
+        return ChatCompletionRequest.model_construct(
+            model=model,
+            messages=self.messages,
+            tools=self.tools,
+            tool_choice=None,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class DetokenizeRequest(Request):
@@ -168,8 +180,10 @@ class _Scoring(Request):
         return True
 
     @property
-    def side(self) -> str:
-        return self.truncation_side or "left"
+    def side(self) -> str | None:
+        """Where a pair is cut: None (not given) leaves it to the tokenizer's own pair
+        truncation, as vLLM does; given, the pair's tokens are sliced on that side."""
+        return self.truncation_side
 
     @property
     def priority_class(self) -> Priority | None:
@@ -269,6 +283,7 @@ def score_body(job_id: str, model: str, result: JobResult) -> dict[str, Any]:
             "total_tokens": tokens,
             "completion_tokens": 0,
             "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         },
     }
 

@@ -8,20 +8,27 @@ any `sequence_number`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, Any, get_args
 
 from pydantic import Field
 
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import errors
 from tokenyard.gateway.errors import unsupported
-from tokenyard.gateway.protocol import ChatCompletionRequest, NonEmptyStr, Request
+from tokenyard.gateway.protocol import (
+    ChatCompletionRequest,
+    NonEmptyStr,
+    ReasoningEffort,
+    Request,
+)
 from tokenyard.gateway.streaming import frame
 from tokenyard.gateway.tools import (
-    CallStream,
+    AnswerDelta,
     ContentDelta,
-    Delta,
     Parsed,
+    Reader,
+    ReasoningDelta,
     ToolCall,
     Tools,
     call_reader,
@@ -29,6 +36,7 @@ from tokenyard.gateway.tools import (
     parse_whole,
     read_function,
     read_tools,
+    reasoning_reader,
     stable_call_ids,
 )
 from tokenyard.messages import (
@@ -93,8 +101,7 @@ class ResponseRequest(Request):
             raise unsupported("truncation", "other than 'disabled'")
         if self.include:
             raise unsupported("include")
-        if self.reasoning:
-            raise unsupported("reasoning")
+        self.reasoning_effort()  # its shape
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported("service_tier")
         if self.top_logprobs:
@@ -119,6 +126,24 @@ class ResponseRequest(Request):
                 )
             if any(len(k) > 64 for k in self.metadata):
                 raise InvalidRequest("'metadata' keys are at most 64 characters", param="metadata")
+
+    def reasoning_effort(self) -> ReasoningEffort | None:
+        """`reasoning.effort`: the chat template's variable, as chat's `reasoning_effort`
+        passes it (vLLM's reading of the field); a summary is refused (the model's reasoning
+        is shown whole, as `reasoning_text`, never summarised)."""
+        reasoning = self.reasoning or {}
+        for name in sorted(reasoning):
+            if name not in ("effort", "summary", "generate_summary"):
+                raise unsupported(f"reasoning.{name}")
+            if name != "effort" and reasoning[name] is not None:
+                raise unsupported(f"reasoning.{name}", "(the reasoning is shown whole)")
+        effort = reasoning.get("effort")
+        if effort is not None and effort not in get_args(ReasoningEffort):
+            raise InvalidRequest(
+                f"'reasoning.effort' must be one of {', '.join(get_args(ReasoningEffort))}",
+                param="reasoning.effort",
+            )
+        return effort
 
     def turns(self) -> list[Turn]:
         """The input as conversation turns; an item or part that is not text is refused."""
@@ -202,6 +227,8 @@ class ResponseRequest(Request):
         ):
             if value is not None:
                 body[name] = value
+        if (effort := self.reasoning_effort()) is not None:
+            body["reasoning_effort"] = effort
         fmt = self.text_format()
         if fmt is not None:
             body["response_format"] = _response_format(fmt)
@@ -232,6 +259,8 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
 # -- function tools -----------------------------------------------------------------------------
 # the context's turns that carry a function call, or its output, as their item's JSON
 CALL, CALL_OUTPUT = "function_call", "function_call_output"
+# a context's turn that carries a reasoning item's text (the assistant's, before its answer)
+REASONING = "reasoning"
 
 
 def response_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> Tools:
@@ -267,17 +296,20 @@ def _chat_choice(tools: Tools) -> Any:
 
 def response_reader(
     stored: StoredResponse, parser_setting: str, chat_template: str
-) -> CallStream | None:
-    """A fresh stream reading a stored response's output for function calls (None: it is all
-    text): as its job's `CallReading`, decided at admission and kept with the response, says,
-    whatever the gateway's `tool_call_parser` or the model's template are now; its call ids
-    come from the job id, the same on every reading (as `job_reader`'s). A response stored
-    before the reading was kept is decided from its stored tools with `parser_setting` and
-    `chat_template`, the gateway's now."""
+) -> Reader | None:
+    """A fresh stream reading a stored response's output for its reasoning, then function
+    calls (None: it is all text): as its job's `ReasoningReading` and `CallReading`, decided
+    at admission and kept with the response, say, whatever the gateway's parsers or the
+    model's template are now; its call ids come from the job id, the same on every reading
+    (as `job_reader`'s). A response stored before the call reading was kept is decided from
+    its stored tools with `parser_setting` and `chat_template`, the gateway's now."""
     reading = stored.calls
     if reading is None:
         reading = _reading_of_tools(stored, parser_setting, chat_template)
-    return None if reading is None else call_reader(reading, stable_call_ids(stored.job_id))
+    calls = None if reading is None else call_reader(reading, stable_call_ids(stored.job_id))
+    if stored.reasoning is None:
+        return calls
+    return reasoning_reader(stored.reasoning, calls)
 
 
 def _reading_of_tools(
@@ -301,14 +333,24 @@ def chat_messages(context: list[Turn]) -> list[dict[str, Any]]:
     (as its `tool_calls`), their outputs are `tool` messages."""
     messages: list[dict[str, Any]] = []
     for turn in context:
-        if turn.role == CALL:
+        last = messages[-1] if messages else None
+        if turn.role == REASONING:
+            # the assistant message it opens (its content and calls join it), as vLLM reads
+            # a reasoning item; the chat template decides whether earlier turns show it
+            if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+                last["reasoning"] = turn.content
+            else:
+                messages.append({"role": "assistant", "content": "", "reasoning": turn.content})
+        elif turn.role == "assistant" and _open_reasoning(last):
+            assert last is not None
+            last["content"] = turn.content
+        elif turn.role == CALL:
             item = json.loads(turn.content)
             call = {
                 "id": item["call_id"],
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -321,6 +363,17 @@ def chat_messages(context: list[Turn]) -> list[dict[str, Any]]:
         else:
             messages.append({"role": turn.role, "content": turn.content})
     return messages
+
+
+def _open_reasoning(message: dict[str, Any] | None) -> bool:
+    """Whether `message` is a reasoning item's assistant message still without its text."""
+    return (
+        message is not None
+        and message["role"] == "assistant"
+        and "reasoning" in message
+        and message["content"] == ""
+        and "tool_calls" not in message
+    )
 
 
 def call_turn(call_id: str, name: str, arguments: str) -> Turn:
@@ -352,9 +405,12 @@ def _turn(item: dict[str, Any], param: str) -> Turn:
     kind = item.get("type", "message")
     if kind in (CALL, CALL_OUTPUT):
         return _call_item(item, param)
+    if kind == REASONING:
+        return _reasoning_item(item, param)
     if kind != "message":
         raise unsupported(
-            f"{param}.type", f"{kind!r} (only messages, function calls and their outputs)"
+            f"{param}.type",
+            f"{kind!r} (only messages, reasoning, function calls and their outputs)",
         )
     for name in sorted(item):
         if name not in ("type", "role", "content", "id", "status"):
@@ -372,6 +428,32 @@ def _turn(item: dict[str, Any], param: str) -> Turn:
             f"'{param}.content' must be a string or a list of text parts", param=f"{param}.content"
         )
     return Turn(_ROLES[role], _text_of(content, f"{param}.content"))
+
+
+def _reasoning_item(item: dict[str, Any], param: str) -> Turn:
+    """A `reasoning` input item (an earlier answer's, handed back): its text, from `content`
+    (else its summary, as vLLM reads one), joins the assistant message after it."""
+    for name in sorted(item):
+        if name not in ("type", "id", "summary", "content", "encrypted_content", "status"):
+            raise unsupported(f"{param}.{name}")
+    if item.get("encrypted_content") is not None:
+        raise unsupported(f"{param}.encrypted_content", "(reasoning is never encrypted here)")
+    for name in ("content", "summary"):
+        parts = item.get(name)
+        if parts is not None and not isinstance(parts, list):
+            raise InvalidRequest(f"'{param}.{name}' must be a list", param=f"{param}.{name}")
+    content, summary = item.get("content") or [], item.get("summary") or []
+    field, parts = ("content", content) if content else ("summary", summary)
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"{param}.{field}.{j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("reasoning_text", "summary_text"):
+            raise unsupported(f"{where}.type", f"{kind!r} (only reasoning or summary text)")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"'{where}.text' must be a string", param=f"{where}.text")
+        texts.append(part["text"])
+    return Turn(REASONING, "".join(texts))
 
 
 def _text_of(parts: list[Any], param: str) -> str:
@@ -476,16 +558,39 @@ def function_call_item(job_id: str, index: int, call: ToolCall, status: str) -> 
     }
 
 
+def reasoning_item(job_id: str, text: str, status: str) -> dict[str, Any]:
+    """An output item: the model's reasoning, whole (vLLM's shape: no summary, the text as
+    one `reasoning_text` part)."""
+    return {
+        "id": "rs_" + job_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [] if status == "in_progress" else [_reasoning_part(text)],
+        "status": status,
+    }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _message_id(job_id: str, index: int) -> str:
     return "msg_" + job_id if index == 0 else f"msg_{job_id}_{index}"
 
 
 def output_items(job_id: str, parsed: Parsed, status: str) -> list[dict[str, Any]]:
-    """The output of an answer read for calls: its text (if any), then its calls."""
+    """The output of an answer read for reasoning or calls: its reasoning (if any), its text
+    (if any; an empty message when there is nothing at all), then its calls, as vLLM lists
+    them. Each item ended when the next began: only the last one carries the answer's own
+    status (incomplete, when it was cut off)."""
     items = []
-    if parsed.content or not parsed.calls:
-        items.append(message_item(job_id, parsed.content or "", status))
-    items += [function_call_item(job_id, i, c, status) for i, c in enumerate(parsed.calls)]
+    if parsed.reasoning:
+        items.append(reasoning_item(job_id, parsed.reasoning, "completed"))
+    if parsed.content or not (parsed.calls or items):
+        message = message_item(job_id, parsed.content or "", "completed")
+        items.append({**message, "id": _message_id(job_id, len(items))})
+    items += [function_call_item(job_id, i, c, "completed") for i, c in enumerate(parsed.calls)]
+    items[-1]["status"] = status
     return items
 
 
@@ -493,10 +598,10 @@ def response_body(
     stored: StoredResponse,
     result: JobResult | None,
     job: JobStatus | None = None,
-    reader: CallStream | None = None,
+    reader: Reader | None = None,
 ) -> dict[str, Any]:
     """The response object: its request's settings, and its output once the job ended;
-    `reader` (fresh) reads the output for function calls."""
+    `reader` (fresh) reads the output for reasoning and function calls."""
     status = status_of(result, job)
     output: list[dict[str, Any]] = []
     if result is not None and result.status is JobStatus.SUCCEEDED:
@@ -615,17 +720,18 @@ class ResponseEvents:
 
 
 class ToolResponseEvents(ResponseEvents):
-    """The events of a response whose output is read for function calls: items open as the
-    answer shows them (a message at its first text, a `function_call` at each call's name,
-    its arguments as `response.function_call_arguments.delta`), numbered as `ResponseEvents`
-    numbers (the same job events always give the same items and numbers)."""
+    """The events of a response whose output is read for reasoning or function calls: items
+    open as the answer shows them (a `reasoning` item at its first reasoning, its text as
+    `response.reasoning_text.delta`; a message at its first text; a `function_call` at each
+    call's name, its arguments as `response.function_call_arguments.delta`), numbered as
+    `ResponseEvents` numbers (the same job events always give the same items and numbers)."""
 
-    def __init__(self, stored: StoredResponse, reader: CallStream, starting_after: int = -1):
+    def __init__(self, stored: StoredResponse, reader: Reader, starting_after: int = -1):
         super().__init__(stored, starting_after)
         self.reader = reader
         self.items: list[dict[str, Any]] = []  # the closed output items
         self.open: dict[str, Any] | None = None
-        self.text = ""  # of the open message
+        self.text = ""  # of the open message or reasoning
         self.calls = 0
 
     def start(self) -> list[bytes]:
@@ -656,12 +762,37 @@ class ToolResponseEvents(ResponseEvents):
             ),
         ]
 
+    def _open_reasoning(self) -> list[bytes]:
+        self.open = reasoning_item(self.stored.job_id, "", "in_progress")
+        self.text = ""
+        return [
+            *self._event(
+                "response.output_item.added", {"output_index": len(self.items), "item": self.open}
+            ),
+            *self._event(
+                "response.content_part.added",
+                {**self._where(), "content_index": 0, "part": _reasoning_part("")},
+            ),
+        ]
+
     def _close(self, status: str = "completed") -> list[bytes]:
         item = self.open
         if item is None:
             return []
         where = self._where()
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            done = {**item, "status": status, "content": [_reasoning_part(self.text)]}
+            frames = [
+                *self._event(
+                    "response.reasoning_text.done",
+                    {**where, "content_index": 0, "text": self.text},
+                ),
+                *self._event(
+                    "response.content_part.done",
+                    {**where, "content_index": 0, "part": _reasoning_part(self.text)},
+                ),
+            ]
+        elif item["type"] == "message":
             done = {**item, "status": status, "content": [_text_part(self.text)]}
             frames = [
                 *self._event(
@@ -685,10 +816,18 @@ class ToolResponseEvents(ResponseEvents):
         self.open = None
         return frames
 
-    def _deltas(self, deltas: list[Delta]) -> list[bytes]:
+    def _deltas(self, deltas: Sequence[AnswerDelta]) -> list[bytes]:
         frames: list[bytes] = []
         for d in deltas:
-            if isinstance(d, ContentDelta):
+            if isinstance(d, ReasoningDelta):
+                if self.open is None or self.open["type"] != "reasoning":
+                    frames += self._close() + self._open_reasoning()
+                self.text += d.text
+                frames += self._event(
+                    "response.reasoning_text.delta",
+                    {**self._where(), "content_index": 0, "delta": d.text},
+                )
+            elif isinstance(d, ContentDelta):
                 if self.open is None or self.open["type"] != "message":
                     frames += self._close() + self._open_message()
                 self.text += d.text

@@ -20,6 +20,7 @@ from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.responses_api.service import Chain, ResponseService
 from tokenyard.gateway.responses_api.wire import (
+    REASONING,
     ResponseEvents,
     ResponseRequest,
     ToolResponseEvents,
@@ -33,7 +34,7 @@ from tokenyard.gateway.responses_api.wire import (
 from tokenyard.gateway.routes.openai import until_disconnect
 from tokenyard.gateway.state import gateway
 from tokenyard.gateway.submit import Hit, Later, Live, Queued, submit
-from tokenyard.gateway.tools import CallStream, parse_whole
+from tokenyard.gateway.tools import Reader, parse_whole
 from tokenyard.messages import JobResult, JobSpec, JobStatus, StoredResponse, Turn
 
 router = APIRouter()
@@ -98,17 +99,19 @@ async def _earlier(
     reader = _reader(request, earlier)
     if reader is None:
         return await service.chain(earlier, [Turn("assistant", earlier.result.text)])
-    # its calls as the client saw them (same ids), so their outputs can answer them
+    # its reasoning and calls as the client saw them (same ids), so their outputs can answer
+    # them; the chat template decides whether the reasoning shows in the next prompt
     parsed = parse_whole(reader, earlier.result.text)
+    thought = [Turn(REASONING, parsed.reasoning)] if parsed.reasoning else []
     said = [Turn("assistant", parsed.content or "")] if parsed.content or not parsed.calls else []
     calls = [call_turn(c.id, c.name, c.arguments) for c in parsed.calls]
-    return await service.chain(earlier, [*said, *calls])
+    return await service.chain(earlier, [*thought, *said, *calls])
 
 
-def _reader(request: Request, stored: StoredResponse) -> CallStream | None:
-    """What reads a stored response's output for function calls (None: all text): its kept
-    reading (`response_reader`); this gateway's setting and the model's template matter only
-    to a response stored before the reading was kept."""
+def _reader(request: Request, stored: StoredResponse) -> Reader | None:
+    """What reads a stored response's output for reasoning and function calls (None: all
+    text): its kept readings (`response_reader`); this gateway's setting and the model's
+    template matter only to a response stored before the call reading was kept."""
     state = gateway(request)
     tokenizer = state.tokenizers.get(stored.model)
     template = "" if tokenizer is None else tokenizer.chat_template
@@ -143,6 +146,7 @@ def _stored(
         tools=body.stored_tools(),
         text_format=body.stored_format(),
         calls=spec.calls,  # admission's reading: every later reading of the output uses it
+        reasoning=spec.reasoning,
         chained=True,
     )
 

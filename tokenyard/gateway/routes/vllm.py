@@ -17,7 +17,12 @@ import tokenyard
 from tokenyard import tracing
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol, vllm_api
-from tokenyard.gateway.admission import model_named, tokenizer_for
+from tokenyard.gateway.admission import (
+    chat_prompt,
+    model_named,
+    refuse_untrusted_template,
+    tokenizer_for,
+)
 from tokenyard.gateway.auth import TenantDep
 from tokenyard.gateway.jsonbody import check_json
 from tokenyard.gateway.openapi import answers, json_body
@@ -60,16 +65,12 @@ async def tokenize(request: Request, tenant: TenantDep) -> Response:
     model = model_named(state, body.model)
     tokenizer = tokenizer_for(state, model)
     if isinstance(body, TokenizeChatRequest):
-        chat = protocol.ChatCompletionRequest.model_construct(
-            model=model, messages=body.messages, tools=body.tools, tool_choice=None
-        )
+        # rendered as the chat completion of the same messages is: the same trust rule for a
+        # request's own template, the same variables (those the server sets are 400)
+        refuse_untrusted_template(state.settings, body.chat_template)
+        chat = body.as_chat(model)
         messages, tools = chat.template_messages(), chat.tool_spec()
-        try:
-            text = tokenizer.apply_chat_template(messages, tools=tools.template())
-        except Exception as exc:  # a template may reject e.g. the order of roles
-            raise InvalidRequest(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
+        text = chat_prompt(tokenizer, messages, tools, chat, chat.template_kwargs())
         special, default = body.add_special_tokens, False
     else:
         text, special, default = body.prompt, body.add_special_tokens, True
@@ -92,7 +93,8 @@ async def tokenize(request: Request, tenant: TenantDep) -> Response:
 
 @router.post("/detokenize", responses=answers(404), openapi_extra=json_body("DetokenizeRequest"))
 async def detokenize(request: Request, tenant: TenantDep) -> Response:
-    """vLLM's /detokenize: token ids as text (special tokens left out, as a completion's)."""
+    """vLLM's /detokenize: token ids as text, special tokens included (as vLLM decodes a
+    prompt's ids: what /tokenize gave back, BOS and template tokens shown)."""
     body = protocol.parse(DetokenizeRequest, await request.body())
     body.refuse_unsupported()
     state = gateway(request)
@@ -106,7 +108,8 @@ async def detokenize(request: Request, tenant: TenantDep) -> Response:
             param="tokens",
             code="invalid_value",
         )
-    return FastJSONResponse(vllm_api.detokenize_body(tokenizer.decode(body.tokens)))
+    text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return FastJSONResponse(vllm_api.detokenize_body(text))
 
 
 @router.get("/version")
