@@ -15,7 +15,7 @@ from tokenyard.engines.base import (
     EngineTokenizer,
     StepOutput,
 )
-from tokenyard.engines.models import served_names
+from tokenyard.engines.models import parse_loras, served_names
 from tokenyard.messages import EngineStats
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
                 "kv_cache_memory_fraction": settings.kv_cache_memory_fraction,
                 "cuda_graphs": settings.cuda_graphs,
                 "warmup": settings.warmup,
+                "loras": parse_loras(settings.loras) or None,
+                "max_loras": settings.max_loras,
             }
     return {k: v for k, v in options.items() if v is not None}
 

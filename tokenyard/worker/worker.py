@@ -25,7 +25,13 @@ from tokenyard.broker.tables import Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
 from tokenyard.engines.models import served_names
-from tokenyard.errors import BrokerUnavailable, EngineClosed, EngineError, UserError
+from tokenyard.errors import (
+    BrokerUnavailable,
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    UserError,
+)
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
     FinishReason,
@@ -371,16 +377,25 @@ class Worker:
         for job in plan.done:
             outcome.finishing.append((job, FinishReason.LENGTH, None))
         for job in plan.start:
+            spec = job.handle.spec
             request = EngineRequest(
                 job.job_id,
                 job.prompt_ids,
                 job.params,
                 tuple(job.token_ids),
-                job.handle.spec.priority,
+                spec.priority,
                 job.input_lengths,
                 job.pooling,
+                spec.adapter or None,
+                spec.adapter_path,
             )
             try:
+                if spec.adapter and not self.engine.runs_adapters:
+                    raise InvalidRequest(
+                        f"The model '{spec.adapter}' is a LoRA adapter, and engine "
+                        f"{self.engine.name} runs none",
+                        param="model",
+                    )
                 self.engine.add(request)
             except (UserError, EngineError) as exc:
                 self._not_taken(job, exc, outcome)
