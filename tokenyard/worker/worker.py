@@ -13,7 +13,9 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -21,10 +23,10 @@ import msgspec
 from tokenyard import heap
 from tokenyard.broker.core import Cancellation, Events, Lease, Leases
 from tokenyard.broker.policy import beat_period, beating_since, may_reap, pools_served
-from tokenyard.broker.tables import Quotas, WorkerRegistry
+from tokenyard.broker.tables import Directory, Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
-from tokenyard.engines.models import served_names
+from tokenyard.engines.models import parse_loras, served_names
 from tokenyard.errors import (
     BrokerUnavailable,
     EngineClosed,
@@ -34,6 +36,7 @@ from tokenyard.errors import (
 )
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
+    AdapterRecord,
     FinishReason,
     JobEvent,
     JobResult,
@@ -89,6 +92,17 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
     )
 
 
+def adapter_records(loras: Sequence[str], model: str, now: float) -> list[AdapterRecord]:
+    """`--lora NAME=PATH` entries as the directory keeps them; a local path is made absolute,
+    so another worker of the model on this machine can load it from a job's path too."""
+    records = []
+    for name, path in parse_loras(loras).items():
+        where = Path(path).expanduser()
+        found = str(where.resolve()) if where.exists() else path  # else: a hub id
+        records.append(AdapterRecord(name=name, base=model, path=found, created_at=now))
+    return records
+
+
 class WorkerQueue(Leases, Events, Cancellation, Protocol):
     """The queue-core roles a worker uses: leases, its jobs' events, cancel requests."""
 
@@ -96,7 +110,11 @@ class WorkerQueue(Leases, Events, Cancellation, Protocol):
 
 
 class WorkerBackend(Protocol):
-    """What a worker needs of a backend: the queue, the worker registry, quota sweeps."""
+    """What a worker needs of a backend: the queue, the worker registry, quota sweeps, and
+    the directory its LoRA adapters are announced in."""
+
+    @property
+    def directory(self) -> Directory: ...
 
     @property
     def queue(self) -> WorkerQueue: ...
@@ -122,6 +140,7 @@ class Worker:
         freeze_heap: bool = False,
     ) -> None:
         self.queue = backend.queue
+        self.backend = backend
         self.registry = backend.registry
         self.quotas = backend.quotas
         self.freeze_heap = freeze_heap
@@ -164,6 +183,12 @@ class Worker:
             claim_ahead = max(1, self.limits.max_seqs // 8)
         return Scheduler(self.limits, claim_ahead, self.settings.batch_share)
 
+    async def _announce_adapters(self) -> None:
+        """Put this worker's `--lora` adapters in the broker's directory, under its model:
+        every gateway then routes their names here."""
+        for record in adapter_records(self.settings.loras, self.model, time.time()):
+            await self.backend.directory.put_adapter(record)
+
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self) -> None:
         """Stop claiming; in-flight work finishes or is handed back. Safe from a signal handler."""
@@ -183,6 +208,7 @@ class Worker:
         if self.freeze_heap:  # the engine's model is in: it stays out of every collection
             heap.freeze()
         self._stats_line = StatsLine(self.consumer, self.settings.log_stats_s, time.monotonic())
+        await self._announce_adapters()
         await self._heartbeat()
         await self._beat()  # before any claim: a worker that never beat is never found dead
         log.info(
