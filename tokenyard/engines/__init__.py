@@ -167,6 +167,8 @@ def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "tensor_parallel_size": settings.vllm_tensor_parallel_size,
             "enforce_eager": settings.vllm_enforce_eager,
             "engine_args": settings.vllm_args,
+            "loras": parse_loras(settings.loras) or None,
+            "max_loras": settings.max_loras,
         }
     if settings.engine == "remote":
         return {
