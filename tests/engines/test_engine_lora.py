@@ -13,7 +13,7 @@ from tests.engines.outputs import collect
 from tests.loras import build_lora, peft_greedy
 from tokenyard.engines import EngineRequest
 from tokenyard.engines.hf import HFEngine
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import EngineError, InvalidRequest
 from tokenyard.messages import SamplingParams
 
 PROMPTS = ["The queue holds", "Once upon a time there was", "def add(a, b):"]
@@ -114,3 +114,12 @@ async def test_adapter_from_a_jobs_path_and_lru(
 async def test_unknown_adapter_is_refused(engine: HFEngine) -> None:
     with pytest.raises(InvalidRequest, match="does not exist"):
         engine.add(EngineRequest("u", [1, 2, 3], greedy(), adapter="nope"))
+
+
+async def test_a_refused_sequence_does_not_pin_its_adapter(engine: HFEngine) -> None:
+    engine.add(EngineRequest("dup", [1, 2, 3], greedy(), adapter="a1"))
+    with pytest.raises(EngineError):  # the same id again: refused after the adapter loaded
+        engine.add(EngineRequest("dup", [1, 2, 3], greedy(), adapter="a1"))
+    await collect(engine, 1)
+    assert engine._lora is not None
+    assert engine._lora._resident["a1"].users == 0  # the refused one holds nothing

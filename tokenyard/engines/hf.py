@@ -874,7 +874,12 @@ class HFEngine(HFEngineBase):
             self._lora.ensure(request.adapter, request.adapter_path)
             seq.adapter = request.adapter
         with self._lock:
-            if not self._hold_locked(seq):
+            try:
+                held = self._hold_locked(seq)
+            except BaseException:  # full, or stopped: the adapter is not kept for it
+                self._drop_adapter(seq)
+                raise
+            if not held:
                 self._drop_adapter(seq)
                 return
             if self._started:

@@ -109,12 +109,13 @@ class LoraSet:
         self.lock = threading.RLock()
         self._resident: OrderedDict[str, _Adapter] = OrderedDict()  # least recent first
         self._offsets: dict[str, tuple[int, int]] = {}  # adapter -> its rank columns
-        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (A_all.T, B_all.T)
         self._hooked: set[str] = set()
         self._next: Spans = ()
         self._pass: _Pass | None = None
         self.loads = 0  # adapters loaded from disk, evictions' reloads included
         self.mixed_passes = 0  # passes that ran base tokens beside two or more adapters
+        self.widest_pass = 0  # the most adapters one pass ran
 
     @property
     def resident(self) -> list[str]:
@@ -173,7 +174,8 @@ class LoraSet:
                     a, b = adapter.weights[module]
                     a_all[lo:hi] = a
                     b_all[:, lo:hi] = b
-            stacked[module] = (a_all, b_all.contiguous())
+            # kept transposed, as the hook multiplies by them: [in, R] and [R, out]
+            stacked[module] = (a_all.T.contiguous(), b_all.T.contiguous())
             if module not in self._hooked:
                 self.modules[module].register_forward_hook(self._hook(module))
                 self._hooked.add(module)
@@ -183,7 +185,9 @@ class LoraSet:
         """The spans of the next forward pass (set on the thread that runs it, before it),
         beside `base_tokens` tokens run without an adapter."""
         self._next = spans
-        if base_tokens and len({name for name, _, _ in spans}) > 1:
+        width = len({name for name, _, _ in spans})
+        self.widest_pass = max(self.widest_pass, width)
+        if base_tokens and width > 1:
             self.mixed_passes += 1
 
     def attach(self) -> None:
@@ -229,8 +233,13 @@ class LoraSet:
             if current is None or stacked is None:
                 return None  # a pass of the base alone: the layer as it is
             x = args[0]
-            a_all, b_all = stacked
-            mask = self._mask(current, x.shape[-2], x)
-            return out + ((x @ a_all.T) * mask) @ b_all.T
+            a_t, b_t = stacked
+            rows = x.reshape(-1, x.shape[-1])
+            h = rows @ a_t  # every resident adapter's down-projection, [tokens, R]
+            h.mul_(self._mask(current, rows.shape[0], x))  # each token keeps its adapter's
+            if out.is_contiguous():  # in place: no [tokens, out] temporary per layer
+                out.view(-1, out.shape[-1]).addmm_(h, b_t)
+                return None
+            return out + (h @ b_t).view(out.shape)
 
         return hook
