@@ -4,6 +4,7 @@ tokenyard/engines/lora.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,15 @@ def lora_stack(valkey: EmbeddedServer, loras: dict[str, Path]) -> Iterator[Stack
         ],
         worker_options={"engine": "hf", "loras": ("storyteller=" + given["storyteller"],)},
     ) as stack:
+        _wait_listed(_client(stack), "storyteller")  # the worker announces it once started
         yield stack
+
+
+def _wait_listed(client: openai.OpenAI, *names: str, timeout_s: float = 60.0) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not set(names) <= {m.id for m in client.models.list().data}:
+        assert time.monotonic() < give_up, f"{names} never listed"
+        time.sleep(0.05)
 
 
 def _client(stack: Stack) -> openai.OpenAI:
@@ -91,6 +100,11 @@ def test_adapter_greedy_equals_peft_generate(lora_stack: Stack, loras: dict[str,
     assert story.model == "storyteller"  # answered under the name asked, as vLLM does
     again = _complete(client, "storyteller")  # a cached (or collapsed) answer is its own
     assert _ids(again) == _ids(story)
+    # the audit trail names the adapter a job ran with
+    _, entries = lora_stack.call(lora_stack.gateway_broker.audit.audit_entries(0.0, model="tiny"))
+    ran = {(e.event, e.adapter) for e in entries if e.status in ("queued", "succeeded")}
+    assert {("received", "storyteller"), ("terminal", "storyteller")} <= ran
+    assert ("terminal", None) in ran  # the base's job
 
 
 def test_models_lists_adapters_with_their_base(lora_stack: Stack, loras: dict[str, Path]) -> None:
@@ -165,13 +179,11 @@ def test_adapter_in_chat_jobs_and_messages(lora_stack: Stack) -> None:
         assert job.json()["model"] == "storyteller"
         job_id = job.json()["id"]
         text = None
-        for _ in range(600):
+        give_up = time.monotonic() + 60
+        while text is None and time.monotonic() < give_up:
             got = http.get(f"/v1/jobs/{job_id}", headers=headers).json()
             if got["status"] == "succeeded":
                 text = got["result"]["text"]
-                break
-            import time
-
             time.sleep(0.05)
         assert text == chat.choices[0].message.content
         answer = http.post(
@@ -186,3 +198,49 @@ def test_adapter_in_chat_jobs_and_messages(lora_stack: Stack) -> None:
         )
         assert answer.status_code == 200, answer.text
         assert answer.json()["model"] == "storyteller"
+
+
+def test_an_adapters_jobs_go_to_the_worker_that_holds_it(
+    valkey: EmbeddedServer, loras: dict[str, Path]
+) -> None:
+    """Adapter affinity (the broker's prefix affinity, keyed by the adapter): of two idle
+    workers, the one that loaded the adapter claims its later jobs, whatever their prompts;
+    the other never loads it. The wait is long here so a slow host cannot make it lapse."""
+    from tokenyard.engines import make_engine
+    from tokenyard.engines.hf import HFEngine
+    from tokenyard.gateway.tokenizers import load_tokenizer
+
+    given = {"storyteller": str(loras["storyteller"]), "coder": str(loras["coder"])}
+
+    def engine() -> HFEngine:
+        made = make_engine("hf", model="tiny", max_seqs=4, max_tokens=2048, threads=1, loras=given)
+        assert isinstance(made, HFEngine)
+        return made
+
+    with run_stack(
+        valkey,
+        model="tiny",
+        tokenizer=load_tokenizer("hf", "tiny"),
+        engines=[engine, engine],
+        worker_options={"engine": "hf", "loras": tuple(f"{n}={p}" for n, p in given.items())},
+        broker_options={"affinity_wait_s": 30.0},
+    ) as stack:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        _wait_listed(client, "storyteller", "coder")  # workers announce once started
+        # one adapter's jobs one after another: with no affinity the two idle workers take
+        # turns (the one blocked longest in its claim gets the next job), and both load it
+        for name in ("storyteller", "coder"):
+            for i in range(4):
+                client.completions.create(
+                    model=name, prompt=f"story number {i} of {name}", max_tokens=2,
+                    temperature=0.0,
+                )  # fmt: skip
+        loads = {}
+        for worker, _, _ in stack.workers:
+            lora = worker.engine._lora  # type: ignore[attr-defined]
+            assert lora is not None
+            for name in ("storyteller", "coder"):
+                loads.setdefault(name, []).append(lora.loads_of.get(name, 0))
+        # each adapter was loaded once, by one worker, which ran all its jobs
+        assert sorted(loads["storyteller"]) == [0, 1], loads
+        assert sorted(loads["coder"]) == [0, 1], loads

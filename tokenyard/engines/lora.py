@@ -114,6 +114,7 @@ class LoraSet:
         self._next: Spans = ()
         self._pass: _Pass | None = None
         self.loads = 0  # adapters loaded from disk, evictions' reloads included
+        self.loads_of: dict[str, int] = {}  # the same, by adapter
         self.mixed_passes = 0  # passes that ran base tokens beside two or more adapters
         self.widest_pass = 0  # the most adapters one pass ran
 
@@ -134,6 +135,7 @@ class LoraSet:
                     )
                 found = self.loader(name, where, self.modules, self.dtype)
                 self.loads += 1
+                self.loads_of[name] = self.loads_of.get(name, 0) + 1
                 self._resident[name] = found
                 self._evict()
                 self._restack()
