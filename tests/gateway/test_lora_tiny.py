@@ -105,6 +105,10 @@ def test_adapter_greedy_equals_peft_generate(lora_stack: Stack, loras: dict[str,
     ran = {(e.event, e.adapter) for e in entries if e.status in ("queued", "succeeded")}
     assert {("received", "storyteller"), ("terminal", "storyteller")} <= ran
     assert ("terminal", None) in ran  # the base's job
+    with httpx.Client(base_url=lora_stack.url, timeout=30) as http:
+        metrics = http.get("/metrics", headers=ADMIN).text
+    routed = 'tokenyard_routed_requests_total{model="tiny",requested="storyteller",rule="adapter"}'
+    assert routed in metrics
 
 
 def test_models_lists_adapters_with_their_base(lora_stack: Stack, loras: dict[str, Path]) -> None:
