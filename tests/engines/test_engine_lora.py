@@ -123,3 +123,32 @@ async def test_a_refused_sequence_does_not_pin_its_adapter(engine: HFEngine) -> 
     await collect(engine, 1)
     assert engine._lora is not None
     assert engine._lora._resident["a1"].users == 0  # the refused one holds nothing
+
+
+async def test_adapters_in_an_engine_process(
+    tiny_model_path: Path, adapters: dict[str, Path]
+) -> None:
+    """The engine in a child process (`engine_process`): the adapter crosses the pipe with
+    the request."""
+    from tokenyard.engines.process import ProcessEngine
+
+    options = {
+        "model": str(tiny_model_path),
+        "max_seqs": 4,
+        "max_tokens": 4096,
+        "threads": 1,
+        "loras": {"a1": str(adapters["a1"])},
+    }
+    engine = ProcessEngine("hf", options)
+    assert engine.runs_adapters
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode(PROMPTS[2])
+        engine.add(EngineRequest("pa", prompt, greedy(), adapter="a1"))
+        engine.add(EngineRequest("pn", prompt, greedy(), adapter="nope"))
+        done = await collect(engine, 2, timeout=120)
+    finally:
+        await engine.stop()
+    assert done["pa"].token_ids == peft_greedy(tiny_model_path, adapters["a1"], prompt, N)
+    refused = done["pn"].finish
+    assert refused is not None and refused.refused and "does not exist" in (refused.error or "")

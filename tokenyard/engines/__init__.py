@@ -130,7 +130,7 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
                 "cuda_graphs": settings.cuda_graphs,
                 "warmup": settings.warmup,
                 "loras": parse_loras(settings.loras) or None,
-                "max_loras": settings.max_loras,
+                "max_loras": settings.max_loras if settings.loras else None,
             }
     return {k: v for k, v in options.items() if v is not None}
 
@@ -168,7 +168,7 @@ def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "enforce_eager": settings.vllm_enforce_eager,
             "engine_args": settings.vllm_args,
             "loras": parse_loras(settings.loras) or None,
-            "max_loras": settings.max_loras,
+            "max_loras": settings.max_loras if settings.loras else None,
         }
     if settings.engine == "remote":
         return {
