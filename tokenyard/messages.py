@@ -603,3 +603,5 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     # its context is its part only: the conversation before it is in the parts it refers back
     # to (False: a record stored before parts, whose context is the whole conversation)
     chained: bool = False
+    # the LoRA adapter its job runs with: the model the response names ("": `model`)
+    adapter: str = ""

@@ -165,6 +165,20 @@ def test_adapter_in_chat_jobs_and_messages(lora_stack: Stack) -> None:
         extra_body={"ignore_eos": True},
     )
     assert chat.model == "storyteller"
+    response = client.responses.create(
+        model="storyteller",
+        input=messages,  # type: ignore[arg-type]
+        max_output_tokens=N,
+        temperature=0.0,
+    )
+    plain = client.chat.completions.create(
+        model="storyteller",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=N,
+        temperature=0.0,
+    )
+    assert response.model == "storyteller"
+    assert response.output_text == plain.choices[0].message.content
     assert chat.choices[0].message.content != base.choices[0].message.content
     with httpx.Client(base_url=lora_stack.url, timeout=60) as http:
         headers = {"Authorization": "Bearer sk-user"}
