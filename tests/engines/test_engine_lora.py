@@ -122,7 +122,7 @@ async def test_a_refused_sequence_does_not_pin_its_adapter(engine: HFEngine) -> 
         engine.add(EngineRequest("dup", [1, 2, 3], greedy(), adapter="a1"))
     await collect(engine, 1)
     assert engine._lora is not None
-    assert engine._lora._resident["a1"].users == 0  # the refused one holds nothing
+    assert engine._lora.users("a1") == 0  # the refused one holds nothing
 
 
 async def test_adapters_in_an_engine_process(
@@ -152,3 +152,36 @@ async def test_adapters_in_an_engine_process(
     assert done["pa"].token_ids == peft_greedy(tiny_model_path, adapters["a1"], prompt, N)
     refused = done["pn"].finish
     assert refused is not None and refused.refused and "does not exist" in (refused.error or "")
+
+
+def test_the_resident_set_evicts_only_unused_adapters_least_recent_first() -> None:
+    """LoraSet's bookkeeping with a loader that makes adapters in memory (a real Linear
+    model): eviction order, in-use adapters kept past max_loras, reloads counted."""
+    import torch
+
+    from tokenyard.engines.lora import LoraSet, _Adapter
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def loader(name: str, path: str, modules: object, dtype: torch.dtype) -> _Adapter:
+        return _Adapter(name, path, 1.0, 1, {"0": (torch.ones(1, 4), torch.ones(4, 1))})
+
+    lora = LoraSet(
+        model, {n: f"/{n}" for n in "abc"}, max_loras=2, dtype=torch.float32, loader=loader
+    )
+    lora.ensure("a")
+    lora.ensure("b")
+    lora.ensure("c")  # a and b in use: all three stay resident
+    assert lora.resident == ["a", "b", "c"]
+    lora.release("a")
+    lora.release("b")
+    lora.ensure("b")  # resident: no load, most recent now
+    assert lora.loads == 3 and lora.resident == ["a", "c", "b"]
+    lora.release("b")
+    lora.release("c")
+    lora.ensure("d", "/d")  # a job's path; over the bound: a, then c (least recent unused) go
+    assert lora.resident == ["b", "d"]
+    lora.ensure("a")  # loaded again
+    assert lora.loads_of["a"] == 2
+    with pytest.raises(InvalidRequest):
+        lora.ensure("e")  # no path anywhere

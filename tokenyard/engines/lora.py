@@ -104,11 +104,15 @@ class LoraSet:
         self.dtype = dtype
         self.loader = loader
         self.modules = dict(model.named_modules())
-        # held around each forward pass and each change of the resident set: a load never
-        # changes the stacked weights under a pass
+        # held around each forward pass and each restacking: a load never changes the
+        # stacked weights under a pass (taken by an add only when an adapter is loaded)
         self.lock = threading.RLock()
+        # the resident set's bookkeeping (order, users): brief, never held across a pass, so
+        # adding a sequence of a resident adapter does not wait for the running step
+        self._book = threading.Lock()
         self._resident: OrderedDict[str, _Adapter] = OrderedDict()  # least recent first
-        self._offsets: dict[str, tuple[int, int]] = {}  # adapter -> its rank columns
+        # adapter -> its rank columns and scaling, as the stacked weights hold them
+        self._offsets: dict[str, tuple[int, int, float]] = {}
         self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (A_all.T, B_all.T)
         self._hooked: set[str] = set()
         self._next: Spans = ()
@@ -120,30 +124,49 @@ class LoraSet:
 
     @property
     def resident(self) -> list[str]:
-        return list(self._resident)
+        with self._book:
+            return list(self._resident)
+
+    def users(self, name: str) -> int:
+        """Running sequences that use `name` (0: none, or not resident)."""
+        with self._book:
+            found = self._resident.get(name)
+            return 0 if found is None else found.users
 
     def ensure(self, name: str, path: str = "") -> None:
         """Make `name` resident (loading it from its configured path, else `path`) and count
         one more sequence using it; an adapter neither names is the request's fault."""
-        with self.lock:
+        if self._use(name):
+            return
+        where = self.paths.get(name) or path
+        if not where:
+            raise InvalidRequest(
+                f"The model '{name}' does not exist", param="model", code="model_not_found"
+            )
+        loaded = self.loader(name, where, self.modules, self.dtype)  # off every lock: disk I/O
+        with self.lock:  # no pass runs while the stack changes
+            with self._book:
+                if name not in self._resident:  # else another add loaded it meanwhile
+                    self.loads += 1
+                    self.loads_of[name] = self.loads_of.get(name, 0) + 1
+                    self._resident[name] = loaded
+                self._resident.move_to_end(name)
+                self._resident[name].users += 1  # before evicting: it is in use
+                self._evict()
+                resident = list(self._resident.items())
+            self._restack(resident)
+
+    def _use(self, name: str) -> bool:
+        with self._book:
             found = self._resident.get(name)
             if found is None:
-                where = self.paths.get(name) or path
-                if not where:
-                    raise InvalidRequest(
-                        f"The model '{name}' does not exist", param="model", code="model_not_found"
-                    )
-                found = self.loader(name, where, self.modules, self.dtype)
-                self.loads += 1
-                self.loads_of[name] = self.loads_of.get(name, 0) + 1
-                self._resident[name] = found
-                self._evict()
-                self._restack()
+                return False
             self._resident.move_to_end(name)
             found.users += 1
+            return True
 
     def release(self, name: str) -> None:
-        with self.lock:
+        with self._book:
             found = self._resident.get(name)
             if found is not None and found.users > 0:
                 found.users -= 1
@@ -154,15 +177,15 @@ class LoraSet:
         for name in [n for n, a in self._resident.items() if a.users == 0][: max(0, over)]:
             del self._resident[name]
 
-    def _restack(self) -> None:
+    def _restack(self, resident: list[tuple[str, _Adapter]]) -> None:
         """Stack the resident adapters' weights per module (zeros where one does not target
         it), and hook every module some adapter targets."""
-        offsets: dict[str, tuple[int, int]] = {}
+        offsets: dict[str, tuple[int, int, float]] = {}
         total = 0
-        for name, adapter in self._resident.items():
-            offsets[name] = (total, total + adapter.rank)
+        for name, adapter in resident:
+            offsets[name] = (total, total + adapter.rank, adapter.scaling)
             total += adapter.rank
-        targets = {m for a in self._resident.values() for m in a.weights}
+        targets = {m for _, a in resident for m in a.weights}
         stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for module in targets:
             linear = self.modules[module]
@@ -170,9 +193,9 @@ class LoraSet:
             device = linear.weight.device
             a_all = torch.zeros(total, linear.in_features, device=device, dtype=self.dtype)
             b_all = torch.zeros(linear.out_features, total, device=device, dtype=self.dtype)
-            for name, adapter in self._resident.items():
+            for name, adapter in resident:
                 if module in adapter.weights:
-                    lo, hi = offsets[name]
+                    lo, hi, _ = offsets[name]
                     a, b = adapter.weights[module]
                     a_all[lo:hi] = a
                     b_all[:, lo:hi] = b
@@ -208,20 +231,15 @@ class LoraSet:
 
         self.model.forward = routed
 
-    def run_with(self, name: str | None, fn: Callable[[], torch.Tensor], tokens: int) -> Any:
-        """`fn` (one forward pass over `tokens` tokens) with every token on adapter `name`."""
-        self.plan(() if name is None else ((name, 0, tokens),))
-        return fn()
-
     def _mask(self, current: _Pass, tokens: int, like: torch.Tensor) -> torch.Tensor:
         mask = current.masks.get(tokens)
         if mask is None:
-            total = max((hi for _, hi in self._offsets.values()), default=0)
+            total = max((hi for _, hi, _ in self._offsets.values()), default=0)
             mask = torch.zeros(tokens, total, dtype=like.dtype)
             for name, start, end in current.spans:
                 cols = self._offsets.get(name)
                 if cols is not None:
-                    mask[start:end, cols[0] : cols[1]] = self._resident[name].scaling
+                    mask[start:end, cols[0] : cols[1]] = cols[2]
             mask = mask.to(like.device)
             current.masks[tokens] = mask
         return mask
