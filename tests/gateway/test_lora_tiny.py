@@ -119,6 +119,8 @@ def test_models_lists_adapters_with_their_base(lora_stack: Stack, loras: dict[st
     assert (cards["tiny"].model_extra or {})["parent"] is None
     with pytest.raises(openai.NotFoundError):
         _complete(_client(lora_stack), "no-such-adapter")
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
+        _client(lora_stack).embeddings.create(model="storyteller", input="hi")
 
 
 def test_adapter_added_by_admin_route_is_usable(lora_stack: Stack, loras: dict[str, Path]) -> None:

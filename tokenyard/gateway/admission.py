@@ -352,7 +352,12 @@ async def admit_embeddings(
     rule against the model's limits, with the vector options it asks."""
     body.refuse_unsupported()
     inputs = body.inputs()
-    model = resolve_alias(state.routing, body.model)
+    model, adapter = await resolve_model(state, body.model)
+    if adapter is not None:
+        raise InvalidRequest(
+            f"The model '{adapter.name}' is a LoRA adapter: it runs completions, not embeddings",
+            param="model",
+        )
     tokenizer = tokenizer_for(state, model)
     model_limits = await state.limits.of(model, tokenizer)
     keep = _kept_tokens(body.truncate_prompt_tokens, model_limits)

@@ -47,8 +47,9 @@ def cache_digest(
         return None
     scope = cache_scope(spec.tenant, settings.cache_shared)
     return cache_key(
-        # an adapter's answers are its own: never the base's, nor another adapter's
-        f"{spec.model}\0{spec.adapter}" if spec.adapter else spec.model,
+        # an adapter's answers are its own: never the base's, nor another adapter's, nor
+        # those of an adapter once served under its name from elsewhere
+        f"{spec.model}\0{spec.adapter}\0{spec.adapter_path}" if spec.adapter else spec.model,
         revision,
         scope,
         spec.prompt_token_ids,
