@@ -134,7 +134,9 @@ def test_adapter_added_by_admin_route_is_usable(lora_stack: Stack, loras: dict[s
         refused = http.post("/admin/loras", json=body, headers={"Authorization": "Bearer sk-user"})
         assert refused.status_code == 403
         wrong = http.post("/admin/loras", json={**body, "model": "nope"}, headers=ADMIN)
-        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+        assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+        taken = http.post("/admin/loras", json={**body, "name": "tiny"}, headers=ADMIN)
+        assert taken.status_code == 409, taken.text
         added = http.post("/admin/loras", json=body, headers=ADMIN)
         assert added.status_code == 201, added.text
         listed = http.get("/admin/loras", headers=ADMIN).json()["data"]

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenyard.broker import admin, is_job_id
-from tokenyard.errors import InvalidRequest
+from tokenyard.errors import NotFound
 from tokenyard.gateway.auth import AdminDep
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.openapi import answers
@@ -114,19 +114,22 @@ async def list_adapters(request: Request, _: AdminDep) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [adapter_body(a) for a in records]})
 
 
-@router.post("/loras", responses={**answers(400, 403), 201: {}})
+@router.post("/loras", responses={**answers(403, 404, 409), 201: {}})
 async def add_adapter(request: Request, body: AdapterBody, _: AdminDep) -> JSONResponse:
     """Add (or replace) a LoRA adapter: every gateway routes `name` to its base model's lanes
     with the adapter, and each worker of that model loads it from `path` when a job needs it
     (what `--lora NAME=PATH` does for one worker)."""
     state = gateway(request)
     if body.model not in state.served.models:
-        raise InvalidRequest(
-            f"The model '{body.model}' is not served here", param="model", code="model_not_found"
+        raise NotFound(
+            f"The model '{body.model}' does not exist", param="model", code="model_not_found"
         )
     if body.name in state.served.names or body.name in state.routing.aliases:
-        raise InvalidRequest(
-            f"'{body.name}' is already a served model's name", param="name", code="invalid_value"
+        raise ApiError(
+            409,
+            f"'{body.name}' is already a served model's name",
+            param="name",
+            code="model_name_taken",
         )
     record = AdapterRecord(name=body.name, base=body.model, path=body.path, created_at=time.time())
     await state.backend.directory.put_adapter(record)
