@@ -659,8 +659,8 @@ class HFEngine(HFEngineBase):
     def _plan_adapters(self, requests: list[FutureRequestState]) -> None:
         """The next pass's adapter spans over its packed tokens (on the manager thread)."""
         lora = self._lora
-        if lora is None:
-            return
+        if lora is None or not lora.stacked:
+            return  # no adapter loaded: nothing to plan, every pass is the base's
         spans: list[tuple[str, int, int]] = []
         start = base = 0
         for request in requests:

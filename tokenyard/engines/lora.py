@@ -127,6 +127,11 @@ class LoraSet:
         with self._book:
             return list(self._resident)
 
+    @property
+    def stacked(self) -> bool:
+        """Whether any adapter's weights are in the stack (a pass may need them)."""
+        return bool(self._offsets)
+
     def users(self, name: str) -> int:
         """Running sequences that use `name` (0: none, or not resident)."""
         with self._book:
