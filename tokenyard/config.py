@@ -250,6 +250,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # auto (vllm where it is installed and supports the model, else hf: engines/auto.py) | hf |
     # hf-static | hf-embed | sim | vllm | remote
     engine: str = "auto"
+    # LoRA adapters served on this model, `NAME=PATH` each (vLLM's --lora-modules): a request
+    # naming NAME runs the model with the PEFT adapter at PATH (hf: loaded when first needed;
+    # vllm: enable_lora; remote: NAME is passed upstream as the model). Adapters added by
+    # `POST /admin/loras` load from the path the job carries
+    loras: tuple[str, ...] = ()
+    max_loras: Count = 4  # adapters resident at once (least recently used evicted)
     # Capacity: None takes the engine's own, sized from the device (KV cache memory on CUDA).
     max_seqs: Count | None = None  # sequences running at once
     token_budget: Count | None = None  # prompt + max_tokens over running sequences

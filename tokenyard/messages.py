@@ -295,6 +295,22 @@ class JobSpec(msgspec.Struct, kw_only=True):
     reasoning: ReasoningReading | None = None
     # an embeddings or scoring job's options (None: an embeddings job as the model pools)
     pooling: PoolingOptions | None = None
+    # a LoRA adapter the base `model` runs with ("": the base alone; so are jobs recorded
+    # before this field existed), and where a worker that was not given it loads it from
+    adapter: str = ""
+    adapter_path: str = ""
+
+
+class AdapterRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A LoRA adapter served as a model of its own name: the base model it runs on, and where
+    workers load it from (a PEFT adapter directory or hub id). Kept in the broker's directory
+    (`Directory.put_adapter`) so every gateway lists and routes it and every worker of the
+    base can load it."""
+
+    name: str
+    base: str
+    path: str
+    created_at: float = 0.0
 
 
 class TokenChunk(msgspec.Struct, tag="tokens", kw_only=True):
@@ -591,3 +607,5 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     # its context is its part only: the conversation before it is in the parts it refers back
     # to (False: a record stored before parts, whose context is the whole conversation)
     chained: bool = False
+    # the LoRA adapter its job runs with: the model the response names ("": `model`)
+    adapter: str = ""

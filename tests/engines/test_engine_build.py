@@ -28,6 +28,8 @@ def test_engine_options_leave_unset_capacity_to_the_engine() -> None:
         "cuda_graphs": False,
         "warmup": False,
     }
+    lora = engine_options(WorkerSettings(loras=("sql=/l/sql", "chat=org/chat"), max_loras=2))
+    assert lora["loras"] == {"sql": "/l/sql", "chat": "org/chat"} and lora["max_loras"] == 2
     full = WorkerSettings(max_batch_tokens=1024, kv_cache_memory_fraction=0.5, threads=2)
     assert engine_options(full)["max_batch_tokens"] == 1024
     assert engine_options(full)["kv_cache_memory_fraction"] == 0.5

@@ -108,3 +108,30 @@ async def test_unreachable_upstream_fails_after_retries(tmp_path: Path) -> None:
         assert engine.stats().running == 0
     finally:
         await engine.stop()
+
+
+async def test_adapter_is_asked_of_the_upstream_by_name(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`tokenyard serve --lora NAME=PATH` upstream: the remote engine's adapter job is run
+    there with the adapter, as PEFT's own generate runs it."""
+    pytest.importorskip("peft")
+    from tests.engines.outputs import collect
+    from tests.loras import build_lora, peft_greedy
+    from tokenyard.engines import EngineRequest
+
+    model = ensure_tiny_model()
+    lora = build_lora(model, tmp_path_factory.mktemp("lora") / "poet", seed=21)
+    data = tmp_path_factory.mktemp("upstream-lora") / "valkey"
+    with tokenyard_serve(data, "hf", "tiny", "--lora", f"poet={lora}") as url:
+        engine = remote(url)
+        await engine.start()
+        try:
+            prompt = engine.tokenizer.encode("Once upon a time")
+            engine.add(EngineRequest("p", prompt, greedy(10), adapter="poet"))
+            engine.add(EngineRequest("b", prompt, greedy(10)))
+            done = await collect(engine, 2)
+        finally:
+            await engine.stop()
+    assert done["p"].token_ids == peft_greedy(model, lora, prompt, 10)
+    assert done["b"].token_ids == peft_greedy(model, None, prompt, 10) != done["p"].token_ids

@@ -29,13 +29,15 @@ def process(cmd: list[str], url: str, path: str, timeout: float, **env: str) -> 
 
 
 @contextlib.contextmanager
-def tokenyard_serve(data_dir: Path, engine: str = "hf", model: str = "tiny") -> Iterator[str]:
-    """A whole tokenyard (Valkey, one worker, gateway) on a free port."""
+def tokenyard_serve(
+    data_dir: Path, engine: str = "hf", model: str = "tiny", *extra: str
+) -> Iterator[str]:
+    """A whole tokenyard (Valkey, one worker, gateway) on a free port; `extra`: more flags."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")}
     cmd = tokenyard_command(
         "serve", "--engine", engine, "--model", model,
-        "--port", str(port), "--max-seqs", "8", "--data-dir", str(data_dir),
+        "--port", str(port), "--max-seqs", "8", "--data-dir", str(data_dir), *extra,
     )  # fmt: skip
     procs = Processes()
     procs.start("serve", cmd, env=env)

@@ -20,6 +20,7 @@ from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
+    AdapterRecord,
     BatchRecord,
     BatchStatus,
     Finished,
@@ -1200,6 +1201,21 @@ async def test_directory_of_tenants_and_keys_is_shared(make_backend: BackendFact
     assert [r.digest for r in listed] == [record.digest, key_digest(second)]
     assert all(not r.active for r in listed)
     assert await gateway.directory.has_api_keys()  # revoked keys keep auth on
+
+
+async def test_directory_of_lora_adapters_is_shared(make_backend: BackendFactory) -> None:
+    admin, gateway = make_backend(), make_backend()  # two clients of one store
+    assert await gateway.directory.adapters() == []
+    first = AdapterRecord(name="sql", base="tiny", path="/loras/sql", created_at=1.0)
+    await admin.directory.put_adapter(first)
+    await admin.directory.put_adapter(AdapterRecord(name="chat.v2", base="tiny", path="org/x"))
+    assert [a.name for a in await gateway.directory.adapters()] == ["chat.v2", "sql"]
+    moved = AdapterRecord(name="sql", base="tiny", path="/loras/sql-2", created_at=2.0)
+    await admin.directory.put_adapter(moved)  # replaced by name
+    assert moved in await gateway.directory.adapters()
+    assert await gateway.directory.delete_adapter("sql")
+    assert not await gateway.directory.delete_adapter("sql")
+    assert [a.name for a in await gateway.directory.adapters()] == ["chat.v2"]
 
 
 def held_job(tenant: str = "acme", deadline: float | None = None) -> JobSpec:

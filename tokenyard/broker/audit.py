@@ -43,6 +43,7 @@ class AuditEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     total_s: float | None = None  # receipt to terminal state
     finish_reason: str | None = None
     error: str | None = None
+    adapter: str | None = None  # the LoRA adapter the job ran with (none: the base model)
 
 
 class AuditSink(Protocol):
@@ -75,6 +76,7 @@ def received(spec: JobSpec, now: float) -> AuditEntry:
         prompt_tokens=len(spec.prompt_token_ids or ()),
         max_tokens=spec.sampling.max_tokens,
         received_at=spec.created_at or now,
+        adapter=spec.adapter or None,
     )
 
 

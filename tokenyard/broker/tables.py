@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from tokenyard.broker.audit import AuditEntry
-from tokenyard.messages import BatchRecord, JobResult, JobSpec, JobStatus, WorkerInfo
+from tokenyard.messages import AdapterRecord, BatchRecord, JobResult, JobSpec, JobStatus, WorkerInfo
 from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
@@ -114,6 +114,14 @@ class Directory(Protocol):
     async def api_key(self, digest: str) -> ApiKeyRecord | None: ...
 
     async def api_keys(self) -> list[ApiKeyRecord]: ...
+
+    async def put_adapter(self, record: AdapterRecord) -> None:
+        """Add or replace a LoRA adapter (by name) served on its base model's workers."""
+        ...
+
+    async def adapters(self) -> list[AdapterRecord]: ...
+
+    async def delete_adapter(self, name: str) -> bool: ...
 
     async def has_api_keys(self) -> bool:
         """Whether any key was ever stored (revoked ones count): then every call needs a key."""

@@ -35,6 +35,7 @@ from tokenyard.cli.engine import (
     SimPrefillBaseOpt,
     SimPrefillPerTokenOpt,
     engine_choice,
+    export_loras,
     export_to_workers,
     sim_cost,
 )
@@ -58,6 +59,7 @@ from tokenyard.config import (
     from_env,
     setting_sources,
 )
+from tokenyard.engines.models import parse_loras
 from tokenyard.errors import FatalError, TokenyardError
 from tokenyard.fleet.local import (
     DATA_DIR_ENV,
@@ -72,6 +74,7 @@ from tokenyard.logs import Fields, LogFormat, json_logging, setup_logging
 
 if TYPE_CHECKING:
     from tokenyard.gateway.settings import GatewaySettings
+from tokenyard.cli.loras import lora_app
 from tokenyard.cli.tenants import keys_app, tenants_app
 
 # --debug's tracebacks leave out local variables: they may hold API keys and broker passwords
@@ -87,6 +90,18 @@ ModelOpt = Annotated[
         help="a model directory, a Hugging Face id (org/name: fetched into the Hugging Face "
         "cache; HF_HUB_OFFLINE=1: the cache only), or `tiny`"
     ),
+]
+LoraOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        help="a LoRA adapter served on the model, NAME=PATH (a PEFT directory or hub id; repeat "
+        "for more): `model: NAME` runs the model with it (vLLM's --lora-modules)",
+    ),
+]
+MaxLorasOpt = Annotated[
+    int | None,
+    typer.Option("--max-loras", help="LoRA adapters resident per worker (LRU); default 4"),
 ]
 ServedNameOpt = Annotated[
     list[str] | None,
@@ -188,6 +203,8 @@ def serve(
     reasoning_parser: ReasoningParserOpt = None,
     workers: Annotated[str, typer.Option(help="worker processes, or `auto`")] = "1",
     max_seqs: Annotated[int | None, typer.Option(help="sequences per worker")] = None,
+    lora: LoraOpt = None,
+    max_loras: MaxLorasOpt = None,
     data_dir: Annotated[
         Path | None,
         typer.Option(
@@ -243,6 +260,8 @@ def serve(
         max_seqs=max_seqs,
         served_model_name=tuple(served_model_name) if served_model_name else None,
         revision=revision,
+        loras=_loras(lora),
+        max_loras=max_loras,
         **sim,
     )
     if worker_settings.engine not in (*ENGINE_NAMES, AUTO):  # before any process starts
@@ -255,6 +274,7 @@ def serve(
     # gateway its tokenizer, under the names the model is served by
     worker_settings = with_local_model(worker_settings)
     export_to_workers(sim)
+    export_loras(worker_settings.loras, max_loras)
     # decided once here, so every worker runs the engine the start line names
     chosen = engine_choice(worker_settings, engine)
     auto = autoscale_config(workers, min_workers, max_workers)
@@ -318,6 +338,14 @@ def serve(
     finally:
         if stack.failure is not None:  # a worker stopped serve: say why, exit non-zero
             raise FatalError(stack.failure)
+
+
+def _loras(given: list[str] | None) -> tuple[str, ...] | None:
+    """--lora entries, checked now (NAME=PATH each); None: the environment's, if any."""
+    if not given:
+        return None
+    parse_loras(given)
+    return tuple(given)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -569,6 +597,8 @@ def worker(
     revision: RevisionOpt = None,
     engine: EngineOpt = None,
     max_seqs: Annotated[int | None, typer.Option(help="sequences run at once")] = None,
+    lora: LoraOpt = None,
+    max_loras: MaxLorasOpt = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     lease_s: Annotated[float | None, typer.Option(help="visibility timeout")] = None,
@@ -601,6 +631,8 @@ def worker(
         revision=revision,
         engine=engine,
         max_seqs=max_seqs,
+        loras=_loras(lora),
+        max_loras=max_loras,
         device=device,
         threads=threads,
         drain_timeout_s=drain_timeout_s,
@@ -664,6 +696,7 @@ app.command("audit")(audit)
 app.command("worker-ready")(worker_ready)
 app.add_typer(config_app, name="config")
 app.add_typer(keys_app, name="keys")
+app.add_typer(lora_app, name="lora")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(batch_app, name="batch")
 app.add_typer(ops.dlq_app, name="dlq")

@@ -57,6 +57,15 @@ def export_to_workers(overrides: dict[str, Any]) -> None:
             os.environ[f"TOKENYARD_WORKER_{name.upper()}"] = repr(value)
 
 
+def export_loras(loras: tuple[str, ...], max_loras: int | None) -> None:
+    """`serve`'s --lora / --max-loras for its worker processes (a comma list, as the
+    environment writes lists)."""
+    if loras:
+        os.environ["TOKENYARD_WORKER_LORAS"] = ",".join(loras)
+    if max_loras is not None:
+        os.environ["TOKENYARD_WORKER_MAX_LORAS"] = str(max_loras)
+
+
 def engine_choice(settings: WorkerSettings, engine_flag: str | None) -> EngineChoice:
     """The engine these settings run and why: `auto` decided (engines/auto.py), or where it was
     set (`engine_flag`: the --engine given, if any)."""

@@ -15,7 +15,7 @@ from tokenyard.engines.base import (
     EngineTokenizer,
     StepOutput,
 )
-from tokenyard.engines.models import served_names
+from tokenyard.engines.models import parse_loras, served_names
 from tokenyard.messages import EngineStats
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
                 "kv_cache_memory_fraction": settings.kv_cache_memory_fraction,
                 "cuda_graphs": settings.cuda_graphs,
                 "warmup": settings.warmup,
+                "loras": parse_loras(settings.loras) or None,
+                "max_loras": settings.max_loras if settings.loras else None,
             }
     return {k: v for k, v in options.items() if v is not None}
 
@@ -165,6 +167,8 @@ def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "tensor_parallel_size": settings.vllm_tensor_parallel_size,
             "enforce_eager": settings.vllm_enforce_eager,
             "engine_args": settings.vllm_args,
+            "loras": parse_loras(settings.loras) or None,
+            "max_loras": settings.max_loras if settings.loras else None,
         }
     if settings.engine == "remote":
         return {

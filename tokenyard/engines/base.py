@@ -49,6 +49,10 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     input_lengths: Sequence[int] | None = None
     # an embeddings or scoring request's options (see `limits.embedding_refusal`)
     pooling: PoolingOptions | None = None
+    # a LoRA adapter to run the model with (None: the base), and where to load it from when
+    # the engine was not given it (`--lora`); engines without adapters refuse it
+    adapter: str | None = None
+    adapter_path: str = ""
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
@@ -153,6 +157,9 @@ class Engine(abc.ABC):
     # the optional decoding features it implements: a request needing another is refused at
     # admission, naming the parameter and this engine (never accepted and ignored)
     features: frozenset[Feature] = frozenset()
+    # runs LoRA adapters (`EngineRequest.adapter`); the worker refuses an adapter's job on an
+    # engine that does not, by name, rather than run the base in its place
+    runs_adapters: bool = False
 
     @property
     def revision(self) -> str:

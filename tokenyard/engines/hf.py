@@ -17,7 +17,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack, cast
 
@@ -53,6 +53,7 @@ from tokenyard.engines.base import (
 from tokenyard.engines.detok import Delta
 from tokenyard.engines.guide import GuideCompiler
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
+from tokenyard.engines.lora import LoraSet
 from tokenyard.engines.sampling import (
     AdjustBuffers,
     LogprobBuffers,
@@ -256,6 +257,7 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         vocab: int,
         device: torch.device,
         eager_buffers: bool,
+        on_batch: Callable[[list[FutureRequestState]], None] | None = None,
     ) -> None:
         # Not the parent's constructor: it converts transformers processors, and we have none.
         self.logits_processor = LogitsProcessorList()
@@ -273,6 +275,7 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
             self._adjust, self._logprobs = self._buffers()
         self._adjusting = False  # this step has rows with adjusted logits
         self._logprob_rows: dict[str, int] = {}  # request id -> row, this step
+        self._on_batch = on_batch  # told each pass's requests before it runs (LoRA spans)
 
     def _buffers(self) -> tuple[AdjustBuffers, LogprobBuffers]:
         if self._adjust is None or self._logprobs is None:
@@ -311,6 +314,8 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
     def prepare_tensor_args(
         self, requests_in_batch: list[FutureRequestState], arg_storage: torch.Tensor
     ) -> torch.Tensor:
+        if self._on_batch is not None:
+            self._on_batch(requests_in_batch)
         rows = [r.state for r in requests_in_batch if r.has_new_token]
         self._prepare_features([s.request_id for s in rows])
         if not rows:
@@ -374,6 +379,7 @@ class _StepRouter(OutputRouter):
 @dataclass(eq=False)
 class HFSeq(EngineSeq):
     internal_id: str = ""  # the manager's id: seq_id plus a counter, unique per attempt
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base)
     seen: int = 0  # tokens of the CB output already consumed
     aborted: bool = False
     features: RowFeatures | None = None  # penalties, bias, masks, guide, logprobs: when asked
@@ -421,6 +427,7 @@ class HFEngineBase(LocalEngine[HFSeq]):
         self._revision: str | None = None
         self._guides: GuideCompiler | None = None
         self._guides_lock = threading.Lock()
+        self._lora: LoraSet | None = None  # the adapters, once the model is loaded
 
     @property
     def revision(self) -> str:
@@ -530,6 +537,10 @@ class HFEngineBase(LocalEngine[HFSeq]):
                 model: torch.nn.Module = self.model  # type: ignore[assignment]
                 with torch.inference_mode():
                     ids = torch.tensor([prompt], device=self.device)
+                    if self._lora is not None:  # the prompt as its adapter reads it
+                        self._lora.plan(
+                            () if seq.adapter is None else ((seq.adapter, 0, len(prompt)),)
+                        )
                     logits = model(ids).logits[0, :-1]
                 seq.prompt_logprobs = prompt_logprobs(
                     logits, prompt[1:], seq.params.prompt_logprobs
@@ -587,10 +598,20 @@ class HFEngine(HFEngineBase):
         kv_cache_memory_fraction: float | None = None,
         cuda_graphs: bool = True,
         warmup: bool = True,
+        loras: Mapping[str, str] | None = None,
+        max_loras: int = 4,
         **load: Unpack[HFLoadOptions],
     ) -> None:
         super().__init__(model, **load)
         cuda = self.device.type == "cuda"
+        # LoRA adapters by name (`--lora NAME=PATH`; others load from a job's path), at most
+        # `max_loras` resident (engines/lora.py)
+        self.loras = dict(loras or {})
+        self.max_loras = max_loras
+        if self.loras and cuda_graphs and cuda:
+            # a replayed graph runs no Python hook: the adapters' spans change every pass
+            log.info("CUDA graphs off: LoRA adapters are configured")
+            cuda_graphs = False
         config = self.config
         self.page_size = page_size or (256 if cuda else 64)
         default_fraction = CUDA_KV_FRACTION if cuda else CPU_KV_FRACTION
@@ -616,6 +637,9 @@ class HFEngine(HFEngineBase):
         # Cancelled in the manager but maybe not gone yet (a cancel can overtake its request in
         # the manager's queues); bounded, since the manager never confirms a cancellation.
         self._zombies: OrderedDict[str, None] = OrderedDict()
+        # requests run with an adapter, whose KV blocks are never shared: remembered past
+        # their end (the cache may mark a finished request's blocks), bounded
+        self._apart: OrderedDict[str, None] = OrderedDict()
         self._ids = itertools.count()
         # prompt tokens transformers' prefix sharing matched, by request id, written on the
         # manager's thread as it schedules a request and read with that request's outputs;
@@ -623,6 +647,31 @@ class HFEngine(HFEngineBase):
         self._prefix_matches: dict[str, int] | None = None
         self._warm = threading.Event()
         self._processor: _SamplingProcessors | None = None
+
+    @property
+    def runs_adapters(self) -> bool:  # type: ignore[override]
+        # CUDA graphs replay no hook: adapters need them off (they are, given --lora)
+        return not self._graphs_on()
+
+    def _graphs_on(self) -> bool:
+        return self.cuda_graphs and self.device.type == "cuda"
+
+    def _plan_adapters(self, requests: list[FutureRequestState]) -> None:
+        """The next pass's adapter spans over its packed tokens (on the manager thread)."""
+        lora = self._lora
+        if lora is None or not lora.stacked:
+            return  # no adapter loaded: nothing to plan, every pass is the base's
+        spans: list[tuple[str, int, int]] = []
+        start = base = 0
+        for request in requests:
+            end = start + int(request.query_length)
+            seq = self._by_internal.get(request.state.request_id)
+            if seq is not None and seq.adapter is not None:
+                spans.append((seq.adapter, start, end))
+            else:
+                base += end - start
+            start = end
+        lora.plan(spans, base)
 
     def _row_features(self, internal_id: str) -> RowFeatures | None:
         """A running sequence's features (on the manager thread; a dict read needs no lock)."""
@@ -714,9 +763,14 @@ class HFEngine(HFEngineBase):
             rows=cb_config.max_requests_per_batch or self.capacity.max_seqs,
             vocab=self.logits_vocab,
             device=self.device,
-            eager_buffers=self.cuda_graphs and self.device.type == "cuda",
+            eager_buffers=self._graphs_on(),
+            on_batch=self._plan_adapters,
         )
         manager.logit_processor = self._processor
+        if not self._graphs_on():
+            lora = LoraSet(cast(torch.nn.Module, model), self.loras, self.max_loras, self.dtype)
+            lora.attach()
+            self._lora = lora
         manager.output_router = _StepRouter(self._on_outputs)
         # Creates the paged cache now, so its real size is known, and with CUDA graphs captures
         # them at the largest batch; `warmup` adds one real request for the smallest shapes.
@@ -758,7 +812,10 @@ class HFEngine(HFEngineBase):
         self._prefix_matches = matches
 
     def _salted(self, internal_id: str) -> bool:
+        # an adapter's KV is not the base's (nor another adapter's): kept apart as a salt is
         seq = self._by_internal.get(internal_id)
+        if internal_id in self._apart:
+            return True
         return seq is not None and seq.params.cache_salt is not None
 
     def _isolate_salted(self, cache: Any) -> None:
@@ -806,8 +863,24 @@ class HFEngine(HFEngineBase):
 
     def add(self, request: EngineRequest) -> None:
         seq = self._open(request)
+        if request.adapter is not None:
+            if self._lora is None:
+                raise InvalidRequest(
+                    f"The model '{request.adapter}' is a LoRA adapter: this engine runs none "
+                    "until started, and none with CUDA graphs on",
+                    param="model",
+                )
+            # loaded (from disk, the first time) on the caller's thread, between passes
+            self._lora.ensure(request.adapter, request.adapter_path)
+            seq.adapter = request.adapter
         with self._lock:
-            if not self._hold_locked(seq):
+            try:
+                held = self._hold_locked(seq)
+            except BaseException:  # full, or stopped: the adapter is not kept for it
+                self._drop_adapter(seq)
+                raise
+            if not held:
+                self._drop_adapter(seq)
                 return
             if self._started:
                 self._submit_locked(seq)
@@ -832,6 +905,10 @@ class HFEngine(HFEngineBase):
         assert self._manager is not None
         seq.internal_id = f"{seq.seq_id}#{next(self._ids)}"
         self._by_internal[seq.internal_id] = seq
+        if seq.adapter is not None:
+            self._apart[seq.internal_id] = None
+            while len(self._apart) > _MAX_ZOMBIES:
+                self._apart.popitem(last=False)
         if self._prefix_matches is not None:
             seq.cached_tokens = 0  # known: a match found when it is scheduled says more
         p = seq.params
@@ -852,8 +929,14 @@ class HFEngine(HFEngineBase):
             refused = seq.finish(FinishReason.ERROR, "engine is not accepting requests")
             self._deliver([refused])
 
+    def _drop_adapter(self, seq: HFSeq) -> None:
+        if seq.adapter is not None and self._lora is not None:
+            self._lora.release(seq.adapter)
+            seq.adapter = None  # once, however many paths end it
+
     def _finish_locked(self, seq: HFSeq, *, engine_done: bool) -> None:
         """Forget a sequence; unless the manager finished it itself, cancel it there."""
+        self._drop_adapter(seq)
         self._release_locked(seq)
         if not seq.internal_id:
             return  # still in the backlog: the manager never saw it

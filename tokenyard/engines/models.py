@@ -113,3 +113,17 @@ def _from_hub(repo: str, revision: str | None, ignored: tuple[str, ...]) -> Path
         text = " ".join(str(exc).split())
         raise FatalError(f"model {repo}{at} could not be fetched: {text}") from exc
     return Path(found)
+
+
+def parse_loras(specs: Iterable[str]) -> dict[str, str]:
+    """`NAME=PATH` entries (vLLM's --lora-modules form) as {name: path}."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise FatalError(f"--lora takes NAME=PATH, got {spec!r}")
+        if name in out:
+            raise FatalError(f"--lora names {name!r} twice")
+        out[name] = path
+    return out

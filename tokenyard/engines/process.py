@@ -151,6 +151,11 @@ class ProcessEngine(ChannelEngine):
         self._dead = False
 
     @property
+    def runs_adapters(self) -> bool:  # type: ignore[override]
+        # the child's engine may: it refuses an adapter it cannot run, as its own add would
+        return self.name in ("hf", "vllm", "remote")
+
+    @property
     def pid(self) -> int | None:
         """The child's process id once started."""
         return None if self._proc is None else self._proc.pid

@@ -45,6 +45,9 @@ class RemoteEngine(StreamEngine):
     # the request with a 4xx, which fails the job as refused. Not the prompt's logprobs: the
     # upstream streams, and vLLM gives none to a stream
     features = frozenset(Feature) - {Feature.PROMPT_LOGPROBS}
+    # a LoRA adapter's job asks the upstream for the adapter by its name (as vLLM serves
+    # adapters: `model: NAME`); the upstream must serve it under that name
+    runs_adapters = True
 
     def __init__(
         self,
@@ -130,7 +133,7 @@ class RemoteEngine(StreamEngine):
         # starts over from its prompt, to be checked against what it already sent
         resumed = [] if replay else seq.generated
         body: dict[str, Any] = {
-            "model": self.upstream_model,
+            "model": seq.adapter or self.upstream_model,
             "prompt": seq.prompt_ids + resumed,
             "max_tokens": seq.remaining + len(seq.generated) - len(resumed),
             "temperature": p.temperature,

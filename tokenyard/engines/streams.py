@@ -51,6 +51,8 @@ class StreamSeq:
     task: asyncio.Task[None] | None = None
     done: bool = False
     cached_tokens: int | None = None  # what the runtime's prefix cache held of its prompt
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base)
+    adapter_path: str = ""  # where to load it from, when the engine was not given it
 
     @property
     def remaining(self) -> int:
@@ -145,6 +147,7 @@ class StreamEngine(Engine):
             decoder = self.make_decoder(prompt, params, request.resume_token_ids)
             resumed = list(request.resume_token_ids)
             seq = StreamSeq(seq_id, list(prompt), params, decoder, int(request.priority), resumed)
+            seq.adapter, seq.adapter_path = request.adapter, request.adapter_path
             seq.extra = self.prepare(seq)
         else:
             seq = StreamSeq(seq_id, list(prompt), params, None, int(request.priority))

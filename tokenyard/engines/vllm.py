@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,14 @@ class VLLMEngine(StreamEngine):
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         engine_args: Mapping[str, Any] | str | None = None,
+        loras: Mapping[str, str] | None = None,
+        max_loras: int = 4,
     ) -> None:
         super().__init__()
+        # LoRA adapters by name (`--lora NAME=PATH`; others load from a job's path): each job
+        # of one carries a LoRARequest, and vLLM batches base and adapters in one step
+        self.loras = dict(loras or {})
+        self._lora_ids: dict[str, int] = {}
         # vLLM's CPU attention has no kernel for the default tiny model's head size (16)
         self.model_path = (
             ensure_tiny_model(head_dim=32) if model == "tiny" else resolve_model_path(model)
@@ -110,6 +116,11 @@ class VLLMEngine(StreamEngine):
             "enable_prefix_caching": enable_prefix_caching,
         }
         args.update({k: v for k, v in optional.items() if v is not None})
+        if self.loras:
+            args.update(enable_lora=True, max_loras=max_loras)
+            rank = _max_lora_rank(self.loras.values())
+            if rank is not None:
+                args["max_lora_rank"] = rank
         # anything else AsyncEngineArgs takes, as given (the escape hatch for new options)
         args.update(_mapping(engine_args, "engine_args") or {})
         # a cross-encoder scores pairs on the pooling runner with its own classifier head
@@ -196,6 +207,24 @@ class VLLMEngine(StreamEngine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+    @property
+    def runs_adapters(self) -> bool:  # type: ignore[override]
+        # vLLM takes adapters only when started with enable_lora (given --lora)
+        return bool(self.engine_args.get("enable_lora"))
+
+    def _lora_request(self, seq: StreamSeq) -> Any:
+        """The job's adapter as vLLM's LoRARequest (None: the base); ids are this engine's,
+        one per name for its life."""
+        if seq.adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        path = self.loras.get(seq.adapter) or seq.adapter_path
+        if not path:
+            raise InvalidRequest(f"The model '{seq.adapter}' does not exist", param="model")
+        lora_id = self._lora_ids.setdefault(seq.adapter, len(self._lora_ids) + 1)
+        return LoRARequest(seq.adapter, lora_id, path)
 
     def prepare(self, seq: StreamSeq) -> Any:
         if seq.decoder is None or seq.decoder.finish_reason is not None:
@@ -284,9 +313,13 @@ class VLLMEngine(StreamEngine):
             prompt["cache_salt"] = seq.params.cache_salt
         try:
             collector = await self._llm.add_request(
-                seq.seq_id, prompt, asked.params, priority=seq.priority
+                seq.seq_id,
+                prompt,
+                asked.params,
+                priority=seq.priority,
+                lora_request=self._lora_request(seq),
             )
-        except VLLMClientError as exc:
+        except (VLLMClientError, InvalidRequest) as exc:
             # vLLM found the request itself wrong: the job fails, it is not retried
             self.fail(seq, f"vLLM refused the request: {exc}", refused=True)
             return
@@ -523,3 +556,21 @@ def _mapping(value: Mapping[str, Any] | str | None, what: str) -> dict[str, Any]
             raise ValueError(f"{what} must be a JSON object, got {value!r}")
         return parsed
     return dict(value)
+
+
+# the ranks vLLM's max_lora_rank takes
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _max_lora_rank(paths: Iterable[str]) -> int | None:
+    """The smallest rank vLLM takes that holds every local adapter's (their
+    adapter_config.json `r`); None: none could be read (vLLM's default stands)."""
+    ranks = []
+    for path in paths:
+        try:
+            ranks.append(int(json.loads((Path(path) / "adapter_config.json").read_text())["r"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not ranks:
+        return None
+    return next((r for r in _LORA_RANKS if r >= max(ranks)), max(ranks))

@@ -29,6 +29,7 @@ from tokenyard.gateway.state import GatewayState
 from tokenyard.gateway.tools import Tools, call_reading, reasoning_reading
 from tokenyard.gateway.vllm_api import RerankRequest, ScoreRequest, TruncatingTokenizer
 from tokenyard.messages import (
+    AdapterRecord,
     CallReading,
     Guide,
     JobSpec,
@@ -94,7 +95,7 @@ async def admit(
             code="invalid_value",
         )
     asked = structured.guide_of(body)
-    model = resolve_alias(state.routing, body.model)
+    model, adapter = await resolve_model(state, body.model)
     tokenizer = tokenizer_for(state, model)
     settings = state.settings
     prompt: str | None
@@ -156,7 +157,9 @@ async def admit(
     if prompt_tokens == 0:
         raise InvalidRequest("The prompt is empty", param=param)
     rule = Rule.ALIAS if model != body.model else Rule.REQUESTED
-    if prompt is not None and wants_fast_path(state.routing, model, prompt_tokens):
+    if adapter is not None:
+        rule = Rule.ADAPTER  # and no fast path: the adapter belongs to its base
+    elif prompt is not None and wants_fast_path(state.routing, model, prompt_tokens):
         # token ids a client sent belong to the model it named: only text takes the fast path
         fast = state.routing.fast_path
         assert fast is not None
@@ -231,9 +234,13 @@ async def admit(
         idempotency_key=idempotency_key,
         created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
-        prefix_key=_salted(state.prefixes.key(model, tokenizer, token_ids, messages), sampling),
+        prefix_key=_affinity_key(
+            _salted(state.prefixes.key(model, tokenizer, token_ids, messages), sampling), adapter
+        ),
         calls=reading,
         reasoning=reasoning,
+        adapter="" if adapter is None else adapter.name,
+        adapter_path="" if adapter is None else adapter.path,
     )
 
 
@@ -247,6 +254,26 @@ def refuse_untrusted_template(settings: GatewaySettings, chat_template: str | No
             param="chat_template",
             code="unsupported_parameter",
         )
+
+
+async def resolve_model(state: GatewayState, asked: str) -> tuple[str, AdapterRecord | None]:
+    """The served model a request runs on (an alias resolved), and the LoRA adapter it runs
+    with when `asked` names one; a name neither serves is left for `tokenizer_for` to 404."""
+    model = resolve_alias(state.routing, asked)
+    if model in state.served.models:
+        return model, None
+    adapter = await state.adapters.find(model)
+    return (model, None) if adapter is None else (adapter.base, adapter)
+
+
+def _affinity_key(prefix_key: str, adapter: AdapterRecord | None) -> str:
+    """An adapter's jobs are keyed by the adapter, not their prefix: the broker's prefix
+    affinity (broker/policy.py) then holds them, for a bounded wait, for the worker that last
+    claimed one, which has the adapter loaded (a reload costs more than a prefix's prefill,
+    and an adapter's KV blocks are its own anyway)."""
+    if adapter is None:
+        return prefix_key
+    return "lora-" + hashlib.blake2b(adapter.name.encode(), digest_size=12).hexdigest()
 
 
 def chat_prompt(
@@ -332,7 +359,12 @@ async def admit_embeddings(
     rule against the model's limits, with the vector options it asks."""
     body.refuse_unsupported()
     inputs = body.inputs()
-    model = resolve_alias(state.routing, body.model)
+    model, adapter = await resolve_model(state, body.model)
+    if adapter is not None:
+        raise InvalidRequest(
+            f"The model '{adapter.name}' is a LoRA adapter: it runs completions, not embeddings",
+            param="model",
+        )
     tokenizer = tokenizer_for(state, model)
     model_limits = await state.limits.of(model, tokenizer)
     keep = _kept_tokens(body.truncate_prompt_tokens, model_limits)

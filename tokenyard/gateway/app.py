@@ -19,6 +19,7 @@ from tokenyard import heap
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, from_env
 from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.adapters import AdapterBook
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator, KeyRing
 from tokenyard.gateway.batches.files import FileStore
@@ -130,6 +131,7 @@ def create_app(
                 ),
                 routing=routing,
                 served=served,
+                adapters=AdapterBook(active.directory, served.models, settings.limits_ttl_s),
                 depths=LaneDepths(active.queue),
                 waits=QueueWaits(active.queue, active.registry, settings.queue_wait_ttl_s),
                 started_at=time.time(),

@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, Mapping
 from starlette.responses import Response
 
 from tokenyard.gateway import protocol
+from tokenyard.gateway.adapters import answered_model
 from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
@@ -46,7 +47,9 @@ def cache_digest(
         return None
     scope = cache_scope(spec.tenant, settings.cache_shared)
     return cache_key(
-        spec.model,
+        # an adapter's answers are its own: never the base's, nor another adapter's, nor
+        # those of an adapter once served under its name from elsewhere
+        f"{spec.model}\0{spec.adapter}\0{spec.adapter_path}" if spec.adapter else spec.model,
         revision,
         scope,
         spec.prompt_token_ids,
@@ -77,7 +80,7 @@ def cached_response(
     renderer = OpenAIRenderer(
         kind,
         spec.id,
-        spec.model,
+        answered_model(spec),
         created,
         include_usage=body.include_usage,
         resumed=False,

@@ -874,9 +874,11 @@ def model_card(
     *,
     root: str | None = None,
     max_model_len: int | None = None,
+    parent: str | None = None,
 ) -> dict[str, Any]:
     """A /v1/models entry, with vLLM's fields: `root` the model it serves (a served name's
-    directory or hub id), `parent` (no adapters: null), `max_model_len` the context a prompt
+    directory or hub id; a LoRA adapter's: where it loads from), `parent` (a LoRA adapter's
+    base model; else null), `max_model_len` the context a prompt
     and its output must fit, `permission` vLLM's one default grant."""
     created = created or int(time.time())
     return {
@@ -885,7 +887,7 @@ def model_card(
         "created": created,
         "owned_by": "tokenyard",
         "root": root if root is not None else model,
-        "parent": None,
+        "parent": parent,
         "max_model_len": max_model_len,
         "permission": [
             {
@@ -956,7 +958,7 @@ def _job_fields(spec: JobSpec) -> dict[str, Any]:
     return {
         "id": spec.id,
         "object": "job",
-        "model": spec.model,
+        "model": spec.adapter or spec.model,  # a LoRA adapter's name, as it was asked
         "tenant": spec.tenant,
         "priority": spec.priority.name.lower(),
         "created_at": spec.created_at,
@@ -975,11 +977,16 @@ def models_body(
     created: int,
     roots: Mapping[str, str] | None = None,
     contexts: Mapping[str, int] | None = None,
+    parents: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """GET /v1/models; `roots`: each name's model source, `contexts`: its context length."""
-    roots, contexts = roots or {}, contexts or {}
+    """GET /v1/models; `roots`: each name's model source, `contexts`: its context length,
+    `parents`: a LoRA adapter's base model."""
+    roots, contexts, parents = roots or {}, contexts or {}, parents or {}
     data = [
-        model_card(m, created, root=roots.get(m), max_model_len=contexts.get(m)) for m in models
+        model_card(
+            m, created, root=roots.get(m), max_model_len=contexts.get(m), parent=parents.get(m)
+        )
+        for m in models
     ]
     return {"object": "list", "data": data}
 

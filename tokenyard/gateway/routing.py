@@ -68,6 +68,7 @@ class Rule(enum.StrEnum):
 
     REQUESTED = "requested"
     ALIAS = "alias"
+    ADAPTER = "adapter"  # a LoRA adapter's name: its base model runs with it
     FAST = "fast"
     CONGESTED = "congested"  # short enough for the fast path, but its model was congested
 

@@ -9,6 +9,7 @@ from fastapi import Request
 
 from tokenyard.broker import Backend
 from tokenyard.engines.base import EngineTokenizer
+from tokenyard.gateway.adapters import AdapterBook
 from tokenyard.gateway.affinity import PrefixKeys
 from tokenyard.gateway.auth import Authenticator
 from tokenyard.gateway.cache import ResponseCache
@@ -41,6 +42,7 @@ class GatewayState:
     started_at: float  # unix seconds; the `created` of /v1/models
     prefixes: PrefixKeys  # each job's prefix key (prefix affinity)
     served: ServedModels  # the models by their names on the lanes, and their other names
+    adapters: AdapterBook  # LoRA adapters served as models of their own names
     usage: Usage = field(default_factory=Usage)  # per-tenant counts for the dashboard
     recorder: Recorder | None = None  # records the dashboard's points (gateway/recorder.py)
 

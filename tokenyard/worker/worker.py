@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -22,13 +23,20 @@ import msgspec
 from tokenyard import heap
 from tokenyard.broker.core import Cancellation, Events, LaneCounts, Lease, Leases
 from tokenyard.broker.policy import beat_period, beating_since, may_reap, pools_served
-from tokenyard.broker.tables import Quotas, WorkerRegistry
+from tokenyard.broker.tables import Directory, Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import Engine, EngineRequest, StepOutput
-from tokenyard.engines.models import served_names
-from tokenyard.errors import BrokerUnavailable, EngineClosed, EngineError, UserError
+from tokenyard.engines.models import parse_loras, served_names
+from tokenyard.errors import (
+    BrokerUnavailable,
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    UserError,
+)
 from tokenyard.logs import job_fields
 from tokenyard.messages import (
+    AdapterRecord,
     FinishReason,
     JobEvent,
     JobResult,
@@ -96,6 +104,17 @@ def worker_limits(engine: Engine, settings: WorkerSettings) -> ModelLimits:
     )
 
 
+def adapter_records(loras: Sequence[str], model: str, now: float) -> list[AdapterRecord]:
+    """`--lora NAME=PATH` entries as the directory keeps them; a local path is made absolute,
+    so another worker of the model on this machine can load it from a job's path too."""
+    records = []
+    for name, path in parse_loras(loras).items():
+        where = Path(path).expanduser()
+        found = str(where.resolve()) if where.exists() else path  # else: a hub id
+        records.append(AdapterRecord(name=name, base=model, path=found, created_at=now))
+    return records
+
+
 class WorkerQueue(Leases, Events, Cancellation, LaneCounts, Protocol):
     """The queue-core roles a worker uses: leases, its jobs' events, cancel requests, and the
     lanes' depths (a full worker looks for higher-priority work waiting: preemption)."""
@@ -104,7 +123,11 @@ class WorkerQueue(Leases, Events, Cancellation, LaneCounts, Protocol):
 
 
 class WorkerBackend(Protocol):
-    """What a worker needs of a backend: the queue, the worker registry, quota sweeps."""
+    """What a worker needs of a backend: the queue, the worker registry, quota sweeps, and
+    the directory its LoRA adapters are announced in."""
+
+    @property
+    def directory(self) -> Directory: ...
 
     @property
     def queue(self) -> WorkerQueue: ...
@@ -130,6 +153,7 @@ class Worker:
         freeze_heap: bool = False,
     ) -> None:
         self.queue = backend.queue
+        self.backend = backend
         self.registry = backend.registry
         self.quotas = backend.quotas
         self.freeze_heap = freeze_heap
@@ -181,6 +205,12 @@ class Worker:
             claim_ahead = max(1, self.limits.max_seqs // 8)
         return Scheduler(self.limits, claim_ahead, self.settings.batch_share)
 
+    async def _announce_adapters(self) -> None:
+        """Put this worker's `--lora` adapters in the broker's directory, under its model:
+        every gateway then routes their names here."""
+        for record in adapter_records(self.settings.loras, self.model, time.time()):
+            await self.backend.directory.put_adapter(record)
+
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self) -> None:
         """Stop claiming; in-flight work finishes or is handed back. Safe from a signal handler."""
@@ -200,6 +230,7 @@ class Worker:
         if self.freeze_heap:  # the engine's model is in: it stays out of every collection
             heap.freeze()
         self._stats_line = StatsLine(self.consumer, self.settings.log_stats_s, time.monotonic())
+        await self._announce_adapters()
         await self._heartbeat()
         await self._beat()  # before any claim: a worker that never beat is never found dead
         log.info(
@@ -403,16 +434,25 @@ class Worker:
         for job in plan.done:
             outcome.finishing.append((job, FinishReason.LENGTH, None))
         for job in plan.start:
+            spec = job.handle.spec
             request = EngineRequest(
                 job.job_id,
                 job.prompt_ids,
                 job.params,
                 tuple(job.token_ids),
-                job.handle.spec.priority,
+                spec.priority,
                 job.input_lengths,
                 job.pooling,
+                spec.adapter or None,
+                spec.adapter_path,
             )
             try:
+                if spec.adapter and not self.engine.runs_adapters:
+                    raise InvalidRequest(
+                        f"The model '{spec.adapter}' is a LoRA adapter, and engine "
+                        f"{self.engine.name} runs none",
+                        param="model",
+                    )
                 self.engine.add(request)
             except (UserError, EngineError) as exc:
                 self._not_taken(job, exc, outcome)

@@ -153,6 +153,12 @@ class Names:
     ALL_API_KEYS = "d.k.*"
 
     @staticmethod
+    def adapter(name: str) -> str:
+        return f"d.a.{token(name)}"
+
+    ALL_ADAPTERS = "d.a.*"
+
+    @staticmethod
     def quota(tenant: str) -> str:
         """A tenant's quota state and the jobs it holds reservations for."""
         return f"q.{token(tenant)}"

@@ -37,7 +37,7 @@ from tokenyard.broker.tables import (
     WorkerRegistry,
     settlement,
 )
-from tokenyard.messages import WorkerInfo, decode, encode
+from tokenyard.messages import AdapterRecord, WorkerInfo, decode, encode
 from tokenyard.tenancy.limiter import PERIOD_S, Decision, Quota, QuotaState, admit, settle
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
@@ -184,6 +184,20 @@ class NatsDirectory(Directory):
     async def tenants(self) -> list[TenantConfig]:
         rows = await self.bucket.listing(Names.ALL_TENANTS)
         return sorted((decode(raw, TenantConfig) for _, raw in rows), key=lambda t: t.name)
+
+    async def put_adapter(self, record: AdapterRecord) -> None:
+        await self.bucket.put(Names.adapter(record.name), encode(record))
+
+    async def adapters(self) -> list[AdapterRecord]:
+        rows = await self.bucket.listing(Names.ALL_ADAPTERS)
+        return sorted((decode(raw, AdapterRecord) for _, raw in rows), key=lambda a: a.name)
+
+    async def delete_adapter(self, name: str) -> bool:
+        key = Names.adapter(name)
+        if await self.bucket.get(key) is None:
+            return False
+        await self.bucket.delete(key)
+        return True
 
     async def put_api_key(self, record: ApiKeyRecord) -> None:
         await self.bucket.put(Names.api_key(record.digest), encode(record))

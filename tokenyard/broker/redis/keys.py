@@ -207,6 +207,10 @@ class Keys:
         """Hash of tenant name -> TenantConfig; one small key, read through gateway caches."""
         return f"{self.prefix}:{{directory}}:tenants"
 
+    def adapters(self) -> str:
+        """Hash of LoRA adapter name -> AdapterRecord."""
+        return f"{self.prefix}:{{directory}}:adapters"
+
     def api_keys(self) -> str:
         """Hash of key digest -> ApiKeyRecord."""
         return f"{self.prefix}:{{directory}}:apikeys"

@@ -34,7 +34,15 @@ from tokenyard.broker.tables import (
     WorkerRegistry,
     settlement,
 )
-from tokenyard.messages import Finished, JobSpec, JobStatus, WorkerInfo, decode, encode
+from tokenyard.messages import (
+    AdapterRecord,
+    Finished,
+    JobSpec,
+    JobStatus,
+    WorkerInfo,
+    decode,
+    encode,
+)
 from tokenyard.tenancy.limiter import Decision, Quota, QuotaState
 from tokenyard.tenancy.records import ApiKeyRecord, TenantConfig
 
@@ -61,6 +69,16 @@ class RedisDirectory(Directory):
     async def tenants(self) -> list[TenantConfig]:
         rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.tenants())
         return sorted((decode(raw, TenantConfig) for raw in rows.values()), key=lambda t: t.name)
+
+    async def put_adapter(self, record: AdapterRecord) -> None:
+        await self.conn.one(("HSET", self.keys.adapters(), record.name, encode(record)))
+
+    async def adapters(self) -> list[AdapterRecord]:
+        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.adapters())
+        return sorted((decode(raw, AdapterRecord) for raw in rows.values()), key=lambda a: a.name)
+
+    async def delete_adapter(self, name: str) -> bool:
+        return bool(await self.conn.one(("HDEL", self.keys.adapters(), name)))
 
     async def put_api_key(self, record: ApiKeyRecord) -> None:
         await self.conn.one(("HSET", self.keys.api_keys(), record.digest, encode(record)))

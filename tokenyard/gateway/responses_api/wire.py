@@ -623,7 +623,7 @@ def response_body(
         "instructions": stored.instructions,
         "max_output_tokens": stored.max_output_tokens,
         "metadata": stored.metadata or {},
-        "model": stored.model,
+        "model": stored.adapter or stored.model,
         "output": output,
         "parallel_tool_calls": tools.get("parallel_tool_calls") is not False if tools else False,
         "previous_response_id": stored.previous_response_id,

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from tokenyard import tracing
 from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol
+from tokenyard.gateway.adapters import answered_model
 from tokenyard.gateway.admission import tokenizer_for
 from tokenyard.gateway.anthropic import MessageEvents, MessageRequest, Reply, result_error
 from tokenyard.gateway.auth import Tenant, TenantDep
@@ -52,7 +53,7 @@ async def create_message(request: Request, tenant: Tenant) -> Response:
     job_id = spec.id if isinstance(outcome, Hit) else outcome.call.job_id
     reply = Reply(
         job_id,
-        spec.model,
+        answered_model(spec),
         len(spec.prompt_token_ids or ()),
         stops=spec.sampling.stop,
         decode=tokenizer_for(state, spec.model).decode,

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from tokenyard import tracing
 from tokenyard.gateway import protocol
+from tokenyard.gateway.adapters import answered_model
 from tokenyard.gateway.admission import tokenizer_for
 from tokenyard.gateway.auth import Tenant, TenantDep
 from tokenyard.gateway.cached import CACHE_HEADER, cached_response, replay
@@ -55,7 +56,15 @@ async def list_models(request: Request, tenant: TenantDep) -> JSONResponse:
         tokenizer = state.tokenizers.get(model)
         if tokenizer is not None:
             contexts[name] = (await state.limits.of(model, tokenizer)).context
-    body = protocol.models_body(served.names, int(state.started_at), roots, contexts)
+    # LoRA adapters as vLLM lists them: `root` where the adapter loads from, `parent` its base
+    adapters = await state.adapters.all()
+    parents: dict[str, str] = {}
+    for name, adapter in adapters.items():
+        roots[name], parents[name] = adapter.path, adapter.base
+        if adapter.base in contexts:
+            contexts[name] = contexts[adapter.base]
+    names = (*served.names, *(n for n in adapters if n not in served.names))
+    body = protocol.models_body(names, int(state.started_at), roots, contexts, parents)
     return JSONResponse(body)
 
 
@@ -125,7 +134,7 @@ async def _serve(
             renderer = OpenAIRenderer(
                 kind,
                 job_id,
-                spec.model,
+                answered_model(spec),
                 created,
                 include_usage=body.include_usage,
                 resumed=False,
@@ -136,7 +145,7 @@ async def _serve(
         choices = Choices(
             kind,
             job_id,
-            spec.model,
+            answered_model(spec),
             created,
             len(outcomes),
             include_usage=body.include_usage,
@@ -147,7 +156,7 @@ async def _serve(
             renderer = OpenAIRenderer(
                 kind,
                 job_id,
-                spec.model,
+                answered_model(spec),
                 created,
                 include_usage=False,
                 resumed=False,
@@ -169,7 +178,7 @@ async def _serve(
         protocol.completion_body(
             kind,
             job_id,
-            spec.model,
+            answered_model(spec),
             created,
             results,
             hows,

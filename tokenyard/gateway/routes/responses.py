@@ -133,6 +133,7 @@ def _stored(
         job_id=job_id,
         tenant=tenant.name,
         model=spec.model,
+        adapter=spec.adapter,
         created_at=spec.created_at,
         context=context,
         instructions=body.instructions,
