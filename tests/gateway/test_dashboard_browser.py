@@ -279,7 +279,13 @@ def test_the_dashboard_shows_what_was_recorded_before_it_opened_and_one_job(
             assert shown["status"] == "dead" and shown["deliveries"] == "1", shown
             assert shown["error"] and shown["worker"], shown
             until(lambda: kept in browser.find_element(By.ID, "jobs").text, what="the job listed")
-            browser.find_element(By.CSS_SELECTOR, f'#jobs a[href="#job={kept}"]').click()
+
+            def follow_link() -> bool:
+                # found and clicked in one poll: the list is redrawn under it between the two
+                browser.find_element(By.CSS_SELECTOR, f'#jobs a[href="#job={kept}"]').click()
+                return True
+
+            until(follow_link, what="the job's link followed")
             shown = until(lambda: view(kept), what="the job's view by its link")
             assert shown["status"] == "succeeded" and shown["error"] == "", shown
             assert "4 tokens" in shown["events"] and "finished: succeeded" in shown["events"]
