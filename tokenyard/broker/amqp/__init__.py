@@ -3,7 +3,7 @@ result backend): `--broker amqp://user:pass@host:5672/vhost --tables redis://hos
 
 `open_backend` builds it: the lanes (lanes.py: quorum queues a worker consumes, delay queues
 for retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
-named in names.py; records, leases, events and every table on the Redis connection: the queue
+named in names.py; prefix affinity by a held queue per worker (affinity.py); records, leases, events and every table on the Redis connection: the queue
 core (queue.py) composes the Valkey job table (redis/table.py) and changes it by the scripts in
 lua/ (declared in scripts.py, called by ledger.py); the other tables are the Redis backend's.
 """
@@ -29,9 +29,9 @@ from tokenyard.errors import FatalError
 
 __all__ = ["TRAITS", "open_backend"]
 
-# the lanes are FIFO quorum queues RabbitMQ pushes from: no fair share, no prefix affinity
-# (README, "RabbitMQ lanes")
-TRAITS = frozenset({Trait.PUSHED, Trait.REAP_FENCES})
+# the lanes are FIFO quorum queues RabbitMQ pushes from: no fair share (README, "RabbitMQ
+# lanes"); a prefixed job waits for its prefix's owner in that worker's held queue (affinity.py)
+TRAITS = frozenset({Trait.PUSHED, Trait.REAP_FENCES, Trait.PREFIX_AFFINITY})
 
 NO_TABLES = (
     "RabbitMQ lanes keep their tables (records, events, keys, quotas) on Redis/Valkey: give "

@@ -98,10 +98,13 @@ class AmqpConnection:
             self._drop()
             raise BrokerUnavailable(f"RabbitMQ {redacted(self.url)}: {what}: {exc!r}") from exc
 
-    async def declare(self, name: str, arguments: Arguments) -> None:
-        """Declare a durable queue, once per process. One that exists with other arguments
+    async def declare(self, name: str, arguments: Arguments, again: bool = False) -> None:
+        """Declare a durable queue, once per process (`again`: each call, which also tells
+        RabbitMQ it is in use, for its `x-expires`). One that exists with other arguments
         (made under other settings) is used as it is, with a warning: the lane bound and the
         delivery limit that count are the tables' (queue.py); RabbitMQ's are a backstop."""
+        if name in self._declared and not again:
+            return
         try:
             async with self._sent(name):
                 _, (channel, *_) = await self._channels()
@@ -118,22 +121,36 @@ class AmqpConnection:
     def declared(self, name: str) -> bool:
         return name in self._declared
 
-    async def publish(self, queue: str, body: bytes, message_id: str) -> None:
-        """Publish persistently to `queue` and wait for RabbitMQ's confirm; Refused on a nack."""
+    async def publish(
+        self, queue: str, body: bytes, message_id: str, expires_s: float | None = None
+    ) -> None:
+        """Publish persistently to `queue` and wait for RabbitMQ's confirm; Refused on a nack.
+        `expires_s`: the message's TTL (the queue dead-letters it once it is past)."""
         async with self._sent(queue):
             channel, _ = await self._channels()
             message = aio_pika.Message(
-                body, message_id=message_id, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+                body,
+                message_id=message_id,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                expiration=None if expires_s is None else max(1, round(expires_s * 1000)) / 1000,
             )
             await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
 
-    async def get(self, queue: str, most: int = 1) -> list[AbstractIncomingMessage]:
+    async def get(
+        self, queue: str, most: int = 1, missing_ok: bool = False
+    ) -> list[AbstractIncomingMessage]:
         """basic.get up to `most` ready messages, held unacked on this connection: one, then
         as many more as its get-ok said were ready (at most GETTERS at a time, one channel
-        each). Empty when the queue had none."""
+        each). Empty when the queue had none, or with `missing_ok` when it is not there (its
+        refusal closes that getter's channel only, made again on next use)."""
         async with self._sent(queue):
             _, getters = await self._channels()
-            first = await self._get_on(getters[0], queue)
+            try:
+                first = await self._get_on(getters[0], queue)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                if not missing_ok:
+                    raise
+                return []
             if first is None:
                 return []
             got = [first]

@@ -67,11 +67,17 @@ class Ledger(OnTable):
 
     # -- admission -------------------------------------------------------------------------
     def admit(
-        self, model: str, jobs: Sequence[tuple[JobSpec, str]], now: float, resend_after_s: float
+        self,
+        model: str,
+        jobs: Sequence[tuple[JobSpec, str, str]],
+        now: float,
+        resend_after_s: float,
     ) -> Call:
-        """One model's jobs, each with its message id (admit.lua)."""
+        """One model's jobs, each with its message id and the worker it is held for ('' none:
+        prefix affinity) (admit.lua)."""
         items = []
-        for spec, msg in jobs:
+        for spec, msg, pref in jobs:
+            lane = self.lane_key(spec.model, spec.priority, spec.pool)
             items.append(
                 (
                     self._job_keys(spec),
@@ -82,7 +88,10 @@ class Ledger(OnTable):
                         use_idem="1" if spec.idempotency_key else "0",
                         use_inflight="1" if spec.collapse_key else "0",
                         msg=msg,
-                        lane=self.lane_key(spec.model, spec.priority, spec.pool),
+                        lane=lane,
+                        prefix=spec.prefix_key or "",
+                        pref=pref,
+                        affw=self.keys.affinity_worker(lane, pref) if pref else "",
                     ),
                 )
             )
@@ -142,7 +151,13 @@ class Ledger(OnTable):
                 waiting=self.keys.waiting(key),
                 leases=self.keys.leases(key),
             ),
-            scripts.TakeItemArgs(job_id=job_id, msg=msg, token=token, priority=priority.name),
+            scripts.TakeItemArgs(
+                job_id=job_id,
+                msg=msg,
+                token=token,
+                priority=priority.name,
+                affw_prefix=self.keys.affinity_worker_prefix(key),
+            ),
         )
 
     def take(
@@ -154,7 +169,7 @@ class Ledger(OnTable):
         dead_error: str,
     ) -> Call:
         return scripts.TAKE.call(
-            self._end_keys(model),
+            scripts.TakeKeys(*self._end_keys(model), workers=self.keys.workers(model)),
             scripts.TakeArgs(
                 now=repr(now),
                 consumer=consumer,
@@ -165,6 +180,8 @@ class Ledger(OnTable):
                 dead_event=encode(Finished(result=dead_result(dead_error))),
                 dead_error=dead_error,
                 cancelled=self.table.cancelled_event,
+                pfx_prefix=self.keys.prefix_owner_prefix(model),
+                pfx_ttl_ms=ms(self.settings.affinity_ttl_s),
             ),
             items,
         )

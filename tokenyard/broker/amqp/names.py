@@ -32,6 +32,17 @@ class Names:
         """A lane's retries waiting `delay_ms` (message TTL) before they return to it."""
         return f"{lane}.delay.{delay_ms}ms"
 
+    @staticmethod
+    def held(lane: str, worker: str) -> str:
+        """A lane's jobs held for one worker (prefix affinity: affinity.py); each message
+        returns to the lane (dead-lettered, expired) once it waited the affinity bound."""
+        return f"{lane}.held.{_safe(worker)}"
+
+    @staticmethod
+    def held_of(lane: str, queue: str) -> bool:
+        """Whether `queue` is one of `lane`'s held queues."""
+        return queue.startswith(f"{lane}.held.")
+
     def dead(self, model: str) -> str:
         """Where RabbitMQ dead-letters a model's messages past the delivery limit."""
         return f"{self.prefix}.dead.{_safe(model)}"

@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from tokenyard.broker import audit, machine
+from tokenyard.broker.amqp.affinity import Affinity
 from tokenyard.broker.amqp.connection import AmqpConnection, Refused
 from tokenyard.broker.amqp.lanes import Delivery, RabbitLanes, new_msg
 from tokenyard.broker.amqp.ledger import Ledger
@@ -61,6 +62,7 @@ class AmqpQueue(LanesOnTable):
         self.ledger = self.counts = Ledger(table)
         self.amqp = amqp
         self.names = names
+        self.affinity = Affinity(table.settings, self.conn, self.keys, amqp, names, self.clock)
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
@@ -72,8 +74,11 @@ class AmqpQueue(LanesOnTable):
         for model in by_model:
             await self.lanes.declare(model)
         msgs = [new_msg() for _ in specs]
+        holders = await self.affinity.holders(specs)  # prefix affinity: '' for most
         calls = [
-            self.ledger.admit(model, [(specs[i], msgs[i]) for i in indexes], now, RESEND_AFTER_S)
+            self.ledger.admit(
+                model, [(specs[i], msgs[i], holders[i]) for i in indexes], now, RESEND_AFTER_S
+            )
             for model, indexes in by_model.items()
         ]
         receipts = [audit.received(spec, now) for spec in specs]
@@ -93,7 +98,7 @@ class AmqpQueue(LanesOnTable):
                 if again == 1:
                     publish.append(i)
         sent = await asyncio.gather(
-            *(self.lanes.publish(specs[i], _id(results[i]), msgs[i]) for i in publish),
+            *(self._publish(specs[i], _id(results[i]), msgs[i], holders[i]) for i in publish),
             return_exceptions=True,
         )
         failed = {i: o for i, o in zip(publish, sent, strict=True) if isinstance(o, BaseException)}
@@ -121,6 +126,14 @@ class AmqpQueue(LanesOnTable):
             )
         return admitted(results, full)
 
+    async def _publish(self, spec: JobSpec, job_id: str, msg: str, holder: str) -> None:
+        """A new job's message on its lane, or in the held queue of the worker it is held for
+        (its resend, which admit.lua did not hold, goes to the lane)."""
+        if holder and job_id == spec.id:
+            await self.affinity.publish(spec, job_id, msg, holder)
+        else:
+            await self.lanes.publish(spec, job_id, msg)
+
     # -- consuming -------------------------------------------------------------------------
     async def _claim(self, ask: Claim) -> list[Lease]:
         """What RabbitMQ pushed to this process's lane consumers, in claim order (strict
@@ -134,8 +147,11 @@ class AmqpQueue(LanesOnTable):
         give_up_at = time.monotonic() + block_s
         while True:
             order = self._next_order(model, len(Priority))
-            got = await self.lanes.pull(
-                model, feed, order, pools, slots, batch_room, block=block_s > 0
+            # jobs held for this worker first (prefix affinity), then the lanes
+            got = await self.affinity.take_own(model, consumer, order, pools, slots, batch_room)
+            room = None if batch_room is None else batch_room - _batch(got)
+            got += await self.lanes.pull(
+                model, feed, order, pools, slots - len(got), room, block=block_s > 0
             )
             if got:
                 leases = await self._take(model, consumer, got)
@@ -145,7 +161,7 @@ class AmqpQueue(LanesOnTable):
             wait = give_up_at - time.monotonic()
             if wait <= 0 or feed is None:
                 return []
-            await self.lanes.wait(feed, wait)
+            await self.lanes.wait(feed, min(wait, self.affinity.poll_s(model, consumer)))
 
     async def _take(
         self,
@@ -179,8 +195,16 @@ class AmqpQueue(LanesOnTable):
                 spec = decode(spec_bytes, JobSpec)
                 spec.attempt = int(attempt)
                 self.lanes.hold(token, job_id, delivery)
+                if spec.prefix_key:
+                    self.affinity.took_prefix(model, consumer)
                 leases.append(
-                    Lease(spec=spec, entry_id=token, consumer=consumer, resumable=resumable == 1)
+                    Lease(
+                        spec=spec,
+                        entry_id=token,
+                        consumer=consumer,
+                        resumable=resumable == 1,
+                        affinity=self.affinity.affine(model, delivery),
+                    )
                 )
                 continue
             await self.lanes.drop(delivery)
@@ -351,6 +375,10 @@ class AmqpQueue(LanesOnTable):
         if outcome is CancelOutcome.CANCELLED:
             await self.ledger.unwait(job_id)
         return outcome
+
+
+def _batch(got: Sequence[Delivery]) -> int:
+    return sum(1 for d in got if d.lane.priority is Priority.BATCH)
 
 
 def _id(result: EnqueueResult | None) -> str:

@@ -38,6 +38,9 @@ class AdmitItemArgs(NamedTuple):
     use_inflight: str
     msg: str
     lane: str
+    prefix: str  # the spec's prefix key ('' none)
+    pref: str  # the worker it is held for (prefix affinity: affinity.py), '' none
+    affw: str  # that worker's held set in its lane ('' none)
 
 
 ADMIT = ScriptSpec(
@@ -75,6 +78,17 @@ class LeaseItemKeys(NamedTuple):
     leases: str
 
 
+class TakeKeys(NamedTuple):
+    """take.lua's keys: `EndKeys`, and the model's workers by heartbeat lapse (prefix
+    ownership is sticky to a live one)."""
+
+    dlq: str
+    counters: str
+    cancels: str
+    delayed: str
+    workers: str
+
+
 class TakeArgs(NamedTuple):
     now: str
     consumer: str
@@ -85,6 +99,8 @@ class TakeArgs(NamedTuple):
     dead_event: bytes
     dead_error: str
     cancelled: bytes
+    pfx_prefix: str  # prefix affinity: `prefix key -> owner` keys; the key is appended
+    pfx_ttl_ms: int  # how long a take makes its worker the owner of its job's prefix
 
 
 class TakeItemArgs(NamedTuple):
@@ -92,10 +108,17 @@ class TakeItemArgs(NamedTuple):
     msg: str
     token: str
     priority: str
+    affw_prefix: str  # the lane's per-worker held sets; the worker's name is appended
 
 
 TAKE = ScriptSpec(
-    "take", EndKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends",), package=PACKAGE
+    "take",
+    TakeKeys,
+    TakeArgs,
+    LeaseItemKeys,
+    TakeItemArgs,
+    libraries=("ends", "affinity"),
+    package=PACKAGE,
 )
 
 

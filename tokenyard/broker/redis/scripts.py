@@ -231,7 +231,12 @@ class ClaimLaneArgs(NamedTuple):
 
 
 CLAIM = ScriptSpec(
-    "claim", ClaimKeys, ClaimArgs, ClaimLaneKeys, ClaimLaneArgs, libraries=("fair", "ends")
+    "claim",
+    ClaimKeys,
+    ClaimArgs,
+    ClaimLaneKeys,
+    ClaimLaneArgs,
+    libraries=("fair", "ends", "affinity"),
 )
 
 

@@ -8,7 +8,10 @@
 -- record and the message) names the resend's message instead, for the caller to publish.
 -- KEYS: none; per item: job, idem, inflight, waiting
 -- ARGV: now, idem_ttl_ms, job_prefix, max_depth, resend_after_s, collapse_grace_s; per item:
---   job_id, spec, deadline, use_idem, use_inflight, msg, lane
+--   job_id, spec, deadline, use_idem, use_inflight, msg, lane, prefix, pref, affw
+-- Prefix affinity: a job's prefix key is kept (`pfx`: take.lua makes its taker the owner); a
+-- job the caller holds for a worker (`pref`, affinity.py) is in that worker's held set `affw`
+-- by when it was held, and counts as waiting like any other.
 -- Returns {1, {{created 1|0, job_id, joined 1|0, publish 1|0}, ...}}, or {-1, {item, depth}}
 -- when that item's lane is full.
 local results, fresh, adding, first_item = {}, {}, {}, {}
@@ -46,6 +49,11 @@ for _, i in ipairs(fresh) do
   local fields = {'spec', a.spec, 'status', 'queued', 'lane', a.lane, 'deliveries', 0,
     'enq_at', A.now, 'deadline', a.deadline, 'msg', a.msg, 'pub', 0}
   if a.use_inflight == '1' then fields[#fields + 1], fields[#fields + 2] = 'followers', 1 end
+  if a.prefix ~= '' then fields[#fields + 1], fields[#fields + 2] = 'pfx', a.prefix end
+  if a.pref ~= '' then
+    fields[#fields + 1], fields[#fields + 2] = 'pref', a.pref
+    redis.call('ZADD', a.affw, A.now, a.job_id)
+  end
   redis.call('HSET', k.job, unpack(fields))
   redis.call('ZADD', k.waiting, A.now, a.job_id)
   keyed(k, a)

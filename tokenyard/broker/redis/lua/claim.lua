@@ -115,12 +115,7 @@ local function take(stream, entries, capped, affinity)
         'deliveries', deliveries)
       if h[5] and h[5] ~= '' then
         -- prefix affinity: this worker's engine is about to cache the prefix
-        local pk = A.pfx_prefix .. h[5]
-        local owner = redis.call('GET', pk)
-        if (not owner) or owner == consumer
-          or tonumber(redis.call('ZSCORE', K.workers, owner) or '0') <= nowf then
-          redis.call('SET', pk, consumer, 'PX', A.pfx_ttl_ms)
-        end
+        own_prefix(A.pfx_prefix .. h[5], consumer, K.workers, nowf, A.pfx_ttl_ms)
       end
       -- only a job started before (it has a start_at) can have streamed events: only the lease
       -- holder appends, and a job that ended is skipped above
