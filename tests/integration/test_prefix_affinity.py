@@ -1,6 +1,6 @@
-"""Prefix affinity end to end on a real Valkey: a real gateway computes each chat request's prefix
-key, sim workers with prefix caches serve it; a job preferred for a busy or killed worker still
-runs elsewhere after the bound."""
+"""Prefix affinity end to end on a real Valkey and on RabbitMQ lanes (Valkey tables beside): a
+real gateway computes each chat request's prefix key, sim workers with prefix caches serve it; a
+job preferred for a busy or killed worker still runs elsewhere after the bound."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
+import pytest
 
+from tests.conftest import kinds, session_urls
 from tokenyard.broker import Backend, connect, new_job_id
-from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.broker.core import Trait
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.fleet.launch import Launcher, Processes, free_port, serving
@@ -31,8 +33,20 @@ SYSTEMS = [f"System prompt {i}: you route freight cars; be brief and exact. " * 
 WAIT_S = 0.2
 
 
-def settings_for(url: str, **overrides: object) -> BrokerSettings:
-    return BrokerSettings(url=url, prefix=f"pa{uuid.uuid4().hex[:8]}", **overrides)  # type: ignore[arg-type]
+@pytest.fixture(params=kinds(Trait.PREFIX_AFFINITY, among=("valkey", "rabbitmq")))
+def urls(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(broker URL, tables URL) of a backend that holds prefixed jobs for their owner."""
+    return session_urls(request, request.param)
+
+
+def settings_for(urls: tuple[str, str], **overrides: object) -> BrokerSettings:
+    url, tables = urls
+    return BrokerSettings(
+        url=url,
+        tables_url=tables,
+        prefix=f"pa{uuid.uuid4().hex[:8]}",
+        **overrides,  # type: ignore[arg-type]
+    )
 
 
 @asynccontextmanager
@@ -78,7 +92,7 @@ async def gateway(settings: BrokerSettings, prefix_tokens: int) -> AsyncIterator
         yield url
 
 
-async def hit_rate(url: str, prefix_tokens: int) -> float:
+async def hit_rate(url: tuple[str, str], prefix_tokens: int) -> float:
     """Chat requests over three system prompts, through a real gateway, to three workers whose
     prefix caches hold one prompt each; the fraction of prompt tokens their caches served."""
     settings = settings_for(url, affinity_wait_s=1.0)
@@ -101,7 +115,10 @@ async def hit_rate(url: str, prefix_tokens: int) -> float:
             body = {
                 "model": MODEL,
                 "messages": [
-                    {"role": "system", "content": SYSTEMS[i % 3]},
+                    # each third of the requests still cycles through all three prompts: a
+                    # server that hands requests round-robin to the three workers (RabbitMQ's
+                    # pushes) must not sort them by prompt itself
+                    {"role": "system", "content": SYSTEMS[(i + i // 3) % 3]},
                     {"role": "user", "content": f"where is car {i}?"},
                 ],
                 "max_tokens": 4,
@@ -115,9 +132,9 @@ async def hit_rate(url: str, prefix_tokens: int) -> float:
     return sum(e.stats().prefix_cache_hits for e in engines) / queries
 
 
-async def test_affinity_steers_shared_prefixes_to_warm_workers(valkey: EmbeddedServer) -> None:
-    without = await hit_rate(valkey.url, prefix_tokens=0)  # no prefix keys: no affinity
-    with_affinity = await hit_rate(valkey.url, prefix_tokens=1024)
+async def test_affinity_steers_shared_prefixes_to_warm_workers(urls: tuple[str, str]) -> None:
+    without = await hit_rate(urls, prefix_tokens=0)  # no prefix keys: no affinity
+    with_affinity = await hit_rate(urls, prefix_tokens=1024)
     assert with_affinity > 0.6
     assert with_affinity > without + 0.2, (with_affinity, without)
 
@@ -144,9 +161,9 @@ async def finished(broker: Backend, job_id: str, timeout: float = 20.0) -> JobRe
 
 
 async def test_a_job_preferred_for_a_busy_worker_runs_elsewhere_after_the_bound(
-    valkey: EmbeddedServer,
+    urls: tuple[str, str],
 ) -> None:
-    settings = settings_for(valkey.url, affinity_wait_s=WAIT_S)
+    settings = settings_for(urls, affinity_wait_s=WAIT_S)
     broker = connect(settings)
     busy = SimEngine(max_seqs=1, decode_base=0.02, prefix_cache_tokens=4096)
     async with worker(settings, busy, slots=1, claim_ahead=0):
@@ -174,7 +191,7 @@ async def test_a_job_preferred_for_a_busy_worker_runs_elsewhere_after_the_bound(
 
 
 def start_worker_process(settings: BrokerSettings) -> subprocess.Popen[bytes]:
-    launcher = Launcher(Processes(), settings.url, settings.prefix)
+    launcher = Launcher(Processes(), settings.url, settings.prefix, settings.tables_url)
     env = {**os.environ, "TOKENYARD_WORKER_SIM_PREFIX_CACHE_TOKENS": "4096"}
     return launcher.worker(
         "--model", MODEL, "--engine", "sim", "--max-seqs", "4",
@@ -182,8 +199,8 @@ def start_worker_process(settings: BrokerSettings) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-async def test_a_job_preferred_for_a_killed_worker_still_runs(valkey: EmbeddedServer) -> None:
-    settings = settings_for(valkey.url, affinity_wait_s=WAIT_S)
+async def test_a_job_preferred_for_a_killed_worker_still_runs(urls: tuple[str, str]) -> None:
+    settings = settings_for(urls, affinity_wait_s=WAIT_S)
     broker = connect(settings)
     proc = start_worker_process(settings)
     try:
