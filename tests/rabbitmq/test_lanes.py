@@ -3,15 +3,24 @@ from its messages must handle."""
 
 from __future__ import annotations
 
+import time
+
 import aio_pika
 import pytest
 
 from tests.conftest import BackendFactory
-from tests.integration.test_broker_conformance import MODEL, dies_before_its_message, job, ok
+from tests.integration.test_broker_conformance import (
+    MODEL,
+    dies_before_its_message,
+    job,
+    ok,
+    prefixed,
+    run_prefix,
+)
 from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker.amqp import queue as amqp_queue
 from tokenyard.broker.amqp.queue import AmqpQueue
-from tokenyard.messages import JobStatus
+from tokenyard.messages import JobStatus, Priority
 
 pytestmark = [
     pytest.mark.rabbitmq,
@@ -77,3 +86,25 @@ async def test_a_message_rabbitmq_dead_letters_becomes_a_dead_letter_with_its_re
     assert letter.job_id == spec.id and letter.reason == "delivery_limit"
     record = await queue.record(spec.id)
     assert record is not None and record.status is JobStatus.DEAD
+
+
+async def test_a_held_set_naming_a_held_queue_not_there_yet_costs_the_owner_nothing(
+    make_backend: BackendFactory,
+) -> None:
+    """A hold is in the owner's held set before its held queue is declared (admit.lua, then
+    the publish): an owner that looks in between gets nothing from that queue, and keeps its
+    connection (a refused basic.get closes that channel only) and so its lanes' consumers."""
+    broker = make_backend(affinity_wait_s=30.0)
+    queue = broker.queue
+    assert isinstance(queue, AmqpQueue)
+    await run_prefix(broker, "w1")  # w1 owns the prefix: its claims look at its held sets
+    lane = queue.keys.lane(MODEL, Priority.NORMAL, 0)
+    await queue.conn.one(("ZADD", queue.keys.affinity_worker(lane, "w1"), time.time(), "j-x"))
+    before = queue.amqp.generation
+    assert await queue.claim(MODEL, "w1", slots=1) == []
+    spec = prefixed()
+    await queue.enqueue(spec)  # held for w1, in its held queue now there
+    [lease] = await queue.claim(MODEL, "w1", slots=1)
+    assert lease.spec.id == spec.id and lease.affinity
+    assert queue.amqp.generation == before
+    assert await queue.complete(lease, ok(lease))
