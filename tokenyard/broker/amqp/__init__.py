@@ -3,9 +3,10 @@ result backend): `--broker amqp://user:pass@host:5672/vhost --tables redis://hos
 
 `open_backend` builds it: the lanes (lanes.py: quorum queues a worker consumes, delay queues
 for retries, a dead-letter queue per model) over one AMQP connection (connection.py), every queue
-named in names.py; prefix affinity by a held queue per worker (affinity.py); records, leases, events and every table on the Redis connection: the queue
-core (queue.py) composes the Valkey job table (redis/table.py) and changes it by the scripts in
-lua/ (declared in scripts.py, called by ledger.py); the other tables are the Redis backend's.
+named in names.py; prefix affinity by a held queue per worker (affinity.py); records, leases,
+events and every table on the Redis connection: the queue core (queue.py) composes the Valkey
+job table (redis/table.py) and changes it by the scripts in lua/ (declared in scripts.py,
+called by ledger.py); the other tables are the Redis backend's.
 """
 
 from __future__ import annotations
