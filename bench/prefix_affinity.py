@@ -5,7 +5,9 @@ no prefill; a miss costs `--prefill-per-token` per token), serve a Poisson strea
 prompts start with one of a few long system prompts. Each worker's cache holds fewer system
 prompts than there are (`--cache-prompts` < `--prompts`): without affinity every worker sees
 every prompt and its LRU thrashes; with it each prompt sticks to the worker that ran it last.
-Both runs use the same arrivals, workers and broker (a private Valkey); jobs go straight to the
+Both runs use the same arrivals, workers and broker (a private Valkey; `--broker rabbitmq`: RabbitMQ
+lanes, Debian's rabbitmq-server as tests/rabbitmq_server.py runs it, with that Valkey holding
+the tables); jobs go straight to the
 broker (the gateway's part, the prefix key, is the pure `tokenyard.gateway.affinity.prefix_key`).
 TTFT is enqueue → first token event, on the server's clock (the event's id). Prints one JSON.
 
@@ -92,10 +94,15 @@ async def _worker(settings: BrokerSettings, engine: SimEngine, slots: int) -> As
         await broker.close()
 
 
-async def run(url: str, opts: argparse.Namespace, affinity: bool) -> dict[str, Any]:
+async def run(
+    url: str, opts: argparse.Namespace, affinity: bool, tables: str = ""
+) -> dict[str, Any]:
     """One run on in-process sim workers (their engines' prefix caches counted)."""
     settings = BrokerSettings(
-        url=url, prefix=f"pa{uuid.uuid4().hex[:8]}", affinity_wait_s=opts.wait_ms / 1000
+        url=url,
+        tables_url=tables,
+        prefix=f"pa{uuid.uuid4().hex[:8]}",
+        affinity_wait_s=opts.wait_ms / 1000,
     )
     engines = [
         SimEngine(
@@ -229,12 +236,21 @@ async def main() -> None:
     parser.add_argument("--wait-ms", type=float, default=100.0, help="affinity bound")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--broker", choices=("valkey", "rabbitmq"), default="valkey")
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     opts = parser.parse_args()
+    if opts.broker == "rabbitmq" and opts.engine != "sim":
+        parser.error("--broker rabbitmq runs the sim engine only")
     if opts.quick:
         opts.jobs, opts.rate = min(opts.jobs, 60), 30.0
     with EmbeddedServer(appendfsync="everysec") as server:
-        if opts.engine == "vllm":
+        if opts.broker == "rabbitmq":
+            from tests.rabbitmq_server import RabbitServer  # the tests' node, started alike
+
+            with RabbitServer() as rabbit:
+                without = await run(rabbit.url, opts, affinity=False, tables=server.url)
+                with_affinity = await run(rabbit.url, opts, affinity=True, tables=server.url)
+        elif opts.engine == "vllm":
             without, with_affinity = await run_vllm(server.url, opts)
         else:
             without = await run(server.url, opts, affinity=False)
@@ -251,6 +267,7 @@ async def main() -> None:
                 "workload": {
                     k: getattr(opts, k)
                     for k in (
+                        "broker",
                         "engine",
                         "jobs",
                         "rate",
