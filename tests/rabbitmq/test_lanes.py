@@ -108,3 +108,21 @@ async def test_a_held_set_naming_a_held_queue_not_there_yet_costs_the_owner_noth
     assert lease.spec.id == spec.id and lease.affinity
     assert queue.amqp.generation == before
     assert await queue.complete(lease, ok(lease))
+
+
+async def test_a_held_job_cancelled_while_waiting_leaves_its_owners_held_set(
+    make_backend: BackendFactory,
+) -> None:
+    """The owner's claim that meets a cancelled held job's message drops it and the job's
+    entry in its held set: later claims do not look in that held queue again for it."""
+    broker = make_backend(affinity_wait_s=30.0)
+    queue = broker.queue
+    assert isinstance(queue, AmqpQueue)
+    await run_prefix(broker, "w1")
+    spec = prefixed()
+    await queue.enqueue(spec)
+    held = queue.keys.affinity_worker(queue.keys.lane(MODEL, Priority.NORMAL, 0), "w1")
+    assert await queue.conn.one(("ZCARD", held)) == 1
+    await queue.cancel(spec.id)
+    assert await queue.claim(MODEL, "w1", slots=1) == []
+    assert await queue.conn.one(("ZCARD", held)) == 0

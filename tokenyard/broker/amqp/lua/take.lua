@@ -19,6 +19,10 @@ for i = 1, N do
   local h = redis.call('HMGET', k.job, 'status', 'spec', 'msg', 'deadline', 'deliveries',
     'start_at', 'cancel', 'pref', 'pfx')
   if (h[1] ~= 'queued' and h[1] ~= 'running') or h[3] ~= a.msg then
+    -- a held job that ended while it waited (cancelled): its owner need not look for it
+    if h[1] and h[8] and h[1] ~= 'queued' and h[1] ~= 'running' then
+      redis.call('ZREM', a.affw_prefix .. h[8], a.job_id)
+    end
     out[i] = {0, '', 0, 0}
   else
     redis.call('ZREM', k.waiting, a.job_id)
