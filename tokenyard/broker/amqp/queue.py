@@ -98,7 +98,7 @@ class AmqpQueue(LanesOnTable):
                 if again == 1:
                     publish.append(i)
         sent = await asyncio.gather(
-            *(self._publish(specs[i], _id(results[i]), msgs[i], holders[i]) for i in publish),
+            *(self._publish(specs[i], results[i], msgs[i], holders[i]) for i in publish),
             return_exceptions=True,
         )
         failed = {i: o for i, o in zip(publish, sent, strict=True) if isinstance(o, BaseException)}
@@ -126,13 +126,15 @@ class AmqpQueue(LanesOnTable):
             )
         return admitted(results, full)
 
-    async def _publish(self, spec: JobSpec, job_id: str, msg: str, holder: str) -> None:
-        """A new job's message on its lane, or in the held queue of the worker it is held for
-        (its resend, which admit.lua did not hold, goes to the lane)."""
-        if holder and job_id == spec.id:
-            await self.affinity.publish(spec, job_id, msg, holder)
+    async def _publish(
+        self, spec: JobSpec, result: EnqueueResult | None, msg: str, holder: str
+    ) -> None:
+        """A job's message on its lane, or, for a new job admit.lua held (prefix affinity), in
+        the held queue of the worker it is held for (a resend goes to the lane)."""
+        if holder and result is not None and result.created:
+            await self.affinity.publish(spec, result.job_id, msg, holder)
         else:
-            await self.lanes.publish(spec, job_id, msg)
+            await self.lanes.publish(spec, _id(result), msg)
 
     # -- consuming -------------------------------------------------------------------------
     async def _claim(self, ask: Claim) -> list[Lease]:
