@@ -4,22 +4,25 @@ Starts a private Valkey and one in-process worker on the sim engine (every slot 
 batch lane), and measures the time to first token (enqueue to the first token event) of
 sequential high-priority jobs three times: on the idle worker; while --batch jobs saturate
 it, with preemption (the default); and the same load without it (`preempt_lanes` empty:
-a high job waits for a batch job to end). `--rounds` repeats the three runs in turn (a fresh
-worker each), so a shared machine's load drifts over all three alike, and pools each one's
-samples: the p99 of 40 samples is the largest but one, one stall decides it. Reports TTFT
-p50/p99 of each (pooled, and each round's loaded/idle p99 ratio), the pooled loaded/idle p99
-ratio (goal <= 1.5), and the total tokens/s of the loaded runs, with/without (goal >= 0.9).
-`--stages` adds where each high job's time went, from timestamps taken on its path (see
-`Stages`). Prints one JSON document.
+a high job waits for a batch job to end). Jobs are enqueued as their real producers do: a
+high job as the gateway does (token ids, streamed), a batch job as the Batches API's runner
+does (not streamed: no token events, unless --stream-batch). `--rounds` repeats the three
+runs in turn (a fresh worker each), so a shared machine's load drifts over all three alike,
+and pools each one's samples: the p99 of 40 samples is the largest but one, one stall decides
+it. Reports TTFT p50/p99 of each (pooled, and each round's loaded/idle p99 ratio), the pooled
+loaded/idle p99 ratio (goal <= 1.5), and the total tokens/s of the loaded runs, with/without
+(goal >= 0.9). `--stages` adds where each high job's time went, from timestamps taken on its
+path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
-        [--rounds 5] [--stages] [--quick]
+        [--rounds 5] [--stages] [--stream-batch] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import json
 import time
@@ -34,7 +37,7 @@ from tokenyard.broker.core import Lease
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines.base import EngineRequest, StepOutput
-from tokenyard.engines.sim import SimEngine
+from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.messages import Finished, JobSpec, Priority, SamplingParams, TokenChunk
 from tokenyard.worker.worker import Worker
 
@@ -63,6 +66,27 @@ class Stages:
         self.marks: dict[str, dict[str, float]] = defaultdict(dict)
         self.sleeps: list[float] = []  # start of each of the engine's sleeps
         self.preempt_s: list[float] = []  # queue.preempt round trips
+        self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
+        self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
+        self._gc_at = 0.0
+
+    def _collected(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        else:
+            self.gc_s.append(time.perf_counter() - self._gc_at)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """The loop's lag and the collector's pauses while the worker runs: a stall that shows
+        in every stage at once is the process not running (CPU starved, or a collection)."""
+        gc.callbacks.append(self._collected)
+        try:
+            while not stop.is_set():
+                before = time.perf_counter()
+                await asyncio.sleep(0.001)
+                self.lag_s.append(time.perf_counter() - before - 0.001)
+        finally:
+            gc.callbacks.remove(self._collected)
 
     def mark(self, job_id: str, name: str, at: float | None = None) -> None:
         marks = self.marks.get(job_id)
@@ -136,6 +160,9 @@ class Stages:
             values = [row[i] * 1e3 for row in rows if row[i] == row[i]]
             out[name] = _ms(values) | {"what": what}
         out["preempt_round_trip"] = _ms([s * 1e3 for s in self.preempt_s])
+        out["gc_pause"] = _ms([s * 1e3 for s in self.gc_s])
+        out["loop_lag"] = _ms([s * 1e3 for s in self.lag_s])
+        out["loop_lags_over_20ms"] = sum(1 for s in self.lag_s if s > 0.02)
         return out
 
 
@@ -149,14 +176,18 @@ def _ms(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def _spec(priority: Priority, prompt: str, max_tokens: int) -> JobSpec:
+def _spec(priority: Priority, prompt: str, max_tokens: int, stream: bool = True) -> JobSpec:
+    """A job as the gateway enqueues one: its prompt's token ids with it; `stream` False for
+    a batch line (the Batches API's runner reads only results: no token events)."""
     return JobSpec(
         id=new_job_id(MODEL),
         model=MODEL,
         prompt=prompt,
+        prompt_token_ids=SimTokenizer().encode(prompt),
         priority=priority,
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         created_at=time.time(),
+        stream=stream,
     )
 
 
@@ -218,8 +249,10 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
         ),
     )
     stages = Stages() if args.stages else None
+    stop = asyncio.Event()
     if stages is not None:
         stages.attach(worker, engine)
+        watching = asyncio.create_task(stages.watch(stop))
     task = asyncio.create_task(worker.run())
     try:
         await _ttfts(broker, 3, args.high_tokens, 0.0)  # warm-up
@@ -227,7 +260,8 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
         started = time.perf_counter()
         if load:
             batch = [
-                _spec(Priority.BATCH, f"batch {i}", args.batch_tokens) for i in range(args.batch)
+                _spec(Priority.BATCH, f"batch {i}", args.batch_tokens, args.stream_batch)
+                for i in range(args.batch)
             ]
             await broker.queue.enqueue_many(batch)
             while worker.scheduler.running < args.max_seqs:
@@ -247,6 +281,9 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             "stages": stages.summary(ids) if stages is not None else None,
         }
     finally:
+        stop.set()
+        if stages is not None:
+            await watching
         worker.drain()
         await asyncio.wait_for(task, 60)
         await broker.close()
@@ -316,6 +353,11 @@ def main() -> None:
     parser.add_argument("--step-per-seq-s", type=float, default=1e-4)
     parser.add_argument(
         "--rounds", type=int, default=5, help="idle, loaded and unpreempted runs, in turn"
+    )
+    parser.add_argument(
+        "--stream-batch",
+        action="store_true",
+        help="batch jobs write token events each step (the Batches API's do not)",
     )
     parser.add_argument("--stages", action="store_true", help="where the high jobs' time went")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
