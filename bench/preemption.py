@@ -247,6 +247,7 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             batch_share=1.0,  # the batch lane may take every slot: the load saturates
             preempt_lanes="normal,low,batch" if preempt else "",
         ),
+        freeze_heap=True,  # as `tokenyard worker` runs it (worker/run.py)
     )
     stages = Stages() if args.stages else None
     stop = asyncio.Event()
