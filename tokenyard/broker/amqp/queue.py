@@ -31,8 +31,10 @@ from tokenyard.broker.core import (
     CancelOutcome,
     EnqueueResult,
     Lease,
+    Preempted,
     ReapReport,
     admitted,
+    preempted_of,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
@@ -252,7 +254,7 @@ class AmqpQueue(LanesOnTable):
         """Hand jobs back (drain): a new message each, then the records point at it, uncharged."""
         return sum(1 for code in await self._hand_back(leases, -1) if code)
 
-    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+    async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         """`release`, counted and bounded (requeue.lua). The new message goes to the back of
         its lane's queue (RabbitMQ has no insert at the head): a preempted job runs after the
         jobs already waiting in its lane. One refused keeps its lease and its delivery."""
@@ -265,7 +267,7 @@ class AmqpQueue(LanesOnTable):
         if appends:
             replies = await self.conn.pipelined(appends)
             self.table.audit.written(entries, replies)
-        return [code in (1, 2) for code in codes]
+        return [preempted_of(code) for code in codes]
 
     async def _hand_back(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         if not leases:

@@ -16,8 +16,10 @@ from tokenyard.broker import audit
 from tokenyard.broker.core import (
     EnqueueResult,
     Lease,
+    Preempted,
     ReapReport,
     admitted,
+    preempted_of,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.machine import lapsed_error
@@ -383,7 +385,7 @@ class RedisQueue(LanesOnTable):
         codes = await self._release(leases, -1)
         return sum(1 for code in codes if code)
 
-    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+    async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         codes = await self._release(leases, self.settings.max_preemptions)
         now = self.clock()
         entries = [
@@ -393,7 +395,7 @@ class RedisQueue(LanesOnTable):
         if appends:
             replies = await self.conn.pipelined(appends)
             self.table.audit.written(entries, replies)
-        return [code in (1, 2) for code in codes]
+        return [preempted_of(code) for code in codes]
 
     async def _release(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         """release.lua's codes: 1 released, 2 cancelled, 3 preempted too often, 0 lost."""
