@@ -756,7 +756,7 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
     chunk = TokenChunk(token_ids=[5], text="a")
     assert await broker.queue.append_events([(lease, chunk)]) == [True]
     for n in (1, 2):
-        assert await broker.queue.preempt([lease]) == [True]
+        assert await broker.queue.preempt([lease]) == [Preempted.PREEMPTED]
         assert not await broker.queue.complete(lease, ok(lease))  # the old holder is fenced
         record = await broker.queue.record(spec.id)
         assert record is not None and record.status is JobStatus.QUEUED
@@ -769,7 +769,7 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
         ]
         assert tokens == [chunk]
     # preempted its maximum number of times: refused, the holder keeps the job and ends it
-    assert await broker.queue.preempt([lease]) == [False]
+    assert await broker.queue.preempt([lease]) == [Preempted.KEPT]
     record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.RUNNING and record.preemptions == 2
     assert await broker.queue.renew([lease]) == [True]
@@ -778,7 +778,7 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
     assert record is not None and record.status is JobStatus.SUCCEEDED
     assert record.preemptions == 2 and record.deliveries == 1
     # a lost lease preempts nothing
-    assert await broker.queue.preempt([lease]) == [False]
+    assert await broker.queue.preempt([lease]) == [Preempted.KEPT]
     for _ in range(100):  # NATS writes its audit entries off the caller's path
         _, entries = await broker.audit.audit_entries(start, model=MODEL)
         if sum(e.event == "preempted" for e in entries) == 2:
