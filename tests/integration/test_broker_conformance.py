@@ -764,6 +764,7 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
         [lease] = await broker.queue.claim(MODEL, f"w{n + 1}", slots=1, block_s=2.0)
         # resumed as a redelivered job is, not charged a delivery
         assert lease.spec.id == spec.id and lease.resumable and lease.spec.attempt == 0
+        assert lease.preemptions == n  # its next holder knows: one at the bound is not tried
         tokens = [
             e for _, e in await broker.queue.read_events(spec.id) if isinstance(e, TokenChunk)
         ]

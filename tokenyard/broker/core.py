@@ -71,6 +71,9 @@ class Lease(msgspec.Struct, frozen=True):
     resumable: bool = False  # an earlier delivery already streamed events for this job
     # taken as affinity work: its entry lives in the lane's affinity stream, not the lane
     affinity: bool = False
+    # times it was preempted before this delivery (by any worker): one at the bound is not
+    # tried, so a worker that never preempted it does not take it out only to be refused
+    preemptions: int = 0
 
     @property
     def model(self) -> str:

@@ -670,6 +670,7 @@ class Worker:
             and job.priority in self._preemptible
             and (job.job_id, job.handle.entry_id) not in self._spared
             and self._preempted.get(job.job_id, 0) < bound
+            and job.handle.preemptions < bound  # by any worker, before this delivery
         ]
 
     def _outranked(self, running: list[Running]) -> bool:

@@ -174,7 +174,7 @@ class AmqpQueue(LanesOnTable):
         rows = await self.conn.run(call)
         leases: list[Lease] = []
         ended: list[tuple[JobSpec, JobResult | None]] = []
-        for (delivery, job_id, token), (code, spec_bytes, attempt, resumable) in zip(
+        for (delivery, job_id, token), (code, spec_bytes, attempt, resumable, preempted) in zip(
             pending, rows, strict=True
         ):
             if code == 1:
@@ -182,7 +182,13 @@ class AmqpQueue(LanesOnTable):
                 spec.attempt = int(attempt)
                 self.lanes.hold(token, job_id, delivery)
                 leases.append(
-                    Lease(spec=spec, entry_id=token, consumer=consumer, resumable=resumable == 1)
+                    Lease(
+                        spec=spec,
+                        entry_id=token,
+                        consumer=consumer,
+                        resumable=resumable == 1,
+                        preemptions=int(preempted),
+                    )
                 )
                 continue
             await self.lanes.drop(delivery)

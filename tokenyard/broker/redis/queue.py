@@ -268,7 +268,7 @@ class RedisQueue(LanesOnTable):
         return (await self.conn.results_of([call], [reply]))[0]
 
     def _lease(self, consumer: str, row: list[Any]) -> Lease:
-        entry_id, spec_bytes, attempt, resumable, affinity = row
+        entry_id, spec_bytes, attempt, resumable, affinity, preemptions = row
         spec = decode(spec_bytes, JobSpec)
         spec.attempt = int(attempt)
         return Lease(
@@ -277,6 +277,7 @@ class RedisQueue(LanesOnTable):
             consumer=consumer,
             resumable=resumable == 1,
             affinity=affinity == 1,
+            preemptions=int(preemptions),
         )
 
     def _home(self, lease: Lease) -> str:
