@@ -4,42 +4,190 @@ Starts a private Valkey and one in-process worker on the sim engine (every slot 
 batch lane), and measures the time to first token (enqueue to the first token event) of
 sequential high-priority jobs three times: on the idle worker; while --batch jobs saturate
 it, with preemption (the default); and the same load without it (`preempt_lanes` empty:
-a high job waits for a batch job to end). Reports TTFT p50/p99 of each, the loaded/idle
-p99 ratio (goal <= 1.5), and the total tokens/s of the loaded runs, with/without (goal
->= 0.9). Prints one JSON document.
+a high job waits for a batch job to end). Jobs are enqueued as their real producers do: a
+high job as the gateway does (token ids, streamed), a batch job as the Batches API's runner
+does (not streamed: no token events, unless --stream-batch). `--rounds` repeats the three
+runs in turn (a fresh worker each), so a shared machine's load drifts over all three alike,
+and pools each one's samples: the p99 of 40 samples is the largest but one, one stall decides
+it. Reports TTFT p50/p99 of each (pooled, and each round's loaded/idle p99 ratio), the pooled
+loaded/idle p99 ratio (goal <= 1.5), and the total tokens/s of the loaded runs, with/without
+(goal >= 0.9). `--stages` adds where each high job's time went, from timestamps taken on its
+path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
-        [--quick]
+        [--rounds 5] [--stages] [--stream-batch] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import itertools
 import json
 import time
 import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.common import loadavg, percentile
 from tokenyard.broker import Backend, connect, new_job_id
+from tokenyard.broker.core import Lease
 from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.config import BrokerSettings, WorkerSettings
-from tokenyard.engines.sim import SimEngine
+from tokenyard.engines.base import EngineRequest, StepOutput
+from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.messages import Finished, JobSpec, Priority, SamplingParams, TokenChunk
 from tokenyard.worker.worker import Worker
 
 MODEL = "sim-preempt-bench"
+# a high job's path, in order: each stage is the time from the previous mark to its own
+STAGES = (
+    ("enqueued", "enqueue: the producer's call"),
+    ("claimed", "to the worker's claim returning it (its wake-up)"),
+    ("added", "claim to engine.add (preparing it, preempting a victim)"),
+    ("step", "add to the start of its first engine step (the step in flight ends)"),
+    ("engine_out", "that step: its prefill and one decode of the batch"),
+    ("loop_got", "engine delivery to the worker's output loop"),
+    ("appended", "output loop to its token event written (the publish round trip)"),
+    ("seen", "written to the reader's XREAD answering"),
+)
 
 
-def _spec(priority: Priority, prompt: str, max_tokens: int) -> JobSpec:
+class Stages:
+    """Timestamps on one high job's path (--stages): the bench's own marks (enqueue, first
+    token read) and the worker's and engine's, taken by wrapping their methods on this
+    instance only (claim, engine add and delivery, the sim's sleeps, which are its steps,
+    the output loop's read, the event append, the preemption round trip). Marks only the
+    jobs it is told of, first time each; the wrappers cost a dict look-up per call."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, dict[str, float]] = defaultdict(dict)
+        self.sleeps: list[float] = []  # start of each of the engine's sleeps
+        self.preempt_s: list[float] = []  # queue.preempt round trips
+        self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
+        self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
+        self._gc_at = 0.0
+
+    def _collected(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        else:
+            self.gc_s.append(time.perf_counter() - self._gc_at)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """The loop's lag and the collector's pauses while the worker runs: a stall that shows
+        in every stage at once is the process not running (CPU starved, or a collection)."""
+        gc.callbacks.append(self._collected)
+        try:
+            while not stop.is_set():
+                before = time.perf_counter()
+                await asyncio.sleep(0.001)
+                self.lag_s.append(time.perf_counter() - before - 0.001)
+        finally:
+            gc.callbacks.remove(self._collected)
+
+    def mark(self, job_id: str, name: str, at: float | None = None) -> None:
+        marks = self.marks.get(job_id)
+        if marks is not None and name not in marks:
+            marks[name] = time.perf_counter() if at is None else at
+
+    def attach(self, worker: Worker, engine: SimEngine) -> None:
+        queue: Any = worker.queue
+        claim, append, preempt = queue.claim, queue.append_events, queue.preempt
+
+        async def claimed(*args: Any, **kwargs: Any) -> list[Lease]:
+            leases: list[Lease] = await claim(*args, **kwargs)
+            for lease in leases:
+                self.mark(lease.spec.id, "claimed")
+            return leases
+
+        async def appended(events: Sequence[tuple[Lease, Any]]) -> list[bool]:
+            written: list[bool] = await append(events)
+            for lease, _ in events:
+                self.mark(lease.spec.id, "appended")
+            return written
+
+        async def preempted(leases: Sequence[Lease]) -> list[bool]:
+            started = time.perf_counter()
+            taken: list[bool] = await preempt(leases)
+            self.preempt_s.append(time.perf_counter() - started)
+            return taken
+
+        queue.claim, queue.append_events, queue.preempt = claimed, appended, preempted
+        add, deliver, outputs, sleep = engine.add, engine._deliver, engine.outputs, engine._sleep
+
+        def added(request: EngineRequest) -> None:
+            self.mark(request.seq_id, "added")
+            add(request)
+
+        def delivered(outs: list[StepOutput]) -> None:
+            for out in outs:
+                if out.token_ids:
+                    self.mark(out.seq_id, "engine_out")
+            deliver(outs)
+
+        async def got() -> list[StepOutput]:
+            outs = await outputs()
+            for out in outs:
+                if out.token_ids:
+                    self.mark(out.seq_id, "loop_got")
+            return outs
+
+        def slept(seconds: float) -> None:
+            self.sleeps.append(time.perf_counter())
+            sleep(seconds)
+
+        setattr(engine, "add", added)  # noqa: B010 (instance attributes over methods)
+        setattr(engine, "_deliver", delivered)  # noqa: B010
+        setattr(engine, "outputs", got)  # noqa: B010
+        engine._sleep = slept
+
+    def summary(self, job_ids: Sequence[str]) -> dict[str, Any]:
+        """Per stage p50/p99/max in ms over the jobs with every mark."""
+        rows = []
+        for job_id in job_ids:
+            marks = dict(self.marks.get(job_id, {}))
+            added = marks.get("added")
+            if added is not None:  # its first step: the first sleep begun after its add
+                marks["step"] = next((t for t in self.sleeps if t >= added), float("nan"))
+            names = ["sent", *(name for name, _ in STAGES)]
+            if all(name in marks for name in names):
+                rows.append([marks[b] - marks[a] for a, b in itertools.pairwise(names)])
+        out: dict[str, Any] = {"jobs": len(rows)}
+        for i, (name, what) in enumerate(STAGES):
+            values = [row[i] * 1e3 for row in rows if row[i] == row[i]]
+            out[name] = _ms(values) | {"what": what}
+        out["preempt_round_trip"] = _ms([s * 1e3 for s in self.preempt_s])
+        out["gc_pause"] = _ms([s * 1e3 for s in self.gc_s])
+        out["loop_lag"] = _ms([s * 1e3 for s in self.lag_s])
+        out["loop_lags_over_20ms"] = sum(1 for s in self.lag_s if s > 0.02)
+        return out
+
+
+def _ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "max": None}
+    return {
+        "p50": round(percentile(values, 50) or 0.0, 2),
+        "p99": round(percentile(values, 99) or 0.0, 2),
+        "max": round(max(values), 2),
+    }
+
+
+def _spec(priority: Priority, prompt: str, max_tokens: int, stream: bool = True) -> JobSpec:
+    """A job as the gateway enqueues one: its prompt's token ids with it; `stream` False for
+    a batch line (the Batches API's runner reads only results: no token events)."""
     return JobSpec(
         id=new_job_id(MODEL),
         model=MODEL,
         prompt=prompt,
+        prompt_token_ids=SimTokenizer().encode(prompt),
         priority=priority,
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         created_at=time.time(),
+        stream=stream,
     )
 
 
@@ -61,20 +209,30 @@ async def _done(broker: Backend, job_id: str) -> None:
                 return
 
 
-async def _ttfts(broker: Backend, n: int, tokens: int, gap_s: float) -> list[float]:
-    out = []
+async def _ttfts(
+    broker: Backend, n: int, tokens: int, gap_s: float, stages: Stages | None = None
+) -> tuple[list[float], list[str]]:
+    out, ids = [], []
+    mark: Callable[[str, str], None] = stages.mark if stages is not None else lambda _a, _b: None
     for i in range(n):
         job = _spec(Priority.HIGH, f"urgent {i} {uuid.uuid4().hex[:6]}", tokens)
+        if stages is not None:
+            stages.marks[job.id] = {}
         started = time.perf_counter()
+        mark(job.id, "sent")
         await broker.queue.enqueue(job)
+        mark(job.id, "enqueued")
         await _first_token(broker, job.id)
+        mark(job.id, "seen")
         out.append(time.perf_counter() - started)
+        ids.append(job.id)
         await _done(broker, job.id)
         await asyncio.sleep(gap_s)
-    return out
+    return out, ids
 
 
 async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) -> dict[str, Any]:
+    """One run on a fresh worker: its TTFT samples, tokens, seconds, preemptions."""
     settings = BrokerSettings(url=url, prefix=f"pb{uuid.uuid4().hex[:8]}")
     broker = connect(settings)
     worker_broker = connect(settings)
@@ -89,7 +247,13 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             batch_share=1.0,  # the batch lane may take every slot: the load saturates
             preempt_lanes="normal,low,batch" if preempt else "",
         ),
+        freeze_heap=True,  # as `tokenyard worker` runs it (worker/run.py)
     )
+    stages = Stages() if args.stages else None
+    stop = asyncio.Event()
+    if stages is not None:
+        stages.attach(worker, engine)
+        watching = asyncio.create_task(stages.watch(stop))
     task = asyncio.create_task(worker.run())
     try:
         await _ttfts(broker, 3, args.high_tokens, 0.0)  # warm-up
@@ -97,50 +261,80 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
         started = time.perf_counter()
         if load:
             batch = [
-                _spec(Priority.BATCH, f"batch {i}", args.batch_tokens) for i in range(args.batch)
+                _spec(Priority.BATCH, f"batch {i}", args.batch_tokens, args.stream_batch)
+                for i in range(args.batch)
             ]
             await broker.queue.enqueue_many(batch)
             while worker.scheduler.running < args.max_seqs:
                 await asyncio.sleep(0.005)
-        ttft = await _ttfts(broker, args.high, args.high_tokens, args.gap_s)
+        ttft, ids = await _ttfts(broker, args.high, args.high_tokens, args.gap_s, stages)
         saturated = worker.scheduler.running >= args.max_seqs - 1 if load else None
         await asyncio.gather(*(_done(broker, job.id) for job in batch))
         took = time.perf_counter() - started
         tokens = len(batch) * args.batch_tokens + args.high * args.high_tokens
         records = await broker.queue.records([job.id for job in batch])
         return {
-            "ttft_s": {
-                "count": len(ttft),
-                "p50": percentile(ttft, 50),
-                "p99": percentile(ttft, 99),
-            },
-            "seconds": round(took, 3),
-            "tokens_per_s": round(tokens / took, 1),
+            "ttft": ttft,
+            "seconds": took,
+            "tokens": tokens,
             "preemptions": sum(r.preemptions for r in records if r is not None),
             "still_saturated_after_high_jobs": saturated,
+            "stages": stages.summary(ids) if stages is not None else None,
         }
     finally:
+        stop.set()
+        if stages is not None:
+            await watching
         worker.drain()
         await asyncio.wait_for(task, 60)
         await broker.close()
         await worker_broker.close()
 
 
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' runs of one kind as one: TTFT samples pooled, tokens over seconds."""
+    ttft = [t for run in runs for t in run["ttft"]]
+    seconds = sum(run["seconds"] for run in runs)
+    saturated = [run["still_saturated_after_high_jobs"] for run in runs]
+    pooled: dict[str, Any] = {
+        "ttft_s": {"count": len(ttft), "p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(sum(run["tokens"] for run in runs) / seconds, 1),
+        "preemptions": sum(run["preemptions"] for run in runs),
+        "still_saturated_after_high_jobs": None if saturated[0] is None else all(saturated),
+    }
+    if runs[0]["stages"] is not None:
+        pooled["stages_ms"] = [run["stages"] for run in runs]
+    return pooled
+
+
+def _p99(run: dict[str, Any]) -> float:
+    return percentile(run["ttft"], 99) or 0.0
+
+
 async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    idle = await _phase(url, args, load=False, preempt=True)
-    with_preemption = await _phase(url, args, load=True, preempt=True)
-    without = await _phase(url, args, load=True, preempt=False)
-    p99 = idle["ttft_s"]["p99"]
+    idle: list[dict[str, Any]] = []
+    loaded: list[dict[str, Any]] = []
+    without: list[dict[str, Any]] = []
+    for _ in range(args.rounds):  # in turn: the machine's load drifts over all three alike
+        idle.append(await _phase(url, args, load=False, preempt=True))
+        loaded.append(await _phase(url, args, load=True, preempt=True))
+        without.append(await _phase(url, args, load=True, preempt=False))
+    pooled_idle, pooled_loaded, pooled_without = _pooled(idle), _pooled(loaded), _pooled(without)
+    p99 = pooled_idle["ttft_s"]["p99"]
     return {
         "benchmark": "preemption",
-        "idle": idle,
-        "loaded_with_preemption": with_preemption,
-        "loaded_without_preemption": without,
-        "ttft_p99_ratio_loaded_vs_idle": round(with_preemption["ttft_s"]["p99"] / p99, 3),
-        "ttft_p99_ratio_without_preemption": round(without["ttft_s"]["p99"] / p99, 3),
+        "idle": pooled_idle,
+        "loaded_with_preemption": pooled_loaded,
+        "loaded_without_preemption": pooled_without,
+        "ttft_p99_ratio_loaded_vs_idle": round(pooled_loaded["ttft_s"]["p99"] / p99, 3),
+        "ttft_p99_ratio_without_preemption": round(pooled_without["ttft_s"]["p99"] / p99, 3),
         "goal_ttft_p99_ratio_max": 1.5,
+        "ttft_p99_ratio_per_round": [
+            round(_p99(a) / _p99(b), 3) for a, b in zip(loaded, idle, strict=True)
+        ],
         "tokens_per_s_ratio_vs_without": round(
-            with_preemption["tokens_per_s"] / without["tokens_per_s"], 3
+            pooled_loaded["tokens_per_s"] / pooled_without["tokens_per_s"], 3
         ),
         "goal_tokens_per_s_ratio_min": 0.9,
         "settings": vars(args),
@@ -158,10 +352,20 @@ def main() -> None:
     parser.add_argument("--max-seqs", type=int, default=16)
     parser.add_argument("--step-s", type=float, default=0.005, help="sim decode step, base")
     parser.add_argument("--step-per-seq-s", type=float, default=1e-4)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="idle, loaded and unpreempted runs, in turn"
+    )
+    parser.add_argument(
+        "--stream-batch",
+        action="store_true",
+        help="batch jobs write token events each step (the Batches API's do not)",
+    )
+    parser.add_argument("--stages", action="store_true", help="where the high jobs' time went")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.batch_tokens, args.high, args.max_seqs = 16, 120, 10, 4
+        args.rounds = 1
     with EmbeddedServer() as valkey:
         report = asyncio.run(run(valkey.url, args))
     print(json.dumps(report, indent=2))

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import BACKENDS, REDIS_KINDS, BackendFactory
 from tokenyard.broker import Backend, admin, new_job_id
-from tokenyard.broker.core import CancelOutcome, Lease, QueueCore, Trait
+from tokenyard.broker.core import CancelOutcome, Lease, Preempted, QueueCore, Trait
 from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.broker.redis import connection_of
 from tokenyard.broker.tables import Settlement
@@ -756,7 +756,7 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
     chunk = TokenChunk(token_ids=[5], text="a")
     assert await broker.queue.append_events([(lease, chunk)]) == [True]
     for n in (1, 2):
-        assert await broker.queue.preempt([lease]) == [True]
+        assert await broker.queue.preempt([lease]) == [Preempted.PREEMPTED]
         assert not await broker.queue.complete(lease, ok(lease))  # the old holder is fenced
         record = await broker.queue.record(spec.id)
         assert record is not None and record.status is JobStatus.QUEUED
@@ -764,12 +764,13 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
         [lease] = await broker.queue.claim(MODEL, f"w{n + 1}", slots=1, block_s=2.0)
         # resumed as a redelivered job is, not charged a delivery
         assert lease.spec.id == spec.id and lease.resumable and lease.spec.attempt == 0
+        assert lease.preemptions == n  # its next holder knows: one at the bound is not tried
         tokens = [
             e for _, e in await broker.queue.read_events(spec.id) if isinstance(e, TokenChunk)
         ]
         assert tokens == [chunk]
     # preempted its maximum number of times: refused, the holder keeps the job and ends it
-    assert await broker.queue.preempt([lease]) == [False]
+    assert await broker.queue.preempt([lease]) == [Preempted.KEPT]
     record = await broker.queue.record(spec.id)
     assert record is not None and record.status is JobStatus.RUNNING and record.preemptions == 2
     assert await broker.queue.renew([lease]) == [True]
@@ -778,7 +779,7 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
     assert record is not None and record.status is JobStatus.SUCCEEDED
     assert record.preemptions == 2 and record.deliveries == 1
     # a lost lease preempts nothing
-    assert await broker.queue.preempt([lease]) == [False]
+    assert await broker.queue.preempt([lease]) == [Preempted.KEPT]
     for _ in range(100):  # NATS writes its audit entries off the caller's path
         _, entries = await broker.audit.audit_entries(start, model=MODEL)
         if sum(e.event == "preempted" for e in entries) == 2:
@@ -790,6 +791,31 @@ async def test_a_preempted_job_is_requeued_counted_resumable_and_bounded(
         "preempted",
         "terminal",
     ]
+
+
+async def test_a_victim_cancelled_meanwhile_ends_cancelled_and_is_not_counted_preempted(
+    make_backend: BackendFactory,
+) -> None:
+    """A preemption of a job whose client asked to cancel while it ran ends it cancelled: the
+    answer says so (its holder counts no preemption), its record and the audit trail none."""
+    broker = make_backend()
+    start = time.time() - 1
+    spec = job(priority=Priority.BATCH)
+    await broker.queue.enqueue(spec)
+    [lease] = await broker.queue.claim(MODEL, "w1", slots=1)
+    assert await broker.queue.cancel(spec.id) is CancelOutcome.SIGNALLED
+    assert await broker.queue.preempt([lease]) == [Preempted.CANCELLED]
+    record = await broker.queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.CANCELLED
+    assert record.preemptions == 0
+    assert await broker.queue.claim(MODEL, "w2", slots=1) == []  # not back in its lane
+    for _ in range(100):  # NATS writes its audit entries off the caller's path
+        _, entries = await broker.audit.audit_entries(start, model=MODEL)
+        if any(e.event == "terminal" for e in entries if e.job_id == spec.id):
+            break
+        await asyncio.sleep(0.02)
+    events = [e.event for e in entries if e.job_id == spec.id]
+    assert "terminal" in events and "preempted" not in events
 
 
 async def test_worker_heartbeats_lapse(make_backend: BackendFactory) -> None:

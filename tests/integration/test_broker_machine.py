@@ -119,7 +119,8 @@ async def step(queue: QueueCore, model: Model, rng: random.Random, log: list[str
             want = isinstance(outcome, Step) and any(isinstance(e, Finish) for e in outcome.effects)
     elif op == "preempt":
         outcome = machine.preempt(held, consumer, now, RULES)
-        [answer] = await queue.preempt([lease])
+        [how] = await queue.preempt([lease])
+        answer = bool(how)  # the holder lets the job go (preempted, or ended cancelled)
         want = isinstance(outcome, Step)
     elif op == "release":
         outcome = machine.release(held, consumer, now)

@@ -226,3 +226,31 @@ async def test_normal_work_yields_to_high_work_the_lanes_report_waiting(
     assert all(r is not None and not r.status.terminal for r in done)  # it did not wait for one
     records = await check_batch(broker, normal)
     assert sum(r.preemptions for r in records) >= 1
+
+
+async def test_a_job_another_worker_preempted_to_its_bound_is_not_taken_out_here(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    """The bound travels with the lease: a worker that never preempted a job, claiming it
+    after another worker preempted it its maximum number of times, does not take it out of
+    its engine only to be refused (the job would then wait here for a free slot)."""
+    broker = make_backend(lease_s=5.0, max_preemptions=1)
+    batch = [spec(Priority.BATCH, f"batch {i}", BATCH_TOKENS) for i in range(SLOTS)]
+    await broker.queue.enqueue_many(batch)
+    leases = []
+    give_up = time.monotonic() + 10
+    while len(leases) < SLOTS:  # another worker holds them, then preempts each once
+        assert time.monotonic() < give_up, "the batch jobs were not claimed"
+        leases += await broker.queue.claim(MODEL, "other", SLOTS - len(leases), block_s=0.2)
+    assert all(await broker.queue.preempt(leases))
+    engine = StepClock()
+    worker = worker_on(broker, engine)
+    await until(lambda: worker.scheduler.running == SLOTS)
+    assert all(job.handle.preemptions == 1 for job in worker.scheduler.running_jobs())
+    urgent = spec(Priority.HIGH, "urgent", 2)
+    await broker.queue.enqueue(urgent)
+    assert (await finished(broker, urgent.id)).status is JobStatus.SUCCEEDED
+    records = await check_batch(broker, batch)
+    assert all(r.preemptions == 1 for r in records)
+    assert not any(engine.aborts.get(job.id) for job in batch)  # none left the engine here
+    assert worker.metrics.preemptions._value.get() == 0

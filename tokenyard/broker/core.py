@@ -71,6 +71,9 @@ class Lease(msgspec.Struct, frozen=True):
     resumable: bool = False  # an earlier delivery already streamed events for this job
     # taken as affinity work: its entry lives in the lane's affinity stream, not the lane
     affinity: bool = False
+    # times it was preempted before this delivery (by any worker): one at the bound is not
+    # tried, so a worker that never preempted it does not take it out only to be refused
+    preemptions: int = 0
 
     @property
     def model(self) -> str:
@@ -84,6 +87,23 @@ class Lease(msgspec.Struct, frozen=True):
 class ReapReport(msgspec.Struct, frozen=True):
     requeued: list[str]
     dead: list[str]
+
+
+class Preempted(enum.IntEnum):
+    """What `Leases.preempt` did with one job. Falsy only when its holder keeps the job (so
+    `bool` of it is the old answer: whether the holder must let the job go)."""
+
+    KEPT = 0  # refused (preempted `max_preemptions` times) or the lease was lost
+    PREEMPTED = 1  # back in its lane, counted in its record and audited
+    CANCELLED = 2  # its client asked to cancel meanwhile: it ended cancelled, no preemption
+
+
+def preempted_of(code: int) -> Preempted:
+    """A hand-back script's code (release.lua, requeue.lua: 1 released, 2 cancelled, 3
+    preempted too often, 0 no longer ours) as what the preemption did."""
+    if code == 1:
+        return Preempted.PREEMPTED
+    return Preempted.CANCELLED if code == 2 else Preempted.KEPT
 
 
 class CancelOutcome(enum.StrEnum):
@@ -198,11 +218,12 @@ class Leases(Protocol):
         """Hand jobs back for immediate redelivery (drain); returns how many were still ours."""
         ...
 
-    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+    async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         """Hand running jobs back for higher-priority work (machine.preempt): a release that
         is counted in each job's record and audited; their streamed tokens stay, so the next
-        holder resumes after them. False where the lease was lost or the job was preempted
-        `max_preemptions` times already (then its holder runs it to its end)."""
+        holder resumes after them. KEPT where the lease was lost or the job was preempted
+        `max_preemptions` times already (then its holder runs it to its end); CANCELLED where
+        its client asked to cancel meanwhile (it ended so, neither counted nor audited)."""
         ...
 
     async def beat(self, model: str, consumer: str) -> None:

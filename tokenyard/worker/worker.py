@@ -21,7 +21,7 @@ from typing import Protocol
 import msgspec
 
 from tokenyard import heap
-from tokenyard.broker.core import Cancellation, Events, LaneCounts, Lease, Leases
+from tokenyard.broker.core import Cancellation, Events, LaneCounts, Lease, Leases, Preempted
 from tokenyard.broker.policy import beat_period, beating_since, may_reap, pools_served
 from tokenyard.broker.tables import Directory, Quotas, WorkerRegistry
 from tokenyard.config import BrokerSettings, WorkerSettings
@@ -670,6 +670,7 @@ class Worker:
             and job.priority in self._preemptible
             and (job.job_id, job.handle.entry_id) not in self._spared
             and self._preempted.get(job.job_id, 0) < bound
+            and job.handle.preemptions < bound  # by any worker, before this delivery
         ]
 
     def _outranked(self, running: list[Running]) -> bool:
@@ -759,12 +760,19 @@ class Worker:
                 taken = await self.queue.preempt([job.handle for job in victims])
         except Exception:
             log.exception("preempting %d jobs failed; they run on here", len(victims))
-            taken = [False] * len(victims)
-        for job, ours in zip(victims, taken, strict=True):
+            taken = [Preempted.KEPT] * len(victims)
+        for job, how in zip(victims, taken, strict=True):
             spec = job.handle.spec
-            if not ours:  # preempted its maximum number of times (or lost): it runs on
+            if not how:  # preempted its maximum number of times (or lost): it runs on
                 self._spared.add((job.job_id, job.handle.entry_id))
                 self.scheduler.offer(job)  # from its tokens, at the next free slot
+                continue
+            if how is Preempted.CANCELLED:  # its client left meanwhile: it ended, not preempted
+                log.info(
+                    "%s was cancelled as it was preempted",
+                    job.job_id,
+                    extra=job_fields(spec.id, spec.trace_context),
+                )
                 continue
             self.metrics.preemptions.inc()
             self._preempted[job.job_id] = self._preempted.pop(job.job_id, 0) + 1

@@ -32,8 +32,10 @@ from tokenyard.broker.core import (
     CancelOutcome,
     EnqueueResult,
     Lease,
+    Preempted,
     ReapReport,
     admitted,
+    preempted_of,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
@@ -190,7 +192,7 @@ class AmqpQueue(LanesOnTable):
         rows = await self.conn.run(call)
         leases: list[Lease] = []
         ended: list[tuple[JobSpec, JobResult | None]] = []
-        for (delivery, job_id, token), (code, spec_bytes, attempt, resumable) in zip(
+        for (delivery, job_id, token), (code, spec_bytes, attempt, resumable, preempted) in zip(
             pending, rows, strict=True
         ):
             if code == 1:
@@ -206,6 +208,7 @@ class AmqpQueue(LanesOnTable):
                         consumer=consumer,
                         resumable=resumable == 1,
                         affinity=self.affinity.affine(model, delivery),
+                        preemptions=int(preempted),
                     )
                 )
                 continue
@@ -278,7 +281,7 @@ class AmqpQueue(LanesOnTable):
         """Hand jobs back (drain): a new message each, then the records point at it, uncharged."""
         return sum(1 for code in await self._hand_back(leases, -1) if code)
 
-    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+    async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         """`release`, counted and bounded (requeue.lua). The new message goes to the back of
         its lane's queue (RabbitMQ has no insert at the head): a preempted job runs after the
         jobs already waiting in its lane. One refused keeps its lease and its delivery."""
@@ -291,7 +294,7 @@ class AmqpQueue(LanesOnTable):
         if appends:
             replies = await self.conn.pipelined(appends)
             self.table.audit.written(entries, replies)
-        return [code in (1, 2) for code in codes]
+        return [preempted_of(code) for code in codes]
 
     async def _hand_back(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         if not leases:

@@ -388,6 +388,7 @@ class Claims(Part):
             consumer=job.worker or "",
             resumable=resumable,
             affinity=job.affinity,
+            preemptions=job.preemptions,
         )
 
     async def _fence_events(self, job_id: str, delivery: int) -> tuple[int, bool, JobResult | None]:

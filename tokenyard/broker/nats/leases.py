@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import nats.js.errors
 
 from tokenyard.broker import audit, machine
-from tokenyard.broker.core import Lease, ReapReport
+from tokenyard.broker.core import Lease, Preempted, ReapReport
 from tokenyard.broker.machine import Step
 from tokenyard.broker.nats.connection import kv_change, kv_entry, sent
 from tokenyard.broker.nats.endings import Endings
@@ -258,18 +258,18 @@ class Leases(Part):
 
     async def release(self, leases: Sequence[Lease]) -> int:
         """Hand jobs back at once, charging no delivery; an affinity job goes to its lane."""
-        return sum(await self.hand_back(leases, preempt=False))
+        return sum(1 for done in await self.hand_back(leases, preempt=False) if done)
 
-    async def hand_back(self, leases: Sequence[Lease], preempt: bool) -> list[bool]:
+    async def hand_back(self, leases: Sequence[Lease], preempt: bool) -> list[Preempted]:
         """`release`, or with `preempt` a preemption (machine.preempt: counted, refused past
         the bound). The message is NAKed, not replaced: JetStream redelivers it ahead of newer
         messages, so the job keeps its place in its tenant's subject (an affinity job goes to
-        the back of it, as a release's does)."""
+        the back of it, as a release's does). A release's handed back job reads PREEMPTED."""
 
-        async def one(lease: Lease) -> bool:
+        async def one(lease: Lease) -> Preempted:
             found = await self._ours(lease)
             if found is None:
-                return False
+                return Preempted.KEPT
             job, revision = found
             now = self.clock()
             if preempt:
@@ -277,28 +277,32 @@ class Leases(Part):
             else:
                 step = machine.release(job.state(), lease.consumer, now)
             if not isinstance(step, Step):
-                return False
+                return Preempted.KEPT
             if step.ended:  # a client asked to cancel it: it ends here
                 holding = self.store.holding.get(lease.entry_id)
                 expect = None if holding is None else holding.last_seq
                 if not await self.endings.ended(job, revision, step, expect):
-                    return False
+                    return Preempted.KEPT
                 self.store.holding.pop(lease.entry_id, None)
                 await self.store.ack(lease.entry_id)
-                return True
+                return Preempted.CANCELLED
             job.take_on(step.state)
             if lease.affinity:
-                return await self._requeue(job, revision, lease.entry_id)
+                back = await self._requeue(job, revision, lease.entry_id)
+                return Preempted.PREEMPTED if back else Preempted.KEPT
             if await self.store.cas(job, revision) is None:
-                return False
+                return Preempted.KEPT
             self.store.holding.pop(lease.entry_id, None)
             await self.store.ack(lease.entry_id, b"-NAK")
-            return True
+            return Preempted.PREEMPTED
 
         released = list(await asyncio.gather(*(one(lease) for lease in leases)))
         if preempt:
             now = self.clock()
-            moved = [x for x, ok in zip(leases, released, strict=True) if ok]
+            # a job its client cancelled meanwhile ended: no preemption to audit
+            moved = [
+                x for x, how in zip(leases, released, strict=True) if how is Preempted.PREEMPTED
+            ]
             self.store.audit.append_soon([audit.preempted(x.spec, now) for x in moved])
         for lease in leases:
             spec = lease.spec

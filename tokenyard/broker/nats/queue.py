@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenyard.broker.core import EnqueueResult, Lease, ReapReport
+from tokenyard.broker.core import EnqueueResult, Lease, Preempted, ReapReport
 from tokenyard.broker.lanes import Claim, Front
 from tokenyard.broker.nats.claims import Claims
 from tokenyard.broker.nats.endings import Endings
@@ -91,7 +91,7 @@ class NatsQueue(Front):
     async def release(self, leases: Sequence[Lease]) -> int:
         return await self.leases.release(leases)
 
-    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+    async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         return await self.leases.hand_back(leases, preempt=True)
 
     async def beat(self, model: str, consumer: str) -> None:

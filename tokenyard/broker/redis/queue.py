@@ -16,8 +16,10 @@ from tokenyard.broker import audit
 from tokenyard.broker.core import (
     EnqueueResult,
     Lease,
+    Preempted,
     ReapReport,
     admitted,
+    preempted_of,
 )
 from tokenyard.broker.lanes import Claim, LanesOnTable
 from tokenyard.broker.machine import lapsed_error
@@ -266,7 +268,7 @@ class RedisQueue(LanesOnTable):
         return (await self.conn.results_of([call], [reply]))[0]
 
     def _lease(self, consumer: str, row: list[Any]) -> Lease:
-        entry_id, spec_bytes, attempt, resumable, affinity = row
+        entry_id, spec_bytes, attempt, resumable, affinity, preemptions = row
         spec = decode(spec_bytes, JobSpec)
         spec.attempt = int(attempt)
         return Lease(
@@ -275,6 +277,7 @@ class RedisQueue(LanesOnTable):
             consumer=consumer,
             resumable=resumable == 1,
             affinity=affinity == 1,
+            preemptions=int(preemptions),
         )
 
     def _home(self, lease: Lease) -> str:
@@ -383,7 +386,7 @@ class RedisQueue(LanesOnTable):
         codes = await self._release(leases, -1)
         return sum(1 for code in codes if code)
 
-    async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
+    async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         codes = await self._release(leases, self.settings.max_preemptions)
         now = self.clock()
         entries = [
@@ -393,7 +396,7 @@ class RedisQueue(LanesOnTable):
         if appends:
             replies = await self.conn.pipelined(appends)
             self.table.audit.written(entries, replies)
-        return [code in (1, 2) for code in codes]
+        return [preempted_of(code) for code in codes]
 
     async def _release(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         """release.lua's codes: 1 released, 2 cancelled, 3 preempted too often, 0 lost."""

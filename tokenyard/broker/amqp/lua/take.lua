@@ -10,20 +10,20 @@
 -- key makes this worker its owner, unless another live worker owns it (lib/affinity.lua).
 -- A job redelivered after its holder's connection died ends cancelled if a client asked to
 -- cancel it meanwhile (`cancelled`: Finished(cancelled result)).
--- Returns per item {code, spec, attempt, resumable}: code 1 leased, 0 stale, 2 expired, 3 dead,
--- 4 cancelled.
+-- Returns per item {code, spec, attempt, resumable, preemptions}: code 1 leased, 0 stale,
+-- 2 expired, 3 dead, 4 cancelled.
 local now = tonumber(A.now)
 local out = {}
 for i = 1, N do
   local k, a = item(i)
   local h = redis.call('HMGET', k.job, 'status', 'spec', 'msg', 'deadline', 'deliveries',
-    'start_at', 'cancel', 'pref', 'pfx')
+    'start_at', 'cancel', 'pref', 'pfx', 'preempted')
   if (h[1] ~= 'queued' and h[1] ~= 'running') or h[3] ~= a.msg then
     -- a held job that ended while it waited (cancelled): its owner need not look for it
     if h[1] and h[8] and h[1] ~= 'queued' and h[1] ~= 'running' then
       redis.call('ZREM', a.affw_prefix .. h[8], a.job_id)
     end
-    out[i] = {0, '', 0, 0}
+    out[i] = {0, '', 0, 0, 0}
   else
     redis.call('ZREM', k.waiting, a.job_id)
     redis.call('ZREM', K.delayed, a.job_id)
@@ -35,12 +35,12 @@ for i = 1, N do
     if h[1] == 'queued' and h[4] and h[4] ~= '' and tonumber(h[4]) < now then
       finish(k.job, k.events, nil, a.job_id, 'expired', A.expired_event, A.now, A.ttl_ms, '')
       redis.call('HINCRBY', K.counters, 'expired', 1)
-      out[i] = {2, h[2], 0, 0}
+      out[i] = {2, h[2], 0, 0, 0}
     elseif h[7] == '1' then
       redis.call('ZREM', k.leases, a.job_id)
       redis.call('HSET', k.job, 'lease', '')
       finish(k.job, k.events, K.cancels, a.job_id, 'cancelled', A.cancelled, A.now, A.ttl_ms, '')
-      out[i] = {4, h[2], 0, 0}
+      out[i] = {4, h[2], 0, 0, 0}
     elseif deliveries >= tonumber(A.max_deliveries) then
       -- redelivered after each holder's connection died (RabbitMQ requeued it)
       redis.call('ZREM', k.leases, a.job_id)
@@ -48,7 +48,7 @@ for i = 1, N do
       finish(k.job, k.events, K.cancels, a.job_id, 'dead', A.dead_event, A.now, A.ttl_ms, '')
       bury(K.dlq, K.counters, a.job_id, a.priority, 'lease_expired', A.dead_error, deliveries,
         A.now)
-      out[i] = {3, h[2], 0, 0}
+      out[i] = {3, h[2], 0, 0, 0}
     else
       redis.call('HSET', k.job, 'status', 'running', 'start_at', A.now, 'worker', A.consumer,
         'deliveries', deliveries + 1, 'lease', a.token)
@@ -59,7 +59,7 @@ for i = 1, N do
       -- only a job started before can have streamed events (only a lease holder appends)
       local resumable = 0
       if h[6] then resumable = redis.call('EXISTS', k.events) end
-      out[i] = {1, h[2], deliveries, resumable}
+      out[i] = {1, h[2], deliveries, resumable, tonumber(h[10] or '0')}
     end
   end
 end

@@ -18,7 +18,7 @@
 -- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
 -- cache holds it, and it moves at once when the owner is gone.
 -- Returns {claimed, last_ids, next_due, wake_id, expired, drained}:
--- claimed = {{entry_id, spec, attempt, resumable, affinity}}; expired = the specs of the jobs
+-- claimed = {{entry_id, spec, attempt, resumable, affinity, preemptions}}; expired = the specs of the jobs
 -- this claim found past their deadline and ended (the caller writes their audit entries).
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
@@ -97,7 +97,7 @@ local function take(stream, entries, capped, affinity)
     local eid, jid = entry[1], entry[2][2]
     local jk = A.job_prefix .. jid
     local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries', 'pfx',
-      'start_at')
+      'start_at', 'preempted')
     if (not h[1]) or terminal[h[1]] then
       -- cancelled while waiting, or its record is gone: nothing to run
       redis.call('XACK', stream, group, eid)
@@ -121,7 +121,8 @@ local function take(stream, entries, capped, affinity)
       -- holder appends, and a job that ended is skipped above
       local resumable = 0
       if h[6] then resumable = redis.call('EXISTS', A.event_prefix .. jid) end
-      claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity}
+      claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity,
+        tonumber(h[7] or '0')}
       remaining = remaining - 1
       if capped then capped_left = capped_left - 1 end
     end
