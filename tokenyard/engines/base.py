@@ -85,6 +85,19 @@ class StepOutput(msgspec.Struct):
     prompt_logprobs: list[PromptLogprob] | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChatRender:
+    """A conversation and the switches to render it with (`apply_chat_template`'s arguments);
+    `tools` None when there are none, `variables` the template's own."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None
+    variables: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template: str | None
+
+
 class EngineTokenizer(Protocol):
     """The tokenizer surface the rest of tokenyard relies on."""
 
@@ -135,6 +148,20 @@ class EngineTokenizer(Protocol):
         template's own (`enable_thinking`, `reasoning_effort`: vLLM's
         `chat_template_kwargs`); the switches are vLLM's: the assistant's turn opened, the last
         message left open, another template (jinja)."""
+        # one signature for every tokenizer: they render a `ChatRender`, which holds it whole
+        return self.render_chat(
+            ChatRender(
+                messages=messages,
+                tools=tools or None,
+                variables=dict(variables or {}),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            )
+        )
+
+    def render_chat(self, chat: ChatRender) -> str:
+        """The prompt of `apply_chat_template`'s conversation (what each tokenizer writes)."""
         ...
 
     @property

@@ -5,17 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenyard.engines.base import ChatRender, EngineTokenizer
 from tokenyard.engines.models import local_model
 from tokenyard.engines.tiny import ensure_tiny_model
 
 
-class HFTokenizer:
+class HFTokenizer(EngineTokenizer):
     """Adapts a transformers tokenizer to the EngineTokenizer protocol; safe across threads."""
 
     def __init__(
@@ -173,25 +173,16 @@ class HFTokenizer:
             self._texts[token_id] = text
         return text
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        variables: Mapping[str, Any] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-    ) -> str:
+    def render_chat(self, chat: ChatRender) -> str:
         with self._lock:
             out = self.hf.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
+                [dict(m) for m in chat.messages],
+                tools=[dict(t) for t in chat.tools] if chat.tools else None,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=chat_template,
-                **dict(variables or {}),
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                chat_template=chat.chat_template,
+                **chat.variables,
             )
         assert isinstance(out, str)
         return out
