@@ -258,13 +258,9 @@ class AmqpQueue(LanesOnTable):
         jobs already waiting in its lane. One refused keeps its lease and its delivery."""
         codes = await self._hand_back(leases, self.settings.max_preemptions)
         now = self.clock()
-        entries = [
-            audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1
-        ]
-        appends = self.table.audit.appends(entries)
-        if appends:
-            replies = await self.conn.pipelined(appends)
-            self.table.audit.written(entries, replies)
+        await self.table.audit.write(
+            [audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1]
+        )
         return [code in (1, 2) for code in codes]
 
     async def _hand_back(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:

@@ -386,13 +386,9 @@ class RedisQueue(LanesOnTable):
     async def preempt(self, leases: Sequence[Lease]) -> list[bool]:
         codes = await self._release(leases, self.settings.max_preemptions)
         now = self.clock()
-        entries = [
-            audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1
-        ]
-        appends = self.table.audit.appends(entries)
-        if appends:
-            replies = await self.conn.pipelined(appends)
-            self.table.audit.written(entries, replies)
+        await self.table.audit.write(
+            [audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1]
+        )
         return [code in (1, 2) for code in codes]
 
     async def _release(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:

@@ -262,6 +262,14 @@ class RedisAudit(Audit, Mirrored):
             self._hold(entries, ids)
         return ids
 
+    async def write(self, entries: Sequence[AuditEntry]) -> list[str | None]:
+        """`entries` in their own round trip, after the state change they record (one that
+        needs no script: a preemption's requeue); each entry's stream id as `written`'s."""
+        appends = self.appends(entries)
+        if not appends:
+            return [None] * len(entries)
+        return self.written(entries, await self.conn.pipelined(appends))
+
     async def take_back(self, ids: Sequence[str | None]) -> None:
         """Delete entries whose state change did not happen (a fenced completion, a job that
         was not created): rare paths, so the extra round trip stays off the hot one."""
