@@ -257,11 +257,7 @@ class AmqpQueue(LanesOnTable):
         its lane's queue (RabbitMQ has no insert at the head): a preempted job runs after the
         jobs already waiting in its lane. One refused keeps its lease and its delivery."""
         codes = await self._hand_back(leases, self.settings.max_preemptions)
-        now = self.clock()
-        await self.table.audit.write(
-            [audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1]
-        )
-        return [code in (1, 2) for code in codes]
+        return await self.table.preempted(leases, codes)
 
     async def _hand_back(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         if not leases:
