@@ -29,12 +29,13 @@ from tokenyard.broker.amqp.ledger import Ledger
 from tokenyard.broker.amqp.names import Names
 from tokenyard.broker.core import (
     CancelOutcome,
+    Claim,
     EnqueueResult,
     Lease,
     ReapReport,
     admitted,
 )
-from tokenyard.broker.lanes import Claim, LanesOnTable
+from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, stamp_by_model
 from tokenyard.broker.redis.connection import text as as_text

@@ -18,8 +18,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from tokenyard.broker import machine
-from tokenyard.broker.core import Lease
-from tokenyard.broker.lanes import Claim
+from tokenyard.broker.core import Claim, Lease
 from tokenyard.broker.machine import Refused, Step
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings

@@ -14,12 +14,13 @@ from typing import Any, NamedTuple
 
 from tokenyard.broker import audit
 from tokenyard.broker.core import (
+    Claim,
     EnqueueResult,
     Lease,
     ReapReport,
     admitted,
 )
-from tokenyard.broker.lanes import Claim, LanesOnTable
+from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
