@@ -125,6 +125,11 @@ class EngineTokenizer(Protocol):
         spaces_between_special_tokens: bool = True,
     ) -> str:
         """Text of token ids, with vLLM's detokenization switches."""
+        # one signature for every tokenizer: each writes `text_of`
+        return self.text_of(list(ids), skip_special_tokens, spaces_between_special_tokens)
+
+    def text_of(self, ids: list[int], skip_special: bool, spaces_between_special: bool) -> str:
+        """`decode`'s text (what each tokenizer writes)."""
         ...
 
     def token_text(self, token_id: int) -> str:

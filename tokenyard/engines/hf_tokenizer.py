@@ -127,19 +127,12 @@ class HFTokenizer(EngineTokenizer):
             out = self.hf.convert_ids_to_tokens(list(ids))
         return [str(p) for p in out]
 
-    def decode(
-        self,
-        ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> str:
-        """The text of token ids. `spaces_between_special_tokens` False: a special token right
+    def text_of(self, ids: list[int], skip_special: bool, spaces_between_special: bool) -> str:
+        """The text of token ids. `spaces_between_special` False: a special token right
         after another is its bare text, without any space the decoder would put before it
         (vLLM's rule for fast tokenizers)."""
-        ids = list(ids)
-        if skip_special_tokens or spaces_between_special_tokens:
-            return self._decode(ids, skip_special_tokens)
+        if skip_special or spaces_between_special:
+            return self._decode(ids, skip_special)
         special = self._special_ids()
         # each run that starts at a special token following another decodes on its own: a
         # decoder puts no space before the first token it decodes

@@ -75,15 +75,9 @@ class SimTokenizer(EngineTokenizer):
         bos = [self.BOS] if add_special_tokens else []
         return bos + [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(
-        self,
-        ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> str:
+    def text_of(self, ids: list[int], skip_special: bool, spaces_between_special: bool) -> str:
         # its special tokens' texts have no spaces around them: the second switch changes nothing
-        if skip_special_tokens:
+        if skip_special:
             data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
             return data.decode("utf-8", errors="replace")
         out: list[str] = []
