@@ -104,13 +104,8 @@ class EngineTokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids the model embeds: every id must be below it."""
-        ...
+    max_model_len: int
+    vocab_size: int  # token ids the model embeds: every id must be below it
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """A prompt's ids; `add_special_tokens` None: the model's usual (BOS unless the text

@@ -27,11 +27,11 @@ class HFTokenizer(EngineTokenizer):
     ) -> None:
         self.hf = tok
         # the model's embedding may have fewer rows than the tokenizer has entries, or more
-        self._vocab_size = min(len(tok), vocab_size) if vocab_size else len(tok)
+        self.vocab_size = min(len(tok), vocab_size) if vocab_size else len(tok)
         # The Rust tokenizer is mutably borrowed by encode (truncation/padding settings), so
         # concurrent calls from the engine thread and the event loop can fail: serialise them.
         self._lock = threading.Lock()
-        self._max_model_len = max_model_len
+        self.max_model_len = max_model_len
         self._texts: dict[int, str] = {}  # token_text's answers; at most the vocabulary
         self._added: frozenset[int] | None = None
         ids = {int(i) for i in eos_ids}
@@ -48,14 +48,6 @@ class HFTokenizer(EngineTokenizer):
     def pad_token_id(self) -> int:
         pad = self.hf.pad_token_id
         return int(pad) if pad is not None else min(self.eos_token_ids, default=0)
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt; BOS is added unless the text (a chat template) starts with it.

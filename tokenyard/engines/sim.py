@@ -60,15 +60,11 @@ class SimTokenizer(EngineTokenizer):
     vocab_size = 256 + OFFSET
 
     def __init__(self, max_model_len: int = 4096) -> None:
-        self._max_model_len = max_model_len
+        self.max_model_len = max_model_len
 
     @property
     def eos_token_id(self) -> int:
         return self.EOS
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         # its one special token a prompt may start with: BOS, only when asked for
