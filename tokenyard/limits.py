@@ -18,13 +18,17 @@ def context_length_exceeded(
     prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt"
 ) -> InvalidRequest:
     """OpenAI's wording and code for a request longer than the model's context."""
-    return InvalidRequest(
+    return too_long(
         f"This model's maximum context length is {max_model_len} tokens. However, you "
         f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
         f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-        param=param,
-        code="context_length_exceeded",
+        param,
     )
+
+
+def too_long(message: str, param: str) -> InvalidRequest:
+    """A request of more tokens than the model takes: OpenAI's code for it, whatever the limit."""
+    return InvalidRequest(message, param=param, code="context_length_exceeded")
 
 
 def refusal(
@@ -195,19 +199,17 @@ def _input_refusal(
         return bad
     longest = max(input_lengths)
     if longest > limits.max_model_len:
-        return InvalidRequest(
+        return too_long(
             f"This model's maximum context length is {limits.max_model_len} tokens, however "
             f"an input has {longest} tokens. Please reduce the input.",
-            param=param,
-            code="context_length_exceeded",
+            param,
         )
     total = sum(input_lengths)
     if total > limits.token_budget:
-        return InvalidRequest(
+        return too_long(
             f"The inputs have {total} tokens together; this model takes at most "
             f"{limits.token_budget} in one request",
-            param=param,
-            code="context_length_exceeded",
+            param,
         )
     return None
 

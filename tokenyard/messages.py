@@ -357,11 +357,9 @@ class Finished(msgspec.Struct, tag="finish", kw_only=True):
 JobEvent = TokenChunk | Finished
 
 
-class JobRecord(msgspec.Struct, kw_only=True):
-    """What the broker knows about a job: its spec, state and, once terminal, its result.
-
-    Its lane is the spec's (model, priority).
-    """
+class JobRecordBase(msgspec.Struct, kw_only=True):
+    """A job's spec and state as every backend's record holds them: `JobRecord` is what
+    callers read, a backend's own record (NATS's `StoredJob`) adds its bookkeeping."""
 
     spec: JobSpec
     status: JobStatus
@@ -369,8 +367,16 @@ class JobRecord(msgspec.Struct, kw_only=True):
     enqueued_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
-    worker: str | None = None
+    worker: str | None = None  # the consumer holding (or that last held) its lease
     last_error: str | None = None
+
+
+class JobRecord(JobRecordBase, kw_only=True):
+    """What the broker knows about a job: its spec, state and, once terminal, its result.
+
+    Its lane is the spec's (model, priority).
+    """
+
     cancel_requested: bool = False
     result: JobResult | None = None
     preemptions: int = 0  # times it was handed back for higher-priority work (resumed after)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -169,6 +169,17 @@ class Producer(Protocol):
         return (await self.enqueue_many([spec]))[0]
 
 
+class Claim(NamedTuple):
+    """What a claim asks for (`Leases.claim`), at least one slot."""
+
+    model: str
+    consumer: str
+    slots: int
+    block_s: float
+    pools: Sequence[int]
+    batch_room: int | None
+
+
 class Leases(Protocol):
     """Takes jobs and settles them, fenced by the lease (the worker)."""
 
@@ -184,6 +195,12 @@ class Leases(Protocol):
         """Take up to `slots` jobs, higher priority first, each priority's size `pools` in the
         order given, at most `batch_room` of them from the batch lane (None: no cap); wait up
         to `block_s` if none."""
+        if slots <= 0:
+            return []
+        return await self._claim(Claim(model, consumer, slots, block_s, pools, batch_room))
+
+    async def _claim(self, ask: Claim) -> list[Lease]:
+        """The lanes' claim (`claim`'s arguments, at least one slot)."""
         ...
 
     async def renew(self, leases: Sequence[Lease]) -> list[bool]:

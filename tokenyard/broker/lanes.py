@@ -15,7 +15,6 @@ import random
 from abc import abstractmethod
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 from tokenyard.broker import machine
 from tokenyard.broker.core import (
@@ -34,17 +33,6 @@ from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.policy import claim_order
 from tokenyard.config import BrokerSettings
 from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobSpec
-
-
-class Claim(NamedTuple):
-    """What a claim asks for (`Leases.claim`), at least one slot."""
-
-    model: str
-    consumer: str
-    slots: int
-    block_s: float
-    pools: Sequence[int]
-    batch_room: int | None
 
 
 class Front(QueueCore):
@@ -72,23 +60,6 @@ class Front(QueueCore):
     async def close(self) -> None:
         """Send the enqueues the group commit still holds; the connections stay open."""
         await self._group.close()
-
-    async def claim(
-        self,
-        model: str,
-        consumer: str,
-        slots: int,
-        block_s: float = 0.0,
-        pools: Sequence[int] = (0,),
-        batch_room: int | None = None,
-    ) -> list[Lease]:
-        if slots <= 0:
-            return []
-        return await self._claim(Claim(model, consumer, slots, block_s, pools, batch_room))
-
-    @abstractmethod
-    async def _claim(self, ask: Claim) -> list[Lease]:
-        """The lanes' claim (see `Leases.claim`)."""
 
     # -- the lanes' counts ------------------------------------------------------------------
     async def stats(self, model: str) -> BrokerStats:

@@ -129,8 +129,7 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
                 "kv_cache_memory_fraction": settings.kv_cache_memory_fraction,
                 "cuda_graphs": settings.cuda_graphs,
                 "warmup": settings.warmup,
-                "loras": parse_loras(settings.loras) or None,
-                "max_loras": settings.max_loras if settings.loras else None,
+                **_lora_options(settings),
             }
     return {k: v for k, v in options.items() if v is not None}
 
@@ -151,6 +150,14 @@ def build_engine(settings: WorkerSettings) -> Engine:
     return make_engine(settings.engine, **engine_options(settings))
 
 
+def _lora_options(settings: WorkerSettings) -> dict[str, Any]:
+    # the adapters a worker serves (`--lora`), alike for the engines that take them
+    return {
+        "loras": parse_loras(settings.loras) or None,
+        "max_loras": settings.max_loras if settings.loras else None,
+    }
+
+
 def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
     """Constructor arguments of the vllm and remote engines from the worker's settings."""
     if settings.engine == "vllm":
@@ -167,8 +174,7 @@ def served_engine_options(settings: WorkerSettings) -> dict[str, Any]:
             "tensor_parallel_size": settings.vllm_tensor_parallel_size,
             "enforce_eager": settings.vllm_enforce_eager,
             "engine_args": settings.vllm_args,
-            "loras": parse_loras(settings.loras) or None,
-            "max_loras": settings.max_loras if settings.loras else None,
+            **_lora_options(settings),
         }
     if settings.engine == "remote":
         return {

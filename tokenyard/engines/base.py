@@ -85,19 +85,27 @@ class StepOutput(msgspec.Struct):
     prompt_logprobs: list[PromptLogprob] | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChatRender:
+    """A conversation and the switches to render it with (`apply_chat_template`'s arguments);
+    `tools` None when there are none, `variables` the template's own."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None
+    variables: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template: str | None
+
+
 class EngineTokenizer(Protocol):
     """The tokenizer surface the rest of tokenyard relies on."""
 
     @property
     def eos_token_id(self) -> int | None: ...
 
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids the model embeds: every id must be below it."""
-        ...
+    max_model_len: int
+    vocab_size: int  # token ids the model embeds: every id must be below it
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """A prompt's ids; `add_special_tokens` None: the model's usual (BOS unless the text
@@ -112,6 +120,11 @@ class EngineTokenizer(Protocol):
         spaces_between_special_tokens: bool = True,
     ) -> str:
         """Text of token ids, with vLLM's detokenization switches."""
+        # one signature for every tokenizer: each writes `text_of`
+        return self.text_of(list(ids), skip_special_tokens, spaces_between_special_tokens)
+
+    def text_of(self, ids: list[int], skip_special: bool, spaces_between_special: bool) -> str:
+        """`decode`'s text (what each tokenizer writes)."""
         ...
 
     def token_text(self, token_id: int) -> str:
@@ -135,6 +148,20 @@ class EngineTokenizer(Protocol):
         template's own (`enable_thinking`, `reasoning_effort`: vLLM's
         `chat_template_kwargs`); the switches are vLLM's: the assistant's turn opened, the last
         message left open, another template (jinja)."""
+        # one signature for every tokenizer: they render a `ChatRender`, which holds it whole
+        return self.render_chat(
+            ChatRender(
+                messages=messages,
+                tools=tools or None,
+                variables=dict(variables or {}),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            )
+        )
+
+    def render_chat(self, chat: ChatRender) -> str:
+        """The prompt of `apply_chat_template`'s conversation (what each tokenizer writes)."""
         ...
 
     @property

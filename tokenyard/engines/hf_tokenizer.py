@@ -5,17 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenyard.engines.base import ChatRender, EngineTokenizer
 from tokenyard.engines.models import local_model
 from tokenyard.engines.tiny import ensure_tiny_model
 
 
-class HFTokenizer:
+class HFTokenizer(EngineTokenizer):
     """Adapts a transformers tokenizer to the EngineTokenizer protocol; safe across threads."""
 
     def __init__(
@@ -27,11 +27,11 @@ class HFTokenizer:
     ) -> None:
         self.hf = tok
         # the model's embedding may have fewer rows than the tokenizer has entries, or more
-        self._vocab_size = min(len(tok), vocab_size) if vocab_size else len(tok)
+        self.vocab_size = min(len(tok), vocab_size) if vocab_size else len(tok)
         # The Rust tokenizer is mutably borrowed by encode (truncation/padding settings), so
         # concurrent calls from the engine thread and the event loop can fail: serialise them.
         self._lock = threading.Lock()
-        self._max_model_len = max_model_len
+        self.max_model_len = max_model_len
         self._texts: dict[int, str] = {}  # token_text's answers; at most the vocabulary
         self._added: frozenset[int] | None = None
         ids = {int(i) for i in eos_ids}
@@ -48,14 +48,6 @@ class HFTokenizer:
     def pad_token_id(self) -> int:
         pad = self.hf.pad_token_id
         return int(pad) if pad is not None else min(self.eos_token_ids, default=0)
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt; BOS is added unless the text (a chat template) starts with it.
@@ -127,19 +119,12 @@ class HFTokenizer:
             out = self.hf.convert_ids_to_tokens(list(ids))
         return [str(p) for p in out]
 
-    def decode(
-        self,
-        ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> str:
-        """The text of token ids. `spaces_between_special_tokens` False: a special token right
+    def text_of(self, ids: list[int], skip_special: bool, spaces_between_special: bool) -> str:
+        """The text of token ids. `spaces_between_special` False: a special token right
         after another is its bare text, without any space the decoder would put before it
         (vLLM's rule for fast tokenizers)."""
-        ids = list(ids)
-        if skip_special_tokens or spaces_between_special_tokens:
-            return self._decode(ids, skip_special_tokens)
+        if skip_special or spaces_between_special:
+            return self._decode(ids, skip_special)
         special = self._special_ids()
         # each run that starts at a special token following another decodes on its own: a
         # decoder puts no space before the first token it decodes
@@ -173,25 +158,16 @@ class HFTokenizer:
             self._texts[token_id] = text
         return text
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        variables: Mapping[str, Any] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-    ) -> str:
+    def render_chat(self, chat: ChatRender) -> str:
         with self._lock:
             out = self.hf.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
+                [dict(m) for m in chat.messages],
+                tools=[dict(t) for t in chat.tools] if chat.tools else None,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=chat_template,
-                **dict(variables or {}),
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                chat_template=chat.chat_template,
+                **chat.variables,
             )
         assert isinstance(out, str)
         return out

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenyard.engines.badwords import bad_words_token_ids, banned_tokens
-from tokenyard.engines.base import EngineCapacity, EngineRequest, EngineSeq, LocalEngine, open_seq
+from tokenyard.engines.base import (
+    ChatRender,
+    EngineCapacity,
+    EngineRequest,
+    EngineSeq,
+    EngineTokenizer,
+    LocalEngine,
+    open_seq,
+)
 from tokenyard.errors import InvalidRequest
 from tokenyard.messages import (
     Feature,
@@ -42,7 +50,7 @@ _ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     ,."
 _MASK64 = (1 << 64) - 1
 
 
-class SimTokenizer:
+class SimTokenizer(EngineTokenizer):
     """Byte-level tokenizer: token id = byte + 3; ids 0, 1, 2 are pad, bos and eos."""
 
     PAD = 0
@@ -52,30 +60,20 @@ class SimTokenizer:
     vocab_size = 256 + OFFSET
 
     def __init__(self, max_model_len: int = 4096) -> None:
-        self._max_model_len = max_model_len
+        self.max_model_len = max_model_len
 
     @property
     def eos_token_id(self) -> int:
         return self.EOS
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         # its one special token a prompt may start with: BOS, only when asked for
         bos = [self.BOS] if add_special_tokens else []
         return bos + [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(
-        self,
-        ids: Sequence[int],
-        *,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> str:
+    def text_of(self, ids: list[int], skip_special: bool, spaces_between_special: bool) -> str:
         # its special tokens' texts have no spaces around them: the second switch changes nothing
-        if skip_special_tokens:
+        if skip_special:
             data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
             return data.decode("utf-8", errors="replace")
         out: list[str] = []
@@ -95,38 +93,28 @@ class SimTokenizer:
             return ("<pad>", "<s>", "</s>")[token_id] if token_id >= 0 else ""
         return self.decode([token_id])
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        variables: Mapping[str, Any] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-    ) -> str:
-        if chat_template is not None:
+    def render_chat(self, chat: ChatRender) -> str:
+        messages, tools, variables = chat.messages, chat.tools, chat.variables
+        if chat.chat_template is not None:
             # a request's own template, in the sandbox transformers renders templates in
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(chat_template).render(
+            return env.from_string(chat.chat_template).render(
                 messages=list(messages),
                 tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                **dict(variables or {}),
+                add_generation_prompt=chat.add_generation_prompt,
+                **variables,
             )
         # tools and calls as Hermes writes them, so the gateway reads its calls as hermes;
         # thinking turned off closes the reasoning in the prompt, as Qwen3's template does
         head = f"<tools>{json.dumps(list(tools))}</tools>\n" if tools else ""
         turns = "".join(f"<{m['role']}>{m['content']}{_calls(m)}\n" for m in messages)
-        if continue_final_message:
+        if chat.continue_final_message:
             return f"{head}{turns.removesuffix(chr(10))}"  # the last turn left open
-        if not add_generation_prompt:
+        if not chat.add_generation_prompt:
             return f"{head}{turns}"
-        closed = (
-            "<think>\n\n</think>\n\n" if (variables or {}).get("enable_thinking") is False else ""
-        )
+        closed = "<think>\n\n</think>\n\n" if variables.get("enable_thinking") is False else ""
         return f"{head}{turns}<assistant>{closed}"
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 import anyio
 
@@ -35,6 +35,7 @@ from tokenyard.messages import (
     JobSpec,
     ModelLimits,
     PoolingOptions,
+    Priority,
     ReasoningReading,
     SamplingParams,
 )
@@ -222,11 +223,7 @@ async def admit(
         # from their `parameters`) is checked as any other, named by `tools`
         await structured.check(guide[0], "tools" if guide[1] == "tool_choice" else guide[1])
     return JobSpec(
-        id=new_job_id(model),
-        model=model,
-        tenant=tenant.name,
-        weight=tenant.weight,
-        priority=tenant.lane_priority(body.priority_class),
+        **_job_head(model, tenant, body.priority_class),
         prompt=prompt,
         prompt_token_ids=token_ids,
         sampling=sampling,
@@ -498,11 +495,7 @@ def _pooling_job(
     now = time.time()
     deadline = _deadline(body.deadline, now, live, state.settings.request_timeout_s)
     return JobSpec(
-        id=new_job_id(model),
-        model=model,
-        tenant=tenant.name,
-        weight=tenant.weight,
-        priority=tenant.lane_priority(body.priority_class),
+        **_job_head(model, tenant, body.priority_class),
         prompt_token_ids=[i for x in ids for i in x],
         input_lengths=[len(x) for x in ids],
         # nothing is generated: greedy marks the job deterministic (the response cache's rule)
@@ -518,6 +511,26 @@ def _pooling_job(
 def _child_seed(seed: int, choice: int) -> int:
     """seed + choice, wrapped into the signed 64-bit range engines take."""
     return (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+class _JobHead(TypedDict):
+    id: str
+    model: str
+    tenant: str
+    weight: float
+    priority: Priority
+
+
+def _job_head(model: str, tenant: Tenant, asked: Priority | None) -> _JobHead:
+    """What every job starts with, whatever it runs: a new id, and the tenant's place in the
+    model's lanes (its share, the priority it may have)."""
+    return _JobHead(
+        id=new_job_id(model),
+        model=model,
+        tenant=tenant.name,
+        weight=tenant.weight,
+        priority=tenant.lane_priority(asked),
+    )
 
 
 def _deadline(asked: float | None, now: float, live: bool, timeout_s: float) -> float | None:

@@ -471,7 +471,11 @@ def request_schemas(
         "description": "token ids, each in the model's vocabulary",
     }
 
-    def prompts(most: int) -> dict[str, Any]:
+    def prompts(
+        most: int, description: str = "a list of several: each prompt its own choices, prompt-major"
+    ) -> dict[str, Any]:
+        # one text or up to `most`, as strings or token ids: completions' prompts, embeddings'
+        # inputs
         return {
             "anyOf": [
                 {"type": "string", "minLength": 1},
@@ -484,7 +488,7 @@ def request_schemas(
                 token_ids,
                 {"type": "array", "items": token_ids, "minItems": 1, "maxItems": most},
             ],
-            "description": "a list of several: each prompt its own choices, prompt-major",
+            "description": description,
         }
 
     completion: dict[str, Any] = {
@@ -761,25 +765,7 @@ def request_schemas(
         "additionalProperties": False,
         "properties": {
             "model": _embedding_models(models, embedders),
-            "input": {
-                "anyOf": [
-                    {"type": "string", "minLength": 1},
-                    {
-                        "type": "array",
-                        "items": {"type": "string", "minLength": 1},
-                        "minItems": 1,
-                        "maxItems": MAX_EMBEDDING_INPUTS,
-                    },
-                    token_ids,
-                    {
-                        "type": "array",
-                        "items": token_ids,
-                        "minItems": 1,
-                        "maxItems": MAX_EMBEDDING_INPUTS,
-                    },
-                ],
-                "description": "each input within the model's context",
-            },
+            "input": prompts(MAX_EMBEDDING_INPUTS, "each input within the model's context"),
             "encoding_format": {"enum": ["float", "base64"], "default": "float"},
             "dimensions": _nullable(
                 {

@@ -106,30 +106,20 @@ async def take(
     )
 
 
+@dataclass(eq=False)
 class Recorder:
     """Records a point every `interval_s` into `backend.series` under `source` (this
     gateway's id), from a task of its own; a broker that does not answer costs a point."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        metrics: GatewayMetrics,
-        usage: Usage,
-        models: Callable[[], Sequence[str]],
-        source: str,
-        interval_s: float,
-        clock: Clock = time.time,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    ) -> None:
-        self.backend = backend
-        self.metrics = metrics
-        self.usage = usage
-        self.models = models
-        self.source = source
-        self.interval_s = interval_s
-        self.clock = clock
-        self.sleep = sleep
-        self._task: asyncio.Task[None] | None = None
+    backend: Backend
+    metrics: GatewayMetrics
+    usage: Usage
+    models: Callable[[], Sequence[str]]
+    source: str
+    interval_s: float
+    clock: Clock = time.time
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def record(self) -> Point:
         """Take one point and append it."""

@@ -24,7 +24,7 @@ from tokenyard.broker.core import (
 from tokenyard.broker.outcomes import cancelled_result, dead_result
 from tokenyard.broker.redis.connection import ms, text
 from tokenyard.broker.redis.scripts import Call, Empty
-from tokenyard.broker.redis.table import OnTable
+from tokenyard.broker.redis.table import OnTable, completion_args
 from tokenyard.messages import (
     Finished,
     JobEvent,
@@ -206,23 +206,23 @@ class Ledger(OnTable):
         return await self.table.flags_per_model([lease.spec.model for lease in leases], call)
 
     async def emit(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
-        def call(batch: list[int]) -> Call:
-            items = []
-            for i in batch:
-                lease, event = events[i]
-                items.append(
+        def call(batch: list[tuple[Lease, JobEvent]]) -> Call:
+            keys = self.keys
+            return scripts.EMIT.call(
+                Empty(),
+                Empty(),
+                [
                     (
-                        scripts.EventKeys(
-                            job=self.keys.job(lease.spec.id), events=self.keys.events(lease.spec.id)
-                        ),
+                        scripts.EventKeys(job=keys.job(x.spec.id), events=keys.events(x.spec.id)),
                         scripts.EmitItemArgs(
-                            consumer=lease.consumer, token=lease.entry_id, event=encode(event)
+                            consumer=x.consumer, token=x.entry_id, event=encode(event)
                         ),
                     )
-                )
-            return scripts.EMIT.call(Empty(), Empty(), items)
+                    for x, event in batch
+                ],
+            )
 
-        return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)
+        return await self.table.emit_per_model(events, call)
 
     # -- endings ---------------------------------------------------------------------------
     def complete(
@@ -237,14 +237,7 @@ class Ledger(OnTable):
                     scripts.CompleteItemKeys(
                         job=job, events=self.keys.events(lease.spec.id), leases=lease_set
                     ),
-                    scripts.CompleteItemArgs(
-                        consumer=lease.consumer,
-                        token=lease.entry_id,
-                        job_id=lease.spec.id,
-                        status=result.status.value,
-                        finished=encode(Finished(result=result)),
-                        tail=b"" if tail is None else encode(tail),
-                    ),
+                    scripts.CompleteItemArgs(*completion_args(lease, result, tail)),
                 )
             )
         return scripts.COMPLETE.call(

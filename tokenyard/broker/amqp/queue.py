@@ -30,14 +30,14 @@ from tokenyard.broker.amqp.ledger import Ledger
 from tokenyard.broker.amqp.names import Names
 from tokenyard.broker.core import (
     CancelOutcome,
+    Claim,
     EnqueueResult,
     Lease,
     Preempted,
     ReapReport,
     admitted,
-    preempted_of,
 )
-from tokenyard.broker.lanes import Claim, LanesOnTable
+from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, stamp_by_model
 from tokenyard.broker.redis.connection import text as as_text
@@ -286,15 +286,7 @@ class AmqpQueue(LanesOnTable):
         its lane's queue (RabbitMQ has no insert at the head): a preempted job runs after the
         jobs already waiting in its lane. One refused keeps its lease and its delivery."""
         codes = await self._hand_back(leases, self.settings.max_preemptions)
-        now = self.clock()
-        entries = [
-            audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1
-        ]
-        appends = self.table.audit.appends(entries)
-        if appends:
-            replies = await self.conn.pipelined(appends)
-            self.table.audit.written(entries, replies)
-        return [preempted_of(code) for code in codes]
+        return await self.table.preempted(leases, codes)
 
     async def _hand_back(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         if not leases:

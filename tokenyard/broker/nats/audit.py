@@ -5,14 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from datetime import UTC, datetime
-
-import nats.js.errors
-from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
-from tokenyard.broker.nats.connection import NatsConnection
+from tokenyard.broker.nats.connection import NatsConnection, trail
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.tables import Audit, AuditQuery
 from tokenyard.messages import decode, encode
@@ -59,15 +55,9 @@ class NatsAudit(Audit, Mirrored):
         return self._made
 
     async def _make_stream(self) -> str:
+        names = self.names
         return await self.conn.stream(
-            StreamConfig(
-                name=self.names.audit_stream,
-                subjects=[self.names.audit_subject],
-                retention=RetentionPolicy.LIMITS,
-                discard=DiscardPolicy.OLD,
-                max_msgs=self.max_len,
-                allow_direct=True,
-            )
+            trail(names.audit_stream, names.audit_subject, max_msgs=self.max_len)
         )
 
     async def append(self, entries: Sequence[AuditEntry]) -> None:
@@ -114,11 +104,4 @@ class NatsAudit(Audit, Mirrored):
 
     async def _first_at(self, stream: str, at: float) -> int | None:
         """The sequence of the first entry the server stored at or after `at`."""
-        if at <= 0:
-            return 1
-        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
-        try:
-            reply = await self.conn.api(f"STREAM.MSG.GET.{stream}", {"start_time": stamp})
-        except nats.js.errors.NotFoundError:
-            return None
-        return int(reply["message"]["seq"])
+        return 1 if at <= 0 else await self.conn.first_at(stream, at)

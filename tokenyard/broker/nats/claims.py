@@ -11,15 +11,14 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import nats.js.errors
 from nats.aio.msg import Msg
 
 from tokenyard.broker import machine
-from tokenyard.broker.core import Lease
-from tokenyard.broker.lanes import Claim
+from tokenyard.broker.core import Claim, Lease
 from tokenyard.broker.machine import Refused, Step
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
@@ -51,6 +50,17 @@ RECORD_WAIT_S = 30.0
 _RECORD_WAIT_NAK = json.dumps({"delay": 20_000_000}).encode()  # 20 ms
 POLL_S = 0.2  # a blocked claim looks afresh at least this often (retries, expired leases)
 TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
+
+
+class _Delivery(NamedTuple):
+    """A lane message a claim took, its job, the job's record when read with the claim's
+    other messages, and who takes it (and whether from its held subject)."""
+
+    msg: Msg
+    spec: JobSpec
+    record: tuple[StoredJob, int] | None
+    consumer: str
+    affinity: bool
 
 
 @dataclass
@@ -252,25 +262,19 @@ class Claims(Part):
         records = await self.store.get_many(unnamed)
         outcomes = await asyncio.gather(
             *(
-                self._take_one(m, s, records.get(s.id), consumer, affinity)
+                self._take_one(_Delivery(m, s, records.get(s.id), consumer, affinity))
                 for m, s in zip(msgs, specs, strict=True)
             )
         )
         return [lease for lease in outcomes if lease is not None]
 
-    async def _take_one(
-        self,
-        msg: Msg,
-        spec: JobSpec,
-        record: tuple[StoredJob, int] | None,
-        consumer: str,
-        affinity: bool,
-    ) -> Lease | None:
+    async def _take_one(self, delivery: _Delivery) -> Lease | None:
         """Turn a delivered message into a lease: the record says running under this consumer
         (compare-and-set), and a claim marker fences the events subject. `record`: the record
         as read with the claim's other messages (first deliveries of plain enqueues)."""
+        msg, spec, _, consumer, affinity = delivery
         reply = msg.reply or ""
-        fast = await self._take_first(msg, spec, record, consumer, affinity)
+        fast = await self._take_first(delivery)
         if fast is not None:
             return fast
         revision = 0
@@ -332,18 +336,12 @@ class Claims(Part):
         at = float((msg.headers or {}).get(ENQUEUED_AT, "0"))
         return self.clock() - at < RECORD_WAIT_S
 
-    async def _take_first(
-        self,
-        msg: Msg,
-        spec: JobSpec,
-        record: tuple[StoredJob, int] | None,
-        consumer: str,
-        affinity: bool,
-    ) -> Lease | None:
+    async def _take_first(self, delivery: _Delivery) -> Lease | None:
         """The common case in one round trip after the pull: a first delivery of a job whose
         record is as enqueued (the message names its revision, or `record` was read with the
         claim's other messages): the record is written from the message, and no claim marker
         is needed (no one held the job before). None: take the general path."""
+        msg, spec, record, consumer, affinity = delivery
         headers = msg.headers or {}
         now = self.clock()
         if spec.deadline is not None and spec.deadline <= now:

@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -24,7 +25,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
 from tokenyard.config import BrokerSettings
@@ -99,6 +100,22 @@ async def sent(exchange: Awaitable[_T]) -> _T:
 
 CAS_ATTEMPTS = 1000  # a compare-and-set retried this often meets more than contention
 _R = TypeVar("_R")
+
+
+def trail(
+    name: str, subject: str, *, max_msgs: int | None = None, max_age: float | None = None
+) -> StreamConfig:
+    """A stream kept as a trail (the audit's, the dashboard's series): bounded by count or
+    age, the oldest dropped, read by direct gets."""
+    return StreamConfig(
+        name=name,
+        subjects=[subject],
+        retention=RetentionPolicy.LIMITS,
+        discard=DiscardPolicy.OLD,
+        max_msgs=max_msgs,
+        max_age=max_age,
+        allow_direct=True,
+    )
 
 
 async def kv_entry(kv: KeyValue, key: str) -> tuple[bytes | None, int]:
@@ -404,6 +421,16 @@ class NatsConnection:
         if "error" in answer:
             raise nats.js.errors.APIError.from_error(answer["error"])
         return answer
+
+    async def first_at(self, stream: str, at: float) -> int | None:
+        """The sequence of the first message `stream` stored at or after `at` (unix seconds);
+        None: there is none."""
+        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+        try:
+            reply = await self.api(f"STREAM.MSG.GET.{stream}", {"start_time": stamp})
+        except nats.js.errors.NotFoundError:
+            return None
+        return int(reply["message"]["seq"])
 
     async def replies(
         self, subject: str, body: dict[str, Any], limit: int

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenyard.broker.core import EnqueueResult, Lease, Preempted, ReapReport
-from tokenyard.broker.lanes import Claim, Front
+from tokenyard.broker.core import Claim, EnqueueResult, Lease, Preempted, ReapReport
+from tokenyard.broker.lanes import Front
 from tokenyard.broker.nats.claims import Claims
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.enqueue import Enqueuer

@@ -7,18 +7,19 @@ from __future__ import annotations
 import msgspec
 
 from tokenyard.broker.machine import JobState
-from tokenyard.messages import JobRecord, JobResult, JobSpec, JobStatus, decode, encode
+from tokenyard.messages import (
+    JobRecord,
+    JobRecordBase,
+    JobResult,
+    JobStatus,
+    decode,
+    encode,
+)
 
 
-class StoredJob(msgspec.Struct, kw_only=True):
-    spec: JobSpec
-    status: JobStatus
-    deliveries: int = 0
-    enqueued_at: float = 0.0
-    started_at: float | None = None
-    finished_at: float | None = None
-    worker: str | None = None  # the consumer holding (or that last held) its lease
-    last_error: str | None = None
+class StoredJob(JobRecordBase, kw_only=True):
+    """The NATS backend's record: the common one, with what its lanes and fences need."""
+
     cancel: bool = False  # a client asked to cancel it while it ran
     result: JobResult | None = None
     lane: str = ""  # the lane stream and subject its message waits on, and its sequence

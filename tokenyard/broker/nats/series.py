@@ -4,13 +4,9 @@ time asked for."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import msgspec
-import nats.js.errors
-from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 
-from tokenyard.broker.nats.connection import NatsConnection, sent
+from tokenyard.broker.nats.connection import NatsConnection, sent, trail
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.tables import SERIES_KEEP_S, Series
 from tokenyard.messages import decode, encode
@@ -34,15 +30,9 @@ class NatsSeries(Series):
         self.keep_s = keep_s
 
     async def _stream(self) -> str:
+        names = self.names
         return await self.conn.stream(
-            StreamConfig(
-                name=self.names.series_stream,
-                subjects=[self.names.series_subject],
-                retention=RetentionPolicy.LIMITS,
-                discard=DiscardPolicy.OLD,
-                max_age=self.keep_s,
-                allow_direct=True,
-            )
+            trail(names.series_stream, names.series_subject, max_age=self.keep_s)
         )
 
     async def append(self, source: str, at: float, value: bytes) -> None:
@@ -71,9 +61,5 @@ class NatsSeries(Series):
         """The sequence before the first point stored at or after `at`; None: there is none."""
         if at <= 0:
             return 0
-        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
-        try:
-            reply = await self.conn.api(f"STREAM.MSG.GET.{stream}", {"start_time": stamp})
-        except nats.js.errors.NotFoundError:
-            return None
-        return int(reply["message"]["seq"]) - 1
+        first = await self.conn.first_at(stream, at)
+        return None if first is None else first - 1

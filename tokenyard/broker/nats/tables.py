@@ -175,22 +175,29 @@ class NatsDirectory(Directory):
     async def put_tenant(self, tenant: TenantConfig) -> None:
         await self.bucket.put(Names.tenant(tenant.name), encode(tenant))
 
+    async def _named(
+        self, key: str, kind: type[_R], name_of: Callable[[_R], str], name: str
+    ) -> _R | None:
+        """The record under `key` if it is `name`'s: a digest names the entry (two names may
+        share one), the record says whose it is."""
+        raw = await self.bucket.get(key)
+        found = None if raw is None else decode(raw, kind)
+        return found if found is not None and name_of(found) == name else None
+
+    async def _all(self, pattern: str, kind: type[_R]) -> list[_R]:
+        return [decode(raw, kind) for _, raw in await self.bucket.listing(pattern)]
+
     async def tenant(self, name: str) -> TenantConfig | None:
-        raw = await self.bucket.get(Names.tenant(name))
-        found = None if raw is None else decode(raw, TenantConfig)
-        # a digest names the entry: the record says whose it is
-        return found if found is not None and found.name == name else None
+        return await self._named(Names.tenant(name), TenantConfig, lambda t: t.name, name)
 
     async def tenants(self) -> list[TenantConfig]:
-        rows = await self.bucket.listing(Names.ALL_TENANTS)
-        return sorted((decode(raw, TenantConfig) for _, raw in rows), key=lambda t: t.name)
+        return sorted(await self._all(Names.ALL_TENANTS, TenantConfig), key=lambda t: t.name)
 
     async def put_adapter(self, record: AdapterRecord) -> None:
         await self.bucket.put(Names.adapter(record.name), encode(record))
 
     async def adapters(self) -> list[AdapterRecord]:
-        rows = await self.bucket.listing(Names.ALL_ADAPTERS)
-        return sorted((decode(raw, AdapterRecord) for _, raw in rows), key=lambda a: a.name)
+        return sorted(await self._all(Names.ALL_ADAPTERS, AdapterRecord), key=lambda a: a.name)
 
     async def delete_adapter(self, name: str) -> bool:
         key = Names.adapter(name)
@@ -203,13 +210,10 @@ class NatsDirectory(Directory):
         await self.bucket.put(Names.api_key(record.digest), encode(record))
 
     async def api_key(self, digest: str) -> ApiKeyRecord | None:
-        raw = await self.bucket.get(Names.api_key(digest))
-        found = None if raw is None else decode(raw, ApiKeyRecord)
-        return found if found is not None and found.digest == digest else None
+        return await self._named(Names.api_key(digest), ApiKeyRecord, lambda r: r.digest, digest)
 
     async def api_keys(self) -> list[ApiKeyRecord]:
-        rows = await self.bucket.listing(Names.ALL_API_KEYS)
-        records = (decode(raw, ApiKeyRecord) for _, raw in rows)
+        records = await self._all(Names.ALL_API_KEYS, ApiKeyRecord)
         return sorted(records, key=lambda r: (r.created_at, r.digest))
 
     async def has_api_keys(self) -> bool:

@@ -14,14 +14,14 @@ from typing import Any, NamedTuple
 
 from tokenyard.broker import audit
 from tokenyard.broker.core import (
+    Claim,
     EnqueueResult,
     Lease,
     Preempted,
     ReapReport,
     admitted,
-    preempted_of,
 )
-from tokenyard.broker.lanes import Claim, LanesOnTable
+from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.machine import lapsed_error
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import (
@@ -41,7 +41,7 @@ from tokenyard.broker.redis.connection import (
 from tokenyard.broker.redis.counts import StreamCounts
 from tokenyard.broker.redis.keys import GROUP
 from tokenyard.broker.redis.scripts import Call, Empty
-from tokenyard.broker.redis.table import ValkeyJobTable
+from tokenyard.broker.redis.table import ValkeyJobTable, completion_args
 from tokenyard.errors import QueueFull
 from tokenyard.messages import (
     Finished,
@@ -329,14 +329,7 @@ class RedisQueue(LanesOnTable):
                         job=self.keys.job(lease.spec.id),
                         events=self.keys.events(lease.spec.id),
                     ),
-                    scripts.CompleteItemArgs(
-                        consumer=lease.consumer,
-                        entry_id=lease.entry_id,
-                        job_id=lease.spec.id,
-                        status=result.status.value,
-                        finished=encode(Finished(result=result)),
-                        tail=b"" if tail is None else encode(tail),
-                    ),
+                    scripts.CompleteItemArgs(*completion_args(lease, result, tail)),
                 )
                 for lease, result, tail in batch
             ],
@@ -388,15 +381,7 @@ class RedisQueue(LanesOnTable):
 
     async def preempt(self, leases: Sequence[Lease]) -> list[Preempted]:
         codes = await self._release(leases, self.settings.max_preemptions)
-        now = self.clock()
-        entries = [
-            audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1
-        ]
-        appends = self.table.audit.appends(entries)
-        if appends:
-            replies = await self.conn.pipelined(appends)
-            self.table.audit.written(entries, replies)
-        return [preempted_of(code) for code in codes]
+        return await self.table.preempted(leases, codes)
 
     async def _release(self, leases: Sequence[Lease], max_preemptions: int) -> list[int]:
         """release.lua's codes: 1 released, 2 cancelled, 3 preempted too often, 0 lost."""
@@ -476,20 +461,21 @@ class RedisQueue(LanesOnTable):
 
     # -- events and records ----------------------------------------------------------------
     async def append_events(self, events: Sequence[tuple[Lease, JobEvent]]) -> list[bool]:
-        def call(batch: list[int]) -> Call:
-            items = []
-            for i in batch:
-                lease, event = events[i]
-                items.append(
+        def call(batch: list[tuple[Lease, JobEvent]]) -> Call:
+            return scripts.EMIT.call(
+                Empty(),
+                scripts.GroupArg(group=GROUP),
+                [
                     (
                         scripts.EmitItemKeys(
-                            lane=self._lane(lease), events=self.keys.events(lease.spec.id)
+                            lane=self._lane(x), events=self.keys.events(x.spec.id)
                         ),
                         scripts.EmitItemArgs(
-                            consumer=lease.consumer, entry_id=lease.entry_id, event=encode(event)
+                            consumer=x.consumer, entry_id=x.entry_id, event=encode(event)
                         ),
                     )
-                )
-            return scripts.EMIT.call(Empty(), scripts.GroupArg(group=GROUP), items)
+                    for x, event in batch
+                ],
+            )
 
-        return await self.table.flags_per_model([lease.spec.model for lease, _ in events], call)
+        return await self.table.emit_per_model(events, call)

@@ -15,7 +15,16 @@ from typing import Any
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry
-from tokenyard.broker.core import BrokerStats, CancelOutcome, Clock, JobTable, LaneStats, Lease
+from tokenyard.broker.core import (
+    BrokerStats,
+    CancelOutcome,
+    Clock,
+    JobTable,
+    LaneStats,
+    Lease,
+    Preempted,
+    preempted_of,
+)
 from tokenyard.broker.outcomes import cancelled_result, expired_result
 from tokenyard.broker.redis import scripts
 from tokenyard.broker.redis.channel import Command
@@ -61,6 +70,22 @@ def _field(fields: Any, name: bytes) -> Any:
         if fields[i] == name:
             return fields[i + 1]
     raise KeyError(name)
+
+
+def completion_args(
+    lease: Lease, result: JobResult, tail: TokenChunk | None
+) -> tuple[str, str, str, str, bytes, bytes]:
+    """A completion's per-item arguments, in the order both lane kinds' complete scripts take
+    them: the holder (consumer, lease token), the job, its status, its Finished event and the
+    tokens it ends with."""
+    return (
+        lease.consumer,
+        lease.entry_id,
+        lease.spec.id,
+        result.status.value,
+        encode(Finished(result=result)),
+        b"" if tail is None else encode(tail),
+    )
 
 
 class ValkeyJobTable(JobTable):
@@ -128,6 +153,16 @@ class ValkeyJobTable(JobTable):
         self, models: Sequence[str], call: Callable[[list[int]], Call]
     ) -> list[bool]:
         return [bool(code) for code in await self.codes_per_model(models, call)]
+
+    async def emit_per_model(
+        self,
+        events: Sequence[tuple[Lease, JobEvent]],
+        call: Callable[[list[tuple[Lease, JobEvent]]], Call],
+    ) -> list[bool]:
+        """`flags_per_model` for the leases' events: `call` gets one model's (lease, event)
+        pairs; whether each event was appended (its lease still held)."""
+        models = [lease.spec.model for lease, _ in events]
+        return await self.flags_per_model(models, lambda batch: call([events[i] for i in batch]))
 
     # -- admission -------------------------------------------------------------------------
     async def note_models(self, models: Iterable[str]) -> None:
@@ -208,6 +243,16 @@ class ValkeyJobTable(JobTable):
         )
         if held or entries:
             await self.eval_audited(self.quotas.settle_calls(held) if held else [], entries)
+
+    async def preempted(self, leases: Sequence[Lease], codes: Sequence[int]) -> list[Preempted]:
+        """What a preemption did to each of `leases` (core.preempted_of: release codes 1
+        requeued, 2 cancelled, else refused), each requeued job's audit entry written after its
+        requeue, as the lanes' own scripts cannot hold the audit stream's XADD."""
+        now = self.clock()
+        await self.audit.write(
+            [audit.preempted(x.spec, now) for x, c in zip(leases, codes, strict=True) if c == 1]
+        )
+        return [preempted_of(code) for code in codes]
 
     async def settle_ids(self, job_ids: Sequence[str]) -> None:
         """Settle jobs that just ended where only their ids are at hand (rare paths)."""

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenyard.broker import audit
 from tokenyard.broker.audit import AuditEntry, AuditSink, Mirrored
@@ -52,6 +52,9 @@ _SWEEP_BATCH = 500  # held reservations looked at per tenant per sweep
 DRAIN_KEPT_S = 3600.0  # a drain request outlives its worker this long (the key's TTL)
 
 
+_R = TypeVar("_R")  # a record type the directory stores
+
+
 class RedisDirectory(Directory):
     """Tenants and API keys: one hash each under the `{directory}` tag."""
 
@@ -59,23 +62,28 @@ class RedisDirectory(Directory):
         self.conn = conn
         self.keys = keys
 
+    async def _one(self, table: str, name: str, kind: type[_R]) -> _R | None:
+        raw = await self.conn.one(("HGET", table, name))
+        return None if raw is None else decode(raw, kind)
+
+    async def _all(self, table: str, kind: type[_R]) -> list[_R]:
+        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", table)
+        return [decode(raw, kind) for raw in rows.values()]
+
     async def put_tenant(self, tenant: TenantConfig) -> None:
         await self.conn.one(("HSET", self.keys.tenants(), tenant.name, encode(tenant)))
 
     async def tenant(self, name: str) -> TenantConfig | None:
-        raw = await self.conn.one(("HGET", self.keys.tenants(), name))
-        return None if raw is None else decode(raw, TenantConfig)
+        return await self._one(self.keys.tenants(), name, TenantConfig)
 
     async def tenants(self) -> list[TenantConfig]:
-        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.tenants())
-        return sorted((decode(raw, TenantConfig) for raw in rows.values()), key=lambda t: t.name)
+        return sorted(await self._all(self.keys.tenants(), TenantConfig), key=lambda t: t.name)
 
     async def put_adapter(self, record: AdapterRecord) -> None:
         await self.conn.one(("HSET", self.keys.adapters(), record.name, encode(record)))
 
     async def adapters(self) -> list[AdapterRecord]:
-        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.adapters())
-        return sorted((decode(raw, AdapterRecord) for raw in rows.values()), key=lambda a: a.name)
+        return sorted(await self._all(self.keys.adapters(), AdapterRecord), key=lambda a: a.name)
 
     async def delete_adapter(self, name: str) -> bool:
         return bool(await self.conn.one(("HDEL", self.keys.adapters(), name)))
@@ -84,12 +92,10 @@ class RedisDirectory(Directory):
         await self.conn.one(("HSET", self.keys.api_keys(), record.digest, encode(record)))
 
     async def api_key(self, digest: str) -> ApiKeyRecord | None:
-        raw = await self.conn.one(("HGET", self.keys.api_keys(), digest))
-        return None if raw is None else decode(raw, ApiKeyRecord)
+        return await self._one(self.keys.api_keys(), digest, ApiKeyRecord)
 
     async def api_keys(self) -> list[ApiKeyRecord]:
-        rows: dict[bytes, bytes] = await self.conn.parsed("HGETALL", self.keys.api_keys())
-        records = (decode(raw, ApiKeyRecord) for raw in rows.values())
+        records = await self._all(self.keys.api_keys(), ApiKeyRecord)
         return sorted(records, key=lambda r: (r.created_at, r.digest))
 
     async def has_api_keys(self) -> bool:
@@ -261,6 +267,14 @@ class RedisAudit(Audit, Mirrored):
         if self.sink is not None:
             self._hold(entries, ids)
         return ids
+
+    async def write(self, entries: Sequence[AuditEntry]) -> list[str | None]:
+        """`entries` in their own round trip, after the state change they record (one that
+        needs no script: a preemption's requeue); each entry's stream id as `written`'s."""
+        appends = self.appends(entries)
+        if not appends:
+            return [None] * len(entries)
+        return self.written(entries, await self.conn.pipelined(appends))
 
     async def take_back(self, ids: Sequence[str | None]) -> None:
         """Delete entries whose state change did not happen (a fenced completion, a job that

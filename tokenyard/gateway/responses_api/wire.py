@@ -816,24 +816,26 @@ class ToolResponseEvents(ResponseEvents):
         self.open = None
         return frames
 
+    def _text_delta(self, text: str, kind: str, event: str, **extra: Any) -> list[bytes]:
+        """Text of the open item of `kind` (reasoning or message), which opens one of that
+        kind first (closing another): alike for the answer's and its reasoning's text."""
+        frames: list[bytes] = []
+        if self.open is None or self.open["type"] != kind:
+            frames += self._close()  # before the new item: it takes the next output index
+            frames += self._open_reasoning() if kind == "reasoning" else self._open_message()
+        self.text += text
+        return frames + self._event(
+            event, {**self._where(), "content_index": 0, "delta": text, **extra}
+        )
+
     def _deltas(self, deltas: Sequence[AnswerDelta]) -> list[bytes]:
         frames: list[bytes] = []
         for d in deltas:
             if isinstance(d, ReasoningDelta):
-                if self.open is None or self.open["type"] != "reasoning":
-                    frames += self._close() + self._open_reasoning()
-                self.text += d.text
-                frames += self._event(
-                    "response.reasoning_text.delta",
-                    {**self._where(), "content_index": 0, "delta": d.text},
-                )
+                frames += self._text_delta(d.text, "reasoning", "response.reasoning_text.delta")
             elif isinstance(d, ContentDelta):
-                if self.open is None or self.open["type"] != "message":
-                    frames += self._close() + self._open_message()
-                self.text += d.text
-                frames += self._event(
-                    "response.output_text.delta",
-                    {**self._where(), "content_index": 0, "delta": d.text, "logprobs": []},
+                frames += self._text_delta(
+                    d.text, "message", "response.output_text.delta", logprobs=[]
                 )
             elif d.id is not None and d.name is not None:
                 frames += self._close()
