@@ -15,6 +15,12 @@ vllm-serve's saturation req/s), the same for every target: TTFT and TPOT p50/p99
 with text and events carrying tokens per request (one per engine step when no step is merged
 into the next). Ratios are taken within this one run; `--levels` and `--targets` pick.
 
+`--loras N` serves N LoRA adapters of the model (random rank-8 weights, written without peft)
+on every target: `vllm serve --enable-lora --lora-modules ...` and tokenyard's workers given
+`--lora NAME=PATH` each (the vllm engine runs a LoRARequest per job), both holding all N at
+once (`--max-loras N`); requests round-robin over the adapters' names, the same sequence for
+every target. Its ratio is issue 38's "vLLM engine with adapters >= 0.95x vllm serve with them".
+
 `--structured` sends structured-output requests instead: streamed /v1/chat/completions with
 `response_format` a JSON schema (`STRUCTURED_SCHEMA`), greedy, ending where the schema's JSON
 ends (so every target generates the same tokens), up to `--max-tokens`.
@@ -24,7 +30,8 @@ Run from `.venv-vllm` (vllm importable); the hf worker runs under `--hf-python` 
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python -m bench.vllm_engines \\
         [--concurrency 64] [--max-tokens 64] [--rate 6] [--quick] [--structured] \\
-        [--targets vllm-serve,tokenyard-vllm] [--levels concurrent,one_at_a_time,open_rate]
+        [--targets vllm-serve,tokenyard-vllm] [--levels concurrent,one_at_a_time,open_rate] \\
+        [--loras 4]
 """
 
 from __future__ import annotations
@@ -66,6 +73,20 @@ STRUCTURED_SCHEMA = {
     "additionalProperties": False,
 }
 LEVELS = ("concurrent", "one_at_a_time", "open_rate")
+# --loras: a rank vLLM's max_lora_rank takes as it is, so `vllm serve --max-lora-rank` and the
+# vllm engine (which derives its own from the adapters' configs) size their LoRA slots alike
+LORA_RANK = 8
+
+
+def write_loras(count: int, root: Path) -> dict[str, str]:
+    """`count` adapters of the model by name, as tests/vllm/test_lora_vllm.py builds them."""
+    from tests.loras import write_lora
+
+    model = model_dir()
+    return {
+        f"lora{i}": str(write_lora(model, root / f"lora{i}", seed=100 + i, rank=LORA_RANK))
+        for i in range(count)
+    }
 
 
 def model_dir() -> Path:
@@ -82,19 +103,31 @@ def worker_main(url: str, prefix: str, engine_name: str, opts: argparse.Namespac
     from tokenyard.broker import connect
     from tokenyard.config import BrokerSettings, WorkerSettings
     from tokenyard.engines import make_engine
+    from tokenyard.engines.models import parse_loras
     from tokenyard.worker.run import run_worker
     from tokenyard.worker.worker import Worker
 
     c = opts.concurrency
+    lora_list = tuple(opts.lora or ())
+    max_loras = max(1, len(lora_list))
+    # the engines that load adapters themselves; remote passes their names upstream
+    loras = {"loras": parse_loras(lora_list), "max_loras": max_loras} if lora_list else {}
     if engine_name == "vllm":
-        engine = make_engine("vllm", model=MODEL, dtype="float32", max_seqs=c, max_model_len=2048)
+        engine = make_engine(
+            "vllm", model=MODEL, dtype="float32", max_seqs=c, max_model_len=2048, **loras
+        )
     elif engine_name == "remote":
         engine = make_engine("remote", model=MODEL, url=opts.upstream, concurrency=c)
     else:
-        engine = make_engine("hf", model=str(model_dir()), max_seqs=c, threads=opts.threads)
+        engine = make_engine(
+            "hf", model=str(model_dir()), max_seqs=c, threads=opts.threads, **loras
+        )
 
     async def serve() -> None:
-        settings = WorkerSettings(model=MODEL, engine=engine_name, max_seqs=c)
+        # `loras` put the adapters in the broker's directory, so the gateway routes their names
+        settings = WorkerSettings(
+            model=MODEL, engine=engine_name, max_seqs=c, loras=lora_list, max_loras=max_loras
+        )
         broker = connect(BrokerSettings(url=url, prefix=prefix))
         # as `tokenyard worker` runs it: the worker owns its process and freezes its startup
         # heap (engine included) out of the cycle collector's way
@@ -121,6 +154,11 @@ async def vllm_serve(log_dir: Path, opts: argparse.Namespace) -> AsyncIterator[s
         "--max-num-seqs", str(opts.concurrency), "--host", "127.0.0.1", "--port", str(port),
         "--disable-log-stats",
     ]  # fmt: skip
+    if opts.lora:
+        cmd += [
+            "--enable-lora", "--max-loras", str(len(opts.lora)),
+            "--max-lora-rank", str(LORA_RANK), "--lora-modules", *opts.lora,
+        ]  # fmt: skip
     try:
         procs.start("vllm-serve", cmd)
         base = f"http://127.0.0.1:{port}"
@@ -144,7 +182,8 @@ async def tokenyard_stack(
             "worker",
             [python, "-m", "bench.vllm_engines", "--run-worker", engine, *launcher.broker_args,
              "--concurrency", str(opts.concurrency), "--threads", str(opts.threads),
-             "--upstream", opts.upstream or ""],
+             "--upstream", opts.upstream or "",
+             *(f"--lora={lora}" for lora in opts.lora or ())],
         )  # fmt: skip
         launcher.gateway(port, "--model", MODEL, "--engine", "hf")
         base = f"http://127.0.0.1:{port}"
@@ -158,6 +197,8 @@ async def tokenyard_stack(
 
 
 def request_options(opts: argparse.Namespace) -> RequestOptions:
+    # --loras: request i asks for adapter i mod N (the base is not asked for)
+    models = tuple(lora.split("=", 1)[0] for lora in opts.lora or ())
     if opts.structured:
         # the schema ends the output (EOS once its JSON is complete): not ignore_eos
         schema = {"name": "person", "schema": STRUCTURED_SCHEMA, "strict": True}
@@ -166,6 +207,7 @@ def request_options(opts: argparse.Namespace) -> RequestOptions:
             model=MODEL,
             temperature=0.0,
             extra_body={"response_format": {"type": "json_schema", "json_schema": schema}},
+            models=models,
         )
     return RequestOptions(
         endpoint=Endpoint.completions,
@@ -175,6 +217,7 @@ def request_options(opts: argparse.Namespace) -> RequestOptions:
         # both servers then send every step's tokens, also those whose text is held back
         # (part of a character): `token_events_per_request` counts them
         extra_body={"return_token_ids": True},
+        models=models,
     )
 
 
@@ -274,6 +317,10 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         logs = Path(opts.log_dir or tmp)
         for t in targets:
             (logs / t).mkdir(parents=True, exist_ok=True)
+        if opts.loras:
+            opts.lora = [
+                f"{n}={p}" for n, p in write_loras(opts.loras, Path(tmp) / "loras").items()
+            ]
         valkey = EmbeddedServer(Path(tmp) / "valkey", appendfsync="everysec").start()
         rate: float | None = None
         try:
@@ -304,6 +351,8 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": opts.max_tokens,
             "prompt_words": opts.prompt_words,
             "structured": STRUCTURED_SCHEMA if opts.structured else None,
+            # adapters, round-robin over the requests (0: the base model alone)
+            "loras": {"count": opts.loras, "rank": LORA_RANK} if opts.loras else 0,
             "durability": "Valkey AOF everysec",
             "load_average_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         },
@@ -340,6 +389,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", help="keep the processes' logs here")
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes")
     p.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        help="serve N LoRA adapters; requests round-robin over them (see the module doc)",
+    )
+    p.add_argument(
         "--structured",
         action="store_true",
         help="chat requests with a JSON-schema response_format (see the module doc)",
@@ -349,6 +404,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--broker", help=argparse.SUPPRESS)
     p.add_argument("--prefix", help=argparse.SUPPRESS)
     p.add_argument("--upstream", help=argparse.SUPPRESS)
+    p.add_argument("--lora", action="append", help=argparse.SUPPRESS)  # NAME=PATH, each
     opts = p.parse_args(argv)
     if opts.quick:
         opts.concurrency, opts.max_tokens, opts.requests = 4, 8, 8

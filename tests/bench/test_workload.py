@@ -161,6 +161,10 @@ def test_request_bodies() -> None:
         "top_k": 1,
     }
     assert Endpoint.chat.path == "chat/completions" and Endpoint.completions.path == "completions"
+    # several models (adapters of one base): round-robin by the request's index
+    mixed = RequestOptions(Endpoint.completions, "m", models=("a", "b", "c"))
+    names = [build_body(RequestSpec(i, "x", None, 1, 1), mixed)["model"] for i in range(5)]
+    assert names == ["a", "b", "c", "a", "b"]
 
 
 def test_sse_decoder() -> None:

@@ -41,11 +41,21 @@ class RequestOptions:
     min_tokens: bool = False
     temperature: float | None = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    # several served names (a base's LoRA adapters): request i asks for models[i % len], so
+    # every server measured gets the same mix in the same order; empty: `model` for all
+    models: tuple[str, ...] = ()
+
+    def model_for(self, index: int) -> str:
+        return self.models[index % len(self.models)] if self.models else self.model
 
 
 def build_body(spec: RequestSpec, options: RequestOptions) -> dict[str, Any]:
     """The JSON body of one streamed request; non-standard fields only when asked for."""
-    body: dict[str, Any] = {"model": options.model, "max_tokens": spec.max_tokens, "stream": True}
+    body: dict[str, Any] = {
+        "model": options.model_for(spec.index),
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+    }
     if options.endpoint is Endpoint.chat:
         body["messages"] = spec.chat_messages()
     else:
