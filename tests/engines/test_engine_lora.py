@@ -13,7 +13,7 @@ from tests.engines.outputs import collect
 from tests.loras import build_lora, peft_greedy
 from tokenyard.engines import EngineRequest
 from tokenyard.engines.hf import HFEngine
-from tokenyard.errors import EngineError, InvalidRequest
+from tokenyard.errors import EngineError, FatalError, InvalidRequest
 from tokenyard.messages import SamplingParams
 
 PROMPTS = ["The queue holds", "Once upon a time there was", "def add(a, b):"]
@@ -185,3 +185,17 @@ def test_the_resident_set_evicts_only_unused_adapters_least_recent_first() -> No
     assert lora.loads_of["a"] == 2
     with pytest.raises(InvalidRequest):
         lora.ensure("e")  # no path anywhere
+
+
+def test_adapters_without_peft_stop_the_engine_at_once(
+    tiny_model_path: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an install without the hf extra's peft: refused when the worker starts, not job by job
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "peft" else found(name, *a)
+    )
+    with pytest.raises(FatalError, match="peft"):
+        HFEngine(str(tiny_model_path), threads=1, loras={"a1": str(adapters["a1"])})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import logging
 import math
@@ -608,6 +609,11 @@ class HFEngine(HFEngineBase):
         # `max_loras` resident (engines/lora.py)
         self.loras = dict(loras or {})
         self.max_loras = max_loras
+        if self.loras and importlib.util.find_spec("peft") is None:
+            # else the worker would start and fail each of the adapters' jobs instead
+            raise FatalError(
+                "--lora needs peft, which is not installed: pip install 'tokenyard[hf]'"
+            )
         if self.loras and cuda_graphs and cuda:
             # a replayed graph runs no Python hook: the adapters' spans change every pass
             log.info("CUDA graphs off: LoRA adapters are configured")

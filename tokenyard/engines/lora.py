@@ -50,9 +50,14 @@ def load_peft_adapter(
 ) -> _Adapter:
     """A PEFT LoRA adapter's weights by the model's module names; what it cannot be run as
     (another PEFT method, DoRA, per-module ranks, a module that is no Linear) is refused."""
-    from peft import LoraConfig
-    from peft.utils import load_peft_weights
-
+    try:
+        from peft import LoraConfig
+        from peft.utils import load_peft_weights
+    except ImportError as exc:  # the hf extra brings it; a slimmer install may not have it
+        raise InvalidRequest(
+            f"cannot load LoRA adapter '{name}': peft is not installed here "
+            "(pip install 'tokenyard[hf]')"
+        ) from exc
     try:
         config = LoraConfig.from_pretrained(path)
         state = load_peft_weights(path, device="cpu")
