@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,16 +45,7 @@ def peft_greedy(
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-    return list(out[0, len(prompt) :].tolist())
+    return _greedy(model, prompt, n)
 
 
 def write_lora(
@@ -124,6 +116,11 @@ def merged_greedy(
                     linear = modules[name.removeprefix("base_model.model.")]
                     assert isinstance(linear, torch.nn.Linear)
                     linear.weight += scale * (b @ a)
+    return _greedy(model, prompt, n)
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` (EOS ignored) from a transformers model."""
     model.eval()
     with torch.inference_mode():
         out = model.generate(
