@@ -38,11 +38,14 @@ def refusal(
     param: str = "prompt",
     *,
     token_ids: Sequence[int] = (),
+    adapter: str = "",
 ) -> InvalidRequest | None:
     """Why a request cannot run on a model with these limits, or None when it can.
 
     `token_ids`, when given, are the prompt's ids: one the model's embedding does not have
-    would fail every sequence batched with it, so it is refused here.
+    would fail every sequence batched with it, so it is refused here. `adapter` names the
+    LoRA adapter the request runs with: an engine that runs none refuses it here, by name,
+    rather than at the worker after the job was queued.
     """
     if not limits.generates:
         serves = (
@@ -69,6 +72,13 @@ def refusal(
         return InvalidRequest("top_k must not be negative", param="top_k")
     if (bad := _bad_decoding(params, limits)) is not None:
         return bad
+    if adapter and not limits.adapters:
+        return InvalidRequest(
+            f"The model '{adapter}' is a LoRA adapter, and {_engine(limits)} serving its base "
+            "runs none",
+            param="model",
+            code="unsupported_parameter",
+        )
     if prompt_tokens + params.max_tokens > limits.context:
         return context_length_exceeded(prompt_tokens, params.max_tokens, limits.context, param)
     return None
@@ -127,14 +137,17 @@ def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest
     missing = params.features - limits.features
     if missing:
         feature = min(missing)
-        engine = f"the {limits.engine} engine" if limits.engine else "this model's engine"
         what = feature.value if feature is not Feature.DETOKENIZE else "its detokenization"
         return InvalidRequest(
-            f"{what} is not supported by {engine} serving this model",
+            f"{what} is not supported by {_engine(limits)} serving this model",
             param=_feature_param(feature, params),
             code="unsupported_parameter",
         )
     return None
+
+
+def _engine(limits: ModelLimits) -> str:
+    return f"the {limits.engine} engine" if limits.engine else "this model's engine"
 
 
 def _feature_param(feature: Feature, params: SamplingParams) -> str:
@@ -266,6 +279,7 @@ def loosest(published: Iterable[ModelLimits]) -> ModelLimits | None:
         generates=any(x.generates for x in every),
         embeds=any(x.embeds for x in every),
         scores=any(x.scores for x in every),
+        adapters=any(x.adapters for x in every),
         matryoshka=any(x.matryoshka for x in every),
         matryoshka_dimensions=_loosest_dimensions(every),
         engine=every[0].engine if len({x.engine for x in every}) == 1 else "",

@@ -405,6 +405,7 @@ class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
     generates: bool = True  # runs completions (an embedding-only model does not)
     embeds: bool = False  # runs embeddings jobs
     scores: bool = False  # runs scoring jobs: a cross-encoder (/v1/score, /v1/rerank)
+    adapters: bool = False  # runs LoRA adapters (a worker that predates this field: none)
     # embeddings may be shortened (`dimensions`): a matryoshka model (its config's
     # `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them)
     matryoshka: bool = False

@@ -26,12 +26,23 @@ def test_cli_adds_lists_and_removes_adapters(stack: Stack) -> None:
     with httpx.Client(base_url=stack.url, timeout=30) as http:
         cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
         assert cards["sql"]["parent"] == MODEL and cards["sql"]["root"] == "/loras/sql"
-        # the sim engine runs no adapters: refused naming the model, not run as the base
-        answer = http.post(
-            "/v1/completions", json={"model": "sql", "prompt": "hi", "max_tokens": 4}
-        )
-        assert answer.status_code == 400, answer.text
-        assert "LoRA adapter" in answer.json()["error"]["message"]
+        # the sim engine runs no adapters: refused at admission naming the model (a stream
+        # too, before it starts), not queued and never run as the base
+        for stream in (False, True):
+            answer = http.post(
+                "/v1/completions",
+                json={"model": "sql", "prompt": "hi", "max_tokens": 4, "stream": stream},
+            )
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert "'sql' is a LoRA adapter" in error["message"]
+            assert (error["param"], error["code"]) == ("model", "unsupported_parameter")
+        # an adapter tokenizes as its base; it scores nothing (400, not an unknown model)
+        tokens = http.post("/tokenize", json={"model": "sql", "prompt": "hi"})
+        base = http.post("/tokenize", json={"model": MODEL, "prompt": "hi"})
+        assert tokens.status_code == 200 and tokens.json()["tokens"] == base.json()["tokens"]
+        score = http.post("/v1/score", json={"model": "sql", "text_1": "a", "text_2": "b"})
+        assert score.status_code == 400 and "LoRA adapter" in score.json()["error"]["message"]
     cli(stack, "lora", "rm", "sql")
     assert "sql" not in cli(stack, "lora", "list")
     result = runner.invoke(

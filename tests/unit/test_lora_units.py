@@ -80,3 +80,18 @@ async def test_the_book_reads_at_most_every_ttl_and_at_once_for_a_new_name() -> 
     assert directory.reads == 2
     await book.find("sql")
     assert directory.reads == 2  # a hit within the TTL reads nothing
+
+
+def test_an_adapter_on_an_engine_that_runs_none_is_refused_at_admission_by_name() -> None:
+    from tokenyard import limits
+    from tokenyard.engines.sim import SimEngine
+
+    sim = SimEngine().limits()  # runs no adapters, and says so in the limits it publishes
+    assert not sim.adapters
+    params = SamplingParams(max_tokens=4)
+    assert limits.refusal(3, params, sim) is None  # the base runs
+    refused = limits.refusal(3, params, sim, adapter="sql")
+    assert refused is not None and refused.param == "model"
+    assert refused.code == "unsupported_parameter" and "'sql' is a LoRA adapter" in str(refused)
+    runs = msgspec.structs.replace(sim, adapters=True)
+    assert limits.refusal(3, params, runs, adapter="sql") is None

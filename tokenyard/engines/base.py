@@ -244,6 +244,7 @@ class Engine(abc.ABC):
             revision=self.revision,
             engine=self.name,
             features=self.features,
+            adapters=self.runs_adapters,
         )
 
 

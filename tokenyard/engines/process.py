@@ -152,8 +152,8 @@ class ProcessEngine(ChannelEngine):
 
     @property
     def runs_adapters(self) -> bool:  # type: ignore[override]
-        # the child's engine may: it refuses an adapter it cannot run, as its own add would
-        return self.name in ("hf", "vllm", "remote")
+        # as the child's engine, built with the same options, publishes it
+        return self._shell_limits.adapters
 
     @property
     def pid(self) -> int | None:
@@ -275,6 +275,7 @@ class ProcessEngine(ChannelEngine):
             matryoshka=shell.matryoshka,
             matryoshka_dimensions=shell.matryoshka_dimensions,
             features=shell.features,
+            adapters=shell.adapters,
         )
 
     def abort(self, seq_id: str) -> None:

@@ -213,7 +213,14 @@ async def admit(
         cache_salt=body.cache_salt,
         prompt_logprobs=_prompt_logprobs(body),
     )
-    refused = limits.refusal(prompt_tokens, sampling, model_limits, param, token_ids=supplied)
+    refused = limits.refusal(
+        prompt_tokens,
+        sampling,
+        model_limits,
+        param,
+        token_ids=supplied,
+        adapter="" if adapter is None else adapter.name,
+    )
     if refused is not None and guide is not None:
         refused = _as_guided_by(refused, guide[1])
     limits.check(refused)
@@ -253,14 +260,27 @@ def refuse_untrusted_template(settings: GatewaySettings, chat_template: str | No
         )
 
 
-async def resolve_model(state: GatewayState, asked: str) -> tuple[str, AdapterRecord | None]:
-    """The served model a request runs on (an alias resolved), and the LoRA adapter it runs
-    with when `asked` names one; a name neither serves is left for `tokenizer_for` to 404."""
-    model = resolve_alias(state.routing, asked)
+async def resolve_model(state: GatewayState, asked: str | None) -> tuple[str, AdapterRecord | None]:
+    """The served model a request runs on (an alias resolved; none named: see `model_named`),
+    and the LoRA adapter it runs with when `asked` names one; a name neither serves is left
+    for `tokenizer_for` to 404."""
+    model = model_named(state, asked)
     if model in state.served.models:
         return model, None
     adapter = await state.adapters.find(model)
     return (model, None) if adapter is None else (adapter.base, adapter)
+
+
+async def _base_model(state: GatewayState, asked: str | None, task: str) -> str:
+    """The model a pooling request runs on: an adapter's name is refused (400, not an unknown
+    model's 404), since adapters are loaded for generation only."""
+    model, adapter = await resolve_model(state, asked)
+    if adapter is not None:
+        raise InvalidRequest(
+            f"The model '{adapter.name}' is a LoRA adapter: it runs completions, not {task}",
+            param="model",
+        )
+    return model
 
 
 def _affinity_key(prefix_key: str, adapter: AdapterRecord | None) -> str:
@@ -356,12 +376,7 @@ async def admit_embeddings(
     rule against the model's limits, with the vector options it asks."""
     body.refuse_unsupported()
     inputs = body.inputs()
-    model, adapter = await resolve_model(state, body.model)
-    if adapter is not None:
-        raise InvalidRequest(
-            f"The model '{adapter.name}' is a LoRA adapter: it runs completions, not embeddings",
-            param="model",
-        )
+    model = await _base_model(state, body.model, "embeddings")
     tokenizer = tokenizer_for(state, model)
     model_limits = await state.limits.of(model, tokenizer)
     keep = _kept_tokens(body.truncate_prompt_tokens, model_limits)
@@ -407,7 +422,7 @@ async def admit_scores(
     run; a model that does not score is refused by name."""
     body.refuse_unsupported()
     pairs, param = body.pairs()
-    model = model_named(state, body.model)
+    model = await _base_model(state, body.model, "scores")
     tokenizer = tokenizer_for(state, model)
     model_limits = await state.limits.of(model, tokenizer)
     if not model_limits.scores:

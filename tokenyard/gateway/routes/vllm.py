@@ -19,8 +19,8 @@ from tokenyard.errors import InvalidRequest
 from tokenyard.gateway import protocol, vllm_api
 from tokenyard.gateway.admission import (
     chat_prompt,
-    model_named,
     refuse_untrusted_template,
+    resolve_model,
     tokenizer_for,
 )
 from tokenyard.gateway.auth import TenantDep
@@ -62,7 +62,7 @@ async def tokenize(request: Request, tenant: TenantDep) -> Response:
     body = protocol.parse(kind, raw, checked=True)
     body.refuse_unsupported()
     state = gateway(request)
-    model = model_named(state, body.model)
+    model, _ = await resolve_model(state, body.model)  # an adapter: its base's tokenizer
     tokenizer = tokenizer_for(state, model)
     if isinstance(body, TokenizeChatRequest):
         # rendered as the chat completion of the same messages is: the same trust rule for a
@@ -98,7 +98,7 @@ async def detokenize(request: Request, tenant: TenantDep) -> Response:
     body = protocol.parse(DetokenizeRequest, await request.body())
     body.refuse_unsupported()
     state = gateway(request)
-    model = model_named(state, body.model)
+    model, _ = await resolve_model(state, body.model)  # an adapter: its base's tokenizer
     tokenizer = tokenizer_for(state, model)
     vocab = tokenizer.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
