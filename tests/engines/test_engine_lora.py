@@ -111,6 +111,28 @@ async def test_adapter_from_a_jobs_path_and_lru(
     assert sorted(engine._lora.resident) == ["a1", "a2"]  # a3, least recent, was evicted
 
 
+async def test_ready_for_loads_an_adapter_off_the_loop_once(
+    engine: HFEngine, tiny_model_path: Path, adapters: dict[str, Path]
+) -> None:
+    lora = engine._lora
+    assert lora is not None and "a3" not in lora.resident
+    path = str(adapters["a3"])
+    await engine.ready_for(greedy(), "a3", path)  # the worker's step before `add`
+    assert "a3" in lora.resident and lora.users("a3") == 0 and lora.loads_of["a3"] == 1
+    tok = engine.tokenizer
+    engine.add(
+        EngineRequest("r", tok.encode(PROMPTS[1]), greedy(), adapter="a3", adapter_path=path)
+    )
+    assert lora.loads_of["a3"] == 1 and lora.users("a3") == 1  # found loaded, not read again
+    ids = tok.encode(PROMPTS[1])
+    assert (await collect(engine, 1))["r"].token_ids == peft_greedy(
+        tiny_model_path, adapters["a3"], ids, N
+    )
+    await engine.ready_for(greedy(), "nope")  # never raises: add refuses it by name
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        engine.add(EngineRequest("n", [1, 2, 3], greedy(), adapter="nope"))
+
+
 async def test_unknown_adapter_is_refused(engine: HFEngine) -> None:
     with pytest.raises(InvalidRequest, match="does not exist"):
         engine.add(EngineRequest("u", [1, 2, 3], greedy(), adapter="nope"))

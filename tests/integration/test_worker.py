@@ -307,7 +307,9 @@ class _CompilingSim(SimEngine):
         self.readied: list[SamplingParams] = []
         self.unready_adds: list[str] = []
 
-    async def ready_for(self, params: SamplingParams) -> None:
+    async def ready_for(
+        self, params: SamplingParams, adapter: str | None = None, adapter_path: str = ""
+    ) -> None:
         self.readied.append(params)
         await asyncio.sleep(0.5)  # a slow compilation, which the loop does not wait out
 

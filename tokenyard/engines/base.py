@@ -211,11 +211,14 @@ class Engine(abc.ABC):
         engine is stopped: those are the caller's bugs.
         """
 
-    async def ready_for(self, params: SamplingParams) -> None:
-        """Do off the caller's loop what `add` would otherwise do on it for these params
-        (compiling a structured output): the worker awaits it for a claimed job with a guide
-        before the job may start. Never raises: `add` raises what it found (the compiled
-        result is remembered). The default does nothing."""
+    async def ready_for(
+        self, params: SamplingParams, adapter: str | None = None, adapter_path: str = ""
+    ) -> None:
+        """Do off the caller's loop what `add` would otherwise do on it for these params and
+        this LoRA adapter (compiling a structured output, loading the adapter): the worker
+        awaits it for a claimed job with a guide or an adapter before the job may start. Never
+        raises: `add` raises what it found (the compiled result is remembered; a failed load
+        is tried again there). The default does nothing."""
         return None
 
     @abc.abstractmethod

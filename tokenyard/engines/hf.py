@@ -467,10 +467,16 @@ class HFEngineBase(LocalEngine[HFSeq]):
                 )
             return self._guides
 
-    async def ready_for(self, params: SamplingParams) -> None:
+    async def ready_for(
+        self, params: SamplingParams, adapter: str | None = None, adapter_path: str = ""
+    ) -> None:
         # The first guide also builds the compiler (the vocabulary's token table): off the loop.
         if params.guide is not None:
             await asyncio.to_thread(self._precompile, params.guide)
+        lora = self._lora
+        if adapter is not None and lora is not None and adapter not in lora.resident:
+            # a load reads the adapter from disk: off the loop, which steps other jobs' tokens
+            await asyncio.to_thread(lora.preload, adapter, adapter_path)
 
     def _precompile(self, guide: Guide) -> None:
         # what went wrong is remembered with the compilation: add raises it, at once

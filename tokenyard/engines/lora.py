@@ -13,6 +13,7 @@ for base tokens): two small matmuls per layer however many adapters the pass mix
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -165,6 +166,13 @@ class LoraSet:
                 self._evict()
                 resident = list(self._resident.items())
             self._restack(resident)
+
+    def preload(self, name: str, path: str = "") -> None:
+        """Make `name` resident, used by no sequence yet (the most recently used), so that the
+        `ensure` of the add that follows finds it; what fails is left for that add to raise."""
+        with contextlib.suppress(Exception):
+            self.ensure(name, path)
+            self.release(name)
 
     def _use(self, name: str) -> bool:
         with self._book:

@@ -379,9 +379,10 @@ class Worker:
                     extra=job_fields(spec.id, spec.trace_context),
                 )
                 return None
-        if spec.sampling.guide is not None:
-            # compiled off this loop now, so that `add` (on it) finds it done; never raises
-            await self.engine.ready_for(spec.sampling)
+        if spec.sampling.guide is not None or spec.adapter:
+            # compiled / loaded off this loop now, so that `add` (on it) finds it done; never
+            # raises
+            await self.engine.ready_for(spec.sampling, spec.adapter or None, spec.adapter_path)
         return job
 
     @staticmethod
