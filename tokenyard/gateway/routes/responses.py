@@ -88,8 +88,13 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
         else:
             await state.abandonment.cancel_now(job_id)  # no caller will follow it
         raise
-    if isinstance(outcome, Queued):
-        return await _background(request, body, stored, headers)
+    if isinstance(outcome, Queued):  # read later: the stored response now, or its events
+        service.watch(stored)
+        if not body.stream:
+            return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
+        # no caller owns a background job: its stream's reader may leave and come back
+        call = LiveCall(state, job_id, stored.model, fresh=True)
+        return await call.stream(_events(request, stored), headers)
     return await _live(request, body, stored, outcome.call, headers)
 
 
@@ -160,22 +165,6 @@ def _stored(
         reasoning=spec.reasoning,
         chained=True,
     )
-
-
-async def _background(
-    request: Request,
-    body: ResponseRequest,
-    stored: StoredResponse,
-    headers: dict[str, str],
-) -> Response:
-    """A queued job, read later: its stored response now (or its events, when streamed)."""
-    state, service = gateway(request), _service(request)
-    service.watch(stored)
-    if body.stream:
-        # no caller owns a background job: its stream's reader may leave and come back
-        call = LiveCall(state, stored.job_id, stored.model, fresh=True)
-        return await call.stream(_events(request, stored), headers)
-    return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
 
 
 async def _live(
