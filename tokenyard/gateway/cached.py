@@ -12,7 +12,7 @@ from tokenyard.gateway.adapters import answered_model
 from tokenyard.gateway.cache import cache_key, cache_scope, deterministic
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState
-from tokenyard.gateway.streaming import EventStreamResponse, OpenAIRenderer, Renderer
+from tokenyard.gateway.streaming import ChunkHead, EventStreamResponse, OpenAIRenderer, Renderer
 from tokenyard.gateway.tools import Reader, parse_whole
 from tokenyard.gateway.vllm_api import RerankRequest, ScoreRequest
 from tokenyard.messages import JobResult, JobSpec, TokenChunk
@@ -78,10 +78,7 @@ def cached_response(
         )
         return FastJSONResponse(content, headers=headers)
     renderer = OpenAIRenderer(
-        kind,
-        spec.id,
-        answered_model(spec),
-        created,
+        ChunkHead(kind, spec.id, answered_model(spec), created),
         include_usage=body.include_usage,
         resumed=False,
         how=how,

@@ -53,6 +53,28 @@ _REASONS = {
 }
 
 
+def _object(
+    properties: dict[str, Any], required: Sequence[str] = (), *, closed: bool = False
+) -> dict[str, Any]:
+    """An object of these fields, `required` of them needed. `closed` admits no other field:
+    a request body's unknown or misspelt field is a 400 naming it, not a field ignored."""
+    schema: dict[str, Any] = {"type": "object"}
+    if required:
+        schema["required"] = list(required)
+    if closed:
+        schema["additionalProperties"] = False
+    schema["properties"] = properties
+    return schema
+
+
+def _tagged(
+    kind: str, properties: dict[str, Any], required: Sequence[str] = (), *, closed: bool = False
+) -> dict[str, Any]:
+    """One member of a union its `type` names (a response format, a tool, an input item): the
+    name is required, so a body matches one member at most."""
+    return _object({"type": {"const": kind}, **properties}, ["type", *required], closed=closed)
+
+
 def _error_ref() -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
 
@@ -65,15 +87,14 @@ def answers(*statuses: int) -> dict[int | str, dict[str, Any]]:
 # each server-sent event, as a client parses it
 SSE = {
     "text/event-stream": {
-        "schema": {
-            "type": "object",
-            "required": ["data"],
-            "properties": {
+        "schema": _object(
+            {
                 "data": {"type": "string"},
                 "id": {"type": "string"},
                 "event": {"type": "string"},
             },
-        }
+            ["data"],
+        )
     }
 }
 
@@ -84,37 +105,33 @@ def json_body(schema: str) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
+ERROR = _object(
+    {
+        "error": _object(
+            {
                 "message": {"type": "string"},
                 "type": {"type": "string"},
                 "param": {"type": ["string", "null"]},
                 "code": {"type": ["string", "null"]},
             },
-        }
+            ["message", "type", "param", "code"],
+        )
     },
-}
+    ["error"],
+)
 
 
 # Anthropic's error shape, which its API's paths answer (`errors.anthropic_path`)
-ANTHROPIC_ERROR = {
-    "type": "object",
-    "required": ["type", "error"],
-    "properties": {
-        "type": {"const": "error"},
-        "error": {
-            "type": "object",
-            "required": ["type", "message"],
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
-        },
+ANTHROPIC_ERROR = _tagged(
+    "error",
+    {
+        "error": _object(
+            {"type": {"type": "string"}, "message": {"type": "string"}},
+            ["type", "message"],
+        ),
     },
-}
+    ["error"],
+)
 
 
 def _vllm_fields(feature: str) -> dict[str, Any]:
@@ -257,71 +274,57 @@ def request_schemas(
     penalty = {"type": "number", "minimum": -2, "maximum": 2, "description": feature}
     response_format = {
         "oneOf": [
-            {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
-            {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"const": "json_object"}},
-            },
-            {
-                "type": "object",
-                "required": ["type", "json_schema"],
-                "properties": {
-                    "type": {"const": "json_schema"},
-                    "json_schema": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {
+            _tagged("text", {}),
+            _tagged("json_object", {}),
+            _tagged(
+                "json_schema",
+                {
+                    "json_schema": _object(
+                        {
                             "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                             "schema": {"type": ["object", "boolean"]},
                             "strict": {"type": ["boolean", "null"]},
                         },
-                    },
+                        ["name"],
+                    ),
                 },
-            },
+                ["json_schema"],
+            ),
         ],
         "description": "json_object or json_schema: " + guide,
     }
     # the Responses API's `text.format`: chat's response_format with the schema's fields flat
     text_format = {
         "oneOf": [
-            *(
+            *(_tagged(kind, {}, closed=True) for kind in ("text", "json_object")),
+            _tagged(
+                "json_schema",
                 {
-                    "type": "object",
-                    "required": ["type"],
-                    "additionalProperties": False,
-                    "properties": {"type": {"const": kind}},
-                }
-                for kind in ("text", "json_object")
-            ),
-            {
-                "type": "object",
-                "required": ["type", "name", "schema"],
-                "additionalProperties": False,
-                "properties": {
-                    "type": {"const": "json_schema"},
                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                     "schema": {"type": ["object", "boolean"]},
                     "strict": {"type": ["boolean", "null"]},
                     "description": {"type": "string"},
                 },
-            },
+                ["name", "schema"],
+                closed=True,
+            ),
         ],
         "description": "json_object or json_schema: " + guide,
     }
     structured_outputs = {
-        "type": "object",
-        "properties": {
-            "json": {"type": ["string", "object", "boolean", "null"]},
-            "regex": {"type": ["string", "null"], "minLength": 1},
-            "choice": {
-                "type": ["array", "null"],
-                "items": {"type": "string", "minLength": 1},
-                "minItems": 1,
+        **_object(
+            {
+                "json": {"type": ["string", "object", "boolean", "null"]},
+                "regex": {"type": ["string", "null"], "minLength": 1},
+                "choice": {
+                    "type": ["array", "null"],
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                },
+                "grammar": {"type": ["string", "null"], "minLength": 1},
+                "json_object": {"type": ["boolean", "null"]},
             },
-            "grammar": {"type": ["string", "null"], "minLength": 1},
-            "json_object": {"type": ["boolean", "null"]},
-        },
+        ),
         # vLLM's other switches (whitespace, backend, structural tags) only unset
         "additionalProperties": {"enum": [None, False, ""]},
         "description": "vLLM's: " + guide,
@@ -341,8 +344,9 @@ def request_schemas(
         "stream": {"type": "boolean", "default": False},
         "stream_options": _nullable(
             {
-                "type": "object",
-                "properties": {"include_usage": {"type": "boolean"}},
+                **_object(
+                    {"include_usage": {"type": "boolean"}},
+                ),
                 "description": "only with stream: true",
             }
         ),
@@ -492,26 +496,32 @@ def request_schemas(
         }
 
     completion: dict[str, Any] = {
-        "type": "object",
-        "required": ["model", "prompt"],
-        "additionalProperties": False,
-        "properties": {
-            **common,
-            "prompt": prompts(settings.max_prompts),
-            "echo": {
-                "type": "boolean",
-                "default": False,
-                "description": "the prompt's text before each choice's (with logprobs: its "
-                "logprobs first, not streamed)",
+        **_object(
+            {
+                **common,
+                "prompt": prompts(settings.max_prompts),
+                "echo": {
+                    "type": "boolean",
+                    "default": False,
+                    "description": "the prompt's text before each choice's (with logprobs: its "
+                    "logprobs first, not streamed)",
+                },
+                "logprobs": _nullable(
+                    {
+                        "type": "integer",
+                        "minimum": 0,
+                        "maximum": MAX_LOGPROBS,
+                        "description": feature,
+                    }
+                ),
+                "best_of": _nullable(
+                    {"type": "integer", "minimum": 1, "description": "equal to n when given"}
+                ),
+                "suffix": _neutral(None, ""),
             },
-            "logprobs": _nullable(
-                {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": feature}
-            ),
-            "best_of": _nullable(
-                {"type": "integer", "minimum": 1, "description": "equal to n when given"}
-            ),
-            "suffix": _neutral(None, ""),
-        },
+            ["model", "prompt"],
+            closed=True,
+        ),
         "allOf": [
             stream_rule,
             echo_rule,
@@ -520,51 +530,46 @@ def request_schemas(
             *_without_lacking(served, "completion"),
         ],
     }
-    text_part = {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    }
-    tool_call = {
-        "type": "object",
-        "required": ["id", "function"],
-        "properties": {
+    text_part = _tagged("text", {"text": {"type": "string"}}, ["text"])
+    tool_call = _object(
+        {
             "id": {"type": "string", "minLength": 1},
             "type": {"const": "function"},
-            "function": {
-                "type": "object",
-                "required": ["name", "arguments"],
-                "properties": {
+            "function": _object(
+                {
                     "name": {"type": "string", "minLength": 1},
                     "arguments": {
                         "anyOf": [{"type": "string"}, {"type": "object"}],
                         "description": "a JSON object (as JSON text)",
                     },
                 },
-            },
+                ["name", "arguments"],
+            ),
         },
-    }
+        ["id", "function"],
+    )
     message = {
-        "type": "object",
-        "required": ["role"],
-        "additionalProperties": False,
-        "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-            "content": _nullable(
-                {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
-            ),
-            "name": _nullable({"type": "string"}),
-            "tool_calls": _nullable(
-                {"type": "array", "items": tool_call, "description": "an assistant's calls"}
-            ),
-            "tool_call_id": _nullable(
-                {"type": "string", "description": "a tool message: the call it answers"}
-            ),
-            **{
-                name: _nullable({"type": "string", "description": "an assistant's reasoning"})
-                for name in ("reasoning", "reasoning_content")
+        **_object(
+            {
+                "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                "content": _nullable(
+                    {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+                ),
+                "name": _nullable({"type": "string"}),
+                "tool_calls": _nullable(
+                    {"type": "array", "items": tool_call, "description": "an assistant's calls"}
+                ),
+                "tool_call_id": _nullable(
+                    {"type": "string", "description": "a tool message: the call it answers"}
+                ),
+                **{
+                    name: _nullable({"type": "string", "description": "an assistant's reasoning"})
+                    for name in ("reasoning", "reasoning_content")
+                },
             },
-        },
+            ["role"],
+            closed=True,
+        ),
         "allOf": [
             {  # content may be null (or left out) only in an assistant's message of calls
                 "if": {
@@ -619,103 +624,102 @@ def request_schemas(
         },
     }
     chat: dict[str, Any] = {
-        "type": "object",
-        "required": ["model", "messages"],
-        "additionalProperties": False,
-        "properties": {
-            **common,
-            "messages": {"type": "array", "items": message, "minItems": 1},
-            # vLLM's chat template switches
-            "add_generation_prompt": {"type": "boolean", "default": True},
-            "continue_final_message": {
-                "type": "boolean",
-                "default": False,
-                "description": "the last message left open; not with add_generation_prompt",
-            },
-            "chat_template": (
-                _nullable({"type": "string", "description": "jinja, as the model's"})
-                if settings.trust_request_chat_template
-                else _neutral(None)
-            ),
-            "max_completion_tokens": _nullable(max_tokens),
-            "logprobs": {"type": "boolean", "default": False, "description": feature},
-            "top_logprobs": _nullable(
-                {
-                    "type": "integer",
-                    "minimum": 0,
-                    "maximum": MAX_LOGPROBS,
-                    "description": "only with logprobs: true",
-                }
-            ),
-            "tools": _nullable(
-                {
-                    "type": "array",
-                    "maxItems": 128,
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "function"],
-                        "properties": {
-                            "type": {"const": "function"},
-                            "function": {
-                                "type": "object",
-                                "required": ["name"],
-                                "additionalProperties": False,
-                                "properties": function,
+        **_object(
+            {
+                **common,
+                "messages": {"type": "array", "items": message, "minItems": 1},
+                # vLLM's chat template switches
+                "add_generation_prompt": {"type": "boolean", "default": True},
+                "continue_final_message": {
+                    "type": "boolean",
+                    "default": False,
+                    "description": "the last message left open; not with add_generation_prompt",
+                },
+                "chat_template": (
+                    _nullable({"type": "string", "description": "jinja, as the model's"})
+                    if settings.trust_request_chat_template
+                    else _neutral(None)
+                ),
+                "max_completion_tokens": _nullable(max_tokens),
+                "logprobs": {"type": "boolean", "default": False, "description": feature},
+                "top_logprobs": _nullable(
+                    {
+                        "type": "integer",
+                        "minimum": 0,
+                        "maximum": MAX_LOGPROBS,
+                        "description": "only with logprobs: true",
+                    }
+                ),
+                "tools": _nullable(
+                    {
+                        "type": "array",
+                        "maxItems": 128,
+                        "items": _tagged(
+                            "function",
+                            {
+                                "function": _object(
+                                    function,
+                                    ["name"],
+                                    closed=True,
+                                ),
                             },
-                        },
-                    },
-                }
-            ),
-            "functions": _neutral(None, []),
-            "tool_choice": _nullable(
-                {
-                    "anyOf": [
-                        tool_choices,
-                        {
-                            "type": "object",
-                            "required": ["type", "function"],
-                            "properties": {
-                                "type": {"const": "function"},
-                                "function": {
-                                    "type": "object",
-                                    "required": ["name"],
-                                    "properties": {"name": {"type": "string"}},
+                            ["function"],
+                        ),
+                    }
+                ),
+                "functions": _neutral(None, []),
+                "tool_choice": _nullable(
+                    {
+                        "anyOf": [
+                            tool_choices,
+                            _tagged(
+                                "function",
+                                {
+                                    "function": _object(
+                                        {"name": {"type": "string"}},
+                                        ["name"],
+                                    ),
                                 },
-                            },
-                        },
-                    ]
-                }
-            ),
-            "function_call": _neutral(None, "none"),
-            "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "store": _nullable({"type": "boolean"}),
-            "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
-            "service_tier": _nullable({"type": "string"}),
-            "reasoning_effort": _nullable(
-                {
-                    "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"],
-                    "description": "a chat template variable (with the `enable_thinking` it "
-                    "implies: false for none)",
-                }
-            ),
-            "chat_template_kwargs": _nullable(
-                {
-                    "type": "object",
-                    "description": "the chat template's variables (e.g. `enable_thinking`); "
-                    "not apply_chat_template's own arguments",
-                    "propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}},
-                }
-            ),
-            "include_reasoning": {
-                "type": "boolean",
-                "default": True,
-                "description": "false: the reasoning the gateway's reasoning parser splits "
-                "off is left out of the answer",
+                                ["function"],
+                            ),
+                        ]
+                    }
+                ),
+                "function_call": _neutral(None, "none"),
+                "parallel_tool_calls": _nullable({"type": "boolean"}),
+                "store": _nullable({"type": "boolean"}),
+                "metadata": _nullable(
+                    {"type": "object", "additionalProperties": {"type": "string"}}
+                ),
+                "service_tier": _nullable({"type": "string"}),
+                "reasoning_effort": _nullable(
+                    {
+                        "enum": ["none", "minimal", "low", "medium", "high", "xhigh", "max"],
+                        "description": "a chat template variable (with the `enable_thinking` it "
+                        "implies: false for none)",
+                    }
+                ),
+                "chat_template_kwargs": _nullable(
+                    {
+                        "type": "object",
+                        "description": "the chat template's variables (e.g. `enable_thinking`); "
+                        "not apply_chat_template's own arguments",
+                        "propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}},
+                    }
+                ),
+                "include_reasoning": {
+                    "type": "boolean",
+                    "default": True,
+                    "description": "false: the reasoning the gateway's reasoning parser splits "
+                    "off is left out of the answer",
+                },
+                "modalities": _neutral(None, ["text"]),
+                "audio": _neutral(None),
+                "prediction": _neutral(None),
             },
-            "modalities": _neutral(None, ["text"]),
-            "audio": _neutral(None),
-            "prediction": _neutral(None),
-        },
+            ["model", "messages"],
+            closed=True,
+        ),
         "allOf": [
             stream_rule,
             top_logprobs_rule,
@@ -738,11 +742,8 @@ def request_schemas(
             },
         ],
     }
-    batch = {
-        "type": "object",
-        "required": ["input_file_id", "endpoint", "completion_window"],
-        "additionalProperties": False,
-        "properties": {
+    batch = _object(
+        {
             "input_file_id": {"type": "string"},
             "endpoint": {"enum": list(ENDPOINTS)},
             "completion_window": {"const": "24h"},
@@ -756,14 +757,13 @@ def request_schemas(
             ),
             "output_expires_after": _nullable({"type": "object"}),
         },
-    }
+        ["input_file_id", "endpoint", "completion_window"],
+        closed=True,
+    )
     tokenyard = {name: common[name] for name in ("deadline", "cache")}
     tokenyard["priority"] = _nullable({"enum": ["high", "normal", "low"]})
-    embedding = {
-        "type": "object",
-        "required": ["model", "input"],
-        "additionalProperties": False,
-        "properties": {
+    embedding = _object(
+        {
             "model": _embedding_models(models, embedders),
             "input": prompts(MAX_EMBEDDING_INPUTS, "each input within the model's context"),
             "encoding_format": {"enum": ["float", "base64"], "default": "float"},
@@ -782,162 +782,163 @@ def request_schemas(
             ),
             **tokenyard,
         },
-    }
-    input_part = {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
-    }
-    input_message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "additionalProperties": False,
-        "properties": {
+        ["model", "input"],
+        closed=True,
+    )
+    input_part = _object(
+        {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
+        ["type", "text"],
+    )
+    # an earlier response's output item, sent back as input, carries its id and status
+    echoed = {"id": {"type": "string"}, "status": {"type": "string"}}
+    input_message = _object(
+        {
             "type": {"const": "message"},
             "role": {"enum": ["system", "developer", "user", "assistant"]},
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
-            "id": {"type": "string"},
-            "status": {"type": "string"},
+            **echoed,
         },
-    }
-    call_item = {
-        "type": "object",
-        "required": ["type", "call_id", "name", "arguments"],
-        "additionalProperties": False,
-        "properties": {
-            "type": {"const": "function_call"},
+        ["role", "content"],
+        closed=True,
+    )
+    call_item = _tagged(
+        "function_call",
+        {
             "call_id": {"type": "string", "minLength": 1},
             "name": {"type": "string", "minLength": 1},
             "arguments": {"type": "string", "minLength": 1},
-            "id": {"type": "string"},
-            "status": {"type": "string"},
+            **echoed,
         },
-    }
-    call_output_item = {
-        "type": "object",
-        "required": ["type", "call_id", "output"],
-        "additionalProperties": False,
-        "properties": {
-            "type": {"const": "function_call_output"},
+        ["call_id", "name", "arguments"],
+        closed=True,
+    )
+    call_output_item = _tagged(
+        "function_call_output",
+        {
             "call_id": {"type": "string", "minLength": 1},
             "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": input_part}]},
-            "id": {"type": "string"},
-            "status": {"type": "string"},
+            **echoed,
         },
-    }
-    reasoning_part = {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {
+        ["call_id", "output"],
+        closed=True,
+    )
+    reasoning_part = _object(
+        {
             "type": {"enum": ["reasoning_text", "summary_text"]},
             "text": {"type": "string"},
         },
-    }
+        ["type", "text"],
+    )
     reasoning_item = {
-        "type": "object",
-        "required": ["type"],
-        "additionalProperties": False,
+        **_tagged(
+            "reasoning",
+            {
+                "summary": _nullable({"type": "array", "items": reasoning_part}),
+                "content": _nullable({"type": "array", "items": reasoning_part}),
+                "encrypted_content": _neutral(None),
+                **echoed,
+            },
+            closed=True,
+        ),
         "description": "an earlier answer's reasoning: joins the assistant message after it",
-        "properties": {
-            "type": {"const": "reasoning"},
-            "summary": _nullable({"type": "array", "items": reasoning_part}),
-            "content": _nullable({"type": "array", "items": reasoning_part}),
-            "encrypted_content": _neutral(None),
-            "id": {"type": "string"},
-            "status": {"type": "string"},
-        },
     }
     response = {
-        "type": "object",
-        "required": ["model", "input"],
-        "additionalProperties": False,
-        "properties": {
-            "model": common["model"],
-            "input": {
-                "anyOf": [
-                    {"type": "string"},
-                    {
-                        "type": "array",
-                        "items": {
-                            "anyOf": [input_message, call_item, call_output_item, reasoning_item]
-                        },
-                        "minItems": 1,
-                    },
-                ]
-            },
-            "instructions": _nullable({"type": "string"}),
-            "max_output_tokens": _nullable(max_tokens),
-            "temperature": common["temperature"],
-            "top_p": common["top_p"],
-            "stream": {"type": "boolean", "default": False},
-            "background": {"type": "boolean", "default": False},
-            "store": {"type": "boolean", "default": True},
-            "metadata": chat["properties"]["metadata"],
-            "previous_response_id": _nullable(
-                {"type": "string", "minLength": 1, "description": "a stored response's id"}
-            ),
-            "user": common["user"],
-            "safety_identifier": _nullable({"type": "string"}),
-            "tools": _nullable(
-                {
-                    "type": "array",
-                    "maxItems": 128,
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "name"],
-                        "additionalProperties": False,
-                        "properties": {"type": {"const": "function"}, **function},
-                    },
-                }
-            ),
-            "tool_choice": _nullable(
-                {
+        **_object(
+            {
+                "model": common["model"],
+                "input": {
                     "anyOf": [
-                        tool_choices,
+                        {"type": "string"},
                         {
-                            "type": "object",
-                            "required": ["type", "name"],
-                            "properties": {
-                                "type": {"const": "function"},
-                                "name": {"type": "string"},
+                            "type": "array",
+                            "items": {
+                                "anyOf": [
+                                    input_message,
+                                    call_item,
+                                    call_output_item,
+                                    reasoning_item,
+                                ]
                             },
+                            "minItems": 1,
                         },
                     ]
-                }
-            ),
-            "parallel_tool_calls": _nullable({"type": "boolean"}),
-            "text": _nullable(
-                {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"format": _nullable(text_format)},
-                }
-            ),
-            "truncation": _neutral(None, "disabled"),
-            "include": _neutral(None, []),
-            "reasoning": _nullable(
-                {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "description": "effort: a chat template variable (chat's reasoning_effort)",
-                    "properties": {
-                        "effort": chat["properties"]["reasoning_effort"],
-                        "summary": _neutral(None),
-                        "generate_summary": _neutral(None),
-                    },
-                }
-            ),
-            "service_tier": _neutral(None, "auto", "default"),
-            "top_logprobs": _neutral(None, 0),
-            "stream_options": _nullable(
-                {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"include_obfuscation": {"type": "boolean"}},
-                    "description": "only with stream: true",
-                }
-            ),
-        },
+                },
+                "instructions": _nullable({"type": "string"}),
+                "max_output_tokens": _nullable(max_tokens),
+                "temperature": common["temperature"],
+                "top_p": common["top_p"],
+                "stream": {"type": "boolean", "default": False},
+                "background": {"type": "boolean", "default": False},
+                "store": {"type": "boolean", "default": True},
+                "metadata": chat["properties"]["metadata"],
+                "previous_response_id": _nullable(
+                    {"type": "string", "minLength": 1, "description": "a stored response's id"}
+                ),
+                "user": common["user"],
+                "safety_identifier": _nullable({"type": "string"}),
+                "tools": _nullable(
+                    {
+                        "type": "array",
+                        "maxItems": 128,
+                        "items": _tagged(
+                            "function",
+                            function,
+                            ["name"],
+                            closed=True,
+                        ),
+                    }
+                ),
+                "tool_choice": _nullable(
+                    {
+                        "anyOf": [
+                            tool_choices,
+                            _tagged(
+                                "function",
+                                {
+                                    "name": {"type": "string"},
+                                },
+                                ["name"],
+                            ),
+                        ]
+                    }
+                ),
+                "parallel_tool_calls": _nullable({"type": "boolean"}),
+                "text": _nullable(
+                    _object(
+                        {"format": _nullable(text_format)},
+                        closed=True,
+                    )
+                ),
+                "truncation": _neutral(None, "disabled"),
+                "include": _neutral(None, []),
+                "reasoning": _nullable(
+                    {
+                        **_object(
+                            {
+                                "effort": chat["properties"]["reasoning_effort"],
+                                "summary": _neutral(None),
+                                "generate_summary": _neutral(None),
+                            },
+                            closed=True,
+                        ),
+                        "description": "effort: a chat template variable (chat's reasoning_effort)",
+                    }
+                ),
+                "service_tier": _neutral(None, "auto", "default"),
+                "top_logprobs": _neutral(None, 0),
+                "stream_options": _nullable(
+                    {
+                        **_object(
+                            {"include_obfuscation": {"type": "boolean"}},
+                            closed=True,
+                        ),
+                        "description": "only with stream: true",
+                    }
+                ),
+            },
+            ["model", "input"],
+            closed=True,
+        ),
         "allOf": [
             stream_rule,
             {  # a background response is read later: it must be stored
@@ -977,50 +978,49 @@ def _vllm_requests(
     through the chat template, as a chat completion renders them) and /detokenize."""
     model = _nullable(common["model"])
     strs = _nullable({"type": "boolean"})
-    prompt_tokenize = {
-        "type": "object",
-        "required": ["prompt"],
-        "additionalProperties": False,
-        "properties": {
+    prompt_tokenize = _object(
+        {
             "model": model,
             "prompt": {"type": "string"},
             "add_special_tokens": {"type": "boolean", "default": True},
             "return_token_strs": strs,
         },
-    }
+        ["prompt"],
+        closed=True,
+    )
     chat_tokenize = {
-        "type": "object",
-        "required": ["messages"],
-        "additionalProperties": False,
-        "properties": {
-            "model": model,
-            "messages": chat["properties"]["messages"],
-            "tools": chat["properties"]["tools"],
-            "add_special_tokens": {"type": "boolean", "default": False},
-            "return_token_strs": strs,
-            # the chat completion's template switches, variables and (trusted) template
-            **{
-                name: chat["properties"][name]
-                for name in (
-                    "add_generation_prompt",
-                    "continue_final_message",
-                    "chat_template",
-                    "chat_template_kwargs",
-                )
+        **_object(
+            {
+                "model": model,
+                "messages": chat["properties"]["messages"],
+                "tools": chat["properties"]["tools"],
+                "add_special_tokens": {"type": "boolean", "default": False},
+                "return_token_strs": strs,
+                # the chat completion's template switches, variables and (trusted) template
+                **{
+                    name: chat["properties"][name]
+                    for name in (
+                        "add_generation_prompt",
+                        "continue_final_message",
+                        "chat_template",
+                        "chat_template_kwargs",
+                    )
+                },
+                "mm_processor_kwargs": _neutral(None),
+                "media_io_kwargs": _neutral(None),
             },
-            "mm_processor_kwargs": _neutral(None),
-            "media_io_kwargs": _neutral(None),
-        },
+            ["messages"],
+            closed=True,
+        ),
         "allOf": [template_rule],
     }
     return {
         "TokenizeRequest": {"anyOf": [prompt_tokenize, chat_tokenize]},
-        "DetokenizeRequest": {
-            "type": "object",
-            "required": ["tokens"],
-            "additionalProperties": False,
-            "properties": {"model": model, "tokens": {**token_ids, "minItems": 0}},
-        },
+        "DetokenizeRequest": _object(
+            {"model": model, "tokens": {**token_ids, "minItems": 0}},
+            ["tokens"],
+            closed=True,
+        ),
     }
 
 
@@ -1074,10 +1074,11 @@ def _scoring_requests(
 
     def pair(first: str, second: str) -> dict[str, Any]:
         return {
-            "type": "object",
-            "required": [first, second],
-            "additionalProperties": False,
-            "properties": {**common, first: texts, second: texts},
+            **_object(
+                {**common, first: texts, second: texts},
+                [first, second],
+                closed=True,
+            ),
             "description": one_pair + "; a list of firsts as long as the seconds, or one",
         }
 
@@ -1090,18 +1091,17 @@ def _scoring_requests(
                 pair("queries", "items"),
             ]
         },
-        "RerankRequest": {
-            "type": "object",
-            "required": ["query", "documents"],
-            "additionalProperties": False,
-            "properties": {
+        "RerankRequest": _object(
+            {
                 **common,
                 "query": {"type": "string"},
                 "documents": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                 "top_n": {"type": "integer", "description": "0 or less: all"},
                 "return_documents": {"type": "boolean", "default": True},
             },
-        },
+            ["query", "documents"],
+            closed=True,
+        ),
     }
 
 
@@ -1118,12 +1118,12 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
     cache_control = _nullable({"type": "object"})
 
     def block(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
-        return {
-            "type": "object",
-            "required": ["type", *required],
-            "additionalProperties": False,
-            "properties": {"type": {"const": kind}, **properties, "cache_control": cache_control},
-        }
+        return _tagged(
+            kind,
+            {**properties, "cache_control": cache_control},
+            required,
+            closed=True,
+        )
 
     text = block("text", ["text"], text={"type": "string"}, citations={"type": "null"})
     texts = {"anyOf": [{"type": "string"}, {"type": "array", "items": text}]}
@@ -1144,114 +1144,109 @@ def _message_request(common: dict[str, Any], max_tokens: dict[str, Any]) -> dict
 
     def message(role: str, *blocks: dict[str, Any]) -> dict[str, Any]:
         content = {"type": "array", "items": {"anyOf": list(blocks)}}
-        return {
-            "type": "object",
-            "required": ["role", "content"],
-            "additionalProperties": False,
-            "properties": {
+        return _object(
+            {
                 "role": {"const": role},
                 "content": {"anyOf": [{"type": "string"}, content]},
             },
-        }
+            ["role", "content"],
+            closed=True,
+        )
 
-    tool = {
-        "type": "object",
-        "required": ["name", "input_schema"],
-        "additionalProperties": False,
-        "properties": {
+    tool = _object(
+        {
             "name": {"type": "string", "pattern": TOOL_NAME},
             "description": _nullable({"type": "string"}),
             "input_schema": {"type": "object"},
             "type": _nullable({"const": "custom"}),
             "cache_control": cache_control,
         },
-    }
+        ["name", "input_schema"],
+        closed=True,
+    )
     parallel = _nullable({"type": "boolean"})
     choices = [
-        {
-            "type": "object",
-            "required": ["type"],
-            "additionalProperties": False,
-            "properties": {"type": {"const": kind}, "disable_parallel_tool_use": parallel},
-        }
+        _tagged(
+            kind,
+            {"disable_parallel_tool_use": parallel},
+            closed=True,
+        )
         for kind in ("auto", "any", "none")
     ]
-    named = {
-        "type": "object",
-        "required": ["type", "name"],
-        "additionalProperties": False,
-        "properties": {
-            "type": {"const": "tool"},
+    named = _tagged(
+        "tool",
+        {
             "name": {"type": "string", "minLength": 1},
             "disable_parallel_tool_use": parallel,
         },
-    }
-    thinking = {
-        "type": "object",
-        "required": ["type", "thinking"],
-        "additionalProperties": False,
-        "properties": {
-            "type": {"const": "thinking"},
+        ["name"],
+        closed=True,
+    )
+    thinking = _tagged(
+        "thinking",
+        {
             "thinking": {"type": "string"},
             "signature": _nullable({"type": "string"}),
         },
-    }
+        ["thinking"],
+        closed=True,
+    )
     turns = [message("user", text, tool_result), message("assistant", text, tool_use, thinking)]
     return {
-        "type": "object",
-        "required": ["model", "max_tokens", "messages"],
-        "additionalProperties": False,
-        "properties": {
-            "model": common["model"],
-            "max_tokens": max_tokens,
-            "messages": {"type": "array", "items": {"anyOf": turns}, "minItems": 1},
-            "system": _nullable(texts),
-            "stop_sequences": _nullable(
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "maxItems": STOP_SEQUENCES_MAX,
-                }
-            ),
-            "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-            "top_p": common["top_p"],
-            "top_k": common["top_k"],
-            "stream": {"type": "boolean", "default": False},
-            "metadata": _nullable(
-                {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"user_id": _nullable({"type": "string"})},
-                }
-            ),
-            "tools": _nullable({"type": "array", "items": tool, "maxItems": MAX_TOOLS}),
-            "tool_choice": _nullable({"anyOf": [*choices, named]}),
-            "thinking": _nullable(
-                {
-                    "type": "object",
-                    "required": ["type"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "type": {"enum": ["enabled", "disabled"]},
-                        "budget_tokens": _nullable({"type": "integer", "minimum": 1}),
-                    },
-                    "description": "enabled: the reasoning a reasoning parser splits off is "
-                    "answered as thinking blocks (budget_tokens is not enforced); disabled: "
-                    "the chat template's thinking is off (reasoning_effort none)",
-                }
-            ),
-            "cache_control": cache_control,
-            **{name: common[name] for name in ("priority", "deadline", "cache")},
-        },
+        **_object(
+            {
+                "model": common["model"],
+                "max_tokens": max_tokens,
+                "messages": {"type": "array", "items": {"anyOf": turns}, "minItems": 1},
+                "system": _nullable(texts),
+                "stop_sequences": _nullable(
+                    {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "maxItems": STOP_SEQUENCES_MAX,
+                    }
+                ),
+                "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+                "top_p": common["top_p"],
+                "top_k": common["top_k"],
+                "stream": {"type": "boolean", "default": False},
+                "metadata": _nullable(
+                    _object(
+                        {"user_id": _nullable({"type": "string"})},
+                        closed=True,
+                    )
+                ),
+                "tools": _nullable({"type": "array", "items": tool, "maxItems": MAX_TOOLS}),
+                "tool_choice": _nullable({"anyOf": [*choices, named]}),
+                "thinking": _nullable(
+                    {
+                        **_object(
+                            {
+                                "type": {"enum": ["enabled", "disabled"]},
+                                "budget_tokens": _nullable({"type": "integer", "minimum": 1}),
+                            },
+                            ["type"],
+                            closed=True,
+                        ),
+                        "description": "enabled: the reasoning a reasoning parser splits off is "
+                        "answered as thinking blocks (budget_tokens is not enforced); disabled: "
+                        "the chat template's thinking is off (reasoning_effort none)",
+                    }
+                ),
+                "cache_control": cache_control,
+                **{name: common[name] for name in ("priority", "deadline", "cache")},
+            },
+            ["model", "max_tokens", "messages"],
+            closed=True,
+        ),
         # tool_choice any or tool picks from the tools offered: there must be some
         "if": {
             "required": ["tool_choice"],
             "properties": {
-                "tool_choice": {
-                    "type": "object",
-                    "required": ["type"],
-                    "properties": {"type": {"enum": ["any", "tool"]}},
-                }
+                "tool_choice": _object(
+                    {"type": {"enum": ["any", "tool"]}},
+                    ["type"],
+                )
             },
         },
         "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},

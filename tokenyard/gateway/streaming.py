@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -53,16 +54,27 @@ class Renderer(Protocol):
     def failure(self, message: str, code: str, status: int) -> list[bytes]: ...
 
 
+@dataclass(frozen=True)
+class ChunkHead:
+    """What every chunk of one OpenAI stream repeats: the object kind, the call's id, the model
+    answered as, and when it was created. A call's choices share it, so their chunks merge."""
+
+    kind: protocol.Kind
+    job_id: str
+    model: str
+    created: int
+
+    def chunk(self, **fields: Any) -> dict[str, Any]:
+        return protocol.chunk_body(self.kind, self.job_id, self.model, self.created, **fields)
+
+
 class OpenAIRenderer:
     """OpenAI completion or chat chunks of choice `index`, then `data: [DONE]`; one of a call's
     several choices renders into their `Choices`, which ends the merged stream instead."""
 
     def __init__(
         self,
-        kind: protocol.Kind,
-        job_id: str,
-        model: str,
-        created: int,
+        head: ChunkHead,
         *,
         include_usage: bool,
         resumed: bool,
@@ -71,7 +83,7 @@ class OpenAIRenderer:
         choices: Choices | None = None,
         tools: Reader | None = None,
     ) -> None:
-        self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
+        self.head, self.kind = head, head.kind
         self.include_usage = include_usage
         self.resumed = resumed
         self.how = how
@@ -92,9 +104,7 @@ class OpenAIRenderer:
         )
 
     def _chunk(self, event_id: str | None, **fields: Any) -> bytes:
-        body = protocol.chunk_body(
-            self.kind, self.job_id, self.model, self.created, index=self.index, **fields
-        )
+        body = self.head.chunk(index=self.index, **fields)
         # a merged stream interleaves several jobs' events: no one event id resumes it
         return frame(body, None if self.choices is not None else event_id)
 
@@ -190,16 +200,13 @@ class Choices:
 
     def __init__(
         self,
-        kind: protocol.Kind,
-        job_id: str,
-        model: str,
-        created: int,
+        head: ChunkHead,
         n: int,
         *,
         include_usage: bool,
         per_prompt: int | None = None,
     ) -> None:
-        self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
+        self.head = head
         self.n = n
         self.per_prompt = per_prompt  # choices of each prompt (a batched completions call)
         self.include_usage = include_usage
@@ -217,11 +224,7 @@ class Choices:
         frames: list[bytes] = []
         if self.include_usage and len(self.results) == self.n:
             results = [self.results[i] for i in range(self.n)]
-            body = protocol.chunk_body(
-                self.kind,
-                self.job_id,
-                self.model,
-                self.created,
+            body = self.head.chunk(
                 usage_of=results,
                 per_prompt=self.per_prompt,
                 no_choices=True,

@@ -6,6 +6,7 @@ Latency histograms use vLLM's bucket boundaries so dashboards built for vLLM tra
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,135 +41,125 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = CachedCounter(
+
+        # every metric of this app on its registry (the label names after the description)
+        def counter(name: str, documentation: str, *labels: str) -> CachedCounter:
+            return CachedCounter(name, documentation, labels, registry=r)
+
+        def gauge(name: str, documentation: str, *labels: str) -> CachedGauge:
+            return CachedGauge(name, documentation, labels, registry=r)
+
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> CachedHistogram:
+            # each latency is per model, in vLLM's buckets for the same measure
+            return CachedHistogram(name, documentation, ["model"], buckets=buckets, registry=r)
+
+        self.requests = counter(
             "tokenyard_http_requests",
             "HTTP requests answered, by route template and status code.",
-            ["method", "route", "status"],
-            registry=r,
+            "method",
+            "route",
+            "status",
         )
-        self.rejections = CachedCounter(
+        self.rejections = counter(
             "tokenyard_rejections",
             "Requests refused before reaching the queue, by reason.",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.time_to_first_token = CachedHistogram(
+        self.time_to_first_token = histogram(
             "tokenyard_time_to_first_token_seconds",
             "From request arrival to the first generated token seen by the gateway.",
-            ["model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.inter_token_latency = CachedHistogram(
+        self.inter_token_latency = histogram(
             "tokenyard_inter_token_latency_seconds",
             "Time between generated tokens as seen by the gateway.",
-            ["model"],
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
         )
-        self.e2e_request_latency = CachedHistogram(
+        self.e2e_request_latency = histogram(
             "tokenyard_e2e_request_latency_seconds",
             "From request arrival to the job's terminal event.",
-            ["model"],
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
+            REQUEST_LATENCY_BUCKETS,
         )
-        self.request_queue_time = CachedHistogram(
+        self.request_queue_time = histogram(
             "tokenyard_request_queue_time_seconds",
             "Time a job waited in its lane before a worker claimed it.",
-            ["model"],
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
+            REQUEST_LATENCY_BUCKETS,
         )
-        self.prompt_tokens = CachedCounter(
-            "tokenyard_prompt_tokens", "Prompt tokens of finished jobs.", ["model"], registry=r
+        self.prompt_tokens = counter(
+            "tokenyard_prompt_tokens", "Prompt tokens of finished jobs.", "model"
         )
-        self.generation_tokens = CachedCounter(
-            "tokenyard_generation_tokens",
-            "Generated tokens of finished jobs.",
-            ["model"],
-            registry=r,
+        self.generation_tokens = counter(
+            "tokenyard_generation_tokens", "Generated tokens of finished jobs.", "model"
         )
-        self.jobs_finished = CachedCounter(
+        self.jobs_finished = counter(
             "tokenyard_jobs_finished",
             "Jobs whose end a gateway caller saw, by terminal status.",
-            ["model", "status"],
-            registry=r,
+            "model",
+            "status",
         )
-        self.queue_depth = CachedGauge(
+        self.queue_depth = gauge(
             "tokenyard_queue_depth",
             "Jobs waiting in a lane, not yet claimed (sampled at scrape).",
-            ["model", "priority"],
-            registry=r,
+            "model",
+            "priority",
         )
-        self.queue_in_flight = CachedGauge(
+        self.queue_in_flight = gauge(
             "tokenyard_queue_in_flight",
             "Jobs claimed by a worker and not yet completed (sampled at scrape).",
-            ["model", "priority"],
-            registry=r,
+            "model",
+            "priority",
         )
-        self.queue_oldest_age = CachedGauge(
+        self.queue_oldest_age = gauge(
             "tokenyard_queue_oldest_age_seconds",
             "Age of the oldest waiting job of a lane; 0 when the lane is empty.",
-            ["model", "priority"],
-            registry=r,
+            "model",
+            "priority",
         )
-        self.dead_letters = CachedGauge(
+        self.dead_letters = gauge(
             "tokenyard_dead_letters",
             "Entries in a model's dead-letter stream (sampled at scrape).",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.live_workers = CachedGauge(
+        self.live_workers = gauge(
             "tokenyard_live_workers",
             "Workers of a model whose heartbeat has not lapsed (sampled at scrape).",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.broker_up = CachedGauge(
-            "tokenyard_broker_up", "1 when the broker answered the last scrape.", registry=r
-        )
-        self.routed = CachedCounter(
+        self.broker_up = gauge("tokenyard_broker_up", "1 when the broker answered the last scrape.")
+        self.routed = counter(
             "tokenyard_routed_requests",
             "Requests by the model asked for, the model chosen, and the routing rule that chose.",
-            ["requested", "model", "rule"],
-            registry=r,
+            "requested",
+            "model",
+            "rule",
         )
         # -- response cache and collapsing (tokenyard/gateway/cache.py) --
-        self.cache_hits = CachedCounter(
+        self.cache_hits = counter(
             "tokenyard_cache_hits",
             "Deterministic requests answered from the response cache, by tier (local|shared).",
-            ["model", "tier"],
-            registry=r,
+            "model",
+            "tier",
         )
-        self.cache_misses = CachedCounter(
+        self.cache_misses = counter(
             "tokenyard_cache_misses",
             "Deterministic requests the response cache could not answer.",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.cache_hit_bytes = CachedCounter(
-            "tokenyard_cache_hit_bytes",
-            "Bytes of cached answers served.",
-            ["model"],
-            registry=r,
+        self.cache_hit_bytes = counter(
+            "tokenyard_cache_hit_bytes", "Bytes of cached answers served.", "model"
         )
-        self.cache_stored_bytes = CachedCounter(
+        self.cache_stored_bytes = counter(
             "tokenyard_cache_stored_bytes",
             "Bytes of answers this gateway wrote to the shared cache tier.",
-            ["model"],
-            registry=r,
+            "model",
         )
-        self.cache_local_bytes = CachedGauge(
-            "tokenyard_cache_local_bytes",
-            "Bytes held by this gateway's in-process cache tier.",
-            registry=r,
+        self.cache_local_bytes = gauge(
+            "tokenyard_cache_local_bytes", "Bytes held by this gateway's in-process cache tier."
         )
-        self.collapsed = CachedCounter(
+        self.collapsed = counter(
             "tokenyard_collapsed_requests",
             "Requests that joined an identical job in flight instead of creating one.",
-            ["model"],
-            registry=r,
+            "model",
         )
         VllmNames(r)  # vLLM's names of these (and, under serve, the workers'): metrics/vllm.py
 
@@ -188,28 +179,29 @@ class WorkerMetrics:
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model = model
-        r, m = self.registry, [model]
-        self.running = Gauge(
-            "tokenyard_worker_running_sequences",
-            "Sequences running in the engines.",
-            ["model"],
-            registry=r,
-            multiprocess_mode="livesum",
-        ).labels(model)
-        self.waiting = Gauge(
+        r = self.registry
+
+        # a worker serves one model: its own series carry that label, bound here once
+        def counter(name: str, documentation: str) -> Counter:
+            family = Counter(name, documentation, ["model"], registry=r)
+            return family.labels(model)
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            # livesum: under serve, the workers' gauges of one model add up on /metrics
+            family = Gauge(name, documentation, ["model"], registry=r, multiprocess_mode="livesum")
+            return family.labels(model)
+
+        self.running = gauge(
+            "tokenyard_worker_running_sequences", "Sequences running in the engines."
+        )
+        self.waiting = gauge(
             "tokenyard_worker_waiting_sequences",
             "Jobs claimed and waiting for room in the engines.",
-            ["model"],
-            registry=r,
-            multiprocess_mode="livesum",
-        ).labels(model)
-        self.tokens_per_s = Gauge(
+        )
+        self.tokens_per_s = gauge(
             "tokenyard_worker_tokens_per_second",
             "Generated tokens per second (moving average, as in the heartbeat).",
-            ["model"],
-            registry=r,
-            multiprocess_mode="livesum",
-        ).labels(model)
+        )
         self.kv_cache_usage = Gauge(
             "tokenyard_worker_kv_cache_usage_ratio",
             "Fraction of the KV cache in use, where the engine reports it (highest worker).",
@@ -238,66 +230,42 @@ class WorkerMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         ).labels(model)
-        self.prefill_tokens = Counter(
-            "tokenyard_worker_prefill_tokens", "Prompt tokens prefilled.", ["model"], registry=r
-        ).labels(*m)
-        self.decode_tokens = Counter(
-            "tokenyard_worker_decode_tokens", "Tokens generated.", ["model"], registry=r
-        ).labels(*m)
-        self.claims = Counter(
-            "tokenyard_worker_claims", "Jobs claimed from the lanes.", ["model"], registry=r
-        ).labels(*m)
-        self.affinity_claims = Counter(
+        self.prefill_tokens = counter("tokenyard_worker_prefill_tokens", "Prompt tokens prefilled.")
+        self.decode_tokens = counter("tokenyard_worker_decode_tokens", "Tokens generated.")
+        self.claims = counter("tokenyard_worker_claims", "Jobs claimed from the lanes.")
+        self.affinity_claims = counter(
             "tokenyard_worker_affinity_claims",
             "Jobs claimed as prefix-affinity work (held for this worker, or past the wait).",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.prefix_cache_queries = Counter(
+        )
+        self.prefix_cache_queries = counter(
             "tokenyard_worker_prefix_cache_queries",
             "Prompt tokens looked up in the engine's prefix cache (engines that report it).",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.prefix_cache_hits = Counter(
+        )
+        self.prefix_cache_hits = counter(
             "tokenyard_worker_prefix_cache_hits",
             "Prompt tokens found in the engine's prefix cache (engines that report it).",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.lease_renewals = Counter(
-            "tokenyard_worker_lease_renewals", "Leases renewed.", ["model"], registry=r
-        ).labels(*m)
-        self.leases_lost = Counter(
+        )
+        self.lease_renewals = counter("tokenyard_worker_lease_renewals", "Leases renewed.")
+        self.leases_lost = counter(
             "tokenyard_worker_leases_lost",
             "Jobs dropped because their lease was lost (reclaimed by the reaper).",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.fenced_completions = Counter(
+        )
+        self.fenced_completions = counter(
             "tokenyard_worker_fenced_completions",
             "Completions the broker rejected because the lease was no longer ours.",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.preemptions = Counter(
+        )
+        self.preemptions = counter(
             "tokenyard_worker_preemptions",
             "Running jobs handed back for higher-priority work (resumed later from their tokens).",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.retries = Counter(
+        )
+        self.retries = counter(
             "tokenyard_worker_retries",
             "Jobs handed back for another delivery after an engine fault.",
-            ["model"],
-            registry=r,
-        ).labels(*m)
-        self.dead_letters = Counter(
+        )
+        self.dead_letters = counter(
             "tokenyard_worker_dead_letters",
             "Jobs this worker sent to the dead-letter stream (retries used up, or reaped).",
-            ["model"],
-            registry=r,
-        ).labels(*m)
+        )
         self.jobs = Counter(
             "tokenyard_worker_jobs",
             "Jobs whose terminal result this worker wrote, by status.",

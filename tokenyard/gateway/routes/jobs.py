@@ -22,7 +22,13 @@ from tokenyard.gateway.live import LiveCall
 from tokenyard.gateway.openapi import SSE, answers, json_body
 from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
-from tokenyard.gateway.streaming import JobRenderer, OpenAIRenderer, Renderer, last_event_id
+from tokenyard.gateway.streaming import (
+    ChunkHead,
+    JobRenderer,
+    OpenAIRenderer,
+    Renderer,
+    last_event_id,
+)
 from tokenyard.gateway.submit import Later, submit
 from tokenyard.gateway.tools import job_reader
 from tokenyard.messages import Finished, JobRecord, JobSpec
@@ -162,10 +168,7 @@ async def job_events(
         renderer = JobRenderer(how.token_text)
     else:
         openai = OpenAIRenderer(
-            kind,
-            bare,
-            record.spec.model,
-            int(record.spec.created_at),
+            ChunkHead(kind, bare, record.spec.model, int(record.spec.created_at)),
             include_usage=include_usage,
             resumed=start != "0",
             how=how,

@@ -23,6 +23,7 @@ from tokenyard.gateway.responses import FastJSONResponse
 from tokenyard.gateway.state import GatewayState, gateway
 from tokenyard.gateway.streaming import (
     Choices,
+    ChunkHead,
     EventStreamResponse,
     OpenAIRenderer,
     merged,
@@ -130,12 +131,10 @@ async def _serve(
     headers = _headers(outcomes)
     if body.stream:
         timeout_s = state.settings.request_timeout_s
+        head = ChunkHead(kind, job_id, answered_model(spec), created)
         if len(outcomes) == 1 and isinstance(first, Following):
             renderer = OpenAIRenderer(
-                kind,
-                job_id,
-                answered_model(spec),
-                created,
+                head,
                 include_usage=body.include_usage,
                 resumed=False,
                 how=how,
@@ -143,10 +142,7 @@ async def _serve(
             )
             return await first.call.stream(renderer, headers, timeout_s=timeout_s)
         choices = Choices(
-            kind,
-            job_id,
-            answered_model(spec),
-            created,
+            head,
             len(outcomes),
             include_usage=body.include_usage,
             per_prompt=body.n,
@@ -154,10 +150,7 @@ async def _serve(
         children = []
         for index, outcome in enumerate(outcomes):
             renderer = OpenAIRenderer(
-                kind,
-                job_id,
-                answered_model(spec),
-                created,
+                head,
                 include_usage=False,
                 resumed=False,
                 how=hows[index],

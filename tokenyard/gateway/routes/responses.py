@@ -78,9 +78,24 @@ async def create_response(request: Request, tenant: TenantDep) -> Response:
     own = said if chain is None else [*chain.prefix, *said]
     stored = _stored(body, tenant, outcome.spec, job_id, own)
     headers = {"X-Job-Id": job_id, **outcome.headers}
-    if isinstance(outcome, Queued):
-        return await _background(request, body, stored, chain, headers)
-    return await _live(request, body, stored, chain, outcome.call, headers)
+    try:
+        await service.create(stored, chain)
+    except BaseException:
+        # the job is queued before its record: with none, nothing could read it, so it goes
+        if isinstance(outcome, Queued):
+            with contextlib.suppress(Exception):  # the first error is the caller's answer
+                await state.backend.queue.cancel(job_id)  # its caller heard it failed
+        else:
+            await state.abandonment.cancel_now(job_id)  # no caller will follow it
+        raise
+    if isinstance(outcome, Queued):  # read later: the stored response now, or its events
+        service.watch(stored)
+        if not body.stream:
+            return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
+        # no caller owns a background job: its stream's reader may leave and come back
+        call = LiveCall(state, job_id, stored.model, fresh=True)
+        return await call.stream(_events(request, stored), headers)
+    return await _live(request, body, stored, outcome.call, headers)
 
 
 async def _earlier(
@@ -152,44 +167,15 @@ def _stored(
     )
 
 
-async def _background(
-    request: Request,
-    body: ResponseRequest,
-    stored: StoredResponse,
-    chain: Chain | None,
-    headers: dict[str, str],
-) -> Response:
-    """A queued job, read later: its stored response now (or its events, when streamed)."""
-    state, service = gateway(request), _service(request)
-    try:
-        await service.create(stored, chain)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the first error is the caller's answer
-            await state.backend.queue.cancel(stored.job_id)  # its caller heard it failed
-        raise
-    service.watch(stored)
-    if body.stream:
-        # no caller owns a background job: its stream's reader may leave and come back
-        call = LiveCall(state, stored.job_id, stored.model, fresh=True)
-        return await call.stream(_events(request, stored), headers)
-    return FastJSONResponse(response_body(stored, None, JobStatus.QUEUED), headers=headers)
-
-
 async def _live(
     request: Request,
     body: ResponseRequest,
     stored: StoredResponse,
-    chain: Chain | None,
     call: LiveCall,
     headers: dict[str, str],
 ) -> Response:
     """A job its caller follows now, as the chat routes do: SSE, or the response when done."""
     state, service = gateway(request), _service(request)
-    try:
-        await service.create(stored, chain)
-    except BaseException:
-        await state.abandonment.cancel_now(stored.job_id)  # no caller will follow it
-        raise
     if body.stream:
         counted = call.on_result  # the tenant's use (gateway/submit.py)
 
