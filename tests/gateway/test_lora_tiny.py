@@ -109,6 +109,9 @@ def test_adapter_greedy_equals_peft_generate(lora_stack: Stack, loras: dict[str,
         metrics = http.get("/metrics", headers=ADMIN).text
     routed = 'tokenyard_routed_requests_total{model="tiny",requested="storyteller",rule="adapter"}'
     assert routed in metrics
+    # a call's metrics are the adapter's own, as the name it asked (its base's apart)
+    assert 'tokenyard_generation_tokens_total{model="storyteller"}' in metrics
+    assert 'tokenyard_generation_tokens_total{model="tiny"}' in metrics
 
 
 def test_models_lists_adapters_with_their_base(lora_stack: Stack, loras: dict[str, Path]) -> None:

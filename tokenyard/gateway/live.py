@@ -15,6 +15,7 @@ import anyio
 
 from tokenyard.broker.core import Cancellation, CancelOutcome, EnqueueResult
 from tokenyard.errors import BrokerUnavailable, NotFound
+from tokenyard.gateway.adapters import answered_model
 from tokenyard.gateway.errors import ApiError
 from tokenyard.gateway.events import Events
 from tokenyard.gateway.streaming import (
@@ -194,9 +195,11 @@ class LiveCall:
         """The call of a caller whose job just entered the queue (or who joined an identical
         one in flight); the job is cancelled if they leave and no other caller follows it."""
         state.abandonment.own(entered.job_id)
+        # timed under the name asked: an adapter's calls apart from its base's
+        label = answered_model(spec)
         timer = CallTimer(
             state.metrics,
-            spec.model,
+            label,
             started=started,
             queued=functools.partial(state.waits.observed, entered.job_id),
         )
@@ -209,7 +212,7 @@ class LiveCall:
             collapsed=entered.collapsed,
         )
         if entered.collapsed:
-            state.metrics.collapsed.labels(spec.model).inc()
+            state.metrics.collapsed.labels(label).inc()
         return call
 
     def _saw(self, result: JobResult) -> None:
