@@ -150,7 +150,9 @@ async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
     try:
         await run(inputs[: min(8, n)], "warm")
         before = engine.stats()
+        cpu = time.process_time()
         tokens, wall = await run(inputs, "run")
+        cpu = time.process_time() - cpu  # every thread of this process: the engine's own work
         after = engine.stats()
     finally:
         await engine.stop()
@@ -162,6 +164,7 @@ async def offline_engine(opts: argparse.Namespace, c: int, n: int) -> dict[str, 
         "wall_s": round(wall, 3),
         "tok_s": round(tokens / wall, 1),
         "mean_batch": round(mean_batch, 2),
+        "cpu_s": round(cpu, 2),
     }
 
 
@@ -181,6 +184,8 @@ class Stack:
         self.prefix = f"ec{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        metrics_port = free_port()  # the worker's Prometheus metrics: stage times, batch
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         env = {
             **os.environ,
             "TOKENYARD_WORKER_DEVICE": opts.device,
@@ -188,6 +193,7 @@ class Stack:
             "TOKENYARD_WORKER_TOKEN_BUDGET": str(c * (4 * opts.prompt_words + opts.max_tokens)),
             "TOKENYARD_WORKER_ENGINE_PROCESS": "1" if opts.engine_process else "0",
             "TOKENYARD_WORKER_CUDA_GRAPHS": "true" if opts.cuda_graphs else "false",
+            "TOKENYARD_WORKER_METRICS_PORT": str(metrics_port),
         }
         if opts.threads:
             env["TOKENYARD_WORKER_THREADS"] = str(opts.threads)
@@ -200,6 +206,26 @@ class Stack:
         await asyncio.to_thread(
             wait_ready, f"{self.base}/readyz", self.processes, timeout_s=timeout_s, interval_s=0.2
         )
+
+    async def worker_histograms(self) -> dict[str, tuple[float, float]]:
+        """(sum, count) of each of the worker's histograms, from its /metrics."""
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        def scrape() -> str:
+            with urlopen(self.metrics_url, timeout=10) as reply:
+                return str(reply.read().decode())
+
+        found: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(await asyncio.to_thread(scrape)):
+            for sample in family.samples:
+                for end, at in (("_sum", 0), ("_count", 1)):
+                    if sample.name.endswith(end) and family.type == "histogram":
+                        found.setdefault(sample.name.removesuffix(end), [0.0, 0.0])[at] = (
+                            sample.value
+                        )
+        return {name: (pair[0], pair[1]) for name, pair in found.items()}
 
     async def worker_mean_batch(self) -> float | None:
         from tokenyard.broker import connect
@@ -245,9 +271,11 @@ async def http_path(opts: argparse.Namespace, c: int, n: int, tmp: Path) -> dict
         pids["valkey"] = stack.server.pid or 0
         cpu0 = {name: proc_cpu_s(pid) for name, pid in pids.items()}
         client0 = time.process_time()
+        hist0 = await stack.worker_histograms()
         report = level_report(await run_level(settings(n, opts.seed), Load("closed", c)))
         cpu = {name: proc_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
         cpu["client"] = time.process_time() - client0
+        hist1 = await stack.worker_histograms()
         mean_batch = await stack.worker_mean_batch()
     finally:
         stack.stop()
@@ -256,12 +284,41 @@ async def http_path(opts: argparse.Namespace, c: int, n: int, tmp: Path) -> dict
         "tokens": report["tokens"]["output"],
         "wall_s": report["duration_s"],
         "tok_s": report["throughput"]["output_tokens_per_s"],
-        "mean_batch": mean_batch,
+        # over the measured run alone (the heartbeat's is since the worker started, warm-up
+        # at 8 concurrent included)
+        "mean_batch": _run_mean(hist0, hist1, "tokenyard_worker_batch_size", 1.0),
+        "mean_batch_since_start": mean_batch,
         "ttft_ms": {k: report["ttft_ms"].get(k) for k in ("p50", "p99")},
+        # the worker's share of a returning job's way back into the batch, mean ms per job
+        # (per step for step and publish) over the measured run
+        "worker_ms": {
+            name: _run_mean(hist0, hist1, f"tokenyard_worker_{metric}", 1e3)
+            for name, metric in (
+                ("enqueue_to_claim", "claim_wait_seconds"),
+                ("claim_to_engine", "claim_to_engine_seconds"),
+                ("engine_add_to_first_token", "first_step_seconds"),
+                ("step", "step_seconds"),
+                ("publish", "publish_seconds"),
+            )
+        },
         # where a small host spends itself: CPU seconds per process over the measured run
         "cpu_s": {name: round(seconds, 2) for name, seconds in cpu.items()},
         "errors": report["errors"],
     }
+
+
+def _run_mean(
+    before: dict[str, tuple[float, float]],
+    after: dict[str, tuple[float, float]],
+    name: str,
+    scale: float,
+) -> float | None:
+    """A histogram's mean over the observations between two scrapes."""
+    total0, count0 = before.get(name, (0.0, 0.0))
+    total1, count1 = after.get(name, (0.0, 0.0))
+    if count1 <= count0:
+        return None
+    return round(scale * (total1 - total0) / (count1 - count0), 3)
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -286,6 +343,16 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
             cell["engine_over_transformers"] = round(
                 cell["engine"]["tok_s"] / cell["transformers"]["tok_s"], 3
             )
+            # the two shares of the gap the worker controls, whatever else takes the host's
+            # cores: how full it keeps the batch, and its CPU per token over the engine's alone
+            http, engine = cell["http"], cell["engine"]
+            if http["mean_batch"] and engine["mean_batch"]:
+                cell["batch_fill_vs_engine"] = round(http["mean_batch"] / engine["mean_batch"], 3)
+            if engine["cpu_s"] > 0 and http["tokens"]:
+                per_token = http["cpu_s"]["worker"] / http["tokens"]
+                cell["worker_cpu_per_token_vs_engine"] = round(
+                    per_token / (engine["cpu_s"] / engine["tokens"]), 3
+                )
             results[str(c)] = cell
     return {
         "benchmark": "engine_ceiling",

@@ -47,6 +47,16 @@ def test_engine_ceiling_options() -> None:
     assert engine_ceiling.parse([]).cuda_graphs is True
 
 
+def test_engine_ceiling_means_cover_the_measured_run_only() -> None:
+    # a warm-up at 8 (64 steps of 8) before a run at 56 (100 steps): the run's mean is 56,
+    # where the worker's running total says 27.9
+    before = {"tokenyard_worker_batch_size": (512.0, 64.0)}
+    after = {"tokenyard_worker_batch_size": (512.0 + 5600.0, 164.0)}
+    assert engine_ceiling._run_mean(before, after, "tokenyard_worker_batch_size", 1.0) == 56.0
+    assert engine_ceiling._run_mean(before, before, "tokenyard_worker_batch_size", 1.0) is None
+    assert engine_ceiling._run_mean({}, after, "absent", 1e3) is None
+
+
 def test_summary_table(tmp_path: Path, capsys: object) -> None:
     cell = {
         "transformers": {"tok_s": 1000.0},

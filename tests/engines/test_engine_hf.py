@@ -19,7 +19,7 @@ from tokenyard.engines.hf import HFEngine, kv_bytes_per_token, plan_capacity
 from tokenyard.engines.hf_static import HFStaticEngine
 from tokenyard.engines.sampling import add_gumbel_noise, apply_temperature, apply_top_k_top_p
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 PROMPTS = [
     "The queue holds",
@@ -212,6 +212,36 @@ async def test_abort_frees_a_slot(tiny_model_path: Path) -> None:
                 break
     assert eng.stats().running == 0
     await eng.stop()
+
+
+async def test_a_higher_priority_prompt_is_prefilled_before_waiting_lower_ones(
+    tiny_model_path: Path,
+) -> None:
+    # 32 tokens a step: eight 60-token prompts take 15 steps to prefill; transformers alone
+    # prefills in arrival order, so the high one, added last, would start last
+    eng = HFEngine(
+        str(tiny_model_path), max_seqs=16, max_tokens=16384, max_batch_tokens=32, threads=1
+    )
+    await eng.start()
+    try:
+        tok = eng.tokenizer
+        words = " ".join(["queue"] * 60)
+        for i in range(8):
+            prompt = tok.encode(f"{i} {words}")[:60]
+            eng.add(EngineRequest(f"n{i}", prompt, greedy(2), priority=Priority.NORMAL))
+        high = tok.encode(f"urgent {words}")[:60]
+        eng.add(EngineRequest("h", high, greedy(2), priority=Priority.HIGH))
+        first: list[str] = []
+        async with asyncio.timeout(60):
+            while len(first) < 9:
+                for out in await eng.outputs():
+                    if out.token_ids and out.seq_id not in first:
+                        first.append(out.seq_id)
+        # the manager may have begun a prompt or two before "h" reached it, none more
+        assert first.index("h") <= 2, first
+        assert [s for s in first if s != "h"] == [f"n{i}" for i in range(8)]  # arrival order
+    finally:
+        await eng.stop()
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,11 @@ def test_worker_counts_claims_jobs_tokens_and_steps(stack: Stack) -> None:
     assert sample(registry, "tokenyard_worker_prefill_tokens_total") > 0
     assert sample(registry, "tokenyard_worker_batch_size_count") >= 5  # one per engine step
     assert sample(registry, "tokenyard_worker_step_seconds_count") > 0
+    # each job's way into the batch, once per job: enqueue to claim, claim to add, first step
+    for stage in ("claim_wait", "claim_to_engine", "first_step"):
+        assert sample(registry, f"tokenyard_worker_{stage}_seconds_count") == 6, stage
+    assert sample(registry, "tokenyard_worker_first_step_seconds_sum") > 0  # a step each, at least
+    assert sample(registry, "tokenyard_worker_publish_seconds_count") >= 5  # one per delivery
     assert sample(registry, "tokenyard_worker_fenced_completions_total") == 0
     give_up = time.monotonic() + 5  # renewals and gauges move with the upkeep loop
     while sample(registry, "tokenyard_worker_lease_renewals_total") == 0:

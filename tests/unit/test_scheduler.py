@@ -288,3 +288,20 @@ def test_the_high_lane_is_never_preemptible() -> None:
         preemptible_lanes("high,batch")
     with pytest.raises(KeyError):
         preemptible_lanes("urgent")
+
+
+def test_running_lanes_count_the_running_jobs_of_each_lane() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=2)
+    lanes = [Priority.BATCH, Priority.BATCH, Priority.NORMAL, Priority.HIGH, Priority.BATCH]
+    for i, lane in enumerate(lanes):
+        s.offer(Job(f"j{i}", f"j{i}", [1, 2], SamplingParams(max_tokens=4), 0.0, priority=lane))
+    s.schedule()  # by lane, then claim order: j4 waits
+    assert dict(s.running_lanes()) == {Priority.HIGH: 1, Priority.NORMAL: 1, Priority.BATCH: 2}
+    s.update([out("j3", [5], FinishReason.STOP)])
+    s.remove("j0")
+    s.remove("j4")  # waiting: no running lane changes
+    assert dict(s.running_lanes()) == {Priority.NORMAL: 1, Priority.BATCH: 1}
+    s.schedule()
+    assert dict(s.running_lanes()) == {Priority.NORMAL: 1, Priority.BATCH: 1}
+    s.drain()
+    assert dict(s.running_lanes()) == {}

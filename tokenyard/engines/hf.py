@@ -69,6 +69,7 @@ from tokenyard.messages import (
     Feature,
     FinishReason,
     Guide,
+    Priority,
     PromptLogprob,
     SamplingParams,
     TokenLogprob,
@@ -387,6 +388,7 @@ class HFSeq(EngineSeq):
     # its prompt's logprobs (when asked), computed before its first output, sent with it
     prompt_logprobs: list[PromptLogprob] | None = None
     prompt_logprobs_sent: bool = False
+    priority: int = Priority.NORMAL  # its lane's (lower first): orders the prefills not begun
 
 
 class HFLoadOptions(TypedDict, total=False):
@@ -501,6 +503,7 @@ class HFEngineBase(LocalEngine[HFSeq]):
             eos_token_ids=tok.eos_token_ids,
             model_limits=self.limits(),
         )
+        seq.priority = request.priority
         params = seq.params
         if params.features - _OUTSIDE_ROW_FEATURES:
             resumed = request.resume_token_ids
@@ -767,6 +770,7 @@ class HFEngine(HFEngineBase):
             # the generation loop makes its own processor (and paged cache): each is patched
             processor = create()
             self._isolate_salted(processor.cache)
+            self._prefill_by_priority(processor.scheduler)
             return processor
 
         manager._create_batch_processor = create_isolating  # type: ignore[method-assign]
@@ -846,6 +850,34 @@ class HFEngine(HFEngineBase):
 
         cache.search_prefix_match = search_prefix_match
         cache.mark_complete_blocks = mark_complete_blocks
+
+    def _rank(self, internal_id: str) -> int:
+        seq = self._by_internal.get(internal_id)  # a dict read on the manager thread
+        return Priority.NORMAL if seq is None else seq.priority
+
+    def _prefill_by_priority(self, scheduler: Any) -> None:
+        """Keep the manager's waiting requests (prefill not begun) in lane order, arrival
+        order within a lane. transformers' FIFO scheduler prefills them in arrival order, a
+        few hundred prompt tokens a step: a high-priority job (one a preemption just made room
+        for) added behind a wave of fresh prompts would wait out their prefills, steps after
+        its slot was free. (A transformers internal, as `_isolate_salted` patches.)"""
+        if getattr(scheduler, "_tokenyard_by_priority", False):
+            return  # the manager hands its warm-up's processor to the generation loop
+        add = scheduler.add_waiting_request
+
+        def add_waiting_request(state: Any) -> None:
+            add(state)
+            order = scheduler.waiting_requests_order
+            rank = self._rank(state.request_id)
+            # the queue is kept in order, so one look at its neighbour settles the usual case
+            if len(order) < 2 or order[-1] != state.request_id or self._rank(order[-2]) <= rank:
+                return
+            order.pop()
+            at = next(i for i, rid in enumerate(order) if self._rank(rid) > rank)
+            order.insert(at, state.request_id)
+
+        scheduler.add_waiting_request = add_waiting_request
+        scheduler._tokenyard_by_priority = True
 
     def _warm_up(self, manager: ContinuousBatchingManager) -> None:
         """One short request through the whole path: first-step allocations and the smallest

@@ -230,6 +230,38 @@ class WorkerMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         ).labels(model)
+        # a new job's way into the running batch, stage by stage (how fast a freed slot
+        # fills is these plus what happens before the job reaches the lanes)
+        self.claim_wait = BulkHistogram(
+            "tokenyard_worker_claim_wait_seconds",
+            "From a job's enqueue (its created_at) to this worker's claim returning it.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.to_engine = BulkHistogram(
+            "tokenyard_worker_claim_to_engine_seconds",
+            "From a claim returning a job to the job's engine add (preparing it, its wait "
+            "for a slot).",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.first_step = BulkHistogram(
+            "tokenyard_worker_first_step_seconds",
+            "From a job's engine add to its first token reaching the worker (the step in "
+            "flight, its prefill, one decode).",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.publish_time = BulkHistogram(
+            "tokenyard_worker_publish_seconds",
+            "One delivery's broker writes (events, completions), refilling the engine first.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model)
         self.prefill_tokens = counter("tokenyard_worker_prefill_tokens", "Prompt tokens prefilled.")
         self.decode_tokens = counter("tokenyard_worker_decode_tokens", "Tokens generated.")
         self.claims = counter("tokenyard_worker_claims", "Jobs claimed from the lanes.")

@@ -10,8 +10,8 @@ The worker does all I/O; nothing here awaits, sleeps or reads a clock.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -44,6 +44,7 @@ class Job(Generic[H]):
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None  # of this delivery, on the clock `update` is given
+    added_at: float | None = None  # when the worker added it to the engine (its own clock)
     last_token_at: float | None = None
     priority: Priority = Priority.NORMAL  # its lane's: waiting jobs start by priority
     # an embeddings job: `prompt_ids` are its inputs one after another, of these lengths
@@ -144,6 +145,9 @@ class Scheduler(Generic[H]):
         self._waiting: deque[Job[H]] = deque()
         self._fresh: deque[Job[H]] = deque()  # offered, not yet checked against the rule
         self._running: dict[str, Job[H]] = {}
+        # running jobs per lane: the preemption look-out asks it every few milliseconds, and
+        # a scan of every running job each time cost the worker's loop more than its publishing
+        self._lanes: Counter[Priority] = Counter()
         self._tokens_running = 0
         self._expected_footprint = 0.0
 
@@ -169,6 +173,10 @@ class Scheduler(Generic[H]):
 
     def get(self, job_id: str) -> Job[H] | None:
         return self._running.get(job_id)
+
+    def running_lanes(self) -> Mapping[Priority, int]:
+        """How many jobs of each lane run (lanes with none may be left out)."""
+        return self._lanes
 
     def running_jobs(self) -> list[Job[H]]:
         return list(self._running.values())
@@ -197,7 +205,8 @@ class Scheduler(Generic[H]):
         """How many batch-lane jobs the next claim may take (None: no cap)."""
         if self.batch_slots is None:
             return None
-        held = sum(1 for job in self.jobs() if job.priority is Priority.BATCH)
+        held = self._lanes.get(Priority.BATCH, 0)
+        held += sum(1 for job in self.waiting_jobs() if job.priority is Priority.BATCH)
         return max(0, self.batch_slots - held)
 
     def offer(self, job: Job[H]) -> None:
@@ -233,6 +242,7 @@ class Scheduler(Generic[H]):
                 break
             self._waiting.popleft()
             self._running[head.job_id] = head
+            self._lanes[head.priority] += 1
             self._tokens_running += head.footprint
             plan.start.append(head)
         return plan
@@ -250,6 +260,9 @@ class Scheduler(Generic[H]):
         job = self._running.pop(job_id, None)
         if job is not None:
             self._tokens_running -= job.footprint
+            self._lanes[job.priority] -= 1
+            if not self._lanes[job.priority]:
+                del self._lanes[job.priority]
             return job
         for queue in (self._waiting, self._fresh):
             for held in queue:
@@ -269,6 +282,7 @@ class Scheduler(Generic[H]):
         """Take every job out (shutdown); returns them, running first."""
         every = list(self.jobs())
         self._running.clear()
+        self._lanes.clear()
         self._waiting.clear()
         self._fresh.clear()
         self._tokens_running = 0

@@ -307,6 +307,10 @@ class Worker:
                         # reach): the run under its old lease is over, that lease being gone
                         self._drop(lease.spec.id, "delivered again", under=None)
             self.metrics.claims.inc(len(leases))
+            claimed_at = time.time()
+            for lease in leases:
+                if lease.spec.attempt == 0:  # a redelivery's created_at is its first enqueue
+                    self.metrics.claim_wait.observe(max(0.0, claimed_at - lease.spec.created_at))
             self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
                 self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
@@ -467,6 +471,8 @@ class Worker:
                 )
                 self._not_taken(job, exc, outcome)
                 continue
+            job.added_at = time.monotonic()
+            self.metrics.to_engine.observe(max(0.0, time.time() - job.claimed_at))
             if self.spans is not None:
                 self.spans.started(job.job_id)
 
@@ -623,19 +629,30 @@ class Worker:
             self.metrics.engine_delivered(self.engine.stats(), waited if busy else None)
             if self._dropped_runs:
                 outputs = self._not_dropped(outputs)
-            update = self.scheduler.update(outputs, time.monotonic())
+            now = time.monotonic()
+            update = self.scheduler.update(outputs, now)
             self._occupied()
+            self._first_steps(update, now)
             # refill the engine before any broker write, so it never idles on a round trip
             ended = update.finished or update.failed or update.refused
             outcome = self._start_fitting() if ended else _Outcome()
             try:
                 await self._settle(outcome, update)
+                self.metrics.publish_time.observe(time.monotonic() - now)
                 await self._check_cancellations()
             except Exception:
                 # a broker failure of any kind must not end the loop: leases expire and the
                 # jobs are redelivered
                 log.exception("publishing a step failed")
                 await asyncio.sleep(0.1)
+
+    def _first_steps(self, update: Update[Lease], now: float) -> None:
+        """Time from engine add to first token, for the jobs whose first token came `now`."""
+        jobs = [job for job, _ in update.events] + [job for job, _, _ in update.finished]
+        for job in jobs:
+            if job.first_token_at == now and job.added_at is not None:
+                self.metrics.first_step.observe(max(0.0, now - job.added_at))
+                job.added_at = None  # once per delivery
 
     # -- preemption ------------------------------------------------------------------------
     async def _preempt_loop(self) -> None:
@@ -656,6 +673,20 @@ class Worker:
                     await self._preempt()
             except Exception:  # a broker failure: the next period looks again
                 log.exception("looking for work to preempt for failed")
+
+    def _lowest_preemptible(self) -> Priority | None:
+        """The lowest preemptible lane anything runs in, while no slot is free (None: nothing
+        may be preempted), from the scheduler's counts: no scan of the running jobs."""
+        if self.limits.max_seqs > self.scheduler.running:
+            return None
+        lanes = [lane for lane in self.scheduler.running_lanes() if lane in self._preemptible]
+        return max(lanes, default=None)
+
+    def _may_preempt_for(self, waiting: Sequence[Priority]) -> bool:
+        """Whether some waiting lane outranks a preemptible lane that runs: else no victim can
+        be found, and the look-out and the claim loop skip building the list of candidates."""
+        lowest = self._lowest_preemptible()
+        return lowest is not None and bool(waiting) and min(waiting) < lowest
 
     def _preemptible_running(self) -> list[Running]:
         """What runs that may be preempted (none while a slot is free)."""
@@ -687,11 +718,13 @@ class Worker:
         higher-priority work reaches it at once and preempts without a round trip to ask."""
         if self._draining.is_set() or self.scheduler.waiting > self.scheduler.claim_ahead:
             return False
+        if self._lowest_preemptible() is not Priority.BATCH:
+            return False  # no batch job runs (or a slot is free): nothing to claim over for
         running = self._preemptible_running()
         return any(r.priority is Priority.BATCH for r in running) and not self._outranked(running)
 
     def _mark_victims(self, waiting: list[Priority], back: Sequence[str] = ()) -> None:
-        if self._draining.is_set():
+        if self._draining.is_set() or not self._may_preempt_for(waiting):
             return  # a drain hands back what it does not finish anyway
         running = self._preemptible_running()
         victims = preemption_victims(running, 0, waiting, self._preemptible)
@@ -702,11 +735,21 @@ class Worker:
     async def _look_for_preemption(self) -> None:
         if self._spared:  # forget the spared runs that ended
             self._spared &= {(job.job_id, job.handle.entry_id) for job in self.scheduler.jobs()}
+        if self._lowest_preemptible() is None:
+            return  # a slot is free, or nothing preemptible runs
+        reserve = self.scheduler.waiting_jobs()
+        waiting = [job.priority for job in reserve]
+        # Nothing of ours outranks what runs and a claim would take more (its arrivals are
+        # weighed as they come, in the claim loop), or the claim loop waits on the lanes above
+        # the batch lane already (`_may_claim_over`): the lanes need not be asked. The common
+        # case of a full worker, checked without a scan of its running jobs.
+        if not self._may_preempt_for(waiting) and (
+            self.scheduler.want() > 0 or self._may_claim_over()
+        ):
+            return
         running = self._preemptible_running()
         if not running:
             return
-        reserve = self.scheduler.waiting_jobs()
-        waiting = [job.priority for job in reserve]
         back: list[str] = []
         if self.scheduler.want() == 0 and not self._outranked(running):
             # nothing of ours outranks what runs, and no claim takes more: ask the lanes. A job
