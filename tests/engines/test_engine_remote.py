@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -135,3 +136,36 @@ async def test_adapter_is_asked_of_the_upstream_by_name(
             await engine.stop()
     assert done["p"].token_ids == peft_greedy(model, lora, prompt, 10)
     assert done["b"].token_ids == peft_greedy(model, None, prompt, 10) != done["p"].token_ids
+
+
+async def sequences_ended() -> None:
+    """Until no sequence's task runs: one that has given its finish may still be reading the
+    end of its stream, and its connection is free once it has."""
+    async with asyncio.timeout(30):
+        while any(
+            getattr(t.get_coro(), "__qualname__", "") == "StreamEngine._run" and not t.done()
+            for t in asyncio.all_tasks()
+        ):
+            await asyncio.sleep(0.01)
+
+
+async def test_sequences_run_one_after_another_share_one_connection(upstream: str) -> None:
+    """A sequence that reaches its length reads the upstream's stream to its end, so that the
+    next one is sent on the same kept-alive connection (a connection per sequence cost more
+    CPU than the rest of the sequence's upstream leg)."""
+    port = urlparse(upstream).port
+    assert port is not None
+    proxy = CuttingProxy(port, cuts=0, after=0)
+    engine = remote(await proxy.start())
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Once upon a time")
+        for i in range(3):
+            r = await run_one(Subject(engine, None), f"k{i}", prompt, greedy(5))  # type: ignore[arg-type]
+            assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+            assert r.finish.completion_tokens == 5
+            await sequences_ended()
+        assert proxy.connections == 1
+    finally:
+        await engine.stop()
+        await proxy.close()
