@@ -3,13 +3,17 @@ server that answers at once.
 
 A mock upstream (aiohttp, its own process) answers /v1/completions and /v1/chat/completions,
 streamed or not, with `max_tokens` tokens and their ids (`return_token_ids`, as vLLM does) in
-a fraction of a millisecond. Three targets are measured side by side in one run, each in its
+a fraction of a millisecond. The targets are measured side by side in one run, each in its
 own processes, the client (aiohttp, in this process) the same for all:
 
   direct     the mock itself.
   tokenyard  `tokenyard gateway` + `tokenyard worker --engine remote` pointed at the mock, a
              private Valkey (AOF everysec) on a free port, default logging (INFO, text: the
              gateway's access line per request), each process's log in a file.
+  tokenyard-sim    the same on `--engine sim` at no cost per step: the queue path without
+             the upstream leg (its requests do not reach the mock).
+  tokenyard-serve  `tokenyard serve --engine remote`: gateway in serve's process, Valkey and
+             the worker its children, every line on serve's stderr (a file here).
   litellm    `litellm --config` (its proxy) with the mock as an openai-compatible model, where
              a `litellm` executable is found (--litellm, else PATH, else
              .tokenyard/litellm-venv/bin/litellm); otherwise the JSON says why not.
@@ -23,7 +27,8 @@ Requests are non-streamed completions (`--endpoint chat`: chat completions) of -
 tokens, greedy, ignore_eos. Prints one JSON document.
 
     python -m bench.upstream_overhead [--requests 300] [--warmup 30] [--concurrency 64]
-        [--load-s 10] [--targets direct,tokenyard,litellm] [--endpoint completions|chat]
+        [--load-s 10] [--targets direct,tokenyard,tokenyard-sim,tokenyard-serve,litellm]
+        [--endpoint completions|chat]
         [--profile DIR] [--quick]
 """
 
@@ -53,11 +58,11 @@ import aiohttp
 
 from bench.common import loadavg, proc_cpu_s
 from tokenyard.bench.stats import summarize
-from tokenyard.fleet.launch import Launcher, Processes, free_port, wait_ready
+from tokenyard.fleet.launch import Launcher, Processes, free_port, tokenyard_command, wait_ready
 
 SELF_COMMAND = [sys.executable, "-m", "bench.upstream_overhead"]
 MODEL = "tiny"  # tokenyard's remote engine needs the model's tokenizer; the mock needs none
-TARGETS = ("direct", "tokenyard", "tokenyard-sim", "litellm")
+TARGETS = ("direct", "tokenyard", "tokenyard-sim", "tokenyard-serve", "litellm")
 MS = 1000.0
 GOAL = {"added_p50_ms": 2.0, "added_p99_ms": 5.0, "req_per_s": 1500.0}
 TOKEN_ID = 1000  # the id the mock answers every token with (a word piece of the tiny vocab)
@@ -115,6 +120,7 @@ def mock_main(port: int) -> None:
                 events.append({"id": "cmpl-mock", "object": "text_completion", "created": created,
                                "model": model, "choices": [], "usage": usage})  # fmt: skip
             payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+            # chunked, as an upstream streams (its events in one write: it answers at once)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             await resp.write(payload + b"data: [DONE]\n\n")
@@ -204,6 +210,9 @@ async def stacks(
                 targets[name].pids["mock"] = mock.pid
                 if server.pid is not None:
                     targets[name].pids["valkey"] = server.pid
+            if "tokenyard-serve" in opts.targets:
+                targets["tokenyard-serve"] = await start_serve(procs, mock_url, log_dir, opts)
+                targets["tokenyard-serve"].pids["mock"] = mock.pid
             if "litellm" in opts.targets:
                 binary = find_litellm(opts.litellm)
                 if binary is None:
@@ -244,6 +253,46 @@ async def start_tokenyard(
     base = f"http://127.0.0.1:{port}"
     await asyncio.to_thread(wait_ready, f"{base}/readyz", procs, timeout_s=180.0)
     return Target(name, base, {"gateway": gateway.pid, "worker": worker.pid}, model=model)
+
+
+async def start_serve(
+    procs: Processes, mock_url: str, log_dir: Path, opts: argparse.Namespace
+) -> Target:
+    """`tokenyard serve --engine remote`: the gateway in serve's process, its private Valkey
+    and worker as its children (their lines on serve's stderr, here its log file)."""
+    port = free_port()
+    env = {**os.environ, "TOKENYARD_WORKER_REMOTE_URL": mock_url}
+    serve = procs.start(
+        "tokenyard-serve",
+        tokenyard_command(
+            "serve", "--engine", "remote", "--model", MODEL, "--port", str(port),
+            "--max-seqs", str(max(opts.concurrency, 64)), "--data-dir", str(log_dir / "serve"),
+        ),
+        env=env,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    await asyncio.to_thread(wait_ready, f"{base}/readyz", procs, timeout_s=180.0)
+    pids = {"serve": serve.pid}
+    for child in children(serve.pid):
+        name = "valkey" if "valkey" in _comm(child) else "worker"
+        pids[name if name not in pids else f"{name}-{child}"] = child
+    return Target("tokenyard-serve", base, pids)
+
+
+def children(pid: int) -> list[int]:
+    """A process's child processes (Linux /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 async def start_litellm(binary: str, procs: Processes, mock_url: str, log_dir: Path) -> Target:
@@ -526,7 +575,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
     }
     out["goals"] = judge(out)
     ratios: dict[str, Any] = {}
-    for name in ("tokenyard", "tokenyard-sim", "litellm"):
+    for name in TARGETS[1:]:
         if name in lat and name in loaded:
             ratios[name] = {
                 "req_per_s_vs_direct": round(
