@@ -160,7 +160,7 @@ class Target:
 
 def find_litellm(given: str | None) -> str | None:
     if given:
-        return given
+        return given if Path(given).exists() else None
     found = shutil.which("litellm")
     if found:
         return found
