@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
@@ -79,6 +80,7 @@ class RemoteEngine(StreamEngine):
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._endpoint = URL(f"{self.url}/v1/completions")
         self._slots = asyncio.Semaphore(concurrency)
         self._token_strings: dict[str, int] | None = None  # a token's text -> its id
         self._tabling = asyncio.Lock()  # one thread builds that table
@@ -96,6 +98,7 @@ class RemoteEngine(StreamEngine):
             timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s),
             skip_auto_headers=("User-Agent",),
         )
+        self._endpoint = URL(f"{self.url}/v1/completions")  # parsed once, not per request
 
     async def close_runtime(self) -> None:
         if self._session is not None:
@@ -163,7 +166,7 @@ class RemoteEngine(StreamEngine):
         # what the upstream must give back first, when the sequence starts over
         expected = list(seq.generated) if seq.generated and replays(seq.params) else []
         body = _ENCODE(self._body(seq, bool(expected)))
-        async with self._session.post(f"{self.url}/v1/completions", data=body) as resp:
+        async with self._session.post(self._endpoint, data=body) as resp:
             if resp.status != 200:
                 raise _http_error(resp.status, await resp.read())
             events = _sse_json(resp.content)
