@@ -23,6 +23,9 @@ host hits them alike); added = a target's E2E minus the direct median, p50 and p
 Throughput: each target in turn under a closed loop of --concurrency requests in flight for
 --load-s seconds (after a warm-up): req/s, E2E, errors, and the CPU ms per request of every
 process of that target (from /proc: mock, gateway, worker, valkey, litellm, and this client).
+Last, the remote engine alone (`remote_engine_alone`): driven in this process through its API
+against the mock, one sequence at a time and --concurrency in flight, CPU per sequence of this
+process and of the mock: the upstream leg's own cost, without gateway, queue or worker.
 Requests are non-streamed completions (`--endpoint chat`: chat completions) of --max-tokens
 tokens, greedy, ignore_eos. Prints one JSON document.
 
@@ -475,6 +478,78 @@ async def load(opts: argparse.Namespace, target: Target) -> dict[str, Any]:
     }
 
 
+async def engine_alone(opts: argparse.Namespace, mock: Target) -> dict[str, Any]:
+    """The remote engine in this process against the mock, through its API (add, outputs):
+    the upstream leg's own cost, with no gateway, queue or worker around it. One sequence at
+    a time, then --concurrency in flight for --load-s seconds; CPU of this process (the
+    engine and the loop reading its outputs) and of the mock, per sequence."""
+    from tokenyard.engines import EngineRequest, make_engine
+    from tokenyard.messages import SamplingParams
+
+    engine = make_engine("remote", model=MODEL, url=mock.base_url, concurrency=opts.concurrency)
+    await engine.start()
+    params = SamplingParams(max_tokens=opts.max_tokens, temperature=0.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode(PROMPT)
+    waiting: dict[str, asyncio.Future[bool]] = {}
+    sequences = iter(range(1 << 62))
+
+    async def read_outputs() -> None:
+        while True:
+            for out in await engine.outputs():
+                if out.finish_reason is not None and out.seq_id in waiting:
+                    waiting.pop(out.seq_id).set_result(out.error is None)
+
+    async def one() -> tuple[float, bool]:
+        seq_id = f"e{next(sequences)}"
+        done = waiting[seq_id] = asyncio.get_running_loop().create_future()
+        started = time.perf_counter()
+        engine.add(EngineRequest(seq_id, prompt, params))
+        ok = await done
+        return time.perf_counter() - started, ok
+
+    def cpu() -> tuple[float, float]:
+        return proc_cpu_s(os.getpid()), proc_cpu_s(mock.pids["mock"])
+
+    def per_request(before: tuple[float, float], n: int) -> dict[str, float]:
+        now = cpu()
+        return {"engine": round((now[0] - before[0]) * MS / n, 3),
+                "mock": round((now[1] - before[1]) * MS / n, 3)}  # fmt: skip
+
+    reader = asyncio.create_task(read_outputs())
+    try:
+        for _ in range(opts.warmup):
+            await one()
+        before = cpu()
+        single = [await one() for _ in range(opts.requests)]
+        one_at_a_time = {
+            "e2e_ms": ms([t for t, ok in single if ok]),
+            "errors": sum(1 for _, ok in single if not ok),
+            "cpu_ms_per_request": per_request(before, len(single)),
+        }
+        results: list[tuple[float, bool]] = []
+
+        async def loop(until: float) -> None:
+            while time.perf_counter() < until:
+                results.append(await one())
+
+        before, started = cpu(), time.perf_counter()
+        await asyncio.gather(*(loop(started + opts.load_s) for _ in range(opts.concurrency)))
+        wall = time.perf_counter() - started
+    finally:
+        reader.cancel()
+        await engine.stop()
+    return {
+        "one_at_a_time": one_at_a_time,
+        "in_flight": {
+            "concurrency": opts.concurrency,
+            "requests": len(results),
+            "errors": sum(1 for _, ok in results if not ok),
+            "req_per_s": round(len(results) / wall, 1),
+            "cpu_ms_per_request": per_request(before, len(results)),
+        },
+    }
+
+
 @contextlib.contextmanager
 def profiling(opts: argparse.Namespace, target: Target) -> Any:
     """py-spy record (if installed) on the tokenyard processes during its load phase."""
@@ -546,6 +621,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             for name, target in targets.items():
                 with profiling(opts, target):
                     loaded[name] = await load(opts, target)
+            alone = await engine_alone(opts, targets["direct"]) if opts.engine_alone else None
     out: dict[str, Any] = {
         "benchmark": "upstream_overhead",
         "config": {
@@ -572,6 +648,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         },
         "latency": lat,
         "load": loaded,
+        "remote_engine_alone": alone,
     }
     out["goals"] = judge(out)
     ratios: dict[str, Any] = {}
@@ -602,6 +679,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--litellm", help="the litellm executable (default: PATH, then the venv)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-engine-alone",
+        dest="engine_alone",
+        action="store_false",
+        help="skip the remote engine driven alone in this process against the mock",
+    )
     p.add_argument("--profile", type=Path, help="py-spy tokenyard's gateway and worker into DIR")
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here")
     p.add_argument("--quick", action="store_true", help="smoke run: 20 requests, 2 s of load")

@@ -1,6 +1,7 @@
 """bench/upstream_overhead.py runs end to end in its smoke mode: the mock upstream, tokenyard's
 gateway + worker and `tokenyard serve` on the remote engine in front of it, every request
-answered in full, and a LiteLLM that is not there reported as not measured."""
+answered in full, the remote engine driven alone against the mock, and a LiteLLM that is not
+there reported as not measured."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def test_upstream_overhead_quick_measures_each_target() -> None:
         report["load"]["tokenyard-serve"]["cpu_ms_per_request"]
     )
     assert set(report["goals"]) == {"added_p50_ms", "added_p99_ms", "req_per_s"}
+    # the remote engine driven alone against the mock
+    alone = report["remote_engine_alone"]
+    assert alone["one_at_a_time"]["errors"] == 0 == alone["in_flight"]["errors"]
+    assert_summary(alone["one_at_a_time"]["e2e_ms"], requests, "engine alone e2e")
+    assert alone["in_flight"]["requests"] > 0
+    assert alone["in_flight"]["cpu_ms_per_request"]["mock"] > 0
