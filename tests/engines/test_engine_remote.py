@@ -169,3 +169,27 @@ async def test_sequences_run_one_after_another_share_one_connection(upstream: st
     finally:
         await engine.stop()
         await proxy.close()
+
+
+async def test_upstream_is_reached_through_the_proxy_the_environment_names(
+    upstream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTP_PROXY is honoured (as httpx, the engine's earlier client, did): the engine is
+    given an upstream name that resolves nowhere, and reaches it through the proxy (here a
+    TCP forwarder to the real upstream, which takes the proxy's absolute-form request)."""
+    port = urlparse(upstream).port
+    assert port is not None
+    proxy = CuttingProxy(port, cuts=0, after=0)
+    monkeypatch.setenv("HTTP_PROXY", await proxy.start())
+    for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    engine = remote("http://upstream.invalid:8000", retries=0)
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Once upon a time")
+        r = await run_one(Subject(engine, None), "p", prompt, greedy(4))  # type: ignore[arg-type]
+        assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH, r.finish
+        assert proxy.connections == 1
+    finally:
+        await engine.stop()
+        await proxy.close()

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,6 +82,7 @@ class RemoteEngine(StreamEngine):
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._endpoint = URL(f"{self.url}/v1/completions")
+        self._proxy: str | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._token_strings: dict[str, int] | None = None  # a token's text -> its id
         self._tabling = asyncio.Lock()  # one thread builds that table
@@ -99,6 +101,7 @@ class RemoteEngine(StreamEngine):
             skip_auto_headers=("User-Agent",),
         )
         self._endpoint = URL(f"{self.url}/v1/completions")  # parsed once, not per request
+        self._proxy = env_proxy(self._endpoint)
 
     async def close_runtime(self) -> None:
         if self._session is not None:
@@ -166,7 +169,7 @@ class RemoteEngine(StreamEngine):
         # what the upstream must give back first, when the sequence starts over
         expected = list(seq.generated) if seq.generated and replays(seq.params) else []
         body = _ENCODE(self._body(seq, bool(expected)))
-        async with self._session.post(self._endpoint, data=body) as resp:
+        async with self._session.post(self._endpoint, data=body, proxy=self._proxy) as resp:
             if resp.status != 200:
                 raise _http_error(resp.status, await resp.read())
             events = _sse_json(resp.content)
@@ -356,6 +359,16 @@ def _error_message(body: Any) -> str:
             return str(err.get("message") or err)
         return str(err)
     return str(body)
+
+
+def env_proxy(url: URL) -> str | None:
+    """The proxy that HTTP_PROXY / HTTPS_PROXY / ALL_PROXY name for `url`, unless NO_PROXY
+    exempts its host, as httpx (this engine's earlier client) honoured them; looked up once,
+    where aiohttp's `trust_env` would read the environment again per request."""
+    proxies = urllib.request.getproxies_environment()
+    if not url.host or urllib.request.proxy_bypass(url.host):  # NO_PROXY (on Linux)
+        return None
+    return proxies.get(url.scheme) or proxies.get("all")
 
 
 class StreamCut(ConnectionError):
