@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import httpx
 import msgspec
 from yarl import URL
 
@@ -96,7 +97,12 @@ class RemoteEngine(StreamEngine):
         headers["Content-Type"] = "application/json"
         self._session = aiohttp.ClientSession(
             headers=headers,
-            connector=aiohttp.TCPConnector(limit=self.capacity.max_seqs),
+            connector=aiohttp.TCPConnector(
+                limit=self.capacity.max_seqs,
+                # the CA certificates httpx (its earlier client) trusted: SSL_CERT_FILE or
+                # SSL_CERT_DIR when set, else certifi's bundle
+                ssl=httpx.create_ssl_context() if self.url.startswith("https:") else True,
+            ),
             timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s),
             skip_auto_headers=("User-Agent",),
         )
