@@ -175,7 +175,11 @@ class RemoteEngine(StreamEngine):
         # what the upstream must give back first, when the sequence starts over
         expected = list(seq.generated) if seq.generated and replays(seq.params) else []
         body = _ENCODE(self._body(seq, bool(expected)))
-        async with self._session.post(self._endpoint, data=body, proxy=self._proxy) as resp:
+        # no redirect is followed (as httpx followed none): a 3xx fails the attempt
+        post = self._session.post(
+            self._endpoint, data=body, proxy=self._proxy, allow_redirects=False
+        )
+        async with post as resp:
             if resp.status != 200:
                 raise _http_error(resp.status, await resp.read())
             events = _sse_json(resp.content)
