@@ -417,8 +417,9 @@ async def _sse_json(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, An
 
 async def _drain(events: AsyncIterator[dict[str, Any]]) -> None:
     """Read an ended stream's last events (a usage chunk, `[DONE]`) and the response's end,
-    so that aiohttp keeps its connection for the next request. An upstream slow to end its
-    response costs its connection (closed when the caller leaves), not the sequence time."""
+    so that aiohttp keeps its connection for the next request. The sequence's finish is out
+    already; an upstream slow to end its response holds the slot up to DRAIN_S, then loses
+    its connection (closed when the caller leaves)."""
     with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
         async with asyncio.timeout(DRAIN_S):
             async for _ in events:
