@@ -68,6 +68,7 @@ MODEL = "tiny"  # tokenyard's remote engine needs the model's tokenizer; the moc
 TARGETS = ("direct", "tokenyard", "tokenyard-sim", "tokenyard-serve", "litellm")
 MS = 1000.0
 GOAL = {"added_p50_ms": 2.0, "added_p99_ms": 5.0, "req_per_s": 1500.0}
+PROVIDERS = {"completions": "text-completion-openai", "chat": "openai"}  # LiteLLM's, per endpoint
 TOKEN_ID = 1000  # the id the mock answers every token with (a word piece of the tiny vocab)
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running far away"
 
@@ -226,7 +227,9 @@ async def stacks(
                     )
                 else:
                     notes["litellm"] = f"litellm {litellm_version(binary)} ({binary})"
-                    targets["litellm"] = await start_litellm(binary, procs, mock_url, log_dir)
+                    targets["litellm"] = await start_litellm(
+                        binary, procs, mock_url, log_dir, opts.endpoint
+                    )
                     targets["litellm"].pids["mock"] = mock.pid
             yield targets
         finally:
@@ -298,9 +301,11 @@ def _comm(pid: int) -> str:
         return ""
 
 
-async def start_litellm(binary: str, procs: Processes, mock_url: str, log_dir: Path) -> Target:
-    """LiteLLM's proxy with the mock as its one model (`openai/`: chat, and text completions
-    through its openai-compatible route); one uvicorn worker, its default logging."""
+async def start_litellm(
+    binary: str, procs: Processes, mock_url: str, log_dir: Path, endpoint: str
+) -> Target:
+    """LiteLLM's proxy with the mock as its one model (its openai-compatible provider for the
+    endpoint measured); one uvicorn worker, its default logging."""
     config = log_dir / "litellm.yaml"
     config.write_text(
         json.dumps(
@@ -309,7 +314,8 @@ async def start_litellm(binary: str, procs: Processes, mock_url: str, log_dir: P
                     {
                         "model_name": MODEL,
                         "litellm_params": {
-                            "model": f"text-completion-openai/{MODEL}",
+                            # its openai-compatible provider for text completions, or chat
+                            "model": f"{PROVIDERS[endpoint]}/{MODEL}",
                             "api_base": f"{mock_url}/v1",
                             "api_key": "mock",
                         },
