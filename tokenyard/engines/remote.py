@@ -21,12 +21,17 @@ asking again from its prompt alone and checking that the tokens already sent com
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import httpx
+import msgspec
+from yarl import URL
 
 from tokenyard.engines.base import EngineCapacity, default_seed
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
@@ -35,6 +40,7 @@ from tokenyard.errors import UpstreamError
 from tokenyard.messages import Feature, FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
+DRAIN_S = 1.0  # how long an ended stream's last bytes are waited for (they come at once)
 
 
 class RemoteEngine(StreamEngine):
@@ -75,25 +81,37 @@ class RemoteEngine(StreamEngine):
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._endpoint = URL(f"{self.url}/v1/completions")
+        self._proxy: str | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._token_strings: dict[str, int] | None = None  # a token's text -> its id
         self._tabling = asyncio.Lock()  # one thread builds that table
 
     async def open(self) -> None:
+        # aiohttp, not httpx: per streamed request httpx (httpcore, anyio, h11) cost ~1.5 ms
+        # of the worker's CPU here, several times what the rest of the worker spends on a job.
+        # Keep-alive connections, up to one per slot; a read may wait `timeout_s` for the
+        # upstream's next event (a long prefill), the whole stream as long as it runs
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
+        headers["Content-Type"] = "application/json"
+        self._session = aiohttp.ClientSession(
             headers=headers,
-            timeout=httpx.Timeout(self.timeout_s, connect=10.0),
-            limits=httpx.Limits(
-                max_connections=self.capacity.max_seqs, max_keepalive_connections=None
+            connector=aiohttp.TCPConnector(
+                limit=self.capacity.max_seqs,
+                # the CA certificates httpx (its earlier client) trusted: SSL_CERT_FILE or
+                # SSL_CERT_DIR when set, else certifi's bundle
+                ssl=httpx.create_ssl_context() if self.url.startswith("https:") else True,
             ),
+            timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s),
+            skip_auto_headers=("User-Agent",),
         )
+        self._endpoint = URL(f"{self.url}/v1/completions")  # parsed once, not per request
+        self._proxy = env_proxy(self._endpoint)
 
     async def close_runtime(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def generate(self, seq: StreamSeq) -> None:
         async with self._slots:
@@ -109,7 +127,7 @@ class RemoteEngine(StreamEngine):
             try:
                 await self._stream(seq)
                 return
-            except (httpx.TransportError, UpstreamError) as exc:
+            except (aiohttp.ClientError, OSError, TimeoutError, UpstreamError) as exc:
                 retry = not isinstance(exc, UpstreamError) or exc.retry
                 if len(seq.generated) > before:
                     attempt = 0  # progress was made: the next failure starts a fresh count
@@ -153,15 +171,19 @@ class RemoteEngine(StreamEngine):
         return body
 
     async def _stream(self, seq: StreamSeq) -> None:
-        assert self._client is not None
+        assert self._session is not None
         # what the upstream must give back first, when the sequence starts over
         expected = list(seq.generated) if seq.generated and replays(seq.params) else []
-        body = self._body(seq, bool(expected))
-        async with self._client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise _http_error(resp)
-            async for chunk in _sse_json(resp.aiter_lines()):
+        body = _ENCODE(self._body(seq, bool(expected)))
+        # no redirect is followed (as httpx followed none): a 3xx fails the attempt
+        post = self._session.post(
+            self._endpoint, data=body, proxy=self._proxy, allow_redirects=False
+        )
+        async with post as resp:
+            if resp.status != 200:
+                raise _http_error(resp.status, await resp.read())
+            events = _sse_json(resp.content)
+            async for chunk in events:
                 if "error" in chunk:
                     err = chunk["error"]
                     kind = err.get("type") if isinstance(err, dict) else None
@@ -202,7 +224,12 @@ class RemoteEngine(StreamEngine):
                     ids, logprobs = tail
                 self.feed(seq, ids, logprobs)
                 if seq.done:
-                    return  # a stop string or the limit: leaving closes the stream upstream
+                    if reason is not None or seq.remaining == 0:
+                        # the upstream ends too (it was asked for no more tokens than are
+                        # left): what follows is at most a finish and `[DONE]`; read to the
+                        # end so the connection is kept for the next request
+                        await _drain(events)
+                    return  # a stop string: leaving closes the connection, stopping upstream
                 if reason is not None:
                     if expected:
                         raise UpstreamError(
@@ -213,8 +240,9 @@ class RemoteEngine(StreamEngine):
                     self.close(
                         seq, FinishReason.LENGTH if reason == "length" else FinishReason.STOP
                     )
+                    await _drain(events)
                     return
-        raise httpx.RemoteProtocolError("the upstream stream ended without a finish reason")
+        raise StreamCut("the upstream stream ended without a finish reason")
 
     def _logprobs(self, ids: list[int], body: Any, k: int) -> list[TokenLogprob]:
         """A chunk's completions-style logprobs (`token_logprobs`, `top_logprobs`: per token a
@@ -320,13 +348,12 @@ def decoding_fields(p: SamplingParams, resumed: int) -> dict[str, Any]:
     return body
 
 
-def _http_error(resp: httpx.Response) -> UpstreamError:
+def _http_error(status: int, content: bytes) -> UpstreamError:
     """4xx are the request's fault (no retry), except 408/429; 5xx may pass."""
     try:
-        message = _error_message(resp.json())
+        message = _error_message(json.loads(content))
     except (ValueError, TypeError):
-        message = resp.text[:300]
-    status = resp.status_code
+        message = content[:300].decode("utf-8", "replace")
     retry = status >= 500 or status in (408, 429)
     refused = 400 <= status < 500 and not retry
     what = "rejected the request" if refused else "failed"
@@ -344,15 +371,56 @@ def _error_message(body: Any) -> str:
     return str(body)
 
 
-async def _sse_json(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream's `data:` lines, up to `[DONE]`."""
-    async for line in lines:
-        if not line.startswith("data:"):
+def env_proxy(url: URL) -> str | None:
+    """The proxy that HTTP_PROXY / HTTPS_PROXY / ALL_PROXY name for `url`, unless NO_PROXY
+    exempts its host, as httpx (this engine's earlier client) honoured them; looked up once,
+    where aiohttp's `trust_env` would read the environment again per request."""
+    proxies = urllib.request.getproxies_environment()
+    if not url.host or urllib.request.proxy_bypass(url.host):  # NO_PROXY (on Linux)
+        return None
+    return proxies.get(url.scheme) or proxies.get("all")
+
+
+class StreamCut(ConnectionError):
+    """The upstream's stream ended (its connection closed) before the sequence's end: a
+    transport failure, retried from the tokens streamed so far."""
+
+
+_ENCODE = msgspec.json.Encoder().encode
+_DECODE = msgspec.json.Decoder().decode
+
+
+async def _sse_json(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream's `data:` lines, up to `[DONE]`; then the response
+    is read to its end, so that aiohttp keeps its connection. Lines are split here from
+    whatever the socket gave (one read often holds several events, and a line may be longer
+    than aiohttp's readline allows: a chunk of many logprobs)."""
+    buffer = b""
+    done = False
+    async for data in content.iter_any():
+        if done:
             continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        if data:
-            value = json.loads(data)
-            if isinstance(value, dict):
-                yield value
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            if payload:
+                value = _DECODE(payload)
+                if isinstance(value, dict):
+                    yield value
+
+
+async def _drain(events: AsyncIterator[dict[str, Any]]) -> None:
+    """Read an ended stream's last events (a usage chunk, `[DONE]`) and the response's end,
+    so that aiohttp keeps its connection for the next request. The sequence's finish is out
+    already; an upstream slow to end its response holds the slot up to DRAIN_S, then loses
+    its connection (closed when the caller leaves)."""
+    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in events:
+                pass
