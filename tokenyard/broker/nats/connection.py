@@ -103,7 +103,12 @@ _R = TypeVar("_R")
 
 
 def trail(
-    name: str, subject: str, *, max_msgs: int | None = None, max_age: float | None = None
+    name: str,
+    subject: str,
+    *,
+    max_msgs: int | None = None,
+    max_bytes: int | None = None,
+    max_age: float | None = None,
 ) -> StreamConfig:
     """A stream kept as a trail (the audit's, the dashboard's series): bounded by count or
     age, the oldest dropped, read by direct gets."""
@@ -113,6 +118,7 @@ def trail(
         retention=RetentionPolicy.LIMITS,
         discard=DiscardPolicy.OLD,
         max_msgs=max_msgs,
+        max_bytes=max_bytes,
         max_age=max_age,
         allow_direct=True,
     )

@@ -59,16 +59,27 @@ class Enqueuer(Part):
             owners = [await self._owner_for(specs[i], assigned) for i in indexes]
             # the records go in together; the lane messages in the batch's order (a turn each)
             turns = [asyncio.Event() for _ in indexes]
-            outcomes = await asyncio.gather(
-                *(
-                    _passing(
-                        turns[k],
-                        self._enqueue_one(specs[i], now, o, turns[k - 1] if k else None, turns[k]),
-                    )
-                    for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
-                ),
-                return_exceptions=True,
-            )
+            outcomes: list[tuple[EnqueueResult, str] | BaseException]
+            if len(indexes) == 1:  # the common call: no task to run it, no turn to wait for
+                try:
+                    outcomes = [
+                        await self._enqueue_one(specs[indexes[0]], now, owners[0], None, turns[0])
+                    ]
+                except QueueFull as exc:
+                    outcomes = [exc]
+            else:
+                outcomes = await asyncio.gather(
+                    *(
+                        _passing(
+                            turns[k],
+                            self._enqueue_one(
+                                specs[i], now, o, turns[k - 1] if k else None, turns[k]
+                            ),
+                        )
+                        for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
+                    ),
+                    return_exceptions=True,
+                )
             refused = next((o for o in outcomes if isinstance(o, QueueFull)), None)
             if refused is not None:
                 await self._take_back(
@@ -82,7 +93,7 @@ class Enqueuer(Part):
                 results[i] = outcome[0]
             published = [o[1] for o in outcomes if isinstance(o, tuple) and o[1]]
             if published:
-                await self.store.wake(model, published)
+                self.store.wake_soon(model, published)
         created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
         if created:
             self.store.audit.append_soon([audit.received(spec, now) for spec in created])
@@ -228,13 +239,13 @@ class Enqueuer(Part):
                 await after.wait()
             pending = await self.conn.publish_soon(job.subject, encode(spec), headers)
             turn.set()
-            outcomes = await asyncio.gather(
-                self.conn.acked(record), self.conn.acked(pending), return_exceptions=True
-            )
+            # both are on their way: awaited in turn, with no task each
+            revision = await _outcome(self.conn.acked(record))
+            published = await _outcome(self.conn.acked(pending))
         except BaseException:
             record.cancel()
             raise
-        revision, published = outcomes
+        outcomes = (revision, published)
         if isinstance(published, nats.js.errors.APIError) and published.err_code in _FULL:
             if isinstance(revision, int):
                 kv = await self.store.jobs()
@@ -353,3 +364,11 @@ async def _passing(turn: asyncio.Event, step: Awaitable[T]) -> T:
         return await step
     finally:
         turn.set()
+
+
+async def _outcome(answer: Awaitable[T]) -> T | BaseException:
+    """An answer's result, or what it raised (as `gather(return_exceptions=True)` gives)."""
+    try:
+        return await answer
+    except Exception as exc:
+        return exc

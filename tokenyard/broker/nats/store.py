@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +39,8 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+
+log = logging.getLogger(__name__)
 
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
@@ -100,6 +103,8 @@ class Store:
         self.holding: dict[str, Holding] = {}  # lease entry id -> what fences it
         self._lanes: dict[tuple[str, Priority, int], str] = {}  # lane streams made
         self._events = ""  # the events stream, once made
+        self._waking: dict[str, set[str]] = {}  # model -> lane subjects `wake_soon` gathered
+        self._waker: asyncio.Task[None] | None = None
 
     async def jobs(self) -> KeyValue:
         ttl = max(self.settings.record_ttl_s, self.settings.idempotency_ttl_s)
@@ -179,6 +184,30 @@ class Store:
         """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
         nc = await self.conn.client()
         await sent(nc.publish(self.names.wake(model), " ".join(sorted(set(subjects))).encode()))
+
+    def wake_soon(self, model: str, subjects: Sequence[str]) -> None:
+        """`wake`, sent once the enqueues answered in the same turn of the loop have gathered
+        their subjects: one wake-up for them all, each one a message every worker reads."""
+        self._waking.setdefault(model, set()).update(subjects)
+        if self._waker is None:
+            self._waker = asyncio.get_running_loop().create_task(self._wake_gathered())
+
+    async def _wake_gathered(self) -> None:
+        try:
+            while self._waking:
+                waking, self._waking = self._waking, {}
+                for model, subjects in waking.items():
+                    await self.wake(model, sorted(subjects))
+        except BrokerUnavailable as exc:
+            # the jobs are stored: a blocked claim finds them by its next look (POLL_S)
+            log.warning("wake-up not sent: %s", exc)
+        finally:
+            self._waker = None
+
+    async def woken(self) -> None:
+        """Wait for the wake-ups `wake_soon` gathered to be sent (before closing)."""
+        if self._waker is not None:
+            await asyncio.gather(self._waker, return_exceptions=True)
 
     async def get(self, job_id: str) -> tuple[StoredJob, int] | None:
         """The job's record and its revision (a direct get on the long-lived inbox)."""
