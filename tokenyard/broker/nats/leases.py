@@ -170,15 +170,22 @@ class Leases(Part):
         """The tail and the Finished event first, in one message fenced like any append, then
         the record: a worker dying in between leaves a Finished that the next claim, ending or
         reader copies into the record, never a terminal record without its last events. True
-        when this write made the record terminal (it settles the job)."""
+        when this call ended the job (it settles it).
+
+        A job without quota ends with its Finished alone (one write, one round trip): its
+        record is left running, and whoever reads it next copies the Finished in (`mend`), as
+        after a worker died in between; its settlement is its audit entry, written here. A job
+        with quota (settled exactly once, by whoever turns its record) and one ending cancelled
+        (the cancel's mark is cleared once the record shows it) write their record too."""
         holding = self.store.holding.get(lease.entry_id)
-        if holding is None or not _names(holding.job, lease):
+        if holding is None or holding.finishing or not _names(holding.job, lease):
             await self.store.count(lease.spec.model, "fenced")
             return False
         job_id = lease.spec.id
         finished = Finished(result=result)
         data = encode(finished) if tail is None else encode([tail, finished])
         msg_id = event_id(job_id, holding.marker, "f")
+        holding.finishing = True  # the same lease twice in one call: the second is fenced
         try:
             await self.store.publish_event(
                 job_id, data, holding.last_seq, msg_id=msg_id, last=tail is not None
@@ -187,6 +194,14 @@ class Leases(Part):
             self.store.holding.pop(lease.entry_id, None)
             await self.store.count(lease.spec.model, "fenced")
             return False
+        finally:
+            holding.finishing = False  # a call sent again after an error goes through
+        if _ends_by_events(lease.spec, result):
+            await self.store.ack(lease.entry_id)  # before the holding goes: a call sent again
+            self.store.holding.pop(lease.entry_id, None)  # acks it again, and settles it once
+            if holding.job.cancel:
+                await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
+            return True
 
         def end(job: StoredJob) -> None:
             job.status = result.status
@@ -207,7 +222,8 @@ class Leases(Part):
             await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
         if not turned:
             await self.store.count(lease.spec.model, "fenced")
-        return turned
+        # a job without quota is settled by whoever wrote its Finished (`_ends_by_events`)
+        return turned or not lease.spec.quota
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1
@@ -406,6 +422,11 @@ class Leases(Part):
             return (encode(live) if still else None), None
 
         await kv_change(await self.store.jobs(), Names.live(model), forget)
+
+
+def _ends_by_events(spec: JobSpec, result: JobResult) -> bool:
+    """Whether a completion writes its Finished alone (the record follows when next read)."""
+    return not spec.quota and result.status is not JobStatus.CANCELLED
 
 
 def _names(job: StoredJob, lease: Lease) -> bool:

@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import nats.js.errors
@@ -72,6 +73,7 @@ class Holding:
     marker: int  # its claim marker's sequence (0: a first holder, which has none): names its
     # events, unlike a delivery number
     appended: int = 0  # events it stored: the next one's place names its id
+    finishing: bool = False  # a completion of it is under way (a second one is fenced)
 
 
 class Store:
@@ -318,13 +320,20 @@ class Store:
     async def last_finished(self, job_id: str) -> tuple[int, JobResult | None]:
         """The events subject's last sequence, and the job's result if that is its Finished
         (or, the last being a marker sent after unseen events, if one of those is)."""
+        last, ended, _ = await self.ending(job_id)
+        return last, ended
+
+    async def ending(self, job_id: str) -> tuple[int, JobResult | None, float | None]:
+        """`last_finished`, and when the server stored that Finished (None: not known)."""
         last, data, headers = await self.last_event(job_id)
         if data is not None and SINCE in headers:
-            return last, await self.finished_between(job_id, int(headers[SINCE]), last)
+            return last, await self.finished_between(job_id, int(headers[SINCE]), last), None
         if data is None or headers.get(MARKER):
-            return last, None
+            return last, None, None
         event = events_of(data, headers)[-1]
-        return last, event.result if isinstance(event, Finished) else None
+        if not isinstance(event, Finished):
+            return last, None, None
+        return last, event.result, _stamp(headers.get("Nats-Time-Stamp", ""))
 
     async def finished_between(self, job_id: str, after: int, before: int) -> JobResult | None:
         """The result of a Finished among the job's events after `after`, before `before`."""
@@ -344,14 +353,11 @@ class Store:
             after = rows[-1][0]
 
     async def last_event(self, job_id: str) -> tuple[int, bytes | None, dict[str, str]]:
-        """The events subject's last (sequence, data, headers); (0, None, {}) if none."""
+        """The events subject's last (sequence, data, headers, the server's own among them);
+        (0, None, {}) if none. A direct get on the long-lived inbox."""
         stream = await self.events_stream()
-        js = await self.conn.js()
-        try:
-            msg = await sent(js.get_last_msg(stream, self.names.events(job_id), direct=True))
-        except nats.js.errors.NotFoundError:
-            return 0, None, {}
-        return int(msg.seq or 0), msg.data, dict(msg.headers or {})
+        found = await self.conn.direct_last(stream, self.names.events(job_id))
+        return (0, None, {}) if found is None else found
 
     async def drop_message(self, job: StoredJob) -> None:
         """Delete the job's waiting message from its lane (it ended before a claim)."""
@@ -454,6 +460,16 @@ def event_id(job_id: str, writer: int, n: str) -> str:
     sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...;
     `f` the last message; `m<sequence>` a marker expecting that sequence before it)."""
     return f"{job_id}.{writer}.{n}"
+
+
+def _stamp(text: str) -> float | None:
+    """Unix seconds of a server time stamp (RFC 3339, nanoseconds); None if there is none."""
+    whole, _, fraction = text.rstrip("Z").partition(".")
+    try:
+        at = datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp()
+        return at + float(f"0.{fraction or 0}")
+    except ValueError:
+        return None
 
 
 def events_of(data: bytes, headers: Mapping[str, str]) -> list[JobEvent]:
