@@ -260,23 +260,39 @@ class Claims(Part):
         # the records of first deliveries whose message cannot name them, read at once
         unnamed = [s.id for m, s in zip(msgs, specs, strict=True) if _unnamed(m)]
         records = await self.store.get_many(unnamed)
-        outcomes = await asyncio.gather(
-            *(
-                self._take_one(_Delivery(m, s, records.get(s.id), consumer, affinity))
-                for m, s in zip(msgs, specs, strict=True)
+        deliveries = [
+            _Delivery(m, s, records.get(s.id), consumer, affinity)
+            for m, s in zip(msgs, specs, strict=True)
+        ]
+        # first deliveries as enqueued: their records written together (one round trip) and
+        # awaited in turn, no task each; the others (and those whose write lost) one by one
+        firsts = [self._first(d) for d in deliveries]
+        writes = [None if first is None else await self.store.cas_soon(*first) for first in firsts]
+        leases: list[Lease | None] = [None] * len(deliveries)
+        rest: list[int] = []
+        for i, (first, write) in enumerate(zip(firsts, writes, strict=True)):
+            written = None if write is None else await self.conn.acked(write)
+            if first is None or written is None:
+                rest.append(i)
+                continue
+            # no claim marker: the first holder's appends expect no events before them, so an
+            # ending's Finished that came first (a cancel or expiry cut off before its record)
+            # fences them as a marker would; its record follows that Finished when next read
+            leases[i] = await self._leased(
+                deliveries[i].msg.reply or "", first[0], written, 0, False
             )
-        )
-        return [lease for lease in outcomes if lease is not None]
+        if rest:
+            taken = await asyncio.gather(*(self._take_one(deliveries[i]) for i in rest))
+            for i, lease in zip(rest, taken, strict=True):
+                leases[i] = lease
+        return [lease for lease in leases if lease is not None]
 
     async def _take_one(self, delivery: _Delivery) -> Lease | None:
         """Turn a delivered message into a lease: the record says running under this consumer
-        (compare-and-set), and a claim marker fences the events subject. `record`: the record
-        as read with the claim's other messages (first deliveries of plain enqueues)."""
+        (compare-and-set), and a claim marker fences the events subject (the general path:
+        `_first` did not apply, or its write lost to another)."""
         msg, spec, _, consumer, affinity = delivery
         reply = msg.reply or ""
-        fast = await self._take_first(delivery)
-        if fast is not None:
-            return fast
         revision = 0
         job: StoredJob | None = None
         for _ in range(6):
@@ -336,11 +352,11 @@ class Claims(Part):
         at = float((msg.headers or {}).get(ENQUEUED_AT, "0"))
         return self.clock() - at < RECORD_WAIT_S
 
-    async def _take_first(self, delivery: _Delivery) -> Lease | None:
-        """The common case in one round trip after the pull: a first delivery of a job whose
-        record is as enqueued (the message names its revision, or `record` was read with the
-        claim's other messages): the record is written from the message, and no claim marker
-        is needed (no one held the job before). None: take the general path."""
+    def _first(self, delivery: _Delivery) -> tuple[StoredJob, int] | None:
+        """The common case, one write after the pull: a first delivery of a job whose record
+        is as enqueued (the message names its revision, or `record` was read with the claim's
+        other messages): the record to write from the message and the revision it replaces;
+        no claim marker is needed (no one held the job before). None: the general path."""
         msg, spec, record, consumer, affinity = delivery
         headers = msg.headers or {}
         now = self.clock()
@@ -352,6 +368,7 @@ class Claims(Part):
             revision = record[1]
         else:
             return None
+        metadata = msg.metadata
         job = StoredJob(
             spec=spec,
             status=JobStatus.RUNNING,
@@ -359,19 +376,13 @@ class Claims(Part):
             enqueued_at=float(headers.get(ENQUEUED_AT, "0")),
             started_at=now,
             worker=consumer,
-            lane=msg.metadata.stream,
+            lane=metadata.stream,
             subject=msg.subject,
-            seq=int(msg.metadata.sequence.stream),
+            seq=int(metadata.sequence.stream),
             lease_until=now + self.settings.lease_s,
             affinity=affinity,
         )
-        written = await self.store.cas(job, revision)
-        if written is None:
-            return None
-        # no claim marker: the first holder's appends expect no events before them, so an
-        # ending's Finished that came first (a cancel or expiry cut off before its record)
-        # fences them as a marker would; its record follows that Finished once the lease lapses
-        return await self._leased(msg.reply or "", job, written, 0, False)
+        return job, revision
 
     async def _leased(
         self, reply: str, job: StoredJob, revision: int, last: int, resumable: bool

@@ -229,7 +229,7 @@ class Enqueuer(Part):
     ) -> tuple[EnqueueResult, str]:
         """A job no key names, in one round trip: its record and its lane message are written
         together and their answers awaited together. The message cannot name the record's
-        revision, so its first claim reads the record (claims.py, `_take_first`); a claim that
+        revision, so its first claim reads the record (claims.py, `_first`); a claim that
         meets the message before the record was stored hands it back for a moment."""
         spec = job.spec
         record = await self.store.cas_soon(job, 0)

@@ -20,7 +20,7 @@ from tokenyard.broker.nats.connection import kv_change, kv_entry, sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import Liveness, StoredJob, encode_job
-from tokenyard.broker.nats.store import RESEND_S, Fenced, Part, Store, event_id
+from tokenyard.broker.nats.store import RESEND_S, Fenced, Holding, Part, Store, event_id
 from tokenyard.broker.policy import backoff_delay, lapsed
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
@@ -119,13 +119,50 @@ class Leases(Part):
         items: Sequence[tuple[Lease, JobResult]],
         tails: Sequence[TokenChunk | None] | None = None,
     ) -> list[bool]:
-        outcomes = await asyncio.gather(
+        outcomes: list[bool | BaseException | None] = [None] * len(items)
+        # the completions that end a job by its Finished alone (`_ends_by_events`) written
+        # together (one round trip) and awaited in turn, no task each; the others, and any
+        # whose first try did not land plainly, go through `_complete` (sent again there)
+        sending: list[tuple[int, Holding, asyncio.Future[int]]] = []
+        for i, (lease, result) in enumerate(items):
+            holding = self.store.holding.get(lease.entry_id)
+            if (
+                holding is None
+                or holding.finishing
+                or not _names(holding.job, lease)
+                or not _ends_by_events(lease.spec, result)
+            ):
+                continue
+            tail = None if tails is None else tails[i]
+            msg_id = event_id(lease.spec.id, holding.marker, "f")
+            data = _finished(result, tail)
+            try:
+                pending = await self.store.event_soon(
+                    lease.spec.id, data, holding.last_seq, msg_id, tail is not None
+                )
+            except Exception:
+                continue
+            holding.finishing = True
+            sending.append((i, holding, pending))
+        for i, holding, pending in sending:
+            try:
+                await self.conn.acked(pending)
+            except Exception:
+                continue
+            finally:
+                holding.finishing = False
+            await self._ended_by_events(items[i][0], holding)
+            outcomes[i] = True
+        rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        others = await asyncio.gather(
             *(
-                self._complete(lease, result, None if tails is None else tails[i])
-                for i, (lease, result) in enumerate(items)
+                self._complete(items[i][0], items[i][1], None if tails is None else tails[i])
+                for i in rest
             ),
             return_exceptions=True,  # none still running when the caller sends them again
         )
+        for i, outcome in zip(rest, others, strict=True):
+            outcomes[i] = outcome
         ended = [(items[i][0].spec, items[i][1]) for i, ok in enumerate(outcomes) if ok is True]
         if ended:
             await self.store.settle(ended)
@@ -182,8 +219,7 @@ class Leases(Part):
             await self.store.count(lease.spec.model, "fenced")
             return False
         job_id = lease.spec.id
-        finished = Finished(result=result)
-        data = encode(finished) if tail is None else encode([tail, finished])
+        data = _finished(result, tail)
         msg_id = event_id(job_id, holding.marker, "f")
         holding.finishing = True  # the same lease twice in one call: the second is fenced
         try:
@@ -197,10 +233,7 @@ class Leases(Part):
         finally:
             holding.finishing = False  # a call sent again after an error goes through
         if _ends_by_events(lease.spec, result):
-            await self.store.ack(lease.entry_id)  # before the holding goes: a call sent again
-            self.store.holding.pop(lease.entry_id, None)  # acks it again, and settles it once
-            if holding.job.cancel:
-                await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
+            await self._ended_by_events(lease, holding)
             return True
 
         def end(job: StoredJob) -> None:
@@ -224,6 +257,13 @@ class Leases(Part):
             await self.store.count(lease.spec.model, "fenced")
         # a job without quota is settled by whoever wrote its Finished (`_ends_by_events`)
         return turned or not lease.spec.quota
+
+    async def _ended_by_events(self, lease: Lease, holding: Holding) -> None:
+        """After the Finished that ended the job landed: the lane message acknowledged."""
+        await self.store.ack(lease.entry_id)  # before the holding goes: a call sent again
+        self.store.holding.pop(lease.entry_id, None)  # acks it again, and settles it once
+        if holding.job.cancel:
+            await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1
@@ -422,6 +462,12 @@ class Leases(Part):
             return (encode(live) if still else None), None
 
         await kv_change(await self.store.jobs(), Names.live(model), forget)
+
+
+def _finished(result: JobResult, tail: TokenChunk | None) -> bytes:
+    """A completion's last message: its Finished, after its tail when it has one."""
+    finished = Finished(result=result)
+    return encode(finished) if tail is None else encode([tail, finished])
 
 
 def _ends_by_events(spec: JobSpec, result: JobResult) -> bool:

@@ -279,15 +279,7 @@ class Store:
         earlier try of it: this one's, or a call sent again).
         """
         await self.events_stream()
-        headers = {} if expect is None else {EXPECT_LAST: str(expect)}
-        if marker:
-            headers[MARKER] = "1"
-        if last:
-            headers[LAST] = "1"
-        if since is not None:
-            headers[SINCE] = str(since)
-        if msg_id:
-            headers[MSG_ID] = msg_id
+        headers = _event_headers(expect, marker, msg_id, last, since)
         give_up, pause = time.monotonic() + RESEND_S, 0.05
         while True:
             try:
@@ -306,6 +298,15 @@ class Store:
                 if stored is None:
                     raise Fenced from exc
                 return stored
+
+    async def event_soon(
+        self, job_id: str, data: bytes, expect: int, msg_id: str, last: bool
+    ) -> asyncio.Future[int]:
+        """`publish_event`'s first try written now, its answer awaited later (several cost
+        one round trip); a caller whose try failed sends it again through `publish_event`."""
+        await self.events_stream()
+        headers = _event_headers(expect, False, msg_id, last, None)
+        return await self.conn.publish_soon(self.names.events(job_id), data, headers)
 
     async def stored_after(self, job_id: str, expect: int | None, msg_id: str | None) -> int | None:
         """The sequence of the job's event right after `expect` if its id is `msg_id`."""
@@ -460,6 +461,21 @@ def event_id(job_id: str, writer: int, n: str) -> str:
     sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...;
     `f` the last message; `m<sequence>` a marker expecting that sequence before it)."""
     return f"{job_id}.{writer}.{n}"
+
+
+def _event_headers(
+    expect: int | None, marker: bool, msg_id: str | None, last: bool, since: int | None
+) -> dict[str, str]:
+    headers = {} if expect is None else {EXPECT_LAST: str(expect)}
+    if marker:
+        headers[MARKER] = "1"
+    if last:
+        headers[LAST] = "1"
+    if since is not None:
+        headers[SINCE] = str(since)
+    if msg_id:
+        headers[MSG_ID] = msg_id
+    return headers
 
 
 def _stamp(text: str) -> float | None:
