@@ -166,8 +166,13 @@ class Claims(Part):
         order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
         self._rounds[model] += 1
         lanes = [(Priority(p), pool) for p in order for pool in pools]
-        streams = await asyncio.gather(*(self.store.lane(model, p, pool) for p, pool in lanes))
-        views = await asyncio.gather(*(self._view(s, fresh) for s in streams))
+        # known lanes and views read lately cost no task each (a claim of one job is common)
+        streams = [await self.store.lane(model, p, pool) for p, pool in lanes]
+        now = time.monotonic()
+        if fresh or any(now - self._lanes[s].read_at > TENANT_REFRESH_S for s in streams):
+            views = await asyncio.gather(*(self._view(s, fresh) for s in streams))
+        else:
+            views = [self._lanes[s] for s in streams]
         leases: list[Lease] = []
         mine = token(consumer)
         for (priority, _), stream, view in zip(lanes, streams, views, strict=True):
