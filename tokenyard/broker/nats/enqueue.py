@@ -58,16 +58,23 @@ class Enqueuer(Part):
             assigned: dict[str, int] = defaultdict(int)
             owners = [await self._owner_for(specs[i], assigned) for i in indexes]
             # the records go in together; the lane messages in the batch's order (a turn each)
-            turns = [asyncio.Event() for _ in indexes]
             outcomes: list[tuple[EnqueueResult, str] | BaseException]
-            if len(indexes) == 1:  # the common call: no task to run it, no turn to wait for
+            if all(
+                o is None and not specs[i].idempotency_key and not specs[i].collapse_key
+                for i, o in zip(indexes, owners, strict=True)
+            ):  # the common call: no task to run each job, no turn to wait for
+                outcomes = await self._enqueue_plain_many([specs[i] for i in indexes], now)
+            elif len(indexes) == 1:
                 try:
                     outcomes = [
-                        await self._enqueue_one(specs[indexes[0]], now, owners[0], None, turns[0])
+                        await self._enqueue_one(
+                            specs[indexes[0]], now, owners[0], None, asyncio.Event()
+                        )
                     ]
                 except QueueFull as exc:
                     outcomes = [exc]
             else:
+                turns = [asyncio.Event() for _ in indexes]
                 outcomes = await asyncio.gather(
                     *(
                         _passing(
@@ -182,17 +189,8 @@ class Enqueuer(Part):
             if joined is not None:
                 return EnqueueResult(job_id=joined, created=False, collapsed=True), ""
         if resend is None:
-            stream = await self.store.lane(spec.model, spec.priority, spec.pool)
-            if owner is not None:
-                subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
-            else:
-                subject = self.names.tenant_subject(
-                    spec.model, spec.priority, spec.pool, spec.tenant
-                )
-            job = StoredJob(
-                spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
-            )
-            created = True
+            job = await self._new_job(spec, now, owner)
+            subject, created = job.subject, True
             if not spec.idempotency_key and not spec.collapse_key:
                 return await self._enqueue_plain(job, now, after, turn)
             try:
@@ -224,6 +222,43 @@ class Enqueuer(Part):
         # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
         return EnqueueResult(job_id=spec.id, created=created), subject
 
+    async def _new_job(self, spec: JobSpec, now: float, owner: str | None) -> StoredJob:
+        """The record of a job enqueued now, on its tenant's subject or held for `owner`."""
+        stream = await self.store.lane(spec.model, spec.priority, spec.pool)
+        if owner is not None:
+            subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+        else:
+            subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        return StoredJob(
+            spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
+        )
+
+    async def _enqueue_plain_many(
+        self, specs: Sequence[JobSpec], now: float
+    ) -> list[tuple[EnqueueResult, str] | BaseException]:
+        """`_enqueue_plain` of jobs no key names and none is held for, all in one round trip:
+        their records, then their lane messages in order, written now and their answers
+        awaited in turn (no task, no turn to wait for per job); each outcome as `gather`
+        with `return_exceptions` gives it."""
+        jobs = [await self._new_job(spec, now, None) for spec in specs]
+        records = [await self.store.cas_soon(job, 0) for job in jobs]
+        messages: list[asyncio.Future[int]] = []
+        try:
+            for job in jobs:
+                headers = {MSG_ID: job.spec.id, ENQUEUED_AT: repr(now)}
+                sending = self.conn.publish_soon(job.subject, encode(job.spec), headers)
+                messages.append(await sending)
+        except BaseException:
+            for record in records:
+                record.cancel()
+            raise
+        outcomes: list[tuple[EnqueueResult, str] | BaseException] = []
+        for job, record, message in zip(jobs, records, messages, strict=True):
+            revision = await _outcome(self.conn.acked(record))
+            published = await _outcome(self.conn.acked(message))
+            outcomes.append(await _outcome(self._plain_result(job, revision, published)))
+        return outcomes
+
     async def _enqueue_plain(
         self, job: StoredJob, now: float, after: asyncio.Event | None, turn: asyncio.Event
     ) -> tuple[EnqueueResult, str]:
@@ -245,6 +280,14 @@ class Enqueuer(Part):
         except BaseException:
             record.cancel()
             raise
+        return await self._plain_result(job, revision, published)
+
+    async def _plain_result(
+        self, job: StoredJob, revision: int | BaseException | None, published: int | BaseException
+    ) -> tuple[EnqueueResult, str]:
+        """What the answers to a plain enqueue's two writes make of it (raises QueueFull, its
+        record taken back, when the lane was full)."""
+        spec = job.spec
         outcomes = (revision, published)
         if isinstance(published, nats.js.errors.APIError) and published.err_code in _FULL:
             if isinstance(revision, int):
