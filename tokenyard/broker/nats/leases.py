@@ -373,6 +373,10 @@ class Leases(Part):
         job.affinity = False
         job.subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
         old_seq = job.seq
+        # the new message's sequence is not known until it is published: a claim that meets it
+        # before the record names it takes it (naming the old one, the record would have it
+        # acknowledged as moved, and the job lost)
+        job.seq = 0
         new_revision = await self.store.cas(job, revision)
         if new_revision is None:
             return False
