@@ -206,7 +206,7 @@ class Claims(Part):
         own = [s for s in held if Names.subject_kind(s)[1] == mine]
         for subject in own:  # jobs held for this worker first
             msgs = await self._pull(stream, subject, room - len(leases))
-            leases += await self._take(msgs, consumer, affinity=True)
+            leases += await self._take(_decoded(msgs), consumer, affinity=True)
         now = self.clock()
         for subject in held:  # then jobs another worker kept waiting too long
             if subject in own or len(leases) >= room:
@@ -215,11 +215,11 @@ class Claims(Part):
                 msgs = await self._pull(stream, subject, 1)
                 if not msgs:
                     break
-                spec = decode(msgs[0].data, JobSpec)
+                [(msg, spec)] = _decoded(msgs)
                 if not overdue(spec.created_at, now, self.settings.affinity_wait_s):
-                    await self.store.ack(msgs[0].reply or "", b"-NAK")
+                    await self.store.ack(msg.reply or "", b"-NAK")
                     break
-                leases += await self._take(msgs, consumer, affinity=True)
+                leases += await self._take([(msg, spec)], consumer, affinity=True)
         tenants = [s for s in view.subjects if Names.subject_kind(s)[0] == "t"]
         for subject in tenants:
             if subject not in view.active:
@@ -232,12 +232,12 @@ class Claims(Part):
             )
             taken: dict[str, list[Lease]] = {}
             drained = False
-            for (subject, wanted), msgs in zip(plan.items(), pulled, strict=True):
-                if len(msgs) < wanted:
+            for (subject, wanted), got in zip(plan.items(), pulled, strict=True):
+                if len(got) < wanted:
                     drained = True
                     view.active.discard(subject)  # drained: it keeps its tag while idle
                     view.subjects.pop(subject, None)
-                taken[subject] = await self._take(msgs, consumer, affinity=False)
+                taken[subject] = await self._take(got, consumer, affinity=False)
             # the tags move in turn order, by what each job really costs
             while any(taken.values()):
                 subject = next_turn({s: view.tags[s] for s, got in taken.items() if got})
@@ -255,13 +255,17 @@ class Claims(Part):
             view.read_at = 0.0  # look at the lane afresh next time
         return leases
 
-    async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[Msg]:
-        msgs = await self._pull(stream, subject, n)
+    async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[tuple[Msg, JobSpec]]:
+        pulled = _decoded(await self._pull(stream, subject, n))
         # within what one pull takes: earliest deadline first, then arrival
-        return sorted(msgs, key=lambda m: staging_score(decode(m.data, JobSpec)))
+        return sorted(pulled, key=lambda pair: staging_score(pair[1]))
 
-    async def _take(self, msgs: Sequence[Msg], consumer: str, affinity: bool) -> list[Lease]:
-        specs = [decode(m.data, JobSpec) for m in msgs]
+    async def _take(
+        self, pulled: Sequence[tuple[Msg, JobSpec]], consumer: str, affinity: bool
+    ) -> list[Lease]:
+        """Leases of pulled messages (each with its job, decoded once)."""
+        msgs = [m for m, _ in pulled]
+        specs = [s for _, s in pulled]
         # the records of first deliveries whose message cannot name them, read at once
         unnamed = [s.id for m, s in zip(msgs, specs, strict=True) if _unnamed(m)]
         records = await self.store.get_many(unnamed)
@@ -467,6 +471,10 @@ def _fair_plan(view: LaneView, room: int) -> dict[str, int]:
             tags[subject], view.cost.get(subject, 1.0), view.weight.get(subject, 1.0)
         )
     return dict(plan)
+
+
+def _decoded(msgs: Sequence[Msg]) -> list[tuple[Msg, JobSpec]]:
+    return [(m, decode(m.data, JobSpec)) for m in msgs]
 
 
 def _unnamed(msg: Msg) -> bool:
