@@ -6,6 +6,7 @@ sent again after an unanswered call must be found stored, not stored twice or fe
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -169,4 +170,8 @@ async def test_one_claim_takes_more_plain_jobs_than_one_batched_read_holds(
     leases = await queue.claim(MODEL, "w", slots=len(specs), block_s=2)
     assert sorted(lease.spec.id for lease in leases) == sorted(s.id for s in specs)
     assert await queue.complete_many([(lease, ok(lease)) for lease in leases]) == [True] * 1100
-    assert await queue.depth(MODEL) == 0
+    # the lane messages' acks are plain publishes the server takes in its own time
+    give_up = time.monotonic() + 10.0
+    while (left := await queue.depth(MODEL)) and time.monotonic() < give_up:
+        await asyncio.sleep(0.05)
+    assert left == 0

@@ -166,8 +166,13 @@ class Claims(Part):
         order = claim_order(len(Priority), self._rounds[model], self.settings.starvation_every)
         self._rounds[model] += 1
         lanes = [(Priority(p), pool) for p in order for pool in pools]
-        streams = await asyncio.gather(*(self.store.lane(model, p, pool) for p, pool in lanes))
-        views = await asyncio.gather(*(self._view(s, fresh) for s in streams))
+        # known lanes and views read lately cost no task each (a claim of one job is common)
+        streams = [await self.store.lane(model, p, pool) for p, pool in lanes]
+        now = time.monotonic()
+        if fresh or any(now - self._lanes[s].read_at > TENANT_REFRESH_S for s in streams):
+            views = await asyncio.gather(*(self._view(s, fresh) for s in streams))
+        else:
+            views = [self._lanes[s] for s in streams]
         leases: list[Lease] = []
         mine = token(consumer)
         for (priority, _), stream, view in zip(lanes, streams, views, strict=True):
@@ -201,7 +206,7 @@ class Claims(Part):
         own = [s for s in held if Names.subject_kind(s)[1] == mine]
         for subject in own:  # jobs held for this worker first
             msgs = await self._pull(stream, subject, room - len(leases))
-            leases += await self._take(msgs, consumer, affinity=True)
+            leases += await self._take(_decoded(msgs), consumer, affinity=True)
         now = self.clock()
         for subject in held:  # then jobs another worker kept waiting too long
             if subject in own or len(leases) >= room:
@@ -210,11 +215,11 @@ class Claims(Part):
                 msgs = await self._pull(stream, subject, 1)
                 if not msgs:
                     break
-                spec = decode(msgs[0].data, JobSpec)
+                [(msg, spec)] = _decoded(msgs)
                 if not overdue(spec.created_at, now, self.settings.affinity_wait_s):
-                    await self.store.ack(msgs[0].reply or "", b"-NAK")
+                    await self.store.ack(msg.reply or "", b"-NAK")
                     break
-                leases += await self._take(msgs, consumer, affinity=True)
+                leases += await self._take([(msg, spec)], consumer, affinity=True)
         tenants = [s for s in view.subjects if Names.subject_kind(s)[0] == "t"]
         for subject in tenants:
             if subject not in view.active:
@@ -227,12 +232,12 @@ class Claims(Part):
             )
             taken: dict[str, list[Lease]] = {}
             drained = False
-            for (subject, wanted), msgs in zip(plan.items(), pulled, strict=True):
-                if len(msgs) < wanted:
+            for (subject, wanted), got in zip(plan.items(), pulled, strict=True):
+                if len(got) < wanted:
                     drained = True
                     view.active.discard(subject)  # drained: it keeps its tag while idle
                     view.subjects.pop(subject, None)
-                taken[subject] = await self._take(msgs, consumer, affinity=False)
+                taken[subject] = await self._take(got, consumer, affinity=False)
             # the tags move in turn order, by what each job really costs
             while any(taken.values()):
                 subject = next_turn({s: view.tags[s] for s, got in taken.items() if got})
@@ -250,33 +255,53 @@ class Claims(Part):
             view.read_at = 0.0  # look at the lane afresh next time
         return leases
 
-    async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[Msg]:
-        msgs = await self._pull(stream, subject, n)
+    async def _pull_tenant(self, stream: str, subject: str, n: int) -> list[tuple[Msg, JobSpec]]:
+        pulled = _decoded(await self._pull(stream, subject, n))
         # within what one pull takes: earliest deadline first, then arrival
-        return sorted(msgs, key=lambda m: staging_score(decode(m.data, JobSpec)))
+        return sorted(pulled, key=lambda pair: staging_score(pair[1]))
 
-    async def _take(self, msgs: Sequence[Msg], consumer: str, affinity: bool) -> list[Lease]:
-        specs = [decode(m.data, JobSpec) for m in msgs]
+    async def _take(
+        self, pulled: Sequence[tuple[Msg, JobSpec]], consumer: str, affinity: bool
+    ) -> list[Lease]:
+        """Leases of pulled messages (each with its job, decoded once)."""
+        msgs = [m for m, _ in pulled]
+        specs = [s for _, s in pulled]
         # the records of first deliveries whose message cannot name them, read at once
         unnamed = [s.id for m, s in zip(msgs, specs, strict=True) if _unnamed(m)]
         records = await self.store.get_many(unnamed)
-        outcomes = await asyncio.gather(
-            *(
-                self._take_one(_Delivery(m, s, records.get(s.id), consumer, affinity))
-                for m, s in zip(msgs, specs, strict=True)
+        deliveries = [
+            _Delivery(m, s, records.get(s.id), consumer, affinity)
+            for m, s in zip(msgs, specs, strict=True)
+        ]
+        # first deliveries as enqueued: their records written together (one round trip) and
+        # awaited in turn, no task each; the others (and those whose write lost) one by one
+        firsts = [self._first(d) for d in deliveries]
+        writes = [None if first is None else await self.store.cas_soon(*first) for first in firsts]
+        leases: list[Lease | None] = [None] * len(deliveries)
+        rest: list[int] = []
+        for i, (first, write) in enumerate(zip(firsts, writes, strict=True)):
+            written = None if write is None else await self.conn.acked(write)
+            if first is None or written is None:
+                rest.append(i)
+                continue
+            # no claim marker: the first holder's appends expect no events before them, so an
+            # ending's Finished that came first (a cancel or expiry cut off before its record)
+            # fences them as a marker would; its record follows that Finished when next read
+            leases[i] = await self._leased(
+                deliveries[i].msg.reply or "", first[0], written, 0, False
             )
-        )
-        return [lease for lease in outcomes if lease is not None]
+        if rest:
+            taken = await asyncio.gather(*(self._take_one(deliveries[i]) for i in rest))
+            for i, lease in zip(rest, taken, strict=True):
+                leases[i] = lease
+        return [lease for lease in leases if lease is not None]
 
     async def _take_one(self, delivery: _Delivery) -> Lease | None:
         """Turn a delivered message into a lease: the record says running under this consumer
-        (compare-and-set), and a claim marker fences the events subject. `record`: the record
-        as read with the claim's other messages (first deliveries of plain enqueues)."""
+        (compare-and-set), and a claim marker fences the events subject (the general path:
+        `_first` did not apply, or its write lost to another)."""
         msg, spec, _, consumer, affinity = delivery
         reply = msg.reply or ""
-        fast = await self._take_first(delivery)
-        if fast is not None:
-            return fast
         revision = 0
         job: StoredJob | None = None
         for _ in range(6):
@@ -336,11 +361,11 @@ class Claims(Part):
         at = float((msg.headers or {}).get(ENQUEUED_AT, "0"))
         return self.clock() - at < RECORD_WAIT_S
 
-    async def _take_first(self, delivery: _Delivery) -> Lease | None:
-        """The common case in one round trip after the pull: a first delivery of a job whose
-        record is as enqueued (the message names its revision, or `record` was read with the
-        claim's other messages): the record is written from the message, and no claim marker
-        is needed (no one held the job before). None: take the general path."""
+    def _first(self, delivery: _Delivery) -> tuple[StoredJob, int] | None:
+        """The common case, one write after the pull: a first delivery of a job whose record
+        is as enqueued (the message names its revision, or `record` was read with the claim's
+        other messages): the record to write from the message and the revision it replaces;
+        no claim marker is needed (no one held the job before). None: the general path."""
         msg, spec, record, consumer, affinity = delivery
         headers = msg.headers or {}
         now = self.clock()
@@ -352,6 +377,7 @@ class Claims(Part):
             revision = record[1]
         else:
             return None
+        metadata = msg.metadata
         job = StoredJob(
             spec=spec,
             status=JobStatus.RUNNING,
@@ -359,19 +385,13 @@ class Claims(Part):
             enqueued_at=float(headers.get(ENQUEUED_AT, "0")),
             started_at=now,
             worker=consumer,
-            lane=msg.metadata.stream,
+            lane=metadata.stream,
             subject=msg.subject,
-            seq=int(msg.metadata.sequence.stream),
+            seq=int(metadata.sequence.stream),
             lease_until=now + self.settings.lease_s,
             affinity=affinity,
         )
-        written = await self.store.cas(job, revision)
-        if written is None:
-            return None
-        # no claim marker: the first holder's appends expect no events before them, so an
-        # ending's Finished that came first (a cancel or expiry cut off before its record)
-        # fences them as a marker would; its record follows that Finished once the lease lapses
-        return await self._leased(msg.reply or "", job, written, 0, False)
+        return job, revision
 
     async def _leased(
         self, reply: str, job: StoredJob, revision: int, last: int, resumable: bool
@@ -451,6 +471,10 @@ def _fair_plan(view: LaneView, room: int) -> dict[str, int]:
             tags[subject], view.cost.get(subject, 1.0), view.weight.get(subject, 1.0)
         )
     return dict(plan)
+
+
+def _decoded(msgs: Sequence[Msg]) -> list[tuple[Msg, JobSpec]]:
+    return [(m, decode(m.data, JobSpec)) for m in msgs]
 
 
 def _unnamed(msg: Msg) -> bool:

@@ -14,7 +14,7 @@ from tokenyard.broker.machine import Bury, Count, Step
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob
 from tokenyard.broker.nats.store import Fenced, Part
-from tokenyard.messages import Finished, JobResult, encode
+from tokenyard.messages import Finished, JobResult, JobStatus, encode
 
 
 class Endings(Part):
@@ -50,7 +50,7 @@ class Endings(Part):
         await self.store.drop_message(job)
         if reason is not None:
             await self.store.dead_letter_entry(job, reason, error)
-        if turned:
+        if turned or not job.spec.quota:  # without quota: whoever wrote the Finished settles
             await self.store.settle([(job.spec, result)])
         return True
 
@@ -89,14 +89,21 @@ class Endings(Part):
         return False
 
     async def mend(
-        self, job: StoredJob, revision: int, result: JobResult, reply: str | None
+        self,
+        job: StoredJob,
+        revision: int,
+        result: JobResult,
+        reply: str | None,
+        at: float | None = None,
     ) -> None:
-        """The record of a job whose Finished is in but whose writer never wrote the record
-        (it died, or the broker failed over, in between): terminal now, not run again. `reply`:
-        the lane message a claim holds (None: a reader or a broker-side ending met it)."""
+        """The record of a job whose Finished is in but whose writer did not write the record
+        (a completion that ends a job by its Finished alone, or a writer that died or met a
+        failover in between): terminal now, not run again. `reply`: the lane message a claim
+        holds (None: a reader or a broker-side ending met it); `at`: when the Finished was
+        stored."""
         job.status = result.status
         job.result = result
-        job.finished_at = self.clock()
+        job.finished_at = self.clock() if at is None else at  # when its Finished was stored
         if await self.store.cas(job, revision) is None:
             if reply:
                 # changed meanwhile: the redelivery looks again
@@ -106,7 +113,8 @@ class Endings(Part):
             await self.store.ack(reply)
         if job.cancel:
             await self.store.mark(Names.cancels(job.spec.model), job.spec.id, False)
-        await self.store.settle([(job.spec, result)])
+        if job.spec.quota:  # without quota the Finished's writer settled it (its audit entry)
+            await self.store.settle([(job.spec, result)])
 
     async def cancel(self, job_id: str) -> CancelOutcome:
         return await self._cancel(job_id, 0)
@@ -120,6 +128,12 @@ class Endings(Part):
             if found is None:
                 return CancelOutcome.NOT_FOUND
             job, revision = found
+            if job.status is JobStatus.RUNNING:
+                # a completion may have ended it by its Finished alone (leases.py)
+                _, ended, at = await self.store.ending(job_id)
+                if ended is not None:
+                    await self.mend(job, revision, ended, None, at)
+                    return CancelOutcome.ALREADY_FINISHED
             step = machine.cancel(job.state(), self.clock(), leaving)
             if not isinstance(step, Step):
                 return CancelOutcome.ALREADY_FINISHED

@@ -58,17 +58,35 @@ class Enqueuer(Part):
             assigned: dict[str, int] = defaultdict(int)
             owners = [await self._owner_for(specs[i], assigned) for i in indexes]
             # the records go in together; the lane messages in the batch's order (a turn each)
-            turns = [asyncio.Event() for _ in indexes]
-            outcomes = await asyncio.gather(
-                *(
-                    _passing(
-                        turns[k],
-                        self._enqueue_one(specs[i], now, o, turns[k - 1] if k else None, turns[k]),
-                    )
-                    for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
-                ),
-                return_exceptions=True,
-            )
+            outcomes: list[tuple[EnqueueResult, str] | BaseException]
+            if all(
+                o is None and not specs[i].idempotency_key and not specs[i].collapse_key
+                for i, o in zip(indexes, owners, strict=True)
+            ):  # the common call: no task to run each job, no turn to wait for
+                outcomes = await self._enqueue_plain_many([specs[i] for i in indexes], now)
+            elif len(indexes) == 1:
+                try:
+                    outcomes = [
+                        await self._enqueue_one(
+                            specs[indexes[0]], now, owners[0], None, asyncio.Event()
+                        )
+                    ]
+                except QueueFull as exc:
+                    outcomes = [exc]
+            else:
+                turns = [asyncio.Event() for _ in indexes]
+                outcomes = await asyncio.gather(
+                    *(
+                        _passing(
+                            turns[k],
+                            self._enqueue_one(
+                                specs[i], now, o, turns[k - 1] if k else None, turns[k]
+                            ),
+                        )
+                        for k, (i, o) in enumerate(zip(indexes, owners, strict=True))
+                    ),
+                    return_exceptions=True,
+                )
             refused = next((o for o in outcomes if isinstance(o, QueueFull)), None)
             if refused is not None:
                 await self._take_back(
@@ -82,7 +100,7 @@ class Enqueuer(Part):
                 results[i] = outcome[0]
             published = [o[1] for o in outcomes if isinstance(o, tuple) and o[1]]
             if published:
-                await self.store.wake(model, published)
+                self.store.wake_soon(model, published)
         created = [specs[i] for i, r in enumerate(results) if r is not None and r.created]
         if created:
             self.store.audit.append_soon([audit.received(spec, now) for spec in created])
@@ -171,17 +189,8 @@ class Enqueuer(Part):
             if joined is not None:
                 return EnqueueResult(job_id=joined, created=False, collapsed=True), ""
         if resend is None:
-            stream = await self.store.lane(spec.model, spec.priority, spec.pool)
-            if owner is not None:
-                subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
-            else:
-                subject = self.names.tenant_subject(
-                    spec.model, spec.priority, spec.pool, spec.tenant
-                )
-            job = StoredJob(
-                spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
-            )
-            created = True
+            job = await self._new_job(spec, now, owner)
+            subject, created = job.subject, True
             if not spec.idempotency_key and not spec.collapse_key:
                 return await self._enqueue_plain(job, now, after, turn)
             try:
@@ -213,12 +222,49 @@ class Enqueuer(Part):
         # expiry of a waiting job finds its message by scanning the subject (`_drop_message`)
         return EnqueueResult(job_id=spec.id, created=created), subject
 
+    async def _new_job(self, spec: JobSpec, now: float, owner: str | None) -> StoredJob:
+        """The record of a job enqueued now, on its tenant's subject or held for `owner`."""
+        stream = await self.store.lane(spec.model, spec.priority, spec.pool)
+        if owner is not None:
+            subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
+        else:
+            subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        return StoredJob(
+            spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
+        )
+
+    async def _enqueue_plain_many(
+        self, specs: Sequence[JobSpec], now: float
+    ) -> list[tuple[EnqueueResult, str] | BaseException]:
+        """`_enqueue_plain` of jobs no key names and none is held for, all in one round trip:
+        their records, then their lane messages in order, written now and their answers
+        awaited in turn (no task, no turn to wait for per job); each outcome as `gather`
+        with `return_exceptions` gives it."""
+        jobs = [await self._new_job(spec, now, None) for spec in specs]
+        records = [await self.store.cas_soon(job, 0) for job in jobs]
+        messages: list[asyncio.Future[int]] = []
+        try:
+            for job in jobs:
+                headers = {MSG_ID: job.spec.id, ENQUEUED_AT: repr(now)}
+                sending = self.conn.publish_soon(job.subject, encode(job.spec), headers)
+                messages.append(await sending)
+        except BaseException:
+            for record in records:
+                record.cancel()
+            raise
+        outcomes: list[tuple[EnqueueResult, str] | BaseException] = []
+        for job, record, message in zip(jobs, records, messages, strict=True):
+            revision = await _outcome(self.conn.acked(record))
+            published = await _outcome(self.conn.acked(message))
+            outcomes.append(await _outcome(self._plain_result(job, revision, published)))
+        return outcomes
+
     async def _enqueue_plain(
         self, job: StoredJob, now: float, after: asyncio.Event | None, turn: asyncio.Event
     ) -> tuple[EnqueueResult, str]:
         """A job no key names, in one round trip: its record and its lane message are written
         together and their answers awaited together. The message cannot name the record's
-        revision, so its first claim reads the record (claims.py, `_take_first`); a claim that
+        revision, so its first claim reads the record (claims.py, `_first`); a claim that
         meets the message before the record was stored hands it back for a moment."""
         spec = job.spec
         record = await self.store.cas_soon(job, 0)
@@ -228,13 +274,21 @@ class Enqueuer(Part):
                 await after.wait()
             pending = await self.conn.publish_soon(job.subject, encode(spec), headers)
             turn.set()
-            outcomes = await asyncio.gather(
-                self.conn.acked(record), self.conn.acked(pending), return_exceptions=True
-            )
+            # both are on their way: awaited in turn, with no task each
+            revision = await _outcome(self.conn.acked(record))
+            published = await _outcome(self.conn.acked(pending))
         except BaseException:
             record.cancel()
             raise
-        revision, published = outcomes
+        return await self._plain_result(job, revision, published)
+
+    async def _plain_result(
+        self, job: StoredJob, revision: int | BaseException | None, published: int | BaseException
+    ) -> tuple[EnqueueResult, str]:
+        """What the answers to a plain enqueue's two writes make of it (raises QueueFull, its
+        record taken back, when the lane was full)."""
+        spec = job.spec
+        outcomes = (revision, published)
         if isinstance(published, nats.js.errors.APIError) and published.err_code in _FULL:
             if isinstance(revision, int):
                 kv = await self.store.jobs()
@@ -353,3 +407,11 @@ async def _passing(turn: asyncio.Event, step: Awaitable[T]) -> T:
         return await step
     finally:
         turn.set()
+
+
+async def _outcome(answer: Awaitable[T]) -> T | BaseException:
+    """An answer's result, or what it raised (as `gather(return_exceptions=True)` gives)."""
+    try:
+        return await answer
+    except Exception as exc:
+        return exc

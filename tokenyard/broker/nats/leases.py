@@ -20,7 +20,7 @@ from tokenyard.broker.nats.connection import kv_change, kv_entry, sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import Liveness, StoredJob, encode_job
-from tokenyard.broker.nats.store import RESEND_S, Fenced, Part, Store, event_id
+from tokenyard.broker.nats.store import RESEND_S, Fenced, Holding, Part, Store, event_id
 from tokenyard.broker.policy import backoff_delay, lapsed
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import (
@@ -119,13 +119,50 @@ class Leases(Part):
         items: Sequence[tuple[Lease, JobResult]],
         tails: Sequence[TokenChunk | None] | None = None,
     ) -> list[bool]:
-        outcomes = await asyncio.gather(
+        outcomes: list[bool | BaseException | None] = [None] * len(items)
+        # the completions that end a job by its Finished alone (`_ends_by_events`) written
+        # together (one round trip) and awaited in turn, no task each; the others, and any
+        # whose first try did not land plainly, go through `_complete` (sent again there)
+        sending: list[tuple[int, Holding, asyncio.Future[int]]] = []
+        for i, (lease, result) in enumerate(items):
+            holding = self.store.holding.get(lease.entry_id)
+            if (
+                holding is None
+                or holding.finishing
+                or not _names(holding.job, lease)
+                or not _ends_by_events(lease.spec, result)
+            ):
+                continue
+            tail = None if tails is None else tails[i]
+            msg_id = event_id(lease.spec.id, holding.marker, "f")
+            data = _finished(result, tail)
+            try:
+                pending = await self.store.event_soon(
+                    lease.spec.id, data, holding.last_seq, msg_id, tail is not None
+                )
+            except Exception:
+                continue
+            holding.finishing = True
+            sending.append((i, holding, pending))
+        for i, holding, pending in sending:
+            try:
+                await self.conn.acked(pending)
+            except Exception:
+                continue
+            finally:
+                holding.finishing = False
+            await self._ended_by_events(items[i][0], holding)
+            outcomes[i] = True
+        rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        others = await asyncio.gather(
             *(
-                self._complete(lease, result, None if tails is None else tails[i])
-                for i, (lease, result) in enumerate(items)
+                self._complete(items[i][0], items[i][1], None if tails is None else tails[i])
+                for i in rest
             ),
             return_exceptions=True,  # none still running when the caller sends them again
         )
+        for i, outcome in zip(rest, others, strict=True):
+            outcomes[i] = outcome
         ended = [(items[i][0].spec, items[i][1]) for i, ok in enumerate(outcomes) if ok is True]
         if ended:
             await self.store.settle(ended)
@@ -170,15 +207,21 @@ class Leases(Part):
         """The tail and the Finished event first, in one message fenced like any append, then
         the record: a worker dying in between leaves a Finished that the next claim, ending or
         reader copies into the record, never a terminal record without its last events. True
-        when this write made the record terminal (it settles the job)."""
+        when this call ended the job (it settles it).
+
+        A job without quota ends with its Finished alone (one write, one round trip): its
+        record is left running, and whoever reads it next copies the Finished in (`mend`), as
+        after a worker died in between; its settlement is its audit entry, written here. A job
+        with quota (settled exactly once, by whoever turns its record) and one ending cancelled
+        (the cancel's mark is cleared once the record shows it) write their record too."""
         holding = self.store.holding.get(lease.entry_id)
-        if holding is None or not _names(holding.job, lease):
+        if holding is None or holding.finishing or not _names(holding.job, lease):
             await self.store.count(lease.spec.model, "fenced")
             return False
         job_id = lease.spec.id
-        finished = Finished(result=result)
-        data = encode(finished) if tail is None else encode([tail, finished])
+        data = _finished(result, tail)
         msg_id = event_id(job_id, holding.marker, "f")
+        holding.finishing = True  # the same lease twice in one call: the second is fenced
         try:
             await self.store.publish_event(
                 job_id, data, holding.last_seq, msg_id=msg_id, last=tail is not None
@@ -187,6 +230,11 @@ class Leases(Part):
             self.store.holding.pop(lease.entry_id, None)
             await self.store.count(lease.spec.model, "fenced")
             return False
+        finally:
+            holding.finishing = False  # a call sent again after an error goes through
+        if _ends_by_events(lease.spec, result):
+            await self._ended_by_events(lease, holding)
+            return True
 
         def end(job: StoredJob) -> None:
             job.status = result.status
@@ -207,7 +255,15 @@ class Leases(Part):
             await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
         if not turned:
             await self.store.count(lease.spec.model, "fenced")
-        return turned
+        # a job without quota is settled by whoever wrote its Finished (`_ends_by_events`)
+        return turned or not lease.spec.quota
+
+    async def _ended_by_events(self, lease: Lease, holding: Holding) -> None:
+        """After the Finished that ended the job landed: the lane message acknowledged."""
+        await self.store.ack(lease.entry_id)  # before the holding goes: a call sent again
+        self.store.holding.pop(lease.entry_id, None)  # acks it again, and settles it once
+        if holding.job.cancel:
+            await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1
@@ -317,6 +373,10 @@ class Leases(Part):
         job.affinity = False
         job.subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
         old_seq = job.seq
+        # the new message's sequence is not known until it is published: a claim that meets it
+        # before the record names it takes it (naming the old one, the record would have it
+        # acknowledged as moved, and the job lost)
+        job.seq = 0
         new_revision = await self.store.cas(job, revision)
         if new_revision is None:
             return False
@@ -406,6 +466,17 @@ class Leases(Part):
             return (encode(live) if still else None), None
 
         await kv_change(await self.store.jobs(), Names.live(model), forget)
+
+
+def _finished(result: JobResult, tail: TokenChunk | None) -> bytes:
+    """A completion's last message: its Finished, after its tail when it has one."""
+    finished = Finished(result=result)
+    return encode(finished) if tail is None else encode([tail, finished])
+
+
+def _ends_by_events(spec: JobSpec, result: JobResult) -> bool:
+    """Whether a completion writes its Finished alone (the record follows when next read)."""
+    return not spec.quota and result.status is not JobStatus.CANCELLED
 
 
 def _names(job: StoredJob, lease: Lease) -> bool:

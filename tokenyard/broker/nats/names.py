@@ -26,6 +26,27 @@ def token(name: str) -> str:
     return "h" + hashlib.blake2s(name.encode(), digest_size=8).hexdigest()
 
 
+class _Key:
+    """A family of KV keys, `<first>.<token of a name>`; `all` matches each of them."""
+
+    def __init__(self, first: str) -> None:
+        self.first = first
+        self.all = f"{first}.*"
+
+    def __call__(self, name: str) -> str:
+        return f"{self.first}.{token(name)}"
+
+
+class _ModelKey:
+    """A KV key per model, `<first>.<model tag>`."""
+
+    def __init__(self, first: str) -> None:
+        self.first = first
+
+    def __call__(self, model: str) -> str:
+        return f"{self.first}.{model_tag(model)}"
+
+
 class Names:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -116,23 +137,13 @@ class Names:
     def counter(model: str, name: str) -> str:
         return f"n.{model_tag(model)}.{name}"
 
-    @staticmethod
-    def live(model: str) -> str:
-        """A model's workers by when their liveness lapses (`NatsQueue.beat`, `reap`)."""
-        return f"l.{model_tag(model)}"
+    live = _ModelKey("l")  # a model's workers by when their liveness lapses (beat, reap)
+    delayed = _ModelKey("d")  # jobs waiting out a retry backoff
+    cancels = _ModelKey("x")  # running jobs a client asked to cancel
 
     @property
     def models_key(self) -> str:
         return "models"
-
-    @staticmethod
-    def delayed(model: str) -> str:
-        """Jobs waiting out a retry backoff; the job id is appended."""
-        return f"d.{model_tag(model)}"
-
-    @staticmethod
-    def cancels(model: str) -> str:
-        return f"x.{model_tag(model)}"
 
     @property
     def tables_bucket(self) -> str:
@@ -140,30 +151,16 @@ class Names:
         return f"{self.prefix}_tables"
 
     # -- keys of the tables bucket: each table under its own first token --------------------
-    @staticmethod
-    def tenant(name: str) -> str:
-        return f"d.t.{token(name)}"
-
-    ALL_TENANTS = "d.t.*"
-
-    @staticmethod
-    def api_key(digest: str) -> str:
-        return f"d.k.{token(digest)}"
-
-    ALL_API_KEYS = "d.k.*"
-
-    @staticmethod
-    def adapter(name: str) -> str:
-        return f"d.a.{token(name)}"
-
-    ALL_ADAPTERS = "d.a.*"
-
-    @staticmethod
-    def quota(tenant: str) -> str:
-        """A tenant's quota state and the jobs it holds reservations for."""
-        return f"q.{token(tenant)}"
-
-    ALL_QUOTAS = "q.*"
+    tenant = _Key("d.t")
+    api_key = _Key("d.k")  # by the key's digest
+    adapter = _Key("d.a")
+    quota = _Key("q")  # a tenant's quota state and the jobs it holds reservations for
+    ALL_TENANTS, ALL_API_KEYS, ALL_ADAPTERS, ALL_QUOTAS = (
+        tenant.all,
+        api_key.all,
+        adapter.all,
+        quota.all,
+    )
 
     @staticmethod
     def cache_slot(digest: str) -> str:
@@ -174,33 +171,16 @@ class Names:
     def cache_entry(model: str, slot: str) -> str:
         return f"r.{model_tag(model)}.{slot}"
 
-    @staticmethod
-    def stored_response(response_id: str) -> str:
-        """A stored response's record (/v1/responses), with its retention as the entry's TTL."""
-        return f"resp.{token(response_id)}"
-
-    @staticmethod
-    def pending_response(response_id: str) -> str:
-        """Marks a stored response whose job's result is not yet in it: its id, when it is due
-        for a look and when its record lapses."""
-        return f"resp.p.{token(response_id)}"
-
-    @staticmethod
-    def response_part(response_id: str) -> str:
-        """A stored response's part of its conversation, with its retention as the TTL."""
-        return f"resp.c.{token(response_id)}"
-
-    PENDING_RESPONSES = "resp.p.*"
-
-    @staticmethod
-    def cache_index(model: str) -> str:
-        """A model's cache entries by digest: when each expires, its size."""
-        return f"ri.{model_tag(model)}"
-
-    @staticmethod
-    def workers(model: str) -> str:
-        """A model's live workers, each with when its heartbeat lapses."""
-        return f"w.{model_tag(model)}"
+    # a stored response's record (/v1/responses), with its retention as the entry's TTL
+    stored_response = _Key("resp")
+    # marks a stored response whose job's result is not yet in it: its id, when it is due for
+    # a look and when its record lapses
+    pending_response = _Key("resp.p")
+    PENDING_RESPONSES = pending_response.all
+    # a stored response's part of its conversation, with its retention as the TTL
+    response_part = _Key("resp.c")
+    cache_index = _ModelKey("ri")  # a model's cache entries by digest: expiry, size
+    workers = _ModelKey("w")  # a model's live workers, each with when its heartbeat lapses
 
     @staticmethod
     def batch(batch_id: str, part: str = "") -> str:
@@ -212,9 +192,7 @@ class Names:
         """One `set_jobs` call's job ids, by its first line; None: the pattern of them all."""
         return f"b.{token(batch_id)}.j.{'*' if first_line is None else first_line}"
 
-    @staticmethod
-    def tenant_batches(tenant: str) -> str:
-        return f"bt.{token(tenant)}"
+    tenant_batches = _Key("bt")
 
     ACTIVE_BATCHES = "ba"
 

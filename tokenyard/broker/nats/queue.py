@@ -59,6 +59,7 @@ class NatsQueue(Front):
 
     async def close(self) -> None:
         await super().close()
+        await self.store.woken()
         await self.store.audit.flush()
         await self.claims.close()
 

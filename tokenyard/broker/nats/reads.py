@@ -107,14 +107,12 @@ class Reads(Part, EventReads):
         if found is None:
             return None
         job, revision = found
-        if job.status is JobStatus.RUNNING and job.lease_until <= self.clock():
-            # its holder may have died between its Finished and the record: follow the events
-            _, ended = await self.store.last_finished(job_id)
+        if job.status is JobStatus.RUNNING or (not job.terminal and job.deliveries):
+            # a completion ends a job by its Finished alone (leases.py), and a holder may have
+            # died between its Finished and the record: follow the events
+            _, ended, at = await self.store.ending(job_id)
             if ended is not None:
-                await self.endings.mend(job, revision, ended, None)
-                found = await self.store.get(job_id)
-                if found is not None:
-                    job = found[0]
+                await self.endings.mend(job, revision, ended, None, at)  # `job` reads as ended
         return job.record()
 
     async def records(self, job_ids: Sequence[str]) -> list[JobRecord | None]:

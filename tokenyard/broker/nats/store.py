@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import nats.js.errors
@@ -38,6 +40,8 @@ from tokenyard.messages import (
     decode_event,
     encode,
 )
+
+log = logging.getLogger(__name__)
 
 EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"
 MARKER = "Ty-Claim"  # header of the claim marker: an events message no reader is shown
@@ -69,6 +73,7 @@ class Holding:
     marker: int  # its claim marker's sequence (0: a first holder, which has none): names its
     # events, unlike a delivery number
     appended: int = 0  # events it stored: the next one's place names its id
+    finishing: bool = False  # a completion of it is under way (a second one is fenced)
 
 
 class Store:
@@ -100,6 +105,8 @@ class Store:
         self.holding: dict[str, Holding] = {}  # lease entry id -> what fences it
         self._lanes: dict[tuple[str, Priority, int], str] = {}  # lane streams made
         self._events = ""  # the events stream, once made
+        self._waking: dict[str, set[str]] = {}  # model -> lane subjects `wake_soon` gathered
+        self._waker: asyncio.Task[None] | None = None
 
     async def jobs(self) -> KeyValue:
         ttl = max(self.settings.record_ttl_s, self.settings.idempotency_ttl_s)
@@ -180,6 +187,30 @@ class Store:
         nc = await self.conn.client()
         await sent(nc.publish(self.names.wake(model), " ".join(sorted(set(subjects))).encode()))
 
+    def wake_soon(self, model: str, subjects: Sequence[str]) -> None:
+        """`wake`, sent once the enqueues answered in the same turn of the loop have gathered
+        their subjects: one wake-up for them all, each one a message every worker reads."""
+        self._waking.setdefault(model, set()).update(subjects)
+        if self._waker is None:
+            self._waker = asyncio.get_running_loop().create_task(self._wake_gathered())
+
+    async def _wake_gathered(self) -> None:
+        try:
+            while self._waking:
+                waking, self._waking = self._waking, {}
+                for model, subjects in waking.items():
+                    await self.wake(model, sorted(subjects))
+        except BrokerUnavailable as exc:
+            # the jobs are stored: a blocked claim finds them by its next look (POLL_S)
+            log.warning("wake-up not sent: %s", exc)
+        finally:
+            self._waker = None
+
+    async def woken(self) -> None:
+        """Wait for the wake-ups `wake_soon` gathered to be sent (before closing)."""
+        if self._waker is not None:
+            await asyncio.gather(self._waker, return_exceptions=True)
+
     async def get(self, job_id: str) -> tuple[StoredJob, int] | None:
         """The job's record and its revision (a direct get on the long-lived inbox)."""
         await self.jobs()
@@ -248,15 +279,7 @@ class Store:
         earlier try of it: this one's, or a call sent again).
         """
         await self.events_stream()
-        headers = {} if expect is None else {EXPECT_LAST: str(expect)}
-        if marker:
-            headers[MARKER] = "1"
-        if last:
-            headers[LAST] = "1"
-        if since is not None:
-            headers[SINCE] = str(since)
-        if msg_id:
-            headers[MSG_ID] = msg_id
+        headers = _event_headers(expect, marker, msg_id, last, since)
         give_up, pause = time.monotonic() + RESEND_S, 0.05
         while True:
             try:
@@ -276,6 +299,15 @@ class Store:
                     raise Fenced from exc
                 return stored
 
+    async def event_soon(
+        self, job_id: str, data: bytes, expect: int, msg_id: str, last: bool
+    ) -> asyncio.Future[int]:
+        """`publish_event`'s first try written now, its answer awaited later (several cost
+        one round trip); a caller whose try failed sends it again through `publish_event`."""
+        await self.events_stream()
+        headers = _event_headers(expect, False, msg_id, last, None)
+        return await self.conn.publish_soon(self.names.events(job_id), data, headers)
+
     async def stored_after(self, job_id: str, expect: int | None, msg_id: str | None) -> int | None:
         """The sequence of the job's event right after `expect` if its id is `msg_id`."""
         if expect is None or not msg_id:
@@ -289,13 +321,20 @@ class Store:
     async def last_finished(self, job_id: str) -> tuple[int, JobResult | None]:
         """The events subject's last sequence, and the job's result if that is its Finished
         (or, the last being a marker sent after unseen events, if one of those is)."""
+        last, ended, _ = await self.ending(job_id)
+        return last, ended
+
+    async def ending(self, job_id: str) -> tuple[int, JobResult | None, float | None]:
+        """`last_finished`, and when the server stored that Finished (None: not known)."""
         last, data, headers = await self.last_event(job_id)
         if data is not None and SINCE in headers:
-            return last, await self.finished_between(job_id, int(headers[SINCE]), last)
+            return last, await self.finished_between(job_id, int(headers[SINCE]), last), None
         if data is None or headers.get(MARKER):
-            return last, None
+            return last, None, None
         event = events_of(data, headers)[-1]
-        return last, event.result if isinstance(event, Finished) else None
+        if not isinstance(event, Finished):
+            return last, None, None
+        return last, event.result, _stamp(headers.get("Nats-Time-Stamp", ""))
 
     async def finished_between(self, job_id: str, after: int, before: int) -> JobResult | None:
         """The result of a Finished among the job's events after `after`, before `before`."""
@@ -315,14 +354,11 @@ class Store:
             after = rows[-1][0]
 
     async def last_event(self, job_id: str) -> tuple[int, bytes | None, dict[str, str]]:
-        """The events subject's last (sequence, data, headers); (0, None, {}) if none."""
+        """The events subject's last (sequence, data, headers, the server's own among them);
+        (0, None, {}) if none. A direct get on the long-lived inbox."""
         stream = await self.events_stream()
-        js = await self.conn.js()
-        try:
-            msg = await sent(js.get_last_msg(stream, self.names.events(job_id), direct=True))
-        except nats.js.errors.NotFoundError:
-            return 0, None, {}
-        return int(msg.seq or 0), msg.data, dict(msg.headers or {})
+        found = await self.conn.direct_last(stream, self.names.events(job_id))
+        return (0, None, {}) if found is None else found
 
     async def drop_message(self, job: StoredJob) -> None:
         """Delete the job's waiting message from its lane (it ended before a claim)."""
@@ -425,6 +461,31 @@ def event_id(job_id: str, writer: int, n: str) -> str:
     sequence, 0 for a first holder; a claim marker: its delivery) and its place (`n`: 1, 2...;
     `f` the last message; `m<sequence>` a marker expecting that sequence before it)."""
     return f"{job_id}.{writer}.{n}"
+
+
+def _event_headers(
+    expect: int | None, marker: bool, msg_id: str | None, last: bool, since: int | None
+) -> dict[str, str]:
+    headers = {} if expect is None else {EXPECT_LAST: str(expect)}
+    if marker:
+        headers[MARKER] = "1"
+    if last:
+        headers[LAST] = "1"
+    if since is not None:
+        headers[SINCE] = str(since)
+    if msg_id:
+        headers[MSG_ID] = msg_id
+    return headers
+
+
+def _stamp(text: str) -> float | None:
+    """Unix seconds of a server time stamp (RFC 3339, nanoseconds); None if there is none."""
+    whole, _, fraction = text.rstrip("Z").partition(".")
+    try:
+        at = datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp()
+        return at + float(f"0.{fraction or 0}")
+    except ValueError:
+        return None
 
 
 def events_of(data: bytes, headers: Mapping[str, str]) -> list[JobEvent]:
