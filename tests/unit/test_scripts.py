@@ -73,7 +73,8 @@ def test_prologue_binds_each_name_to_its_position() -> None:
     assert "local A = {}" in prologue
     assert "local N = (#KEYS - 2) / 1" in prologue
     assert "local k, a = 2 + (i - 1) * 1, 0 + (i - 1) * 2" in prologue
-    assert "return {lane = KEYS[k + 1]}, {entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
+    assert "local t = {lane = KEYS[k + 1], entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
+    assert "return t, t" in prologue
 
 
 def test_items_without_keys_are_counted_from_argv() -> None:

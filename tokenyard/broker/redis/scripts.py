@@ -98,11 +98,17 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             lines.append(f"local N = (#ARGV - {na}) / {nia}")
         else:
             lines.append("local N = 0")
+        # one table holds both an item's keys and its args (their names are distinct), returned
+        # as both: every table a script builds costs the server an allocation and its share of
+        # Lua's garbage collection, per call, and item() runs once per item
+        keys_part = table(self.item_keys, "KEYS", "k + ")[1:-1]
+        args_part = table(self.item_args, "ARGV", "a + ")[1:-1]
+        both = ", ".join(part for part in (keys_part, args_part) if part)
         lines += [
             "local function item(i)",
             f"  local k, a = {nk} + (i - 1) * {nik}, {na} + (i - 1) * {nia}",
-            f"  return {table(self.item_keys, 'KEYS', 'k + ')}, "
-            f"{table(self.item_args, 'ARGV', 'a + ')}",
+            f"  local t = {{{both}}}",
+            "  return t, t",
             "end",
         ]
         return "\n".join(lines) + "\n"

@@ -142,15 +142,17 @@ local function take_held(lk, la, room, capped)
       if not seen[jid] then ids[#ids + 1] = jid; seen[jid] = true end
     end
   end
-  if #ids == 0 then return end
+  if #ids == 0 then return 0 end
+  local removed = 0
   for _, jid in ipairs(ids) do
     local pref = redis.call('HGET', A.job_prefix .. jid, 'pref')
     if pref then redis.call('ZREM', la.affw_prefix .. pref, jid) end
-    redis.call('ZREM', lk.held, jid)
+    removed = removed + redis.call('ZREM', lk.held, jid)
     redis.call('XADD', lk.aff, '*', 'j', jid)
   end
   local res = read(lk.aff, #ids)
   if res then take(lk.aff, res[1][2], capped, 1) end
+  return removed
 end
 
 -- Lanes (and the wake stream) with nothing after the cursor this worker's last claim left.
@@ -182,7 +184,12 @@ for i = 1, N do
   local room = remaining
   if capped then room = math.min(room, capped_left) end
   held_left[i] = any_held and redis.call('ZCARD', lk.held) or 0
-  if room > 0 and held_left[i] > 0 then take_held(lk, la, room, capped) end
+  if room > 0 and held_left[i] > 0 then
+    local removed = take_held(lk, la, room, capped)
+    -- enqueue.lua's depth check reads this count instead of the set's ZCARD: set from the set
+    -- itself, so a count that was never kept (held before it was) is right from here on
+    if removed > 0 then redis.call('HSET', lk.fair, 'held', held_left[i] - removed) end
+  end
   -- the lane's fair state, read once where some lane has staged jobs (only this script changes
   -- it while it runs); else only the count of staged jobs in the stream moves, below
   local in_stream, staged, stored = nil, 0, nil

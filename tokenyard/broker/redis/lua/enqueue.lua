@@ -17,6 +17,8 @@
 -- Prefix affinity: a job whose prefix key names a live worker (its heartbeat has not lapsed;
 -- see claim.lua for who owns a prefix) is held for it instead (the lane's `held` set and that
 -- worker's own set), unless max_held already wait for it; that worker's wake stream is nudged.
+-- The lane's fair hash counts its held jobs (`held`) for the depth check, so admission reads
+-- one hash and the stream's length; claim.lua sets the count from the set whenever it takes some.
 -- claim.lua gives it to that worker first, or to any worker once it waited the affinity bound.
 -- each item's tables once: item() builds two tables per call
 local ks, as = {}, {}
@@ -41,9 +43,11 @@ local max_depth, window = tonumber(A.max_depth), tonumber(A.window)
 local direct = {}
 for lane, count in pairs(adding) do
   local k, a = ks[first_item[lane]], as[first_item[lane]]
-  local f = redis.call('HMGET', k.fair, 'staged', 'stream', 'v', 'S:' .. a.tenant)
+  local f = redis.call('HMGET', k.fair, 'staged', 'stream', 'v', 'S:' .. a.tenant, 'held')
   local staged = tonumber(f[1] or '0')
-  local depth = redis.call('XLEN', lane) + staged + redis.call('ZCARD', k.held)
+  -- the held jobs' count from the same read, not a ZCARD of the held set: kept below and by
+  -- claim.lua, the only scripts that add to or take from that set
+  local depth = redis.call('XLEN', lane) + staged + math.max(0, tonumber(f[5] or '0') or 0)
   if depth + count > max_depth then return {-1, {first_item[lane], depth}} end
   if count == 1 and staged <= 0 and (tonumber(f[2] or '0') or 0) < window then
     direct[lane] = {f[2], f[3], f[4]}
@@ -74,6 +78,7 @@ for _, i in ipairs(fresh) do
     -- time (a double near 1.8e9 holds ~0.24 µs)
     local at = string.format('%.17g', tonumber(A.now) + i * 1e-6)
     redis.call('ZADD', k.held, at, a.job_id)
+    redis.call('HINCRBY', k.fair, 'held', 1)
     redis.call('ZADD', a.affw_prefix .. owner, at, a.job_id)
     redis.call('XADD', A.wake_prefix .. owner, 'MAXLEN', 8, '*', 'j', a.job_id)
   else
