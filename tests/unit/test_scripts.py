@@ -10,6 +10,7 @@ import pytest
 
 from tokenyard.broker.amqp import scripts as amqp_scripts
 from tokenyard.broker.redis import scripts
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.scripts import SCRIPTS, Empty, ScriptSpec
 
 # the Redis backend's scripts and those of RabbitMQ lanes' tables (their own lua/)
@@ -121,4 +122,22 @@ def test_every_script_file_has_a_table(
         if p.name.endswith(".lua")
     }
     assert files == {spec.name for spec in table}
-    assert scripts.CLAIM.item_keys == ("lane", "fair", "active", "held", "mine", "aff")
+    assert scripts.CLAIM.item_keys == ("lane",)
+
+
+def test_claim_names_a_lanes_keys_as_keys_py_does() -> None:
+    """claim.lua is sent only the lane and builds the names that hang off it: the same names."""
+    lane, body = "ty:{m}:lane:normal", lua("claim")
+    names = {
+        Keys.fair(lane): "lane .. ':fair'",
+        Keys.fair_active(lane): "lane .. ':active'",
+        Keys.affinity_held(lane): "lane .. ':affq'",
+        Keys.tenant_queue_prefix(lane): "lane .. ':tq:'",
+        Keys.affinity_worker_prefix(lane): "lk.lane .. ':affw:'",
+        Keys.affinity_stream(lane): "lk.lane .. ':aff'",
+    }
+    for name, built in names.items():
+        assert name == lane + built.split("'")[1]
+        assert built in body
+    assert Keys.affinity_worker(lane, "w") == Keys.affinity_worker_prefix(lane) + "w"
+    assert "affw_prefix .. consumer" in body

@@ -207,19 +207,9 @@ class RedisQueue(LanesOnTable):
                 ),
                 [
                     (
-                        scripts.ClaimLaneKeys(
-                            lane=lane,
-                            fair=self.keys.fair(lane),
-                            active=self.keys.fair_active(lane),
-                            held=self.keys.affinity_held(lane),
-                            mine=self.keys.affinity_worker(lane, consumer),
-                            aff=self.keys.affinity_stream(lane),
-                        ),
+                        scripts.LaneKey(lane=lane),
                         scripts.ClaimLaneArgs(
-                            tq_prefix=self.keys.tenant_queue_prefix(lane),
-                            capped="1" if lane in capped else "0",
-                            affw_prefix=self.keys.affinity_worker_prefix(lane),
-                            after=after.get(lane, ""),
+                            capped="1" if lane in capped else "0", after=after.get(lane, "")
                         ),
                     )
                     for lane in ordered

@@ -218,19 +218,11 @@ class LaneKey(NamedTuple):
     lane: str
 
 
-class ClaimLaneKeys(NamedTuple):
-    lane: str
-    fair: str
-    active: str
-    held: str  # the lane's jobs held for a preferred worker
-    mine: str  # those held for this worker
-    aff: str  # the lane's affinity stream: leases of the held jobs taken
-
-
 class ClaimLaneArgs(NamedTuple):
-    tq_prefix: str
+    # a lane is its one key (LaneKey): claim.lua names the keys that hang off it (keys.py's
+    # fair, fair_active, tenant_queue_prefix, affinity_held/_worker/_stream) itself, sparing the
+    # server seven arguments per lane on every claim
     capped: str  # '1': this lane's claims count against capped_room (the batch lane's share)
-    affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
     # the lane's id in this worker's last wait hint when that claim read the lane to its end
     # ('' for none): a lane with no entry after it has nothing to read (one XREAD for all)
     after: str
@@ -240,7 +232,7 @@ CLAIM = ScriptSpec(
     "claim",
     ClaimKeys,
     ClaimArgs,
-    ClaimLaneKeys,
+    LaneKey,
     ClaimLaneArgs,
     libraries=("fair", "ends", "affinity"),
 )

@@ -1,8 +1,13 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
--- KEYS: delayed, counters, wake, workers; per item: lane, fair, active, held, mine, aff
+-- KEYS: delayed, counters, wake, workers; per item: lane
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
 --   ttl_ms, wait_hints, window, capped_room, pfx_prefix, pfx_ttl_ms, aff_wait, wake_after;
---   per item: tq_prefix, capped, affw_prefix, after
+--   per item: capped, after
+-- A lane's other keys hang off its name as broker/redis/keys.py names them (<lane>:fair,
+-- :active, :tq:<tenant>, :affq, :affw:<consumer>, :aff; all in the lane's slot): the call sends
+-- the lane alone, not six keys and three args more per lane, as every argument costs the server
+-- a parse, an allocation and a Lua string on every call; the script builds only the names it
+-- uses (every lane's held and staging sets for the one EXISTS, the rest where a lane is read).
 -- Before each read a lane's stream is topped up from its tenants' staged jobs in fair order
 -- (lib/fair.lua) to the slots asked for plus `window`.
 -- Lanes marked capped give at most capped_room jobs together (-1: no cap): a worker keeps
@@ -42,9 +47,18 @@ end
 local nowf = tonumber(now)
 local remaining = tonumber(A.slots)
 local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
--- each lane's tables once: item() builds two tables per call
+-- each lane's table once: item() builds one per call
 local lks, las = {}, {}
-for i = 1, N do lks[i], las[i] = item(i) end
+for i = 1, N do
+  lks[i], las[i] = item(i)
+  local lane = lks[i].lane
+  lks[i].held, lks[i].active = lane .. ':affq', lane .. ':active'
+end
+-- a lane's fair-share hash, named the first time a claim touches it
+local function fair_of(lk)
+  if not lk.fair then lk.fair = lk.lane .. ':fair' end
+  return lk.fair
+end
 
 -- Whether any lane holds jobs for a preferred worker, has staged jobs, or any retry waits: one
 -- EXISTS over all those sets (an empty sorted set does not exist), and one more per kind only
@@ -130,8 +144,9 @@ local function take(stream, entries, capped, affinity)
 end
 
 -- Prefix affinity: take up to `room` held jobs, this worker's own first, then overdue ones.
-local function take_held(lk, la, room, capped)
-  local ids = redis.call('ZRANGE', lk.mine, 0, room - 1)
+local function take_held(lk, room, capped)
+  local affw_prefix, aff = lk.lane .. ':affw:', lk.lane .. ':aff'
+  local ids = redis.call('ZRANGE', affw_prefix .. consumer, 0, room - 1)
   local seen = {}
   for _, jid in ipairs(ids) do seen[jid] = true end
   if #ids < room then
@@ -146,12 +161,12 @@ local function take_held(lk, la, room, capped)
   local removed = 0
   for _, jid in ipairs(ids) do
     local pref = redis.call('HGET', A.job_prefix .. jid, 'pref')
-    if pref then redis.call('ZREM', la.affw_prefix .. pref, jid) end
+    if pref then redis.call('ZREM', affw_prefix .. pref, jid) end
     removed = removed + redis.call('ZREM', lk.held, jid)
-    redis.call('XADD', lk.aff, '*', 'j', jid)
+    redis.call('XADD', aff, '*', 'j', jid)
   end
-  local res = read(lk.aff, #ids)
-  if res then take(lk.aff, res[1][2], capped, 1) end
+  local res = read(aff, #ids)
+  if res then take(aff, res[1][2], capped, 1) end
   return removed
 end
 
@@ -185,16 +200,16 @@ for i = 1, N do
   if capped then room = math.min(room, capped_left) end
   held_left[i] = any_held and redis.call('ZCARD', lk.held) or 0
   if room > 0 and held_left[i] > 0 then
-    local removed = take_held(lk, la, room, capped)
+    local removed = take_held(lk, room, capped)
     -- enqueue.lua's depth check reads this count instead of the set's ZCARD: set from the set
     -- itself, so a count that was never kept (held before it was) is right from here on
-    if removed > 0 then redis.call('HSET', lk.fair, 'held', held_left[i] - removed) end
+    if removed > 0 then redis.call('HSET', fair_of(lk), 'held', held_left[i] - removed) end
   end
   -- the lane's fair state, read once where some lane has staged jobs (only this script changes
   -- it while it runs); else only the count of staged jobs in the stream moves, below
   local in_stream, staged, stored = nil, 0, nil
   if any_staged then
-    local f = redis.call('HMGET', lk.fair, 'stream', 'staged')
+    local f = redis.call('HMGET', fair_of(lk), 'stream', 'staged')
     in_stream, staged = tonumber(f[1] or '0'), tonumber(f[2] or '0')
     stored = in_stream
   end
@@ -208,7 +223,7 @@ for i = 1, N do
     end
     local moved = 0
     if staged > 0 then
-      moved, in_stream = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
+      moved, in_stream = fair_refill(lane, fair_of(lk), lk.active, lane .. ':tq:',
         asked + tonumber(A.window), in_stream)
       if moved > 0 then staged, stored = staged - moved, in_stream end
     end
@@ -229,11 +244,11 @@ for i = 1, N do
     end
   end
   if in_stream then
-    if in_stream ~= stored then redis.call('HSET', lk.fair, 'stream', in_stream) end
+    if in_stream ~= stored then redis.call('HSET', fair_of(lk), 'stream', in_stream) end
   elseif taken > 0 then
     -- nothing staged anywhere: the same count, kept without reading it first
-    local left = redis.call('HINCRBY', lk.fair, 'stream', -taken)
-    if left < 0 or (drained and left ~= 0) then redis.call('HSET', lk.fair, 'stream', 0) end
+    local left = redis.call('HINCRBY', fair_of(lk), 'stream', -taken)
+    if left < 0 or (drained and left ~= 0) then redis.call('HSET', fair_of(lk), 'stream', 0) end
   end
 end
 
