@@ -141,3 +141,18 @@ def test_claim_names_a_lanes_keys_as_keys_py_does() -> None:
         assert built in body
     assert Keys.affinity_worker(lane, "w") == Keys.affinity_worker_prefix(lane) + "w"
     assert "affw_prefix .. consumer" in body
+
+
+def test_enqueue_names_a_lanes_keys_as_keys_py_does() -> None:
+    lane, body = "ty:{m}:lane:normal", lua("enqueue")
+    assert scripts.ENQUEUE.item_keys == ("lane", "job", "idem", "inflight")
+    names = {
+        Keys.fair(lane): "k.lane .. ':fair'",
+        Keys.fair_active(lane): "k.lane .. ':active'",
+        Keys.affinity_held(lane): "k.lane .. ':affq'",
+        Keys.tenant_queue_prefix(lane): "k.lane .. ':tq:'",
+        Keys.affinity_worker_prefix(lane): "k.lane .. ':affw:'",
+    }
+    for name, built in names.items():
+        assert name == lane + built.split("'")[1]
+        assert built in body

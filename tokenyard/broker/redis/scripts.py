@@ -145,13 +145,11 @@ class EnqueueArgs(NamedTuple):
 
 
 class EnqueueItemKeys(NamedTuple):
+    # the lane's fair hash, staging and held sets hang off it: enqueue.lua names them
     lane: str
     job: str
     idem: str  # the idempotency key, or the job key again when the job has none
-    fair: str
-    active: str
     inflight: str  # the collapse key, or the job key again when the job has none
-    held: str  # the lane's jobs held for a preferred worker (prefix affinity)
 
 
 class EnqueueItemArgs(NamedTuple):
@@ -159,14 +157,12 @@ class EnqueueItemArgs(NamedTuple):
     spec: bytes
     deadline: str  # '' for none
     use_idem: str  # '1' | '0'
-    tq_prefix: str  # the lane's per-tenant staging sets; the tenant name is appended
     tenant: str
     weight: str
     cost: int  # tokens it may use: its share of the lane is counted in them
     score: str  # order among the tenant's staged jobs: deadline first, then arrival
     use_inflight: str  # '1' | '0': join an identical job in flight instead of adding one
     prefix: str  # prefix key, '' for none
-    affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
 
 
 class EnqueueKeys(NamedTuple):

@@ -3,11 +3,14 @@
 -- A job with a collapse key whose job is still queued or running (or succeeded within
 -- collapse_grace_s) joins that job instead (collapsing): its id is returned and the job counts
 -- one more follower.
--- KEYS: workers; per item: lane, job, idem, fair, active, inflight, held
+-- KEYS: workers; per item: lane, job, idem, inflight
 -- ARGV: now, max_depth, idem_ttl_ms, window, job_prefix, pfx_prefix, wake_prefix, max_held,
 --   collapse_grace_s;
---   per item: job_id, spec, deadline, use_idem, tq_prefix, tenant, weight, cost, score,
---   use_inflight, prefix, affw_prefix
+--   per item: job_id, spec, deadline, use_idem, tenant, weight, cost, score, use_inflight, prefix
+-- A lane's other keys hang off its name as broker/redis/keys.py names them (<lane>:fair,
+-- :active, :tq:<tenant>, :affq, :affw:<consumer>; all in the lane's slot), built here rather
+-- than sent per item (as in claim.lua: every argument costs the server a parse, an allocation
+-- and a Lua string per call, and a batch's repeated names are one interned Lua string).
 -- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}} or {-1, {item, depth}} when that
 -- item's lane is full. A lane's consumer group is made by the first claim that reads it.
 -- A new job is staged for its tenant (fair share, lib/fair.lua); the lane's stream is then
@@ -20,7 +23,7 @@
 -- The lane's fair hash counts its held jobs (`held`) for the depth check, so admission reads
 -- one hash and the stream's length; claim.lua sets the count from the set whenever it takes some.
 -- claim.lua gives it to that worker first, or to any worker once it waited the affinity bound.
--- each item's tables once: item() builds two tables per call
+-- each item's table once: item() builds one per call
 local ks, as = {}, {}
 for i = 1, N do ks[i], as[i] = item(i) end
 local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}, {}, {}
@@ -43,7 +46,7 @@ local max_depth, window = tonumber(A.max_depth), tonumber(A.window)
 local direct = {}
 for lane, count in pairs(adding) do
   local k, a = ks[first_item[lane]], as[first_item[lane]]
-  local f = redis.call('HMGET', k.fair, 'staged', 'stream', 'v', 'S:' .. a.tenant, 'held')
+  local f = redis.call('HMGET', k.lane .. ':fair', 'staged', 'stream', 'v', 'S:' .. a.tenant, 'held')
   local staged = tonumber(f[1] or '0')
   -- the held jobs' count from the same read, not a ZCARD of the held set: kept below and by
   -- claim.lua, the only scripts that add to or take from that set
@@ -65,7 +68,7 @@ for _, i in ipairs(fresh) do
     if owner and tonumber(redis.call('ZSCORE', K.workers, owner) or '0') <= tonumber(A.now) then
       owner = false  -- its worker is gone: nobody to wait for
     end
-    if owner and redis.call('ZCARD', a.affw_prefix .. owner) >= tonumber(A.max_held) then
+    if owner and redis.call('ZCARD', k.lane .. ':affw:' .. owner) >= tonumber(A.max_held) then
       owner = false  -- a hot prefix must not pile up behind one worker
     end
   end
@@ -77,14 +80,14 @@ for _, i in ipairs(fresh) do
     -- by job id); written exactly: '%.6f' of it rounds two neighbours to one value ~5% of the
     -- time (a double near 1.8e9 holds ~0.24 µs)
     local at = string.format('%.17g', tonumber(A.now) + i * 1e-6)
-    redis.call('ZADD', k.held, at, a.job_id)
-    redis.call('HINCRBY', k.fair, 'held', 1)
-    redis.call('ZADD', a.affw_prefix .. owner, at, a.job_id)
+    redis.call('ZADD', k.lane .. ':affq', at, a.job_id)
+    redis.call('HINCRBY', k.lane .. ':fair', 'held', 1)
+    redis.call('ZADD', k.lane .. ':affw:' .. owner, at, a.job_id)
     redis.call('XADD', A.wake_prefix .. owner, 'MAXLEN', 8, '*', 'j', a.job_id)
   else
     local job = {a.tenant, a.weight, a.score, a.cost, a.job_id}
     if direct[k.lane] then
-      fair_direct(k.lane, k.fair, direct[k.lane], job)
+      fair_direct(k.lane, k.lane .. ':fair', direct[k.lane], job)
     else
       if not staging[k.lane] then staging[k.lane] = {}; lanes[#lanes + 1] = i end
       local jobs = staging[k.lane]
@@ -96,7 +99,8 @@ end
 join_all(joins)
 for _, i in ipairs(lanes) do
   local k, a = ks[i], as[i]
-  fair_stage(k.fair, k.active, a.tq_prefix, staging[k.lane])
-  fair_refill(k.lane, k.fair, k.active, a.tq_prefix, window)
+  local fair, active, tq_prefix = k.lane .. ':fair', k.lane .. ':active', k.lane .. ':tq:'
+  fair_stage(fair, active, tq_prefix, staging[k.lane])
+  fair_refill(k.lane, fair, active, tq_prefix, window)
 end
 return {1, results}
