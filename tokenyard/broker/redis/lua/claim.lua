@@ -22,9 +22,12 @@
 -- pfx_ttl_ms, unless another live worker (heartbeat not lapsed) owns it: ownership is sticky,
 -- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
 -- cache holds it, and it moves at once when the owner is gone.
--- Returns {claimed, last_ids, next_due, wake_id, expired, drained}:
--- claimed = {{entry_id, spec, attempt, resumable, affinity, preemptions}}; expired = the specs of the jobs
--- this claim found past their deadline and ended (the caller writes their audit entries).
+-- Returns one flat array (each table a script returns costs the server a reply node and a probe
+-- of seven special fields): {#claimed, #last_ids, #expired, claimed..., last_ids..., drained...,
+-- next_due, wake_id, expired...}, i.e. the counts, then
+-- claimed = six values per job: entry_id, spec, attempt, resumable, affinity, preemptions;
+-- expired = the specs of the jobs this claim found past their deadline and ended (the caller
+-- writes their audit entries); drained has as many flags as last_ids has ids.
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
@@ -135,8 +138,9 @@ local function take(stream, entries, capped, affinity)
       -- holder appends, and a job that ended is skipped above
       local resumable = 0
       if h[6] then resumable = redis.call('EXISTS', A.event_prefix .. jid) end
-      claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity,
-        tonumber(h[7] or '0')}
+      local c = #claimed  -- six values per job, flat (see the reply above)
+      claimed[c + 1], claimed[c + 2], claimed[c + 3] = eid, h[2], deliveries - 1
+      claimed[c + 4], claimed[c + 5], claimed[c + 6] = resumable, affinity, tonumber(h[7] or '0')
       remaining = remaining - 1
       if capped then capped_left = capped_left - 1 end
     end
@@ -286,4 +290,10 @@ if remaining > 0 and A.wait_hints == '1' then
     wake_id = newest[1] and newest[1][1] or '0-0'
   end
 end
-return {claimed, last_ids, next_due, wake_id, expired, drained}
+local out = {#claimed / 6, #last_ids, #expired}
+for _, v in ipairs(claimed) do out[#out + 1] = v end
+for _, v in ipairs(last_ids) do out[#out + 1] = v end
+for i = 1, #last_ids do out[#out + 1] = drained[i] end
+out[#out + 1], out[#out + 2] = next_due, wake_id
+for _, v in ipairs(expired) do out[#out + 1] = v end
+return out

@@ -11,8 +11,9 @@
 -- :active, :tq:<tenant>, :affq, :affw:<consumer>; all in the lane's slot), built here rather
 -- than sent per item (as in claim.lua: every argument costs the server a parse, an allocation
 -- and a Lua string per call, and a batch's repeated names are one interned Lua string).
--- Returns {1, {{created 1|0, job_id, joined 1|0}, ...}} or {-1, {item, depth}} when that
--- item's lane is full. A lane's consumer group is made by the first claim that reads it.
+-- Returns {1, created 1|0, job_id, joined 1|0, ...} (three values per item, flat: each table a
+-- script returns costs the server a reply node and a probe of seven special fields) or
+-- {-1, item, depth} when that item's lane is full. A lane's consumer group is made by the first claim that reads it.
 -- A new job is staged for its tenant (fair share, lib/fair.lua); the lane's stream is then
 -- topped up to `window` jobs, so an idle lane's blocked workers wake at once. The lane's only
 -- new job when nothing is staged and the stream is below `window` goes straight into the
@@ -26,16 +27,16 @@
 -- each item's table once: item() builds one per call
 local ks, as = {}, {}
 for i = 1, N do ks[i], as[i] = item(i) end
-local results, fresh, adding, first_item, taken_ids, taken_keys = {}, {}, {}, {}, {}, {}
+local results, fresh, adding, first_item, taken_ids, taken_keys = {1}, {}, {}, {}, {}, {}
 local taken_inflight, joins = {}, {}
 for i = 1, N do
   local k, a = ks[i], as[i]
   local existing, joined = admitted(k, a, taken_ids, taken_keys, taken_inflight)
   if existing then
-    results[i] = {0, existing, joined}
+    results[3 * i - 1], results[3 * i], results[3 * i + 1] = 0, existing, joined
     if joined == 1 then joins[existing] = (joins[existing] or 0) + 1 end
   else
-    results[i] = {1, a.job_id, 0}
+    results[3 * i - 1], results[3 * i], results[3 * i + 1] = 1, a.job_id, 0
     fresh[#fresh + 1] = i
     adding[k.lane] = (adding[k.lane] or 0) + 1
     first_item[k.lane] = first_item[k.lane] or i
@@ -51,7 +52,7 @@ for lane, count in pairs(adding) do
   -- the held jobs' count from the same read, not a ZCARD of the held set: kept below and by
   -- claim.lua, the only scripts that add to or take from that set
   local depth = redis.call('XLEN', lane) + staged + math.max(0, tonumber(f[5] or '0') or 0)
-  if depth + count > max_depth then return {-1, {first_item[lane], depth}} end
+  if depth + count > max_depth then return {-1, first_item[lane], depth} end
   if count == 1 and staged <= 0 and (tonumber(f[2] or '0') or 0) < window then
     direct[lane] = {f[2], f[3], f[4]}
   end
@@ -103,4 +104,4 @@ for _, i in ipairs(lanes) do
   fair_stage(fair, active, tq_prefix, staging[k.lane])
   fair_refill(k.lane, fair, active, tq_prefix, window)
 end
-return {1, results}
+return results
