@@ -10,6 +10,7 @@ import pytest
 
 from tokenyard.broker.amqp import scripts as amqp_scripts
 from tokenyard.broker.redis import scripts
+from tokenyard.broker.redis.keys import Keys
 from tokenyard.broker.redis.scripts import SCRIPTS, Empty, ScriptSpec
 
 # the Redis backend's scripts and those of RabbitMQ lanes' tables (their own lua/)
@@ -73,7 +74,8 @@ def test_prologue_binds_each_name_to_its_position() -> None:
     assert "local A = {}" in prologue
     assert "local N = (#KEYS - 2) / 1" in prologue
     assert "local k, a = 2 + (i - 1) * 1, 0 + (i - 1) * 2" in prologue
-    assert "return {lane = KEYS[k + 1]}, {entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
+    assert "local t = {lane = KEYS[k + 1], entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
+    assert "return t, t" in prologue
 
 
 def test_items_without_keys_are_counted_from_argv() -> None:
@@ -120,4 +122,37 @@ def test_every_script_file_has_a_table(
         if p.name.endswith(".lua")
     }
     assert files == {spec.name for spec in table}
-    assert scripts.CLAIM.item_keys == ("lane", "fair", "active", "held", "mine", "aff")
+    assert scripts.CLAIM.item_keys == ("lane",)
+
+
+def test_claim_names_a_lanes_keys_as_keys_py_does() -> None:
+    """claim.lua is sent only the lane and builds the names that hang off it: the same names."""
+    lane, body = "ty:{m}:lane:normal", lua("claim")
+    names = {
+        Keys.fair(lane): "lane .. ':fair'",
+        Keys.fair_active(lane): "lane .. ':active'",
+        Keys.affinity_held(lane): "lane .. ':affq'",
+        Keys.tenant_queue_prefix(lane): "lane .. ':tq:'",
+        Keys.affinity_worker_prefix(lane): "lk.lane .. ':affw:'",
+        Keys.affinity_stream(lane): "lk.lane .. ':aff'",
+    }
+    for name, built in names.items():
+        assert name == lane + built.split("'")[1]
+        assert built in body
+    assert Keys.affinity_worker(lane, "w") == Keys.affinity_worker_prefix(lane) + "w"
+    assert "affw_prefix .. consumer" in body
+
+
+def test_enqueue_names_a_lanes_keys_as_keys_py_does() -> None:
+    lane, body = "ty:{m}:lane:normal", lua("enqueue")
+    assert scripts.ENQUEUE.item_keys == ("lane", "job", "idem", "inflight")
+    names = {
+        Keys.fair(lane): "k.lane .. ':fair'",
+        Keys.fair_active(lane): "k.lane .. ':active'",
+        Keys.affinity_held(lane): "k.lane .. ':affq'",
+        Keys.tenant_queue_prefix(lane): "k.lane .. ':tq:'",
+        Keys.affinity_worker_prefix(lane): "k.lane .. ':affw:'",
+    }
+    for name, built in names.items():
+        assert name == lane + built.split("'")[1]
+        assert built in body

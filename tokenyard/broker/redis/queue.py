@@ -68,6 +68,21 @@ class _WaitHint(NamedTuple):
     after: dict[str, str]
 
 
+def _claim_reply(
+    reply: list[Any],
+) -> tuple[list[Any], list[Any], Any, Any, list[Any], list[Any]]:
+    """claim.lua's flat reply as (claimed rows, last_ids, next_due, wake_id, expired specs,
+    drained flags): the three counts, then six values per claimed job, the ids, as many flags,
+    next_due, wake_id, the specs."""
+    n_claimed, n_ids, n_expired = (int(n) for n in reply[:3])
+    at = 3 + 6 * n_claimed
+    claimed = [reply[i : i + 6] for i in range(3, at, 6)]
+    last_ids, drained = reply[at : at + n_ids], reply[at + n_ids : at + 2 * n_ids]
+    at += 2 * n_ids
+    next_due, wake_id = reply[at], reply[at + 1]
+    return claimed, last_ids, next_due, wake_id, reply[at + 2 : at + 2 + n_expired], drained
+
+
 class RedisQueue(LanesOnTable):
     """Lanes on Redis Streams over the Valkey job table; Redis >= 6.2 and Valkey >= 7.2."""
 
@@ -94,11 +109,13 @@ class RedisQueue(LanesOnTable):
         await self.table.note_models(by_model)
         results: list[EnqueueResult | None] = [None] * len(specs)
         full: QueueFull | None = None
-        for indexes, (code, payload) in zip(by_model.values(), replies, strict=True):
-            if code == -1:  # none of this model's jobs was added; the other models' stand
-                full = full or self.table.lane_full(specs, indexes, payload)
+        for indexes, reply in zip(by_model.values(), replies, strict=True):
+            if reply[0] == -1:  # none of this model's jobs was added; the other models' stand
+                full = full or self.table.lane_full(specs, indexes, reply[1:])
                 continue
-            for i, (created, job_id, joined) in zip(indexes, payload, strict=True):
+            # enqueue.lua's reply is flat: three values per item after the code
+            for k, i in enumerate(indexes):
+                created, job_id, joined = reply[1 + 3 * k : 4 + 3 * k]
                 results[i] = EnqueueResult(
                     job_id=text(job_id), created=created == 1, collapsed=joined == 1
                 )
@@ -118,24 +135,19 @@ class RedisQueue(LanesOnTable):
                         lane=lane,
                         job=job,
                         idem=idem,
-                        fair=self.keys.fair(lane),
-                        active=self.keys.fair_active(lane),
                         inflight=inflight,
-                        held=self.keys.affinity_held(lane),
                     ),
                     scripts.EnqueueItemArgs(
                         job_id=spec.id,
                         spec=encode(spec),
                         deadline="" if spec.deadline is None else repr(spec.deadline),
                         use_idem="1" if spec.idempotency_key else "0",
-                        tq_prefix=self.keys.tenant_queue_prefix(lane),
                         tenant=spec.tenant,
                         weight=repr(spec.weight),
                         cost=fair_cost(spec),
                         score=repr(staging_score(spec)),
                         use_inflight="1" if spec.collapse_key else "0",
                         prefix=spec.prefix_key,
-                        affw_prefix=self.keys.affinity_worker_prefix(lane),
                     ),
                 )
             )
@@ -207,19 +219,9 @@ class RedisQueue(LanesOnTable):
                 ),
                 [
                     (
-                        scripts.ClaimLaneKeys(
-                            lane=lane,
-                            fair=self.keys.fair(lane),
-                            active=self.keys.fair_active(lane),
-                            held=self.keys.affinity_held(lane),
-                            mine=self.keys.affinity_worker(lane, consumer),
-                            aff=self.keys.affinity_stream(lane),
-                        ),
+                        scripts.LaneKey(lane=lane),
                         scripts.ClaimLaneArgs(
-                            tq_prefix=self.keys.tenant_queue_prefix(lane),
-                            capped="1" if lane in capped else "0",
-                            affw_prefix=self.keys.affinity_worker_prefix(lane),
-                            after=after.get(lane, ""),
+                            capped="1" if lane in capped else "0", after=after.get(lane, "")
                         ),
                     )
                     for lane in ordered
@@ -232,7 +234,7 @@ class RedisQueue(LanesOnTable):
                 if hint.next_due:
                     wait = min(wait, max(0.001, hint.next_due - now))
                 reply = await self._wake_then_claim(hint, max(wait, 0.001), call)
-            claimed, last_ids, next_due, wake_id, expired, drained = reply
+            claimed, last_ids, next_due, wake_id, expired, drained = _claim_reply(reply)
             if expired:  # rare: their end goes to the audit trail (and settles any quota)
                 ended = expired_result()
                 await self.table.settle([(decode(spec, JobSpec), ended) for spec in expired])

@@ -98,11 +98,17 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             lines.append(f"local N = (#ARGV - {na}) / {nia}")
         else:
             lines.append("local N = 0")
+        # one table holds both an item's keys and its args (their names are distinct), returned
+        # as both: every table a script builds costs the server an allocation and its share of
+        # Lua's garbage collection, per call, and item() runs once per item
+        keys_part = table(self.item_keys, "KEYS", "k + ")[1:-1]
+        args_part = table(self.item_args, "ARGV", "a + ")[1:-1]
+        both = ", ".join(part for part in (keys_part, args_part) if part)
         lines += [
             "local function item(i)",
             f"  local k, a = {nk} + (i - 1) * {nik}, {na} + (i - 1) * {nia}",
-            f"  return {table(self.item_keys, 'KEYS', 'k + ')}, "
-            f"{table(self.item_args, 'ARGV', 'a + ')}",
+            f"  local t = {{{both}}}",
+            "  return t, t",
             "end",
         ]
         return "\n".join(lines) + "\n"
@@ -139,13 +145,11 @@ class EnqueueArgs(NamedTuple):
 
 
 class EnqueueItemKeys(NamedTuple):
+    # the lane's fair hash, staging and held sets hang off it: enqueue.lua names them
     lane: str
     job: str
     idem: str  # the idempotency key, or the job key again when the job has none
-    fair: str
-    active: str
     inflight: str  # the collapse key, or the job key again when the job has none
-    held: str  # the lane's jobs held for a preferred worker (prefix affinity)
 
 
 class EnqueueItemArgs(NamedTuple):
@@ -153,14 +157,12 @@ class EnqueueItemArgs(NamedTuple):
     spec: bytes
     deadline: str  # '' for none
     use_idem: str  # '1' | '0'
-    tq_prefix: str  # the lane's per-tenant staging sets; the tenant name is appended
     tenant: str
     weight: str
     cost: int  # tokens it may use: its share of the lane is counted in them
     score: str  # order among the tenant's staged jobs: deadline first, then arrival
     use_inflight: str  # '1' | '0': join an identical job in flight instead of adding one
     prefix: str  # prefix key, '' for none
-    affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
 
 
 class EnqueueKeys(NamedTuple):
@@ -212,19 +214,11 @@ class LaneKey(NamedTuple):
     lane: str
 
 
-class ClaimLaneKeys(NamedTuple):
-    lane: str
-    fair: str
-    active: str
-    held: str  # the lane's jobs held for a preferred worker
-    mine: str  # those held for this worker
-    aff: str  # the lane's affinity stream: leases of the held jobs taken
-
-
 class ClaimLaneArgs(NamedTuple):
-    tq_prefix: str
+    # a lane is its one key (LaneKey): claim.lua names the keys that hang off it (keys.py's
+    # fair, fair_active, tenant_queue_prefix, affinity_held/_worker/_stream) itself, sparing the
+    # server seven arguments per lane on every claim
     capped: str  # '1': this lane's claims count against capped_room (the batch lane's share)
-    affw_prefix: str  # the lane's per-worker held sets; the consumer name is appended
     # the lane's id in this worker's last wait hint when that claim read the lane to its end
     # ('' for none): a lane with no entry after it has nothing to read (one XREAD for all)
     after: str
@@ -234,7 +228,7 @@ CLAIM = ScriptSpec(
     "claim",
     ClaimKeys,
     ClaimArgs,
-    ClaimLaneKeys,
+    LaneKey,
     ClaimLaneArgs,
     libraries=("fair", "ends", "affinity"),
 )

@@ -1,8 +1,13 @@
 -- Claim up to `slots` jobs from the lanes, given in claim order; finish expired ones on the way.
--- KEYS: delayed, counters, wake, workers; per item: lane, fair, active, held, mine, aff
+-- KEYS: delayed, counters, wake, workers; per item: lane
 -- ARGV: group, consumer, slots, now, server_now, job_prefix, event_prefix, expired_event,
 --   ttl_ms, wait_hints, window, capped_room, pfx_prefix, pfx_ttl_ms, aff_wait, wake_after;
---   per item: tq_prefix, capped, affw_prefix, after
+--   per item: capped, after
+-- A lane's other keys hang off its name as broker/redis/keys.py names them (<lane>:fair,
+-- :active, :tq:<tenant>, :affq, :affw:<consumer>, :aff; all in the lane's slot): the call sends
+-- the lane alone, not six keys and three args more per lane, as every argument costs the server
+-- a parse, an allocation and a Lua string on every call; the script builds only the names it
+-- uses (every lane's held and staging sets for the one EXISTS, the rest where a lane is read).
 -- Before each read a lane's stream is topped up from its tenants' staged jobs in fair order
 -- (lib/fair.lua) to the slots asked for plus `window`.
 -- Lanes marked capped give at most capped_room jobs together (-1: no cap): a worker keeps
@@ -17,9 +22,12 @@
 -- pfx_ttl_ms, unless another live worker (heartbeat not lapsed) owns it: ownership is sticky,
 -- so a job taken from a busy owner after the wait does not move the prefix off the worker whose
 -- cache holds it, and it moves at once when the owner is gone.
--- Returns {claimed, last_ids, next_due, wake_id, expired, drained}:
--- claimed = {{entry_id, spec, attempt, resumable, affinity, preemptions}}; expired = the specs of the jobs
--- this claim found past their deadline and ended (the caller writes their audit entries).
+-- Returns one flat array (each table a script returns costs the server a reply node and a probe
+-- of seven special fields): {#claimed, #last_ids, #expired, claimed..., last_ids..., drained...,
+-- next_due, wake_id, expired...}, i.e. the counts, then
+-- claimed = six values per job: entry_id, spec, attempt, resumable, affinity, preemptions;
+-- expired = the specs of the jobs this claim found past their deadline and ended (the caller
+-- writes their audit entries); drained has as many flags as last_ids has ids.
 -- When fewer than `slots` were claimed (every lane is drained) and wait_hints is '1', last_ids
 -- holds each lane's newest entry id ('0-0' for an empty lane): every entry is delivered now, so
 -- an XREAD after those ids wakes on new work only; next_due is when the first retry's backoff
@@ -42,9 +50,18 @@ end
 local nowf = tonumber(now)
 local remaining = tonumber(A.slots)
 local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
--- each lane's tables once: item() builds two tables per call
+-- each lane's table once: item() builds one per call
 local lks, las = {}, {}
-for i = 1, N do lks[i], las[i] = item(i) end
+for i = 1, N do
+  lks[i], las[i] = item(i)
+  local lane = lks[i].lane
+  lks[i].held, lks[i].active = lane .. ':affq', lane .. ':active'
+end
+-- a lane's fair-share hash, named the first time a claim touches it
+local function fair_of(lk)
+  if not lk.fair then lk.fair = lk.lane .. ':fair' end
+  return lk.fair
+end
 
 -- Whether any lane holds jobs for a preferred worker, has staged jobs, or any retry waits: one
 -- EXISTS over all those sets (an empty sorted set does not exist), and one more per kind only
@@ -121,8 +138,9 @@ local function take(stream, entries, capped, affinity)
       -- holder appends, and a job that ended is skipped above
       local resumable = 0
       if h[6] then resumable = redis.call('EXISTS', A.event_prefix .. jid) end
-      claimed[#claimed + 1] = {eid, h[2], deliveries - 1, resumable, affinity,
-        tonumber(h[7] or '0')}
+      local c = #claimed  -- six values per job, flat (see the reply above)
+      claimed[c + 1], claimed[c + 2], claimed[c + 3] = eid, h[2], deliveries - 1
+      claimed[c + 4], claimed[c + 5], claimed[c + 6] = resumable, affinity, tonumber(h[7] or '0')
       remaining = remaining - 1
       if capped then capped_left = capped_left - 1 end
     end
@@ -130,8 +148,9 @@ local function take(stream, entries, capped, affinity)
 end
 
 -- Prefix affinity: take up to `room` held jobs, this worker's own first, then overdue ones.
-local function take_held(lk, la, room, capped)
-  local ids = redis.call('ZRANGE', lk.mine, 0, room - 1)
+local function take_held(lk, room, capped)
+  local affw_prefix, aff = lk.lane .. ':affw:', lk.lane .. ':aff'
+  local ids = redis.call('ZRANGE', affw_prefix .. consumer, 0, room - 1)
   local seen = {}
   for _, jid in ipairs(ids) do seen[jid] = true end
   if #ids < room then
@@ -142,15 +161,17 @@ local function take_held(lk, la, room, capped)
       if not seen[jid] then ids[#ids + 1] = jid; seen[jid] = true end
     end
   end
-  if #ids == 0 then return end
+  if #ids == 0 then return 0 end
+  local removed = 0
   for _, jid in ipairs(ids) do
     local pref = redis.call('HGET', A.job_prefix .. jid, 'pref')
-    if pref then redis.call('ZREM', la.affw_prefix .. pref, jid) end
-    redis.call('ZREM', lk.held, jid)
-    redis.call('XADD', lk.aff, '*', 'j', jid)
+    if pref then redis.call('ZREM', affw_prefix .. pref, jid) end
+    removed = removed + redis.call('ZREM', lk.held, jid)
+    redis.call('XADD', aff, '*', 'j', jid)
   end
-  local res = read(lk.aff, #ids)
-  if res then take(lk.aff, res[1][2], capped, 1) end
+  local res = read(aff, #ids)
+  if res then take(aff, res[1][2], capped, 1) end
+  return removed
 end
 
 -- Lanes (and the wake stream) with nothing after the cursor this worker's last claim left.
@@ -182,12 +203,17 @@ for i = 1, N do
   local room = remaining
   if capped then room = math.min(room, capped_left) end
   held_left[i] = any_held and redis.call('ZCARD', lk.held) or 0
-  if room > 0 and held_left[i] > 0 then take_held(lk, la, room, capped) end
+  if room > 0 and held_left[i] > 0 then
+    local removed = take_held(lk, room, capped)
+    -- enqueue.lua's depth check reads this count instead of the set's ZCARD: set from the set
+    -- itself, so a count that was never kept (held before it was) is right from here on
+    if removed > 0 then redis.call('HSET', fair_of(lk), 'held', held_left[i] - removed) end
+  end
   -- the lane's fair state, read once where some lane has staged jobs (only this script changes
   -- it while it runs); else only the count of staged jobs in the stream moves, below
   local in_stream, staged, stored = nil, 0, nil
   if any_staged then
-    local f = redis.call('HMGET', lk.fair, 'stream', 'staged')
+    local f = redis.call('HMGET', fair_of(lk), 'stream', 'staged')
     in_stream, staged = tonumber(f[1] or '0'), tonumber(f[2] or '0')
     stored = in_stream
   end
@@ -201,7 +227,7 @@ for i = 1, N do
     end
     local moved = 0
     if staged > 0 then
-      moved, in_stream = fair_refill(lane, lk.fair, lk.active, la.tq_prefix,
+      moved, in_stream = fair_refill(lane, fair_of(lk), lk.active, lane .. ':tq:',
         asked + tonumber(A.window), in_stream)
       if moved > 0 then staged, stored = staged - moved, in_stream end
     end
@@ -222,11 +248,11 @@ for i = 1, N do
     end
   end
   if in_stream then
-    if in_stream ~= stored then redis.call('HSET', lk.fair, 'stream', in_stream) end
+    if in_stream ~= stored then redis.call('HSET', fair_of(lk), 'stream', in_stream) end
   elseif taken > 0 then
     -- nothing staged anywhere: the same count, kept without reading it first
-    local left = redis.call('HINCRBY', lk.fair, 'stream', -taken)
-    if left < 0 or (drained and left ~= 0) then redis.call('HSET', lk.fair, 'stream', 0) end
+    local left = redis.call('HINCRBY', fair_of(lk), 'stream', -taken)
+    if left < 0 or (drained and left ~= 0) then redis.call('HSET', fair_of(lk), 'stream', 0) end
   end
 end
 
@@ -264,4 +290,10 @@ if remaining > 0 and A.wait_hints == '1' then
     wake_id = newest[1] and newest[1][1] or '0-0'
   end
 end
-return {claimed, last_ids, next_due, wake_id, expired, drained}
+local out = {#claimed / 6, #last_ids, #expired}
+for _, v in ipairs(claimed) do out[#out + 1] = v end
+for _, v in ipairs(last_ids) do out[#out + 1] = v end
+for i = 1, #last_ids do out[#out + 1] = drained[i] end
+out[#out + 1], out[#out + 2] = next_due, wake_id
+for _, v in ipairs(expired) do out[#out + 1] = v end
+return out

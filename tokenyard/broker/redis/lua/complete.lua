@@ -19,10 +19,13 @@ for i = 1, N do
     redis.call('HINCRBY', K.counters, 'fenced', 1)
     accepted[i] = 0
   else
+    -- a cancel request is in the model's `cancels` set only where the record carries it
+    -- (cancel.lua flags both at once): an SREM for every other job would be a command for nothing
+    local cancels = h[2] == '1' and K.cancels or nil
     if h[1] == 'queued' or h[1] == 'running' then
-      finish(k.job, k.events, K.cancels, a.job_id, a.status, a.finished, A.now, A.ttl_ms, a.tail)
-    elseif h[2] == '1' then
-      redis.call('SREM', K.cancels, a.job_id)
+      finish(k.job, k.events, cancels, a.job_id, a.status, a.finished, A.now, A.ttl_ms, a.tail)
+    elseif cancels then
+      redis.call('SREM', cancels, a.job_id)
     end
     local ids = by_lane[k.lane]
     if not ids then

@@ -7,7 +7,8 @@
 -- lane's virtual time, so one tenant's backlog delays another's job by at most the window
 -- plus one job. Cost and order come from tokenyard/broker/policy.py (fair_cost, staging_score).
 -- <lane>:fair hash: stream (staged jobs moved into the stream and not yet read), staged, seq,
--- v (virtual time), S:<tenant> (tag of a tenant with nothing staged), w:<tenant> (weight).
+-- v (virtual time), S:<tenant> (tag of a tenant with nothing staged), w:<tenant> (weight);
+-- held: the lane's jobs held for a preferred worker (prefix affinity; enqueue.lua, claim.lua).
 -- <lane>:active zset: tenants with staged jobs, by start tag.
 -- A staged member is '<12-digit arrival>:<cost>:<job id>'.
 
