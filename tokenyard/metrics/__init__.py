@@ -191,6 +191,10 @@ class WorkerMetrics:
             family = Gauge(name, documentation, ["model"], registry=r, multiprocess_mode="livesum")
             return family.labels(model)
 
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> BulkHistogram:
+            family = BulkHistogram(name, documentation, ["model"], buckets=buckets, registry=r)
+            return family.labels(model)
+
         self.running = gauge(
             "tokenyard_worker_running_sequences", "Sequences running in the engines."
         )
@@ -216,52 +220,40 @@ class WorkerMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
-        self.batch_size = BulkHistogram(
+        self.batch_size = histogram(
             "tokenyard_worker_batch_size",
             "Sequences stepped together by one engine step.",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        ).labels(model)
-        self.step_time = BulkHistogram(
+            BATCH_BUCKETS,
+        )
+        self.step_time = histogram(
             "tokenyard_worker_step_seconds",
             "Engine step time as the worker sees it (busy time between deliveries / steps).",
-            ["model"],
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model)
+            ITL_BUCKETS,
+        )
         # a new job's way into the running batch, stage by stage (how fast a freed slot
         # fills is these plus what happens before the job reaches the lanes)
-        self.claim_wait = BulkHistogram(
+        self.claim_wait = histogram(
             "tokenyard_worker_claim_wait_seconds",
             "From a job's enqueue (its created_at) to this worker's claim returning it.",
-            ["model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model)
-        self.to_engine = BulkHistogram(
+            TTFT_BUCKETS,
+        )
+        self.to_engine = histogram(
             "tokenyard_worker_claim_to_engine_seconds",
             "From a claim returning a job to the job's engine add (preparing it, its wait "
             "for a slot).",
-            ["model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model)
-        self.first_step = BulkHistogram(
+            TTFT_BUCKETS,
+        )
+        self.first_step = histogram(
             "tokenyard_worker_first_step_seconds",
             "From a job's engine add to its first token reaching the worker (the step in "
             "flight, its prefill, one decode).",
-            ["model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model)
-        self.publish_time = BulkHistogram(
+            TTFT_BUCKETS,
+        )
+        self.publish_time = histogram(
             "tokenyard_worker_publish_seconds",
             "One delivery's broker writes (events, completions), refilling the engine first.",
-            ["model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model)
+            TTFT_BUCKETS,
+        )
         self.prefill_tokens = counter("tokenyard_worker_prefill_tokens", "Prompt tokens prefilled.")
         self.decode_tokens = counter("tokenyard_worker_decode_tokens", "Tokens generated.")
         self.claims = counter("tokenyard_worker_claims", "Jobs claimed from the lanes.")
