@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -16,8 +17,9 @@ from tests.integration.test_broker_conformance import MODEL, dies_before_its_mes
 from tokenyard.broker.nats import enqueue as nats_enqueue
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.queue import NatsQueue
+from tokenyard.broker.nats.records import StoredJob
 from tokenyard.errors import BrokerUnavailable
-from tokenyard.messages import Finished, TokenChunk
+from tokenyard.messages import Finished, JobStatus, TokenChunk
 
 pytestmark = pytest.mark.parametrize("make_backend", ["nats"], indirect=True)
 
@@ -175,3 +177,39 @@ async def test_one_claim_takes_more_plain_jobs_than_one_batched_read_holds(
     while (left := await queue.depth(MODEL)) and time.monotonic() < give_up:
         await asyncio.sleep(0.05)
     assert left == 0
+
+
+async def test_overlapping_enqueues_name_their_records_so_claims_read_none(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a call alone writes its record and lane message together (one round trip; the claim
+    # reads the record back); calls that overlap write the record first and name its revision
+    # on the message, so the first claim writes the record without reading it
+    queue = make_backend().queue
+    assert isinstance(queue, NatsQueue)
+    specs = [job() for _ in range(20)]
+    results = await asyncio.gather(*(queue.enqueue(spec) for spec in specs))
+    assert [r.job_id for r in results] == [s.id for s in specs] and all(r.created for r in results)
+    read: list[str] = []
+    get_many, get = queue.store.get_many, queue.store.get
+
+    async def counted_get_many(job_ids: Sequence[str]) -> dict[str, tuple[StoredJob, int]]:
+        read.extend(job_ids)
+        return await get_many(job_ids)
+
+    async def counted_get(job_id: str) -> tuple[StoredJob, int] | None:
+        read.append(job_id)
+        return await get(job_id)
+
+    monkeypatch.setattr(queue.store, "get_many", counted_get_many)
+    monkeypatch.setattr(queue.store, "get", counted_get)
+    leases = await queue.claim(MODEL, "w", slots=len(specs), block_s=2)
+    assert sorted(lease.spec.id for lease in leases) == sorted(s.id for s in specs)
+    # the first call decided before the others began: it alone went as a call alone
+    assert set(read) <= {specs[0].id}
+    assert all(lease.consumer == "w" and lease.spec.attempt == 0 for lease in leases)
+    monkeypatch.undo()
+    assert await queue.complete_many([(lease, ok(lease)) for lease in leases]) == [True] * 20
+    for spec in specs:
+        done = await queue.record(spec.id)
+        assert done is not None and done.status is JobStatus.SUCCEEDED

@@ -44,10 +44,18 @@ class Enqueuer(Part):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         self._models: set[str] = set()  # models this process noted in the models set
+        self._calls = 0  # enqueue calls in progress in this process
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """Per model all-or-nothing against the lane bounds (core.QueueCore): a refused job
         takes back the model's jobs this call added; the other models' stand."""
+        self._calls += 1
+        try:
+            return await self._enqueue_many(specs)
+        finally:
+            self._calls -= 1
+
+    async def _enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         results: list[EnqueueResult | None] = [None] * len(specs)
@@ -63,7 +71,12 @@ class Enqueuer(Part):
                 o is None and not specs[i].idempotency_key and not specs[i].collapse_key
                 for i, o in zip(indexes, owners, strict=True)
             ):  # the common call: no task to run each job, no turn to wait for
-                outcomes = await self._enqueue_plain_many([specs[i] for i in indexes], now)
+                # a call alone is awaited by its caller: one round trip; while calls overlap
+                # a second round trip per call hides behind the others' and spares the
+                # consumer (the bound then) a record read per job
+                named = self._calls > 1
+                plain = [specs[i] for i in indexes]
+                outcomes = await self._enqueue_plain_many(plain, now, named)
             elif len(indexes) == 1:
                 try:
                     outcomes = [
@@ -234,27 +247,50 @@ class Enqueuer(Part):
         )
 
     async def _enqueue_plain_many(
-        self, specs: Sequence[JobSpec], now: float
+        self, specs: Sequence[JobSpec], now: float, named: bool
     ) -> list[tuple[EnqueueResult, str] | BaseException]:
-        """`_enqueue_plain` of jobs no key names and none is held for, all in one round trip:
-        their records, then their lane messages in order, written now and their answers
-        awaited in turn (no task, no turn to wait for per job); each outcome as `gather`
-        with `return_exceptions` gives it."""
+        """`_enqueue_plain` of jobs no key names and none is held for, their answers awaited in
+        turn (no task, no turn to wait for per job); each outcome as `gather` with
+        `return_exceptions` gives it. Unless `named`, in one round trip: their records, then
+        their lane messages in order, written together (a first claim reads the records).
+        `named`: in two, the records first, then the lane messages, each naming its record's
+        revision (the first claim writes the record without reading it, claims.py `_first`)."""
         jobs = [await self._new_job(spec, now, None) for spec in specs]
         records = [await self.store.cas_soon(job, 0) for job in jobs]
-        messages: list[asyncio.Future[int]] = []
+        revisions: list[int | BaseException | None] = []
+        messages: list[asyncio.Future[int] | None] = []
         try:
-            for job in jobs:
+            if named:
+                for record in records:
+                    answer = await _outcome(self.conn.acked(record))
+                    revisions.append(answer)
+            for k, job in enumerate(jobs):
                 headers = {MSG_ID: job.spec.id, ENQUEUED_AT: repr(now)}
+                if named:
+                    revision = revisions[k]
+                    if isinstance(revision, BaseException):
+                        messages.append(None)  # no record: no message to run it
+                        continue
+                    if revision is not None:  # None: a resent job id, read at its claim
+                        headers[REVISION] = str(revision)
                 sending = self.conn.publish_soon(job.subject, encode(job.spec), headers)
                 messages.append(await sending)
         except BaseException:
-            for record in records:
-                record.cancel()
+            for pending in (*records, *messages):
+                if pending is not None:
+                    pending.cancel()
             raise
         outcomes: list[tuple[EnqueueResult, str] | BaseException] = []
-        for job, record, message in zip(jobs, records, messages, strict=True):
-            revision = await _outcome(self.conn.acked(record))
+        for k, (job, record, message) in enumerate(zip(jobs, records, messages, strict=True)):
+            if named:
+                revision = revisions[k]
+            else:
+                answer = await _outcome(self.conn.acked(record))
+                revision = answer
+            if message is None:
+                assert isinstance(revision, BaseException)
+                outcomes.append(revision)
+                continue
             published = await _outcome(self.conn.acked(message))
             outcomes.append(await _outcome(self._plain_result(job, revision, published)))
         return outcomes
