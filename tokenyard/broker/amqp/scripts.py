@@ -201,7 +201,7 @@ COMPLETE = ScriptSpec(
     CompleteArgs,
     CompleteItemKeys,
     CompleteItemArgs,
-    libraries=("holds", "ends"),
+    libraries=("ends",),
     package=PACKAGE,
 )
 

@@ -7,12 +7,17 @@
 local accepted = {}
 for i = 1, N do
   local k, a = item(i)
-  if not holds(k.job, a.consumer, a.token) then
+  -- holds(), inline: the same read brings the record's cancel flag
+  local h = redis.call('HMGET', k.job, 'status', 'worker', 'lease', 'cancel')
+  if not (h[1] == 'running' and h[2] == a.consumer and h[3] == a.token) then
     redis.call('HINCRBY', K.counters, 'fenced', 1)
     accepted[i] = 0
   else
     redis.call('HSET', k.job, 'lease', '')
-    finish(k.job, k.events, K.cancels, a.job_id, a.status, a.finished, A.now, A.ttl_ms, a.tail)
+    -- a cancel request is in the model's `cancels` set only where the record carries it
+    -- (cancel.lua flags both at once): an SREM for every other job would be a command for nothing
+    local cancels = h[4] == '1' and K.cancels or nil
+    finish(k.job, k.events, cancels, a.job_id, a.status, a.finished, A.now, A.ttl_ms, a.tail)
     redis.call('ZREM', k.leases, a.job_id)
     accepted[i] = 1
   end
