@@ -125,6 +125,14 @@ def test_every_script_file_has_a_table(
     assert scripts.CLAIM.item_keys == ("lane",)
 
 
+def _built_as_keys_py(lane: str, body: str, names: dict[str, str]) -> None:
+    """Each key name keys.py gives is the lane plus the suffix the script appends, and the
+    script appends it as written."""
+    for name, built in names.items():
+        assert name == lane + built.split("'")[1]
+        assert built in body
+
+
 def test_claim_names_a_lanes_keys_as_keys_py_does() -> None:
     """claim.lua is sent only the lane and builds the names that hang off it: the same names."""
     lane, body = "ty:{m}:lane:normal", lua("claim")
@@ -136,9 +144,7 @@ def test_claim_names_a_lanes_keys_as_keys_py_does() -> None:
         Keys.affinity_worker_prefix(lane): "lk.lane .. ':affw:'",
         Keys.affinity_stream(lane): "lk.lane .. ':aff'",
     }
-    for name, built in names.items():
-        assert name == lane + built.split("'")[1]
-        assert built in body
+    _built_as_keys_py(lane, body, names)
     assert Keys.affinity_worker(lane, "w") == Keys.affinity_worker_prefix(lane) + "w"
     assert "affw_prefix .. consumer" in body
 
@@ -153,6 +159,4 @@ def test_enqueue_names_a_lanes_keys_as_keys_py_does() -> None:
         Keys.tenant_queue_prefix(lane): "k.lane .. ':tq:'",
         Keys.affinity_worker_prefix(lane): "k.lane .. ':affw:'",
     }
-    for name, built in names.items():
-        assert name == lane + built.split("'")[1]
-        assert built in body
+    _built_as_keys_py(lane, body, names)
