@@ -82,7 +82,7 @@ class RemoteEngine(StreamEngine):
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
-        self._endpoint = URL(f"{self.url}/v1/completions")  # parsed once, not per request
+        self._endpoint = URL(f"{self.url}/v1/completions")
         self._proxy: str | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._token_strings: dict[str, int] | None = None  # a token's text -> its id
@@ -106,6 +106,7 @@ class RemoteEngine(StreamEngine):
             timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=self.timeout_s),
             skip_auto_headers=("User-Agent",),
         )
+        self._endpoint = URL(f"{self.url}/v1/completions")  # parsed once, not per request
         self._proxy = env_proxy(self._endpoint)
 
     async def close_runtime(self) -> None:
