@@ -196,6 +196,7 @@ def run_stack(
             if serving.done():
                 await serving  # raises the startup error
             await asyncio.sleep(0.01)
+        await _beaten(stack)
         box.update(server=server, stack=stack)
         ready.set()
         try:
@@ -227,6 +228,20 @@ def run_stack(
         sock.close()
         if errors:
             raise errors[0]
+
+
+async def _beaten(stack: Stack) -> None:
+    """Wait for every worker's first heartbeat (or its end): what a gateway admits before one
+    is a worker's to judge, and a test asks what the gateway itself refuses."""
+    while True:
+        beating = {
+            info.consumer
+            for model in {worker.model for worker, _, _ in stack.workers}
+            for info in await stack.gateway_broker.registry.workers(model)
+        }
+        if all(w.consumer in beating or task.done() for w, task, _ in stack.workers):
+            return
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

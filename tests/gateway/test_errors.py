@@ -210,6 +210,11 @@ def test_unexpected_errors_are_a_bare_500(valkey: EmbeddedServer) -> None:
         run_stack(valkey, engines=[], tokenizer=_BrokenTokenizer()) as stack,
         stack.client() as http,
     ):
-        error = assert_error(http.post("/v1/completions", json=OK), 500)
+        answer = http.post("/v1/completions", json=OK)
+        error = assert_error(answer, 500)
         assert error["message"] == "Internal server error"
         assert error["type"] == "server_error"
+        # the connection it came on is closed: the same client's next request gets its answer
+        assert answer.headers["connection"] == "close"
+        assert_error(http.post("/v1/jobs", json=OK), 500)
+        assert http.get("/healthz").status_code == 200

@@ -33,8 +33,11 @@ async def test_revision_outlives_a_lapsed_heartbeat_until_other_weights_show(
     limits = PublishedLimits(broker.registry, ttl_s=1.0, clock=lambda: now[0])
     tokenizer = SimTokenizer()
 
-    await limits.of(MODEL, tokenizer)
+    unknown = await limits.of(MODEL, tokenizer)
     assert limits.revision(MODEL) is None  # no worker ever seen: nothing is cached
+    # nor is anything refused that a worker may run: an adapter named before the first beat
+    # (a worker that lists its adapters as it starts) is its worker's to judge
+    assert unknown.adapters and unknown.embeds and unknown.scores
 
     await broker.registry.heartbeat(beat("w1", "r1"), ttl_s=2.0)
     now[0] = 1.0  # the cached read (no workers) is stale now

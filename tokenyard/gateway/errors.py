@@ -260,7 +260,11 @@ async def _user_error(request: Request, exc: Exception) -> Response:
 async def _unexpected(request: Request, exc: Exception) -> Response:
     # The traceback goes to the log, never to the client.
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _answer(request, ApiError(500, "Internal server error", type_="server_error"))
+    error = ApiError(500, "Internal server error", type_="server_error")
+    # the server closes this connection after the answer (the error is re-raised to it): said
+    # here, a keep-alive client opens another for its next request instead of meeting a reset
+    error.headers["Connection"] = "close"
+    return _answer(request, error)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -167,7 +167,7 @@ class PublishedLimits:
         if published is not None:
             return published
         own = tokenizer.max_model_len
-        # until a worker says what it runs, either task and every optional feature is
+        # until a worker says what it runs, every task, adapter and optional feature is
         # admitted; its worker decides (its scheduler applies the same rule to its own limits)
         return ModelLimits(
             max_model_len=own,
@@ -176,6 +176,7 @@ class PublishedLimits:
             vocab_size=tokenizer.vocab_size,
             embeds=True,
             scores=True,
+            adapters=True,
             matryoshka=True,
             features=frozenset(Feature),
         )

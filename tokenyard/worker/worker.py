@@ -230,8 +230,9 @@ class Worker:
         if self.freeze_heap:  # the engine's model is in: it stays out of every collection
             heap.freeze()
         self._stats_line = StatsLine(self.consumer, self.settings.log_stats_s, time.monotonic())
-        await self._announce_adapters()
+        # limits before adapters: a gateway that lists an adapter finds a worker that runs one
         await self._heartbeat()
+        await self._announce_adapters()
         await self._beat()  # before any claim: a worker that never beat is never found dead
         log.info(
             "worker %s started: model %s, engine %s, %d slots",
