@@ -63,7 +63,6 @@ from typing import Any
 
 import aiohttp
 import httpx
-import redis.asyncio as aioredis
 
 from bench import latency_floor
 from bench.common import loadavg, proc_cpu_s
@@ -825,28 +824,6 @@ def report(timings: dict[str, list[Timing]]) -> dict[str, Any]:
     return out
 
 
-async def start_floor(procs: Processes, url: str, key: str, port: int, costs: Costs) -> None:
-    """The latency floor's server and worker (bench/latency_floor.py), started and ready."""
-    client = aioredis.Redis.from_url(url)
-    try:
-        await latency_floor.create_group(client, key)
-        procs.start("floor-worker", latency_floor.worker_command(url, key, costs.engine_options()))
-        procs.start("floor-server", latency_floor.server_command(url, key, port))
-        give_up = time.monotonic() + 60.0
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5.0) as http:
-            while True:
-                procs.check()
-                with contextlib.suppress(httpx.HTTPError):
-                    up = (await http.get("/")).status_code == 200
-                    if up and await client.exists(latency_floor.ready_key(key)):
-                        return
-                if time.monotonic() > give_up:
-                    raise TimeoutError("the latency floor's server or worker did not start")
-                await asyncio.sleep(0.1)
-    finally:
-        await client.aclose()
-
-
 async def run_stack(
     opts: argparse.Namespace, url: str, server_pid: int | None, tmp: Path, patches: Sequence[str]
 ) -> dict[str, Any]:
@@ -872,7 +849,9 @@ async def run_stack(
         procs.start("worker", [*SELF_COMMAND, "--run-worker", *common, *costs, *patched,
                                "--stamps", str(stamps)])  # fmt: skip
         procs.start("gateway", gateway)
-        await start_floor(procs, url, floor_key, floor_port, Costs(opts.prefill_ms, opts.decode_ms))
+        engine_options = Costs(opts.prefill_ms, opts.decode_ms).engine_options()
+        worker = latency_floor.worker_command(url, floor_key, engine_options)
+        await latency_floor.start_floor(procs, url, floor_key, floor_port, worker)
         await asyncio.to_thread(wait_ready, f"http://127.0.0.1:{port}/readyz", procs)
         timings, commands = await measure(opts, url, port, floor_port, procs, server_pid)
         bursts = None

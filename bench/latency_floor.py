@@ -10,18 +10,24 @@ process on the SimEngine) with no tokenyard code between them.
   worker  XREADGROUP BLOCK on {key} (group "floor"), one request at a time: the engine API as
           the bench's `Direct` calls it (add, outputs() until finished), then one pipeline of
           XADD reply + PEXPIRE + XACK + XDEL.
+  relay   the worker's place in front of an upstream (`--upstream URL`): each request's body
+          POSTed to an OpenAI-compatible server on one kept-alive aiohttp session, its answer
+          (status and body) the reply, many requests at once (a task each), as tokenyard's
+          remote engine runs them. bench/upstream_overhead.py's `floor` target.
 
 Keys are `{key}`, `{key}:ready` and `{key}:reply:<hex>` (expiring), in the benchmark's Valkey
 beside the product's keys (a bench, so not in tokenyard/broker/redis/keys.py). Started by
-bench/gateway_overhead.py through `server_command` / `worker_command`.
+bench/gateway_overhead.py and bench/upstream_overhead.py through `start_floor`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,11 +35,17 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from tokenyard.engines.sim import SimEngine
+    from tokenyard.fleet.launch import Processes
 
 GROUP = "floor"
 REPLY_TTL_MS = 60_000
 BLOCK_MS = 30_000  # a server handler gives up (504) after this; the worker re-blocks
+# redis-py's default socket timeout (5 s) would cut a blocking read short: a worker idle that
+# long died of it, and a server's request waiting behind a slow one answered 500
+NO_TIMEOUT: dict[str, Any] = {"socket_timeout": None}
 
 SELF_COMMAND = [sys.executable, "-m", "bench.latency_floor"]
 
@@ -45,6 +57,38 @@ def server_command(url: str, key: str, port: int) -> list[str]:
 def worker_command(url: str, key: str, engine_options: dict[str, Any]) -> list[str]:
     return [*SELF_COMMAND, "--run-floor-worker", url, key,
             "--engine-options", json.dumps(engine_options)]  # fmt: skip
+
+
+def relay_command(url: str, key: str, upstream: str) -> list[str]:
+    """The worker that relays each request to `upstream` (a full URL: base and path)."""
+    return [*SELF_COMMAND, "--run-floor-worker", url, key, "--upstream", upstream]
+
+
+async def start_floor(
+    procs: Processes, url: str, key: str, port: int, worker: Sequence[str]
+) -> tuple[int, int]:
+    """The floor's server on `port` and its worker (`worker_command` or `relay_command`),
+    started and ready (the server answers GET, the worker has said it reads); their pids."""
+    import httpx
+
+    client = aioredis.Redis.from_url(url, **NO_TIMEOUT)
+    try:
+        await create_group(client, key)
+        relay = procs.start("floor-worker", worker)
+        server = procs.start("floor-server", server_command(url, key, port))
+        give_up = time.monotonic() + 60.0
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5.0) as http:
+            while True:
+                procs.check()
+                with contextlib.suppress(httpx.HTTPError):
+                    up = (await http.get("/")).status_code == 200
+                    if up and await client.exists(ready_key(key)):
+                        return server.pid, relay.pid
+                if time.monotonic() > give_up:
+                    raise TimeoutError("the latency floor's server or worker did not start")
+                await asyncio.sleep(0.1)
+    finally:
+        await client.aclose()
 
 
 def ready_key(key: str) -> str:
@@ -72,7 +116,7 @@ class FloorApp:
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    self.redis = aioredis.Redis.from_url(self.url)
+                    self.redis = aioredis.Redis.from_url(self.url, **NO_TIMEOUT)
                     await self.redis.ping()
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
@@ -131,7 +175,7 @@ async def serve_worker(url: str, key: str, engine_options: dict[str, Any]) -> No
 
     engine = SimEngine(**engine_options)
     await engine.start()
-    client = aioredis.Redis.from_url(url)
+    client = aioredis.Redis.from_url(url, **NO_TIMEOUT)
     consumer = f"w{uuid.uuid4().hex[:6]}"
     try:
         await client.set(ready_key(key), consumer)
@@ -174,6 +218,52 @@ async def answer(engine: SimEngine, seq_id: str, request: dict[str, Any]) -> str
     return json.dumps(completion(seq_id, request, text, finish, len(tokens)))
 
 
+async def serve_relay(url: str, key: str, upstream: str) -> None:
+    """Relay requests to `upstream`, each in a task of its own, until the process ends."""
+    import aiohttp
+
+    client = aioredis.Redis.from_url(url, **NO_TIMEOUT)
+    consumer = f"r{uuid.uuid4().hex[:6]}"
+    running: set[asyncio.Task[None]] = set()
+    connector = aiohttp.TCPConnector(limit=0)  # as many kept connections as requests in flight
+    try:
+        async with aiohttp.ClientSession(connector=connector) as http:
+            await client.set(ready_key(key), consumer)
+            while True:
+                got: Any = await client.xreadgroup(
+                    GROUP, consumer, {key: ">"}, count=256, block=BLOCK_MS
+                )
+                for _, entries in got or ():
+                    for entry_id, fields in entries:
+                        task = asyncio.create_task(
+                            relay(client, http, upstream, key, entry_id, fields)
+                        )
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+    finally:
+        await client.aclose()
+
+
+async def relay(
+    client: aioredis.Redis,
+    http: aiohttp.ClientSession,
+    upstream: str,
+    key: str,
+    entry_id: bytes,
+    fields: dict[bytes, bytes],
+) -> None:
+    """One request through the upstream; its answer written back as the worker's is."""
+    headers = {"Content-Type": "application/json"}
+    async with http.post(upstream, data=fields[b"body"], headers=headers) as response:
+        status, body = response.status, await response.read()
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.xadd(fields[b"reply"], {"status": status, "body": body})
+        pipe.pexpire(fields[b"reply"], REPLY_TTL_MS)
+        pipe.xack(key, GROUP, entry_id)
+        pipe.xdel(key, entry_id)
+        await pipe.execute()
+
+
 def completion(
     seq_id: str, request: dict[str, Any], text: str, finish: str, tokens: int
 ) -> dict[str, Any]:
@@ -201,9 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("key", help="the request stream's key")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--engine-options", default="{}", help="SimEngine keyword arguments (JSON)")
+    p.add_argument("--upstream", help="worker: relay each request to this URL, no engine")
     a = p.parse_args(argv)
     if a.run_floor_server:
         server_main(a.url, a.key, a.port)
+    elif a.upstream:
+        asyncio.run(serve_relay(a.url, a.key, a.upstream))
     else:
         worker_main(a.url, a.key, json.loads(a.engine_options))
     return 0

@@ -12,6 +12,11 @@ own processes, the client (aiohttp, in this process) the same for all:
              gateway's access line per request), each process's log in a file.
   tokenyard-sim    the same on `--engine sim` at no cost per step: the queue path without
              the upstream leg (its requests do not reach the mock).
+  floor      the same hops with no tokenyard code (bench/latency_floor.py): a raw ASGI app
+             under uvicorn puts each request on a Valkey stream (the run's Valkey) and blocks on
+             its own reply stream; a relay worker POSTs it to the mock on a kept-alive aiohttp
+             session and writes the answer back. What uvicorn, one queue hop each way and an
+             HTTP client cost on this box: tokenyard's added minus the floor's is its own code.
   tokenyard-serve  `tokenyard serve --engine remote`: gateway in serve's process, Valkey and
              the worker its children, every line on serve's stderr (a file here).
   litellm    `litellm --config` (its proxy) with the mock as an openai-compatible model, where
@@ -30,7 +35,7 @@ Requests are non-streamed completions (`--endpoint chat`: chat completions) of -
 tokens, greedy, ignore_eos. Prints one JSON document.
 
     python -m bench.upstream_overhead [--requests 300] [--warmup 30] [--concurrency 64]
-        [--load-s 10] [--targets direct,tokenyard,tokenyard-sim,tokenyard-serve,litellm]
+        [--load-s 10] [--targets direct,tokenyard,tokenyard-sim,floor,tokenyard-serve,litellm]
         [--endpoint completions|chat]
         [--profile DIR] [--quick]
 """
@@ -59,13 +64,14 @@ from typing import Any
 
 import aiohttp
 
+from bench import latency_floor
 from bench.common import loadavg, proc_cpu_s
 from tokenyard.bench.stats import summarize
 from tokenyard.fleet.launch import Launcher, Processes, free_port, tokenyard_command, wait_ready
 
 SELF_COMMAND = [sys.executable, "-m", "bench.upstream_overhead"]
 MODEL = "tiny"  # tokenyard's remote engine needs the model's tokenizer; the mock needs none
-TARGETS = ("direct", "tokenyard", "tokenyard-sim", "tokenyard-serve", "litellm")
+TARGETS = ("direct", "tokenyard", "tokenyard-sim", "floor", "tokenyard-serve", "litellm")
 MS = 1000.0
 GOAL = {"added_p50_ms": 2.0, "added_p99_ms": 5.0, "req_per_s": 1500.0}
 PROVIDERS = {"completions": "text-completion-openai", "chat": "openai"}  # LiteLLM's, per endpoint
@@ -214,6 +220,13 @@ async def stacks(
                 targets[name].pids["mock"] = mock.pid
                 if server.pid is not None:
                     targets[name].pids["valkey"] = server.pid
+            if "floor" in opts.targets:
+                if server is None:
+                    server = stack.enter_context(EmbeddedServer())
+                targets["floor"] = await start_floor(procs, server.url, mock_url, opts)
+                targets["floor"].pids["mock"] = mock.pid
+                if server.pid is not None:
+                    targets["floor"].pids["valkey"] = server.pid
             if "tokenyard-serve" in opts.targets:
                 targets["tokenyard-serve"] = await start_serve(procs, mock_url, log_dir, opts)
                 targets["tokenyard-serve"].pids["mock"] = mock.pid
@@ -259,6 +272,18 @@ async def start_tokenyard(
     base = f"http://127.0.0.1:{port}"
     await asyncio.to_thread(wait_ready, f"{base}/readyz", procs, timeout_s=180.0)
     return Target(name, base, {"gateway": gateway.pid, "worker": worker.pid}, model=model)
+
+
+async def start_floor(
+    procs: Processes, valkey_url: str, mock_url: str, opts: argparse.Namespace
+) -> Target:
+    """The latency floor in front of the mock: its server and relay worker on the run's Valkey
+    (a key of their own)."""
+    key, port = f"uf{uuid.uuid4().hex[:8]}:floor", free_port()
+    path, _ = request_body(opts, MODEL)
+    relay = latency_floor.relay_command(valkey_url, key, mock_url + path)
+    server, worker = await latency_floor.start_floor(procs, valkey_url, key, port, relay)
+    return Target("floor", f"http://127.0.0.1:{port}", {"gateway": server, "worker": worker})
 
 
 async def start_serve(
@@ -667,6 +692,14 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
                 "server_cpu_ms_per_request": loaded[name]["cpu_ms_per_request"]["total_server"],
             }
     out["ratios"] = ratios
+    if "floor" in lat:
+        # what tokenyard's own code adds beyond the same hops with none of it
+        floor = lat["floor"]["added_ms"]
+        out["beyond_floor_ms"] = {
+            name: {q: round(lat[name]["added_ms"][q] - floor[q], 3) for q in ("p50", "p99")}
+            for name in ("tokenyard", "tokenyard-sim")
+            if name in lat
+        }
     out["wall_s"] = round(time.perf_counter() - started, 1)
     return out
 

@@ -1,7 +1,8 @@
 """bench/upstream_overhead.py runs end to end in its smoke mode: the mock upstream, tokenyard's
 gateway + worker and `tokenyard serve` on the remote engine in front of it, every request
-answered in full, the remote engine driven alone against the mock, and a LiteLLM that is not
-there reported as not measured."""
+answered in full, the latency floor (the same hops, no tokenyard code) likewise, the remote
+engine driven alone against the mock, and a LiteLLM that is not there reported as not
+measured."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ def test_upstream_overhead_quick_measures_each_target() -> None:
     report = run_bench(
         "upstream_overhead", "--quick", "--requests", str(requests), "--warmup", "2",
         "--load-s", "1", "--concurrency", "16",
-        "--targets", "direct,tokenyard,tokenyard-serve,litellm",
+        "--targets", "direct,tokenyard,floor,tokenyard-serve,litellm",
         "--litellm", "/nonexistent/litellm", timeout=230,
     )  # fmt: skip
 
     assert report["benchmark"] == "upstream_overhead"
     assert report["config"]["litellm"].startswith("not measured")
-    targets = ("direct", "tokenyard", "tokenyard-serve")
+    targets = ("direct", "tokenyard", "floor", "tokenyard-serve")
     assert set(report["latency"]) == set(report["load"]) == set(targets)
     for name in targets:
         latency, load = report["latency"][name], report["load"][name]
@@ -36,6 +37,9 @@ def test_upstream_overhead_quick_measures_each_target() -> None:
     assert {"serve", "worker", "valkey"} <= set(
         report["load"]["tokenyard-serve"]["cpu_ms_per_request"]
     )
+    # the floor: the same hops with no tokenyard code; what tokenyard adds beyond them
+    assert {"gateway", "worker", "valkey"} <= set(report["load"]["floor"]["cpu_ms_per_request"])
+    assert set(report["beyond_floor_ms"]) == {"tokenyard"}
     assert set(report["goals"]) == {"added_p50_ms", "added_p99_ms", "req_per_s"}
     # the remote engine driven alone against the mock
     alone = report["remote_engine_alone"]
