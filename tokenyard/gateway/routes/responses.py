@@ -140,20 +140,6 @@ def _events(request: Request, stored: StoredResponse, after: int = -1) -> Respon
     return ToolResponseEvents(stored, reader, after)
 
 
-# the request's settings a stored response keeps as they were asked, under the same names
-# (the response object echoes them: responses_api/wire.py response_body)
-_KEPT_AS_ASKED = (
-    "instructions",
-    "metadata",
-    "previous_response_id",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "background",
-    "store",
-)
-
-
 def _stored(
     body: ResponseRequest, tenant: Tenant, spec: JobSpec, job_id: str, context: list[Turn]
 ) -> StoredResponse:
@@ -165,7 +151,14 @@ def _stored(
         adapter=spec.adapter,
         created_at=spec.created_at,
         context=context,
-        **{name: getattr(body, name) for name in _KEPT_AS_ASKED},
+        instructions=body.instructions,
+        metadata=body.metadata,
+        previous_response_id=body.previous_response_id,
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        background=body.background,
+        store=body.store,
         tools=body.stored_tools(),
         text_format=body.stored_format(),
         calls=spec.calls,  # admission's reading: every later reading of the output uses it
