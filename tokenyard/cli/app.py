@@ -252,17 +252,8 @@ def serve(
     sim = sim_cost(
         sim_prefill_base_s, sim_prefill_per_token_s, sim_decode_base_s, sim_decode_per_seq_s
     )
-    worker_settings = from_env(
-        WorkerSettings,
-        "worker",
-        model=model,
-        engine=engine,
-        max_seqs=max_seqs,
-        served_model_name=tuple(served_model_name) if served_model_name else None,
-        revision=revision,
-        loras=_loras(lora),
-        max_loras=max_loras,
-        **sim,
+    worker_settings = _worker_settings(
+        model, served_model_name, revision, engine, max_seqs, lora, max_loras, **sim
     )
     if worker_settings.engine not in (*ENGINE_NAMES, AUTO):  # before any process starts
         names = ", ".join((AUTO, *ENGINE_NAMES))
@@ -338,6 +329,37 @@ def serve(
     finally:
         if stack.failure is not None:  # a worker stopped serve: say why, exit non-zero
             raise FatalError(stack.failure)
+
+
+def _worker_settings(
+    model: str | None,
+    served_model_name: list[str] | None,
+    revision: str | None,
+    engine: str | None,
+    max_seqs: int | None,
+    lora: list[str] | None,
+    max_loras: int | None,
+    **more: Any,
+) -> WorkerSettings:
+    """A worker's settings from the model flags serve and worker share, and `more` of its
+    own (None: not given): flags, then TOKENYARD_WORKER_*, then the config file, then defaults."""
+    return from_env(
+        WorkerSettings,
+        "worker",
+        model=model,
+        served_model_name=_names(served_model_name),
+        revision=revision,
+        engine=engine,
+        max_seqs=max_seqs,
+        loras=_loras(lora),
+        max_loras=max_loras,
+        **more,
+    )
+
+
+def _names(served_model_name: list[str] | None) -> tuple[str, ...] | None:
+    """--served-model-name's values as settings take them; None: not given."""
+    return tuple(served_model_name) if served_model_name else None
 
 
 def _loras(given: list[str] | None) -> tuple[str, ...] | None:
@@ -542,7 +564,7 @@ def gateway(
             port,
             tool_call_parser,
             reasoning_parser,
-            served_model_name=tuple(served_model_name) if served_model_name else None,
+            served_model_name=_names(served_model_name),
             revision=revision,
         ),
     )
@@ -623,16 +645,14 @@ def worker(
 
     setup_logging(log_level, log_format)
     warn_unknown_variables()
-    settings = from_env(
-        WorkerSettings,
-        "worker",
-        model=model,
-        served_model_name=tuple(served_model_name) if served_model_name else None,
-        revision=revision,
-        engine=engine,
-        max_seqs=max_seqs,
-        loras=_loras(lora),
-        max_loras=max_loras,
+    settings = _worker_settings(
+        model,
+        served_model_name,
+        revision,
+        engine,
+        max_seqs,
+        lora,
+        max_loras,
         device=device,
         threads=threads,
         drain_timeout_s=drain_timeout_s,

@@ -45,6 +45,18 @@ log = logging.getLogger(__name__)
 
 DIED = "engine process died"
 STOPPED = "engine stopped"
+# ModelLimits the child's engine decides (its context, which tasks, which optional decoding
+# features); the rest (capacity, vocab size, revision, name) this side knows as well
+_CHILD_LIMITS = (
+    "max_model_len",
+    "generates",
+    "embeds",
+    "scores",
+    "matryoshka",
+    "matryoshka_dimensions",
+    "features",
+    "adapters",
+)
 
 # -- wire messages ---------------------------------------------------------------------------
 
@@ -263,19 +275,9 @@ class ProcessEngine(ChannelEngine):
         self._send(data)
 
     def limits(self) -> ModelLimits:
-        # the child's capacity, and what its engine runs: its context, which tasks, and which
-        # optional decoding features
         shell = self._shell_limits
         return msgspec.structs.replace(
-            super().limits(),
-            max_model_len=shell.max_model_len,
-            generates=shell.generates,
-            embeds=shell.embeds,
-            scores=shell.scores,
-            matryoshka=shell.matryoshka,
-            matryoshka_dimensions=shell.matryoshka_dimensions,
-            features=shell.features,
-            adapters=shell.adapters,
+            super().limits(), **{name: getattr(shell, name) for name in _CHILD_LIMITS}
         )
 
     def abort(self, seq_id: str) -> None:

@@ -431,6 +431,22 @@ def request_seed(params: SamplingParams, seq_id: str) -> int | None:
     return default_seed(seq_id)
 
 
+# SamplingParams fields vLLM's SamplingParams takes as they are, under the same names; the
+# rest are translated in `vllm_sampling_params` (or are tokenyard's alone: stops, text)
+SAME_IN_VLLM = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
 def vllm_sampling_params(
     params: SamplingParams,
     max_tokens: int,
@@ -453,21 +469,12 @@ def vllm_sampling_params(
         return VSamplingParams(
             n=1,  # the gateway fans `n` out into jobs of their own
             max_tokens=max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
             seed=seed,
-            ignore_eos=params.ignore_eos,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
+            **{name: getattr(params, name) for name in SAME_IN_VLLM},
             logit_bias=dict(params.logit_bias) or None,
             min_tokens=params.min_tokens_left(len(resumed)),
             stop_token_ids=list(params.stop_token_ids),
-            logprobs=params.logprobs,
-            prompt_logprobs=params.prompt_logprobs,
             structured_outputs=structured_outputs(params.guide) if params.guide else None,
-            min_p=params.min_p,
             allowed_token_ids=list(params.allowed_token_ids) or None,
             bad_words=list(params.bad_words) or None,
             # text is tokenyard's (its decoder applies the detokenization switches)

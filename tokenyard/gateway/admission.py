@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import anyio
 
@@ -186,8 +186,7 @@ async def admit(
     max_tokens = resolve_max_tokens(
         requested, default, settings.max_tokens_cap, prompt_tokens, model_limits.context, param
     )
-    now = time.time()
-    deadline = _deadline(body.deadline, now, live, settings.request_timeout_s)
+    head = _job_head(settings, model, tenant, body, live=live, idempotency_key=idempotency_key)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -230,13 +229,10 @@ async def admit(
         # from their `parameters`) is checked as any other, named by `tools`
         await structured.check(guide[0], "tools" if guide[1] == "tool_choice" else guide[1])
     return JobSpec(
-        **_job_head(model, tenant, body.priority_class),
+        **head,
         prompt=prompt,
         prompt_token_ids=token_ids,
         sampling=sampling,
-        deadline=deadline,
-        idempotency_key=idempotency_key,
-        created_at=now,
         stream=not live or bool(body.stream),  # a sync call reads only the result
         prefix_key=_affinity_key(
             _salted(state.prefixes.key(model, tokenizer, token_ids, messages), sampling), adapter
@@ -507,17 +503,15 @@ def _pooling_job(
     idempotency_key: str | None,
 ) -> JobSpec:
     """An embeddings or scoring job of these inputs' ids (one after another)."""
-    now = time.time()
-    deadline = _deadline(body.deadline, now, live, state.settings.request_timeout_s)
+    head = _job_head(
+        state.settings, model, tenant, body, live=live, idempotency_key=idempotency_key
+    )
     return JobSpec(
-        **_job_head(model, tenant, body.priority_class),
+        **head,
         prompt_token_ids=[i for x in ids for i in x],
         input_lengths=[len(x) for x in ids],
         # nothing is generated: greedy marks the job deterministic (the response cache's rule)
         sampling=SamplingParams(max_tokens=0, temperature=0.0),
-        deadline=deadline,
-        idempotency_key=idempotency_key,
-        created_at=now,
         stream=False,  # no tokens to follow: every reader reads the result
         pooling=pooling,
     )
@@ -528,23 +522,50 @@ def _child_seed(seed: int, choice: int) -> int:
     return (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+class _Scheduled(Protocol):
+    """What every request body says of its job's place and time."""
+
+    @property
+    def priority_class(self) -> Priority | None: ...
+
+    @property
+    def deadline(self) -> float | None: ...
+
+
 class _JobHead(TypedDict):
     id: str
     model: str
     tenant: str
     weight: float
     priority: Priority
+    created_at: float
+    deadline: float | None
+    idempotency_key: str | None
 
 
-def _job_head(model: str, tenant: Tenant, asked: Priority | None) -> _JobHead:
-    """What every job starts with, whatever it runs: a new id, and the tenant's place in the
-    model's lanes (its share, the priority it may have)."""
+def _job_head(
+    settings: GatewaySettings,
+    model: str,
+    tenant: Tenant,
+    body: _Scheduled,
+    *,
+    live: bool,
+    idempotency_key: str | None,
+) -> _JobHead:
+    """What every job starts with, whatever it runs: a new id, the tenant's place in the
+    model's lanes (its share, the priority it may have), when it was made and by when it must
+    start (one already passed is refused here: `_deadline`), and the idempotency key it is
+    entered under."""
+    now = time.time()
     return _JobHead(
         id=new_job_id(model),
         model=model,
         tenant=tenant.name,
         weight=tenant.weight,
-        priority=tenant.lane_priority(asked),
+        priority=tenant.lane_priority(body.priority_class),
+        created_at=now,
+        deadline=_deadline(body.deadline, now, live, settings.request_timeout_s),
+        idempotency_key=idempotency_key,
     )
 
 
