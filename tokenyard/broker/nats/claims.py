@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from tokenyard.broker import machine
 from tokenyard.broker.core import Claim, Lease
 from tokenyard.broker.machine import Refused, Step
+from tokenyard.broker.nats.client import delivered
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names, token
@@ -315,7 +316,8 @@ class Claims(Part):
                     await self.store.ack(reply, b"+TERM")  # its record expired: nothing to run
                     return None
                 job, revision = found
-            if job.seq and job.seq != msg.metadata.sequence.stream:
+            lane, seq = delivered(msg)
+            if job.seq and job.seq != seq:
                 await self.store.ack(reply)  # moved (requeued) since this message
                 return None
             now = self.clock()
@@ -339,8 +341,8 @@ class Claims(Part):
                 await self.store.mark(Names.delayed(spec.model), spec.id, False)
             job.take_on(taken.state)
             job.affinity = affinity
-            job.seq = int(msg.metadata.sequence.stream)
-            job.lane = msg.metadata.stream
+            job.seq = seq
+            job.lane = lane
             new_revision = await self.store.cas(job, revision)
             if new_revision is None:
                 job = None
@@ -377,7 +379,7 @@ class Claims(Part):
             revision = record[1]
         else:
             return None
-        metadata = msg.metadata
+        lane, seq = delivered(msg)
         job = StoredJob(
             spec=spec,
             status=JobStatus.RUNNING,
@@ -385,9 +387,9 @@ class Claims(Part):
             enqueued_at=float(headers.get(ENQUEUED_AT, "0")),
             started_at=now,
             worker=consumer,
-            lane=metadata.stream,
+            lane=lane,
             subject=msg.subject,
-            seq=int(metadata.sequence.stream),
+            seq=seq,
             lease_until=now + self.settings.lease_s,
             affinity=affinity,
         )

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 import nats.errors
 from nats.aio.client import Client as _NatsClient
+from nats.aio.msg import Msg
 
 # (subject, reply, data, headers) of a message on a raw subscription
 RawHandler = Callable[[bytes, bytes, bytes, dict[str, str] | None], None]
@@ -107,3 +108,15 @@ class Client(_NatsClient):
                 continue
             out[key] = value.strip().decode("utf-8", "replace")
         return out
+
+
+def delivered(msg: Msg) -> tuple[str, int]:
+    """(stream, stream sequence) of a delivered message, from its ack subject:
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.` and 3 more tokens, or with a domain
+    and an account hash before the stream (nats-py's `metadata` builds a timestamp and four
+    objects for it)."""
+    parts = (msg.reply or "").split(".")
+    if len(parts) == 9:
+        return parts[2], int(parts[5])
+    metadata = msg.metadata
+    return metadata.stream, int(metadata.sequence.stream)
