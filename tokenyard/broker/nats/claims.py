@@ -117,10 +117,10 @@ class Claims(Part):
             event = self._wakes[model] = asyncio.Event()
             nc = await self.conn.client()
 
-            async def on_wake(msg: Msg) -> None:
+            def on_wake(_: bytes, __: bytes, data: bytes, ___: dict[str, str] | None) -> None:
                 # the lane subjects one enqueue filled, together: a claim woken by it sees
                 # them all (strict priority holds over one call's jobs)
-                for subject in msg.data.decode().split():
+                for subject in data.decode().split():
                     try:
                         view = self._lanes[self.names.stream_of_subject(subject)]
                     except ValueError:
@@ -128,7 +128,9 @@ class Claims(Part):
                     view.subjects[subject] = view.subjects.get(subject, 0) + 1
                 event.set()
 
-            self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
+            sub = await sent(nc.subscribe(self.names.wake(model)))
+            nc.on_raw(sub._id, on_wake)  # from the read loop (one a job when enqueues are apart)
+            self._wake_subs[model] = sub
         return event
 
     async def claim(self, ask: Claim) -> list[Lease]:
