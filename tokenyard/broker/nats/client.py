@@ -69,10 +69,14 @@ class Client(_NatsClient):
         if size > self._max_payload:
             raise nats.errors.MaxPayloadError
         if headers:
-            lines = "".join(
-                [f"{k}: {v.strip().translate(_NO_NEWLINES)}\r\n" for k, v in headers.items()]
-            )
-            hdr = f"NATS/1.0\r\n{lines}\r\n".encode()
+            lines = []
+            for key, value in headers.items():
+                value = value.strip()
+                # translate looks each character up in a dict: ~1 µs a header, so only when due
+                if "\r" in value or "\n" in value:
+                    value = value.translate(_NO_NEWLINES)
+                lines.append(f"{key}: {value}\r\n")
+            hdr = f"NATS/1.0\r\n{''.join(lines)}\r\n".encode()
             cmd = b"".join(
                 (
                     f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + size}\r\n".encode(),
