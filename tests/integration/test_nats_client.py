@@ -76,6 +76,32 @@ async def test_a_raw_subscription_gets_every_message_in_order(nats_server: Embed
         await nc.close()
 
 
+async def test_a_raw_handler_that_raises_leaves_the_connection_up(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    nc = await _client(nats_server.url)
+    try:
+        seen: list[bytes] = []
+
+        def handler(_: bytes, __: bytes, data: bytes, ___: dict[str, str] | None) -> None:
+            if data == b"bad":
+                raise ValueError("a message this handler cannot read")
+            seen.append(data)
+
+        sub = await nc.subscribe("tyclient.fail")
+        nc.on_raw(sub._id, handler)
+        for data in (b"bad", b"good"):
+            await nc.publish_now("tyclient.fail", data, "", None)
+        await nc.flush()  # answered after both messages: the read loop went on past the error
+        deadline = asyncio.get_running_loop().time() + 10
+        while not seen and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert seen == [b"good"] and nc.is_connected
+        assert "could not be handled" in caplog.text
+    finally:
+        await nc.close()
+
+
 def test_delivered_reads_both_ack_subject_shapes() -> None:
     msg = Msg(_client=None, reply="$JS.ACK.LANE.cons.1.42.7.1700000000000000000.3")  # type: ignore[arg-type]
     assert delivered(msg) == ("LANE", 42)

@@ -13,12 +13,15 @@ a Finished event and an ack; each cost nats-py some 10-15 µs of Python. Here:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping
 
 import nats.errors
 from nats.aio.client import Client as _NatsClient
 from nats.aio.msg import Msg
+
+log = logging.getLogger(__name__)
 
 # (subject, reply, data, headers) of a message on a raw subscription
 RawHandler = Callable[[bytes, bytes, bytes, dict[str, str] | None], None]
@@ -47,7 +50,12 @@ class Client(_NatsClient):
         stats = self.stats
         stats["in_msgs"] += 1
         stats["in_bytes"] += len(data)
-        handler(subject, reply, data, await self._process_headers(headers) if headers else None)
+        try:
+            handler(subject, reply, data, await self._process_headers(headers) if headers else None)
+        except Exception:  # an error here would end nats-py's read loop, the connection with it
+            log.exception(
+                "nats: a message on %s could not be handled", subject.decode(errors="replace")
+            )
 
     async def publish_now(
         self, subject: str, payload: bytes, reply: str, headers: Mapping[str, str] | None
