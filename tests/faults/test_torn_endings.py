@@ -28,6 +28,7 @@ import redis.asyncio.connection
 from tests.conftest import BackendFactory, kinds
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.broker.core import Lease
+from tokenyard.broker.nats import client as nats_client
 from tokenyard.broker.redis import channel
 from tokenyard.config import WorkerSettings
 from tokenyard.engines.sim import SimEngine, SimTokenizer
@@ -86,10 +87,12 @@ def _gated(send: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 @pytest.fixture(autouse=True)
 def gated_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every way a backend writes to its broker, counted and cut inside a gate's context only:
-    NATS messages, Redis commands (and pipelines, through redis-py or the broker's channel),
-    AMQP publishes and acknowledgements."""
+    NATS messages (nats-py's publish and the backend's own), Redis commands (and pipelines,
+    through redis-py or the broker's channel), AMQP publishes and acknowledgements."""
     sends: list[tuple[type, str]] = [
         (nats.aio.client.Client, "publish"),
+        # the NATS backend's hot path (publish answers, acks) writes past nats-py's publish
+        (nats_client.Client, "publish_now"),
         (redis.asyncio.connection.AbstractConnection, "send_packed_command"),
         # the hot path's own channel (broker/redis/channel.py) writes on connections it took
         # over from redis-py, past send_packed_command

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from tokenyard.broker import machine
 from tokenyard.broker.core import Claim, Lease
 from tokenyard.broker.machine import Refused, Step
+from tokenyard.broker.nats.client import delivered
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names, token
@@ -116,10 +117,10 @@ class Claims(Part):
             event = self._wakes[model] = asyncio.Event()
             nc = await self.conn.client()
 
-            async def on_wake(msg: Msg) -> None:
+            def on_wake(_: bytes, __: bytes, data: bytes, ___: dict[str, str] | None) -> None:
                 # the lane subjects one enqueue filled, together: a claim woken by it sees
                 # them all (strict priority holds over one call's jobs)
-                for subject in msg.data.decode().split():
+                for subject in data.decode().split():
                     try:
                         view = self._lanes[self.names.stream_of_subject(subject)]
                     except ValueError:
@@ -127,7 +128,9 @@ class Claims(Part):
                     view.subjects[subject] = view.subjects.get(subject, 0) + 1
                 event.set()
 
-            self._wake_subs[model] = await sent(nc.subscribe(self.names.wake(model), cb=on_wake))
+            sub = await sent(nc.subscribe(self.names.wake(model)))
+            nc.on_raw(sub._id, on_wake)  # from the read loop (one a job when enqueues are apart)
+            self._wake_subs[model] = sub
         return event
 
     async def claim(self, ask: Claim) -> list[Lease]:
@@ -315,7 +318,8 @@ class Claims(Part):
                     await self.store.ack(reply, b"+TERM")  # its record expired: nothing to run
                     return None
                 job, revision = found
-            if job.seq and job.seq != msg.metadata.sequence.stream:
+            lane, seq = delivered(msg)
+            if job.seq and job.seq != seq:
                 await self.store.ack(reply)  # moved (requeued) since this message
                 return None
             now = self.clock()
@@ -339,8 +343,8 @@ class Claims(Part):
                 await self.store.mark(Names.delayed(spec.model), spec.id, False)
             job.take_on(taken.state)
             job.affinity = affinity
-            job.seq = int(msg.metadata.sequence.stream)
-            job.lane = msg.metadata.stream
+            job.seq = seq
+            job.lane = lane
             new_revision = await self.store.cas(job, revision)
             if new_revision is None:
                 job = None
@@ -377,7 +381,7 @@ class Claims(Part):
             revision = record[1]
         else:
             return None
-        metadata = msg.metadata
+        lane, seq = delivered(msg)
         job = StoredJob(
             spec=spec,
             status=JobStatus.RUNNING,
@@ -385,9 +389,9 @@ class Claims(Part):
             enqueued_at=float(headers.get(ENQUEUED_AT, "0")),
             started_at=now,
             worker=consumer,
-            lane=metadata.stream,
+            lane=lane,
             subject=msg.subject,
-            seq=int(metadata.sequence.stream),
+            seq=seq,
             lease_until=now + self.settings.lease_s,
             affinity=affinity,
         )

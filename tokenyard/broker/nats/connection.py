@@ -22,12 +22,12 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
+from tokenyard.broker.nats.client import Client
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, FatalError
 
@@ -203,29 +203,6 @@ def _acked_consumer(reply: str) -> tuple[str, str]:
     return "", ""
 
 
-class _Client(Client):
-    """nats-py's client, its header parser made cheaper: each message a claim reads (a pulled
-    job, a record's direct get: seven headers) went through a test of every character of
-    every header name, a sixth of a consumer's time. Same result: a name with whitespace
-    inside is skipped, values are stripped and decoded leniently."""
-
-    @staticmethod
-    def _parse_header_lines(raw: bytes) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for line in raw.split(b"\r\n"):
-            name, sep, value = line.partition(b":")
-            if not sep:
-                continue
-            try:
-                key = name.strip().decode("ascii")
-            except UnicodeDecodeError:
-                continue
-            if len(key.split()) > 1:  # whitespace inside the (stripped) name
-                continue
-            out[key] = value.strip().decode("utf-8", "replace")
-        return out
-
-
 class NatsConnection:
     """One client per process side (gateway, worker, CLI) and what it made sure of."""
 
@@ -269,7 +246,7 @@ class NatsConnection:
             log.debug("nats: %s", exc)
 
         options: dict[str, Any] = {"reconnect_time_wait": 0.2}  # annotated int, used as float
-        client = _Client()
+        client = Client()
         await client.connect(
             servers=self.endpoint.servers,
             connect_timeout=2,
@@ -346,7 +323,8 @@ class NatsConnection:
         nc = await self.client()
         if not self._ack_inbox:
             inbox = nc.new_inbox()
-            await sent(nc.subscribe(f"{inbox}.*", cb=self._on_reply))
+            sub = await sent(nc.subscribe(f"{inbox}.*"))
+            nc.on_raw(sub._id, self._on_reply)  # from the read loop, no task between
             self._ack_inbox = inbox
         return self._ack_inbox
 
@@ -374,9 +352,7 @@ class NatsConnection:
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = loop.create_task(self._sweep())
         try:
-            await sent(
-                nc.publish(subject, payload, reply=f"{self._ack_inbox}.{token}", headers=headers)
-            )
+            await sent(nc.publish_now(subject, payload, f"{self._ack_inbox}.{token}", headers))
         except BaseException:
             self._acks.pop(token, None)
             raise
@@ -410,17 +386,23 @@ class NatsConnection:
                 if not answer.done():
                     answer.set_exception(unavailable(TimeoutError("no answer from the server")))
 
-    async def _on_reply(self, msg: Msg) -> None:
-        if msg.reply:
+    def _on_reply(
+        self, subject: bytes, reply: bytes, data: bytes, headers: dict[str, str] | None
+    ) -> None:
+        """A message on the long-lived inbox, from the read loop: a publish answer settles
+        its future with no `Msg` built; pulled messages and other answers go to the request
+        collecting them."""
+        if reply:
             # a pulled message keeps its own subject: its ack subject names whose pull it is
-            pull = self._pulls.get(_acked_consumer(msg.reply))
+            acked = reply.decode()
+            pull = self._pulls.get(_acked_consumer(acked))
             if pull is not None:
-                pull.add(msg)
+                pull.add(Msg(self._nc, subject.decode(), acked, data, headers))  # type: ignore[arg-type]
             return
-        token = msg.subject.rsplit(".", 1)[-1]
+        token = subject[subject.rfind(b".") + 1 :].decode()
         collector = self._collectors.get(token)
         if collector is not None:
-            collector.add(msg)
+            collector.add(Msg(self._nc, subject.decode(), "", data, headers))  # type: ignore[arg-type]
             return
         waiting = self._acks.pop(token, None)
         if waiting is None:
@@ -428,17 +410,17 @@ class NatsConnection:
         answer, _ = waiting
         if answer.done():
             return
-        if msg.headers and msg.headers.get("Status") == "503":
+        if headers and headers.get("Status") == "503":
             answer.set_exception(unavailable(nats.errors.NoRespondersError()))
             return
-        reply = _ACK.decode(msg.data)
-        if reply.error is not None:
+        ack = _ACK.decode(data)
+        if ack.error is not None:
             try:  # nats-py raises the error's own class rather than returning it
-                nats.js.errors.APIError.from_error(reply.error)
+                nats.js.errors.APIError.from_error(ack.error)
             except nats.js.errors.APIError as exc:
                 answer.set_exception(exc)
             return
-        answer.set_result(reply.seq)
+        answer.set_result(ack.seq)
 
     async def request(
         self, subject: str, payload: bytes, timeout_s: float = REQUEST_TIMEOUT_S

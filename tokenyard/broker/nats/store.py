@@ -180,7 +180,7 @@ class Store:
 
     async def ack(self, reply: str, verb: bytes = b"+ACK") -> None:
         nc = await self.conn.client()
-        await sent(nc.publish(reply, verb))
+        await sent(nc.publish_now(reply, verb, "", None))
 
     async def wake(self, model: str, subjects: Sequence[str]) -> None:
         """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
