@@ -48,8 +48,9 @@ ADMIT = ScriptSpec(
 )
 
 
-class JobPrefixArg(NamedTuple):
+class WithdrawArgs(NamedTuple):
     job_prefix: str
+    gone_ttl_ms: int  # how long a withdrawn job's tombstone stands (take.lua reads it)
 
 
 class WithdrawItemArgs(NamedTuple):
@@ -59,7 +60,7 @@ class WithdrawItemArgs(NamedTuple):
     msg: str
 
 
-WITHDRAW = ScriptSpec("withdraw", Empty, JobPrefixArg, JobKeys, WithdrawItemArgs, package=PACKAGE)
+WITHDRAW = ScriptSpec("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs, package=PACKAGE)
 
 
 class EndKeys(NamedTuple):
