@@ -53,11 +53,14 @@ REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per
 # producer may still be publishing it
 RESEND_AFTER_S = 2.0
 # A message a claim met before its record (an enqueue publishes a job no key names while its
-# record is admitted) is asked about again after EARLY_RETRY_S, held meanwhile; and dropped
-# once its record has not come for EARLY_HOLD_S, past the deadline of any admit (an admit
-# unanswered by then failed its enqueue): a message whose admission failed with the tables
-# unreachable, so that no tombstone says so
+# record is admitted) is asked about again after EARLY_RETRY_S, held meanwhile, then after as
+# long as it has waited (EARLY_RETRY_MAX_S at most): the record of an enqueue in flight comes
+# within a round trip, so a message still without one is likely an orphan. It is dropped once
+# its record has not come for EARLY_HOLD_S, past the deadline of any admit (an admit unanswered
+# by then failed its enqueue): a message whose admission failed with the tables unreachable, so
+# that no tombstone says so, or a stale copy that outlived its ended job's record
 EARLY_RETRY_S = 0.02
+EARLY_RETRY_MAX_S = 1.0
 EARLY_HOLD_S = 2 * SOCKET_TIMEOUT_S
 
 
@@ -273,7 +276,8 @@ class AmqpQueue(LanesOnTable):
         since = now if since is None else since
         if now - since > EARLY_HOLD_S:
             return False
-        entry = _Early(delivery, since, now + EARLY_RETRY_S, self.amqp.generation)
+        after = min(max(EARLY_RETRY_S, now - since), EARLY_RETRY_MAX_S)
+        entry = _Early(delivery, since, now + after, self.amqp.generation)
         self._early.setdefault(model, []).append(entry)
         return True
 
