@@ -221,3 +221,32 @@ async def test_a_message_whose_record_never_comes_is_dropped_after_the_hold(
     late = await queue.enqueue(spec)  # the same id later: a job of its own, run once
     [lease] = await queue.claim(MODEL, "w", slots=5, block_s=5.0)
     assert lease.spec.id == late.job_id == spec.id
+
+
+async def test_a_lost_admit_answer_of_a_resend_keeps_the_job_it_resent(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resend by id re-points a queued job at the resend's message; when that admit's answer
+    is lost, the take-back leaves the job (accepted by the first enqueue) where it stands: it
+    runs, once."""
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    monkeypatch.setattr(amqp_queue, "RESEND_AFTER_S", 0.0)
+    spec = job()
+    first = await queue.enqueue(spec)
+    admit = queue.table.eval_audited
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        await admit(*args, **kwargs)
+        raise BrokerUnavailable("the admit's reply was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(queue.table, "eval_audited", lost)
+        with pytest.raises(BrokerUnavailable):
+            await queue.enqueue(spec)  # the resend, same id
+    record = await queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.QUEUED
+    [lease] = await queue.claim(MODEL, "w", slots=5, block_s=5.0)
+    assert lease.spec.id == first.job_id
+    assert await queue.complete(lease, ok(lease))
+    assert await queue.claim(MODEL, "w", slots=5, block_s=0.3) == []

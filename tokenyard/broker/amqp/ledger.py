@@ -114,9 +114,11 @@ class Ledger(OnTable):
         results: Sequence[EnqueueResult | None],
         by_model: dict[str, list[int]],
         msgs: Sequence[str],
+        made_at: str = "",
     ) -> None:
         """Take back what an enqueue admitted of these models' jobs (withdraw.lua; a result
-        None: the job was not admitted)."""
+        None: the job was not admitted). `made_at`: the admit's `now`, where its answer was lost
+        and `results` are guesses (withdraw.lua takes back only a record that admit made)."""
         calls = []
         for model, indexes in by_model.items():
             items = []
@@ -129,6 +131,7 @@ class Ledger(OnTable):
                     created="1" if result.created else "0",
                     joined=result.job_id if result.collapsed else "",
                     msg=msgs[i],
+                    made_at=made_at,
                 )
                 items.append((self._job_keys(specs[i]), args))
             if items:

@@ -124,7 +124,7 @@ class AmqpQueue(LanesOnTable):
         )
         early_sent: dict[int, BaseException | None] = dict(zip(early, sending, strict=True))
         if isinstance(admitting, BaseException):  # nothing stands: undo what may have landed
-            await self._unadmit(specs, early, msgs)
+            await self._unadmit(specs, early, msgs, repr(now))
             raise admitting
         replies, ids = admitting
         await self.table.note_models(by_model)
@@ -186,11 +186,13 @@ class AmqpQueue(LanesOnTable):
             )
         return admitted(results, full)
 
-    async def _unadmit(self, specs: Sequence[JobSpec], early: list[int], msgs: list[str]) -> None:
+    async def _unadmit(
+        self, specs: Sequence[JobSpec], early: list[int], msgs: list[str], made_at: str
+    ) -> None:
         """After an admit that failed (its outcome unknown): take back the early jobs' records,
-        had the admit made them, and leave their tombstones, so a message of theirs that landed
-        is dropped. Best effort: with the tables unreachable, a claim holds such a message
-        while its record might still come (EARLY_HOLD_S), then drops it."""
+        had the admit (at `made_at`) made them, and leave their tombstones, so a message of
+        theirs that landed is dropped. Best effort: with the tables unreachable, a claim holds
+        such a message while its record might still come (EARLY_HOLD_S), then drops it."""
         if not early:
             return
         guessed: list[EnqueueResult | None] = [None] * len(specs)
@@ -200,7 +202,7 @@ class AmqpQueue(LanesOnTable):
         for i in early:
             by_model.setdefault(specs[i].model, []).append(i)
         with contextlib.suppress(Exception):
-            await self.ledger.withdraw(specs, guessed, by_model, msgs)
+            await self.ledger.withdraw(specs, guessed, by_model, msgs, made_at)
 
     async def _publish(
         self, spec: JobSpec, result: EnqueueResult | None, msg: str, holder: str

@@ -58,6 +58,9 @@ class WithdrawItemArgs(NamedTuple):
     created: str
     joined: str
     msg: str
+    # the admit's `now` where the caller does not know what it did (its answer was lost), ''
+    # where it does: then only a record that admit made is taken back, not one it re-pointed
+    made_at: str
 
 
 WITHDRAW = ScriptSpec("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs, package=PACKAGE)

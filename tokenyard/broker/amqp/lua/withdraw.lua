@@ -5,12 +5,16 @@
 -- made: its admit failed) leaves a tombstone, `<job>:gone`, for `gone_ttl_ms`: a message of
 -- its that landed is then stale at once (take.lua), not held as one met before its record.
 -- KEYS: none; per item: job, idem, inflight, waiting
--- ARGV: job_prefix, gone_ttl_ms; per item: job_id, created, joined, msg
+-- An admit whose answer was lost (`made_at`, its `now`) is guessed to have made each job: only
+-- a record it made (enqueued at `made_at`) is taken back, not an older one it re-pointed at its
+-- message for a resend (that job was accepted before, and stands).
+-- ARGV: job_prefix, gone_ttl_ms; per item: job_id, created, joined, msg, made_at
 -- Returns nothing.
 for i = 1, N do
   local k, a = item(i)
-  local h = redis.call('HMGET', k.job, 'status', 'msg')
-  if a.created == '1' and (not h[1] or (h[1] == 'queued' and h[2] == a.msg)) then
+  local h = redis.call('HMGET', k.job, 'status', 'msg', 'enq_at')
+  local ours = h[1] == 'queued' and h[2] == a.msg and (a.made_at == '' or h[3] == a.made_at)
+  if a.created == '1' and (not h[1] or ours) then
     redis.call('DEL', k.job)
     redis.call('SET', k.job .. ':gone', 1, 'PX', A.gone_ttl_ms)
     redis.call('ZREM', k.waiting, a.job_id)
