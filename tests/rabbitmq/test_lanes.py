@@ -3,7 +3,9 @@ from its messages must handle."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 import aio_pika
 import pytest
@@ -20,6 +22,7 @@ from tests.integration.test_broker_conformance import (
 from tests.rabbitmq_server import RabbitServer
 from tokenyard.broker.amqp import queue as amqp_queue
 from tokenyard.broker.amqp.queue import AmqpQueue
+from tokenyard.errors import BrokerUnavailable, QueueFull
 from tokenyard.messages import JobStatus, Priority
 
 pytestmark = [
@@ -126,3 +129,124 @@ async def test_a_held_job_cancelled_while_waiting_leaves_its_owners_held_set(
     await queue.cancel(spec.id)
     assert await queue.claim(MODEL, "w1", slots=1) == []
     assert await queue.conn.one(("ZCARD", held)) == 0
+
+
+async def test_a_message_met_before_its_record_is_held_until_the_record_comes(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job no key names is published while its record is admitted: a claim that meets its
+    message first holds it and asks again, and leases the job once the record is in, once."""
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    admit = queue.table.eval_audited
+
+    async def late(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.5)  # the message lands long before the record
+        return await admit(*args, **kwargs)
+
+    held = []
+    hold = queue._hold_early
+
+    def counted(*args: Any) -> bool:
+        held.append(args)
+        return hold(*args)
+
+    monkeypatch.setattr(queue.table, "eval_audited", late)
+    monkeypatch.setattr(queue, "_hold_early", counted)
+    spec = job()
+    claiming = asyncio.create_task(queue.claim(MODEL, "w", slots=5, block_s=10.0))
+    result = await queue.enqueue(spec)
+    [lease] = await claiming
+    assert held and lease.spec.id == result.job_id == spec.id
+    assert await queue.complete(lease, ok(lease))
+    assert await queue.claim(MODEL, "w", slots=5, block_s=0.3) == []
+    record = await queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.SUCCEEDED
+
+
+async def test_a_refused_admission_leaves_its_landed_message_stale(
+    make_backend: BackendFactory,
+) -> None:
+    """The records' lane bound refuses a job whose message RabbitMQ took (it was published
+    meanwhile): a tombstone says so, and a claim drops the message at once."""
+    queue = make_backend(max_queue_depth=2).queue
+    assert isinstance(queue, AmqpQueue)
+    waiting = queue.keys.waiting(queue.keys.lane(MODEL, Priority.NORMAL, 0))
+    await queue.conn.one(("ZADD", waiting, 1, "j-a", 2, "j-b"))  # full by the records only
+    spec = job()
+    with pytest.raises(QueueFull):
+        await queue.enqueue(spec)
+    assert await queue.record(spec.id) is None
+    assert await queue.conn.one(("EXISTS", queue.ledger.gone_key(spec.id))) == 1
+    assert await queue.claim(MODEL, "w", slots=5, block_s=0.5) == []
+    assert not queue._early.get(MODEL)  # dropped, not held
+
+
+async def test_an_admit_whose_answer_was_lost_is_taken_back(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admit ran but its answer never came: the enqueue fails, so the record it made is
+    taken back and its message, published meanwhile, dropped: the job never runs."""
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    admit = queue.table.eval_audited
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        await admit(*args, **kwargs)
+        raise BrokerUnavailable("the admit's reply was lost")
+
+    monkeypatch.setattr(queue.table, "eval_audited", lost)
+    spec = job()
+    with pytest.raises(BrokerUnavailable):
+        await queue.enqueue(spec)
+    monkeypatch.undo()
+    assert await queue.record(spec.id) is None
+    assert await queue.claim(MODEL, "w", slots=5, block_s=0.5) == []
+    assert not queue._early.get(MODEL)
+
+
+async def test_a_message_whose_record_never_comes_is_dropped_after_the_hold(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No record and no tombstone (the admit failed with the tables unreachable): the claim
+    holds the message EARLY_HOLD_S, asking again, then drops it."""
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    monkeypatch.setattr(amqp_queue, "EARLY_HOLD_S", 0.3)
+    spec = job()
+    await queue.lanes.declare(MODEL)
+    await queue.lanes.publish(spec, spec.id, "m-orphan")
+    assert await queue.claim(MODEL, "w", slots=5, block_s=1.5) == []
+    assert not queue._early.get(MODEL)
+    late = await queue.enqueue(spec)  # the same id later: a job of its own, run once
+    [lease] = await queue.claim(MODEL, "w", slots=5, block_s=5.0)
+    assert lease.spec.id == late.job_id == spec.id
+
+
+async def test_a_lost_admit_answer_of_a_resend_keeps_the_job_it_resent(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resend by id re-points a queued job at the resend's message; when that admit's answer
+    is lost, the take-back leaves the job (accepted by the first enqueue) where it stands: it
+    runs, once."""
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    monkeypatch.setattr(amqp_queue, "RESEND_AFTER_S", 0.0)
+    spec = job()
+    first = await queue.enqueue(spec)
+    admit = queue.table.eval_audited
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        await admit(*args, **kwargs)
+        raise BrokerUnavailable("the admit's reply was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(queue.table, "eval_audited", lost)
+        with pytest.raises(BrokerUnavailable):
+            await queue.enqueue(spec)  # the resend, same id
+    record = await queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.QUEUED
+    [lease] = await queue.claim(MODEL, "w", slots=5, block_s=5.0)
+    assert lease.spec.id == first.job_id
+    assert await queue.complete(lease, ok(lease))
+    assert await queue.claim(MODEL, "w", slots=5, block_s=0.3) == []

@@ -114,9 +114,11 @@ class Ledger(OnTable):
         results: Sequence[EnqueueResult | None],
         by_model: dict[str, list[int]],
         msgs: Sequence[str],
+        made_at: str = "",
     ) -> None:
         """Take back what an enqueue admitted of these models' jobs (withdraw.lua; a result
-        None: the job was not admitted)."""
+        None: the job was not admitted). `made_at`: the admit's `now`, where its answer was lost
+        and `results` are guesses (withdraw.lua takes back only a record that admit made)."""
         calls = []
         for model, indexes in by_model.items():
             items = []
@@ -129,12 +131,23 @@ class Ledger(OnTable):
                     created="1" if result.created else "0",
                     joined=result.job_id if result.collapsed else "",
                     msg=msgs[i],
+                    made_at=made_at,
                 )
                 items.append((self._job_keys(specs[i]), args))
             if items:
-                prefix = scripts.JobPrefixArg(job_prefix=self.keys.job_prefix(model))
-                calls.append(scripts.WITHDRAW.call(Empty(), prefix, items))
+                head = scripts.WithdrawArgs(self.keys.job_prefix(model), self.table.ttl_ms)
+                calls.append(scripts.WITHDRAW.call(Empty(), head, items))
         await self.conn.eval_many(calls)
+
+    async def gone(self, job_ids: Sequence[str]) -> None:
+        """Tombstones for jobs an enqueue published but whose admission was refused: their
+        messages are stale at once (take.lua), not held as met before their records."""
+        ttl = self.table.ttl_ms
+        await self.conn.checked([("SET", self.gone_key(i), 1, "PX", ttl) for i in job_ids])
+
+    def gone_key(self, job_id: str) -> str:
+        """A withdrawn job's tombstone (take.lua and withdraw.lua spell it `<job>:gone`)."""
+        return self.keys.job(job_id) + ":gone"
 
     # -- leases ----------------------------------------------------------------------------
     def take_item(

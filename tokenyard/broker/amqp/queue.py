@@ -18,9 +18,11 @@ a crash in between leaves a stale copy, never a job with no message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from tokenyard.broker import audit, machine
 from tokenyard.broker.amqp.affinity import Affinity
@@ -40,6 +42,7 @@ from tokenyard.broker.core import (
 from tokenyard.broker.lanes import LanesOnTable
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
 from tokenyard.broker.policy import backoff_delay, stamp_by_model
+from tokenyard.broker.redis.connection import SOCKET_TIMEOUT_S
 from tokenyard.broker.redis.connection import text as as_text
 from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
@@ -49,6 +52,25 @@ REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per
 # A resend republishes a job still queued and unpublished only once it is this old: its first
 # producer may still be publishing it
 RESEND_AFTER_S = 2.0
+# A message a claim met before its record (an enqueue publishes a job no key names while its
+# record is admitted) is asked about again after EARLY_RETRY_S, held meanwhile, then after as
+# long as it has waited (EARLY_RETRY_MAX_S at most): the record of an enqueue in flight comes
+# within a round trip, so a message still without one is likely an orphan. It is dropped once
+# its record has not come for EARLY_HOLD_S, past the deadline of any admit (an admit unanswered
+# by then failed its enqueue): a message whose admission failed with the tables unreachable, so
+# that no tombstone says so, or a stale copy that outlived its ended job's record
+EARLY_RETRY_S = 0.02
+EARLY_RETRY_MAX_S = 1.0
+EARLY_HOLD_S = 2 * SOCKET_TIMEOUT_S
+
+
+class _Early(NamedTuple):
+    """A delivery met before its job's record: held (unacked) until it is asked about again."""
+
+    delivery: Delivery
+    since: float  # when a claim first met it (monotonic)
+    due: float  # when to ask again (monotonic)
+    generation: int  # the AMQP connection it came on: one that closed took it back
 
 
 class AmqpQueue(LanesOnTable):
@@ -65,12 +87,22 @@ class AmqpQueue(LanesOnTable):
         self.amqp = amqp
         self.names = names
         self.affinity = Affinity(table.settings, self.conn, self.keys, amqp, names, self.clock)
+        self._early: dict[str, list[_Early]] = {}  # model -> deliveries met before their records
+        self._since: dict[int, float] = {}  # id(message) -> when first met, while _take asks
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
-        """Records first (one script per model, with the receipts), then each new job's message,
+        """Records (one script per model, with the receipts) and each new job's message,
         confirmed. Each model's jobs all or none (core.QueueCore): a model whose lane is full,
-        by the records' count or by RabbitMQ refusing a message, has its jobs withdrawn."""
+        by the records' count or by RabbitMQ refusing a message, has its jobs withdrawn.
+
+        A job no key names and no worker holds (most) is published while its record is
+        admitted, not after: one at a time an enqueue waits for the confirm alone, not for the
+        admit and then the confirm. Its message may reach a claim before its record: take.lua
+        says so (5) and the claim holds it and asks again (`_take`). One whose admission was
+        refused, or failed, leaves a tombstone, so its message is dropped as stale. A job with a
+        key may join another job or resend its own, a held job goes to its worker's queue:
+        those are published after their records, as the admit says."""
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         for model in by_model:
@@ -84,7 +116,17 @@ class AmqpQueue(LanesOnTable):
             for model, indexes in by_model.items()
         ]
         receipts = [audit.received(spec, now) for spec in specs]
-        replies, ids = await self.table.eval_audited(calls, receipts)
+        early = [i for i, spec in enumerate(specs) if _unkeyed(spec, holders[i])]
+        admitting, *sending = await asyncio.gather(
+            self.table.eval_audited(calls, receipts),
+            *(self.lanes.publish(specs[i], specs[i].id, msgs[i]) for i in early),
+            return_exceptions=True,
+        )
+        early_sent: dict[int, BaseException | None] = dict(zip(early, sending, strict=True))
+        if isinstance(admitting, BaseException):  # nothing stands: undo what may have landed
+            await self._unadmit(specs, early, msgs, repr(now))
+            raise admitting
+        replies, ids = admitting
         await self.table.note_models(by_model)
         results: list[EnqueueResult | None] = [None] * len(specs)
         publish: list[int] = []  # the new jobs, and resent ones whose message never went out
@@ -99,19 +141,31 @@ class AmqpQueue(LanesOnTable):
                 )
                 if again == 1:
                     publish.append(i)
+        # a refused job's message that landed: stale from now on (a refused publish sent none)
+        refused = [
+            specs[i].id
+            for i, o in early_sent.items()
+            if results[i] is None and not isinstance(o, Refused)
+        ]
+        if refused:  # unmarked, such a message is only held a while longer (EARLY_HOLD_S)
+            with contextlib.suppress(Exception):
+                await self.ledger.gone(refused)
+        late = [i for i in publish if i not in early_sent]  # (an early one's `again` is its own)
         sent = await asyncio.gather(
-            *(self._publish(specs[i], results[i], msgs[i], holders[i]) for i in publish),
+            *(self._publish(specs[i], results[i], msgs[i], holders[i]) for i in late),
             return_exceptions=True,
         )
-        failed = {i: o for i, o in zip(publish, sent, strict=True) if isinstance(o, BaseException)}
+        outcomes = dict(zip(late, sent, strict=True))
+        outcomes |= {i: early_sent[i] for i in publish if i in early_sent}
+        failed = {i: o for i, o in outcomes.items() if isinstance(o, BaseException)}
         broken = next((o for o in failed.values() if not isinstance(o, Refused)), None)
         if broken is not None:  # the call's failure (the connection's): nothing stands
             await self.ledger.withdraw(specs, results, by_model, msgs)
             await self.table.audit.take_back(ids)
             raise broken
         if failed:  # RabbitMQ refused a message: its lane is full, its model's jobs withdrawn
-            refused = {specs[i].model for i in failed}
-            dropped = {m: indexes for m, indexes in by_model.items() if m in refused}
+            refused_models = {specs[i].model for i in failed}
+            dropped = {m: indexes for m, indexes in by_model.items() if m in refused_models}
             await self.ledger.withdraw(specs, results, dropped, msgs)
             for i in (i for indexes in dropped.values() for i in indexes):
                 results[i] = None
@@ -121,12 +175,34 @@ class AmqpQueue(LanesOnTable):
         await self.table.audit.take_back(
             [ids[i] for i, r in enumerate(results) if r is None or not r.created]
         )
-        standing = [i for i in publish if results[i] is not None]
-        if standing:  # confirmed: a resend of these finds them published
+        # confirmed: a resend of these finds them published. Not the early ones: they were
+        # admitted unpublished, and a resend of one still queued after RESEND_AFTER_S (by its
+        # id: no key names it) republishes it, the first message then stale: one message more
+        # on a rare path, not a round trip on every enqueue
+        standing = [i for i in late if results[i] is not None]
+        if standing:
             await self.conn.checked(
                 [("HSET", self.keys.job(_id(results[i])), "pub", 1) for i in standing]
             )
         return admitted(results, full)
+
+    async def _unadmit(
+        self, specs: Sequence[JobSpec], early: list[int], msgs: list[str], made_at: str
+    ) -> None:
+        """After an admit that failed (its outcome unknown): take back the early jobs' records,
+        had the admit (at `made_at`) made them, and leave their tombstones, so a message of
+        theirs that landed is dropped. Best effort: with the tables unreachable, a claim holds
+        such a message while its record might still come (EARLY_HOLD_S), then drops it."""
+        if not early:
+            return
+        guessed: list[EnqueueResult | None] = [None] * len(specs)
+        for i in early:
+            guessed[i] = EnqueueResult(job_id=specs[i].id, created=True, collapsed=False)
+        by_model: dict[str, list[int]] = {}
+        for i in early:
+            by_model.setdefault(specs[i].model, []).append(i)
+        with contextlib.suppress(Exception):
+            await self.ledger.withdraw(specs, guessed, by_model, msgs, made_at)
 
     async def _publish(
         self, spec: JobSpec, result: EnqueueResult | None, msg: str, holder: str
@@ -151,8 +227,13 @@ class AmqpQueue(LanesOnTable):
         give_up_at = time.monotonic() + block_s
         while True:
             order = self._next_order(model, len(Priority))
-            # jobs held for this worker first (prefix affinity), then the lanes
-            got = await self.affinity.take_own(model, consumer, order, pools, slots, batch_room)
+            # messages met before their records and due again, jobs held for this worker
+            # (prefix affinity), then the lanes
+            got = self._early_due(model, pools, slots)
+            room = None if batch_room is None else batch_room - _batch(got)
+            got += await self.affinity.take_own(
+                model, consumer, order, pools, slots - len(got), room
+            )
             room = None if batch_room is None else batch_room - _batch(got)
             got += await self.lanes.pull(
                 model, feed, order, pools, slots - len(got), room, block=block_s > 0
@@ -165,7 +246,42 @@ class AmqpQueue(LanesOnTable):
             wait = give_up_at - time.monotonic()
             if wait <= 0 or feed is None:
                 return []
-            await self.lanes.wait(feed, min(wait, self.affinity.poll_s(model, consumer)))
+            early = min((e.due for e in self._early.get(model, ())), default=float("inf"))
+            poll = self.affinity.poll_s(model, consumer)
+            await self.lanes.wait(feed, min(wait, poll, max(0.0, early - time.monotonic())))
+
+    def _early_due(self, model: str, pools: Sequence[int], slots: int) -> list[Delivery]:
+        """The held deliveries met before their records that are due to be asked about again
+        (at most `slots`, of `pools`); one whose connection closed is forgotten (RabbitMQ
+        delivers it again)."""
+        held = self._early.get(model)
+        if not held:
+            return []
+        now = time.monotonic()
+        due: list[Delivery] = []
+        keep: list[_Early] = []
+        for entry in held:
+            if not self.amqp.alive(entry.generation):
+                continue
+            if entry.due <= now and len(due) < slots and entry.delivery.lane.pool in pools:
+                due.append(entry.delivery)
+                self._since[id(entry.delivery.message)] = entry.since
+            else:
+                keep.append(entry)
+        self._early[model] = keep
+        return due
+
+    def _hold_early(self, model: str, delivery: Delivery, since: float | None) -> bool:
+        """Hold a delivery met before its record to ask again (False: held too long already,
+        its record will not come)."""
+        now = time.monotonic()
+        since = now if since is None else since
+        if now - since > EARLY_HOLD_S:
+            return False
+        after = min(max(EARLY_RETRY_S, now - since), EARLY_RETRY_MAX_S)
+        entry = _Early(delivery, since, now + after, self.amqp.generation)
+        self._early.setdefault(model, []).append(entry)
+        return True
 
     async def _take(
         self,
@@ -173,17 +289,19 @@ class AmqpQueue(LanesOnTable):
         consumer: str,
         got: Sequence[Delivery],
     ) -> list[Lease]:
-        """Lease what the records still name; ack what is stale, expired or dead."""
+        """Lease what the records still name; ack what is stale, expired or dead; hold what
+        came before its record (`_hold_early`)."""
         now = self.clock()
         items, pending = [], []
         for delivery in got:
+            since = self._since.pop(id(delivery.message), None)
             job_id = delivery.message.body.decode()
             if self.lanes.rehold(job_id, delivery):
                 continue
             token = secrets.token_hex(8)
             msg = delivery.message.message_id or ""
             lane = (model, delivery.lane.priority, delivery.lane.pool)
-            pending.append((delivery, job_id, token))
+            pending.append((delivery, job_id, token, since))
             items.append(self.ledger.take_item(job_id, msg, token, lane))
         if not items:
             return []
@@ -192,9 +310,15 @@ class AmqpQueue(LanesOnTable):
         rows = await self.conn.run(call)
         leases: list[Lease] = []
         ended: list[tuple[JobSpec, JobResult | None]] = []
-        for (delivery, job_id, token), (code, spec_bytes, attempt, resumable, preempted) in zip(
-            pending, rows, strict=True
-        ):
+        for (delivery, job_id, token, since), (
+            code,
+            spec_bytes,
+            attempt,
+            resumable,
+            preempted,
+        ) in zip(pending, rows, strict=True):
+            if code == 5 and self._hold_early(model, delivery, since):
+                continue
             if code == 1:
                 spec = decode(spec_bytes, JobSpec)
                 spec.attempt = int(attempt)
@@ -372,6 +496,12 @@ class AmqpQueue(LanesOnTable):
         if outcome is CancelOutcome.CANCELLED:
             await self.ledger.unwait(job_id)
         return outcome
+
+
+def _unkeyed(spec: JobSpec, holder: str) -> bool:
+    """Whether an enqueue publishes the job while its record is admitted: no idempotency or
+    collapse key (admit.lua could make it another job's) and held for no worker."""
+    return not spec.idempotency_key and not spec.collapse_key and not holder
 
 
 def _batch(got: Sequence[Delivery]) -> int:

@@ -48,8 +48,9 @@ ADMIT = ScriptSpec(
 )
 
 
-class JobPrefixArg(NamedTuple):
+class WithdrawArgs(NamedTuple):
     job_prefix: str
+    gone_ttl_ms: int  # how long a withdrawn job's tombstone stands (take.lua reads it)
 
 
 class WithdrawItemArgs(NamedTuple):
@@ -57,9 +58,12 @@ class WithdrawItemArgs(NamedTuple):
     created: str
     joined: str
     msg: str
+    # the admit's `now` where the caller does not know what it did (its answer was lost), ''
+    # where it does: then only a record that admit made is taken back, not one it re-pointed
+    made_at: str
 
 
-WITHDRAW = ScriptSpec("withdraw", Empty, JobPrefixArg, JobKeys, WithdrawItemArgs, package=PACKAGE)
+WITHDRAW = ScriptSpec("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs, package=PACKAGE)
 
 
 class EndKeys(NamedTuple):

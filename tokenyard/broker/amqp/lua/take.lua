@@ -10,15 +10,21 @@
 -- key makes this worker its owner, unless another live worker owns it (lib/affinity.lua).
 -- A job redelivered after its holder's connection died ends cancelled if a client asked to
 -- cancel it meanwhile (`cancelled`: Finished(cancelled result)).
+-- A message with no record yet (no `status`) and no tombstone (`<job>:gone`: an enqueue that
+-- published it was refused or withdrawn) came before its record: a job no key names is
+-- published while its admit.lua runs (queue.py `enqueue_many`), so the caller holds it and
+-- asks again.
 -- Returns per item {code, spec, attempt, resumable, preemptions}: code 1 leased, 0 stale,
--- 2 expired, 3 dead, 4 cancelled.
+-- 2 expired, 3 dead, 4 cancelled, 5 no record yet.
 local now = tonumber(A.now)
 local out = {}
 for i = 1, N do
   local k, a = item(i)
   local h = redis.call('HMGET', k.job, 'status', 'spec', 'msg', 'deadline', 'deliveries',
     'start_at', 'cancel', 'pref', 'pfx', 'preempted')
-  if (h[1] ~= 'queued' and h[1] ~= 'running') or h[3] ~= a.msg then
+  if not h[1] and redis.call('EXISTS', k.job .. ':gone') == 0 then
+    out[i] = {5, '', 0, 0, 0}
+  elseif (h[1] ~= 'queued' and h[1] ~= 'running') or h[3] ~= a.msg then
     -- a held job that ended while it waited (cancelled): its owner need not look for it
     if h[1] and h[8] and h[1] ~= 'queued' and h[1] ~= 'running' then
       redis.call('ZREM', a.affw_prefix .. h[8], a.job_id)
