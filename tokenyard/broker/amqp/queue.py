@@ -117,15 +117,23 @@ class AmqpQueue(LanesOnTable):
         ]
         receipts = [audit.received(spec, now) for spec in specs]
         early = [i for i, spec in enumerate(specs) if _unkeyed(spec, holders[i])]
-        admitting, *sending = await asyncio.gather(
-            self.table.eval_audited(calls, receipts),
-            *(self.lanes.publish(specs[i], specs[i].id, msgs[i]) for i in early),
-            return_exceptions=True,
-        )
-        early_sent: dict[int, BaseException | None] = dict(zip(early, sending, strict=True))
-        if isinstance(admitting, BaseException):  # nothing stands: undo what may have landed
+        sends = [
+            asyncio.ensure_future(self.lanes.publish(specs[i], specs[i].id, msgs[i])) for i in early
+        ]
+        try:
+            # in this task, not one of gather's: the audit trail holds a task's receipts for
+            # it, and this task takes back those of jobs not created (below)
+            admitting = await self.table.eval_audited(calls, receipts)
+        except Exception as exc:  # nothing stands: undo what may have landed
+            await asyncio.gather(*sends, return_exceptions=True)
             await self._unadmit(specs, early, msgs, repr(now))
-            raise admitting
+            raise exc
+        except BaseException:
+            for send in sends:
+                send.cancel()
+            raise
+        sending = await asyncio.gather(*sends, return_exceptions=True)
+        early_sent: dict[int, BaseException | None] = dict(zip(early, sending, strict=True))
         replies, ids = admitting
         await self.table.note_models(by_model)
         results: list[EnqueueResult | None] = [None] * len(specs)
