@@ -15,7 +15,7 @@ loaded/idle p99 ratio (goal <= 1.5), and the total tokens/s of the loaded runs, 
 path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
-        [--rounds 5] [--stages] [--stream-batch] [--quick]
+        [--rounds 5] [--alone-every 8] [--stages] [--stream-batch] [--quick]
 """
 
 from __future__ import annotations
@@ -246,6 +246,7 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             max_seqs=args.max_seqs,
             batch_share=1.0,  # the batch lane may take every slot: the load saturates
             preempt_lanes="normal,low,batch" if preempt else "",
+            alone_step_every=args.alone_every,
         ),
         freeze_heap=True,  # as `tokenyard worker` runs it (worker/run.py)
     )
@@ -359,6 +360,13 @@ def main() -> None:
         "--stream-batch",
         action="store_true",
         help="batch jobs write token events each step (the Batches API's do not)",
+    )
+    parser.add_argument(
+        "--alone-every",
+        type=int,
+        default=WorkerSettings().alone_step_every,
+        help="the workers' alone_step_every: a high job's first step runs alone, at most once "
+        "per this many steps; 0: off (its prefill joins the batch's step)",
     )
     parser.add_argument("--stages", action="store_true", help="where the high jobs' time went")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")

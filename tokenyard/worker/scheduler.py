@@ -2,14 +2,17 @@
 
 It owns the slot count and the token budget. Claimed jobs are *offered*; `schedule()` says
 which start now, which are refused (and why) and which were already finished by an earlier
-delivery; `update()` turns engine step outputs into token events, completions and failures
-and frees their capacity; `want()` says how many more jobs to claim, keeping a small
-claimed-but-not-started reserve so a freed slot never waits on a Redis round trip.
-The worker does all I/O; nothing here awaits, sleeps or reads a clock.
+delivery, and which of those starting take their first engine step alone (they outrank every
+running job: their first token is not held behind a full batch's step); `update()` turns
+engine step outputs into token events, completions and failures and frees their capacity;
+`want()` says how many more jobs to claim, keeping a small claimed-but-not-started reserve so
+a freed slot never waits on a Redis round trip. The worker does all I/O; nothing here awaits,
+sleeps or reads a clock (the worker passes its time in).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +93,9 @@ class Plan(Generic[H]):
     start: list[Job[H]] = field(default_factory=list)  # add to the engine now, in this order
     refused: list[tuple[Job[H], InvalidRequest]] = field(default_factory=list)  # fail at once
     done: list[Job[H]] = field(default_factory=list)  # an earlier delivery already finished it
+    # jobs of `start` whose first engine step runs alone (`EngineRequest.alone`): each outranks
+    # every job that ran before this pass (see `Scheduler.schedule`)
+    alone: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
         return bool(self.start or self.refused or self.done)
@@ -130,13 +136,29 @@ def moving_average(previous: float, sample: float, weight: float = 0.2) -> float
 class Scheduler(Generic[H]):
     """Decides what runs on one engine; see the module docstring for the protocol."""
 
-    def __init__(self, limits: ModelLimits, claim_ahead: int = 0, batch_share: float = 1.0) -> None:
+    def __init__(
+        self,
+        limits: ModelLimits,
+        claim_ahead: int = 0,
+        batch_share: float = 1.0,
+        alone_every: int = 0,
+    ) -> None:
         if limits.max_seqs < 1 or limits.token_budget < 1 or limits.max_model_len < 2:
             raise ValueError(f"unusable limits {limits}")
         if not 0.0 < batch_share <= 1.0:
             raise ValueError(f"batch_share must be in (0, 1], not {batch_share}")
+        if alone_every < 0:
+            raise ValueError(f"alone_every must be >= 0, not {alone_every}")
         self.limits = limits
         self.claim_ahead = max(0, claim_ahead)
+        # A job that outranks every running one takes its first step alone (`Plan.alone`), at
+        # most once per `alone_every` steps' time: each such step holds the running sequences
+        # back one step, so they keep at least about alone_every/(alone_every+1) of the engine's
+        # steps, however many urgent jobs arrive. 0: never.
+        self.alone_every = alone_every
+        self._alone_at = -math.inf  # when the last alone step was granted (the caller's clock)
+        self._step_s = 0.0  # moving average of the time between step outputs while jobs run
+        self._outputs_at: float | None = None  # the last step outputs', while jobs ran
         # Batch-lane jobs held at once; the rest of the slots stay for interactive work, which
         # cannot overtake a running sequence. At least one: the batch lane is never starved.
         self.batch_slots = (
@@ -214,9 +236,22 @@ class Scheduler(Generic[H]):
         self._fresh.append(job)
 
     # -- scheduling ------------------------------------------------------------------------
-    def schedule(self) -> Plan[H]:
-        """Move what fits from waiting to running, strictly by priority, then claim order."""
+    def schedule(self, now: float = 0.0) -> Plan[H]:
+        """Move what fits from waiting to running, strictly by priority, then claim order.
+
+        A started job of a priority higher than every job running before this pass goes in
+        `plan.alone` (its first step runs without them), unless the last such step was granted
+        less than `alone_every` steps' time (`now` on `update`'s clock) ago.
+        """
         plan: Plan[H] = Plan()
+        # the highest lane running before this pass (lower is higher); None: nothing runs, and
+        # the first step holds only what starts now anyway
+        top = min(self._lanes) if self._lanes else None
+        may_go_alone = (
+            top is not None
+            and self.alone_every > 0
+            and now - self._alone_at >= self.alone_every * self._step_s
+        )
         while self._fresh:
             job = self._fresh.popleft()
             if job.input_lengths is not None:
@@ -245,6 +280,12 @@ class Scheduler(Generic[H]):
             self._lanes[head.priority] += 1
             self._tokens_running += head.footprint
             plan.start.append(head)
+            if may_go_alone and top is not None and head.priority < top:
+                plan.alone.add(head.job_id)
+        if plan.alone:
+            self._alone_at = now
+        if top is None and plan.start:
+            self._outputs_at = None  # the engine was idle: its first outputs time no step
         return plan
 
     def _enqueue(self, job: Job[H]) -> None:
@@ -297,6 +338,13 @@ class Scheduler(Generic[H]):
         them, carried by one broker write. A finishing job's last step rides with its result.
         """
         update: Update[H] = Update()
+        if outputs:
+            # the step time `alone_every` counts in: the gaps between outputs while jobs run
+            # (a gap that spans several steps, the worker busy publishing, errs long: fewer
+            # alone steps, never more)
+            if self._outputs_at is not None:
+                self._step_s = moving_average(self._step_s, max(0.0, now - self._outputs_at))
+            self._outputs_at = now
         for out in outputs:
             job = self._running.get(out.seq_id)
             if job is None:
@@ -328,6 +376,8 @@ class Scheduler(Generic[H]):
                 job.embeddings = out.embeddings
                 # the last tokens ride with the completion: one write instead of two
                 update.finished.append((job, reason, chunk))
+        if not self._running:
+            self._outputs_at = None  # idle: the next gap would time the idleness, not a step
         return update
 
 

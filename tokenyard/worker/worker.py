@@ -203,7 +203,9 @@ class Worker:
         claim_ahead = self.settings.claim_ahead
         if claim_ahead is None:
             claim_ahead = max(1, self.limits.max_seqs // 8)
-        return Scheduler(self.limits, claim_ahead, self.settings.batch_share)
+        return Scheduler(
+            self.limits, claim_ahead, self.settings.batch_share, self.settings.alone_step_every
+        )
 
     async def _announce_adapters(self) -> None:
         """Put this worker's `--lora` adapters in the broker's directory, under its model:
@@ -421,7 +423,7 @@ class Worker:
         outcome = _Outcome()
         if self._draining.is_set():
             return outcome  # nothing new starts; the reserve is handed back
-        while plan := self.scheduler.schedule():
+        while plan := self.scheduler.schedule(time.monotonic()):
             self._carry_out(plan, outcome)
             if not outcome.freed:
                 break
@@ -450,6 +452,7 @@ class Worker:
                 job.pooling,
                 spec.adapter or None,
                 spec.adapter_path,
+                job.job_id in plan.alone,
             )
             try:
                 if spec.adapter and not self.engine.runs_adapters:
