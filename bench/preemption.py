@@ -25,6 +25,7 @@ import asyncio
 import gc
 import itertools
 import json
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -48,7 +49,7 @@ STAGES = (
     ("claimed", "to the worker's claim returning it (its wake-up)"),
     ("added", "claim to engine.add (preparing it, preempting a victim)"),
     ("step", "add to the start of its first engine step (the step in flight ends)"),
-    ("engine_out", "that step: its prefill and one decode of the batch"),
+    ("engine_out", "that step: its prefill and one decode (of it alone, or of the batch)"),
     ("loop_got", "engine delivery to the worker's output loop"),
     ("appended", "output loop to its token event written (the publish round trip)"),
     ("seen", "written to the reader's XREAD answering"),
@@ -368,12 +369,21 @@ def main() -> None:
         help="the workers' alone_step_every: a high job's first step runs alone, at most once "
         "per this many steps; 0: off (its prefill joins the batch's step)",
     )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="what-if: sys.setswitchinterval for this process (the worker's engine thread and "
+        "event loop share the GIL; Python's default hands it over every 5 ms)",
+    )
     parser.add_argument("--stages", action="store_true", help="where the high jobs' time went")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.batch_tokens, args.high, args.max_seqs = 16, 120, 10, 4
         args.rounds = 1
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     with EmbeddedServer() as valkey:
         report = asyncio.run(run(valkey.url, args))
     print(json.dumps(report, indent=2))

@@ -278,8 +278,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     preempt_after_s: SecondsOrZero = 0.02
     # a job that outranks every running one (a high job among batch work) takes its first engine
     # step alone, the running sequences waiting that one step, so its first token is not held
-    # behind a full batch's step: at most once per this many steps (worker/scheduler.py,
-    # `Plan.alone`), which bounds what it costs the batch. 0: off
+    # behind a full batch's step: at most once per this many engine steps (worker/scheduler.py,
+    # `Plan.alone`), so the batch keeps at least (n - 1) / n of the steps. 0: off
     alone_step_every: NonNegative = 8
     heartbeat_s: Seconds = 2.0
     # a stats line (running, waiting, tokens/s, KV use) this often at INFO, as vLLM's; 0: off.

@@ -315,61 +315,48 @@ def test_a_job_outranking_every_running_one_takes_its_first_step_alone() -> None
     s = Scheduler[str](LIMITS, claim_ahead=2, alone_every=8)
     s.offer(lane_job("b0", Priority.BATCH))
     s.offer(lane_job("n0", Priority.NORMAL))
-    assert s.schedule(now=0.0).alone == set()  # nothing ran: its step holds only what starts
+    assert s.schedule().alone == set()  # nothing ran: its step holds only what starts anyway
     s.offer(lane_job("h0", Priority.HIGH))
     s.offer(lane_job("b1", Priority.BATCH))
-    plan = s.schedule(now=1.0)
+    plan = s.schedule()
     assert names(plan.start) == ["h0", "b1"]
     assert plan.alone == {"h0"}  # b1 outranks nothing; h0 outranks n0 and b0
-    s.update([out("h0", [5], FinishReason.STOP)], now=1.01)
-    s.offer(lane_job("n1", Priority.NORMAL))  # equal to n0, the highest running: no
-    assert s.schedule(now=2.0).alone == set()
+    s.update([out("h0", [5], FinishReason.STOP)])
+    for _ in range(8):
+        s.update([out("b0", [5]), out("n0", [5])])
+    s.offer(lane_job("n1", Priority.NORMAL))  # only equal to n0, the highest running: no
+    assert s.schedule().alone == set()
 
 
-def test_alone_steps_are_spaced_by_alone_every_steps_of_time() -> None:
+def test_alone_steps_are_spaced_by_alone_every_engine_steps() -> None:
     s = Scheduler[str](ModelLimits(max_model_len=1000, max_seqs=8, token_budget=8000), 0, 1.0, 4)
     s.offer(lane_job("b0", Priority.BATCH))
-    s.schedule(now=0.0)
-    for i in range(1, 6):  # a step every 10 ms: the estimate is 10 ms
-        s.update([out("b0", [5])], now=0.01 * i)
+    s.schedule()
     s.offer(lane_job("h0", Priority.HIGH))
-    assert s.schedule(now=0.05).alone == {"h0"}
-    s.update([out("h0", [5], FinishReason.STOP)], now=0.06)
+    assert s.schedule().alone == {"h0"}  # the first one: nothing to space it from
+    s.update([out("h0", [5], FinishReason.STOP)])  # its step alone: 1
+    s.update([out("b0", [5])])  # 2
     s.offer(lane_job("h1", Priority.HIGH))
-    assert s.schedule(now=0.065).alone == set()  # 1.5 steps after h0's: too soon
-    s.update([out("h1", [5], FinishReason.STOP), out("b0", [5])], now=0.07)
-    s.update([out("b0", [5])], now=0.08)
+    assert s.schedule().alone == set()  # two steps after h0's: the batch waited too recently
+    s.update([out("h1", [5], FinishReason.STOP), out("b0", [5])])  # 3
     s.offer(lane_job("h2", Priority.HIGH))
-    assert s.schedule(now=0.085).alone == set()  # 3.5 steps after h0's
-    s.update([out("h2", [5], FinishReason.STOP), out("b0", [5])], now=0.09)
+    assert s.schedule().alone == set()
+    # two steps delivered together (the worker was busy): b0 and h2 twice each
+    s.update([out("b0", [5]), out("h2", [5]), out("b0", [5]), out("h2", [5], FinishReason.STOP)])
     s.offer(lane_job("h3", Priority.HIGH))
-    assert s.schedule(now=0.095).alone == {"h3"}  # 4.5 steps: the batch had its 4
+    assert s.schedule().alone == {"h3"}  # 5 steps since h0's: the batch had its 4
     # off: never
     off = Scheduler[str](LIMITS, alone_every=0)
     off.offer(lane_job("b0", Priority.BATCH))
-    off.schedule(now=0.0)
+    off.schedule()
     off.offer(lane_job("h0", Priority.HIGH))
-    assert off.schedule(now=9.0).alone == set()
+    assert off.schedule().alone == set()
 
 
 def test_jobs_started_together_share_one_alone_step() -> None:
     s = Scheduler[str](LIMITS, claim_ahead=2, alone_every=8)
     s.offer(lane_job("b0", Priority.BATCH))
-    s.schedule(now=0.0)
+    s.schedule()
     s.offer(lane_job("h0", Priority.HIGH))
     s.offer(lane_job("n0", Priority.NORMAL))
-    assert s.schedule(now=1.0).alone == {"h0", "n0"}  # each outranks b0, the step is one
-
-
-def test_idle_time_is_not_a_step() -> None:
-    s = Scheduler[str](LIMITS, alone_every=2)
-    s.offer(lane_job("b0", Priority.BATCH))
-    s.schedule(now=0.0)
-    s.update([out("b0", [5])], now=0.01)
-    s.update([out("b0", [5], FinishReason.STOP)], now=0.02)  # idle from here
-    s.offer(lane_job("b1", Priority.BATCH))
-    s.schedule(now=100.0)
-    s.update([out("b1", [5])], now=100.01)  # the 100 s of idleness is no step
-    s.update([out("b1", [5])], now=100.02)
-    s.offer(lane_job("h0", Priority.HIGH))
-    assert s.schedule(now=100.05).alone == {"h0"}
+    assert s.schedule().alone == {"h0", "n0"}  # each outranks b0; the step is one

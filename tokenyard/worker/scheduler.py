@@ -7,12 +7,11 @@ running job: their first token is not held behind a full batch's step); `update(
 engine step outputs into token events, completions and failures and frees their capacity;
 `want()` says how many more jobs to claim, keeping a small claimed-but-not-started reserve so
 a freed slot never waits on a Redis round trip. The worker does all I/O; nothing here awaits,
-sleeps or reads a clock (the worker passes its time in).
+sleeps or reads a clock.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -152,13 +151,11 @@ class Scheduler(Generic[H]):
         self.limits = limits
         self.claim_ahead = max(0, claim_ahead)
         # A job that outranks every running one takes its first step alone (`Plan.alone`), at
-        # most once per `alone_every` steps' time: each such step holds the running sequences
-        # back one step, so they keep at least about alone_every/(alone_every+1) of the engine's
-        # steps, however many urgent jobs arrive. 0: never.
+        # most once per `alone_every` engine steps: each such step holds the running sequences
+        # back one step, so however many urgent jobs come they keep at least
+        # (alone_every - 1) / alone_every of the engine's steps. 0: never.
         self.alone_every = alone_every
-        self._alone_at = -math.inf  # when the last alone step was granted (the caller's clock)
-        self._step_s = 0.0  # moving average of the time between step outputs while jobs run
-        self._outputs_at: float | None = None  # the last step outputs', while jobs ran
+        self._steps_since_alone = alone_every  # engine steps since the last one granted
         # Batch-lane jobs held at once; the rest of the slots stay for interactive work, which
         # cannot overtake a running sequence. At least one: the batch lane is never starved.
         self.batch_slots = (
@@ -236,21 +233,19 @@ class Scheduler(Generic[H]):
         self._fresh.append(job)
 
     # -- scheduling ------------------------------------------------------------------------
-    def schedule(self, now: float = 0.0) -> Plan[H]:
+    def schedule(self) -> Plan[H]:
         """Move what fits from waiting to running, strictly by priority, then claim order.
 
         A started job of a priority higher than every job running before this pass goes in
         `plan.alone` (its first step runs without them), unless the last such step was granted
-        less than `alone_every` steps' time (`now` on `update`'s clock) ago.
+        fewer than `alone_every` engine steps ago (as `update` counted them).
         """
         plan: Plan[H] = Plan()
         # the highest lane running before this pass (lower is higher); None: nothing runs, and
         # the first step holds only what starts now anyway
         top = min(self._lanes) if self._lanes else None
         may_go_alone = (
-            top is not None
-            and self.alone_every > 0
-            and now - self._alone_at >= self.alone_every * self._step_s
+            top is not None and self.alone_every > 0 and self._steps_since_alone >= self.alone_every
         )
         while self._fresh:
             job = self._fresh.popleft()
@@ -283,9 +278,7 @@ class Scheduler(Generic[H]):
             if may_go_alone and top is not None and head.priority < top:
                 plan.alone.add(head.job_id)
         if plan.alone:
-            self._alone_at = now
-        if top is None and plan.start:
-            self._outputs_at = None  # the engine was idle: its first outputs time no step
+            self._steps_since_alone = 0
         return plan
 
     def _enqueue(self, job: Job[H]) -> None:
@@ -338,13 +331,12 @@ class Scheduler(Generic[H]):
         them, carried by one broker write. A finishing job's last step rides with its result.
         """
         update: Update[H] = Update()
-        if outputs:
-            # the step time `alone_every` counts in: the gaps between outputs while jobs run
-            # (a gap that spans several steps, the worker busy publishing, errs long: fewer
-            # alone steps, never more)
-            if self._outputs_at is not None:
-                self._step_s = moving_average(self._step_s, max(0.0, now - self._outputs_at))
-            self._outputs_at = now
+        # the engine steps these outputs span, which `alone_every` counts: a step has one output
+        # per sequence it ran, so steps delivered together repeat a sequence that many times
+        times: dict[str, int] = {}
+        for out in outputs:
+            times[out.seq_id] = times.get(out.seq_id, 0) + 1
+        self._steps_since_alone += max(times.values(), default=0)
         for out in outputs:
             job = self._running.get(out.seq_id)
             if job is None:
@@ -376,8 +368,6 @@ class Scheduler(Generic[H]):
                 job.embeddings = out.embeddings
                 # the last tokens ride with the completion: one write instead of two
                 update.finished.append((job, reason, chunk))
-        if not self._running:
-            self._outputs_at = None  # idle: the next gap would time the idleness, not a step
         return update
 
 

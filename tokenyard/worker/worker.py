@@ -423,7 +423,7 @@ class Worker:
         outcome = _Outcome()
         if self._draining.is_set():
             return outcome  # nothing new starts; the reserve is handed back
-        while plan := self.scheduler.schedule(time.monotonic()):
+        while plan := self.scheduler.schedule():
             self._carry_out(plan, outcome)
             if not outcome.freed:
                 break
