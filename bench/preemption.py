@@ -69,6 +69,7 @@ class Stages:
         self.preempt_s: list[float] = []  # queue.preempt round trips
         self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
         self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
+        self.alone: set[str] = set()  # high jobs whose first step the scheduler ran alone
         self._gc_at = 0.0
 
     def _collected(self, phase: str, _info: dict[str, int]) -> None:
@@ -121,6 +122,8 @@ class Stages:
 
         def added(request: EngineRequest) -> None:
             self.mark(request.seq_id, "added")
+            if request.alone and request.seq_id in self.marks:
+                self.alone.add(request.seq_id)
             add(request)
 
         def delivered(outs: list[StepOutput]) -> None:
@@ -156,7 +159,7 @@ class Stages:
             names = ["sent", *(name for name, _ in STAGES)]
             if all(name in marks for name in names):
                 rows.append([marks[b] - marks[a] for a, b in itertools.pairwise(names)])
-        out: dict[str, Any] = {"jobs": len(rows)}
+        out: dict[str, Any] = {"jobs": len(rows), "first_step_alone": len(self.alone)}
         for i, (name, what) in enumerate(STAGES):
             values = [row[i] * 1e3 for row in rows if row[i] == row[i]]
             out[name] = _ms(values) | {"what": what}

@@ -92,8 +92,8 @@ class Plan(Generic[H]):
     start: list[Job[H]] = field(default_factory=list)  # add to the engine now, in this order
     refused: list[tuple[Job[H], InvalidRequest]] = field(default_factory=list)  # fail at once
     done: list[Job[H]] = field(default_factory=list)  # an earlier delivery already finished it
-    # jobs of `start` whose first engine step runs alone (`EngineRequest.alone`): each outranks
-    # every job that ran before this pass (see `Scheduler.schedule`)
+    # jobs of `start` whose first engine step runs alone (`EngineRequest.alone`): those of the
+    # highest lane starting, above every job that ran before this pass (`Scheduler.schedule`)
     alone: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
@@ -236,17 +236,16 @@ class Scheduler(Generic[H]):
     def schedule(self) -> Plan[H]:
         """Move what fits from waiting to running, strictly by priority, then claim order.
 
-        A started job of a priority higher than every job running before this pass goes in
-        `plan.alone` (its first step runs without them), unless the last such step was granted
-        fewer than `alone_every` engine steps ago (as `update` counted them).
+        The started jobs of the highest lane starting go in `plan.alone` (their first step runs
+        without the others) when that lane is above every job running before this pass and
+        something of a lower lane runs beside them after it (else the step would be theirs
+        anyway), unless the last such step was granted fewer than `alone_every` engine steps
+        ago (as `update` counted them).
         """
         plan: Plan[H] = Plan()
-        # the highest lane running before this pass (lower is higher); None: nothing runs, and
-        # the first step holds only what starts now anyway
-        top = min(self._lanes) if self._lanes else None
-        may_go_alone = (
-            top is not None and self.alone_every > 0 and self._steps_since_alone >= self.alone_every
-        )
+        # the lanes running before this pass (lower is higher); a pass that refills an emptied
+        # engine may start a high job beside batch jobs, whose prefills it need not wait on
+        lanes_before = set(self._lanes)
         while self._fresh:
             job = self._fresh.popleft()
             if job.input_lengths is not None:
@@ -275,10 +274,12 @@ class Scheduler(Generic[H]):
             self._lanes[head.priority] += 1
             self._tokens_running += head.footprint
             plan.start.append(head)
-            if may_go_alone and top is not None and head.priority < top:
-                plan.alone.add(head.job_id)
-        if plan.alone:
-            self._steps_since_alone = 0
+        if plan.start and self.alone_every and self._steps_since_alone >= self.alone_every:
+            first = plan.start[0].priority  # the highest lane starting: `start` is in order
+            lowest = max(self._lanes)  # the lowest lane in the engine after this pass
+            if first < lowest and all(first < lane for lane in lanes_before):
+                plan.alone = {job.job_id for job in plan.start if job.priority == first}
+                self._steps_since_alone = 0
         return plan
 
     def _enqueue(self, job: Job[H]) -> None:
