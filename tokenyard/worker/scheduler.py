@@ -332,12 +332,13 @@ class Scheduler(Generic[H]):
         them, carried by one broker write. A finishing job's last step rides with its result.
         """
         update: Update[H] = Update()
-        # the engine steps these outputs span, which `alone_every` counts: a step has one output
-        # per sequence it ran, so steps delivered together repeat a sequence that many times
-        times: dict[str, int] = {}
-        for out in outputs:
-            times[out.seq_id] = times.get(out.seq_id, 0) + 1
-        self._steps_since_alone += max(times.values(), default=0)
+        if self._steps_since_alone < self.alone_every:
+            # the engine steps these outputs span, until the next alone step is due: a step has
+            # one output per sequence it ran, so steps delivered together repeat a sequence
+            times: dict[str, int] = {}
+            for out in outputs:
+                times[out.seq_id] = times.get(out.seq_id, 0) + 1
+            self._steps_since_alone += max(times.values(), default=0)
         for out in outputs:
             job = self._running.get(out.seq_id)
             if job is None:
