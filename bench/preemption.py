@@ -15,7 +15,7 @@ loaded/idle p99 ratio (goal <= 1.5), and the total tokens/s of the loaded runs, 
 path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
-        [--rounds 5] [--stages] [--stream-batch] [--quick]
+        [--rounds 5] [--alone-every 8] [--stages] [--stream-batch] [--quick]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import asyncio
 import gc
 import itertools
 import json
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -48,7 +49,7 @@ STAGES = (
     ("claimed", "to the worker's claim returning it (its wake-up)"),
     ("added", "claim to engine.add (preparing it, preempting a victim)"),
     ("step", "add to the start of its first engine step (the step in flight ends)"),
-    ("engine_out", "that step: its prefill and one decode of the batch"),
+    ("engine_out", "that step: its prefill and one decode (of it alone, or of the batch)"),
     ("loop_got", "engine delivery to the worker's output loop"),
     ("appended", "output loop to its token event written (the publish round trip)"),
     ("seen", "written to the reader's XREAD answering"),
@@ -68,6 +69,7 @@ class Stages:
         self.preempt_s: list[float] = []  # queue.preempt round trips
         self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
         self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
+        self.alone: set[str] = set()  # high jobs whose first step the scheduler ran alone
         self._gc_at = 0.0
 
     def _collected(self, phase: str, _info: dict[str, int]) -> None:
@@ -120,6 +122,8 @@ class Stages:
 
         def added(request: EngineRequest) -> None:
             self.mark(request.seq_id, "added")
+            if request.alone and request.seq_id in self.marks:
+                self.alone.add(request.seq_id)
             add(request)
 
         def delivered(outs: list[StepOutput]) -> None:
@@ -155,7 +159,7 @@ class Stages:
             names = ["sent", *(name for name, _ in STAGES)]
             if all(name in marks for name in names):
                 rows.append([marks[b] - marks[a] for a, b in itertools.pairwise(names)])
-        out: dict[str, Any] = {"jobs": len(rows)}
+        out: dict[str, Any] = {"jobs": len(rows), "first_step_alone": len(self.alone)}
         for i, (name, what) in enumerate(STAGES):
             values = [row[i] * 1e3 for row in rows if row[i] == row[i]]
             out[name] = _ms(values) | {"what": what}
@@ -246,6 +250,7 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             max_seqs=args.max_seqs,
             batch_share=1.0,  # the batch lane may take every slot: the load saturates
             preempt_lanes="normal,low,batch" if preempt else "",
+            alone_step_every=args.alone_every,
         ),
         freeze_heap=True,  # as `tokenyard worker` runs it (worker/run.py)
     )
@@ -360,12 +365,28 @@ def main() -> None:
         action="store_true",
         help="batch jobs write token events each step (the Batches API's do not)",
     )
+    parser.add_argument(
+        "--alone-every",
+        type=int,
+        default=WorkerSettings().alone_step_every,
+        help="the workers' alone_step_every: a high job's first step runs alone, at most once "
+        "per this many steps; 0: off (its prefill joins the batch's step)",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="what-if: sys.setswitchinterval for this process (the worker's engine thread and "
+        "event loop share the GIL; Python's default hands it over every 5 ms)",
+    )
     parser.add_argument("--stages", action="store_true", help="where the high jobs' time went")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.batch_tokens, args.high, args.max_seqs = 16, 120, 10, 4
         args.rounds = 1
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     with EmbeddedServer() as valkey:
         report = asyncio.run(run(valkey.url, args))
     print(json.dumps(report, indent=2))

@@ -276,6 +276,11 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # means every worker's slots are taken: then a full worker preempts for it. Polled this
     # often, only while this worker is full and runs something preemptible
     preempt_after_s: SecondsOrZero = 0.02
+    # a job that outranks every running one (a high job among batch work) takes its first engine
+    # step alone, the running sequences waiting that one step, so its first token is not held
+    # behind a full batch's step: at most once per this many engine steps (worker/scheduler.py,
+    # `Plan.alone`), so the batch keeps at least (n - 1) / n of the steps. 0: off
+    alone_step_every: NonNegative = 8
     heartbeat_s: Seconds = 2.0
     # a stats line (running, waiting, tokens/s, KV use) this often at INFO, as vLLM's; 0: off.
     # Logged at a heartbeat, so at most heartbeat_s late

@@ -244,6 +244,34 @@ async def test_a_higher_priority_prompt_is_prefilled_before_waiting_lower_ones(
         await eng.stop()
 
 
+async def test_an_alone_sequence_takes_its_first_pass_without_the_running_ones(
+    engine: HFEngine,
+) -> None:
+    tok = engine.tokenizer
+    passes: list[list[StepOutput]] = []
+    deliver = engine._deliver
+
+    def recorded(outputs: list[StepOutput]) -> None:
+        passes.append(outputs)
+        deliver(outputs)
+
+    engine._deliver = recorded  # type: ignore[method-assign]
+    for i in range(3):
+        engine.add(EngineRequest(f"r{i}", tok.encode(PROMPTS[i]), greedy(40)))
+    async with asyncio.timeout(60):
+        while len({o.seq_id for p in passes for o in p if o.token_ids}) < 3:
+            await asyncio.sleep(0.005)  # the three decode
+    high = tok.encode(PROMPTS[3])
+    engine.add(EngineRequest("h", high, greedy(6), priority=Priority.HIGH, alone=True))
+    res = await collect(engine, 4)
+    first = next(i for i, p in enumerate(passes) if any(o.seq_id == "h" for o in p))
+    assert [o.seq_id for o in passes[first]] == ["h"]  # the running ones sat that pass out
+    assert {o.seq_id for o in passes[first + 1]} == {"r0", "r1", "r2", "h"}  # then all go on
+    assert res["h"].token_ids == reference(engine, high, 6)
+    for i in range(3):  # and theirs are as if nothing happened
+        assert res[f"r{i}"].token_ids == reference(engine, tok.encode(PROMPTS[i]), 40)
+
+
 @pytest.mark.parametrize(
     "params",
     [greedy(30), SamplingParams(max_tokens=30, temperature=0.8, top_k=40, top_p=0.9, seed=5)],

@@ -273,3 +273,33 @@ def test_sim_tokenizer_roundtrip_and_factory() -> None:
     assert tok.eos_token_id == SimTokenizer.EOS
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("nope")
+
+
+async def test_an_alone_sequence_takes_its_first_step_without_the_others(
+    clock_engine: tuple[SimEngine, VirtualClock],
+) -> None:
+    engine, clock = clock_engine
+    steps: list[list[StepOutput]] = []
+    deliver = engine._deliver
+
+    def recorded(outputs: list[StepOutput]) -> None:
+        steps.append(outputs)
+        deliver(outputs)
+
+    engine._deliver = recorded  # type: ignore[method-assign]
+    await engine.start()
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for name in "abc":
+        engine.add(EngineRequest(name, [5] * 10, long))
+    async with asyncio.timeout(30):
+        while not any(out.token_ids for step in steps for out in step):
+            await asyncio.sleep(0.001)  # the three decode
+    engine.add(EngineRequest("h", [6] * 20, GREEDY, alone=True))
+    res = await collect(engine, 4)
+    first = next(i for i, step in enumerate(steps) if any(o.seq_id == "h" for o in step))
+    assert [o.seq_id for o in steps[first]] == ["h"]  # the others waited that one step
+    assert {o.seq_id for o in steps[first + 1]} == {"a", "b", "c", "h"}  # then all resume
+    # its step cost a prefill and a decode of one: the batch's decode is not in it
+    at = clock.sleeps.index(pytest.approx(A + B * 20))
+    assert clock.sleeps[at + 1] == pytest.approx(C + D)
+    assert [len(res[k].token_ids) for k in "abch"] == [200, 200, 200, 20]

@@ -305,3 +305,83 @@ def test_running_lanes_count_the_running_jobs_of_each_lane() -> None:
     assert dict(s.running_lanes()) == {Priority.NORMAL: 1, Priority.BATCH: 1}
     s.drain()
     assert dict(s.running_lanes()) == {}
+
+
+def lane_job(name: str, priority: Priority) -> Job[str]:
+    return Job(name, name, [1, 2], SamplingParams(max_tokens=4), 0.0, priority=priority)
+
+
+def steps(s: Scheduler[str], n: int) -> None:
+    """n engine steps of every running job, one delivery each."""
+    for _ in range(n):
+        s.update([out(job.job_id, [5]) for job in s.running_jobs()])
+
+
+def test_a_job_outranking_every_running_one_takes_its_first_step_alone() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=2, alone_every=8)
+    s.offer(lane_job("b0", Priority.BATCH))
+    assert s.schedule().alone == set()  # nothing runs beside it: its step is its own anyway
+    steps(s, 8)
+    s.offer(lane_job("h0", Priority.HIGH))
+    s.offer(lane_job("b1", Priority.BATCH))
+    plan = s.schedule()
+    assert names(plan.start) == ["h0", "b1"]
+    assert plan.alone == {"h0"}  # b1 outranks nothing; h0 outranks b0 (and b1)
+    s.update([out("h0", [5], FinishReason.STOP)])
+    steps(s, 8)
+    s.offer(lane_job("n0", Priority.NORMAL))
+    assert s.schedule().alone == {"n0"}  # any lane above every running one
+    steps(s, 8)
+    s.offer(lane_job("n1", Priority.NORMAL))  # only equal to n0, the highest running: no
+    assert s.schedule().alone == set()
+
+
+def test_a_high_job_refilling_an_emptied_engine_goes_before_the_batch_it_starts_with() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=4, alone_every=8)
+    for name in ("b0", "b1", "b2"):
+        s.offer(lane_job(name, Priority.BATCH))
+    s.offer(lane_job("h0", Priority.HIGH))
+    plan = s.schedule()  # an empty engine: all start in one pass
+    assert names(plan.start) == ["h0", "b0", "b1", "b2"]
+    assert plan.alone == {"h0"}  # its first token need not wait on three prefills
+    alone = Scheduler[str](LIMITS, alone_every=8)
+    alone.offer(lane_job("h0", Priority.HIGH))
+    alone.offer(lane_job("h1", Priority.HIGH))
+    assert alone.schedule().alone == set()  # nothing lower beside them
+
+
+def test_alone_steps_are_spaced_by_alone_every_engine_steps() -> None:
+    s = Scheduler[str](ModelLimits(max_model_len=1000, max_seqs=8, token_budget=8000), 0, 1.0, 4)
+    s.offer(lane_job("b0", Priority.BATCH))
+    s.schedule()
+    s.offer(lane_job("h0", Priority.HIGH))
+    assert s.schedule().alone == {"h0"}  # the first one: nothing to space it from
+    s.update([out("h0", [5], FinishReason.STOP)])  # its step alone: 1
+    s.update([out("b0", [5])])  # 2
+    s.offer(lane_job("h1", Priority.HIGH))
+    assert s.schedule().alone == set()  # two steps after h0's: the batch waited too recently
+    s.update([out("h1", [5], FinishReason.STOP), out("b0", [5])])  # 3
+    s.offer(lane_job("h2", Priority.HIGH))
+    assert s.schedule().alone == set()
+    # two steps delivered together (the worker was busy): b0 and h2 twice each
+    s.update([out("b0", [5]), out("h2", [5]), out("b0", [5]), out("h2", [5], FinishReason.STOP)])
+    s.offer(lane_job("h3", Priority.HIGH))
+    assert s.schedule().alone == {"h3"}  # 5 steps since h0's: the batch had its 4
+    # off: never
+    off = Scheduler[str](LIMITS, alone_every=0)
+    off.offer(lane_job("b0", Priority.BATCH))
+    off.schedule()
+    off.offer(lane_job("h0", Priority.HIGH))
+    assert off.schedule().alone == set()
+
+
+def test_only_the_highest_lane_starting_goes_alone_and_shares_one_step() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=2, alone_every=8)
+    s.offer(lane_job("b0", Priority.BATCH))
+    s.schedule()
+    s.offer(lane_job("h0", Priority.HIGH))
+    s.offer(lane_job("n0", Priority.NORMAL))
+    s.offer(lane_job("h1", Priority.HIGH))
+    plan = s.schedule()
+    assert names(plan.start) == ["h0", "h1", "n0"]
+    assert plan.alone == {"h0", "h1"}  # one step for the two; n0 joins the batch's

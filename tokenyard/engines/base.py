@@ -53,6 +53,12 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     # the engine was not given it (`--lora`); engines without adapters refuse it
     adapter: str | None = None
     adapter_path: str = ""
+    # its first step runs alone: without the sequences already running, which wait out that one
+    # step (the worker's scheduler asks it for a job that outranks every running one, so its
+    # first token does not wait on a full batch's step: `Plan.alone`). Engines that step a batch
+    # of their own (sim, hf) honour it; those whose runtime schedules (vllm, remote: priority
+    # orders their queue) and hf-static (a batch runs to its end) ignore it
+    alone: bool = False
 
 
 class EngineCapacity(msgspec.Struct, frozen=True):
@@ -352,6 +358,7 @@ class EngineSeq:
     decoder: SequenceDecoder
     noise_seed: int | None
     cached_tokens: int | None = None  # of its prompt, in the engine's prefix cache (if known)
+    alone: bool = False  # its first step runs without the others (`EngineRequest.alone`)
 
     @property
     def reserved(self) -> int:
@@ -407,6 +414,7 @@ def open_seq(
         params=params,
         decoder=decoder,
         noise_seed=noise_seed,
+        alone=request.alone,
         **extra,
     )
 

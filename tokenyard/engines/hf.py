@@ -771,6 +771,7 @@ class HFEngine(HFEngineBase):
             processor = create()
             self._isolate_salted(processor.cache)
             self._prefill_by_priority(processor.scheduler)
+            self._alone_first(processor.scheduler)
             return processor
 
         manager._create_batch_processor = create_isolating  # type: ignore[method-assign]
@@ -878,6 +879,48 @@ class HFEngine(HFEngineBase):
 
         scheduler.add_waiting_request = add_waiting_request
         scheduler._tokenyard_by_priority = True
+
+    def _alone_first(self, scheduler: Any) -> None:
+        """A pass that starts an `alone` sequence (`EngineRequest.alone`) holds only those:
+        transformers' schedulers put every decoding request in each pass before any prefill, so
+        while an alone request waits its pass is scheduled with the running requests hidden
+        (they wait that one pass out, as tokenyard's scheduler asked), then they come back.
+        On the manager's thread, which alone reads these lists. (A transformers internal, as
+        `_prefill_by_priority` patches.)"""
+        if getattr(scheduler, "_tokenyard_alone", False):
+            return
+        schedule = scheduler.schedule_batch
+
+        def waiting_alone(request_id: str) -> bool:
+            seq = self._by_internal.get(request_id)  # a dict read, as `_rank`
+            return seq is not None and seq.alone
+
+        def schedule_batch(token_budget: int, cache_budget: int) -> Any:
+            order = scheduler.waiting_requests_order
+            alone = [rid for rid in order if waiting_alone(rid)]
+            if not alone or scheduler.block_new_requests:
+                return schedule(token_budget, cache_budget)
+            active = scheduler.active_requests
+            scheduler.active_requests = {}
+            scheduler.waiting_requests_order = type(order)(alone)
+            try:
+                return schedule(token_budget, cache_budget)
+            finally:
+                # what began its prefill joined the new dict: back into the running set
+                active.update(scheduler.active_requests)
+                scheduler.active_requests = active
+                still = set(scheduler.waiting_requests_order)  # alone ones that did not fit
+                asked = set(alone)
+                scheduler.waiting_requests_order = type(order)(
+                    rid for rid in order if rid in still or rid not in asked
+                )
+                for rid in alone:
+                    seq = self._by_internal.get(rid)
+                    if seq is not None and rid not in still:
+                        seq.alone = False  # its first pass is scheduled: it runs as any other
+
+        scheduler.schedule_batch = schedule_batch
+        scheduler._tokenyard_alone = True
 
     def _warm_up(self, manager: ContinuousBatchingManager) -> None:
         """One short request through the whole path: first-step allocations and the smallest

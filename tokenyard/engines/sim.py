@@ -412,6 +412,9 @@ class PrefixCache:
 class SimEngine(LocalEngine[_SimSeq]):
     """Prefill costs a + b·prompt_tokens, a decode step c + d·batch; tokens hash prompt+position.
 
+    A step that starts a sequence added `alone` (`EngineRequest.alone`) steps only such
+    sequences: its prefill and a decode of a batch of one, while the others wait.
+
     With `prefix_cache_tokens` > 0 the engine keeps an LRU prefix cache of that many tokens and a
     cached leading run of blocks costs nothing to prefill (prefix affinity's engine).
 
@@ -506,6 +509,9 @@ class SimEngine(LocalEngine[_SimSeq]):
                 if self._closed:
                     return
                 batch = list(self._seqs.values())
+                # a step that starts an `alone` sequence runs only those: the others wait it out
+                alone = [s for s in batch if s.alone and not s.prefilled]
+                batch = alone or batch
                 started = [s for s in batch if not s.prefilled]
                 for s in started:
                     s.prefilled = True

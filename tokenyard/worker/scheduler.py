@@ -2,10 +2,12 @@
 
 It owns the slot count and the token budget. Claimed jobs are *offered*; `schedule()` says
 which start now, which are refused (and why) and which were already finished by an earlier
-delivery; `update()` turns engine step outputs into token events, completions and failures
-and frees their capacity; `want()` says how many more jobs to claim, keeping a small
-claimed-but-not-started reserve so a freed slot never waits on a Redis round trip.
-The worker does all I/O; nothing here awaits, sleeps or reads a clock.
+delivery, and which of those starting take their first engine step alone (they outrank every
+running job: their first token is not held behind a full batch's step); `update()` turns
+engine step outputs into token events, completions and failures and frees their capacity;
+`want()` says how many more jobs to claim, keeping a small claimed-but-not-started reserve so
+a freed slot never waits on a Redis round trip. The worker does all I/O; nothing here awaits,
+sleeps or reads a clock.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class Plan(Generic[H]):
     start: list[Job[H]] = field(default_factory=list)  # add to the engine now, in this order
     refused: list[tuple[Job[H], InvalidRequest]] = field(default_factory=list)  # fail at once
     done: list[Job[H]] = field(default_factory=list)  # an earlier delivery already finished it
+    # jobs of `start` whose first engine step runs alone (`EngineRequest.alone`): those of the
+    # highest lane starting, above every job that ran before this pass (`Scheduler.schedule`)
+    alone: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
         return bool(self.start or self.refused or self.done)
@@ -130,13 +135,27 @@ def moving_average(previous: float, sample: float, weight: float = 0.2) -> float
 class Scheduler(Generic[H]):
     """Decides what runs on one engine; see the module docstring for the protocol."""
 
-    def __init__(self, limits: ModelLimits, claim_ahead: int = 0, batch_share: float = 1.0) -> None:
+    def __init__(
+        self,
+        limits: ModelLimits,
+        claim_ahead: int = 0,
+        batch_share: float = 1.0,
+        alone_every: int = 0,
+    ) -> None:
         if limits.max_seqs < 1 or limits.token_budget < 1 or limits.max_model_len < 2:
             raise ValueError(f"unusable limits {limits}")
         if not 0.0 < batch_share <= 1.0:
             raise ValueError(f"batch_share must be in (0, 1], not {batch_share}")
+        if alone_every < 0:
+            raise ValueError(f"alone_every must be >= 0, not {alone_every}")
         self.limits = limits
         self.claim_ahead = max(0, claim_ahead)
+        # A job that outranks every running one takes its first step alone (`Plan.alone`), at
+        # most once per `alone_every` engine steps: each such step holds the running sequences
+        # back one step, so however many urgent jobs come they keep at least
+        # (alone_every - 1) / alone_every of the engine's steps. 0: never.
+        self.alone_every = alone_every
+        self._steps_since_alone = alone_every  # engine steps since the last one granted
         # Batch-lane jobs held at once; the rest of the slots stay for interactive work, which
         # cannot overtake a running sequence. At least one: the batch lane is never starved.
         self.batch_slots = (
@@ -215,8 +234,18 @@ class Scheduler(Generic[H]):
 
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> Plan[H]:
-        """Move what fits from waiting to running, strictly by priority, then claim order."""
+        """Move what fits from waiting to running, strictly by priority, then claim order.
+
+        The started jobs of the highest lane starting go in `plan.alone` (their first step runs
+        without the others) when that lane is above every job running before this pass and
+        something of a lower lane runs beside them after it (else the step would be theirs
+        anyway), unless the last such step was granted fewer than `alone_every` engine steps
+        ago (as `update` counted them).
+        """
         plan: Plan[H] = Plan()
+        # the lanes running before this pass (lower is higher); a pass that refills an emptied
+        # engine may start a high job beside batch jobs, whose prefills it need not wait on
+        lanes_before = set(self._lanes)
         while self._fresh:
             job = self._fresh.popleft()
             if job.input_lengths is not None:
@@ -245,6 +274,12 @@ class Scheduler(Generic[H]):
             self._lanes[head.priority] += 1
             self._tokens_running += head.footprint
             plan.start.append(head)
+        if plan.start and self.alone_every and self._steps_since_alone >= self.alone_every:
+            first = plan.start[0].priority  # the highest lane starting: `start` is in order
+            lowest = max(self._lanes)  # the lowest lane in the engine after this pass
+            if first < lowest and all(first < lane for lane in lanes_before):
+                plan.alone = {job.job_id for job in plan.start if job.priority == first}
+                self._steps_since_alone = 0
         return plan
 
     def _enqueue(self, job: Job[H]) -> None:
@@ -297,6 +332,13 @@ class Scheduler(Generic[H]):
         them, carried by one broker write. A finishing job's last step rides with its result.
         """
         update: Update[H] = Update()
+        if self._steps_since_alone < self.alone_every:
+            # the engine steps these outputs span, until the next alone step is due: a step has
+            # one output per sequence it ran, so steps delivered together repeat a sequence
+            times: dict[str, int] = {}
+            for out in outputs:
+                times[out.seq_id] = times.get(out.seq_id, 0) + 1
+            self._steps_since_alone += max(times.values(), default=0)
         for out in outputs:
             job = self._running.get(out.seq_id)
             if job is None:

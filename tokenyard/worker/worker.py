@@ -203,7 +203,9 @@ class Worker:
         claim_ahead = self.settings.claim_ahead
         if claim_ahead is None:
             claim_ahead = max(1, self.limits.max_seqs // 8)
-        return Scheduler(self.limits, claim_ahead, self.settings.batch_share)
+        return Scheduler(
+            self.limits, claim_ahead, self.settings.batch_share, self.settings.alone_step_every
+        )
 
     async def _announce_adapters(self) -> None:
         """Put this worker's `--lora` adapters in the broker's directory, under its model:
@@ -451,6 +453,7 @@ class Worker:
                 job.pooling,
                 spec.adapter or None,
                 spec.adapter_path,
+                job.job_id in plan.alone,
             )
             try:
                 if spec.adapter and not self.engine.runs_adapters:
