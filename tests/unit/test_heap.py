@@ -101,6 +101,7 @@ def test_retained_freed_memory_is_reused_without_page_faults() -> None:
     """With glibc's defaults a thread's freed buffers go back to the system and fault in again
     page by page when next taken; kept (`retain_freed_memory`), they are reused as they are.
     In a process of its own: the setting is process-wide."""
+
     def faults(mode: str) -> int:
         run = subprocess.run(
             [sys.executable, "-c", FAULTS, mode],
