@@ -20,7 +20,6 @@ from tokenyard.metrics import AuditLogMetrics, WorkerMetrics
 from tokenyard.worker.worker import Worker
 
 log = logging.getLogger(__name__)
-SWITCH_INTERVAL_S = 0.001
 
 
 async def run_worker(backend: Backend, worker: Worker) -> None:
@@ -55,11 +54,6 @@ async def serve_worker(
     settings = with_local_model(settings)
     # the worker owns its process: its engine's freed buffers are kept for the next step
     heap.retain_freed_memory()
-    # The event loop gives up the GIL at every socket call and waits to get it back while the
-    # engine's thread runs Python (batch assembly, detokenizing): up to the switch interval,
-    # 5 ms by default, per broker write, claim and step delivery. Asked back sooner, it answers
-    # sooner; the engine's thread is interrupted no more often (once per wait, either way).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = WorkerMetrics(settings.served_model_name[0])
     if settings.metrics_port:
         from prometheus_client import start_http_server
