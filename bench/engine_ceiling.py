@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import proc_cpu_s
+from tokenyard import heap
 from tokenyard.bench.client import Endpoint, RequestOptions
 from tokenyard.bench.report import level_report
 from tokenyard.bench.runner import BenchSettings, Load, run_level
@@ -325,6 +326,9 @@ def _run_mean(
 
 
 async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
+    # the offline runs get the worker's process settings: its malloc tuning (tokenyard.heap)
+    # and its torch threads
+    heap.retain_freed_memory()
     if opts.threads:
         import torch
 

@@ -3,11 +3,14 @@ processes (tests, notebooks) are left alone."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import textwrap
 import uuid
 from pathlib import Path
+
+import pytest
 
 from tokenyard.broker.redis.embedded import EmbeddedServer
 
@@ -67,3 +70,50 @@ def test_worker_and_gateway_freeze_their_heap_only_when_they_own_the_process(
     assert worker_off == 0 and gateway_off == 0
     # everything the process had built by then: modules, the app, the engine
     assert worker_on > 10_000 and gateway_on > 10_000
+
+
+FAULTS = textwrap.dedent(
+    """
+    import resource, sys, threading
+    from tokenyard import heap
+
+    if sys.argv[1] == "retain":
+        assert heap.retain_freed_memory()
+    faults = []
+
+    def steps() -> None:  # an engine thread's steps: buffers taken, then freed, again and again
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(50):
+            buffers = [bytearray(4 << 20) for _ in range(4)]
+            del buffers
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    thread = threading.Thread(target=steps)
+    thread.start()
+    thread.join()
+    print(faults[0])
+    """
+)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_retained_freed_memory_is_reused_without_page_faults() -> None:
+    """With glibc's defaults a thread's freed buffers go back to the system and fault in again
+    page by page when next taken; kept (`retain_freed_memory`), they are reused as they are.
+    In a process of its own: the setting is process-wide."""
+
+    def faults(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", FAULTS, mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout)
+
+    default, retained = faults("default"), faults("retain")
+    # 200 buffers of 4 MiB: ~200k faults of 4 KiB pages by default, a few thousand kept
+    assert default > 50_000
+    assert retained < default // 10

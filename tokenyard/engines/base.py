@@ -243,6 +243,12 @@ class Engine(abc.ABC):
     def stats(self) -> EngineStats:
         """A snapshot of the step counters."""
 
+    def counters(self) -> EngineStats:
+        """The step counters (steps, sequences stepped, tokens), as cheaply as the engine can
+        give them: the worker folds them into its metrics after every delivery. Gauges that
+        take work to read (KV use, running) may be stale or absent; `stats` has them."""
+        return self.stats()
+
     def limits(self) -> ModelLimits:
         """What one request may ask of this engine; workers publish it in their heartbeat."""
         return ModelLimits(
@@ -477,6 +483,13 @@ class ChannelEngine(Engine):
             return msgspec.structs.replace(
                 self._stats, running=len(self._ledger), reserved_tokens=self._ledger.reserved
             )
+
+    def counters(self) -> EngineStats:
+        # Without the lock: the engine's thread holds it through a whole step's outputs, and a
+        # worker waiting on it after every delivery then waits for the GIL as well. The copy is
+        # one C call under the GIL; a step's counters half updated by then (steps before
+        # sequences stepped) come in with the next delivery, so the sums stay exact.
+        return msgspec.structs.replace(self._stats)
 
 
 class LocalEngine(ChannelEngine, Generic[S]):

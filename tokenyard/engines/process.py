@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from tokenyard import limits
+from tokenyard import heap, limits
 from tokenyard.engines.base import (
     ChannelEngine,
     Engine,
@@ -387,6 +387,7 @@ def _child_main(conn: Connection) -> None:
         return
     if not isinstance(msg, _Init):
         return
+    heap.retain_freed_memory()  # this process is the engine's own (see `tokenyard.heap`)
     asyncio.run(_serve(conn, msg))
 
 

@@ -10,7 +10,7 @@ import sys
 
 import msgspec
 
-from tokenyard import tracing
+from tokenyard import heap, tracing
 from tokenyard.broker import Backend, connect
 from tokenyard.config import BrokerSettings, WorkerSettings
 from tokenyard.engines import build_engine
@@ -52,6 +52,8 @@ async def serve_worker(
     """A worker as configured: its broker and engine built from settings, its metrics on
     `metrics_port` when set, its traces exported when OTEL_* asks for them."""
     settings = with_local_model(settings)
+    # the worker owns its process: its engine's freed buffers are kept for the next step
+    heap.retain_freed_memory()
     metrics = WorkerMetrics(settings.served_model_name[0])
     if settings.metrics_port:
         from prometheus_client import start_http_server

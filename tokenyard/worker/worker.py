@@ -84,6 +84,7 @@ _PREEMPTED_KEPT = 10_000  # jobs whose preemptions by this worker it remembers
 # items: past it they are given up and their jobs come back by lease, as a crash would leave them.
 MAX_UNSENT = 100_000
 _RESEND_S = (0.05, 0.5)  # first and longest wait between tries to send kept writes
+_SHORT_PAUSE_S = 0.1  # a periodic task's pause this short is a plain sleep, not a wait on stop
 
 Finishing = tuple[Job[Lease], FinishReason, TokenChunk | None]
 
@@ -630,7 +631,7 @@ class Worker:
             except EngineClosed:
                 return
             waited = time.monotonic() - waited
-            self.metrics.engine_delivered(self.engine.stats(), waited if busy else None)
+            self.metrics.engine_delivered(self.engine.counters(), waited if busy else None)
             if self._dropped_runs:
                 outputs = self._not_dropped(outputs)
             now = time.monotonic()
@@ -667,8 +668,14 @@ class Worker:
             return
         period = max(0.005, self.settings.preempt_after_s / 2)
         while not self._stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), period)
+            if period <= _SHORT_PAUSE_S:
+                # a plain sleep (ends within a period of a stop anyway): a wait_for on the stop
+                # event 100 times a second cost a task, a timer and a cancel each time, on the
+                # loop that the engine's thread shares the GIL with
+                await asyncio.sleep(period)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), period)
             if self._stopping.is_set() or self._draining.is_set() or self._preempting:
                 continue
             try:
