@@ -7,11 +7,29 @@ backend's own idempotency and collapsing rule.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from tokenyard.broker.redis.scripts import Empty, ScriptSpec
 
 PACKAGE = "tokenyard.broker.amqp"
+
+_K = TypeVar("_K", bound=tuple[Any, ...])
+_A = TypeVar("_A", bound=tuple[Any, ...])
+_IK = TypeVar("_IK", bound=tuple[Any, ...])
+_IA = TypeVar("_IA", bound=tuple[Any, ...])
+
+
+def _script(
+    name: str,
+    keys: type[_K],
+    args: type[_A],
+    item_keys: type[_IK],
+    item_args: type[_IA],
+    libraries: tuple[str, ...] = (),
+) -> ScriptSpec[_K, _A, _IK, _IA]:
+    """One of this package's scripts: its body is lua/<name>.lua here, its libraries this
+    package's lua/lib/ or else the Redis backend's."""
+    return ScriptSpec(name, keys, args, item_keys, item_args, libraries, package=PACKAGE)
 
 
 class JobKeys(NamedTuple):
@@ -43,9 +61,7 @@ class AdmitItemArgs(NamedTuple):
     affw: str  # that worker's held set in its lane ('' none)
 
 
-ADMIT = ScriptSpec(
-    "admit", Empty, AdmitArgs, JobKeys, AdmitItemArgs, libraries=("admit",), package=PACKAGE
-)
+ADMIT = _script("admit", Empty, AdmitArgs, JobKeys, AdmitItemArgs, libraries=("admit",))
 
 
 class WithdrawArgs(NamedTuple):
@@ -63,7 +79,7 @@ class WithdrawItemArgs(NamedTuple):
     made_at: str
 
 
-WITHDRAW = ScriptSpec("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs, package=PACKAGE)
+WITHDRAW = _script("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs)
 
 
 class EndKeys(NamedTuple):
@@ -115,14 +131,8 @@ class TakeItemArgs(NamedTuple):
     affw_prefix: str  # the lane's per-worker held sets; the worker's name is appended
 
 
-TAKE = ScriptSpec(
-    "take",
-    TakeKeys,
-    TakeArgs,
-    LeaseItemKeys,
-    TakeItemArgs,
-    libraries=("ends", "affinity"),
-    package=PACKAGE,
+TAKE = _script(
+    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends", "affinity")
 )
 
 
@@ -137,15 +147,7 @@ class EmitItemArgs(NamedTuple):
     event: bytes
 
 
-EMIT = ScriptSpec(
-    "emit",
-    Empty,
-    Empty,
-    EventKeys,
-    EmitItemArgs,
-    libraries=("holds", "events"),
-    package=PACKAGE,
-)
+EMIT = _script("emit", Empty, Empty, EventKeys, EmitItemArgs, libraries=("holds", "events"))
 
 
 class RenewItemKeys(NamedTuple):
@@ -163,15 +165,7 @@ class HolderItemArgs(NamedTuple):
     job_id: str
 
 
-RENEW = ScriptSpec(
-    "renew",
-    Empty,
-    DeadlineArg,
-    RenewItemKeys,
-    HolderItemArgs,
-    libraries=("holds",),
-    package=PACKAGE,
-)
+RENEW = _script("renew", Empty, DeadlineArg, RenewItemKeys, HolderItemArgs, libraries=("holds",))
 
 
 class CompleteKeys(NamedTuple):
@@ -199,14 +193,8 @@ class CompleteItemArgs(NamedTuple):
     tail: bytes
 
 
-COMPLETE = ScriptSpec(
-    "complete",
-    CompleteKeys,
-    CompleteArgs,
-    CompleteItemKeys,
-    CompleteItemArgs,
-    libraries=("ends",),
-    package=PACKAGE,
+COMPLETE = _script(
+    "complete", CompleteKeys, CompleteArgs, CompleteItemKeys, CompleteItemArgs, libraries=("ends",)
 )
 
 
@@ -240,14 +228,13 @@ class RequeueItemArgs(NamedTuple):
     due_at: str
 
 
-REQUEUE = ScriptSpec(
+REQUEUE = _script(
     "requeue",
     RequeueKeys,
     RequeueArgs,
     RequeueItemKeys,
     RequeueItemArgs,
     libraries=("holds", "ends"),
-    package=PACKAGE,
 )
 
 
@@ -272,14 +259,8 @@ class BuryItemArgs(NamedTuple):
     cancelled: bytes
 
 
-BURY = ScriptSpec(
-    "bury",
-    EndKeys,
-    CompleteArgs,
-    BuryItemKeys,
-    BuryItemArgs,
-    libraries=("holds", "ends"),
-    package=PACKAGE,
+BURY = _script(
+    "bury", EndKeys, CompleteArgs, BuryItemKeys, BuryItemArgs, libraries=("holds", "ends")
 )
 
 
@@ -298,7 +279,7 @@ class ExpiredArgs(NamedTuple):
     expired: str  # "1": leases past their deadline too; "0": lapsed workers' only
 
 
-EXPIRED = ScriptSpec("expired", LiveKey, ExpiredArgs, LeasesKey, Empty, package=PACKAGE)
+EXPIRED = _script("expired", LiveKey, ExpiredArgs, LeasesKey, Empty)
 
 SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     ADMIT,
