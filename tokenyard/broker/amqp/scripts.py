@@ -49,7 +49,7 @@ class AdmitArgs(NamedTuple):
 
 
 class AdmitItemArgs(NamedTuple):
-    job_id: str
+    job_id: str  # job_id .. use_inflight: an `Admission` (redis/scripts.py)
     spec: bytes
     deadline: str
     use_idem: str

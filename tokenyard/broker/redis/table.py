@@ -192,6 +192,17 @@ class ValkeyJobTable(JobTable):
             inflight = self.keys.inflight(spec.model, spec.collapse_key)
         return job, idem, inflight
 
+    @staticmethod
+    def admission(spec: JobSpec) -> scripts.Admission:
+        """The job as every admitting script's item starts (enqueue.lua, amqp/lua/admit.lua)."""
+        return scripts.Admission(
+            job_id=spec.id,
+            spec=encode(spec),
+            deadline="" if spec.deadline is None else repr(spec.deadline),
+            use_idem="1" if spec.idempotency_key else "0",
+            use_inflight="1" if spec.collapse_key else "0",
+        )
+
     # -- endings ---------------------------------------------------------------------------
     async def complete_many(
         self,
