@@ -250,9 +250,7 @@ class Ledger(OnTable):
                 )
             )
         return scripts.COMPLETE.call(
-            scripts.CompleteKeys(
-                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
-            ),
+            self.table.completion_keys(model),
             scripts.CompleteArgs(now=now, ttl_ms=self.table.ttl_ms),
             items,
         )

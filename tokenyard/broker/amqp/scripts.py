@@ -7,29 +7,16 @@ backend's own idempotency and collapsing rule.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeVar
+import functools
+from typing import Any, NamedTuple
 
-from tokenyard.broker.redis.scripts import Empty, ScriptSpec
+# the complete scripts of both lane kinds write the same model keys (lua/lib/ends.lua)
+from tokenyard.broker.redis.scripts import CompleteKeys, Empty, ScriptSpec
 
 PACKAGE = "tokenyard.broker.amqp"
-
-_K = TypeVar("_K", bound=tuple[Any, ...])
-_A = TypeVar("_A", bound=tuple[Any, ...])
-_IK = TypeVar("_IK", bound=tuple[Any, ...])
-_IA = TypeVar("_IA", bound=tuple[Any, ...])
-
-
-def _script(
-    name: str,
-    keys: type[_K],
-    args: type[_A],
-    item_keys: type[_IK],
-    item_args: type[_IA],
-    libraries: tuple[str, ...] = (),
-) -> ScriptSpec[_K, _A, _IK, _IA]:
-    """One of this package's scripts: its body is lua/<name>.lua here, its libraries this
-    package's lua/lib/ or else the Redis backend's."""
-    return ScriptSpec(name, keys, args, item_keys, item_args, libraries, package=PACKAGE)
+# a script of this package: its body is lua/<name>.lua here, its libraries this package's
+# lua/lib/ or else the Redis backend's
+_script = functools.partial(ScriptSpec, package=PACKAGE)
 
 
 class JobKeys(NamedTuple):
@@ -166,11 +153,6 @@ class HolderItemArgs(NamedTuple):
 
 
 RENEW = _script("renew", Empty, DeadlineArg, RenewItemKeys, HolderItemArgs, libraries=("holds",))
-
-
-class CompleteKeys(NamedTuple):
-    cancels: str
-    counters: str
 
 
 class CompleteItemKeys(NamedTuple):

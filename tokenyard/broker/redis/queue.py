@@ -316,9 +316,7 @@ class RedisQueue(LanesOnTable):
     ) -> Call:
         """The fenced completion of one model's jobs (complete.lua)."""
         return scripts.COMPLETE.call(
-            scripts.CompleteKeys(
-                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
-            ),
+            self.table.completion_keys(model),
             scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self.table.ttl_ms),
             [
                 (

@@ -204,6 +204,12 @@ class ValkeyJobTable(JobTable):
         )
 
     # -- endings ---------------------------------------------------------------------------
+    def completion_keys(self, model: str) -> scripts.CompleteKeys:
+        """The model's keys both lane kinds' complete scripts write (lua/lib/ends.lua)."""
+        return scripts.CompleteKeys(
+            cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+        )
+
     async def complete_many(
         self,
         items: Sequence[tuple[Lease, JobResult]],
