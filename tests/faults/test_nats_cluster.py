@@ -170,7 +170,7 @@ async def run_load(
     streams = {
         "records": Names.kv_stream(names.jobs_bucket),
         "lane": names.lane_stream(MODEL, Priority.NORMAL, 0),
-        "events": names.events_stream,
+        "events": names.events.stream,
     }
     conn = cast(NatsConnection, broker.connection)
     third = JOBS // len(streams)

@@ -17,11 +17,11 @@ passed in.
 from __future__ import annotations
 
 import enum
-from typing import Protocol
 
 import msgspec
 
 from tokenyard.broker.outcomes import cancelled_result, dead_result, expired_result
+from tokenyard.config import BrokerSettings
 from tokenyard.messages import JobResult, JobStatus
 
 
@@ -46,22 +46,13 @@ class Rules(msgspec.Struct, frozen=True):
     max_preemptions: int = 3  # times a job may be preempted (then it runs to its end)
 
     @classmethod
-    def of(cls, settings: RulesSource) -> Rules:
-        """The rules a backend's settings (config.BrokerSettings) name."""
+    def of(cls, settings: BrokerSettings) -> Rules:
+        """The rules a backend's settings name."""
         return cls(
             lease_s=settings.lease_s,
             max_deliveries=settings.max_deliveries,
             max_preemptions=settings.max_preemptions,
         )
-
-
-class RulesSource(Protocol):
-    @property
-    def lease_s(self) -> float: ...
-    @property
-    def max_deliveries(self) -> int: ...
-    @property
-    def max_preemptions(self) -> int: ...
 
 
 class JobState(msgspec.Struct, kw_only=True):

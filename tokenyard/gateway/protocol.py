@@ -364,17 +364,26 @@ TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
-class ChatCompletionRequest(_Common):
+class ChatTemplateInput(Request):
+    """What a chat template renders, as vLLM's chat requests take it (a chat completion, and
+    /tokenize with messages: its prompt is the chat completion's): the messages, the tools,
+    the template's switches and variables, and a request's own template (see the gateway's
+    trust_request_chat_template). Each request refuses both switches set in vLLM's words for
+    its endpoint."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    # vLLM's chat template switches (a request's own template: see the gateway's
-    # trust_request_chat_template)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+# bases last to first lay out the fields: the common ones lead, then the template's input
+class ChatCompletionRequest(ChatTemplateInput, _Common):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -382,10 +391,10 @@ class ChatCompletionRequest(_Common):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # reasoning models: the effort and any other variable reach the chat template (vLLM's
-    # fields); the answer's reasoning is split off by the gateway's reasoning parser
+    # reasoning models: the effort reaches the chat template as a variable, beside
+    # chat_template_kwargs (vLLM's field); the answer's reasoning is split off by the gateway's
+    # reasoning parser
     reasoning_effort: ReasoningEffort | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     modalities: list[str] | None = None
     audio: Any = None

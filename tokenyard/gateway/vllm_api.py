@@ -16,7 +16,7 @@ from tokenyard.errors import InvalidRequest
 from tokenyard.gateway.errors import unsupported
 from tokenyard.gateway.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
+    ChatTemplateInput,
     Deadline,
     NonEmptyStr,
     Request,
@@ -66,18 +66,12 @@ class TokenizeCompletionRequest(_Tokenize):
         self.refuse_unknown()
 
 
-class TokenizeChatRequest(_Tokenize):
+class TokenizeChatRequest(ChatTemplateInput, _Tokenize):
     """POST /tokenize with messages: the chat template's prompt, tokenized."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
 
     def refuse_unsupported(self) -> None:
         self.refuse_unknown()

@@ -28,11 +28,9 @@ from aio_pika.abc import AbstractIncomingMessage
 from tokenyard.broker.amqp.connection import AmqpConnection, Arguments
 from tokenyard.broker.amqp.lanes import Delivery, Lane
 from tokenyard.broker.amqp.names import Names
-from tokenyard.broker.core import Clock
 from tokenyard.broker.policy import hold_for
-from tokenyard.broker.redis.connection import RedisConnection, ms, text
-from tokenyard.broker.redis.keys import Keys
-from tokenyard.config import BrokerSettings
+from tokenyard.broker.redis.connection import ms, text
+from tokenyard.broker.redis.table import OnTable, ValkeyJobTable
 from tokenyard.messages import JobSpec, Priority
 
 HELD_POLL_S = 0.05  # a blocked claim of a prefix owner looks at its held sets this often
@@ -44,24 +42,14 @@ HELD_EXPIRES_S = 600.0  # a held queue nobody declared or read for this long is 
 _PRIORITIES = list(Priority)
 
 
-class Affinity:
-    """Holding jobs for their prefix's owner, and the owner's taking of them."""
+class Affinity(OnTable):
+    """Holding jobs for their prefix's owner, and the owner's taking of them: the owners and
+    held sets in the job table, the held queues in RabbitMQ."""
 
-    def __init__(
-        self,
-        settings: BrokerSettings,
-        conn: RedisConnection,
-        keys: Keys,
-        amqp: AmqpConnection,
-        names: Names,
-        clock: Clock,
-    ) -> None:
-        self.settings = settings
-        self.conn = conn
-        self.keys = keys
+    def __init__(self, table: ValkeyJobTable, amqp: AmqpConnection, names: Names) -> None:
+        super().__init__(table)
         self.amqp = amqp
         self.names = names
-        self.clock = clock
         # (model, consumer) -> until when (monotonic) it may own prefixes: it took a prefixed
         # job of the model within affinity_ttl_s; only then are its held sets looked at
         self._owning: dict[tuple[str, str], float] = {}

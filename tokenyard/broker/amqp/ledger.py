@@ -82,11 +82,7 @@ class Ledger(OnTable):
                 (
                     self._job_keys(spec),
                     scripts.AdmitItemArgs(
-                        job_id=spec.id,
-                        spec=encode(spec),
-                        deadline="" if spec.deadline is None else repr(spec.deadline),
-                        use_idem="1" if spec.idempotency_key else "0",
-                        use_inflight="1" if spec.collapse_key else "0",
+                        *self.table.admission(spec),
                         msg=msg,
                         lane=lane,
                         prefix=spec.prefix_key or "",
@@ -254,9 +250,7 @@ class Ledger(OnTable):
                 )
             )
         return scripts.COMPLETE.call(
-            scripts.CompleteKeys(
-                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
-            ),
+            self.table.completion_keys(model),
             scripts.CompleteArgs(now=now, ttl_ms=self.table.ttl_ms),
             items,
         )

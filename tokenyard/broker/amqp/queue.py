@@ -86,7 +86,7 @@ class AmqpQueue(LanesOnTable):
         self.ledger = self.counts = Ledger(table)
         self.amqp = amqp
         self.names = names
-        self.affinity = Affinity(table.settings, self.conn, self.keys, amqp, names, self.clock)
+        self.affinity = Affinity(table, amqp, names)
         self._early: dict[str, list[_Early]] = {}  # model -> deliveries met before their records
         self._since: dict[int, float] = {}  # id(message) -> when first met, while _take asks
 

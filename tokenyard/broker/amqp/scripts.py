@@ -7,11 +7,16 @@ backend's own idempotency and collapsing rule.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
-from tokenyard.broker.redis.scripts import Empty, ScriptSpec
+# the complete scripts of both lane kinds write the same model keys (lua/lib/ends.lua)
+from tokenyard.broker.redis.scripts import CompleteKeys, Empty, ScriptSpec
 
 PACKAGE = "tokenyard.broker.amqp"
+# a script of this package: its body is lua/<name>.lua here, its libraries this package's
+# lua/lib/ or else the Redis backend's
+_script = functools.partial(ScriptSpec, package=PACKAGE)
 
 
 class JobKeys(NamedTuple):
@@ -31,7 +36,7 @@ class AdmitArgs(NamedTuple):
 
 
 class AdmitItemArgs(NamedTuple):
-    job_id: str
+    job_id: str  # job_id .. use_inflight: an `Admission` (redis/scripts.py)
     spec: bytes
     deadline: str
     use_idem: str
@@ -43,9 +48,7 @@ class AdmitItemArgs(NamedTuple):
     affw: str  # that worker's held set in its lane ('' none)
 
 
-ADMIT = ScriptSpec(
-    "admit", Empty, AdmitArgs, JobKeys, AdmitItemArgs, libraries=("admit",), package=PACKAGE
-)
+ADMIT = _script("admit", Empty, AdmitArgs, JobKeys, AdmitItemArgs, libraries=("admit",))
 
 
 class WithdrawArgs(NamedTuple):
@@ -63,7 +66,7 @@ class WithdrawItemArgs(NamedTuple):
     made_at: str
 
 
-WITHDRAW = ScriptSpec("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs, package=PACKAGE)
+WITHDRAW = _script("withdraw", Empty, WithdrawArgs, JobKeys, WithdrawItemArgs)
 
 
 class EndKeys(NamedTuple):
@@ -115,14 +118,8 @@ class TakeItemArgs(NamedTuple):
     affw_prefix: str  # the lane's per-worker held sets; the worker's name is appended
 
 
-TAKE = ScriptSpec(
-    "take",
-    TakeKeys,
-    TakeArgs,
-    LeaseItemKeys,
-    TakeItemArgs,
-    libraries=("ends", "affinity"),
-    package=PACKAGE,
+TAKE = _script(
+    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends", "affinity")
 )
 
 
@@ -137,15 +134,7 @@ class EmitItemArgs(NamedTuple):
     event: bytes
 
 
-EMIT = ScriptSpec(
-    "emit",
-    Empty,
-    Empty,
-    EventKeys,
-    EmitItemArgs,
-    libraries=("holds", "events"),
-    package=PACKAGE,
-)
+EMIT = _script("emit", Empty, Empty, EventKeys, EmitItemArgs, libraries=("holds", "events"))
 
 
 class RenewItemKeys(NamedTuple):
@@ -163,20 +152,7 @@ class HolderItemArgs(NamedTuple):
     job_id: str
 
 
-RENEW = ScriptSpec(
-    "renew",
-    Empty,
-    DeadlineArg,
-    RenewItemKeys,
-    HolderItemArgs,
-    libraries=("holds",),
-    package=PACKAGE,
-)
-
-
-class CompleteKeys(NamedTuple):
-    cancels: str
-    counters: str
+RENEW = _script("renew", Empty, DeadlineArg, RenewItemKeys, HolderItemArgs, libraries=("holds",))
 
 
 class CompleteItemKeys(NamedTuple):
@@ -199,14 +175,8 @@ class CompleteItemArgs(NamedTuple):
     tail: bytes
 
 
-COMPLETE = ScriptSpec(
-    "complete",
-    CompleteKeys,
-    CompleteArgs,
-    CompleteItemKeys,
-    CompleteItemArgs,
-    libraries=("ends",),
-    package=PACKAGE,
+COMPLETE = _script(
+    "complete", CompleteKeys, CompleteArgs, CompleteItemKeys, CompleteItemArgs, libraries=("ends",)
 )
 
 
@@ -240,14 +210,13 @@ class RequeueItemArgs(NamedTuple):
     due_at: str
 
 
-REQUEUE = ScriptSpec(
+REQUEUE = _script(
     "requeue",
     RequeueKeys,
     RequeueArgs,
     RequeueItemKeys,
     RequeueItemArgs,
     libraries=("holds", "ends"),
-    package=PACKAGE,
 )
 
 
@@ -272,14 +241,8 @@ class BuryItemArgs(NamedTuple):
     cancelled: bytes
 
 
-BURY = ScriptSpec(
-    "bury",
-    EndKeys,
-    CompleteArgs,
-    BuryItemKeys,
-    BuryItemArgs,
-    libraries=("holds", "ends"),
-    package=PACKAGE,
+BURY = _script(
+    "bury", EndKeys, CompleteArgs, BuryItemKeys, BuryItemArgs, libraries=("holds", "ends")
 )
 
 
@@ -298,7 +261,7 @@ class ExpiredArgs(NamedTuple):
     expired: str  # "1": leases past their deadline too; "0": lapsed workers' only
 
 
-EXPIRED = ScriptSpec("expired", LiveKey, ExpiredArgs, LeasesKey, Empty, package=PACKAGE)
+EXPIRED = _script("expired", LiveKey, ExpiredArgs, LeasesKey, Empty)
 
 SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     ADMIT,

@@ -83,8 +83,8 @@ class NatsAudit(Audit, Mirrored):
         names = self.names
         return await self.conn.stream(
             trail(
-                names.audit_stream,
-                names.audit_subject,
+                names.audit.stream,
+                names.audit.subject,
                 max_msgs=self.max_len,
                 max_bytes=self.max_len * ENTRY_BYTES,
             )
@@ -96,7 +96,7 @@ class NatsAudit(Audit, Mirrored):
         if self.max_len <= 0 or not entries:
             return
         await self._stream()
-        subject = self.names.audit_subject
+        subject = self.names.audit.subject
         most = min(MOST_PER_MESSAGE, max(1, self.max_len // 4))
         parts = [entries[k : k + most] for k in range(0, len(entries), most)]
         acks = await asyncio.gather(
@@ -131,7 +131,7 @@ class NatsAudit(Audit, Mirrored):
                 return None, []
             after = first - 1
         # `count` messages hold at least `count` entries
-        rows = await self.conn.get_batch(stream, self.names.audit_subject, after, count)
+        rows = await self.conn.get_batch(stream, self.names.audit.subject, after, count)
         read = [
             (seq, place, entry)
             for seq, data, _ in rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Callable
 
 from tokenyard.broker.ids import model_tag, tag_of_job
 from tokenyard.messages import Priority
@@ -47,24 +48,49 @@ class _ModelKey:
         return f"{self.first}.{model_tag(model)}"
 
 
+class _Stream:
+    """A stream, `<prefix>_<name>`, over the subjects below `<prefix>.<first>`; calling it
+    names the subject of one job or model (`tail` turns that name into a subject token)."""
+
+    def __init__(
+        self, prefix: str, name: str, first: str, tail: Callable[[str], str] = str
+    ) -> None:
+        self.stream = f"{prefix}_{name}"
+        self.subject = f"{prefix}.{first}"  # a stream of one subject publishes to this one
+        self.subjects = f"{self.subject}.>"
+        self._tail = tail
+
+    def __call__(self, name: str) -> str:
+        return f"{self.subject}.{self._tail(name)}"
+
+
 class Names:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        self.events = _Stream(prefix, "events", "ev")  # per job; a job id is subject-safe
+        self.dead = _Stream(prefix, "dead", "dead", model_tag)  # dead letters, per model
+        # the dashboard's recorded points, every gateway's (nats/series.py)
+        self.series = _Stream(prefix, "series", "series")
+        self.audit = _Stream(prefix, "audit", "audit")
 
     # -- lanes: one work-queue stream per (model, priority, size pool) --------------------
     def lane_stream(self, model: str, priority: Priority, pool: int) -> str:
         return f"{self.prefix}_lane_{model_tag(model)}_{int(priority)}_{pool}"
 
+    def _lane(self, model: str, priority: Priority, pool: int) -> str:
+        """The lane's subjects start with this; `stream_of_subject` reads it back."""
+        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}"
+
     def lane_subjects(self, model: str, priority: Priority, pool: int) -> str:
-        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}.>"
+        return f"{self._lane(model, priority, pool)}.>"
 
     def tenant_subject(self, model: str, priority: Priority, pool: int, tenant: str) -> str:
         """A tenant's share of a lane: fair share picks among these subjects."""
-        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}.t.{token(tenant)}"
+        return f"{self._lane(model, priority, pool)}.t.{token(tenant)}"
 
     def held_subject(self, model: str, priority: Priority, pool: int, worker: str) -> str:
         """Jobs held for one worker (prefix affinity)."""
-        return f"{self.prefix}.lane.{model_tag(model)}.{int(priority)}.{pool}.a.{token(worker)}"
+        return f"{self._lane(model, priority, pool)}.a.{token(worker)}"
 
     @staticmethod
     def subject_kind(subject: str) -> tuple[str, str]:
@@ -83,29 +109,7 @@ class Names:
         kind, tok = Names.subject_kind(subject)
         return f"{kind}{tok}"
 
-    # -- per-job events, dead letters, wake-ups ------------------------------------------
-    @property
-    def events_stream(self) -> str:
-        return f"{self.prefix}_events"
-
-    @property
-    def events_subjects(self) -> str:
-        return f"{self.prefix}.ev.>"
-
-    def events(self, job_id: str) -> str:
-        return f"{self.prefix}.ev.{job_id}"
-
-    @property
-    def dead_stream(self) -> str:
-        return f"{self.prefix}_dead"
-
-    @property
-    def dead_subjects(self) -> str:
-        return f"{self.prefix}.dead.>"
-
-    def dead(self, model: str) -> str:
-        return f"{self.prefix}.dead.{model_tag(model)}"
-
+    # -- wake-ups (the streams: `events`, `dead`, `series`, `audit`, set in __init__) -------
     def wake(self, model: str) -> str:
         """Core subject (no stream): enqueues ping it so blocked claims look again."""
         return f"{self.prefix}.wake.{model_tag(model)}"
@@ -204,20 +208,3 @@ class Names:
     @staticmethod
     def kv_subject(bucket: str, key: str) -> str:
         return f"$KV.{bucket}.{key}"
-
-    @property
-    def series_stream(self) -> str:
-        """The dashboard's recorded points, every gateway's (nats/series.py)."""
-        return f"{self.prefix}_series"
-
-    @property
-    def series_subject(self) -> str:
-        return f"{self.prefix}.series"
-
-    @property
-    def audit_stream(self) -> str:
-        return f"{self.prefix}_audit"
-
-    @property
-    def audit_subject(self) -> str:
-        return f"{self.prefix}.audit"

@@ -32,14 +32,14 @@ class NatsSeries(Series):
     async def _stream(self) -> str:
         names = self.names
         return await self.conn.stream(
-            trail(names.series_stream, names.series_subject, max_age=self.keep_s)
+            trail(names.series.stream, names.series.subject, max_age=self.keep_s)
         )
 
     async def append(self, source: str, at: float, value: bytes) -> None:
         stream = await self._stream()
         js = await self.conn.js()
         data = encode(_Stored(source, at, value))
-        await sent(js.publish(self.names.series_subject, data, stream=stream))
+        await sent(js.publish(self.names.series.subject, data, stream=stream))
 
     async def since(self, at: float) -> list[tuple[str, float, bytes]]:
         stream = await self._stream()
@@ -48,7 +48,7 @@ class NatsSeries(Series):
             return []
         found: list[tuple[str, float, bytes]] = []
         while True:
-            rows = await self.conn.get_batch(stream, self.names.series_subject, after, _PAGE)
+            rows = await self.conn.get_batch(stream, self.names.series.subject, after, _PAGE)
             for _, data, _ in rows:
                 point = decode(data, _Stored)
                 if point.at > at:

@@ -137,11 +137,11 @@ class Store:
     async def events_stream(self) -> str:
         if not self._events:
             names = self.names
-            self._events = await self.kept_stream(names.events_stream, names.events_subjects)
+            self._events = await self.kept_stream(names.events.stream, names.events.subjects)
         return self._events
 
     async def dead_stream(self) -> str:
-        return await self.kept_stream(self.names.dead_stream, self.names.dead_subjects)
+        return await self.kept_stream(self.names.dead.stream, self.names.dead.subjects)
 
     async def kept_stream(self, name: str, subjects: str) -> str:
         """A stream of what a job left behind (events, dead letters), kept `record_ttl_s`."""

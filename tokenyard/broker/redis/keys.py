@@ -13,6 +13,16 @@ from tokenyard.messages import Priority
 GROUP = "workers"
 
 
+class _OfLane:
+    """A key hanging off a lane's name: `<lane><suffix>`, in the lane's slot."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __call__(self, lane: str) -> str:
+        return lane + self.suffix
+
+
 class Keys:
     """Key builder for one prefix."""
 
@@ -27,52 +37,25 @@ class Keys:
         tail = f":p{pool}" if pool else ""
         return f"{self._model(model_tag(model))}:lane:{priority.name.lower()}{tail}"
 
-    @staticmethod
-    def fair(lane: str) -> str:
-        """Hash of a lane's fair-share state (see lua/lib/fair.lua)."""
-        return f"{lane}:fair"
-
-    @staticmethod
-    def fair_active(lane: str) -> str:
-        """Sorted set of a lane's tenants with staged jobs, by start tag."""
-        return f"{lane}:active"
-
-    @staticmethod
-    def tenant_queue_prefix(lane: str) -> str:
-        """Prefix of a lane's per-tenant staging sets; scripts append the tenant name."""
-        return f"{lane}:tq:"
-
-    # -- RabbitMQ lanes (broker/amqp/): the lane lives in RabbitMQ, its bookkeeping here
-    @staticmethod
-    def waiting(lane: str) -> str:
-        """Sorted set of a lane's queued jobs by when they started waiting."""
-        return f"{lane}:waiting"
-
-    @staticmethod
-    def leases(lane: str) -> str:
-        """Sorted set of a lane's running jobs by when their lease runs out."""
-        return f"{lane}:leases"
-
-    # -- prefix affinity (broker/policy.py); every key hangs off the lane or the model tag
-    @staticmethod
-    def affinity_held(lane: str) -> str:
-        """Sorted set of a lane's jobs held for a preferred worker, by when they were held."""
-        return f"{lane}:affq"
-
-    @staticmethod
-    def affinity_worker_prefix(lane: str) -> str:
-        """Prefix of a lane's per-worker held sets; scripts append the consumer name."""
-        return f"{lane}:affw:"
+    # -- keys hanging off a lane's name (in its slot), which the Lua scripts build as well
+    fair = _OfLane(":fair")  # hash of a lane's fair-share state (see lua/lib/fair.lua)
+    fair_active = _OfLane(":active")  # sorted set of its tenants with staged jobs, by start tag
+    # prefix of a lane's per-tenant staging sets; scripts append the tenant name
+    tenant_queue_prefix = _OfLane(":tq:")
+    # RabbitMQ lanes (broker/amqp/): the lane lives in RabbitMQ, its bookkeeping here
+    waiting = _OfLane(":waiting")  # sorted set of its queued jobs by when they started waiting
+    leases = _OfLane(":leases")  # sorted set of its running jobs by when their lease runs out
+    # prefix affinity (broker/policy.py): every key hangs off the lane or the model tag
+    affinity_held = _OfLane(":affq")  # sorted set of jobs held for a preferred worker, by when
+    # prefix of a lane's per-worker held sets; scripts append the consumer name
+    affinity_worker_prefix = _OfLane(":affw:")
+    # stream holding the leases of a lane's jobs taken as affinity work (claim adds an entry
+    # and reads it at once, so it never holds undelivered entries)
+    affinity_stream = _OfLane(":aff")
 
     @classmethod
     def affinity_worker(cls, lane: str, consumer: str) -> str:
         return cls.affinity_worker_prefix(lane) + consumer
-
-    @staticmethod
-    def affinity_stream(lane: str) -> str:
-        """Stream holding the leases of a lane's jobs taken as affinity work (claim adds an
-        entry and reads it at once, so it never holds undelivered entries)."""
-        return f"{lane}:aff"
 
     def prefix_owner_prefix(self, model: str) -> str:
         """Prefix of `prefix key -> worker that last claimed it` keys (with a TTL)."""

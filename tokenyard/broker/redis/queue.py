@@ -138,15 +138,11 @@ class RedisQueue(LanesOnTable):
                         inflight=inflight,
                     ),
                     scripts.EnqueueItemArgs(
-                        job_id=spec.id,
-                        spec=encode(spec),
-                        deadline="" if spec.deadline is None else repr(spec.deadline),
-                        use_idem="1" if spec.idempotency_key else "0",
+                        *self.table.admission(spec),
                         tenant=spec.tenant,
                         weight=repr(spec.weight),
                         cost=fair_cost(spec),
                         score=repr(staging_score(spec)),
-                        use_inflight="1" if spec.collapse_key else "0",
                         prefix=spec.prefix_key,
                     ),
                 )
@@ -320,9 +316,7 @@ class RedisQueue(LanesOnTable):
     ) -> Call:
         """The fenced completion of one model's jobs (complete.lua)."""
         return scripts.COMPLETE.call(
-            scripts.CompleteKeys(
-                cancels=self.keys.cancels(model), counters=self.keys.counters(model)
-            ),
+            self.table.completion_keys(model),
             scripts.CompleteArgs(group=GROUP, now=now, ttl_ms=self.table.ttl_ms),
             [
                 (

@@ -152,16 +152,27 @@ class EnqueueItemKeys(NamedTuple):
     inflight: str  # the collapse key, or the job key again when the job has none
 
 
-class EnqueueItemArgs(NamedTuple):
+class Admission(NamedTuple):
+    """What every admitting script's item starts with (enqueue.lua, amqp/lua/admit.lua): what
+    lua/lib/admit.lua reads, and the record's spec and deadline (ValkeyJobTable.admission)."""
+
     job_id: str
     spec: bytes
     deadline: str  # '' for none
     use_idem: str  # '1' | '0'
+    use_inflight: str  # '1' | '0': join an identical job in flight instead of adding one
+
+
+class EnqueueItemArgs(NamedTuple):
+    job_id: str  # job_id .. use_inflight: an `Admission`
+    spec: bytes
+    deadline: str
+    use_idem: str
+    use_inflight: str
     tenant: str
     weight: str
     cost: int  # tokens it may use: its share of the lane is counted in them
     score: str  # order among the tenant's staged jobs: deadline first, then arrival
-    use_inflight: str  # '1' | '0': join an identical job in flight instead of adding one
     prefix: str  # prefix key, '' for none
 
 

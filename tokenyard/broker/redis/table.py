@@ -192,7 +192,24 @@ class ValkeyJobTable(JobTable):
             inflight = self.keys.inflight(spec.model, spec.collapse_key)
         return job, idem, inflight
 
+    @staticmethod
+    def admission(spec: JobSpec) -> scripts.Admission:
+        """The job as every admitting script's item starts (enqueue.lua, amqp/lua/admit.lua)."""
+        return scripts.Admission(
+            job_id=spec.id,
+            spec=encode(spec),
+            deadline="" if spec.deadline is None else repr(spec.deadline),
+            use_idem="1" if spec.idempotency_key else "0",
+            use_inflight="1" if spec.collapse_key else "0",
+        )
+
     # -- endings ---------------------------------------------------------------------------
+    def completion_keys(self, model: str) -> scripts.CompleteKeys:
+        """The model's keys both lane kinds' complete scripts write (lua/lib/ends.lua)."""
+        return scripts.CompleteKeys(
+            cancels=self.keys.cancels(model), counters=self.keys.counters(model)
+        )
+
     async def complete_many(
         self,
         items: Sequence[tuple[Lease, JobResult]],

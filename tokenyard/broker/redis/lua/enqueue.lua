@@ -6,7 +6,7 @@
 -- KEYS: workers; per item: lane, job, idem, inflight
 -- ARGV: now, max_depth, idem_ttl_ms, window, job_prefix, pfx_prefix, wake_prefix, max_held,
 --   collapse_grace_s;
---   per item: job_id, spec, deadline, use_idem, tenant, weight, cost, score, use_inflight, prefix
+--   per item: job_id, spec, deadline, use_idem, use_inflight, tenant, weight, cost, score, prefix
 -- A lane's other keys hang off its name as broker/redis/keys.py names them (<lane>:fair,
 -- :active, :tq:<tenant>, :affq, :affw:<consumer>; all in the lane's slot), built here rather
 -- than sent per item (as in claim.lua: every argument costs the server a parse, an allocation
