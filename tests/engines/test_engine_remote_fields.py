@@ -188,6 +188,33 @@ async def test_logprobs_come_back_by_position(engine: RemoteEngine, ids_as_text:
     await upstream.close()
 
 
+@pytest.mark.parametrize("one_write", [False, True], ids=["write_each", "one_write"])
+async def test_events_read_together_come_out_as_events_read_one_by_one(
+    engine: RemoteEngine, one_write: bool
+) -> None:
+    """An upstream's events that arrive in one read are fed to the decoder together: the same
+    tokens, text and logprobs, and a stop string inside them ends the text where it starts."""
+    upstream = ScriptedUpstream(Model(engine), one_write=one_write)
+    await serve(engine, upstream)
+    whole = unbroken(8)
+    r = await run(engine, "lp", greedy(8, logprobs=2))
+    assert r.token_ids == whole
+    assert r.text == engine.tokenizer.decode(whole)
+    got = [lp for out in r.outputs for lp in out.logprobs or ()]
+    assert got == [TokenLogprob(t, -0.25, tuple(alternatives(t)[:2])) for t in whole]
+    assert r.finish is not None and r.finish.finish_reason is FinishReason.LENGTH
+    if one_write:  # one read's events came out together
+        assert len([out for out in r.outputs if out.token_ids]) < len(whole)
+    # a stop string: the text of the fifth and sixth tokens, wherever it first shows
+    text = engine.tokenizer.decode(whole)
+    stop = text[len(engine.tokenizer.decode(whole[:4])) : len(engine.tokenizer.decode(whole[:6]))]
+    assert stop.strip()
+    r = await run(engine, "stop", greedy(8, stop=[stop]))
+    assert r.text == text[: text.index(stop)]
+    assert r.finish is not None and r.finish.finish_reason is FinishReason.STOP
+    await upstream.close()
+
+
 async def test_token_texts_are_looked_up_in_a_table_built_off_the_loop(
     engine: RemoteEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -96,11 +96,16 @@ Respond = Callable[[dict[str, Any]], Iterable[dict[str, Any]]]
 class ScriptedUpstream:
     """A `/v1/completions` upstream that records each request's JSON body and streams the
     chunks `respond(body)` makes (each a `choices[0]` payload) as SSE; `cut_after`: the first
-    connection is closed after that many chunks, without a finish."""
+    connection is closed after that many chunks, without a finish; `one_write`: every chunk in
+    one write (an upstream that answers at once, or one under load: its reader gets several
+    events in one read)."""
 
-    def __init__(self, respond: Respond, *, cut_after: int | None = None) -> None:
+    def __init__(
+        self, respond: Respond, *, cut_after: int | None = None, one_write: bool = False
+    ) -> None:
         self.respond = respond
         self.cut_after = cut_after
+        self.one_write = one_write
         self.bodies: list[dict[str, Any]] = []
         self.server: asyncio.Server | None = None
 
@@ -127,13 +132,17 @@ class ScriptedUpstream:
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
             )
+            held: list[bytes] = []
             for i, choice in enumerate(self.respond(body)):
                 if cut is not None and i == cut:
                     break
                 chunk = {"id": "x", "object": "text_completion", "choices": [choice]}
-                writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                await writer.drain()
+                held.append(f"data: {json.dumps(chunk)}\n\n".encode())
+                if not self.one_write:
+                    writer.write(held.pop())
+                    await writer.drain()
             else:
-                writer.write(b"data: [DONE]\n\n")
+                held.append(b"data: [DONE]\n\n")
+            writer.write(b"".join(held))
             await writer.drain()
         writer.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tokenyard.broker.redis.embedded import EmbeddedServer
+from tokenyard.heap import YOUNG_THRESHOLD
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,21 +36,25 @@ SCRIPT = textwrap.dedent(
         running = asyncio.create_task(worker.run())
         await asyncio.sleep(0.5)  # a sim engine on a local Valkey is up in milliseconds
         count = gc.get_freeze_count()
+        young = gc.get_threshold()[0]
         worker.drain()
         await running
         gc.unfreeze()
-        return count
+        gc.set_threshold(700, 10, 10)
+        return count, young
 
     async def frozen_after_gateway_start(freeze: bool) -> int:
         app = create_app(gateway_settings(models="sim", tokenizer="sim"),
                          connect(BrokerSettings(url=URL, prefix=PREFIX)), freeze_heap=freeze)
         async with app.router.lifespan_context(app):
             count = gc.get_freeze_count()
+            young = gc.get_threshold()[0]
         gc.unfreeze()
-        return count
+        gc.set_threshold(700, 10, 10)
+        return count, young
 
     runs = [frozen_after_worker_start, frozen_after_gateway_start]
-    print(*(asyncio.run(run(freeze)) for run in runs for freeze in (False, True)))
+    print(*(n for run in runs for freeze in (False, True) for n in asyncio.run(run(freeze))))
     """
 )
 
@@ -66,10 +71,22 @@ def test_worker_and_gateway_freeze_their_heap_only_when_they_own_the_process(
         timeout=60,
     )
     assert run.returncode == 0, run.stderr
-    worker_off, worker_on, gateway_off, gateway_on = map(int, run.stdout.split())
+    (
+        worker_off,
+        young_off,
+        worker_on,
+        young_on,
+        gateway_off,
+        gw_young_off,
+        gateway_on,
+        gw_young_on,
+    ) = map(int, run.stdout.split())
     assert worker_off == 0 and gateway_off == 0
     # everything the process had built by then: modules, the app, the engine
     assert worker_on > 10_000 and gateway_on > 10_000
+    # young collections wait for more new objects only where the process is owned
+    assert young_off == gw_young_off == 700
+    assert young_on == gw_young_on == YOUNG_THRESHOLD
 
 
 FAULTS = textwrap.dedent(

@@ -641,7 +641,7 @@ def worker(
 
     Options left out come from TOKENYARD_WORKER_* / TOKENYARD_BROKER_* variables.
     """
-    from tokenyard.worker.run import serve_worker
+    from tokenyard.worker.run import run_loop, serve_worker
 
     setup_logging(log_level, log_format)
     warn_unknown_variables()
@@ -662,7 +662,7 @@ def worker(
         ),
     )
     queue = broker_settings(broker, prefix, lease_s=lease_s, tables=tables, audit_kafka=audit_kafka)
-    asyncio.run(serve_worker(queue, settings, consumer=consumer))
+    run_loop(serve_worker(queue, settings, consumer=consumer))
 
 
 @app.command()

@@ -183,66 +183,103 @@ class RemoteEngine(StreamEngine):
             if resp.status != 200:
                 raise _http_error(resp.status, await resp.read())
             events = _sse_json(resp.content)
-            async for chunk in events:
-                if "error" in chunk:
-                    err = chunk["error"]
-                    kind = err.get("type") if isinstance(err, dict) else None
-                    raise UpstreamError(
-                        f"upstream failed the request: {_error_message(chunk)}",
-                        retry=False,
-                        refused=kind == "invalid_request_error",
-                    )
-                choices = chunk.get("choices") or []
-                if not choices:
-                    continue  # a usage-only chunk
-                choice = choices[0]
-                ids = choice.get("token_ids")
-                reason = choice.get("finish_reason")
-                if ids is None and (choice.get("text") or reason is None):
-                    raise UpstreamError(
-                        "the upstream does not return token ids; it must support the "
-                        "`return_token_ids` completions extension (vLLM, tokenyard)",
-                        retry=False,
-                    )
-                ids = [int(t) for t in ids or ()]
-                logprobs = None
-                if seq.params.logprobs is not None and ids:
-                    shown = choice.get("logprobs")
-                    if (
-                        seq.params.logprobs
-                        and self._token_strings is None
-                        and _names_by_text(shown)
-                    ):
-                        await self._table_token_strings()
-                    logprobs = self._logprobs(ids, shown, seq.params.logprobs)
-                if expected:
-                    tail = replayed_tail(expected, ids, logprobs)
-                    if tail is None:
+            async for batch in events:
+                # the events of one read are fed to the decoder together: a chunk that ends
+                # nothing waits for the next one of its read (see `_sse_json`)
+                ids_run: list[int] = []
+                logprobs_run: list[TokenLogprob] | None = None
+                last = len(batch) - 1
+                for n, chunk in enumerate(batch):
+                    if "error" in chunk:
+                        if self._fed(seq, ids_run, logprobs_run):
+                            await self._ended(seq, None, events)
+                            return
+                        err = chunk["error"]
+                        kind = err.get("type") if isinstance(err, dict) else None
                         raise UpstreamError(
-                            f"sequence {seq.seq_id!r} cannot resume: {NOT_REPEATED}", retry=False
+                            f"upstream failed the request: {_error_message(chunk)}",
+                            retry=False,
+                            refused=kind == "invalid_request_error",
                         )
-                    ids, logprobs = tail
-                self.feed(seq, ids, logprobs)
-                if seq.done:
-                    if reason is not None or seq.remaining == 0:
-                        # the upstream ends too (it was asked for no more tokens than are
-                        # left): what follows is at most a finish and `[DONE]`; read to the
-                        # end so the connection is kept for the next request
-                        await _drain(events)
-                    return  # a stop string: leaving closes the connection, stopping upstream
-                if reason is not None:
-                    if expected:
+                    choices = chunk.get("choices") or []
+                    if not choices:
+                        if n == last and self._fed(seq, ids_run, logprobs_run):
+                            await self._ended(seq, None, events)
+                            return
+                        continue  # a usage-only chunk
+                    choice = choices[0]
+                    ids = choice.get("token_ids")
+                    reason = choice.get("finish_reason")
+                    if ids is None and (choice.get("text") or reason is None):
+                        if self._fed(seq, ids_run, logprobs_run):
+                            await self._ended(seq, None, events)
+                            return
                         raise UpstreamError(
-                            f"the upstream ended sequence {seq.seq_id!r} before repeating the "
-                            f"{len(expected)} tokens already sent",
+                            "the upstream does not return token ids; it must support the "
+                            "`return_token_ids` completions extension (vLLM, tokenyard)",
                             retry=False,
                         )
-                    self.close(
-                        seq, FinishReason.LENGTH if reason == "length" else FinishReason.STOP
-                    )
-                    await _drain(events)
-                    return
+                    ids = [int(t) for t in ids or ()]
+                    logprobs = None
+                    if seq.params.logprobs is not None and ids:
+                        shown = choice.get("logprobs")
+                        if (
+                            seq.params.logprobs
+                            and self._token_strings is None
+                            and _names_by_text(shown)
+                        ):
+                            await self._table_token_strings()
+                        logprobs = self._logprobs(ids, shown, seq.params.logprobs)
+                    if expected:
+                        tail = replayed_tail(expected, ids, logprobs)
+                        if tail is None:
+                            if self._fed(seq, ids_run, logprobs_run):
+                                await self._ended(seq, None, events)
+                                return
+                            raise UpstreamError(
+                                f"sequence {seq.seq_id!r} cannot resume: {NOT_REPEATED}",
+                                retry=False,
+                            )
+                        ids, logprobs = tail
+                    ids_run += ids
+                    if logprobs is not None:
+                        logprobs_run = [*(logprobs_run or ()), *logprobs]
+                    if reason is None and n < last:
+                        continue
+                    if self._fed(seq, ids_run, logprobs_run):
+                        await self._ended(seq, reason, events)
+                        return  # a stop string: leaving closes the connection, stopping upstream
+                    ids_run, logprobs_run = [], None
+                    if reason is not None:
+                        if expected:
+                            raise UpstreamError(
+                                f"the upstream ended sequence {seq.seq_id!r} before repeating "
+                                f"the {len(expected)} tokens already sent",
+                                retry=False,
+                            )
+                        self.close(
+                            seq, FinishReason.LENGTH if reason == "length" else FinishReason.STOP
+                        )
+                        await _drain(events)
+                        return
         raise StreamCut("the upstream stream ended without a finish reason")
+
+    def _fed(self, seq: StreamSeq, ids: list[int], logprobs: list[TokenLogprob] | None) -> bool:
+        """Feed a run of chunks' ids (none: nothing to feed); whether the sequence is done."""
+        if ids:
+            self.feed(seq, ids, logprobs)
+        return seq.done
+
+    @staticmethod
+    async def _ended(
+        seq: StreamSeq, reason: str | None, events: AsyncIterator[list[dict[str, Any]]]
+    ) -> None:
+        """The sequence is done (a stop string, EOS, its length). If the upstream ends too (it
+        was asked for no more tokens than are left), what follows is at most a finish and
+        `[DONE]`: read to the end so the connection is kept for the next request; else (a stop
+        string) leaving closes the connection, which stops the upstream."""
+        if reason is not None or seq.remaining == 0:
+            await _drain(events)
 
     def _logprobs(self, ids: list[int], body: Any, k: int) -> list[TokenLogprob]:
         """A chunk's completions-style logprobs (`token_logprobs`, `top_logprobs`: per token a
@@ -390,11 +427,13 @@ _ENCODE = msgspec.json.Encoder().encode
 _DECODE = msgspec.json.Decoder().decode
 
 
-async def _sse_json(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream's `data:` lines, up to `[DONE]`; then the response
-    is read to its end, so that aiohttp keeps its connection. Lines are split here from
-    whatever the socket gave (one read often holds several events, and a line may be longer
-    than aiohttp's readline allows: a chunk of many logprobs)."""
+async def _sse_json(content: aiohttp.StreamReader) -> AsyncIterator[list[dict[str, Any]]]:
+    """The JSON payloads of an SSE stream's `data:` lines up to `[DONE]`, those of one socket
+    read together (an upstream under load, or one that answers at once, sends several events in
+    one read: the engine feeds them to the decoder in one go, as if the upstream had sent one
+    chunk of several tokens); then the response is read to its end, so that aiohttp keeps its
+    connection. Lines are split here from whatever the socket gave (a line may be longer than
+    aiohttp's readline allows: a chunk of many logprobs)."""
     buffer = b""
     done = False
     async for data in content.iter_any():
@@ -402,6 +441,7 @@ async def _sse_json(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, An
             continue
         buffer += data
         *lines, buffer = buffer.split(b"\n")
+        batch: list[dict[str, Any]] = []
         for line in lines:
             if not line.startswith(b"data:"):
                 continue
@@ -412,10 +452,12 @@ async def _sse_json(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, An
             if payload:
                 value = _DECODE(payload)
                 if isinstance(value, dict):
-                    yield value
+                    batch.append(value)
+        if batch:
+            yield batch
 
 
-async def _drain(events: AsyncIterator[dict[str, Any]]) -> None:
+async def _drain(events: AsyncIterator[list[dict[str, Any]]]) -> None:
     """Read an ended stream's last events (a usage chunk, `[DONE]`) and the response's end,
     so that aiohttp keeps its connection for the next request. The sequence's finish is out
     already; an upstream slow to end its response holds the slot up to DRAIN_S, then loses
