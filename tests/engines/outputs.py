@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from tokenyard.engines import Engine, StepOutput
+from tokenyard.engines.base import LocalEngine
 
 
 class Result:
@@ -32,3 +34,17 @@ async def collect(engine: Engine, n: int, timeout: float = 60.0) -> dict[str, Re
                     r.finish = out
                     finished += 1
     return results
+
+
+def record_deliveries(engine: LocalEngine[Any]) -> list[list[StepOutput]]:
+    """Each step's (or pass's) outputs as the engine delivers them, in order, still delivered:
+    which sequences one step ran together."""
+    delivered: list[list[StepOutput]] = []
+    deliver = engine._deliver
+
+    def recorded(outputs: list[StepOutput]) -> None:
+        delivered.append(outputs)
+        deliver(outputs)
+
+    engine._deliver = recorded  # type: ignore[method-assign]
+    return delivered

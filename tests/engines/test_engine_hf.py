@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 import torch
 from transformers import AutoConfig
 
-from tests.engines.outputs import collect
+from tests.engines.outputs import collect, record_deliveries
 from tokenyard.engines import EngineCapacity, EngineRequest, StepOutput, make_engine
 from tokenyard.engines.hf import HFEngine, kv_bytes_per_token, plan_capacity
 from tokenyard.engines.hf_static import HFStaticEngine
@@ -248,14 +248,7 @@ async def test_an_alone_sequence_takes_its_first_pass_without_the_running_ones(
     engine: HFEngine,
 ) -> None:
     tok = engine.tokenizer
-    passes: list[list[StepOutput]] = []
-    deliver = engine._deliver
-
-    def recorded(outputs: list[StepOutput]) -> None:
-        passes.append(outputs)
-        deliver(outputs)
-
-    engine._deliver = recorded  # type: ignore[method-assign]
+    passes = record_deliveries(engine)
     for i in range(3):
         engine.add(EngineRequest(f"r{i}", tok.encode(PROMPTS[i]), greedy(40)))
     async with asyncio.timeout(60):

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.engines.clock import VirtualClock
-from tests.engines.outputs import collect
+from tests.engines.outputs import collect, record_deliveries
 from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
@@ -279,14 +279,7 @@ async def test_an_alone_sequence_takes_its_first_step_without_the_others(
     clock_engine: tuple[SimEngine, VirtualClock],
 ) -> None:
     engine, clock = clock_engine
-    steps: list[list[StepOutput]] = []
-    deliver = engine._deliver
-
-    def recorded(outputs: list[StepOutput]) -> None:
-        steps.append(outputs)
-        deliver(outputs)
-
-    engine._deliver = recorded  # type: ignore[method-assign]
+    steps = record_deliveries(engine)
     await engine.start()
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for name in "abc":
