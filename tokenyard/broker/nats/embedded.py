@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -199,7 +200,7 @@ class EmbeddedNats(EmbeddedProcess):
             # -1: the server binds a free port itself (no race with another picker); the one
             # it got is kept for restarts
             "port": self._port if self._port is not None else -1,
-            "http_port": -1,  # monitoring, for the readiness check; on `host` too
+            "http_port": self._monitor_port(),  # for the readiness check; on `host` too
             "ports_file_dir": str(data_dir / _PORTS_DIR),
             "jetstream": jetstream,
         }
@@ -212,6 +213,20 @@ class EmbeddedNats(EmbeddedProcess):
             }
         settings.update(self._extra_config)
         return "".join(f"{key}: {_value(value)}\n" for key, value in settings.items())
+
+    def _monitor_port(self) -> int:
+        """-1 (the server binds a free one) while the client port is its own pick too. With the
+        client port fixed (a restart), the server's pick for monitoring could be that very port,
+        freed by the killed server and handed out again by the kernel, and the client listener
+        then fails: a free port other than the client's is picked here."""
+        if self._port is None:
+            return -1
+        while True:
+            with socket.socket() as probe:
+                probe.bind((self._host, 0))
+                port = int(probe.getsockname()[1])
+            if port != self._port:
+                return port
 
     def _read_ports(self, ports_file: Path) -> None:
         ports = json.loads(ports_file.read_text())
