@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio.client import Pipeline
-
 from tokenyard.broker.core import BrokerStats, LaneBacklog, LaneStats, TenantBacklog
 from tokenyard.broker.redis.channel import Command
 from tokenyard.broker.redis.connection import text
@@ -22,16 +20,17 @@ class StreamCounts(OnTable):
         """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
         now = self.clock()
         pools = self.settings.pool_count
-        lanes, pipe = self._lanes_read(model)
-        for lane in lanes:
-            pipe.hget(self.keys.fair(lane), "staged")  # waiting for their turn (fair share)
+        lanes, commands = self._lanes_read(model)
+        # waiting for their turn (fair share)
+        commands += [("HGET", self.keys.fair(lane), "staged") for lane in lanes]
         for lane in lanes:
             # prefix affinity: held for a worker (waiting); the affinity stream's are in flight
-            pipe.zcard(self.keys.affinity_held(lane))
-            pipe.xlen(self.keys.affinity_stream(lane))
-        for command in self.table.tally_commands(model):
-            pipe.execute_command(*command)
-        replies: list[Any] = await self.conn.execute(pipe, raise_on_error=False)
+            commands += [
+                ("ZCARD", self.keys.affinity_held(lane)),
+                ("XLEN", self.keys.affinity_stream(lane)),
+            ]
+        commands += self.table.tally_commands(model)
+        replies = await self.conn.pipelined(commands)
         tallies = replies[5 * len(lanes) :]
         staged = [int(n or 0) for n in replies[2 * len(lanes) : 3 * len(lanes)]]
         held = [int(n or 0) for n in replies[3 * len(lanes) : 5 * len(lanes) : 2]]
@@ -49,10 +48,12 @@ class StreamCounts(OnTable):
                 )
             )
             sizes.append((int(total) if not isinstance(total, Exception) else 0, pending, last))
-        pipe = self.conn.pipeline()
-        for lane, (_, _, last) in zip(lanes, sizes, strict=True):
-            pipe.xrange(lane, min=f"({last}", max="+", count=1)
-        oldest: list[Any] = await self.conn.execute(pipe)
+        oldest = await self.conn.checked(
+            [
+                ("XRANGE", lane, f"({last}", "+", "COUNT", 1)
+                for lane, (_, _, last) in zip(lanes, sizes, strict=True)
+            ]
+        )
         stats = []
         for p, priority in enumerate(Priority):
             # a priority's size pools are reported together
@@ -90,15 +91,9 @@ class StreamCounts(OnTable):
 
     async def backlog(self, model: str) -> list[LaneBacklog]:
         # 1: each lane's length, its group (delivered and pending) and its active tenants;
-        # 2: each active tenant's staged count and weight. Raw commands on the broker's own
-        # connections: shedding reads this every `queue_wait_ttl_s` under load, and through
-        # redis-py's pipeline (a parser and a timeout per reply) it was ~2.5 % of the
-        # gateway's CPU (docs/benchmarks.md)
+        # 2: each active tenant's staged count and weight
         pools = self.settings.pool_count
-        lanes = self.keys.lanes(model, pools)
-        first: list[Command] = []
-        for lane in lanes:
-            first += [("XLEN", lane), ("XINFO", "GROUPS", lane)]
+        lanes, first = self._lanes_read(model)
         first += [("ZRANGE", self.keys.fair_active(lane), 0, -1) for lane in lanes]
         replies = await self.conn.pipelined(first)
         sizes: list[tuple[int, int]] = []
@@ -135,21 +130,23 @@ class StreamCounts(OnTable):
             out.append(LaneBacklog(priority, queued, in_flight, waiting))
         return out
 
-    def _lanes_read(self, model: str) -> tuple[list[str], Pipeline]:
-        """`model`'s lanes, and a pipeline that opens with each lane's length and groups
-        (`_our_group` reads the latter)."""
+    def _lanes_read(self, model: str) -> tuple[list[str], list[Command]]:
+        """`model`'s lanes, and raw commands that open with each lane's length and groups
+        (`_our_group` reads the latter). Raw, sent on the broker's own connections: shedding
+        reads the backlog every `queue_wait_ttl_s` under load, and through redis-py's pipeline
+        (a parser and a timeout per reply) it was ~2.5 % of the gateway's CPU
+        (docs/benchmarks.md)."""
         lanes = self.keys.lanes(model, self.settings.pool_count)
-        pipe = self.conn.pipeline()
+        commands: list[Command] = []
         for lane in lanes:
-            pipe.xlen(lane)
-            pipe.xinfo_groups(lane)  # an error for a lane that does not exist yet
-        return lanes, pipe
+            # XINFO GROUPS: an error for a lane that does not exist yet
+            commands += [("XLEN", lane), ("XINFO", "GROUPS", lane)]
+        return lanes, commands
 
 
 def _our_group(groups: Any) -> Any:
-    """The workers' group from an XINFO GROUPS reply (redis-py's dicts, or the raw reply: a
-    flat field-value list per group, or a map under RESP3) as a dict by field name; None before
-    a claim has created it."""
+    """The workers' group from a raw XINFO GROUPS reply (a flat field-value list per group, or
+    a map under RESP3) as a dict by field name; None before a claim has created it."""
     if isinstance(groups, Exception):  # no lane yet
         return None
     for group in groups:
