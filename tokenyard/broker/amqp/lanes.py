@@ -79,6 +79,9 @@ class Delivery(NamedTuple):
     lane: Lane
     message: AbstractIncomingMessage
     pushed: bool
+    # when a claim first met it before its job's record, for one held to be asked about again
+    # (queue.py `_hold_early`; monotonic); None: met now
+    held_since: float | None = None
 
 
 class _Held(NamedTuple):

@@ -67,8 +67,7 @@ EARLY_HOLD_S = 2 * SOCKET_TIMEOUT_S
 class _Early(NamedTuple):
     """A delivery met before its job's record: held (unacked) until it is asked about again."""
 
-    delivery: Delivery
-    since: float  # when a claim first met it (monotonic)
+    delivery: Delivery  # its `held_since`: when a claim first met it
     due: float  # when to ask again (monotonic)
     generation: int  # the AMQP connection it came on: one that closed took it back
 
@@ -88,7 +87,6 @@ class AmqpQueue(LanesOnTable):
         self.names = names
         self.affinity = Affinity(table, amqp, names)
         self._early: dict[str, list[_Early]] = {}  # model -> deliveries met before their records
-        self._since: dict[int, float] = {}  # id(message) -> when first met, while _take asks
 
     # -- producing -------------------------------------------------------------------------
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
@@ -124,10 +122,10 @@ class AmqpQueue(LanesOnTable):
             # in this task, not one of gather's: the audit trail holds a task's receipts for
             # it, and this task takes back those of jobs not created (below)
             admitting = await self.table.eval_audited(calls, receipts)
-        except Exception as exc:  # nothing stands: undo what may have landed
+        except Exception:  # nothing stands: undo what may have landed
             await asyncio.gather(*sends, return_exceptions=True)
             await self._unadmit(specs, early, msgs, repr(now))
-            raise exc
+            raise
         except BaseException:
             for send in sends:
                 send.cancel()
@@ -273,21 +271,20 @@ class AmqpQueue(LanesOnTable):
                 continue
             if entry.due <= now and len(due) < slots and entry.delivery.lane.pool in pools:
                 due.append(entry.delivery)
-                self._since[id(entry.delivery.message)] = entry.since
             else:
                 keep.append(entry)
         self._early[model] = keep
         return due
 
-    def _hold_early(self, model: str, delivery: Delivery, since: float | None) -> bool:
+    def _hold_early(self, model: str, delivery: Delivery) -> bool:
         """Hold a delivery met before its record to ask again (False: held too long already,
         its record will not come)."""
         now = time.monotonic()
-        since = now if since is None else since
+        since = now if delivery.held_since is None else delivery.held_since
         if now - since > EARLY_HOLD_S:
             return False
         after = min(max(EARLY_RETRY_S, now - since), EARLY_RETRY_MAX_S)
-        entry = _Early(delivery, since, now + after, self.amqp.generation)
+        entry = _Early(delivery._replace(held_since=since), now + after, self.amqp.generation)
         self._early.setdefault(model, []).append(entry)
         return True
 
@@ -302,14 +299,13 @@ class AmqpQueue(LanesOnTable):
         now = self.clock()
         items, pending = [], []
         for delivery in got:
-            since = self._since.pop(id(delivery.message), None)
             job_id = delivery.message.body.decode()
             if self.lanes.rehold(job_id, delivery):
                 continue
             token = secrets.token_hex(8)
             msg = delivery.message.message_id or ""
             lane = (model, delivery.lane.priority, delivery.lane.pool)
-            pending.append((delivery, job_id, token, since))
+            pending.append((delivery, job_id, token))
             items.append(self.ledger.take_item(job_id, msg, token, lane))
         if not items:
             return []
@@ -318,14 +314,10 @@ class AmqpQueue(LanesOnTable):
         rows = await self.conn.run(call)
         leases: list[Lease] = []
         ended: list[tuple[JobSpec, JobResult | None]] = []
-        for (delivery, job_id, token, since), (
-            code,
-            spec_bytes,
-            attempt,
-            resumable,
-            preempted,
-        ) in zip(pending, rows, strict=True):
-            if code == 5 and self._hold_early(model, delivery, since):
+        for (delivery, job_id, token), (code, spec_bytes, attempt, resumable, preempted) in zip(
+            pending, rows, strict=True
+        ):
+            if code == 5 and self._hold_early(model, delivery):
                 continue
             if code == 1:
                 spec = decode(spec_bytes, JobSpec)
