@@ -190,60 +190,20 @@ class RemoteEngine(StreamEngine):
                 logprobs_run: list[TokenLogprob] | None = None
                 last = len(batch) - 1
                 for n, chunk in enumerate(batch):
-                    if "error" in chunk:
+                    try:
+                        got = await self._chunk(seq, chunk, expected)
+                    except UpstreamError:
+                        # what came before it in this read stands: a sequence it ends is done
                         if self._fed(seq, ids_run, logprobs_run):
                             await self._ended(seq, None, events)
                             return
-                        err = chunk["error"]
-                        kind = err.get("type") if isinstance(err, dict) else None
-                        raise UpstreamError(
-                            f"upstream failed the request: {_error_message(chunk)}",
-                            retry=False,
-                            refused=kind == "invalid_request_error",
-                        )
-                    choices = chunk.get("choices") or []
-                    if not choices:
-                        if n == last and self._fed(seq, ids_run, logprobs_run):
-                            await self._ended(seq, None, events)
-                            return
-                        continue  # a usage-only chunk
-                    choice = choices[0]
-                    ids = choice.get("token_ids")
-                    reason = choice.get("finish_reason")
-                    if ids is None and (choice.get("text") or reason is None):
-                        if self._fed(seq, ids_run, logprobs_run):
-                            await self._ended(seq, None, events)
-                            return
-                        raise UpstreamError(
-                            "the upstream does not return token ids; it must support the "
-                            "`return_token_ids` completions extension (vLLM, tokenyard)",
-                            retry=False,
-                        )
-                    ids = [int(t) for t in ids or ()]
-                    logprobs = None
-                    if seq.params.logprobs is not None and ids:
-                        shown = choice.get("logprobs")
-                        if (
-                            seq.params.logprobs
-                            and self._token_strings is None
-                            and _names_by_text(shown)
-                        ):
-                            await self._table_token_strings()
-                        logprobs = self._logprobs(ids, shown, seq.params.logprobs)
-                    if expected:
-                        tail = replayed_tail(expected, ids, logprobs)
-                        if tail is None:
-                            if self._fed(seq, ids_run, logprobs_run):
-                                await self._ended(seq, None, events)
-                                return
-                            raise UpstreamError(
-                                f"sequence {seq.seq_id!r} cannot resume: {NOT_REPEATED}",
-                                retry=False,
-                            )
-                        ids, logprobs = tail
-                    ids_run += ids
-                    if logprobs is not None:
-                        logprobs_run = [*(logprobs_run or ()), *logprobs]
+                        raise
+                    reason = None
+                    if got is not None:
+                        ids, logprobs, reason = got
+                        ids_run += ids
+                        if logprobs is not None:
+                            logprobs_run = [*(logprobs_run or ()), *logprobs]
                     if reason is None and n < last:
                         continue
                     if self._fed(seq, ids_run, logprobs_run):
@@ -263,6 +223,49 @@ class RemoteEngine(StreamEngine):
                         await _drain(events)
                         return
         raise StreamCut("the upstream stream ended without a finish reason")
+
+    async def _chunk(
+        self, seq: StreamSeq, chunk: dict[str, Any], expected: list[int]
+    ) -> tuple[list[int], list[TokenLogprob] | None, str | None] | None:
+        """One streamed chunk's new ids, their logprobs and its finish reason (None: a
+        usage-only chunk); ids the upstream repeats of a sequence started over are taken off
+        `expected`. An error chunk, a chunk without token ids, or a repeat that differs from
+        what was sent raise UpstreamError."""
+        if "error" in chunk:
+            err = chunk["error"]
+            kind = err.get("type") if isinstance(err, dict) else None
+            raise UpstreamError(
+                f"upstream failed the request: {_error_message(chunk)}",
+                retry=False,
+                refused=kind == "invalid_request_error",
+            )
+        choices = chunk.get("choices") or []
+        if not choices:
+            return None
+        choice = choices[0]
+        raw = choice.get("token_ids")
+        reason = choice.get("finish_reason")
+        if raw is None and (choice.get("text") or reason is None):
+            raise UpstreamError(
+                "the upstream does not return token ids; it must support the "
+                "`return_token_ids` completions extension (vLLM, tokenyard)",
+                retry=False,
+            )
+        ids = [int(t) for t in raw or ()]
+        logprobs = None
+        if seq.params.logprobs is not None and ids:
+            shown = choice.get("logprobs")
+            if seq.params.logprobs and self._token_strings is None and _names_by_text(shown):
+                await self._table_token_strings()
+            logprobs = self._logprobs(ids, shown, seq.params.logprobs)
+        if expected:
+            tail = replayed_tail(expected, ids, logprobs)
+            if tail is None:
+                raise UpstreamError(
+                    f"sequence {seq.seq_id!r} cannot resume: {NOT_REPEATED}", retry=False
+                )
+            ids, logprobs = tail
+        return ids, logprobs, reason
 
     def _fed(self, seq: StreamSeq, ids: list[int], logprobs: list[TokenLogprob] | None) -> bool:
         """Feed a run of chunks' ids (none: nothing to feed); whether the sequence is done."""
