@@ -335,9 +335,7 @@ class Scheduler(Generic[H]):
         if self._steps_since_alone < self.alone_every:
             # the engine steps these outputs span, until the next alone step is due: a step has
             # one output per sequence it ran, so steps delivered together repeat a sequence
-            times: dict[str, int] = {}
-            for out in outputs:
-                times[out.seq_id] = times.get(out.seq_id, 0) + 1
+            times = Counter(out.seq_id for out in outputs)
             self._steps_since_alone += max(times.values(), default=0)
         for out in outputs:
             job = self._running.get(out.seq_id)
