@@ -184,12 +184,7 @@ async def serve_worker(url: str, key: str, engine_options: dict[str, Any]) -> No
             for _, entries in got or ():
                 for entry_id, fields in entries:
                     body = await answer(engine, entry_id.decode(), json.loads(fields[b"body"]))
-                    async with client.pipeline(transaction=False) as pipe:
-                        pipe.xadd(fields[b"reply"], {"status": 200, "body": body})
-                        pipe.pexpire(fields[b"reply"], REPLY_TTL_MS)
-                        pipe.xack(key, GROUP, entry_id)
-                        pipe.xdel(key, entry_id)
-                        await pipe.execute()
+                    await write_reply(client, key, entry_id, fields[b"reply"], 200, body)
     finally:
         await client.aclose()
         await engine.stop()
@@ -256,9 +251,22 @@ async def relay(
     headers = {"Content-Type": "application/json"}
     async with http.post(upstream, data=fields[b"body"], headers=headers) as response:
         status, body = response.status, await response.read()
+    await write_reply(client, key, entry_id, fields[b"reply"], status, body)
+
+
+async def write_reply(
+    client: aioredis.Redis,
+    key: str,
+    entry_id: bytes,
+    reply_key: bytes,
+    status: int,
+    body: str | bytes,
+) -> None:
+    """A request's answer on its reply stream (expiring), the request taken off `key`: one
+    pipeline."""
     async with client.pipeline(transaction=False) as pipe:
-        pipe.xadd(fields[b"reply"], {"status": status, "body": body})
-        pipe.pexpire(fields[b"reply"], REPLY_TTL_MS)
+        pipe.xadd(reply_key, {"status": status, "body": body})
+        pipe.pexpire(reply_key, REPLY_TTL_MS)
         pipe.xack(key, GROUP, entry_id)
         pipe.xdel(key, entry_id)
         await pipe.execute()
