@@ -470,6 +470,13 @@ def test_capacity_from_the_kv_cache(tiny_model_path: Path) -> None:
     assert small == EngineCapacity(50, (100 - 50) * 64)
     asked = plan_capacity(kv_tokens=1 << 24, max_seqs=8, max_tokens=5000, **plan)  # type: ignore[arg-type]
     assert asked == EngineCapacity(8, 5000)
+    # A cache sized for a budget and its sequences (the budget's pages + one per sequence, as
+    # the engine sizes it on CUDA) holds all of them, also where they outnumber the budget's
+    # pages (short sequences, large pages); without a budget asked for, half the pages at most.
+    sized = plan_capacity(kv_tokens=(48 + 64) * 64, max_seqs=64, max_tokens=48 * 64, **plan)  # type: ignore[arg-type]
+    assert sized == EngineCapacity(64, 48 * 64)
+    unsized = plan_capacity(kv_tokens=(48 + 64) * 64, max_seqs=64, max_tokens=None, **plan)  # type: ignore[arg-type]
+    assert unsized.max_seqs == 56
     # The tiny CPU model's defaults: 64 sequences, each may use the whole 2048-token context.
     eng = HFEngine(str(tiny_model_path))
     assert eng.capacity == EngineCapacity(64, 64 * 2048)

@@ -53,6 +53,7 @@ from tokenyard.engines.base import (
 )
 from tokenyard.engines.detok import Delta
 from tokenyard.engines.guide import GuideCompiler
+from tokenyard.engines.hf_graphs import capture_query_buckets
 from tokenyard.engines.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_model_path
 from tokenyard.engines.lora import LoraSet
 from tokenyard.engines.sampling import (
@@ -179,15 +180,21 @@ def plan_capacity(
     """Sequences and token budget that fit a KV cache of `kv_tokens` tokens.
 
     Every running sequence may leave its last page partly empty, so a page per sequence is set
-    aside; the budget defaults to every sequence using the whole context, within the cache.
+    aside; the budget defaults to every sequence using the whole context, within the cache. The
+    sequences may take up to half the pages that way, or, where a budget is asked for, every
+    page the budget leaves: a cache sized as budget + a page per sequence (`_cb_config`) holds
+    exactly the sequences it was sized for, however short they are.
     """
     pages = kv_tokens // page_size
     if pages < 2:
         raise FatalError(f"the KV cache holds {kv_tokens} tokens: less than two pages")
     seqs = default_seqs if max_seqs is None else max_seqs
-    if seqs > pages // 2:
-        log.warning("max_seqs %d lowered to %d: that is what the KV cache holds", seqs, pages // 2)
-        seqs = pages // 2
+    most = pages // 2
+    if max_tokens is not None:
+        most = max(most, pages - -(-max_tokens // page_size))
+    if seqs > most:
+        log.warning("max_seqs %d lowered to %d: that is what the KV cache holds", seqs, most)
+        seqs = most
     usable = (pages - seqs) * page_size
     wanted = seqs * max_model_len if max_tokens is None else max_tokens
     if wanted > usable and max_tokens is not None:
@@ -772,8 +779,13 @@ class HFEngine(HFEngineBase):
             self._isolate_salted(processor.cache)
             self._prefill_by_priority(processor.scheduler)
             self._alone_first(processor.scheduler)
+            if capture_buckets:
+                # on the generation thread, before its first step: the shapes a served batch
+                # meets are captured now, not one stalled step at a time (engines/hf_graphs.py)
+                capture_query_buckets(processor, model)
             return processor
 
+        capture_buckets = False  # not into the processor `warmup()` sizes the cache with
         manager._create_batch_processor = create_isolating  # type: ignore[method-assign]
         self._processor = _SamplingProcessors(
             self._row_features,
@@ -792,6 +804,8 @@ class HFEngine(HFEngineBase):
         # Creates the paged cache now, so its real size is known, and with CUDA graphs captures
         # them at the largest batch; `warmup` adds one real request for the smallest shapes.
         manager.warmup()
+        # the loop's own processor, made when it starts, is the one that steps: capture there
+        capture_buckets = self.warmup and self._graphs_on()
         cache = manager.batch_processor.cache if manager.batch_processor is not None else None
         if cache is not None:
             measured = self._plan(int(cache.num_blocks) * self.page_size)
