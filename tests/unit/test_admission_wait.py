@@ -147,6 +147,24 @@ def test_a_saturated_workers_completion_rate_is_its_capacity() -> None:
     assert rate.observe([beat("w", 4.0, 20, 3)], saturated=False) == pytest.approx(20 / 3)
 
 
+def test_a_burst_after_idle_time_is_no_measure_of_capacity() -> None:
+    # Found on a GPU: a worker finished its warm-up, sat idle, then a burst of requests came;
+    # the first read that saw them waiting took the idle interval's two completions for the
+    # worker's whole capacity (1 job/s) and refused the burst's tail as a 30 s queue wait.
+    rate = ServiceRate(halflife_s=0.0)
+    rate.observe([beat("w", 0.0, 0, 0, busy_s=0.0)])  # type: ignore[arg-type]
+    # 2 jobs in 2 s holding 2 slot-seconds (1 of 4 slots on average), jobs waiting only now
+    got = rate.observe([beat("w", 2.0, 2, 0, total=4, busy_s=2.0)], saturated=True)  # type: ignore[arg-type]
+    assert got == pytest.approx(2 / 2 * 4 / 1)  # Little's law: 4 jobs/s with all 4 busy, not 1
+    # an interval with jobs waiting at both ends is the capacity as measured
+    got = rate.observe([beat("w", 4.0, 20, 4, total=4, busy_s=9.0)], saturated=True)  # type: ignore[arg-type]
+    assert got == pytest.approx(9.0)
+    # one read without waiting jobs in between: that interval is scaled again
+    rate.observe([beat("w", 4.0, 20, 4, total=4, busy_s=9.0)], saturated=False)  # type: ignore[arg-type]
+    got = rate.observe([beat("w", 6.0, 30, 4, total=4, busy_s=13.0)], saturated=True)  # type: ignore[arg-type]
+    assert got == pytest.approx(10 / 2 * 4 / 2)
+
+
 def test_slot_seconds_give_the_mean_held_not_two_instants() -> None:
     rate = ServiceRate(halflife_s=0.0)
     rate.observe([beat("w", 0.0, 0, 0, busy_s=0.0)])  # type: ignore[arg-type]

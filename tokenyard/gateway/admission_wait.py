@@ -157,19 +157,22 @@ class _Beat(msgspec.Struct):
     slots_used: int
     busy_s: float
     capacity: float | None = None  # jobs/s this worker completes with all its slots busy
+    # every read since this heartbeat first came found jobs waiting: the interval it opens
+    # ran saturated only if the read that closes it finds them too
+    saturated: bool = False
 
 
 class ServiceRate:
     """A model's fleet completion rate (jobs/s) measured from its workers' heartbeats.
 
     Between two heartbeats of one worker, `jobs_done` grew by `n` over `dt`: it completed
-    n/dt jobs/s. While jobs wait for the workers (`saturated`) that is all it can do, so it
-    is its capacity as measured. Otherwise it held `busy` jobs on average (its slot-seconds
-    over dt), and with all `slots` busy it would do about slots·(n/dt)/busy (Little's law, as
-    autoscale.Estimator); scaling a saturated worker's rate this way would overestimate it, as
-    its running count dips between a job's end and the next one's start. The fleet's rate is
-    the sum over live, non-draining workers of their smoothed capacities. A worker not measured
-    yet counts as the mean of those that are.
+    n/dt jobs/s. While jobs wait for the workers (`saturated`, at every read from one heartbeat
+    to the next) that is all it can do, so it is its capacity as measured. Otherwise it held
+    `busy` jobs on average (its slot-seconds over dt), and with all `slots` busy it would do
+    about slots·(n/dt)/busy (Little's law, as autoscale.Estimator); scaling a saturated
+    worker's rate this way would overestimate it, as its running count dips between a job's end
+    and the next one's start. The fleet's rate is the sum over live, non-draining workers of
+    their smoothed capacities. A worker not measured yet counts as the mean of those that are.
     """
 
     def __init__(self, halflife_s: float = 5.0) -> None:
@@ -185,6 +188,7 @@ class ServiceRate:
         for info in workers:
             last = self._beats.get(info.consumer)
             beat = _Beat(info.at, info.jobs_done, info.slots_used, info.busy_s)
+            beat.saturated = saturated
             if last is None:
                 beats[info.consumer] = beat
                 continue
@@ -192,15 +196,19 @@ class ServiceRate:
             dt = info.at - last.at
             done = info.jobs_done - last.jobs_done
             if dt <= 0:  # the same heartbeat again: keep the interval's start
+                last.saturated = last.saturated and saturated
                 beats[info.consumer] = last
                 continue
+            # a burst that finds an idle worker waits at this read, but the interval before it
+            # was idle: its few completions are no measure of capacity
+            throughout = last.saturated and saturated
             held = info.busy_s - last.busy_s
             # the slots held on average: exact from the worker's slot-seconds; a worker that
             # does not report them is sampled at its two heartbeats
             busy = held / dt if held > 0 else (info.slots_used + last.slots_used) / 2
-            if done > 0 and (busy > 0 or saturated):
+            if done > 0 and (busy > 0 or throughout):
                 sample = done / dt
-                if not saturated:
+                if not throughout:
                     sample *= max(1, info.slots_total) / max(busy, 1.0)
                 beat.capacity = _ema(last.capacity, sample, dt, self.halflife_s)
             beats[info.consumer] = beat
