@@ -14,6 +14,11 @@
 # Knobs (environment): PY=python3 DEVICE=cuda SIZE=1b DTYPE=bfloat16 CONCURRENCY="64 256"
 # MAX_TOKENS=64 PROMPT_WORDS=32 TOTAL_S=440 WHEELS=1 (0: use PY's own packages, for a CPU run)
 # CUDA_GRAPHS=1 (0: eager forward passes everywhere, should graph capture fail).
+# NO_WARMUP_AB=1: the first level once more with the worker's warm-up off
+# (TOKENYARD_WORKER_WARMUP=false: no CUDA graphs of query buckets captured at start), saved as
+# ceiling-cN-nowarmup.json: what the start-up capture buys, side by side on one machine.
+# PROFILE=1: py-spy (carried as a wheel) samples the worker of the first level, every thread,
+# into logs/cFIRST/worker.speedscope.json (in logs.tar.gz): where a GPU worker's host time goes.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 REPO=$PWD
@@ -28,6 +33,8 @@ PROMPT_WORDS=${PROMPT_WORDS:-32}
 TOTAL_S=${TOTAL_S:-440}
 WHEELS=${WHEELS:-1}
 CUDA_GRAPHS=${CUDA_GRAPHS:-1}
+PROFILE=${PROFILE:-0}
+NO_WARMUP_AB=${NO_WARMUP_AB:-0}
 WORK=${WORK:-/tmp/ty-gpu}
 mkdir -p "$OUT" "$WORK/logs"
 START=$(date +%s)
@@ -72,6 +79,7 @@ reap() {
     pid=${p#/proc/}
     [[ $pid == "$$" || $pid == "$BASHPID" ]] && continue
     { cmd=$(tr '\0' ' ' <"$p/cmdline"); } 2>/dev/null || continue
+    [[ $cmd == *py-spy* ]] && continue  # it writes its profile when the worker exits
     if [[ $cmd == *"$WORK"* || $(readlink "$p/cwd" 2>/dev/null) == "$WORK"* ]]; then
       pids+=("$pid")
     fi
@@ -114,6 +122,29 @@ print("cuda", torch.cuda.is_available(), torch.cuda.device_count())
 PY
 }
 
+# profile_worker MODEL LOG_DIR: waits for the benchmark's worker (its command line names the
+# model's path) and samples it with py-spy until it exits; a profile of the whole life of the
+# worker: load, warm-up, the offline-free HTTP run, drain.
+profile_worker() {
+  local model=$1 dir=$2 p cmd pid=
+  command -v py-spy >/dev/null || { echo "== profile: no py-spy" >&2; return 0; }
+  for _ in $(seq 600); do
+    for p in /proc/[0-9]*; do
+      { cmd=$(tr '\0' ' ' <"$p/cmdline"); } 2>/dev/null || continue
+      if [[ $cmd == *worker*"$model"* && $cmd != *py-spy* && $cmd != *bench.engine_ceiling* ]]; then
+        pid=${p#/proc/}
+        break 2
+      fi
+    done
+    sleep 0.5
+  done
+  [[ -n $pid ]] || { echo "== profile: no worker found" >&2; return 0; }
+  mkdir -p "$dir"
+  echo "== profile: py-spy on worker $pid" >&2
+  py-spy record --pid "$pid" --rate 200 --threads --nonblocking --format speedscope \
+    --output "$dir/worker.speedscope.json" >"$dir/py-spy.log" 2>&1
+}
+
 export -f facts install_wheels check_imports
 
 main() {
@@ -121,7 +152,7 @@ step facts 30 facts >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [[ $WHEELS == 1 ]]; then
   step wheels 120 install_wheels
-  export PYTHONPATH=/tmp/site:$REPO
+  export PYTHONPATH=/tmp/site:$REPO PATH=/tmp/site/bin:$PATH
 else
   export PYTHONPATH=$REPO
 fi
@@ -137,6 +168,11 @@ if step model 180 "$PY" -m bench.gpu.make_model --out "$MODEL" --size "$SIZE" --
   graphs=()
   [[ $CUDA_GRAPHS == 1 ]] || graphs=(--no-cuda-graphs)
   for c in "${levels[@]}"; do
+    profiler=
+    if [[ $PROFILE == 1 && $c == "${levels[0]}" ]]; then
+      profile_worker "$MODEL" "$WORK/logs/c$c" &
+      profiler=$!
+    fi
     limit=200
     [[ $c == "${levels[-1]}" ]] && limit=600
     step "ceiling-c$c" "$limit" "$PY" -m bench.engine_ceiling --model "$MODEL" \
@@ -144,10 +180,21 @@ if step model 180 "$PY" -m bench.gpu.make_model --out "$MODEL" --size "$SIZE" --
       --prompt-words "$PROMPT_WORDS" --log-dir "$WORK/logs/c$c" "${graphs[@]}" \
       >"$WORK/ceiling-c$c.json"
     reap
+    [[ -n $profiler ]] && { sleep 2; kill "$profiler" 2>/dev/null; wait "$profiler" 2>/dev/null; }
     # a JSON document only when the run finished: a killed run leaves a partial or empty file
     "$PY" -c 'import json,sys; json.load(open(sys.argv[1]))' "$WORK/ceiling-c$c.json" 2>/dev/null &&
       cp "$WORK/ceiling-c$c.json" "$OUT/"
   done
+  if [[ $NO_WARMUP_AB == 1 ]]; then
+    c=${levels[0]}
+    step "ceiling-c$c-nowarmup" 200 env TOKENYARD_WORKER_WARMUP=false "$PY" -m bench.engine_ceiling \
+      --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --concurrency "$c" \
+      --max-tokens "$MAX_TOKENS" --prompt-words "$PROMPT_WORDS" --log-dir "$WORK/logs/c$c-nowarmup" \
+      "${graphs[@]}" >"$WORK/ceiling-c$c-nowarmup.json"
+    reap
+    "$PY" -c 'import json,sys; json.load(open(sys.argv[1]))' "$WORK/ceiling-c$c-nowarmup.json" \
+      2>/dev/null && cp "$WORK/ceiling-c$c-nowarmup.json" "$OUT/"
+  fi
 fi
 
 # vLLM against tokenyard's vLLM engine, like for like, where the image has vLLM (KINDS.md lists
