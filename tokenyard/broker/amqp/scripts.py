@@ -78,7 +78,9 @@ class EndKeys(NamedTuple):
     delayed: str
 
 
-class LeaseItemKeys(NamedTuple):
+class LaneItemKeys(NamedTuple):
+    """A job's keys and its lane's sets: an item of take.lua, requeue.lua and bury.lua."""
+
     job: str
     events: str
     waiting: str
@@ -119,7 +121,7 @@ class TakeItemArgs(NamedTuple):
 
 
 TAKE = _script(
-    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends", "affinity")
+    "take", TakeKeys, TakeArgs, LaneItemKeys, TakeItemArgs, libraries=("ends", "affinity")
 )
 
 
@@ -185,13 +187,6 @@ class RequeueKeys(NamedTuple):
     cancels: str
 
 
-class RequeueItemKeys(NamedTuple):
-    job: str
-    waiting: str
-    leases: str
-    events: str
-
-
 class RequeueArgs(NamedTuple):
     now: str
     expired_by: str
@@ -214,17 +209,10 @@ REQUEUE = _script(
     "requeue",
     RequeueKeys,
     RequeueArgs,
-    RequeueItemKeys,
+    LaneItemKeys,
     RequeueItemArgs,
     libraries=("holds", "ends"),
 )
-
-
-class BuryItemKeys(NamedTuple):
-    job: str
-    events: str
-    leases: str
-    waiting: str
 
 
 class BuryItemArgs(NamedTuple):
@@ -242,7 +230,7 @@ class BuryItemArgs(NamedTuple):
 
 
 BURY = _script(
-    "bury", EndKeys, CompleteArgs, BuryItemKeys, BuryItemArgs, libraries=("holds", "ends")
+    "bury", EndKeys, CompleteArgs, LaneItemKeys, BuryItemArgs, libraries=("holds", "ends")
 )
 
 
