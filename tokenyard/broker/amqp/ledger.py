@@ -252,7 +252,7 @@ class Ledger(OnTable):
                     scripts.CompleteItemKeys(
                         job=job, events=self.keys.events(lease.spec.id), leases=lease_set
                     ),
-                    scripts.CompleteItemArgs(*completion_args(lease, result, tail)),
+                    completion_args(lease, result, tail),
                 )
             )
         return scripts.COMPLETE.call(

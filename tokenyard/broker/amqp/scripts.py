@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-# the complete scripts of both lane kinds write the same model keys (lua/lib/ends.lua)
-from tokenyard.broker.redis.scripts import CompleteKeys, Empty, ScriptSpec
+# the complete scripts of both lane kinds write the same model keys (lua/lib/ends.lua) and
+# take the same item arguments (ValkeyJobTable's completion_args makes them for both)
+from tokenyard.broker.redis.scripts import CompleteItemArgs, CompleteKeys, Empty, ScriptSpec
 
 PACKAGE = "tokenyard.broker.amqp"
 # a script of this package: its body is lua/<name>.lua here, its libraries this package's
@@ -166,15 +167,6 @@ class CompleteItemKeys(NamedTuple):
 class CompleteArgs(NamedTuple):
     now: str
     ttl_ms: int
-
-
-class CompleteItemArgs(NamedTuple):
-    consumer: str
-    token: str
-    job_id: str
-    status: str
-    finished: bytes
-    tail: bytes
 
 
 COMPLETE = _script(
