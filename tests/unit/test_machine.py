@@ -243,3 +243,37 @@ def test_a_job_is_preempted_at_most_max_preemptions_times() -> None:
     held = machine.take(state, "b", 10.0, RULES)
     assert isinstance(held, Step)
     assert machine.preempt(held.state, "b", 10.0, RULES) is Refused.SPENT
+
+
+def test_a_nats_record_carries_every_field_of_the_state_both_ways() -> None:
+    # StoredJob copies the fields it shares with JobState by name: each set off its default
+    # here, so one the copy left out would come back at its default
+    from tokenyard.broker.nats.records import StoredJob
+    from tokenyard.messages import JobSpec
+
+    state = JobState(
+        status=JobStatus.RUNNING,
+        deliveries=2,
+        holder="a",
+        lease_until=5.0,
+        deadline=9.0,
+        cancel=True,
+        followers=3,
+        preemptions=1,
+        last_error="lapsed",
+        result=ok("x"),
+        started_at=1.0,
+        finished_at=2.0,
+    )
+    job = StoredJob(spec=JobSpec(id="j", model="m", deadline=9.0), status=JobStatus.QUEUED)
+    job.take_on(state)
+    assert job.state() == state
+    record = job.record()
+    assert (record.status, record.deliveries, record.worker, record.spec.attempt) == (
+        JobStatus.RUNNING,
+        2,
+        "a",
+        1,
+    )
+    assert (record.cancel_requested, record.preemptions, record.last_error) == (True, 1, "lapsed")
+    assert (record.result, record.started_at, record.finished_at) == (ok("x"), 1.0, 2.0)

@@ -281,20 +281,18 @@ def serve(
     # the port before anything starts: one that is taken fails serve at once, in one line
     listener = _bind(gw.host, gw.port)
     stack = Stack(
+        given=settings,
         external=settings if private is None else None,
         embedded=private or "valkey",
-        prefix=settings.prefix,
         model=worker_settings.model,
         served_names=worker_settings.served_model_name,
         engine=chosen.engine,
         n_workers=0 if auto else int(workers),
         max_seqs=worker_settings.max_seqs,
         data_dir=data_dir,
-        appendfsync=settings.appendfsync,
         autoscale=auto,
         log_format=log_format,
         log_level=log_level,
-        given=settings,
     )
     # uvicorn re-raises the SIGTERM it handled once it has shut down: turn it into an exit
     # that unwinds the stack (workers drain, the private server stops) instead of killing it

@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -492,16 +492,29 @@ class ChannelEngine(Engine):
         return msgspec.structs.replace(self._stats)
 
 
-class LocalEngine(ChannelEngine, Generic[S]):
-    """An engine in this process: its sequences by id and a busy-loop thread (`_thread`) that
-    waits on `_cond` and ends once `_closed` is set."""
+class ThreadedEngine(ChannelEngine):
+    """An engine whose passes run on a thread of its own (`_loop`): it sleeps on `_cond` while
+    there is nothing to do and ends once `_closed` is set; `stop` wakes and joins it."""
 
     def __init__(self, capacity: EngineCapacity) -> None:
         super().__init__(capacity)
         self._cond = threading.Condition(self._lock)
-        self._seqs: dict[str, S] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    def _start_thread(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        raise NotImplementedError  # an engine that starts its thread runs its passes here
+
+    def _wait_locked(self, pending: Sized) -> bool:
+        """Under `_cond`: sleep while `pending` (the work not yet stepped) is empty; False once
+        the engine has stopped, when the loop ends."""
+        while not self._closed and not pending:
+            self._cond.wait()
+        return not self._closed
 
     async def stop(self) -> None:
         with self._cond:
@@ -514,6 +527,25 @@ class LocalEngine(ChannelEngine, Generic[S]):
         self._deliver(left)
         self._channel.close()
 
+    def _close_locked(self) -> list[StepOutput]:
+        """Mark the engine stopped; the "engine stopped" outputs of what still ran (an engine
+        that holds work adds its own)."""
+        self._closed = True
+        self._ledger.clear()
+        return []
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Every output of this engine passes here, in order (a hook for instrumentation)."""
+        self._channel.deliver(outputs)
+
+
+class LocalEngine(ThreadedEngine, Generic[S]):
+    """An engine in this process that holds its sequences by id (`_seqs`)."""
+
+    def __init__(self, capacity: EngineCapacity) -> None:
+        super().__init__(capacity)
+        self._seqs: dict[str, S] = {}
+
     def abort(self, seq_id: str) -> None:
         with self._cond:
             seq = self._seqs.get(seq_id)
@@ -525,10 +557,6 @@ class LocalEngine(ChannelEngine, Generic[S]):
     def _abort_locked(self, seq: S) -> None:
         """Let an aborted sequence go: its slot and tokens are free once this returns."""
         self._release_locked(seq)
-
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        """Every output of this engine passes here, in order (a hook for instrumentation)."""
-        self._channel.deliver(outputs)
 
     def _hold_locked(self, seq: S) -> bool:
         """Take a new sequence in; False when its resumed tokens already finished it."""
@@ -553,9 +581,6 @@ class LocalEngine(ChannelEngine, Generic[S]):
         return True
 
     def _close_locked(self) -> list[StepOutput]:
-        """Mark the engine stopped; the "engine stopped" outputs of what still ran."""
-        self._closed = True
         left = [s.finish(FinishReason.ERROR, "engine stopped") for s in self._seqs.values()]
         self._seqs.clear()
-        self._ledger.clear()
-        return left
+        return left + super()._close_locked()

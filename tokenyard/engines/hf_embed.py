@@ -19,7 +19,6 @@ import asyncio
 import importlib
 import logging
 import os
-import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,10 +32,10 @@ from transformers.utils import logging as hf_logging
 
 from tokenyard import limits
 from tokenyard.engines.base import (
-    ChannelEngine,
     EngineCapacity,
     EngineRequest,
     StepOutput,
+    ThreadedEngine,
     weights_fingerprint,
 )
 from tokenyard.engines.hf import resolve_device, resolve_dtype
@@ -133,7 +132,7 @@ class _Job:
         )
 
 
-class HFEmbedEngine(ChannelEngine):
+class HFEmbedEngine(ThreadedEngine):
     """Embeddings, or a cross-encoder's scores, from a transformers model: every step takes
     inputs in arrival order (several jobs' together) up to `max_batch_tokens` padded tokens,
     and a job ends once all its inputs are pooled. Completions are refused (its limits say it
@@ -174,11 +173,8 @@ class HFEmbedEngine(ChannelEngine):
             CUDA_MAX_BATCH_TOKENS if self.device.type == "cuda" else CPU_MAX_BATCH_TOKENS
         )
         self.max_batch_tokens = max_batch_tokens or default_batch
-        self._cond = threading.Condition(self._lock)
         self._jobs: dict[str, _Job] = {}
         self._queue: deque[_Job] = deque()  # jobs with inputs not yet in a forward pass
-        self._closed = False
-        self._thread: threading.Thread | None = None
         self._model: Any = None
         self._limits: ModelLimits | None = None
         self._revision = (
@@ -213,8 +209,7 @@ class HFEmbedEngine(ChannelEngine):
             return
         self._channel.bind(asyncio.get_running_loop())
         await asyncio.to_thread(self._load)
-        self._thread = threading.Thread(target=self._loop, name="hf-embed", daemon=True)
-        self._thread.start()
+        self._start_thread("hf-embed")
 
     def _load(self) -> None:
         if self.threads is not None:
@@ -227,20 +222,11 @@ class HFEmbedEngine(ChannelEngine):
         self._token_types = int(getattr(model.config, "type_vocab_size", 0) or 0) > 1
         self._model = model
 
-    async def stop(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            left = [job.output(FinishReason.ERROR, "engine stopped") for job in self._jobs.values()]
-            self._jobs.clear()
-            self._queue.clear()
-            self._ledger.clear()
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._channel.deliver(left)
-        self._channel.close()
+    def _close_locked(self) -> list[StepOutput]:
+        left = [job.output(FinishReason.ERROR, "engine stopped") for job in self._jobs.values()]
+        self._jobs.clear()
+        self._queue.clear()
+        return left + super()._close_locked()
 
     def add(self, request: EngineRequest) -> None:
         prompt, lengths = request.prompt_token_ids, request.input_lengths
@@ -268,7 +254,7 @@ class HFEmbedEngine(ChannelEngine):
             self._ledger.give_back(seq_id)
             if job in self._queue:
                 self._queue.remove(job)
-        self._channel.deliver([job.output(FinishReason.CANCELLED)])
+        self._deliver([job.output(FinishReason.CANCELLED)])
 
     def _take_batch_locked(self) -> list[tuple[_Job, int]]:
         """Inputs in arrival order while the padded batch fits `max_batch_tokens` (one always)."""
@@ -289,9 +275,7 @@ class HFEmbedEngine(ChannelEngine):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._queue:
-                    self._cond.wait()
-                if self._closed:
+                if not self._wait_locked(self._queue):
                     return
                 batch = self._take_batch_locked()
             inputs = [job.inputs[i] for job, i in batch]
@@ -319,7 +303,7 @@ class HFEmbedEngine(ChannelEngine):
                         del self._jobs[job.seq_id]
                         self._ledger.give_back(job.seq_id)
                         outputs.append(job.output(FinishReason.STOP))
-            self._channel.deliver(outputs)
+            self._deliver(outputs)
 
     def _fail(self, jobs: Iterable[_Job], exc: Exception) -> None:
         outputs: list[StepOutput] = []
@@ -330,7 +314,7 @@ class HFEmbedEngine(ChannelEngine):
                     if job in self._queue:
                         self._queue.remove(job)
                     outputs.append(job.output(FinishReason.ERROR, f"{type(exc).__name__}: {exc}"))
-        self._channel.deliver(outputs)
+        self._deliver(outputs)
 
     def _padded(self, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """`inputs` right-padded, and their attention mask, on the model's device."""

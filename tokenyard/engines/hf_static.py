@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 from collections import deque
 from typing import Any, Unpack
@@ -137,8 +136,7 @@ class HFStaticEngine(HFEngineBase):
         model.generation_config.eos_token_id = None
         with self._lock:
             self._started = True
-        self._thread = threading.Thread(target=self._loop, name="tokenyard-hf-static", daemon=True)
-        self._thread.start()
+        self._start_thread("tokenyard-hf-static")
 
     def _close_locked(self) -> list[StepOutput]:
         self._queue.clear()

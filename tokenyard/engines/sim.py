@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import random
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -470,8 +469,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         if self._thread is not None:
             return
         self._channel.bind(asyncio.get_running_loop())
-        self._thread = threading.Thread(target=self._loop, name="tokenyard-sim-engine", daemon=True)
-        self._thread.start()
+        self._start_thread("tokenyard-sim-engine")
 
     def add(self, request: EngineRequest) -> None:
         tok = self.tokenizer
@@ -504,9 +502,7 @@ class SimEngine(LocalEngine[_SimSeq]):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._seqs:
-                    self._cond.wait()
-                if self._closed:
+                if not self._wait_locked(self._seqs):
                     return
                 batch = list(self._seqs.values())
                 # a step that starts an `alone` sequence runs only those: the others wait it out

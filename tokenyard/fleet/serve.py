@@ -38,23 +38,21 @@ EMBEDDED: tuple[Embedded, ...] = ("valkey", "nats")
 class Stack:
     """Starts what `serve` needs in order and stops it in reverse; workers drain on the way out."""
 
+    # the settings serve was given (flags, env, file): its prefix and fsync policy, and what the
+    # gateway and the workers of a private server take too (the Kafka audit log's, ...)
+    given: BrokerSettings
     external: BrokerSettings | None  # a broker to use; None: a private `embedded` in `data_dir`
-    prefix: str
     model: str  # what the workers load
     engine: str
     n_workers: int
     max_seqs: int | None
     data_dir: Path
-    appendfsync: Literal["always", "everysec", "no"]
     drain_timeout_s: float = 30.0
     # --workers auto: a supervisor thread sizes `workers`; its gauges join the gateway's
     autoscale: AutoscaleConfig | None = None
     log_format: str = "text"
     log_level: str = "INFO"
     embedded: Embedded = "valkey"
-    # the settings serve was given (flags, env, file): the gateway of a private server takes
-    # them too (the Kafka audit log's, ...), with that server's URL
-    given: BrokerSettings | None = None
     # the model's names (the first: its lanes' name); empty: `model` as given
     served_names: tuple[str, ...] = ()
     server: EmbeddedServer | EmbeddedNats | None = field(default=None, init=False)
@@ -90,13 +88,17 @@ class Stack:
         return self.external.tables_url if self.external is not None else ""
 
     @property
+    def prefix(self) -> str:
+        return self.given.prefix
+
+    @property
+    def appendfsync(self) -> Literal["always", "everysec", "no"]:
+        return self.given.appendfsync
+
+    @property
     def broker_settings(self) -> BrokerSettings:
-        base = (
-            self.external
-            or self.given
-            or BrokerSettings(prefix=self.prefix, appendfsync=self.appendfsync)
-        )
-        return msgspec.structs.replace(base, url=self.broker_url, tables_url=self.tables_url)
+        """The given settings, with the URLs of the servers this stack started."""
+        return msgspec.structs.replace(self.given, url=self.broker_url, tables_url=self.tables_url)
 
     def start(self) -> None:
         external = self.external
@@ -201,7 +203,7 @@ class Stack:
             cmd += ["--tables", self.tables_url]
         if self.max_seqs:
             cmd += ["--max-seqs", str(self.max_seqs)]
-        audit_kafka = (self.external or self.given or BrokerSettings()).audit_kafka
+        audit_kafka = self.given.audit_kafka
         if audit_kafka:  # the workers read the rest of it from the environment they inherit
             cmd += ["--audit-kafka", audit_kafka]
         return cmd

@@ -88,17 +88,10 @@ class TokenizeChatRequest(ChatTemplateInput, _Tokenize):
 
     def as_chat(self, model: str) -> ChatCompletionRequest:
         """The chat completion whose prompt this request tokenizes: its template renders the
-        same messages with the same switches, variables and template."""
-        return ChatCompletionRequest.model_construct(
-            model=model,
-            messages=self.messages,
-            tools=self.tools,
-            tool_choice=None,
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
-        )
+        same input, every field of the base both share (messages, tools, switches, variables
+        and template), so a field added to that base is carried here too."""
+        given = {name: getattr(self, name) for name in ChatTemplateInput.model_fields}
+        return ChatCompletionRequest.model_construct(model=model, tool_choice=None, **given)
 
 
 class DetokenizeRequest(Request):

@@ -51,6 +51,17 @@ class Ledger(OnTable):
         lane = self.lane_key(spec.model, spec.priority, spec.pool)
         return self.keys.waiting(lane), self.keys.leases(lane)
 
+    def _item_keys(self, job_id: str, lane: str) -> scripts.LaneItemKeys:
+        """An item's keys in take.lua, requeue.lua and bury.lua: the job's, and the sets of its
+        lane (a `lane_key`)."""
+        k = self.keys
+        return scripts.LaneItemKeys(
+            k.job(job_id), k.events(job_id), k.waiting(lane), k.leases(lane)
+        )
+
+    def _spec_item_keys(self, spec: JobSpec) -> scripts.LaneItemKeys:
+        return self._item_keys(spec.id, self.lane_key(spec.model, spec.priority, spec.pool))
+
     def _lease_keys(self, lease: Lease) -> tuple[str, str]:
         """(job key, the lane's lease set) of a lease."""
         return self.keys.job(lease.spec.id), self.sets(lease.spec)[1]
@@ -148,18 +159,13 @@ class Ledger(OnTable):
     # -- leases ----------------------------------------------------------------------------
     def take_item(
         self, job_id: str, msg: str, token: str, lane: tuple[str, Priority, int]
-    ) -> tuple[scripts.LeaseItemKeys, scripts.TakeItemArgs]:
+    ) -> tuple[scripts.LaneItemKeys, scripts.TakeItemArgs]:
         """take.lua's item: job `job_id` by its message `msg` from `lane` (model, priority,
         pool), leased under `token`."""
         model, priority, pool = lane
         key = self.lane_key(model, priority, pool)
         return (
-            scripts.LeaseItemKeys(
-                job=self.keys.job(job_id),
-                events=self.keys.events(job_id),
-                waiting=self.keys.waiting(key),
-                leases=self.keys.leases(key),
-            ),
+            self._item_keys(job_id, key),
             scripts.TakeItemArgs(
                 job_id=job_id,
                 msg=msg,
@@ -173,7 +179,7 @@ class Ledger(OnTable):
         self,
         model: str,
         consumer: str,
-        items: Sequence[tuple[scripts.LeaseItemKeys, scripts.TakeItemArgs]],
+        items: Sequence[tuple[scripts.LaneItemKeys, scripts.TakeItemArgs]],
         now: float,
         dead_error: str,
     ) -> Call:
@@ -246,7 +252,7 @@ class Ledger(OnTable):
                     scripts.CompleteItemKeys(
                         job=job, events=self.keys.events(lease.spec.id), leases=lease_set
                     ),
-                    scripts.CompleteItemArgs(*completion_args(lease, result, tail)),
+                    completion_args(lease, result, tail),
                 )
             )
         return scripts.COMPLETE.call(
@@ -316,16 +322,10 @@ class Ledger(OnTable):
         lease: Lease | None = None,
         msg: str = "",
         cancel_wins: bool = False,
-    ) -> tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]:
+    ) -> tuple[scripts.LaneItemKeys, scripts.BuryItemArgs]:
         """bury.lua's item for a job, fenced by the `lease` held or else by its message `msg`."""
-        waiting, leases = self.sets(spec)
         return (
-            scripts.BuryItemKeys(
-                job=self.keys.job(spec.id),
-                events=self.keys.events(spec.id),
-                leases=leases,
-                waiting=waiting,
-            ),
+            self._spec_item_keys(spec),
             scripts.BuryItemArgs(
                 job_id=spec.id,
                 consumer="" if lease is None else lease.consumer,
@@ -340,7 +340,7 @@ class Ledger(OnTable):
         )
 
     def _bury_call(
-        self, model: str, items: Sequence[tuple[scripts.BuryItemKeys, scripts.BuryItemArgs]]
+        self, model: str, items: Sequence[tuple[scripts.LaneItemKeys, scripts.BuryItemArgs]]
     ) -> Call:
         return scripts.BURY.call(
             self._end_keys(model),
@@ -370,15 +370,9 @@ class Ledger(OnTable):
             for i in batch:
                 lease, msg = moved[i]
                 spec = lease.spec
-                job, lease_set = self._lease_keys(lease)
                 items.append(
                     (
-                        scripts.RequeueItemKeys(
-                            job=job,
-                            waiting=self.sets(spec)[0],
-                            leases=lease_set,
-                            events=self.keys.events(spec.id),
-                        ),
+                        self._spec_item_keys(spec),
                         scripts.RequeueItemArgs(
                             consumer=lease.consumer,
                             token=lease.entry_id,

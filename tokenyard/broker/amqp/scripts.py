@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-# the complete scripts of both lane kinds write the same model keys (lua/lib/ends.lua)
-from tokenyard.broker.redis.scripts import CompleteKeys, Empty, ScriptSpec
+# the complete scripts of both lane kinds write the same model keys (lua/lib/ends.lua) and
+# take the same item arguments (ValkeyJobTable's completion_args makes them for both)
+from tokenyard.broker.redis.scripts import CompleteItemArgs, CompleteKeys, Empty, ScriptSpec
 
 PACKAGE = "tokenyard.broker.amqp"
 # a script of this package: its body is lua/<name>.lua here, its libraries this package's
@@ -78,7 +79,9 @@ class EndKeys(NamedTuple):
     delayed: str
 
 
-class LeaseItemKeys(NamedTuple):
+class LaneItemKeys(NamedTuple):
+    """A job's keys and its lane's sets: an item of take.lua, requeue.lua and bury.lua."""
+
     job: str
     events: str
     waiting: str
@@ -119,7 +122,7 @@ class TakeItemArgs(NamedTuple):
 
 
 TAKE = _script(
-    "take", TakeKeys, TakeArgs, LeaseItemKeys, TakeItemArgs, libraries=("ends", "affinity")
+    "take", TakeKeys, TakeArgs, LaneItemKeys, TakeItemArgs, libraries=("ends", "affinity")
 )
 
 
@@ -166,15 +169,6 @@ class CompleteArgs(NamedTuple):
     ttl_ms: int
 
 
-class CompleteItemArgs(NamedTuple):
-    consumer: str
-    token: str
-    job_id: str
-    status: str
-    finished: bytes
-    tail: bytes
-
-
 COMPLETE = _script(
     "complete", CompleteKeys, CompleteArgs, CompleteItemKeys, CompleteItemArgs, libraries=("ends",)
 )
@@ -183,13 +177,6 @@ COMPLETE = _script(
 class RequeueKeys(NamedTuple):
     delayed: str
     cancels: str
-
-
-class RequeueItemKeys(NamedTuple):
-    job: str
-    waiting: str
-    leases: str
-    events: str
 
 
 class RequeueArgs(NamedTuple):
@@ -214,17 +201,10 @@ REQUEUE = _script(
     "requeue",
     RequeueKeys,
     RequeueArgs,
-    RequeueItemKeys,
+    LaneItemKeys,
     RequeueItemArgs,
     libraries=("holds", "ends"),
 )
-
-
-class BuryItemKeys(NamedTuple):
-    job: str
-    events: str
-    leases: str
-    waiting: str
 
 
 class BuryItemArgs(NamedTuple):
@@ -242,7 +222,7 @@ class BuryItemArgs(NamedTuple):
 
 
 BURY = _script(
-    "bury", EndKeys, CompleteArgs, BuryItemKeys, BuryItemArgs, libraries=("holds", "ends")
+    "bury", EndKeys, CompleteArgs, LaneItemKeys, BuryItemArgs, libraries=("holds", "ends")
 )
 
 

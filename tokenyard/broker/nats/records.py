@@ -4,6 +4,8 @@ fenced against a concurrent one."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from tokenyard.broker.machine import JobState
@@ -37,52 +39,35 @@ class StoredJob(JobRecordBase, kw_only=True):
     def state(self) -> JobState:
         """What the job state machine decides on (tokenyard/broker/machine.py)."""
         return JobState(
-            status=self.status,
-            deliveries=self.deliveries,
             holder=self.worker if self.status is JobStatus.RUNNING else None,
-            lease_until=self.lease_until,
             deadline=self.spec.deadline,
-            cancel=self.cancel,
-            followers=self.followers,
-            last_error=self.last_error,
-            result=self.result,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-            preemptions=self.preemptions,
+            **_fields(self, _SHARED),
         )
 
     def take_on(self, state: JobState) -> None:
         """The machine's state after a step, into this record (the worker that last held an
         ended job stays named)."""
-        self.status = state.status
-        self.deliveries = state.deliveries
+        for name in _SHARED:
+            setattr(self, name, getattr(state, name))
         if not state.terminal:
             self.worker = state.holder
-        self.lease_until = state.lease_until
-        self.cancel = state.cancel
-        self.followers = state.followers
-        self.last_error = state.last_error
-        self.result = state.result
-        self.started_at = state.started_at
-        self.finished_at = state.finished_at
-        self.preemptions = state.preemptions
 
     def record(self) -> JobRecord:
         spec = self.spec
         spec.attempt = max(0, self.deliveries - 1)
-        return JobRecord(
-            spec=spec,
-            status=self.status,
-            deliveries=self.deliveries,
-            enqueued_at=self.enqueued_at,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-            worker=self.worker,
-            last_error=self.last_error,
-            cancel_requested=self.cancel,
-            result=self.result,
-            preemptions=self.preemptions,
-        )
+        return JobRecord(cancel_requested=self.cancel, **_fields(self, _READ))
+
+
+def _fields(source: msgspec.Struct, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(source, name) for name in names}
+
+
+# What the machine's state and this record both hold, by the same name: copied both ways, so
+# a field added to both travels without a line here (`holder` is the record's `worker`, and
+# `deadline` its spec's). Likewise what a reader's JobRecord takes of it (`cancel_requested`
+# is its `cancel`).
+_SHARED = tuple(f for f in JobState.__struct_fields__ if f in StoredJob.__struct_fields__)
+_READ = tuple(f for f in JobRecord.__struct_fields__ if f in StoredJob.__struct_fields__)
 
 
 class Liveness(msgspec.Struct):

@@ -325,7 +325,7 @@ class RedisQueue(LanesOnTable):
                         job=self.keys.job(lease.spec.id),
                         events=self.keys.events(lease.spec.id),
                     ),
-                    scripts.CompleteItemArgs(*completion_args(lease, result, tail)),
+                    completion_args(lease, result, tail),
                 )
                 for lease, result, tail in batch
             ],

@@ -74,11 +74,11 @@ def _field(fields: Any, name: bytes) -> Any:
 
 def completion_args(
     lease: Lease, result: JobResult, tail: TokenChunk | None
-) -> tuple[str, str, str, str, bytes, bytes]:
-    """A completion's per-item arguments, in the order both lane kinds' complete scripts take
-    them: the holder (consumer, lease token), the job, its status, its Finished event and the
-    tokens it ends with."""
-    return (
+) -> scripts.CompleteItemArgs:
+    """A completion's per-item arguments, as both lane kinds' complete scripts take them: the
+    holder (consumer, lease token), the job, its status, its Finished event and the tokens it
+    ends with."""
+    return scripts.CompleteItemArgs(
         lease.consumer,
         lease.entry_id,
         lease.spec.id,

@@ -1,6 +1,6 @@
 -- Dead-letter jobs: the lease holder gives up (`token`), or RabbitMQ dead-lettered the job's
 -- message past its delivery limit (`msg`: only while the record still names that message).
--- KEYS: dlq, counters, cancels, delayed; per item: job, events, leases, waiting
+-- KEYS: dlq, counters, cancels, delayed; per item: job, events, waiting, leases
 -- ARGV: now, ttl_ms; per item: job_id, consumer, token, msg, reason, error, finished, priority,
 --   cancelled
 -- A retry past the limit passes `cancelled` (Finished(cancelled result)): a job a client asked

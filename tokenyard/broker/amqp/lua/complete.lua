@@ -1,7 +1,7 @@
 -- Fenced completion of a batch: a job's lease must still be the caller's; its terminal result
 -- is written once, then the lease is gone (a second completion is fenced off too).
 -- KEYS: cancels, counters; per item: job, events, leases
--- ARGV: now, ttl_ms; per item: consumer, token, job_id, status, finished, tail
+-- ARGV: now, ttl_ms; per item: consumer, entry_id, job_id, status, finished, tail
 -- `finished` is the Finished event, stored as the record's result too; `tail` the last token
 -- chunk, or ''. Returns one flag per item: 1 accepted, 0 fenced off.
 local accepted = {}
@@ -9,7 +9,7 @@ for i = 1, N do
   local k, a = item(i)
   -- holds(), inline: the same read brings the record's cancel flag
   local h = redis.call('HMGET', k.job, 'status', 'worker', 'lease', 'cancel')
-  if not (h[1] == 'running' and h[2] == a.consumer and h[3] == a.token) then
+  if not (h[1] == 'running' and h[2] == a.consumer and h[3] == a.entry_id) then
     redis.call('HINCRBY', K.counters, 'fenced', 1)
     accepted[i] = 0
   else

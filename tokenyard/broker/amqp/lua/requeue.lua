@@ -3,7 +3,7 @@
 -- ends. Fenced by the lease token; with `expired_by` > 0 only a lease whose deadline is still
 -- past (the reaper's: a renewal that came meanwhile wins).
 -- A job a client asked to cancel while it ran ends cancelled instead (its new message is stale).
--- KEYS: delayed, cancels; per item: job, waiting, leases, events
+-- KEYS: delayed, cancels; per item: job, events, waiting, leases
 -- ARGV: now, expired_by, ttl_ms, cancelled, max_preemptions; per item: consumer, token, job_id,
 --   msg, uncharge, error, due_at
 -- `uncharge` 1 hands a delivery back (drain); `due_at` > 0 is a retry's, else it waits now;
