@@ -294,7 +294,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_tokens: Count | None = None  # hf: tokens per forward pass; None: from the device
     kv_cache_memory_fraction: Fraction | None = None  # hf: of free memory; None: 0.8 CUDA, 0.25 CPU
     cuda_graphs: bool = True  # hf on CUDA: capture the forward passes as CUDA graphs
-    warmup: bool = True  # hf: one short request before serving (CUDA graphs: always at start)
+    warmup: bool = True  # hf: one short request, and on CUDA every batch size's graph, at start
     # what identifies the served weights in the response cache's key; None: the engine's own
     # (hf: a fingerprint of the model directory and the dtype; other engines: their name)
     model_revision: str | None = None
