@@ -40,7 +40,7 @@ class Introspection(Part):
         oldest: dict[Priority, float] = {}
         for priority, _, subjects, infos in await self._lane_counts(model):
             for subject, n in subjects.items():
-                info = infos.get(subject)
+                info = infos.get(f"{subject}.*")
                 pending = int(info.num_ack_pending) if info is not None else 0
                 in_flight[priority] += pending
                 waiting[priority] += max(0, n - pending)
@@ -109,7 +109,7 @@ class Introspection(Part):
         for priority, _, subjects, infos in await self._lane_counts(model):
             queued, flying, tenants = per.get(priority, (0, 0, {}))
             for subject, n in subjects.items():
-                info = infos.get(subject)
+                info = infos.get(f"{subject}.*")
                 pending = int(info.num_ack_pending) if info is not None else 0
                 flying += pending
                 waiting = max(0, n - pending)
@@ -131,7 +131,7 @@ class Introspection(Part):
     async def _tenant_of(self, subject: str) -> tuple[str, float]:
         """A tenant subject's tenant name and weight, from its first message."""
         stream = self.names.stream_of_subject(subject)
-        rows = await self.conn.get_batch(stream, subject, 0, 1)
+        rows = await self.conn.get_batch(stream, f"{subject}.*", 0, 1)
         if not rows:
             return Names.subject_kind(subject)[1], 1.0
         spec = decode(rows[0][1], JobSpec)
