@@ -184,8 +184,17 @@ class Claims(Part):
     async def _view(self, stream: str, fresh: bool = False) -> LaneView:
         view = self._lanes[stream]
         now = time.monotonic()
-        if fresh or now - view.read_at > TENANT_REFRESH_S:
+        if fresh:
+            # every subject with messages: each job has its own, so this listing is as long as
+            # the lane; only a claim that found nothing (or heard nothing) pays for it
             view.subjects = {s: n for s, n in (await self.store.subjects(stream)).items() if n > 0}
+            view.read_at = now
+        elif now - view.read_at > TENANT_REFRESH_S:
+            # while claims find work: what each tenant's consumer has waiting, one answer per
+            # tenant; a subject whose consumer is not made yet (a wake-up named it) is kept
+            waiting = await self.store.waiting(stream)
+            kept = {s: n for s, n in view.subjects.items() if s not in waiting}
+            view.subjects = kept | {s: n for s, n in waiting.items() if n > 0}
             view.read_at = now
         return view
 

@@ -226,6 +226,9 @@ class Enqueuer(Part):
             subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
         else:
             subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        # its consumer made before its first job (once a process): claims busy with other
+        # tenants see the new one in their consumers' counts, not only by a wake-up
+        await self.store.consumer(stream, subject)
         subject = Names.job_subject(subject, spec.id)
         return StoredJob(
             spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject

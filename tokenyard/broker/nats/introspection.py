@@ -100,8 +100,16 @@ class Introspection(Part):
     async def depth(self, model: str) -> int:
         lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
         streams = await asyncio.gather(*(self.store.lane(model, p, pool) for p, pool in lanes))
-        counts = await asyncio.gather(*(self.store.subjects(s) for s in streams))
-        return sum(sum(c.values()) for c in counts)
+        counts = await asyncio.gather(*(self._messages(s) for s in streams))
+        return sum(counts)
+
+    async def _messages(self, stream: str) -> int:
+        """A lane's messages (waiting and in flight), from its state: no subject listed."""
+        try:
+            answer = await self.conn.api(f"STREAM.INFO.{stream}", {})
+        except nats.js.errors.NotFoundError:
+            return 0
+        return int(answer.get("state", {}).get("messages", 0))
 
     async def backlog(self, model: str) -> list[LaneBacklog]:
         out = []

@@ -109,8 +109,11 @@ class Names:
 
     @staticmethod
     def lane_subject_of(subject: str) -> str:
-        """The tenant's or held subject a job's message is on (other subjects as they are)."""
-        return ".".join(subject.split(".")[:7])
+        """The tenant's or held subject a job's message is on (other subjects as they are):
+        `<prefix>.lane.<tag>.<priority>.<pool>.<t|a>.<token>`, the job's token after it."""
+        if subject.count(".") > 6:
+            return subject[: subject.rfind(".")]
+        return subject
 
     @staticmethod
     def subject_kind(subject: str) -> tuple[str, str]:

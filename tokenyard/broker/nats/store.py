@@ -408,14 +408,21 @@ class Store:
     async def subjects(self, stream: str) -> dict[str, int]:
         """Messages per subject of a stream (waiting and in flight), a lane's jobs counted on
         their tenant's or held subject."""
-        try:
-            answer = await self.conn.api(f"STREAM.INFO.{stream}", {"subjects_filter": ">"})
-        except nats.js.errors.NotFoundError:
-            return {}
         subjects: dict[str, int] = defaultdict(int)
-        for subject, n in (answer.get("state", {}).get("subjects") or {}).items():
-            subjects[Names.lane_subject_of(subject)] += n
-        return dict(subjects)
+        seen = 0
+        while True:  # a job's own subject each: the server pages past 100,000 subjects
+            try:
+                answer = await self.conn.api(
+                    f"STREAM.INFO.{stream}", {"subjects_filter": ">", "offset": seen}
+                )
+            except nats.js.errors.NotFoundError:
+                return {}
+            page = answer.get("state", {}).get("subjects") or {}
+            for subject, n in page.items():
+                subjects[Names.lane_subject_of(subject)] += n
+            seen += len(page)
+            if not page or seen >= int(answer.get("total", 0)):
+                return dict(subjects)
 
     async def count(self, model: str, name: str) -> None:
         def plus_one(raw: bytes | None) -> tuple[bytes, None]:
@@ -426,6 +433,12 @@ class Store:
     async def counter(self, model: str, name: str) -> int:
         raw, _ = await kv_entry(await self.jobs(), Names.counter(model, name))
         return int(raw or b"0")
+
+    async def waiting(self, stream: str) -> dict[str, int]:
+        """Messages not yet delivered per lane subject that has a consumer (one answer per
+        consumer, where `subjects` lists each waiting job's subject)."""
+        infos = await self.consumer_infos(stream)
+        return {f[:-2]: int(info.num_pending or 0) for f, info in infos.items() if f.endswith(".*")}
 
     async def consumer_infos(self, stream: str) -> dict[str, Any]:
         js = await self.conn.js()
