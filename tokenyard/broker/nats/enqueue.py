@@ -379,7 +379,9 @@ class Enqueuer(Part):
             return None
         stream = await self.store.lane(spec.model, spec.priority, spec.pool)
         subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
-        held = (await self.store.subjects(stream)).get(subject, 0) + assigned[subject]
+        # the jobs held for it now: its subject's alone (a job's own subject each)
+        held = (await self.store.subjects(stream, f"{subject}.*")).get(subject, 0)
+        held += assigned[subject]
         if not hold_for(owner, held, self.settings.affinity_max_held):
             return None
         assigned[subject] += 1

@@ -405,15 +405,15 @@ class Store:
         """Whether the worker's heartbeat holds."""
         return worker in {w.consumer for w in await self.registry.workers(model)}
 
-    async def subjects(self, stream: str) -> dict[str, int]:
+    async def subjects(self, stream: str, only: str = ">") -> dict[str, int]:
         """Messages per subject of a stream (waiting and in flight), a lane's jobs counted on
-        their tenant's or held subject."""
+        their tenant's or held subject; `only`: the subjects matching this filter."""
         subjects: dict[str, int] = defaultdict(int)
         seen = 0
         while True:  # a job's own subject each: the server pages past 100,000 subjects
             try:
                 answer = await self.conn.api(
-                    f"STREAM.INFO.{stream}", {"subjects_filter": ">", "offset": seen}
+                    f"STREAM.INFO.{stream}", {"subjects_filter": only, "offset": seen}
                 )
             except nats.js.errors.NotFoundError:
                 return {}
