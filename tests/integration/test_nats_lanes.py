@@ -1,25 +1,27 @@
-"""NATS lanes beyond the conformance suite: a job's record, its idempotency key and its lane
-message are separate writes, so a producer that dies between them leaves a half-made job that
-the client's resend (same idempotency key, a new job id) must finish; and a worker's events
-sent again after an unanswered call must be found stored, not stored twice or fenced."""
+"""NATS lanes beyond the conformance suite: a keyed job's record, its idempotency key and its
+lane message are separate writes, so a producer that dies between them leaves a half-made job
+that the client's resend (same idempotency key, a new job id) must finish; a plain job is its
+lane message until its first claim writes its record; and a worker's events sent again after an
+unanswered call must be found stored, not stored twice or fenced."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from tests.conftest import BackendFactory
 from tests.integration.test_broker_conformance import MODEL, dies_before_its_message, job, ok
+from tokenyard.broker.core import CancelOutcome
 from tokenyard.broker.nats import enqueue as nats_enqueue
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.queue import NatsQueue
 from tokenyard.broker.nats.records import StoredJob
 from tokenyard.errors import BrokerUnavailable
 from tokenyard.messages import Finished, JobStatus, TokenChunk
+from tokenyard.tenancy.limiter import Quota
 
 pytestmark = pytest.mark.parametrize("make_backend", ["nats"], indirect=True)
 
@@ -163,8 +165,7 @@ def chunk(text: str) -> TokenChunk:
 async def test_one_claim_takes_more_plain_jobs_than_one_batched_read_holds(
     make_backend: BackendFactory,
 ) -> None:
-    # a plain enqueue's message cannot name its record: the claim reads the records of what it
-    # pulled in batched direct gets, which the server bounds per request
+    # one pull of more than the server answers in one batch, the records all written at once
     queue = make_backend().queue
     specs = [job() for _ in range(1100)]  # the server answers at most 1,024 per request
     for k in range(0, len(specs), 100):
@@ -179,37 +180,86 @@ async def test_one_claim_takes_more_plain_jobs_than_one_batched_read_holds(
     assert left == 0
 
 
-async def test_overlapping_enqueues_name_their_records_so_claims_read_none(
+async def test_a_plain_job_is_its_lane_message_until_its_first_claim_writes_its_record(
     make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a call alone writes its record and lane message together (one round trip; the claim
-    # reads the record back); calls that overlap write the record first and name its revision
-    # on the message, so the first claim writes the record without reading it
+    # an enqueue no key names writes the lane message alone; readers find the queued job by
+    # its id there, and the first claim writes the record (expecting none) without reading
     queue = make_backend().queue
     assert isinstance(queue, NatsQueue)
     specs = [job() for _ in range(20)]
     results = await asyncio.gather(*(queue.enqueue(spec) for spec in specs))
     assert [r.job_id for r in results] == [s.id for s in specs] and all(r.created for r in results)
+    assert [await queue.store.record(s.id) for s in specs] == [None] * 20
+    waiting = await queue.record(specs[3].id)
+    assert waiting is not None and waiting.status is JobStatus.QUEUED
+    assert waiting.spec.prompt == specs[3].prompt and waiting.deliveries == 0
+    assert (await queue.enqueue(specs[3])).created is False  # a resend of the job id
     read: list[str] = []
-    get_many, get = queue.store.get_many, queue.store.get
-
-    async def counted_get_many(job_ids: Sequence[str]) -> dict[str, tuple[StoredJob, int]]:
-        read.extend(job_ids)
-        return await get_many(job_ids)
+    get = queue.store.get
 
     async def counted_get(job_id: str) -> tuple[StoredJob, int] | None:
         read.append(job_id)
         return await get(job_id)
 
-    monkeypatch.setattr(queue.store, "get_many", counted_get_many)
     monkeypatch.setattr(queue.store, "get", counted_get)
     leases = await queue.claim(MODEL, "w", slots=len(specs), block_s=2)
     assert sorted(lease.spec.id for lease in leases) == sorted(s.id for s in specs)
-    # the first call decided before the others began: it alone went as a call alone
-    assert set(read) <= {specs[0].id}
+    assert read == []
     assert all(lease.consumer == "w" and lease.spec.attempt == 0 for lease in leases)
     monkeypatch.undo()
+    stored = await queue.store.record(specs[3].id)
+    assert stored is not None and stored[0].status is JobStatus.RUNNING
     assert await queue.complete_many([(lease, ok(lease)) for lease in leases]) == [True] * 20
     for spec in specs:
         done = await queue.record(spec.id)
         assert done is not None and done.status is JobStatus.SUCCEEDED
+
+
+async def test_a_cancel_between_the_pull_and_the_first_claims_write_is_honoured(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the cancel of a queued job writes its record (cancelled, expecting none) before its
+    # message goes: a claim that pulled the message meanwhile finds its own write refused and
+    # the record ended, and never runs the job
+    queue = make_backend().queue
+    assert isinstance(queue, NatsQueue)
+    spec = job()
+    await queue.enqueue(spec)
+    cas_soon = queue.store.cas_soon
+
+    async def cancelled_first(stored: StoredJob, revision: int) -> Any:
+        if stored.spec.id == spec.id and stored.status is JobStatus.RUNNING:
+            assert await queue.cancel(spec.id) is CancelOutcome.CANCELLED
+        return await cas_soon(stored, revision)
+
+    monkeypatch.setattr(queue.store, "cas_soon", cancelled_first)
+    assert await queue.claim(MODEL, "w", slots=1, block_s=0.5) == []
+    monkeypatch.undo()
+    record = await queue.record(spec.id)
+    assert record is not None and record.status is JobStatus.CANCELLED
+    assert await queue.claim(MODEL, "w", slots=1, block_s=0.3) == []
+    give_up = time.monotonic() + 10.0
+    while (left := await queue.depth(MODEL)) and time.monotonic() < give_up:
+        await asyncio.sleep(0.05)
+    assert left == 0
+
+
+async def test_the_quota_sweep_keeps_the_reservation_of_a_job_waiting_without_a_record(
+    make_backend: BackendFactory,
+) -> None:
+    broker = make_backend()
+    quota = Quota(max_concurrent=1)
+    spec = job()
+    spec.quota = True
+    [decision] = await broker.quotas.reserve(spec.tenant, quota, [(spec.id, 10)])
+    assert decision.admitted
+    await broker.queue.enqueue(spec)
+    # queued, no record: the sweep finds it in its lane and leaves its reservation held
+    assert await broker.quotas.settle_finished(grace_s=0.0) == 0
+    [refused] = await broker.quotas.reserve(spec.tenant, quota, [(job().id, 10)])
+    assert not refused.admitted
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1, block_s=2)
+    assert await broker.queue.complete(lease, ok(lease))
+    [admitted] = await broker.quotas.reserve(spec.tenant, quota, [(job().id, 10)])
+    assert admitted.admitted

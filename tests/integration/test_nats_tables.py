@@ -62,14 +62,15 @@ class TablesFactory:
     made: list[NatsConnection] = field(default_factory=list)
 
     def __call__(self, clock: Clock = time.time, audit_max_len: int = 200_000) -> Tables:
-        conn = NatsConnection(BrokerSettings(url=self.url, prefix=self.prefix))
+        settings = BrokerSettings(url=self.url, prefix=self.prefix)
+        conn = NatsConnection(settings)
         self.made.append(conn)
         names = Names(self.prefix)
         return Tables(
             conn,
             names,
             NatsDirectory(conn, names, clock),
-            NatsQuotas(conn, names, clock),
+            NatsQuotas(conn, names, clock, settings.pool_count),
             NatsAudit(conn, names, audit_max_len),
             NatsResponses(conn, names, clock),
             NatsRegistry(conn, names, clock),

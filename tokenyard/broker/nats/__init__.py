@@ -40,7 +40,7 @@ def open_backend(settings: BrokerSettings, clock: Clock = time.time) -> Backend:
 
     conn = NatsConnection(settings)
     names = Names(settings.prefix)
-    quotas = NatsQuotas(conn, names, clock)
+    quotas = NatsQuotas(conn, names, clock, settings.pool_count)
     audit = NatsAudit(conn, names, settings.audit_max_len)
     registry = NatsRegistry(conn, names, clock)
     return Backend(

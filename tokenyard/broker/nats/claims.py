@@ -25,15 +25,8 @@ from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.endings import Endings
 from tokenyard.broker.nats.names import Names, token
 from tokenyard.broker.nats.records import StoredJob
-from tokenyard.broker.nats.store import (
-    ENQUEUED_AT,
-    REVISION,
-    Fenced,
-    Holding,
-    Part,
-    Store,
-    event_id,
-)
+from tokenyard.broker.nats.store import REVISION, Fenced, Holding, Part, Store, event_id
+from tokenyard.broker.nats.waiting import ENQUEUED_AT
 from tokenyard.broker.policy import (
     active_tag,
     advanced,
@@ -45,21 +38,16 @@ from tokenyard.broker.policy import (
 )
 from tokenyard.messages import JobResult, JobSpec, JobStatus, Priority, decode
 
-# how long a claim hands back a plain enqueue's message whose record (written beside it) it
-# does not find, before taking the record for lapsed (a producer's clock may run behind)
-RECORD_WAIT_S = 30.0
-_RECORD_WAIT_NAK = json.dumps({"delay": 20_000_000}).encode()  # 20 ms
 POLL_S = 0.2  # a blocked claim looks afresh at least this often (retries, expired leases)
 TENANT_REFRESH_S = 0.5  # how old a lane's list of tenant subjects may be when it has work
 
 
 class _Delivery(NamedTuple):
-    """A lane message a claim took, its job, the job's record when read with the claim's
-    other messages, and who takes it (and whether from its held subject)."""
+    """A lane message a claim took, its job, and who takes it (and whether from its held
+    subject)."""
 
     msg: Msg
     spec: JobSpec
-    record: tuple[StoredJob, int] | None
     consumer: str
     affinity: bool
 
@@ -196,8 +184,17 @@ class Claims(Part):
     async def _view(self, stream: str, fresh: bool = False) -> LaneView:
         view = self._lanes[stream]
         now = time.monotonic()
-        if fresh or now - view.read_at > TENANT_REFRESH_S:
+        if fresh:
+            # every subject with messages: each job has its own, so this listing is as long as
+            # the lane; only a claim that found nothing (or heard nothing) pays for it
             view.subjects = {s: n for s, n in (await self.store.subjects(stream)).items() if n > 0}
+            view.read_at = now
+        elif now - view.read_at > TENANT_REFRESH_S:
+            # while claims find work: what each tenant's consumer has waiting, one answer per
+            # tenant; a subject whose consumer is not made yet (a wake-up named it) is kept
+            waiting = await self.store.waiting(stream)
+            kept = {s: n for s, n in view.subjects.items() if s not in waiting}
+            view.subjects = kept | {s: n for s, n in waiting.items() if n > 0}
             view.read_at = now
         return view
 
@@ -267,17 +264,10 @@ class Claims(Part):
         self, pulled: Sequence[tuple[Msg, JobSpec]], consumer: str, affinity: bool
     ) -> list[Lease]:
         """Leases of pulled messages (each with its job, decoded once)."""
-        msgs = [m for m, _ in pulled]
-        specs = [s for _, s in pulled]
-        # the records of first deliveries whose message cannot name them, read at once
-        unnamed = [s.id for m, s in zip(msgs, specs, strict=True) if _unnamed(m)]
-        records = await self.store.get_many(unnamed)
-        deliveries = [
-            _Delivery(m, s, records.get(s.id), consumer, affinity)
-            for m, s in zip(msgs, specs, strict=True)
-        ]
-        # first deliveries as enqueued: their records written together (one round trip) and
-        # awaited in turn, no task each; the others (and those whose write lost) one by one
+        deliveries = [_Delivery(m, s, consumer, affinity) for m, s in pulled]
+        # first deliveries: their records written together (one round trip) and awaited in
+        # turn, no task each; the others (and those whose write lost: a record was there, of a
+        # retry, a cancel, a keyed job taken meanwhile) one by one
         firsts = [self._first(d) for d in deliveries]
         writes = [None if first is None else await self.store.cas_soon(*first) for first in firsts]
         leases: list[Lease | None] = [None] * len(deliveries)
@@ -303,19 +293,15 @@ class Claims(Part):
         """Turn a delivered message into a lease: the record says running under this consumer
         (compare-and-set), and a claim marker fences the events subject (the general path:
         `_first` did not apply, or its write lost to another)."""
-        msg, spec, _, consumer, affinity = delivery
+        msg, spec, consumer, affinity = delivery
         reply = msg.reply or ""
         revision = 0
         job: StoredJob | None = None
         for _ in range(6):
             if job is None:
                 found = await self.store.get(spec.id)
-                if found is None:
-                    if _unnamed(msg) and self._record_due(msg):
-                        # its record is written beside its message and may not be stored yet
-                        await self.store.ack(reply, b"-NAK " + _RECORD_WAIT_NAK)
-                        return None
-                    await self.store.ack(reply, b"+TERM")  # its record expired: nothing to run
+                if found is None:  # neither its record nor (it was deleted) its message
+                    await self.store.ack(reply, b"+TERM")
                     return None
                 job, revision = found
             lane, seq = delivered(msg)
@@ -360,27 +346,23 @@ class Claims(Part):
             return None
         return await self._leased(reply, job, new_revision, last, resumable)
 
-    def _record_due(self, msg: Msg) -> bool:
-        """Whether a message's record, written beside it, may still be on its way."""
-        at = float((msg.headers or {}).get(ENQUEUED_AT, "0"))
-        return self.clock() - at < RECORD_WAIT_S
-
     def _first(self, delivery: _Delivery) -> tuple[StoredJob, int] | None:
-        """The common case, one write after the pull: a first delivery of a job whose record
-        is as enqueued (the message names its revision, or `record` was read with the claim's
-        other messages): the record to write from the message and the revision it replaces;
-        no claim marker is needed (no one held the job before). None: the general path."""
-        msg, spec, record, consumer, affinity = delivery
+        """The common case, one write after the pull: a first delivery, the record to write
+        from the message and the revision it replaces: a keyed job's as its enqueue wrote it
+        (the message names it), else none (0: a plain job has no record until now, and one
+        that is there, of a retry, a cancel or a resend, makes the write lose); no claim marker
+        is needed (no one held the job before). None: the general path."""
+        msg, spec, consumer, affinity = delivery
         headers = msg.headers or {}
         now = self.clock()
         if spec.deadline is not None and spec.deadline <= now:
             return None
         if REVISION in headers:
             revision = int(headers[REVISION])
-        elif record is not None and _as_enqueued(record[0]) and ENQUEUED_AT in headers:
-            revision = record[1]
+        elif ENQUEUED_AT in headers:
+            revision = 0
         else:
-            return None
+            return None  # a requeue's message: its record says what happened
         lane, seq = delivered(msg)
         job = StoredJob(
             spec=spec,
@@ -479,20 +461,3 @@ def _fair_plan(view: LaneView, room: int) -> dict[str, int]:
 
 def _decoded(msgs: Sequence[Msg]) -> list[tuple[Msg, JobSpec]]:
     return [(m, decode(m.data, JobSpec)) for m in msgs]
-
-
-def _unnamed(msg: Msg) -> bool:
-    """A plain enqueue's message: it does not name its record's revision."""
-    headers = msg.headers or {}
-    return REVISION not in headers and ENQUEUED_AT in headers
-
-
-def _as_enqueued(job: StoredJob) -> bool:
-    """Whether a record is as its enqueue wrote it (never taken, retried or cancelled)."""
-    return (
-        job.status is JobStatus.QUEUED
-        and not job.deliveries
-        and not job.seq
-        and not job.cancel
-        and job.last_error is None
-    )

@@ -166,6 +166,12 @@ class _Ack(msgspec.Struct):
 
     seq: int = 0
     error: dict[str, Any] | None = None
+    duplicate: bool = False
+
+
+class Duplicate(int):
+    """The sequence a publish answer names when the stream dropped the message as a copy of one
+    it stored within its duplicate window (same Nats-Msg-Id): that one's."""
 
 
 _ACK = msgspec.json.Decoder(_Ack)
@@ -420,7 +426,7 @@ class NatsConnection:
             except nats.js.errors.APIError as exc:
                 answer.set_exception(exc)
             return
-        answer.set_result(ack.seq)
+        answer.set_result(Duplicate(ack.seq) if ack.duplicate else ack.seq)
 
     async def request(
         self, subject: str, payload: bytes, timeout_s: float = REQUEST_TIMEOUT_S

@@ -1,5 +1,7 @@
-"""Enqueue on NATS: a job's idempotency and collapse keys, its record and its lane message; a
-resend under the same key finishes a job whose producer died between them.
+"""Enqueue on NATS: a job no key names is its lane message alone (one round trip; its first
+claim writes its record, waiting.py reads it meanwhile); a keyed job's idempotency or collapse
+key, its record and its lane message, where a resend under the same key finishes a job whose
+producer died between them.
 """
 
 from __future__ import annotations
@@ -15,17 +17,11 @@ from nats.js.kv import KeyValue
 
 from tokenyard.broker import audit
 from tokenyard.broker.core import EnqueueResult, admitted
-from tokenyard.broker.nats.connection import sent
+from tokenyard.broker.nats.connection import Duplicate, sent
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, encode_job
-from tokenyard.broker.nats.store import (
-    DUPLICATE_WINDOW_S,
-    ENQUEUED_AT,
-    MSG_ID,
-    REVISION,
-    Part,
-    Store,
-)
+from tokenyard.broker.nats.store import DUPLICATE_WINDOW_S, MSG_ID, REVISION, Part, Store
+from tokenyard.broker.nats.waiting import ENQUEUED_AT
 from tokenyard.broker.policy import hold_for, joinable, stamp_by_model
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobSpec, JobStatus, encode
@@ -44,18 +40,10 @@ class Enqueuer(Part):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         self._models: set[str] = set()  # models this process noted in the models set
-        self._calls = 0  # enqueue calls in progress in this process
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         """Per model all-or-nothing against the lane bounds (core.QueueCore): a refused job
         takes back the model's jobs this call added; the other models' stand."""
-        self._calls += 1
-        try:
-            return await self._enqueue_many(specs)
-        finally:
-            self._calls -= 1
-
-    async def _enqueue_many(self, specs: Sequence[JobSpec]) -> list[EnqueueResult]:
         now = self.clock()
         by_model = stamp_by_model(specs, now, self.settings.pool_bounds)
         results: list[EnqueueResult | None] = [None] * len(specs)
@@ -71,12 +59,8 @@ class Enqueuer(Part):
                 o is None and not specs[i].idempotency_key and not specs[i].collapse_key
                 for i, o in zip(indexes, owners, strict=True)
             ):  # the common call: no task to run each job, no turn to wait for
-                # a call alone is awaited by its caller: one round trip; while calls overlap
-                # a second round trip per call hides behind the others' and spares the
-                # consumer (the bound then) a record read per job
-                named = self._calls > 1
                 plain = [specs[i] for i in indexes]
-                outcomes = await self._enqueue_plain_many(plain, now, named)
+                outcomes = await self._enqueue_plain_many(plain, now)
             elif len(indexes) == 1:
                 try:
                     outcomes = [
@@ -242,101 +226,66 @@ class Enqueuer(Part):
             subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
         else:
             subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        # its consumer made before its first job (once a process): claims busy with other
+        # tenants see the new one in their consumers' counts, not only by a wake-up
+        await self.store.consumer(stream, subject)
+        subject = Names.job_subject(subject, spec.id)
         return StoredJob(
             spec=spec, status=JobStatus.QUEUED, enqueued_at=now, lane=stream, subject=subject
         )
 
     async def _enqueue_plain_many(
-        self, specs: Sequence[JobSpec], now: float, named: bool
+        self, specs: Sequence[JobSpec], now: float
     ) -> list[tuple[EnqueueResult, str] | BaseException]:
-        """`_enqueue_plain` of jobs no key names and none is held for, their answers awaited in
-        turn (no task, no turn to wait for per job); each outcome as `gather` with
-        `return_exceptions` gives it. Unless `named`, in one round trip: their records, then
-        their lane messages in order, written together (a first claim reads the records).
-        `named`: in two, the records first, then the lane messages, each naming its record's
-        revision (the first claim writes the record without reading it, claims.py `_first`)."""
+        """`_enqueue_plain` of jobs no key names and none is held for: their lane messages
+        written together in order, their answers awaited in turn (one round trip, no task and
+        no turn to wait for per job); each outcome as `gather` with `return_exceptions`."""
         jobs = [await self._new_job(spec, now, None) for spec in specs]
-        records = [await self.store.cas_soon(job, 0) for job in jobs]
-        revisions: list[int | BaseException | None] = []
-        messages: list[asyncio.Future[int] | None] = []
+        messages: list[asyncio.Future[int]] = []
         try:
-            if named:
-                for record in records:
-                    answer = await _outcome(self.conn.acked(record))
-                    revisions.append(answer)
-            for k, job in enumerate(jobs):
+            for job in jobs:
                 headers = {MSG_ID: job.spec.id, ENQUEUED_AT: repr(now)}
-                if named:
-                    revision = revisions[k]
-                    if isinstance(revision, BaseException):
-                        messages.append(None)  # no record: no message to run it
-                        continue
-                    if revision is not None:  # None: a resent job id, read at its claim
-                        headers[REVISION] = str(revision)
-                sending = self.conn.publish_soon(job.subject, encode(job.spec), headers)
-                messages.append(await sending)
+                messages.append(
+                    await self.conn.publish_soon(job.subject, encode(job.spec), headers)
+                )
         except BaseException:
-            for pending in (*records, *messages):
-                if pending is not None:
-                    pending.cancel()
+            for pending in messages:
+                pending.cancel()
             raise
         outcomes: list[tuple[EnqueueResult, str] | BaseException] = []
-        for k, (job, record, message) in enumerate(zip(jobs, records, messages, strict=True)):
-            if named:
-                revision = revisions[k]
-            else:
-                answer = await _outcome(self.conn.acked(record))
-                revision = answer
-            if message is None:
-                assert isinstance(revision, BaseException)
-                outcomes.append(revision)
-                continue
+        for job, message in zip(jobs, messages, strict=True):
             published = await _outcome(self.conn.acked(message))
-            outcomes.append(await _outcome(self._plain_result(job, revision, published)))
+            outcomes.append(await _outcome(self._plain_result(job, published)))
         return outcomes
 
     async def _enqueue_plain(
         self, job: StoredJob, now: float, after: asyncio.Event | None, turn: asyncio.Event
     ) -> tuple[EnqueueResult, str]:
-        """A job no key names, in one round trip: its record and its lane message are written
-        together and their answers awaited together. The message cannot name the record's
-        revision, so its first claim reads the record (claims.py, `_first`); a claim that
-        meets the message before the record was stored hands it back for a moment."""
-        spec = job.spec
-        record = await self.store.cas_soon(job, 0)
-        headers = {MSG_ID: spec.id, ENQUEUED_AT: repr(now)}
-        try:
-            if after is not None:
-                await after.wait()
-            pending = await self.conn.publish_soon(job.subject, encode(spec), headers)
-            turn.set()
-            # both are on their way: awaited in turn, with no task each
-            revision = await _outcome(self.conn.acked(record))
-            published = await _outcome(self.conn.acked(pending))
-        except BaseException:
-            record.cancel()
-            raise
-        return await self._plain_result(job, revision, published)
+        """A job no key names, in one round trip: its lane message alone, which is its record
+        until its first claim writes one (expecting none)."""
+        headers = {MSG_ID: job.spec.id, ENQUEUED_AT: repr(now)}
+        if after is not None:
+            await after.wait()
+        pending = await self.conn.publish_soon(job.subject, encode(job.spec), headers)
+        turn.set()
+        published = await _outcome(self.conn.acked(pending))
+        return await self._plain_result(job, published)
 
     async def _plain_result(
-        self, job: StoredJob, revision: int | BaseException | None, published: int | BaseException
+        self, job: StoredJob, published: int | BaseException
     ) -> tuple[EnqueueResult, str]:
-        """What the answers to a plain enqueue's two writes make of it (raises QueueFull, its
-        record taken back, when the lane was full)."""
-        spec = job.spec
-        outcomes = (revision, published)
+        """What the answer to a plain enqueue's message makes of it (raises QueueFull when the
+        lane was full)."""
         if isinstance(published, nats.js.errors.APIError) and published.err_code in _FULL:
-            if isinstance(revision, int):
-                kv = await self.store.jobs()
-                await sent(kv.purge(Names.job(spec.id)))
-            raise self._full(spec) from published
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        # None: a record was there, this is a resent enqueue of the job id: its message went
-        # again (Nats-Msg-Id drops it within the lane's duplicate window; past it a stray copy
-        # is acknowledged by the claim that meets the job taken or ended)
-        return EnqueueResult(job_id=spec.id, created=revision is not None), job.subject
+            raise self._full(job.spec) from published
+        if isinstance(published, BaseException):
+            raise published
+        # a resent enqueue of the job id: Nats-Msg-Id dropped the copy within the lane's
+        # duplicate window (past it, the claim that meets the second copy finds the record the
+        # first one's claim wrote, and acknowledges it as moved or ended)
+        return EnqueueResult(job_id=job.spec.id, created=not isinstance(published, Duplicate)), (
+            job.subject
+        )
 
     def _full(self, spec: JobSpec) -> QueueFull:
         lane = f"{spec.model}/{spec.priority.name.lower()}"
@@ -430,7 +379,9 @@ class Enqueuer(Part):
             return None
         stream = await self.store.lane(spec.model, spec.priority, spec.pool)
         subject = self.names.held_subject(spec.model, spec.priority, spec.pool, owner)
-        held = (await self.store.subjects(stream)).get(subject, 0) + assigned[subject]
+        # the jobs held for it now: its subject's alone (a job's own subject each)
+        held = (await self.store.subjects(stream, f"{subject}.*")).get(subject, 0)
+        held += assigned[subject]
         if not hold_for(owner, held, self.settings.affinity_max_held):
             return None
         assigned[subject] += 1

@@ -40,7 +40,7 @@ class Introspection(Part):
         oldest: dict[Priority, float] = {}
         for priority, _, subjects, infos in await self._lane_counts(model):
             for subject, n in subjects.items():
-                info = infos.get(subject)
+                info = infos.get(f"{subject}.*")
                 pending = int(info.num_ack_pending) if info is not None else 0
                 in_flight[priority] += pending
                 waiting[priority] += max(0, n - pending)
@@ -100,8 +100,16 @@ class Introspection(Part):
     async def depth(self, model: str) -> int:
         lanes = [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
         streams = await asyncio.gather(*(self.store.lane(model, p, pool) for p, pool in lanes))
-        counts = await asyncio.gather(*(self.store.subjects(s) for s in streams))
-        return sum(sum(c.values()) for c in counts)
+        counts = await asyncio.gather(*(self._messages(s) for s in streams))
+        return sum(counts)
+
+    async def _messages(self, stream: str) -> int:
+        """A lane's messages (waiting and in flight), from its state: no subject listed."""
+        try:
+            answer = await self.conn.api(f"STREAM.INFO.{stream}", {})
+        except nats.js.errors.NotFoundError:
+            return 0
+        return int(answer.get("state", {}).get("messages", 0))
 
     async def backlog(self, model: str) -> list[LaneBacklog]:
         out = []
@@ -109,7 +117,7 @@ class Introspection(Part):
         for priority, _, subjects, infos in await self._lane_counts(model):
             queued, flying, tenants = per.get(priority, (0, 0, {}))
             for subject, n in subjects.items():
-                info = infos.get(subject)
+                info = infos.get(f"{subject}.*")
                 pending = int(info.num_ack_pending) if info is not None else 0
                 flying += pending
                 waiting = max(0, n - pending)
@@ -131,7 +139,7 @@ class Introspection(Part):
     async def _tenant_of(self, subject: str) -> tuple[str, float]:
         """A tenant subject's tenant name and weight, from its first message."""
         stream = self.names.stream_of_subject(subject)
-        rows = await self.conn.get_batch(stream, subject, 0, 1)
+        rows = await self.conn.get_batch(stream, f"{subject}.*", 0, 1)
         if not rows:
             return Names.subject_kind(subject)[1], 1.0
         spec = decode(rows[0][1], JobSpec)

@@ -371,7 +371,8 @@ class Leases(Part):
         old one is acknowledged by `reply`, or deleted)."""
         spec = job.spec
         job.affinity = False
-        job.subject = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        tenant = self.names.tenant_subject(spec.model, spec.priority, spec.pool, spec.tenant)
+        job.subject = Names.job_subject(tenant, spec.id)
         old_seq = job.seq
         # the new message's sequence is not known until it is published: a claim that meets it
         # before the record names it takes it (naming the old one, the record would have it

@@ -16,6 +16,7 @@ from tokenyard.broker.ids import model_tag, tag_of_job
 from tokenyard.messages import Priority
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -25,6 +26,13 @@ def token(name: str) -> str:
     if _SAFE.fullmatch(name):
         return f"n{name}"
     return "h" + hashlib.blake2s(name.encode(), digest_size=8).hexdigest()
+
+
+def _job_token(job_id: str) -> str:
+    """A job id as a subject token: itself (the gateway's ids are safe), else a digest."""
+    if _SAFE_ID.fullmatch(job_id):
+        return job_id
+    return "h" + hashlib.blake2s(job_id.encode(), digest_size=12).hexdigest()
 
 
 class _Key:
@@ -85,7 +93,8 @@ class Names:
         return f"{self._lane(model, priority, pool)}.>"
 
     def tenant_subject(self, model: str, priority: Priority, pool: int, tenant: str) -> str:
-        """A tenant's share of a lane: fair share picks among these subjects."""
+        """A tenant's share of a lane: fair share picks among these subjects (each job's
+        message goes on one below it, `job_subject`)."""
         return f"{self._lane(model, priority, pool)}.t.{token(tenant)}"
 
     def held_subject(self, model: str, priority: Priority, pool: int, worker: str) -> str:
@@ -93,19 +102,47 @@ class Names:
         return f"{self._lane(model, priority, pool)}.a.{token(worker)}"
 
     @staticmethod
+    def job_subject(lane_subject: str, job_id: str) -> str:
+        """The subject of one job's message on a tenant's or a held subject: a queued job has
+        no record, its message is read by id (`waiting_job`), a direct get by subject."""
+        return f"{lane_subject}.{_job_token(job_id)}"
+
+    @staticmethod
+    def lane_subject_of(subject: str) -> str:
+        """The tenant's or held subject a job's message is on (other subjects as they are):
+        `<prefix>.lane.<tag>.<priority>.<pool>.<t|a>.<token>`, the job's token after it."""
+        if subject.count(".") > 6:
+            return subject[: subject.rfind(".")]
+        return subject
+
+    @staticmethod
     def subject_kind(subject: str) -> tuple[str, str]:
-        """('t', tenant token) or ('a', worker token) of a lane subject."""
+        """('t', tenant token) or ('a', worker token) of a lane subject (or a job's below it)."""
         parts = subject.split(".")
-        return parts[-2], parts[-1]
+        return parts[5], parts[6]
 
     def stream_of_subject(self, subject: str) -> str:
-        """The lane stream a lane subject belongs to."""
-        _, _, tag, priority, pool, _, _ = subject.split(".")
+        """The lane stream a lane subject (or a job's below it) belongs to."""
+        _, _, tag, priority, pool = subject.split(".")[:5]
         return f"{self.prefix}_lane_{tag}_{priority}_{pool}"
+
+    def waiting_places(self, job_id: str, pool_count: int) -> list[tuple[str, str]]:
+        """(lane stream, subject pattern) of each lane a job's message could wait in: every
+        priority and pool of its model (its id names the model), any tenant or holder."""
+        tag = tag_of_job(job_id)
+        return [
+            (
+                f"{self.prefix}_lane_{tag}_{int(p)}_{pool}",
+                f"{self.prefix}.lane.{tag}.{int(p)}.{pool}.*.*.{_job_token(job_id)}",
+            )
+            for p in Priority
+            for pool in range(pool_count)
+        ]
 
     @staticmethod
     def consumer(subject: str) -> str:
-        """The durable pull consumer that serves one lane subject."""
+        """The durable pull consumer that serves one lane subject (the jobs' subjects below
+        it: its filter is `<subject>.*`)."""
         kind, tok = Names.subject_kind(subject)
         return f"{kind}{tok}"
 

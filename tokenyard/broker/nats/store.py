@@ -10,6 +10,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,6 +27,7 @@ from tokenyard.broker.nats.connection import NatsConnection, kv_change, kv_entry
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, decode_job, encode_job
 from tokenyard.broker.nats.tables import NatsQuotas, NatsRegistry
+from tokenyard.broker.nats.waiting import waiting_job
 from tokenyard.broker.tables import settlement
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable
@@ -51,10 +53,10 @@ LAST = "Ty-Last"  # header of a job's last message holding two events: its tail 
 SINCE = "Ty-Since"
 MSG_ID = "Nats-Msg-Id"
 RESEND_S = 20.0  # how long a write whose answer was lost is sent again (a cluster electing)
-REVISION = "Ty-Rev"  # header of a lane message: its record's revision when it was enqueued
-ENQUEUED_AT = "Ty-At"  # and the record's enqueue time (a first claim writes the record whole)
+# header of a keyed job's lane message: its record's revision when it was enqueued (a job no
+# key names has no record until its first claim writes it, expecting none: revision 0)
+REVISION = "Ty-Rev"
 WRONG_LAST = 10071  # JetStream: wrong last sequence
-_GET_MANY = 256  # records read per batched direct get
 DUPLICATE_WINDOW_S = 120.0  # a lane drops a message whose Nats-Msg-Id it saw this recently
 
 
@@ -166,7 +168,7 @@ class Store:
                 stream,
                 ConsumerConfig(
                     durable_name=name,
-                    filter_subject=subject,
+                    filter_subject=f"{subject}.*",  # each job's message has a subject
                     ack_wait=self.settings.lease_s,
                     max_deliver=-1,  # the record counts deliveries (a hand-back is none)
                     max_ack_pending=-1,
@@ -185,7 +187,8 @@ class Store:
     async def wake(self, model: str, subjects: Sequence[str]) -> None:
         """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
         nc = await self.conn.client()
-        await sent(nc.publish(self.names.wake(model), " ".join(sorted(set(subjects))).encode()))
+        lanes = sorted({Names.lane_subject_of(s) for s in subjects})
+        await sent(nc.publish(self.names.wake(model), " ".join(lanes).encode()))
 
     def wake_soon(self, model: str, subjects: Sequence[str]) -> None:
         """`wake`, sent once the enqueues answered in the same turn of the loop have gathered
@@ -212,7 +215,20 @@ class Store:
             await asyncio.gather(self._waker, return_exceptions=True)
 
     async def get(self, job_id: str) -> tuple[StoredJob, int] | None:
-        """The job's record and its revision (a direct get on the long-lived inbox)."""
+        """The job's record and its revision (a direct get on the long-lived inbox); a queued
+        job with none yet (no key named it): as its lane message says, revision 0 (a write
+        of it expects no record: a claim's, a cancel's, a join's race by compare-and-set)."""
+        found = await self.record(job_id)
+        if found is not None:
+            return found
+        waiting = await waiting_job(self.conn, self.names, self.settings.pool_count, job_id)
+        if waiting is not None:
+            return waiting, 0
+        # taken (or ended) between the two reads: its record was written before its message went
+        return await self.record(job_id)
+
+    async def record(self, job_id: str) -> tuple[StoredJob, int] | None:
+        """The job's stored record alone, and its revision."""
         await self.jobs()
         bucket = self.names.jobs_bucket
         found = await self.conn.direct_last(
@@ -221,29 +237,6 @@ class Store:
         if found is None or found[2].get("KV-Operation") in ("DEL", "PURGE"):
             return None
         return decode_job(found[1]), found[0]
-
-    async def get_many(self, job_ids: Sequence[str]) -> dict[str, tuple[StoredJob, int]]:
-        """The records of those of `job_ids` that have one, in one batched direct get."""
-        if not job_ids:
-            return {}
-        await self.jobs()
-        bucket = self.names.jobs_bucket
-        subjects = {Names.kv_subject(bucket, Names.job(j)): j for j in job_ids}
-        listed = list(subjects)
-        stream = Names.kv_stream(bucket)
-        # the server answers a bounded number of subjects per request (413 past it)
-        parts = await asyncio.gather(
-            *(
-                self.conn.last_of_each(stream, listed[k : k + _GET_MANY])
-                for k in range(0, len(listed), _GET_MANY)
-            )
-        )
-        return {
-            subjects[subject]: (decode_job(data), seq)
-            for found in parts
-            for subject, (seq, data, headers) in found.items()
-            if headers.get("KV-Operation") not in ("DEL", "PURGE") and subject in subjects
-        }
 
     async def cas(self, job: StoredJob, revision: int) -> int | None:
         """Write the record if it is still at `revision` (0: only where none is); its new
@@ -412,14 +405,24 @@ class Store:
         """Whether the worker's heartbeat holds."""
         return worker in {w.consumer for w in await self.registry.workers(model)}
 
-    async def subjects(self, stream: str) -> dict[str, int]:
-        """Messages per subject of a lane stream (waiting and in flight)."""
-        try:
-            answer = await self.conn.api(f"STREAM.INFO.{stream}", {"subjects_filter": ">"})
-        except nats.js.errors.NotFoundError:
-            return {}
-        subjects: dict[str, int] = answer.get("state", {}).get("subjects") or {}
-        return subjects
+    async def subjects(self, stream: str, only: str = ">") -> dict[str, int]:
+        """Messages per subject of a stream (waiting and in flight), a lane's jobs counted on
+        their tenant's or held subject; `only`: the subjects matching this filter."""
+        subjects: dict[str, int] = defaultdict(int)
+        seen = 0
+        while True:  # a job's own subject each: the server pages past 100,000 subjects
+            try:
+                answer = await self.conn.api(
+                    f"STREAM.INFO.{stream}", {"subjects_filter": only, "offset": seen}
+                )
+            except nats.js.errors.NotFoundError:
+                return {}
+            page = answer.get("state", {}).get("subjects") or {}
+            for subject, n in page.items():
+                subjects[Names.lane_subject_of(subject)] += n
+            seen += len(page)
+            if not page or seen >= int(answer.get("total", 0)):
+                return dict(subjects)
 
     async def count(self, model: str, name: str) -> None:
         def plus_one(raw: bytes | None) -> tuple[bytes, None]:
@@ -430,6 +433,12 @@ class Store:
     async def counter(self, model: str, name: str) -> int:
         raw, _ = await kv_entry(await self.jobs(), Names.counter(model, name))
         return int(raw or b"0")
+
+    async def waiting(self, stream: str) -> dict[str, int]:
+        """Messages not yet delivered per lane subject that has a consumer (one answer per
+        consumer, where `subjects` lists each waiting job's subject)."""
+        infos = await self.consumer_infos(stream)
+        return {f[:-2]: int(info.num_pending or 0) for f, info in infos.items() if f.endswith(".*")}
 
     async def consumer_infos(self, stream: str) -> dict[str, Any]:
         js = await self.conn.js()

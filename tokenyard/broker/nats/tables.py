@@ -30,6 +30,7 @@ from tokenyard.broker.nats.connection import (
 )
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.records import StoredJob, decode_job
+from tokenyard.broker.nats.waiting import waiting_job
 from tokenyard.broker.tables import (
     Directory,
     Quotas,
@@ -246,11 +247,12 @@ class NatsQuotas(Quotas):
     """Per-tenant quotas: tenancy/limiter.py's rules applied to one entry per tenant by CAS,
     a tenant's whole list of jobs decided in one write."""
 
-    def __init__(self, conn: NatsConnection, names: Names, clock: Clock) -> None:
+    def __init__(self, conn: NatsConnection, names: Names, clock: Clock, pool_count: int) -> None:
         self.conn = conn
         self.names = names
         self.bucket = Bucket(conn, names)
         self.clock = clock
+        self.pool_count = pool_count  # the lanes a queued job's message may wait in
         self._jobs: KeyValue | None = None
 
     async def reserve(
@@ -324,7 +326,7 @@ class NatsQuotas(Quotas):
             for start in range(0, len(ids), _SWEEP_BATCH):
                 chunk = ids[start : start + _SWEEP_BATCH]
                 # reservations end with the job, which the queue's records say
-                records = await asyncio.gather(*(_job(jobs, j) for j in chunk))
+                records = await asyncio.gather(*(self._job(jobs, j) for j in chunk))
                 for job_id, record in zip(chunk, records, strict=True):
                     if record is None:
                         if now - entry.held[job_id].at > grace_s:  # its enqueue never landed
@@ -337,6 +339,27 @@ class NatsQuotas(Quotas):
         raw = await self.bucket.get(Names.quota(tenant))
         return None if raw is None else decode(raw, QuotaEntry).state
 
+    async def _job(self, jobs: KeyValue | None, job_id: str) -> StoredJob | None:
+        """A job's record; a queued job's lane message while it has none (waiting.py)."""
+        if jobs is None:
+            return None
+        try:
+            key = Names.job(job_id)
+        except ValueError:
+            return None  # not a job id: no enqueue of it can ever land
+        for last in (False, True):
+            try:
+                found = await sent(jobs.get(key))
+                return None if found.value is None else decode_job(found.value)
+            except nats.js.errors.KeyNotFoundError:
+                pass
+            if last:
+                return None
+            waiting = await waiting_job(self.conn, self.names, self.pool_count, job_id)
+            if waiting is not None:
+                return waiting
+        return None  # taken between the reads, its record written first: read again above
+
     async def _job_records(self) -> KeyValue | None:
         """The queue's bucket of job records, None before the queue made it: looked up, never
         made here, so the queue's own settings (its records' TTL) are the ones it gets."""
@@ -347,20 +370,6 @@ class NatsQuotas(Quotas):
             except nats.js.errors.BucketNotFoundError:
                 return None
         return self._jobs
-
-
-async def _job(jobs: KeyValue | None, job_id: str) -> StoredJob | None:
-    if jobs is None:
-        return None
-    try:
-        key = Names.job(job_id)
-    except ValueError:
-        return None  # not a job id: no enqueue of it can ever land
-    try:
-        found = await sent(jobs.get(key))
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    return None if found.value is None else decode_job(found.value)
 
 
 class Live(msgspec.Struct, array_like=True):
