@@ -9,6 +9,7 @@ Each script's header comment repeats its table; tests/unit/test_scripts.py check
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -21,6 +22,10 @@ _IK = TypeVar("_IK", bound=tuple[Any, ...])
 _IA = TypeVar("_IA", bound=tuple[Any, ...])
 
 Call = tuple[str, list[str], list[Arg]]  # script id, KEYS, ARGV
+
+
+# K.<name> / A.<name> in a script: the prologue binds each to a local K_<name> / A_<name>
+_FIXED_NAME = re.compile(r"\b([KA])\.(\w+)")
 
 
 def _fields(kind: type[tuple[Any, ...]]) -> tuple[str, ...]:
@@ -87,10 +92,20 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             fields = (f"{n} = {array}[{base}{i + 1}]" for i, n in enumerate(names))
             return "{" + ", ".join(fields) + "}"
 
+        def bind(names: tuple[str, ...], array: str, prefix: str) -> list[str]:
+            # locals, not a table: a table of the call's names costs the server an allocation,
+            # a hashed store per name and its share of Lua's garbage collection on every call
+            if not names:
+                return []
+            local = ", ".join(f"{prefix}_{n}" for n in names)
+            value = ", ".join(f"{array}[{i + 1}]" for i in range(len(names)))
+            return [f"local {local} = {value}"]
+
         lines = [
-            f"-- names of KEYS and ARGV, from tokenyard/broker/redis/scripts.py ({self.name})",
-            f"local K = {table(self.keys, 'KEYS', '')}",
-            f"local A = {table(self.args, 'ARGV', '')}",
+            f"-- names of KEYS and ARGV, from tokenyard/broker/redis/scripts.py ({self.name}):",
+            "-- the body's K.<name> and A.<name> read these locals (ScriptSpec.source)",
+            *bind(self.keys, "KEYS", "K"),
+            *bind(self.args, "ARGV", "A"),
         ]
         if nik:
             lines.append(f"local N = (#KEYS - {nk}) / {nik}")
@@ -124,7 +139,8 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             return (path if path.is_file() else shared.joinpath(f"lib/{name}.lua")).read_text()
 
         libraries = "".join(library(name) for name in self.libraries)
-        return self.prologue() + libraries + own.joinpath(f"{self.name}.lua").read_text()
+        body = libraries + own.joinpath(f"{self.name}.lua").read_text()
+        return self.prologue() + _FIXED_NAME.sub(r"\1_\2", body)
 
 
 class Empty(NamedTuple):
