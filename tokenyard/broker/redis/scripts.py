@@ -4,6 +4,8 @@ Each script takes fixed KEYS and ARGV, then zero or more items, each with its ow
 arguments. The tables below name them; `ScriptSpec.call` flattens typed values into KEYS/ARGV in
 that order, and `ScriptSpec.prologue` is Lua prepended to the script that binds the same names
 (`K.name`, `A.name`, `item(i)` -> keys, args; `N` items), so neither side counts positions.
+`K.name` and `A.name` are written so in the Lua files and sent as locals (`K_name`, `A_name`):
+`source` rewrites them, as a table built for them would cost the server on every call.
 Each script's header comment repeats its table; tests/unit/test_scripts.py checks they agree.
 """
 
@@ -129,8 +131,9 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:
-        """The script as sent to the server: prologue, libraries, then the file. A library is
-        looked up in the script's own package, then in this one's."""
+        """The script as sent to the server: prologue, libraries, then the file, their
+        `K.name`/`A.name` read as the prologue's locals. A library is looked up in the
+        script's own package, then in this one's."""
         own = resources.files(self.package).joinpath("lua")
         shared = resources.files("tokenyard.broker.redis").joinpath("lua")
 
