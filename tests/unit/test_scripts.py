@@ -70,11 +70,13 @@ def test_call_puts_fixed_values_first_then_each_item_in_order() -> None:
 
 def test_prologue_binds_each_name_to_its_position() -> None:
     prologue = SPEC.prologue()
-    assert "local K = {first = KEYS[1], second = KEYS[2]}" in prologue
-    assert "local A = {}" in prologue
+    # locals, not tables (a table per call costs the server its allocation and its stores)
+    assert "local K_first, K_second = KEYS[1], KEYS[2]" in prologue
+    assert "local A_" not in prologue  # no fixed args: nothing bound
     assert "local N = (#KEYS - 2) / 1" in prologue
     assert "local k, a = 2 + (i - 1) * 1, 0 + (i - 1) * 2" in prologue
-    assert "local t = {lane = KEYS[k + 1], entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
+    # an array: the body's k.lane / a.entry_id / a.event are read as [1] / [2] / [3]
+    assert "local t = {KEYS[k + 1], ARGV[a + 1], ARGV[a + 2]}" in prologue
     assert "return t, t" in prologue
 
 
@@ -109,6 +111,34 @@ def test_script_bodies_use_declared_names_only(
     assert set(re.findall(r"\bk\.(\w+)", body)) <= set(spec.item_keys)
     assert set(re.findall(r"\ba\.(\w+)", body)) <= set(spec.item_args)
     assert set(re.findall(r"item\(i\)\.(\w+)", body)) <= set(spec.item_keys)
+
+
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.id)
+def test_the_source_reads_fixed_names_through_the_prologues_locals(
+    spec: ScriptSpec[Fixed, Empty, Empty, Empty],
+) -> None:
+    """K.<name> / A.<name> in the body and its libraries become the prologue's locals; a name
+    a library reads that this script does not declare would be an undefined global."""
+    source = spec.source()
+    assert not re.search(r"\b[KA]\.\w", source)
+    assert set(re.findall(r"\bK_(\w+)", source)) <= set(spec.keys)
+    assert set(re.findall(r"\bA_(\w+)", source)) <= set(spec.args)
+
+
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.id)
+def test_an_items_fields_are_read_by_position(
+    spec: ScriptSpec[Fixed, Empty, Empty, Empty],
+) -> None:
+    """item() builds an array; every `<table>.<name>` left in the code is a library call or
+    an error reply's `err`, so no item field is read by a name the array does not have."""
+    code = "\n".join(line.partition("--")[0] for line in spec.source().split("\n"))
+    modules = {"string", "redis", "server", "math", "table"}
+    named = {
+        field
+        for owner, field in re.findall(r"([\w\])]+)\.([A-Za-z_]\w*)", code)
+        if owner not in modules and not owner[-1].isdigit()
+    }
+    assert named <= {"err"}, named
 
 
 @pytest.mark.parametrize("table", [SCRIPTS, amqp_scripts.SCRIPTS], ids=["redis", "amqp"])

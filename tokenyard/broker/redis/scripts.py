@@ -4,11 +4,14 @@ Each script takes fixed KEYS and ARGV, then zero or more items, each with its ow
 arguments. The tables below name them; `ScriptSpec.call` flattens typed values into KEYS/ARGV in
 that order, and `ScriptSpec.prologue` is Lua prepended to the script that binds the same names
 (`K.name`, `A.name`, `item(i)` -> keys, args; `N` items), so neither side counts positions.
+`K.name` and `A.name` are written so in the Lua files and sent as locals (`K_name`, `A_name`):
+`source` rewrites them, as a table built for them would cost the server on every call.
 Each script's header comment repeats its table; tests/unit/test_scripts.py checks they agree.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -21,6 +24,10 @@ _IK = TypeVar("_IK", bound=tuple[Any, ...])
 _IA = TypeVar("_IA", bound=tuple[Any, ...])
 
 Call = tuple[str, list[str], list[Arg]]  # script id, KEYS, ARGV
+
+
+# K.<name> / A.<name> in a script: the prologue binds each to a local K_<name> / A_<name>
+_FIXED_NAME = re.compile(r"\b([KA])\.(\w+)")
 
 
 def _fields(kind: type[tuple[Any, ...]]) -> tuple[str, ...]:
@@ -83,14 +90,20 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             len(self.item_args),
         )
 
-        def table(names: tuple[str, ...], array: str, base: str) -> str:
-            fields = (f"{n} = {array}[{base}{i + 1}]" for i, n in enumerate(names))
-            return "{" + ", ".join(fields) + "}"
+        def bind(names: tuple[str, ...], array: str, prefix: str) -> list[str]:
+            # locals, not a table: a table of the call's names costs the server an allocation,
+            # a hashed store per name and its share of Lua's garbage collection on every call
+            if not names:
+                return []
+            local = ", ".join(f"{prefix}_{n}" for n in names)
+            value = ", ".join(f"{array}[{i + 1}]" for i in range(len(names)))
+            return [f"local {local} = {value}"]
 
         lines = [
-            f"-- names of KEYS and ARGV, from tokenyard/broker/redis/scripts.py ({self.name})",
-            f"local K = {table(self.keys, 'KEYS', '')}",
-            f"local A = {table(self.args, 'ARGV', '')}",
+            f"-- names of KEYS and ARGV, from tokenyard/broker/redis/scripts.py ({self.name}):",
+            "-- the body's K.<name> and A.<name> read these locals (ScriptSpec.source)",
+            *bind(self.keys, "KEYS", "K"),
+            *bind(self.args, "ARGV", "A"),
         ]
         if nik:
             lines.append(f"local N = (#KEYS - {nk}) / {nik}")
@@ -100,22 +113,24 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             lines.append("local N = 0")
         # one table holds both an item's keys and its args (their names are distinct), returned
         # as both: every table a script builds costs the server an allocation and its share of
-        # Lua's garbage collection, per call, and item() runs once per item
-        keys_part = table(self.item_keys, "KEYS", "k + ")[1:-1]
-        args_part = table(self.item_args, "ARGV", "a + ")[1:-1]
-        both = ", ".join(part for part in (keys_part, args_part) if part)
+        # Lua's garbage collection, per call, and item() runs once per item. An array, its
+        # fields read by position (`source` rewrites k.<name> to k[<position>]): a table of
+        # named fields costs a hashed store per name (~10 k instructions for enqueue's 14)
+        values = [f"KEYS[k + {i + 1}]" for i in range(nik)]
+        values += [f"ARGV[a + {i + 1}]" for i in range(nia)]
         lines += [
             "local function item(i)",
             f"  local k, a = {nk} + (i - 1) * {nik}, {na} + (i - 1) * {nia}",
-            f"  local t = {{{both}}}",
+            f"  local t = {{{', '.join(values)}}}",
             "  return t, t",
             "end",
         ]
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:
-        """The script as sent to the server: prologue, libraries, then the file. A library is
-        looked up in the script's own package, then in this one's."""
+        """The script as sent to the server: prologue, libraries, then the file, their
+        `K.name`/`A.name` read as the prologue's locals. A library is looked up in the
+        script's own package, then in this one's."""
         own = resources.files(self.package).joinpath("lua")
         shared = resources.files("tokenyard.broker.redis").joinpath("lua")
 
@@ -124,7 +139,23 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             return (path if path.is_file() else shared.joinpath(f"lib/{name}.lua")).read_text()
 
         libraries = "".join(library(name) for name in self.libraries)
-        return self.prologue() + libraries + own.joinpath(f"{self.name}.lua").read_text()
+        body = _FIXED_NAME.sub(r"\1_\2", libraries + own.joinpath(f"{self.name}.lua").read_text())
+        return self.prologue() + self._item_fields(body)
+
+    def _item_fields(self, body: str) -> str:
+        """An item's `<table>.<name>` read by its position in item()'s array (code only:
+        comments keep the names). Item tables are the only ones the scripts index by a name
+        (tests/unit/test_scripts.py holds them to that)."""
+        position = {n: i + 1 for i, n in enumerate((*self.item_keys, *self.item_args))}
+        if not position:
+            return body
+        field = re.compile(r"(?<=[\w\])])\.(" + "|".join(position) + r")\b")
+
+        def code(line: str) -> str:
+            text, dashes, comment = line.partition("--")
+            return field.sub(lambda m: f"[{position[m[1]]}]", text) + dashes + comment
+
+        return "\n".join(code(line) for line in body.split("\n"))
 
 
 class Empty(NamedTuple):

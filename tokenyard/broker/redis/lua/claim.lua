@@ -49,31 +49,37 @@ if A.server_now == '1' then
 end
 local nowf = tonumber(now)
 local remaining = tonumber(A.slots)
-local terminal = {succeeded = true, failed = true, cancelled = true, expired = true, dead = true}
--- each lane's table once: item() builds one per call
-local lks, las = {}, {}
+-- a job's status is one of queued, running or a terminal one (JobStatus): two interned-string
+-- comparisons, not a table of the terminal ones built on every call
+local function live(status) return status == 'queued' or status == 'running' end
+-- Whether any lane holds jobs for a preferred worker, has staged jobs, or any retry waits: one
+-- EXISTS over all those sets (an empty sorted set does not exist), and one more per kind only
+-- where some do, so idle lanes cost nothing more. sets = {delayed, held 1, active 1, held 2,
+-- ...}: lane i's held set is sets[2i], its staging set sets[2i + 1] (kept out of the lane's
+-- item table, which growing past its three fields would rehash, per lane and call)
+local lks, las, sets = {}, {}, {K.delayed}
 for i = 1, N do
   lks[i], las[i] = item(i)
   local lane = lks[i].lane
-  lks[i].held, lks[i].active = lane .. ':affq', lane .. ':active'
+  sets[2 * i], sets[2 * i + 1] = lane .. ':affq', lane .. ':active'
 end
--- a lane's fair-share hash, named the first time a claim touches it
-local function fair_of(lk)
-  if not lk.fair then lk.fair = lk.lane .. ':fair' end
-  return lk.fair
+-- lane i's fair-share hash, named the first time a claim touches it
+local fairs = {}
+local function fair_of(i)
+  local fair = fairs[i]
+  if not fair then
+    fair = lks[i].lane .. ':fair'
+    fairs[i] = fair
+  end
+  return fair
 end
 
--- Whether any lane holds jobs for a preferred worker, has staged jobs, or any retry waits: one
--- EXISTS over all those sets (an empty sorted set does not exist), and one more per kind only
--- where some do, so idle lanes cost nothing more.
-local sets = {K.delayed}
-for i = 1, N do sets[#sets + 1], sets[#sets + 2] = lks[i].held, lks[i].active end
 -- Retries whose backoff is over go back to their lanes; any worker does this. The earliest one
 -- first: when it is not due (or there is none), that is also the wait hint's next_due.
 local any_held, any_staged, first_delayed = false, false, {}
 if redis.call('EXISTS', unpack(sets)) > 0 then
   local held_keys, active_keys = {}, {}
-  for i = 1, N do held_keys[i], active_keys[i] = lks[i].held, lks[i].active end
+  for i = 1, N do held_keys[i], active_keys[i] = sets[2 * i], sets[2 * i + 1] end
   any_held = N > 0 and redis.call('EXISTS', unpack(held_keys)) > 0
   any_staged = N > 0 and redis.call('EXISTS', unpack(active_keys)) > 0
   first_delayed = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
@@ -84,7 +90,7 @@ if first_delayed[2] and tonumber(first_delayed[2]) <= nowf then
   for _, jid in ipairs(due) do
     local jk = A.job_prefix .. jid
     local h = redis.call('HMGET', jk, 'lane', 'status')
-    if h[1] and not terminal[h[2]] then
+    if h[1] and (h[2] == nil or live(h[2])) then
       redis.call('XADD', h[1], '*', 'j', jid)
     end
   end
@@ -115,7 +121,7 @@ local function take(stream, entries, capped, affinity)
     local jk = A.job_prefix .. jid
     local h = redis.call('HMGET', jk, 'status', 'spec', 'deadline', 'deliveries', 'pfx',
       'start_at', 'preempted')
-    if (not h[1]) or terminal[h[1]] then
+    if not live(h[1]) then
       -- cancelled while waiting, or its record is gone: nothing to run
       redis.call('XACK', stream, group, eid)
       redis.call('XDEL', stream, eid)
@@ -148,13 +154,13 @@ local function take(stream, entries, capped, affinity)
 end
 
 -- Prefix affinity: take up to `room` held jobs, this worker's own first, then overdue ones.
-local function take_held(lk, room, capped)
+local function take_held(lk, held, room, capped)
   local affw_prefix, aff = lk.lane .. ':affw:', lk.lane .. ':aff'
   local ids = redis.call('ZRANGE', affw_prefix .. consumer, 0, room - 1)
   local seen = {}
   for _, jid in ipairs(ids) do seen[jid] = true end
   if #ids < room then
-    local old = redis.call('ZRANGEBYSCORE', lk.held, '-inf', string.format('%.6f',
+    local old = redis.call('ZRANGEBYSCORE', held, '-inf', string.format('%.6f',
       nowf - aff_wait), 'LIMIT', 0, room)
     for _, jid in ipairs(old) do
       if #ids >= room then break end
@@ -166,7 +172,7 @@ local function take_held(lk, room, capped)
   for _, jid in ipairs(ids) do
     local pref = redis.call('HGET', A.job_prefix .. jid, 'pref')
     if pref then redis.call('ZREM', affw_prefix .. pref, jid) end
-    removed = removed + redis.call('ZREM', lk.held, jid)
+    removed = removed + redis.call('ZREM', held, jid)
     redis.call('XADD', aff, '*', 'j', jid)
   end
   local res = read(aff, #ids)
@@ -177,15 +183,17 @@ end
 -- Lanes (and the wake stream) with nothing after the cursor this worker's last claim left.
 local quiet, wake_quiet = {}, false
 if not any_staged then
-  local streams, ids = {}, {}
+  -- XREAD COUNT 1 STREAMS <streams> <ids>, built in one table: the streams, then their ids
+  local args, n = {'COUNT', 1, 'STREAMS'}, 3
   for i = 1, N do
-    if las[i].after ~= '' then streams[#streams + 1], ids[#ids + 1] = lks[i].lane, las[i].after end
+    if las[i].after ~= '' then n = n + 1; args[n] = lks[i].lane end
   end
-  if A.wake_after ~= '' then streams[#streams + 1], ids[#ids + 1] = K.wake, A.wake_after end
-  if #streams > 0 then
-    local args = {'COUNT', 1, 'STREAMS'}
-    for _, stream in ipairs(streams) do args[#args + 1] = stream end
-    for _, id in ipairs(ids) do args[#args + 1] = id end
+  if A.wake_after ~= '' then n = n + 1; args[n] = K.wake end
+  if n > 3 then
+    for i = 1, N do
+      if las[i].after ~= '' then n = n + 1; args[n] = las[i].after end
+    end
+    if A.wake_after ~= '' then n = n + 1; args[n] = A.wake_after end
     local woke = {}
     for _, stream in ipairs(redis.call('XREAD', unpack(args)) or {}) do
       woke[stream[1]] = true
@@ -202,18 +210,18 @@ for i = 1, N do
   local capped = la.capped == '1' and capped_left >= 0
   local room = remaining
   if capped then room = math.min(room, capped_left) end
-  held_left[i] = any_held and redis.call('ZCARD', lk.held) or 0
+  held_left[i] = any_held and redis.call('ZCARD', sets[2 * i]) or 0
   if room > 0 and held_left[i] > 0 then
-    local removed = take_held(lk, room, capped)
+    local removed = take_held(lk, sets[2 * i], room, capped)
     -- enqueue.lua's depth check reads this count instead of the set's ZCARD: set from the set
     -- itself, so a count that was never kept (held before it was) is right from here on
-    if removed > 0 then redis.call('HSET', fair_of(lk), 'held', held_left[i] - removed) end
+    if removed > 0 then redis.call('HSET', fair_of(i), 'held', held_left[i] - removed) end
   end
   -- the lane's fair state, read once where some lane has staged jobs (only this script changes
   -- it while it runs); else only the count of staged jobs in the stream moves, below
   local in_stream, staged, stored = nil, 0, nil
   if any_staged then
-    local f = redis.call('HMGET', fair_of(lk), 'stream', 'staged')
+    local f = redis.call('HMGET', fair_of(i), 'stream', 'staged')
     in_stream, staged = tonumber(f[1] or '0'), tonumber(f[2] or '0')
     stored = in_stream
   end
@@ -227,7 +235,7 @@ for i = 1, N do
     end
     local moved = 0
     if staged > 0 then
-      moved, in_stream = fair_refill(lane, fair_of(lk), lk.active, lane .. ':tq:',
+      moved, in_stream = fair_refill(lane, fair_of(i), sets[2 * i + 1], lane .. ':tq:',
         asked + tonumber(A.window), in_stream)
       if moved > 0 then staged, stored = staged - moved, in_stream end
     end
@@ -248,11 +256,11 @@ for i = 1, N do
     end
   end
   if in_stream then
-    if in_stream ~= stored then redis.call('HSET', fair_of(lk), 'stream', in_stream) end
+    if in_stream ~= stored then redis.call('HSET', fair_of(i), 'stream', in_stream) end
   elseif taken > 0 then
     -- nothing staged anywhere: the same count, kept without reading it first
-    local left = redis.call('HINCRBY', fair_of(lk), 'stream', -taken)
-    if left < 0 or (drained and left ~= 0) then redis.call('HSET', fair_of(lk), 'stream', 0) end
+    local left = redis.call('HINCRBY', fair_of(i), 'stream', -taken)
+    if left < 0 or (drained and left ~= 0) then redis.call('HSET', fair_of(i), 'stream', 0) end
   end
 end
 
@@ -277,7 +285,7 @@ if remaining > 0 and A.wait_hints == '1' then
     -- a job held for another worker: wake when any worker may take it (one overdue already is
     -- one this claim could not take, e.g. under the batch cap: no reason to wake for it)
     if (held_left[i] or 0) > 0 then
-      local held = redis.call('ZRANGE', lks[i].held, 0, 0, 'WITHSCORES')
+      local held = redis.call('ZRANGE', sets[2 * i], 0, 0, 'WITHSCORES')
       local held_due = held[2] and tonumber(held[2]) + aff_wait
       if held_due and held_due > nowf then due_at = math.min(due_at, held_due) end
     end
