@@ -75,8 +75,7 @@ def test_prologue_binds_each_name_to_its_position() -> None:
     assert "local A_" not in prologue  # no fixed args: nothing bound
     assert "local N = (#KEYS - 2) / 1" in prologue
     assert "local k, a = 2 + (i - 1) * 1, 0 + (i - 1) * 2" in prologue
-    # an array: the body's k.lane / a.entry_id / a.event are read as [1] / [2] / [3]
-    assert "local t = {KEYS[k + 1], ARGV[a + 1], ARGV[a + 2]}" in prologue
+    assert "local t = {lane = KEYS[k + 1], entry_id = ARGV[a + 1], event = ARGV[a + 2]}" in prologue
     assert "return t, t" in prologue
 
 
@@ -123,22 +122,6 @@ def test_the_source_reads_fixed_names_through_the_prologues_locals(
     assert not re.search(r"\b[KA]\.\w", source)
     assert set(re.findall(r"\bK_(\w+)", source)) <= set(spec.keys)
     assert set(re.findall(r"\bA_(\w+)", source)) <= set(spec.args)
-
-
-@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.id)
-def test_an_items_fields_are_read_by_position(
-    spec: ScriptSpec[Fixed, Empty, Empty, Empty],
-) -> None:
-    """item() builds an array; every `<table>.<name>` left in the code is a library call or
-    an error reply's `err`, so no item field is read by a name the array does not have."""
-    code = "\n".join(line.partition("--")[0] for line in spec.source().split("\n"))
-    modules = {"string", "redis", "server", "math", "table"}
-    named = {
-        field
-        for owner, field in re.findall(r"([\w\])]+)\.([A-Za-z_]\w*)", code)
-        if owner not in modules and not owner[-1].isdigit()
-    }
-    assert named <= {"err"}, named
 
 
 @pytest.mark.parametrize("table", [SCRIPTS, amqp_scripts.SCRIPTS], ids=["redis", "amqp"])

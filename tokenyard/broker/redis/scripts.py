@@ -90,6 +90,10 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             len(self.item_args),
         )
 
+        def table(names: tuple[str, ...], array: str, base: str) -> str:
+            fields = (f"{n} = {array}[{base}{i + 1}]" for i, n in enumerate(names))
+            return "{" + ", ".join(fields) + "}"
+
         def bind(names: tuple[str, ...], array: str, prefix: str) -> list[str]:
             # locals, not a table: a table of the call's names costs the server an allocation,
             # a hashed store per name and its share of Lua's garbage collection on every call
@@ -113,15 +117,14 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             lines.append("local N = 0")
         # one table holds both an item's keys and its args (their names are distinct), returned
         # as both: every table a script builds costs the server an allocation and its share of
-        # Lua's garbage collection, per call, and item() runs once per item. An array, its
-        # fields read by position (`source` rewrites k.<name> to k[<position>]): a table of
-        # named fields costs a hashed store per name (~10 k instructions for enqueue's 14)
-        values = [f"KEYS[k + {i + 1}]" for i in range(nik)]
-        values += [f"ARGV[a + {i + 1}]" for i in range(nia)]
+        # Lua's garbage collection, per call, and item() runs once per item
+        keys_part = table(self.item_keys, "KEYS", "k + ")[1:-1]
+        args_part = table(self.item_args, "ARGV", "a + ")[1:-1]
+        both = ", ".join(part for part in (keys_part, args_part) if part)
         lines += [
             "local function item(i)",
             f"  local k, a = {nk} + (i - 1) * {nik}, {na} + (i - 1) * {nia}",
-            f"  local t = {{{', '.join(values)}}}",
+            f"  local t = {{{both}}}",
             "  return t, t",
             "end",
         ]
@@ -139,23 +142,8 @@ class ScriptSpec(Generic[_K, _A, _IK, _IA]):
             return (path if path.is_file() else shared.joinpath(f"lib/{name}.lua")).read_text()
 
         libraries = "".join(library(name) for name in self.libraries)
-        body = _FIXED_NAME.sub(r"\1_\2", libraries + own.joinpath(f"{self.name}.lua").read_text())
-        return self.prologue() + self._item_fields(body)
-
-    def _item_fields(self, body: str) -> str:
-        """An item's `<table>.<name>` read by its position in item()'s array (code only:
-        comments keep the names). Item tables are the only ones the scripts index by a name
-        (tests/unit/test_scripts.py holds them to that)."""
-        position = {n: i + 1 for i, n in enumerate((*self.item_keys, *self.item_args))}
-        if not position:
-            return body
-        field = re.compile(r"(?<=[\w\])])\.(" + "|".join(position) + r")\b")
-
-        def code(line: str) -> str:
-            text, dashes, comment = line.partition("--")
-            return field.sub(lambda m: f"[{position[m[1]]}]", text) + dashes + comment
-
-        return "\n".join(code(line) for line in body.split("\n"))
+        body = libraries + own.joinpath(f"{self.name}.lua").read_text()
+        return self.prologue() + _FIXED_NAME.sub(r"\1_\2", body)
 
 
 class Empty(NamedTuple):
