@@ -17,8 +17,9 @@
 # NO_WARMUP_AB=1: the first level once more with the worker's warm-up off
 # (TOKENYARD_WORKER_WARMUP=false: no CUDA graphs of query buckets captured at start), saved as
 # ceiling-cN-nowarmup.json: what the start-up capture buys, side by side on one machine.
-# PROFILE=1: py-spy (carried as a wheel) samples the worker of the first level, every thread,
-# into logs/cFIRST/worker.speedscope.json (in logs.tar.gz): where a GPU worker's host time goes.
+# PROFILE=1: py-spy (carried as a wheel) samples the worker of the first level (PROFILE_LEVEL=C:
+# that one), every thread, into logs/cC/worker.speedscope.json (in logs.tar.gz): where a GPU
+# worker's host time goes.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 REPO=$PWD
@@ -34,6 +35,7 @@ TOTAL_S=${TOTAL_S:-440}
 WHEELS=${WHEELS:-1}
 CUDA_GRAPHS=${CUDA_GRAPHS:-1}
 PROFILE=${PROFILE:-0}
+PROFILE_LEVEL=${PROFILE_LEVEL:-}
 NO_WARMUP_AB=${NO_WARMUP_AB:-0}
 WORK=${WORK:-/tmp/ty-gpu}
 mkdir -p "$OUT" "$WORK/logs"
@@ -169,7 +171,7 @@ if step model 180 "$PY" -m bench.gpu.make_model --out "$MODEL" --size "$SIZE" --
   [[ $CUDA_GRAPHS == 1 ]] || graphs=(--no-cuda-graphs)
   for c in "${levels[@]}"; do
     profiler=
-    if [[ $PROFILE == 1 && $c == "${levels[0]}" ]]; then
+    if [[ $PROFILE == 1 && $c == "${PROFILE_LEVEL:-${levels[0]}}" ]]; then
       profile_worker "$MODEL" "$WORK/logs/c$c" &
       profiler=$!
     fi
