@@ -89,6 +89,11 @@ class StopMatcher:
     def held(self) -> str:
         return self._held
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string matched); a stop is never emitted."""
         if not self._stops:
@@ -191,9 +196,26 @@ class SequenceDecoder:
             return Delta([], "", self.finish_reason)
         taken: list[int] = []
         pieces: list[str] = []
+        # Without stop strings no token's own text decides where the sequence ends, so a run
+        # of tokens that ends nothing is decoded in one push (two decode calls, not two per
+        # token: an upstream's read of several tokens, a step of many); with them, each token's
+        # text is matched as it comes, so a stop ends the tokens taken where it completes.
+        run: list[int] | None = [] if not self._stops.active else None
         for tok in token_ids:
             taken.append(tok)
             self.completion_tokens += 1
+            if run is not None and not self._ends(tok):
+                run.append(tok)
+                if self.completion_tokens < self.limit:
+                    continue
+                pieces.append(self._detok.push(run))
+                run = []
+                pieces.append(self._close_text())
+                self.finish_reason = self.finish_reason or FinishReason.LENGTH
+                break
+            if run:
+                pieces.append(self._detok.push(run))
+                run = []
             if self._ends(tok):
                 stopped = False
                 if self._include_stop:  # its text ends the output
@@ -213,6 +235,8 @@ class SequenceDecoder:
                 # The flushed tail can itself complete a stop string.
                 self.finish_reason = self.finish_reason or FinishReason.LENGTH
                 break
+        if run:
+            pieces.append(self._detok.push(run))
         return Delta(taken, "".join(pieces), self.finish_reason)
 
     def _close_text(self) -> str:
