@@ -273,3 +273,20 @@ def test_a_run_without_stop_strings_is_decoded_once() -> None:
     delta = dec.feed(ids("eight tokens"))
     assert delta.text == "eight tokens"
     assert calls - before == 2  # the run's window and what of it was already out
+
+
+def test_a_fresh_sequence_decodes_nothing_before_its_first_tokens() -> None:
+    calls = 0
+
+    def counted(token_ids: object) -> str:
+        nonlocal calls
+        calls += 1
+        return TOK.decode(token_ids)  # type: ignore[arg-type]
+
+    dec = SequenceDecoder(counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "))
+    assert calls == 0
+    assert dec.feed(ids("a")).text == "a"
+    resumed = SequenceDecoder(
+        counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "), resume_ids=ids("ab")
+    )
+    assert resumed.feed(ids("c")).text == "c"  # the resumed tokens' text was out already

@@ -39,8 +39,9 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(context)  # tokens before this are fully emitted
         self._partial = ""  # text after `_read` already emitted (whole characters only)
-        # An earlier attempt emitted its tokens' text except a trailing incomplete character.
-        self.resumed_text = self._unread_text().rstrip(REPLACEMENT)
+        # An earlier attempt emitted its tokens' text except a trailing incomplete character
+        # (a fresh sequence has none: its two decode calls are skipped)
+        self.resumed_text = self._unread_text().rstrip(REPLACEMENT) if resume_ids else ""
         self._partial = self.resumed_text
 
     def _unread_text(self) -> str:
