@@ -104,7 +104,10 @@ def root_logging() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     logger_class = logging.getLoggerClass()
+    # setup_logging turns off finding a record's source, thread and process names
+    switches = logging._srcfile, logging.logThreads, logging.logMultiprocessing
     yield
+    logging._srcfile, logging.logThreads, logging.logMultiprocessing = switches
     root.handlers[:] = handlers
     root.setLevel(level)
     logging.setLoggerClass(logger_class)  # setup_logging adopts libraries' loggers made later

@@ -221,3 +221,72 @@ def test_decoder_min_tokens_holds_eos_and_stop_token_ids_back() -> None:
     assert text.endswith("a")
     assert decoder(params, resume=[EOS]).finish_reason is None
     assert decoder(params, resume=[*ids("ab"), EOS]).finish_reason is FinishReason.STOP
+
+
+def run_in_reads(
+    dec: SequenceDecoder, tokens: list[int], sizes: list[int]
+) -> tuple[str, list[int], FinishReason | None]:
+    """Feed `tokens` in runs of the given sizes (an upstream's reads), until a finish."""
+    text, taken, i = "", [], 0
+    for size in sizes:
+        d = dec.feed(tokens[i : i + size])
+        i += size
+        text += d.text
+        taken += d.token_ids
+        if d.finish_reason is not None:
+            return text, taken, d.finish_reason
+    return text, taken, None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_fed_together_match_one_token_at_a_time(seed: int) -> None:
+    # without stop strings a run is decoded in one push: the same text, tokens and finish as
+    # token by token, across split characters, EOS inside a run and the limit inside a run
+    rng = random.Random(seed)
+    body = ids("naïve café — 你好, мир! 🚀 ok ") * 2
+    cases = [
+        (SamplingParams(max_tokens=200), body),
+        (SamplingParams(max_tokens=200), [*body[:17], EOS, *body[17:]]),
+        (SamplingParams(max_tokens=200, min_tokens=30), [*body[:17], EOS, *body[17:40], EOS]),
+        (SamplingParams(max_tokens=23), body),
+        (SamplingParams(max_tokens=23, ignore_eos=True), [*body[:9], EOS, *body[9:]]),
+        (SamplingParams(max_tokens=200, stop=("мир",)), body),
+    ]
+    for params, tokens in cases:
+        sizes = []
+        while sum(sizes) < len(tokens):
+            sizes.append(rng.randint(1, 9))
+        together = run_in_reads(decoder(params), tokens, sizes)
+        assert together == run(decoder(params), tokens), params
+
+
+def test_a_run_without_stop_strings_is_decoded_once() -> None:
+    calls = 0
+
+    def counted(token_ids: object) -> str:
+        nonlocal calls
+        calls += 1
+        return TOK.decode(token_ids)  # type: ignore[arg-type]
+
+    dec = SequenceDecoder(counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "))
+    before = calls
+    delta = dec.feed(ids("eight tokens"))
+    assert delta.text == "eight tokens"
+    assert calls - before == 2  # the run's window and what of it was already out
+
+
+def test_a_fresh_sequence_decodes_nothing_before_its_first_tokens() -> None:
+    calls = 0
+
+    def counted(token_ids: object) -> str:
+        nonlocal calls
+        calls += 1
+        return TOK.decode(token_ids)  # type: ignore[arg-type]
+
+    dec = SequenceDecoder(counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "))
+    assert calls == 0
+    assert dec.feed(ids("a")).text == "a"
+    resumed = SequenceDecoder(
+        counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "), resume_ids=ids("ab")
+    )
+    assert resumed.feed(ids("c")).text == "c"  # the resumed tokens' text was out already

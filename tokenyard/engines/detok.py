@@ -39,8 +39,9 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(context)  # tokens before this are fully emitted
         self._partial = ""  # text after `_read` already emitted (whole characters only)
-        # An earlier attempt emitted its tokens' text except a trailing incomplete character.
-        self.resumed_text = self._unread_text().rstrip(REPLACEMENT)
+        # An earlier attempt emitted its tokens' text except a trailing incomplete character
+        # (a fresh sequence has none: its two decode calls are skipped)
+        self.resumed_text = self._unread_text().rstrip(REPLACEMENT) if resume_ids else ""
         self._partial = self.resumed_text
 
     def _unread_text(self) -> str:
@@ -88,6 +89,11 @@ class StopMatcher:
     @property
     def held(self) -> str:
         return self._held
+
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string matched); a stop is never emitted."""
@@ -191,9 +197,26 @@ class SequenceDecoder:
             return Delta([], "", self.finish_reason)
         taken: list[int] = []
         pieces: list[str] = []
+        # Without stop strings no token's own text decides where the sequence ends, so a run
+        # of tokens that ends nothing is decoded in one push (two decode calls, not two per
+        # token: an upstream's read of several tokens, a step of many); with them, each token's
+        # text is matched as it comes, so a stop ends the tokens taken where it completes.
+        run: list[int] | None = [] if not self._stops.active else None
         for tok in token_ids:
             taken.append(tok)
             self.completion_tokens += 1
+            if run is not None and not self._ends(tok):
+                run.append(tok)
+                if self.completion_tokens < self.limit:
+                    continue
+                pieces.append(self._detok.push(run))
+                run = []
+                pieces.append(self._close_text())
+                self.finish_reason = self.finish_reason or FinishReason.LENGTH
+                break
+            if run:
+                pieces.append(self._detok.push(run))
+                run = []
             if self._ends(tok):
                 stopped = False
                 if self._include_stop:  # its text ends the output
@@ -213,6 +236,8 @@ class SequenceDecoder:
                 # The flushed tail can itself complete a stop string.
                 self.finish_reason = self.finish_reason or FinishReason.LENGTH
                 break
+        if run:
+            pieces.append(self._detok.push(run))
         return Delta(taken, "".join(pieces), self.finish_reason)
 
     def _close_text(self) -> str:

@@ -152,7 +152,7 @@ class HFTokenizer(EngineTokenizer):
         with self._lock:
             if self._rust is not None:
                 # what transformers' decode comes to without its clean-up, at a third of the
-                # cost: twice per streamed token (engines/detok.py)
+                # cost: twice per run of streamed tokens (engines/detok.py)
                 return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
             out = self.hf.decode(
                 ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
