@@ -23,11 +23,17 @@ import time
 from typing import Any
 
 import torch
-from transformers.generation.continuous_batching.requests import (
-    RequestStatus,
-    create_warmup_future_states,
-)
+from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import pad_to_pow2
+
+try:  # transformers 5.23 moved it here from utils, which 5.24 no longer has
+    from transformers.generation.continuous_batching.requests import (
+        create_warmup_future_states,
+    )
+except ImportError:  # pragma: no cover - older transformers (vLLM pins its own)
+    from transformers.generation.continuous_batching.utils import (
+        create_warmup_future_states,
+    )
 
 log = logging.getLogger(__name__)
 
