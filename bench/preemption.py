@@ -67,6 +67,9 @@ class Stages:
     def __init__(self) -> None:
         self.marks: dict[str, dict[str, float]] = defaultdict(dict)
         self.sleeps: list[float] = []  # start of each of the engine's sleeps
+        # each sleep's (start, asked, end): the engine's step is its sleeps plus what runs
+        # between them (stepping, waits for the GIL), which a high job's wait includes too
+        self.slept: list[tuple[float, float, float]] = []
         self.preempt_s: list[float] = []  # queue.preempt round trips
         self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
         self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
@@ -141,8 +144,10 @@ class Stages:
             return outs
 
         def slept(seconds: float) -> None:
-            self.sleeps.append(time.perf_counter())
+            started = time.perf_counter()
+            self.sleeps.append(started)
             sleep(seconds)
+            self.slept.append((started, seconds, time.perf_counter()))
 
         setattr(engine, "add", added)  # noqa: B010 (instance attributes over methods)
         setattr(engine, "_deliver", delivered)  # noqa: B010
@@ -171,6 +176,11 @@ class Stages:
             for row in slowest
         ]
         out["preempt_round_trip"] = _ms([s * 1e3 for s in self.preempt_s])
+        slept = self.slept
+        out["engine_sleep_overshoot"] = _ms([(end - at - asked) * 1e3 for at, asked, end in slept])
+        out["engine_between_sleeps"] = _ms(
+            [(b[0] - a[2]) * 1e3 for a, b in itertools.pairwise(slept)]
+        ) | {"what": "one sleep's end to the next's start: stepping, GIL waits, idle waits"}
         out["gc_pause"] = _ms([s * 1e3 for s in self.gc_s])
         out["loop_lag"] = _ms([s * 1e3 for s in self.lag_s])
         out["loop_lags_over_20ms"] = sum(1 for s in self.lag_s if s > 0.02)
