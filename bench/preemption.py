@@ -16,6 +16,7 @@ path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
         [--rounds 5] [--alone-every 8] [--stages] [--stream-batch] [--quick]
+        [--gap-jitter-s S] [--batch-prompt-tokens N] [--split K] [--cut-in]
 """
 
 from __future__ import annotations
@@ -363,7 +364,12 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
         started = time.perf_counter()
         if load:
             batch = [
-                _spec(Priority.BATCH, f"batch {i}", args.batch_tokens, args.stream_batch)
+                _spec(
+                    Priority.BATCH,
+                    f"batch {i} ".ljust(args.batch_prompt_tokens, "x"),  # the sim: a byte a token
+                    args.batch_tokens,
+                    args.stream_batch,
+                )
                 for i in range(args.batch)
             ]
             await broker.queue.enqueue_many(batch)
@@ -450,6 +456,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-tokens", type=int, default=200)
+    parser.add_argument(
+        "--batch-prompt-tokens",
+        type=int,
+        default=0,
+        help="pad each batch prompt to this many tokens: a step that prefills one (a refill, a "
+        "resumed victim) is that much longer, and a high job arriving during it waits it out",
+    )
     parser.add_argument("--high", type=int, default=40)
     parser.add_argument("--high-tokens", type=int, default=8)
     parser.add_argument("--gap-s", type=float, default=0.02, help="between high-priority jobs")
