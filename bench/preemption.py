@@ -16,7 +16,7 @@ path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
         [--rounds 5] [--alone-every 8] [--stages] [--stream-batch] [--quick]
-        [--gap-jitter-s S] [--batch-prompt-tokens N] [--split K] [--cut-in]
+        [--gap-jitter-s S] [--batch-prompt-tokens N] [--prefill-cap N] [--split K] [--cut-in]
 """
 
 from __future__ import annotations
@@ -349,6 +349,7 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             batch_share=1.0,  # the batch lane may take every slot: the load saturates
             preempt_lanes="normal,low,batch" if preempt else "",
             alone_step_every=args.alone_every,
+            prefill_cap_tokens=args.prefill_cap,
         ),
         freeze_heap=True,  # as `tokenyard worker` runs it (worker/run.py)
     )
@@ -490,6 +491,13 @@ def main() -> None:
         default=WorkerSettings().alone_step_every,
         help="the workers' alone_step_every: a high job's first step runs alone, at most once "
         "per this many steps; 0: off (its prefill joins the batch's step)",
+    )
+    parser.add_argument(
+        "--prefill-cap",
+        type=int,
+        default=WorkerSettings().prefill_cap_tokens,
+        help="the workers' prefill_cap_tokens: while a high job was claimed within the last "
+        "second, an engine step prefills at most this many prompt tokens; 0: off",
     )
     parser.add_argument(
         "--switch-interval-ms",
