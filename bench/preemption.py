@@ -376,6 +376,10 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             await broker.queue.enqueue_many(batch)
             while worker.scheduler.running < args.max_seqs:
                 await asyncio.sleep(0.005)
+            # and decoding: with long prompts (--batch-prompt-tokens) their first prefill is a
+            # step of its own, which would fall on the first high job of every round alike
+            while engine.stats().tokens_generated < 3 * args.high_tokens + args.max_seqs:
+                await asyncio.sleep(0.005)
         ttft, ids = await _ttfts(
             broker, args.high, args.high_tokens, args.gap_s, stages, args.gap_jitter_s
         )
