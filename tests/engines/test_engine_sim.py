@@ -12,7 +12,7 @@ from tests.engines.outputs import collect, record_deliveries
 from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 A, B, C, D = 0.5, 0.01, 0.1, 0.02  # prefill a + b·tokens, decode c + d·batch
 
@@ -330,3 +330,19 @@ async def test_a_prefill_cap_splits_long_prompts_over_steps_the_others_decode_in
     engine.add(EngineRequest("c", [7] * 100, SamplingParams(max_tokens=2, temperature=0.0)))
     await collect(engine, 1)
     assert clock.sleeps[-3] == pytest.approx(A + B * 100)
+
+
+async def test_under_a_prefill_cap_a_higher_priority_prompt_is_prefilled_first(
+    clock_engine: tuple[SimEngine, VirtualClock],
+) -> None:
+    engine, clock = clock_engine
+    steps = record_deliveries(engine)
+    engine.cap_prefill(40)
+    engine.add(EngineRequest("b", [6] * 100, GREEDY, priority=Priority.BATCH))
+    engine.add(EngineRequest("h", [7] * 30, GREEDY, priority=Priority.HIGH))  # added after b
+    await engine.start()
+    res = await collect(engine, 2)
+    # h's 30 tokens and 10 of b's in the first step: h decodes from it, b two steps later
+    assert [o.seq_id for o in steps[0]] == ["h"]
+    assert clock.sleeps[:2] == pytest.approx([A + B * 40, C + D])
+    assert len(res["b"].token_ids) == len(res["h"].token_ids) == 20

@@ -136,6 +136,7 @@ class _SimSeq(EngineSeq):
     fail: bool = False
     prefilled: bool = False  # its whole prompt is in: it decodes
     prefill_done: int = -1  # prompt tokens prefilled so far (-1: not begun)
+    priority: int = 0  # its request's (lower first): a capped step prefills in this order
     out_ids: list[int] = field(default_factory=list)  # resumed + generated tokens
     plan: bytes | None = None  # a guided sequence's text, written one byte token at a time
     bad_words: list[tuple[int, ...]] = field(default_factory=list)  # as token sequences
@@ -491,6 +492,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         if seq.noise_seed is not None:
             digest.update(seq.noise_seed.to_bytes(8, "little", signed=True))
         seq.key = digest.digest()
+        seq.priority = request.priority
         seq.position = len(seq.input_ids)
         seq.out_ids = list(request.resume_token_ids)
         if params.guide is not None:
@@ -533,6 +535,8 @@ class SimEngine(LocalEngine[_SimSeq]):
         in all; a sequence's cached leading blocks cost nothing (looked up as it begins)."""
         chunks: list[int] = []
         queries = hits = 0
+        if cap is not None:  # what outranks goes first: a high job is not chunked behind batch
+            started = sorted(started, key=lambda s: s.priority)
         for s in started:
             if s.prefill_done < 0:
                 found = self.prefix_cache.lookup_and_insert(s.input_ids, s.params.cache_salt)
