@@ -16,6 +16,7 @@ path (see `Stages`). Prints one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
         [--rounds 5] [--alone-every 8] [--stages] [--stream-batch] [--quick]
+        [--gap-jitter-s S] [--batch-prompt-tokens N] [--prefill-cap N] [--split K] [--cut-in]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import gc
 import itertools
 import json
+import random
 import sys
 import time
 import uuid
@@ -66,6 +68,9 @@ class Stages:
     def __init__(self) -> None:
         self.marks: dict[str, dict[str, float]] = defaultdict(dict)
         self.sleeps: list[float] = []  # start of each of the engine's sleeps
+        # each sleep's (start, asked, end): the engine's step is its sleeps plus what runs
+        # between them (stepping, waits for the GIL), which a high job's wait includes too
+        self.slept: list[tuple[float, float, float]] = []
         self.preempt_s: list[float] = []  # queue.preempt round trips
         self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
         self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
@@ -140,8 +145,10 @@ class Stages:
             return outs
 
         def slept(seconds: float) -> None:
-            self.sleeps.append(time.perf_counter())
+            started = time.perf_counter()
+            self.sleeps.append(started)
             sleep(seconds)
+            self.slept.append((started, seconds, time.perf_counter()))
 
         setattr(engine, "add", added)  # noqa: B010 (instance attributes over methods)
         setattr(engine, "_deliver", delivered)  # noqa: B010
@@ -163,11 +170,86 @@ class Stages:
         for i, (name, what) in enumerate(STAGES):
             values = [row[i] * 1e3 for row in rows if row[i] == row[i]]
             out[name] = _ms(values) | {"what": what}
+        # the p99 of a few hundred samples is its slowest two or three: where their time went
+        slowest = sorted(rows, key=lambda row: -sum(x for x in row if x == x))[:3]
+        out["slowest"] = [
+            {name: round(x * 1e3, 2) for (name, _), x in zip(STAGES, row, strict=True)}
+            for row in slowest
+        ]
         out["preempt_round_trip"] = _ms([s * 1e3 for s in self.preempt_s])
+        slept = self.slept
+        out["engine_sleep_overshoot"] = _ms([(end - at - asked) * 1e3 for at, asked, end in slept])
+        out["engine_between_sleeps"] = _ms(
+            [(b[0] - a[2]) * 1e3 for a, b in itertools.pairwise(slept)]
+        ) | {"what": "one sleep's end to the next's start: stepping, GIL waits, idle waits"}
         out["gc_pause"] = _ms([s * 1e3 for s in self.gc_s])
         out["loop_lag"] = _ms([s * 1e3 for s in self.lag_s])
         out["loop_lags_over_20ms"] = sum(1 for s in self.lag_s if s > 0.02)
         return out
+
+
+class WhatIfSim(SimEngine):
+    """What-ifs of the engine's step (`--split`, `--cut-in`; not tokenyard's engines): with
+    `split` > 0, while no high job runs and one was added within the last `window_s`, the
+    running batch decodes in sub-steps of at most `split` sequences (each costs the decode
+    base again), and a high job added meanwhile (`alone`) takes the next sub-step; with
+    `cut_in`, a high job added during a step's prefill runs before that step's decode (an
+    engine whose prefill and decode are separate forward passes)."""
+
+    def __init__(self, *, split: int, cut_in: bool, window_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.split, self.cut_in, self.window_s = split, cut_in, window_s
+        self._high: set[str] = set()
+        self._high_at = float("-inf")
+
+    def add(self, request: EngineRequest) -> None:
+        if request.priority == Priority.HIGH:
+            with self._cond:
+                self._high.add(request.seq_id)
+                self._high_at = time.monotonic()
+        super().add(request)
+
+    def _late_alone(self) -> None:
+        """Run the alone sequences added since the step began, before the rest of it."""
+        with self._cond:
+            late = [s for s in self._seqs.values() if s.alone and not s.prefilled]
+            for s in late:
+                s.prefilled = True
+        if late:
+            prompt = sum(len(s.input_ids) for s in late)
+            self._sleep(self.prefill_base + self.prefill_per_token * prompt)
+            self._sleep(self.decode_base + self.decode_per_seq * len(late))
+            with self._cond:
+                self._step_locked(late)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._seqs:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._high &= self._seqs.keys()
+                batch = list(self._seqs.values())
+                alone = [s for s in batch if s.alone and not s.prefilled]
+                batch = alone or batch
+                started = [s for s in batch if not s.prefilled]
+                for s in started:
+                    s.prefilled = True
+                recent = time.monotonic() - self._high_at < self.window_s
+                size = self.split if self.split and recent and not self._high else len(batch)
+            if started:
+                prompt = sum(len(s.input_ids) for s in started)
+                self._sleep(self.prefill_base + self.prefill_per_token * prompt)
+                if self.cut_in and not alone:
+                    self._late_alone()
+            for at in range(0, len(batch), max(1, size)):
+                if at:
+                    self._late_alone()
+                part = batch[at : at + max(1, size)]
+                self._sleep(self.decode_base + self.decode_per_seq * len(part))
+                with self._cond:
+                    self._step_locked(part)
 
 
 def _ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -214,9 +296,15 @@ async def _done(broker: Backend, job_id: str) -> None:
 
 
 async def _ttfts(
-    broker: Backend, n: int, tokens: int, gap_s: float, stages: Stages | None = None
+    broker: Backend,
+    n: int,
+    tokens: int,
+    gap_s: float,
+    stages: Stages | None = None,
+    jitter_s: float = 0.0,
 ) -> tuple[list[float], list[str]]:
     out, ids = [], []
+    gaps = random.Random(n)  # the same gaps in every run: only where they land differs
     mark: Callable[[str, str], None] = stages.mark if stages is not None else lambda _a, _b: None
     for i in range(n):
         job = _spec(Priority.HIGH, f"urgent {i} {uuid.uuid4().hex[:6]}", tokens)
@@ -231,7 +319,7 @@ async def _ttfts(
         out.append(time.perf_counter() - started)
         ids.append(job.id)
         await _done(broker, job.id)
-        await asyncio.sleep(gap_s)
+        await asyncio.sleep(gap_s + gaps.uniform(0.0, jitter_s))
     return out, ids
 
 
@@ -240,7 +328,17 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
     settings = BrokerSettings(url=url, prefix=f"pb{uuid.uuid4().hex[:8]}")
     broker = connect(settings)
     worker_broker = connect(settings)
-    engine = SimEngine(decode_base=args.step_s, decode_per_seq=args.step_per_seq_s)
+    engine = (
+        WhatIfSim(
+            split=args.split,
+            cut_in=args.cut_in,
+            window_s=args.split_window_s,
+            decode_base=args.step_s,
+            decode_per_seq=args.step_per_seq_s,
+        )
+        if args.split or args.cut_in
+        else SimEngine(decode_base=args.step_s, decode_per_seq=args.step_per_seq_s)
+    )
     worker = Worker(
         worker_broker,
         engine,
@@ -251,6 +349,7 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
             batch_share=1.0,  # the batch lane may take every slot: the load saturates
             preempt_lanes="normal,low,batch" if preempt else "",
             alone_step_every=args.alone_every,
+            prefill_cap_tokens=args.prefill_cap,
         ),
         freeze_heap=True,  # as `tokenyard worker` runs it (worker/run.py)
     )
@@ -266,13 +365,24 @@ async def _phase(url: str, args: argparse.Namespace, load: bool, preempt: bool) 
         started = time.perf_counter()
         if load:
             batch = [
-                _spec(Priority.BATCH, f"batch {i}", args.batch_tokens, args.stream_batch)
+                _spec(
+                    Priority.BATCH,
+                    f"batch {i} ".ljust(args.batch_prompt_tokens, "x"),  # the sim: a byte a token
+                    args.batch_tokens,
+                    args.stream_batch,
+                )
                 for i in range(args.batch)
             ]
             await broker.queue.enqueue_many(batch)
             while worker.scheduler.running < args.max_seqs:
                 await asyncio.sleep(0.005)
-        ttft, ids = await _ttfts(broker, args.high, args.high_tokens, args.gap_s, stages)
+            # and decoding: with long prompts (--batch-prompt-tokens) their first prefill is a
+            # step of its own, which would fall on the first high job of every round alike
+            while engine.stats().tokens_generated < 3 * args.high_tokens + args.max_seqs:
+                await asyncio.sleep(0.005)
+        ttft, ids = await _ttfts(
+            broker, args.high, args.high_tokens, args.gap_s, stages, args.gap_jitter_s
+        )
         saturated = worker.scheduler.running >= args.max_seqs - 1 if load else None
         await asyncio.gather(*(_done(broker, job.id) for job in batch))
         took = time.perf_counter() - started
@@ -351,9 +461,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-tokens", type=int, default=200)
+    parser.add_argument(
+        "--batch-prompt-tokens",
+        type=int,
+        default=0,
+        help="pad each batch prompt to this many tokens: a step that prefills one (a refill, a "
+        "resumed victim) is that much longer, and a high job arriving during it waits it out",
+    )
     parser.add_argument("--high", type=int, default=40)
     parser.add_argument("--high-tokens", type=int, default=8)
     parser.add_argument("--gap-s", type=float, default=0.02, help="between high-priority jobs")
+    parser.add_argument(
+        "--gap-jitter-s",
+        type=float,
+        default=0.0,
+        help="add a uniform [0, this) to each gap: a fixed gap lands each high job at about the "
+        "same point of the batch's step (20 ms is three 6.6 ms steps), this spreads them over it",
+    )
     parser.add_argument("--max-seqs", type=int, default=16)
     parser.add_argument("--step-s", type=float, default=0.005, help="sim decode step, base")
     parser.add_argument("--step-per-seq-s", type=float, default=1e-4)
@@ -373,11 +497,31 @@ def main() -> None:
         "per this many steps; 0: off (its prefill joins the batch's step)",
     )
     parser.add_argument(
+        "--prefill-cap",
+        type=int,
+        default=WorkerSettings().prefill_cap_tokens,
+        help="the workers' prefill_cap_tokens: while a high job was claimed within the last "
+        "second, an engine step prefills at most this many prompt tokens; 0: off",
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
         help="what-if: sys.setswitchinterval for this process (the worker's engine thread and "
         "event loop share the GIL; Python's default hands it over every 5 ms)",
+    )
+    parser.add_argument(
+        "--split",
+        type=int,
+        default=0,
+        help="what-if: while a high job was added within --split-window-s and none runs, the "
+        "batch decodes in sub-steps of at most this many sequences, a high job taking the next",
+    )
+    parser.add_argument("--split-window-s", type=float, default=0.1)
+    parser.add_argument(
+        "--cut-in",
+        action="store_true",
+        help="what-if: a high job added during a step's prefill runs before that step's decode",
     )
     parser.add_argument("--stages", action="store_true", help="where the high jobs' time went")
     parser.add_argument("--quick", action="store_true", help="smoke sizes")

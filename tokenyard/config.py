@@ -281,6 +281,13 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # behind a full batch's step: at most once per this many engine steps (worker/scheduler.py,
     # `Plan.alone`), so the batch keeps at least (n - 1) / n of the steps. 0: off
     alone_step_every: NonNegative = 8
+    # while a lane above one that runs had a job claimed within prefill_cap_window_s, an engine
+    # step prefills at most this many prompt tokens of sequences not taking a step alone, so
+    # the next such job waits for a short step, not a long prompt's whole prefill
+    # (worker/scheduler.py, `step_prefill_cap`; the sim engine splits its prefills, hf and the
+    # engines whose runtime schedules keep their own budget). 0: off
+    prefill_cap_tokens: NonNegative = 0
+    prefill_cap_window_s: SecondsOrZero = 1.0
     heartbeat_s: Seconds = 2.0
     # a stats line (running, waiting, tokens/s, KV use) this often at INFO, as vLLM's; 0: off.
     # Logged at a heartbeat, so at most heartbeat_s late

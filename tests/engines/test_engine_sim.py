@@ -12,7 +12,7 @@ from tests.engines.outputs import collect, record_deliveries
 from tokenyard.engines import EngineRequest, StepOutput, make_engine
 from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.errors import EngineClosed, EngineError, InvalidRequest
-from tokenyard.messages import FinishReason, SamplingParams
+from tokenyard.messages import FinishReason, Priority, SamplingParams
 
 A, B, C, D = 0.5, 0.01, 0.1, 0.02  # prefill a + b·tokens, decode c + d·batch
 
@@ -296,3 +296,53 @@ async def test_an_alone_sequence_takes_its_first_step_without_the_others(
     at = clock.sleeps.index(pytest.approx(A + B * 20))
     assert clock.sleeps[at + 1] == pytest.approx(C + D)
     assert [len(res[k].token_ids) for k in "abch"] == [200, 200, 200, 20]
+
+
+async def test_a_prefill_cap_splits_long_prompts_over_steps_the_others_decode_in(
+    clock_engine: tuple[SimEngine, VirtualClock],
+) -> None:
+    engine, clock = clock_engine
+    steps = record_deliveries(engine)
+    engine.add(EngineRequest("a", [5] * 10, SamplingParams(max_tokens=12, temperature=0.0)))
+    await engine.start()
+    async with asyncio.timeout(30):
+        while not steps:
+            await asyncio.sleep(0.001)  # a decodes
+    engine.cap_prefill(40)
+    engine.add(EngineRequest("b", [6] * 100, GREEDY))  # 40 + 40 + 20 tokens: three steps
+    res = await collect(engine, 2)
+    # each of b's chunks is a prefill of at most 40 tokens beside a's decode of one
+    chunks = [s for s in clock.sleeps if s > C + 2 * D + 1e-9]
+    assert chunks == pytest.approx([A + B * 10, A + B * 40, A + B * 40, A + B * 20])
+    # b's first token came in the step its last chunk went in, not before
+    first = next(i for i, step in enumerate(steps) if any(o.seq_id == "b" for o in step))
+    assert sum(1 for step in steps[:first] if any(o.seq_id == "a" for o in step)) >= 3
+    # the same tokens as its prompt prefilled whole
+    whole = SimEngine(max_seqs=4, sleep=VirtualClock().sleep)
+    whole.add(EngineRequest("b", [6] * 100, GREEDY))
+    await whole.start()
+    try:
+        assert (await collect(whole, 1))["b"].token_ids == res["b"].token_ids
+    finally:
+        await whole.stop()
+    assert len(res["b"].token_ids) == 20 and engine.stats().prefill_tokens == 110
+    engine.cap_prefill(None)  # off: a prompt's prefill is one step again
+    engine.add(EngineRequest("c", [7] * 100, SamplingParams(max_tokens=2, temperature=0.0)))
+    await collect(engine, 1)
+    assert clock.sleeps[-3] == pytest.approx(A + B * 100)
+
+
+async def test_under_a_prefill_cap_a_higher_priority_prompt_is_prefilled_first(
+    clock_engine: tuple[SimEngine, VirtualClock],
+) -> None:
+    engine, clock = clock_engine
+    steps = record_deliveries(engine)
+    engine.cap_prefill(40)
+    engine.add(EngineRequest("b", [6] * 100, GREEDY, priority=Priority.BATCH))
+    engine.add(EngineRequest("h", [7] * 30, GREEDY, priority=Priority.HIGH))  # added after b
+    await engine.start()
+    res = await collect(engine, 2)
+    # h's 30 tokens and 10 of b's in the first step: h decodes from it, b two steps later
+    assert [o.seq_id for o in steps[0]] == ["h"]
+    assert clock.sleeps[:2] == pytest.approx([A + B * 40, C + D])
+    assert len(res["b"].token_ids) == len(res["h"].token_ids) == 20

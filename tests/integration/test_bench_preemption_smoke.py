@@ -16,3 +16,25 @@ def test_preemption_quick_reports_ttft_and_throughput_of_each_run() -> None:
     assert report["loaded_with_preemption"]["preemptions"] > 0
     assert report["loaded_without_preemption"]["preemptions"] == 0
     assert report["ttft_p99_ratio_loaded_vs_idle"] and report["tokens_per_s_ratio_vs_without"]
+
+
+@pytest.mark.timeout(120)
+def test_preemption_what_ifs_run_and_stages_name_the_slowest_jobs() -> None:
+    report = run_bench(
+        "preemption",
+        "--quick",
+        "--stages",
+        "--split",
+        "2",
+        "--cut-in",
+        "--gap-jitter-s",
+        "0.01",
+        timeout=110,
+    )
+    loaded = report["loaded_with_preemption"]
+    assert loaded["ttft_s"]["count"] == 10 and loaded["preemptions"] > 0
+    (stages,) = loaded["stages_ms"]  # --quick: one round
+    assert stages["jobs"] == 10 and len(stages["slowest"]) == 3
+    # every high job's path was marked, stage by stage, the slowest first
+    totals = [sum(job.values()) for job in stages["slowest"]]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,11 @@ class StepClock(SimEngine):
         self.added: dict[str, int] = {}
         self.aborted: dict[str, int] = {}  # the step of each sequence's latest abort
         self.aborts: dict[str, int] = {}  # how often each sequence was aborted
+        self.caps: list[int | None] = []  # each step prefill cap the worker set
+
+    def cap_prefill(self, tokens: int | None) -> None:
+        self.caps.append(tokens)
+        super().cap_prefill(tokens)
 
     def add(self, request: EngineRequest) -> None:
         self.added[request.seq_id] = self.stats().steps
@@ -107,7 +113,7 @@ async def until(check: Callable[[], bool], timeout: float = 20.0) -> None:
 async def worker_on(make_backend: BackendFactory) -> AsyncIterator[Callable[..., Worker]]:
     started: list[tuple[Worker, asyncio.Task[None]]] = []
 
-    def start(broker: Backend, engine: SimEngine) -> Worker:
+    def start(broker: Backend, engine: SimEngine, **more: Any) -> Worker:
         settings = WorkerSettings(
             model=MODEL,
             engine="sim",
@@ -115,6 +121,7 @@ async def worker_on(make_backend: BackendFactory) -> AsyncIterator[Callable[...,
             max_seqs=SLOTS,
             batch_share=1.0,  # batch work may take every slot: the load saturates
             claim_ahead=1,
+            **more,
         )
         worker = Worker(broker, engine, settings)
         started.append((worker, asyncio.create_task(worker.run())))
@@ -185,6 +192,24 @@ async def test_high_priority_work_preempts_batch_work_and_nothing_is_lost(
     assert worker.metrics.preemptions._value.get() == times
     _, trail = await broker.audit.audit_entries(0.0, model=MODEL)
     assert sum(e.event == "preempted" for e in trail) == times
+
+
+async def test_a_high_job_claimed_caps_the_prefill_of_steps_and_resumed_work_is_exact(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    broker = make_backend(lease_s=5.0)
+    engine = StepClock()
+    worker = worker_on(broker, engine, prefill_cap_tokens=16, prefill_cap_window_s=0.3)
+    batch = await saturate(broker, worker, 2 * SLOTS)
+    assert engine.caps == []  # batch work alone: no lane above it came
+    high = spec(Priority.HIGH, "urgent", 4)
+    await broker.queue.enqueue(high)
+    await until(lambda: engine.caps == [16])  # claimed: steps prefill at most 16 tokens
+    assert (await finished(broker, high.id)).status is JobStatus.SUCCEEDED
+    await until(lambda: engine.caps == [16, None])  # the window passed while batch work ran
+    # its victim resumed from prompt + tokens (more than 16) split over steps, token-exact
+    records = await check_batch(broker, batch)
+    assert sum(r.preemptions for r in records) >= 1
 
 
 async def test_a_job_preempted_its_maximum_number_of_times_is_not_preempted_again(

@@ -385,3 +385,36 @@ def test_only_the_highest_lane_starting_goes_alone_and_shares_one_step() -> None
     plan = s.schedule()
     assert names(plan.start) == ["h0", "h1", "n0"]
     assert plan.alone == {"h0", "h1"}  # one step for the two; n0 joins the batch's
+
+
+def claimed(name: str, priority: Priority, at: float) -> Job[str]:
+    job = lane_job(name, priority)
+    job.claimed_at = at
+    return job
+
+
+def test_a_step_prefill_cap_holds_while_a_higher_lane_had_a_job_within_the_window() -> None:
+    s = Scheduler[str](LIMITS, claim_ahead=2, prefill_cap=64, prefill_cap_window_s=1.0)
+    assert s.step_prefill_cap(100.0) is None  # nothing runs
+    s.offer(claimed("b0", Priority.BATCH, 100.0))
+    s.schedule()
+    assert s.step_prefill_cap(100.0) is None  # batch work alone: no higher lane came
+    s.offer(claimed("h0", Priority.HIGH, 101.0))
+    s.schedule()
+    assert s.step_prefill_cap(101.5) == 64  # b0 runs below a lane claimed 0.5 s ago
+    s.update([out("h0", [5], FinishReason.STOP)])
+    assert s.step_prefill_cap(101.9) == 64  # h0 ended; its lane may come again
+    assert s.step_prefill_cap(102.1) is None  # the window has passed
+    s.offer(claimed("n0", Priority.NORMAL, 103.0))
+    s.schedule()
+    assert s.step_prefill_cap(103.2) == 64  # any lane above one that runs
+    s.update([out("b0", [5], FinishReason.STOP)])
+    assert s.step_prefill_cap(103.2) is None  # n0 alone: nothing runs below its lane
+    s.offer(claimed("n1", Priority.NORMAL, 103.1))  # an equal lane is no reason either
+    s.schedule()
+    assert s.step_prefill_cap(103.2) is None
+    off = Scheduler[str](LIMITS, claim_ahead=2)  # prefill_cap 0: never
+    off.offer(claimed("b0", Priority.BATCH, 100.0))
+    off.offer(claimed("h0", Priority.HIGH, 100.0))
+    off.schedule()
+    assert off.step_prefill_cap(100.0) is None

@@ -227,6 +227,14 @@ class Engine(abc.ABC):
         is tried again there). The default does nothing."""
         return None
 
+    def cap_prefill(self, tokens: int | None) -> None:
+        """From the next step on, prefill at most `tokens` prompt tokens a step of the sequences
+        not `alone` (None: the engine's own budget): the worker's scheduler sets it while work
+        that may preempt could arrive (`Scheduler.step_prefill_cap`), so that work waits for a
+        short step rather than a long prompt's whole prefill. Thread-safe. Engines that cannot
+        split a prefill, or whose runtime schedules, ignore it (the default)."""
+        return None
+
     @abc.abstractmethod
     def abort(self, seq_id: str) -> None:
         """Finish a sequence with CANCELLED and free its slot (thread-safe; unknown ids ignored)."""

@@ -133,7 +133,9 @@ class _SimSeq(EngineSeq):
     key: bytes = b""  # hash of prompt (and seed when sampling): tokens depend on it and position
     position: int = 0  # absolute index of the next token
     fail: bool = False
-    prefilled: bool = False
+    prefilled: bool = False  # its whole prompt is in: it decodes
+    prefill_done: int = -1  # prompt tokens prefilled so far (-1: not begun)
+    priority: int = 0  # its request's (lower first): a capped step prefills in this order
     out_ids: list[int] = field(default_factory=list)  # resumed + generated tokens
     plan: bytes | None = None  # a guided sequence's text, written one byte token at a time
     bad_words: list[tuple[int, ...]] = field(default_factory=list)  # as token sequences
@@ -461,6 +463,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         self.fail_marker = fail_marker
         self._rng = random.Random(seed)
         self._sleep = sleep or time.sleep
+        self._prefill_cap: int | None = None
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         if logprobs:
             self.features = frozenset(Feature)
@@ -487,6 +490,7 @@ class SimEngine(LocalEngine[_SimSeq]):
         if seq.noise_seed is not None:
             digest.update(seq.noise_seed.to_bytes(8, "little", signed=True))
         seq.key = digest.digest()
+        seq.priority = request.priority
         seq.position = len(seq.input_ids)
         seq.out_ids = list(request.resume_token_ids)
         if params.guide is not None:
@@ -499,6 +503,9 @@ class SimEngine(LocalEngine[_SimSeq]):
             if self._hold_locked(seq):
                 self._cond.notify_all()
 
+    def cap_prefill(self, tokens: int | None) -> None:
+        self._prefill_cap = tokens if tokens is None else max(1, tokens)  # read by the loop
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -509,23 +516,44 @@ class SimEngine(LocalEngine[_SimSeq]):
                 alone = [s for s in batch if s.alone and not s.prefilled]
                 batch = alone or batch
                 started = [s for s in batch if not s.prefilled]
-                for s in started:
-                    s.prefilled = True
-            if started:
-                prompt = sum(len(s.input_ids) for s in started)
-                hits = 0
-                for s in started:
-                    found = self.prefix_cache.lookup_and_insert(s.input_ids, s.params.cache_salt)
-                    hits += found
-                    if self.prefix_cache.capacity:  # a sim without one knows of no cache
-                        s.cached_tokens = min(found, s.prompt_tokens)
-                with self._lock:
-                    self._stats.prefix_cache_queries += prompt
-                    self._stats.prefix_cache_hits += hits
-                self._sleep(self.prefill_base + self.prefill_per_token * (prompt - hits))
-            self._sleep(self.decode_base + self.decode_per_seq * len(batch))
-            with self._cond:
-                self._step_locked(batch)
+                # chunks of the prompts begun or going on, within the cap (alone ones uncapped)
+                chunks = self._chunks(started, None if alone else self._prefill_cap)
+                batch = [s for s in batch if s.prefilled]  # those whose prompt is all in decode
+            if chunks:
+                self._sleep(self.prefill_base + self.prefill_per_token * sum(chunks))
+            if batch:
+                self._sleep(self.decode_base + self.decode_per_seq * len(batch))
+                with self._cond:
+                    self._step_locked(batch)
+
+    def _chunks(self, started: list[_SimSeq], cap: int | None) -> list[int]:
+        """The prompt tokens this step prefills of each of `started`, in order, at most `cap`
+        in all; a sequence's cached leading blocks cost nothing (looked up as it begins)."""
+        chunks: list[int] = []
+        queries = hits = 0
+        if cap is not None:  # what outranks goes first: a high job is not chunked behind batch
+            started = sorted(started, key=lambda s: s.priority)
+        for s in started:
+            if s.prefill_done < 0:
+                found = self.prefix_cache.lookup_and_insert(s.input_ids, s.params.cache_salt)
+                queries += len(s.input_ids)
+                hits += found
+                if self.prefix_cache.capacity:  # a sim without one knows of no cache
+                    s.cached_tokens = min(found, s.prompt_tokens)
+                s.prefill_done = found
+            take = len(s.input_ids) - s.prefill_done
+            if cap is not None:
+                take = min(take, cap - sum(chunks))
+            s.prefill_done += take
+            s.prefilled = s.prefill_done >= len(s.input_ids)
+            chunks.append(take)
+            if cap is not None and sum(chunks) >= cap:
+                break
+        if queries:
+            with self._lock:
+                self._stats.prefix_cache_queries += queries
+                self._stats.prefix_cache_hits += hits
+        return chunks
 
     def _step_locked(self, batch: list[_SimSeq]) -> None:
         outputs = []

@@ -141,6 +141,8 @@ class Scheduler(Generic[H]):
         claim_ahead: int = 0,
         batch_share: float = 1.0,
         alone_every: int = 0,
+        prefill_cap: int = 0,
+        prefill_cap_window_s: float = 1.0,
     ) -> None:
         if limits.max_seqs < 1 or limits.token_budget < 1 or limits.max_model_len < 2:
             raise ValueError(f"unusable limits {limits}")
@@ -148,6 +150,8 @@ class Scheduler(Generic[H]):
             raise ValueError(f"batch_share must be in (0, 1], not {batch_share}")
         if alone_every < 0:
             raise ValueError(f"alone_every must be >= 0, not {alone_every}")
+        if prefill_cap < 0 or prefill_cap_window_s < 0:
+            raise ValueError("prefill_cap and its window must be >= 0")
         self.limits = limits
         self.claim_ahead = max(0, claim_ahead)
         # A job that outranks every running one takes its first step alone (`Plan.alone`), at
@@ -156,6 +160,13 @@ class Scheduler(Generic[H]):
         # (alone_every - 1) / alone_every of the engine's steps. 0: never.
         self.alone_every = alone_every
         self._steps_since_alone = alone_every  # engine steps since the last one granted
+        # While a lane above one that runs has had a job offered within the window, a step
+        # prefills at most `prefill_cap` prompt tokens of the sequences not `alone`
+        # (`step_prefill_cap`): a job of that lane arriving then waits for the step in flight,
+        # and a step carrying a long prompt's whole prefill is as long as that prompt. 0: never.
+        self.prefill_cap = prefill_cap
+        self.prefill_cap_window_s = prefill_cap_window_s
+        self._offered_at: dict[Priority, float] = {}  # each lane's latest offer (claimed_at)
         # Batch-lane jobs held at once; the rest of the slots stay for interactive work, which
         # cannot overtake a running sequence. At least one: the batch lane is never starved.
         self.batch_slots = (
@@ -231,6 +242,22 @@ class Scheduler(Generic[H]):
     def offer(self, job: Job[H]) -> None:
         """A claimed job joins the queue; the next `schedule()` starts, keeps or refuses it."""
         self._fresh.append(job)
+        at = self._offered_at.get(job.priority)
+        if at is None or job.claimed_at > at:
+            self._offered_at[job.priority] = job.claimed_at
+
+    def step_prefill_cap(self, now: float) -> int | None:
+        """The most prompt tokens an engine step may prefill now (of sequences not `alone`), or
+        None for the engine's own budget: capped while something runs below a lane that had a
+        job offered within `prefill_cap_window_s` before `now` (the clock of `Job.claimed_at`),
+        so the next job of that lane waits for a short step, not a long prompt's prefill."""
+        if not self.prefill_cap or not self._lanes:
+            return None
+        lowest = max(self._lanes)
+        recent = now - self.prefill_cap_window_s
+        if any(lane < lowest and at >= recent for lane, at in self._offered_at.items()):
+            return self.prefill_cap
+        return None
 
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> Plan[H]:

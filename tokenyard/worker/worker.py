@@ -187,6 +187,7 @@ class Worker:
         # chosen for preemption by the look-out (see `_preempt_loop`), carried out by the
         # output loop between steps, where every token it folded in is written already
         self._preempting: set[str] = set()
+        self._prefill_cap: int | None = None  # the step prefill cap the engine was last told
         self._hand_back: set[str] = set()  # reserve jobs to hand back with them
         self._spared: set[tuple[str, str]] = set()  # (job, entry) the broker would not preempt
         # how often this worker preempted each job (the latest _PREEMPTED_KEPT): one at the
@@ -205,8 +206,22 @@ class Worker:
         if claim_ahead is None:
             claim_ahead = max(1, self.limits.max_seqs // 8)
         return Scheduler(
-            self.limits, claim_ahead, self.settings.batch_share, self.settings.alone_step_every
+            self.limits,
+            claim_ahead,
+            self.settings.batch_share,
+            self.settings.alone_step_every,
+            self.settings.prefill_cap_tokens,
+            self.settings.prefill_cap_window_s,
         )
+
+    def _cap_prefill(self) -> None:
+        """Tell the engine the scheduler's step prefill cap when it changes (on the clock of
+        `Job.claimed_at`): after a claim is offered, and after each delivery, where the
+        window's end is met while anything runs."""
+        cap = self.scheduler.step_prefill_cap(time.time())
+        if cap != self._prefill_cap:
+            self._prefill_cap = cap
+            self.engine.cap_prefill(cap)
 
     async def _announce_adapters(self) -> None:
         """Put this worker's `--lora` adapters in the broker's directory, under its model:
@@ -328,6 +343,7 @@ class Worker:
             for job in jobs:
                 if job is not None:
                     self.scheduler.offer(job)
+            self._cap_prefill()
             await self._settle(self._start_fitting())
             if self._preemptible:
                 # claimed work that outranks what runs preempts it now
@@ -637,6 +653,8 @@ class Worker:
             now = time.monotonic()
             update = self.scheduler.update(outputs, now)
             self._occupied()
+            if self._prefill_cap is not None or self.scheduler.prefill_cap:
+                self._cap_prefill()
             self._first_steps(update, now)
             # refill the engine before any broker write, so it never idles on a round trip
             ended = update.finished or update.failed or update.refused
