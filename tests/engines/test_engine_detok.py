@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -260,31 +261,30 @@ def test_runs_fed_together_match_one_token_at_a_time(seed: int) -> None:
         assert together == run(decoder(params), tokens), params
 
 
+class CountedDecode:
+    """The test tokenizer's decode, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, token_ids: Sequence[int]) -> str:
+        self.calls += 1
+        return TOK.decode(token_ids)
+
+
 def test_a_run_without_stop_strings_is_decoded_once() -> None:
-    calls = 0
-
-    def counted(token_ids: object) -> str:
-        nonlocal calls
-        calls += 1
-        return TOK.decode(token_ids)  # type: ignore[arg-type]
-
+    counted = CountedDecode()
     dec = SequenceDecoder(counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "))
-    before = calls
+    before = counted.calls
     delta = dec.feed(ids("eight tokens"))
     assert delta.text == "eight tokens"
-    assert calls - before == 2  # the run's window and what of it was already out
+    assert counted.calls - before == 2  # the run's window and what of it was already out
 
 
 def test_a_fresh_sequence_decodes_nothing_before_its_first_tokens() -> None:
-    calls = 0
-
-    def counted(token_ids: object) -> str:
-        nonlocal calls
-        calls += 1
-        return TOK.decode(token_ids)  # type: ignore[arg-type]
-
+    counted = CountedDecode()
     dec = SequenceDecoder(counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "))
-    assert calls == 0
+    assert counted.calls == 0
     assert dec.feed(ids("a")).text == "a"
     resumed = SequenceDecoder(
         counted, SamplingParams(max_tokens=100), prompt_ids=ids("hi "), resume_ids=ids("ab")

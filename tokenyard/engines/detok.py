@@ -205,19 +205,15 @@ class SequenceDecoder:
         for tok in token_ids:
             taken.append(tok)
             self.completion_tokens += 1
-            if run is not None and not self._ends(tok):
-                run.append(tok)
+            ends = self._ends(tok)
+            if run is not None and not ends:
+                run.append(tok)  # its text comes with the run's
                 if self.completion_tokens < self.limit:
                     continue
-                pieces.append(self._detok.push(run))
-                run = []
-                pieces.append(self._close_text())
-                self.finish_reason = self.finish_reason or FinishReason.LENGTH
-                break
             if run:
                 pieces.append(self._detok.push(run))
                 run = []
-            if self._ends(tok):
+            if ends:
                 stopped = False
                 if self._include_stop:  # its text ends the output
                     out, stopped = self._stops.feed(self._detok.push([tok]))
@@ -226,11 +222,12 @@ class SequenceDecoder:
                     pieces.append(self._close_text())
                 self.finish_reason = FinishReason.STOP
                 break
-            out, stopped = self._stops.feed(self._detok.push([tok]))
-            pieces.append(out)
-            if stopped:
-                self.finish_reason = FinishReason.STOP
-                break
+            if run is None:  # stop strings: each token's text matched as it comes
+                out, stopped = self._stops.feed(self._detok.push([tok]))
+                pieces.append(out)
+                if stopped:
+                    self.finish_reason = FinishReason.STOP
+                    break
             if self.completion_tokens >= self.limit:
                 pieces.append(self._close_text())
                 # The flushed tail can itself complete a stop string.
