@@ -225,9 +225,7 @@ class WhatIfSim(SimEngine):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._seqs:
-                    self._cond.wait()
-                if self._closed:
+                if not self._wait_locked(self._seqs):
                     return
                 self._high &= self._seqs.keys()
                 batch = list(self._seqs.values())

@@ -283,9 +283,8 @@ class Enqueuer(Part):
         # a resent enqueue of the job id: Nats-Msg-Id dropped the copy within the lane's
         # duplicate window (past it, the claim that meets the second copy finds the record the
         # first one's claim wrote, and acknowledges it as moved or ended)
-        return EnqueueResult(job_id=job.spec.id, created=not isinstance(published, Duplicate)), (
-            job.subject
-        )
+        created = not isinstance(published, Duplicate)
+        return EnqueueResult(job_id=job.spec.id, created=created), job.subject
 
     def _full(self, spec: JobSpec) -> QueueFull:
         lane = f"{spec.model}/{spec.priority.name.lower()}"
