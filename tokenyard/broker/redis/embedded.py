@@ -14,20 +14,17 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Literal
 
 import redis
 import redis.exceptions
 
-from tokenyard.broker.embedded import EmbeddedProcess
+from tokenyard.broker.embedded import EmbeddedProcess, Fsync, checked_fsync
 from tokenyard.children import free_port
 from tokenyard.errors import TokenyardError
 
-__all__ = ["AppendFsync", "EmbeddedServer", "EmbeddedServerError", "find_server_binary"]
+__all__ = ["EmbeddedServer", "EmbeddedServerError", "find_server_binary"]
 
 log = logging.getLogger(__name__)
-
-AppendFsync = Literal["always", "everysec", "no"]
 
 _LOG_NAME = "server.log"
 _CONF_NAME = "server.conf"
@@ -124,19 +121,18 @@ class EmbeddedServer(EmbeddedProcess):
         data_dir: str | os.PathLike[str] | None = None,
         *,
         keep_data: bool = False,
-        appendfsync: AppendFsync = "everysec",
+        appendfsync: Fsync = "everysec",
         unix_socket: bool = False,
         host: str = "127.0.0.1",
         binary: str | os.PathLike[str] | None = None,
         config: Mapping[str, str] | None = None,
     ) -> None:
         """Resolve the binary and data dir; nothing runs until ``start()``."""
-        if appendfsync not in ("always", "everysec", "no"):
-            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
+        appendfsync = checked_fsync("appendfsync", appendfsync)  # before a temp dir is made for it
         super().__init__(
             find_server_binary(binary), data_dir, keep_data=keep_data, host=host, port=None
         )
-        self._appendfsync: AppendFsync = appendfsync
+        self._appendfsync = appendfsync
         self._unix_socket = unix_socket
         self._extra_config = dict(config or {})
         self._log_offset = 0
