@@ -71,6 +71,10 @@ class Stages:
         # each sleep's (start, asked, end): the engine's step is its sleeps plus what runs
         # between them (stepping, waits for the GIL), which a high job's wait includes too
         self.slept: list[tuple[float, float, float]] = []
+        # what each sleep stood for: "prefill", "decode N" (a batch of N): the step in flight
+        # when a high job was added, which it waits out (`in_flight` in the summary)
+        self.slept_kind: list[str] = []
+        self._prefill_next = False
         self.preempt_s: list[float] = []  # queue.preempt round trips
         self.gc_s: list[float] = []  # the collector's pauses (every thread waits on them)
         self.lag_s: list[float] = []  # how late a 1 ms timer of this loop fired, each time
@@ -124,6 +128,7 @@ class Stages:
 
         queue.claim, queue.append_events, queue.preempt = claimed, appended, preempted
         add, deliver, outputs, sleep = engine.add, engine._deliver, engine.outputs, engine._sleep
+        chunks = engine._chunks
 
         def added(request: EngineRequest) -> None:
             self.mark(request.seq_id, "added")
@@ -144,37 +149,67 @@ class Stages:
                     self.mark(out.seq_id, "loop_got")
             return outs
 
+        def chunked(*args: Any) -> list[int]:
+            out: list[int] = chunks(*args)
+            self._prefill_next = bool(out)  # the loop's next sleep is their prefill
+            return out
+
         def slept(seconds: float) -> None:
             started = time.perf_counter()
             self.sleeps.append(started)
+            if self._prefill_next:
+                self._prefill_next = False
+                kind = "prefill"
+            else:
+                kind = f"decode {round((seconds - engine.decode_base) / engine.decode_per_seq)}"
             sleep(seconds)
             self.slept.append((started, seconds, time.perf_counter()))
+            self.slept_kind.append(kind)
 
         setattr(engine, "add", added)  # noqa: B010 (instance attributes over methods)
         setattr(engine, "_deliver", delivered)  # noqa: B010
         setattr(engine, "outputs", got)  # noqa: B010
+        setattr(engine, "_chunks", chunked)  # noqa: B010
         engine._sleep = slept
 
     def summary(self, job_ids: Sequence[str]) -> dict[str, Any]:
         """Per stage p50/p99/max in ms over the jobs with every mark."""
-        rows = []
+        rows, kinds = [], []
+        waits: dict[str, list[float]] = defaultdict(list)  # the wait ("step"), by what ran
         for job_id in job_ids:
             marks = dict(self.marks.get(job_id, {}))
             added = marks.get("added")
+            kind = "none"  # no sleep under way: an idle engine, or one between its sleeps
             if added is not None:  # its first step: the first sleep begun after its add
                 marks["step"] = next((t for t in self.sleeps if t >= added), float("nan"))
+                kind = next(
+                    (
+                        k
+                        for (at, _, end), k in zip(self.slept, self.slept_kind, strict=False)
+                        if at <= added < end
+                    ),
+                    kind,
+                )
             names = ["sent", *(name for name, _ in STAGES)]
             if all(name in marks for name in names):
                 rows.append([marks[b] - marks[a] for a, b in itertools.pairwise(names)])
+                kinds.append(kind)
+                waits[kind].append((marks["step"] - marks["added"]) * 1e3)
         out: dict[str, Any] = {"jobs": len(rows), "first_step_alone": len(self.alone)}
         for i, (name, what) in enumerate(STAGES):
             values = [row[i] * 1e3 for row in rows if row[i] == row[i]]
             out[name] = _ms(values) | {"what": what}
+        out["in_flight"] = {
+            kind: {"jobs": len(ms)} | _ms(ms) for kind, ms in sorted(waits.items())
+        } | {"what": "the engine sleep under way at each job's add, and its wait (stage 'step')"}
         # the p99 of a few hundred samples is its slowest two or three: where their time went
-        slowest = sorted(rows, key=lambda row: -sum(x for x in row if x == x))[:3]
+        slowest = sorted(
+            zip(rows, kinds, strict=True), key=lambda rk: -sum(x for x in rk[0] if x == x)
+        )[:3]
         out["slowest"] = [
             {name: round(x * 1e3, 2) for (name, _), x in zip(STAGES, row, strict=True)}
-            for row in slowest
+            | {"in_flight": kind}
+            for row, kind in slowest
         ]
         out["preempt_round_trip"] = _ms([s * 1e3 for s in self.preempt_s])
         slept = self.slept
