@@ -11,8 +11,10 @@ runs in turn (a fresh worker each), so a shared machine's load drifts over all t
 and pools each one's samples: the p99 of 40 samples is the largest but one, one stall decides
 it. Reports TTFT p50/p99 of each (pooled, and each round's loaded/idle p99 ratio), the pooled
 loaded/idle p99 ratio (goal <= 1.5), and the total tokens/s of the loaded runs, with/without
-(goal >= 0.9). `--stages` adds where each high job's time went, from timestamps taken on its
-path (see `Stages`). Prints one JSON document.
+(goal >= 0.9), and beside the ratio the idle p99 plus one full batch step over the idle p99
+(what the step in flight alone explains). `--stages` adds where each high job's time went, from
+timestamps taken on its path, and what the engine ran when it was added (see `Stages`). Prints
+one JSON document.
 
     python -m bench.preemption [--batch 64] [--batch-tokens 200] [--high 40] [--max-seqs 16]
         [--rounds 5] [--alone-every 8] [--stages] [--stream-batch] [--quick]
