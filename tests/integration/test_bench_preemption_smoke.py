@@ -36,5 +36,10 @@ def test_preemption_what_ifs_run_and_stages_name_the_slowest_jobs() -> None:
     (stages,) = loaded["stages_ms"]  # --quick: one round
     assert stages["jobs"] == 10 and len(stages["slowest"]) == 3
     # every high job's path was marked, stage by stage, the slowest first
-    totals = [sum(job.values()) for job in stages["slowest"]]
+    totals = [sum(v for k, v in job.items() if k != "in_flight") for job in stages["slowest"]]
     assert totals == sorted(totals, reverse=True) and totals[0] > 0
+    # and what the engine ran as each was added: a sleep of the loaded engine's, or none
+    in_flight = {k: v for k, v in stages["in_flight"].items() if k != "what"}
+    assert sum(kind["jobs"] for kind in in_flight.values()) == 10
+    assert all(k == "none" or k == "prefill" or k.startswith("decode ") for k in in_flight)
+    assert all(job["in_flight"] in in_flight for job in stages["slowest"])

@@ -212,6 +212,26 @@ async def test_a_high_job_claimed_caps_the_prefill_of_steps_and_resumed_work_is_
     assert sum(r.preemptions for r in records) >= 1
 
 
+async def test_by_default_a_high_job_claimed_caps_the_prefill_of_steps(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    """The cap is on unless set to 0: a worker given no cap caps its steps' prefill at the
+    default while high work came, and lifts it once the window passed."""
+    broker = make_backend(lease_s=5.0)
+    engine = StepClock()
+    worker = worker_on(broker, engine, prefill_cap_window_s=0.3)
+    default = WorkerSettings().prefill_cap_tokens
+    assert worker.settings.prefill_cap_tokens == default > 0
+    batch = await saturate(broker, worker, 2 * SLOTS)
+    assert engine.caps == []
+    high = spec(Priority.HIGH, "urgent", 4)
+    await broker.queue.enqueue(high)
+    await until(lambda: engine.caps == [default])
+    assert (await finished(broker, high.id)).status is JobStatus.SUCCEEDED
+    await until(lambda: engine.caps == [default, None])
+    await check_batch(broker, batch)
+
+
 async def test_a_job_preempted_its_maximum_number_of_times_is_not_preempted_again(
     make_backend: BackendFactory, worker_on: Callable[..., Worker]
 ) -> None:
