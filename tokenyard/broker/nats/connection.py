@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -27,7 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
-from tokenyard.broker.nats.client import Client
+from tokenyard.broker.nats.client import Client, Outgoing
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, FatalError
 
@@ -363,6 +363,39 @@ class NatsConnection:
             self._acks.pop(token, None)
             raise
         return answer
+
+    async def publish_all(
+        self, messages: Sequence[tuple[str, bytes, dict[str, str] | None]]
+    ) -> list[asyncio.Future[int]]:
+        """`publish_soon` of each (subject, payload, headers), written in order as one buffer
+        write (all or none: a refusal raises before any goes); their futures in that order."""
+        nc = self._nc
+        if nc is None or nc.is_closed or not self._ack_inbox:
+            await self._inbox()
+            nc = await self.client()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + REQUEST_TIMEOUT_S
+        inbox = self._ack_inbox
+        answers: list[asyncio.Future[int]] = []
+        tokens: list[str] = []
+        outgoing: list[Outgoing] = []
+        for subject, payload, headers in messages:
+            self._tokens += 1
+            token = str(self._tokens)
+            answer: asyncio.Future[int] = loop.create_future()
+            self._acks[token] = (answer, until)
+            tokens.append(token)
+            answers.append(answer)
+            outgoing.append((subject, payload, f"{inbox}.{token}", headers))
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep())
+        try:
+            await sent(nc.publish_all(outgoing))
+        except BaseException:
+            for token in tokens:
+                self._acks.pop(token, None)
+            raise
+        return answers
 
     async def acked(self, answer: asyncio.Future[_T]) -> _T:
         """The stream sequence of a `publish_soon`; BrokerUnavailable if none came in time."""

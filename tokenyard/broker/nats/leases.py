@@ -123,7 +123,8 @@ class Leases(Part):
         # the completions that end a job by its Finished alone (`_ends_by_events`) written
         # together (one round trip) and awaited in turn, no task each; the others, and any
         # whose first try did not land plainly, go through `_complete` (sent again there)
-        sending: list[tuple[int, Holding, asyncio.Future[int]]] = []
+        chosen: list[tuple[int, Holding]] = []
+        firsts: list[tuple[str, bytes, int, str, bool]] = []
         for i, (lease, result) in enumerate(items):
             holding = self.store.holding.get(lease.entry_id)
             if (
@@ -135,23 +136,30 @@ class Leases(Part):
                 continue
             tail = None if tails is None else tails[i]
             msg_id = event_id(lease.spec.id, holding.marker, "f")
-            data = _finished(result, tail)
-            try:
-                pending = await self.store.event_soon(
-                    lease.spec.id, data, holding.last_seq, msg_id, tail is not None
-                )
-            except Exception:
-                continue
+            # the same lease twice in one call: the second goes through `_complete` (fenced)
             holding.finishing = True
-            sending.append((i, holding, pending))
-        for i, holding, pending in sending:
+            chosen.append((i, holding))
+            firsts.append(
+                (lease.spec.id, _finished(result, tail), holding.last_seq, msg_id, tail is not None)
+            )
+        try:
+            pendings = await self.store.events_all(firsts)
+        except Exception:
+            pendings = []  # none was written: each goes through `_complete`
+        landed: list[tuple[int, Holding]] = []
+        for k, (i, holding) in enumerate(chosen):
             try:
-                await self.conn.acked(pending)
+                if k >= len(pendings):
+                    continue
+                await self.conn.acked(pendings[k])
             except Exception:
                 continue
             finally:
                 holding.finishing = False
-            await self._ended_by_events(items[i][0], holding)
+            landed.append((i, holding))
+        # their lane messages acknowledged together once their Finished events landed
+        await self._ended_by_events([(items[i][0], holding) for i, holding in landed])
+        for i, _ in landed:
             outcomes[i] = True
         rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
         others = await asyncio.gather(
@@ -233,7 +241,7 @@ class Leases(Part):
         finally:
             holding.finishing = False  # a call sent again after an error goes through
         if _ends_by_events(lease.spec, result):
-            await self._ended_by_events(lease, holding)
+            await self._ended_by_events([(lease, holding)])
             return True
 
         def end(job: StoredJob) -> None:
@@ -258,12 +266,15 @@ class Leases(Part):
         # a job without quota is settled by whoever wrote its Finished (`_ends_by_events`)
         return turned or not lease.spec.quota
 
-    async def _ended_by_events(self, lease: Lease, holding: Holding) -> None:
-        """After the Finished that ended the job landed: the lane message acknowledged."""
-        await self.store.ack(lease.entry_id)  # before the holding goes: a call sent again
-        self.store.holding.pop(lease.entry_id, None)  # acks it again, and settles it once
-        if holding.job.cancel:
-            await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
+    async def _ended_by_events(self, ended: Sequence[tuple[Lease, Holding]]) -> None:
+        """After the Finished events that ended these jobs landed: their lane messages
+        acknowledged (one buffer write)."""
+        # before the holdings go: a call sent again acks them again, and settles each once
+        await self.store.ack_all([lease.entry_id for lease, _ in ended])
+        for lease, holding in ended:
+            self.store.holding.pop(lease.entry_id, None)
+            if holding.job.cancel:
+                await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1

@@ -184,6 +184,12 @@ class Store:
         nc = await self.conn.client()
         await sent(nc.publish_now(reply, verb, "", None))
 
+    async def ack_all(self, replies: Sequence[str]) -> None:
+        """`ack` of each delivered message, written as one buffer write."""
+        if replies:
+            nc = await self.conn.client()
+            await sent(nc.publish_all([(reply, b"+ACK", "", None) for reply in replies]))
+
     async def wake(self, model: str, subjects: Sequence[str]) -> None:
         """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
         nc = await self.conn.client()
@@ -252,6 +258,24 @@ class Store:
         )
         return _wrong_last_is_none(answer)
 
+    async def cas_all(
+        self, writes: Sequence[tuple[StoredJob, int]]
+    ) -> list[asyncio.Future[int | None]]:
+        """`cas_soon` of each (record, revision), written as one buffer write (all or none)."""
+        await self.jobs()
+        bucket = self.names.jobs_bucket
+        answers = await self.conn.publish_all(
+            [
+                (
+                    Names.kv_subject(bucket, Names.job(job.spec.id)),
+                    encode_job(job),
+                    {EXPECT_LAST: str(revision)},
+                )
+                for job, revision in writes
+            ]
+        )
+        return [_wrong_last_is_none(answer) for answer in answers]
+
     async def publish_event(
         self,
         job_id: str,
@@ -300,6 +324,19 @@ class Store:
         await self.events_stream()
         headers = _event_headers(expect, False, msg_id, last, None)
         return await self.conn.publish_soon(self.names.events(job_id), data, headers)
+
+    async def events_all(
+        self, firsts: Sequence[tuple[str, bytes, int, str, bool]]
+    ) -> list[asyncio.Future[int]]:
+        """`event_soon` of each (job id, data, expect, msg id, last), written as one buffer
+        write (all or none)."""
+        await self.events_stream()
+        return await self.conn.publish_all(
+            [
+                (self.names.events(job_id), data, _event_headers(expect, False, msg_id, last, None))
+                for job_id, data, expect, msg_id, last in firsts
+            ]
+        )
 
     async def stored_after(self, job_id: str, expect: int | None, msg_id: str | None) -> int | None:
         """The sequence of the job's event right after `expect` if its id is `msg_id`."""
