@@ -344,31 +344,16 @@ class NatsConnection:
         """Write a JetStream publish now, in call order; the future gives its stream sequence
         (or the server's refusal as APIError; BrokerUnavailable when no answer came in time).
         Several in a row cost one round trip."""
-        nc = self._nc
-        if nc is None or nc.is_closed or not self._ack_inbox:
-            await self._inbox()
-            nc = await self.client()
-        self._tokens += 1
-        token = str(self._tokens)
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[int] = loop.create_future()
-        # one sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
-        # more than the publish's own bookkeeping)
-        self._acks[token] = (answer, loop.time() + REQUEST_TIMEOUT_S)
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = loop.create_task(self._sweep())
-        try:
-            await sent(nc.publish_now(subject, payload, f"{self._ack_inbox}.{token}", headers))
-        except BaseException:
-            self._acks.pop(token, None)
-            raise
+        [answer] = await self.publish_all([(subject, payload, headers)])
         return answer
 
     async def publish_all(
         self, messages: Sequence[tuple[str, bytes, dict[str, str] | None]]
     ) -> list[asyncio.Future[int]]:
         """`publish_soon` of each (subject, payload, headers), written in order as one buffer
-        write (all or none: a refusal raises before any goes); their futures in that order."""
+        write (all or none: a refusal raises before any goes); their futures in that order.
+        One sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
+        more than the publish's own bookkeeping)."""
         nc = self._nc
         if nc is None or nc.is_closed or not self._ack_inbox:
             await self._inbox()
