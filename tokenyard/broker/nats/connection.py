@@ -354,6 +354,8 @@ class NatsConnection:
         write (all or none: a refusal raises before any goes); their futures in that order.
         One sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
         more than the publish's own bookkeeping)."""
+        if not messages:
+            return []
         nc = self._nc
         if nc is None or nc.is_closed or not self._ack_inbox:
             await self._inbox()

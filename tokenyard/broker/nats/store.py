@@ -262,6 +262,8 @@ class Store:
         self, writes: Sequence[tuple[StoredJob, int]]
     ) -> list[asyncio.Future[int | None]]:
         """`cas_soon` of each (record, revision), written as one buffer write (all or none)."""
+        if not writes:
+            return []
         await self.jobs()
         bucket = self.names.jobs_bucket
         answers = await self.conn.publish_all(
@@ -330,6 +332,8 @@ class Store:
     ) -> list[asyncio.Future[int]]:
         """`event_soon` of each (job id, data, expect, msg id, last), written as one buffer
         write (all or none)."""
+        if not firsts:
+            return []
         await self.events_stream()
         return await self.conn.publish_all(
             [
