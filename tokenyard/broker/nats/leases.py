@@ -146,7 +146,6 @@ class Leases(Part):
             pendings = await self.store.events_all(firsts)
         except Exception:
             pendings = []  # none was written: each goes through `_complete`
-        landed: list[tuple[int, Holding]] = []
         for k, (i, holding) in enumerate(chosen):
             try:
                 if k >= len(pendings):
@@ -156,10 +155,9 @@ class Leases(Part):
                 continue
             finally:
                 holding.finishing = False
-            landed.append((i, holding))
-        # their lane messages acknowledged together once their Finished events landed
-        await self._ended_by_events([(items[i][0], holding) for i, holding in landed])
-        for i, _ in landed:
+            # each lane message acknowledged as soon as its Finished landed: acks held back
+            # until the call's last answer came cost more than they saved (measured)
+            await self._ended_by_events(items[i][0], holding)
             outcomes[i] = True
         rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
         others = await asyncio.gather(
@@ -241,7 +239,7 @@ class Leases(Part):
         finally:
             holding.finishing = False  # a call sent again after an error goes through
         if _ends_by_events(lease.spec, result):
-            await self._ended_by_events([(lease, holding)])
+            await self._ended_by_events(lease, holding)
             return True
 
         def end(job: StoredJob) -> None:
@@ -266,15 +264,12 @@ class Leases(Part):
         # a job without quota is settled by whoever wrote its Finished (`_ends_by_events`)
         return turned or not lease.spec.quota
 
-    async def _ended_by_events(self, ended: Sequence[tuple[Lease, Holding]]) -> None:
-        """After the Finished events that ended these jobs landed: their lane messages
-        acknowledged (one buffer write)."""
-        # before the holdings go: a call sent again acks them again, and settles each once
-        await self.store.ack_all([lease.entry_id for lease, _ in ended])
-        for lease, holding in ended:
-            self.store.holding.pop(lease.entry_id, None)
-            if holding.job.cancel:
-                await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
+    async def _ended_by_events(self, lease: Lease, holding: Holding) -> None:
+        """After the Finished that ended the job landed: the lane message acknowledged."""
+        await self.store.ack(lease.entry_id)  # before the holding goes: a call sent again
+        self.store.holding.pop(lease.entry_id, None)  # acks it again, and settles it once
+        if holding.job.cancel:
+            await self.store.mark(Names.cancels(lease.spec.model), lease.spec.id, False)
 
     async def retry(self, lease: Lease, error: str) -> bool:
         return await self._fail(lease, error, "failed", force_dead=False) == 1

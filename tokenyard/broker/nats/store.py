@@ -184,12 +184,6 @@ class Store:
         nc = await self.conn.client()
         await sent(nc.publish_now(reply, verb, "", None))
 
-    async def ack_all(self, replies: Sequence[str]) -> None:
-        """`ack` of each delivered message, written as one buffer write."""
-        if replies:
-            nc = await self.conn.client()
-            await sent(nc.publish_all([(reply, b"+ACK", "", None) for reply in replies]))
-
     async def wake(self, model: str, subjects: Sequence[str]) -> None:
         """Tell blocked claims which lane subjects just got work (a core publish, no ack)."""
         nc = await self.conn.client()
@@ -318,20 +312,12 @@ class Store:
                     raise Fenced from exc
                 return stored
 
-    async def event_soon(
-        self, job_id: str, data: bytes, expect: int, msg_id: str, last: bool
-    ) -> asyncio.Future[int]:
-        """`publish_event`'s first try written now, its answer awaited later (several cost
-        one round trip); a caller whose try failed sends it again through `publish_event`."""
-        await self.events_stream()
-        headers = _event_headers(expect, False, msg_id, last, None)
-        return await self.conn.publish_soon(self.names.events(job_id), data, headers)
-
     async def events_all(
         self, firsts: Sequence[tuple[str, bytes, int, str, bool]]
     ) -> list[asyncio.Future[int]]:
-        """`event_soon` of each (job id, data, expect, msg id, last), written as one buffer
-        write (all or none)."""
+        """`publish_event`'s first tries of several (job id, data, expect, msg id, last),
+        written now as one buffer write (all or none), their answers awaited later; a caller
+        whose try failed sends it again through `publish_event`."""
         if not firsts:
             return []
         await self.events_stream()
