@@ -124,7 +124,7 @@ def gated_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for owner, name in sends:
         monkeypatch.setattr(owner, name, _gated(getattr(owner, name)))
     # the NATS hot path's writes of many messages at once (a claim's records, a completion's
-    # Finished events and acks, an enqueue's lane messages): cut anywhere among them
+    # Finished events, an enqueue's lane messages): cut anywhere among them
     monkeypatch.setattr(
         nats_client.Client, "publish_all", _gated_batch(nats_client.Client.publish_all)
     )

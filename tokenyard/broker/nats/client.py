@@ -8,8 +8,8 @@ a Finished event and an ack; each cost nats-py some 10-15 µs of Python. Here:
   the socket and the waiting future (`raw`);
 - a publish with headers builds its command in one go (`publish_now`), with the checks that
   matter kept: the subject's whitespace and CR/LF refused, CR/LF in header values blanked;
-- what a call writes for many jobs (a claim's records, a completion's Finished events and
-  acks, an enqueue's lane messages) goes into nats-py's buffer as one write (`publish_all`):
+- what a call writes for many jobs (a claim's records, a completion's Finished events, an
+  enqueue's lane messages) goes into nats-py's buffer as one write (`publish_all`):
   every command built, and any refused, before one is written;
 - the header parser is nats-py's result at a third of its cost.
 """
