@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +84,27 @@ def _gated(send: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
     return gated
 
 
+def _gated_batch(send: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A write of many messages at once, each counted as a send: a victim allowed fewer dies
+    after those it may send went out (a connection cut in the middle of the write)."""
+
+    @functools.wraps(send)
+    async def gated(self: Any, messages: Sequence[Any]) -> Any:
+        gate = _GATE.get()
+        if gate is not None:
+            room = 0 if gate.crashed else max(0, gate.allowed - gate.made)
+            if room < len(messages):
+                if room:
+                    await send(self, messages[:room])
+                    gate.made += room
+                gate.crashed = True
+                raise Crashed
+            gate.made += len(messages)
+        return await send(self, messages)
+
+    return gated
+
+
 @pytest.fixture(autouse=True)
 def gated_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every way a backend writes to its broker, counted and cut inside a gate's context only:
@@ -102,6 +123,11 @@ def gated_sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ]
     for owner, name in sends:
         monkeypatch.setattr(owner, name, _gated(getattr(owner, name)))
+    # the NATS hot path's writes of many messages at once (a claim's records, a completion's
+    # Finished events, an enqueue's lane messages): cut anywhere among them
+    monkeypatch.setattr(
+        nats_client.Client, "publish_all", _gated_batch(nats_client.Client.publish_all)
+    )
     yield
 
 

@@ -53,6 +53,49 @@ async def test_publish_now_writes_what_nats_py_publish_would(nats_server: Embedd
         await nc.publish_now("tyclient.pub.a", b"", "", None)
 
 
+async def test_publish_all_writes_each_message_in_order_or_none(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await _client(nats_server.url)
+    try:
+        seen: list[tuple[str, str, bytes, dict[str, str] | None]] = []
+        got = asyncio.Event()
+
+        async def take(msg: Msg) -> None:
+            seen.append((msg.subject, msg.reply, msg.data, msg.headers))
+            if len(seen) == 3:
+                got.set()
+
+        await nc.subscribe("tyclient.all.>", cb=take)
+        sent_before = nc.stats["out_msgs"]
+        # a refused message (whitespace in its subject) refuses the whole call: none goes
+        with pytest.raises(nats.errors.BadSubjectError):
+            await nc.publish_all(
+                [("tyclient.all.x", b"not sent", "", None), ("a b", b"", "", None)]
+            )
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await nc.publish_all([("tyclient.all.y", b"x" * (nc.max_payload + 1), "", None)])
+        await nc.publish_all(
+            [
+                ("tyclient.all.a", b"plain", "", None),
+                ("tyclient.all.b", b"", "reply.to", {"Ty-Rev": " 3 "}),
+                ("tyclient.all.c", b"last", "r.1", {"Nats-Msg-Id": "id\r\nPUB evil 1\r\nx"}),
+            ]
+        )
+        await asyncio.wait_for(got.wait(), 10)
+        await asyncio.sleep(0.2)  # the refused calls' messages would have come before these
+        assert seen == [
+            ("tyclient.all.a", "", b"plain", None),
+            ("tyclient.all.b", "reply.to", b"", {"Ty-Rev": "3"}),
+            ("tyclient.all.c", "r.1", b"last", {"Nats-Msg-Id": "id  PUB evil 1  x"}),
+        ]
+        assert nc.stats["out_msgs"] - sent_before >= 3
+    finally:
+        await nc.close()
+    with pytest.raises(nats.errors.ConnectionClosedError):
+        await nc.publish_all([("tyclient.all.a", b"", "", None)])
+
+
 async def test_a_raw_subscription_gets_every_message_in_order(nats_server: EmbeddedNats) -> None:
     nc = await _client(nats_server.url)
     try:

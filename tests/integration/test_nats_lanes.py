@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -226,14 +227,15 @@ async def test_a_cancel_between_the_pull_and_the_first_claims_write_is_honoured(
     assert isinstance(queue, NatsQueue)
     spec = job()
     await queue.enqueue(spec)
-    cas_soon = queue.store.cas_soon
+    cas_all = queue.store.cas_all
 
-    async def cancelled_first(stored: StoredJob, revision: int) -> Any:
-        if stored.spec.id == spec.id and stored.status is JobStatus.RUNNING:
-            assert await queue.cancel(spec.id) is CancelOutcome.CANCELLED
-        return await cas_soon(stored, revision)
+    async def cancelled_first(writes: Sequence[tuple[StoredJob, int]]) -> Any:
+        for stored, _ in writes:
+            if stored.spec.id == spec.id and stored.status is JobStatus.RUNNING:
+                assert await queue.cancel(spec.id) is CancelOutcome.CANCELLED
+        return await cas_all(writes)
 
-    monkeypatch.setattr(queue.store, "cas_soon", cancelled_first)
+    monkeypatch.setattr(queue.store, "cas_all", cancelled_first)
     assert await queue.claim(MODEL, "w", slots=1, block_s=0.5) == []
     monkeypatch.undo()
     record = await queue.record(spec.id)

@@ -269,7 +269,8 @@ class Claims(Part):
         # turn, no task each; the others (and those whose write lost: a record was there, of a
         # retry, a cancel, a keyed job taken meanwhile) one by one
         firsts = [self._first(d) for d in deliveries]
-        writes = [None if first is None else await self.store.cas_soon(*first) for first in firsts]
+        sent_writes = iter(await self.store.cas_all([f for f in firsts if f is not None]))
+        writes = [None if first is None else next(sent_writes) for first in firsts]
         leases: list[Lease | None] = [None] * len(deliveries)
         rest: list[int] = []
         for i, (first, write) in enumerate(zip(firsts, writes, strict=True)):

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -27,7 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
-from tokenyard.broker.nats.client import Client
+from tokenyard.broker.nats.client import Client, Outgoing
 from tokenyard.config import BrokerSettings
 from tokenyard.errors import BrokerUnavailable, FatalError
 
@@ -344,25 +344,45 @@ class NatsConnection:
         """Write a JetStream publish now, in call order; the future gives its stream sequence
         (or the server's refusal as APIError; BrokerUnavailable when no answer came in time).
         Several in a row cost one round trip."""
+        [answer] = await self.publish_all([(subject, payload, headers)])
+        return answer
+
+    async def publish_all(
+        self, messages: Sequence[tuple[str, bytes, dict[str, str] | None]]
+    ) -> list[asyncio.Future[int]]:
+        """`publish_soon` of each (subject, payload, headers), written in order as one buffer
+        write (all or none: a refusal raises before any goes); their futures in that order.
+        One sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
+        more than the publish's own bookkeeping)."""
+        if not messages:
+            return []
         nc = self._nc
         if nc is None or nc.is_closed or not self._ack_inbox:
             await self._inbox()
             nc = await self.client()
-        self._tokens += 1
-        token = str(self._tokens)
         loop = asyncio.get_running_loop()
-        answer: asyncio.Future[int] = loop.create_future()
-        # one sweep a second ends those unanswered past REQUEST_TIMEOUT_S (a timer each cost
-        # more than the publish's own bookkeeping)
-        self._acks[token] = (answer, loop.time() + REQUEST_TIMEOUT_S)
+        until = loop.time() + REQUEST_TIMEOUT_S
+        inbox = self._ack_inbox
+        answers: list[asyncio.Future[int]] = []
+        tokens: list[str] = []
+        outgoing: list[Outgoing] = []
+        for subject, payload, headers in messages:
+            self._tokens += 1
+            token = str(self._tokens)
+            answer: asyncio.Future[int] = loop.create_future()
+            self._acks[token] = (answer, until)
+            tokens.append(token)
+            answers.append(answer)
+            outgoing.append((subject, payload, f"{inbox}.{token}", headers))
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = loop.create_task(self._sweep())
         try:
-            await sent(nc.publish_now(subject, payload, f"{self._ack_inbox}.{token}", headers))
+            await sent(nc.publish_all(outgoing))
         except BaseException:
-            self._acks.pop(token, None)
+            for token in tokens:
+                self._acks.pop(token, None)
             raise
-        return answer
+        return answers
 
     async def acked(self, answer: asyncio.Future[_T]) -> _T:
         """The stream sequence of a `publish_soon`; BrokerUnavailable if none came in time."""

@@ -241,17 +241,14 @@ class Enqueuer(Part):
         written together in order, their answers awaited in turn (one round trip, no task and
         no turn to wait for per job); each outcome as `gather` with `return_exceptions`."""
         jobs = [await self._new_job(spec, now, None) for spec in specs]
-        messages: list[asyncio.Future[int]] = []
-        try:
-            for job in jobs:
-                headers = {MSG_ID: job.spec.id, ENQUEUED_AT: repr(now)}
-                messages.append(
-                    await self.conn.publish_soon(job.subject, encode(job.spec), headers)
-                )
-        except BaseException:
-            for pending in messages:
-                pending.cancel()
-            raise
+        at = repr(now)
+        # one buffer write: all of them go, or (refused) none does
+        messages = await self.conn.publish_all(
+            [
+                (job.subject, encode(job.spec), {MSG_ID: job.spec.id, ENQUEUED_AT: at})
+                for job in jobs
+            ]
+        )
         outcomes: list[tuple[EnqueueResult, str] | BaseException] = []
         for job, message in zip(jobs, messages, strict=True):
             published = await _outcome(self.conn.acked(message))

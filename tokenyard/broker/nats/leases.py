@@ -123,7 +123,8 @@ class Leases(Part):
         # the completions that end a job by its Finished alone (`_ends_by_events`) written
         # together (one round trip) and awaited in turn, no task each; the others, and any
         # whose first try did not land plainly, go through `_complete` (sent again there)
-        sending: list[tuple[int, Holding, asyncio.Future[int]]] = []
+        chosen: list[tuple[int, Holding]] = []
+        firsts: list[tuple[str, bytes, int, str, bool]] = []
         for i, (lease, result) in enumerate(items):
             holding = self.store.holding.get(lease.entry_id)
             if (
@@ -135,22 +136,27 @@ class Leases(Part):
                 continue
             tail = None if tails is None else tails[i]
             msg_id = event_id(lease.spec.id, holding.marker, "f")
-            data = _finished(result, tail)
-            try:
-                pending = await self.store.event_soon(
-                    lease.spec.id, data, holding.last_seq, msg_id, tail is not None
-                )
-            except Exception:
-                continue
+            # the same lease twice in one call: the second goes through `_complete` (fenced)
             holding.finishing = True
-            sending.append((i, holding, pending))
-        for i, holding, pending in sending:
+            chosen.append((i, holding))
+            firsts.append(
+                (lease.spec.id, _finished(result, tail), holding.last_seq, msg_id, tail is not None)
+            )
+        try:
+            pendings = await self.store.events_all(firsts)
+        except Exception:
+            pendings = []  # none was written: each goes through `_complete`
+        for k, (i, holding) in enumerate(chosen):
             try:
-                await self.conn.acked(pending)
+                if k >= len(pendings):
+                    continue
+                await self.conn.acked(pendings[k])
             except Exception:
                 continue
             finally:
                 holding.finishing = False
+            # each lane message acknowledged as soon as its Finished landed: acks held back
+            # until the call's last answer came cost more than they saved (measured)
             await self._ended_by_events(items[i][0], holding)
             outcomes[i] = True
         rest = [i for i, outcome in enumerate(outcomes) if outcome is None]

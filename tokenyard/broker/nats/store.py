@@ -252,6 +252,26 @@ class Store:
         )
         return _wrong_last_is_none(answer)
 
+    async def cas_all(
+        self, writes: Sequence[tuple[StoredJob, int]]
+    ) -> list[asyncio.Future[int | None]]:
+        """`cas_soon` of each (record, revision), written as one buffer write (all or none)."""
+        if not writes:
+            return []
+        await self.jobs()
+        bucket = self.names.jobs_bucket
+        answers = await self.conn.publish_all(
+            [
+                (
+                    Names.kv_subject(bucket, Names.job(job.spec.id)),
+                    encode_job(job),
+                    {EXPECT_LAST: str(revision)},
+                )
+                for job, revision in writes
+            ]
+        )
+        return [_wrong_last_is_none(answer) for answer in answers]
+
     async def publish_event(
         self,
         job_id: str,
@@ -292,14 +312,21 @@ class Store:
                     raise Fenced from exc
                 return stored
 
-    async def event_soon(
-        self, job_id: str, data: bytes, expect: int, msg_id: str, last: bool
-    ) -> asyncio.Future[int]:
-        """`publish_event`'s first try written now, its answer awaited later (several cost
-        one round trip); a caller whose try failed sends it again through `publish_event`."""
+    async def events_all(
+        self, firsts: Sequence[tuple[str, bytes, int, str, bool]]
+    ) -> list[asyncio.Future[int]]:
+        """`publish_event`'s first tries of several (job id, data, expect, msg id, last),
+        written now as one buffer write (all or none), their answers awaited later; a caller
+        whose try failed sends it again through `publish_event`."""
+        if not firsts:
+            return []
         await self.events_stream()
-        headers = _event_headers(expect, False, msg_id, last, None)
-        return await self.conn.publish_soon(self.names.events(job_id), data, headers)
+        return await self.conn.publish_all(
+            [
+                (self.names.events(job_id), data, _event_headers(expect, False, msg_id, last, None))
+                for job_id, data, expect, msg_id, last in firsts
+            ]
+        )
 
     async def stored_after(self, job_id: str, expect: int | None, msg_id: str | None) -> int | None:
         """The sequence of the job's event right after `expect` if its id is `msg_id`."""
