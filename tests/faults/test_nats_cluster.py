@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar, cast
 
+import nats.errors
 import pytest
 
 from tests.faults.test_netns_hosts import Hosts
@@ -59,10 +60,15 @@ async def retried(call: Callable[[], Awaitable[_T]], within_s: float = 60.0) -> 
 
 async def leader(conn: NatsConnection, stream: str, within_s: float = 30.0) -> str:
     """The server name of `stream`'s leader, from JetStream's stream info (`cluster.leader`);
-    asked again while an election is on."""
+    asked again while an election is on, and while the API does not answer (a node that just
+    came back, on a loaded box, can leave a stream info unanswered past its 5 s)."""
     give_up = time.monotonic() + within_s
     while True:
-        info = await (await conn.js()).stream_info(stream)
+        try:
+            info = await (await conn.js()).stream_info(stream)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            assert time.monotonic() < give_up, f"{stream}: no answer to stream info"
+            continue
         if info.cluster is not None and info.cluster.leader:
             return info.cluster.leader
         assert time.monotonic() < give_up, f"{stream}: no leader"
