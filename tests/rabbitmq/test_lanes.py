@@ -250,3 +250,52 @@ async def test_a_lost_admit_answer_of_a_resend_keeps_the_job_it_resent(
     assert lease.spec.id == first.job_id
     assert await queue.complete(lease, ok(lease))
     assert await queue.claim(MODEL, "w", slots=5, block_s=0.3) == []
+
+
+async def test_a_lanes_deliveries_let_go_at_its_front_are_acked_at_once_past_none_held(
+    make_backend: BackendFactory, rabbitmq: RabbitServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Completions of a lane's oldest deliveries are acked by one basic.ack with `multiple`
+    (RabbitMQ: every delivery up to this one); one whose older delivery still runs, one at a
+    time, so the running job's message stays unacked: its holder gone, RabbitMQ gives it back
+    and it alone."""
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    sent: list[bool] = []  # each ack's `multiple`
+    ack = queue.amqp.ack
+
+    async def counted(message: Any, multiple: bool = False) -> bool:
+        sent.append(multiple)
+        return await ack(message, multiple)
+
+    monkeypatch.setattr(queue.amqp, "ack", counted)
+    specs = [job() for _ in range(6)]
+    for spec in specs:  # one by one, confirmed: delivered in this order
+        await queue.enqueue(spec)
+    leases: list[Any] = []
+    deadline = time.monotonic() + 10
+    while len(leases) < len(specs) and time.monotonic() < deadline:
+        leases += await queue.claim(MODEL, "w", slots=len(specs) - len(leases), block_s=1.0)
+    by_id = {lease.spec.id: lease for lease in leases}
+    assert sorted(by_id) == sorted(spec.id for spec in specs)
+    one, two, three, four, five, six = (by_id[spec.id] for spec in specs)
+
+    assert await queue.complete_many([(x, ok(x)) for x in (two, one, three)]) == [True] * 3
+    assert sent == [True]
+    # four still runs: five and six are acked each alone (one ack up to six would take four)
+    assert await queue.complete_many([(x, ok(x)) for x in (six, five)]) == [True] * 2
+    assert sent == [True, False, False]
+
+    await queue.amqp.close()  # four's holder is gone: RabbitMQ requeues what it left unacked
+    connection = await aio_pika.connect(rabbitmq.url)
+    try:
+        channel = await connection.channel()
+        lane = await channel.get_queue(queue.names.lane(MODEL, Priority.NORMAL, 0), ensure=False)
+        back = await lane.get(no_ack=True, timeout=5)
+        assert back.body.decode() == four.spec.id
+        assert await lane.get(no_ack=True, fail=False, timeout=5) is None
+    finally:
+        await connection.close()
+    for x in (one, two, three, five, six):
+        record = await queue.record(x.spec.id)
+        assert record is not None and record.status is JobStatus.SUCCEEDED

@@ -194,15 +194,16 @@ class AmqpConnection:
         q = await channel.get_queue(queue, ensure=False)
         return await q.get(no_ack=False, fail=False, timeout=TIMEOUT_S)
 
-    async def ack(self, message: AbstractIncomingMessage) -> bool:
-        """Ack a delivery; False where it could not be sent (RabbitMQ requeues the delivery
-        with its channel): the connection it came on, if still in use, is dropped."""
+    async def ack(self, message: AbstractIncomingMessage, multiple: bool = False) -> bool:
+        """Ack a delivery (`multiple`: and every delivery before it on its channel not acked
+        yet); False where it could not be sent (RabbitMQ requeues the delivery with its
+        channel): the connection it came on, if still in use, is dropped."""
         try:
             # bounded like every other call: aiormq hands the frame to its writer through a
             # queue of 10 and waits for it to be written, and on a connection whose peer died
             # before aiormq saw it the writer is gone: an ack past those 10 would wait for ever
             async with asyncio.timeout(TIMEOUT_S):
-                await message.ack()
+                await message.ack(multiple=multiple)
         except _TROUBLE:  # ChannelInvalidStateError is a RuntimeError
             if self._carries(message):
                 # an ack not sent on an open channel holds a place of its consumer's prefetch

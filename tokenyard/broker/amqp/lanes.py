@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import secrets
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import NamedTuple
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -55,12 +55,34 @@ class Lane:
         self.priority = priority
         self.pool = pool
         self.buffer: deque[AbstractIncomingMessage] = deque()
-        self.unacked = 0  # pushed and not acked yet: the buffer, and the leases taken from it
+        # pushed and not acked yet (the buffer, and the leases taken from it) by delivery tag,
+        # in the order RabbitMQ numbered them on this lane's channel: deliveries let go at its
+        # front are acked by one basic.ack (`settle`)
+        self.unacked: dict[int, AbstractIncomingMessage] = {}
 
     def room(self, left: int, batch_left: int) -> int:
         """How many more a claim with `left` free slots takes from here (the batch lane:
         capped)."""
         return min(left, batch_left) if self.priority is Priority.BATCH else left
+
+    def settle(self, tags: set[int]) -> list[tuple[AbstractIncomingMessage, bool]]:
+        """Take the deliveries `tags` (unacked here) off; the acks that settle them, each a
+        message and whether the ack is `multiple`. Those at the front of the unacked (no
+        delivery before them is still held) go in one ack with `multiple`, which RabbitMQ reads
+        as "every delivery up to this one": one frame, and one settlement in the quorum queue,
+        for a claim's whole batch, not one per job. The others are acked one each."""
+        front: list[int] = []
+        for tag in self.unacked:
+            if tag not in tags:
+                break
+            front.append(tag)
+        acks: list[tuple[AbstractIncomingMessage, bool]] = []
+        if len(front) > 1:
+            acks.append((self.unacked[front[-1]], True))
+            for tag in front:
+                del self.unacked[tag]
+        acks += [(self.unacked.pop(tag), False) for tag in tags if tag in self.unacked]
+        return acks
 
 
 class Feed:
@@ -196,7 +218,8 @@ class RabbitLanes:
 
                 def deliver(message: AbstractIncomingMessage, lane: Lane = lane) -> None:
                     lane.buffer.append(message)
-                    lane.unacked += 1
+                    if message.delivery_tag:  # (a pushed message has one: from 1 up)
+                        lane.unacked[message.delivery_tag] = message
                     feed.arrived.set()
 
                 feed.generation = await self.amqp.consume(lane.name, feed.prefetch, deliver)
@@ -235,7 +258,7 @@ class RabbitLanes:
                     batch_left -= 1
         for lane in lanes:
             room = lane.room(slots - len(got), batch_left)
-            full = feed is not None and lane.unacked >= feed.prefetch
+            full = feed is not None and len(lane.unacked) >= feed.prefetch
             if room > 0 and (not block or full):
                 pulled = await self.amqp.get(lane.name, room)
                 got += [Delivery(lane, message, False) for message in pulled]
@@ -275,15 +298,23 @@ class RabbitLanes:
         self._token_of[job_id] = token
 
     async def let_go(self, leases: Sequence[Lease]) -> None:
-        """Ack the deliveries these leases ran under: the job is settled (or the lease lost)."""
-        acks = []
+        """Ack the deliveries these leases ran under: the job is settled (or the lease lost).
+        A lane's consumer's deliveries are acked together where they can be (`Lane.settle`)."""
+        acks: list[Awaitable[object]] = []
+        by_lane: dict[Lane, set[int]] = {}
         for lease in leases:
             held = self._held.pop(lease.entry_id, None)
             if held is None:
                 continue
             if self._token_of.get(held.job_id) == lease.entry_id:
                 del self._token_of[held.job_id]
-            acks.append(self._ack(held.message, held.lane))
+            tag = held.message.delivery_tag
+            if held.lane is not None and tag is not None and tag in held.lane.unacked:
+                by_lane.setdefault(held.lane, set()).add(tag)
+            else:  # by basic.get: its channel is shared, what it holds unknown here
+                acks.append(self._ack(held.message, held.lane))
+        for lane, tags in by_lane.items():
+            acks += [self.amqp.ack(message, multiple) for message, multiple in lane.settle(tags)]
         await asyncio.gather(*acks)
 
     async def drop(self, delivery: Delivery) -> None:
@@ -292,8 +323,8 @@ class RabbitLanes:
 
     async def _ack(self, message: AbstractIncomingMessage, lane: Lane | None) -> None:
         """Ack a delivery; one its lane's consumer got frees a place in that prefetch."""
-        if lane is not None:
-            lane.unacked -= 1
+        if lane is not None and message.delivery_tag is not None:
+            lane.unacked.pop(message.delivery_tag, None)
         await self.amqp.ack(message)
 
 
