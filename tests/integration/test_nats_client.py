@@ -20,18 +20,28 @@ async def _client(url: str) -> Client:
     return nc
 
 
+Seen = list[tuple[str, str, bytes, dict[str, str] | None]]
+
+
+async def _collect(nc: Client, subjects: str, count: int) -> tuple[Seen, asyncio.Event]:
+    """What arrives on `subjects` (subject, reply, data, headers), and an event set once
+    `count` messages came."""
+    seen: Seen = []
+    got = asyncio.Event()
+
+    async def take(msg: Msg) -> None:
+        seen.append((msg.subject, msg.reply, msg.data, msg.headers))
+        if len(seen) == count:
+            got.set()
+
+    await nc.subscribe(subjects, cb=take)
+    return seen, got
+
+
 async def test_publish_now_writes_what_nats_py_publish_would(nats_server: EmbeddedNats) -> None:
     nc = await _client(nats_server.url)
     try:
-        seen: list[tuple[str, str, bytes, dict[str, str] | None]] = []
-        got = asyncio.Event()
-
-        async def take(msg: Msg) -> None:
-            seen.append((msg.subject, msg.reply, msg.data, msg.headers))
-            if len(seen) == 4:
-                got.set()
-
-        await nc.subscribe("tyclient.pub.>", cb=take)
+        seen, got = await _collect(nc, "tyclient.pub.>", 4)
         await nc.publish_now("tyclient.pub.a", b"plain", "", None)
         await nc.publish_now("tyclient.pub.b", b"", "reply.to", None)
         headers = {"Ty-Rev": " 12 ", "Nats-Msg-Id": "id\r\nPUB evil 1\r\nx"}
@@ -58,15 +68,7 @@ async def test_publish_all_writes_each_message_in_order_or_none(
 ) -> None:
     nc = await _client(nats_server.url)
     try:
-        seen: list[tuple[str, str, bytes, dict[str, str] | None]] = []
-        got = asyncio.Event()
-
-        async def take(msg: Msg) -> None:
-            seen.append((msg.subject, msg.reply, msg.data, msg.headers))
-            if len(seen) == 3:
-                got.set()
-
-        await nc.subscribe("tyclient.all.>", cb=take)
+        seen, got = await _collect(nc, "tyclient.all.>", 3)
         sent_before = nc.stats["out_msgs"]
         # a refused message (whitespace in its subject) refuses the whole call: none goes
         with pytest.raises(nats.errors.BadSubjectError):
