@@ -102,7 +102,7 @@ class Guide(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         return set_fields[0]
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to decode; top_k == 0, top_p == 1.0 and min_p == 0.0 disable those filters.
 
     Penalties follow vLLM's formulas (OpenAI's presence/frequency over the generated tokens,
