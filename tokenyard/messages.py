@@ -256,8 +256,12 @@ class PromptLogprob(msgspec.Struct, array_like=True, frozen=True):
     top: tuple[tuple[int, float], ...] = ()
 
 
-class JobSpec(msgspec.Struct, kw_only=True):
-    """A unit of work as enqueued; `attempt` counts earlier deliveries of this job."""
+class JobSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A unit of work as enqueued; `attempt` counts earlier deliveries of this job.
+
+    Fields at their defaults are left out on the wire (so is `v` while it is WIRE_VERSION: a
+    spec without it is of version 1): every script copies a job's spec and every worker decodes
+    it, and a plain job's spec is ~80 bytes, not ~700."""
 
     v: int = WIRE_VERSION
     id: str
