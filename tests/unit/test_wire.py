@@ -41,6 +41,25 @@ def test_job_spec_round_trips_through_msgpack_with_its_version() -> None:
     assert back == spec and back.v == WIRE_VERSION
 
 
+def test_a_spec_leaves_its_defaults_off_the_wire_and_reads_them_back() -> None:
+    """Every script copies a job's spec and every worker decodes it: fields at their defaults
+    (the version among them) are not written, and come back as they were."""
+    spec = JobSpec(id="j1", model="m", prompt="hi", sampling=SamplingParams(max_tokens=4))
+    raw = encode(spec)
+    for name in (b"tenant", b"temperature", b"presence_penalty", b"logit_bias", b"v"):
+        assert msgpack_key(name) not in raw
+    back = decode(raw, JobSpec)
+    assert back == spec and back.v == WIRE_VERSION and back.sampling.temperature == 1.0
+    # a value away from its default is written, and read back
+    moved = JobSpec(id="j1", model="m", attempt=2, sampling=SamplingParams(temperature=0.0))
+    assert decode(encode(moved), JobSpec) == moved and msgpack_key(b"attempt") in encode(moved)
+
+
+def msgpack_key(name: bytes) -> bytes:
+    """A short map key as msgpack writes it (fixstr)."""
+    return bytes([0xA0 | len(name)]) + name
+
+
 def test_events_are_tagged_unions() -> None:
     chunk = TokenChunk(token_ids=[5], text="a")
     done = Finished(result=JobResult(status=JobStatus.SUCCEEDED, finish_reason=FinishReason.STOP))
