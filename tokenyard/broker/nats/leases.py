@@ -144,13 +144,13 @@ class Leases(Part):
             )
         try:
             pendings = await self.store.events_all(firsts)
-        except Exception:
-            pendings = []  # none was written: each goes through `_complete`
-        for k, (i, holding) in enumerate(chosen):
+        except Exception:  # none was written: each goes through `_complete`
+            for _, holding in chosen:
+                holding.finishing = False
+            chosen, pendings = [], []
+        for (i, holding), pending in zip(chosen, pendings, strict=True):
             try:
-                if k >= len(pendings):
-                    continue
-                await self.conn.acked(pendings[k])
+                await self.conn.acked(pending)
             except Exception:
                 continue
             finally:

@@ -245,17 +245,14 @@ class Store:
 
     async def cas_soon(self, job: StoredJob, revision: int) -> asyncio.Future[int | None]:
         """`cas` written now, its answer awaited later (several cost one round trip)."""
-        await self.jobs()
-        subject = Names.kv_subject(self.names.jobs_bucket, Names.job(job.spec.id))
-        answer = await self.conn.publish_soon(
-            subject, encode_job(job), {EXPECT_LAST: str(revision)}
-        )
-        return _wrong_last_is_none(answer)
+        [answer] = await self.cas_all([(job, revision)])
+        return answer
 
     async def cas_all(
         self, writes: Sequence[tuple[StoredJob, int]]
     ) -> list[asyncio.Future[int | None]]:
-        """`cas_soon` of each (record, revision), written as one buffer write (all or none)."""
+        """`cas` of each (record, revision) written now as one buffer write (all or none),
+        their answers awaited later."""
         if not writes:
             return []
         await self.jobs()
