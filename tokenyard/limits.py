@@ -93,6 +93,11 @@ DEADLINE_MIN = 1_000_000_000
 
 def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest | None:
     """The optional decoding parameters: in range, and implemented by the model's engine."""
+    wanted = params.features
+    if not wanted:
+        # each field checked below asks for a feature when it is not its default, and every
+        # default is in range: a plain request (most of them, checked twice a job) is done
+        return None
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= getattr(params, name) <= 2.0:
             return InvalidRequest(f"{name} must be in [-2, 2]", param=name)
@@ -134,7 +139,7 @@ def _bad_decoding(params: SamplingParams, limits: ModelLimits) -> InvalidRequest
         return InvalidRequest(
             f"cache_salt must have 1 to {MAX_CACHE_SALT} characters", param="cache_salt"
         )
-    missing = params.features - limits.features
+    missing = wanted - limits.features
     if missing:
         feature = min(missing)
         what = feature.value if feature is not Feature.DETOKENIZE else "its detokenization"

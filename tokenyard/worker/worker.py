@@ -327,9 +327,11 @@ class Worker:
                         self._drop(lease.spec.id, "delivered again", under=None)
             self.metrics.claims.inc(len(leases))
             claimed_at = time.time()
-            for lease in leases:
-                if lease.spec.attempt == 0:  # a redelivery's created_at is its first enqueue
-                    self.metrics.claim_wait.observe(max(0.0, claimed_at - lease.spec.created_at))
+            self.metrics.claim_wait.observe_all(
+                max(0.0, claimed_at - lease.spec.created_at)
+                for lease in leases
+                if lease.spec.attempt == 0  # a redelivery's created_at is its first enqueue
+            )
             self.metrics.affinity_claims.inc(sum(lease.affinity for lease in leases))
             if self.spans is not None:
                 self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
@@ -454,6 +456,7 @@ class Worker:
         return self._occupancy.level(self.scheduler.running, time.monotonic())
 
     def _carry_out(self, plan: Plan[Lease], outcome: _Outcome) -> None:
+        to_engine: list[float] = []
         for job, error in plan.refused:
             outcome.results.append((job.handle, _refused(error)))
         for job in plan.done:
@@ -493,9 +496,10 @@ class Worker:
                 self._not_taken(job, exc, outcome)
                 continue
             job.added_at = time.monotonic()
-            self.metrics.to_engine.observe(max(0.0, time.time() - job.claimed_at))
+            to_engine.append(max(0.0, time.time() - job.claimed_at))
             if self.spans is not None:
                 self.spans.started(job.job_id)
+        self.metrics.to_engine.observe_all(to_engine)
 
     def _not_taken(self, job: Job[Lease], exc: Exception, outcome: _Outcome) -> None:
         """A job the engine would not start: refused (UserError) it fails, else it is retried."""
@@ -672,10 +676,12 @@ class Worker:
     def _first_steps(self, update: Update[Lease], now: float) -> None:
         """Time from engine add to first token, for the jobs whose first token came `now`."""
         jobs = [job for job, _ in update.events] + [job for job, _, _ in update.finished]
+        waits: list[float] = []
         for job in jobs:
             if job.first_token_at == now and job.added_at is not None:
-                self.metrics.first_step.observe(max(0.0, now - job.added_at))
+                waits.append(max(0.0, now - job.added_at))
                 job.added_at = None  # once per delivery
+        self.metrics.first_step.observe_all(waits)
 
     # -- preemption ------------------------------------------------------------------------
     async def _preempt_loop(self) -> None:
