@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import pytest
 
 from tests.conftest import BackendFactory
 from tokenyard.broker import Backend, new_job_id
 from tokenyard.config import WorkerSettings
 from tokenyard.engines import EngineRequest
-from tokenyard.engines.sim import SimEngine
+from tokenyard.engines.sim import SimEngine, SimTokenizer
 from tokenyard.messages import (
     Finished,
     FinishReason,
@@ -302,19 +303,27 @@ async def test_a_long_job_never_reaches_a_short_worker(
 class _CompilingSim(SimEngine):
     """A sim whose guides "compile" in `ready_for` (off the loop) and must be ready by `add`."""
 
+    runs_adapters = True  # in name: a LoRA job's adapter "loads" in `ready_for` too
+
     def __init__(self, **options: object) -> None:
         super().__init__(decode_base=0.002, **options)  # type: ignore[arg-type]
         self.readied: list[SamplingParams] = []
+        self.readied_adapters: list[str] = []
         self.unready_adds: list[str] = []
 
     async def ready_for(
         self, params: SamplingParams, adapter: str | None = None, adapter_path: str = ""
     ) -> None:
-        self.readied.append(params)
+        if adapter:
+            self.readied_adapters.append(adapter)
+        else:
+            self.readied.append(params)
         await asyncio.sleep(0.5)  # a slow compilation, which the loop does not wait out
 
     def add(self, request: EngineRequest) -> None:
         if request.params.guide is not None and request.params not in self.readied:
+            self.unready_adds.append(request.seq_id)
+        if request.adapter and request.adapter not in self.readied_adapters:
             self.unready_adds.append(request.seq_id)
         super().add(request)
 
@@ -333,3 +342,53 @@ async def test_a_guide_is_made_ready_off_the_loop_before_its_job_starts(
     assert {r.status for r in records.values()} == {JobStatus.SUCCEEDED}
     assert engine.unready_adds == []
     assert engine.readied == [guided.sampling]  # plain jobs pay no await
+
+
+async def test_an_adapter_is_made_ready_off_the_loop_before_its_job_starts(
+    make_backend: BackendFactory, run_worker: RunWorker
+) -> None:
+    """A LoRA job comes with its prompt's ids (as the gateway sends it) and needs nothing else
+    read or compiled: its adapter still loads in `ready_for`, off the loop, before `add`."""
+    broker = make_backend()
+    engine = _CompilingSim()
+    run_worker(engine=engine, max_seqs=8)
+    lora = msgspec.structs.replace(spec("x", 4), prompt=None, prompt_token_ids=[70, 71, 72])
+    lora = msgspec.structs.replace(lora, adapter="a3", adapter_path="/adapters/a3")
+    await broker.queue.enqueue(lora)
+    plain = spec("plain", 4)
+    await broker.queue.enqueue(plain)
+    records = await wait_all(broker, [lora.id, plain.id])
+    assert {r.status for r in records.values()} == {JobStatus.SUCCEEDED}
+    assert engine.unready_adds == []
+    assert engine.readied_adapters == ["a3"]
+
+
+class _PickyTokenizer(SimTokenizer):
+    """Fails on any text holding "\\x00" (as a tokenizer fails on what it cannot read)."""
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        if "\x00" in text:
+            raise ValueError("unreadable text")
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("length", [10, 5000], ids=["short", "long"])
+async def test_a_text_prompt_the_tokenizer_refuses_fails_its_job_alone(
+    make_backend: BackendFactory, run_worker: RunWorker, length: int
+) -> None:
+    """A producer's text prompt is tokenized by the worker: on its loop when short, in a
+    thread when long (over 4,096 characters). One the tokenizer refuses fails its job, naming
+    why; the jobs claimed with it run."""
+    broker = make_backend()
+    engine = SimEngine(decode_base=0.002, max_model_len=8192)
+    engine.tokenizer = _PickyTokenizer(8192)
+    bad = spec("\x00" * length, 4)
+    good = [spec("a" * length, 4), spec("fine", 4)]
+    await broker.queue.enqueue_many([good[0], bad, good[1]])
+    run_worker(engine=engine, max_seqs=8)
+    records = await wait_all(broker, [bad.id, *(s.id for s in good)])
+    assert records[bad.id].status is JobStatus.FAILED
+    result = records[bad.id].result
+    assert result is not None
+    assert "cannot tokenize the prompt: unreadable text" in (result.error or "")
+    assert {records[s.id].status for s in good} == {JobStatus.SUCCEEDED}

@@ -341,7 +341,7 @@ class Worker:
             if any(_needs_preparing(lease) for lease in leases):
                 jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
             else:
-                jobs = [self._fresh(lease, lease.spec.prompt_token_ids or []) for lease in leases]
+                jobs = [await self._prepare_now(lease) for lease in leases]
             for job in jobs:
                 if job is not None:
                     self.scheduler.offer(job)
@@ -379,20 +379,18 @@ class Worker:
     async def _prepare(self, lease: Lease) -> Job[Lease] | None:
         """A claimed job with its prompt ids and any tokens an earlier delivery streamed."""
         spec = lease.spec
-        prompt_ids = spec.prompt_token_ids
-        if prompt_ids is None:  # a producer that sent text (the gateway always sends ids)
-            text = spec.prompt or ""
+        job: Job[Lease] | None
+        if spec.prompt_token_ids is None and len(spec.prompt or "") > _INLINE_CHARS:
             encode = self.engine.tokenizer.encode
             try:
-                if len(text) <= _INLINE_CHARS:
-                    prompt_ids = encode(text)
-                else:
-                    prompt_ids = await asyncio.to_thread(encode, text)
+                job = self._fresh(lease, await asyncio.to_thread(encode, spec.prompt or ""))
             except Exception as exc:  # tokenizers share no error class: any failure is the prompt's
-                failure = _failure(f"cannot tokenize the prompt: {exc}")
-                await self._settle(_Outcome(results=[(lease, failure)]))
+                await self._untokenized(lease, exc)
                 return None
-        job = self._fresh(lease, prompt_ids)
+        else:
+            job = await self._prepare_now(lease)
+        if job is None:
+            return None
         if lease.resumable:
             try:
                 await self._load_resumed_tokens(job)
@@ -410,6 +408,22 @@ class Worker:
             # raises
             await self.engine.ready_for(spec.sampling, spec.adapter or None, spec.adapter_path)
         return job
+
+    async def _prepare_now(self, lease: Lease) -> Job[Lease] | None:
+        """A claimed job whose prompt is ids, or a text short enough to tokenize on this loop
+        (a producer that sent text; the gateway always sends ids)."""
+        prompt_ids = lease.spec.prompt_token_ids
+        if prompt_ids is None:
+            try:
+                prompt_ids = self.engine.tokenizer.encode(lease.spec.prompt or "")
+            except Exception as exc:  # tokenizers share no error class: any failure is the prompt's
+                await self._untokenized(lease, exc)
+                return None
+        return self._fresh(lease, prompt_ids)
+
+    async def _untokenized(self, lease: Lease, exc: Exception) -> None:
+        failure = _failure(f"cannot tokenize the prompt: {exc}")
+        await self._settle(_Outcome(results=[(lease, failure)]))
 
     @staticmethod
     def _fresh(lease: Lease, prompt_ids: list[int]) -> Job[Lease]:
@@ -1103,7 +1117,8 @@ class _Writes:
 def _needs_preparing(lease: Lease) -> bool:
     """Whether a claimed job needs awaiting before it may start (see `Worker._prepare`)."""
     spec = lease.spec
-    return lease.resumable or spec.prompt_token_ids is None or spec.sampling.guide is not None
+    long_text = spec.prompt_token_ids is None and len(spec.prompt or "") > _INLINE_CHARS
+    return lease.resumable or long_text or spec.sampling.guide is not None or bool(spec.adapter)
 
 
 def _unwritten(job: Job[Lease]) -> TokenChunk:
