@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
-import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,8 +110,13 @@ class RequestMetricsMiddleware:
             nonlocal status, error_body
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                headers = list(message.get("headers", ()))
-                if not any(name.lower() == REQUEST_ID_HEADER for name, _ in headers):
+                headers = message.get("headers", ())
+                if not isinstance(headers, list):
+                    headers = list(headers)  # read twice below
+                for name, _ in headers:
+                    if name.lower() == REQUEST_ID_HEADER:
+                        break
+                else:
                     message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id)]}
                 if access is not None:
                     if status >= 400:
@@ -158,7 +163,9 @@ def _request_id(scope: Scope) -> bytes:
             if _USABLE_ID.fullmatch(value):
                 return bytes(value)
             break
-    return uuid.uuid4().hex.encode()
+    # 128 random bits, as uuid4's, from the process's generator (reseeded in a forked child):
+    # an id to find lines by, not a secret, so not worth uuid4's system call on every request
+    return b"%032x" % random.getrandbits(128)
 
 
 def _trace_id(scope: Scope, held: tracing.Held | None) -> str | None:
