@@ -336,8 +336,8 @@ class Worker:
             if self.spans is not None:
                 self.spans.claimed([lease.spec for lease in leases], claim_start, time.time())
             # prepared concurrently when some must read (an earlier delivery's tokens, a long
-            # prompt to tokenize) or compile (a structured output); most need none of that, and
-            # a task each would cost more than them
+            # prompt to tokenize), compile (a structured output) or load (a LoRA adapter); most
+            # need none of that, and a task each would cost more than them
             if any(_needs_preparing(lease) for lease in leases):
                 jobs = await asyncio.gather(*(self._prepare(lease) for lease in leases))
             else:
