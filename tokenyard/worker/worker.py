@@ -169,6 +169,7 @@ class Worker:
         self._draining = asyncio.Event()
         self._stopping = asyncio.Event()
         self._capacity_freed = asyncio.Event()
+        self._slots_full = asyncio.Event()  # every slot taken: the look-out's cue (and stop's)
         self._jobs_done = 0
         self._occupancy = Occupancy(time.monotonic())
         self._tokens_seen = 0
@@ -273,6 +274,7 @@ class Worker:
             # both loops end on their own: a cancel landing inside a redis-py call can be
             # swallowed, so neither is cancelled halfway through a broker write
             self._stopping.set()
+            self._slots_full.set()  # the look-out's wait ends too
             await self.engine.stop()  # the output loop ends with EngineClosed
             loops = {outputs, upkeep, liveness, lookout}
             if self._resending is not None:  # it ends at its next try, as the loops do
@@ -467,7 +469,10 @@ class Worker:
 
     def _occupied(self) -> float:
         """Slot-seconds held so far; called whenever the running count may have changed."""
-        return self._occupancy.level(self.scheduler.running, time.monotonic())
+        running = self.scheduler.running
+        if running >= self.limits.max_seqs:
+            self._slots_full.set()
+        return self._occupancy.level(running, time.monotonic())
 
     def _carry_out(self, plan: Plan[Lease], outcome: _Outcome) -> None:
         to_engine: list[float] = []
@@ -706,6 +711,12 @@ class Worker:
             return
         period = max(0.005, self.settings.preempt_after_s / 2)
         while not self._stopping.is_set():
+            if self._lowest_preemptible() is None:
+                # a slot is free (or nothing preemptible runs): nothing to look for until the
+                # running count changes with every slot taken, not 100 wake-ups a second
+                self._slots_full.clear()
+                await self._slots_full.wait()
+                continue
             if period <= _SHORT_PAUSE_S:
                 # a plain sleep (ends within a period of a stop anyway): a wait_for on the stop
                 # event 100 times a second cost a task, a timer and a cancel each time, on the
