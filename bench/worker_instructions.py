@@ -79,7 +79,6 @@ async def drain(url: str, max_seqs: int) -> None:
     task = asyncio.create_task(worker.run())
     while await broker.queue.depth(MODEL) > 0 and not task.done():
         await asyncio.sleep(0.05)
-    sys.stdout.flush()
     os._exit(1 if task.done() else 0)  # a worker that ended on its own: not a measurement
 
 

@@ -40,6 +40,7 @@ from tokenyard.messages import (
     FinishReason,
     JobEvent,
     JobResult,
+    JobSpec,
     JobStatus,
     ModelLimits,
     Priority,
@@ -382,13 +383,14 @@ class Worker:
         """A claimed job with its prompt ids and any tokens an earlier delivery streamed."""
         spec = lease.spec
         job: Job[Lease] | None
-        if spec.prompt_token_ids is None and len(spec.prompt or "") > _INLINE_CHARS:
+        if _long_text(spec):
             encode = self.engine.tokenizer.encode
             try:
-                job = self._fresh(lease, await asyncio.to_thread(encode, spec.prompt or ""))
+                prompt_ids = await asyncio.to_thread(encode, spec.prompt or "")
             except Exception as exc:  # tokenizers share no error class: any failure is the prompt's
                 await self._untokenized(lease, exc)
                 return None
+            job = self._fresh(lease, prompt_ids)
         else:
             job = await self._prepare_now(lease)
         if job is None:
@@ -469,10 +471,13 @@ class Worker:
 
     def _occupied(self) -> float:
         """Slot-seconds held so far; called whenever the running count may have changed."""
-        running = self.scheduler.running
-        if running >= self.limits.max_seqs:
+        if self._every_slot_taken:
             self._slots_full.set()
-        return self._occupancy.level(running, time.monotonic())
+        return self._occupancy.level(self.scheduler.running, time.monotonic())
+
+    @property
+    def _every_slot_taken(self) -> bool:
+        return self.scheduler.running >= self.limits.max_seqs
 
     def _carry_out(self, plan: Plan[Lease], outcome: _Outcome) -> None:
         to_engine: list[float] = []
@@ -737,7 +742,7 @@ class Worker:
     def _lowest_preemptible(self) -> Priority | None:
         """The lowest preemptible lane anything runs in, while no slot is free (None: nothing
         may be preempted), from the scheduler's counts: no scan of the running jobs."""
-        if self.limits.max_seqs > self.scheduler.running:
+        if not self._every_slot_taken:
             return None
         lanes = [lane for lane in self.scheduler.running_lanes() if lane in self._preemptible]
         return max(lanes, default=None)
@@ -751,7 +756,7 @@ class Worker:
     def _preemptible_running(self) -> list[Running]:
         """What runs that may be preempted (none while a slot is free)."""
         scheduler = self.scheduler
-        if self.limits.max_seqs > scheduler.running:
+        if not self._every_slot_taken:
             return []
         bound = self.queue.settings.max_preemptions
         return [
@@ -1128,8 +1133,14 @@ class _Writes:
 def _needs_preparing(lease: Lease) -> bool:
     """Whether a claimed job needs awaiting before it may start (see `Worker._prepare`)."""
     spec = lease.spec
-    long_text = spec.prompt_token_ids is None and len(spec.prompt or "") > _INLINE_CHARS
-    return lease.resumable or long_text or spec.sampling.guide is not None or bool(spec.adapter)
+    return (
+        lease.resumable or _long_text(spec) or spec.sampling.guide is not None or bool(spec.adapter)
+    )
+
+
+def _long_text(spec: JobSpec) -> bool:
+    """A text prompt (a producer's; the gateway sends ids) too long to tokenize on the loop."""
+    return spec.prompt_token_ids is None and len(spec.prompt or "") > _INLINE_CHARS
 
 
 def _unwritten(job: Job[Lease]) -> TokenChunk:
