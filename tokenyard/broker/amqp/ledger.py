@@ -82,7 +82,6 @@ class Ledger(OnTable):
         model: str,
         jobs: Sequence[tuple[JobSpec, str, str]],
         now: float,
-        resend_after_s: float,
     ) -> Call:
         """One model's jobs, each with its message id and the worker it is held for ('' none:
         prefix affinity) (admit.lua)."""
@@ -109,7 +108,6 @@ class Ledger(OnTable):
                 idem_ttl_ms=ms(self.settings.idempotency_ttl_s),
                 job_prefix=self.keys.job_prefix(model),
                 max_depth=self.settings.max_queue_depth,
-                resend_after_s=repr(resend_after_s),
                 collapse_grace_s=repr(self.settings.collapse_grace_s),
             ),
             items,

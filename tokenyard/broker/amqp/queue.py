@@ -49,9 +49,6 @@ from tokenyard.errors import QueueFull
 from tokenyard.messages import JobEvent, JobResult, JobSpec, JobStatus, Priority, TokenChunk, decode
 
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
-# A resend republishes a job still queued and unpublished only once it is this old: its first
-# producer may still be publishing it
-RESEND_AFTER_S = 2.0
 # A message a claim met before its record (an enqueue publishes a job no key names while its
 # record is admitted) is asked about again after EARLY_RETRY_S, held meanwhile, then after as
 # long as it has waited (EARLY_RETRY_MAX_S at most): the record of an enqueue in flight comes
@@ -108,9 +105,7 @@ class AmqpQueue(LanesOnTable):
         msgs = [new_msg() for _ in specs]
         holders = await self.affinity.holders(specs)  # prefix affinity: '' for most
         calls = [
-            self.ledger.admit(
-                model, [(specs[i], msgs[i], holders[i]) for i in indexes], now, RESEND_AFTER_S
-            )
+            self.ledger.admit(model, [(specs[i], msgs[i], holders[i]) for i in indexes], now)
             for model, indexes in by_model.items()
         ]
         receipts = [audit.received(spec, now) for spec in specs]
@@ -182,9 +177,9 @@ class AmqpQueue(LanesOnTable):
             [ids[i] for i, r in enumerate(results) if r is None or not r.created]
         )
         # confirmed: a resend of these finds them published. Not the early ones: they were
-        # admitted unpublished, and a resend of one still queued after RESEND_AFTER_S (by its
-        # id: no key names it) republishes it, the first message then stale: one message more
-        # on a rare path, not a round trip on every enqueue
+        # admitted unpublished, and a resend of one still queued (by its id: no key names it)
+        # republishes it, the first message then stale: one message more on a rare path, not a
+        # round trip on every enqueue
         standing = [i for i in late if results[i] is not None]
         if standing:
             await self.conn.checked(

@@ -32,7 +32,6 @@ class AdmitArgs(NamedTuple):
     idem_ttl_ms: int
     job_prefix: str
     max_depth: int
-    resend_after_s: str
     collapse_grace_s: str
 
 

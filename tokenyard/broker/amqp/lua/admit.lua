@@ -4,10 +4,12 @@
 -- overflow. The caller then publishes each new job's message, whose id the record names
 -- (`msg`): a message the record does not name is stale (take.lua drops it); once RabbitMQ
 -- confirmed it, the caller marks the record published (`pub`). A resend that finds its job
--- still queued, unpublished and older than `resend_after_s` (its producer died between the
--- record and the message) names the resend's message instead, for the caller to publish.
+-- still queued and unpublished (its producer may have died between the record and the
+-- message) names the resend's message instead, for the caller to publish: however soon it
+-- comes, as it may be the only resend (a batch's runner taking over resends each line once).
+-- Had the first producer lived, its message is stale: one message more, dropped at its claim.
 -- KEYS: none; per item: job, idem, inflight, waiting
--- ARGV: now, idem_ttl_ms, job_prefix, max_depth, resend_after_s, collapse_grace_s; per item:
+-- ARGV: now, idem_ttl_ms, job_prefix, max_depth, collapse_grace_s; per item:
 --   job_id, spec, deadline, use_idem, use_inflight, msg, lane, prefix, pref, affw
 -- Prefix affinity: a job's prefix key is kept (`pfx`: take.lua makes its taker the owner); a
 -- job the caller holds for a worker (`pref`, affinity.py) is in that worker's held set `affw`
@@ -25,9 +27,8 @@ for i = 1, N do
       joins[existing] = (joins[existing] or 0) + 1
     else
       local jk = A.job_prefix .. existing
-      local h = redis.call('HMGET', jk, 'status', 'pub', 'enq_at')
-      if h[1] == 'queued' and h[2] == '0'
-        and tonumber(h[3] or '0') + tonumber(A.resend_after_s) <= tonumber(A.now) then
+      local h = redis.call('HMGET', jk, 'status', 'pub')
+      if h[1] == 'queued' and h[2] == '0' then
         redis.call('HSET', jk, 'msg', a.msg)
         again = 1
       end
