@@ -50,6 +50,47 @@ async def test_a_resend_publishes_a_job_whose_producer_died_before_its_message(
     assert await queue.complete(lease, ok(lease))
 
 
+async def test_a_reap_publishes_a_keyed_job_whose_producer_died_and_that_no_resend_finished(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the client's resend the job would wait unrun for good, counted in its lane's
+    depth and oldest age (the look-out, the autoscaler and alerts read those)."""
+    broker = make_backend()
+    queue = broker.queue
+    assert isinstance(queue, AmqpQueue)
+    first = job(key="k3")
+    await dies_before_its_message(queue, first, queue.amqp, "publish", monkeypatch)
+    await queue.reap(MODEL)  # too young: its producer may still be publishing it
+    assert await queue.claim(MODEL, "w", slots=1) == []
+    assert await queue.depth(MODEL) == 1
+
+    monkeypatch.setattr(amqp_queue, "ORPHAN_AFTER_S", 0.0)
+    await queue.reap(MODEL)
+    [lease] = await queue.claim(MODEL, "w", slots=1, block_s=5.0)
+    assert lease.spec.id == first.id
+    assert await queue.complete(lease, ok(lease))
+    await queue.reap(MODEL)  # published, taken and ended: not published again
+    assert await queue.claim(MODEL, "w", slots=5, block_s=0.3) == []
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_a_reap_leaves_keyed_jobs_whose_publish_was_confirmed(
+    make_backend: BackendFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = make_backend().queue
+    assert isinstance(queue, AmqpQueue)
+    monkeypatch.setattr(amqp_queue, "ORPHAN_AFTER_S", 0.0)
+    made = [await queue.enqueue(job(key=f"k4-{i}")) for i in range(3)]
+    await queue.reap(MODEL)
+    leases = await queue.claim(MODEL, "w", slots=10, block_s=5.0)
+    while len(leases) < 3:
+        more = await queue.claim(MODEL, "w", slots=10, block_s=1.0)
+        assert more, "a confirmed job's message went missing"
+        leases += more
+    assert sorted(lease.spec.id for lease in leases) == sorted(m.job_id for m in made)
+    assert await queue.claim(MODEL, "w", slots=10, block_s=0.3) == []  # no second message
+
+
 async def test_a_resend_of_a_published_job_adds_no_message(make_backend: BackendFactory) -> None:
     queue = make_backend().queue
     first = await queue.enqueue(job(key="k2"))

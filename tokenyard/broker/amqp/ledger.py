@@ -32,6 +32,7 @@ from tokenyard.messages import (
     JobSpec,
     Priority,
     TokenChunk,
+    decode,
     encode,
 )
 
@@ -74,19 +75,26 @@ class Ledger(OnTable):
 
     def _job_keys(self, spec: JobSpec) -> scripts.JobKeys:
         job, idem, inflight = self.table.admission_keys(spec)
-        return scripts.JobKeys(job=job, idem=idem, inflight=inflight, waiting=self.sets(spec)[0])
+        lane = self.lane_key(spec.model, spec.priority, spec.pool)
+        return scripts.JobKeys(
+            job=job,
+            idem=idem,
+            inflight=inflight,
+            waiting=self.keys.waiting(lane),
+            unpub=self.keys.unpublished(lane),
+        )
 
     # -- admission -------------------------------------------------------------------------
     def admit(
         self,
         model: str,
-        jobs: Sequence[tuple[JobSpec, str, str]],
+        jobs: Sequence[tuple[JobSpec, str, str, bool]],
         now: float,
     ) -> Call:
-        """One model's jobs, each with its message id and the worker it is held for ('' none:
-        prefix affinity) (admit.lua)."""
+        """One model's jobs, each with its message id, the worker it is held for ('' none:
+        prefix affinity) and whether it is published after its record (admit.lua)."""
         items = []
-        for spec, msg, pref in jobs:
+        for spec, msg, pref, late in jobs:
             lane = self.lane_key(spec.model, spec.priority, spec.pool)
             items.append(
                 (
@@ -98,6 +106,7 @@ class Ledger(OnTable):
                         prefix=spec.prefix_key or "",
                         pref=pref,
                         affw=self.keys.affinity_worker(lane, pref) if pref else "",
+                        late="1" if late else "0",
                     ),
                 )
             )
@@ -143,6 +152,40 @@ class Ledger(OnTable):
                 head = scripts.WithdrawArgs(self.keys.job_prefix(model), self.table.ttl_ms)
                 calls.append(scripts.WITHDRAW.call(Empty(), head, items))
         await self.conn.eval_many(calls)
+
+    async def published(self, specs: Sequence[JobSpec], job_ids: Sequence[str]) -> None:
+        """Mark jobs published after their records as confirmed (a resend or the reaper
+        then leaves them be); `specs[i]` names job `job_ids[i]`'s lane."""
+        commands: list[tuple[Any, ...]] = []
+        for spec, job_id in zip(specs, job_ids, strict=True):
+            lane = self.lane_key(spec.model, spec.priority, spec.pool)
+            commands += [
+                ("HSET", self.keys.job(job_id), "pub", 1),
+                ("ZREM", self.keys.unpublished(lane), job_id),
+            ]
+        await self.conn.checked(commands)
+
+    async def unpublished(
+        self, model: str, before: float, most: int, msg_prefix: str
+    ) -> list[tuple[str, JobSpec, str]]:
+        """Jobs admitted before `before` to be published after their records and never
+        confirmed (their producers died between the two), each pointed at a fresh message
+        for the caller to publish (unpublished.lua): (job id, spec, message id)."""
+        call = scripts.UNPUBLISHED.call(
+            Empty(),
+            scripts.UnpublishedArgs(
+                before=repr(before),
+                max_entries=most,
+                job_prefix=self.keys.job_prefix(model),
+                msg_prefix=msg_prefix,
+            ),
+            [
+                (scripts.UnpublishedKey(unpub=self.keys.unpublished(lane)), Empty())
+                for lane in self.keys.lanes(model, self.settings.pool_count)
+            ],
+        )
+        rows = [row for lane_rows in await self.conn.run(call) for row in lane_rows]
+        return [(text(job_id), decode(spec, JobSpec), text(msg)) for job_id, spec, msg in rows]
 
     async def gone(self, job_ids: Sequence[str]) -> None:
         """Tombstones for jobs an enqueue published but whose admission was refused: their

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ from tokenyard.broker.redis.table import ValkeyJobTable
 from tokenyard.errors import QueueFull
 from tokenyard.messages import JobEvent, JobResult, JobSpec, JobStatus, Priority, TokenChunk, decode
 
+log = logging.getLogger(__name__)
+
 REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per reap
 # A message a claim met before its record (an enqueue publishes a job no key names while its
 # record is admitted) is asked about again after EARLY_RETRY_S, held meanwhile, then after as
@@ -59,6 +62,11 @@ REAP_BATCH = 200  # leases looked at per lane and reap; dead letters drained per
 EARLY_RETRY_S = 0.02
 EARLY_RETRY_MAX_S = 1.0
 EARLY_HOLD_S = 2 * SOCKET_TIMEOUT_S
+# A job published after its record (a key names it, or a worker holds it) whose publish is not
+# confirmed this long after its admit lost its producer between the two, past any admit's and
+# publish's deadline: a reap publishes it, if no resend did (a live producer's late message
+# would only be stale, dropped at its claim)
+ORPHAN_AFTER_S = EARLY_HOLD_S
 
 
 class _Early(NamedTuple):
@@ -105,7 +113,14 @@ class AmqpQueue(LanesOnTable):
         msgs = [new_msg() for _ in specs]
         holders = await self.affinity.holders(specs)  # prefix affinity: '' for most
         calls = [
-            self.ledger.admit(model, [(specs[i], msgs[i], holders[i]) for i in indexes], now)
+            self.ledger.admit(
+                model,
+                [
+                    (specs[i], msgs[i], holders[i], not _unkeyed(specs[i], holders[i]))
+                    for i in indexes
+                ],
+                now,
+            )
             for model, indexes in by_model.items()
         ]
         receipts = [audit.received(spec, now) for spec in specs]
@@ -182,8 +197,8 @@ class AmqpQueue(LanesOnTable):
         # round trip on every enqueue
         standing = [i for i in late if results[i] is not None]
         if standing:
-            await self.conn.checked(
-                [("HSET", self.keys.job(_id(results[i])), "pub", 1) for i in standing]
+            await self.ledger.published(
+                [specs[i] for i in standing], [_id(results[i]) for i in standing]
             )
         return admitted(results, full)
 
@@ -458,7 +473,24 @@ class AmqpQueue(LanesOnTable):
                 requeued += [lease.spec.id for lease, c in zip(group, codes, strict=True) if c == 1]
         if expired:
             dead_ids += await self._drain_dead(model)
+            await self._publish_orphans(model)
         return ReapReport(requeued=requeued, dead=dead_ids)
+
+    async def _publish_orphans(self, model: str) -> None:
+        """Publish the jobs whose producers died between their records and their messages
+        and that no resend finished (unpublished.lua): queued, they would wait unrun for good,
+        counted in the lane's depth and oldest age."""
+        before = self.clock() - ORPHAN_AFTER_S
+        found = await self.ledger.unpublished(model, before, REAP_BATCH, new_msg() + ".")
+        if not found:
+            return
+        await asyncio.gather(
+            *(self.lanes.publish(spec, job_id, msg) for job_id, spec, msg in found)
+        )
+        await self.ledger.published([spec for _, spec, _ in found], [j for j, _, _ in found])
+        log.warning(
+            "published %d job(s) of %s whose producer died before their message", len(found), model
+        )
 
     async def _drain_dead(self, model: str) -> list[str]:
         """Messages RabbitMQ dead-lettered (returned past `x-delivery-limit`): the jobs they

@@ -25,6 +25,7 @@ class JobKeys(NamedTuple):
     idem: str
     inflight: str
     waiting: str
+    unpub: str  # the lane's jobs published after their records, not yet confirmed
 
 
 class AdmitArgs(NamedTuple):
@@ -46,6 +47,7 @@ class AdmitItemArgs(NamedTuple):
     prefix: str  # the spec's prefix key ('' none)
     pref: str  # the worker it is held for (prefix affinity: affinity.py), '' none
     affw: str  # that worker's held set in its lane ('' none)
+    late: str  # "1": the caller publishes it after its record (a key names it, or it is held)
 
 
 ADMIT = _script("admit", Empty, AdmitArgs, JobKeys, AdmitItemArgs, libraries=("admit",))
@@ -242,6 +244,20 @@ class ExpiredArgs(NamedTuple):
 
 EXPIRED = _script("expired", LiveKey, ExpiredArgs, LeasesKey, Empty)
 
+
+class UnpublishedArgs(NamedTuple):
+    before: str  # admitted before this (epoch seconds): its producer is gone
+    max_entries: int
+    job_prefix: str
+    msg_prefix: str  # a fresh message id is this and the job's place in the answer
+
+
+class UnpublishedKey(NamedTuple):
+    unpub: str
+
+
+UNPUBLISHED = _script("unpublished", Empty, UnpublishedArgs, UnpublishedKey, Empty)
+
 SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     ADMIT,
     WITHDRAW,
@@ -252,4 +268,5 @@ SCRIPTS: tuple[ScriptSpec[Any, Any, Any, Any], ...] = (
     REQUEUE,
     BURY,
     EXPIRED,
+    UNPUBLISHED,
 )

@@ -45,6 +45,9 @@ class Keys:
     # RabbitMQ lanes (broker/amqp/): the lane lives in RabbitMQ, its bookkeeping here
     waiting = _OfLane(":waiting")  # sorted set of its queued jobs by when they started waiting
     leases = _OfLane(":leases")  # sorted set of its running jobs by when their lease runs out
+    # sorted set of its jobs admitted to be published after their records (a key names them,
+    # or a worker holds them) whose publish is not confirmed yet, by when they were admitted
+    unpublished = _OfLane(":unpub")
     # prefix affinity (broker/policy.py): every key hangs off the lane or the model tag
     affinity_held = _OfLane(":affq")  # sorted set of jobs held for a preferred worker, by when
     # prefix of a lane's per-worker held sets; scripts append the consumer name

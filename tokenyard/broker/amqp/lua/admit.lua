@@ -8,9 +8,12 @@
 -- message) names the resend's message instead, for the caller to publish: however soon it
 -- comes, as it may be the only resend (a batch's runner taking over resends each line once).
 -- Had the first producer lived, its message is stale: one message more, dropped at its claim.
--- KEYS: none; per item: job, idem, inflight, waiting
+-- A job published after its record (`late`) waits in its lane's `unpub` set until the caller
+-- marks it: one whose producer died first and that no resend finishes is published by the
+-- reaper (unpublished.lua).
+-- KEYS: none; per item: job, idem, inflight, waiting, unpub
 -- ARGV: now, idem_ttl_ms, job_prefix, max_depth, collapse_grace_s; per item:
---   job_id, spec, deadline, use_idem, use_inflight, msg, lane, prefix, pref, affw
+--   job_id, spec, deadline, use_idem, use_inflight, msg, lane, prefix, pref, affw, late
 -- Prefix affinity: a job's prefix key is kept (`pfx`: take.lua makes its taker the owner); a
 -- job the caller holds for a worker (`pref`, affinity.py) is in that worker's held set `affw`
 -- by when it was held, and counts as waiting like any other.
@@ -57,6 +60,7 @@ for _, i in ipairs(fresh) do
   end
   redis.call('HSET', k.job, unpack(fields))
   redis.call('ZADD', k.waiting, A.now, a.job_id)
+  if a.late == '1' then redis.call('ZADD', k.unpub, A.now, a.job_id) end
   keyed(k, a)
 end
 join_all(joins)

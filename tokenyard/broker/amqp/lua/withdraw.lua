@@ -4,7 +4,7 @@
 -- runs once, and a resend with its idempotency key finds it. A new job's record gone (or never
 -- made: its admit failed) leaves a tombstone, `<job>:gone`, for `gone_ttl_ms`: a message of
 -- its that landed is then stale at once (take.lua), not held as one met before its record.
--- KEYS: none; per item: job, idem, inflight, waiting
+-- KEYS: none; per item: job, idem, inflight, waiting, unpub
 -- An admit whose answer was lost (`made_at`, its `now`) is guessed to have made each job: only
 -- a record it made (enqueued at `made_at`) is taken back, not an older one it re-pointed at its
 -- message for a resend (that job was accepted before, and stands).
@@ -18,6 +18,7 @@ for i = 1, N do
     redis.call('DEL', k.job)
     redis.call('SET', k.job .. ':gone', 1, 'PX', A.gone_ttl_ms)
     redis.call('ZREM', k.waiting, a.job_id)
+    redis.call('ZREM', k.unpub, a.job_id)
     if redis.call('GET', k.idem) == a.job_id then redis.call('DEL', k.idem) end
     if redis.call('GET', k.inflight) == a.job_id then redis.call('DEL', k.inflight) end
   elseif a.joined ~= '' then
