@@ -484,12 +484,19 @@ class AmqpQueue(LanesOnTable):
         found = await self.ledger.unpublished(model, before, REAP_BATCH, new_msg() + ".")
         if not found:
             return
-        await asyncio.gather(
-            *(self.lanes.publish(spec, job_id, msg) for job_id, spec, msg in found)
+        sent = await asyncio.gather(
+            *(self.lanes.publish(spec, job_id, msg) for job_id, spec, msg in found),
+            return_exceptions=True,
         )
-        await self.ledger.published([spec for _, spec, _ in found], [j for j, _, _ in found])
+        # one refused (its lane full) or lost stays in the set, for the next reap
+        done = [row for row, outcome in zip(found, sent, strict=True) if outcome is None]
+        if done:
+            await self.ledger.published([spec for _, spec, _ in done], [j for j, _, _ in done])
         log.warning(
-            "published %d job(s) of %s whose producer died before their message", len(found), model
+            "published %d of %d job(s) of %s whose producer died before their message",
+            len(done),
+            len(found),
+            model,
         )
 
     async def _drain_dead(self, model: str) -> list[str]:
