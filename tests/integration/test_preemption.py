@@ -299,3 +299,32 @@ async def test_a_job_another_worker_preempted_to_its_bound_is_not_taken_out_here
     assert all(r.preemptions == 1 for r in records)
     assert not any(engine.aborts.get(job.id) for job in batch)  # none left the engine here
     assert worker.metrics.preemptions._value.get() == 0
+
+
+async def test_work_this_worker_cannot_claim_does_not_churn_its_running_jobs(
+    make_backend: BackendFactory, worker_on: Callable[..., Worker]
+) -> None:
+    """A high job waits in a size pool this worker does not serve (its context is below the
+    pool's bound): the lanes report it waiting, but a preemption would only free a slot that
+    the claim fills with normal work again. After such a try the look-out leaves it a while,
+    longer after each."""
+    broker = make_backend(lease_s=5.0, size_pools="200,100000", max_preemptions=10)
+    engine = StepClock()
+    worker = worker_on(broker, engine)
+    assert worker.pools == [0]
+    long = 190  # ~2 s of steps, in pool 0 with its prompt
+    normal = [spec(Priority.NORMAL, f"normal {i}", long) for i in range(SLOTS + 1)]
+    await broker.queue.enqueue_many(normal)
+    await until(lambda: worker.scheduler.running == SLOTS and worker.scheduler.waiting == 1)
+    big = spec(Priority.HIGH, "big", 300)  # pool 1: prompt + max_tokens above 200
+    await broker.queue.enqueue(big)
+    await asyncio.sleep(1.0)
+    # tries at once, then after 0.25 s and 0.5 s more (the hunch's back-off): not a victim
+    # every look (40 in this second before, each job preempted to its bound)
+    assert sum(engine.aborts.values()) <= 3, engine.aborts
+    for job in normal:
+        done = await finished(broker, job.id)
+        assert done.result is not None
+        assert done.result.token_ids == await expected_tokens(job.prompt or "", long)
+    record = await broker.queue.record(big.id)
+    assert record is not None and record.status is JobStatus.QUEUED  # nobody here may run it

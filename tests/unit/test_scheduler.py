@@ -8,6 +8,7 @@ from tokenyard.engines.base import StepOutput
 from tokenyard.messages import FinishReason, ModelLimits, Priority, SamplingParams
 from tokenyard.worker.scheduler import (
     Job,
+    LaneHunch,
     Occupancy,
     Running,
     Scheduler,
@@ -418,3 +419,35 @@ def test_a_step_prefill_cap_holds_while_a_higher_lane_had_a_job_within_the_windo
     off.offer(claimed("h0", Priority.HIGH, 100.0))
     off.schedule()
     assert off.step_prefill_cap(100.0) is None
+
+
+def test_a_lane_hunch_no_claim_bore_out_backs_off_twice_as_long_each_time() -> None:
+    hunch = LaneHunch(first_s=0.25, most_s=1.0)
+    assert hunch.may_preempt(1, 0.0)
+    hunch.preempted(Priority.HIGH, 1)
+    assert not hunch.may_preempt(1, 0.01)  # the next claim has not answered
+    hunch.claimed([Priority.NORMAL], 0.1)  # the freed slot went to normal work
+    assert not hunch.may_preempt(1, 0.3)
+    assert hunch.may_preempt(1, 0.35)
+    hunch.preempted(Priority.HIGH, 1)
+    hunch.claimed([], 0.4)  # an empty claim: nothing it could take either
+    assert not hunch.may_preempt(1, 0.85) and hunch.may_preempt(1, 0.9)
+    for t in (1.0, 2.0, 3.0):
+        hunch.preempted(Priority.HIGH, 1)
+        hunch.claimed([Priority.NORMAL], t)
+    assert hunch.backoff_s == 1.0  # at most most_s
+
+
+def test_a_lane_hunch_tries_again_for_more_work_and_forgets_its_doubt() -> None:
+    hunch = LaneHunch()
+    hunch.preempted(Priority.HIGH, 1)
+    hunch.claimed([Priority.LOW], 0.0)
+    assert not hunch.may_preempt(1, 0.1)
+    assert hunch.may_preempt(2, 0.1)  # a job more than the doubted one: news
+    hunch.preempted(Priority.HIGH, 2)
+    hunch.claimed([Priority.NORMAL, Priority.HIGH], 0.2)  # borne out
+    assert hunch.may_preempt(1, 0.2) and hunch.backoff_s == 0.0
+    hunch.preempted(Priority.NORMAL, 1)
+    hunch.claimed([Priority.LOW], 0.3)
+    assert not hunch.may_preempt(0, 0.3)  # nothing waits: nothing to preempt for
+    assert hunch.may_preempt(1, 0.3)  # and the doubt is gone with it

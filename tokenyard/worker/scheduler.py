@@ -450,3 +450,48 @@ def preemption_victims(
             break  # the lowest left outranks or equals this one, and every later one
         victims.append(candidates.pop(0).job_id)
     return victims
+
+
+@dataclass
+class LaneHunch:
+    """Whether the look-out may preempt for work the lanes report waiting (pure; time given).
+
+    Such a preemption is a hunch: it frees a slot for the next claim, which may not bring
+    that work (it waits in a size pool this worker does not serve, is held for another worker,
+    or another worker took it first), so the slot goes to work no better than the victim's.
+    A hunch the next claim does not bear out makes the look-out leave lane work alone for
+    `first_s`, twice as long after each one after that (`most_s` at the most), unless more
+    such work comes; a claim that brings it, or lanes with none, forget the doubt.
+    """
+
+    first_s: float = 0.25
+    most_s: float = 8.0
+    backoff_s: float = 0.0
+    quiet_until: float = 0.0
+    doubted: int = 0  # the lane jobs a fruitless hunch was for: more than these is news
+    pending: Priority | None = None  # a hunch the next claim answers: the lane it was for
+    pending_count: int = 0
+
+    def may_preempt(self, above: int, now: float) -> bool:
+        """`above`: lane jobs that outrank what may be preempted and waited past the grace."""
+        if above == 0:
+            self.backoff_s, self.doubted = 0.0, 0
+            return False
+        if self.pending is not None:
+            return False  # the claim that follows the last one has not answered yet
+        return above > self.doubted or now >= self.quiet_until
+
+    def preempted(self, lane: Priority, above: int) -> None:
+        self.pending, self.pending_count = lane, above
+
+    def claimed(self, lanes: Sequence[Priority], now: float) -> None:
+        """What a claim brought (nothing: an empty claim) answers the pending hunch."""
+        if self.pending is None:
+            return
+        if any(lane <= self.pending for lane in lanes):
+            self.backoff_s, self.doubted = 0.0, 0
+        else:
+            self.backoff_s = min(self.most_s, self.backoff_s * 2 or self.first_s)
+            self.quiet_until = now + self.backoff_s
+            self.doubted = self.pending_count
+        self.pending = None

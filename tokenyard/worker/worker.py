@@ -52,6 +52,7 @@ from tokenyard.tracing import JobSpans
 from tokenyard.tracing import enabled as tracing_enabled
 from tokenyard.worker.scheduler import (
     Job,
+    LaneHunch,
     Occupancy,
     Plan,
     Running,
@@ -191,6 +192,7 @@ class Worker:
         self._preempting: set[str] = set()
         self._prefill_cap: int | None = None  # the step prefill cap the engine was last told
         self._hand_back: set[str] = set()  # reserve jobs to hand back with them
+        self._lane_hunch = LaneHunch()  # preemptions for lane work no claim brought yet
         self._spared: set[tuple[str, str]] = set()  # (job, entry) the broker would not preempt
         # how often this worker preempted each job (the latest _PREEMPTED_KEPT): one at the
         # bound is not tried again, so it never leaves the engine only to be refused
@@ -319,6 +321,10 @@ class Worker:
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(0.5)
                 continue
+            if self._preemptible:
+                self._lane_hunch.claimed(
+                    [lease.spec.priority for lease in leases], time.monotonic()
+                )
             if not leases:
                 continue
             if self.scheduler.running or self.scheduler.waiting:
@@ -821,14 +827,25 @@ class Worker:
             # waiting there past `preempt_after_s` found no worker with a free slot
             stats = await self.queue.stats(self.model)
             grace = self.settings.preempt_after_s
+            lanes: list[Priority] = []
             for lane in stats.lanes:
                 age = lane.oldest_waiting_age_s
                 if lane.waiting and age is not None and age >= grace:
-                    waiting += [lane.priority] * lane.waiting
-            if waiting:
-                # our reserve's lower jobs go back too, or the freed slot would start them
-                best = min(waiting)
-                back = [job.job_id for job in reserve if job.priority > best]
+                    lanes += [lane.priority] * lane.waiting
+            # only a claim can say whether this worker may take that work (its size pool,
+            # a hold for another worker): the hunch remembers what the last claim said
+            lowest = max(r.priority for r in running)
+            above = sum(1 for lane in lanes if lane < lowest)
+            if not self._lane_hunch.may_preempt(above, time.monotonic()):
+                return
+            waiting += lanes
+            # our reserve's lower jobs go back too, or the freed slot would start them
+            best = min(waiting)
+            back = [job.job_id for job in reserve if job.priority > best]
+            self._mark_victims(waiting, back)
+            if self._preempting:
+                self._lane_hunch.preempted(best, above)
+            return
         self._mark_victims(waiting, back)
 
     async def _preempt(self) -> None:
