@@ -827,15 +827,17 @@ class Worker:
             # waiting there past `preempt_after_s` found no worker with a free slot
             stats = await self.queue.stats(self.model)
             grace = self.settings.preempt_after_s
+            lowest = max(r.priority for r in running)
             lanes: list[Priority] = []
+            above = 0  # lane jobs that outrank what may be preempted
             for lane in stats.lanes:
                 age = lane.oldest_waiting_age_s
-                if lane.waiting and age is not None and age >= grace:
-                    lanes += [lane.priority] * lane.waiting
+                if lane.waiting and age is not None and age >= grace and lane.priority < lowest:
+                    above += lane.waiting
+                    # each takes one victim at most: a deep lane lists no more than can run
+                    lanes += [lane.priority] * min(lane.waiting, len(running))
             # only a claim can say whether this worker may take that work (its size pool,
             # a hold for another worker): the hunch remembers what the last claim said
-            lowest = max(r.priority for r in running)
-            above = sum(1 for lane in lanes if lane < lowest)
             if not self._lane_hunch.may_preempt(above, time.monotonic()):
                 return
             waiting += lanes
