@@ -671,6 +671,31 @@ async def test_stats_report_depth_age_and_in_flight(make_backend: BackendFactory
     assert await broker.queue.depth(MODEL) == 4  # waiting or in flight, over the lanes
 
 
+async def test_waiting_reads_the_lanes_above_a_priority_of_the_pools_asked(
+    make_backend: BackendFactory,
+) -> None:
+    """The preemption look-out's question: what waits, and since when, in the lanes that
+    outrank a priority, of the size pools its worker serves only."""
+    broker = make_backend(size_pools="100")
+    big = job(Priority.HIGH)
+    big.sampling = SamplingParams(max_tokens=500, temperature=0.0)  # pool 1
+    await broker.queue.enqueue_many([big, job(Priority.HIGH), job(Priority.HIGH), job()])
+    await asyncio.sleep(0.05)
+    [lease] = await broker.queue.claim(MODEL, "w", slots=1, pools=(0,))
+    assert lease.priority is Priority.HIGH and lease.spec.pool == 0
+    [high] = await broker.queue.waiting(MODEL, Priority.NORMAL, (0,))
+    assert (high.priority, high.waiting) == (Priority.HIGH, 1)  # not the one in flight
+    assert high.oldest_waiting_age_s is not None and 0.03 <= high.oldest_waiting_age_s < 5
+    both = await broker.queue.waiting(MODEL, Priority.NORMAL, (0, 1))
+    assert [(lane.priority, lane.waiting) for lane in both] == [(Priority.HIGH, 2)]
+    below = await broker.queue.waiting(MODEL, Priority.BATCH, (0,))
+    assert [(lane.priority, lane.waiting) for lane in below] == [
+        (Priority.HIGH, 1),
+        (Priority.NORMAL, 1),
+    ]
+    assert await broker.queue.waiting(MODEL, Priority.HIGH, (0, 1)) == []  # nothing outranks
+
+
 async def test_backlog_counts_each_tenants_staged_jobs(make_backend: BackendFactory) -> None:
     broker = make_backend(fair_window=2)
     heavy = [job(tenant="acme") for _ in range(6)]

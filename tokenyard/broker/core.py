@@ -9,7 +9,7 @@ implements it (tests/integration/test_broker_conformance.py holds every backend 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -120,6 +120,28 @@ class LaneStats(msgspec.Struct, frozen=True):
     waiting: int  # enqueued, not yet delivered
     in_flight: int  # delivered, not yet completed
     oldest_waiting_age_s: float | None
+
+
+class LaneWaiting(msgspec.Struct, frozen=True):
+    """What waits in one priority's lanes, of the size pools a caller asked about."""
+
+    priority: Priority
+    waiting: int
+    oldest_waiting_age_s: float | None
+
+
+def waiting_by_priority(rows: Iterable[tuple[Priority, int, float | None]]) -> list[LaneWaiting]:
+    """Per-lane (priority, waiting, oldest age) rows summed per priority, highest first; a
+    priority with nothing waiting left out."""
+    waiting: dict[Priority, int] = {}
+    ages: dict[Priority, float] = {}
+    for priority, n, age in rows:
+        if n <= 0:
+            continue
+        waiting[priority] = waiting.get(priority, 0) + n
+        if age is not None:
+            ages[priority] = max(age, ages.get(priority, age))
+    return [LaneWaiting(p, waiting[p], ages.get(p)) for p in sorted(waiting)]
 
 
 class BrokerStats(msgspec.Struct, frozen=True):
@@ -318,6 +340,12 @@ class LaneCounts(Protocol):
     """What waits and runs in a model's lanes."""
 
     async def stats(self, model: str) -> BrokerStats: ...
+
+    async def waiting(self, model: str, above: Priority, pools: Sequence[int]) -> list[LaneWaiting]:
+        """What waits in the lanes that outrank `above`, of size pools `pools`. Only those
+        lanes are read: the preemption look-out asks every few milliseconds while its worker
+        is full, and may take nothing from a pool it does not serve."""
+        ...
 
     async def depth(self, model: str) -> int:
         """Jobs of a model waiting or in flight, over all lanes; one round trip, for polling."""

@@ -25,6 +25,7 @@ from tokenyard.broker.core import (
     JobTable,
     LaneBacklog,
     LaneCounts,
+    LaneWaiting,
     Lease,
     QueueCore,
     TableReads,
@@ -32,7 +33,7 @@ from tokenyard.broker.core import (
 from tokenyard.broker.group_commit import GroupCommit
 from tokenyard.broker.policy import claim_order
 from tokenyard.config import BrokerSettings
-from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobSpec
+from tokenyard.messages import DeadLetter, JobEvent, JobRecord, JobSpec, Priority
 
 
 class Front(QueueCore):
@@ -64,6 +65,9 @@ class Front(QueueCore):
     # -- the lanes' counts ------------------------------------------------------------------
     async def stats(self, model: str) -> BrokerStats:
         return await self.counts.stats(model)
+
+    async def waiting(self, model: str, above: Priority, pools: Sequence[int]) -> list[LaneWaiting]:
+        return await self.counts.waiting(model, above, pools)
 
     async def depth(self, model: str) -> int:
         return await self.counts.depth(model)

@@ -825,19 +825,19 @@ class Worker:
         if self.scheduler.want() == 0 and not self._outranked(running):
             # nothing of ours outranks what runs, and no claim takes more: ask the lanes. A job
             # waiting there past `preempt_after_s` found no worker with a free slot
-            stats = await self.queue.stats(self.model)
-            grace = self.settings.preempt_after_s
+            # only the lanes that outrank what may be preempted, of the size pools it serves
             lowest = max(r.priority for r in running)
+            grace = self.settings.preempt_after_s
             lanes: list[Priority] = []
             above = 0  # lane jobs that outrank what may be preempted
-            for lane in stats.lanes:
+            for lane in await self.queue.waiting(self.model, lowest, self.pools):
                 age = lane.oldest_waiting_age_s
-                if lane.waiting and age is not None and age >= grace and lane.priority < lowest:
+                if age is not None and age >= grace:
                     above += lane.waiting
                     # each takes one victim at most: a deep lane lists no more than can run
                     lanes += [lane.priority] * min(lane.waiting, len(running))
-            # only a claim can say whether this worker may take that work (its size pool,
-            # a hold for another worker): the hunch remembers what the last claim said
+            # only a claim can say whether this worker may take that work (a hold for another
+            # worker, or another worker took it first): the hunch remembers what it said
             if not self._lane_hunch.may_preempt(above, time.monotonic()):
                 return
             waiting += lanes

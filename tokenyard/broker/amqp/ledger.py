@@ -19,7 +19,9 @@ from tokenyard.broker.core import (
     EnqueueResult,
     LaneBacklog,
     LaneStats,
+    LaneWaiting,
     Lease,
+    waiting_by_priority,
 )
 from tokenyard.broker.outcomes import cancelled_result, dead_result
 from tokenyard.broker.redis.connection import ms, text
@@ -475,6 +477,24 @@ class Ledger(OnTable):
             await self.conn.one(("ZREM", self.keys.waiting(text(lane)), job_id))
 
     # -- counts ----------------------------------------------------------------------------
+    async def waiting(self, model: str, above: Priority, pools: Sequence[int]) -> list[LaneWaiting]:
+        places = [(p, pool) for p in Priority if p < above for pool in pools]
+        if not places:
+            return []
+        now = self.table.clock()
+        lanes = [self.lane_key(model, p, pool) for p, pool in places]
+        commands: list[tuple[Any, ...]] = []
+        for lane in lanes:
+            commands += [
+                ("ZCARD", self.keys.waiting(lane)),
+                ("ZRANGE", self.keys.waiting(lane), 0, 0, "WITHSCORES"),
+            ]
+        replies = await self.conn.checked(commands)
+        return waiting_by_priority(
+            (p, int(replies[2 * i]), _age(replies[2 * i + 1], now))
+            for i, (p, _) in enumerate(places)
+        )
+
     async def _lane_counts(self, model: str) -> tuple[list[str], list[Any]]:
         """Each lane's (waiting, oldest waiting, in flight), then the table's tallies: one
         round trip."""
@@ -500,10 +520,9 @@ class Ledger(OnTable):
                 count, oldest, running = replies[3 * i : 3 * i + 3]
                 waiting += int(count)
                 in_flight += int(running)
-                if oldest:
-                    first = oldest[0]
-                    score = first[1] if isinstance(first, (list, tuple)) else oldest[1]
-                    ages.append(max(0.0, now - float(score)))
+                age = _age(oldest, now)
+                if age is not None:
+                    ages.append(age)
             stats.append(
                 LaneStats(
                     model,
@@ -537,6 +556,16 @@ class Ledger(OnTable):
                 )
             )
         return out
+
+
+def _age(oldest: Any, now: float) -> float | None:
+    """How long the first member of a ZRANGE .. WITHSCORES reply (a waiting set's oldest)
+    has waited; None for an empty set."""
+    if not oldest:
+        return None
+    first = oldest[0]
+    score = first[1] if isinstance(first, (list, tuple)) else oldest[1]
+    return max(0.0, now - float(score))
 
 
 def _effect(step: machine.Step, kind: type[E]) -> E:

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import nats.js.errors
 
-from tokenyard.broker.core import BrokerStats, LaneBacklog, LaneStats, TenantBacklog
+from tokenyard.broker.core import (
+    BrokerStats,
+    LaneBacklog,
+    LaneStats,
+    LaneWaiting,
+    TenantBacklog,
+    waiting_by_priority,
+)
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.names import Names
 from tokenyard.broker.nats.store import Part
@@ -20,30 +28,44 @@ from tokenyard.messages import DeadLetter, JobSpec, Priority, decode
 class Introspection(Part):
     """Stats, depth and backlog."""
 
+    def _places(self) -> list[tuple[Priority, int]]:
+        """Every lane of a model: (priority, pool), highest priority first."""
+        return [(p, pool) for p in Priority for pool in range(self.settings.pool_count)]
+
     async def _lane_counts(
-        self, model: str
+        self, model: str, places: Sequence[tuple[Priority, int]]
     ) -> list[tuple[Priority, int, dict[str, int], dict[str, Any]]]:
-        """Per lane: (priority, pool, subject counts, consumers' info by subject)."""
+        """Per lane at `places`: (priority, pool, subject counts, consumers' info by
+        subject)."""
         out = []
-        for priority in Priority:
-            for pool in range(self.settings.pool_count):
-                stream = await self.store.lane(model, priority, pool)
-                subjects = await self.store.subjects(stream)
-                infos = await self.store.consumer_infos(stream)
-                out.append((priority, pool, subjects, infos))
+        for priority, pool in places:
+            stream = await self.store.lane(model, priority, pool)
+            subjects = await self.store.subjects(stream)
+            infos = await self.store.consumer_infos(stream)
+            out.append((priority, pool, subjects, infos))
         return out
+
+    async def waiting(self, model: str, above: Priority, pools: Sequence[int]) -> list[LaneWaiting]:
+        places = [(p, pool) for p in Priority if p < above for pool in pools]
+        now = self.clock()
+        rows = []
+        for (priority, _, subjects, infos), (_, pool) in zip(
+            await self._lane_counts(model, places), places, strict=True
+        ):
+            waiting, _ = _counts(subjects, infos)
+            age = await self._oldest_age(model, priority, pool, now) if waiting else None
+            rows.append((priority, waiting, age))
+        return waiting_by_priority(rows)
 
     async def stats(self, model: str) -> BrokerStats:
         now = self.clock()
         waiting: dict[Priority, int] = defaultdict(int)
         in_flight: dict[Priority, int] = defaultdict(int)
         oldest: dict[Priority, float] = {}
-        for priority, _, subjects, infos in await self._lane_counts(model):
-            for subject, n in subjects.items():
-                info = infos.get(f"{subject}.*")
-                pending = int(info.num_ack_pending) if info is not None else 0
-                in_flight[priority] += pending
-                waiting[priority] += max(0, n - pending)
+        for priority, _, subjects, infos in await self._lane_counts(model, self._places()):
+            lane_waiting, lane_in_flight = _counts(subjects, infos)
+            waiting[priority] += lane_waiting
+            in_flight[priority] += lane_in_flight
         delayed = await self._delayed(model)
         jobs = await self._waiting_ages(model, now)
         for priority, age in jobs.items():
@@ -70,24 +92,31 @@ class Introspection(Part):
 
     async def _waiting_ages(self, model: str, now: float) -> dict[Priority, float]:
         """Per priority, the age of its oldest message (the first in each lane stream)."""
-        js = await self.conn.js()
         out: dict[Priority, float] = {}
-        for priority in Priority:
-            for pool in range(self.settings.pool_count):
-                stream = self.names.lane_stream(model, priority, pool)
-                try:
-                    info = await sent(js.stream_info(stream))
-                except nats.js.errors.NotFoundError:
-                    continue
-                if not info.state.messages:
-                    continue
-                try:
-                    msg = await sent(js.get_msg(stream, info.state.first_seq))
-                except nats.js.errors.NotFoundError:
-                    continue
-                spec = decode(msg.data or b"", JobSpec)
-                out[priority] = max(out.get(priority, 0.0), max(0.0, now - spec.created_at))
+        for priority, pool in self._places():
+            age = await self._oldest_age(model, priority, pool, now)
+            if age is not None:
+                out[priority] = max(out.get(priority, 0.0), age)
         return out
+
+    async def _oldest_age(
+        self, model: str, priority: Priority, pool: int, now: float
+    ) -> float | None:
+        """The age of the first message in a lane stream (None: the lane holds none)."""
+        js = await self.conn.js()
+        stream = self.names.lane_stream(model, priority, pool)
+        try:
+            info = await sent(js.stream_info(stream))
+        except nats.js.errors.NotFoundError:
+            return None
+        if not info.state.messages:
+            return None
+        try:
+            msg = await sent(js.get_msg(stream, info.state.first_seq))
+        except nats.js.errors.NotFoundError:
+            return None
+        spec = decode(msg.data or b"", JobSpec)
+        return max(0.0, now - spec.created_at)
 
     async def _delayed(self, model: str) -> int:
         return len(await self.store.marked(Names.delayed(model)))
@@ -114,7 +143,7 @@ class Introspection(Part):
     async def backlog(self, model: str) -> list[LaneBacklog]:
         out = []
         per: dict[Priority, tuple[int, int, dict[str, TenantBacklog]]] = {}
-        for priority, _, subjects, infos in await self._lane_counts(model):
+        for priority, _, subjects, infos in await self._lane_counts(model, self._places()):
             queued, flying, tenants = per.get(priority, (0, 0, {}))
             for subject, n in subjects.items():
                 info = infos.get(f"{subject}.*")
@@ -152,3 +181,15 @@ class Introspection(Part):
 
     async def models(self) -> list[str]:
         return sorted(await self.store.marked(self.names.models_key))
+
+
+def _counts(subjects: dict[str, int], infos: dict[str, Any]) -> tuple[int, int]:
+    """A lane's (waiting, in flight) from its subjects' message counts and their consumers'
+    pending acks."""
+    waiting = in_flight = 0
+    for subject, n in subjects.items():
+        info = infos.get(f"{subject}.*")
+        pending = int(info.num_ack_pending) if info is not None else 0
+        in_flight += pending
+        waiting += max(0, n - pending)
+    return waiting, in_flight

@@ -3,9 +3,17 @@ consumer group, fair-share staging, prefix-affinity holds), with the job table's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from tokenyard.broker.core import BrokerStats, LaneBacklog, LaneStats, TenantBacklog
+from tokenyard.broker.core import (
+    BrokerStats,
+    LaneBacklog,
+    LaneStats,
+    LaneWaiting,
+    TenantBacklog,
+    waiting_by_priority,
+)
 from tokenyard.broker.redis.channel import Command
 from tokenyard.broker.redis.connection import text
 from tokenyard.broker.redis.keys import GROUP
@@ -18,9 +26,41 @@ class StreamCounts(OnTable):
 
     async def stats(self, model: str) -> BrokerStats:
         """Two round trips: lane sizes, groups and counters; then each lane's oldest waiting."""
-        now = self.clock()
         pools = self.settings.pool_count
-        lanes, commands = self._lanes_read(model)
+        places = [(p, pool) for p in Priority for pool in range(pools)]
+        rows, tallies = await self._lane_rows(model, places, self.table.tally_commands(model))
+        stats = []
+        for p, priority in enumerate(Priority):
+            mine = rows[p * pools : (p + 1) * pools]  # a priority's size pools together
+            ages = [age for _, _, age in mine if age is not None]
+            stats.append(
+                LaneStats(
+                    model,
+                    priority,
+                    waiting=sum(waiting for waiting, _, _ in mine),
+                    in_flight=sum(running for _, running, _ in mine),
+                    oldest_waiting_age_s=max(ages) if ages else None,
+                )
+            )
+        return self.table.stats_of(model, stats, tallies)
+
+    async def waiting(self, model: str, above: Priority, pools: Sequence[int]) -> list[LaneWaiting]:
+        places = [(p, pool) for p in Priority if p < above for pool in pools]
+        if not places:
+            return []
+        rows, _ = await self._lane_rows(model, places, [])
+        return waiting_by_priority(
+            (p, waiting, age) for (p, _), (waiting, _, age) in zip(places, rows, strict=True)
+        )
+
+    async def _lane_rows(
+        self, model: str, places: Sequence[tuple[Priority, int]], extra: list[Command]
+    ) -> tuple[list[tuple[int, int, float | None]], list[Any]]:
+        """Each lane's (waiting, in flight, oldest waiting age) at `places` (priority, pool),
+        and the replies to `extra`, sent with the first of the two round trips."""
+        now = self.clock()
+        lanes = [self.keys.lane(model, p, pool) for p, pool in places]
+        commands = self._lanes_read(lanes)
         # waiting for their turn (fair share)
         commands += [("HGET", self.keys.fair(lane), "staged") for lane in lanes]
         for lane in lanes:
@@ -29,14 +69,13 @@ class StreamCounts(OnTable):
                 ("ZCARD", self.keys.affinity_held(lane)),
                 ("XLEN", self.keys.affinity_stream(lane)),
             ]
-        commands += self.table.tally_commands(model)
-        replies = await self.conn.pipelined(commands)
-        tallies = replies[5 * len(lanes) :]
-        staged = [int(n or 0) for n in replies[2 * len(lanes) : 3 * len(lanes)]]
-        held = [int(n or 0) for n in replies[3 * len(lanes) : 5 * len(lanes) : 2]]
-        aff_running = [int(n or 0) for n in replies[3 * len(lanes) + 1 : 5 * len(lanes) : 2]]
+        replies = await self.conn.pipelined([*commands, *extra])
+        n = len(lanes)
+        staged = [int(x or 0) for x in replies[2 * n : 3 * n]]
+        held = [int(x or 0) for x in replies[3 * n : 5 * n : 2]]
+        aff_running = [int(x or 0) for x in replies[3 * n + 1 : 5 * n : 2]]
         sizes: list[tuple[int, int, str]] = []  # total, pending, last delivered id
-        for i in range(len(lanes)):
+        for i in range(n):
             total, group = replies[2 * i], _our_group(replies[2 * i + 1])
             # no group yet: no claim has read the lane, so all of it waits
             pending, last = (
@@ -54,27 +93,17 @@ class StreamCounts(OnTable):
                 for lane, (_, _, last) in zip(lanes, sizes, strict=True)
             ]
         )
-        stats = []
-        for p, priority in enumerate(Priority):
-            # a priority's size pools are reported together
-            mine = range(p * pools, (p + 1) * pools)
-            ages = [
+        rows: list[tuple[int, int, float | None]] = []
+        for i, (total, pending, _) in enumerate(sizes):
+            age = (
                 max(0.0, now - int(text(oldest[i][0][0]).split("-")[0]) / 1000)
-                for i in mine
                 if oldest[i]
-            ]
-            stats.append(
-                LaneStats(
-                    model,
-                    priority,
-                    waiting=sum(
-                        max(0, sizes[i][0] - sizes[i][1]) + staged[i] + held[i] for i in mine
-                    ),
-                    in_flight=sum(sizes[i][1] + aff_running[i] for i in mine),
-                    oldest_waiting_age_s=max(ages) if ages else None,
-                )
+                else None
             )
-        return self.table.stats_of(model, stats, tallies)
+            rows.append(
+                (max(0, total - pending) + staged[i] + held[i], pending + aff_running[i], age)
+            )
+        return rows, replies[5 * n :]
 
     async def depth(self, model: str) -> int:
         # completion and every skip XDEL the lane entry with the terminal write: what is left in
@@ -93,7 +122,8 @@ class StreamCounts(OnTable):
         # 1: each lane's length, its group (delivered and pending) and its active tenants;
         # 2: each active tenant's staged count and weight
         pools = self.settings.pool_count
-        lanes, first = self._lanes_read(model)
+        lanes = self.keys.lanes(model, pools)
+        first = self._lanes_read(lanes)
         first += [("ZRANGE", self.keys.fair_active(lane), 0, -1) for lane in lanes]
         replies = await self.conn.pipelined(first)
         sizes: list[tuple[int, int]] = []
@@ -130,18 +160,16 @@ class StreamCounts(OnTable):
             out.append(LaneBacklog(priority, queued, in_flight, waiting))
         return out
 
-    def _lanes_read(self, model: str) -> tuple[list[str], list[Command]]:
-        """`model`'s lanes, and raw commands that open with each lane's length and groups
-        (`_our_group` reads the latter). Raw, sent on the broker's own connections: shedding
-        reads the backlog every `queue_wait_ttl_s` under load, and through redis-py's pipeline
-        (a parser and a timeout per reply) it was ~2.5 % of the gateway's CPU
-        (docs/benchmarks.md)."""
-        lanes = self.keys.lanes(model, self.settings.pool_count)
+    def _lanes_read(self, lanes: Sequence[str]) -> list[Command]:
+        """Raw commands that read each lane's length and groups (`_our_group` reads the
+        latter). Raw, sent on the broker's own connections: shedding reads the backlog every
+        `queue_wait_ttl_s` under load, and through redis-py's pipeline (a parser and a timeout
+        per reply) it was ~2.5 % of the gateway's CPU (docs/benchmarks.md)."""
         commands: list[Command] = []
         for lane in lanes:
             # XINFO GROUPS: an error for a lane that does not exist yet
             commands += [("XLEN", lane), ("XINFO", "GROUPS", lane)]
-        return lanes, commands
+        return commands
 
 
 def _our_group(groups: Any) -> Any:
