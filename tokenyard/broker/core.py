@@ -129,19 +129,19 @@ class LaneWaiting(msgspec.Struct, frozen=True):
     waiting: int
     oldest_waiting_age_s: float | None
 
-
-def waiting_by_priority(rows: Iterable[tuple[Priority, int, float | None]]) -> list[LaneWaiting]:
-    """Per-lane (priority, waiting, oldest age) rows summed per priority, highest first; a
-    priority with nothing waiting left out."""
-    waiting: dict[Priority, int] = {}
-    ages: dict[Priority, float] = {}
-    for priority, n, age in rows:
-        if n <= 0:
-            continue
-        waiting[priority] = waiting.get(priority, 0) + n
-        if age is not None:
-            ages[priority] = max(age, ages.get(priority, age))
-    return [LaneWaiting(p, waiting[p], ages.get(p)) for p in sorted(waiting)]
+    @staticmethod
+    def by_priority(rows: Iterable[tuple[Priority, int, float | None]]) -> list[LaneWaiting]:
+        """Per-lane (priority, waiting, oldest age) rows summed per priority, highest first;
+        a priority with nothing waiting left out."""
+        waiting: dict[Priority, int] = {}
+        ages: dict[Priority, float] = {}
+        for priority, n, age in rows:
+            if n <= 0:
+                continue
+            waiting[priority] = waiting.get(priority, 0) + n
+            if age is not None:
+                ages[priority] = max(age, ages.get(priority, age))
+        return [LaneWaiting(p, waiting[p], ages.get(p)) for p in sorted(waiting)]
 
 
 class BrokerStats(msgspec.Struct, frozen=True):

@@ -21,7 +21,6 @@ from tokenyard.broker.core import (
     LaneStats,
     LaneWaiting,
     Lease,
-    waiting_by_priority,
 )
 from tokenyard.broker.outcomes import cancelled_result, dead_result
 from tokenyard.broker.redis.connection import ms, text
@@ -490,7 +489,7 @@ class Ledger(OnTable):
                 ("ZRANGE", self.keys.waiting(lane), 0, 0, "WITHSCORES"),
             ]
         replies = await self.conn.checked(commands)
-        return waiting_by_priority(
+        return LaneWaiting.by_priority(
             (p, int(replies[2 * i]), _age(replies[2 * i + 1], now))
             for i, (p, _) in enumerate(places)
         )

@@ -17,7 +17,6 @@ from tokenyard.broker.core import (
     LaneStats,
     LaneWaiting,
     TenantBacklog,
-    waiting_by_priority,
 )
 from tokenyard.broker.nats.connection import sent
 from tokenyard.broker.nats.names import Names
@@ -55,7 +54,7 @@ class Introspection(Part):
             waiting, _ = _counts(subjects, infos)
             age = await self._oldest_age(model, priority, pool, now) if waiting else None
             rows.append((priority, waiting, age))
-        return waiting_by_priority(rows)
+        return LaneWaiting.by_priority(rows)
 
     async def stats(self, model: str) -> BrokerStats:
         now = self.clock()

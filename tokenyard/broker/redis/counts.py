@@ -12,7 +12,6 @@ from tokenyard.broker.core import (
     LaneStats,
     LaneWaiting,
     TenantBacklog,
-    waiting_by_priority,
 )
 from tokenyard.broker.redis.channel import Command
 from tokenyard.broker.redis.connection import text
@@ -49,7 +48,7 @@ class StreamCounts(OnTable):
         if not places:
             return []
         rows, _ = await self._lane_rows(model, places, [])
-        return waiting_by_priority(
+        return LaneWaiting.by_priority(
             (p, waiting, age) for (p, _), (waiting, _, age) in zip(places, rows, strict=True)
         )
 
