@@ -821,11 +821,10 @@ class Worker:
         running = self._preemptible_running()
         if not running:
             return
-        back: list[str] = []
         if self.scheduler.want() == 0 and not self._outranked(running):
-            # nothing of ours outranks what runs, and no claim takes more: ask the lanes. A job
-            # waiting there past `preempt_after_s` found no worker with a free slot
-            # only the lanes that outrank what may be preempted, of the size pools it serves
+            # nothing of ours outranks what runs, and no claim takes more: ask the lanes that
+            # outrank it, of the size pools it serves. A job waiting there past
+            # `preempt_after_s` found no worker with a free slot
             lowest = max(r.priority for r in running)
             grace = self.settings.preempt_after_s
             lanes: list[Priority] = []
@@ -848,7 +847,7 @@ class Worker:
             if self._preempting:
                 self._lane_hunch.preempted(best, above)
             return
-        self._mark_victims(waiting, back)
+        self._mark_victims(waiting)
 
     async def _preempt(self) -> None:
         """Preempt the marked jobs: out of the engine and what waits into their slots at

@@ -482,22 +482,15 @@ class Ledger(OnTable):
             return []
         now = self.table.clock()
         lanes = [self.lane_key(model, p, pool) for p, pool in places]
-        commands: list[tuple[Any, ...]] = []
-        for lane in lanes:
-            commands += [
-                ("ZCARD", self.keys.waiting(lane)),
-                ("ZRANGE", self.keys.waiting(lane), 0, 0, "WITHSCORES"),
-            ]
-        replies = await self.conn.checked(commands)
+        replies = await self._lane_counts(lanes)
         return LaneWaiting.by_priority(
-            (p, int(replies[2 * i]), _age(replies[2 * i + 1], now))
+            (p, int(replies[3 * i]), _age(replies[3 * i + 1], now))
             for i, (p, _) in enumerate(places)
         )
 
-    async def _lane_counts(self, model: str) -> tuple[list[str], list[Any]]:
-        """Each lane's (waiting, oldest waiting, in flight), then the table's tallies: one
-        round trip."""
-        lanes = self.keys.lanes(model, self.settings.pool_count)
+    async def _lane_counts(self, lanes: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
+        """Each lane's (waiting, oldest waiting, in flight), then the replies to `extra`:
+        one round trip."""
         commands: list[tuple[Any, ...]] = []
         for lane in lanes:
             commands += [
@@ -505,12 +498,13 @@ class Ledger(OnTable):
                 ("ZRANGE", self.keys.waiting(lane), 0, 0, "WITHSCORES"),
                 ("ZCARD", self.keys.leases(lane)),
             ]
-        return lanes, await self.conn.checked([*commands, *self.table.tally_commands(model)])
+        return await self.conn.checked([*commands, *extra])
 
     async def stats(self, model: str) -> BrokerStats:
         now = self.table.clock()
         pools = self.settings.pool_count
-        lanes, replies = await self._lane_counts(model)
+        lanes = self.keys.lanes(model, pools)
+        replies = await self._lane_counts(lanes, self.table.tally_commands(model))
         stats = []
         for p, priority in enumerate(Priority):
             waiting = in_flight = 0
@@ -542,7 +536,7 @@ class Ledger(OnTable):
     async def backlog(self, model: str) -> list[LaneBacklog]:
         """FIFO within a lane (no fair-share staging): every waiting job is queued."""
         pools = self.settings.pool_count
-        _, replies = await self._lane_counts(model)
+        replies = await self._lane_counts(self.keys.lanes(model, pools))
         out = []
         for p, priority in enumerate(Priority):
             mine = range(p * pools, (p + 1) * pools)

@@ -48,9 +48,7 @@ class Introspection(Part):
         places = [(p, pool) for p in Priority if p < above for pool in pools]
         now = self.clock()
         rows = []
-        for (priority, _, subjects, infos), (_, pool) in zip(
-            await self._lane_counts(model, places), places, strict=True
-        ):
+        for priority, pool, subjects, infos in await self._lane_counts(model, places):
             waiting, _ = _counts(subjects, infos)
             age = await self._oldest_age(model, priority, pool, now) if waiting else None
             rows.append((priority, waiting, age))
